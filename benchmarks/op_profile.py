@@ -3,6 +3,7 @@
     python benchmarks/op_profile.py NET[:BATCH[:IMAGE]] [--threads 2] [--kernels compiled] [--warmup 2]
                                     [--steps 5] [--top 25] [--markdown] [--steps-only]
 
+NET is a network of networks/ or the path of a network file (`/tmp/vit_before.py:64`: a version to compare).
 The network is compiled with `deepdsl compile` (which builds its compiled kernels), its program imported, and every
 op of its backend (`model.rt`) wrapped in a timer; `--warmup` steps run untimed, then `--steps` timed. Printed per
 op kind (`conv2d`, `max_pool`, an elementwise kernel by its name, ...) with its input and output shapes: calls per step, the median
@@ -41,8 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _compile(spec: str, directory: Path) -> Path:
     name, batch, image = (spec.split(":") + ["", ""])[:3]
-    program = directory / f"{name}{batch}.py"
-    command = [sys.executable, "-m", "deepdsl", "compile", str(ROOT / "networks" / f"{name}.py"), "-o", str(program)]
+    source = Path(name).resolve() if name.endswith(".py") else ROOT / "networks" / f"{name}.py"
+    program = directory / f"{source.stem}{batch}.py"
+    command = [sys.executable, "-m", "deepdsl", "compile", str(source), "-o", str(program)]
     command += (["--batch", batch] if batch else []) + (["--image", image] if image else [])
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:

@@ -4,8 +4,8 @@ Source network: networks/char_lm.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
-Memory: peak 26.31 MB of tensors planned for the training step (4.20 MB testing); static arena 26.31 MB, pool 26.77 MB, workspace 2.10 MB
-Structure hash: beedee3d85d9120f
+Memory: peak 23.17 MB of tensors planned for the training step (3.15 MB testing); static arena 23.17 MB, pool 23.18 MB, workspace 4.26 MB
+Structure hash: 3dd1c13ab23c4b42
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "beedee3d85d9120f"
+    structure_hash = "3dd1c13ab23c4b42"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -256,14 +256,14 @@ class CharLm(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_reshape = reshape[32x64x4x16](block1_attn_v_add)
-        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
-        block1_attn_out_transpose = mem.tensor(9, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
+        block1_attn_transpose = mem.tensor(9, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
         mem.free(8)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
@@ -271,71 +271,49 @@ class CharLm(rp.Model):
         block1_attn_k_matmul = mem.tensor(10, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape = reshape[32x64x4x16](block1_attn_k_matmul)
-        causal_softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose = transpose[axes=(1,2)](causal_softmax_reshape)
-        causal_softmax_transpose = mem.tensor(11, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape, out=causal_softmax_transpose, axes=(1, 2))
-        # free block1_attn_k_matmul, causal_softmax_reshape
-        del block1_attn_k_matmul, causal_softmax_reshape
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
+        block1_attn_transpose_2 = mem.tensor(11, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
+        # free block1_attn_k_matmul, block1_attn_reshape_2
+        del block1_attn_k_matmul, block1_attn_reshape_2
         mem.free(10)
-        # causal_softmax_transpose_2 = transpose[axes=(2,3)](causal_softmax_transpose)
-        causal_softmax_transpose_2 = mem.tensor(12, (32, 4, 16, 64), 'float32')
-        rt.transpose(causal_softmax_transpose, out=causal_softmax_transpose_2, axes=(2, 3))
-        # free causal_softmax_transpose
-        del causal_softmax_transpose
-        mem.free(11)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(13, (2048, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(12, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_2 = reshape[32x64x4x16](block1_attn_q_add)
-        causal_softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_3 = transpose[axes=(1,2)](causal_softmax_reshape_2)
-        causal_softmax_transpose_3 = mem.tensor(14, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_2, out=causal_softmax_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
-        del block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
-        mem.free(13)
-        # causal_softmax_matmul = matmul(causal_softmax_transpose_3, causal_softmax_transpose_2)
-        causal_softmax_matmul = mem.tensor(15, (32, 4, 64, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_3, causal_softmax_transpose_2, out=causal_softmax_matmul)
-        # causal_softmax_scale = 0.25*causal_softmax_matmul
-        causal_softmax_scale = causal_softmax_matmul  # in place: over causal_softmax_matmul
-        rt.ew(ew_scale_2, causal_softmax_scale, causal_softmax_matmul)
-        # causal_softmax_reshape_3 = reshape[8192x64](causal_softmax_scale)
-        causal_softmax_reshape_3 = rt.reshape(causal_softmax_scale, shape=(8192, 64))
-        # causal_softmax_softmax = softmax[causal=True](causal_softmax_reshape_3)
-        causal_softmax_softmax = causal_softmax_reshape_3  # in place: over causal_softmax_reshape_3
-        rt.softmax(causal_softmax_reshape_3, out=causal_softmax_softmax, causal=True)
-        # causal_softmax = reshape[32x4x64x64](causal_softmax_softmax)
-        causal_softmax = rt.reshape(causal_softmax_softmax, shape=(32, 4, 64, 64))
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
+        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
+        block1_attn_transpose_3 = mem.tensor(13, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(12)
+        # block1_attn = attention[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        block1_attn = mem.tensor(14, (32, 4, 64, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_matmul = matmul(causal_softmax, block1_attn_out_transpose)
-        block1_attn_out_matmul = mem.tensor(16, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
-        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
-        block1_attn_out_transpose_2 = mem.tensor(17, (32, 64, 4, 16), 'float32')
-        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
-        # free block1_attn_out_matmul
-        del block1_attn_out_matmul
-        mem.free(16)
-        # block1_attn_out_reshape_2 = reshape[2048x64](block1_attn_out_transpose_2)
-        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(2048, 64))
-        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
-        block1_attn_out_matmul_2 = mem.tensor(18, (2048, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
-        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
+        block1_attn_out_transpose = mem.tensor(15, (32, 64, 4, 16), 'float32')
+        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
+        # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
+        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
+        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
+        block1_attn_out_matmul = mem.tensor(16, (2048, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
 
@@ -343,33 +321,33 @@ class CharLm(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        mem.free(18)
+        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        mem.free(16)
         # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(19, (32, 64, 1), 'float32')
+        block1_ln2_sum_to = mem.tensor(17, (32, 64, 1), 'float32')
         rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
         # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(20, (32, 64, 64), 'float32')
+        block1_ln2_sub = mem.tensor(18, (32, 64, 64), 'float32')
         # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(21, (32, 64, 1), 'float32')
+        block1_ln2_sum_to_2 = mem.tensor(19, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
                       (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(19)
+        mem.free(17)
         # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
-        block1_ln2_rsqrt = mem.tensor(22, (32, 64, 1), 'float32')
+        block1_ln2_rsqrt = mem.tensor(20, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2),
                    (ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3))
         # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul = mem.tensor(23, (32, 64, 64), 'float32')
+        block1_ln2_mul = mem.tensor(21, (32, 64, 64), 'float32')
         # block1_ln2 = block1_ln2_mul*block1_ln2_W + block1_ln2_B
         block1_ln2 = block1_ln2_mul  # in place: over block1_ln2_mul
         rt.ew_pair((ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt),
@@ -379,7 +357,7 @@ class CharLm(rp.Model):
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(24, (2048, 256), 'float32')
+        block1_fc1_matmul = mem.tensor(22, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
@@ -389,14 +367,14 @@ class CharLm(rp.Model):
 
         # ---- block1_fc1_gelu (gelu), forward ----
         # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = mem.tensor(25, (32, 64, 256), 'float32')
+        block1_fc1_gelu = mem.tensor(23, (32, 64, 256), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
 
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(26, (2048, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(24, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
@@ -410,31 +388,31 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(26)
+        mem.free(24)
         # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(27, (32, 64, 1), 'float32')
+        block2_ln1_sum_to = mem.tensor(25, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
         # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(28, (32, 64, 64), 'float32')
+        block2_ln1_sub = mem.tensor(26, (32, 64, 64), 'float32')
         # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(29, (32, 64, 1), 'float32')
+        block2_ln1_sum_to_2 = mem.tensor(27, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
                       (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(27)
+        mem.free(25)
         # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
-        block2_ln1_rsqrt = mem.tensor(30, (32, 64, 1), 'float32')
+        block2_ln1_rsqrt = mem.tensor(28, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2),
                    (ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2))
         # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul = mem.tensor(31, (32, 64, 64), 'float32')
+        block2_ln1_mul = mem.tensor(29, (32, 64, 64), 'float32')
         # block2_ln1 = block2_ln1_mul*block2_ln1_W + block2_ln1_B
         block2_ln1 = block2_ln1_mul  # in place: over block2_ln1_mul
         rt.ew_pair((ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt),
@@ -446,92 +424,70 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(32, (2048, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(30, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_reshape = reshape[32x64x4x16](block2_attn_v_add)
-        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
-        block2_attn_out_transpose = mem.tensor(33, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        mem.free(32)
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
+        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
+        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
+        block2_attn_transpose = mem.tensor(31, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        mem.free(30)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(34, (2048, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(32, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_4 = reshape[32x64x4x16](block2_attn_k_matmul)
-        causal_softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_4 = transpose[axes=(1,2)](causal_softmax_reshape_4)
-        causal_softmax_transpose_4 = mem.tensor(35, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_4, out=causal_softmax_transpose_4, axes=(1, 2))
-        # free block2_attn_k_matmul, causal_softmax_reshape_4
-        del block2_attn_k_matmul, causal_softmax_reshape_4
-        mem.free(34)
-        # causal_softmax_transpose_5 = transpose[axes=(2,3)](causal_softmax_transpose_4)
-        causal_softmax_transpose_5 = mem.tensor(36, (32, 4, 16, 64), 'float32')
-        rt.transpose(causal_softmax_transpose_4, out=causal_softmax_transpose_5, axes=(2, 3))
-        # free causal_softmax_transpose_4
-        del causal_softmax_transpose_4
-        mem.free(35)
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
+        block2_attn_transpose_2 = mem.tensor(33, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
+        # free block2_attn_k_matmul, block2_attn_reshape_2
+        del block2_attn_k_matmul, block2_attn_reshape_2
+        mem.free(32)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(37, (2048, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(34, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_5 = reshape[32x64x4x16](block2_attn_q_add)
-        causal_softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_6 = transpose[axes=(1,2)](causal_softmax_reshape_5)
-        causal_softmax_transpose_6 = mem.tensor(38, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_5, out=causal_softmax_transpose_6, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
-        del block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
-        mem.free(37)
-        # causal_softmax_matmul_2 = matmul(causal_softmax_transpose_6, causal_softmax_transpose_5)
-        causal_softmax_matmul_2 = mem.tensor(39, (32, 4, 64, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_6, causal_softmax_transpose_5, out=causal_softmax_matmul_2)
-        # causal_softmax_scale_2 = 0.25*causal_softmax_matmul_2
-        causal_softmax_scale_2 = causal_softmax_matmul_2  # in place: over causal_softmax_matmul_2
-        rt.ew(ew_scale_2, causal_softmax_scale_2, causal_softmax_matmul_2)
-        # causal_softmax_reshape_6 = reshape[8192x64](causal_softmax_scale_2)
-        causal_softmax_reshape_6 = rt.reshape(causal_softmax_scale_2, shape=(8192, 64))
-        # causal_softmax_softmax_2 = softmax[causal=True](causal_softmax_reshape_6)
-        causal_softmax_softmax_2 = causal_softmax_reshape_6  # in place: over causal_softmax_reshape_6
-        rt.softmax(causal_softmax_reshape_6, out=causal_softmax_softmax_2, causal=True)
-        # causal_softmax_2 = reshape[32x4x64x64](causal_softmax_softmax_2)
-        causal_softmax_2 = rt.reshape(causal_softmax_softmax_2, shape=(32, 4, 64, 64))
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
+        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
+        block2_attn_transpose_3 = mem.tensor(35, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        mem.free(34)
+        # block2_attn = attention[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
+        block2_attn = mem.tensor(36, (32, 4, 64, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_matmul = matmul(causal_softmax_2, block2_attn_out_transpose)
-        block2_attn_out_matmul = mem.tensor(40, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
-        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
-        block2_attn_out_transpose_2 = mem.tensor(41, (32, 64, 4, 16), 'float32')
-        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
-        # free block2_attn_out_matmul
-        del block2_attn_out_matmul
-        mem.free(40)
-        # block2_attn_out_reshape_2 = reshape[2048x64](block2_attn_out_transpose_2)
-        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(2048, 64))
-        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
-        block2_attn_out_matmul_2 = mem.tensor(42, (2048, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
-        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
+        block2_attn_out_transpose = mem.tensor(37, (32, 64, 4, 16), 'float32')
+        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
+        # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
+        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
+        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
+        block2_attn_out_matmul = mem.tensor(38, (2048, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
 
@@ -539,33 +495,33 @@ class CharLm(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        mem.free(42)
+        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        mem.free(38)
         # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(43, (32, 64, 1), 'float32')
+        block2_ln2_sum_to = mem.tensor(39, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
         # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(44, (32, 64, 64), 'float32')
+        block2_ln2_sub = mem.tensor(40, (32, 64, 64), 'float32')
         # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(45, (32, 64, 1), 'float32')
+        block2_ln2_sum_to_2 = mem.tensor(41, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
                       (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(43)
+        mem.free(39)
         # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
-        block2_ln2_rsqrt = mem.tensor(46, (32, 64, 1), 'float32')
+        block2_ln2_rsqrt = mem.tensor(42, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2),
                    (ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2))
         # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul = mem.tensor(47, (32, 64, 64), 'float32')
+        block2_ln2_mul = mem.tensor(43, (32, 64, 64), 'float32')
         # block2_ln2 = block2_ln2_mul*block2_ln2_W + block2_ln2_B
         block2_ln2 = block2_ln2_mul  # in place: over block2_ln2_mul
         rt.ew_pair((ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt),
@@ -575,7 +531,7 @@ class CharLm(rp.Model):
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(48, (2048, 256), 'float32')
+        block2_fc1_matmul = mem.tensor(44, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
@@ -585,14 +541,14 @@ class CharLm(rp.Model):
 
         # ---- block2_fc1_gelu (gelu), forward ----
         # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = mem.tensor(49, (32, 64, 256), 'float32')
+        block2_fc1_gelu = mem.tensor(45, (32, 64, 256), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
 
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(50, (2048, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(46, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
@@ -606,9 +562,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(50)
+        mem.free(46)
         # ln_sum_to = sum_to[32x64x1](ln_add)
-        ln_sum_to = mem.tensor(51, (32, 64, 1), 'float32')
+        ln_sum_to = mem.tensor(47, (32, 64, 1), 'float32')
         rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
@@ -616,21 +572,21 @@ class CharLm(rp.Model):
         # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
         # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(52, (32, 64, 1), 'float32')
+        ln_sum_to_2 = mem.tensor(48, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
                       (ew_square, ln_sum_to_2, ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
-        mem.free(51)
+        mem.free(47)
         # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
         ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
         # ln_rsqrt = 1/sqrt(ln_add_2)
-        ln_rsqrt = mem.tensor(53, (32, 64, 1), 'float32')
+        ln_rsqrt = mem.tensor(49, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, ln_add_2, ln_sum_to_2),
                    (ew_rsqrt, ln_rsqrt, ln_add_2))
         # ln_mul = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul = mem.tensor(54, (32, 64, 64), 'float32')
+        ln_mul = mem.tensor(50, (32, 64, 64), 'float32')
         # ln = ln_mul*ln_W + ln_B
         ln = ln_mul  # in place: over ln_mul
         rt.ew_pair((ew_mul, ln_mul, ln_sub, ln_rsqrt),
@@ -640,7 +596,7 @@ class CharLm(rp.Model):
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(55, (2048, 256), 'float32')
+        next_matmul = mem.tensor(51, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
         # next_add = next_matmul + next_B
         next_add = next_matmul  # in place: over next_matmul
@@ -653,21 +609,21 @@ class CharLm(rp.Model):
         # next_cross_entropy_reshape = reshape[2048](y)
         next_cross_entropy_reshape = rt.reshape(y, shape=(2048,))
         # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(56, (2048,), 'float32')
+        next_cross_entropy_pick = mem.tensor(52, (2048,), 'float32')
         rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
         # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(57, (), 'float32')
+        next_cross_entropy_sum_to = mem.tensor(53, (), 'float32')
         rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
         # free next_cross_entropy_pick
         del next_cross_entropy_pick
-        mem.free(56)
+        mem.free(52)
         # next_cross_entropy = -next_cross_entropy_sum_to/2048
         next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
-        rt.ew(ew_scale_3, next_cross_entropy, next_cross_entropy_sum_to)
+        rt.ew(ew_scale_2, next_cross_entropy, next_cross_entropy_sum_to)
 
         # ---- next_cross_entropy (cross_entropy), backward ----
         # d_next_cross_entropy_log_softmax = unpick[classes=256](H1, next_cross_entropy_reshape)
-        d_next_cross_entropy_log_softmax = mem.tensor(58, (2048, 256), 'float32')
+        d_next_cross_entropy_log_softmax = mem.tensor(54, (2048, 256), 'float32')
         rt.unpick(T['H1'], next_cross_entropy_reshape, out=d_next_cross_entropy_log_softmax, classes=256)
         # free y, next_cross_entropy_reshape
         del y, next_cross_entropy_reshape
@@ -677,15 +633,15 @@ class CharLm(rp.Model):
         rt.ew(ew_exp_scale_add, d_next_add, d_next_cross_entropy_log_softmax, next_cross_entropy_log_softmax)
         # free next_matmul, next_add, next_cross_entropy_log_softmax
         del next_matmul, next_add, next_cross_entropy_log_softmax
-        mem.free(55)
+        mem.free(51)
 
         # ---- next (fully connected, 256 outputs), backward ----
         # d_next_W = matmul[ta](d_next_add, next_reshape)
-        d_next_W = mem.tensor(59, (256, 64), 'float32')
+        d_next_W = mem.tensor(55, (256, 64), 'float32')
         rt.matmul(d_next_add, next_reshape, out=d_next_W, ta=True)
         # free ln_mul, ln, next_reshape
         del ln_mul, ln, next_reshape
-        mem.free(54)
+        mem.free(50)
         # S_next_W_new = 0.999*S_next_W + 0.001*d_next_W**2
         S_next_W_new = T['S_next_W']  # in place: the new S_next_W
         rt.ew(ew_square_scale_add, S_next_W_new, T['S_next_W'], d_next_W)
@@ -694,32 +650,32 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_next_W_new, T['M_next_W'], d_next_W)
         # free d_next_W
         del d_next_W
-        mem.free(59)
+        mem.free(55)
         # d_next_B = sum_to[256](d_next_add)
-        d_next_B = mem.tensor(60, (256,), 'float32')
+        d_next_B = mem.tensor(56, (256,), 'float32')
         rt.sum_to(d_next_add, out=d_next_B, shape=(256,))
         # d_next_reshape = matmul(d_next_add, next_W)
-        d_next_reshape = mem.tensor(61, (2048, 64), 'float32')
+        d_next_reshape = mem.tensor(57, (2048, 64), 'float32')
         rt.matmul(d_next_add, T['next_W'], out=d_next_reshape)
         # free d_next_cross_entropy_log_softmax, d_next_add
         del d_next_cross_entropy_log_softmax, d_next_add
-        mem.free(58)
+        mem.free(54)
         # d_ln = reshape[32x64x64](d_next_reshape)
         d_ln = rt.reshape(d_next_reshape, shape=(32, 64, 64))
 
         # ---- ln (layer norm over the last 1 axes), forward ----
         # ln_mul_2 = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul_2 = mem.tensor(62, (32, 64, 64), 'float32')
+        ln_mul_2 = mem.tensor(58, (32, 64, 64), 'float32')
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_W = sum_to[64](d_ln*ln_mul_2)
-        d_ln_W = mem.tensor(63, (64,), 'float32')
+        d_ln_W = mem.tensor(59, (64,), 'float32')
         rt.ew_and_sum((ew_mul, ln_mul_2, ln_sub, ln_rsqrt),
                       (ew_mul, d_ln_W, d_ln, ln_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free ln_mul_2
         del ln_mul_2
-        mem.free(62)
+        mem.free(58)
         # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
         S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
         rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
@@ -728,7 +684,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_ln_W_new, T['M_ln_W'], d_ln_W)
         # free d_ln_W
         del d_ln_W
-        mem.free(63)
+        mem.free(59)
 
         # ---- next (fully connected, 256 outputs), backward ----
         # next_W_new = next_W*(-lr*decay + 1) - lr*M_next_W_new/(bias1*(sqrt(S_next_W_new)/sqrt(bias2) + 1.0e-8))
@@ -745,16 +701,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, next_B_new, T['next_B'], lr, bias1, M_next_B_new, S_next_B_new, bias2, decay))
         # free d_next_B
         del d_next_B
-        mem.free(60)
+        mem.free(56)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_B = sum_to[64](d_ln)
-        d_ln_B = mem.tensor(64, (64,), 'float32')
+        d_ln_B = mem.tensor(60, (64,), 'float32')
         rt.sum_to(d_ln, out=d_ln_B, shape=(64,))
         # d_ln_mul = d_ln*ln_W   (computed with the next statement)
         d_ln_mul = d_ln  # in place: over d_ln
         # d_ln_rsqrt = sum_to[32x64x1](d_ln_mul*ln_sub)
-        d_ln_rsqrt = mem.tensor(65, (32, 64, 1), 'float32')
+        d_ln_rsqrt = mem.tensor(61, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_ln_mul, d_ln, T['ln_W']),
                       (ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -772,23 +728,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
         # free d_ln_B
         del d_ln_B
-        mem.free(64)
+        mem.free(60)
         # d_ln_sum_to = -0.0078125*d_ln_rsqrt/ln_add_2**(3/2)
         d_ln_sum_to = d_ln_rsqrt  # in place: over d_ln_rsqrt
         rt.ew(ew_pow_mul, d_ln_sum_to, d_ln_rsqrt, ln_add_2)
         # free ln_sum_to_2, ln_add_2
         del ln_sum_to_2, ln_add_2
-        mem.free(52)
+        mem.free(48)
         # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub   (computed with the next statement)
         d_ln_sub = d_ln_mul  # in place: over d_ln_mul
         # d_ln_scale = sum_to[32x64x1](-d_ln_sub)
-        d_ln_scale = mem.tensor(66, (32, 64, 1), 'float32')
+        d_ln_scale = mem.tensor(62, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub),
                       (ew_neg, d_ln_scale, d_ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
         del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
-        mem.free(2, 53, 65)
+        mem.free(2, 49, 61)
         # d_ln_sum_to_2 = 0.015625*d_ln_scale
         d_ln_sum_to_2 = d_ln_scale  # in place: over d_ln_scale
         rt.ew(ew_scale, d_ln_sum_to_2, d_ln_scale)
@@ -797,17 +753,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add, d_ln_add, d_ln_sub, d_ln_sum_to_2)
         # free d_ln_scale, d_ln_sum_to_2
         del d_ln_scale, d_ln_sum_to_2
-        mem.free(66)
+        mem.free(62)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_add = reshape[2048x64](d_ln_add)
         d_block2_fc2_add = rt.reshape(d_ln_add, shape=(2048, 64))
         # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
-        d_block2_fc2_W = mem.tensor(67, (64, 256), 'float32')
+        d_block2_fc2_W = mem.tensor(63, (64, 256), 'float32')
         rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True)
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
-        mem.free(49)
+        mem.free(45)
         # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
         S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
         rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
@@ -816,9 +772,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
         # free d_block2_fc2_W
         del d_block2_fc2_W
-        mem.free(67)
+        mem.free(63)
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
-        d_block2_fc2_B = mem.tensor(68, (64,), 'float32')
+        d_block2_fc2_B = mem.tensor(64, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
         # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
         S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
@@ -831,9 +787,9 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
         # free d_block2_fc2_B
         del d_block2_fc2_B
-        mem.free(68)
+        mem.free(64)
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(69, (2048, 256), 'float32')
+        d_block2_fc2_reshape = mem.tensor(65, (2048, 256), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
         # d_block2_fc1_gelu = reshape[32x64x256](d_block2_fc2_reshape)
         d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(32, 64, 256))
@@ -844,17 +800,17 @@ class CharLm(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1
         del block2_fc1_matmul, block2_fc1_add, block2_fc1
-        mem.free(48)
+        mem.free(44)
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # d_block2_fc1_add = reshape[2048x256](d_block2_fc1)
         d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(2048, 256))
         # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(70, (256, 64), 'float32')
+        d_block2_fc1_W = mem.tensor(66, (256, 64), 'float32')
         rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True)
         # free block2_ln2_mul, block2_ln2, block2_fc1_reshape
         del block2_ln2_mul, block2_ln2, block2_fc1_reshape
-        mem.free(47)
+        mem.free(43)
         # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
         S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
         rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
@@ -863,7 +819,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
         # free d_block2_fc1_W
         del d_block2_fc1_W
-        mem.free(70)
+        mem.free(66)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -872,30 +828,30 @@ class CharLm(rp.Model):
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # d_block2_fc1_B = sum_to[256](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(71, (256,), 'float32')
+        d_block2_fc1_B = mem.tensor(67, (256,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(256,))
         # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(72, (2048, 64), 'float32')
+        d_block2_fc1_reshape = mem.tensor(68, (2048, 64), 'float32')
         rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(69)
+        mem.free(65)
         # d_block2_ln2 = reshape[32x64x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
         # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul_2 = mem.tensor(73, (32, 64, 64), 'float32')
+        block2_ln2_mul_2 = mem.tensor(69, (32, 64, 64), 'float32')
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_W = sum_to[64](d_block2_ln2*block2_ln2_mul_2)
-        d_block2_ln2_W = mem.tensor(74, (64,), 'float32')
+        d_block2_ln2_W = mem.tensor(70, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt),
                       (ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block2_ln2_mul_2
         del block2_ln2_mul_2
-        mem.free(73)
+        mem.free(69)
         # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
         S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
         rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
@@ -904,7 +860,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W)
         # free d_block2_ln2_W
         del d_block2_ln2_W
-        mem.free(74)
+        mem.free(70)
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -921,16 +877,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
         # free d_block2_fc1_B
         del d_block2_fc1_B
-        mem.free(71)
+        mem.free(67)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_B = sum_to[64](d_block2_ln2)
-        d_block2_ln2_B = mem.tensor(75, (64,), 'float32')
+        d_block2_ln2_B = mem.tensor(71, (64,), 'float32')
         rt.sum_to(d_block2_ln2, out=d_block2_ln2_B, shape=(64,))
         # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W   (computed with the next statement)
         d_block2_ln2_mul = d_block2_ln2  # in place: over d_block2_ln2
         # d_block2_ln2_rsqrt = sum_to[32x64x1](d_block2_ln2_mul*block2_ln2_sub)
-        d_block2_ln2_rsqrt = mem.tensor(76, (32, 64, 1), 'float32')
+        d_block2_ln2_rsqrt = mem.tensor(72, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W']),
                       (ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -948,23 +904,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
         # free d_block2_ln2_B
         del d_block2_ln2_B
-        mem.free(75)
+        mem.free(71)
         # d_block2_ln2_sum_to = -0.0078125*d_block2_ln2_rsqrt/block2_ln2_add_2**(3/2)
         d_block2_ln2_sum_to = d_block2_ln2_rsqrt  # in place: over d_block2_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln2_sum_to, d_block2_ln2_rsqrt, block2_ln2_add_2)
         # free block2_ln2_sum_to_2, block2_ln2_add_2
         del block2_ln2_sum_to_2, block2_ln2_add_2
-        mem.free(45)
+        mem.free(41)
         # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub   (computed with the next statement)
         d_block2_ln2_sub = d_block2_ln2_mul  # in place: over d_block2_ln2_mul
         # d_block2_ln2_scale = sum_to[32x64x1](-d_block2_ln2_sub)
-        d_block2_ln2_scale = mem.tensor(77, (32, 64, 1), 'float32')
+        d_block2_ln2_scale = mem.tensor(73, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub),
                       (ew_neg, d_block2_ln2_scale, d_block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
         del block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
-        mem.free(44, 46, 76)
+        mem.free(40, 42, 72)
         # d_block2_ln2_sum_to_2 = 0.015625*d_block2_ln2_scale
         d_block2_ln2_sum_to_2 = d_block2_ln2_scale  # in place: over d_block2_ln2_scale
         rt.ew(ew_scale, d_block2_ln2_sum_to_2, d_block2_ln2_scale)
@@ -973,17 +929,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block2_ln2_add, d_ln_add, d_block2_ln2_sub, d_block2_ln2_sum_to_2)
         # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
         del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
-        mem.free(72, 77)
+        mem.free(68, 73)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_add = reshape[2048x64](d_block2_ln2_add)
         d_block2_attn_out_add = rt.reshape(d_block2_ln2_add, shape=(2048, 64))
-        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape_2)
-        d_block2_attn_out_W = mem.tensor(78, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape_2, out=d_block2_attn_out_W, ta=True)
-        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        mem.free(41)
+        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
+        d_block2_attn_out_W = mem.tensor(74, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True)
+        # free block2_attn_out_transpose, block2_attn_out_reshape
+        del block2_attn_out_transpose, block2_attn_out_reshape
+        mem.free(37)
         # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
         S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
         rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
@@ -992,9 +948,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
         # free d_block2_attn_out_W
         del d_block2_attn_out_W
-        mem.free(78)
+        mem.free(74)
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(79, (64,), 'float32')
+        d_block2_attn_out_B = mem.tensor(75, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
@@ -1007,132 +963,50 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
         # free d_block2_attn_out_B
         del d_block2_attn_out_B
-        mem.free(79)
+        mem.free(75)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(80, (2048, 64), 'float32')
+        d_block2_attn_out_reshape = mem.tensor(76, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
         # d_block2_attn_out_transpose = reshape[32x64x4x16](d_block2_attn_out_reshape)
         d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(32, 64, 4, 16))
-        # d_block2_attn_out_matmul = transpose[axes=(1,2)](d_block2_attn_out_transpose)
-        d_block2_attn_out_matmul = mem.tensor(81, (32, 4, 64, 16), 'float32')
-        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn_out_matmul, axes=(1, 2))
+        # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
+        d_block2_attn = mem.tensor(77, (32, 4, 64, 16), 'float32')
+        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
         # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
         del d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(80)
+        mem.free(76)
+
+        # ---- block2_attn (causal scaled dot-product attention), backward ----
+        # d_block2_attn_attention_grad = attention_grad[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn)
+        d_block2_attn_attention_grad = mem.tensor(78, (393216,), 'float32')
+        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, out=d_block2_attn_attention_grad, causal=True, scale=0.25, workspace=mem.workspace(4259840))
+        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        mem.free(31, 33, 35, 36, 77)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
         block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay)
-        # d_block2_attn_out_transpose_2 = matmul[ta](causal_softmax_2, d_block2_attn_out_matmul)
-        d_block2_attn_out_transpose_2 = mem.tensor(82, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax_2, d_block2_attn_out_matmul, out=d_block2_attn_out_transpose_2, ta=True)
-        # d_block2_attn_out_reshape_2 = transpose[axes=(1,2)](d_block2_attn_out_transpose_2)
-        d_block2_attn_out_reshape_2 = mem.tensor(83, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_out_transpose_2, out=d_block2_attn_out_reshape_2, axes=(1, 2))
-        # free d_block2_attn_out_transpose_2
-        del d_block2_attn_out_transpose_2
-        mem.free(82)
-        # d_block2_attn_v_add = reshape[2048x64](d_block2_attn_out_reshape_2)
-        d_block2_attn_v_add = rt.reshape(d_block2_attn_out_reshape_2, shape=(2048, 64))
 
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(84, (64,), 'float32')
-        rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
-        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
-        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
-        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
-        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
-        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
-        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
-        # free d_block2_attn_v_B
-        del d_block2_attn_v_B
-        mem.free(84)
-        # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(85, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
-        # d_block2_attn_q_reshape = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape = mem.tensor(86, (2048, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape)
-        # free d_block2_attn_out_reshape_2, d_block2_attn_v_add
-        del d_block2_attn_out_reshape_2, d_block2_attn_v_add
-        mem.free(83)
-        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
-        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
-        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
-        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
-        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
-        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
-        # free d_block2_attn_v_W
-        del d_block2_attn_v_W
-        mem.free(85)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
-        # d_causal_softmax = matmul[tb](d_block2_attn_out_matmul, block2_attn_out_transpose)
-        d_causal_softmax = mem.tensor(87, (32, 4, 64, 64), 'float32')
-        rt.matmul(d_block2_attn_out_matmul, block2_attn_out_transpose, out=d_causal_softmax, tb=True)
-        # free block2_attn_out_transpose, d_block2_attn_out_matmul
-        del block2_attn_out_transpose, d_block2_attn_out_matmul
-        mem.free(33, 81)
-
-        # ---- causal_softmax (causal softmax), backward ----
-        # d_causal_softmax_softmax = reshape[8192x64](d_causal_softmax)
-        d_causal_softmax_softmax = rt.reshape(d_causal_softmax, shape=(8192, 64))
-        # d_causal_softmax_sum_to = sum_to[8192x1](d_causal_softmax_softmax*causal_softmax_softmax_2)
-        d_causal_softmax_sum_to = mem.tensor(88, (8192, 1), 'float32')
-        rt.ew_sum(ew_mul, d_causal_softmax_sum_to, d_causal_softmax_softmax, causal_softmax_softmax_2, shape=(8192, 1), workspace=mem.workspace(2097152))
-        # d_causal_softmax_reshape = causal_softmax_softmax_2*(d_causal_softmax_softmax - d_causal_softmax_sum_to)
-        d_causal_softmax_reshape = d_causal_softmax_softmax  # in place: over d_causal_softmax_softmax
-        rt.ew(ew_sub_mul, d_causal_softmax_reshape, d_causal_softmax_softmax, causal_softmax_softmax_2, d_causal_softmax_sum_to)
-        # free causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2, d_causal_softmax_sum_to
-        del causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2, d_causal_softmax_sum_to
-        mem.free(39, 88)
-        # d_causal_softmax_scale = reshape[32x4x64x64](d_causal_softmax_reshape)
-        d_causal_softmax_scale = rt.reshape(d_causal_softmax_reshape, shape=(32, 4, 64, 64))
-        # d_causal_softmax_matmul = 0.25*d_causal_softmax_scale
-        d_causal_softmax_matmul = d_causal_softmax_scale  # in place: over d_causal_softmax_scale
-        rt.ew(ew_scale_2, d_causal_softmax_matmul, d_causal_softmax_scale)
-        # d_causal_softmax_transpose = matmul[tb](d_causal_softmax_matmul, causal_softmax_transpose_5)
-        d_causal_softmax_transpose = mem.tensor(89, (32, 4, 64, 16), 'float32')
-        rt.matmul(d_causal_softmax_matmul, causal_softmax_transpose_5, out=d_causal_softmax_transpose, tb=True)
-        # free causal_softmax_transpose_5
-        del causal_softmax_transpose_5
-        mem.free(36)
-        # d_causal_softmax_transpose_2 = matmul[ta](causal_softmax_transpose_6, d_causal_softmax_matmul)
-        d_causal_softmax_transpose_2 = mem.tensor(90, (32, 4, 16, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_6, d_causal_softmax_matmul, out=d_causal_softmax_transpose_2, ta=True)
-        # free causal_softmax_transpose_6, d_causal_softmax, d_causal_softmax_softmax, d_causal_softmax_reshape, d_causal_softmax_scale, d_causal_softmax_matmul
-        del causal_softmax_transpose_6, d_causal_softmax, d_causal_softmax_softmax, d_causal_softmax_reshape, d_causal_softmax_scale, d_causal_softmax_matmul
-        mem.free(38, 87)
-        # d_causal_softmax_reshape_2 = transpose[axes=(1,2)](d_causal_softmax_transpose)
-        d_causal_softmax_reshape_2 = mem.tensor(91, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_causal_softmax_transpose, out=d_causal_softmax_reshape_2, axes=(1, 2))
-        # free d_causal_softmax_transpose
-        del d_causal_softmax_transpose
-        mem.free(89)
-        # d_causal_softmax_transpose_3 = transpose[axes=(2,3)](d_causal_softmax_transpose_2)
-        d_causal_softmax_transpose_3 = mem.tensor(92, (32, 4, 64, 16), 'float32')
-        rt.transpose(d_causal_softmax_transpose_2, out=d_causal_softmax_transpose_3, axes=(2, 3))
-        # free d_causal_softmax_transpose_2
-        del d_causal_softmax_transpose_2
-        mem.free(90)
-        # d_causal_softmax_reshape_3 = transpose[axes=(1,2)](d_causal_softmax_transpose_3)
-        d_causal_softmax_reshape_3 = mem.tensor(93, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_causal_softmax_transpose_3, out=d_causal_softmax_reshape_3, axes=(1, 2))
-        # free d_causal_softmax_transpose_3
-        del d_causal_softmax_transpose_3
-        mem.free(92)
-        # d_block2_attn_q_add = reshape[2048x64](d_causal_softmax_reshape_2)
-        d_block2_attn_q_add = rt.reshape(d_causal_softmax_reshape_2, shape=(2048, 64))
+        # ---- block2_attn (causal scaled dot-product attention), backward ----
+        # d_block2_attn_slice = slice[axis=0,start=0,stop=131072](d_block2_attn_attention_grad)
+        d_block2_attn_slice = mem.tensor(79, (131072,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=131072)
+        # d_block2_attn_transpose = reshape[32x4x64x16](d_block2_attn_slice)
+        d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(32, 4, 64, 16))
+        # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
+        d_block2_attn_reshape = mem.tensor(80, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
+        # free d_block2_attn_slice, d_block2_attn_transpose
+        del d_block2_attn_slice, d_block2_attn_transpose
+        mem.free(79)
+        # d_block2_attn_q_add = reshape[2048x64](d_block2_attn_reshape)
+        d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(2048, 64))
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(94, (64,), 'float32')
+        d_block2_attn_q_B = mem.tensor(81, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
@@ -1145,73 +1019,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
         # free d_block2_attn_q_B
         del d_block2_attn_q_B
-        mem.free(94)
+        mem.free(81)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(95, (64, 64), 'float32')
+        d_block2_attn_q_W = mem.tensor(82, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True)
-
-        # ---- causal_softmax (causal softmax), backward ----
-        # d_block2_attn_k_matmul = reshape[2048x64](d_causal_softmax_reshape_3)
-        d_block2_attn_k_matmul = rt.reshape(d_causal_softmax_reshape_3, shape=(2048, 64))
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(96, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True)
-        # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        mem.free(31)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(97, (2048, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape_2)
-        # free d_causal_softmax_reshape_2, d_block2_attn_q_add
-        del d_causal_softmax_reshape_2, d_block2_attn_q_add
-        mem.free(91)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(98, (2048, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_3)
-        # free d_causal_softmax_reshape_3, d_block2_attn_k_matmul
-        del d_causal_softmax_reshape_3, d_block2_attn_k_matmul
-        mem.free(93)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape + d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2
-        d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape  # in place: over d_block2_attn_q_reshape
-        rt.ew(ew_add_2, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2)
-        # free d_block2_attn_q_reshape_2, d_block2_attn_q_reshape_3
-        del d_block2_attn_q_reshape_2, d_block2_attn_q_reshape_3
-        mem.free(97, 98)
-        # d_block2_ln1 = reshape[32x64x64](d_block2_attn_q_reshape_4)
-        d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(32, 64, 64))
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul_2 = mem.tensor(99, (32, 64, 64), 'float32')
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
-        d_block2_ln1_W = mem.tensor(100, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
-                      (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(524288))
-        # free block2_ln1_mul_2
-        del block2_ln1_mul_2
-        mem.free(99)
-        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
-        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
-        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
-        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W
-        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
-        rt.ew(ew_scale_add_2, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W)
-        # free d_block2_ln1_W
-        del d_block2_ln1_W
-        mem.free(100)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
+        d_block2_attn_q_reshape = mem.tensor(83, (2048, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
+        # free d_block2_attn_reshape, d_block2_attn_q_add
+        del d_block2_attn_reshape, d_block2_attn_q_add
+        mem.free(80)
         # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
         S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
         rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
@@ -1223,7 +1040,119 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
         # free d_block2_attn_q_W
         del d_block2_attn_q_W
-        mem.free(95)
+        mem.free(82)
+
+        # ---- block2_attn (causal scaled dot-product attention), backward ----
+        # d_block2_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block2_attn_attention_grad)
+        d_block2_attn_slice_2 = mem.tensor(84, (131072,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=131072, stop=262144)
+        # d_block2_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block2_attn_attention_grad)
+        d_block2_attn_slice_3 = mem.tensor(85, (131072,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=262144, stop=393216)
+        # free d_block2_attn_attention_grad
+        del d_block2_attn_attention_grad
+        mem.free(78)
+        # d_block2_attn_transpose_2 = reshape[32x4x64x16](d_block2_attn_slice_2)
+        d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(32, 4, 64, 16))
+        # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
+        d_block2_attn_reshape_2 = mem.tensor(86, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
+        # free d_block2_attn_slice_2, d_block2_attn_transpose_2
+        del d_block2_attn_slice_2, d_block2_attn_transpose_2
+        mem.free(84)
+        # d_block2_attn_transpose_3 = reshape[32x4x64x16](d_block2_attn_slice_3)
+        d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(32, 4, 64, 16))
+        # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
+        d_block2_attn_reshape_3 = mem.tensor(87, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
+        # free d_block2_attn_slice_3, d_block2_attn_transpose_3
+        del d_block2_attn_slice_3, d_block2_attn_transpose_3
+        mem.free(85)
+        # d_block2_attn_v_add = reshape[2048x64](d_block2_attn_reshape_3)
+        d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(2048, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
+        d_block2_attn_v_B = mem.tensor(88, (64,), 'float32')
+        rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
+        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
+        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
+        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
+        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
+        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
+        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
+        # free d_block2_attn_v_B
+        del d_block2_attn_v_B
+        mem.free(88)
+
+        # ---- block2_attn (causal scaled dot-product attention), backward ----
+        # d_block2_attn_k_matmul = reshape[2048x64](d_block2_attn_reshape_2)
+        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_reshape_2, shape=(2048, 64))
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
+        d_block2_attn_k_W = mem.tensor(89, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
+        d_block2_attn_v_W = mem.tensor(90, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
+        # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
+        del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
+        mem.free(29)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
+        d_block2_attn_q_reshape_2 = mem.tensor(91, (2048, 64), 'float32')
+        rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
+        # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
+        del d_block2_attn_reshape_2, d_block2_attn_k_matmul
+        mem.free(86)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
+        d_block2_attn_q_reshape_3 = mem.tensor(92, (2048, 64), 'float32')
+        rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
+        # free d_block2_attn_reshape_3, d_block2_attn_v_add
+        del d_block2_attn_reshape_3, d_block2_attn_v_add
+        mem.free(87)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
+        d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3  # in place: over d_block2_attn_q_reshape_3
+        rt.ew(ew_add_2, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
+        # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
+        del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
+        mem.free(83, 91)
+        # d_block2_ln1 = reshape[32x64x64](d_block2_attn_q_reshape_4)
+        d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(32, 64, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
+        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
+        block2_ln1_mul_2 = mem.tensor(93, (32, 64, 64), 'float32')
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
+        d_block2_ln1_W = mem.tensor(94, (64,), 'float32')
+        rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
+                      (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(524288))
+        # free block2_ln1_mul_2
+        del block2_ln1_mul_2
+        mem.free(93)
+        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
+        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
+        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
+        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W
+        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
+        rt.ew(ew_scale_add_2, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W)
+        # free d_block2_ln1_W
+        del d_block2_ln1_W
+        mem.free(94)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
@@ -1237,16 +1166,30 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
         # free d_block2_attn_k_W
         del d_block2_attn_k_W
-        mem.free(96)
+        mem.free(89)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
+        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
+        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
+        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
+        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
+        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
+        # free d_block2_attn_v_W
+        del d_block2_attn_v_W
+        mem.free(90)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_B = sum_to[64](d_block2_ln1)
-        d_block2_ln1_B = mem.tensor(101, (64,), 'float32')
+        d_block2_ln1_B = mem.tensor(95, (64,), 'float32')
         rt.sum_to(d_block2_ln1, out=d_block2_ln1_B, shape=(64,))
         # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W   (computed with the next statement)
         d_block2_ln1_mul = d_block2_ln1  # in place: over d_block2_ln1
         # d_block2_ln1_rsqrt = sum_to[32x64x1](d_block2_ln1_mul*block2_ln1_sub)
-        d_block2_ln1_rsqrt = mem.tensor(102, (32, 64, 1), 'float32')
+        d_block2_ln1_rsqrt = mem.tensor(96, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W']),
                       (ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1264,42 +1207,42 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
         # free d_block2_ln1_B
         del d_block2_ln1_B
-        mem.free(101)
+        mem.free(95)
         # d_block2_ln1_sum_to = -0.0078125*d_block2_ln1_rsqrt/block2_ln1_add_2**(3/2)
         d_block2_ln1_sum_to = d_block2_ln1_rsqrt  # in place: over d_block2_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln1_sum_to, d_block2_ln1_rsqrt, block2_ln1_add_2)
         # free block2_ln1_sum_to_2, block2_ln1_add_2
         del block2_ln1_sum_to_2, block2_ln1_add_2
-        mem.free(29)
+        mem.free(27)
         # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub   (computed with the next statement)
         d_block2_ln1_sub = d_block2_ln1_mul  # in place: over d_block2_ln1_mul
         # d_block2_ln1_scale = sum_to[32x64x1](-d_block2_ln1_sub)
-        d_block2_ln1_scale = mem.tensor(103, (32, 64, 1), 'float32')
+        d_block2_ln1_scale = mem.tensor(97, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub),
                       (ew_neg, d_block2_ln1_scale, d_block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
         del block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
-        mem.free(28, 30, 102)
+        mem.free(26, 28, 96)
         # d_block2_ln1_sum_to_2 = 0.015625*d_block2_ln1_scale
         d_block2_ln1_sum_to_2 = d_block2_ln1_scale  # in place: over d_block2_ln1_scale
         rt.ew(ew_scale, d_block2_ln1_sum_to_2, d_block2_ln1_scale)
         # d_block2_ln1_add = d_block2_ln2_add + d_block2_ln1_sub + d_block2_ln1_sum_to_2
         d_block2_ln1_add = d_block2_ln2_add  # in place: over d_block2_ln2_add
         rt.ew(ew_add_2, d_block2_ln1_add, d_block2_ln2_add, d_block2_ln1_sub, d_block2_ln1_sum_to_2)
-        # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        del d_block2_attn_q_reshape, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        mem.free(86, 103)
+        # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
+        del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
+        mem.free(92, 97)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_add = reshape[2048x64](d_block2_ln1_add)
         d_block1_fc2_add = rt.reshape(d_block2_ln1_add, shape=(2048, 64))
         # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(104, (64, 256), 'float32')
+        d_block1_fc2_W = mem.tensor(98, (64, 256), 'float32')
         rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True)
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
-        mem.free(25)
+        mem.free(23)
         # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
         S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
         rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
@@ -1308,9 +1251,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
         # free d_block1_fc2_W
         del d_block1_fc2_W
-        mem.free(104)
+        mem.free(98)
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(105, (64,), 'float32')
+        d_block1_fc2_B = mem.tensor(99, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
         # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
         S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
@@ -1323,9 +1266,9 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
         # free d_block1_fc2_B
         del d_block1_fc2_B
-        mem.free(105)
+        mem.free(99)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(106, (2048, 256), 'float32')
+        d_block1_fc2_reshape = mem.tensor(100, (2048, 256), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
         # d_block1_fc1_gelu = reshape[32x64x256](d_block1_fc2_reshape)
         d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(32, 64, 256))
@@ -1336,17 +1279,17 @@ class CharLm(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1
         del block1_fc1_matmul, block1_fc1_add, block1_fc1
-        mem.free(24)
+        mem.free(22)
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # d_block1_fc1_add = reshape[2048x256](d_block1_fc1)
         d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(2048, 256))
         # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(107, (256, 64), 'float32')
+        d_block1_fc1_W = mem.tensor(101, (256, 64), 'float32')
         rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True)
         # free block1_ln2_mul, block1_ln2, block1_fc1_reshape
         del block1_ln2_mul, block1_ln2, block1_fc1_reshape
-        mem.free(23)
+        mem.free(21)
         # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
         S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
         rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
@@ -1355,7 +1298,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
         # free d_block1_fc1_W
         del d_block1_fc1_W
-        mem.free(107)
+        mem.free(101)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1364,30 +1307,30 @@ class CharLm(rp.Model):
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # d_block1_fc1_B = sum_to[256](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(108, (256,), 'float32')
+        d_block1_fc1_B = mem.tensor(102, (256,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(256,))
         # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(109, (2048, 64), 'float32')
+        d_block1_fc1_reshape = mem.tensor(103, (2048, 64), 'float32')
         rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(106)
+        mem.free(100)
         # d_block1_ln2 = reshape[32x64x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
         # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul_2 = mem.tensor(110, (32, 64, 64), 'float32')
+        block1_ln2_mul_2 = mem.tensor(104, (32, 64, 64), 'float32')
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_W = sum_to[64](d_block1_ln2*block1_ln2_mul_2)
-        d_block1_ln2_W = mem.tensor(111, (64,), 'float32')
+        d_block1_ln2_W = mem.tensor(105, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt),
                       (ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block1_ln2_mul_2
         del block1_ln2_mul_2
-        mem.free(110)
+        mem.free(104)
         # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
         S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
         rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
@@ -1396,7 +1339,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W)
         # free d_block1_ln2_W
         del d_block1_ln2_W
-        mem.free(111)
+        mem.free(105)
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1413,16 +1356,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
         # free d_block1_fc1_B
         del d_block1_fc1_B
-        mem.free(108)
+        mem.free(102)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_B = sum_to[64](d_block1_ln2)
-        d_block1_ln2_B = mem.tensor(112, (64,), 'float32')
+        d_block1_ln2_B = mem.tensor(106, (64,), 'float32')
         rt.sum_to(d_block1_ln2, out=d_block1_ln2_B, shape=(64,))
         # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W   (computed with the next statement)
         d_block1_ln2_mul = d_block1_ln2  # in place: over d_block1_ln2
         # d_block1_ln2_rsqrt = sum_to[32x64x1](d_block1_ln2_mul*block1_ln2_sub)
-        d_block1_ln2_rsqrt = mem.tensor(113, (32, 64, 1), 'float32')
+        d_block1_ln2_rsqrt = mem.tensor(107, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W']),
                       (ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1440,23 +1383,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
         # free d_block1_ln2_B
         del d_block1_ln2_B
-        mem.free(112)
+        mem.free(106)
         # d_block1_ln2_sum_to = -0.0078125*d_block1_ln2_rsqrt/block1_ln2_add_3**(3/2)
         d_block1_ln2_sum_to = d_block1_ln2_rsqrt  # in place: over d_block1_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln2_sum_to, d_block1_ln2_rsqrt, block1_ln2_add_3)
         # free block1_ln2_sum_to_2, block1_ln2_add_3
         del block1_ln2_sum_to_2, block1_ln2_add_3
-        mem.free(21)
+        mem.free(19)
         # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub   (computed with the next statement)
         d_block1_ln2_sub = d_block1_ln2_mul  # in place: over d_block1_ln2_mul
         # d_block1_ln2_scale = sum_to[32x64x1](-d_block1_ln2_sub)
-        d_block1_ln2_scale = mem.tensor(114, (32, 64, 1), 'float32')
+        d_block1_ln2_scale = mem.tensor(108, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub),
                       (ew_neg, d_block1_ln2_scale, d_block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
         del block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
-        mem.free(20, 22, 113)
+        mem.free(18, 20, 107)
         # d_block1_ln2_sum_to_2 = 0.015625*d_block1_ln2_scale
         d_block1_ln2_sum_to_2 = d_block1_ln2_scale  # in place: over d_block1_ln2_scale
         rt.ew(ew_scale, d_block1_ln2_sum_to_2, d_block1_ln2_scale)
@@ -1465,17 +1408,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block1_ln2_add, d_block2_ln1_add, d_block1_ln2_sub, d_block1_ln2_sum_to_2)
         # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
         del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
-        mem.free(109, 114)
+        mem.free(103, 108)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_add = reshape[2048x64](d_block1_ln2_add)
         d_block1_attn_out_add = rt.reshape(d_block1_ln2_add, shape=(2048, 64))
-        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape_2)
-        d_block1_attn_out_W = mem.tensor(115, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape_2, out=d_block1_attn_out_W, ta=True)
-        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        mem.free(17)
+        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
+        d_block1_attn_out_W = mem.tensor(109, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True)
+        # free block1_attn_out_transpose, block1_attn_out_reshape
+        del block1_attn_out_transpose, block1_attn_out_reshape
+        mem.free(15)
         # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
         S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
         rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
@@ -1484,9 +1427,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
         # free d_block1_attn_out_W
         del d_block1_attn_out_W
-        mem.free(115)
+        mem.free(109)
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(116, (64,), 'float32')
+        d_block1_attn_out_B = mem.tensor(110, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
@@ -1499,132 +1442,50 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
         # free d_block1_attn_out_B
         del d_block1_attn_out_B
-        mem.free(116)
+        mem.free(110)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(117, (2048, 64), 'float32')
+        d_block1_attn_out_reshape = mem.tensor(111, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
         # d_block1_attn_out_transpose = reshape[32x64x4x16](d_block1_attn_out_reshape)
         d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(32, 64, 4, 16))
-        # d_block1_attn_out_matmul = transpose[axes=(1,2)](d_block1_attn_out_transpose)
-        d_block1_attn_out_matmul = mem.tensor(118, (32, 4, 64, 16), 'float32')
-        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn_out_matmul, axes=(1, 2))
+        # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
+        d_block1_attn = mem.tensor(112, (32, 4, 64, 16), 'float32')
+        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
         # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
         del d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(117)
+        mem.free(111)
+
+        # ---- block1_attn (causal scaled dot-product attention), backward ----
+        # d_block1_attn_attention_grad = attention_grad[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn)
+        d_block1_attn_attention_grad = mem.tensor(113, (393216,), 'float32')
+        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, out=d_block1_attn_attention_grad, causal=True, scale=0.25, workspace=mem.workspace(4259840))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        mem.free(9, 11, 13, 14, 112)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
         block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay)
-        # d_block1_attn_out_transpose_2 = matmul[ta](causal_softmax, d_block1_attn_out_matmul)
-        d_block1_attn_out_transpose_2 = mem.tensor(119, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax, d_block1_attn_out_matmul, out=d_block1_attn_out_transpose_2, ta=True)
-        # d_block1_attn_out_reshape_2 = transpose[axes=(1,2)](d_block1_attn_out_transpose_2)
-        d_block1_attn_out_reshape_2 = mem.tensor(120, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_out_transpose_2, out=d_block1_attn_out_reshape_2, axes=(1, 2))
-        # free d_block1_attn_out_transpose_2
-        del d_block1_attn_out_transpose_2
-        mem.free(119)
-        # d_block1_attn_v_add = reshape[2048x64](d_block1_attn_out_reshape_2)
-        d_block1_attn_v_add = rt.reshape(d_block1_attn_out_reshape_2, shape=(2048, 64))
 
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(121, (64,), 'float32')
-        rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
-        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
-        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
-        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
-        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
-        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
-        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
-        # free d_block1_attn_v_B
-        del d_block1_attn_v_B
-        mem.free(121)
-        # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(122, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
-        # d_block1_attn_q_reshape = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape = mem.tensor(123, (2048, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape)
-        # free d_block1_attn_out_reshape_2, d_block1_attn_v_add
-        del d_block1_attn_out_reshape_2, d_block1_attn_v_add
-        mem.free(120)
-        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
-        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
-        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
-        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
-        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
-        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
-        # free d_block1_attn_v_W
-        del d_block1_attn_v_W
-        mem.free(122)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
-        # d_causal_softmax_2 = matmul[tb](d_block1_attn_out_matmul, block1_attn_out_transpose)
-        d_causal_softmax_2 = mem.tensor(124, (32, 4, 64, 64), 'float32')
-        rt.matmul(d_block1_attn_out_matmul, block1_attn_out_transpose, out=d_causal_softmax_2, tb=True)
-        # free block1_attn_out_transpose, d_block1_attn_out_matmul
-        del block1_attn_out_transpose, d_block1_attn_out_matmul
-        mem.free(9, 118)
-
-        # ---- causal_softmax (causal softmax), backward ----
-        # d_causal_softmax_softmax_2 = reshape[8192x64](d_causal_softmax_2)
-        d_causal_softmax_softmax_2 = rt.reshape(d_causal_softmax_2, shape=(8192, 64))
-        # d_causal_softmax_sum_to_2 = sum_to[8192x1](d_causal_softmax_softmax_2*causal_softmax_softmax)
-        d_causal_softmax_sum_to_2 = mem.tensor(125, (8192, 1), 'float32')
-        rt.ew_sum(ew_mul, d_causal_softmax_sum_to_2, d_causal_softmax_softmax_2, causal_softmax_softmax, shape=(8192, 1), workspace=mem.workspace(2097152))
-        # d_causal_softmax_reshape_4 = causal_softmax_softmax*(d_causal_softmax_softmax_2 - d_causal_softmax_sum_to_2)
-        d_causal_softmax_reshape_4 = d_causal_softmax_softmax_2  # in place: over d_causal_softmax_softmax_2
-        rt.ew(ew_sub_mul, d_causal_softmax_reshape_4, d_causal_softmax_softmax_2, causal_softmax_softmax, d_causal_softmax_sum_to_2)
-        # free causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax, d_causal_softmax_sum_to_2
-        del causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax, d_causal_softmax_sum_to_2
-        mem.free(15, 125)
-        # d_causal_softmax_scale_2 = reshape[32x4x64x64](d_causal_softmax_reshape_4)
-        d_causal_softmax_scale_2 = rt.reshape(d_causal_softmax_reshape_4, shape=(32, 4, 64, 64))
-        # d_causal_softmax_matmul_2 = 0.25*d_causal_softmax_scale_2
-        d_causal_softmax_matmul_2 = d_causal_softmax_scale_2  # in place: over d_causal_softmax_scale_2
-        rt.ew(ew_scale_2, d_causal_softmax_matmul_2, d_causal_softmax_scale_2)
-        # d_causal_softmax_transpose_4 = matmul[tb](d_causal_softmax_matmul_2, causal_softmax_transpose_2)
-        d_causal_softmax_transpose_4 = mem.tensor(126, (32, 4, 64, 16), 'float32')
-        rt.matmul(d_causal_softmax_matmul_2, causal_softmax_transpose_2, out=d_causal_softmax_transpose_4, tb=True)
-        # free causal_softmax_transpose_2
-        del causal_softmax_transpose_2
-        mem.free(12)
-        # d_causal_softmax_transpose_5 = matmul[ta](causal_softmax_transpose_3, d_causal_softmax_matmul_2)
-        d_causal_softmax_transpose_5 = mem.tensor(127, (32, 4, 16, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_3, d_causal_softmax_matmul_2, out=d_causal_softmax_transpose_5, ta=True)
-        # free causal_softmax_transpose_3, d_causal_softmax_2, d_causal_softmax_softmax_2, d_causal_softmax_reshape_4, d_causal_softmax_scale_2, d_causal_softmax_matmul_2
-        del causal_softmax_transpose_3, d_causal_softmax_2, d_causal_softmax_softmax_2, d_causal_softmax_reshape_4, d_causal_softmax_scale_2, d_causal_softmax_matmul_2
-        mem.free(14, 124)
-        # d_causal_softmax_reshape_5 = transpose[axes=(1,2)](d_causal_softmax_transpose_4)
-        d_causal_softmax_reshape_5 = mem.tensor(128, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_causal_softmax_transpose_4, out=d_causal_softmax_reshape_5, axes=(1, 2))
-        # free d_causal_softmax_transpose_4
-        del d_causal_softmax_transpose_4
-        mem.free(126)
-        # d_causal_softmax_transpose_6 = transpose[axes=(2,3)](d_causal_softmax_transpose_5)
-        d_causal_softmax_transpose_6 = mem.tensor(129, (32, 4, 64, 16), 'float32')
-        rt.transpose(d_causal_softmax_transpose_5, out=d_causal_softmax_transpose_6, axes=(2, 3))
-        # free d_causal_softmax_transpose_5
-        del d_causal_softmax_transpose_5
-        mem.free(127)
-        # d_causal_softmax_reshape_6 = transpose[axes=(1,2)](d_causal_softmax_transpose_6)
-        d_causal_softmax_reshape_6 = mem.tensor(130, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_causal_softmax_transpose_6, out=d_causal_softmax_reshape_6, axes=(1, 2))
-        # free d_causal_softmax_transpose_6
-        del d_causal_softmax_transpose_6
-        mem.free(129)
-        # d_block1_attn_q_add = reshape[2048x64](d_causal_softmax_reshape_5)
-        d_block1_attn_q_add = rt.reshape(d_causal_softmax_reshape_5, shape=(2048, 64))
+        # ---- block1_attn (causal scaled dot-product attention), backward ----
+        # d_block1_attn_slice = slice[axis=0,start=0,stop=131072](d_block1_attn_attention_grad)
+        d_block1_attn_slice = mem.tensor(114, (131072,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=131072)
+        # d_block1_attn_transpose = reshape[32x4x64x16](d_block1_attn_slice)
+        d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(32, 4, 64, 16))
+        # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
+        d_block1_attn_reshape = mem.tensor(115, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
+        # free d_block1_attn_slice, d_block1_attn_transpose
+        del d_block1_attn_slice, d_block1_attn_transpose
+        mem.free(114)
+        # d_block1_attn_q_add = reshape[2048x64](d_block1_attn_reshape)
+        d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(2048, 64))
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(131, (64,), 'float32')
+        d_block1_attn_q_B = mem.tensor(116, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
@@ -1637,73 +1498,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
         # free d_block1_attn_q_B
         del d_block1_attn_q_B
-        mem.free(131)
+        mem.free(116)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(132, (64, 64), 'float32')
+        d_block1_attn_q_W = mem.tensor(117, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True)
-
-        # ---- causal_softmax (causal softmax), backward ----
-        # d_block1_attn_k_matmul = reshape[2048x64](d_causal_softmax_reshape_6)
-        d_block1_attn_k_matmul = rt.reshape(d_causal_softmax_reshape_6, shape=(2048, 64))
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(133, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True)
-        # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        mem.free(7)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(134, (2048, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape_2)
-        # free d_causal_softmax_reshape_5, d_block1_attn_q_add
-        del d_causal_softmax_reshape_5, d_block1_attn_q_add
-        mem.free(128)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(135, (2048, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_3)
-        # free d_causal_softmax_reshape_6, d_block1_attn_k_matmul
-        del d_causal_softmax_reshape_6, d_block1_attn_k_matmul
-        mem.free(130)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape + d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2
-        d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape  # in place: over d_block1_attn_q_reshape
-        rt.ew(ew_add_2, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2)
-        # free d_block1_attn_q_reshape_2, d_block1_attn_q_reshape_3
-        del d_block1_attn_q_reshape_2, d_block1_attn_q_reshape_3
-        mem.free(134, 135)
-        # d_block1_ln1 = reshape[32x64x64](d_block1_attn_q_reshape_4)
-        d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(32, 64, 64))
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul_2 = mem.tensor(136, (32, 64, 64), 'float32')
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
-        d_block1_ln1_W = mem.tensor(137, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
-                      (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(524288))
-        # free block1_ln1_mul_2
-        del block1_ln1_mul_2
-        mem.free(136)
-        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
-        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
-        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
-        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W
-        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
-        rt.ew(ew_scale_add_2, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W)
-        # free d_block1_ln1_W
-        del d_block1_ln1_W
-        mem.free(137)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
+        d_block1_attn_q_reshape = mem.tensor(118, (2048, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
+        # free d_block1_attn_reshape, d_block1_attn_q_add
+        del d_block1_attn_reshape, d_block1_attn_q_add
+        mem.free(115)
         # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
         S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
         rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
@@ -1715,7 +1519,119 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
         # free d_block1_attn_q_W
         del d_block1_attn_q_W
-        mem.free(132)
+        mem.free(117)
+
+        # ---- block1_attn (causal scaled dot-product attention), backward ----
+        # d_block1_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block1_attn_attention_grad)
+        d_block1_attn_slice_2 = mem.tensor(119, (131072,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=131072, stop=262144)
+        # d_block1_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block1_attn_attention_grad)
+        d_block1_attn_slice_3 = mem.tensor(120, (131072,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=262144, stop=393216)
+        # free d_block1_attn_attention_grad
+        del d_block1_attn_attention_grad
+        mem.free(113)
+        # d_block1_attn_transpose_2 = reshape[32x4x64x16](d_block1_attn_slice_2)
+        d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(32, 4, 64, 16))
+        # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
+        d_block1_attn_reshape_2 = mem.tensor(121, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
+        # free d_block1_attn_slice_2, d_block1_attn_transpose_2
+        del d_block1_attn_slice_2, d_block1_attn_transpose_2
+        mem.free(119)
+        # d_block1_attn_transpose_3 = reshape[32x4x64x16](d_block1_attn_slice_3)
+        d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(32, 4, 64, 16))
+        # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
+        d_block1_attn_reshape_3 = mem.tensor(122, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
+        # free d_block1_attn_slice_3, d_block1_attn_transpose_3
+        del d_block1_attn_slice_3, d_block1_attn_transpose_3
+        mem.free(120)
+        # d_block1_attn_v_add = reshape[2048x64](d_block1_attn_reshape_3)
+        d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(2048, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
+        d_block1_attn_v_B = mem.tensor(123, (64,), 'float32')
+        rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
+        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
+        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
+        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
+        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
+        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
+        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
+        # free d_block1_attn_v_B
+        del d_block1_attn_v_B
+        mem.free(123)
+
+        # ---- block1_attn (causal scaled dot-product attention), backward ----
+        # d_block1_attn_k_matmul = reshape[2048x64](d_block1_attn_reshape_2)
+        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_reshape_2, shape=(2048, 64))
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
+        d_block1_attn_k_W = mem.tensor(124, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
+        d_block1_attn_v_W = mem.tensor(125, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
+        # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
+        del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
+        mem.free(7)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
+        d_block1_attn_q_reshape_2 = mem.tensor(126, (2048, 64), 'float32')
+        rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
+        # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
+        del d_block1_attn_reshape_2, d_block1_attn_k_matmul
+        mem.free(121)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
+        d_block1_attn_q_reshape_3 = mem.tensor(127, (2048, 64), 'float32')
+        rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
+        # free d_block1_attn_reshape_3, d_block1_attn_v_add
+        del d_block1_attn_reshape_3, d_block1_attn_v_add
+        mem.free(122)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
+        d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3  # in place: over d_block1_attn_q_reshape_3
+        rt.ew(ew_add_2, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
+        # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
+        del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
+        mem.free(118, 126)
+        # d_block1_ln1 = reshape[32x64x64](d_block1_attn_q_reshape_4)
+        d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(32, 64, 64))
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
+        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
+        block1_ln1_mul_2 = mem.tensor(128, (32, 64, 64), 'float32')
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
+        d_block1_ln1_W = mem.tensor(129, (64,), 'float32')
+        rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
+                      (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(524288))
+        # free block1_ln1_mul_2
+        del block1_ln1_mul_2
+        mem.free(128)
+        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
+        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
+        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
+        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W
+        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
+        rt.ew(ew_scale_add_2, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W)
+        # free d_block1_ln1_W
+        del d_block1_ln1_W
+        mem.free(129)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
@@ -1729,16 +1645,30 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
         # free d_block1_attn_k_W
         del d_block1_attn_k_W
-        mem.free(133)
+        mem.free(124)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
+        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
+        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
+        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
+        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
+        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
+        # free d_block1_attn_v_W
+        del d_block1_attn_v_W
+        mem.free(125)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_B = sum_to[64](d_block1_ln1)
-        d_block1_ln1_B = mem.tensor(138, (64,), 'float32')
+        d_block1_ln1_B = mem.tensor(130, (64,), 'float32')
         rt.sum_to(d_block1_ln1, out=d_block1_ln1_B, shape=(64,))
         # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W   (computed with the next statement)
         d_block1_ln1_mul = d_block1_ln1  # in place: over d_block1_ln1
         # d_block1_ln1_rsqrt = sum_to[32x64x1](d_block1_ln1_mul*block1_ln1_sub)
-        d_block1_ln1_rsqrt = mem.tensor(139, (32, 64, 1), 'float32')
+        d_block1_ln1_rsqrt = mem.tensor(131, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W']),
                       (ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1756,7 +1686,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
         # free d_block1_ln1_B
         del d_block1_ln1_B
-        mem.free(138)
+        mem.free(130)
         # d_block1_ln1_sum_to = -0.0078125*d_block1_ln1_rsqrt/block1_ln1_add**(3/2)
         d_block1_ln1_sum_to = d_block1_ln1_rsqrt  # in place: over d_block1_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln1_sum_to, d_block1_ln1_rsqrt, block1_ln1_add)
@@ -1766,13 +1696,13 @@ class CharLm(rp.Model):
         # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub   (computed with the next statement)
         d_block1_ln1_sub = d_block1_ln1_mul  # in place: over d_block1_ln1_mul
         # d_block1_ln1_scale = sum_to[32x64x1](-d_block1_ln1_sub)
-        d_block1_ln1_scale = mem.tensor(140, (32, 64, 1), 'float32')
+        d_block1_ln1_scale = mem.tensor(132, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub),
                       (ew_neg, d_block1_ln1_scale, d_block1_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
         del block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
-        mem.free(4, 6, 139)
+        mem.free(4, 6, 131)
         # d_block1_ln1_sum_to_2 = 0.015625*d_block1_ln1_scale
         d_block1_ln1_sum_to_2 = d_block1_ln1_scale  # in place: over d_block1_ln1_scale
         rt.ew(ew_scale, d_block1_ln1_sum_to_2, d_block1_ln1_scale)
@@ -1781,22 +1711,22 @@ class CharLm(rp.Model):
         # d_block1_ln2_add_2 = d_block1_ln2_add + d_block1_ln1_sub + d_block1_ln1_sum_to_2
         d_block1_ln2_add_2 = d_block1_ln2_add  # in place: over d_block1_ln2_add
         rt.ew(ew_add_2, d_block1_ln2_add_2, d_block1_ln2_add, d_block1_ln1_sub, d_block1_ln1_sum_to_2)
-        # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        del d_block1_attn_q_reshape, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        mem.free(123, 140)
+        # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
+        del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
+        mem.free(127, 132)
         # d_pos = sum_to[1x64x64](d_block1_ln2_add_2)
-        d_pos = mem.tensor(141, (1, 64, 64), 'float32')
+        d_pos = mem.tensor(133, (1, 64, 64), 'float32')
         rt.sum_to(d_block1_ln2_add_2, out=d_pos, shape=(1, 64, 64))
 
         # ---- embed (embedding of 256 tokens in 64 features), backward ----
         # d_embed_gather_rows = reshape[2048x64](d_block1_ln2_add_2)
         d_embed_gather_rows = rt.reshape(d_block1_ln2_add_2, shape=(2048, 64))
         # d_embed_W = scatter_rows[rows=256](d_embed_gather_rows, embed_reshape)
-        d_embed_W = mem.tensor(142, (256, 64), 'float32')
+        d_embed_W = mem.tensor(134, (256, 64), 'float32')
         rt.scatter_rows(d_embed_gather_rows, embed_reshape, out=d_embed_W, rows=256)
         # free x, embed_reshape, d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_gather_rows
         del x, embed_reshape, d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_gather_rows
-        mem.free(0, 61)
+        mem.free(0, 57)
         # S_embed_W_new = 0.999*S_embed_W + 0.001*d_embed_W**2
         S_embed_W_new = T['S_embed_W']  # in place: the new S_embed_W
         rt.ew(ew_square_scale_add, S_embed_W_new, T['S_embed_W'], d_embed_W)
@@ -1808,7 +1738,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, embed_W_new, T['embed_W'], lr, bias1, M_embed_W_new, S_embed_W_new, bias2, decay))
         # free d_embed_W
         del d_embed_W
-        mem.free(142)
+        mem.free(134)
 
         # ---- pos (parameter 1x64x64), backward ----
         # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
@@ -1822,7 +1752,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         # free d_pos
         del d_pos
-        mem.free(141)
+        mem.free(133)
         loss = rt.scalar(next_cross_entropy)
         mem.end()
         return loss
@@ -1889,14 +1819,14 @@ class CharLm(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_reshape = reshape[32x64x4x16](block1_attn_v_add)
-        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
-        block1_attn_out_transpose = mem.tensor(7, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
+        block1_attn_transpose = mem.tensor(7, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
         mem.free(6)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
@@ -1904,25 +1834,19 @@ class CharLm(rp.Model):
         block1_attn_k_matmul = mem.tensor(8, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape = reshape[32x64x4x16](block1_attn_k_matmul)
-        causal_softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose = transpose[axes=(1,2)](causal_softmax_reshape)
-        causal_softmax_transpose = mem.tensor(9, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape, out=causal_softmax_transpose, axes=(1, 2))
-        # free block1_attn_k_matmul, causal_softmax_reshape
-        del block1_attn_k_matmul, causal_softmax_reshape
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
+        block1_attn_transpose_2 = mem.tensor(9, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
+        # free block1_attn_k_matmul, block1_attn_reshape_2
+        del block1_attn_k_matmul, block1_attn_reshape_2
         mem.free(8)
-        # causal_softmax_transpose_2 = transpose[axes=(2,3)](causal_softmax_transpose)
-        causal_softmax_transpose_2 = mem.tensor(10, (32, 4, 16, 64), 'float32')
-        rt.transpose(causal_softmax_transpose, out=causal_softmax_transpose_2, axes=(2, 3))
-        # free causal_softmax_transpose
-        del causal_softmax_transpose
-        mem.free(9)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(11, (2048, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(10, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
         del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
@@ -1931,56 +1855,40 @@ class CharLm(rp.Model):
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_2 = reshape[32x64x4x16](block1_attn_q_add)
-        causal_softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_3 = transpose[axes=(1,2)](causal_softmax_reshape_2)
-        causal_softmax_transpose_3 = mem.tensor(12, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_2, out=causal_softmax_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
-        del block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
-        mem.free(11)
-        # causal_softmax_matmul = matmul(causal_softmax_transpose_3, causal_softmax_transpose_2)
-        causal_softmax_matmul = mem.tensor(13, (32, 4, 64, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_3, causal_softmax_transpose_2, out=causal_softmax_matmul)
-        # free causal_softmax_transpose_2, causal_softmax_transpose_3
-        del causal_softmax_transpose_2, causal_softmax_transpose_3
-        mem.free(10, 12)
-        # causal_softmax_scale = 0.25*causal_softmax_matmul
-        causal_softmax_scale = causal_softmax_matmul  # in place: over causal_softmax_matmul
-        rt.ew(ew_scale_2, causal_softmax_scale, causal_softmax_matmul)
-        # causal_softmax_reshape_3 = reshape[8192x64](causal_softmax_scale)
-        causal_softmax_reshape_3 = rt.reshape(causal_softmax_scale, shape=(8192, 64))
-        # causal_softmax_softmax = softmax[causal=True](causal_softmax_reshape_3)
-        causal_softmax_softmax = causal_softmax_reshape_3  # in place: over causal_softmax_reshape_3
-        rt.softmax(causal_softmax_reshape_3, out=causal_softmax_softmax, causal=True)
-        # causal_softmax = reshape[32x4x64x64](causal_softmax_softmax)
-        causal_softmax = rt.reshape(causal_softmax_softmax, shape=(32, 4, 64, 64))
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
+        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
+        block1_attn_transpose_3 = mem.tensor(11, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(10)
+        # block1_attn = attention[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        block1_attn = mem.tensor(12, (32, 4, 64, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        mem.free(7, 9, 11)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_matmul = matmul(causal_softmax, block1_attn_out_transpose)
-        block1_attn_out_matmul = mem.tensor(14, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
-        # free block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
-        del block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
-        mem.free(7, 13)
-        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
-        block1_attn_out_transpose_2 = mem.tensor(15, (32, 64, 4, 16), 'float32')
-        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
-        # free block1_attn_out_matmul
-        del block1_attn_out_matmul
-        mem.free(14)
-        # block1_attn_out_reshape_2 = reshape[2048x64](block1_attn_out_transpose_2)
-        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(2048, 64))
-        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
-        block1_attn_out_matmul_2 = mem.tensor(16, (2048, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
-        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        mem.free(15)
-        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
+        block1_attn_out_transpose = mem.tensor(13, (32, 64, 4, 16), 'float32')
+        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn
+        del block1_attn
+        mem.free(12)
+        # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
+        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
+        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
+        block1_attn_out_matmul = mem.tensor(14, (2048, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # free block1_attn_out_transpose, block1_attn_out_reshape
+        del block1_attn_out_transpose, block1_attn_out_reshape
+        mem.free(13)
+        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
 
@@ -1988,25 +1896,25 @@ class CharLm(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        mem.free(16)
+        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        mem.free(14)
         # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(17, (32, 64, 1), 'float32')
+        block1_ln2_sum_to = mem.tensor(15, (32, 64, 1), 'float32')
         rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
         # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(18, (32, 64, 64), 'float32')
+        block1_ln2_sub = mem.tensor(16, (32, 64, 64), 'float32')
         # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(19, (32, 64, 1), 'float32')
+        block1_ln2_sum_to_2 = mem.tensor(17, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
                       (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(17)
+        mem.free(15)
         # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
         block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
@@ -2015,17 +1923,17 @@ class CharLm(rp.Model):
         rt.ew(ew_mul_add_3, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
         # free block1_ln2_sum_to_2, block1_ln2_rsqrt
         del block1_ln2_sum_to_2, block1_ln2_rsqrt
-        mem.free(19)
+        mem.free(17)
 
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(20, (2048, 256), 'float32')
+        block1_fc1_matmul = mem.tensor(18, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
         del block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        mem.free(18)
+        mem.free(16)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -2041,11 +1949,11 @@ class CharLm(rp.Model):
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(21, (2048, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(19, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(20)
+        mem.free(18)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -2058,23 +1966,23 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(21)
+        mem.free(19)
         # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(22, (32, 64, 1), 'float32')
+        block2_ln1_sum_to = mem.tensor(20, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
         # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(23, (32, 64, 64), 'float32')
+        block2_ln1_sub = mem.tensor(21, (32, 64, 64), 'float32')
         # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(24, (32, 64, 1), 'float32')
+        block2_ln1_sum_to_2 = mem.tensor(22, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
                       (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(22)
+        mem.free(20)
         # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
         block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
@@ -2083,7 +1991,7 @@ class CharLm(rp.Model):
         rt.ew(ew_mul_add_3, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
         # free block2_ln1_sum_to_2, block2_ln1_rsqrt
         del block2_ln1_sum_to_2, block2_ln1_rsqrt
-        mem.free(24)
+        mem.free(22)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
@@ -2091,104 +1999,82 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(25, (2048, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(23, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_reshape = reshape[32x64x4x16](block2_attn_v_add)
-        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
-        block2_attn_out_transpose = mem.tensor(26, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        mem.free(25)
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
+        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
+        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
+        block2_attn_transpose = mem.tensor(24, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        mem.free(23)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(27, (2048, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(25, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_4 = reshape[32x64x4x16](block2_attn_k_matmul)
-        causal_softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_4 = transpose[axes=(1,2)](causal_softmax_reshape_4)
-        causal_softmax_transpose_4 = mem.tensor(28, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_4, out=causal_softmax_transpose_4, axes=(1, 2))
-        # free block2_attn_k_matmul, causal_softmax_reshape_4
-        del block2_attn_k_matmul, causal_softmax_reshape_4
-        mem.free(27)
-        # causal_softmax_transpose_5 = transpose[axes=(2,3)](causal_softmax_transpose_4)
-        causal_softmax_transpose_5 = mem.tensor(29, (32, 4, 16, 64), 'float32')
-        rt.transpose(causal_softmax_transpose_4, out=causal_softmax_transpose_5, axes=(2, 3))
-        # free causal_softmax_transpose_4
-        del causal_softmax_transpose_4
-        mem.free(28)
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
+        block2_attn_transpose_2 = mem.tensor(26, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
+        # free block2_attn_k_matmul, block2_attn_reshape_2
+        del block2_attn_k_matmul, block2_attn_reshape_2
+        mem.free(25)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(30, (2048, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(27, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
         del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        mem.free(23)
+        mem.free(21)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_5 = reshape[32x64x4x16](block2_attn_q_add)
-        causal_softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_6 = transpose[axes=(1,2)](causal_softmax_reshape_5)
-        causal_softmax_transpose_6 = mem.tensor(31, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_5, out=causal_softmax_transpose_6, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
-        del block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
-        mem.free(30)
-        # causal_softmax_matmul_2 = matmul(causal_softmax_transpose_6, causal_softmax_transpose_5)
-        causal_softmax_matmul_2 = mem.tensor(32, (32, 4, 64, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_6, causal_softmax_transpose_5, out=causal_softmax_matmul_2)
-        # free causal_softmax_transpose_5, causal_softmax_transpose_6
-        del causal_softmax_transpose_5, causal_softmax_transpose_6
-        mem.free(29, 31)
-        # causal_softmax_scale_2 = 0.25*causal_softmax_matmul_2
-        causal_softmax_scale_2 = causal_softmax_matmul_2  # in place: over causal_softmax_matmul_2
-        rt.ew(ew_scale_2, causal_softmax_scale_2, causal_softmax_matmul_2)
-        # causal_softmax_reshape_6 = reshape[8192x64](causal_softmax_scale_2)
-        causal_softmax_reshape_6 = rt.reshape(causal_softmax_scale_2, shape=(8192, 64))
-        # causal_softmax_softmax_2 = softmax[causal=True](causal_softmax_reshape_6)
-        causal_softmax_softmax_2 = causal_softmax_reshape_6  # in place: over causal_softmax_reshape_6
-        rt.softmax(causal_softmax_reshape_6, out=causal_softmax_softmax_2, causal=True)
-        # causal_softmax_2 = reshape[32x4x64x64](causal_softmax_softmax_2)
-        causal_softmax_2 = rt.reshape(causal_softmax_softmax_2, shape=(32, 4, 64, 64))
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
+        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
+        block2_attn_transpose_3 = mem.tensor(28, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        mem.free(27)
+        # block2_attn = attention[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
+        block2_attn = mem.tensor(29, (32, 4, 64, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        mem.free(24, 26, 28)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_matmul = matmul(causal_softmax_2, block2_attn_out_transpose)
-        block2_attn_out_matmul = mem.tensor(33, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
-        # free block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
-        del block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
-        mem.free(26, 32)
-        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
-        block2_attn_out_transpose_2 = mem.tensor(34, (32, 64, 4, 16), 'float32')
-        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
-        # free block2_attn_out_matmul
-        del block2_attn_out_matmul
-        mem.free(33)
-        # block2_attn_out_reshape_2 = reshape[2048x64](block2_attn_out_transpose_2)
-        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(2048, 64))
-        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
-        block2_attn_out_matmul_2 = mem.tensor(35, (2048, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
-        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        mem.free(34)
-        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
+        block2_attn_out_transpose = mem.tensor(30, (32, 64, 4, 16), 'float32')
+        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
+        # free block2_attn
+        del block2_attn
+        mem.free(29)
+        # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
+        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
+        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
+        block2_attn_out_matmul = mem.tensor(31, (2048, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # free block2_attn_out_transpose, block2_attn_out_reshape
+        del block2_attn_out_transpose, block2_attn_out_reshape
+        mem.free(30)
+        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
 
@@ -2196,25 +2082,25 @@ class CharLm(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        mem.free(35)
+        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        mem.free(31)
         # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(36, (32, 64, 1), 'float32')
+        block2_ln2_sum_to = mem.tensor(32, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
         # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(37, (32, 64, 64), 'float32')
+        block2_ln2_sub = mem.tensor(33, (32, 64, 64), 'float32')
         # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(38, (32, 64, 1), 'float32')
+        block2_ln2_sum_to_2 = mem.tensor(34, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
                       (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(36)
+        mem.free(32)
         # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
         block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
@@ -2223,17 +2109,17 @@ class CharLm(rp.Model):
         rt.ew(ew_mul_add_3, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
         # free block2_ln2_sum_to_2, block2_ln2_rsqrt
         del block2_ln2_sum_to_2, block2_ln2_rsqrt
-        mem.free(38)
+        mem.free(34)
 
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(39, (2048, 256), 'float32')
+        block2_fc1_matmul = mem.tensor(35, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
         del block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        mem.free(37)
+        mem.free(33)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -2249,11 +2135,11 @@ class CharLm(rp.Model):
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(40, (2048, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(36, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(39)
+        mem.free(35)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -2266,9 +2152,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(40)
+        mem.free(36)
         # ln_sum_to = sum_to[32x64x1](ln_add)
-        ln_sum_to = mem.tensor(41, (32, 64, 1), 'float32')
+        ln_sum_to = mem.tensor(37, (32, 64, 1), 'float32')
         rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
@@ -2276,13 +2162,13 @@ class CharLm(rp.Model):
         # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
         # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(42, (32, 64, 1), 'float32')
+        ln_sum_to_2 = mem.tensor(38, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
                       (ew_square, ln_sum_to_2, ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
-        mem.free(41)
+        mem.free(37)
         # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
         ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
         rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
@@ -2291,13 +2177,13 @@ class CharLm(rp.Model):
         rt.ew(ew_mul_add_3, ln, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'])
         # free ln_sum_to_2, ln_rsqrt
         del ln_sum_to_2, ln_rsqrt
-        mem.free(42)
+        mem.free(38)
 
         # ---- next (fully connected, 256 outputs), forward ----
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(43, (2048, 256), 'float32')
+        next_matmul = mem.tensor(39, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
         # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
         del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
@@ -2312,12 +2198,12 @@ class CharLm(rp.Model):
 
         # ---- next_precision (precision), forward ----
         # next_precision = precision(next_add, next_cross_entropy_reshape)
-        next_precision = mem.tensor(44, (), 'float32')
+        next_precision = mem.tensor(40, (), 'float32')
         rt.precision(next_add, next_cross_entropy_reshape, out=next_precision)
 
         # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
         # label_ranks = label_rank(next_add, next_cross_entropy_reshape)
-        label_ranks = mem.tensor(45, (2048,), 'float32')
+        label_ranks = mem.tensor(41, (2048,), 'float32')
         rt.label_rank(next_add, next_cross_entropy_reshape, out=label_ranks)
 
         # ---- next_cross_entropy (cross_entropy), forward ----
@@ -2325,20 +2211,20 @@ class CharLm(rp.Model):
         next_cross_entropy_log_softmax = next_add  # in place: over next_add
         rt.log_softmax(next_add, out=next_cross_entropy_log_softmax, workspace=mem.workspace(2097152))
         # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(46, (2048,), 'float32')
+        next_cross_entropy_pick = mem.tensor(42, (2048,), 'float32')
         rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
         # free y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
         del y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
-        mem.free(1, 43)
+        mem.free(1, 39)
         # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(47, (), 'float32')
+        next_cross_entropy_sum_to = mem.tensor(43, (), 'float32')
         rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
         # free next_cross_entropy_pick
         del next_cross_entropy_pick
-        mem.free(46)
+        mem.free(42)
         # next_cross_entropy = -next_cross_entropy_sum_to/2048
         next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
-        rt.ew(ew_scale_3, next_cross_entropy, next_cross_entropy_sum_to)
+        rt.ew(ew_scale_2, next_cross_entropy, next_cross_entropy_sum_to)
         accuracy = rt.scalar(next_precision)
         loss = rt.scalar(next_cross_entropy)
         ranks = rt.to_numpy(label_ranks)
@@ -2406,14 +2292,14 @@ class CharLm(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_reshape = reshape[32x64x4x16](block1_attn_v_add)
-        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
-        block1_attn_out_transpose = mem.tensor(6, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
+        block1_attn_transpose = mem.tensor(6, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
         mem.free(5)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
@@ -2421,25 +2307,19 @@ class CharLm(rp.Model):
         block1_attn_k_matmul = mem.tensor(7, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape = reshape[32x64x4x16](block1_attn_k_matmul)
-        causal_softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose = transpose[axes=(1,2)](causal_softmax_reshape)
-        causal_softmax_transpose = mem.tensor(8, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape, out=causal_softmax_transpose, axes=(1, 2))
-        # free block1_attn_k_matmul, causal_softmax_reshape
-        del block1_attn_k_matmul, causal_softmax_reshape
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
+        block1_attn_transpose_2 = mem.tensor(8, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
+        # free block1_attn_k_matmul, block1_attn_reshape_2
+        del block1_attn_k_matmul, block1_attn_reshape_2
         mem.free(7)
-        # causal_softmax_transpose_2 = transpose[axes=(2,3)](causal_softmax_transpose)
-        causal_softmax_transpose_2 = mem.tensor(9, (32, 4, 16, 64), 'float32')
-        rt.transpose(causal_softmax_transpose, out=causal_softmax_transpose_2, axes=(2, 3))
-        # free causal_softmax_transpose
-        del causal_softmax_transpose
-        mem.free(8)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(10, (2048, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(9, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
         del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
@@ -2448,56 +2328,40 @@ class CharLm(rp.Model):
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_2 = reshape[32x64x4x16](block1_attn_q_add)
-        causal_softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_3 = transpose[axes=(1,2)](causal_softmax_reshape_2)
-        causal_softmax_transpose_3 = mem.tensor(11, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_2, out=causal_softmax_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
-        del block1_attn_q_matmul, block1_attn_q_add, causal_softmax_reshape_2
-        mem.free(10)
-        # causal_softmax_matmul = matmul(causal_softmax_transpose_3, causal_softmax_transpose_2)
-        causal_softmax_matmul = mem.tensor(12, (32, 4, 64, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_3, causal_softmax_transpose_2, out=causal_softmax_matmul)
-        # free causal_softmax_transpose_2, causal_softmax_transpose_3
-        del causal_softmax_transpose_2, causal_softmax_transpose_3
-        mem.free(9, 11)
-        # causal_softmax_scale = 0.25*causal_softmax_matmul
-        causal_softmax_scale = causal_softmax_matmul  # in place: over causal_softmax_matmul
-        rt.ew(ew_scale_2, causal_softmax_scale, causal_softmax_matmul)
-        # causal_softmax_reshape_3 = reshape[8192x64](causal_softmax_scale)
-        causal_softmax_reshape_3 = rt.reshape(causal_softmax_scale, shape=(8192, 64))
-        # causal_softmax_softmax = softmax[causal=True](causal_softmax_reshape_3)
-        causal_softmax_softmax = causal_softmax_reshape_3  # in place: over causal_softmax_reshape_3
-        rt.softmax(causal_softmax_reshape_3, out=causal_softmax_softmax, causal=True)
-        # causal_softmax = reshape[32x4x64x64](causal_softmax_softmax)
-        causal_softmax = rt.reshape(causal_softmax_softmax, shape=(32, 4, 64, 64))
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
+        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
+        block1_attn_transpose_3 = mem.tensor(10, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(9)
+        # block1_attn = attention[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        block1_attn = mem.tensor(11, (32, 4, 64, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        mem.free(6, 8, 10)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_matmul = matmul(causal_softmax, block1_attn_out_transpose)
-        block1_attn_out_matmul = mem.tensor(13, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
-        # free block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
-        del block1_attn_out_transpose, causal_softmax_matmul, causal_softmax_scale, causal_softmax_reshape_3, causal_softmax_softmax, causal_softmax
-        mem.free(6, 12)
-        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
-        block1_attn_out_transpose_2 = mem.tensor(14, (32, 64, 4, 16), 'float32')
-        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
-        # free block1_attn_out_matmul
-        del block1_attn_out_matmul
-        mem.free(13)
-        # block1_attn_out_reshape_2 = reshape[2048x64](block1_attn_out_transpose_2)
-        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(2048, 64))
-        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
-        block1_attn_out_matmul_2 = mem.tensor(15, (2048, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
-        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        mem.free(14)
-        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
+        block1_attn_out_transpose = mem.tensor(12, (32, 64, 4, 16), 'float32')
+        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn
+        del block1_attn
+        mem.free(11)
+        # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
+        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
+        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
+        block1_attn_out_matmul = mem.tensor(13, (2048, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # free block1_attn_out_transpose, block1_attn_out_reshape
+        del block1_attn_out_transpose, block1_attn_out_reshape
+        mem.free(12)
+        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
 
@@ -2505,25 +2369,25 @@ class CharLm(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        mem.free(15)
+        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        mem.free(13)
         # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(16, (32, 64, 1), 'float32')
+        block1_ln2_sum_to = mem.tensor(14, (32, 64, 1), 'float32')
         rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
         # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(17, (32, 64, 64), 'float32')
+        block1_ln2_sub = mem.tensor(15, (32, 64, 64), 'float32')
         # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(18, (32, 64, 1), 'float32')
+        block1_ln2_sum_to_2 = mem.tensor(16, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
                       (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(16)
+        mem.free(14)
         # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
         block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
@@ -2532,17 +2396,17 @@ class CharLm(rp.Model):
         rt.ew(ew_mul_add_3, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
         # free block1_ln2_sum_to_2, block1_ln2_rsqrt
         del block1_ln2_sum_to_2, block1_ln2_rsqrt
-        mem.free(18)
+        mem.free(16)
 
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(19, (2048, 256), 'float32')
+        block1_fc1_matmul = mem.tensor(17, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
         del block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        mem.free(17)
+        mem.free(15)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -2558,11 +2422,11 @@ class CharLm(rp.Model):
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(20, (2048, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(18, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(19)
+        mem.free(17)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -2575,23 +2439,23 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(20)
+        mem.free(18)
         # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(21, (32, 64, 1), 'float32')
+        block2_ln1_sum_to = mem.tensor(19, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
         # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(22, (32, 64, 64), 'float32')
+        block2_ln1_sub = mem.tensor(20, (32, 64, 64), 'float32')
         # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(23, (32, 64, 1), 'float32')
+        block2_ln1_sum_to_2 = mem.tensor(21, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
                       (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(21)
+        mem.free(19)
         # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
         block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
@@ -2600,7 +2464,7 @@ class CharLm(rp.Model):
         rt.ew(ew_mul_add_3, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
         # free block2_ln1_sum_to_2, block2_ln1_rsqrt
         del block2_ln1_sum_to_2, block2_ln1_rsqrt
-        mem.free(23)
+        mem.free(21)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
@@ -2608,104 +2472,82 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(24, (2048, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(22, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_reshape = reshape[32x64x4x16](block2_attn_v_add)
-        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
-        block2_attn_out_transpose = mem.tensor(25, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        mem.free(24)
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
+        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
+        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
+        block2_attn_transpose = mem.tensor(23, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        mem.free(22)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(26, (2048, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(24, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_4 = reshape[32x64x4x16](block2_attn_k_matmul)
-        causal_softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_4 = transpose[axes=(1,2)](causal_softmax_reshape_4)
-        causal_softmax_transpose_4 = mem.tensor(27, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_4, out=causal_softmax_transpose_4, axes=(1, 2))
-        # free block2_attn_k_matmul, causal_softmax_reshape_4
-        del block2_attn_k_matmul, causal_softmax_reshape_4
-        mem.free(26)
-        # causal_softmax_transpose_5 = transpose[axes=(2,3)](causal_softmax_transpose_4)
-        causal_softmax_transpose_5 = mem.tensor(28, (32, 4, 16, 64), 'float32')
-        rt.transpose(causal_softmax_transpose_4, out=causal_softmax_transpose_5, axes=(2, 3))
-        # free causal_softmax_transpose_4
-        del causal_softmax_transpose_4
-        mem.free(27)
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
+        block2_attn_transpose_2 = mem.tensor(25, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
+        # free block2_attn_k_matmul, block2_attn_reshape_2
+        del block2_attn_k_matmul, block2_attn_reshape_2
+        mem.free(24)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(29, (2048, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(26, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
         del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        mem.free(22)
+        mem.free(20)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
-        # ---- causal_softmax (causal softmax), forward ----
-        # causal_softmax_reshape_5 = reshape[32x64x4x16](block2_attn_q_add)
-        causal_softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
-        # causal_softmax_transpose_6 = transpose[axes=(1,2)](causal_softmax_reshape_5)
-        causal_softmax_transpose_6 = mem.tensor(30, (32, 4, 64, 16), 'float32')
-        rt.transpose(causal_softmax_reshape_5, out=causal_softmax_transpose_6, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
-        del block2_attn_q_matmul, block2_attn_q_add, causal_softmax_reshape_5
-        mem.free(29)
-        # causal_softmax_matmul_2 = matmul(causal_softmax_transpose_6, causal_softmax_transpose_5)
-        causal_softmax_matmul_2 = mem.tensor(31, (32, 4, 64, 64), 'float32')
-        rt.matmul(causal_softmax_transpose_6, causal_softmax_transpose_5, out=causal_softmax_matmul_2)
-        # free causal_softmax_transpose_5, causal_softmax_transpose_6
-        del causal_softmax_transpose_5, causal_softmax_transpose_6
-        mem.free(28, 30)
-        # causal_softmax_scale_2 = 0.25*causal_softmax_matmul_2
-        causal_softmax_scale_2 = causal_softmax_matmul_2  # in place: over causal_softmax_matmul_2
-        rt.ew(ew_scale_2, causal_softmax_scale_2, causal_softmax_matmul_2)
-        # causal_softmax_reshape_6 = reshape[8192x64](causal_softmax_scale_2)
-        causal_softmax_reshape_6 = rt.reshape(causal_softmax_scale_2, shape=(8192, 64))
-        # causal_softmax_softmax_2 = softmax[causal=True](causal_softmax_reshape_6)
-        causal_softmax_softmax_2 = causal_softmax_reshape_6  # in place: over causal_softmax_reshape_6
-        rt.softmax(causal_softmax_reshape_6, out=causal_softmax_softmax_2, causal=True)
-        # causal_softmax_2 = reshape[32x4x64x64](causal_softmax_softmax_2)
-        causal_softmax_2 = rt.reshape(causal_softmax_softmax_2, shape=(32, 4, 64, 64))
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
+        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
+        block2_attn_transpose_3 = mem.tensor(27, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        mem.free(26)
+        # block2_attn = attention[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
+        block2_attn = mem.tensor(28, (32, 4, 64, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        mem.free(23, 25, 27)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_matmul = matmul(causal_softmax_2, block2_attn_out_transpose)
-        block2_attn_out_matmul = mem.tensor(32, (32, 4, 64, 16), 'float32')
-        rt.matmul(causal_softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
-        # free block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
-        del block2_attn_out_transpose, causal_softmax_matmul_2, causal_softmax_scale_2, causal_softmax_reshape_6, causal_softmax_softmax_2, causal_softmax_2
-        mem.free(25, 31)
-        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
-        block2_attn_out_transpose_2 = mem.tensor(33, (32, 64, 4, 16), 'float32')
-        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
-        # free block2_attn_out_matmul
-        del block2_attn_out_matmul
-        mem.free(32)
-        # block2_attn_out_reshape_2 = reshape[2048x64](block2_attn_out_transpose_2)
-        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(2048, 64))
-        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
-        block2_attn_out_matmul_2 = mem.tensor(34, (2048, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
-        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        mem.free(33)
-        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
+        block2_attn_out_transpose = mem.tensor(29, (32, 64, 4, 16), 'float32')
+        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
+        # free block2_attn
+        del block2_attn
+        mem.free(28)
+        # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
+        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
+        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
+        block2_attn_out_matmul = mem.tensor(30, (2048, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # free block2_attn_out_transpose, block2_attn_out_reshape
+        del block2_attn_out_transpose, block2_attn_out_reshape
+        mem.free(29)
+        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
 
@@ -2713,25 +2555,25 @@ class CharLm(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        mem.free(34)
+        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        mem.free(30)
         # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(35, (32, 64, 1), 'float32')
+        block2_ln2_sum_to = mem.tensor(31, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
         # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(36, (32, 64, 64), 'float32')
+        block2_ln2_sub = mem.tensor(32, (32, 64, 64), 'float32')
         # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(37, (32, 64, 1), 'float32')
+        block2_ln2_sum_to_2 = mem.tensor(33, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
                       (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(35)
+        mem.free(31)
         # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
         block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
@@ -2740,17 +2582,17 @@ class CharLm(rp.Model):
         rt.ew(ew_mul_add_3, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
         # free block2_ln2_sum_to_2, block2_ln2_rsqrt
         del block2_ln2_sum_to_2, block2_ln2_rsqrt
-        mem.free(37)
+        mem.free(33)
 
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(38, (2048, 256), 'float32')
+        block2_fc1_matmul = mem.tensor(34, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
         del block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        mem.free(36)
+        mem.free(32)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -2766,11 +2608,11 @@ class CharLm(rp.Model):
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(39, (2048, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(35, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(38)
+        mem.free(34)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -2783,9 +2625,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(39)
+        mem.free(35)
         # ln_sum_to = sum_to[32x64x1](ln_add)
-        ln_sum_to = mem.tensor(40, (32, 64, 1), 'float32')
+        ln_sum_to = mem.tensor(36, (32, 64, 1), 'float32')
         rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
@@ -2793,13 +2635,13 @@ class CharLm(rp.Model):
         # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
         # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(41, (32, 64, 1), 'float32')
+        ln_sum_to_2 = mem.tensor(37, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
                       (ew_square, ln_sum_to_2, ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
-        mem.free(40)
+        mem.free(36)
         # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
         ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
         rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
@@ -2808,13 +2650,13 @@ class CharLm(rp.Model):
         rt.ew(ew_mul_add_3, ln, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'])
         # free ln_sum_to_2, ln_rsqrt
         del ln_sum_to_2, ln_rsqrt
-        mem.free(41)
+        mem.free(37)
 
         # ---- next (fully connected, 256 outputs), forward ----
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(42, (2048, 256), 'float32')
+        next_matmul = mem.tensor(38, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
         # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
         del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
@@ -2840,206 +2682,194 @@ class CharLm(rp.Model):
                 (0, 8192),  # 0: const 2048 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=26312960, peak_bytes=26312960, workspace_bytes=2097152, pool_bytes=26771456,
+            arena_bytes=23167232, peak_bytes=23167232, workspace_bytes=4259840, pool_bytes=23175424,
             buffers=(
-                (26214400, 8192),  # 0: x 32x64 int32
-                (26222592, 8192),  # 1: y 32x64 int32
-                (16777216, 524288),  # 2: embed_gather_rows 2048x64 float32
+                (23068672, 8192),  # 0: x 32x64 int32
+                (23076864, 8192),  # 1: y 32x64 int32
+                (12582912, 524288),  # 2: embed_gather_rows 2048x64 float32
                 (0, 8192),  # 3: block1_ln1_sum_to 32x64x1 float32
-                (17301504, 524288),  # 4: block1_ln1_sub 32x64x64 float32
-                (26230784, 8192),  # 5: block1_ln1_sum_to_2 32x64x1 float32
-                (26238976, 8192),  # 6: block1_ln1_rsqrt 32x64x1 float32
-                (17825792, 524288),  # 7: block1_ln1_mul 32x64x64 float32
+                (13107200, 524288),  # 4: block1_ln1_sub 32x64x64 float32
+                (23085056, 8192),  # 5: block1_ln1_sum_to_2 32x64x1 float32
+                (23093248, 8192),  # 6: block1_ln1_rsqrt 32x64x1 float32
+                (13631488, 524288),  # 7: block1_ln1_mul 32x64x64 float32
                 (0, 524288),  # 8: block1_attn_v_matmul 2048x64 float32
-                (18350080, 524288),  # 9: block1_attn_out_transpose 32x4x64x16 float32
+                (14155776, 524288),  # 9: block1_attn_transpose 32x4x64x16 float32
                 (0, 524288),  # 10: block1_attn_k_matmul 2048x64 float32
-                (524288, 524288),  # 11: causal_softmax_transpose 32x4x64x16 float32
-                (18874368, 524288),  # 12: causal_softmax_transpose_2 32x4x16x64 float32
-                (0, 524288),  # 13: block1_attn_q_matmul 2048x64 float32
-                (19398656, 524288),  # 14: causal_softmax_transpose_3 32x4x64x16 float32
-                (0, 2097152),  # 15: causal_softmax_matmul 32x4x64x64 float32
-                (2097152, 524288),  # 16: block1_attn_out_matmul 32x4x64x16 float32
-                (19922944, 524288),  # 17: block1_attn_out_transpose_2 32x64x4x16 float32
-                (2097152, 524288),  # 18: block1_attn_out_matmul_2 2048x64 float32
-                (2097152, 8192),  # 19: block1_ln2_sum_to 32x64x1 float32
-                (20447232, 524288),  # 20: block1_ln2_sub 32x64x64 float32
-                (26247168, 8192),  # 21: block1_ln2_sum_to_2 32x64x1 float32
-                (26255360, 8192),  # 22: block1_ln2_rsqrt 32x64x1 float32
-                (20971520, 524288),  # 23: block1_ln2_mul 32x64x64 float32
-                (2097152, 2097152),  # 24: block1_fc1_matmul 2048x256 float32
-                (4194304, 2097152),  # 25: block1_fc1_gelu 32x64x256 float32
-                (6291456, 524288),  # 26: block1_fc2_matmul 2048x64 float32
-                (6291456, 8192),  # 27: block2_ln1_sum_to 32x64x1 float32
-                (21495808, 524288),  # 28: block2_ln1_sub 32x64x64 float32
-                (26263552, 8192),  # 29: block2_ln1_sum_to_2 32x64x1 float32
-                (26271744, 8192),  # 30: block2_ln1_rsqrt 32x64x1 float32
-                (22020096, 524288),  # 31: block2_ln1_mul 32x64x64 float32
-                (6291456, 524288),  # 32: block2_attn_v_matmul 2048x64 float32
-                (22544384, 524288),  # 33: block2_attn_out_transpose 32x4x64x16 float32
-                (6291456, 524288),  # 34: block2_attn_k_matmul 2048x64 float32
-                (6815744, 524288),  # 35: causal_softmax_transpose_4 32x4x64x16 float32
-                (23068672, 524288),  # 36: causal_softmax_transpose_5 32x4x16x64 float32
-                (6291456, 524288),  # 37: block2_attn_q_matmul 2048x64 float32
-                (23592960, 524288),  # 38: causal_softmax_transpose_6 32x4x64x16 float32
-                (6291456, 2097152),  # 39: causal_softmax_matmul_2 32x4x64x64 float32
-                (8388608, 524288),  # 40: block2_attn_out_matmul 32x4x64x16 float32
-                (24117248, 524288),  # 41: block2_attn_out_transpose_2 32x64x4x16 float32
-                (8388608, 524288),  # 42: block2_attn_out_matmul_2 2048x64 float32
-                (8388608, 8192),  # 43: block2_ln2_sum_to 32x64x1 float32
-                (24641536, 524288),  # 44: block2_ln2_sub 32x64x64 float32
-                (26279936, 8192),  # 45: block2_ln2_sum_to_2 32x64x1 float32
-                (26288128, 8192),  # 46: block2_ln2_rsqrt 32x64x1 float32
-                (25165824, 524288),  # 47: block2_ln2_mul 32x64x64 float32
-                (8388608, 2097152),  # 48: block2_fc1_matmul 2048x256 float32
-                (10485760, 2097152),  # 49: block2_fc1_gelu 32x64x256 float32
-                (12582912, 524288),  # 50: block2_fc2_matmul 2048x64 float32
-                (12582912, 8192),  # 51: ln_sum_to 32x64x1 float32
-                (26296320, 8192),  # 52: ln_sum_to_2 32x64x1 float32
-                (26304512, 8192),  # 53: ln_rsqrt 32x64x1 float32
-                (25690112, 524288),  # 54: ln_mul 32x64x64 float32
-                (12582912, 2097152),  # 55: next_matmul 2048x256 float32
-                (14680064, 8192),  # 56: next_cross_entropy_pick 2048 float32
-                (26312704, 4),  # 57: next_cross_entropy_sum_to scalar float32
-                (14680064, 2097152),  # 58: d_next_cross_entropy_log_softmax 2048x256 float32
-                (12582912, 65536),  # 59: d_next_W 256x64 float32
-                (13631488, 1024),  # 60: d_next_B 256 float32
-                (12582912, 524288),  # 61: d_next_reshape 2048x64 float32
-                (13107200, 524288),  # 62: ln_mul_2 32x64x64 float32
-                (13632512, 256),  # 63: d_ln_W 64 float32
-                (13115392, 256),  # 64: d_ln_B 64 float32
-                (13107200, 8192),  # 65: d_ln_rsqrt 32x64x1 float32
-                (13115392, 8192),  # 66: d_ln_scale 32x64x1 float32
-                (13107200, 65536),  # 67: d_block2_fc2_W 64x256 float32
-                (10485760, 256),  # 68: d_block2_fc2_B 64 float32
-                (10485760, 2097152),  # 69: d_block2_fc2_reshape 2048x256 float32
-                (8388608, 65536),  # 70: d_block2_fc1_W 256x64 float32
-                (9437184, 1024),  # 71: d_block2_fc1_B 256 float32
-                (8388608, 524288),  # 72: d_block2_fc1_reshape 2048x64 float32
-                (8912896, 524288),  # 73: block2_ln2_mul_2 32x64x64 float32
-                (9438208, 256),  # 74: d_block2_ln2_W 64 float32
-                (8921088, 256),  # 75: d_block2_ln2_B 64 float32
-                (8912896, 8192),  # 76: d_block2_ln2_rsqrt 32x64x1 float32
-                (8921088, 8192),  # 77: d_block2_ln2_scale 32x64x1 float32
-                (8388608, 16384),  # 78: d_block2_attn_out_W 64x64 float32
-                (8388608, 256),  # 79: d_block2_attn_out_B 64 float32
-                (8388608, 524288),  # 80: d_block2_attn_out_reshape 2048x64 float32
-                (10485760, 524288),  # 81: d_block2_attn_out_matmul 32x4x64x16 float32
-                (8388608, 524288),  # 82: d_block2_attn_out_transpose_2 32x4x64x16 float32
-                (8912896, 524288),  # 83: d_block2_attn_out_reshape_2 32x64x4x16 float32
-                (8388608, 256),  # 84: d_block2_attn_v_B 64 float32
-                (8388608, 16384),  # 85: d_block2_attn_v_W 64x64 float32
-                (11010048, 524288),  # 86: d_block2_attn_q_reshape 2048x64 float32
-                (8388608, 2097152),  # 87: d_causal_softmax 32x4x64x64 float32
-                (10485760, 32768),  # 88: d_causal_softmax_sum_to 8192x1 float32
-                (6291456, 524288),  # 89: d_causal_softmax_transpose 32x4x64x16 float32
-                (6815744, 524288),  # 90: d_causal_softmax_transpose_2 32x4x16x64 float32
-                (7340032, 524288),  # 91: d_causal_softmax_reshape_2 32x64x4x16 float32
-                (6291456, 524288),  # 92: d_causal_softmax_transpose_3 32x4x64x16 float32
-                (6815744, 524288),  # 93: d_causal_softmax_reshape_3 32x64x4x16 float32
-                (6291456, 256),  # 94: d_block2_attn_q_B 64 float32
-                (7864320, 16384),  # 95: d_block2_attn_q_W 64x64 float32
-                (7880704, 16384),  # 96: d_block2_attn_k_W 64x64 float32
-                (6291456, 524288),  # 97: d_block2_attn_q_reshape_2 2048x64 float32
-                (7340032, 524288),  # 98: d_block2_attn_q_reshape_3 2048x64 float32
-                (6291456, 524288),  # 99: block2_ln1_mul_2 32x64x64 float32
-                (6815744, 256),  # 100: d_block2_ln1_W 64 float32
-                (6299648, 256),  # 101: d_block2_ln1_B 64 float32
-                (6291456, 8192),  # 102: d_block2_ln1_rsqrt 32x64x1 float32
-                (6299648, 8192),  # 103: d_block2_ln1_scale 32x64x1 float32
-                (6291456, 65536),  # 104: d_block1_fc2_W 64x256 float32
-                (4194304, 256),  # 105: d_block1_fc2_B 64 float32
-                (4194304, 2097152),  # 106: d_block1_fc2_reshape 2048x256 float32
-                (2097152, 65536),  # 107: d_block1_fc1_W 256x64 float32
-                (3145728, 1024),  # 108: d_block1_fc1_B 256 float32
-                (2097152, 524288),  # 109: d_block1_fc1_reshape 2048x64 float32
-                (2621440, 524288),  # 110: block1_ln2_mul_2 32x64x64 float32
-                (3146752, 256),  # 111: d_block1_ln2_W 64 float32
-                (2629632, 256),  # 112: d_block1_ln2_B 64 float32
-                (2621440, 8192),  # 113: d_block1_ln2_rsqrt 32x64x1 float32
-                (2629632, 8192),  # 114: d_block1_ln2_scale 32x64x1 float32
-                (2097152, 16384),  # 115: d_block1_attn_out_W 64x64 float32
-                (2097152, 256),  # 116: d_block1_attn_out_B 64 float32
-                (2097152, 524288),  # 117: d_block1_attn_out_reshape 2048x64 float32
-                (4194304, 524288),  # 118: d_block1_attn_out_matmul 32x4x64x16 float32
-                (2097152, 524288),  # 119: d_block1_attn_out_transpose_2 32x4x64x16 float32
-                (2621440, 524288),  # 120: d_block1_attn_out_reshape_2 32x64x4x16 float32
-                (2097152, 256),  # 121: d_block1_attn_v_B 64 float32
-                (2097152, 16384),  # 122: d_block1_attn_v_W 64x64 float32
-                (4718592, 524288),  # 123: d_block1_attn_q_reshape 2048x64 float32
-                (2097152, 2097152),  # 124: d_causal_softmax_2 32x4x64x64 float32
-                (4194304, 32768),  # 125: d_causal_softmax_sum_to_2 8192x1 float32
-                (0, 524288),  # 126: d_causal_softmax_transpose_4 32x4x64x16 float32
-                (524288, 524288),  # 127: d_causal_softmax_transpose_5 32x4x16x64 float32
-                (1048576, 524288),  # 128: d_causal_softmax_reshape_5 32x64x4x16 float32
-                (0, 524288),  # 129: d_causal_softmax_transpose_6 32x4x64x16 float32
-                (524288, 524288),  # 130: d_causal_softmax_reshape_6 32x64x4x16 float32
-                (0, 256),  # 131: d_block1_attn_q_B 64 float32
-                (1572864, 16384),  # 132: d_block1_attn_q_W 64x64 float32
-                (1589248, 16384),  # 133: d_block1_attn_k_W 64x64 float32
-                (0, 524288),  # 134: d_block1_attn_q_reshape_2 2048x64 float32
-                (1048576, 524288),  # 135: d_block1_attn_q_reshape_3 2048x64 float32
-                (0, 524288),  # 136: block1_ln1_mul_2 32x64x64 float32
-                (524288, 256),  # 137: d_block1_ln1_W 64 float32
-                (8192, 256),  # 138: d_block1_ln1_B 64 float32
-                (0, 8192),  # 139: d_block1_ln1_rsqrt 32x64x1 float32
-                (8192, 8192),  # 140: d_block1_ln1_scale 32x64x1 float32
-                (65536, 16384),  # 141: d_pos 1x64x64 float32
-                (0, 65536),  # 142: d_embed_W 256x64 float32
+                (14680064, 524288),  # 11: block1_attn_transpose_2 32x4x64x16 float32
+                (0, 524288),  # 12: block1_attn_q_matmul 2048x64 float32
+                (15204352, 524288),  # 13: block1_attn_transpose_3 32x4x64x16 float32
+                (15728640, 524288),  # 14: block1_attn 32x4x64x16 float32
+                (16252928, 524288),  # 15: block1_attn_out_transpose 32x64x4x16 float32
+                (0, 524288),  # 16: block1_attn_out_matmul 2048x64 float32
+                (0, 8192),  # 17: block1_ln2_sum_to 32x64x1 float32
+                (16777216, 524288),  # 18: block1_ln2_sub 32x64x64 float32
+                (23101440, 8192),  # 19: block1_ln2_sum_to_2 32x64x1 float32
+                (23109632, 8192),  # 20: block1_ln2_rsqrt 32x64x1 float32
+                (17301504, 524288),  # 21: block1_ln2_mul 32x64x64 float32
+                (0, 2097152),  # 22: block1_fc1_matmul 2048x256 float32
+                (2097152, 2097152),  # 23: block1_fc1_gelu 32x64x256 float32
+                (4194304, 524288),  # 24: block1_fc2_matmul 2048x64 float32
+                (4194304, 8192),  # 25: block2_ln1_sum_to 32x64x1 float32
+                (17825792, 524288),  # 26: block2_ln1_sub 32x64x64 float32
+                (23117824, 8192),  # 27: block2_ln1_sum_to_2 32x64x1 float32
+                (23126016, 8192),  # 28: block2_ln1_rsqrt 32x64x1 float32
+                (18350080, 524288),  # 29: block2_ln1_mul 32x64x64 float32
+                (4194304, 524288),  # 30: block2_attn_v_matmul 2048x64 float32
+                (18874368, 524288),  # 31: block2_attn_transpose 32x4x64x16 float32
+                (4194304, 524288),  # 32: block2_attn_k_matmul 2048x64 float32
+                (19398656, 524288),  # 33: block2_attn_transpose_2 32x4x64x16 float32
+                (4194304, 524288),  # 34: block2_attn_q_matmul 2048x64 float32
+                (19922944, 524288),  # 35: block2_attn_transpose_3 32x4x64x16 float32
+                (20447232, 524288),  # 36: block2_attn 32x4x64x16 float32
+                (20971520, 524288),  # 37: block2_attn_out_transpose 32x64x4x16 float32
+                (4194304, 524288),  # 38: block2_attn_out_matmul 2048x64 float32
+                (4194304, 8192),  # 39: block2_ln2_sum_to 32x64x1 float32
+                (21495808, 524288),  # 40: block2_ln2_sub 32x64x64 float32
+                (23134208, 8192),  # 41: block2_ln2_sum_to_2 32x64x1 float32
+                (23142400, 8192),  # 42: block2_ln2_rsqrt 32x64x1 float32
+                (22020096, 524288),  # 43: block2_ln2_mul 32x64x64 float32
+                (4194304, 2097152),  # 44: block2_fc1_matmul 2048x256 float32
+                (6291456, 2097152),  # 45: block2_fc1_gelu 32x64x256 float32
+                (8388608, 524288),  # 46: block2_fc2_matmul 2048x64 float32
+                (8388608, 8192),  # 47: ln_sum_to 32x64x1 float32
+                (23150592, 8192),  # 48: ln_sum_to_2 32x64x1 float32
+                (23158784, 8192),  # 49: ln_rsqrt 32x64x1 float32
+                (22544384, 524288),  # 50: ln_mul 32x64x64 float32
+                (8388608, 2097152),  # 51: next_matmul 2048x256 float32
+                (10485760, 8192),  # 52: next_cross_entropy_pick 2048 float32
+                (23166976, 4),  # 53: next_cross_entropy_sum_to scalar float32
+                (10485760, 2097152),  # 54: d_next_cross_entropy_log_softmax 2048x256 float32
+                (8388608, 65536),  # 55: d_next_W 256x64 float32
+                (9437184, 1024),  # 56: d_next_B 256 float32
+                (8388608, 524288),  # 57: d_next_reshape 2048x64 float32
+                (8912896, 524288),  # 58: ln_mul_2 32x64x64 float32
+                (9438208, 256),  # 59: d_ln_W 64 float32
+                (8921088, 256),  # 60: d_ln_B 64 float32
+                (8912896, 8192),  # 61: d_ln_rsqrt 32x64x1 float32
+                (8921088, 8192),  # 62: d_ln_scale 32x64x1 float32
+                (8912896, 65536),  # 63: d_block2_fc2_W 64x256 float32
+                (6291456, 256),  # 64: d_block2_fc2_B 64 float32
+                (6291456, 2097152),  # 65: d_block2_fc2_reshape 2048x256 float32
+                (4194304, 65536),  # 66: d_block2_fc1_W 256x64 float32
+                (5242880, 1024),  # 67: d_block2_fc1_B 256 float32
+                (4194304, 524288),  # 68: d_block2_fc1_reshape 2048x64 float32
+                (4718592, 524288),  # 69: block2_ln2_mul_2 32x64x64 float32
+                (5243904, 256),  # 70: d_block2_ln2_W 64 float32
+                (4726784, 256),  # 71: d_block2_ln2_B 64 float32
+                (4718592, 8192),  # 72: d_block2_ln2_rsqrt 32x64x1 float32
+                (4726784, 8192),  # 73: d_block2_ln2_scale 32x64x1 float32
+                (4194304, 16384),  # 74: d_block2_attn_out_W 64x64 float32
+                (4194304, 256),  # 75: d_block2_attn_out_B 64 float32
+                (4194304, 524288),  # 76: d_block2_attn_out_reshape 2048x64 float32
+                (5767168, 524288),  # 77: d_block2_attn 32x4x64x16 float32
+                (4194304, 1572864),  # 78: d_block2_attn_attention_grad 393216 float32
+                (5767168, 524288),  # 79: d_block2_attn_slice 131072 float32
+                (6291456, 524288),  # 80: d_block2_attn_reshape 32x64x4x16 float32
+                (5767168, 256),  # 81: d_block2_attn_q_B 64 float32
+                (6815744, 16384),  # 82: d_block2_attn_q_W 64x64 float32
+                (5767168, 524288),  # 83: d_block2_attn_q_reshape 2048x64 float32
+                (6291456, 524288),  # 84: d_block2_attn_slice_2 131072 float32
+                (6815744, 524288),  # 85: d_block2_attn_slice_3 131072 float32
+                (4194304, 524288),  # 86: d_block2_attn_reshape_2 32x64x4x16 float32
+                (4718592, 524288),  # 87: d_block2_attn_reshape_3 32x64x4x16 float32
+                (5242880, 256),  # 88: d_block2_attn_v_B 64 float32
+                (6291456, 16384),  # 89: d_block2_attn_k_W 64x64 float32
+                (6307840, 16384),  # 90: d_block2_attn_v_W 64x64 float32
+                (5242880, 524288),  # 91: d_block2_attn_q_reshape_2 2048x64 float32
+                (4194304, 524288),  # 92: d_block2_attn_q_reshape_3 2048x64 float32
+                (4718592, 524288),  # 93: block2_ln1_mul_2 32x64x64 float32
+                (5242880, 256),  # 94: d_block2_ln1_W 64 float32
+                (4726784, 256),  # 95: d_block2_ln1_B 64 float32
+                (4718592, 8192),  # 96: d_block2_ln1_rsqrt 32x64x1 float32
+                (4726784, 8192),  # 97: d_block2_ln1_scale 32x64x1 float32
+                (4194304, 65536),  # 98: d_block1_fc2_W 64x256 float32
+                (2097152, 256),  # 99: d_block1_fc2_B 64 float32
+                (2097152, 2097152),  # 100: d_block1_fc2_reshape 2048x256 float32
+                (0, 65536),  # 101: d_block1_fc1_W 256x64 float32
+                (1048576, 1024),  # 102: d_block1_fc1_B 256 float32
+                (0, 524288),  # 103: d_block1_fc1_reshape 2048x64 float32
+                (524288, 524288),  # 104: block1_ln2_mul_2 32x64x64 float32
+                (1049600, 256),  # 105: d_block1_ln2_W 64 float32
+                (532480, 256),  # 106: d_block1_ln2_B 64 float32
+                (524288, 8192),  # 107: d_block1_ln2_rsqrt 32x64x1 float32
+                (532480, 8192),  # 108: d_block1_ln2_scale 32x64x1 float32
+                (0, 16384),  # 109: d_block1_attn_out_W 64x64 float32
+                (0, 256),  # 110: d_block1_attn_out_B 64 float32
+                (0, 524288),  # 111: d_block1_attn_out_reshape 2048x64 float32
+                (1572864, 524288),  # 112: d_block1_attn 32x4x64x16 float32
+                (0, 1572864),  # 113: d_block1_attn_attention_grad 393216 float32
+                (1572864, 524288),  # 114: d_block1_attn_slice 131072 float32
+                (2097152, 524288),  # 115: d_block1_attn_reshape 32x64x4x16 float32
+                (1572864, 256),  # 116: d_block1_attn_q_B 64 float32
+                (2621440, 16384),  # 117: d_block1_attn_q_W 64x64 float32
+                (1572864, 524288),  # 118: d_block1_attn_q_reshape 2048x64 float32
+                (2097152, 524288),  # 119: d_block1_attn_slice_2 131072 float32
+                (2621440, 524288),  # 120: d_block1_attn_slice_3 131072 float32
+                (0, 524288),  # 121: d_block1_attn_reshape_2 32x64x4x16 float32
+                (524288, 524288),  # 122: d_block1_attn_reshape_3 32x64x4x16 float32
+                (1048576, 256),  # 123: d_block1_attn_v_B 64 float32
+                (2097152, 16384),  # 124: d_block1_attn_k_W 64x64 float32
+                (2113536, 16384),  # 125: d_block1_attn_v_W 64x64 float32
+                (1048576, 524288),  # 126: d_block1_attn_q_reshape_2 2048x64 float32
+                (0, 524288),  # 127: d_block1_attn_q_reshape_3 2048x64 float32
+                (524288, 524288),  # 128: block1_ln1_mul_2 32x64x64 float32
+                (1048576, 256),  # 129: d_block1_ln1_W 64 float32
+                (532480, 256),  # 130: d_block1_ln1_B 64 float32
+                (524288, 8192),  # 131: d_block1_ln1_rsqrt 32x64x1 float32
+                (532480, 8192),  # 132: d_block1_ln1_scale 32x64x1 float32
+                (65536, 16384),  # 133: d_pos 1x64x64 float32
+                (0, 65536),  # 134: d_embed_W 256x64 float32
             )),
         "test_step": rp.StepPlan(
-            arena_bytes=4202496, peak_bytes=4202496, workspace_bytes=2097152, pool_bytes=4210688,
+            arena_bytes=3153920, peak_bytes=3153920, workspace_bytes=2097152, pool_bytes=3162112,
             buffers=(
                 (0, 8192),  # 0: x 32x64 int32
-                (4194304, 8192),  # 1: y 32x64 int32
+                (3145728, 8192),  # 1: y 32x64 int32
                 (2097152, 524288),  # 2: embed_gather_rows 2048x64 float32
                 (524288, 8192),  # 3: block1_ln1_sum_to 32x64x1 float32
                 (0, 524288),  # 4: block1_ln1_sub 32x64x64 float32
                 (532480, 8192),  # 5: block1_ln1_sum_to_2 32x64x1 float32
                 (524288, 524288),  # 6: block1_attn_v_matmul 2048x64 float32
-                (2621440, 524288),  # 7: block1_attn_out_transpose 32x4x64x16 float32
+                (1048576, 524288),  # 7: block1_attn_transpose 32x4x64x16 float32
                 (524288, 524288),  # 8: block1_attn_k_matmul 2048x64 float32
-                (1048576, 524288),  # 9: causal_softmax_transpose 32x4x64x16 float32
-                (3145728, 524288),  # 10: causal_softmax_transpose_2 32x4x16x64 float32
-                (524288, 524288),  # 11: block1_attn_q_matmul 2048x64 float32
-                (3670016, 524288),  # 12: causal_softmax_transpose_3 32x4x64x16 float32
-                (0, 2097152),  # 13: causal_softmax_matmul 32x4x64x64 float32
-                (3145728, 524288),  # 14: block1_attn_out_matmul 32x4x64x16 float32
-                (0, 524288),  # 15: block1_attn_out_transpose_2 32x64x4x16 float32
-                (524288, 524288),  # 16: block1_attn_out_matmul_2 2048x64 float32
-                (0, 8192),  # 17: block1_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 18: block1_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 19: block1_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 20: block1_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 21: block1_fc2_matmul 2048x64 float32
-                (524288, 8192),  # 22: block2_ln1_sum_to 32x64x1 float32
-                (0, 524288),  # 23: block2_ln1_sub 32x64x64 float32
-                (532480, 8192),  # 24: block2_ln1_sum_to_2 32x64x1 float32
-                (524288, 524288),  # 25: block2_attn_v_matmul 2048x64 float32
-                (2621440, 524288),  # 26: block2_attn_out_transpose 32x4x64x16 float32
-                (524288, 524288),  # 27: block2_attn_k_matmul 2048x64 float32
-                (1048576, 524288),  # 28: causal_softmax_transpose_4 32x4x64x16 float32
-                (3145728, 524288),  # 29: causal_softmax_transpose_5 32x4x16x64 float32
-                (524288, 524288),  # 30: block2_attn_q_matmul 2048x64 float32
-                (3670016, 524288),  # 31: causal_softmax_transpose_6 32x4x64x16 float32
-                (0, 2097152),  # 32: causal_softmax_matmul_2 32x4x64x64 float32
-                (3145728, 524288),  # 33: block2_attn_out_matmul 32x4x64x16 float32
-                (0, 524288),  # 34: block2_attn_out_transpose_2 32x64x4x16 float32
-                (524288, 524288),  # 35: block2_attn_out_matmul_2 2048x64 float32
-                (0, 8192),  # 36: block2_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 37: block2_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 38: block2_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 39: block2_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 40: block2_fc2_matmul 2048x64 float32
-                (0, 8192),  # 41: ln_sum_to 32x64x1 float32
-                (8192, 8192),  # 42: ln_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 43: next_matmul 2048x256 float32
-                (2113536, 4),  # 44: next_precision scalar float32
-                (2097152, 8192),  # 45: label_ranks 2048 float32
-                (2105344, 8192),  # 46: next_cross_entropy_pick 2048 float32
-                (0, 4),  # 47: next_cross_entropy_sum_to scalar float32
+                (1572864, 524288),  # 9: block1_attn_transpose_2 32x4x64x16 float32
+                (524288, 524288),  # 10: block1_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 11: block1_attn_transpose_3 32x4x64x16 float32
+                (524288, 524288),  # 12: block1_attn 32x4x64x16 float32
+                (0, 524288),  # 13: block1_attn_out_transpose 32x64x4x16 float32
+                (524288, 524288),  # 14: block1_attn_out_matmul 2048x64 float32
+                (0, 8192),  # 15: block1_ln2_sum_to 32x64x1 float32
+                (2621440, 524288),  # 16: block1_ln2_sub 32x64x64 float32
+                (8192, 8192),  # 17: block1_ln2_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 18: block1_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 19: block1_fc2_matmul 2048x64 float32
+                (524288, 8192),  # 20: block2_ln1_sum_to 32x64x1 float32
+                (0, 524288),  # 21: block2_ln1_sub 32x64x64 float32
+                (532480, 8192),  # 22: block2_ln1_sum_to_2 32x64x1 float32
+                (524288, 524288),  # 23: block2_attn_v_matmul 2048x64 float32
+                (1048576, 524288),  # 24: block2_attn_transpose 32x4x64x16 float32
+                (524288, 524288),  # 25: block2_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 26: block2_attn_transpose_2 32x4x64x16 float32
+                (524288, 524288),  # 27: block2_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 28: block2_attn_transpose_3 32x4x64x16 float32
+                (524288, 524288),  # 29: block2_attn 32x4x64x16 float32
+                (0, 524288),  # 30: block2_attn_out_transpose 32x64x4x16 float32
+                (524288, 524288),  # 31: block2_attn_out_matmul 2048x64 float32
+                (0, 8192),  # 32: block2_ln2_sum_to 32x64x1 float32
+                (2621440, 524288),  # 33: block2_ln2_sub 32x64x64 float32
+                (8192, 8192),  # 34: block2_ln2_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 35: block2_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 36: block2_fc2_matmul 2048x64 float32
+                (0, 8192),  # 37: ln_sum_to 32x64x1 float32
+                (8192, 8192),  # 38: ln_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 39: next_matmul 2048x256 float32
+                (2113536, 4),  # 40: next_precision scalar float32
+                (2097152, 8192),  # 41: label_ranks 2048 float32
+                (2105344, 8192),  # 42: next_cross_entropy_pick 2048 float32
+                (0, 4),  # 43: next_cross_entropy_sum_to scalar float32
             )),
         "predict_step": rp.StepPlan(
-            arena_bytes=4194304, peak_bytes=4194304, workspace_bytes=524288, pool_bytes=4202496,
+            arena_bytes=3145728, peak_bytes=3145728, workspace_bytes=2097152, pool_bytes=3153920,
             buffers=(
                 (0, 8192),  # 0: x 32x64 int32
                 (2097152, 524288),  # 1: embed_gather_rows 2048x64 float32
@@ -3047,43 +2877,39 @@ class CharLm(rp.Model):
                 (0, 524288),  # 3: block1_ln1_sub 32x64x64 float32
                 (532480, 8192),  # 4: block1_ln1_sum_to_2 32x64x1 float32
                 (524288, 524288),  # 5: block1_attn_v_matmul 2048x64 float32
-                (2621440, 524288),  # 6: block1_attn_out_transpose 32x4x64x16 float32
+                (1048576, 524288),  # 6: block1_attn_transpose 32x4x64x16 float32
                 (524288, 524288),  # 7: block1_attn_k_matmul 2048x64 float32
-                (1048576, 524288),  # 8: causal_softmax_transpose 32x4x64x16 float32
-                (3145728, 524288),  # 9: causal_softmax_transpose_2 32x4x16x64 float32
-                (524288, 524288),  # 10: block1_attn_q_matmul 2048x64 float32
-                (3670016, 524288),  # 11: causal_softmax_transpose_3 32x4x64x16 float32
-                (0, 2097152),  # 12: causal_softmax_matmul 32x4x64x64 float32
-                (3145728, 524288),  # 13: block1_attn_out_matmul 32x4x64x16 float32
-                (0, 524288),  # 14: block1_attn_out_transpose_2 32x64x4x16 float32
-                (524288, 524288),  # 15: block1_attn_out_matmul_2 2048x64 float32
-                (0, 8192),  # 16: block1_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 17: block1_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 18: block1_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 19: block1_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 20: block1_fc2_matmul 2048x64 float32
-                (524288, 8192),  # 21: block2_ln1_sum_to 32x64x1 float32
-                (0, 524288),  # 22: block2_ln1_sub 32x64x64 float32
-                (532480, 8192),  # 23: block2_ln1_sum_to_2 32x64x1 float32
-                (524288, 524288),  # 24: block2_attn_v_matmul 2048x64 float32
-                (2621440, 524288),  # 25: block2_attn_out_transpose 32x4x64x16 float32
-                (524288, 524288),  # 26: block2_attn_k_matmul 2048x64 float32
-                (1048576, 524288),  # 27: causal_softmax_transpose_4 32x4x64x16 float32
-                (3145728, 524288),  # 28: causal_softmax_transpose_5 32x4x16x64 float32
-                (524288, 524288),  # 29: block2_attn_q_matmul 2048x64 float32
-                (3670016, 524288),  # 30: causal_softmax_transpose_6 32x4x64x16 float32
-                (0, 2097152),  # 31: causal_softmax_matmul_2 32x4x64x64 float32
-                (3145728, 524288),  # 32: block2_attn_out_matmul 32x4x64x16 float32
-                (0, 524288),  # 33: block2_attn_out_transpose_2 32x64x4x16 float32
-                (524288, 524288),  # 34: block2_attn_out_matmul_2 2048x64 float32
-                (0, 8192),  # 35: block2_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 36: block2_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 37: block2_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 38: block2_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 39: block2_fc2_matmul 2048x64 float32
-                (0, 8192),  # 40: ln_sum_to 32x64x1 float32
-                (8192, 8192),  # 41: ln_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 42: next_matmul 2048x256 float32
+                (1572864, 524288),  # 8: block1_attn_transpose_2 32x4x64x16 float32
+                (524288, 524288),  # 9: block1_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 10: block1_attn_transpose_3 32x4x64x16 float32
+                (524288, 524288),  # 11: block1_attn 32x4x64x16 float32
+                (0, 524288),  # 12: block1_attn_out_transpose 32x64x4x16 float32
+                (524288, 524288),  # 13: block1_attn_out_matmul 2048x64 float32
+                (0, 8192),  # 14: block1_ln2_sum_to 32x64x1 float32
+                (2621440, 524288),  # 15: block1_ln2_sub 32x64x64 float32
+                (8192, 8192),  # 16: block1_ln2_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 17: block1_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 18: block1_fc2_matmul 2048x64 float32
+                (524288, 8192),  # 19: block2_ln1_sum_to 32x64x1 float32
+                (0, 524288),  # 20: block2_ln1_sub 32x64x64 float32
+                (532480, 8192),  # 21: block2_ln1_sum_to_2 32x64x1 float32
+                (524288, 524288),  # 22: block2_attn_v_matmul 2048x64 float32
+                (1048576, 524288),  # 23: block2_attn_transpose 32x4x64x16 float32
+                (524288, 524288),  # 24: block2_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 25: block2_attn_transpose_2 32x4x64x16 float32
+                (524288, 524288),  # 26: block2_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 27: block2_attn_transpose_3 32x4x64x16 float32
+                (524288, 524288),  # 28: block2_attn 32x4x64x16 float32
+                (0, 524288),  # 29: block2_attn_out_transpose 32x64x4x16 float32
+                (524288, 524288),  # 30: block2_attn_out_matmul 2048x64 float32
+                (0, 8192),  # 31: block2_ln2_sum_to 32x64x1 float32
+                (2621440, 524288),  # 32: block2_ln2_sub 32x64x64 float32
+                (8192, 8192),  # 33: block2_ln2_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 34: block2_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 35: block2_fc2_matmul 2048x64 float32
+                (0, 8192),  # 36: ln_sum_to 32x64x1 float32
+                (8192, 8192),  # 37: ln_sum_to_2 32x64x1 float32
+                (0, 2097152),  # 38: next_matmul 2048x256 float32
             )),
     }
 
@@ -3134,11 +2960,6 @@ def ew_mul_add(out, v0, v1, v2):
     np.add(out, v2, out=out)
 
 
-def ew_scale_2(out, v0):
-    """out = 0.25*v0   (out may be v0)"""
-    np.multiply(v0, 0.25, out=out)
-
-
 def ew_sqrt_mul_erf_add(out, v0):
     """out = v0*(erf(sqrt(2)*v0/2) + 1)/2"""
     np.multiply(1.4142135623730951, v0, out=out)
@@ -3154,7 +2975,7 @@ def ew_sub_2(out, v0, v1):
     np.subtract(v0, v1, out=out)
 
 
-def ew_scale_3(out, v0):
+def ew_scale_2(out, v0):
     """out = -v0/2048   (out may be v0)"""
     np.multiply(v0, -0.00048828125, out=out)
 
@@ -3213,12 +3034,6 @@ def ew_add_2(out, v0, v1, v2):
     """out = v0 + v1 + v2   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.add(out, v2, out=out)
-
-
-def ew_sub_mul(out, v0, v1, v2):
-    """out = v1*(v0 - v2)   (out may be v0)"""
-    np.subtract(v0, v2, out=out)
-    np.multiply(out, v1, out=out)
 
 
 def ew_scale_add_rsqrt(out, v0):

@@ -4,8 +4,8 @@ Source network: networks/vit.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: AdamW, 600 iterations, lr 0.002, betas (0.9, 0.999), eps 1e-08, decay 0.05, lr schedule cosine:0 after 50 iterations of warm-up
-Memory: peak 22.58 MB of tensors planned for the training step (2.05 MB testing); static arena 22.58 MB, pool 22.85 MB, workspace 0.72 MB
-Structure hash: d65294e5dfc112a5
+Memory: peak 22.58 MB of tensors planned for the training step (2.05 MB testing); static arena 22.58 MB, pool 22.85 MB, workspace 0.87 MB
+Structure hash: c52558ddaf16dccb
 
 Usage: python vit.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class Vit(rp.Model):
 
     name = "vit"
     source = "networks/vit.py"
-    structure_hash = "d65294e5dfc112a5"
+    structure_hash = "c52558ddaf16dccb"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -355,14 +355,14 @@ class Vit(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
-        block1_attn_out_transpose = mem.tensor(11, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
+        block1_attn_transpose = mem.tensor(11, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
         mem.free(10)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
@@ -370,71 +370,49 @@ class Vit(rp.Model):
         block1_attn_k_matmul = mem.tensor(12, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape = reshape[100x16x4x16](block1_attn_k_matmul)
-        softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose = transpose[axes=(1,2)](softmax_reshape)
-        softmax_transpose = mem.tensor(13, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape, out=softmax_transpose, axes=(1, 2))
-        # free block1_attn_k_matmul, softmax_reshape
-        del block1_attn_k_matmul, softmax_reshape
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
+        block1_attn_transpose_2 = mem.tensor(13, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
+        # free block1_attn_k_matmul, block1_attn_reshape_2
+        del block1_attn_k_matmul, block1_attn_reshape_2
         mem.free(12)
-        # softmax_transpose_2 = transpose[axes=(2,3)](softmax_transpose)
-        softmax_transpose_2 = mem.tensor(14, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose, out=softmax_transpose_2, axes=(2, 3))
-        # free softmax_transpose
-        del softmax_transpose
-        mem.free(13)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(15, (1600, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(14, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_2 = reshape[100x16x4x16](block1_attn_q_add)
-        softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_3 = transpose[axes=(1,2)](softmax_reshape_2)
-        softmax_transpose_3 = mem.tensor(16, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_2, out=softmax_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, softmax_reshape_2
-        del block1_attn_q_matmul, block1_attn_q_add, softmax_reshape_2
-        mem.free(15)
-        # softmax_matmul = matmul(softmax_transpose_3, softmax_transpose_2)
-        softmax_matmul = mem.tensor(17, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_3, softmax_transpose_2, out=softmax_matmul)
-        # softmax_scale = 0.25*softmax_matmul
-        softmax_scale = softmax_matmul  # in place: over softmax_matmul
-        rt.ew(ew_scale_2, softmax_scale, softmax_matmul)
-        # softmax_reshape_3 = reshape[6400x16](softmax_scale)
-        softmax_reshape_3 = rt.reshape(softmax_scale, shape=(6400, 16))
-        # softmax_softmax = softmax(softmax_reshape_3)
-        softmax_softmax = softmax_reshape_3  # in place: over softmax_reshape_3
-        rt.softmax(softmax_reshape_3, out=softmax_softmax)
-        # softmax = reshape[100x4x16x16](softmax_softmax)
-        softmax = rt.reshape(softmax_softmax, shape=(100, 4, 16, 16))
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
+        block1_attn_transpose_3 = mem.tensor(15, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(14)
+        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        block1_attn = mem.tensor(16, (100, 4, 16, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_matmul = matmul(softmax, block1_attn_out_transpose)
-        block1_attn_out_matmul = mem.tensor(18, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
-        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
-        block1_attn_out_transpose_2 = mem.tensor(19, (100, 16, 4, 16), 'float32')
-        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
-        # free block1_attn_out_matmul
-        del block1_attn_out_matmul
-        mem.free(18)
-        # block1_attn_out_reshape_2 = reshape[1600x64](block1_attn_out_transpose_2)
-        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(1600, 64))
-        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
-        block1_attn_out_matmul_2 = mem.tensor(20, (1600, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
-        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
+        block1_attn_out_transpose = mem.tensor(17, (100, 16, 4, 16), 'float32')
+        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
+        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
+        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
+        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
+        block1_attn_out_matmul = mem.tensor(18, (1600, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
 
@@ -442,33 +420,33 @@ class Vit(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        mem.free(20)
+        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        mem.free(18)
         # block1_ln2_sum_to = sum_to[100x16x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(21, (100, 16, 1), 'float32')
+        block1_ln2_sum_to = mem.tensor(19, (100, 16, 1), 'float32')
         rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(100, 16, 1))
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
         # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(22, (100, 16, 64), 'float32')
+        block1_ln2_sub = mem.tensor(20, (100, 16, 64), 'float32')
         # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(23, (100, 16, 1), 'float32')
+        block1_ln2_sum_to_2 = mem.tensor(21, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
                       (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(21)
+        mem.free(19)
         # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
-        block1_ln2_rsqrt = mem.tensor(24, (100, 16, 1), 'float32')
+        block1_ln2_rsqrt = mem.tensor(22, (100, 16, 1), 'float32')
         rt.ew_pair((ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2),
                    (ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3))
         # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul = mem.tensor(25, (100, 16, 64), 'float32')
+        block1_ln2_mul = mem.tensor(23, (100, 16, 64), 'float32')
         # block1_ln2 = block1_ln2_mul*block1_ln2_W + block1_ln2_B
         block1_ln2 = block1_ln2_mul  # in place: over block1_ln2_mul
         rt.ew_pair((ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt),
@@ -478,7 +456,7 @@ class Vit(rp.Model):
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(26, (1600, 128), 'float32')
+        block1_fc1_matmul = mem.tensor(24, (1600, 128), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
@@ -488,14 +466,14 @@ class Vit(rp.Model):
 
         # ---- block1_fc1_gelu (gelu), forward ----
         # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = mem.tensor(27, (100, 16, 128), 'float32')
+        block1_fc1_gelu = mem.tensor(25, (100, 16, 128), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
 
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(28, (1600, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(26, (1600, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
@@ -509,31 +487,31 @@ class Vit(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(28)
+        mem.free(26)
         # block2_ln1_sum_to = sum_to[100x16x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(29, (100, 16, 1), 'float32')
+        block2_ln1_sum_to = mem.tensor(27, (100, 16, 1), 'float32')
         rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(100, 16, 1))
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
         # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(30, (100, 16, 64), 'float32')
+        block2_ln1_sub = mem.tensor(28, (100, 16, 64), 'float32')
         # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(31, (100, 16, 1), 'float32')
+        block2_ln1_sum_to_2 = mem.tensor(29, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
                       (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(29)
+        mem.free(27)
         # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
-        block2_ln1_rsqrt = mem.tensor(32, (100, 16, 1), 'float32')
+        block2_ln1_rsqrt = mem.tensor(30, (100, 16, 1), 'float32')
         rt.ew_pair((ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2),
                    (ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2))
         # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul = mem.tensor(33, (100, 16, 64), 'float32')
+        block2_ln1_mul = mem.tensor(31, (100, 16, 64), 'float32')
         # block2_ln1 = block2_ln1_mul*block2_ln1_W + block2_ln1_B
         block2_ln1 = block2_ln1_mul  # in place: over block2_ln1_mul
         rt.ew_pair((ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt),
@@ -545,92 +523,70 @@ class Vit(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(34, (1600, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(32, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_reshape = reshape[100x16x4x16](block2_attn_v_add)
-        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
-        block2_attn_out_transpose = mem.tensor(35, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        mem.free(34)
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
+        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
+        block2_attn_transpose = mem.tensor(33, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        mem.free(32)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(36, (1600, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(34, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_4 = reshape[100x16x4x16](block2_attn_k_matmul)
-        softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose_4 = transpose[axes=(1,2)](softmax_reshape_4)
-        softmax_transpose_4 = mem.tensor(37, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_4, out=softmax_transpose_4, axes=(1, 2))
-        # free block2_attn_k_matmul, softmax_reshape_4
-        del block2_attn_k_matmul, softmax_reshape_4
-        mem.free(36)
-        # softmax_transpose_5 = transpose[axes=(2,3)](softmax_transpose_4)
-        softmax_transpose_5 = mem.tensor(38, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose_4, out=softmax_transpose_5, axes=(2, 3))
-        # free softmax_transpose_4
-        del softmax_transpose_4
-        mem.free(37)
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
+        block2_attn_transpose_2 = mem.tensor(35, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
+        # free block2_attn_k_matmul, block2_attn_reshape_2
+        del block2_attn_k_matmul, block2_attn_reshape_2
+        mem.free(34)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(39, (1600, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(36, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_5 = reshape[100x16x4x16](block2_attn_q_add)
-        softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_6 = transpose[axes=(1,2)](softmax_reshape_5)
-        softmax_transpose_6 = mem.tensor(40, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_5, out=softmax_transpose_6, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, softmax_reshape_5
-        del block2_attn_q_matmul, block2_attn_q_add, softmax_reshape_5
-        mem.free(39)
-        # softmax_matmul_2 = matmul(softmax_transpose_6, softmax_transpose_5)
-        softmax_matmul_2 = mem.tensor(41, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_6, softmax_transpose_5, out=softmax_matmul_2)
-        # softmax_scale_2 = 0.25*softmax_matmul_2
-        softmax_scale_2 = softmax_matmul_2  # in place: over softmax_matmul_2
-        rt.ew(ew_scale_2, softmax_scale_2, softmax_matmul_2)
-        # softmax_reshape_6 = reshape[6400x16](softmax_scale_2)
-        softmax_reshape_6 = rt.reshape(softmax_scale_2, shape=(6400, 16))
-        # softmax_softmax_2 = softmax(softmax_reshape_6)
-        softmax_softmax_2 = softmax_reshape_6  # in place: over softmax_reshape_6
-        rt.softmax(softmax_reshape_6, out=softmax_softmax_2)
-        # softmax_2 = reshape[100x4x16x16](softmax_softmax_2)
-        softmax_2 = rt.reshape(softmax_softmax_2, shape=(100, 4, 16, 16))
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
+        block2_attn_transpose_3 = mem.tensor(37, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        mem.free(36)
+        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
+        block2_attn = mem.tensor(38, (100, 4, 16, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_matmul = matmul(softmax_2, block2_attn_out_transpose)
-        block2_attn_out_matmul = mem.tensor(42, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
-        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
-        block2_attn_out_transpose_2 = mem.tensor(43, (100, 16, 4, 16), 'float32')
-        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
-        # free block2_attn_out_matmul
-        del block2_attn_out_matmul
-        mem.free(42)
-        # block2_attn_out_reshape_2 = reshape[1600x64](block2_attn_out_transpose_2)
-        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(1600, 64))
-        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
-        block2_attn_out_matmul_2 = mem.tensor(44, (1600, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
-        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
+        block2_attn_out_transpose = mem.tensor(39, (100, 16, 4, 16), 'float32')
+        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
+        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
+        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
+        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
+        block2_attn_out_matmul = mem.tensor(40, (1600, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
 
@@ -638,33 +594,33 @@ class Vit(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        mem.free(44)
+        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        mem.free(40)
         # block2_ln2_sum_to = sum_to[100x16x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(45, (100, 16, 1), 'float32')
+        block2_ln2_sum_to = mem.tensor(41, (100, 16, 1), 'float32')
         rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(100, 16, 1))
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
         # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(46, (100, 16, 64), 'float32')
+        block2_ln2_sub = mem.tensor(42, (100, 16, 64), 'float32')
         # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(47, (100, 16, 1), 'float32')
+        block2_ln2_sum_to_2 = mem.tensor(43, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
                       (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(45)
+        mem.free(41)
         # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
-        block2_ln2_rsqrt = mem.tensor(48, (100, 16, 1), 'float32')
+        block2_ln2_rsqrt = mem.tensor(44, (100, 16, 1), 'float32')
         rt.ew_pair((ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2),
                    (ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2))
         # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul = mem.tensor(49, (100, 16, 64), 'float32')
+        block2_ln2_mul = mem.tensor(45, (100, 16, 64), 'float32')
         # block2_ln2 = block2_ln2_mul*block2_ln2_W + block2_ln2_B
         block2_ln2 = block2_ln2_mul  # in place: over block2_ln2_mul
         rt.ew_pair((ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt),
@@ -674,7 +630,7 @@ class Vit(rp.Model):
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(50, (1600, 128), 'float32')
+        block2_fc1_matmul = mem.tensor(46, (1600, 128), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
@@ -684,14 +640,14 @@ class Vit(rp.Model):
 
         # ---- block2_fc1_gelu (gelu), forward ----
         # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = mem.tensor(51, (100, 16, 128), 'float32')
+        block2_fc1_gelu = mem.tensor(47, (100, 16, 128), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
 
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(52, (1600, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(48, (1600, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
@@ -705,31 +661,31 @@ class Vit(rp.Model):
         rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(52)
+        mem.free(48)
         # block3_ln1_sum_to = sum_to[100x16x1](block3_ln1_add)
-        block3_ln1_sum_to = mem.tensor(53, (100, 16, 1), 'float32')
+        block3_ln1_sum_to = mem.tensor(49, (100, 16, 1), 'float32')
         rt.sum_to(block3_ln1_add, out=block3_ln1_sum_to, shape=(100, 16, 1))
         # block3_ln1_scale = 0.015625*block3_ln1_sum_to
         block3_ln1_scale = block3_ln1_sum_to  # in place: over block3_ln1_sum_to
         rt.ew(ew_scale, block3_ln1_scale, block3_ln1_sum_to)
         # block3_ln1_sub = block3_ln1_add - block3_ln1_scale   (computed with the next statement)
-        block3_ln1_sub = mem.tensor(54, (100, 16, 64), 'float32')
+        block3_ln1_sub = mem.tensor(50, (100, 16, 64), 'float32')
         # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
-        block3_ln1_sum_to_2 = mem.tensor(55, (100, 16, 1), 'float32')
+        block3_ln1_sum_to_2 = mem.tensor(51, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale),
                       (ew_square, block3_ln1_sum_to_2, block3_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln1_sum_to, block3_ln1_scale
         del block3_ln1_sum_to, block3_ln1_scale
-        mem.free(53)
+        mem.free(49)
         # block3_ln1_add_2 = 0.015625*block3_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block3_ln1_add_2 = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
         # block3_ln1_rsqrt = 1/sqrt(block3_ln1_add_2)
-        block3_ln1_rsqrt = mem.tensor(56, (100, 16, 1), 'float32')
+        block3_ln1_rsqrt = mem.tensor(52, (100, 16, 1), 'float32')
         rt.ew_pair((ew_scale_add, block3_ln1_add_2, block3_ln1_sum_to_2),
                    (ew_rsqrt, block3_ln1_rsqrt, block3_ln1_add_2))
         # block3_ln1_mul = block3_ln1_sub*block3_ln1_rsqrt   (computed with the next statement)
-        block3_ln1_mul = mem.tensor(57, (100, 16, 64), 'float32')
+        block3_ln1_mul = mem.tensor(53, (100, 16, 64), 'float32')
         # block3_ln1 = block3_ln1_mul*block3_ln1_W + block3_ln1_B
         block3_ln1 = block3_ln1_mul  # in place: over block3_ln1_mul
         rt.ew_pair((ew_mul, block3_ln1_mul, block3_ln1_sub, block3_ln1_rsqrt),
@@ -741,92 +697,70 @@ class Vit(rp.Model):
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
         # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(58, (1600, 64), 'float32')
+        block3_attn_v_matmul = mem.tensor(54, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
         # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
         block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
         rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
 
-        # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_reshape = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_out_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn_out_reshape)
-        block3_attn_out_transpose = mem.tensor(59, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_out_reshape, out=block3_attn_out_transpose, axes=(1, 2))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_out_reshape
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_out_reshape
-        mem.free(58)
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
+        block3_attn_transpose = mem.tensor(55, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
+        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        mem.free(54)
 
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
-        block3_attn_k_matmul = mem.tensor(60, (1600, 64), 'float32')
+        block3_attn_k_matmul = mem.tensor(56, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_7 = reshape[100x16x4x16](block3_attn_k_matmul)
-        softmax_reshape_7 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose_7 = transpose[axes=(1,2)](softmax_reshape_7)
-        softmax_transpose_7 = mem.tensor(61, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_7, out=softmax_transpose_7, axes=(1, 2))
-        # free block3_attn_k_matmul, softmax_reshape_7
-        del block3_attn_k_matmul, softmax_reshape_7
-        mem.free(60)
-        # softmax_transpose_8 = transpose[axes=(2,3)](softmax_transpose_7)
-        softmax_transpose_8 = mem.tensor(62, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose_7, out=softmax_transpose_8, axes=(2, 3))
-        # free softmax_transpose_7
-        del softmax_transpose_7
-        mem.free(61)
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
+        block3_attn_transpose_2 = mem.tensor(57, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
+        # free block3_attn_k_matmul, block3_attn_reshape_2
+        del block3_attn_k_matmul, block3_attn_reshape_2
+        mem.free(56)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(63, (1600, 64), 'float32')
+        block3_attn_q_matmul = mem.tensor(58, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
         # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
         block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
         rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_8 = reshape[100x16x4x16](block3_attn_q_add)
-        softmax_reshape_8 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_9 = transpose[axes=(1,2)](softmax_reshape_8)
-        softmax_transpose_9 = mem.tensor(64, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_8, out=softmax_transpose_9, axes=(1, 2))
-        # free block3_attn_q_matmul, block3_attn_q_add, softmax_reshape_8
-        del block3_attn_q_matmul, block3_attn_q_add, softmax_reshape_8
-        mem.free(63)
-        # softmax_matmul_3 = matmul(softmax_transpose_9, softmax_transpose_8)
-        softmax_matmul_3 = mem.tensor(65, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_9, softmax_transpose_8, out=softmax_matmul_3)
-        # softmax_scale_3 = 0.25*softmax_matmul_3
-        softmax_scale_3 = softmax_matmul_3  # in place: over softmax_matmul_3
-        rt.ew(ew_scale_2, softmax_scale_3, softmax_matmul_3)
-        # softmax_reshape_9 = reshape[6400x16](softmax_scale_3)
-        softmax_reshape_9 = rt.reshape(softmax_scale_3, shape=(6400, 16))
-        # softmax_softmax_3 = softmax(softmax_reshape_9)
-        softmax_softmax_3 = softmax_reshape_9  # in place: over softmax_reshape_9
-        rt.softmax(softmax_reshape_9, out=softmax_softmax_3)
-        # softmax_3 = reshape[100x4x16x16](softmax_softmax_3)
-        softmax_3 = rt.reshape(softmax_softmax_3, shape=(100, 4, 16, 16))
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
+        block3_attn_transpose_3 = mem.tensor(59, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
+        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        mem.free(58)
+        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
+        block3_attn = mem.tensor(60, (100, 4, 16, 16), 'float32')
+        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_matmul = matmul(softmax_3, block3_attn_out_transpose)
-        block3_attn_out_matmul = mem.tensor(66, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_3, block3_attn_out_transpose, out=block3_attn_out_matmul)
-        # block3_attn_out_transpose_2 = transpose[axes=(1,2)](block3_attn_out_matmul)
-        block3_attn_out_transpose_2 = mem.tensor(67, (100, 16, 4, 16), 'float32')
-        rt.transpose(block3_attn_out_matmul, out=block3_attn_out_transpose_2, axes=(1, 2))
-        # free block3_attn_out_matmul
-        del block3_attn_out_matmul
-        mem.free(66)
-        # block3_attn_out_reshape_2 = reshape[1600x64](block3_attn_out_transpose_2)
-        block3_attn_out_reshape_2 = rt.reshape(block3_attn_out_transpose_2, shape=(1600, 64))
-        # block3_attn_out_matmul_2 = matmul[tb](block3_attn_out_reshape_2, block3_attn_out_W)
-        block3_attn_out_matmul_2 = mem.tensor(68, (1600, 64), 'float32')
-        rt.matmul(block3_attn_out_reshape_2, T['block3_attn_out_W'], out=block3_attn_out_matmul_2, tb=True)
-        # block3_attn_out_add = block3_attn_out_matmul_2 + block3_attn_out_B
-        block3_attn_out_add = block3_attn_out_matmul_2  # in place: over block3_attn_out_matmul_2
-        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul_2, T['block3_attn_out_B'])
+        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
+        block3_attn_out_transpose = mem.tensor(61, (100, 16, 4, 16), 'float32')
+        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
+        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
+        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
+        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
+        block3_attn_out_matmul = mem.tensor(62, (1600, 64), 'float32')
+        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
+        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
+        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
+        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
         # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
         block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
 
@@ -834,33 +768,33 @@ class Vit(rp.Model):
         # block3_ln2_add = block3_ln1_add + block3_attn_out
         block3_ln2_add = block3_ln1_add  # in place: over block3_ln1_add
         rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
-        # free block3_attn_out_matmul_2, block3_attn_out_add, block3_attn_out
-        del block3_attn_out_matmul_2, block3_attn_out_add, block3_attn_out
-        mem.free(68)
+        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        mem.free(62)
         # block3_ln2_sum_to = sum_to[100x16x1](block3_ln2_add)
-        block3_ln2_sum_to = mem.tensor(69, (100, 16, 1), 'float32')
+        block3_ln2_sum_to = mem.tensor(63, (100, 16, 1), 'float32')
         rt.sum_to(block3_ln2_add, out=block3_ln2_sum_to, shape=(100, 16, 1))
         # block3_ln2_scale = 0.015625*block3_ln2_sum_to
         block3_ln2_scale = block3_ln2_sum_to  # in place: over block3_ln2_sum_to
         rt.ew(ew_scale, block3_ln2_scale, block3_ln2_sum_to)
         # block3_ln2_sub = block3_ln2_add - block3_ln2_scale   (computed with the next statement)
-        block3_ln2_sub = mem.tensor(70, (100, 16, 64), 'float32')
+        block3_ln2_sub = mem.tensor(64, (100, 16, 64), 'float32')
         # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
-        block3_ln2_sum_to_2 = mem.tensor(71, (100, 16, 1), 'float32')
+        block3_ln2_sum_to_2 = mem.tensor(65, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale),
                       (ew_square, block3_ln2_sum_to_2, block3_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln2_sum_to, block3_ln2_scale
         del block3_ln2_sum_to, block3_ln2_scale
-        mem.free(69)
+        mem.free(63)
         # block3_ln2_add_2 = 0.015625*block3_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block3_ln2_add_2 = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
         # block3_ln2_rsqrt = 1/sqrt(block3_ln2_add_2)
-        block3_ln2_rsqrt = mem.tensor(72, (100, 16, 1), 'float32')
+        block3_ln2_rsqrt = mem.tensor(66, (100, 16, 1), 'float32')
         rt.ew_pair((ew_scale_add, block3_ln2_add_2, block3_ln2_sum_to_2),
                    (ew_rsqrt, block3_ln2_rsqrt, block3_ln2_add_2))
         # block3_ln2_mul = block3_ln2_sub*block3_ln2_rsqrt   (computed with the next statement)
-        block3_ln2_mul = mem.tensor(73, (100, 16, 64), 'float32')
+        block3_ln2_mul = mem.tensor(67, (100, 16, 64), 'float32')
         # block3_ln2 = block3_ln2_mul*block3_ln2_W + block3_ln2_B
         block3_ln2 = block3_ln2_mul  # in place: over block3_ln2_mul
         rt.ew_pair((ew_mul, block3_ln2_mul, block3_ln2_sub, block3_ln2_rsqrt),
@@ -870,7 +804,7 @@ class Vit(rp.Model):
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
         # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(74, (1600, 128), 'float32')
+        block3_fc1_matmul = mem.tensor(68, (1600, 128), 'float32')
         rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
         # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
         block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
@@ -880,14 +814,14 @@ class Vit(rp.Model):
 
         # ---- block3_fc1_gelu (gelu), forward ----
         # block3_fc1_gelu = block3_fc1*(erf(sqrt(2)*block3_fc1/2) + 1)/2
-        block3_fc1_gelu = mem.tensor(75, (100, 16, 128), 'float32')
+        block3_fc1_gelu = mem.tensor(69, (100, 16, 128), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block3_fc1_gelu, block3_fc1)
 
         # ---- block3_fc2 (fully connected, 64 outputs), forward ----
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
         # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(76, (1600, 64), 'float32')
+        block3_fc2_matmul = mem.tensor(70, (1600, 64), 'float32')
         rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
         # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
         block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
@@ -901,31 +835,31 @@ class Vit(rp.Model):
         rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
         # free block3_fc2_matmul, block3_fc2_add, block3_fc2
         del block3_fc2_matmul, block3_fc2_add, block3_fc2
-        mem.free(76)
+        mem.free(70)
         # block4_ln1_sum_to = sum_to[100x16x1](block4_ln1_add)
-        block4_ln1_sum_to = mem.tensor(77, (100, 16, 1), 'float32')
+        block4_ln1_sum_to = mem.tensor(71, (100, 16, 1), 'float32')
         rt.sum_to(block4_ln1_add, out=block4_ln1_sum_to, shape=(100, 16, 1))
         # block4_ln1_scale = 0.015625*block4_ln1_sum_to
         block4_ln1_scale = block4_ln1_sum_to  # in place: over block4_ln1_sum_to
         rt.ew(ew_scale, block4_ln1_scale, block4_ln1_sum_to)
         # block4_ln1_sub = block4_ln1_add - block4_ln1_scale   (computed with the next statement)
-        block4_ln1_sub = mem.tensor(78, (100, 16, 64), 'float32')
+        block4_ln1_sub = mem.tensor(72, (100, 16, 64), 'float32')
         # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
-        block4_ln1_sum_to_2 = mem.tensor(79, (100, 16, 1), 'float32')
+        block4_ln1_sum_to_2 = mem.tensor(73, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale),
                       (ew_square, block4_ln1_sum_to_2, block4_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln1_sum_to, block4_ln1_scale
         del block4_ln1_sum_to, block4_ln1_scale
-        mem.free(77)
+        mem.free(71)
         # block4_ln1_add_2 = 0.015625*block4_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block4_ln1_add_2 = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
         # block4_ln1_rsqrt = 1/sqrt(block4_ln1_add_2)
-        block4_ln1_rsqrt = mem.tensor(80, (100, 16, 1), 'float32')
+        block4_ln1_rsqrt = mem.tensor(74, (100, 16, 1), 'float32')
         rt.ew_pair((ew_scale_add, block4_ln1_add_2, block4_ln1_sum_to_2),
                    (ew_rsqrt, block4_ln1_rsqrt, block4_ln1_add_2))
         # block4_ln1_mul = block4_ln1_sub*block4_ln1_rsqrt   (computed with the next statement)
-        block4_ln1_mul = mem.tensor(81, (100, 16, 64), 'float32')
+        block4_ln1_mul = mem.tensor(75, (100, 16, 64), 'float32')
         # block4_ln1 = block4_ln1_mul*block4_ln1_W + block4_ln1_B
         block4_ln1 = block4_ln1_mul  # in place: over block4_ln1_mul
         rt.ew_pair((ew_mul, block4_ln1_mul, block4_ln1_sub, block4_ln1_rsqrt),
@@ -937,92 +871,70 @@ class Vit(rp.Model):
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
         # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(82, (1600, 64), 'float32')
+        block4_attn_v_matmul = mem.tensor(76, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
         # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
         block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
         rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
 
-        # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_reshape = reshape[100x16x4x16](block4_attn_v_add)
-        block4_attn_out_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
-        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn_out_reshape)
-        block4_attn_out_transpose = mem.tensor(83, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_out_reshape, out=block4_attn_out_transpose, axes=(1, 2))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_out_reshape
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_out_reshape
-        mem.free(82)
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
+        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
+        block4_attn_transpose = mem.tensor(77, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
+        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        mem.free(76)
 
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
-        block4_attn_k_matmul = mem.tensor(84, (1600, 64), 'float32')
+        block4_attn_k_matmul = mem.tensor(78, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_10 = reshape[100x16x4x16](block4_attn_k_matmul)
-        softmax_reshape_10 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose_10 = transpose[axes=(1,2)](softmax_reshape_10)
-        softmax_transpose_10 = mem.tensor(85, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_10, out=softmax_transpose_10, axes=(1, 2))
-        # free block4_attn_k_matmul, softmax_reshape_10
-        del block4_attn_k_matmul, softmax_reshape_10
-        mem.free(84)
-        # softmax_transpose_11 = transpose[axes=(2,3)](softmax_transpose_10)
-        softmax_transpose_11 = mem.tensor(86, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose_10, out=softmax_transpose_11, axes=(2, 3))
-        # free softmax_transpose_10
-        del softmax_transpose_10
-        mem.free(85)
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
+        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
+        block4_attn_transpose_2 = mem.tensor(79, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
+        # free block4_attn_k_matmul, block4_attn_reshape_2
+        del block4_attn_k_matmul, block4_attn_reshape_2
+        mem.free(78)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(87, (1600, 64), 'float32')
+        block4_attn_q_matmul = mem.tensor(80, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
         # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
         block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
         rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_11 = reshape[100x16x4x16](block4_attn_q_add)
-        softmax_reshape_11 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_12 = transpose[axes=(1,2)](softmax_reshape_11)
-        softmax_transpose_12 = mem.tensor(88, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_11, out=softmax_transpose_12, axes=(1, 2))
-        # free block4_attn_q_matmul, block4_attn_q_add, softmax_reshape_11
-        del block4_attn_q_matmul, block4_attn_q_add, softmax_reshape_11
-        mem.free(87)
-        # softmax_matmul_4 = matmul(softmax_transpose_12, softmax_transpose_11)
-        softmax_matmul_4 = mem.tensor(89, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_12, softmax_transpose_11, out=softmax_matmul_4)
-        # softmax_scale_4 = 0.25*softmax_matmul_4
-        softmax_scale_4 = softmax_matmul_4  # in place: over softmax_matmul_4
-        rt.ew(ew_scale_2, softmax_scale_4, softmax_matmul_4)
-        # softmax_reshape_12 = reshape[6400x16](softmax_scale_4)
-        softmax_reshape_12 = rt.reshape(softmax_scale_4, shape=(6400, 16))
-        # softmax_softmax_4 = softmax(softmax_reshape_12)
-        softmax_softmax_4 = softmax_reshape_12  # in place: over softmax_reshape_12
-        rt.softmax(softmax_reshape_12, out=softmax_softmax_4)
-        # softmax_4 = reshape[100x4x16x16](softmax_softmax_4)
-        softmax_4 = rt.reshape(softmax_softmax_4, shape=(100, 4, 16, 16))
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
+        block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
+        block4_attn_transpose_3 = mem.tensor(81, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
+        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        mem.free(80)
+        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
+        block4_attn = mem.tensor(82, (100, 4, 16, 16), 'float32')
+        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_matmul = matmul(softmax_4, block4_attn_out_transpose)
-        block4_attn_out_matmul = mem.tensor(90, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_4, block4_attn_out_transpose, out=block4_attn_out_matmul)
-        # block4_attn_out_transpose_2 = transpose[axes=(1,2)](block4_attn_out_matmul)
-        block4_attn_out_transpose_2 = mem.tensor(91, (100, 16, 4, 16), 'float32')
-        rt.transpose(block4_attn_out_matmul, out=block4_attn_out_transpose_2, axes=(1, 2))
-        # free block4_attn_out_matmul
-        del block4_attn_out_matmul
-        mem.free(90)
-        # block4_attn_out_reshape_2 = reshape[1600x64](block4_attn_out_transpose_2)
-        block4_attn_out_reshape_2 = rt.reshape(block4_attn_out_transpose_2, shape=(1600, 64))
-        # block4_attn_out_matmul_2 = matmul[tb](block4_attn_out_reshape_2, block4_attn_out_W)
-        block4_attn_out_matmul_2 = mem.tensor(92, (1600, 64), 'float32')
-        rt.matmul(block4_attn_out_reshape_2, T['block4_attn_out_W'], out=block4_attn_out_matmul_2, tb=True)
-        # block4_attn_out_add = block4_attn_out_matmul_2 + block4_attn_out_B
-        block4_attn_out_add = block4_attn_out_matmul_2  # in place: over block4_attn_out_matmul_2
-        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul_2, T['block4_attn_out_B'])
+        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
+        block4_attn_out_transpose = mem.tensor(83, (100, 16, 4, 16), 'float32')
+        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
+        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
+        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
+        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
+        block4_attn_out_matmul = mem.tensor(84, (1600, 64), 'float32')
+        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
+        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
+        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
+        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
         # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
         block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
 
@@ -1030,33 +942,33 @@ class Vit(rp.Model):
         # block4_ln2_add = block4_ln1_add + block4_attn_out
         block4_ln2_add = block4_ln1_add  # in place: over block4_ln1_add
         rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
-        # free block4_attn_out_matmul_2, block4_attn_out_add, block4_attn_out
-        del block4_attn_out_matmul_2, block4_attn_out_add, block4_attn_out
-        mem.free(92)
+        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        mem.free(84)
         # block4_ln2_sum_to = sum_to[100x16x1](block4_ln2_add)
-        block4_ln2_sum_to = mem.tensor(93, (100, 16, 1), 'float32')
+        block4_ln2_sum_to = mem.tensor(85, (100, 16, 1), 'float32')
         rt.sum_to(block4_ln2_add, out=block4_ln2_sum_to, shape=(100, 16, 1))
         # block4_ln2_scale = 0.015625*block4_ln2_sum_to
         block4_ln2_scale = block4_ln2_sum_to  # in place: over block4_ln2_sum_to
         rt.ew(ew_scale, block4_ln2_scale, block4_ln2_sum_to)
         # block4_ln2_sub = block4_ln2_add - block4_ln2_scale   (computed with the next statement)
-        block4_ln2_sub = mem.tensor(94, (100, 16, 64), 'float32')
+        block4_ln2_sub = mem.tensor(86, (100, 16, 64), 'float32')
         # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
-        block4_ln2_sum_to_2 = mem.tensor(95, (100, 16, 1), 'float32')
+        block4_ln2_sum_to_2 = mem.tensor(87, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale),
                       (ew_square, block4_ln2_sum_to_2, block4_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln2_sum_to, block4_ln2_scale
         del block4_ln2_sum_to, block4_ln2_scale
-        mem.free(93)
+        mem.free(85)
         # block4_ln2_add_2 = 0.015625*block4_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block4_ln2_add_2 = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
         # block4_ln2_rsqrt = 1/sqrt(block4_ln2_add_2)
-        block4_ln2_rsqrt = mem.tensor(96, (100, 16, 1), 'float32')
+        block4_ln2_rsqrt = mem.tensor(88, (100, 16, 1), 'float32')
         rt.ew_pair((ew_scale_add, block4_ln2_add_2, block4_ln2_sum_to_2),
                    (ew_rsqrt, block4_ln2_rsqrt, block4_ln2_add_2))
         # block4_ln2_mul = block4_ln2_sub*block4_ln2_rsqrt   (computed with the next statement)
-        block4_ln2_mul = mem.tensor(97, (100, 16, 64), 'float32')
+        block4_ln2_mul = mem.tensor(89, (100, 16, 64), 'float32')
         # block4_ln2 = block4_ln2_mul*block4_ln2_W + block4_ln2_B
         block4_ln2 = block4_ln2_mul  # in place: over block4_ln2_mul
         rt.ew_pair((ew_mul, block4_ln2_mul, block4_ln2_sub, block4_ln2_rsqrt),
@@ -1066,7 +978,7 @@ class Vit(rp.Model):
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
         # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(98, (1600, 128), 'float32')
+        block4_fc1_matmul = mem.tensor(90, (1600, 128), 'float32')
         rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
         # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
         block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
@@ -1076,14 +988,14 @@ class Vit(rp.Model):
 
         # ---- block4_fc1_gelu (gelu), forward ----
         # block4_fc1_gelu = block4_fc1*(erf(sqrt(2)*block4_fc1/2) + 1)/2
-        block4_fc1_gelu = mem.tensor(99, (100, 16, 128), 'float32')
+        block4_fc1_gelu = mem.tensor(91, (100, 16, 128), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block4_fc1_gelu, block4_fc1)
 
         # ---- block4_fc2 (fully connected, 64 outputs), forward ----
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
         # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(100, (1600, 64), 'float32')
+        block4_fc2_matmul = mem.tensor(92, (1600, 64), 'float32')
         rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
         # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
         block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
@@ -1097,9 +1009,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
         # free block4_fc2_matmul, block4_fc2_add, block4_fc2
         del block4_fc2_matmul, block4_fc2_add, block4_fc2
-        mem.free(100)
+        mem.free(92)
         # ln_sum_to = sum_to[100x16x1](ln_add)
-        ln_sum_to = mem.tensor(101, (100, 16, 1), 'float32')
+        ln_sum_to = mem.tensor(93, (100, 16, 1), 'float32')
         rt.sum_to(ln_add, out=ln_sum_to, shape=(100, 16, 1))
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
@@ -1107,38 +1019,38 @@ class Vit(rp.Model):
         # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
         # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(102, (100, 16, 1), 'float32')
+        ln_sum_to_2 = mem.tensor(94, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
                       (ew_square, ln_sum_to_2, ln_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
-        mem.free(101)
+        mem.free(93)
         # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
         ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
         # ln_rsqrt = 1/sqrt(ln_add_2)
-        ln_rsqrt = mem.tensor(103, (100, 16, 1), 'float32')
+        ln_rsqrt = mem.tensor(95, (100, 16, 1), 'float32')
         rt.ew_pair((ew_scale_add, ln_add_2, ln_sum_to_2),
                    (ew_rsqrt, ln_rsqrt, ln_add_2))
         # ln_mul = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul = mem.tensor(104, (100, 16, 64), 'float32')
+        ln_mul = mem.tensor(96, (100, 16, 64), 'float32')
 
         # ---- head (fully connected, 10 outputs), forward ----
         # head_sum_to = sum_to[100x1x64](ln_mul*ln_W + ln_B)
-        head_sum_to = mem.tensor(105, (100, 1, 64), 'float32')
+        head_sum_to = mem.tensor(97, (100, 1, 64), 'float32')
         rt.ew_and_sum((ew_mul, ln_mul, ln_sub, ln_rsqrt),
                       (ew_mul_add_2, head_sum_to, ln_mul, T['ln_W'], T['ln_B']),
                       shape=(100, 1, 64), workspace=mem.workspace(409600))
         # free ln_mul
         del ln_mul
-        mem.free(104)
+        mem.free(96)
         # head_reshape = reshape[100x64](head_sum_to)
         head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
-        rt.ew(ew_scale_3, head_scale, head_reshape)
+        rt.ew(ew_scale_2, head_scale, head_reshape)
         # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(106, (100, 10), 'float32')
+        head_matmul = mem.tensor(98, (100, 10), 'float32')
         rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
         # head = head_matmul + head_B
         head = head_matmul  # in place: over head_matmul
@@ -1149,7 +1061,7 @@ class Vit(rp.Model):
         head_cross_entropy_log_softmax = head  # in place: over head
         rt.log_softmax(head, out=head_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
-        head_cross_entropy_pick = mem.tensor(107, (100,), 'float32')
+        head_cross_entropy_pick = mem.tensor(99, (100,), 'float32')
         rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
         # free y
         del y
@@ -1161,26 +1073,26 @@ class Vit(rp.Model):
         rt.ew(ew_exp_scale_add, d_head, d_head_cross_entropy_log_softmax, head_cross_entropy_log_softmax)
         # free head_matmul, head, head_cross_entropy_log_softmax
         del head_matmul, head, head_cross_entropy_log_softmax
-        mem.free(106)
+        mem.free(98)
 
         # ---- head (fully connected, 10 outputs), backward ----
         # d_head_W = matmul[ta](d_head, head_scale)
-        d_head_W = mem.tensor(108, (10, 64), 'float32')
+        d_head_W = mem.tensor(100, (10, 64), 'float32')
         rt.matmul(d_head, head_scale, out=d_head_W, ta=True)
         # free head_sum_to, head_reshape, head_scale
         del head_sum_to, head_reshape, head_scale
-        mem.free(105)
+        mem.free(97)
 
         # ---- head_cross_entropy (cross_entropy), forward ----
         # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
-        head_cross_entropy_sum_to = mem.tensor(109, (), 'float32')
+        head_cross_entropy_sum_to = mem.tensor(101, (), 'float32')
         rt.sum_to(head_cross_entropy_pick, out=head_cross_entropy_sum_to, shape=())
         # free head_cross_entropy_pick
         del head_cross_entropy_pick
-        mem.free(107)
+        mem.free(99)
         # head_cross_entropy = -head_cross_entropy_sum_to/100
         head_cross_entropy = head_cross_entropy_sum_to  # in place: over head_cross_entropy_sum_to
-        rt.ew(ew_scale_4, head_cross_entropy, head_cross_entropy_sum_to)
+        rt.ew(ew_scale_3, head_cross_entropy, head_cross_entropy_sum_to)
 
         # ---- head (fully connected, 10 outputs), backward ----
         # S_head_W_new = 0.999*S_head_W + 0.001*d_head_W**2
@@ -1191,9 +1103,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_head_W_new, T['M_head_W'], d_head_W)
         # free d_head_W
         del d_head_W
-        mem.free(108)
+        mem.free(100)
         # d_head_B = sum_to[10](d_head)
-        d_head_B = mem.tensor(110, (10,), 'float32')
+        d_head_B = mem.tensor(102, (10,), 'float32')
         rt.sum_to(d_head, out=d_head_B, shape=(10,))
         # S_head_B_new = 0.999*S_head_B + 0.001*d_head_B**2
         S_head_B_new = T['S_head_B']  # in place: the new S_head_B
@@ -1206,32 +1118,32 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, head_B_new, T['head_B'], lr, bias1, M_head_B_new, S_head_B_new, bias2, decay))
         # free d_head_B
         del d_head_B
-        mem.free(110)
+        mem.free(102)
         # d_head_scale = matmul(d_head, head_W)
-        d_head_scale = mem.tensor(111, (100, 64), 'float32')
+        d_head_scale = mem.tensor(103, (100, 64), 'float32')
         rt.matmul(d_head, T['head_W'], out=d_head_scale)
         # free d_head_cross_entropy_log_softmax, d_head
         del d_head_cross_entropy_log_softmax, d_head
         mem.free(2)
         # d_head_reshape = 0.0625*d_head_scale
         d_head_reshape = d_head_scale  # in place: over d_head_scale
-        rt.ew(ew_scale_3, d_head_reshape, d_head_scale)
+        rt.ew(ew_scale_2, d_head_reshape, d_head_scale)
         # d_head_sum_to = reshape[100x1x64](d_head_reshape)
         d_head_sum_to = rt.reshape(d_head_reshape, shape=(100, 1, 64))
 
         # ---- ln (layer norm over the last 1 axes), forward ----
         # ln_mul_2 = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul_2 = mem.tensor(112, (100, 16, 64), 'float32')
+        ln_mul_2 = mem.tensor(104, (100, 16, 64), 'float32')
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_W = sum_to[64](d_head_sum_to*ln_mul_2)
-        d_ln_W = mem.tensor(113, (64,), 'float32')
+        d_ln_W = mem.tensor(105, (64,), 'float32')
         rt.ew_and_sum((ew_mul, ln_mul_2, ln_sub, ln_rsqrt),
                       (ew_mul, d_ln_W, d_head_sum_to, ln_mul_2),
                       shape=(64,), workspace=mem.workspace(409600))
         # free ln_mul_2
         del ln_mul_2
-        mem.free(112)
+        mem.free(104)
         # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
         S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
         rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
@@ -1240,27 +1152,27 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_ln_W_new, T['M_ln_W'], d_ln_W)
         # free d_ln_W
         del d_ln_W
-        mem.free(113)
+        mem.free(105)
 
         # ---- head (fully connected, 10 outputs), backward ----
         # head_W_new = head_W*(-lr*decay + 1) - lr*M_head_W_new/(bias1*(sqrt(S_head_W_new)/sqrt(bias2) + 1.0e-8))
         head_W_new = T['head_W']  # in place: the new head_W
         rt.ew(ew_mul_sub_recip_sqrt, head_W_new, T['head_W'], lr, bias1, M_head_W_new, S_head_W_new, bias2, decay)
         # d_ln = broadcast_to[100x16x64](d_head_sum_to)
-        d_ln = mem.tensor(114, (100, 16, 64), 'float32')
+        d_ln = mem.tensor(106, (100, 16, 64), 'float32')
         rt.broadcast_to(d_head_sum_to, out=d_ln, shape=(100, 16, 64))
         # free d_head_scale, d_head_reshape, d_head_sum_to
         del d_head_scale, d_head_reshape, d_head_sum_to
-        mem.free(111)
+        mem.free(103)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_B = sum_to[64](d_ln)
-        d_ln_B = mem.tensor(115, (64,), 'float32')
+        d_ln_B = mem.tensor(107, (64,), 'float32')
         rt.sum_to(d_ln, out=d_ln_B, shape=(64,))
         # d_ln_mul = d_ln*ln_W   (computed with the next statement)
         d_ln_mul = d_ln  # in place: over d_ln
         # d_ln_rsqrt = sum_to[100x16x1](d_ln_mul*ln_sub)
-        d_ln_rsqrt = mem.tensor(116, (100, 16, 1), 'float32')
+        d_ln_rsqrt = mem.tensor(108, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_ln_mul, d_ln, T['ln_W']),
                       (ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -1278,23 +1190,23 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
         # free d_ln_B
         del d_ln_B
-        mem.free(115)
+        mem.free(107)
         # d_ln_sum_to = -0.0078125*d_ln_rsqrt/ln_add_2**(3/2)
         d_ln_sum_to = d_ln_rsqrt  # in place: over d_ln_rsqrt
         rt.ew(ew_pow_mul, d_ln_sum_to, d_ln_rsqrt, ln_add_2)
         # free ln_sum_to_2, ln_add_2
         del ln_sum_to_2, ln_add_2
-        mem.free(102)
+        mem.free(94)
         # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub   (computed with the next statement)
         d_ln_sub = d_ln_mul  # in place: over d_ln_mul
         # d_ln_scale = sum_to[100x16x1](-d_ln_sub)
-        d_ln_scale = mem.tensor(117, (100, 16, 1), 'float32')
+        d_ln_scale = mem.tensor(109, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_3, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub),
                       (ew_neg, d_ln_scale, d_ln_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
         del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
-        mem.free(4, 103, 116)
+        mem.free(4, 95, 108)
         # d_ln_sum_to_2 = 0.015625*d_ln_scale
         d_ln_sum_to_2 = d_ln_scale  # in place: over d_ln_scale
         rt.ew(ew_scale, d_ln_sum_to_2, d_ln_scale)
@@ -1303,17 +1215,17 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_ln_add, d_ln_sub, d_ln_sum_to_2)
         # free d_ln_scale, d_ln_sum_to_2
         del d_ln_scale, d_ln_sum_to_2
-        mem.free(117)
+        mem.free(109)
 
         # ---- block4_fc2 (fully connected, 64 outputs), backward ----
         # d_block4_fc2_add = reshape[1600x64](d_ln_add)
         d_block4_fc2_add = rt.reshape(d_ln_add, shape=(1600, 64))
         # d_block4_fc2_W = matmul[ta](d_block4_fc2_add, block4_fc2_reshape)
-        d_block4_fc2_W = mem.tensor(118, (64, 128), 'float32')
+        d_block4_fc2_W = mem.tensor(110, (64, 128), 'float32')
         rt.matmul(d_block4_fc2_add, block4_fc2_reshape, out=d_block4_fc2_W, ta=True)
         # free block4_fc1_gelu, block4_fc2_reshape
         del block4_fc1_gelu, block4_fc2_reshape
-        mem.free(99)
+        mem.free(91)
         # S_block4_fc2_W_new = 0.999*S_block4_fc2_W + 0.001*d_block4_fc2_W**2
         S_block4_fc2_W_new = T['S_block4_fc2_W']  # in place: the new S_block4_fc2_W
         rt.ew(ew_square_scale_add, S_block4_fc2_W_new, T['S_block4_fc2_W'], d_block4_fc2_W)
@@ -1322,9 +1234,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block4_fc2_W_new, T['M_block4_fc2_W'], d_block4_fc2_W)
         # free d_block4_fc2_W
         del d_block4_fc2_W
-        mem.free(118)
+        mem.free(110)
         # d_block4_fc2_B = sum_to[64](d_block4_fc2_add)
-        d_block4_fc2_B = mem.tensor(119, (64,), 'float32')
+        d_block4_fc2_B = mem.tensor(111, (64,), 'float32')
         rt.sum_to(d_block4_fc2_add, out=d_block4_fc2_B, shape=(64,))
         # S_block4_fc2_B_new = 0.999*S_block4_fc2_B + 0.001*d_block4_fc2_B**2
         S_block4_fc2_B_new = T['S_block4_fc2_B']  # in place: the new S_block4_fc2_B
@@ -1337,9 +1249,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_fc2_B_new, T['block4_fc2_B'], lr, bias1, M_block4_fc2_B_new, S_block4_fc2_B_new, bias2, decay))
         # free d_block4_fc2_B
         del d_block4_fc2_B
-        mem.free(119)
+        mem.free(111)
         # d_block4_fc2_reshape = matmul(d_block4_fc2_add, block4_fc2_W)
-        d_block4_fc2_reshape = mem.tensor(120, (1600, 128), 'float32')
+        d_block4_fc2_reshape = mem.tensor(112, (1600, 128), 'float32')
         rt.matmul(d_block4_fc2_add, T['block4_fc2_W'], out=d_block4_fc2_reshape)
         # d_block4_fc1_gelu = reshape[100x16x128](d_block4_fc2_reshape)
         d_block4_fc1_gelu = rt.reshape(d_block4_fc2_reshape, shape=(100, 16, 128))
@@ -1350,17 +1262,17 @@ class Vit(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block4_fc1, d_block4_fc1_gelu, block4_fc1)
         # free block4_fc1_matmul, block4_fc1_add, block4_fc1
         del block4_fc1_matmul, block4_fc1_add, block4_fc1
-        mem.free(98)
+        mem.free(90)
 
         # ---- block4_fc1 (fully connected, 128 outputs), backward ----
         # d_block4_fc1_add = reshape[1600x128](d_block4_fc1)
         d_block4_fc1_add = rt.reshape(d_block4_fc1, shape=(1600, 128))
         # d_block4_fc1_W = matmul[ta](d_block4_fc1_add, block4_fc1_reshape)
-        d_block4_fc1_W = mem.tensor(121, (128, 64), 'float32')
+        d_block4_fc1_W = mem.tensor(113, (128, 64), 'float32')
         rt.matmul(d_block4_fc1_add, block4_fc1_reshape, out=d_block4_fc1_W, ta=True)
         # free block4_ln2_mul, block4_ln2, block4_fc1_reshape
         del block4_ln2_mul, block4_ln2, block4_fc1_reshape
-        mem.free(97)
+        mem.free(89)
         # S_block4_fc1_W_new = 0.999*S_block4_fc1_W + 0.001*d_block4_fc1_W**2
         S_block4_fc1_W_new = T['S_block4_fc1_W']  # in place: the new S_block4_fc1_W
         rt.ew(ew_square_scale_add, S_block4_fc1_W_new, T['S_block4_fc1_W'], d_block4_fc1_W)
@@ -1369,7 +1281,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block4_fc1_W_new, T['M_block4_fc1_W'], d_block4_fc1_W)
         # free d_block4_fc1_W
         del d_block4_fc1_W
-        mem.free(121)
+        mem.free(113)
 
         # ---- block4_fc2 (fully connected, 64 outputs), backward ----
         # block4_fc2_W_new = block4_fc2_W*(-lr*decay + 1) - lr*M_block4_fc2_W_new/(bias1*(sqrt(S_block4_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1378,30 +1290,30 @@ class Vit(rp.Model):
 
         # ---- block4_fc1 (fully connected, 128 outputs), backward ----
         # d_block4_fc1_B = sum_to[128](d_block4_fc1_add)
-        d_block4_fc1_B = mem.tensor(122, (128,), 'float32')
+        d_block4_fc1_B = mem.tensor(114, (128,), 'float32')
         rt.sum_to(d_block4_fc1_add, out=d_block4_fc1_B, shape=(128,))
         # d_block4_fc1_reshape = matmul(d_block4_fc1_add, block4_fc1_W)
-        d_block4_fc1_reshape = mem.tensor(123, (1600, 64), 'float32')
+        d_block4_fc1_reshape = mem.tensor(115, (1600, 64), 'float32')
         rt.matmul(d_block4_fc1_add, T['block4_fc1_W'], out=d_block4_fc1_reshape)
         # free d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
         del d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
-        mem.free(120)
+        mem.free(112)
         # d_block4_ln2 = reshape[100x16x64](d_block4_fc1_reshape)
         d_block4_ln2 = rt.reshape(d_block4_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block4_ln2 (layer norm over the last 1 axes), forward ----
         # block4_ln2_mul_2 = block4_ln2_sub*block4_ln2_rsqrt   (computed with the next statement)
-        block4_ln2_mul_2 = mem.tensor(124, (100, 16, 64), 'float32')
+        block4_ln2_mul_2 = mem.tensor(116, (100, 16, 64), 'float32')
 
         # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
         # d_block4_ln2_W = sum_to[64](d_block4_ln2*block4_ln2_mul_2)
-        d_block4_ln2_W = mem.tensor(125, (64,), 'float32')
+        d_block4_ln2_W = mem.tensor(117, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block4_ln2_mul_2, block4_ln2_sub, block4_ln2_rsqrt),
                       (ew_mul, d_block4_ln2_W, d_block4_ln2, block4_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(409600))
         # free block4_ln2_mul_2
         del block4_ln2_mul_2
-        mem.free(124)
+        mem.free(116)
         # S_block4_ln2_W_new = 0.999*S_block4_ln2_W + 0.001*d_block4_ln2_W**2
         S_block4_ln2_W_new = T['S_block4_ln2_W']  # in place: the new S_block4_ln2_W
         rt.ew(ew_square_scale_add, S_block4_ln2_W_new, T['S_block4_ln2_W'], d_block4_ln2_W)
@@ -1410,7 +1322,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block4_ln2_W_new, T['M_block4_ln2_W'], d_block4_ln2_W)
         # free d_block4_ln2_W
         del d_block4_ln2_W
-        mem.free(125)
+        mem.free(117)
 
         # ---- block4_fc1 (fully connected, 128 outputs), backward ----
         # block4_fc1_W_new = block4_fc1_W*(-lr*decay + 1) - lr*M_block4_fc1_W_new/(bias1*(sqrt(S_block4_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1427,16 +1339,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_fc1_B_new, T['block4_fc1_B'], lr, bias1, M_block4_fc1_B_new, S_block4_fc1_B_new, bias2, decay))
         # free d_block4_fc1_B
         del d_block4_fc1_B
-        mem.free(122)
+        mem.free(114)
 
         # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
         # d_block4_ln2_B = sum_to[64](d_block4_ln2)
-        d_block4_ln2_B = mem.tensor(126, (64,), 'float32')
+        d_block4_ln2_B = mem.tensor(118, (64,), 'float32')
         rt.sum_to(d_block4_ln2, out=d_block4_ln2_B, shape=(64,))
         # d_block4_ln2_mul = d_block4_ln2*block4_ln2_W   (computed with the next statement)
         d_block4_ln2_mul = d_block4_ln2  # in place: over d_block4_ln2
         # d_block4_ln2_rsqrt = sum_to[100x16x1](d_block4_ln2_mul*block4_ln2_sub)
-        d_block4_ln2_rsqrt = mem.tensor(127, (100, 16, 1), 'float32')
+        d_block4_ln2_rsqrt = mem.tensor(119, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block4_ln2_mul, d_block4_ln2, T['block4_ln2_W']),
                       (ew_mul, d_block4_ln2_rsqrt, d_block4_ln2_mul, block4_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -1454,23 +1366,23 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay))
         # free d_block4_ln2_B
         del d_block4_ln2_B
-        mem.free(126)
+        mem.free(118)
         # d_block4_ln2_sum_to = -0.0078125*d_block4_ln2_rsqrt/block4_ln2_add_2**(3/2)
         d_block4_ln2_sum_to = d_block4_ln2_rsqrt  # in place: over d_block4_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block4_ln2_sum_to, d_block4_ln2_rsqrt, block4_ln2_add_2)
         # free block4_ln2_sum_to_2, block4_ln2_add_2
         del block4_ln2_sum_to_2, block4_ln2_add_2
-        mem.free(95)
+        mem.free(87)
         # d_block4_ln2_sub = d_block4_ln2_mul*block4_ln2_rsqrt + 2*d_block4_ln2_sum_to*block4_ln2_sub   (computed with the next statement)
         d_block4_ln2_sub = d_block4_ln2_mul  # in place: over d_block4_ln2_mul
         # d_block4_ln2_scale = sum_to[100x16x1](-d_block4_ln2_sub)
-        d_block4_ln2_scale = mem.tensor(128, (100, 16, 1), 'float32')
+        d_block4_ln2_scale = mem.tensor(120, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_3, d_block4_ln2_sub, d_block4_ln2_mul, block4_ln2_rsqrt, d_block4_ln2_sum_to, block4_ln2_sub),
                       (ew_neg, d_block4_ln2_scale, d_block4_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln2_sub, block4_ln2_rsqrt, d_block4_ln2_rsqrt, d_block4_ln2_sum_to
         del block4_ln2_sub, block4_ln2_rsqrt, d_block4_ln2_rsqrt, d_block4_ln2_sum_to
-        mem.free(94, 96, 127)
+        mem.free(86, 88, 119)
         # d_block4_ln2_sum_to_2 = 0.015625*d_block4_ln2_scale
         d_block4_ln2_sum_to_2 = d_block4_ln2_scale  # in place: over d_block4_ln2_scale
         rt.ew(ew_scale, d_block4_ln2_sum_to_2, d_block4_ln2_scale)
@@ -1479,17 +1391,17 @@ class Vit(rp.Model):
         rt.ew(ew_add_2, d_block4_ln2_add, d_ln_add, d_block4_ln2_sub, d_block4_ln2_sum_to_2)
         # free d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_mul, d_block4_ln2_sub, d_block4_ln2_scale, d_block4_ln2_sum_to_2
         del d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_mul, d_block4_ln2_sub, d_block4_ln2_scale, d_block4_ln2_sum_to_2
-        mem.free(123, 128)
+        mem.free(115, 120)
 
         # ---- block4_attn_out (fully connected, 64 outputs), backward ----
         # d_block4_attn_out_add = reshape[1600x64](d_block4_ln2_add)
         d_block4_attn_out_add = rt.reshape(d_block4_ln2_add, shape=(1600, 64))
-        # d_block4_attn_out_W = matmul[ta](d_block4_attn_out_add, block4_attn_out_reshape_2)
-        d_block4_attn_out_W = mem.tensor(129, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape_2, out=d_block4_attn_out_W, ta=True)
-        # free block4_attn_out_transpose_2, block4_attn_out_reshape_2
-        del block4_attn_out_transpose_2, block4_attn_out_reshape_2
-        mem.free(91)
+        # d_block4_attn_out_W = matmul[ta](d_block4_attn_out_add, block4_attn_out_reshape)
+        d_block4_attn_out_W = mem.tensor(121, (64, 64), 'float32')
+        rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape, out=d_block4_attn_out_W, ta=True)
+        # free block4_attn_out_transpose, block4_attn_out_reshape
+        del block4_attn_out_transpose, block4_attn_out_reshape
+        mem.free(83)
         # S_block4_attn_out_W_new = 0.999*S_block4_attn_out_W + 0.001*d_block4_attn_out_W**2
         S_block4_attn_out_W_new = T['S_block4_attn_out_W']  # in place: the new S_block4_attn_out_W
         rt.ew(ew_square_scale_add, S_block4_attn_out_W_new, T['S_block4_attn_out_W'], d_block4_attn_out_W)
@@ -1498,9 +1410,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block4_attn_out_W_new, T['M_block4_attn_out_W'], d_block4_attn_out_W)
         # free d_block4_attn_out_W
         del d_block4_attn_out_W
-        mem.free(129)
+        mem.free(121)
         # d_block4_attn_out_B = sum_to[64](d_block4_attn_out_add)
-        d_block4_attn_out_B = mem.tensor(130, (64,), 'float32')
+        d_block4_attn_out_B = mem.tensor(122, (64,), 'float32')
         rt.sum_to(d_block4_attn_out_add, out=d_block4_attn_out_B, shape=(64,))
         # S_block4_attn_out_B_new = 0.999*S_block4_attn_out_B + 0.001*d_block4_attn_out_B**2
         S_block4_attn_out_B_new = T['S_block4_attn_out_B']  # in place: the new S_block4_attn_out_B
@@ -1513,133 +1425,50 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_out_B_new, T['block4_attn_out_B'], lr, bias1, M_block4_attn_out_B_new, S_block4_attn_out_B_new, bias2, decay))
         # free d_block4_attn_out_B
         del d_block4_attn_out_B
-        mem.free(130)
+        mem.free(122)
         # d_block4_attn_out_reshape = matmul(d_block4_attn_out_add, block4_attn_out_W)
-        d_block4_attn_out_reshape = mem.tensor(131, (1600, 64), 'float32')
+        d_block4_attn_out_reshape = mem.tensor(123, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_out_add, T['block4_attn_out_W'], out=d_block4_attn_out_reshape)
         # d_block4_attn_out_transpose = reshape[100x16x4x16](d_block4_attn_out_reshape)
         d_block4_attn_out_transpose = rt.reshape(d_block4_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block4_attn_out_matmul = transpose[axes=(1,2)](d_block4_attn_out_transpose)
-        d_block4_attn_out_matmul = mem.tensor(132, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block4_attn_out_transpose, out=d_block4_attn_out_matmul, axes=(1, 2))
+        # d_block4_attn = transpose[axes=(1,2)](d_block4_attn_out_transpose)
+        d_block4_attn = mem.tensor(124, (100, 4, 16, 16), 'float32')
+        rt.transpose(d_block4_attn_out_transpose, out=d_block4_attn, axes=(1, 2))
         # free d_block4_attn_out_reshape, d_block4_attn_out_transpose
         del d_block4_attn_out_reshape, d_block4_attn_out_transpose
-        mem.free(131)
-        # d_softmax = matmul[tb](d_block4_attn_out_matmul, block4_attn_out_transpose)
-        d_softmax = mem.tensor(133, (100, 4, 16, 16), 'float32')
-        rt.matmul(d_block4_attn_out_matmul, block4_attn_out_transpose, out=d_softmax, tb=True)
-        # free block4_attn_out_transpose
-        del block4_attn_out_transpose
-        mem.free(83)
-        # d_block4_attn_out_transpose_2 = matmul[ta](softmax_4, d_block4_attn_out_matmul)
-        d_block4_attn_out_transpose_2 = mem.tensor(134, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_4, d_block4_attn_out_matmul, out=d_block4_attn_out_transpose_2, ta=True)
-        # free d_block4_attn_out_matmul
-        del d_block4_attn_out_matmul
-        mem.free(132)
-        # d_block4_attn_out_reshape_2 = transpose[axes=(1,2)](d_block4_attn_out_transpose_2)
-        d_block4_attn_out_reshape_2 = mem.tensor(135, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block4_attn_out_transpose_2, out=d_block4_attn_out_reshape_2, axes=(1, 2))
-        # free d_block4_attn_out_transpose_2
-        del d_block4_attn_out_transpose_2
-        mem.free(134)
+        mem.free(123)
+
+        # ---- block4_attn (scaled dot-product attention), backward ----
+        # d_block4_attn_attention_grad = attention_grad[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, block4_attn, d_block4_attn)
+        d_block4_attn_attention_grad = mem.tensor(125, (307200,), 'float32')
+        rt.attention_grad(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, block4_attn, d_block4_attn, out=d_block4_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
+        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3, block4_attn, d_block4_attn
+        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3, block4_attn, d_block4_attn
+        mem.free(77, 79, 81, 82, 124)
+
+        # ---- block4_attn_out (fully connected, 64 outputs), backward ----
         # block4_attn_out_W_new = block4_attn_out_W*(-lr*decay + 1) - lr*M_block4_attn_out_W_new/(bias1*(sqrt(S_block4_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
         block4_attn_out_W_new = T['block4_attn_out_W']  # in place: the new block4_attn_out_W
         rt.ew(ew_mul_sub_recip_sqrt, block4_attn_out_W_new, T['block4_attn_out_W'], lr, bias1, M_block4_attn_out_W_new, S_block4_attn_out_W_new, bias2, decay)
-        # d_block4_attn_v_add = reshape[1600x64](d_block4_attn_out_reshape_2)
-        d_block4_attn_v_add = rt.reshape(d_block4_attn_out_reshape_2, shape=(1600, 64))
 
-        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
-        # d_block4_attn_v_B = sum_to[64](d_block4_attn_v_add)
-        d_block4_attn_v_B = mem.tensor(136, (64,), 'float32')
-        rt.sum_to(d_block4_attn_v_add, out=d_block4_attn_v_B, shape=(64,))
-        # S_block4_attn_v_B_new = 0.999*S_block4_attn_v_B + 0.001*d_block4_attn_v_B**2
-        S_block4_attn_v_B_new = T['S_block4_attn_v_B']  # in place: the new S_block4_attn_v_B
-        rt.ew(ew_square_scale_add, S_block4_attn_v_B_new, T['S_block4_attn_v_B'], d_block4_attn_v_B)
-        # M_block4_attn_v_B_new = 0.9*M_block4_attn_v_B + 0.1*d_block4_attn_v_B   (computed with the next statement)
-        M_block4_attn_v_B_new = T['M_block4_attn_v_B']  # in place: the new M_block4_attn_v_B
-        # block4_attn_v_B_new = block4_attn_v_B*(-lr*decay + 1) - lr*M_block4_attn_v_B_new/(bias1*(sqrt(S_block4_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_v_B_new = T['block4_attn_v_B']  # in place: the new block4_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block4_attn_v_B_new, T['M_block4_attn_v_B'], d_block4_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay))
-        # free d_block4_attn_v_B
-        del d_block4_attn_v_B
-        mem.free(136)
-        # d_block4_attn_v_W = matmul[ta](d_block4_attn_v_add, block4_attn_q_reshape)
-        d_block4_attn_v_W = mem.tensor(137, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_v_add, block4_attn_q_reshape, out=d_block4_attn_v_W, ta=True)
-        # d_block4_attn_q_reshape = matmul(d_block4_attn_v_add, block4_attn_v_W)
-        d_block4_attn_q_reshape = mem.tensor(138, (1600, 64), 'float32')
-        rt.matmul(d_block4_attn_v_add, T['block4_attn_v_W'], out=d_block4_attn_q_reshape)
-        # free d_block4_attn_out_reshape_2, d_block4_attn_v_add
-        del d_block4_attn_out_reshape_2, d_block4_attn_v_add
-        mem.free(135)
-        # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2
-        S_block4_attn_v_W_new = T['S_block4_attn_v_W']  # in place: the new S_block4_attn_v_W
-        rt.ew(ew_square_scale_add, S_block4_attn_v_W_new, T['S_block4_attn_v_W'], d_block4_attn_v_W)
-        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W   (computed with the next statement)
-        M_block4_attn_v_W_new = T['M_block4_attn_v_W']  # in place: the new M_block4_attn_v_W
-        # block4_attn_v_W_new = block4_attn_v_W*(-lr*decay + 1) - lr*M_block4_attn_v_W_new/(bias1*(sqrt(S_block4_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_v_W_new = T['block4_attn_v_W']  # in place: the new block4_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay))
-        # free d_block4_attn_v_W
-        del d_block4_attn_v_W
-        mem.free(137)
-
-        # ---- softmax (softmax), backward ----
-        # d_softmax_softmax = reshape[6400x16](d_softmax)
-        d_softmax_softmax = rt.reshape(d_softmax, shape=(6400, 16))
-        # d_softmax_sum_to = sum_to[6400x1](d_softmax_softmax*softmax_softmax_4)
-        d_softmax_sum_to = mem.tensor(139, (6400, 1), 'float32')
-        rt.ew_sum(ew_mul, d_softmax_sum_to, d_softmax_softmax, softmax_softmax_4, shape=(6400, 1), workspace=mem.workspace(409600))
-        # d_softmax_reshape = softmax_softmax_4*(d_softmax_softmax - d_softmax_sum_to)
-        d_softmax_reshape = d_softmax_softmax  # in place: over d_softmax_softmax
-        rt.ew(ew_sub_mul, d_softmax_reshape, d_softmax_softmax, softmax_softmax_4, d_softmax_sum_to)
-        # free softmax_matmul_4, softmax_scale_4, softmax_reshape_12, softmax_softmax_4, softmax_4, d_softmax_sum_to
-        del softmax_matmul_4, softmax_scale_4, softmax_reshape_12, softmax_softmax_4, softmax_4, d_softmax_sum_to
-        mem.free(89, 139)
-        # d_softmax_scale = reshape[100x4x16x16](d_softmax_reshape)
-        d_softmax_scale = rt.reshape(d_softmax_reshape, shape=(100, 4, 16, 16))
-        # d_softmax_matmul = 0.25*d_softmax_scale
-        d_softmax_matmul = d_softmax_scale  # in place: over d_softmax_scale
-        rt.ew(ew_scale_2, d_softmax_matmul, d_softmax_scale)
-        # d_softmax_transpose = matmul[tb](d_softmax_matmul, softmax_transpose_11)
-        d_softmax_transpose = mem.tensor(140, (100, 4, 16, 16), 'float32')
-        rt.matmul(d_softmax_matmul, softmax_transpose_11, out=d_softmax_transpose, tb=True)
-        # free softmax_transpose_11
-        del softmax_transpose_11
-        mem.free(86)
-        # d_softmax_transpose_2 = matmul[ta](softmax_transpose_12, d_softmax_matmul)
-        d_softmax_transpose_2 = mem.tensor(141, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_12, d_softmax_matmul, out=d_softmax_transpose_2, ta=True)
-        # free softmax_transpose_12, d_softmax, d_softmax_softmax, d_softmax_reshape, d_softmax_scale, d_softmax_matmul
-        del softmax_transpose_12, d_softmax, d_softmax_softmax, d_softmax_reshape, d_softmax_scale, d_softmax_matmul
-        mem.free(88, 133)
-        # d_softmax_reshape_2 = transpose[axes=(1,2)](d_softmax_transpose)
-        d_softmax_reshape_2 = mem.tensor(142, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_softmax_transpose, out=d_softmax_reshape_2, axes=(1, 2))
-        # free d_softmax_transpose
-        del d_softmax_transpose
-        mem.free(140)
-        # d_softmax_transpose_3 = transpose[axes=(2,3)](d_softmax_transpose_2)
-        d_softmax_transpose_3 = mem.tensor(143, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_softmax_transpose_2, out=d_softmax_transpose_3, axes=(2, 3))
-        # free d_softmax_transpose_2
-        del d_softmax_transpose_2
-        mem.free(141)
-        # d_softmax_reshape_3 = transpose[axes=(1,2)](d_softmax_transpose_3)
-        d_softmax_reshape_3 = mem.tensor(144, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_softmax_transpose_3, out=d_softmax_reshape_3, axes=(1, 2))
-        # free d_softmax_transpose_3
-        del d_softmax_transpose_3
-        mem.free(143)
-        # d_block4_attn_q_add = reshape[1600x64](d_softmax_reshape_2)
-        d_block4_attn_q_add = rt.reshape(d_softmax_reshape_2, shape=(1600, 64))
+        # ---- block4_attn (scaled dot-product attention), backward ----
+        # d_block4_attn_slice = slice[axis=0,start=0,stop=102400](d_block4_attn_attention_grad)
+        d_block4_attn_slice = mem.tensor(126, (102400,), 'float32')
+        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice, axis=0, start=0, stop=102400)
+        # d_block4_attn_transpose = reshape[100x4x16x16](d_block4_attn_slice)
+        d_block4_attn_transpose = rt.reshape(d_block4_attn_slice, shape=(100, 4, 16, 16))
+        # d_block4_attn_reshape = transpose[axes=(1,2)](d_block4_attn_transpose)
+        d_block4_attn_reshape = mem.tensor(127, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block4_attn_transpose, out=d_block4_attn_reshape, axes=(1, 2))
+        # free d_block4_attn_slice, d_block4_attn_transpose
+        del d_block4_attn_slice, d_block4_attn_transpose
+        mem.free(126)
+        # d_block4_attn_q_add = reshape[1600x64](d_block4_attn_reshape)
+        d_block4_attn_q_add = rt.reshape(d_block4_attn_reshape, shape=(1600, 64))
 
         # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_B = sum_to[64](d_block4_attn_q_add)
-        d_block4_attn_q_B = mem.tensor(145, (64,), 'float32')
+        d_block4_attn_q_B = mem.tensor(128, (64,), 'float32')
         rt.sum_to(d_block4_attn_q_add, out=d_block4_attn_q_B, shape=(64,))
         # S_block4_attn_q_B_new = 0.999*S_block4_attn_q_B + 0.001*d_block4_attn_q_B**2
         S_block4_attn_q_B_new = T['S_block4_attn_q_B']  # in place: the new S_block4_attn_q_B
@@ -1652,73 +1481,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_q_B_new, T['block4_attn_q_B'], lr, bias1, M_block4_attn_q_B_new, S_block4_attn_q_B_new, bias2, decay))
         # free d_block4_attn_q_B
         del d_block4_attn_q_B
-        mem.free(145)
+        mem.free(128)
         # d_block4_attn_q_W = matmul[ta](d_block4_attn_q_add, block4_attn_q_reshape)
-        d_block4_attn_q_W = mem.tensor(146, (64, 64), 'float32')
+        d_block4_attn_q_W = mem.tensor(129, (64, 64), 'float32')
         rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True)
-
-        # ---- softmax (softmax), backward ----
-        # d_block4_attn_k_matmul = reshape[1600x64](d_softmax_reshape_3)
-        d_block4_attn_k_matmul = rt.reshape(d_softmax_reshape_3, shape=(1600, 64))
-
-        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
-        # d_block4_attn_k_W = matmul[ta](d_block4_attn_k_matmul, block4_attn_q_reshape)
-        d_block4_attn_k_W = mem.tensor(147, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_k_matmul, block4_attn_q_reshape, out=d_block4_attn_k_W, ta=True)
-        # free block4_ln1_mul, block4_ln1, block4_attn_q_reshape
-        del block4_ln1_mul, block4_ln1, block4_attn_q_reshape
-        mem.free(81)
-
-        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
-        # d_block4_attn_q_reshape_2 = matmul(d_block4_attn_q_add, block4_attn_q_W)
-        d_block4_attn_q_reshape_2 = mem.tensor(148, (1600, 64), 'float32')
-        rt.matmul(d_block4_attn_q_add, T['block4_attn_q_W'], out=d_block4_attn_q_reshape_2)
-        # free d_softmax_reshape_2, d_block4_attn_q_add
-        del d_softmax_reshape_2, d_block4_attn_q_add
-        mem.free(142)
-
-        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
-        # d_block4_attn_q_reshape_3 = matmul(d_block4_attn_k_matmul, block4_attn_k_W)
-        d_block4_attn_q_reshape_3 = mem.tensor(149, (1600, 64), 'float32')
-        rt.matmul(d_block4_attn_k_matmul, T['block4_attn_k_W'], out=d_block4_attn_q_reshape_3)
-        # free d_softmax_reshape_3, d_block4_attn_k_matmul
-        del d_softmax_reshape_3, d_block4_attn_k_matmul
-        mem.free(144)
-
-        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
-        # d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape + d_block4_attn_q_reshape_3 + d_block4_attn_q_reshape_2
-        d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape  # in place: over d_block4_attn_q_reshape
-        rt.ew(ew_add_2, d_block4_attn_q_reshape_4, d_block4_attn_q_reshape, d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_2)
-        # free d_block4_attn_q_reshape_2, d_block4_attn_q_reshape_3
-        del d_block4_attn_q_reshape_2, d_block4_attn_q_reshape_3
-        mem.free(148, 149)
-        # d_block4_ln1 = reshape[100x16x64](d_block4_attn_q_reshape_4)
-        d_block4_ln1 = rt.reshape(d_block4_attn_q_reshape_4, shape=(100, 16, 64))
-
-        # ---- block4_ln1 (layer norm over the last 1 axes), forward ----
-        # block4_ln1_mul_2 = block4_ln1_sub*block4_ln1_rsqrt   (computed with the next statement)
-        block4_ln1_mul_2 = mem.tensor(150, (100, 16, 64), 'float32')
-
-        # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block4_ln1_W = sum_to[64](d_block4_ln1*block4_ln1_mul_2)
-        d_block4_ln1_W = mem.tensor(151, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block4_ln1_mul_2, block4_ln1_sub, block4_ln1_rsqrt),
-                      (ew_mul, d_block4_ln1_W, d_block4_ln1, block4_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block4_ln1_mul_2
-        del block4_ln1_mul_2
-        mem.free(150)
-        # S_block4_ln1_W_new = 0.999*S_block4_ln1_W + 0.001*d_block4_ln1_W**2
-        S_block4_ln1_W_new = T['S_block4_ln1_W']  # in place: the new S_block4_ln1_W
-        rt.ew(ew_square_scale_add, S_block4_ln1_W_new, T['S_block4_ln1_W'], d_block4_ln1_W)
-        # M_block4_ln1_W_new = 0.9*M_block4_ln1_W + 0.1*d_block4_ln1_W
-        M_block4_ln1_W_new = T['M_block4_ln1_W']  # in place: the new M_block4_ln1_W
-        rt.ew(ew_scale_add_2, M_block4_ln1_W_new, T['M_block4_ln1_W'], d_block4_ln1_W)
-        # free d_block4_ln1_W
-        del d_block4_ln1_W
-        mem.free(151)
-
-        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_reshape = matmul(d_block4_attn_q_add, block4_attn_q_W)
+        d_block4_attn_q_reshape = mem.tensor(130, (1600, 64), 'float32')
+        rt.matmul(d_block4_attn_q_add, T['block4_attn_q_W'], out=d_block4_attn_q_reshape)
+        # free d_block4_attn_reshape, d_block4_attn_q_add
+        del d_block4_attn_reshape, d_block4_attn_q_add
+        mem.free(127)
         # S_block4_attn_q_W_new = 0.999*S_block4_attn_q_W + 0.001*d_block4_attn_q_W**2
         S_block4_attn_q_W_new = T['S_block4_attn_q_W']  # in place: the new S_block4_attn_q_W
         rt.ew(ew_square_scale_add, S_block4_attn_q_W_new, T['S_block4_attn_q_W'], d_block4_attn_q_W)
@@ -1730,7 +1502,119 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay))
         # free d_block4_attn_q_W
         del d_block4_attn_q_W
-        mem.free(146)
+        mem.free(129)
+
+        # ---- block4_attn (scaled dot-product attention), backward ----
+        # d_block4_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block4_attn_attention_grad)
+        d_block4_attn_slice_2 = mem.tensor(131, (102400,), 'float32')
+        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_2, axis=0, start=102400, stop=204800)
+        # d_block4_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block4_attn_attention_grad)
+        d_block4_attn_slice_3 = mem.tensor(132, (102400,), 'float32')
+        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_3, axis=0, start=204800, stop=307200)
+        # free d_block4_attn_attention_grad
+        del d_block4_attn_attention_grad
+        mem.free(125)
+        # d_block4_attn_transpose_2 = reshape[100x4x16x16](d_block4_attn_slice_2)
+        d_block4_attn_transpose_2 = rt.reshape(d_block4_attn_slice_2, shape=(100, 4, 16, 16))
+        # d_block4_attn_reshape_2 = transpose[axes=(1,2)](d_block4_attn_transpose_2)
+        d_block4_attn_reshape_2 = mem.tensor(133, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block4_attn_transpose_2, out=d_block4_attn_reshape_2, axes=(1, 2))
+        # free d_block4_attn_slice_2, d_block4_attn_transpose_2
+        del d_block4_attn_slice_2, d_block4_attn_transpose_2
+        mem.free(131)
+        # d_block4_attn_transpose_3 = reshape[100x4x16x16](d_block4_attn_slice_3)
+        d_block4_attn_transpose_3 = rt.reshape(d_block4_attn_slice_3, shape=(100, 4, 16, 16))
+        # d_block4_attn_reshape_3 = transpose[axes=(1,2)](d_block4_attn_transpose_3)
+        d_block4_attn_reshape_3 = mem.tensor(134, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block4_attn_transpose_3, out=d_block4_attn_reshape_3, axes=(1, 2))
+        # free d_block4_attn_slice_3, d_block4_attn_transpose_3
+        del d_block4_attn_slice_3, d_block4_attn_transpose_3
+        mem.free(132)
+        # d_block4_attn_v_add = reshape[1600x64](d_block4_attn_reshape_3)
+        d_block4_attn_v_add = rt.reshape(d_block4_attn_reshape_3, shape=(1600, 64))
+
+        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
+        # d_block4_attn_v_B = sum_to[64](d_block4_attn_v_add)
+        d_block4_attn_v_B = mem.tensor(135, (64,), 'float32')
+        rt.sum_to(d_block4_attn_v_add, out=d_block4_attn_v_B, shape=(64,))
+        # S_block4_attn_v_B_new = 0.999*S_block4_attn_v_B + 0.001*d_block4_attn_v_B**2
+        S_block4_attn_v_B_new = T['S_block4_attn_v_B']  # in place: the new S_block4_attn_v_B
+        rt.ew(ew_square_scale_add, S_block4_attn_v_B_new, T['S_block4_attn_v_B'], d_block4_attn_v_B)
+        # M_block4_attn_v_B_new = 0.9*M_block4_attn_v_B + 0.1*d_block4_attn_v_B   (computed with the next statement)
+        M_block4_attn_v_B_new = T['M_block4_attn_v_B']  # in place: the new M_block4_attn_v_B
+        # block4_attn_v_B_new = block4_attn_v_B*(-lr*decay + 1) - lr*M_block4_attn_v_B_new/(bias1*(sqrt(S_block4_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_v_B_new = T['block4_attn_v_B']  # in place: the new block4_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block4_attn_v_B_new, T['M_block4_attn_v_B'], d_block4_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay))
+        # free d_block4_attn_v_B
+        del d_block4_attn_v_B
+        mem.free(135)
+
+        # ---- block4_attn (scaled dot-product attention), backward ----
+        # d_block4_attn_k_matmul = reshape[1600x64](d_block4_attn_reshape_2)
+        d_block4_attn_k_matmul = rt.reshape(d_block4_attn_reshape_2, shape=(1600, 64))
+
+        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
+        # d_block4_attn_k_W = matmul[ta](d_block4_attn_k_matmul, block4_attn_q_reshape)
+        d_block4_attn_k_W = mem.tensor(136, (64, 64), 'float32')
+        rt.matmul(d_block4_attn_k_matmul, block4_attn_q_reshape, out=d_block4_attn_k_W, ta=True)
+
+        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
+        # d_block4_attn_v_W = matmul[ta](d_block4_attn_v_add, block4_attn_q_reshape)
+        d_block4_attn_v_W = mem.tensor(137, (64, 64), 'float32')
+        rt.matmul(d_block4_attn_v_add, block4_attn_q_reshape, out=d_block4_attn_v_W, ta=True)
+        # free block4_ln1_mul, block4_ln1, block4_attn_q_reshape
+        del block4_ln1_mul, block4_ln1, block4_attn_q_reshape
+        mem.free(75)
+
+        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_reshape_2 = matmul(d_block4_attn_k_matmul, block4_attn_k_W)
+        d_block4_attn_q_reshape_2 = mem.tensor(138, (1600, 64), 'float32')
+        rt.matmul(d_block4_attn_k_matmul, T['block4_attn_k_W'], out=d_block4_attn_q_reshape_2)
+        # free d_block4_attn_reshape_2, d_block4_attn_k_matmul
+        del d_block4_attn_reshape_2, d_block4_attn_k_matmul
+        mem.free(133)
+
+        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_reshape_3 = matmul(d_block4_attn_v_add, block4_attn_v_W)
+        d_block4_attn_q_reshape_3 = mem.tensor(139, (1600, 64), 'float32')
+        rt.matmul(d_block4_attn_v_add, T['block4_attn_v_W'], out=d_block4_attn_q_reshape_3)
+        # free d_block4_attn_reshape_3, d_block4_attn_v_add
+        del d_block4_attn_reshape_3, d_block4_attn_v_add
+        mem.free(134)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape_3 + d_block4_attn_q_reshape_2 + d_block4_attn_q_reshape
+        d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape_3  # in place: over d_block4_attn_q_reshape_3
+        rt.ew(ew_add_2, d_block4_attn_q_reshape_4, d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_2, d_block4_attn_q_reshape)
+        # free d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
+        del d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
+        mem.free(130, 138)
+        # d_block4_ln1 = reshape[100x16x64](d_block4_attn_q_reshape_4)
+        d_block4_ln1 = rt.reshape(d_block4_attn_q_reshape_4, shape=(100, 16, 64))
+
+        # ---- block4_ln1 (layer norm over the last 1 axes), forward ----
+        # block4_ln1_mul_2 = block4_ln1_sub*block4_ln1_rsqrt   (computed with the next statement)
+        block4_ln1_mul_2 = mem.tensor(140, (100, 16, 64), 'float32')
+
+        # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block4_ln1_W = sum_to[64](d_block4_ln1*block4_ln1_mul_2)
+        d_block4_ln1_W = mem.tensor(141, (64,), 'float32')
+        rt.ew_and_sum((ew_mul, block4_ln1_mul_2, block4_ln1_sub, block4_ln1_rsqrt),
+                      (ew_mul, d_block4_ln1_W, d_block4_ln1, block4_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
+        # free block4_ln1_mul_2
+        del block4_ln1_mul_2
+        mem.free(140)
+        # S_block4_ln1_W_new = 0.999*S_block4_ln1_W + 0.001*d_block4_ln1_W**2
+        S_block4_ln1_W_new = T['S_block4_ln1_W']  # in place: the new S_block4_ln1_W
+        rt.ew(ew_square_scale_add, S_block4_ln1_W_new, T['S_block4_ln1_W'], d_block4_ln1_W)
+        # M_block4_ln1_W_new = 0.9*M_block4_ln1_W + 0.1*d_block4_ln1_W
+        M_block4_ln1_W_new = T['M_block4_ln1_W']  # in place: the new M_block4_ln1_W
+        rt.ew(ew_scale_add_2, M_block4_ln1_W_new, T['M_block4_ln1_W'], d_block4_ln1_W)
+        # free d_block4_ln1_W
+        del d_block4_ln1_W
+        mem.free(141)
 
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
         # S_block4_attn_k_W_new = 0.999*S_block4_attn_k_W + 0.001*d_block4_attn_k_W**2
@@ -1744,16 +1628,30 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay))
         # free d_block4_attn_k_W
         del d_block4_attn_k_W
-        mem.free(147)
+        mem.free(136)
+
+        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
+        # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2
+        S_block4_attn_v_W_new = T['S_block4_attn_v_W']  # in place: the new S_block4_attn_v_W
+        rt.ew(ew_square_scale_add, S_block4_attn_v_W_new, T['S_block4_attn_v_W'], d_block4_attn_v_W)
+        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W   (computed with the next statement)
+        M_block4_attn_v_W_new = T['M_block4_attn_v_W']  # in place: the new M_block4_attn_v_W
+        # block4_attn_v_W_new = block4_attn_v_W*(-lr*decay + 1) - lr*M_block4_attn_v_W_new/(bias1*(sqrt(S_block4_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_v_W_new = T['block4_attn_v_W']  # in place: the new block4_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay))
+        # free d_block4_attn_v_W
+        del d_block4_attn_v_W
+        mem.free(137)
 
         # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
         # d_block4_ln1_B = sum_to[64](d_block4_ln1)
-        d_block4_ln1_B = mem.tensor(152, (64,), 'float32')
+        d_block4_ln1_B = mem.tensor(142, (64,), 'float32')
         rt.sum_to(d_block4_ln1, out=d_block4_ln1_B, shape=(64,))
         # d_block4_ln1_mul = d_block4_ln1*block4_ln1_W   (computed with the next statement)
         d_block4_ln1_mul = d_block4_ln1  # in place: over d_block4_ln1
         # d_block4_ln1_rsqrt = sum_to[100x16x1](d_block4_ln1_mul*block4_ln1_sub)
-        d_block4_ln1_rsqrt = mem.tensor(153, (100, 16, 1), 'float32')
+        d_block4_ln1_rsqrt = mem.tensor(143, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block4_ln1_mul, d_block4_ln1, T['block4_ln1_W']),
                       (ew_mul, d_block4_ln1_rsqrt, d_block4_ln1_mul, block4_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -1771,42 +1669,42 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay))
         # free d_block4_ln1_B
         del d_block4_ln1_B
-        mem.free(152)
+        mem.free(142)
         # d_block4_ln1_sum_to = -0.0078125*d_block4_ln1_rsqrt/block4_ln1_add_2**(3/2)
         d_block4_ln1_sum_to = d_block4_ln1_rsqrt  # in place: over d_block4_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block4_ln1_sum_to, d_block4_ln1_rsqrt, block4_ln1_add_2)
         # free block4_ln1_sum_to_2, block4_ln1_add_2
         del block4_ln1_sum_to_2, block4_ln1_add_2
-        mem.free(79)
+        mem.free(73)
         # d_block4_ln1_sub = d_block4_ln1_mul*block4_ln1_rsqrt + 2*d_block4_ln1_sum_to*block4_ln1_sub   (computed with the next statement)
         d_block4_ln1_sub = d_block4_ln1_mul  # in place: over d_block4_ln1_mul
         # d_block4_ln1_scale = sum_to[100x16x1](-d_block4_ln1_sub)
-        d_block4_ln1_scale = mem.tensor(154, (100, 16, 1), 'float32')
+        d_block4_ln1_scale = mem.tensor(144, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_3, d_block4_ln1_sub, d_block4_ln1_mul, block4_ln1_rsqrt, d_block4_ln1_sum_to, block4_ln1_sub),
                       (ew_neg, d_block4_ln1_scale, d_block4_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln1_sub, block4_ln1_rsqrt, d_block4_ln1_rsqrt, d_block4_ln1_sum_to
         del block4_ln1_sub, block4_ln1_rsqrt, d_block4_ln1_rsqrt, d_block4_ln1_sum_to
-        mem.free(78, 80, 153)
+        mem.free(72, 74, 143)
         # d_block4_ln1_sum_to_2 = 0.015625*d_block4_ln1_scale
         d_block4_ln1_sum_to_2 = d_block4_ln1_scale  # in place: over d_block4_ln1_scale
         rt.ew(ew_scale, d_block4_ln1_sum_to_2, d_block4_ln1_scale)
         # d_block4_ln1_add = d_block4_ln2_add + d_block4_ln1_sub + d_block4_ln1_sum_to_2
         d_block4_ln1_add = d_block4_ln2_add  # in place: over d_block4_ln2_add
         rt.ew(ew_add_2, d_block4_ln1_add, d_block4_ln2_add, d_block4_ln1_sub, d_block4_ln1_sum_to_2)
-        # free d_block4_attn_q_reshape, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_mul, d_block4_ln1_sub, d_block4_ln1_scale, d_block4_ln1_sum_to_2
-        del d_block4_attn_q_reshape, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_mul, d_block4_ln1_sub, d_block4_ln1_scale, d_block4_ln1_sum_to_2
-        mem.free(138, 154)
+        # free d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_mul, d_block4_ln1_sub, d_block4_ln1_scale, d_block4_ln1_sum_to_2
+        del d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_mul, d_block4_ln1_sub, d_block4_ln1_scale, d_block4_ln1_sum_to_2
+        mem.free(139, 144)
 
         # ---- block3_fc2 (fully connected, 64 outputs), backward ----
         # d_block3_fc2_add = reshape[1600x64](d_block4_ln1_add)
         d_block3_fc2_add = rt.reshape(d_block4_ln1_add, shape=(1600, 64))
         # d_block3_fc2_W = matmul[ta](d_block3_fc2_add, block3_fc2_reshape)
-        d_block3_fc2_W = mem.tensor(155, (64, 128), 'float32')
+        d_block3_fc2_W = mem.tensor(145, (64, 128), 'float32')
         rt.matmul(d_block3_fc2_add, block3_fc2_reshape, out=d_block3_fc2_W, ta=True)
         # free block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_gelu, block3_fc2_reshape
-        mem.free(75)
+        mem.free(69)
         # S_block3_fc2_W_new = 0.999*S_block3_fc2_W + 0.001*d_block3_fc2_W**2
         S_block3_fc2_W_new = T['S_block3_fc2_W']  # in place: the new S_block3_fc2_W
         rt.ew(ew_square_scale_add, S_block3_fc2_W_new, T['S_block3_fc2_W'], d_block3_fc2_W)
@@ -1815,9 +1713,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block3_fc2_W_new, T['M_block3_fc2_W'], d_block3_fc2_W)
         # free d_block3_fc2_W
         del d_block3_fc2_W
-        mem.free(155)
+        mem.free(145)
         # d_block3_fc2_B = sum_to[64](d_block3_fc2_add)
-        d_block3_fc2_B = mem.tensor(156, (64,), 'float32')
+        d_block3_fc2_B = mem.tensor(146, (64,), 'float32')
         rt.sum_to(d_block3_fc2_add, out=d_block3_fc2_B, shape=(64,))
         # S_block3_fc2_B_new = 0.999*S_block3_fc2_B + 0.001*d_block3_fc2_B**2
         S_block3_fc2_B_new = T['S_block3_fc2_B']  # in place: the new S_block3_fc2_B
@@ -1830,9 +1728,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_fc2_B_new, T['block3_fc2_B'], lr, bias1, M_block3_fc2_B_new, S_block3_fc2_B_new, bias2, decay))
         # free d_block3_fc2_B
         del d_block3_fc2_B
-        mem.free(156)
+        mem.free(146)
         # d_block3_fc2_reshape = matmul(d_block3_fc2_add, block3_fc2_W)
-        d_block3_fc2_reshape = mem.tensor(157, (1600, 128), 'float32')
+        d_block3_fc2_reshape = mem.tensor(147, (1600, 128), 'float32')
         rt.matmul(d_block3_fc2_add, T['block3_fc2_W'], out=d_block3_fc2_reshape)
         # d_block3_fc1_gelu = reshape[100x16x128](d_block3_fc2_reshape)
         d_block3_fc1_gelu = rt.reshape(d_block3_fc2_reshape, shape=(100, 16, 128))
@@ -1843,17 +1741,17 @@ class Vit(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block3_fc1, d_block3_fc1_gelu, block3_fc1)
         # free block3_fc1_matmul, block3_fc1_add, block3_fc1
         del block3_fc1_matmul, block3_fc1_add, block3_fc1
-        mem.free(74)
+        mem.free(68)
 
         # ---- block3_fc1 (fully connected, 128 outputs), backward ----
         # d_block3_fc1_add = reshape[1600x128](d_block3_fc1)
         d_block3_fc1_add = rt.reshape(d_block3_fc1, shape=(1600, 128))
         # d_block3_fc1_W = matmul[ta](d_block3_fc1_add, block3_fc1_reshape)
-        d_block3_fc1_W = mem.tensor(158, (128, 64), 'float32')
+        d_block3_fc1_W = mem.tensor(148, (128, 64), 'float32')
         rt.matmul(d_block3_fc1_add, block3_fc1_reshape, out=d_block3_fc1_W, ta=True)
         # free block3_ln2_mul, block3_ln2, block3_fc1_reshape
         del block3_ln2_mul, block3_ln2, block3_fc1_reshape
-        mem.free(73)
+        mem.free(67)
         # S_block3_fc1_W_new = 0.999*S_block3_fc1_W + 0.001*d_block3_fc1_W**2
         S_block3_fc1_W_new = T['S_block3_fc1_W']  # in place: the new S_block3_fc1_W
         rt.ew(ew_square_scale_add, S_block3_fc1_W_new, T['S_block3_fc1_W'], d_block3_fc1_W)
@@ -1862,7 +1760,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block3_fc1_W_new, T['M_block3_fc1_W'], d_block3_fc1_W)
         # free d_block3_fc1_W
         del d_block3_fc1_W
-        mem.free(158)
+        mem.free(148)
 
         # ---- block3_fc2 (fully connected, 64 outputs), backward ----
         # block3_fc2_W_new = block3_fc2_W*(-lr*decay + 1) - lr*M_block3_fc2_W_new/(bias1*(sqrt(S_block3_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1871,30 +1769,30 @@ class Vit(rp.Model):
 
         # ---- block3_fc1 (fully connected, 128 outputs), backward ----
         # d_block3_fc1_B = sum_to[128](d_block3_fc1_add)
-        d_block3_fc1_B = mem.tensor(159, (128,), 'float32')
+        d_block3_fc1_B = mem.tensor(149, (128,), 'float32')
         rt.sum_to(d_block3_fc1_add, out=d_block3_fc1_B, shape=(128,))
         # d_block3_fc1_reshape = matmul(d_block3_fc1_add, block3_fc1_W)
-        d_block3_fc1_reshape = mem.tensor(160, (1600, 64), 'float32')
+        d_block3_fc1_reshape = mem.tensor(150, (1600, 64), 'float32')
         rt.matmul(d_block3_fc1_add, T['block3_fc1_W'], out=d_block3_fc1_reshape)
         # free d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
         del d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
-        mem.free(157)
+        mem.free(147)
         # d_block3_ln2 = reshape[100x16x64](d_block3_fc1_reshape)
         d_block3_ln2 = rt.reshape(d_block3_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block3_ln2 (layer norm over the last 1 axes), forward ----
         # block3_ln2_mul_2 = block3_ln2_sub*block3_ln2_rsqrt   (computed with the next statement)
-        block3_ln2_mul_2 = mem.tensor(161, (100, 16, 64), 'float32')
+        block3_ln2_mul_2 = mem.tensor(151, (100, 16, 64), 'float32')
 
         # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
         # d_block3_ln2_W = sum_to[64](d_block3_ln2*block3_ln2_mul_2)
-        d_block3_ln2_W = mem.tensor(162, (64,), 'float32')
+        d_block3_ln2_W = mem.tensor(152, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block3_ln2_mul_2, block3_ln2_sub, block3_ln2_rsqrt),
                       (ew_mul, d_block3_ln2_W, d_block3_ln2, block3_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(409600))
         # free block3_ln2_mul_2
         del block3_ln2_mul_2
-        mem.free(161)
+        mem.free(151)
         # S_block3_ln2_W_new = 0.999*S_block3_ln2_W + 0.001*d_block3_ln2_W**2
         S_block3_ln2_W_new = T['S_block3_ln2_W']  # in place: the new S_block3_ln2_W
         rt.ew(ew_square_scale_add, S_block3_ln2_W_new, T['S_block3_ln2_W'], d_block3_ln2_W)
@@ -1903,7 +1801,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block3_ln2_W_new, T['M_block3_ln2_W'], d_block3_ln2_W)
         # free d_block3_ln2_W
         del d_block3_ln2_W
-        mem.free(162)
+        mem.free(152)
 
         # ---- block3_fc1 (fully connected, 128 outputs), backward ----
         # block3_fc1_W_new = block3_fc1_W*(-lr*decay + 1) - lr*M_block3_fc1_W_new/(bias1*(sqrt(S_block3_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1920,16 +1818,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_fc1_B_new, T['block3_fc1_B'], lr, bias1, M_block3_fc1_B_new, S_block3_fc1_B_new, bias2, decay))
         # free d_block3_fc1_B
         del d_block3_fc1_B
-        mem.free(159)
+        mem.free(149)
 
         # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
         # d_block3_ln2_B = sum_to[64](d_block3_ln2)
-        d_block3_ln2_B = mem.tensor(163, (64,), 'float32')
+        d_block3_ln2_B = mem.tensor(153, (64,), 'float32')
         rt.sum_to(d_block3_ln2, out=d_block3_ln2_B, shape=(64,))
         # d_block3_ln2_mul = d_block3_ln2*block3_ln2_W   (computed with the next statement)
         d_block3_ln2_mul = d_block3_ln2  # in place: over d_block3_ln2
         # d_block3_ln2_rsqrt = sum_to[100x16x1](d_block3_ln2_mul*block3_ln2_sub)
-        d_block3_ln2_rsqrt = mem.tensor(164, (100, 16, 1), 'float32')
+        d_block3_ln2_rsqrt = mem.tensor(154, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block3_ln2_mul, d_block3_ln2, T['block3_ln2_W']),
                       (ew_mul, d_block3_ln2_rsqrt, d_block3_ln2_mul, block3_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -1947,23 +1845,23 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay))
         # free d_block3_ln2_B
         del d_block3_ln2_B
-        mem.free(163)
+        mem.free(153)
         # d_block3_ln2_sum_to = -0.0078125*d_block3_ln2_rsqrt/block3_ln2_add_2**(3/2)
         d_block3_ln2_sum_to = d_block3_ln2_rsqrt  # in place: over d_block3_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block3_ln2_sum_to, d_block3_ln2_rsqrt, block3_ln2_add_2)
         # free block3_ln2_sum_to_2, block3_ln2_add_2
         del block3_ln2_sum_to_2, block3_ln2_add_2
-        mem.free(71)
+        mem.free(65)
         # d_block3_ln2_sub = d_block3_ln2_mul*block3_ln2_rsqrt + 2*d_block3_ln2_sum_to*block3_ln2_sub   (computed with the next statement)
         d_block3_ln2_sub = d_block3_ln2_mul  # in place: over d_block3_ln2_mul
         # d_block3_ln2_scale = sum_to[100x16x1](-d_block3_ln2_sub)
-        d_block3_ln2_scale = mem.tensor(165, (100, 16, 1), 'float32')
+        d_block3_ln2_scale = mem.tensor(155, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_3, d_block3_ln2_sub, d_block3_ln2_mul, block3_ln2_rsqrt, d_block3_ln2_sum_to, block3_ln2_sub),
                       (ew_neg, d_block3_ln2_scale, d_block3_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln2_sub, block3_ln2_rsqrt, d_block3_ln2_rsqrt, d_block3_ln2_sum_to
         del block3_ln2_sub, block3_ln2_rsqrt, d_block3_ln2_rsqrt, d_block3_ln2_sum_to
-        mem.free(70, 72, 164)
+        mem.free(64, 66, 154)
         # d_block3_ln2_sum_to_2 = 0.015625*d_block3_ln2_scale
         d_block3_ln2_sum_to_2 = d_block3_ln2_scale  # in place: over d_block3_ln2_scale
         rt.ew(ew_scale, d_block3_ln2_sum_to_2, d_block3_ln2_scale)
@@ -1972,17 +1870,17 @@ class Vit(rp.Model):
         rt.ew(ew_add_2, d_block3_ln2_add, d_block4_ln1_add, d_block3_ln2_sub, d_block3_ln2_sum_to_2)
         # free d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_mul, d_block3_ln2_sub, d_block3_ln2_scale, d_block3_ln2_sum_to_2
         del d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_mul, d_block3_ln2_sub, d_block3_ln2_scale, d_block3_ln2_sum_to_2
-        mem.free(160, 165)
+        mem.free(150, 155)
 
         # ---- block3_attn_out (fully connected, 64 outputs), backward ----
         # d_block3_attn_out_add = reshape[1600x64](d_block3_ln2_add)
         d_block3_attn_out_add = rt.reshape(d_block3_ln2_add, shape=(1600, 64))
-        # d_block3_attn_out_W = matmul[ta](d_block3_attn_out_add, block3_attn_out_reshape_2)
-        d_block3_attn_out_W = mem.tensor(166, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape_2, out=d_block3_attn_out_W, ta=True)
-        # free block3_attn_out_transpose_2, block3_attn_out_reshape_2
-        del block3_attn_out_transpose_2, block3_attn_out_reshape_2
-        mem.free(67)
+        # d_block3_attn_out_W = matmul[ta](d_block3_attn_out_add, block3_attn_out_reshape)
+        d_block3_attn_out_W = mem.tensor(156, (64, 64), 'float32')
+        rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape, out=d_block3_attn_out_W, ta=True)
+        # free block3_attn_out_transpose, block3_attn_out_reshape
+        del block3_attn_out_transpose, block3_attn_out_reshape
+        mem.free(61)
         # S_block3_attn_out_W_new = 0.999*S_block3_attn_out_W + 0.001*d_block3_attn_out_W**2
         S_block3_attn_out_W_new = T['S_block3_attn_out_W']  # in place: the new S_block3_attn_out_W
         rt.ew(ew_square_scale_add, S_block3_attn_out_W_new, T['S_block3_attn_out_W'], d_block3_attn_out_W)
@@ -1991,9 +1889,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block3_attn_out_W_new, T['M_block3_attn_out_W'], d_block3_attn_out_W)
         # free d_block3_attn_out_W
         del d_block3_attn_out_W
-        mem.free(166)
+        mem.free(156)
         # d_block3_attn_out_B = sum_to[64](d_block3_attn_out_add)
-        d_block3_attn_out_B = mem.tensor(167, (64,), 'float32')
+        d_block3_attn_out_B = mem.tensor(157, (64,), 'float32')
         rt.sum_to(d_block3_attn_out_add, out=d_block3_attn_out_B, shape=(64,))
         # S_block3_attn_out_B_new = 0.999*S_block3_attn_out_B + 0.001*d_block3_attn_out_B**2
         S_block3_attn_out_B_new = T['S_block3_attn_out_B']  # in place: the new S_block3_attn_out_B
@@ -2006,133 +1904,50 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_out_B_new, T['block3_attn_out_B'], lr, bias1, M_block3_attn_out_B_new, S_block3_attn_out_B_new, bias2, decay))
         # free d_block3_attn_out_B
         del d_block3_attn_out_B
-        mem.free(167)
+        mem.free(157)
         # d_block3_attn_out_reshape = matmul(d_block3_attn_out_add, block3_attn_out_W)
-        d_block3_attn_out_reshape = mem.tensor(168, (1600, 64), 'float32')
+        d_block3_attn_out_reshape = mem.tensor(158, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_out_add, T['block3_attn_out_W'], out=d_block3_attn_out_reshape)
         # d_block3_attn_out_transpose = reshape[100x16x4x16](d_block3_attn_out_reshape)
         d_block3_attn_out_transpose = rt.reshape(d_block3_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block3_attn_out_matmul = transpose[axes=(1,2)](d_block3_attn_out_transpose)
-        d_block3_attn_out_matmul = mem.tensor(169, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block3_attn_out_transpose, out=d_block3_attn_out_matmul, axes=(1, 2))
+        # d_block3_attn = transpose[axes=(1,2)](d_block3_attn_out_transpose)
+        d_block3_attn = mem.tensor(159, (100, 4, 16, 16), 'float32')
+        rt.transpose(d_block3_attn_out_transpose, out=d_block3_attn, axes=(1, 2))
         # free d_block3_attn_out_reshape, d_block3_attn_out_transpose
         del d_block3_attn_out_reshape, d_block3_attn_out_transpose
-        mem.free(168)
-        # d_softmax_2 = matmul[tb](d_block3_attn_out_matmul, block3_attn_out_transpose)
-        d_softmax_2 = mem.tensor(170, (100, 4, 16, 16), 'float32')
-        rt.matmul(d_block3_attn_out_matmul, block3_attn_out_transpose, out=d_softmax_2, tb=True)
-        # free block3_attn_out_transpose
-        del block3_attn_out_transpose
-        mem.free(59)
-        # d_block3_attn_out_transpose_2 = matmul[ta](softmax_3, d_block3_attn_out_matmul)
-        d_block3_attn_out_transpose_2 = mem.tensor(171, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_3, d_block3_attn_out_matmul, out=d_block3_attn_out_transpose_2, ta=True)
-        # free d_block3_attn_out_matmul
-        del d_block3_attn_out_matmul
-        mem.free(169)
-        # d_block3_attn_out_reshape_2 = transpose[axes=(1,2)](d_block3_attn_out_transpose_2)
-        d_block3_attn_out_reshape_2 = mem.tensor(172, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block3_attn_out_transpose_2, out=d_block3_attn_out_reshape_2, axes=(1, 2))
-        # free d_block3_attn_out_transpose_2
-        del d_block3_attn_out_transpose_2
-        mem.free(171)
+        mem.free(158)
+
+        # ---- block3_attn (scaled dot-product attention), backward ----
+        # d_block3_attn_attention_grad = attention_grad[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, block3_attn, d_block3_attn)
+        d_block3_attn_attention_grad = mem.tensor(160, (307200,), 'float32')
+        rt.attention_grad(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, block3_attn, d_block3_attn, out=d_block3_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
+        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3, block3_attn, d_block3_attn
+        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3, block3_attn, d_block3_attn
+        mem.free(55, 57, 59, 60, 159)
+
+        # ---- block3_attn_out (fully connected, 64 outputs), backward ----
         # block3_attn_out_W_new = block3_attn_out_W*(-lr*decay + 1) - lr*M_block3_attn_out_W_new/(bias1*(sqrt(S_block3_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
         block3_attn_out_W_new = T['block3_attn_out_W']  # in place: the new block3_attn_out_W
         rt.ew(ew_mul_sub_recip_sqrt, block3_attn_out_W_new, T['block3_attn_out_W'], lr, bias1, M_block3_attn_out_W_new, S_block3_attn_out_W_new, bias2, decay)
-        # d_block3_attn_v_add = reshape[1600x64](d_block3_attn_out_reshape_2)
-        d_block3_attn_v_add = rt.reshape(d_block3_attn_out_reshape_2, shape=(1600, 64))
 
-        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
-        # d_block3_attn_v_B = sum_to[64](d_block3_attn_v_add)
-        d_block3_attn_v_B = mem.tensor(173, (64,), 'float32')
-        rt.sum_to(d_block3_attn_v_add, out=d_block3_attn_v_B, shape=(64,))
-        # S_block3_attn_v_B_new = 0.999*S_block3_attn_v_B + 0.001*d_block3_attn_v_B**2
-        S_block3_attn_v_B_new = T['S_block3_attn_v_B']  # in place: the new S_block3_attn_v_B
-        rt.ew(ew_square_scale_add, S_block3_attn_v_B_new, T['S_block3_attn_v_B'], d_block3_attn_v_B)
-        # M_block3_attn_v_B_new = 0.9*M_block3_attn_v_B + 0.1*d_block3_attn_v_B   (computed with the next statement)
-        M_block3_attn_v_B_new = T['M_block3_attn_v_B']  # in place: the new M_block3_attn_v_B
-        # block3_attn_v_B_new = block3_attn_v_B*(-lr*decay + 1) - lr*M_block3_attn_v_B_new/(bias1*(sqrt(S_block3_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_v_B_new = T['block3_attn_v_B']  # in place: the new block3_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block3_attn_v_B_new, T['M_block3_attn_v_B'], d_block3_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay))
-        # free d_block3_attn_v_B
-        del d_block3_attn_v_B
-        mem.free(173)
-        # d_block3_attn_v_W = matmul[ta](d_block3_attn_v_add, block3_attn_q_reshape)
-        d_block3_attn_v_W = mem.tensor(174, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_v_add, block3_attn_q_reshape, out=d_block3_attn_v_W, ta=True)
-        # d_block3_attn_q_reshape = matmul(d_block3_attn_v_add, block3_attn_v_W)
-        d_block3_attn_q_reshape = mem.tensor(175, (1600, 64), 'float32')
-        rt.matmul(d_block3_attn_v_add, T['block3_attn_v_W'], out=d_block3_attn_q_reshape)
-        # free d_block3_attn_out_reshape_2, d_block3_attn_v_add
-        del d_block3_attn_out_reshape_2, d_block3_attn_v_add
-        mem.free(172)
-        # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2
-        S_block3_attn_v_W_new = T['S_block3_attn_v_W']  # in place: the new S_block3_attn_v_W
-        rt.ew(ew_square_scale_add, S_block3_attn_v_W_new, T['S_block3_attn_v_W'], d_block3_attn_v_W)
-        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W   (computed with the next statement)
-        M_block3_attn_v_W_new = T['M_block3_attn_v_W']  # in place: the new M_block3_attn_v_W
-        # block3_attn_v_W_new = block3_attn_v_W*(-lr*decay + 1) - lr*M_block3_attn_v_W_new/(bias1*(sqrt(S_block3_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_v_W_new = T['block3_attn_v_W']  # in place: the new block3_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay))
-        # free d_block3_attn_v_W
-        del d_block3_attn_v_W
-        mem.free(174)
-
-        # ---- softmax (softmax), backward ----
-        # d_softmax_softmax_2 = reshape[6400x16](d_softmax_2)
-        d_softmax_softmax_2 = rt.reshape(d_softmax_2, shape=(6400, 16))
-        # d_softmax_sum_to_2 = sum_to[6400x1](d_softmax_softmax_2*softmax_softmax_3)
-        d_softmax_sum_to_2 = mem.tensor(176, (6400, 1), 'float32')
-        rt.ew_sum(ew_mul, d_softmax_sum_to_2, d_softmax_softmax_2, softmax_softmax_3, shape=(6400, 1), workspace=mem.workspace(409600))
-        # d_softmax_reshape_4 = softmax_softmax_3*(d_softmax_softmax_2 - d_softmax_sum_to_2)
-        d_softmax_reshape_4 = d_softmax_softmax_2  # in place: over d_softmax_softmax_2
-        rt.ew(ew_sub_mul, d_softmax_reshape_4, d_softmax_softmax_2, softmax_softmax_3, d_softmax_sum_to_2)
-        # free softmax_matmul_3, softmax_scale_3, softmax_reshape_9, softmax_softmax_3, softmax_3, d_softmax_sum_to_2
-        del softmax_matmul_3, softmax_scale_3, softmax_reshape_9, softmax_softmax_3, softmax_3, d_softmax_sum_to_2
-        mem.free(65, 176)
-        # d_softmax_scale_2 = reshape[100x4x16x16](d_softmax_reshape_4)
-        d_softmax_scale_2 = rt.reshape(d_softmax_reshape_4, shape=(100, 4, 16, 16))
-        # d_softmax_matmul_2 = 0.25*d_softmax_scale_2
-        d_softmax_matmul_2 = d_softmax_scale_2  # in place: over d_softmax_scale_2
-        rt.ew(ew_scale_2, d_softmax_matmul_2, d_softmax_scale_2)
-        # d_softmax_transpose_4 = matmul[tb](d_softmax_matmul_2, softmax_transpose_8)
-        d_softmax_transpose_4 = mem.tensor(177, (100, 4, 16, 16), 'float32')
-        rt.matmul(d_softmax_matmul_2, softmax_transpose_8, out=d_softmax_transpose_4, tb=True)
-        # free softmax_transpose_8
-        del softmax_transpose_8
-        mem.free(62)
-        # d_softmax_transpose_5 = matmul[ta](softmax_transpose_9, d_softmax_matmul_2)
-        d_softmax_transpose_5 = mem.tensor(178, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_9, d_softmax_matmul_2, out=d_softmax_transpose_5, ta=True)
-        # free softmax_transpose_9, d_softmax_2, d_softmax_softmax_2, d_softmax_reshape_4, d_softmax_scale_2, d_softmax_matmul_2
-        del softmax_transpose_9, d_softmax_2, d_softmax_softmax_2, d_softmax_reshape_4, d_softmax_scale_2, d_softmax_matmul_2
-        mem.free(64, 170)
-        # d_softmax_reshape_5 = transpose[axes=(1,2)](d_softmax_transpose_4)
-        d_softmax_reshape_5 = mem.tensor(179, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_softmax_transpose_4, out=d_softmax_reshape_5, axes=(1, 2))
-        # free d_softmax_transpose_4
-        del d_softmax_transpose_4
-        mem.free(177)
-        # d_softmax_transpose_6 = transpose[axes=(2,3)](d_softmax_transpose_5)
-        d_softmax_transpose_6 = mem.tensor(180, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_softmax_transpose_5, out=d_softmax_transpose_6, axes=(2, 3))
-        # free d_softmax_transpose_5
-        del d_softmax_transpose_5
-        mem.free(178)
-        # d_softmax_reshape_6 = transpose[axes=(1,2)](d_softmax_transpose_6)
-        d_softmax_reshape_6 = mem.tensor(181, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_softmax_transpose_6, out=d_softmax_reshape_6, axes=(1, 2))
-        # free d_softmax_transpose_6
-        del d_softmax_transpose_6
-        mem.free(180)
-        # d_block3_attn_q_add = reshape[1600x64](d_softmax_reshape_5)
-        d_block3_attn_q_add = rt.reshape(d_softmax_reshape_5, shape=(1600, 64))
+        # ---- block3_attn (scaled dot-product attention), backward ----
+        # d_block3_attn_slice = slice[axis=0,start=0,stop=102400](d_block3_attn_attention_grad)
+        d_block3_attn_slice = mem.tensor(161, (102400,), 'float32')
+        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice, axis=0, start=0, stop=102400)
+        # d_block3_attn_transpose = reshape[100x4x16x16](d_block3_attn_slice)
+        d_block3_attn_transpose = rt.reshape(d_block3_attn_slice, shape=(100, 4, 16, 16))
+        # d_block3_attn_reshape = transpose[axes=(1,2)](d_block3_attn_transpose)
+        d_block3_attn_reshape = mem.tensor(162, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block3_attn_transpose, out=d_block3_attn_reshape, axes=(1, 2))
+        # free d_block3_attn_slice, d_block3_attn_transpose
+        del d_block3_attn_slice, d_block3_attn_transpose
+        mem.free(161)
+        # d_block3_attn_q_add = reshape[1600x64](d_block3_attn_reshape)
+        d_block3_attn_q_add = rt.reshape(d_block3_attn_reshape, shape=(1600, 64))
 
         # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_B = sum_to[64](d_block3_attn_q_add)
-        d_block3_attn_q_B = mem.tensor(182, (64,), 'float32')
+        d_block3_attn_q_B = mem.tensor(163, (64,), 'float32')
         rt.sum_to(d_block3_attn_q_add, out=d_block3_attn_q_B, shape=(64,))
         # S_block3_attn_q_B_new = 0.999*S_block3_attn_q_B + 0.001*d_block3_attn_q_B**2
         S_block3_attn_q_B_new = T['S_block3_attn_q_B']  # in place: the new S_block3_attn_q_B
@@ -2145,73 +1960,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_q_B_new, T['block3_attn_q_B'], lr, bias1, M_block3_attn_q_B_new, S_block3_attn_q_B_new, bias2, decay))
         # free d_block3_attn_q_B
         del d_block3_attn_q_B
-        mem.free(182)
+        mem.free(163)
         # d_block3_attn_q_W = matmul[ta](d_block3_attn_q_add, block3_attn_q_reshape)
-        d_block3_attn_q_W = mem.tensor(183, (64, 64), 'float32')
+        d_block3_attn_q_W = mem.tensor(164, (64, 64), 'float32')
         rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True)
-
-        # ---- softmax (softmax), backward ----
-        # d_block3_attn_k_matmul = reshape[1600x64](d_softmax_reshape_6)
-        d_block3_attn_k_matmul = rt.reshape(d_softmax_reshape_6, shape=(1600, 64))
-
-        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
-        # d_block3_attn_k_W = matmul[ta](d_block3_attn_k_matmul, block3_attn_q_reshape)
-        d_block3_attn_k_W = mem.tensor(184, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_k_matmul, block3_attn_q_reshape, out=d_block3_attn_k_W, ta=True)
-        # free block3_ln1_mul, block3_ln1, block3_attn_q_reshape
-        del block3_ln1_mul, block3_ln1, block3_attn_q_reshape
-        mem.free(57)
-
-        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
-        # d_block3_attn_q_reshape_2 = matmul(d_block3_attn_q_add, block3_attn_q_W)
-        d_block3_attn_q_reshape_2 = mem.tensor(185, (1600, 64), 'float32')
-        rt.matmul(d_block3_attn_q_add, T['block3_attn_q_W'], out=d_block3_attn_q_reshape_2)
-        # free d_softmax_reshape_5, d_block3_attn_q_add
-        del d_softmax_reshape_5, d_block3_attn_q_add
-        mem.free(179)
-
-        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
-        # d_block3_attn_q_reshape_3 = matmul(d_block3_attn_k_matmul, block3_attn_k_W)
-        d_block3_attn_q_reshape_3 = mem.tensor(186, (1600, 64), 'float32')
-        rt.matmul(d_block3_attn_k_matmul, T['block3_attn_k_W'], out=d_block3_attn_q_reshape_3)
-        # free d_softmax_reshape_6, d_block3_attn_k_matmul
-        del d_softmax_reshape_6, d_block3_attn_k_matmul
-        mem.free(181)
-
-        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
-        # d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape + d_block3_attn_q_reshape_3 + d_block3_attn_q_reshape_2
-        d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape  # in place: over d_block3_attn_q_reshape
-        rt.ew(ew_add_2, d_block3_attn_q_reshape_4, d_block3_attn_q_reshape, d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_2)
-        # free d_block3_attn_q_reshape_2, d_block3_attn_q_reshape_3
-        del d_block3_attn_q_reshape_2, d_block3_attn_q_reshape_3
-        mem.free(185, 186)
-        # d_block3_ln1 = reshape[100x16x64](d_block3_attn_q_reshape_4)
-        d_block3_ln1 = rt.reshape(d_block3_attn_q_reshape_4, shape=(100, 16, 64))
-
-        # ---- block3_ln1 (layer norm over the last 1 axes), forward ----
-        # block3_ln1_mul_2 = block3_ln1_sub*block3_ln1_rsqrt   (computed with the next statement)
-        block3_ln1_mul_2 = mem.tensor(187, (100, 16, 64), 'float32')
-
-        # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block3_ln1_W = sum_to[64](d_block3_ln1*block3_ln1_mul_2)
-        d_block3_ln1_W = mem.tensor(188, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block3_ln1_mul_2, block3_ln1_sub, block3_ln1_rsqrt),
-                      (ew_mul, d_block3_ln1_W, d_block3_ln1, block3_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block3_ln1_mul_2
-        del block3_ln1_mul_2
-        mem.free(187)
-        # S_block3_ln1_W_new = 0.999*S_block3_ln1_W + 0.001*d_block3_ln1_W**2
-        S_block3_ln1_W_new = T['S_block3_ln1_W']  # in place: the new S_block3_ln1_W
-        rt.ew(ew_square_scale_add, S_block3_ln1_W_new, T['S_block3_ln1_W'], d_block3_ln1_W)
-        # M_block3_ln1_W_new = 0.9*M_block3_ln1_W + 0.1*d_block3_ln1_W
-        M_block3_ln1_W_new = T['M_block3_ln1_W']  # in place: the new M_block3_ln1_W
-        rt.ew(ew_scale_add_2, M_block3_ln1_W_new, T['M_block3_ln1_W'], d_block3_ln1_W)
-        # free d_block3_ln1_W
-        del d_block3_ln1_W
-        mem.free(188)
-
-        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_reshape = matmul(d_block3_attn_q_add, block3_attn_q_W)
+        d_block3_attn_q_reshape = mem.tensor(165, (1600, 64), 'float32')
+        rt.matmul(d_block3_attn_q_add, T['block3_attn_q_W'], out=d_block3_attn_q_reshape)
+        # free d_block3_attn_reshape, d_block3_attn_q_add
+        del d_block3_attn_reshape, d_block3_attn_q_add
+        mem.free(162)
         # S_block3_attn_q_W_new = 0.999*S_block3_attn_q_W + 0.001*d_block3_attn_q_W**2
         S_block3_attn_q_W_new = T['S_block3_attn_q_W']  # in place: the new S_block3_attn_q_W
         rt.ew(ew_square_scale_add, S_block3_attn_q_W_new, T['S_block3_attn_q_W'], d_block3_attn_q_W)
@@ -2223,7 +1981,119 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay))
         # free d_block3_attn_q_W
         del d_block3_attn_q_W
-        mem.free(183)
+        mem.free(164)
+
+        # ---- block3_attn (scaled dot-product attention), backward ----
+        # d_block3_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block3_attn_attention_grad)
+        d_block3_attn_slice_2 = mem.tensor(166, (102400,), 'float32')
+        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_2, axis=0, start=102400, stop=204800)
+        # d_block3_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block3_attn_attention_grad)
+        d_block3_attn_slice_3 = mem.tensor(167, (102400,), 'float32')
+        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_3, axis=0, start=204800, stop=307200)
+        # free d_block3_attn_attention_grad
+        del d_block3_attn_attention_grad
+        mem.free(160)
+        # d_block3_attn_transpose_2 = reshape[100x4x16x16](d_block3_attn_slice_2)
+        d_block3_attn_transpose_2 = rt.reshape(d_block3_attn_slice_2, shape=(100, 4, 16, 16))
+        # d_block3_attn_reshape_2 = transpose[axes=(1,2)](d_block3_attn_transpose_2)
+        d_block3_attn_reshape_2 = mem.tensor(168, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block3_attn_transpose_2, out=d_block3_attn_reshape_2, axes=(1, 2))
+        # free d_block3_attn_slice_2, d_block3_attn_transpose_2
+        del d_block3_attn_slice_2, d_block3_attn_transpose_2
+        mem.free(166)
+        # d_block3_attn_transpose_3 = reshape[100x4x16x16](d_block3_attn_slice_3)
+        d_block3_attn_transpose_3 = rt.reshape(d_block3_attn_slice_3, shape=(100, 4, 16, 16))
+        # d_block3_attn_reshape_3 = transpose[axes=(1,2)](d_block3_attn_transpose_3)
+        d_block3_attn_reshape_3 = mem.tensor(169, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block3_attn_transpose_3, out=d_block3_attn_reshape_3, axes=(1, 2))
+        # free d_block3_attn_slice_3, d_block3_attn_transpose_3
+        del d_block3_attn_slice_3, d_block3_attn_transpose_3
+        mem.free(167)
+        # d_block3_attn_v_add = reshape[1600x64](d_block3_attn_reshape_3)
+        d_block3_attn_v_add = rt.reshape(d_block3_attn_reshape_3, shape=(1600, 64))
+
+        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
+        # d_block3_attn_v_B = sum_to[64](d_block3_attn_v_add)
+        d_block3_attn_v_B = mem.tensor(170, (64,), 'float32')
+        rt.sum_to(d_block3_attn_v_add, out=d_block3_attn_v_B, shape=(64,))
+        # S_block3_attn_v_B_new = 0.999*S_block3_attn_v_B + 0.001*d_block3_attn_v_B**2
+        S_block3_attn_v_B_new = T['S_block3_attn_v_B']  # in place: the new S_block3_attn_v_B
+        rt.ew(ew_square_scale_add, S_block3_attn_v_B_new, T['S_block3_attn_v_B'], d_block3_attn_v_B)
+        # M_block3_attn_v_B_new = 0.9*M_block3_attn_v_B + 0.1*d_block3_attn_v_B   (computed with the next statement)
+        M_block3_attn_v_B_new = T['M_block3_attn_v_B']  # in place: the new M_block3_attn_v_B
+        # block3_attn_v_B_new = block3_attn_v_B*(-lr*decay + 1) - lr*M_block3_attn_v_B_new/(bias1*(sqrt(S_block3_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_v_B_new = T['block3_attn_v_B']  # in place: the new block3_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block3_attn_v_B_new, T['M_block3_attn_v_B'], d_block3_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay))
+        # free d_block3_attn_v_B
+        del d_block3_attn_v_B
+        mem.free(170)
+
+        # ---- block3_attn (scaled dot-product attention), backward ----
+        # d_block3_attn_k_matmul = reshape[1600x64](d_block3_attn_reshape_2)
+        d_block3_attn_k_matmul = rt.reshape(d_block3_attn_reshape_2, shape=(1600, 64))
+
+        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
+        # d_block3_attn_k_W = matmul[ta](d_block3_attn_k_matmul, block3_attn_q_reshape)
+        d_block3_attn_k_W = mem.tensor(171, (64, 64), 'float32')
+        rt.matmul(d_block3_attn_k_matmul, block3_attn_q_reshape, out=d_block3_attn_k_W, ta=True)
+
+        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
+        # d_block3_attn_v_W = matmul[ta](d_block3_attn_v_add, block3_attn_q_reshape)
+        d_block3_attn_v_W = mem.tensor(172, (64, 64), 'float32')
+        rt.matmul(d_block3_attn_v_add, block3_attn_q_reshape, out=d_block3_attn_v_W, ta=True)
+        # free block3_ln1_mul, block3_ln1, block3_attn_q_reshape
+        del block3_ln1_mul, block3_ln1, block3_attn_q_reshape
+        mem.free(53)
+
+        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_reshape_2 = matmul(d_block3_attn_k_matmul, block3_attn_k_W)
+        d_block3_attn_q_reshape_2 = mem.tensor(173, (1600, 64), 'float32')
+        rt.matmul(d_block3_attn_k_matmul, T['block3_attn_k_W'], out=d_block3_attn_q_reshape_2)
+        # free d_block3_attn_reshape_2, d_block3_attn_k_matmul
+        del d_block3_attn_reshape_2, d_block3_attn_k_matmul
+        mem.free(168)
+
+        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_reshape_3 = matmul(d_block3_attn_v_add, block3_attn_v_W)
+        d_block3_attn_q_reshape_3 = mem.tensor(174, (1600, 64), 'float32')
+        rt.matmul(d_block3_attn_v_add, T['block3_attn_v_W'], out=d_block3_attn_q_reshape_3)
+        # free d_block3_attn_reshape_3, d_block3_attn_v_add
+        del d_block3_attn_reshape_3, d_block3_attn_v_add
+        mem.free(169)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape_3 + d_block3_attn_q_reshape_2 + d_block3_attn_q_reshape
+        d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape_3  # in place: over d_block3_attn_q_reshape_3
+        rt.ew(ew_add_2, d_block3_attn_q_reshape_4, d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_2, d_block3_attn_q_reshape)
+        # free d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
+        del d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
+        mem.free(165, 173)
+        # d_block3_ln1 = reshape[100x16x64](d_block3_attn_q_reshape_4)
+        d_block3_ln1 = rt.reshape(d_block3_attn_q_reshape_4, shape=(100, 16, 64))
+
+        # ---- block3_ln1 (layer norm over the last 1 axes), forward ----
+        # block3_ln1_mul_2 = block3_ln1_sub*block3_ln1_rsqrt   (computed with the next statement)
+        block3_ln1_mul_2 = mem.tensor(175, (100, 16, 64), 'float32')
+
+        # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block3_ln1_W = sum_to[64](d_block3_ln1*block3_ln1_mul_2)
+        d_block3_ln1_W = mem.tensor(176, (64,), 'float32')
+        rt.ew_and_sum((ew_mul, block3_ln1_mul_2, block3_ln1_sub, block3_ln1_rsqrt),
+                      (ew_mul, d_block3_ln1_W, d_block3_ln1, block3_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
+        # free block3_ln1_mul_2
+        del block3_ln1_mul_2
+        mem.free(175)
+        # S_block3_ln1_W_new = 0.999*S_block3_ln1_W + 0.001*d_block3_ln1_W**2
+        S_block3_ln1_W_new = T['S_block3_ln1_W']  # in place: the new S_block3_ln1_W
+        rt.ew(ew_square_scale_add, S_block3_ln1_W_new, T['S_block3_ln1_W'], d_block3_ln1_W)
+        # M_block3_ln1_W_new = 0.9*M_block3_ln1_W + 0.1*d_block3_ln1_W
+        M_block3_ln1_W_new = T['M_block3_ln1_W']  # in place: the new M_block3_ln1_W
+        rt.ew(ew_scale_add_2, M_block3_ln1_W_new, T['M_block3_ln1_W'], d_block3_ln1_W)
+        # free d_block3_ln1_W
+        del d_block3_ln1_W
+        mem.free(176)
 
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
         # S_block3_attn_k_W_new = 0.999*S_block3_attn_k_W + 0.001*d_block3_attn_k_W**2
@@ -2237,16 +2107,30 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay))
         # free d_block3_attn_k_W
         del d_block3_attn_k_W
-        mem.free(184)
+        mem.free(171)
+
+        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
+        # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2
+        S_block3_attn_v_W_new = T['S_block3_attn_v_W']  # in place: the new S_block3_attn_v_W
+        rt.ew(ew_square_scale_add, S_block3_attn_v_W_new, T['S_block3_attn_v_W'], d_block3_attn_v_W)
+        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W   (computed with the next statement)
+        M_block3_attn_v_W_new = T['M_block3_attn_v_W']  # in place: the new M_block3_attn_v_W
+        # block3_attn_v_W_new = block3_attn_v_W*(-lr*decay + 1) - lr*M_block3_attn_v_W_new/(bias1*(sqrt(S_block3_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_v_W_new = T['block3_attn_v_W']  # in place: the new block3_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay))
+        # free d_block3_attn_v_W
+        del d_block3_attn_v_W
+        mem.free(172)
 
         # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
         # d_block3_ln1_B = sum_to[64](d_block3_ln1)
-        d_block3_ln1_B = mem.tensor(189, (64,), 'float32')
+        d_block3_ln1_B = mem.tensor(177, (64,), 'float32')
         rt.sum_to(d_block3_ln1, out=d_block3_ln1_B, shape=(64,))
         # d_block3_ln1_mul = d_block3_ln1*block3_ln1_W   (computed with the next statement)
         d_block3_ln1_mul = d_block3_ln1  # in place: over d_block3_ln1
         # d_block3_ln1_rsqrt = sum_to[100x16x1](d_block3_ln1_mul*block3_ln1_sub)
-        d_block3_ln1_rsqrt = mem.tensor(190, (100, 16, 1), 'float32')
+        d_block3_ln1_rsqrt = mem.tensor(178, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block3_ln1_mul, d_block3_ln1, T['block3_ln1_W']),
                       (ew_mul, d_block3_ln1_rsqrt, d_block3_ln1_mul, block3_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -2264,42 +2148,42 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay))
         # free d_block3_ln1_B
         del d_block3_ln1_B
-        mem.free(189)
+        mem.free(177)
         # d_block3_ln1_sum_to = -0.0078125*d_block3_ln1_rsqrt/block3_ln1_add_2**(3/2)
         d_block3_ln1_sum_to = d_block3_ln1_rsqrt  # in place: over d_block3_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block3_ln1_sum_to, d_block3_ln1_rsqrt, block3_ln1_add_2)
         # free block3_ln1_sum_to_2, block3_ln1_add_2
         del block3_ln1_sum_to_2, block3_ln1_add_2
-        mem.free(55)
+        mem.free(51)
         # d_block3_ln1_sub = d_block3_ln1_mul*block3_ln1_rsqrt + 2*d_block3_ln1_sum_to*block3_ln1_sub   (computed with the next statement)
         d_block3_ln1_sub = d_block3_ln1_mul  # in place: over d_block3_ln1_mul
         # d_block3_ln1_scale = sum_to[100x16x1](-d_block3_ln1_sub)
-        d_block3_ln1_scale = mem.tensor(191, (100, 16, 1), 'float32')
+        d_block3_ln1_scale = mem.tensor(179, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_3, d_block3_ln1_sub, d_block3_ln1_mul, block3_ln1_rsqrt, d_block3_ln1_sum_to, block3_ln1_sub),
                       (ew_neg, d_block3_ln1_scale, d_block3_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln1_sub, block3_ln1_rsqrt, d_block3_ln1_rsqrt, d_block3_ln1_sum_to
         del block3_ln1_sub, block3_ln1_rsqrt, d_block3_ln1_rsqrt, d_block3_ln1_sum_to
-        mem.free(54, 56, 190)
+        mem.free(50, 52, 178)
         # d_block3_ln1_sum_to_2 = 0.015625*d_block3_ln1_scale
         d_block3_ln1_sum_to_2 = d_block3_ln1_scale  # in place: over d_block3_ln1_scale
         rt.ew(ew_scale, d_block3_ln1_sum_to_2, d_block3_ln1_scale)
         # d_block3_ln1_add = d_block3_ln2_add + d_block3_ln1_sub + d_block3_ln1_sum_to_2
         d_block3_ln1_add = d_block3_ln2_add  # in place: over d_block3_ln2_add
         rt.ew(ew_add_2, d_block3_ln1_add, d_block3_ln2_add, d_block3_ln1_sub, d_block3_ln1_sum_to_2)
-        # free d_block3_attn_q_reshape, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_mul, d_block3_ln1_sub, d_block3_ln1_scale, d_block3_ln1_sum_to_2
-        del d_block3_attn_q_reshape, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_mul, d_block3_ln1_sub, d_block3_ln1_scale, d_block3_ln1_sum_to_2
-        mem.free(175, 191)
+        # free d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_mul, d_block3_ln1_sub, d_block3_ln1_scale, d_block3_ln1_sum_to_2
+        del d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_mul, d_block3_ln1_sub, d_block3_ln1_scale, d_block3_ln1_sum_to_2
+        mem.free(174, 179)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_add = reshape[1600x64](d_block3_ln1_add)
         d_block2_fc2_add = rt.reshape(d_block3_ln1_add, shape=(1600, 64))
         # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
-        d_block2_fc2_W = mem.tensor(192, (64, 128), 'float32')
+        d_block2_fc2_W = mem.tensor(180, (64, 128), 'float32')
         rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True)
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
-        mem.free(51)
+        mem.free(47)
         # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
         S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
         rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
@@ -2308,9 +2192,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
         # free d_block2_fc2_W
         del d_block2_fc2_W
-        mem.free(192)
+        mem.free(180)
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
-        d_block2_fc2_B = mem.tensor(193, (64,), 'float32')
+        d_block2_fc2_B = mem.tensor(181, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
         # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
         S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
@@ -2323,9 +2207,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
         # free d_block2_fc2_B
         del d_block2_fc2_B
-        mem.free(193)
+        mem.free(181)
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(194, (1600, 128), 'float32')
+        d_block2_fc2_reshape = mem.tensor(182, (1600, 128), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
         # d_block2_fc1_gelu = reshape[100x16x128](d_block2_fc2_reshape)
         d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(100, 16, 128))
@@ -2336,17 +2220,17 @@ class Vit(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1
         del block2_fc1_matmul, block2_fc1_add, block2_fc1
-        mem.free(50)
+        mem.free(46)
 
         # ---- block2_fc1 (fully connected, 128 outputs), backward ----
         # d_block2_fc1_add = reshape[1600x128](d_block2_fc1)
         d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(1600, 128))
         # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(195, (128, 64), 'float32')
+        d_block2_fc1_W = mem.tensor(183, (128, 64), 'float32')
         rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True)
         # free block2_ln2_mul, block2_ln2, block2_fc1_reshape
         del block2_ln2_mul, block2_ln2, block2_fc1_reshape
-        mem.free(49)
+        mem.free(45)
         # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
         S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
         rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
@@ -2355,7 +2239,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
         # free d_block2_fc1_W
         del d_block2_fc1_W
-        mem.free(195)
+        mem.free(183)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -2364,30 +2248,30 @@ class Vit(rp.Model):
 
         # ---- block2_fc1 (fully connected, 128 outputs), backward ----
         # d_block2_fc1_B = sum_to[128](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(196, (128,), 'float32')
+        d_block2_fc1_B = mem.tensor(184, (128,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(128,))
         # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(197, (1600, 64), 'float32')
+        d_block2_fc1_reshape = mem.tensor(185, (1600, 64), 'float32')
         rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(194)
+        mem.free(182)
         # d_block2_ln2 = reshape[100x16x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
         # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul_2 = mem.tensor(198, (100, 16, 64), 'float32')
+        block2_ln2_mul_2 = mem.tensor(186, (100, 16, 64), 'float32')
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_W = sum_to[64](d_block2_ln2*block2_ln2_mul_2)
-        d_block2_ln2_W = mem.tensor(199, (64,), 'float32')
+        d_block2_ln2_W = mem.tensor(187, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt),
                       (ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(409600))
         # free block2_ln2_mul_2
         del block2_ln2_mul_2
-        mem.free(198)
+        mem.free(186)
         # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
         S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
         rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
@@ -2396,7 +2280,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W)
         # free d_block2_ln2_W
         del d_block2_ln2_W
-        mem.free(199)
+        mem.free(187)
 
         # ---- block2_fc1 (fully connected, 128 outputs), backward ----
         # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -2413,16 +2297,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
         # free d_block2_fc1_B
         del d_block2_fc1_B
-        mem.free(196)
+        mem.free(184)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_B = sum_to[64](d_block2_ln2)
-        d_block2_ln2_B = mem.tensor(200, (64,), 'float32')
+        d_block2_ln2_B = mem.tensor(188, (64,), 'float32')
         rt.sum_to(d_block2_ln2, out=d_block2_ln2_B, shape=(64,))
         # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W   (computed with the next statement)
         d_block2_ln2_mul = d_block2_ln2  # in place: over d_block2_ln2
         # d_block2_ln2_rsqrt = sum_to[100x16x1](d_block2_ln2_mul*block2_ln2_sub)
-        d_block2_ln2_rsqrt = mem.tensor(201, (100, 16, 1), 'float32')
+        d_block2_ln2_rsqrt = mem.tensor(189, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W']),
                       (ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -2440,23 +2324,23 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
         # free d_block2_ln2_B
         del d_block2_ln2_B
-        mem.free(200)
+        mem.free(188)
         # d_block2_ln2_sum_to = -0.0078125*d_block2_ln2_rsqrt/block2_ln2_add_2**(3/2)
         d_block2_ln2_sum_to = d_block2_ln2_rsqrt  # in place: over d_block2_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln2_sum_to, d_block2_ln2_rsqrt, block2_ln2_add_2)
         # free block2_ln2_sum_to_2, block2_ln2_add_2
         del block2_ln2_sum_to_2, block2_ln2_add_2
-        mem.free(47)
+        mem.free(43)
         # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub   (computed with the next statement)
         d_block2_ln2_sub = d_block2_ln2_mul  # in place: over d_block2_ln2_mul
         # d_block2_ln2_scale = sum_to[100x16x1](-d_block2_ln2_sub)
-        d_block2_ln2_scale = mem.tensor(202, (100, 16, 1), 'float32')
+        d_block2_ln2_scale = mem.tensor(190, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_3, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub),
                       (ew_neg, d_block2_ln2_scale, d_block2_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
         del block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
-        mem.free(46, 48, 201)
+        mem.free(42, 44, 189)
         # d_block2_ln2_sum_to_2 = 0.015625*d_block2_ln2_scale
         d_block2_ln2_sum_to_2 = d_block2_ln2_scale  # in place: over d_block2_ln2_scale
         rt.ew(ew_scale, d_block2_ln2_sum_to_2, d_block2_ln2_scale)
@@ -2465,17 +2349,17 @@ class Vit(rp.Model):
         rt.ew(ew_add_2, d_block2_ln2_add, d_block3_ln1_add, d_block2_ln2_sub, d_block2_ln2_sum_to_2)
         # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
         del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
-        mem.free(197, 202)
+        mem.free(185, 190)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_add = reshape[1600x64](d_block2_ln2_add)
         d_block2_attn_out_add = rt.reshape(d_block2_ln2_add, shape=(1600, 64))
-        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape_2)
-        d_block2_attn_out_W = mem.tensor(203, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape_2, out=d_block2_attn_out_W, ta=True)
-        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        mem.free(43)
+        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
+        d_block2_attn_out_W = mem.tensor(191, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True)
+        # free block2_attn_out_transpose, block2_attn_out_reshape
+        del block2_attn_out_transpose, block2_attn_out_reshape
+        mem.free(39)
         # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
         S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
         rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
@@ -2484,9 +2368,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
         # free d_block2_attn_out_W
         del d_block2_attn_out_W
-        mem.free(203)
+        mem.free(191)
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(204, (64,), 'float32')
+        d_block2_attn_out_B = mem.tensor(192, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
@@ -2499,133 +2383,50 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
         # free d_block2_attn_out_B
         del d_block2_attn_out_B
-        mem.free(204)
+        mem.free(192)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(205, (1600, 64), 'float32')
+        d_block2_attn_out_reshape = mem.tensor(193, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
         # d_block2_attn_out_transpose = reshape[100x16x4x16](d_block2_attn_out_reshape)
         d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block2_attn_out_matmul = transpose[axes=(1,2)](d_block2_attn_out_transpose)
-        d_block2_attn_out_matmul = mem.tensor(206, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn_out_matmul, axes=(1, 2))
+        # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
+        d_block2_attn = mem.tensor(194, (100, 4, 16, 16), 'float32')
+        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
         # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
         del d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(205)
-        # d_softmax_3 = matmul[tb](d_block2_attn_out_matmul, block2_attn_out_transpose)
-        d_softmax_3 = mem.tensor(207, (100, 4, 16, 16), 'float32')
-        rt.matmul(d_block2_attn_out_matmul, block2_attn_out_transpose, out=d_softmax_3, tb=True)
-        # free block2_attn_out_transpose
-        del block2_attn_out_transpose
-        mem.free(35)
-        # d_block2_attn_out_transpose_2 = matmul[ta](softmax_2, d_block2_attn_out_matmul)
-        d_block2_attn_out_transpose_2 = mem.tensor(208, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_2, d_block2_attn_out_matmul, out=d_block2_attn_out_transpose_2, ta=True)
-        # free d_block2_attn_out_matmul
-        del d_block2_attn_out_matmul
-        mem.free(206)
-        # d_block2_attn_out_reshape_2 = transpose[axes=(1,2)](d_block2_attn_out_transpose_2)
-        d_block2_attn_out_reshape_2 = mem.tensor(209, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_out_transpose_2, out=d_block2_attn_out_reshape_2, axes=(1, 2))
-        # free d_block2_attn_out_transpose_2
-        del d_block2_attn_out_transpose_2
-        mem.free(208)
+        mem.free(193)
+
+        # ---- block2_attn (scaled dot-product attention), backward ----
+        # d_block2_attn_attention_grad = attention_grad[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn)
+        d_block2_attn_attention_grad = mem.tensor(195, (307200,), 'float32')
+        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, out=d_block2_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
+        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        mem.free(33, 35, 37, 38, 194)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
         block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay)
-        # d_block2_attn_v_add = reshape[1600x64](d_block2_attn_out_reshape_2)
-        d_block2_attn_v_add = rt.reshape(d_block2_attn_out_reshape_2, shape=(1600, 64))
 
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(210, (64,), 'float32')
-        rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
-        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
-        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
-        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
-        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
-        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
-        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
-        # free d_block2_attn_v_B
-        del d_block2_attn_v_B
-        mem.free(210)
-        # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(211, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
-        # d_block2_attn_q_reshape = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape = mem.tensor(212, (1600, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape)
-        # free d_block2_attn_out_reshape_2, d_block2_attn_v_add
-        del d_block2_attn_out_reshape_2, d_block2_attn_v_add
-        mem.free(209)
-        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
-        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
-        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
-        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
-        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
-        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
-        # free d_block2_attn_v_W
-        del d_block2_attn_v_W
-        mem.free(211)
-
-        # ---- softmax (softmax), backward ----
-        # d_softmax_softmax_3 = reshape[6400x16](d_softmax_3)
-        d_softmax_softmax_3 = rt.reshape(d_softmax_3, shape=(6400, 16))
-        # d_softmax_sum_to_3 = sum_to[6400x1](d_softmax_softmax_3*softmax_softmax_2)
-        d_softmax_sum_to_3 = mem.tensor(213, (6400, 1), 'float32')
-        rt.ew_sum(ew_mul, d_softmax_sum_to_3, d_softmax_softmax_3, softmax_softmax_2, shape=(6400, 1), workspace=mem.workspace(409600))
-        # d_softmax_reshape_7 = softmax_softmax_2*(d_softmax_softmax_3 - d_softmax_sum_to_3)
-        d_softmax_reshape_7 = d_softmax_softmax_3  # in place: over d_softmax_softmax_3
-        rt.ew(ew_sub_mul, d_softmax_reshape_7, d_softmax_softmax_3, softmax_softmax_2, d_softmax_sum_to_3)
-        # free softmax_matmul_2, softmax_scale_2, softmax_reshape_6, softmax_softmax_2, softmax_2, d_softmax_sum_to_3
-        del softmax_matmul_2, softmax_scale_2, softmax_reshape_6, softmax_softmax_2, softmax_2, d_softmax_sum_to_3
-        mem.free(41, 213)
-        # d_softmax_scale_3 = reshape[100x4x16x16](d_softmax_reshape_7)
-        d_softmax_scale_3 = rt.reshape(d_softmax_reshape_7, shape=(100, 4, 16, 16))
-        # d_softmax_matmul_3 = 0.25*d_softmax_scale_3
-        d_softmax_matmul_3 = d_softmax_scale_3  # in place: over d_softmax_scale_3
-        rt.ew(ew_scale_2, d_softmax_matmul_3, d_softmax_scale_3)
-        # d_softmax_transpose_7 = matmul[tb](d_softmax_matmul_3, softmax_transpose_5)
-        d_softmax_transpose_7 = mem.tensor(214, (100, 4, 16, 16), 'float32')
-        rt.matmul(d_softmax_matmul_3, softmax_transpose_5, out=d_softmax_transpose_7, tb=True)
-        # free softmax_transpose_5
-        del softmax_transpose_5
-        mem.free(38)
-        # d_softmax_transpose_8 = matmul[ta](softmax_transpose_6, d_softmax_matmul_3)
-        d_softmax_transpose_8 = mem.tensor(215, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_6, d_softmax_matmul_3, out=d_softmax_transpose_8, ta=True)
-        # free softmax_transpose_6, d_softmax_3, d_softmax_softmax_3, d_softmax_reshape_7, d_softmax_scale_3, d_softmax_matmul_3
-        del softmax_transpose_6, d_softmax_3, d_softmax_softmax_3, d_softmax_reshape_7, d_softmax_scale_3, d_softmax_matmul_3
-        mem.free(40, 207)
-        # d_softmax_reshape_8 = transpose[axes=(1,2)](d_softmax_transpose_7)
-        d_softmax_reshape_8 = mem.tensor(216, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_softmax_transpose_7, out=d_softmax_reshape_8, axes=(1, 2))
-        # free d_softmax_transpose_7
-        del d_softmax_transpose_7
-        mem.free(214)
-        # d_softmax_transpose_9 = transpose[axes=(2,3)](d_softmax_transpose_8)
-        d_softmax_transpose_9 = mem.tensor(217, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_softmax_transpose_8, out=d_softmax_transpose_9, axes=(2, 3))
-        # free d_softmax_transpose_8
-        del d_softmax_transpose_8
-        mem.free(215)
-        # d_softmax_reshape_9 = transpose[axes=(1,2)](d_softmax_transpose_9)
-        d_softmax_reshape_9 = mem.tensor(218, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_softmax_transpose_9, out=d_softmax_reshape_9, axes=(1, 2))
-        # free d_softmax_transpose_9
-        del d_softmax_transpose_9
-        mem.free(217)
-        # d_block2_attn_q_add = reshape[1600x64](d_softmax_reshape_8)
-        d_block2_attn_q_add = rt.reshape(d_softmax_reshape_8, shape=(1600, 64))
+        # ---- block2_attn (scaled dot-product attention), backward ----
+        # d_block2_attn_slice = slice[axis=0,start=0,stop=102400](d_block2_attn_attention_grad)
+        d_block2_attn_slice = mem.tensor(196, (102400,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=102400)
+        # d_block2_attn_transpose = reshape[100x4x16x16](d_block2_attn_slice)
+        d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(100, 4, 16, 16))
+        # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
+        d_block2_attn_reshape = mem.tensor(197, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
+        # free d_block2_attn_slice, d_block2_attn_transpose
+        del d_block2_attn_slice, d_block2_attn_transpose
+        mem.free(196)
+        # d_block2_attn_q_add = reshape[1600x64](d_block2_attn_reshape)
+        d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(1600, 64))
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(219, (64,), 'float32')
+        d_block2_attn_q_B = mem.tensor(198, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
@@ -2638,73 +2439,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
         # free d_block2_attn_q_B
         del d_block2_attn_q_B
-        mem.free(219)
+        mem.free(198)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(220, (64, 64), 'float32')
+        d_block2_attn_q_W = mem.tensor(199, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True)
-
-        # ---- softmax (softmax), backward ----
-        # d_block2_attn_k_matmul = reshape[1600x64](d_softmax_reshape_9)
-        d_block2_attn_k_matmul = rt.reshape(d_softmax_reshape_9, shape=(1600, 64))
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(221, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True)
-        # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        mem.free(33)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(222, (1600, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape_2)
-        # free d_softmax_reshape_8, d_block2_attn_q_add
-        del d_softmax_reshape_8, d_block2_attn_q_add
-        mem.free(216)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(223, (1600, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_3)
-        # free d_softmax_reshape_9, d_block2_attn_k_matmul
-        del d_softmax_reshape_9, d_block2_attn_k_matmul
-        mem.free(218)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape + d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2
-        d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape  # in place: over d_block2_attn_q_reshape
-        rt.ew(ew_add_2, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2)
-        # free d_block2_attn_q_reshape_2, d_block2_attn_q_reshape_3
-        del d_block2_attn_q_reshape_2, d_block2_attn_q_reshape_3
-        mem.free(222, 223)
-        # d_block2_ln1 = reshape[100x16x64](d_block2_attn_q_reshape_4)
-        d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(100, 16, 64))
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul_2 = mem.tensor(224, (100, 16, 64), 'float32')
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
-        d_block2_ln1_W = mem.tensor(225, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
-                      (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block2_ln1_mul_2
-        del block2_ln1_mul_2
-        mem.free(224)
-        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
-        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
-        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
-        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W
-        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
-        rt.ew(ew_scale_add_2, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W)
-        # free d_block2_ln1_W
-        del d_block2_ln1_W
-        mem.free(225)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
+        d_block2_attn_q_reshape = mem.tensor(200, (1600, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
+        # free d_block2_attn_reshape, d_block2_attn_q_add
+        del d_block2_attn_reshape, d_block2_attn_q_add
+        mem.free(197)
         # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
         S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
         rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
@@ -2716,7 +2460,119 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
         # free d_block2_attn_q_W
         del d_block2_attn_q_W
-        mem.free(220)
+        mem.free(199)
+
+        # ---- block2_attn (scaled dot-product attention), backward ----
+        # d_block2_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block2_attn_attention_grad)
+        d_block2_attn_slice_2 = mem.tensor(201, (102400,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=102400, stop=204800)
+        # d_block2_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block2_attn_attention_grad)
+        d_block2_attn_slice_3 = mem.tensor(202, (102400,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=204800, stop=307200)
+        # free d_block2_attn_attention_grad
+        del d_block2_attn_attention_grad
+        mem.free(195)
+        # d_block2_attn_transpose_2 = reshape[100x4x16x16](d_block2_attn_slice_2)
+        d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(100, 4, 16, 16))
+        # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
+        d_block2_attn_reshape_2 = mem.tensor(203, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
+        # free d_block2_attn_slice_2, d_block2_attn_transpose_2
+        del d_block2_attn_slice_2, d_block2_attn_transpose_2
+        mem.free(201)
+        # d_block2_attn_transpose_3 = reshape[100x4x16x16](d_block2_attn_slice_3)
+        d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(100, 4, 16, 16))
+        # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
+        d_block2_attn_reshape_3 = mem.tensor(204, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
+        # free d_block2_attn_slice_3, d_block2_attn_transpose_3
+        del d_block2_attn_slice_3, d_block2_attn_transpose_3
+        mem.free(202)
+        # d_block2_attn_v_add = reshape[1600x64](d_block2_attn_reshape_3)
+        d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(1600, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
+        d_block2_attn_v_B = mem.tensor(205, (64,), 'float32')
+        rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
+        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
+        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
+        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
+        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
+        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
+        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
+        # free d_block2_attn_v_B
+        del d_block2_attn_v_B
+        mem.free(205)
+
+        # ---- block2_attn (scaled dot-product attention), backward ----
+        # d_block2_attn_k_matmul = reshape[1600x64](d_block2_attn_reshape_2)
+        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_reshape_2, shape=(1600, 64))
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
+        d_block2_attn_k_W = mem.tensor(206, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
+        d_block2_attn_v_W = mem.tensor(207, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
+        # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
+        del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
+        mem.free(31)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
+        d_block2_attn_q_reshape_2 = mem.tensor(208, (1600, 64), 'float32')
+        rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
+        # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
+        del d_block2_attn_reshape_2, d_block2_attn_k_matmul
+        mem.free(203)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
+        d_block2_attn_q_reshape_3 = mem.tensor(209, (1600, 64), 'float32')
+        rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
+        # free d_block2_attn_reshape_3, d_block2_attn_v_add
+        del d_block2_attn_reshape_3, d_block2_attn_v_add
+        mem.free(204)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
+        d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3  # in place: over d_block2_attn_q_reshape_3
+        rt.ew(ew_add_2, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
+        # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
+        del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
+        mem.free(200, 208)
+        # d_block2_ln1 = reshape[100x16x64](d_block2_attn_q_reshape_4)
+        d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(100, 16, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
+        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
+        block2_ln1_mul_2 = mem.tensor(210, (100, 16, 64), 'float32')
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
+        d_block2_ln1_W = mem.tensor(211, (64,), 'float32')
+        rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
+                      (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
+        # free block2_ln1_mul_2
+        del block2_ln1_mul_2
+        mem.free(210)
+        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
+        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
+        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
+        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W
+        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
+        rt.ew(ew_scale_add_2, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W)
+        # free d_block2_ln1_W
+        del d_block2_ln1_W
+        mem.free(211)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
@@ -2730,16 +2586,30 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
         # free d_block2_attn_k_W
         del d_block2_attn_k_W
-        mem.free(221)
+        mem.free(206)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
+        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
+        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
+        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
+        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
+        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
+        # free d_block2_attn_v_W
+        del d_block2_attn_v_W
+        mem.free(207)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_B = sum_to[64](d_block2_ln1)
-        d_block2_ln1_B = mem.tensor(226, (64,), 'float32')
+        d_block2_ln1_B = mem.tensor(212, (64,), 'float32')
         rt.sum_to(d_block2_ln1, out=d_block2_ln1_B, shape=(64,))
         # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W   (computed with the next statement)
         d_block2_ln1_mul = d_block2_ln1  # in place: over d_block2_ln1
         # d_block2_ln1_rsqrt = sum_to[100x16x1](d_block2_ln1_mul*block2_ln1_sub)
-        d_block2_ln1_rsqrt = mem.tensor(227, (100, 16, 1), 'float32')
+        d_block2_ln1_rsqrt = mem.tensor(213, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W']),
                       (ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -2757,42 +2627,42 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
         # free d_block2_ln1_B
         del d_block2_ln1_B
-        mem.free(226)
+        mem.free(212)
         # d_block2_ln1_sum_to = -0.0078125*d_block2_ln1_rsqrt/block2_ln1_add_2**(3/2)
         d_block2_ln1_sum_to = d_block2_ln1_rsqrt  # in place: over d_block2_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln1_sum_to, d_block2_ln1_rsqrt, block2_ln1_add_2)
         # free block2_ln1_sum_to_2, block2_ln1_add_2
         del block2_ln1_sum_to_2, block2_ln1_add_2
-        mem.free(31)
+        mem.free(29)
         # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub   (computed with the next statement)
         d_block2_ln1_sub = d_block2_ln1_mul  # in place: over d_block2_ln1_mul
         # d_block2_ln1_scale = sum_to[100x16x1](-d_block2_ln1_sub)
-        d_block2_ln1_scale = mem.tensor(228, (100, 16, 1), 'float32')
+        d_block2_ln1_scale = mem.tensor(214, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_3, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub),
                       (ew_neg, d_block2_ln1_scale, d_block2_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
         del block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
-        mem.free(30, 32, 227)
+        mem.free(28, 30, 213)
         # d_block2_ln1_sum_to_2 = 0.015625*d_block2_ln1_scale
         d_block2_ln1_sum_to_2 = d_block2_ln1_scale  # in place: over d_block2_ln1_scale
         rt.ew(ew_scale, d_block2_ln1_sum_to_2, d_block2_ln1_scale)
         # d_block2_ln1_add = d_block2_ln2_add + d_block2_ln1_sub + d_block2_ln1_sum_to_2
         d_block2_ln1_add = d_block2_ln2_add  # in place: over d_block2_ln2_add
         rt.ew(ew_add_2, d_block2_ln1_add, d_block2_ln2_add, d_block2_ln1_sub, d_block2_ln1_sum_to_2)
-        # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        del d_block2_attn_q_reshape, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        mem.free(212, 228)
+        # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
+        del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
+        mem.free(209, 214)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_add = reshape[1600x64](d_block2_ln1_add)
         d_block1_fc2_add = rt.reshape(d_block2_ln1_add, shape=(1600, 64))
         # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(229, (64, 128), 'float32')
+        d_block1_fc2_W = mem.tensor(215, (64, 128), 'float32')
         rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True)
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
-        mem.free(27)
+        mem.free(25)
         # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
         S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
         rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
@@ -2801,9 +2671,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
         # free d_block1_fc2_W
         del d_block1_fc2_W
-        mem.free(229)
+        mem.free(215)
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(230, (64,), 'float32')
+        d_block1_fc2_B = mem.tensor(216, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
         # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
         S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
@@ -2816,9 +2686,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
         # free d_block1_fc2_B
         del d_block1_fc2_B
-        mem.free(230)
+        mem.free(216)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(231, (1600, 128), 'float32')
+        d_block1_fc2_reshape = mem.tensor(217, (1600, 128), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
         # d_block1_fc1_gelu = reshape[100x16x128](d_block1_fc2_reshape)
         d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(100, 16, 128))
@@ -2829,17 +2699,17 @@ class Vit(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1
         del block1_fc1_matmul, block1_fc1_add, block1_fc1
-        mem.free(26)
+        mem.free(24)
 
         # ---- block1_fc1 (fully connected, 128 outputs), backward ----
         # d_block1_fc1_add = reshape[1600x128](d_block1_fc1)
         d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(1600, 128))
         # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(232, (128, 64), 'float32')
+        d_block1_fc1_W = mem.tensor(218, (128, 64), 'float32')
         rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True)
         # free block1_ln2_mul, block1_ln2, block1_fc1_reshape
         del block1_ln2_mul, block1_ln2, block1_fc1_reshape
-        mem.free(25)
+        mem.free(23)
         # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
         S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
         rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
@@ -2848,7 +2718,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
         # free d_block1_fc1_W
         del d_block1_fc1_W
-        mem.free(232)
+        mem.free(218)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -2857,30 +2727,30 @@ class Vit(rp.Model):
 
         # ---- block1_fc1 (fully connected, 128 outputs), backward ----
         # d_block1_fc1_B = sum_to[128](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(233, (128,), 'float32')
+        d_block1_fc1_B = mem.tensor(219, (128,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(128,))
         # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(234, (1600, 64), 'float32')
+        d_block1_fc1_reshape = mem.tensor(220, (1600, 64), 'float32')
         rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(231)
+        mem.free(217)
         # d_block1_ln2 = reshape[100x16x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
         # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul_2 = mem.tensor(235, (100, 16, 64), 'float32')
+        block1_ln2_mul_2 = mem.tensor(221, (100, 16, 64), 'float32')
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_W = sum_to[64](d_block1_ln2*block1_ln2_mul_2)
-        d_block1_ln2_W = mem.tensor(236, (64,), 'float32')
+        d_block1_ln2_W = mem.tensor(222, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt),
                       (ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(409600))
         # free block1_ln2_mul_2
         del block1_ln2_mul_2
-        mem.free(235)
+        mem.free(221)
         # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
         S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
         rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
@@ -2889,7 +2759,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W)
         # free d_block1_ln2_W
         del d_block1_ln2_W
-        mem.free(236)
+        mem.free(222)
 
         # ---- block1_fc1 (fully connected, 128 outputs), backward ----
         # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -2906,16 +2776,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
         # free d_block1_fc1_B
         del d_block1_fc1_B
-        mem.free(233)
+        mem.free(219)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_B = sum_to[64](d_block1_ln2)
-        d_block1_ln2_B = mem.tensor(237, (64,), 'float32')
+        d_block1_ln2_B = mem.tensor(223, (64,), 'float32')
         rt.sum_to(d_block1_ln2, out=d_block1_ln2_B, shape=(64,))
         # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W   (computed with the next statement)
         d_block1_ln2_mul = d_block1_ln2  # in place: over d_block1_ln2
         # d_block1_ln2_rsqrt = sum_to[100x16x1](d_block1_ln2_mul*block1_ln2_sub)
-        d_block1_ln2_rsqrt = mem.tensor(238, (100, 16, 1), 'float32')
+        d_block1_ln2_rsqrt = mem.tensor(224, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W']),
                       (ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -2933,23 +2803,23 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
         # free d_block1_ln2_B
         del d_block1_ln2_B
-        mem.free(237)
+        mem.free(223)
         # d_block1_ln2_sum_to = -0.0078125*d_block1_ln2_rsqrt/block1_ln2_add_3**(3/2)
         d_block1_ln2_sum_to = d_block1_ln2_rsqrt  # in place: over d_block1_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln2_sum_to, d_block1_ln2_rsqrt, block1_ln2_add_3)
         # free block1_ln2_sum_to_2, block1_ln2_add_3
         del block1_ln2_sum_to_2, block1_ln2_add_3
-        mem.free(23)
+        mem.free(21)
         # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub   (computed with the next statement)
         d_block1_ln2_sub = d_block1_ln2_mul  # in place: over d_block1_ln2_mul
         # d_block1_ln2_scale = sum_to[100x16x1](-d_block1_ln2_sub)
-        d_block1_ln2_scale = mem.tensor(239, (100, 16, 1), 'float32')
+        d_block1_ln2_scale = mem.tensor(225, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_3, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub),
                       (ew_neg, d_block1_ln2_scale, d_block1_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
         del block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
-        mem.free(22, 24, 238)
+        mem.free(20, 22, 224)
         # d_block1_ln2_sum_to_2 = 0.015625*d_block1_ln2_scale
         d_block1_ln2_sum_to_2 = d_block1_ln2_scale  # in place: over d_block1_ln2_scale
         rt.ew(ew_scale, d_block1_ln2_sum_to_2, d_block1_ln2_scale)
@@ -2958,17 +2828,17 @@ class Vit(rp.Model):
         rt.ew(ew_add_2, d_block1_ln2_add, d_block2_ln1_add, d_block1_ln2_sub, d_block1_ln2_sum_to_2)
         # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
         del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
-        mem.free(234, 239)
+        mem.free(220, 225)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_add = reshape[1600x64](d_block1_ln2_add)
         d_block1_attn_out_add = rt.reshape(d_block1_ln2_add, shape=(1600, 64))
-        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape_2)
-        d_block1_attn_out_W = mem.tensor(240, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape_2, out=d_block1_attn_out_W, ta=True)
-        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        mem.free(19)
+        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
+        d_block1_attn_out_W = mem.tensor(226, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True)
+        # free block1_attn_out_transpose, block1_attn_out_reshape
+        del block1_attn_out_transpose, block1_attn_out_reshape
+        mem.free(17)
         # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
         S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
         rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
@@ -2977,9 +2847,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
         # free d_block1_attn_out_W
         del d_block1_attn_out_W
-        mem.free(240)
+        mem.free(226)
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(241, (64,), 'float32')
+        d_block1_attn_out_B = mem.tensor(227, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
@@ -2992,133 +2862,50 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
         # free d_block1_attn_out_B
         del d_block1_attn_out_B
-        mem.free(241)
+        mem.free(227)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(242, (1600, 64), 'float32')
+        d_block1_attn_out_reshape = mem.tensor(228, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
         # d_block1_attn_out_transpose = reshape[100x16x4x16](d_block1_attn_out_reshape)
         d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block1_attn_out_matmul = transpose[axes=(1,2)](d_block1_attn_out_transpose)
-        d_block1_attn_out_matmul = mem.tensor(243, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn_out_matmul, axes=(1, 2))
+        # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
+        d_block1_attn = mem.tensor(229, (100, 4, 16, 16), 'float32')
+        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
         # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
         del d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(242)
-        # d_softmax_4 = matmul[tb](d_block1_attn_out_matmul, block1_attn_out_transpose)
-        d_softmax_4 = mem.tensor(244, (100, 4, 16, 16), 'float32')
-        rt.matmul(d_block1_attn_out_matmul, block1_attn_out_transpose, out=d_softmax_4, tb=True)
-        # free block1_attn_out_transpose
-        del block1_attn_out_transpose
-        mem.free(11)
-        # d_block1_attn_out_transpose_2 = matmul[ta](softmax, d_block1_attn_out_matmul)
-        d_block1_attn_out_transpose_2 = mem.tensor(245, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax, d_block1_attn_out_matmul, out=d_block1_attn_out_transpose_2, ta=True)
-        # free d_block1_attn_out_matmul
-        del d_block1_attn_out_matmul
-        mem.free(243)
-        # d_block1_attn_out_reshape_2 = transpose[axes=(1,2)](d_block1_attn_out_transpose_2)
-        d_block1_attn_out_reshape_2 = mem.tensor(246, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_out_transpose_2, out=d_block1_attn_out_reshape_2, axes=(1, 2))
-        # free d_block1_attn_out_transpose_2
-        del d_block1_attn_out_transpose_2
-        mem.free(245)
+        mem.free(228)
+
+        # ---- block1_attn (scaled dot-product attention), backward ----
+        # d_block1_attn_attention_grad = attention_grad[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn)
+        d_block1_attn_attention_grad = mem.tensor(230, (307200,), 'float32')
+        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, out=d_block1_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        mem.free(11, 13, 15, 16, 229)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
         block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay)
-        # d_block1_attn_v_add = reshape[1600x64](d_block1_attn_out_reshape_2)
-        d_block1_attn_v_add = rt.reshape(d_block1_attn_out_reshape_2, shape=(1600, 64))
 
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(247, (64,), 'float32')
-        rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
-        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
-        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
-        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
-        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
-        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
-        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
-        # free d_block1_attn_v_B
-        del d_block1_attn_v_B
-        mem.free(247)
-        # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(248, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
-        # d_block1_attn_q_reshape = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape = mem.tensor(249, (1600, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape)
-        # free d_block1_attn_out_reshape_2, d_block1_attn_v_add
-        del d_block1_attn_out_reshape_2, d_block1_attn_v_add
-        mem.free(246)
-        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
-        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
-        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
-        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
-        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
-        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
-        # free d_block1_attn_v_W
-        del d_block1_attn_v_W
-        mem.free(248)
-
-        # ---- softmax (softmax), backward ----
-        # d_softmax_softmax_4 = reshape[6400x16](d_softmax_4)
-        d_softmax_softmax_4 = rt.reshape(d_softmax_4, shape=(6400, 16))
-        # d_softmax_sum_to_4 = sum_to[6400x1](d_softmax_softmax_4*softmax_softmax)
-        d_softmax_sum_to_4 = mem.tensor(250, (6400, 1), 'float32')
-        rt.ew_sum(ew_mul, d_softmax_sum_to_4, d_softmax_softmax_4, softmax_softmax, shape=(6400, 1), workspace=mem.workspace(409600))
-        # d_softmax_reshape_10 = softmax_softmax*(d_softmax_softmax_4 - d_softmax_sum_to_4)
-        d_softmax_reshape_10 = d_softmax_softmax_4  # in place: over d_softmax_softmax_4
-        rt.ew(ew_sub_mul, d_softmax_reshape_10, d_softmax_softmax_4, softmax_softmax, d_softmax_sum_to_4)
-        # free softmax_matmul, softmax_scale, softmax_reshape_3, softmax_softmax, softmax, d_softmax_sum_to_4
-        del softmax_matmul, softmax_scale, softmax_reshape_3, softmax_softmax, softmax, d_softmax_sum_to_4
-        mem.free(17, 250)
-        # d_softmax_scale_4 = reshape[100x4x16x16](d_softmax_reshape_10)
-        d_softmax_scale_4 = rt.reshape(d_softmax_reshape_10, shape=(100, 4, 16, 16))
-        # d_softmax_matmul_4 = 0.25*d_softmax_scale_4
-        d_softmax_matmul_4 = d_softmax_scale_4  # in place: over d_softmax_scale_4
-        rt.ew(ew_scale_2, d_softmax_matmul_4, d_softmax_scale_4)
-        # d_softmax_transpose_10 = matmul[tb](d_softmax_matmul_4, softmax_transpose_2)
-        d_softmax_transpose_10 = mem.tensor(251, (100, 4, 16, 16), 'float32')
-        rt.matmul(d_softmax_matmul_4, softmax_transpose_2, out=d_softmax_transpose_10, tb=True)
-        # free softmax_transpose_2
-        del softmax_transpose_2
-        mem.free(14)
-        # d_softmax_transpose_11 = matmul[ta](softmax_transpose_3, d_softmax_matmul_4)
-        d_softmax_transpose_11 = mem.tensor(252, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_3, d_softmax_matmul_4, out=d_softmax_transpose_11, ta=True)
-        # free softmax_transpose_3, d_softmax_4, d_softmax_softmax_4, d_softmax_reshape_10, d_softmax_scale_4, d_softmax_matmul_4
-        del softmax_transpose_3, d_softmax_4, d_softmax_softmax_4, d_softmax_reshape_10, d_softmax_scale_4, d_softmax_matmul_4
-        mem.free(16, 244)
-        # d_softmax_reshape_11 = transpose[axes=(1,2)](d_softmax_transpose_10)
-        d_softmax_reshape_11 = mem.tensor(253, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_softmax_transpose_10, out=d_softmax_reshape_11, axes=(1, 2))
-        # free d_softmax_transpose_10
-        del d_softmax_transpose_10
-        mem.free(251)
-        # d_softmax_transpose_12 = transpose[axes=(2,3)](d_softmax_transpose_11)
-        d_softmax_transpose_12 = mem.tensor(254, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_softmax_transpose_11, out=d_softmax_transpose_12, axes=(2, 3))
-        # free d_softmax_transpose_11
-        del d_softmax_transpose_11
-        mem.free(252)
-        # d_softmax_reshape_12 = transpose[axes=(1,2)](d_softmax_transpose_12)
-        d_softmax_reshape_12 = mem.tensor(255, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_softmax_transpose_12, out=d_softmax_reshape_12, axes=(1, 2))
-        # free d_softmax_transpose_12
-        del d_softmax_transpose_12
-        mem.free(254)
-        # d_block1_attn_q_add = reshape[1600x64](d_softmax_reshape_11)
-        d_block1_attn_q_add = rt.reshape(d_softmax_reshape_11, shape=(1600, 64))
+        # ---- block1_attn (scaled dot-product attention), backward ----
+        # d_block1_attn_slice = slice[axis=0,start=0,stop=102400](d_block1_attn_attention_grad)
+        d_block1_attn_slice = mem.tensor(231, (102400,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=102400)
+        # d_block1_attn_transpose = reshape[100x4x16x16](d_block1_attn_slice)
+        d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(100, 4, 16, 16))
+        # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
+        d_block1_attn_reshape = mem.tensor(232, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
+        # free d_block1_attn_slice, d_block1_attn_transpose
+        del d_block1_attn_slice, d_block1_attn_transpose
+        mem.free(231)
+        # d_block1_attn_q_add = reshape[1600x64](d_block1_attn_reshape)
+        d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(1600, 64))
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(256, (64,), 'float32')
+        d_block1_attn_q_B = mem.tensor(233, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
@@ -3131,73 +2918,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
         # free d_block1_attn_q_B
         del d_block1_attn_q_B
-        mem.free(256)
+        mem.free(233)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(257, (64, 64), 'float32')
+        d_block1_attn_q_W = mem.tensor(234, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True)
-
-        # ---- softmax (softmax), backward ----
-        # d_block1_attn_k_matmul = reshape[1600x64](d_softmax_reshape_12)
-        d_block1_attn_k_matmul = rt.reshape(d_softmax_reshape_12, shape=(1600, 64))
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(258, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True)
-        # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        mem.free(9)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(259, (1600, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape_2)
-        # free d_softmax_reshape_11, d_block1_attn_q_add
-        del d_softmax_reshape_11, d_block1_attn_q_add
-        mem.free(253)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(260, (1600, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_3)
-        # free d_softmax_reshape_12, d_block1_attn_k_matmul
-        del d_softmax_reshape_12, d_block1_attn_k_matmul
-        mem.free(255)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape + d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2
-        d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape  # in place: over d_block1_attn_q_reshape
-        rt.ew(ew_add_2, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2)
-        # free d_block1_attn_q_reshape_2, d_block1_attn_q_reshape_3
-        del d_block1_attn_q_reshape_2, d_block1_attn_q_reshape_3
-        mem.free(259, 260)
-        # d_block1_ln1 = reshape[100x16x64](d_block1_attn_q_reshape_4)
-        d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(100, 16, 64))
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul_2 = mem.tensor(261, (100, 16, 64), 'float32')
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
-        d_block1_ln1_W = mem.tensor(262, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
-                      (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block1_ln1_mul_2
-        del block1_ln1_mul_2
-        mem.free(261)
-        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
-        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
-        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
-        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W
-        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
-        rt.ew(ew_scale_add_2, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W)
-        # free d_block1_ln1_W
-        del d_block1_ln1_W
-        mem.free(262)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
+        d_block1_attn_q_reshape = mem.tensor(235, (1600, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
+        # free d_block1_attn_reshape, d_block1_attn_q_add
+        del d_block1_attn_reshape, d_block1_attn_q_add
+        mem.free(232)
         # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
         S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
         rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
@@ -3209,7 +2939,119 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
         # free d_block1_attn_q_W
         del d_block1_attn_q_W
-        mem.free(257)
+        mem.free(234)
+
+        # ---- block1_attn (scaled dot-product attention), backward ----
+        # d_block1_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block1_attn_attention_grad)
+        d_block1_attn_slice_2 = mem.tensor(236, (102400,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=102400, stop=204800)
+        # d_block1_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block1_attn_attention_grad)
+        d_block1_attn_slice_3 = mem.tensor(237, (102400,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=204800, stop=307200)
+        # free d_block1_attn_attention_grad
+        del d_block1_attn_attention_grad
+        mem.free(230)
+        # d_block1_attn_transpose_2 = reshape[100x4x16x16](d_block1_attn_slice_2)
+        d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(100, 4, 16, 16))
+        # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
+        d_block1_attn_reshape_2 = mem.tensor(238, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
+        # free d_block1_attn_slice_2, d_block1_attn_transpose_2
+        del d_block1_attn_slice_2, d_block1_attn_transpose_2
+        mem.free(236)
+        # d_block1_attn_transpose_3 = reshape[100x4x16x16](d_block1_attn_slice_3)
+        d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(100, 4, 16, 16))
+        # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
+        d_block1_attn_reshape_3 = mem.tensor(239, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
+        # free d_block1_attn_slice_3, d_block1_attn_transpose_3
+        del d_block1_attn_slice_3, d_block1_attn_transpose_3
+        mem.free(237)
+        # d_block1_attn_v_add = reshape[1600x64](d_block1_attn_reshape_3)
+        d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(1600, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
+        d_block1_attn_v_B = mem.tensor(240, (64,), 'float32')
+        rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
+        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
+        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
+        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
+        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
+        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
+        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
+        # free d_block1_attn_v_B
+        del d_block1_attn_v_B
+        mem.free(240)
+
+        # ---- block1_attn (scaled dot-product attention), backward ----
+        # d_block1_attn_k_matmul = reshape[1600x64](d_block1_attn_reshape_2)
+        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_reshape_2, shape=(1600, 64))
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
+        d_block1_attn_k_W = mem.tensor(241, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
+        d_block1_attn_v_W = mem.tensor(242, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
+        # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
+        del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
+        mem.free(9)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
+        d_block1_attn_q_reshape_2 = mem.tensor(243, (1600, 64), 'float32')
+        rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
+        # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
+        del d_block1_attn_reshape_2, d_block1_attn_k_matmul
+        mem.free(238)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
+        d_block1_attn_q_reshape_3 = mem.tensor(244, (1600, 64), 'float32')
+        rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
+        # free d_block1_attn_reshape_3, d_block1_attn_v_add
+        del d_block1_attn_reshape_3, d_block1_attn_v_add
+        mem.free(239)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
+        d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3  # in place: over d_block1_attn_q_reshape_3
+        rt.ew(ew_add_2, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
+        # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
+        del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
+        mem.free(235, 243)
+        # d_block1_ln1 = reshape[100x16x64](d_block1_attn_q_reshape_4)
+        d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(100, 16, 64))
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
+        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
+        block1_ln1_mul_2 = mem.tensor(245, (100, 16, 64), 'float32')
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
+        d_block1_ln1_W = mem.tensor(246, (64,), 'float32')
+        rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
+                      (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
+                      shape=(64,), workspace=mem.workspace(409600))
+        # free block1_ln1_mul_2
+        del block1_ln1_mul_2
+        mem.free(245)
+        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
+        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
+        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
+        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W
+        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
+        rt.ew(ew_scale_add_2, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W)
+        # free d_block1_ln1_W
+        del d_block1_ln1_W
+        mem.free(246)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
@@ -3223,16 +3065,30 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
         # free d_block1_attn_k_W
         del d_block1_attn_k_W
-        mem.free(258)
+        mem.free(241)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
+        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
+        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
+        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
+        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
+        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
+        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
+        # free d_block1_attn_v_W
+        del d_block1_attn_v_W
+        mem.free(242)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_B = sum_to[64](d_block1_ln1)
-        d_block1_ln1_B = mem.tensor(263, (64,), 'float32')
+        d_block1_ln1_B = mem.tensor(247, (64,), 'float32')
         rt.sum_to(d_block1_ln1, out=d_block1_ln1_B, shape=(64,))
         # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W   (computed with the next statement)
         d_block1_ln1_mul = d_block1_ln1  # in place: over d_block1_ln1
         # d_block1_ln1_rsqrt = sum_to[100x16x1](d_block1_ln1_mul*block1_ln1_sub)
-        d_block1_ln1_rsqrt = mem.tensor(264, (100, 16, 1), 'float32')
+        d_block1_ln1_rsqrt = mem.tensor(248, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W']),
                       (ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
@@ -3250,7 +3106,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
         # free d_block1_ln1_B
         del d_block1_ln1_B
-        mem.free(263)
+        mem.free(247)
         # d_block1_ln1_sum_to = -0.0078125*d_block1_ln1_rsqrt/block1_ln1_add**(3/2)
         d_block1_ln1_sum_to = d_block1_ln1_rsqrt  # in place: over d_block1_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln1_sum_to, d_block1_ln1_rsqrt, block1_ln1_add)
@@ -3260,13 +3116,13 @@ class Vit(rp.Model):
         # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub   (computed with the next statement)
         d_block1_ln1_sub = d_block1_ln1_mul  # in place: over d_block1_ln1_mul
         # d_block1_ln1_scale = sum_to[100x16x1](-d_block1_ln1_sub)
-        d_block1_ln1_scale = mem.tensor(265, (100, 16, 1), 'float32')
+        d_block1_ln1_scale = mem.tensor(249, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_3, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub),
                       (ew_neg, d_block1_ln1_scale, d_block1_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
         del block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
-        mem.free(6, 8, 264)
+        mem.free(6, 8, 248)
         # d_block1_ln1_sum_to_2 = 0.015625*d_block1_ln1_scale
         d_block1_ln1_sum_to_2 = d_block1_ln1_scale  # in place: over d_block1_ln1_scale
         rt.ew(ew_scale, d_block1_ln1_sum_to_2, d_block1_ln1_scale)
@@ -3275,34 +3131,34 @@ class Vit(rp.Model):
         # d_block1_ln2_add_2 = d_block1_ln2_add + d_block1_ln1_sub + d_block1_ln1_sum_to_2
         d_block1_ln2_add_2 = d_block1_ln2_add  # in place: over d_block1_ln2_add
         rt.ew(ew_add_2, d_block1_ln2_add_2, d_block1_ln2_add, d_block1_ln1_sub, d_block1_ln1_sum_to_2)
-        # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        del d_block1_attn_q_reshape, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        mem.free(249, 265)
+        # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
+        del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
+        mem.free(244, 249)
         # d_pos = sum_to[1x16x64](d_block1_ln2_add_2)
-        d_pos = mem.tensor(266, (1, 16, 64), 'float32')
+        d_pos = mem.tensor(250, (1, 16, 64), 'float32')
         rt.sum_to(d_block1_ln2_add_2, out=d_pos, shape=(1, 16, 64))
         # d_block1_ln2_reshape = transpose[axes=(1,2)](d_block1_ln2_add_2)
-        d_block1_ln2_reshape = mem.tensor(267, (100, 64, 16), 'float32')
+        d_block1_ln2_reshape = mem.tensor(251, (100, 64, 16), 'float32')
         rt.transpose(d_block1_ln2_add_2, out=d_block1_ln2_reshape, axes=(1, 2))
         # free d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block4_fc2_add, d_block4_ln2_add, d_block4_attn_out_add, d_block4_ln1_add, d_block3_fc2_add, d_block3_ln2_add, d_block3_attn_out_add, d_block3_ln1_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2
         del d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block4_fc2_add, d_block4_ln2_add, d_block4_attn_out_add, d_block4_ln1_add, d_block3_fc2_add, d_block3_ln2_add, d_block3_attn_out_add, d_block3_ln1_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2
-        mem.free(114)
+        mem.free(106)
         # d_patch = reshape[100x64x4x4](d_block1_ln2_reshape)
         d_patch = rt.reshape(d_block1_ln2_reshape, shape=(100, 64, 4, 4))
 
         # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), backward ----
         # d_patch_W = conv2d_bwd_filter[kernel=(7,7),stride=7](d_patch, x)
-        d_patch_W = mem.tensor(268, (64, 1, 7, 7), 'float32')
+        d_patch_W = mem.tensor(252, (64, 1, 7, 7), 'float32')
         rt.conv2d_bwd_filter(d_patch, x, out=d_patch_W, kernel=(7, 7), pad=0, stride=7, workspace=mem.workspace(723200))
         # free x
         del x
         mem.free(0)
         # d_patch_sum_to = sum_to[1x64x1x1](d_patch)
-        d_patch_sum_to = mem.tensor(269, (1, 64, 1, 1), 'float32')
+        d_patch_sum_to = mem.tensor(253, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_patch, out=d_patch_sum_to, shape=(1, 64, 1, 1))
         # free d_block1_ln2_reshape, d_patch
         del d_block1_ln2_reshape, d_patch
-        mem.free(267)
+        mem.free(251)
         # S_patch_W_new = 0.999*S_patch_W + 0.001*d_patch_W**2
         S_patch_W_new = T['S_patch_W']  # in place: the new S_patch_W
         rt.ew(ew_square_scale_add, S_patch_W_new, T['S_patch_W'], d_patch_W)
@@ -3314,7 +3170,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, patch_W_new, T['patch_W'], lr, bias1, M_patch_W_new, S_patch_W_new, bias2, decay))
         # free d_patch_W
         del d_patch_W
-        mem.free(268)
+        mem.free(252)
         # d_patch_B = reshape[64](d_patch_sum_to)
         d_patch_B = rt.reshape(d_patch_sum_to, shape=(64,))
         # S_patch_B_new = 0.999*S_patch_B + 0.001*d_patch_B**2
@@ -3328,7 +3184,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, patch_B_new, T['patch_B'], lr, bias1, M_patch_B_new, S_patch_B_new, bias2, decay))
         # free d_patch_sum_to, d_patch_B
         del d_patch_sum_to, d_patch_B
-        mem.free(269)
+        mem.free(253)
 
         # ---- pos (parameter 1x16x64), backward ----
         # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
@@ -3342,7 +3198,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         # free d_pos
         del d_pos
-        mem.free(266)
+        mem.free(250)
         loss = rt.scalar(head_cross_entropy)
         mem.end()
         return loss
@@ -3413,14 +3269,14 @@ class Vit(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
-        block1_attn_out_transpose = mem.tensor(8, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
+        block1_attn_transpose = mem.tensor(8, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
         mem.free(7)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
@@ -3428,25 +3284,19 @@ class Vit(rp.Model):
         block1_attn_k_matmul = mem.tensor(9, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape = reshape[100x16x4x16](block1_attn_k_matmul)
-        softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose = transpose[axes=(1,2)](softmax_reshape)
-        softmax_transpose = mem.tensor(10, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape, out=softmax_transpose, axes=(1, 2))
-        # free block1_attn_k_matmul, softmax_reshape
-        del block1_attn_k_matmul, softmax_reshape
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
+        block1_attn_transpose_2 = mem.tensor(10, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
+        # free block1_attn_k_matmul, block1_attn_reshape_2
+        del block1_attn_k_matmul, block1_attn_reshape_2
         mem.free(9)
-        # softmax_transpose_2 = transpose[axes=(2,3)](softmax_transpose)
-        softmax_transpose_2 = mem.tensor(11, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose, out=softmax_transpose_2, axes=(2, 3))
-        # free softmax_transpose
-        del softmax_transpose
-        mem.free(10)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(12, (1600, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(11, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
         del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
@@ -3455,56 +3305,40 @@ class Vit(rp.Model):
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_2 = reshape[100x16x4x16](block1_attn_q_add)
-        softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_3 = transpose[axes=(1,2)](softmax_reshape_2)
-        softmax_transpose_3 = mem.tensor(13, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_2, out=softmax_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, softmax_reshape_2
-        del block1_attn_q_matmul, block1_attn_q_add, softmax_reshape_2
-        mem.free(12)
-        # softmax_matmul = matmul(softmax_transpose_3, softmax_transpose_2)
-        softmax_matmul = mem.tensor(14, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_3, softmax_transpose_2, out=softmax_matmul)
-        # free softmax_transpose_2, softmax_transpose_3
-        del softmax_transpose_2, softmax_transpose_3
-        mem.free(11, 13)
-        # softmax_scale = 0.25*softmax_matmul
-        softmax_scale = softmax_matmul  # in place: over softmax_matmul
-        rt.ew(ew_scale_2, softmax_scale, softmax_matmul)
-        # softmax_reshape_3 = reshape[6400x16](softmax_scale)
-        softmax_reshape_3 = rt.reshape(softmax_scale, shape=(6400, 16))
-        # softmax_softmax = softmax(softmax_reshape_3)
-        softmax_softmax = softmax_reshape_3  # in place: over softmax_reshape_3
-        rt.softmax(softmax_reshape_3, out=softmax_softmax)
-        # softmax = reshape[100x4x16x16](softmax_softmax)
-        softmax = rt.reshape(softmax_softmax, shape=(100, 4, 16, 16))
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
+        block1_attn_transpose_3 = mem.tensor(12, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(11)
+        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        block1_attn = mem.tensor(13, (100, 4, 16, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        mem.free(8, 10, 12)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_matmul = matmul(softmax, block1_attn_out_transpose)
-        block1_attn_out_matmul = mem.tensor(15, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
-        # free block1_attn_out_transpose, softmax_matmul, softmax_scale, softmax_reshape_3, softmax_softmax, softmax
-        del block1_attn_out_transpose, softmax_matmul, softmax_scale, softmax_reshape_3, softmax_softmax, softmax
-        mem.free(8, 14)
-        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
-        block1_attn_out_transpose_2 = mem.tensor(16, (100, 16, 4, 16), 'float32')
-        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
-        # free block1_attn_out_matmul
-        del block1_attn_out_matmul
-        mem.free(15)
-        # block1_attn_out_reshape_2 = reshape[1600x64](block1_attn_out_transpose_2)
-        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(1600, 64))
-        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
-        block1_attn_out_matmul_2 = mem.tensor(17, (1600, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
-        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        mem.free(16)
-        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
+        block1_attn_out_transpose = mem.tensor(14, (100, 16, 4, 16), 'float32')
+        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn
+        del block1_attn
+        mem.free(13)
+        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
+        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
+        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
+        block1_attn_out_matmul = mem.tensor(15, (1600, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # free block1_attn_out_transpose, block1_attn_out_reshape
+        del block1_attn_out_transpose, block1_attn_out_reshape
+        mem.free(14)
+        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
 
@@ -3512,25 +3346,25 @@ class Vit(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        mem.free(17)
+        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        mem.free(15)
         # block1_ln2_sum_to = sum_to[100x16x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(18, (100, 16, 1), 'float32')
+        block1_ln2_sum_to = mem.tensor(16, (100, 16, 1), 'float32')
         rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(100, 16, 1))
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
         # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(19, (100, 16, 64), 'float32')
+        block1_ln2_sub = mem.tensor(17, (100, 16, 64), 'float32')
         # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(20, (100, 16, 1), 'float32')
+        block1_ln2_sum_to_2 = mem.tensor(18, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
                       (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(18)
+        mem.free(16)
         # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
         block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
@@ -3539,17 +3373,17 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
         # free block1_ln2_sum_to_2, block1_ln2_rsqrt
         del block1_ln2_sum_to_2, block1_ln2_rsqrt
-        mem.free(20)
+        mem.free(18)
 
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(21, (1600, 128), 'float32')
+        block1_fc1_matmul = mem.tensor(19, (1600, 128), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
         del block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        mem.free(19)
+        mem.free(17)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -3565,11 +3399,11 @@ class Vit(rp.Model):
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(22, (1600, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(20, (1600, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(21)
+        mem.free(19)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -3582,23 +3416,23 @@ class Vit(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(22)
+        mem.free(20)
         # block2_ln1_sum_to = sum_to[100x16x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(23, (100, 16, 1), 'float32')
+        block2_ln1_sum_to = mem.tensor(21, (100, 16, 1), 'float32')
         rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(100, 16, 1))
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
         # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(24, (100, 16, 64), 'float32')
+        block2_ln1_sub = mem.tensor(22, (100, 16, 64), 'float32')
         # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(25, (100, 16, 1), 'float32')
+        block2_ln1_sum_to_2 = mem.tensor(23, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
                       (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(23)
+        mem.free(21)
         # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
         block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
@@ -3607,7 +3441,7 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
         # free block2_ln1_sum_to_2, block2_ln1_rsqrt
         del block2_ln1_sum_to_2, block2_ln1_rsqrt
-        mem.free(25)
+        mem.free(23)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_reshape = reshape[1600x64](block2_ln1)
@@ -3615,104 +3449,82 @@ class Vit(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(26, (1600, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(24, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_reshape = reshape[100x16x4x16](block2_attn_v_add)
-        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
-        block2_attn_out_transpose = mem.tensor(27, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        mem.free(26)
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
+        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
+        block2_attn_transpose = mem.tensor(25, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        mem.free(24)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(28, (1600, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(26, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_4 = reshape[100x16x4x16](block2_attn_k_matmul)
-        softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose_4 = transpose[axes=(1,2)](softmax_reshape_4)
-        softmax_transpose_4 = mem.tensor(29, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_4, out=softmax_transpose_4, axes=(1, 2))
-        # free block2_attn_k_matmul, softmax_reshape_4
-        del block2_attn_k_matmul, softmax_reshape_4
-        mem.free(28)
-        # softmax_transpose_5 = transpose[axes=(2,3)](softmax_transpose_4)
-        softmax_transpose_5 = mem.tensor(30, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose_4, out=softmax_transpose_5, axes=(2, 3))
-        # free softmax_transpose_4
-        del softmax_transpose_4
-        mem.free(29)
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
+        block2_attn_transpose_2 = mem.tensor(27, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
+        # free block2_attn_k_matmul, block2_attn_reshape_2
+        del block2_attn_k_matmul, block2_attn_reshape_2
+        mem.free(26)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(31, (1600, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(28, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
         del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        mem.free(24)
+        mem.free(22)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_5 = reshape[100x16x4x16](block2_attn_q_add)
-        softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_6 = transpose[axes=(1,2)](softmax_reshape_5)
-        softmax_transpose_6 = mem.tensor(32, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_5, out=softmax_transpose_6, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, softmax_reshape_5
-        del block2_attn_q_matmul, block2_attn_q_add, softmax_reshape_5
-        mem.free(31)
-        # softmax_matmul_2 = matmul(softmax_transpose_6, softmax_transpose_5)
-        softmax_matmul_2 = mem.tensor(33, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_6, softmax_transpose_5, out=softmax_matmul_2)
-        # free softmax_transpose_5, softmax_transpose_6
-        del softmax_transpose_5, softmax_transpose_6
-        mem.free(30, 32)
-        # softmax_scale_2 = 0.25*softmax_matmul_2
-        softmax_scale_2 = softmax_matmul_2  # in place: over softmax_matmul_2
-        rt.ew(ew_scale_2, softmax_scale_2, softmax_matmul_2)
-        # softmax_reshape_6 = reshape[6400x16](softmax_scale_2)
-        softmax_reshape_6 = rt.reshape(softmax_scale_2, shape=(6400, 16))
-        # softmax_softmax_2 = softmax(softmax_reshape_6)
-        softmax_softmax_2 = softmax_reshape_6  # in place: over softmax_reshape_6
-        rt.softmax(softmax_reshape_6, out=softmax_softmax_2)
-        # softmax_2 = reshape[100x4x16x16](softmax_softmax_2)
-        softmax_2 = rt.reshape(softmax_softmax_2, shape=(100, 4, 16, 16))
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
+        block2_attn_transpose_3 = mem.tensor(29, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        mem.free(28)
+        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
+        block2_attn = mem.tensor(30, (100, 4, 16, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        mem.free(25, 27, 29)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_matmul = matmul(softmax_2, block2_attn_out_transpose)
-        block2_attn_out_matmul = mem.tensor(34, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
-        # free block2_attn_out_transpose, softmax_matmul_2, softmax_scale_2, softmax_reshape_6, softmax_softmax_2, softmax_2
-        del block2_attn_out_transpose, softmax_matmul_2, softmax_scale_2, softmax_reshape_6, softmax_softmax_2, softmax_2
-        mem.free(27, 33)
-        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
-        block2_attn_out_transpose_2 = mem.tensor(35, (100, 16, 4, 16), 'float32')
-        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
-        # free block2_attn_out_matmul
-        del block2_attn_out_matmul
-        mem.free(34)
-        # block2_attn_out_reshape_2 = reshape[1600x64](block2_attn_out_transpose_2)
-        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(1600, 64))
-        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
-        block2_attn_out_matmul_2 = mem.tensor(36, (1600, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
-        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        mem.free(35)
-        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
+        block2_attn_out_transpose = mem.tensor(31, (100, 16, 4, 16), 'float32')
+        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
+        # free block2_attn
+        del block2_attn
+        mem.free(30)
+        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
+        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
+        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
+        block2_attn_out_matmul = mem.tensor(32, (1600, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # free block2_attn_out_transpose, block2_attn_out_reshape
+        del block2_attn_out_transpose, block2_attn_out_reshape
+        mem.free(31)
+        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
 
@@ -3720,25 +3532,25 @@ class Vit(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        mem.free(36)
+        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        mem.free(32)
         # block2_ln2_sum_to = sum_to[100x16x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(37, (100, 16, 1), 'float32')
+        block2_ln2_sum_to = mem.tensor(33, (100, 16, 1), 'float32')
         rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(100, 16, 1))
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
         # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(38, (100, 16, 64), 'float32')
+        block2_ln2_sub = mem.tensor(34, (100, 16, 64), 'float32')
         # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(39, (100, 16, 1), 'float32')
+        block2_ln2_sum_to_2 = mem.tensor(35, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
                       (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(37)
+        mem.free(33)
         # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
         block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
@@ -3747,17 +3559,17 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
         # free block2_ln2_sum_to_2, block2_ln2_rsqrt
         del block2_ln2_sum_to_2, block2_ln2_rsqrt
-        mem.free(39)
+        mem.free(35)
 
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(40, (1600, 128), 'float32')
+        block2_fc1_matmul = mem.tensor(36, (1600, 128), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
         del block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        mem.free(38)
+        mem.free(34)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -3773,11 +3585,11 @@ class Vit(rp.Model):
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(41, (1600, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(37, (1600, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(40)
+        mem.free(36)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -3790,23 +3602,23 @@ class Vit(rp.Model):
         rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(41)
+        mem.free(37)
         # block3_ln1_sum_to = sum_to[100x16x1](block3_ln1_add)
-        block3_ln1_sum_to = mem.tensor(42, (100, 16, 1), 'float32')
+        block3_ln1_sum_to = mem.tensor(38, (100, 16, 1), 'float32')
         rt.sum_to(block3_ln1_add, out=block3_ln1_sum_to, shape=(100, 16, 1))
         # block3_ln1_scale = 0.015625*block3_ln1_sum_to
         block3_ln1_scale = block3_ln1_sum_to  # in place: over block3_ln1_sum_to
         rt.ew(ew_scale, block3_ln1_scale, block3_ln1_sum_to)
         # block3_ln1_sub = block3_ln1_add - block3_ln1_scale   (computed with the next statement)
-        block3_ln1_sub = mem.tensor(43, (100, 16, 64), 'float32')
+        block3_ln1_sub = mem.tensor(39, (100, 16, 64), 'float32')
         # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
-        block3_ln1_sum_to_2 = mem.tensor(44, (100, 16, 1), 'float32')
+        block3_ln1_sum_to_2 = mem.tensor(40, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale),
                       (ew_square, block3_ln1_sum_to_2, block3_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln1_sum_to, block3_ln1_scale
         del block3_ln1_sum_to, block3_ln1_scale
-        mem.free(42)
+        mem.free(38)
         # block3_ln1_rsqrt = 1/sqrt(0.015625*block3_ln1_sum_to_2 + 1.0e-5)
         block3_ln1_rsqrt = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block3_ln1_rsqrt, block3_ln1_sum_to_2)
@@ -3815,7 +3627,7 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block3_ln1, block3_ln1_sub, block3_ln1_rsqrt, T['block3_ln1_W'], T['block3_ln1_B'])
         # free block3_ln1_sum_to_2, block3_ln1_rsqrt
         del block3_ln1_sum_to_2, block3_ln1_rsqrt
-        mem.free(44)
+        mem.free(40)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_reshape = reshape[1600x64](block3_ln1)
@@ -3823,104 +3635,82 @@ class Vit(rp.Model):
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
         # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(45, (1600, 64), 'float32')
+        block3_attn_v_matmul = mem.tensor(41, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
         # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
         block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
         rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
 
-        # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_reshape = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_out_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn_out_reshape)
-        block3_attn_out_transpose = mem.tensor(46, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_out_reshape, out=block3_attn_out_transpose, axes=(1, 2))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_out_reshape
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_out_reshape
-        mem.free(45)
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
+        block3_attn_transpose = mem.tensor(42, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
+        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        mem.free(41)
 
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
-        block3_attn_k_matmul = mem.tensor(47, (1600, 64), 'float32')
+        block3_attn_k_matmul = mem.tensor(43, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_7 = reshape[100x16x4x16](block3_attn_k_matmul)
-        softmax_reshape_7 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose_7 = transpose[axes=(1,2)](softmax_reshape_7)
-        softmax_transpose_7 = mem.tensor(48, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_7, out=softmax_transpose_7, axes=(1, 2))
-        # free block3_attn_k_matmul, softmax_reshape_7
-        del block3_attn_k_matmul, softmax_reshape_7
-        mem.free(47)
-        # softmax_transpose_8 = transpose[axes=(2,3)](softmax_transpose_7)
-        softmax_transpose_8 = mem.tensor(49, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose_7, out=softmax_transpose_8, axes=(2, 3))
-        # free softmax_transpose_7
-        del softmax_transpose_7
-        mem.free(48)
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
+        block3_attn_transpose_2 = mem.tensor(44, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
+        # free block3_attn_k_matmul, block3_attn_reshape_2
+        del block3_attn_k_matmul, block3_attn_reshape_2
+        mem.free(43)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(50, (1600, 64), 'float32')
+        block3_attn_q_matmul = mem.tensor(45, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
         # free block3_ln1_sub, block3_ln1, block3_attn_q_reshape
         del block3_ln1_sub, block3_ln1, block3_attn_q_reshape
-        mem.free(43)
+        mem.free(39)
         # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
         block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
         rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_8 = reshape[100x16x4x16](block3_attn_q_add)
-        softmax_reshape_8 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_9 = transpose[axes=(1,2)](softmax_reshape_8)
-        softmax_transpose_9 = mem.tensor(51, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_8, out=softmax_transpose_9, axes=(1, 2))
-        # free block3_attn_q_matmul, block3_attn_q_add, softmax_reshape_8
-        del block3_attn_q_matmul, block3_attn_q_add, softmax_reshape_8
-        mem.free(50)
-        # softmax_matmul_3 = matmul(softmax_transpose_9, softmax_transpose_8)
-        softmax_matmul_3 = mem.tensor(52, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_9, softmax_transpose_8, out=softmax_matmul_3)
-        # free softmax_transpose_8, softmax_transpose_9
-        del softmax_transpose_8, softmax_transpose_9
-        mem.free(49, 51)
-        # softmax_scale_3 = 0.25*softmax_matmul_3
-        softmax_scale_3 = softmax_matmul_3  # in place: over softmax_matmul_3
-        rt.ew(ew_scale_2, softmax_scale_3, softmax_matmul_3)
-        # softmax_reshape_9 = reshape[6400x16](softmax_scale_3)
-        softmax_reshape_9 = rt.reshape(softmax_scale_3, shape=(6400, 16))
-        # softmax_softmax_3 = softmax(softmax_reshape_9)
-        softmax_softmax_3 = softmax_reshape_9  # in place: over softmax_reshape_9
-        rt.softmax(softmax_reshape_9, out=softmax_softmax_3)
-        # softmax_3 = reshape[100x4x16x16](softmax_softmax_3)
-        softmax_3 = rt.reshape(softmax_softmax_3, shape=(100, 4, 16, 16))
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
+        block3_attn_transpose_3 = mem.tensor(46, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
+        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        mem.free(45)
+        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
+        block3_attn = mem.tensor(47, (100, 4, 16, 16), 'float32')
+        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
+        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
+        mem.free(42, 44, 46)
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_matmul = matmul(softmax_3, block3_attn_out_transpose)
-        block3_attn_out_matmul = mem.tensor(53, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_3, block3_attn_out_transpose, out=block3_attn_out_matmul)
-        # free block3_attn_out_transpose, softmax_matmul_3, softmax_scale_3, softmax_reshape_9, softmax_softmax_3, softmax_3
-        del block3_attn_out_transpose, softmax_matmul_3, softmax_scale_3, softmax_reshape_9, softmax_softmax_3, softmax_3
-        mem.free(46, 52)
-        # block3_attn_out_transpose_2 = transpose[axes=(1,2)](block3_attn_out_matmul)
-        block3_attn_out_transpose_2 = mem.tensor(54, (100, 16, 4, 16), 'float32')
-        rt.transpose(block3_attn_out_matmul, out=block3_attn_out_transpose_2, axes=(1, 2))
-        # free block3_attn_out_matmul
-        del block3_attn_out_matmul
-        mem.free(53)
-        # block3_attn_out_reshape_2 = reshape[1600x64](block3_attn_out_transpose_2)
-        block3_attn_out_reshape_2 = rt.reshape(block3_attn_out_transpose_2, shape=(1600, 64))
-        # block3_attn_out_matmul_2 = matmul[tb](block3_attn_out_reshape_2, block3_attn_out_W)
-        block3_attn_out_matmul_2 = mem.tensor(55, (1600, 64), 'float32')
-        rt.matmul(block3_attn_out_reshape_2, T['block3_attn_out_W'], out=block3_attn_out_matmul_2, tb=True)
-        # free block3_attn_out_transpose_2, block3_attn_out_reshape_2
-        del block3_attn_out_transpose_2, block3_attn_out_reshape_2
-        mem.free(54)
-        # block3_attn_out_add = block3_attn_out_matmul_2 + block3_attn_out_B
-        block3_attn_out_add = block3_attn_out_matmul_2  # in place: over block3_attn_out_matmul_2
-        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul_2, T['block3_attn_out_B'])
+        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
+        block3_attn_out_transpose = mem.tensor(48, (100, 16, 4, 16), 'float32')
+        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
+        # free block3_attn
+        del block3_attn
+        mem.free(47)
+        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
+        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
+        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
+        block3_attn_out_matmul = mem.tensor(49, (1600, 64), 'float32')
+        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
+        # free block3_attn_out_transpose, block3_attn_out_reshape
+        del block3_attn_out_transpose, block3_attn_out_reshape
+        mem.free(48)
+        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
+        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
+        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
         # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
         block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
 
@@ -3928,25 +3718,25 @@ class Vit(rp.Model):
         # block3_ln2_add = block3_ln1_add + block3_attn_out
         block3_ln2_add = block3_ln1_add  # in place: over block3_ln1_add
         rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
-        # free block3_attn_out_matmul_2, block3_attn_out_add, block3_attn_out
-        del block3_attn_out_matmul_2, block3_attn_out_add, block3_attn_out
-        mem.free(55)
+        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        mem.free(49)
         # block3_ln2_sum_to = sum_to[100x16x1](block3_ln2_add)
-        block3_ln2_sum_to = mem.tensor(56, (100, 16, 1), 'float32')
+        block3_ln2_sum_to = mem.tensor(50, (100, 16, 1), 'float32')
         rt.sum_to(block3_ln2_add, out=block3_ln2_sum_to, shape=(100, 16, 1))
         # block3_ln2_scale = 0.015625*block3_ln2_sum_to
         block3_ln2_scale = block3_ln2_sum_to  # in place: over block3_ln2_sum_to
         rt.ew(ew_scale, block3_ln2_scale, block3_ln2_sum_to)
         # block3_ln2_sub = block3_ln2_add - block3_ln2_scale   (computed with the next statement)
-        block3_ln2_sub = mem.tensor(57, (100, 16, 64), 'float32')
+        block3_ln2_sub = mem.tensor(51, (100, 16, 64), 'float32')
         # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
-        block3_ln2_sum_to_2 = mem.tensor(58, (100, 16, 1), 'float32')
+        block3_ln2_sum_to_2 = mem.tensor(52, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale),
                       (ew_square, block3_ln2_sum_to_2, block3_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln2_sum_to, block3_ln2_scale
         del block3_ln2_sum_to, block3_ln2_scale
-        mem.free(56)
+        mem.free(50)
         # block3_ln2_rsqrt = 1/sqrt(0.015625*block3_ln2_sum_to_2 + 1.0e-5)
         block3_ln2_rsqrt = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block3_ln2_rsqrt, block3_ln2_sum_to_2)
@@ -3955,17 +3745,17 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block3_ln2, block3_ln2_sub, block3_ln2_rsqrt, T['block3_ln2_W'], T['block3_ln2_B'])
         # free block3_ln2_sum_to_2, block3_ln2_rsqrt
         del block3_ln2_sum_to_2, block3_ln2_rsqrt
-        mem.free(58)
+        mem.free(52)
 
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
         # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(59, (1600, 128), 'float32')
+        block3_fc1_matmul = mem.tensor(53, (1600, 128), 'float32')
         rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
         # free block3_ln2_sub, block3_ln2, block3_fc1_reshape
         del block3_ln2_sub, block3_ln2, block3_fc1_reshape
-        mem.free(57)
+        mem.free(51)
         # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
         block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
         rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
@@ -3981,11 +3771,11 @@ class Vit(rp.Model):
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
         # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(60, (1600, 64), 'float32')
+        block3_fc2_matmul = mem.tensor(54, (1600, 64), 'float32')
         rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
         # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
-        mem.free(59)
+        mem.free(53)
         # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
         block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
         rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
@@ -3998,23 +3788,23 @@ class Vit(rp.Model):
         rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
         # free block3_fc2_matmul, block3_fc2_add, block3_fc2
         del block3_fc2_matmul, block3_fc2_add, block3_fc2
-        mem.free(60)
+        mem.free(54)
         # block4_ln1_sum_to = sum_to[100x16x1](block4_ln1_add)
-        block4_ln1_sum_to = mem.tensor(61, (100, 16, 1), 'float32')
+        block4_ln1_sum_to = mem.tensor(55, (100, 16, 1), 'float32')
         rt.sum_to(block4_ln1_add, out=block4_ln1_sum_to, shape=(100, 16, 1))
         # block4_ln1_scale = 0.015625*block4_ln1_sum_to
         block4_ln1_scale = block4_ln1_sum_to  # in place: over block4_ln1_sum_to
         rt.ew(ew_scale, block4_ln1_scale, block4_ln1_sum_to)
         # block4_ln1_sub = block4_ln1_add - block4_ln1_scale   (computed with the next statement)
-        block4_ln1_sub = mem.tensor(62, (100, 16, 64), 'float32')
+        block4_ln1_sub = mem.tensor(56, (100, 16, 64), 'float32')
         # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
-        block4_ln1_sum_to_2 = mem.tensor(63, (100, 16, 1), 'float32')
+        block4_ln1_sum_to_2 = mem.tensor(57, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale),
                       (ew_square, block4_ln1_sum_to_2, block4_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln1_sum_to, block4_ln1_scale
         del block4_ln1_sum_to, block4_ln1_scale
-        mem.free(61)
+        mem.free(55)
         # block4_ln1_rsqrt = 1/sqrt(0.015625*block4_ln1_sum_to_2 + 1.0e-5)
         block4_ln1_rsqrt = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block4_ln1_rsqrt, block4_ln1_sum_to_2)
@@ -4023,7 +3813,7 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block4_ln1, block4_ln1_sub, block4_ln1_rsqrt, T['block4_ln1_W'], T['block4_ln1_B'])
         # free block4_ln1_sum_to_2, block4_ln1_rsqrt
         del block4_ln1_sum_to_2, block4_ln1_rsqrt
-        mem.free(63)
+        mem.free(57)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_reshape = reshape[1600x64](block4_ln1)
@@ -4031,104 +3821,82 @@ class Vit(rp.Model):
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
         # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(64, (1600, 64), 'float32')
+        block4_attn_v_matmul = mem.tensor(58, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
         # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
         block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
         rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
 
-        # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_reshape = reshape[100x16x4x16](block4_attn_v_add)
-        block4_attn_out_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
-        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn_out_reshape)
-        block4_attn_out_transpose = mem.tensor(65, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_out_reshape, out=block4_attn_out_transpose, axes=(1, 2))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_out_reshape
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_out_reshape
-        mem.free(64)
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
+        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
+        block4_attn_transpose = mem.tensor(59, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
+        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        mem.free(58)
 
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
-        block4_attn_k_matmul = mem.tensor(66, (1600, 64), 'float32')
+        block4_attn_k_matmul = mem.tensor(60, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_10 = reshape[100x16x4x16](block4_attn_k_matmul)
-        softmax_reshape_10 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose_10 = transpose[axes=(1,2)](softmax_reshape_10)
-        softmax_transpose_10 = mem.tensor(67, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_10, out=softmax_transpose_10, axes=(1, 2))
-        # free block4_attn_k_matmul, softmax_reshape_10
-        del block4_attn_k_matmul, softmax_reshape_10
-        mem.free(66)
-        # softmax_transpose_11 = transpose[axes=(2,3)](softmax_transpose_10)
-        softmax_transpose_11 = mem.tensor(68, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose_10, out=softmax_transpose_11, axes=(2, 3))
-        # free softmax_transpose_10
-        del softmax_transpose_10
-        mem.free(67)
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
+        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
+        block4_attn_transpose_2 = mem.tensor(61, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
+        # free block4_attn_k_matmul, block4_attn_reshape_2
+        del block4_attn_k_matmul, block4_attn_reshape_2
+        mem.free(60)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(69, (1600, 64), 'float32')
+        block4_attn_q_matmul = mem.tensor(62, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
         # free block4_ln1_sub, block4_ln1, block4_attn_q_reshape
         del block4_ln1_sub, block4_ln1, block4_attn_q_reshape
-        mem.free(62)
+        mem.free(56)
         # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
         block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
         rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_11 = reshape[100x16x4x16](block4_attn_q_add)
-        softmax_reshape_11 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_12 = transpose[axes=(1,2)](softmax_reshape_11)
-        softmax_transpose_12 = mem.tensor(70, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_11, out=softmax_transpose_12, axes=(1, 2))
-        # free block4_attn_q_matmul, block4_attn_q_add, softmax_reshape_11
-        del block4_attn_q_matmul, block4_attn_q_add, softmax_reshape_11
-        mem.free(69)
-        # softmax_matmul_4 = matmul(softmax_transpose_12, softmax_transpose_11)
-        softmax_matmul_4 = mem.tensor(71, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_12, softmax_transpose_11, out=softmax_matmul_4)
-        # free softmax_transpose_11, softmax_transpose_12
-        del softmax_transpose_11, softmax_transpose_12
-        mem.free(68, 70)
-        # softmax_scale_4 = 0.25*softmax_matmul_4
-        softmax_scale_4 = softmax_matmul_4  # in place: over softmax_matmul_4
-        rt.ew(ew_scale_2, softmax_scale_4, softmax_matmul_4)
-        # softmax_reshape_12 = reshape[6400x16](softmax_scale_4)
-        softmax_reshape_12 = rt.reshape(softmax_scale_4, shape=(6400, 16))
-        # softmax_softmax_4 = softmax(softmax_reshape_12)
-        softmax_softmax_4 = softmax_reshape_12  # in place: over softmax_reshape_12
-        rt.softmax(softmax_reshape_12, out=softmax_softmax_4)
-        # softmax_4 = reshape[100x4x16x16](softmax_softmax_4)
-        softmax_4 = rt.reshape(softmax_softmax_4, shape=(100, 4, 16, 16))
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
+        block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
+        block4_attn_transpose_3 = mem.tensor(63, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
+        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        mem.free(62)
+        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
+        block4_attn = mem.tensor(64, (100, 4, 16, 16), 'float32')
+        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
+        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
+        mem.free(59, 61, 63)
 
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_matmul = matmul(softmax_4, block4_attn_out_transpose)
-        block4_attn_out_matmul = mem.tensor(72, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_4, block4_attn_out_transpose, out=block4_attn_out_matmul)
-        # free block4_attn_out_transpose, softmax_matmul_4, softmax_scale_4, softmax_reshape_12, softmax_softmax_4, softmax_4
-        del block4_attn_out_transpose, softmax_matmul_4, softmax_scale_4, softmax_reshape_12, softmax_softmax_4, softmax_4
-        mem.free(65, 71)
-        # block4_attn_out_transpose_2 = transpose[axes=(1,2)](block4_attn_out_matmul)
-        block4_attn_out_transpose_2 = mem.tensor(73, (100, 16, 4, 16), 'float32')
-        rt.transpose(block4_attn_out_matmul, out=block4_attn_out_transpose_2, axes=(1, 2))
-        # free block4_attn_out_matmul
-        del block4_attn_out_matmul
-        mem.free(72)
-        # block4_attn_out_reshape_2 = reshape[1600x64](block4_attn_out_transpose_2)
-        block4_attn_out_reshape_2 = rt.reshape(block4_attn_out_transpose_2, shape=(1600, 64))
-        # block4_attn_out_matmul_2 = matmul[tb](block4_attn_out_reshape_2, block4_attn_out_W)
-        block4_attn_out_matmul_2 = mem.tensor(74, (1600, 64), 'float32')
-        rt.matmul(block4_attn_out_reshape_2, T['block4_attn_out_W'], out=block4_attn_out_matmul_2, tb=True)
-        # free block4_attn_out_transpose_2, block4_attn_out_reshape_2
-        del block4_attn_out_transpose_2, block4_attn_out_reshape_2
-        mem.free(73)
-        # block4_attn_out_add = block4_attn_out_matmul_2 + block4_attn_out_B
-        block4_attn_out_add = block4_attn_out_matmul_2  # in place: over block4_attn_out_matmul_2
-        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul_2, T['block4_attn_out_B'])
+        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
+        block4_attn_out_transpose = mem.tensor(65, (100, 16, 4, 16), 'float32')
+        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
+        # free block4_attn
+        del block4_attn
+        mem.free(64)
+        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
+        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
+        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
+        block4_attn_out_matmul = mem.tensor(66, (1600, 64), 'float32')
+        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
+        # free block4_attn_out_transpose, block4_attn_out_reshape
+        del block4_attn_out_transpose, block4_attn_out_reshape
+        mem.free(65)
+        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
+        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
+        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
         # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
         block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
 
@@ -4136,25 +3904,25 @@ class Vit(rp.Model):
         # block4_ln2_add = block4_ln1_add + block4_attn_out
         block4_ln2_add = block4_ln1_add  # in place: over block4_ln1_add
         rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
-        # free block4_attn_out_matmul_2, block4_attn_out_add, block4_attn_out
-        del block4_attn_out_matmul_2, block4_attn_out_add, block4_attn_out
-        mem.free(74)
+        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        mem.free(66)
         # block4_ln2_sum_to = sum_to[100x16x1](block4_ln2_add)
-        block4_ln2_sum_to = mem.tensor(75, (100, 16, 1), 'float32')
+        block4_ln2_sum_to = mem.tensor(67, (100, 16, 1), 'float32')
         rt.sum_to(block4_ln2_add, out=block4_ln2_sum_to, shape=(100, 16, 1))
         # block4_ln2_scale = 0.015625*block4_ln2_sum_to
         block4_ln2_scale = block4_ln2_sum_to  # in place: over block4_ln2_sum_to
         rt.ew(ew_scale, block4_ln2_scale, block4_ln2_sum_to)
         # block4_ln2_sub = block4_ln2_add - block4_ln2_scale   (computed with the next statement)
-        block4_ln2_sub = mem.tensor(76, (100, 16, 64), 'float32')
+        block4_ln2_sub = mem.tensor(68, (100, 16, 64), 'float32')
         # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
-        block4_ln2_sum_to_2 = mem.tensor(77, (100, 16, 1), 'float32')
+        block4_ln2_sum_to_2 = mem.tensor(69, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale),
                       (ew_square, block4_ln2_sum_to_2, block4_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln2_sum_to, block4_ln2_scale
         del block4_ln2_sum_to, block4_ln2_scale
-        mem.free(75)
+        mem.free(67)
         # block4_ln2_rsqrt = 1/sqrt(0.015625*block4_ln2_sum_to_2 + 1.0e-5)
         block4_ln2_rsqrt = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block4_ln2_rsqrt, block4_ln2_sum_to_2)
@@ -4163,17 +3931,17 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block4_ln2, block4_ln2_sub, block4_ln2_rsqrt, T['block4_ln2_W'], T['block4_ln2_B'])
         # free block4_ln2_sum_to_2, block4_ln2_rsqrt
         del block4_ln2_sum_to_2, block4_ln2_rsqrt
-        mem.free(77)
+        mem.free(69)
 
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
         # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(78, (1600, 128), 'float32')
+        block4_fc1_matmul = mem.tensor(70, (1600, 128), 'float32')
         rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
         # free block4_ln2_sub, block4_ln2, block4_fc1_reshape
         del block4_ln2_sub, block4_ln2, block4_fc1_reshape
-        mem.free(76)
+        mem.free(68)
         # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
         block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
         rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
@@ -4189,11 +3957,11 @@ class Vit(rp.Model):
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
         # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(79, (1600, 64), 'float32')
+        block4_fc2_matmul = mem.tensor(71, (1600, 64), 'float32')
         rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
         # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
         del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
-        mem.free(78)
+        mem.free(70)
         # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
         block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
         rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
@@ -4206,9 +3974,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
         # free block4_fc2_matmul, block4_fc2_add, block4_fc2
         del block4_fc2_matmul, block4_fc2_add, block4_fc2
-        mem.free(79)
+        mem.free(71)
         # ln_sum_to = sum_to[100x16x1](ln_add)
-        ln_sum_to = mem.tensor(80, (100, 16, 1), 'float32')
+        ln_sum_to = mem.tensor(72, (100, 16, 1), 'float32')
         rt.sum_to(ln_add, out=ln_sum_to, shape=(100, 16, 1))
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
@@ -4216,47 +3984,47 @@ class Vit(rp.Model):
         # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
         # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(81, (100, 16, 1), 'float32')
+        ln_sum_to_2 = mem.tensor(73, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
                       (ew_square, ln_sum_to_2, ln_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
-        mem.free(80)
+        mem.free(72)
         # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
         ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
         rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
 
         # ---- head (fully connected, 10 outputs), forward ----
         # head_sum_to = sum_to[100x1x64](ln_sub*ln_rsqrt*ln_W + ln_B)
-        head_sum_to = mem.tensor(82, (100, 1, 64), 'float32')
+        head_sum_to = mem.tensor(74, (100, 1, 64), 'float32')
         rt.ew_sum(ew_mul_add_5, head_sum_to, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'], shape=(100, 1, 64), workspace=mem.workspace(409600))
         # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
         del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
-        mem.free(3, 81)
+        mem.free(3, 73)
         # head_reshape = reshape[100x64](head_sum_to)
         head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
-        rt.ew(ew_scale_3, head_scale, head_reshape)
+        rt.ew(ew_scale_2, head_scale, head_reshape)
         # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(83, (100, 10), 'float32')
+        head_matmul = mem.tensor(75, (100, 10), 'float32')
         rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
         # free head_sum_to, head_reshape, head_scale
         del head_sum_to, head_reshape, head_scale
-        mem.free(82)
+        mem.free(74)
         # head = head_matmul + head_B
         head = head_matmul  # in place: over head_matmul
         rt.ew(ew_add, head, head_matmul, T['head_B'])
 
         # ---- head_precision (precision), forward ----
         # head_precision = precision(head, y)
-        head_precision = mem.tensor(84, (), 'float32')
+        head_precision = mem.tensor(76, (), 'float32')
         rt.precision(head, y, out=head_precision)
 
         # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
         # label_ranks = label_rank(head, y)
-        label_ranks = mem.tensor(85, (100,), 'float32')
+        label_ranks = mem.tensor(77, (100,), 'float32')
         rt.label_rank(head, y, out=label_ranks)
 
         # ---- head_cross_entropy (cross_entropy), forward ----
@@ -4264,20 +4032,20 @@ class Vit(rp.Model):
         head_cross_entropy_log_softmax = head  # in place: over head
         rt.log_softmax(head, out=head_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
-        head_cross_entropy_pick = mem.tensor(86, (100,), 'float32')
+        head_cross_entropy_pick = mem.tensor(78, (100,), 'float32')
         rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
         # free y, head_matmul, head, head_cross_entropy_log_softmax
         del y, head_matmul, head, head_cross_entropy_log_softmax
-        mem.free(1, 83)
+        mem.free(1, 75)
         # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
-        head_cross_entropy_sum_to = mem.tensor(87, (), 'float32')
+        head_cross_entropy_sum_to = mem.tensor(79, (), 'float32')
         rt.sum_to(head_cross_entropy_pick, out=head_cross_entropy_sum_to, shape=())
         # free head_cross_entropy_pick
         del head_cross_entropy_pick
-        mem.free(86)
+        mem.free(78)
         # head_cross_entropy = -head_cross_entropy_sum_to/100
         head_cross_entropy = head_cross_entropy_sum_to  # in place: over head_cross_entropy_sum_to
-        rt.ew(ew_scale_4, head_cross_entropy, head_cross_entropy_sum_to)
+        rt.ew(ew_scale_3, head_cross_entropy, head_cross_entropy_sum_to)
         accuracy = rt.scalar(head_precision)
         loss = rt.scalar(head_cross_entropy)
         ranks = rt.to_numpy(label_ranks)
@@ -4349,14 +4117,14 @@ class Vit(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_out_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn_out_reshape)
-        block1_attn_out_transpose = mem.tensor(7, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_out_reshape, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_out_reshape
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
+        block1_attn_transpose = mem.tensor(7, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
         mem.free(6)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
@@ -4364,25 +4132,19 @@ class Vit(rp.Model):
         block1_attn_k_matmul = mem.tensor(8, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape = reshape[100x16x4x16](block1_attn_k_matmul)
-        softmax_reshape = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose = transpose[axes=(1,2)](softmax_reshape)
-        softmax_transpose = mem.tensor(9, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape, out=softmax_transpose, axes=(1, 2))
-        # free block1_attn_k_matmul, softmax_reshape
-        del block1_attn_k_matmul, softmax_reshape
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
+        block1_attn_transpose_2 = mem.tensor(9, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
+        # free block1_attn_k_matmul, block1_attn_reshape_2
+        del block1_attn_k_matmul, block1_attn_reshape_2
         mem.free(8)
-        # softmax_transpose_2 = transpose[axes=(2,3)](softmax_transpose)
-        softmax_transpose_2 = mem.tensor(10, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose, out=softmax_transpose_2, axes=(2, 3))
-        # free softmax_transpose
-        del softmax_transpose
-        mem.free(9)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(11, (1600, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(10, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
         del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
@@ -4391,56 +4153,40 @@ class Vit(rp.Model):
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_2 = reshape[100x16x4x16](block1_attn_q_add)
-        softmax_reshape_2 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_3 = transpose[axes=(1,2)](softmax_reshape_2)
-        softmax_transpose_3 = mem.tensor(12, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_2, out=softmax_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, softmax_reshape_2
-        del block1_attn_q_matmul, block1_attn_q_add, softmax_reshape_2
-        mem.free(11)
-        # softmax_matmul = matmul(softmax_transpose_3, softmax_transpose_2)
-        softmax_matmul = mem.tensor(13, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_3, softmax_transpose_2, out=softmax_matmul)
-        # free softmax_transpose_2, softmax_transpose_3
-        del softmax_transpose_2, softmax_transpose_3
-        mem.free(10, 12)
-        # softmax_scale = 0.25*softmax_matmul
-        softmax_scale = softmax_matmul  # in place: over softmax_matmul
-        rt.ew(ew_scale_2, softmax_scale, softmax_matmul)
-        # softmax_reshape_3 = reshape[6400x16](softmax_scale)
-        softmax_reshape_3 = rt.reshape(softmax_scale, shape=(6400, 16))
-        # softmax_softmax = softmax(softmax_reshape_3)
-        softmax_softmax = softmax_reshape_3  # in place: over softmax_reshape_3
-        rt.softmax(softmax_reshape_3, out=softmax_softmax)
-        # softmax = reshape[100x4x16x16](softmax_softmax)
-        softmax = rt.reshape(softmax_softmax, shape=(100, 4, 16, 16))
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
+        block1_attn_transpose_3 = mem.tensor(11, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(10)
+        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        block1_attn = mem.tensor(12, (100, 4, 16, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        mem.free(7, 9, 11)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_matmul = matmul(softmax, block1_attn_out_transpose)
-        block1_attn_out_matmul = mem.tensor(14, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax, block1_attn_out_transpose, out=block1_attn_out_matmul)
-        # free block1_attn_out_transpose, softmax_matmul, softmax_scale, softmax_reshape_3, softmax_softmax, softmax
-        del block1_attn_out_transpose, softmax_matmul, softmax_scale, softmax_reshape_3, softmax_softmax, softmax
-        mem.free(7, 13)
-        # block1_attn_out_transpose_2 = transpose[axes=(1,2)](block1_attn_out_matmul)
-        block1_attn_out_transpose_2 = mem.tensor(15, (100, 16, 4, 16), 'float32')
-        rt.transpose(block1_attn_out_matmul, out=block1_attn_out_transpose_2, axes=(1, 2))
-        # free block1_attn_out_matmul
-        del block1_attn_out_matmul
-        mem.free(14)
-        # block1_attn_out_reshape_2 = reshape[1600x64](block1_attn_out_transpose_2)
-        block1_attn_out_reshape_2 = rt.reshape(block1_attn_out_transpose_2, shape=(1600, 64))
-        # block1_attn_out_matmul_2 = matmul[tb](block1_attn_out_reshape_2, block1_attn_out_W)
-        block1_attn_out_matmul_2 = mem.tensor(16, (1600, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape_2, T['block1_attn_out_W'], out=block1_attn_out_matmul_2, tb=True)
-        # free block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        del block1_attn_out_transpose_2, block1_attn_out_reshape_2
-        mem.free(15)
-        # block1_attn_out_add = block1_attn_out_matmul_2 + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul_2  # in place: over block1_attn_out_matmul_2
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul_2, T['block1_attn_out_B'])
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
+        block1_attn_out_transpose = mem.tensor(13, (100, 16, 4, 16), 'float32')
+        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn
+        del block1_attn
+        mem.free(12)
+        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
+        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
+        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
+        block1_attn_out_matmul = mem.tensor(14, (1600, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # free block1_attn_out_transpose, block1_attn_out_reshape
+        del block1_attn_out_transpose, block1_attn_out_reshape
+        mem.free(13)
+        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
 
@@ -4448,25 +4194,25 @@ class Vit(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul_2, block1_attn_out_add, block1_attn_out
-        mem.free(16)
+        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        mem.free(14)
         # block1_ln2_sum_to = sum_to[100x16x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(17, (100, 16, 1), 'float32')
+        block1_ln2_sum_to = mem.tensor(15, (100, 16, 1), 'float32')
         rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(100, 16, 1))
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
         # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(18, (100, 16, 64), 'float32')
+        block1_ln2_sub = mem.tensor(16, (100, 16, 64), 'float32')
         # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(19, (100, 16, 1), 'float32')
+        block1_ln2_sum_to_2 = mem.tensor(17, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
                       (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(17)
+        mem.free(15)
         # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
         block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
@@ -4475,17 +4221,17 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
         # free block1_ln2_sum_to_2, block1_ln2_rsqrt
         del block1_ln2_sum_to_2, block1_ln2_rsqrt
-        mem.free(19)
+        mem.free(17)
 
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(20, (1600, 128), 'float32')
+        block1_fc1_matmul = mem.tensor(18, (1600, 128), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
         del block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        mem.free(18)
+        mem.free(16)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -4501,11 +4247,11 @@ class Vit(rp.Model):
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(21, (1600, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(19, (1600, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(20)
+        mem.free(18)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -4518,23 +4264,23 @@ class Vit(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(21)
+        mem.free(19)
         # block2_ln1_sum_to = sum_to[100x16x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(22, (100, 16, 1), 'float32')
+        block2_ln1_sum_to = mem.tensor(20, (100, 16, 1), 'float32')
         rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(100, 16, 1))
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
         # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(23, (100, 16, 64), 'float32')
+        block2_ln1_sub = mem.tensor(21, (100, 16, 64), 'float32')
         # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(24, (100, 16, 1), 'float32')
+        block2_ln1_sum_to_2 = mem.tensor(22, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
                       (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(22)
+        mem.free(20)
         # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
         block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
@@ -4543,7 +4289,7 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
         # free block2_ln1_sum_to_2, block2_ln1_rsqrt
         del block2_ln1_sum_to_2, block2_ln1_rsqrt
-        mem.free(24)
+        mem.free(22)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_reshape = reshape[1600x64](block2_ln1)
@@ -4551,104 +4297,82 @@ class Vit(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(25, (1600, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(23, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_reshape = reshape[100x16x4x16](block2_attn_v_add)
-        block2_attn_out_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn_out_reshape)
-        block2_attn_out_transpose = mem.tensor(26, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_out_reshape, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_out_reshape
-        mem.free(25)
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
+        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
+        block2_attn_transpose = mem.tensor(24, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        mem.free(23)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(27, (1600, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(25, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_4 = reshape[100x16x4x16](block2_attn_k_matmul)
-        softmax_reshape_4 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose_4 = transpose[axes=(1,2)](softmax_reshape_4)
-        softmax_transpose_4 = mem.tensor(28, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_4, out=softmax_transpose_4, axes=(1, 2))
-        # free block2_attn_k_matmul, softmax_reshape_4
-        del block2_attn_k_matmul, softmax_reshape_4
-        mem.free(27)
-        # softmax_transpose_5 = transpose[axes=(2,3)](softmax_transpose_4)
-        softmax_transpose_5 = mem.tensor(29, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose_4, out=softmax_transpose_5, axes=(2, 3))
-        # free softmax_transpose_4
-        del softmax_transpose_4
-        mem.free(28)
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
+        block2_attn_transpose_2 = mem.tensor(26, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
+        # free block2_attn_k_matmul, block2_attn_reshape_2
+        del block2_attn_k_matmul, block2_attn_reshape_2
+        mem.free(25)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(30, (1600, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(27, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
         del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        mem.free(23)
+        mem.free(21)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_5 = reshape[100x16x4x16](block2_attn_q_add)
-        softmax_reshape_5 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_6 = transpose[axes=(1,2)](softmax_reshape_5)
-        softmax_transpose_6 = mem.tensor(31, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_5, out=softmax_transpose_6, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, softmax_reshape_5
-        del block2_attn_q_matmul, block2_attn_q_add, softmax_reshape_5
-        mem.free(30)
-        # softmax_matmul_2 = matmul(softmax_transpose_6, softmax_transpose_5)
-        softmax_matmul_2 = mem.tensor(32, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_6, softmax_transpose_5, out=softmax_matmul_2)
-        # free softmax_transpose_5, softmax_transpose_6
-        del softmax_transpose_5, softmax_transpose_6
-        mem.free(29, 31)
-        # softmax_scale_2 = 0.25*softmax_matmul_2
-        softmax_scale_2 = softmax_matmul_2  # in place: over softmax_matmul_2
-        rt.ew(ew_scale_2, softmax_scale_2, softmax_matmul_2)
-        # softmax_reshape_6 = reshape[6400x16](softmax_scale_2)
-        softmax_reshape_6 = rt.reshape(softmax_scale_2, shape=(6400, 16))
-        # softmax_softmax_2 = softmax(softmax_reshape_6)
-        softmax_softmax_2 = softmax_reshape_6  # in place: over softmax_reshape_6
-        rt.softmax(softmax_reshape_6, out=softmax_softmax_2)
-        # softmax_2 = reshape[100x4x16x16](softmax_softmax_2)
-        softmax_2 = rt.reshape(softmax_softmax_2, shape=(100, 4, 16, 16))
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
+        block2_attn_transpose_3 = mem.tensor(28, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        mem.free(27)
+        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
+        block2_attn = mem.tensor(29, (100, 4, 16, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        mem.free(24, 26, 28)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_matmul = matmul(softmax_2, block2_attn_out_transpose)
-        block2_attn_out_matmul = mem.tensor(33, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_2, block2_attn_out_transpose, out=block2_attn_out_matmul)
-        # free block2_attn_out_transpose, softmax_matmul_2, softmax_scale_2, softmax_reshape_6, softmax_softmax_2, softmax_2
-        del block2_attn_out_transpose, softmax_matmul_2, softmax_scale_2, softmax_reshape_6, softmax_softmax_2, softmax_2
-        mem.free(26, 32)
-        # block2_attn_out_transpose_2 = transpose[axes=(1,2)](block2_attn_out_matmul)
-        block2_attn_out_transpose_2 = mem.tensor(34, (100, 16, 4, 16), 'float32')
-        rt.transpose(block2_attn_out_matmul, out=block2_attn_out_transpose_2, axes=(1, 2))
-        # free block2_attn_out_matmul
-        del block2_attn_out_matmul
-        mem.free(33)
-        # block2_attn_out_reshape_2 = reshape[1600x64](block2_attn_out_transpose_2)
-        block2_attn_out_reshape_2 = rt.reshape(block2_attn_out_transpose_2, shape=(1600, 64))
-        # block2_attn_out_matmul_2 = matmul[tb](block2_attn_out_reshape_2, block2_attn_out_W)
-        block2_attn_out_matmul_2 = mem.tensor(35, (1600, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape_2, T['block2_attn_out_W'], out=block2_attn_out_matmul_2, tb=True)
-        # free block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        del block2_attn_out_transpose_2, block2_attn_out_reshape_2
-        mem.free(34)
-        # block2_attn_out_add = block2_attn_out_matmul_2 + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul_2  # in place: over block2_attn_out_matmul_2
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul_2, T['block2_attn_out_B'])
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
+        block2_attn_out_transpose = mem.tensor(30, (100, 16, 4, 16), 'float32')
+        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
+        # free block2_attn
+        del block2_attn
+        mem.free(29)
+        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
+        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
+        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
+        block2_attn_out_matmul = mem.tensor(31, (1600, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # free block2_attn_out_transpose, block2_attn_out_reshape
+        del block2_attn_out_transpose, block2_attn_out_reshape
+        mem.free(30)
+        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
 
@@ -4656,25 +4380,25 @@ class Vit(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul_2, block2_attn_out_add, block2_attn_out
-        mem.free(35)
+        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        mem.free(31)
         # block2_ln2_sum_to = sum_to[100x16x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(36, (100, 16, 1), 'float32')
+        block2_ln2_sum_to = mem.tensor(32, (100, 16, 1), 'float32')
         rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(100, 16, 1))
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
         # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(37, (100, 16, 64), 'float32')
+        block2_ln2_sub = mem.tensor(33, (100, 16, 64), 'float32')
         # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(38, (100, 16, 1), 'float32')
+        block2_ln2_sum_to_2 = mem.tensor(34, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
                       (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(36)
+        mem.free(32)
         # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
         block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
@@ -4683,17 +4407,17 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
         # free block2_ln2_sum_to_2, block2_ln2_rsqrt
         del block2_ln2_sum_to_2, block2_ln2_rsqrt
-        mem.free(38)
+        mem.free(34)
 
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(39, (1600, 128), 'float32')
+        block2_fc1_matmul = mem.tensor(35, (1600, 128), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
         del block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        mem.free(37)
+        mem.free(33)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -4709,11 +4433,11 @@ class Vit(rp.Model):
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(40, (1600, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(36, (1600, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(39)
+        mem.free(35)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -4726,23 +4450,23 @@ class Vit(rp.Model):
         rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(40)
+        mem.free(36)
         # block3_ln1_sum_to = sum_to[100x16x1](block3_ln1_add)
-        block3_ln1_sum_to = mem.tensor(41, (100, 16, 1), 'float32')
+        block3_ln1_sum_to = mem.tensor(37, (100, 16, 1), 'float32')
         rt.sum_to(block3_ln1_add, out=block3_ln1_sum_to, shape=(100, 16, 1))
         # block3_ln1_scale = 0.015625*block3_ln1_sum_to
         block3_ln1_scale = block3_ln1_sum_to  # in place: over block3_ln1_sum_to
         rt.ew(ew_scale, block3_ln1_scale, block3_ln1_sum_to)
         # block3_ln1_sub = block3_ln1_add - block3_ln1_scale   (computed with the next statement)
-        block3_ln1_sub = mem.tensor(42, (100, 16, 64), 'float32')
+        block3_ln1_sub = mem.tensor(38, (100, 16, 64), 'float32')
         # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
-        block3_ln1_sum_to_2 = mem.tensor(43, (100, 16, 1), 'float32')
+        block3_ln1_sum_to_2 = mem.tensor(39, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale),
                       (ew_square, block3_ln1_sum_to_2, block3_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln1_sum_to, block3_ln1_scale
         del block3_ln1_sum_to, block3_ln1_scale
-        mem.free(41)
+        mem.free(37)
         # block3_ln1_rsqrt = 1/sqrt(0.015625*block3_ln1_sum_to_2 + 1.0e-5)
         block3_ln1_rsqrt = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block3_ln1_rsqrt, block3_ln1_sum_to_2)
@@ -4751,7 +4475,7 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block3_ln1, block3_ln1_sub, block3_ln1_rsqrt, T['block3_ln1_W'], T['block3_ln1_B'])
         # free block3_ln1_sum_to_2, block3_ln1_rsqrt
         del block3_ln1_sum_to_2, block3_ln1_rsqrt
-        mem.free(43)
+        mem.free(39)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_reshape = reshape[1600x64](block3_ln1)
@@ -4759,104 +4483,82 @@ class Vit(rp.Model):
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
         # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(44, (1600, 64), 'float32')
+        block3_attn_v_matmul = mem.tensor(40, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
         # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
         block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
         rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
 
-        # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_reshape = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_out_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn_out_reshape)
-        block3_attn_out_transpose = mem.tensor(45, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_out_reshape, out=block3_attn_out_transpose, axes=(1, 2))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_out_reshape
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_out_reshape
-        mem.free(44)
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
+        block3_attn_transpose = mem.tensor(41, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
+        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        mem.free(40)
 
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
-        block3_attn_k_matmul = mem.tensor(46, (1600, 64), 'float32')
+        block3_attn_k_matmul = mem.tensor(42, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_7 = reshape[100x16x4x16](block3_attn_k_matmul)
-        softmax_reshape_7 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose_7 = transpose[axes=(1,2)](softmax_reshape_7)
-        softmax_transpose_7 = mem.tensor(47, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_7, out=softmax_transpose_7, axes=(1, 2))
-        # free block3_attn_k_matmul, softmax_reshape_7
-        del block3_attn_k_matmul, softmax_reshape_7
-        mem.free(46)
-        # softmax_transpose_8 = transpose[axes=(2,3)](softmax_transpose_7)
-        softmax_transpose_8 = mem.tensor(48, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose_7, out=softmax_transpose_8, axes=(2, 3))
-        # free softmax_transpose_7
-        del softmax_transpose_7
-        mem.free(47)
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
+        block3_attn_transpose_2 = mem.tensor(43, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
+        # free block3_attn_k_matmul, block3_attn_reshape_2
+        del block3_attn_k_matmul, block3_attn_reshape_2
+        mem.free(42)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(49, (1600, 64), 'float32')
+        block3_attn_q_matmul = mem.tensor(44, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
         # free block3_ln1_sub, block3_ln1, block3_attn_q_reshape
         del block3_ln1_sub, block3_ln1, block3_attn_q_reshape
-        mem.free(42)
+        mem.free(38)
         # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
         block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
         rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_8 = reshape[100x16x4x16](block3_attn_q_add)
-        softmax_reshape_8 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_9 = transpose[axes=(1,2)](softmax_reshape_8)
-        softmax_transpose_9 = mem.tensor(50, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_8, out=softmax_transpose_9, axes=(1, 2))
-        # free block3_attn_q_matmul, block3_attn_q_add, softmax_reshape_8
-        del block3_attn_q_matmul, block3_attn_q_add, softmax_reshape_8
-        mem.free(49)
-        # softmax_matmul_3 = matmul(softmax_transpose_9, softmax_transpose_8)
-        softmax_matmul_3 = mem.tensor(51, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_9, softmax_transpose_8, out=softmax_matmul_3)
-        # free softmax_transpose_8, softmax_transpose_9
-        del softmax_transpose_8, softmax_transpose_9
-        mem.free(48, 50)
-        # softmax_scale_3 = 0.25*softmax_matmul_3
-        softmax_scale_3 = softmax_matmul_3  # in place: over softmax_matmul_3
-        rt.ew(ew_scale_2, softmax_scale_3, softmax_matmul_3)
-        # softmax_reshape_9 = reshape[6400x16](softmax_scale_3)
-        softmax_reshape_9 = rt.reshape(softmax_scale_3, shape=(6400, 16))
-        # softmax_softmax_3 = softmax(softmax_reshape_9)
-        softmax_softmax_3 = softmax_reshape_9  # in place: over softmax_reshape_9
-        rt.softmax(softmax_reshape_9, out=softmax_softmax_3)
-        # softmax_3 = reshape[100x4x16x16](softmax_softmax_3)
-        softmax_3 = rt.reshape(softmax_softmax_3, shape=(100, 4, 16, 16))
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
+        block3_attn_transpose_3 = mem.tensor(45, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
+        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        mem.free(44)
+        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
+        block3_attn = mem.tensor(46, (100, 4, 16, 16), 'float32')
+        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
+        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
+        mem.free(41, 43, 45)
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_matmul = matmul(softmax_3, block3_attn_out_transpose)
-        block3_attn_out_matmul = mem.tensor(52, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_3, block3_attn_out_transpose, out=block3_attn_out_matmul)
-        # free block3_attn_out_transpose, softmax_matmul_3, softmax_scale_3, softmax_reshape_9, softmax_softmax_3, softmax_3
-        del block3_attn_out_transpose, softmax_matmul_3, softmax_scale_3, softmax_reshape_9, softmax_softmax_3, softmax_3
-        mem.free(45, 51)
-        # block3_attn_out_transpose_2 = transpose[axes=(1,2)](block3_attn_out_matmul)
-        block3_attn_out_transpose_2 = mem.tensor(53, (100, 16, 4, 16), 'float32')
-        rt.transpose(block3_attn_out_matmul, out=block3_attn_out_transpose_2, axes=(1, 2))
-        # free block3_attn_out_matmul
-        del block3_attn_out_matmul
-        mem.free(52)
-        # block3_attn_out_reshape_2 = reshape[1600x64](block3_attn_out_transpose_2)
-        block3_attn_out_reshape_2 = rt.reshape(block3_attn_out_transpose_2, shape=(1600, 64))
-        # block3_attn_out_matmul_2 = matmul[tb](block3_attn_out_reshape_2, block3_attn_out_W)
-        block3_attn_out_matmul_2 = mem.tensor(54, (1600, 64), 'float32')
-        rt.matmul(block3_attn_out_reshape_2, T['block3_attn_out_W'], out=block3_attn_out_matmul_2, tb=True)
-        # free block3_attn_out_transpose_2, block3_attn_out_reshape_2
-        del block3_attn_out_transpose_2, block3_attn_out_reshape_2
-        mem.free(53)
-        # block3_attn_out_add = block3_attn_out_matmul_2 + block3_attn_out_B
-        block3_attn_out_add = block3_attn_out_matmul_2  # in place: over block3_attn_out_matmul_2
-        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul_2, T['block3_attn_out_B'])
+        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
+        block3_attn_out_transpose = mem.tensor(47, (100, 16, 4, 16), 'float32')
+        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
+        # free block3_attn
+        del block3_attn
+        mem.free(46)
+        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
+        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
+        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
+        block3_attn_out_matmul = mem.tensor(48, (1600, 64), 'float32')
+        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
+        # free block3_attn_out_transpose, block3_attn_out_reshape
+        del block3_attn_out_transpose, block3_attn_out_reshape
+        mem.free(47)
+        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
+        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
+        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
         # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
         block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
 
@@ -4864,25 +4566,25 @@ class Vit(rp.Model):
         # block3_ln2_add = block3_ln1_add + block3_attn_out
         block3_ln2_add = block3_ln1_add  # in place: over block3_ln1_add
         rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
-        # free block3_attn_out_matmul_2, block3_attn_out_add, block3_attn_out
-        del block3_attn_out_matmul_2, block3_attn_out_add, block3_attn_out
-        mem.free(54)
+        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        mem.free(48)
         # block3_ln2_sum_to = sum_to[100x16x1](block3_ln2_add)
-        block3_ln2_sum_to = mem.tensor(55, (100, 16, 1), 'float32')
+        block3_ln2_sum_to = mem.tensor(49, (100, 16, 1), 'float32')
         rt.sum_to(block3_ln2_add, out=block3_ln2_sum_to, shape=(100, 16, 1))
         # block3_ln2_scale = 0.015625*block3_ln2_sum_to
         block3_ln2_scale = block3_ln2_sum_to  # in place: over block3_ln2_sum_to
         rt.ew(ew_scale, block3_ln2_scale, block3_ln2_sum_to)
         # block3_ln2_sub = block3_ln2_add - block3_ln2_scale   (computed with the next statement)
-        block3_ln2_sub = mem.tensor(56, (100, 16, 64), 'float32')
+        block3_ln2_sub = mem.tensor(50, (100, 16, 64), 'float32')
         # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
-        block3_ln2_sum_to_2 = mem.tensor(57, (100, 16, 1), 'float32')
+        block3_ln2_sum_to_2 = mem.tensor(51, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale),
                       (ew_square, block3_ln2_sum_to_2, block3_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block3_ln2_sum_to, block3_ln2_scale
         del block3_ln2_sum_to, block3_ln2_scale
-        mem.free(55)
+        mem.free(49)
         # block3_ln2_rsqrt = 1/sqrt(0.015625*block3_ln2_sum_to_2 + 1.0e-5)
         block3_ln2_rsqrt = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block3_ln2_rsqrt, block3_ln2_sum_to_2)
@@ -4891,17 +4593,17 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block3_ln2, block3_ln2_sub, block3_ln2_rsqrt, T['block3_ln2_W'], T['block3_ln2_B'])
         # free block3_ln2_sum_to_2, block3_ln2_rsqrt
         del block3_ln2_sum_to_2, block3_ln2_rsqrt
-        mem.free(57)
+        mem.free(51)
 
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
         # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(58, (1600, 128), 'float32')
+        block3_fc1_matmul = mem.tensor(52, (1600, 128), 'float32')
         rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
         # free block3_ln2_sub, block3_ln2, block3_fc1_reshape
         del block3_ln2_sub, block3_ln2, block3_fc1_reshape
-        mem.free(56)
+        mem.free(50)
         # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
         block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
         rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
@@ -4917,11 +4619,11 @@ class Vit(rp.Model):
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
         # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(59, (1600, 64), 'float32')
+        block3_fc2_matmul = mem.tensor(53, (1600, 64), 'float32')
         rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
         # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
-        mem.free(58)
+        mem.free(52)
         # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
         block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
         rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
@@ -4934,23 +4636,23 @@ class Vit(rp.Model):
         rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
         # free block3_fc2_matmul, block3_fc2_add, block3_fc2
         del block3_fc2_matmul, block3_fc2_add, block3_fc2
-        mem.free(59)
+        mem.free(53)
         # block4_ln1_sum_to = sum_to[100x16x1](block4_ln1_add)
-        block4_ln1_sum_to = mem.tensor(60, (100, 16, 1), 'float32')
+        block4_ln1_sum_to = mem.tensor(54, (100, 16, 1), 'float32')
         rt.sum_to(block4_ln1_add, out=block4_ln1_sum_to, shape=(100, 16, 1))
         # block4_ln1_scale = 0.015625*block4_ln1_sum_to
         block4_ln1_scale = block4_ln1_sum_to  # in place: over block4_ln1_sum_to
         rt.ew(ew_scale, block4_ln1_scale, block4_ln1_sum_to)
         # block4_ln1_sub = block4_ln1_add - block4_ln1_scale   (computed with the next statement)
-        block4_ln1_sub = mem.tensor(61, (100, 16, 64), 'float32')
+        block4_ln1_sub = mem.tensor(55, (100, 16, 64), 'float32')
         # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
-        block4_ln1_sum_to_2 = mem.tensor(62, (100, 16, 1), 'float32')
+        block4_ln1_sum_to_2 = mem.tensor(56, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale),
                       (ew_square, block4_ln1_sum_to_2, block4_ln1_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln1_sum_to, block4_ln1_scale
         del block4_ln1_sum_to, block4_ln1_scale
-        mem.free(60)
+        mem.free(54)
         # block4_ln1_rsqrt = 1/sqrt(0.015625*block4_ln1_sum_to_2 + 1.0e-5)
         block4_ln1_rsqrt = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block4_ln1_rsqrt, block4_ln1_sum_to_2)
@@ -4959,7 +4661,7 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block4_ln1, block4_ln1_sub, block4_ln1_rsqrt, T['block4_ln1_W'], T['block4_ln1_B'])
         # free block4_ln1_sum_to_2, block4_ln1_rsqrt
         del block4_ln1_sum_to_2, block4_ln1_rsqrt
-        mem.free(62)
+        mem.free(56)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_reshape = reshape[1600x64](block4_ln1)
@@ -4967,104 +4669,82 @@ class Vit(rp.Model):
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
         # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(63, (1600, 64), 'float32')
+        block4_attn_v_matmul = mem.tensor(57, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
         # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
         block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
         rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
 
-        # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_reshape = reshape[100x16x4x16](block4_attn_v_add)
-        block4_attn_out_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
-        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn_out_reshape)
-        block4_attn_out_transpose = mem.tensor(64, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_out_reshape, out=block4_attn_out_transpose, axes=(1, 2))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_out_reshape
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_out_reshape
-        mem.free(63)
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
+        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
+        block4_attn_transpose = mem.tensor(58, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
+        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        mem.free(57)
 
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
-        block4_attn_k_matmul = mem.tensor(65, (1600, 64), 'float32')
+        block4_attn_k_matmul = mem.tensor(59, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_10 = reshape[100x16x4x16](block4_attn_k_matmul)
-        softmax_reshape_10 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
-        # softmax_transpose_10 = transpose[axes=(1,2)](softmax_reshape_10)
-        softmax_transpose_10 = mem.tensor(66, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_10, out=softmax_transpose_10, axes=(1, 2))
-        # free block4_attn_k_matmul, softmax_reshape_10
-        del block4_attn_k_matmul, softmax_reshape_10
-        mem.free(65)
-        # softmax_transpose_11 = transpose[axes=(2,3)](softmax_transpose_10)
-        softmax_transpose_11 = mem.tensor(67, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_transpose_10, out=softmax_transpose_11, axes=(2, 3))
-        # free softmax_transpose_10
-        del softmax_transpose_10
-        mem.free(66)
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
+        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
+        block4_attn_transpose_2 = mem.tensor(60, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
+        # free block4_attn_k_matmul, block4_attn_reshape_2
+        del block4_attn_k_matmul, block4_attn_reshape_2
+        mem.free(59)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(68, (1600, 64), 'float32')
+        block4_attn_q_matmul = mem.tensor(61, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
         # free block4_ln1_sub, block4_ln1, block4_attn_q_reshape
         del block4_ln1_sub, block4_ln1, block4_attn_q_reshape
-        mem.free(61)
+        mem.free(55)
         # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
         block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
         rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
 
-        # ---- softmax (softmax), forward ----
-        # softmax_reshape_11 = reshape[100x16x4x16](block4_attn_q_add)
-        softmax_reshape_11 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
-        # softmax_transpose_12 = transpose[axes=(1,2)](softmax_reshape_11)
-        softmax_transpose_12 = mem.tensor(69, (100, 4, 16, 16), 'float32')
-        rt.transpose(softmax_reshape_11, out=softmax_transpose_12, axes=(1, 2))
-        # free block4_attn_q_matmul, block4_attn_q_add, softmax_reshape_11
-        del block4_attn_q_matmul, block4_attn_q_add, softmax_reshape_11
-        mem.free(68)
-        # softmax_matmul_4 = matmul(softmax_transpose_12, softmax_transpose_11)
-        softmax_matmul_4 = mem.tensor(70, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_transpose_12, softmax_transpose_11, out=softmax_matmul_4)
-        # free softmax_transpose_11, softmax_transpose_12
-        del softmax_transpose_11, softmax_transpose_12
-        mem.free(67, 69)
-        # softmax_scale_4 = 0.25*softmax_matmul_4
-        softmax_scale_4 = softmax_matmul_4  # in place: over softmax_matmul_4
-        rt.ew(ew_scale_2, softmax_scale_4, softmax_matmul_4)
-        # softmax_reshape_12 = reshape[6400x16](softmax_scale_4)
-        softmax_reshape_12 = rt.reshape(softmax_scale_4, shape=(6400, 16))
-        # softmax_softmax_4 = softmax(softmax_reshape_12)
-        softmax_softmax_4 = softmax_reshape_12  # in place: over softmax_reshape_12
-        rt.softmax(softmax_reshape_12, out=softmax_softmax_4)
-        # softmax_4 = reshape[100x4x16x16](softmax_softmax_4)
-        softmax_4 = rt.reshape(softmax_softmax_4, shape=(100, 4, 16, 16))
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
+        block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
+        block4_attn_transpose_3 = mem.tensor(62, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
+        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        mem.free(61)
+        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
+        block4_attn = mem.tensor(63, (100, 4, 16, 16), 'float32')
+        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
+        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
+        mem.free(58, 60, 62)
 
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_matmul = matmul(softmax_4, block4_attn_out_transpose)
-        block4_attn_out_matmul = mem.tensor(71, (100, 4, 16, 16), 'float32')
-        rt.matmul(softmax_4, block4_attn_out_transpose, out=block4_attn_out_matmul)
-        # free block4_attn_out_transpose, softmax_matmul_4, softmax_scale_4, softmax_reshape_12, softmax_softmax_4, softmax_4
-        del block4_attn_out_transpose, softmax_matmul_4, softmax_scale_4, softmax_reshape_12, softmax_softmax_4, softmax_4
-        mem.free(64, 70)
-        # block4_attn_out_transpose_2 = transpose[axes=(1,2)](block4_attn_out_matmul)
-        block4_attn_out_transpose_2 = mem.tensor(72, (100, 16, 4, 16), 'float32')
-        rt.transpose(block4_attn_out_matmul, out=block4_attn_out_transpose_2, axes=(1, 2))
-        # free block4_attn_out_matmul
-        del block4_attn_out_matmul
-        mem.free(71)
-        # block4_attn_out_reshape_2 = reshape[1600x64](block4_attn_out_transpose_2)
-        block4_attn_out_reshape_2 = rt.reshape(block4_attn_out_transpose_2, shape=(1600, 64))
-        # block4_attn_out_matmul_2 = matmul[tb](block4_attn_out_reshape_2, block4_attn_out_W)
-        block4_attn_out_matmul_2 = mem.tensor(73, (1600, 64), 'float32')
-        rt.matmul(block4_attn_out_reshape_2, T['block4_attn_out_W'], out=block4_attn_out_matmul_2, tb=True)
-        # free block4_attn_out_transpose_2, block4_attn_out_reshape_2
-        del block4_attn_out_transpose_2, block4_attn_out_reshape_2
-        mem.free(72)
-        # block4_attn_out_add = block4_attn_out_matmul_2 + block4_attn_out_B
-        block4_attn_out_add = block4_attn_out_matmul_2  # in place: over block4_attn_out_matmul_2
-        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul_2, T['block4_attn_out_B'])
+        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
+        block4_attn_out_transpose = mem.tensor(64, (100, 16, 4, 16), 'float32')
+        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
+        # free block4_attn
+        del block4_attn
+        mem.free(63)
+        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
+        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
+        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
+        block4_attn_out_matmul = mem.tensor(65, (1600, 64), 'float32')
+        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
+        # free block4_attn_out_transpose, block4_attn_out_reshape
+        del block4_attn_out_transpose, block4_attn_out_reshape
+        mem.free(64)
+        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
+        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
+        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
         # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
         block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
 
@@ -5072,25 +4752,25 @@ class Vit(rp.Model):
         # block4_ln2_add = block4_ln1_add + block4_attn_out
         block4_ln2_add = block4_ln1_add  # in place: over block4_ln1_add
         rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
-        # free block4_attn_out_matmul_2, block4_attn_out_add, block4_attn_out
-        del block4_attn_out_matmul_2, block4_attn_out_add, block4_attn_out
-        mem.free(73)
+        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        mem.free(65)
         # block4_ln2_sum_to = sum_to[100x16x1](block4_ln2_add)
-        block4_ln2_sum_to = mem.tensor(74, (100, 16, 1), 'float32')
+        block4_ln2_sum_to = mem.tensor(66, (100, 16, 1), 'float32')
         rt.sum_to(block4_ln2_add, out=block4_ln2_sum_to, shape=(100, 16, 1))
         # block4_ln2_scale = 0.015625*block4_ln2_sum_to
         block4_ln2_scale = block4_ln2_sum_to  # in place: over block4_ln2_sum_to
         rt.ew(ew_scale, block4_ln2_scale, block4_ln2_sum_to)
         # block4_ln2_sub = block4_ln2_add - block4_ln2_scale   (computed with the next statement)
-        block4_ln2_sub = mem.tensor(75, (100, 16, 64), 'float32')
+        block4_ln2_sub = mem.tensor(67, (100, 16, 64), 'float32')
         # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
-        block4_ln2_sum_to_2 = mem.tensor(76, (100, 16, 1), 'float32')
+        block4_ln2_sum_to_2 = mem.tensor(68, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale),
                       (ew_square, block4_ln2_sum_to_2, block4_ln2_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free block4_ln2_sum_to, block4_ln2_scale
         del block4_ln2_sum_to, block4_ln2_scale
-        mem.free(74)
+        mem.free(66)
         # block4_ln2_rsqrt = 1/sqrt(0.015625*block4_ln2_sum_to_2 + 1.0e-5)
         block4_ln2_rsqrt = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
         rt.ew(ew_scale_add_rsqrt, block4_ln2_rsqrt, block4_ln2_sum_to_2)
@@ -5099,17 +4779,17 @@ class Vit(rp.Model):
         rt.ew(ew_mul_add_4, block4_ln2, block4_ln2_sub, block4_ln2_rsqrt, T['block4_ln2_W'], T['block4_ln2_B'])
         # free block4_ln2_sum_to_2, block4_ln2_rsqrt
         del block4_ln2_sum_to_2, block4_ln2_rsqrt
-        mem.free(76)
+        mem.free(68)
 
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
         # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(77, (1600, 128), 'float32')
+        block4_fc1_matmul = mem.tensor(69, (1600, 128), 'float32')
         rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
         # free block4_ln2_sub, block4_ln2, block4_fc1_reshape
         del block4_ln2_sub, block4_ln2, block4_fc1_reshape
-        mem.free(75)
+        mem.free(67)
         # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
         block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
         rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
@@ -5125,11 +4805,11 @@ class Vit(rp.Model):
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
         # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(78, (1600, 64), 'float32')
+        block4_fc2_matmul = mem.tensor(70, (1600, 64), 'float32')
         rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
         # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
         del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
-        mem.free(77)
+        mem.free(69)
         # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
         block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
         rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
@@ -5142,9 +4822,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
         # free block4_fc2_matmul, block4_fc2_add, block4_fc2
         del block4_fc2_matmul, block4_fc2_add, block4_fc2
-        mem.free(78)
+        mem.free(70)
         # ln_sum_to = sum_to[100x16x1](ln_add)
-        ln_sum_to = mem.tensor(79, (100, 16, 1), 'float32')
+        ln_sum_to = mem.tensor(71, (100, 16, 1), 'float32')
         rt.sum_to(ln_add, out=ln_sum_to, shape=(100, 16, 1))
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
@@ -5152,35 +4832,35 @@ class Vit(rp.Model):
         # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
         # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(80, (100, 16, 1), 'float32')
+        ln_sum_to_2 = mem.tensor(72, (100, 16, 1), 'float32')
         rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
                       (ew_square, ln_sum_to_2, ln_sub),
                       shape=(100, 16, 1), workspace=mem.workspace(409600))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
-        mem.free(79)
+        mem.free(71)
         # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
         ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
         rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
 
         # ---- head (fully connected, 10 outputs), forward ----
         # head_sum_to = sum_to[100x1x64](ln_sub*ln_rsqrt*ln_W + ln_B)
-        head_sum_to = mem.tensor(81, (100, 1, 64), 'float32')
+        head_sum_to = mem.tensor(73, (100, 1, 64), 'float32')
         rt.ew_sum(ew_mul_add_5, head_sum_to, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'], shape=(100, 1, 64), workspace=mem.workspace(409600))
         # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
         del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
-        mem.free(2, 80)
+        mem.free(2, 72)
         # head_reshape = reshape[100x64](head_sum_to)
         head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
-        rt.ew(ew_scale_3, head_scale, head_reshape)
+        rt.ew(ew_scale_2, head_scale, head_reshape)
         # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(82, (100, 10), 'float32')
+        head_matmul = mem.tensor(74, (100, 10), 'float32')
         rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
         # free head_sum_to, head_reshape, head_scale
         del head_sum_to, head_reshape, head_scale
-        mem.free(81)
+        mem.free(73)
         # head = head_matmul + head_B
         head = head_matmul  # in place: over head_matmul
         rt.ew(ew_add, head, head_matmul, T['head_B'])
@@ -5202,278 +4882,262 @@ class Vit(rp.Model):
                 (0, 400),  # 0: const 100 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=22577408, peak_bytes=22577408, workspace_bytes=723200, pool_bytes=22846208,
+            arena_bytes=22577408, peak_bytes=22577408, workspace_bytes=870400, pool_bytes=22846208,
             buffers=(
                 (22118400, 313600),  # 0: x 100x1x28x28 float32
                 (22576896, 400),  # 1: y 100 int32
                 (22572800, 4000),  # 2: d_head_cross_entropy_log_softmax 100x10 float32
                 (0, 409600),  # 3: patch 100x64x4x4 float32
-                (6553600, 409600),  # 4: block1_ln2_transpose 100x16x64 float32
+                (819200, 409600),  # 4: block1_ln2_transpose 100x16x64 float32
                 (0, 6400),  # 5: block1_ln1_sum_to 100x16x1 float32
                 (6963200, 409600),  # 6: block1_ln1_sub 100x16x64 float32
                 (22457600, 6400),  # 7: block1_ln1_sum_to_2 100x16x1 float32
                 (22464000, 6400),  # 8: block1_ln1_rsqrt 100x16x1 float32
                 (7372800, 409600),  # 9: block1_ln1_mul 100x16x64 float32
                 (0, 409600),  # 10: block1_attn_v_matmul 1600x64 float32
-                (7782400, 409600),  # 11: block1_attn_out_transpose 100x4x16x16 float32
+                (7782400, 409600),  # 11: block1_attn_transpose 100x4x16x16 float32
                 (0, 409600),  # 12: block1_attn_k_matmul 1600x64 float32
-                (409600, 409600),  # 13: softmax_transpose 100x4x16x16 float32
-                (8192000, 409600),  # 14: softmax_transpose_2 100x4x16x16 float32
-                (0, 409600),  # 15: block1_attn_q_matmul 1600x64 float32
-                (8601600, 409600),  # 16: softmax_transpose_3 100x4x16x16 float32
-                (9011200, 409600),  # 17: softmax_matmul 100x4x16x16 float32
-                (0, 409600),  # 18: block1_attn_out_matmul 100x4x16x16 float32
-                (9420800, 409600),  # 19: block1_attn_out_transpose_2 100x16x4x16 float32
-                (0, 409600),  # 20: block1_attn_out_matmul_2 1600x64 float32
-                (0, 6400),  # 21: block1_ln2_sum_to 100x16x1 float32
-                (9830400, 409600),  # 22: block1_ln2_sub 100x16x64 float32
-                (22470400, 6400),  # 23: block1_ln2_sum_to_2 100x16x1 float32
-                (22476800, 6400),  # 24: block1_ln2_rsqrt 100x16x1 float32
-                (10240000, 409600),  # 25: block1_ln2_mul 100x16x64 float32
-                (0, 819200),  # 26: block1_fc1_matmul 1600x128 float32
-                (819200, 819200),  # 27: block1_fc1_gelu 100x16x128 float32
-                (1638400, 409600),  # 28: block1_fc2_matmul 1600x64 float32
-                (1638400, 6400),  # 29: block2_ln1_sum_to 100x16x1 float32
-                (10649600, 409600),  # 30: block2_ln1_sub 100x16x64 float32
-                (22483200, 6400),  # 31: block2_ln1_sum_to_2 100x16x1 float32
-                (22489600, 6400),  # 32: block2_ln1_rsqrt 100x16x1 float32
-                (11059200, 409600),  # 33: block2_ln1_mul 100x16x64 float32
-                (1638400, 409600),  # 34: block2_attn_v_matmul 1600x64 float32
-                (11468800, 409600),  # 35: block2_attn_out_transpose 100x4x16x16 float32
-                (1638400, 409600),  # 36: block2_attn_k_matmul 1600x64 float32
-                (2048000, 409600),  # 37: softmax_transpose_4 100x4x16x16 float32
-                (11878400, 409600),  # 38: softmax_transpose_5 100x4x16x16 float32
-                (1638400, 409600),  # 39: block2_attn_q_matmul 1600x64 float32
-                (12288000, 409600),  # 40: softmax_transpose_6 100x4x16x16 float32
-                (12697600, 409600),  # 41: softmax_matmul_2 100x4x16x16 float32
-                (1638400, 409600),  # 42: block2_attn_out_matmul 100x4x16x16 float32
-                (13107200, 409600),  # 43: block2_attn_out_transpose_2 100x16x4x16 float32
-                (1638400, 409600),  # 44: block2_attn_out_matmul_2 1600x64 float32
-                (1638400, 6400),  # 45: block2_ln2_sum_to 100x16x1 float32
-                (13516800, 409600),  # 46: block2_ln2_sub 100x16x64 float32
-                (22496000, 6400),  # 47: block2_ln2_sum_to_2 100x16x1 float32
-                (22502400, 6400),  # 48: block2_ln2_rsqrt 100x16x1 float32
-                (13926400, 409600),  # 49: block2_ln2_mul 100x16x64 float32
-                (1638400, 819200),  # 50: block2_fc1_matmul 1600x128 float32
-                (2457600, 819200),  # 51: block2_fc1_gelu 100x16x128 float32
-                (3276800, 409600),  # 52: block2_fc2_matmul 1600x64 float32
-                (3276800, 6400),  # 53: block3_ln1_sum_to 100x16x1 float32
-                (14336000, 409600),  # 54: block3_ln1_sub 100x16x64 float32
-                (22508800, 6400),  # 55: block3_ln1_sum_to_2 100x16x1 float32
-                (22515200, 6400),  # 56: block3_ln1_rsqrt 100x16x1 float32
-                (14745600, 409600),  # 57: block3_ln1_mul 100x16x64 float32
-                (3276800, 409600),  # 58: block3_attn_v_matmul 1600x64 float32
-                (15155200, 409600),  # 59: block3_attn_out_transpose 100x4x16x16 float32
-                (3276800, 409600),  # 60: block3_attn_k_matmul 1600x64 float32
-                (3686400, 409600),  # 61: softmax_transpose_7 100x4x16x16 float32
-                (15564800, 409600),  # 62: softmax_transpose_8 100x4x16x16 float32
-                (3276800, 409600),  # 63: block3_attn_q_matmul 1600x64 float32
-                (15974400, 409600),  # 64: softmax_transpose_9 100x4x16x16 float32
-                (16384000, 409600),  # 65: softmax_matmul_3 100x4x16x16 float32
-                (3276800, 409600),  # 66: block3_attn_out_matmul 100x4x16x16 float32
-                (16793600, 409600),  # 67: block3_attn_out_transpose_2 100x16x4x16 float32
-                (3276800, 409600),  # 68: block3_attn_out_matmul_2 1600x64 float32
-                (3276800, 6400),  # 69: block3_ln2_sum_to 100x16x1 float32
-                (17203200, 409600),  # 70: block3_ln2_sub 100x16x64 float32
-                (22521600, 6400),  # 71: block3_ln2_sum_to_2 100x16x1 float32
-                (22528000, 6400),  # 72: block3_ln2_rsqrt 100x16x1 float32
-                (17612800, 409600),  # 73: block3_ln2_mul 100x16x64 float32
-                (3276800, 819200),  # 74: block3_fc1_matmul 1600x128 float32
-                (4096000, 819200),  # 75: block3_fc1_gelu 100x16x128 float32
-                (4915200, 409600),  # 76: block3_fc2_matmul 1600x64 float32
-                (4915200, 6400),  # 77: block4_ln1_sum_to 100x16x1 float32
-                (18022400, 409600),  # 78: block4_ln1_sub 100x16x64 float32
-                (22534400, 6400),  # 79: block4_ln1_sum_to_2 100x16x1 float32
-                (22540800, 6400),  # 80: block4_ln1_rsqrt 100x16x1 float32
-                (18432000, 409600),  # 81: block4_ln1_mul 100x16x64 float32
-                (4915200, 409600),  # 82: block4_attn_v_matmul 1600x64 float32
-                (18841600, 409600),  # 83: block4_attn_out_transpose 100x4x16x16 float32
-                (4915200, 409600),  # 84: block4_attn_k_matmul 1600x64 float32
-                (5324800, 409600),  # 85: softmax_transpose_10 100x4x16x16 float32
-                (19251200, 409600),  # 86: softmax_transpose_11 100x4x16x16 float32
-                (4915200, 409600),  # 87: block4_attn_q_matmul 1600x64 float32
-                (19660800, 409600),  # 88: softmax_transpose_12 100x4x16x16 float32
-                (20070400, 409600),  # 89: softmax_matmul_4 100x4x16x16 float32
-                (4915200, 409600),  # 90: block4_attn_out_matmul 100x4x16x16 float32
-                (20480000, 409600),  # 91: block4_attn_out_transpose_2 100x16x4x16 float32
-                (4915200, 409600),  # 92: block4_attn_out_matmul_2 1600x64 float32
-                (4915200, 6400),  # 93: block4_ln2_sum_to 100x16x1 float32
-                (20889600, 409600),  # 94: block4_ln2_sub 100x16x64 float32
-                (22547200, 6400),  # 95: block4_ln2_sum_to_2 100x16x1 float32
-                (22553600, 6400),  # 96: block4_ln2_rsqrt 100x16x1 float32
-                (21299200, 409600),  # 97: block4_ln2_mul 100x16x64 float32
-                (4915200, 819200),  # 98: block4_fc1_matmul 1600x128 float32
-                (5734400, 819200),  # 99: block4_fc1_gelu 100x16x128 float32
-                (21708800, 409600),  # 100: block4_fc2_matmul 1600x64 float32
-                (21708800, 6400),  # 101: ln_sum_to 100x16x1 float32
-                (22560000, 6400),  # 102: ln_sum_to_2 100x16x1 float32
-                (22566400, 6400),  # 103: ln_rsqrt 100x16x1 float32
-                (21708800, 409600),  # 104: ln_mul 100x16x64 float32
-                (22432000, 25600),  # 105: head_sum_to 100x1x64 float32
-                (21708800, 4000),  # 106: head_matmul 100x10 float32
-                (21712896, 400),  # 107: head_cross_entropy_pick 100 float32
-                (21708800, 2560),  # 108: d_head_W 10x64 float32
-                (22576896, 4),  # 109: head_cross_entropy_sum_to scalar float32
-                (21708800, 40),  # 110: d_head_B 10 float32
-                (22432000, 25600),  # 111: d_head_scale 100x64 float32
-                (21708800, 409600),  # 112: ln_mul_2 100x16x64 float32
-                (22572800, 256),  # 113: d_ln_W 64 float32
-                (21708800, 409600),  # 114: d_ln 100x16x64 float32
-                (22438400, 256),  # 115: d_ln_B 64 float32
-                (22432000, 6400),  # 116: d_ln_rsqrt 100x16x1 float32
-                (22438400, 6400),  # 117: d_ln_scale 100x16x1 float32
-                (6553600, 32768),  # 118: d_block4_fc2_W 64x128 float32
-                (5734400, 256),  # 119: d_block4_fc2_B 64 float32
-                (5734400, 819200),  # 120: d_block4_fc2_reshape 1600x128 float32
-                (4915200, 32768),  # 121: d_block4_fc1_W 128x64 float32
-                (6553600, 512),  # 122: d_block4_fc1_B 128 float32
-                (4915200, 409600),  # 123: d_block4_fc1_reshape 1600x64 float32
-                (5324800, 409600),  # 124: block4_ln2_mul_2 100x16x64 float32
-                (5734400, 256),  # 125: d_block4_ln2_W 64 float32
-                (5331200, 256),  # 126: d_block4_ln2_B 64 float32
-                (5324800, 6400),  # 127: d_block4_ln2_rsqrt 100x16x1 float32
-                (5331200, 6400),  # 128: d_block4_ln2_scale 100x16x1 float32
-                (4915200, 16384),  # 129: d_block4_attn_out_W 64x64 float32
-                (4915200, 256),  # 130: d_block4_attn_out_B 64 float32
-                (4915200, 409600),  # 131: d_block4_attn_out_reshape 1600x64 float32
-                (5324800, 409600),  # 132: d_block4_attn_out_matmul 100x4x16x16 float32
-                (4915200, 409600),  # 133: d_softmax 100x4x16x16 float32
-                (5734400, 409600),  # 134: d_block4_attn_out_transpose_2 100x4x16x16 float32
-                (5324800, 409600),  # 135: d_block4_attn_out_reshape_2 100x16x4x16 float32
-                (5734400, 256),  # 136: d_block4_attn_v_B 64 float32
-                (6144000, 16384),  # 137: d_block4_attn_v_W 64x64 float32
-                (5734400, 409600),  # 138: d_block4_attn_q_reshape 1600x64 float32
-                (5324800, 25600),  # 139: d_softmax_sum_to 6400x1 float32
-                (5324800, 409600),  # 140: d_softmax_transpose 100x4x16x16 float32
-                (6144000, 409600),  # 141: d_softmax_transpose_2 100x4x16x16 float32
-                (4915200, 409600),  # 142: d_softmax_reshape_2 100x16x4x16 float32
-                (5324800, 409600),  # 143: d_softmax_transpose_3 100x4x16x16 float32
-                (6144000, 409600),  # 144: d_softmax_reshape_3 100x16x4x16 float32
-                (5324800, 256),  # 145: d_block4_attn_q_B 64 float32
-                (6553600, 16384),  # 146: d_block4_attn_q_W 64x64 float32
-                (6569984, 16384),  # 147: d_block4_attn_k_W 64x64 float32
-                (5324800, 409600),  # 148: d_block4_attn_q_reshape_2 1600x64 float32
-                (4915200, 409600),  # 149: d_block4_attn_q_reshape_3 1600x64 float32
-                (4915200, 409600),  # 150: block4_ln1_mul_2 100x16x64 float32
-                (5324800, 256),  # 151: d_block4_ln1_W 64 float32
-                (4921600, 256),  # 152: d_block4_ln1_B 64 float32
-                (4915200, 6400),  # 153: d_block4_ln1_rsqrt 100x16x1 float32
-                (4921600, 6400),  # 154: d_block4_ln1_scale 100x16x1 float32
-                (4915200, 32768),  # 155: d_block3_fc2_W 64x128 float32
-                (4096000, 256),  # 156: d_block3_fc2_B 64 float32
-                (4096000, 819200),  # 157: d_block3_fc2_reshape 1600x128 float32
-                (3276800, 32768),  # 158: d_block3_fc1_W 128x64 float32
-                (4915200, 512),  # 159: d_block3_fc1_B 128 float32
-                (3276800, 409600),  # 160: d_block3_fc1_reshape 1600x64 float32
-                (3686400, 409600),  # 161: block3_ln2_mul_2 100x16x64 float32
-                (4096000, 256),  # 162: d_block3_ln2_W 64 float32
-                (3692800, 256),  # 163: d_block3_ln2_B 64 float32
-                (3686400, 6400),  # 164: d_block3_ln2_rsqrt 100x16x1 float32
-                (3692800, 6400),  # 165: d_block3_ln2_scale 100x16x1 float32
-                (3276800, 16384),  # 166: d_block3_attn_out_W 64x64 float32
-                (3276800, 256),  # 167: d_block3_attn_out_B 64 float32
-                (3276800, 409600),  # 168: d_block3_attn_out_reshape 1600x64 float32
-                (3686400, 409600),  # 169: d_block3_attn_out_matmul 100x4x16x16 float32
-                (3276800, 409600),  # 170: d_softmax_2 100x4x16x16 float32
-                (4096000, 409600),  # 171: d_block3_attn_out_transpose_2 100x4x16x16 float32
-                (3686400, 409600),  # 172: d_block3_attn_out_reshape_2 100x16x4x16 float32
-                (4096000, 256),  # 173: d_block3_attn_v_B 64 float32
-                (4505600, 16384),  # 174: d_block3_attn_v_W 64x64 float32
-                (4096000, 409600),  # 175: d_block3_attn_q_reshape 1600x64 float32
-                (3686400, 25600),  # 176: d_softmax_sum_to_2 6400x1 float32
-                (3686400, 409600),  # 177: d_softmax_transpose_4 100x4x16x16 float32
-                (4505600, 409600),  # 178: d_softmax_transpose_5 100x4x16x16 float32
-                (3276800, 409600),  # 179: d_softmax_reshape_5 100x16x4x16 float32
-                (3686400, 409600),  # 180: d_softmax_transpose_6 100x4x16x16 float32
-                (4505600, 409600),  # 181: d_softmax_reshape_6 100x16x4x16 float32
-                (3686400, 256),  # 182: d_block3_attn_q_B 64 float32
-                (4915200, 16384),  # 183: d_block3_attn_q_W 64x64 float32
-                (4931584, 16384),  # 184: d_block3_attn_k_W 64x64 float32
-                (3686400, 409600),  # 185: d_block3_attn_q_reshape_2 1600x64 float32
-                (3276800, 409600),  # 186: d_block3_attn_q_reshape_3 1600x64 float32
-                (3276800, 409600),  # 187: block3_ln1_mul_2 100x16x64 float32
-                (3686400, 256),  # 188: d_block3_ln1_W 64 float32
-                (3283200, 256),  # 189: d_block3_ln1_B 64 float32
-                (3276800, 6400),  # 190: d_block3_ln1_rsqrt 100x16x1 float32
-                (3283200, 6400),  # 191: d_block3_ln1_scale 100x16x1 float32
-                (3276800, 32768),  # 192: d_block2_fc2_W 64x128 float32
-                (2457600, 256),  # 193: d_block2_fc2_B 64 float32
-                (2457600, 819200),  # 194: d_block2_fc2_reshape 1600x128 float32
-                (1638400, 32768),  # 195: d_block2_fc1_W 128x64 float32
-                (3276800, 512),  # 196: d_block2_fc1_B 128 float32
-                (1638400, 409600),  # 197: d_block2_fc1_reshape 1600x64 float32
-                (2048000, 409600),  # 198: block2_ln2_mul_2 100x16x64 float32
-                (2457600, 256),  # 199: d_block2_ln2_W 64 float32
-                (2054400, 256),  # 200: d_block2_ln2_B 64 float32
-                (2048000, 6400),  # 201: d_block2_ln2_rsqrt 100x16x1 float32
-                (2054400, 6400),  # 202: d_block2_ln2_scale 100x16x1 float32
-                (1638400, 16384),  # 203: d_block2_attn_out_W 64x64 float32
-                (1638400, 256),  # 204: d_block2_attn_out_B 64 float32
-                (1638400, 409600),  # 205: d_block2_attn_out_reshape 1600x64 float32
-                (2048000, 409600),  # 206: d_block2_attn_out_matmul 100x4x16x16 float32
-                (1638400, 409600),  # 207: d_softmax_3 100x4x16x16 float32
-                (2457600, 409600),  # 208: d_block2_attn_out_transpose_2 100x4x16x16 float32
-                (2048000, 409600),  # 209: d_block2_attn_out_reshape_2 100x16x4x16 float32
-                (2457600, 256),  # 210: d_block2_attn_v_B 64 float32
-                (2867200, 16384),  # 211: d_block2_attn_v_W 64x64 float32
-                (2457600, 409600),  # 212: d_block2_attn_q_reshape 1600x64 float32
-                (2048000, 25600),  # 213: d_softmax_sum_to_3 6400x1 float32
-                (2048000, 409600),  # 214: d_softmax_transpose_7 100x4x16x16 float32
-                (2867200, 409600),  # 215: d_softmax_transpose_8 100x4x16x16 float32
-                (1638400, 409600),  # 216: d_softmax_reshape_8 100x16x4x16 float32
-                (2048000, 409600),  # 217: d_softmax_transpose_9 100x4x16x16 float32
-                (2867200, 409600),  # 218: d_softmax_reshape_9 100x16x4x16 float32
-                (2048000, 256),  # 219: d_block2_attn_q_B 64 float32
-                (3276800, 16384),  # 220: d_block2_attn_q_W 64x64 float32
-                (3293184, 16384),  # 221: d_block2_attn_k_W 64x64 float32
-                (2048000, 409600),  # 222: d_block2_attn_q_reshape_2 1600x64 float32
-                (1638400, 409600),  # 223: d_block2_attn_q_reshape_3 1600x64 float32
-                (1638400, 409600),  # 224: block2_ln1_mul_2 100x16x64 float32
-                (2048000, 256),  # 225: d_block2_ln1_W 64 float32
-                (1644800, 256),  # 226: d_block2_ln1_B 64 float32
-                (1638400, 6400),  # 227: d_block2_ln1_rsqrt 100x16x1 float32
-                (1644800, 6400),  # 228: d_block2_ln1_scale 100x16x1 float32
-                (1638400, 32768),  # 229: d_block1_fc2_W 64x128 float32
-                (819200, 256),  # 230: d_block1_fc2_B 64 float32
-                (819200, 819200),  # 231: d_block1_fc2_reshape 1600x128 float32
-                (0, 32768),  # 232: d_block1_fc1_W 128x64 float32
-                (1638400, 512),  # 233: d_block1_fc1_B 128 float32
-                (0, 409600),  # 234: d_block1_fc1_reshape 1600x64 float32
-                (409600, 409600),  # 235: block1_ln2_mul_2 100x16x64 float32
-                (819200, 256),  # 236: d_block1_ln2_W 64 float32
-                (416000, 256),  # 237: d_block1_ln2_B 64 float32
-                (409600, 6400),  # 238: d_block1_ln2_rsqrt 100x16x1 float32
-                (416000, 6400),  # 239: d_block1_ln2_scale 100x16x1 float32
-                (0, 16384),  # 240: d_block1_attn_out_W 64x64 float32
-                (0, 256),  # 241: d_block1_attn_out_B 64 float32
-                (0, 409600),  # 242: d_block1_attn_out_reshape 1600x64 float32
-                (409600, 409600),  # 243: d_block1_attn_out_matmul 100x4x16x16 float32
-                (0, 409600),  # 244: d_softmax_4 100x4x16x16 float32
-                (819200, 409600),  # 245: d_block1_attn_out_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 246: d_block1_attn_out_reshape_2 100x16x4x16 float32
-                (819200, 256),  # 247: d_block1_attn_v_B 64 float32
-                (1228800, 16384),  # 248: d_block1_attn_v_W 64x64 float32
-                (819200, 409600),  # 249: d_block1_attn_q_reshape 1600x64 float32
-                (409600, 25600),  # 250: d_softmax_sum_to_4 6400x1 float32
-                (409600, 409600),  # 251: d_softmax_transpose_10 100x4x16x16 float32
-                (1228800, 409600),  # 252: d_softmax_transpose_11 100x4x16x16 float32
-                (0, 409600),  # 253: d_softmax_reshape_11 100x16x4x16 float32
-                (409600, 409600),  # 254: d_softmax_transpose_12 100x4x16x16 float32
-                (1228800, 409600),  # 255: d_softmax_reshape_12 100x16x4x16 float32
-                (409600, 256),  # 256: d_block1_attn_q_B 64 float32
-                (1638400, 16384),  # 257: d_block1_attn_q_W 64x64 float32
-                (1654784, 16384),  # 258: d_block1_attn_k_W 64x64 float32
-                (409600, 409600),  # 259: d_block1_attn_q_reshape_2 1600x64 float32
-                (0, 409600),  # 260: d_block1_attn_q_reshape_3 1600x64 float32
-                (0, 409600),  # 261: block1_ln1_mul_2 100x16x64 float32
-                (409600, 256),  # 262: d_block1_ln1_W 64 float32
-                (6400, 256),  # 263: d_block1_ln1_B 64 float32
-                (0, 6400),  # 264: d_block1_ln1_rsqrt 100x16x1 float32
-                (6400, 6400),  # 265: d_block1_ln1_scale 100x16x1 float32
-                (422144, 4096),  # 266: d_pos 1x16x64 float32
-                (0, 409600),  # 267: d_block1_ln2_reshape 100x64x16 float32
-                (409600, 12544),  # 268: d_patch_W 64x1x7x7 float32
-                (426240, 256),  # 269: d_patch_sum_to 1x64x1x1 float32
+                (8192000, 409600),  # 13: block1_attn_transpose_2 100x4x16x16 float32
+                (0, 409600),  # 14: block1_attn_q_matmul 1600x64 float32
+                (8601600, 409600),  # 15: block1_attn_transpose_3 100x4x16x16 float32
+                (9011200, 409600),  # 16: block1_attn 100x4x16x16 float32
+                (9420800, 409600),  # 17: block1_attn_out_transpose 100x16x4x16 float32
+                (0, 409600),  # 18: block1_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 19: block1_ln2_sum_to 100x16x1 float32
+                (9830400, 409600),  # 20: block1_ln2_sub 100x16x64 float32
+                (22470400, 6400),  # 21: block1_ln2_sum_to_2 100x16x1 float32
+                (22476800, 6400),  # 22: block1_ln2_rsqrt 100x16x1 float32
+                (10240000, 409600),  # 23: block1_ln2_mul 100x16x64 float32
+                (1228800, 819200),  # 24: block1_fc1_matmul 1600x128 float32
+                (2048000, 819200),  # 25: block1_fc1_gelu 100x16x128 float32
+                (0, 409600),  # 26: block1_fc2_matmul 1600x64 float32
+                (0, 6400),  # 27: block2_ln1_sum_to 100x16x1 float32
+                (10649600, 409600),  # 28: block2_ln1_sub 100x16x64 float32
+                (22483200, 6400),  # 29: block2_ln1_sum_to_2 100x16x1 float32
+                (22489600, 6400),  # 30: block2_ln1_rsqrt 100x16x1 float32
+                (11059200, 409600),  # 31: block2_ln1_mul 100x16x64 float32
+                (0, 409600),  # 32: block2_attn_v_matmul 1600x64 float32
+                (11468800, 409600),  # 33: block2_attn_transpose 100x4x16x16 float32
+                (0, 409600),  # 34: block2_attn_k_matmul 1600x64 float32
+                (11878400, 409600),  # 35: block2_attn_transpose_2 100x4x16x16 float32
+                (0, 409600),  # 36: block2_attn_q_matmul 1600x64 float32
+                (12288000, 409600),  # 37: block2_attn_transpose_3 100x4x16x16 float32
+                (12697600, 409600),  # 38: block2_attn 100x4x16x16 float32
+                (13107200, 409600),  # 39: block2_attn_out_transpose 100x16x4x16 float32
+                (0, 409600),  # 40: block2_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 41: block2_ln2_sum_to 100x16x1 float32
+                (13516800, 409600),  # 42: block2_ln2_sub 100x16x64 float32
+                (22496000, 6400),  # 43: block2_ln2_sum_to_2 100x16x1 float32
+                (22502400, 6400),  # 44: block2_ln2_rsqrt 100x16x1 float32
+                (13926400, 409600),  # 45: block2_ln2_mul 100x16x64 float32
+                (2867200, 819200),  # 46: block2_fc1_matmul 1600x128 float32
+                (3686400, 819200),  # 47: block2_fc1_gelu 100x16x128 float32
+                (0, 409600),  # 48: block2_fc2_matmul 1600x64 float32
+                (0, 6400),  # 49: block3_ln1_sum_to 100x16x1 float32
+                (14336000, 409600),  # 50: block3_ln1_sub 100x16x64 float32
+                (22508800, 6400),  # 51: block3_ln1_sum_to_2 100x16x1 float32
+                (22515200, 6400),  # 52: block3_ln1_rsqrt 100x16x1 float32
+                (14745600, 409600),  # 53: block3_ln1_mul 100x16x64 float32
+                (0, 409600),  # 54: block3_attn_v_matmul 1600x64 float32
+                (15155200, 409600),  # 55: block3_attn_transpose 100x4x16x16 float32
+                (0, 409600),  # 56: block3_attn_k_matmul 1600x64 float32
+                (15564800, 409600),  # 57: block3_attn_transpose_2 100x4x16x16 float32
+                (0, 409600),  # 58: block3_attn_q_matmul 1600x64 float32
+                (15974400, 409600),  # 59: block3_attn_transpose_3 100x4x16x16 float32
+                (16384000, 409600),  # 60: block3_attn 100x4x16x16 float32
+                (16793600, 409600),  # 61: block3_attn_out_transpose 100x16x4x16 float32
+                (0, 409600),  # 62: block3_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 63: block3_ln2_sum_to 100x16x1 float32
+                (17203200, 409600),  # 64: block3_ln2_sub 100x16x64 float32
+                (22521600, 6400),  # 65: block3_ln2_sum_to_2 100x16x1 float32
+                (22528000, 6400),  # 66: block3_ln2_rsqrt 100x16x1 float32
+                (17612800, 409600),  # 67: block3_ln2_mul 100x16x64 float32
+                (4505600, 819200),  # 68: block3_fc1_matmul 1600x128 float32
+                (5324800, 819200),  # 69: block3_fc1_gelu 100x16x128 float32
+                (0, 409600),  # 70: block3_fc2_matmul 1600x64 float32
+                (0, 6400),  # 71: block4_ln1_sum_to 100x16x1 float32
+                (18022400, 409600),  # 72: block4_ln1_sub 100x16x64 float32
+                (22534400, 6400),  # 73: block4_ln1_sum_to_2 100x16x1 float32
+                (22540800, 6400),  # 74: block4_ln1_rsqrt 100x16x1 float32
+                (18432000, 409600),  # 75: block4_ln1_mul 100x16x64 float32
+                (0, 409600),  # 76: block4_attn_v_matmul 1600x64 float32
+                (18841600, 409600),  # 77: block4_attn_transpose 100x4x16x16 float32
+                (0, 409600),  # 78: block4_attn_k_matmul 1600x64 float32
+                (19251200, 409600),  # 79: block4_attn_transpose_2 100x4x16x16 float32
+                (0, 409600),  # 80: block4_attn_q_matmul 1600x64 float32
+                (19660800, 409600),  # 81: block4_attn_transpose_3 100x4x16x16 float32
+                (20070400, 409600),  # 82: block4_attn 100x4x16x16 float32
+                (20480000, 409600),  # 83: block4_attn_out_transpose 100x16x4x16 float32
+                (0, 409600),  # 84: block4_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 85: block4_ln2_sum_to 100x16x1 float32
+                (20889600, 409600),  # 86: block4_ln2_sub 100x16x64 float32
+                (22547200, 6400),  # 87: block4_ln2_sum_to_2 100x16x1 float32
+                (22553600, 6400),  # 88: block4_ln2_rsqrt 100x16x1 float32
+                (21299200, 409600),  # 89: block4_ln2_mul 100x16x64 float32
+                (0, 819200),  # 90: block4_fc1_matmul 1600x128 float32
+                (6144000, 819200),  # 91: block4_fc1_gelu 100x16x128 float32
+                (21708800, 409600),  # 92: block4_fc2_matmul 1600x64 float32
+                (21708800, 6400),  # 93: ln_sum_to 100x16x1 float32
+                (22560000, 6400),  # 94: ln_sum_to_2 100x16x1 float32
+                (22566400, 6400),  # 95: ln_rsqrt 100x16x1 float32
+                (21708800, 409600),  # 96: ln_mul 100x16x64 float32
+                (22432000, 25600),  # 97: head_sum_to 100x1x64 float32
+                (21708800, 4000),  # 98: head_matmul 100x10 float32
+                (21712896, 400),  # 99: head_cross_entropy_pick 100 float32
+                (21708800, 2560),  # 100: d_head_W 10x64 float32
+                (22576896, 4),  # 101: head_cross_entropy_sum_to scalar float32
+                (21708800, 40),  # 102: d_head_B 10 float32
+                (22432000, 25600),  # 103: d_head_scale 100x64 float32
+                (21708800, 409600),  # 104: ln_mul_2 100x16x64 float32
+                (22572800, 256),  # 105: d_ln_W 64 float32
+                (21708800, 409600),  # 106: d_ln 100x16x64 float32
+                (22438400, 256),  # 107: d_ln_B 64 float32
+                (22432000, 6400),  # 108: d_ln_rsqrt 100x16x1 float32
+                (22438400, 6400),  # 109: d_ln_scale 100x16x1 float32
+                (819200, 32768),  # 110: d_block4_fc2_W 64x128 float32
+                (819200, 256),  # 111: d_block4_fc2_B 64 float32
+                (6144000, 819200),  # 112: d_block4_fc2_reshape 1600x128 float32
+                (0, 32768),  # 113: d_block4_fc1_W 128x64 float32
+                (819200, 512),  # 114: d_block4_fc1_B 128 float32
+                (0, 409600),  # 115: d_block4_fc1_reshape 1600x64 float32
+                (409600, 409600),  # 116: block4_ln2_mul_2 100x16x64 float32
+                (819712, 256),  # 117: d_block4_ln2_W 64 float32
+                (416000, 256),  # 118: d_block4_ln2_B 64 float32
+                (409600, 6400),  # 119: d_block4_ln2_rsqrt 100x16x1 float32
+                (416000, 6400),  # 120: d_block4_ln2_scale 100x16x1 float32
+                (0, 16384),  # 121: d_block4_attn_out_W 64x64 float32
+                (0, 256),  # 122: d_block4_attn_out_B 64 float32
+                (0, 409600),  # 123: d_block4_attn_out_reshape 1600x64 float32
+                (6144000, 409600),  # 124: d_block4_attn 100x4x16x16 float32
+                (0, 1228800),  # 125: d_block4_attn_attention_grad 307200 float32
+                (6144000, 409600),  # 126: d_block4_attn_slice 102400 float32
+                (6553600, 409600),  # 127: d_block4_attn_reshape 100x16x4x16 float32
+                (6144000, 256),  # 128: d_block4_attn_q_B 64 float32
+                (18841600, 16384),  # 129: d_block4_attn_q_W 64x64 float32
+                (6144000, 409600),  # 130: d_block4_attn_q_reshape 1600x64 float32
+                (6553600, 409600),  # 131: d_block4_attn_slice_2 102400 float32
+                (18841600, 409600),  # 132: d_block4_attn_slice_3 102400 float32
+                (0, 409600),  # 133: d_block4_attn_reshape_2 100x16x4x16 float32
+                (409600, 409600),  # 134: d_block4_attn_reshape_3 100x16x4x16 float32
+                (819200, 256),  # 135: d_block4_attn_v_B 64 float32
+                (6553600, 16384),  # 136: d_block4_attn_k_W 64x64 float32
+                (6569984, 16384),  # 137: d_block4_attn_v_W 64x64 float32
+                (819200, 409600),  # 138: d_block4_attn_q_reshape_2 1600x64 float32
+                (0, 409600),  # 139: d_block4_attn_q_reshape_3 1600x64 float32
+                (409600, 409600),  # 140: block4_ln1_mul_2 100x16x64 float32
+                (819200, 256),  # 141: d_block4_ln1_W 64 float32
+                (416000, 256),  # 142: d_block4_ln1_B 64 float32
+                (409600, 6400),  # 143: d_block4_ln1_rsqrt 100x16x1 float32
+                (416000, 6400),  # 144: d_block4_ln1_scale 100x16x1 float32
+                (0, 32768),  # 145: d_block3_fc2_W 64x128 float32
+                (0, 256),  # 146: d_block3_fc2_B 64 float32
+                (0, 819200),  # 147: d_block3_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 148: d_block3_fc1_W 128x64 float32
+                (4505600, 512),  # 149: d_block3_fc1_B 128 float32
+                (819200, 409600),  # 150: d_block3_fc1_reshape 1600x64 float32
+                (0, 409600),  # 151: block3_ln2_mul_2 100x16x64 float32
+                (409600, 256),  # 152: d_block3_ln2_W 64 float32
+                (6400, 256),  # 153: d_block3_ln2_B 64 float32
+                (0, 6400),  # 154: d_block3_ln2_rsqrt 100x16x1 float32
+                (6400, 6400),  # 155: d_block3_ln2_scale 100x16x1 float32
+                (0, 16384),  # 156: d_block3_attn_out_W 64x64 float32
+                (0, 256),  # 157: d_block3_attn_out_B 64 float32
+                (0, 409600),  # 158: d_block3_attn_out_reshape 1600x64 float32
+                (4505600, 409600),  # 159: d_block3_attn 100x4x16x16 float32
+                (0, 1228800),  # 160: d_block3_attn_attention_grad 307200 float32
+                (4505600, 409600),  # 161: d_block3_attn_slice 102400 float32
+                (4915200, 409600),  # 162: d_block3_attn_reshape 100x16x4x16 float32
+                (4505600, 256),  # 163: d_block3_attn_q_B 64 float32
+                (5324800, 16384),  # 164: d_block3_attn_q_W 64x64 float32
+                (4505600, 409600),  # 165: d_block3_attn_q_reshape 1600x64 float32
+                (4915200, 409600),  # 166: d_block3_attn_slice_2 102400 float32
+                (5324800, 409600),  # 167: d_block3_attn_slice_3 102400 float32
+                (0, 409600),  # 168: d_block3_attn_reshape_2 100x16x4x16 float32
+                (409600, 409600),  # 169: d_block3_attn_reshape_3 100x16x4x16 float32
+                (819200, 256),  # 170: d_block3_attn_v_B 64 float32
+                (4915200, 16384),  # 171: d_block3_attn_k_W 64x64 float32
+                (4931584, 16384),  # 172: d_block3_attn_v_W 64x64 float32
+                (819200, 409600),  # 173: d_block3_attn_q_reshape_2 1600x64 float32
+                (0, 409600),  # 174: d_block3_attn_q_reshape_3 1600x64 float32
+                (409600, 409600),  # 175: block3_ln1_mul_2 100x16x64 float32
+                (819200, 256),  # 176: d_block3_ln1_W 64 float32
+                (416000, 256),  # 177: d_block3_ln1_B 64 float32
+                (409600, 6400),  # 178: d_block3_ln1_rsqrt 100x16x1 float32
+                (416000, 6400),  # 179: d_block3_ln1_scale 100x16x1 float32
+                (0, 32768),  # 180: d_block2_fc2_W 64x128 float32
+                (0, 256),  # 181: d_block2_fc2_B 64 float32
+                (0, 819200),  # 182: d_block2_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 183: d_block2_fc1_W 128x64 float32
+                (2867200, 512),  # 184: d_block2_fc1_B 128 float32
+                (819200, 409600),  # 185: d_block2_fc1_reshape 1600x64 float32
+                (0, 409600),  # 186: block2_ln2_mul_2 100x16x64 float32
+                (409600, 256),  # 187: d_block2_ln2_W 64 float32
+                (6400, 256),  # 188: d_block2_ln2_B 64 float32
+                (0, 6400),  # 189: d_block2_ln2_rsqrt 100x16x1 float32
+                (6400, 6400),  # 190: d_block2_ln2_scale 100x16x1 float32
+                (0, 16384),  # 191: d_block2_attn_out_W 64x64 float32
+                (0, 256),  # 192: d_block2_attn_out_B 64 float32
+                (0, 409600),  # 193: d_block2_attn_out_reshape 1600x64 float32
+                (2867200, 409600),  # 194: d_block2_attn 100x4x16x16 float32
+                (0, 1228800),  # 195: d_block2_attn_attention_grad 307200 float32
+                (2867200, 409600),  # 196: d_block2_attn_slice 102400 float32
+                (3276800, 409600),  # 197: d_block2_attn_reshape 100x16x4x16 float32
+                (2867200, 256),  # 198: d_block2_attn_q_B 64 float32
+                (3686400, 16384),  # 199: d_block2_attn_q_W 64x64 float32
+                (2867200, 409600),  # 200: d_block2_attn_q_reshape 1600x64 float32
+                (3276800, 409600),  # 201: d_block2_attn_slice_2 102400 float32
+                (3686400, 409600),  # 202: d_block2_attn_slice_3 102400 float32
+                (0, 409600),  # 203: d_block2_attn_reshape_2 100x16x4x16 float32
+                (409600, 409600),  # 204: d_block2_attn_reshape_3 100x16x4x16 float32
+                (819200, 256),  # 205: d_block2_attn_v_B 64 float32
+                (3276800, 16384),  # 206: d_block2_attn_k_W 64x64 float32
+                (3293184, 16384),  # 207: d_block2_attn_v_W 64x64 float32
+                (819200, 409600),  # 208: d_block2_attn_q_reshape_2 1600x64 float32
+                (0, 409600),  # 209: d_block2_attn_q_reshape_3 1600x64 float32
+                (409600, 409600),  # 210: block2_ln1_mul_2 100x16x64 float32
+                (819200, 256),  # 211: d_block2_ln1_W 64 float32
+                (416000, 256),  # 212: d_block2_ln1_B 64 float32
+                (409600, 6400),  # 213: d_block2_ln1_rsqrt 100x16x1 float32
+                (416000, 6400),  # 214: d_block2_ln1_scale 100x16x1 float32
+                (0, 32768),  # 215: d_block1_fc2_W 64x128 float32
+                (0, 256),  # 216: d_block1_fc2_B 64 float32
+                (0, 819200),  # 217: d_block1_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 218: d_block1_fc1_W 128x64 float32
+                (1228800, 512),  # 219: d_block1_fc1_B 128 float32
+                (819200, 409600),  # 220: d_block1_fc1_reshape 1600x64 float32
+                (0, 409600),  # 221: block1_ln2_mul_2 100x16x64 float32
+                (409600, 256),  # 222: d_block1_ln2_W 64 float32
+                (6400, 256),  # 223: d_block1_ln2_B 64 float32
+                (0, 6400),  # 224: d_block1_ln2_rsqrt 100x16x1 float32
+                (6400, 6400),  # 225: d_block1_ln2_scale 100x16x1 float32
+                (0, 16384),  # 226: d_block1_attn_out_W 64x64 float32
+                (0, 256),  # 227: d_block1_attn_out_B 64 float32
+                (0, 409600),  # 228: d_block1_attn_out_reshape 1600x64 float32
+                (1228800, 409600),  # 229: d_block1_attn 100x4x16x16 float32
+                (0, 1228800),  # 230: d_block1_attn_attention_grad 307200 float32
+                (1228800, 409600),  # 231: d_block1_attn_slice 102400 float32
+                (1638400, 409600),  # 232: d_block1_attn_reshape 100x16x4x16 float32
+                (1228800, 256),  # 233: d_block1_attn_q_B 64 float32
+                (2048000, 16384),  # 234: d_block1_attn_q_W 64x64 float32
+                (1228800, 409600),  # 235: d_block1_attn_q_reshape 1600x64 float32
+                (1638400, 409600),  # 236: d_block1_attn_slice_2 102400 float32
+                (2048000, 409600),  # 237: d_block1_attn_slice_3 102400 float32
+                (0, 409600),  # 238: d_block1_attn_reshape_2 100x16x4x16 float32
+                (409600, 409600),  # 239: d_block1_attn_reshape_3 100x16x4x16 float32
+                (819200, 256),  # 240: d_block1_attn_v_B 64 float32
+                (1638400, 16384),  # 241: d_block1_attn_k_W 64x64 float32
+                (1654784, 16384),  # 242: d_block1_attn_v_W 64x64 float32
+                (819200, 409600),  # 243: d_block1_attn_q_reshape_2 1600x64 float32
+                (0, 409600),  # 244: d_block1_attn_q_reshape_3 1600x64 float32
+                (409600, 409600),  # 245: block1_ln1_mul_2 100x16x64 float32
+                (819200, 256),  # 246: d_block1_ln1_W 64 float32
+                (416000, 256),  # 247: d_block1_ln1_B 64 float32
+                (409600, 6400),  # 248: d_block1_ln1_rsqrt 100x16x1 float32
+                (416000, 6400),  # 249: d_block1_ln1_scale 100x16x1 float32
+                (422144, 4096),  # 250: d_pos 1x16x64 float32
+                (0, 409600),  # 251: d_block1_ln2_reshape 100x64x16 float32
+                (409600, 12544),  # 252: d_patch_W 64x1x7x7 float32
+                (426240, 256),  # 253: d_patch_sum_to 1x64x1x1 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=2048512, peak_bytes=2048512, workspace_bytes=409600, pool_bytes=2362112,
@@ -5486,86 +5150,78 @@ class Vit(rp.Model):
                 (0, 409600),  # 5: block1_ln1_sub 100x16x64 float32
                 (416000, 6400),  # 6: block1_ln1_sum_to_2 100x16x1 float32
                 (409600, 409600),  # 7: block1_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 8: block1_attn_out_transpose 100x4x16x16 float32
+                (1228800, 409600),  # 8: block1_attn_transpose 100x4x16x16 float32
                 (409600, 409600),  # 9: block1_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 10: softmax_transpose 100x4x16x16 float32
-                (409600, 409600),  # 11: softmax_transpose_2 100x4x16x16 float32
-                (1638400, 409600),  # 12: block1_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 13: softmax_transpose_3 100x4x16x16 float32
-                (1638400, 409600),  # 14: softmax_matmul 100x4x16x16 float32
-                (0, 409600),  # 15: block1_attn_out_matmul 100x4x16x16 float32
-                (409600, 409600),  # 16: block1_attn_out_transpose_2 100x16x4x16 float32
-                (0, 409600),  # 17: block1_attn_out_matmul_2 1600x64 float32
-                (0, 6400),  # 18: block1_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 19: block1_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 20: block1_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 21: block1_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 22: block1_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 23: block2_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 24: block2_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 25: block2_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 26: block2_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 27: block2_attn_out_transpose 100x4x16x16 float32
-                (409600, 409600),  # 28: block2_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 29: softmax_transpose_4 100x4x16x16 float32
-                (409600, 409600),  # 30: softmax_transpose_5 100x4x16x16 float32
-                (1638400, 409600),  # 31: block2_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 32: softmax_transpose_6 100x4x16x16 float32
-                (1638400, 409600),  # 33: softmax_matmul_2 100x4x16x16 float32
-                (0, 409600),  # 34: block2_attn_out_matmul 100x4x16x16 float32
-                (409600, 409600),  # 35: block2_attn_out_transpose_2 100x16x4x16 float32
-                (0, 409600),  # 36: block2_attn_out_matmul_2 1600x64 float32
-                (0, 6400),  # 37: block2_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 38: block2_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 39: block2_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 40: block2_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 41: block2_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 42: block3_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 43: block3_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 44: block3_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 45: block3_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 46: block3_attn_out_transpose 100x4x16x16 float32
-                (409600, 409600),  # 47: block3_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 48: softmax_transpose_7 100x4x16x16 float32
-                (409600, 409600),  # 49: softmax_transpose_8 100x4x16x16 float32
-                (1638400, 409600),  # 50: block3_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 51: softmax_transpose_9 100x4x16x16 float32
-                (1638400, 409600),  # 52: softmax_matmul_3 100x4x16x16 float32
-                (0, 409600),  # 53: block3_attn_out_matmul 100x4x16x16 float32
-                (409600, 409600),  # 54: block3_attn_out_transpose_2 100x16x4x16 float32
-                (0, 409600),  # 55: block3_attn_out_matmul_2 1600x64 float32
-                (0, 6400),  # 56: block3_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 57: block3_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 58: block3_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 59: block3_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 60: block3_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 61: block4_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 62: block4_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 63: block4_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 64: block4_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 65: block4_attn_out_transpose 100x4x16x16 float32
-                (409600, 409600),  # 66: block4_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 67: softmax_transpose_10 100x4x16x16 float32
-                (409600, 409600),  # 68: softmax_transpose_11 100x4x16x16 float32
-                (1638400, 409600),  # 69: block4_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 70: softmax_transpose_12 100x4x16x16 float32
-                (1638400, 409600),  # 71: softmax_matmul_4 100x4x16x16 float32
-                (0, 409600),  # 72: block4_attn_out_matmul 100x4x16x16 float32
-                (409600, 409600),  # 73: block4_attn_out_transpose_2 100x16x4x16 float32
-                (0, 409600),  # 74: block4_attn_out_matmul_2 1600x64 float32
-                (0, 6400),  # 75: block4_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 76: block4_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 77: block4_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 78: block4_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 79: block4_fc2_matmul 1600x64 float32
-                (0, 6400),  # 80: ln_sum_to 100x16x1 float32
-                (25600, 6400),  # 81: ln_sum_to_2 100x16x1 float32
-                (0, 25600),  # 82: head_sum_to 100x1x64 float32
-                (25600, 4000),  # 83: head_matmul 100x10 float32
-                (1024, 4),  # 84: head_precision scalar float32
-                (0, 400),  # 85: label_ranks 100 float32
-                (512, 400),  # 86: head_cross_entropy_pick 100 float32
-                (1280, 4),  # 87: head_cross_entropy_sum_to scalar float32
+                (1638400, 409600),  # 10: block1_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 11: block1_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 12: block1_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 13: block1_attn 100x4x16x16 float32
+                (0, 409600),  # 14: block1_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 15: block1_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 16: block1_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 17: block1_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 18: block1_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 19: block1_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 20: block1_fc2_matmul 1600x64 float32
+                (409600, 6400),  # 21: block2_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 22: block2_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 23: block2_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 24: block2_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 25: block2_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 26: block2_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 27: block2_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 28: block2_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 29: block2_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 30: block2_attn 100x4x16x16 float32
+                (0, 409600),  # 31: block2_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 32: block2_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 33: block2_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 34: block2_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 35: block2_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 36: block2_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 37: block2_fc2_matmul 1600x64 float32
+                (409600, 6400),  # 38: block3_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 39: block3_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 40: block3_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 41: block3_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 42: block3_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 43: block3_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 44: block3_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 45: block3_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 46: block3_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 47: block3_attn 100x4x16x16 float32
+                (0, 409600),  # 48: block3_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 49: block3_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 50: block3_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 51: block3_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 52: block3_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 53: block3_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 54: block3_fc2_matmul 1600x64 float32
+                (409600, 6400),  # 55: block4_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 56: block4_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 57: block4_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 58: block4_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 59: block4_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 60: block4_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 61: block4_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 62: block4_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 63: block4_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 64: block4_attn 100x4x16x16 float32
+                (0, 409600),  # 65: block4_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 66: block4_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 67: block4_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 68: block4_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 69: block4_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 70: block4_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 71: block4_fc2_matmul 1600x64 float32
+                (0, 6400),  # 72: ln_sum_to 100x16x1 float32
+                (25600, 6400),  # 73: ln_sum_to_2 100x16x1 float32
+                (0, 25600),  # 74: head_sum_to 100x1x64 float32
+                (25600, 4000),  # 75: head_matmul 100x10 float32
+                (1024, 4),  # 76: head_precision scalar float32
+                (0, 400),  # 77: label_ranks 100 float32
+                (512, 400),  # 78: head_cross_entropy_pick 100 float32
+                (1280, 4),  # 79: head_cross_entropy_sum_to scalar float32
             )),
         "predict_step": rp.StepPlan(
             arena_bytes=2048000, peak_bytes=2048000, workspace_bytes=409600, pool_bytes=2361600,
@@ -5577,82 +5233,74 @@ class Vit(rp.Model):
                 (0, 409600),  # 4: block1_ln1_sub 100x16x64 float32
                 (416000, 6400),  # 5: block1_ln1_sum_to_2 100x16x1 float32
                 (409600, 409600),  # 6: block1_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 7: block1_attn_out_transpose 100x4x16x16 float32
+                (1228800, 409600),  # 7: block1_attn_transpose 100x4x16x16 float32
                 (409600, 409600),  # 8: block1_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 9: softmax_transpose 100x4x16x16 float32
-                (409600, 409600),  # 10: softmax_transpose_2 100x4x16x16 float32
-                (1638400, 409600),  # 11: block1_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 12: softmax_transpose_3 100x4x16x16 float32
-                (1638400, 409600),  # 13: softmax_matmul 100x4x16x16 float32
-                (0, 409600),  # 14: block1_attn_out_matmul 100x4x16x16 float32
-                (409600, 409600),  # 15: block1_attn_out_transpose_2 100x16x4x16 float32
-                (0, 409600),  # 16: block1_attn_out_matmul_2 1600x64 float32
-                (0, 6400),  # 17: block1_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 18: block1_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 19: block1_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 20: block1_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 21: block1_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 22: block2_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 23: block2_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 24: block2_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 25: block2_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 26: block2_attn_out_transpose 100x4x16x16 float32
-                (409600, 409600),  # 27: block2_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 28: softmax_transpose_4 100x4x16x16 float32
-                (409600, 409600),  # 29: softmax_transpose_5 100x4x16x16 float32
-                (1638400, 409600),  # 30: block2_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 31: softmax_transpose_6 100x4x16x16 float32
-                (1638400, 409600),  # 32: softmax_matmul_2 100x4x16x16 float32
-                (0, 409600),  # 33: block2_attn_out_matmul 100x4x16x16 float32
-                (409600, 409600),  # 34: block2_attn_out_transpose_2 100x16x4x16 float32
-                (0, 409600),  # 35: block2_attn_out_matmul_2 1600x64 float32
-                (0, 6400),  # 36: block2_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 37: block2_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 38: block2_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 39: block2_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 40: block2_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 41: block3_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 42: block3_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 43: block3_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 44: block3_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 45: block3_attn_out_transpose 100x4x16x16 float32
-                (409600, 409600),  # 46: block3_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 47: softmax_transpose_7 100x4x16x16 float32
-                (409600, 409600),  # 48: softmax_transpose_8 100x4x16x16 float32
-                (1638400, 409600),  # 49: block3_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 50: softmax_transpose_9 100x4x16x16 float32
-                (1638400, 409600),  # 51: softmax_matmul_3 100x4x16x16 float32
-                (0, 409600),  # 52: block3_attn_out_matmul 100x4x16x16 float32
-                (409600, 409600),  # 53: block3_attn_out_transpose_2 100x16x4x16 float32
-                (0, 409600),  # 54: block3_attn_out_matmul_2 1600x64 float32
-                (0, 6400),  # 55: block3_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 56: block3_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 57: block3_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 58: block3_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 59: block3_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 60: block4_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 61: block4_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 62: block4_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 63: block4_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 64: block4_attn_out_transpose 100x4x16x16 float32
-                (409600, 409600),  # 65: block4_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 66: softmax_transpose_10 100x4x16x16 float32
-                (409600, 409600),  # 67: softmax_transpose_11 100x4x16x16 float32
-                (1638400, 409600),  # 68: block4_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 69: softmax_transpose_12 100x4x16x16 float32
-                (1638400, 409600),  # 70: softmax_matmul_4 100x4x16x16 float32
-                (0, 409600),  # 71: block4_attn_out_matmul 100x4x16x16 float32
-                (409600, 409600),  # 72: block4_attn_out_transpose_2 100x16x4x16 float32
-                (0, 409600),  # 73: block4_attn_out_matmul_2 1600x64 float32
-                (0, 6400),  # 74: block4_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 75: block4_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 76: block4_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 77: block4_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 78: block4_fc2_matmul 1600x64 float32
-                (0, 6400),  # 79: ln_sum_to 100x16x1 float32
-                (25600, 6400),  # 80: ln_sum_to_2 100x16x1 float32
-                (0, 25600),  # 81: head_sum_to 100x1x64 float32
-                (25600, 4000),  # 82: head_matmul 100x10 float32
+                (1638400, 409600),  # 9: block1_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 10: block1_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 11: block1_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 12: block1_attn 100x4x16x16 float32
+                (0, 409600),  # 13: block1_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 14: block1_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 15: block1_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 16: block1_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 17: block1_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 18: block1_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 19: block1_fc2_matmul 1600x64 float32
+                (409600, 6400),  # 20: block2_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 21: block2_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 22: block2_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 23: block2_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 24: block2_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 25: block2_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 26: block2_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 27: block2_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 28: block2_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 29: block2_attn 100x4x16x16 float32
+                (0, 409600),  # 30: block2_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 31: block2_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 32: block2_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 33: block2_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 34: block2_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 35: block2_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 36: block2_fc2_matmul 1600x64 float32
+                (409600, 6400),  # 37: block3_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 38: block3_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 39: block3_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 40: block3_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 41: block3_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 42: block3_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 43: block3_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 44: block3_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 45: block3_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 46: block3_attn 100x4x16x16 float32
+                (0, 409600),  # 47: block3_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 48: block3_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 49: block3_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 50: block3_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 51: block3_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 52: block3_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 53: block3_fc2_matmul 1600x64 float32
+                (409600, 6400),  # 54: block4_ln1_sum_to 100x16x1 float32
+                (0, 409600),  # 55: block4_ln1_sub 100x16x64 float32
+                (416000, 6400),  # 56: block4_ln1_sum_to_2 100x16x1 float32
+                (409600, 409600),  # 57: block4_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 58: block4_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 59: block4_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 60: block4_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 61: block4_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 62: block4_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 63: block4_attn 100x4x16x16 float32
+                (0, 409600),  # 64: block4_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 65: block4_attn_out_matmul 1600x64 float32
+                (0, 6400),  # 66: block4_ln2_sum_to 100x16x1 float32
+                (1228800, 409600),  # 67: block4_ln2_sub 100x16x64 float32
+                (6400, 6400),  # 68: block4_ln2_sum_to_2 100x16x1 float32
+                (0, 819200),  # 69: block4_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 70: block4_fc2_matmul 1600x64 float32
+                (0, 6400),  # 71: ln_sum_to 100x16x1 float32
+                (25600, 6400),  # 72: ln_sum_to_2 100x16x1 float32
+                (0, 25600),  # 73: head_sum_to 100x1x64 float32
+                (25600, 4000),  # 74: head_matmul 100x10 float32
             )),
     }
 
@@ -5703,11 +5351,6 @@ def ew_mul_add(out, v0, v1, v2):
     np.add(out, v2, out=out)
 
 
-def ew_scale_2(out, v0):
-    """out = 0.25*v0   (out may be v0)"""
-    np.multiply(v0, 0.25, out=out)
-
-
 def ew_sqrt_mul_erf_add(out, v0):
     """out = v0*(erf(sqrt(2)*v0/2) + 1)/2"""
     np.multiply(1.4142135623730951, v0, out=out)
@@ -5729,7 +5372,7 @@ def ew_mul_add_2(out, v0, v1, v2):
     np.add(out, v2, out=out)
 
 
-def ew_scale_3(out, v0):
+def ew_scale_2(out, v0):
     """out = 0.0625*v0   (out may be v0)"""
     np.multiply(v0, 0.0625, out=out)
 
@@ -5739,7 +5382,7 @@ def ew_exp_scale_add(out, v0, v1):
     np.add(np.exp(v1) * 0.01, v0, out=out)
 
 
-def ew_scale_4(out, v0):
+def ew_scale_3(out, v0):
     """out = -v0/100   (out may be v0)"""
     np.multiply(v0, -0.01, out=out)
 
@@ -5793,12 +5436,6 @@ def ew_add_2(out, v0, v1, v2):
     """out = v0 + v1 + v2   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.add(out, v2, out=out)
-
-
-def ew_sub_mul(out, v0, v1, v2):
-    """out = v1*(v0 - v2)   (out may be v0)"""
-    np.subtract(v0, v2, out=out)
-    np.multiply(out, v1, out=out)
 
 
 def ew_scale_add_rsqrt(out, v0):

@@ -3,8 +3,6 @@
 # multi-head self-attention (every position attends to itself and the positions before it, never after) and an MLP
 # with exact GELU, a final layer norm, and at every position the scores of the next byte. Trained on a text file
 # with `--data text:PATH` (its bytes, in windows of T + 1), by AdamW with a cosine schedule after a warm-up.
-import math
-
 from deepdsl import dsl as D
 
 V = 256                       # vocabulary: the 256 byte values
@@ -25,8 +23,8 @@ def causal_attention(name, tokens):
     def heads(z):                                        # (N, T, D) -> (N, HEADS, T, D / HEADS)
         return z.reshape(n, t, HEADS, width).transpose(1, 2)
     q, k, v = (heads(D.full(f"{name}_{part}", d, bias=part != "k")(tokens)) for part in "qkv")
-    weights = D.causal_softmax((q @ k.transpose(2, 3)) * (1.0 / math.sqrt(width)))     # (N, HEADS, T, T)
-    mixed = (weights @ v).transpose(1, 2).reshape(n, t, d)
+    mixed = D.attention(q, k, v, causal=True, name=name)   # (N, HEADS, T, width), query i over keys 0..i
+    mixed = mixed.transpose(1, 2).reshape(n, t, d)
     return D.full(f"{name}_out", d)(mixed)
 
 

@@ -3,8 +3,6 @@
 # Transformer encoder blocks (multi-head self-attention with 4 heads, then an MLP of twice the width with exact GELU,
 # each after a layer norm and inside a residual connection), a final layer norm, the mean of the tokens (as the
 # "GAP" variant of the paper) and a classifier. AdamW with a cosine schedule after a warm-up, as ViTs are trained.
-import math
-
 from deepdsl import dsl as D
 
 K = 10                             # classes
@@ -26,8 +24,8 @@ def attention(name, tokens):
     def heads(z):                                        # (N, T, D) -> (N, HEADS, T, D / HEADS)
         return z.reshape(n, t, HEADS, width).transpose(1, 2)
     q, k, v = (heads(D.full(f"{name}_{part}", d, bias=part != "k")(tokens)) for part in "qkv")
-    weights = D.softmax((q @ k.transpose(2, 3)) * (1.0 / math.sqrt(width)))     # (N, HEADS, T, T)
-    mixed = (weights @ v).transpose(1, 2).reshape(n, t, d)
+    mixed = D.attention(q, k, v, name=name)      # softmax(q k^T / sqrt(width)) v: (N, HEADS, T, width)
+    mixed = mixed.transpose(1, 2).reshape(n, t, d)
     return D.full(f"{name}_out", d)(mixed)
 
 

@@ -698,13 +698,15 @@ def _scores_shaped(t, scores_shape: tuple[int, ...], what: str) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-              dropout: float = 0.0, mask: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+              dropout: float = 0.0, mask: Tensor | None = None, bias: Tensor | None = None,
+              name: str | None = None) -> Tensor:
     """Scaled dot-product attention of queries (..., T, d), keys (..., S, d) and values (..., S, e), as PyTorch's
     scaled_dot_product_attention: softmax(q k^T scale + bias) v, scale 1 / sqrt(d) by default; `causal`: query i
     weighs only keys 0..i; `mask` (0/1, broadcast to (..., T, S)): the keys each query weighs are those of 1 (a
     boolean attn_mask; a key padding mask is `1 - tokens.eq(pad)` reshaped to (N, 1, 1, S)); `bias` (broadcast
     likewise): added to the scores (a float attn_mask: -inf leaves a key out); `dropout`: of the weights, while
-    training.
+    training; `name`: what the program calls it (its statements' section, `block1_attn`), else it is named after
+    the layer its queries came from.
 
     One statement (the op `attention`, `deepdsl.ops.attention`): the (T, S) weights live only inside it, never
     between the forward and the backward. With `dropout` the weights must be drawn and kept: it is then written
@@ -729,7 +731,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
         if mask is not None:
             scores = where(_scores_shaped(mask, scores_shape, "mask"), scores, -math.inf)
         weights = causal_softmax(scores) if causal else softmax(scores)
-        return _dropout_layer(dropout)(weights) @ v
+        return _recorded(_dropout_layer(dropout)(weights) @ v, (q, k, v, bias, mask), causal, name)
     added = None
     if bias is not None:
         added = _scores_shaped(bias, scores_shape, "bias")
@@ -738,8 +740,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
         added = left_out if added is None else added + left_out
     if added is not None and len(added.shape) < len(scores_shape):
         added = added.reshape(*(1,) * (len(scores_shape) - len(added.shape)), *added.shape)
-    return Tensor(attention_node(q.node, k.node, v.node, None if added is None else added.node, causal=causal,
-                                 scale=float(scale)))
+    out = Tensor(attention_node(q.node, k.node, v.node, None if added is None else added.node, causal=causal,
+                                scale=float(scale)))
+    return _recorded(out, (q, k, v, bias, mask), causal, name)
+
+
+def _recorded(out: Tensor, inputs, causal: bool, name: str | None) -> Tensor:
+    """`out` of D.attention with its nodes recorded as one layer: `name`, or named after the layer its queries came
+    from (`block1_attn_q_attention`)."""
+    what = ("causal " if causal else "") + "scaled dot-product attention"
+    label = "attention" if name is None else _name("D.attention", name)
+    provenance.record_layer(out.node, [t.node for t in inputs if t is not None], label, what, name is not None)
+    return out
 
 
 log_softmax = _Op("log_softmax", "log-softmax", lambda x: make("log_softmax", (x,)))
