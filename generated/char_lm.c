@@ -276,7 +276,7 @@ static __attribute__((noinline)) void deepdsl_ew_sqrt_mul_erf_add_f_range(long b
 #pragma omp simd
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
-        out[i] = (1.0F/2.0F)*v0*(erff((1.0F/2.0F)*sqrtf(2)*v0) + 1);
+        out[i] = (1.0F/2.0F)*v0*(deepdsl_erff((1.0F/2.0F)*sqrtf(2)*v0) + 1);
     }
 }
 
@@ -320,7 +320,7 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long beg
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
-        out[i] = v0 + 0.00048828125F*expf(v1);
+        out[i] = v0 + 0.00048828125F*deepdsl_expf(v1);
     }
 }
 
@@ -486,7 +486,7 @@ static __attribute__((noinline)) void deepdsl_ew_sqrt_mul_erf_scale_ff_range(lon
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
-        out[i] = v0*((1.0F/2.0F)*sqrtf(2)*v1*expf(-1.0F/2.0F*(v1*v1))/sqrtf(3.14159265F) + (1.0F/2.0F)*erff((1.0F/2.0F)*sqrtf(2)*v1) + 1.0F/2.0F);
+        out[i] = v0*((1.0F/2.0F)*sqrtf(2)*v1*deepdsl_expf(-1.0F/2.0F*(v1*v1))/sqrtf(3.14159265F) + (1.0F/2.0F)*deepdsl_erff((1.0F/2.0F)*sqrtf(2)*v1) + 1.0F/2.0F);
     }
 }
 
@@ -552,7 +552,7 @@ static __attribute__((noinline)) void deepdsl_ew_sqrt_mul_erf_add_2_f_range(long
 #pragma omp simd
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
-        out[i] = (1.0F/2.0F)*v0*(erff((1.0F/2.0F)*sqrtf(2)*v0) + 1);
+        out[i] = (1.0F/2.0F)*v0*(deepdsl_erff((1.0F/2.0F)*sqrtf(2)*v0) + 1);
     }
 }
 

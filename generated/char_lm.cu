@@ -177,7 +177,7 @@ template <int ND>
 DEEPDSL_HD void deepdsl_ew_sqrt_mul_erf_add_at(unsigned i, const EwShape& s, float* out, const EwArg& a0) {
     const EwIndex<ND> at(s, i);
     const float v0 = at.load(a0);
-    out[i] = (1.0F/2.0F)*v0*(erff((1.0F/2.0F)*sqrtf(2)*v0) + 1);
+    out[i] = (1.0F/2.0F)*v0*(deepdsl_erff((1.0F/2.0F)*sqrtf(2)*v0) + 1);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_sqrt_mul_erf_add_1(EwShape s, float* out, EwArg a0) {
@@ -236,7 +236,7 @@ DEEPDSL_HD void deepdsl_ew_exp_scale_add_at(unsigned i, const EwShape& s, float*
     const EwIndex<ND> at(s, i);
     const float v0 = at.load(a0);
     const float v1 = at.load(a1);
-    out[i] = v0 + 0.00048828125F*expf(v1);
+    out[i] = v0 + 0.00048828125F*deepdsl_expf(v1);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_exp_scale_add_1(EwShape s, float* out, EwArg a0, EwArg a1) {
@@ -402,7 +402,7 @@ DEEPDSL_HD void deepdsl_ew_sqrt_mul_erf_scale_at(unsigned i, const EwShape& s, f
     const EwIndex<ND> at(s, i);
     const float v0 = at.load(a0);
     const float v1 = at.load(a1);
-    out[i] = v0*((1.0F/2.0F)*sqrtf(2)*v1*expf(-1.0F/2.0F*(v1*v1))/sqrtf(3.14159265F) + (1.0F/2.0F)*erff((1.0F/2.0F)*sqrtf(2)*v1) + 1.0F/2.0F);
+    out[i] = v0*((1.0F/2.0F)*sqrtf(2)*v1*deepdsl_expf(-1.0F/2.0F*(v1*v1))/sqrtf(3.14159265F) + (1.0F/2.0F)*deepdsl_erff((1.0F/2.0F)*sqrtf(2)*v1) + 1.0F/2.0F);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_sqrt_mul_erf_scale_1(EwShape s, float* out, EwArg a0, EwArg a1) {
@@ -483,7 +483,7 @@ template <int ND>
 DEEPDSL_HD void deepdsl_ew_sqrt_mul_erf_add_2_at(unsigned i, const EwShape& s, float* out, const EwArg& a0) {
     const EwIndex<ND> at(s, i);
     const float v0 = at.load(a0);
-    out[i] = (1.0F/2.0F)*v0*(erff((1.0F/2.0F)*sqrtf(2)*v0) + 1);
+    out[i] = (1.0F/2.0F)*v0*(deepdsl_erff((1.0F/2.0F)*sqrtf(2)*v0) + 1);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_sqrt_mul_erf_add_2_1(EwShape s, float* out, EwArg a0) {

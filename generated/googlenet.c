@@ -240,7 +240,7 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long beg
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
-        out[i] = v0 + 0.0078125F*expf(v1);
+        out[i] = v0 + 0.0078125F*deepdsl_expf(v1);
     }
 }
 
@@ -405,7 +405,7 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_2_ff_range(long b
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
-        out[i] = v0 + 0.00234375F*expf(v1);
+        out[i] = v0 + 0.00234375F*deepdsl_expf(v1);
     }
 }
 
@@ -427,7 +427,7 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_3_ff_range(long b
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
-        out[i] = v0 + 0.00234375F*expf(v1);
+        out[i] = v0 + 0.00234375F*deepdsl_expf(v1);
     }
 }
 

@@ -152,7 +152,7 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long beg
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
-        out[i] = v0 + 0.01F*expf(v1);
+        out[i] = v0 + 0.01F*deepdsl_expf(v1);
     }
 }
 

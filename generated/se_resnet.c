@@ -417,7 +417,7 @@ static __attribute__((noinline)) void deepdsl_ew_sub_exp_add_recip_fr_range(long
         for (long i = 0; i < inner; ++i) {
             const float v0 = (float)q0[i];
             const float v1 = p1[i];
-            o[i] = 1.0F/(expf(-v0 - v1) + 1);
+            o[i] = 1.0F/(deepdsl_expf(-v0 - v1) + 1);
         }
     }
 }
@@ -623,7 +623,7 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long beg
     for (long i = begin; i < end; ++i) {
         const float v0 = (float)p0[i];
         const float v1 = (float)p1[i];
-        out[i] = v0 + 0.01F*expf(v1);
+        out[i] = v0 + 0.01F*deepdsl_expf(v1);
     }
 }
 

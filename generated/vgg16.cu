@@ -100,7 +100,7 @@ DEEPDSL_HD void deepdsl_ew_exp_scale_add_at(unsigned i, const EwShape& s, float*
     const EwIndex<ND> at(s, i);
     const float v0 = at.load(a0);
     const float v1 = at.load(a1);
-    out[i] = v0 + 0.015625F*expf(v1);
+    out[i] = v0 + 0.015625F*deepdsl_expf(v1);
 }
 #ifdef __CUDACC__
 DEEPDSL_KERNEL deepdsl_ew_exp_scale_add_1(EwShape s, float* out, EwArg a0, EwArg a1) {

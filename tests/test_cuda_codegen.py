@@ -128,7 +128,8 @@ def test_printed_expressions_read_as_intended():
     assert c_expression(V0 ** sympy.Rational(-1, 2)) == "(1.0F/sqrtf(v0))"
     assert "expf(" in c_expression(sympy.exp(V0)) and "logf(" in c_expression(sympy.log(V0))
     assert "powf(" in c_expression(V0 ** 0.75) and "deepdsl_minf(" in c_expression(sympy.Min(V0, V1))
-    float32_functions = {"expf", "logf", "powf", "deepdsl_maxf", "deepdsl_minf", "sqrtf", "tanhf", "fabsf"}
+    float32_functions = {"expf", "logf", "powf", "deepdsl_maxf", "deepdsl_minf", "sqrtf", "tanhf", "fabsf",
+                         "deepdsl_erff", "deepdsl_expf"}
     for expr in EXPRESSIONS:              # no double-precision function slips in
         called = set(re.findall(r"([A-Za-z_]\w*)\(", c_expression(expr)))
         assert called <= float32_functions, (str(expr), called - float32_functions)
@@ -478,8 +479,9 @@ EMULATED = [("lenet", None, MODES), ("mlp", None, MODES), ("alexnet", (55, 55), 
             ("user_functions", None, ("static",)), ("modern_parts", None, ("static",)),
             ("unet_parts", None, ("static",)), ("autoencoder", None, ("static",))]
 # networks trained by Adam(W): it divides each element's step by the size of its gradients, so an element whose two
-# gradients nearly cancel moves by an amount float32 rounding changes (1.6e-4 of the largest weight in the ViT here)
-ADAPTIVE_TOLERANCE = {"vit": 1e-3, "char_lm": 1e-3}
+# gradients nearly cancel moves by an amount float32 rounding changes (1.6e-4 of the largest weight in the ViT here,
+# 1.7e-3 in the language model, whose steps of lr 0.01 move a weight of 0.24 by up to 8 %)
+ADAPTIVE_TOLERANCE = {"vit": 1e-3, "char_lm": 3e-3}
 _compiled: dict = {}
 
 

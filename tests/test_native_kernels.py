@@ -308,7 +308,7 @@ def _operands(pattern, shape, rng):
 
 
 @needs_cc
-@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "googlenet", "alexnet"])
+@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "googlenet", "alexnet", "vit"])
 def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory):
     compiled, module, path = _program(name, dict(NETWORKS)[name], tmp_path_factory)
     found, why = native.load(path)
@@ -537,28 +537,33 @@ def test_label_ranks_and_token_masks_equal_numpy(lib, threads):
 @needs_cc
 @pytest.mark.parametrize("case", [  # (units, T, S, d, e, causal, bias shape or None)
     ((2, 3), 5, 7, 4, 6, False, None), ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6)), ((3,), 70, 90, 5, 2, False, (3, 1, 90)),
-    ((2,), 130, 130, 64, 64, True, None), ((4,), 17, 200, 33, 5, False, (4, 17, 1)), ((1, 2), 3, 2, 16, 16, True, None)])
+    ((2,), 130, 130, 64, 64, True, None), ((4,), 17, 200, 33, 5, False, (4, 17, 1)), ((2, 2), 3, 2, 16, 16, True, None)])
 def test_attention_equals_numpy_at_any_thread_count(lib, case):
-    """The library's attention and its gradient (tiles of 16 queries by 64 keys, an online softmax) against numpy's
-    kernels within float32 rounding, the same bits at 1, 2 and 3 threads; outputs start NaN-filled; features wider
-    than the tiles take numpy's kernels."""
+    """Attention and its gradient with the library's passes over rows and its products against numpy's kernels
+    within float32 rounding, the same bits at 1, 2 and 3 threads; outputs start NaN-filled, the workspace too."""
     from deepdsl_runtime import cpu
 
+    assert lib._attention_weights is not None and lib._attention_dscores is not None
     lead, t, s, d, e, causal, bias_shape = case
     rng = np.random.default_rng(t * s)
     q, k = rng.standard_normal((*lead, t, d)).astype(np.float32), rng.standard_normal((*lead, s, d)).astype(np.float32)
     v, g = rng.standard_normal((*lead, s, e)).astype(np.float32), rng.standard_normal((*lead, t, e)).astype(np.float32)
-    bias = None if bias_shape is None else rng.standard_normal(bias_shape).astype(np.float32)
+    bias = () if bias_shape is None else (rng.standard_normal(bias_shape).astype(np.float32),)
+    attrs = {"scale": 0.25, "causal": causal}
+    units = math.prod(lead)
+    sizes = (units * contract.attention_scratch(t, s), units * contract.attention_grad_scratch(t, s, d, e))
     want_o, want_g = np.empty((*lead, t, e), np.float32), np.empty(q.size + k.size + v.size, np.float32)
-    cpu.attention(q, k, v, bias, out=want_o, scale=0.25, causal=causal)
-    cpu.attention_grad(q, k, v, want_o, g, bias, out=want_g, scale=0.25, causal=causal)
+    cpu.attention(q, k, v, *bias, out=want_o, **attrs)
+    cpu.attention_grad(q, k, v, want_o, g, *bias, out=want_g, **attrs)
     before, results = lib.threads, []
     try:
         for threads in (1, 2, 3):
             lib.set_threads(threads)
             o, grads = np.full_like(want_o, np.nan), np.full_like(want_g, np.nan)
-            assert lib.attention(q, k, v, bias, o, 0.25, causal)
-            assert lib.attention_grad(q, k, v, want_o, g, bias, grads, 0.25, causal)
+            cpu.attention(q, k, v, *bias, out=o, workspace=np.full(sizes[0], np.nan, np.float32), gemm=lib.gemm,
+                          native=lib, **attrs)
+            cpu.attention_grad(q, k, v, want_o, g, *bias, out=grads, workspace=np.full(sizes[1], np.nan, np.float32),
+                               gemm=lib.gemm, native=lib, **attrs)
             results.append((o, grads))
     finally:
         lib.set_threads(before)
@@ -566,8 +571,76 @@ def test_attention_equals_numpy_at_any_thread_count(lib, case):
         assert o.tobytes() == results[0][0].tobytes() and grads.tobytes() == results[0][1].tobytes()
     np.testing.assert_allclose(results[0][0], want_o, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(results[0][1], want_g, rtol=1e-5, atol=1e-5 * np.abs(want_g).max())
-    wide = np.zeros((1, 2, native.ATTENTION_MAX_WIDTH + 1), np.float32)
-    assert not lib.attention(wide, wide, wide, None, np.empty_like(wide), 1.0, False)
+
+
+@needs_cc
+def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
+    """The attention's passes over rows built for a processor with AVX2 but not AVX-512 (masked vectors by AVX's own
+    loads and stores) give this build's bits: rows of every length around a vector's, causal, with a bias."""
+    from deepdsl_runtime.cpu.attention import Bias
+
+    command = compile_command(native.KERNELS_DIR / "cpu_ops.c", tmp_path / "avx.so") + ["-mavx2", "-mfma",
+                                                                                        "-mno-avx512f"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    avx = native.Native(ctypes.CDLL(str(tmp_path / "avx.so")))
+    rng = np.random.default_rng(17)
+    for s in (1, 7, 8, 9, 16, 23):
+        scores = (3 * rng.standard_normal((3, s, s))).astype(np.float32)
+        bias = Bias(rng.standard_normal((3, 1, s)).astype(np.float32), (3, s, 4), s)
+        delta = rng.standard_normal((3, s)).astype(np.float32)
+        results = []
+        for kernels in (lib, avx):
+            w, dw = scores.copy(), scores[::-1].copy()
+            assert kernels.attention_weights(w, bias, 0, 0, 0.3, True)
+            assert kernels.attention_dscores(w, dw, delta, 0, 0.3)
+            results.append((w, dw))
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(*results)), s
+        assert np.allclose(results[0][0].sum(-1), 1, atol=1e-6)
+
+
+_MATH_LOOPS = """
+#include <math.h>
+#include <stdint.h>
+#include "deepdsl_math.h"
+void erf_loop(const float* x, float* out, long n) { for (long i = 0; i < n; ++i) out[i] = deepdsl_erff(x[i]); }
+void exp_loop(const float* x, float* out, long n) { for (long i = 0; i < n; ++i) out[i] = deepdsl_expf_poly(x[i]); }
+"""
+
+
+@needs_cc
+def test_the_polynomial_erf_and_exp_are_within_a_few_ulp(tmp_path):
+    """deepdsl_erff (what the compiled elementwise kernels call for erf: exact GELU) within 2.5 ulp of erf and
+    deepdsl_expf_poly (the attention's softmax) within 1 ulp of exp, over their whole ranges (tiny, the seam between
+    erf's two forms, where erf reaches 1 and exp overflows or turns subnormal), built as the kernels are, with
+    signed zeros, infinities and NaN as libm gives them."""
+    source = tmp_path / "math.c"
+    source.write_text(_MATH_LOOPS)
+    done = subprocess.run(compile_command(source, tmp_path / "math.so"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lib = ctypes.CDLL(str(tmp_path / "math.so"))
+    rng = np.random.default_rng(11)
+
+    def run(name, x):
+        out = np.full_like(x, np.nan)
+        getattr(lib, name)(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(out.ctypes.data), ctypes.c_long(x.size))
+        return out
+
+    def ulps(got, want):
+        want32 = want.astype(np.float32)
+        return np.abs(got.astype(np.float64) - want) / np.spacing(np.abs(want32)).astype(np.float64)
+
+    x = np.concatenate([np.linspace(-5, 5, 200_001), 2 * rng.standard_normal(50_000), 1e-30 * rng.standard_normal(100),
+                        np.linspace(0.92, 0.924, 1001), np.linspace(3.9, 3.94, 1001)]).astype(np.float32)
+    want = np.array([math.erf(v) for v in x.astype(np.float64)])
+    assert ulps(run("erf_loop", x), want).max() <= 3.0
+    special = run("erf_loop", np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45], np.float32))
+    assert special[:4].tolist() == [0.0, 0.0, 1.0, -1.0] and np.signbit(special[1]) and np.isnan(special[4])
+    x = np.concatenate([np.linspace(-87.3, 88.7, 400_001), 5 * rng.standard_normal(50_000)]).astype(np.float32)
+    assert ulps(run("exp_loop", x), np.exp(x.astype(np.float64))).max() <= 1.0
+    special = run("exp_loop", np.array([0.0, -np.inf, np.inf, np.nan, -100.0, 100.0, 88.72], np.float32))
+    assert special[:3].tolist() == [1.0, 0.0, np.inf] and np.isnan(special[3])
+    assert special[4] == 0.0 and special[5] == np.inf and np.isfinite(special[6])
 
 
 @needs_cc

@@ -38,14 +38,16 @@ class CudaPrinter(C99CodePrinter):
     numpy backend computes them: Heaviside(x, 0) as (x > 0 ? 1 : 0), the ReLU derivative PyTorch uses; small integer
     powers as products (numpy's square); x**(-1/2) as 1/sqrtf(x); sign as (x > 0) - (x < 0); Max and Min as
     numpy's maximum and minimum (NaN wins: `deepdsl_maxf`, runtime/kernels/deepdsl_math.h); Sigmoid and Softplus by
-    the forms of deepdsl_math.h that do not overflow."""
+    the forms of deepdsl_math.h that do not overflow; exp and erf as `deepdsl_expf` and `deepdsl_erff` (the
+    device's expf and erff on the GPU, polynomial forms on the CPU, whose loops vectorize)."""
 
     def __init__(self, settings=None):
         from sympy.codegen.ast import float32, real
 
         # no math.h macros (M_SQRT2, M_PI): they are double constants, which would make the kernel compute in double
         super().__init__({"type_aliases": {real: float32}, "math_macros": {},
-                          "user_functions": {"Sigmoid": "deepdsl_sigmoidf", "Softplus": "deepdsl_softplusf"},
+                          "user_functions": {"Sigmoid": "deepdsl_sigmoidf", "Softplus": "deepdsl_softplusf",
+                                             "erf": "deepdsl_erff", "exp": "deepdsl_expf"},
                           **(settings or {})})
 
     def _print_NumberSymbol(self, expr):

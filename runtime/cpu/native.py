@@ -40,7 +40,6 @@ KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # what a program's .c includes from the runtime
 KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_gemm.c", "cpu_images.c", "cpu_attention.c",
                   "deepdsl_math.h")
-ATTENTION_MAX_WIDTH = 256       # the widest queries and values the attention kernels' tiles hold (DEEPDSL_ATT_MAX_WIDTH)
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
@@ -226,13 +225,12 @@ class Native:
         if self._channel_sum is not None:
             self._channel_sum.argtypes = [_L, _L, _L, _P, _P]
             self._channel_sum.restype = _I
-        # (nor attention)
-        self._attention = getattr(lib, "deepdsl_attention", None)
-        self._attention_grad = getattr(lib, "deepdsl_attention_grad", None)
-        if self._attention is not None:
-            shapes = [_P, _P, _L, _L, _L, _L, _L, _L, _L, _F, _I, _P]   # bias, its units, row, col; units, t, s, d, e
-            self._attention.argtypes = [_P, _P, _P] + shapes
-            self._attention_grad.argtypes = [_P, _P, _P, _P, _P] + shapes
+        # (nor attention's passes over rows)
+        self._attention_weights = getattr(lib, "deepdsl_attention_weights", None)
+        self._attention_dscores = getattr(lib, "deepdsl_attention_dscores", None)
+        if self._attention_weights is not None:
+            self._attention_weights.argtypes = [_P, _L, _L, _L, _L, _F, _P, _P, _L, _L, _I]
+            self._attention_dscores.argtypes = [_P, _P, _P, _L, _L, _L, _L, _L, _F]
         # (nor the render of images read from files)
         self._resample = getattr(lib, "deepdsl_resample_image", None)
         if self._resample is not None:
@@ -393,45 +391,29 @@ class Native:
         """Each row's rank of its label (`deepdsl_label_rank`); False as `gather_rows`."""
         return self._by_rows(self.lib.deepdsl_label_rank, x, labels, out, x.shape[0], x.shape[1])
 
-    def attention(self, q, k, v, bias, out, scale: float, causal: bool) -> bool:
-        """Attention (`deepdsl_attention`, kernels/cpu_attention.c); False where the library has none, the arrays
-        are not contiguous float32 or the features are wider than its tiles (numpy's kernel then)."""
-        offsets, shapes = self._attention_shapes(q, k, v, bias, (q, k, v, out))
-        if shapes is None:
+    def attention_weights(self, w: np.ndarray, bias, a: int, r0: int, scale: float, causal: bool) -> bool:
+        """In place over the scores w (units a.. by queries r0.. by keys): scaled, `bias` (a `cpu.attention.Bias`)
+        added, causal keys left out, each row's softmax (`deepdsl_attention_weights`); False where the library has
+        no such kernel or w is not contiguous float32 (numpy's code then)."""
+        if self._attention_weights is None or not _contiguous32(w):
             return False
-        self._attention(q.ctypes.data, k.ctypes.data, v.ctypes.data, *shapes, scale, int(causal), out.ctypes.data)
-        del offsets                         # (read by the call: kept alive until it returns)
-        return True
-
-    def attention_grad(self, q, k, v, o, g, bias, out, scale: float, causal: bool) -> bool:
-        """Attention's gradient (`deepdsl_attention_grad`); False as `attention`."""
-        offsets, shapes = self._attention_shapes(q, k, v, bias, (q, k, v, o, g, out))
-        if shapes is None:
-            return False
-        self._attention_grad(q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data, g.ctypes.data, *shapes,
-                             scale, int(causal), out.ctypes.data)
-        del offsets
-        return True
-
-    def _attention_shapes(self, q, k, v, bias, arrays):
-        """(the bias's offset of each unit, (bias, those offsets, bias_row, bias_col, units, t, s, d, e)) as the
-        attention kernels take them (element strides of the bias broadcast to the scores), or (None, None)."""
-        t, d, s, e = *q.shape[-2:], k.shape[-2], v.shape[-1]
-        if self._attention is None or max(d, e) > ATTENTION_MAX_WIDTH or not _contiguous32(*arrays) or \
-                (bias is not None and not _contiguous32(bias)) or 0 in (t, d, s, e):
-            return None, None
-        units = q.size // (t * d)
+        units, rows, s = w.shape
         if bias is None:
-            return None, (None, None, 0, 0, units, t, s, d, e)
-        seen = np.broadcast_to(bias, (*q.shape[:-1], s))
-        steps = [stride // 4 for stride in seen.strides]
-        offsets = np.zeros(q.shape[:-2], dtype=np.int64)
-        for axis, step in enumerate(steps[:-2]):
-            shape = [1] * offsets.ndim
-            shape[axis] = q.shape[axis]
-            offsets = offsets + np.arange(q.shape[axis], dtype=np.int64).reshape(shape) * step
-        offsets = np.ascontiguousarray(offsets.reshape(-1))
-        return offsets, (bias.ctypes.data, offsets.ctypes.data, steps[-2], steps[-1], units, t, s, d, e)
+            extra = (None, None, 0, 0)
+        else:
+            offsets = bias.offsets[a:a + units]
+            extra = (bias.flat.ctypes.data, offsets.ctypes.data, bias.row, bias.col)
+        self._attention_weights(w.ctypes.data, units, rows, s, r0, scale, *extra, int(causal))
+        return True
+
+    def attention_dscores(self, w: np.ndarray, dw: np.ndarray, delta: np.ndarray, r0: int, scale: float) -> bool:
+        """dw = w * (dw - delta) * scale in place (`deepdsl_attention_dscores`); False as `attention_weights`."""
+        if self._attention_dscores is None or not _contiguous32(w, dw, delta):
+            return False
+        units, rows, s = w.shape
+        self._attention_dscores(w.ctypes.data, dw.ctypes.data, delta.ctypes.data, units, rows, s, r0,
+                                delta.shape[1], scale)
+        return True
 
     @staticmethod
     def _by_rows(function, floats: np.ndarray, ids: np.ndarray, out: np.ndarray, *sizes: int) -> bool:

@@ -6,14 +6,80 @@
 // into libm (which fmaxf is on the CPU without -ffinite-math-only), so the loops that use them vectorize.
 #pragma once
 
+// (inlined always: a loop calling one of these, in the many elementwise kernels of a program, then vectorizes)
 #ifndef DEEPDSL_HD
-#define DEEPDSL_HD static inline
+#define DEEPDSL_HD static inline __attribute__((always_inline))
 #endif
 
 DEEPDSL_HD float deepdsl_maxf(float a, float b) { return (a >= b || a != a) ? a : b; }
 DEEPDSL_HD float deepdsl_minf(float a, float b) { return (a <= b || a != a) ? a : b; }
 
+// exp(x) to within one ulp, branch-free so that loops of it vectorize: 2^n exp(r), n = round(x / ln 2), |r| <= ln 2 /
+// 2 (ln 2 split in two so that n ln 2 is exact), exp(r) by a polynomial of degree 7; 2^n as two factors, both
+// normal floats, over the whole range; 0 below log(FLT_MIN) (where the result would be subnormal), inf above
+// log(FLT_MAX), NaN for NaN.
+DEEPDSL_HD float deepdsl_expf_poly(float x) {
+    const float t = rintf(x * 1.44269504088896341f);
+    const float r = (x - t * 0.693359375f) - t * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * (r * r) + r + 1.0f;
+    const int n = (int)t, half = n >> 1;
+    union { unsigned i; float f; } a, b;
+    a.i = (unsigned)(half + 127) << 23;
+    b.i = (unsigned)(n - half + 127) << 23;
+    float e = (y * a.f) * b.f;
+    e = x < -87.33654f ? 0.0f : e;
+    e = x > 88.72283f ? INFINITY : e;
+    return x != x ? x : e;
+}
+
+// erf(x) within 3 ulp, branch-free so that the compiled CPU kernels' loops vectorize (libm's erff is a call per
+// element): below 0.921875 in magnitude x P(x^2), P of degree 5; above, 1 - exp(-x^2) Q(1 / |x|) with the sign of x,
+// Q of degree 7 (erfc(x) exp(x^2) is smooth there), 1 from 3.92 on; both fitted to erf in float64 at Chebyshev
+// points (relative error). The CUDA kernels call the device's erff.
+// exp as the elementwise kernels call it: the device's expf on the GPU, deepdsl_expf_poly on the CPU (libm's expf is a
+// call per element, which keeps a loop scalar)
+DEEPDSL_HD float deepdsl_expf(float x) {
+#ifdef __CUDA_ARCH__
+    return expf(x);
+#else
+    return deepdsl_expf_poly(x);
+#endif
+}
+
+DEEPDSL_HD float deepdsl_erff(float x) {
+#ifdef __CUDA_ARCH__
+    return erff(x);
+#else
+    const float a = fabsf(x), z = a * a;
+    float p = -0.0006024643558548771f;
+    p = p * z + 0.005000903223074189f;
+    p = p * z + -0.026772962348480207f;
+    p = p * z + 0.11282039329144633f;
+    p = p * z + -0.3761252410597391f;
+    p = p * z + 1.1283791592823835f;
+    const float y = 1.0f / a;
+    float q = -0.018359565405684914f;
+    q = q * y + 0.12286871758831713f;
+    q = q * y + -0.35808027693797917f;
+    q = q * y + 0.5794059308304896f;
+    q = q * y + -0.5078455903338046f;
+    q = q * y + 0.05159251605433545f;
+    q = q * y + 0.5576456687217533f;
+    q = q * y + 0.00035615577898077266f;
+    const float large = a >= 3.92f ? 1.0f : 1.0f - deepdsl_expf_poly(-z) * q;
+    const float r = a < 0.921875f ? x * p : copysignf(large, x);
+    return x != x ? x : r;
+#endif
+}
+
 // The logistic function and softplus without overflow (deepdsl.ops.elementwise's Sigmoid and Softplus): expf(-x) is
 // inf for x < -88, 1 / (1 + inf) the right 0; softplus as max(x, 0) + log1p(exp(-|x|)), never log(1 + inf).
-DEEPDSL_HD float deepdsl_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-DEEPDSL_HD float deepdsl_softplusf(float x) { return (x > 0.0f ? x : 0.0f) + log1pf(expf(-fabsf(x))); }
+DEEPDSL_HD float deepdsl_sigmoidf(float x) { return 1.0f / (1.0f + deepdsl_expf(-x)); }
+DEEPDSL_HD float deepdsl_softplusf(float x) { return (x > 0.0f ? x : 0.0f) + log1pf(deepdsl_expf(-fabsf(x))); }
+
