@@ -101,12 +101,6 @@ class Unsupported:
 
 
 ADVICE = {
-    "aten.scaled_dot_product_attention.default": "not supported yet: write the attention with D.softmax or "
-                                                 "D.causal_softmax and matrix products (docs/porting.md)",
-    "aten.permute.default": "permutations of three or more axes are not supported yet: use x.transpose(i, j)",
-    "aten.where.self": "not supported yet (masks other than the causal pattern)",
-    "aten.masked_fill.Scalar": "not supported yet (masks other than the causal pattern: D.causal_softmax)",
-    "aten.expand.default": "not supported yet (a parameter broadcast along the batch)",
     "aten.index.Tensor": "not supported yet (indexing by a tensor)",
 }
 
@@ -269,10 +263,11 @@ class Walk:
             self.net.unsupported[op] = Unsupported(op, _shown_path(self.user_file), "(read directly)",
                                                    "buffers read outside batch norm are not supported yet")
 
-    def emit(self, node, wanted: str, expression: str) -> None:
+    def emit(self, node, wanted: str, expression) -> None:
+        """The line `name = expression` (a function of the name where the expression names itself)."""
         name = self.variable(wanted)
         self.names[node.name] = name
-        self.net.lines.append(f"{name} = {expression}")
+        self.net.lines.append(f"{name} = {expression(name) if callable(expression) else expression}")
 
     def refuse(self, node, advice: str | None = None) -> None:
         op = _short(node.target)
@@ -648,7 +643,8 @@ def _attention(walk: Walk, node) -> None:
                (f", scale={float(given['scale'])!r}" if given.get("scale") is not None else "") +
                (f", dropout={float(given['dropout_p'])!r}" if given.get("dropout_p") else ""))
     q, k, v = (walk.arg(given[n]) for n in names[:3])
-    walk.emit(node, walk.value_name(node, "attention"), f"D.attention({q}, {k}, {v}{options})")
+    walk.emit(node, walk.value_name(node, "attention"),
+              lambda name: f"D.attention({q}, {k}, {v}{options}, name={name!r})")
 
 
 @handles("aten.transpose.int")
