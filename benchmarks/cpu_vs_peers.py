@@ -3,7 +3,8 @@
     python benchmarks/cpu_vs_peers.py [NET:BATCH[:IMAGE] ...] [--threads 1 2] [--rounds 3] [--warmup 3]
                                       [--steps 10] [--sides ours numpy eager compile max-autotune jax] [--markdown]
 
-Default networks: lenet:64 lenet:500 alexnet:16:227 resnet50:8:112 (IMAGE: the input's height and width). Each
+Default networks: lenet:64 lenet:500 alexnet:16:227 resnet50:8:112 (IMAGE: the input's height and width); also
+mobilenet_v2, vit and char_lm (the byte-level language model, on random tokens with a label per position). Each
 network is compiled once with `deepdsl compile` (its wall time is reported as ours' compile time; the command also
 builds the program's compiled kernels). Then, for each thread count, the sides run in rounds, interleaved (one
 process per side per round, so a busy moment of a shared machine falls on all sides alike), each on the same
@@ -41,7 +42,8 @@ from timing import load_average, print_row, timed_steps  # benchmarks/ is on the
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
 SIDES = ("ours", "numpy", "eager", "compile", "max-autotune", "jax")
-TWINS = {"lenet": "LeNet", "alexnet": "AlexNet", "resnet50": "ResNet50", "mobilenet_v2": "MobileNetV2", "vit": "ViT"}
+TWINS = {"lenet": "LeNet", "alexnet": "AlexNet", "resnet50": "ResNet50", "mobilenet_v2": "MobileNetV2", "vit": "ViT",
+         "char_lm": "CharLM"}
 BATCHES = 2
 
 
@@ -49,9 +51,14 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _data(shape, classes, seed=0):
+def _data(shape, classes, tokens=False, label_shape=(), seed=0):
+    """The synthetic batches every side trains on, drawn as the program's `random_batch` draws them: normal images
+    and a label each, or uniform tokens and a label per position (a language model's)."""
     import numpy as np
     rng = np.random.default_rng(seed)
+    if tokens:
+        return [(rng.integers(0, classes, shape).astype(np.int32),
+                 rng.integers(0, classes, (shape[0], *label_shape)).astype(np.int32)) for _ in range(BATCHES)]
     return [(rng.standard_normal(shape).astype(np.float32), rng.integers(0, classes, shape[0]).astype(np.int32))
             for _ in range(BATCHES)]
 
@@ -77,7 +84,7 @@ def worker_ours(program: str, kernels: str, threads: int, warmup: int, steps: in
     cls = model_class(module)
     model = cls("cpu", 0, "static", kernels=kernels, threads=threads)
     model.initialize(0)
-    data = _data(cls.batch_shape, cls.classes)
+    data = _data(cls.batch_shape, cls.classes, cls.tokens, cls.label_shape)
 
     def step(i):
         hyper = model.hyper(LR, MOMENTUM, DECAY, i)
@@ -89,7 +96,8 @@ def worker_ours(program: str, kernels: str, threads: int, warmup: int, steps: in
     return {**_measure(step, warmup, steps), "kernels": model.kernels}
 
 
-def worker_torch(network: str, shape, classes: int, mode: str, threads: int, warmup: int, steps: int) -> dict:
+def worker_torch(network: str, shape, classes: int, mode: str, threads: int, warmup: int, steps: int,
+                 tokens: bool = False, label_shape=()) -> dict:
     import torch
     sys.path.insert(0, str(ROOT))
     from tests.support import torch_nets
@@ -102,7 +110,8 @@ def worker_torch(network: str, shape, classes: int, mode: str, threads: int, war
     optimizer = torch.optim.SGD(twin.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
     loss_fn = twin.loss if mode == "eager" else torch.compile(
         twin.loss, mode=None if mode == "compile" else "max-autotune-no-cudagraphs")
-    data = [(torch.from_numpy(x), torch.from_numpy(y).long()) for x, y in _data(shape, classes)]
+    data = [(torch.from_numpy(x).long() if tokens else torch.from_numpy(x), torch.from_numpy(y).long())
+            for x, y in _data(shape, classes, tokens, label_shape)]
 
     def step(i):
         x, y = data[i % BATCHES]
@@ -189,7 +198,8 @@ def _compile(name: str, batch: int, image: str | None, directory: Path) -> tuple
     spec.loader.exec_module(module)
     from deepdsl_runtime.program import model_class
     cls = model_class(module)
-    return program, seconds, {"shape": list(cls.batch_shape), "classes": cls.classes}
+    return program, seconds, {"shape": list(cls.batch_shape), "classes": cls.classes, "tokens": bool(cls.tokens),
+                              "label_shape": list(cls.label_shape)}
 
 
 def main(argv=None) -> int:
@@ -213,7 +223,7 @@ def main(argv=None) -> int:
             result = worker_jax(job["shape"], job["classes"], args.warmup, args.steps)
         else:
             result = worker_torch(job["network"], job["shape"], job["classes"], side, threads, args.warmup,
-                                  args.steps)
+                                  args.steps, job.get("tokens", False), job.get("label_shape", ()))
         print(json.dumps(result))
         return 0
 

@@ -11,21 +11,15 @@
 // deepdsl_expf_poly (deepdsl_math.h) on eight lanes: n rounded by adding and subtracting 1.5 * 2^23
 static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_exp8(deepdsl_v8f x) {
     const deepdsl_v8f big = (deepdsl_v8f){0} + 12582912.0f;
-    const deepdsl_v8f t = (x * 1.44269504088896341f + big) - big;
-    const deepdsl_v8f r = (x - t * 0.693359375f) - t * -2.12194440e-4f;
-    deepdsl_v8f p = (deepdsl_v8f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const deepdsl_v8f y = p * (r * r) + r + 1.0f;
+    const deepdsl_v8f t = (x * DEEPDSL_LOG2E + big) - big;
+    deepdsl_v8f y;
+    DEEPDSL_EXP_REDUCED(x, t, y);
     const deepdsl_v8i n = __builtin_convertvector(t, deepdsl_v8i), half = n >> 1;
     const deepdsl_v8f a = (deepdsl_v8f)((half + 127) << 23), b = (deepdsl_v8f)((n - half + 127) << 23);
     deepdsl_v8f e = (y * a) * b;
     const deepdsl_v8f zero = {0}, inf = zero + INFINITY;
-    e = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, x < -87.33654f, zero, e);
-    e = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, x > 88.72283f, inf, e);
+    e = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, x < DEEPDSL_EXP_LOW, zero, e);
+    e = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, x > DEEPDSL_EXP_HIGH, inf, e);
     return DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, x != x, x, e);
 }
 #endif

@@ -18,23 +18,33 @@ DEEPDSL_HD float deepdsl_minf(float a, float b) { return (a <= b || a != a) ? a 
 // 2 (ln 2 split in two so that n ln 2 is exact), exp(r) by a polynomial of degree 7; 2^n as two factors, both
 // normal floats, over the whole range; 0 below log(FLT_MIN) (where the result would be subnormal), inf above
 // log(FLT_MAX), NaN for NaN.
+// DEEPDSL_EXP_REDUCED(x, t, y): y = exp(r) of x = t ln 2 + r, t the rounded x / ln 2 (float or vector `t`, `y`
+// declared by the caller's types); shared with the eight-lane form of the compiled kernels (cpu_attention.c).
+#define DEEPDSL_LOG2E 1.44269504088896341f
+#define DEEPDSL_EXP_REDUCED(x, t, y)                                                                               \
+    do {                                                                                                            \
+        const __typeof__(x) r_ = ((x) - (t) * 0.693359375f) - (t) * -2.12194440e-4f;                                \
+        __typeof__(x) p_ = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                                                \
+        p_ = p_ * r_ + 8.3334519073e-3f;                                                                            \
+        p_ = p_ * r_ + 4.1665795894e-2f;                                                                            \
+        p_ = p_ * r_ + 1.6666665459e-1f;                                                                            \
+        p_ = p_ * r_ + 5.0000001201e-1f;                                                                            \
+        (y) = p_ * (r_ * r_) + r_ + 1.0f;                                                                           \
+    } while (0)
+#define DEEPDSL_EXP_LOW -87.33654f     /* below: 0 (the result would be subnormal) */
+#define DEEPDSL_EXP_HIGH 88.72283f     /* above: inf */
+
 DEEPDSL_HD float deepdsl_expf_poly(float x) {
-    const float t = rintf(x * 1.44269504088896341f);
-    const float r = (x - t * 0.693359375f) - t * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * (r * r) + r + 1.0f;
+    const float t = rintf(x * DEEPDSL_LOG2E);
+    float y;
+    DEEPDSL_EXP_REDUCED(x, t, y);
     const int n = (int)t, half = n >> 1;
     union { unsigned i; float f; } a, b;
     a.i = (unsigned)(half + 127) << 23;
     b.i = (unsigned)(n - half + 127) << 23;
     float e = (y * a.f) * b.f;
-    e = x < -87.33654f ? 0.0f : e;
-    e = x > 88.72283f ? INFINITY : e;
+    e = x < DEEPDSL_EXP_LOW ? 0.0f : e;
+    e = x > DEEPDSL_EXP_HIGH ? INFINITY : e;
     return x != x ? x : e;
 }
 
