@@ -177,6 +177,79 @@ void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float*
     }
 }
 
+// ew_square summed per channel (an ew_sum: batch norm's statistics): out[c] = the sum over the rows r of channel c
+// (r % channels == c) and their elements of the expression, never stored (`channel_sums`: each row's sum in float32
+// vectors, the rows' in double, in the order of r; small planes position by position over the samples); each thread
+// a share of the channels, read a block of them at a time sample by sample (consecutive rows in memory)
+static __attribute__((noinline)) void deepdsl_ew_square_f_csum_range(long c0, long c1, long rows,
+                                                                      long channels, long inner, float* out,
+                                                                      const void* const* in, const float* value) {
+    const float* p0 = (const float*)in[0];
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    const float* q0 = p0 + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        row += (v0*v0);
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    const float* q0 = p0 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        lane[i] += (v0*v0);
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+    }
+}
+
+void deepdsl_ew_square_f_csum(long rows, long channels, long inner, float* out, const void* const* in,
+                                          const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_ew_square_f_csum_range(begin, end, rows, channels, inner, out, in, value);
+    }
+}
+
 // ew_scale_add: out = 0.015625*v0 + 1.0e-5
 static __attribute__((noinline)) void deepdsl_ew_scale_add_f_range(long begin, long end, float* out,
                                                                  const void* const* in, const float* value) {
@@ -236,6 +309,84 @@ void deepdsl_ew_mul_ff(long n, float* out, const void* const* in, const float* v
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_ff_range(begin, end, out, in, value);
+    }
+}
+
+// ew_mul summed per channel (an ew_sum: batch norm's statistics): out[c] = the sum over the rows r of channel c
+// (r % channels == c) and their elements of the expression, never stored (`channel_sums`: each row's sum in float32
+// vectors, the rows' in double, in the order of r; small planes position by position over the samples); each thread
+// a share of the channels, read a block of them at a time sample by sample (consecutive rows in memory)
+static __attribute__((noinline)) void deepdsl_ew_mul_ff_csum_range(long c0, long c1, long rows,
+                                                                      long channels, long inner, float* out,
+                                                                      const void* const* in, const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    const float* q0 = p0 + r * inner;
+                    const float* q1 = p1 + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        const float v1 = (float)q1[i];
+                        row += v0*v1;
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float* q1 = p1 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        const float v1 = (float)q1[i];
+                        lane[i] += v0*v1;
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+    }
+}
+
+void deepdsl_ew_mul_ff_csum(long rows, long channels, long inner, float* out, const void* const* in,
+                                          const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_ew_mul_ff_csum_range(begin, end, rows, channels, inner, out, in, value);
     }
 }
 
@@ -527,6 +678,79 @@ void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* va
     }
 }
 
+// ew_neg summed per channel (an ew_sum: batch norm's statistics): out[c] = the sum over the rows r of channel c
+// (r % channels == c) and their elements of the expression, never stored (`channel_sums`: each row's sum in float32
+// vectors, the rows' in double, in the order of r; small planes position by position over the samples); each thread
+// a share of the channels, read a block of them at a time sample by sample (consecutive rows in memory)
+static __attribute__((noinline)) void deepdsl_ew_neg_f_csum_range(long c0, long c1, long rows,
+                                                                      long channels, long inner, float* out,
+                                                                      const void* const* in, const float* value) {
+    const float* p0 = (const float*)in[0];
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    const float* q0 = p0 + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        row += -v0;
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    const float* q0 = p0 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        const float v0 = (float)q0[i];
+                        lane[i] += -v0;
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+    }
+}
+
+void deepdsl_ew_neg_f_csum(long rows, long channels, long inner, float* out, const void* const* in,
+                                          const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_ew_neg_f_csum_range(begin, end, rows, channels, inner, out, in, value);
+    }
+}
+
 // ew_sqrt_mul_erf_scale: out = v0*(sqrt(2)*v1*exp(-v1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*v1/2)/2 + 1/2)
 static __attribute__((noinline)) void deepdsl_ew_sqrt_mul_erf_scale_ff_range(long begin, long end, float* out,
                                                                  const void* const* in, const float* value) {
@@ -618,6 +842,99 @@ void deepdsl_ew_sqrt_mul_erf_add_2_f(long n, float* out, const void* const* in, 
 // ew_mul_add_5: out = v0*v1*v2 + v3
 
 
+// ew_sub then ew_square summed per channel, in one pass (two statements computed together): out0 = v0 - v1,
+// stored, and out1[c] = the sum over channel c of v0**2 over it, as ew_square's _csum adds it (the same
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
+static __attribute__((noinline)) void deepdsl_ew_sub_fc_then_ew_square_f_csum_range(
+        long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
+        const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* b0 = (const float*)in[2];
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float* bq0 = b0 + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0 - v1;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            row += (v0*v0);
+                        }
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float* bq0 = b0 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0 - v1;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            lane[i] += (v0*v0);
+                        }
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+    }
+}
+
+void deepdsl_ew_sub_fc_then_ew_square_f_csum(
+        long rows, long channels, long inner, float* out0, float* out1, const void* const* in, const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_ew_sub_fc_then_ew_square_f_csum_range(begin, end, rows, channels, inner, out0, out1, in, value);
+    }
+}
+
 // ew_scale_add then ew_rsqrt in one pass (two statements computed together): out0 = 0.015625*v0 + 1.0e-5, stored, then
 // out1 = 1/sqrt(v0) over it, element by element; `in` and `value` hold the first's operands, then the second's.
 // An output may be an operand (in place): each element of it is read before that element is stored.
@@ -645,6 +962,99 @@ void deepdsl_ew_scale_add_f_then_ew_rsqrt_f(
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_f_then_ew_rsqrt_f_range(begin, end, out0, out1, in, value);
+    }
+}
+
+// ew_sub_2 then ew_square summed per channel, in one pass (two statements computed together): out0 = v0 - v1,
+// stored, and out1[c] = the sum over channel c of v0**2 over it, as ew_square's _csum adds it (the same
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
+static __attribute__((noinline)) void deepdsl_ew_sub_2_fc_then_ew_square_f_csum_range(
+        long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
+        const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* b0 = (const float*)in[2];
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float* bq0 = b0 + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0 - v1;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            row += (v0*v0);
+                        }
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float* bq0 = b0 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0 - v1;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            lane[i] += (v0*v0);
+                        }
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+    }
+}
+
+void deepdsl_ew_sub_2_fc_then_ew_square_f_csum(
+        long rows, long channels, long inner, float* out0, float* out1, const void* const* in, const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_ew_sub_2_fc_then_ew_square_f_csum_range(begin, end, rows, channels, inner, out0, out1, in, value);
     }
 }
 
@@ -689,5 +1099,106 @@ void deepdsl_ew_scale_add_2_ff_then_ew_mul_sub_recip_sqrt_fssffss(
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_scale_add_2_ff_then_ew_mul_sub_recip_sqrt_fssffss_range(begin, end, out0, out1, in, value);
+    }
+}
+
+// ew_mul_add_3 then ew_neg summed per channel, in one pass (two statements computed together): out0 = v0*v1 + 2*v2*v3,
+// stored, and out1[c] = the sum over channel c of -v0 over it, as ew_neg's _csum adds it (the same
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
+static __attribute__((noinline)) void deepdsl_ew_mul_add_3_fccf_then_ew_neg_f_csum_range(
+        long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
+        const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* b0 = (const float*)in[4];
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float v2 = p2[c];
+                    const float* q3 = p3 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v3 = (float)q3[i];
+                            o[i] = v0*v1 + 2*v2*v3;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            row += -v0;
+                        }
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[c];
+                    const float v2 = p2[c];
+                    const float* q3 = p3 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v3 = (float)q3[i];
+                            o[i] = v0*v1 + 2*v2*v3;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            lane[i] += -v0;
+                        }
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+    }
+}
+
+void deepdsl_ew_mul_add_3_fccf_then_ew_neg_f_csum(
+        long rows, long channels, long inner, float* out0, float* out1, const void* const* in, const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_ew_mul_add_3_fccf_then_ew_neg_f_csum_range(begin, end, rows, channels, inner, out0, out1, in, value);
     }
 }

@@ -380,15 +380,52 @@ def pair_function(first: str, first_pattern: str, second: str, second_pattern: s
     return f"deepdsl_{first}_{first_pattern}_then_{second}_{second_pattern}" + ("_csum" if summed else "")
 
 
-def channel_sum_pattern(shapes_and_uint8, values_shape, out_shape) -> str | None:
-    """The operand pattern (`operand_pattern` over the summed values) of an ew_sum a compiled kernel computes
-    directly, never storing the values: a per-channel sum ((N, C, ...) of 3 or more axes to (1, C, 1, ...), as
-    batch norm's statistics) of operands that are whole tensors, scalars or per-channel values; None otherwise."""
+def sum_view(values_shape, out_shape) -> tuple[int, ...] | None:
+    """The shape under which a compiled kernel sums `values_shape` to `out_shape` per channel: (N, C, ...) of 3 or
+    more axes to (1, C, 1, ...) as it is (batch norm's statistics); a sum over the last axis, (..., D) to (..., 1)
+    (a layer norm's over each token's features), as (1, R, D) to (1, R, 1), each of the R rows a channel of its
+    own; None for other sums."""
     values, out = tuple(values_shape), tuple(out_shape)
-    if len(values) < 3 or (1,) * (len(values) - len(out)) + out != (1, values[1]) + (1,) * (len(values) - 2):
+    padded = (1,) * (len(values) - len(out)) + out
+    if len(values) >= 3 and padded == (1, values[1]) + (1,) * (len(values) - 2):
+        return values
+    if len(values) >= 2 and len(out) == len(values) and out == values[:-1] + (1,) and values[-1] > 1:
+        return (1, math.prod(values[:-1]), values[-1])
+    return None
+
+
+def _viewed(shape, values_shape, view) -> tuple[int, ...] | None:
+    """An operand of `shape` (broadcast to `values_shape`) as it reads under `view` (`sum_view`): itself when the
+    view is the values' shape; else whole (f), one element (s) or one value per row (..., 1) (c); None otherwise."""
+    if tuple(view) == tuple(values_shape):
+        return tuple(shape)
+    size = math.prod(shape)
+    if size in (1, math.prod(values_shape)):
+        return (1,) * 3 if size == 1 else tuple(view)
+    padded = (1,) * (len(values_shape) - len(shape)) + tuple(shape)
+    return (1, view[1], 1) if padded == tuple(values_shape[:-1]) + (1,) else None
+
+
+def channel_sum_pattern(shapes_and_uint8, values_shape, out_shape) -> str | None:
+    """The operand pattern (`operand_pattern`, under `sum_view`) of a kernel whose values a compiled kernel sums to
+    `out_shape` per channel, never storing them (an ew_sum; the first kernel of a summed pair writes those values
+    and is called under the same view), of operands that are whole tensors, scalars or per-channel values; None
+    where numpy's chunks sum them."""
+    view = sum_view(values_shape, out_shape)
+    if view is None:
         return None
-    pattern = operand_pattern(shapes_and_uint8, values)
+    viewed = [(_viewed(shape, values_shape, view), uint8) for shape, uint8 in shapes_and_uint8]
+    if any(shape is None for shape, _ in viewed):
+        return None
+    pattern = operand_pattern(viewed, view)
     return pattern if pattern is not None and set(pattern) <= set("fusc") else None
+
+
+def channel_rows(values_shape, out_shape) -> tuple[int, int, int]:
+    """(rows, channels, inner) of a compiled per-channel sum of `values_shape` to `out_shape` (`sum_view`): samples
+    times channels rows of `inner` values, row k of channel k % channels."""
+    view = sum_view(values_shape, out_shape)
+    return view[0] * view[1], view[1], math.prod(view[2:])
 
 
 def kernel_rows(pattern: str, out_shape) -> tuple[int, int, int]:

@@ -431,6 +431,65 @@ def test_every_per_channel_sum_equals_numpy(name, tmp_path_factory):
     assert (checked >= 4) == (name == "resnet_mini"), checked
 
 
+def _row_operands(pattern, shape, rng):
+    """Operands of each letter for values of `shape` summed over their last axis: per-channel operands (c) are one
+    value per row, (..., 1)."""
+    made = {"f": lambda: rng.uniform(0.5, 1.5, shape), "u": lambda: (rng.random(shape) < 0.5),
+            "c": lambda: rng.uniform(0.5, 1.5, shape[:-1] + (1,)), "s": lambda: rng.uniform(0.5, 1.5)}
+    return [np.uint8(made[k]()) if k == "u" else np.float32(made[k]()) for k in pattern]
+
+
+@needs_cc
+def test_sums_over_each_rows_last_axis_equal_numpy(tmp_path_factory):
+    """The ViT's layer norms sum over each token's features ((N, T, D) to (N, T, 1)): the compiled per-channel
+    sums and summed pairs run them under the view (1, N*T, D), each row a channel (`contract.sum_view`), within
+    float32 roundings of numpy's kernels and chunked sums, at one and two threads, on odd shapes and on more rows
+    than a thread reads at a time."""
+    from deepdsl.codegen.description import describe
+    from deepdsl_runtime.cpu import elementwise
+
+    compiled, module, path = _program("vit", dict(NETWORKS)["vit"], tmp_path_factory)
+    found, why = native.load(path)
+    assert found is not None, why
+    description = describe(compiled)
+    rng = np.random.default_rng(23)
+    shapes = ((3, 5, 64), (7, 33, 17), (2, 600, 130), (1, 2, 9))
+    before, checked = found.threads, 0
+    try:
+        for threads in (1, 2):
+            found.set_threads(threads)
+            for kernel_name, patterns in description.kernel_sums:
+                for pattern in patterns:
+                    for shape in shapes:
+                        args, target = _row_operands(pattern, shape, rng), shape[:-1] + (1,)
+                        want, got = np.empty(target, np.float32), np.full(target, np.nan, np.float32)
+                        elementwise.ew_sum(getattr(module, kernel_name), want, *args, shape=target)
+                        assert found.ew_sum(getattr(module, kernel_name), got, args, target), (kernel_name, pattern)
+                        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+                        checked += 1
+            for first_name, first_pattern, second_name, second_pattern, summed in description.kernel_pairs:
+                if not summed:
+                    continue
+                k0, k1 = getattr(module, first_name), getattr(module, second_name)
+                for shape in shapes:
+                    target = shape[:-1] + (1,)
+                    args0, args1 = _row_operands(first_pattern, shape, rng), _row_operands(second_pattern, shape, rng)
+                    out0, out1 = np.full(shape, np.nan, np.float32), np.full(target, np.nan, np.float32)
+                    a1 = list(args1)
+                    a1[second_pattern.rindex("f")] = out0
+                    assert found.ew_and_sum((k0, out0, *args0), (k1, out1, *a1), target), first_name
+                    want0, want1 = np.empty(shape, np.float32), np.empty(target, np.float32)
+                    k0(want0, *args0)                                   # numpy's kernels
+                    a1[second_pattern.rindex("f")] = want0
+                    elementwise.ew_sum(k1, want1, *a1, shape=target)
+                    np.testing.assert_allclose(out0, want0, rtol=2e-6, atol=1e-6)
+                    np.testing.assert_allclose(out1, want1, rtol=1e-5, atol=1e-5 * float(np.abs(want1).max()))
+                    checked += 1
+    finally:
+        found.set_threads(before)
+    assert checked >= 20, checked
+
+
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_tensor_summed_per_channel_equals_numpy(lib, threads):
@@ -724,9 +783,10 @@ def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_
     """Every network: a training step with the compiled kernels computes the same bits on 1, 2 and 3 threads, and
     numpy's on 1 and 2; a training step and a test step with the compiled kernels equal the numpy backend's within
     float32 tolerance (elementwise kernels round as C's float32 functions do, per-channel sums and thin convolutions'
-    filter gradients add in another order, which an ill-conditioned network at this size amplifies: 1e-4 (networks
-    trained by Adam(W): `ADAPTIVE_TOLERANCE`), or ten times the difference one rounding of the input makes), and the
-    allocator measures the planned peaks (the plan is the same)."""
+    filter gradients add in another order, which an ill-conditioned network at this size amplifies: 1e-4, or ten
+    times the difference one rounding of the input makes; for networks trained by Adam(W), `ADAPTIVE_TOLERANCE`, all
+    but a few in a thousand elements within 1e-4, the rest within Adam's step), and the allocator measures the
+    planned peaks (the plan is the same)."""
     _, module, _ = _program(name, image, tmp_path_factory)
     cls = model_class(module)
     rng = np.random.default_rng(7)
@@ -754,8 +814,14 @@ def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_
     for key, value in tensors.items():
         scale = max(float(np.max(np.abs(value))), 1e-6)
         spread = float(np.max(np.abs(moved[key] - value))) / scale
-        error = float(np.max(np.abs(got_tensors[key] - value))) / scale
-        assert error <= max(ADAPTIVE_TOLERANCE.get(name, 1e-4), 10 * spread), (key, error, spread)
+        errors = np.abs(got_tensors[key] - value) / scale
+        if name in ADAPTIVE_TOLERANCE:
+            # Adam's first step moves an element by lr g / (|g| + eps): where |g| is near eps, one rounding of g moves
+            # it by up to 2 lr (0.02 here). Such elements are a few in a thousand at most; the rest agree
+            assert np.count_nonzero(errors > 1e-4) <= max(1, errors.size // 1000), (key, np.sort(errors.ravel())[-5:])
+            assert float(np.max(np.abs(got_tensors[key] - value))) <= 0.02, key
+        else:
+            assert float(errors.max()) <= max(1e-4, 10 * spread), (key, float(errors.max()), spread)
     model.load_tensors(tensors)            # the test step on the same tensors
     got, want = model.test_step(*data[1]), reference.test_step(*data[1])
     assert got[0] == want[0] and math.isclose(got[1], want[1], rel_tol=1e-4), (got, want)

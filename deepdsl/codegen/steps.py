@@ -148,11 +148,13 @@ def operand_pattern(node: Node) -> str | None:
     return contract.operand_pattern([(x.shape, x.dtype == "uint8") for x in node.inputs], values)
 
 
-def sum_pattern(node: Node) -> str | None:
-    """The operand pattern of an `ew_sum` statement's compiled per-channel sum (`contract.channel_sum_pattern`);
-    None where numpy's chunks sum it."""
-    return contract.channel_sum_pattern([(x.shape, x.dtype == "uint8") for x in node.inputs],
-                                        broadcast_shapes(*(x.shape for x in node.inputs)), node.shape)
+def sum_pattern(node: Node, summed_to: tuple[int, ...] | None = None) -> str | None:
+    """The operand pattern of an `ew_sum` statement's compiled per-channel sum (`contract.channel_sum_pattern`),
+    or of an `ew` statement whose values the next one sums to `summed_to` (a summed pair: its kernel runs under the
+    same view); None where numpy's chunks sum it."""
+    values = broadcast_shapes(*(x.shape for x in node.inputs)) if summed_to is None else node.shape
+    return contract.channel_sum_pattern([(x.shape, x.dtype == "uint8") for x in node.inputs], values,
+                                        node.shape if summed_to is None else summed_to)
 
 
 def kernel_name(expr: sympy.Expr, most: int = 4) -> str:
@@ -298,7 +300,8 @@ class StepBuilder:
             first_kernel = self.kernel(first, self.into.get(id(first)))
             kernel = self.kernel(node, target)
             summed = node.op == "ew_sum"
-            self.kernels.use_pair(first_kernel, operand_pattern(first), kernel,
+            first_pattern = sum_pattern(first, node.shape) if summed else operand_pattern(first)
+            self.kernels.use_pair(first_kernel, first_pattern, kernel,
                                   sum_pattern(node) if summed else operand_pattern(node), summed)
             lines += lowering.elementwise_pair(
                 lowering.Site(first, tuple(self.arg(x) for x in first.inputs), self.py[id(first)], None, first_kernel),

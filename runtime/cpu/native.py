@@ -568,14 +568,14 @@ class Native:
         where it has none; `sum_shape`: the second kernel's values summed to it (per channel), or None."""
         summed = sum_shape is not None
         second_pattern = _sum_pattern(args1, out_shape, sum_shape) if summed else self._pattern(args1, out_shape)
-        first_pattern = self._pattern(args0, out_shape)
+        first_pattern = _sum_pattern(args0, out_shape, sum_shape) if summed else self._pattern(args0, out_shape)
         if first_pattern is None or second_pattern is None:
             return False
         name = contract.pair_function(first, first_pattern, second, second_pattern, summed)
         function = None if name is None else getattr(self.lib, name, None)
         if function is None:
             return False
-        sizes = _channel_rows(out_shape) if summed else (math.prod(out_shape),)
+        sizes = contract.channel_rows(out_shape, sum_shape) if summed else (math.prod(out_shape),)
         function.argtypes = [_L] * len(sizes) + [_P, _P, _P, _P]
         return function, first_pattern + second_pattern, sizes
 
@@ -585,7 +585,7 @@ class Native:
         another dtype, strides, or a library without it): the caller sums with numpy."""
         if self._channel_sum is None or not _contiguous32(x, out) or x.ndim < 3:
             return False
-        return bool(self._channel_sum(*_channel_rows(x.shape), out.ctypes.data, x.ctypes.data))
+        return bool(self._channel_sum(*contract.channel_rows(x.shape, out.shape), out.ctypes.data, x.ctypes.data))
 
     def ew_sum(self, kernel, out: np.ndarray, args, shape) -> bool:
         """out = the per-channel sum of the compiled `kernel` over `args` (the library's
@@ -611,7 +611,7 @@ class Native:
         if function is None:
             return False
         function.argtypes = [_L] * 3 + [_P, _P, _P]
-        return function, pattern, _channel_rows(values)
+        return function, pattern, contract.channel_rows(values, shape)
 
     def _call(self, function, pattern, sizes, out, args) -> None:
         function(*sizes, out.ctypes.data, *_operands(args, pattern))
@@ -651,11 +651,6 @@ def _sum_pattern(args, values_shape, shape) -> str | None:
         return None
     return contract.channel_sum_pattern([(np.shape(a), isinstance(a, np.ndarray) and a.dtype == np.uint8)
                                          for a in args], values_shape, shape)
-
-
-def _channel_rows(values_shape) -> tuple[int, int, int]:
-    """(rows, channels, inner) of a per-channel sum's values: samples times channels rows of one channel each."""
-    return values_shape[0] * values_shape[1], values_shape[1], math.prod(values_shape[2:])
 
 
 def _operands(args, pattern):
