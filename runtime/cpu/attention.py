@@ -29,9 +29,13 @@ class Bias:
         seen = np.broadcast_to(bias, (*q_shape[:-1], s))
         steps = [stride // bias.itemsize for stride in seen.strides]
         self.row, self.col = steps[-2:]
-        self.offsets = sum((np.arange(n, dtype=np.int64).reshape([-1 if k == i else 1 for k in range(len(q_shape) - 2)])
-                            * step for i, (n, step) in enumerate(zip(q_shape[:-2], steps[:-2]))),
-                           np.zeros(q_shape[:-2], np.int64)).reshape(-1)
+        lead = tuple(q_shape[:-2])
+        offsets = np.zeros(lead, np.int64)
+        for axis, (n, step) in enumerate(zip(lead, steps[:-2])):
+            shape = [1] * len(lead)
+            shape[axis] = n
+            offsets = offsets + np.arange(n, dtype=np.int64).reshape(shape) * step
+        self.offsets = offsets.reshape(-1)
 
     def add(self, w: np.ndarray, a: int, r0: int) -> None:
         """w (units a.. by queries r0.. by keys) += the bias there."""

@@ -23,7 +23,7 @@ def _shape(q, k, v, bias, scale, causal) -> tuple:
         steps = [0] * (len(lead) + 2)
     else:
         steps, size = [], 1
-        for extent, full in zip(reversed(bias.shape), reversed((*lead, t, s))):
+        for extent in reversed(bias.shape):               # (as many axes as the scores: the op's rule)
             steps.append(0 if extent == 1 else size)
             size *= extent
         steps.reverse()
