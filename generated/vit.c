@@ -1102,6 +1102,104 @@ void deepdsl_ew_scale_add_2_ff_then_ew_mul_sub_recip_sqrt_fssffss(
     }
 }
 
+// ew_mul_2 then ew_mul summed per channel, in one pass (two statements computed together): out0 = v0*v1,
+// stored, and out1[c] = the sum over channel c of v0*v1 over it, as ew_mul's _csum adds it (the same
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
+static __attribute__((noinline)) void deepdsl_ew_mul_2_fr_then_ew_mul_ff_csum_range(
+        long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
+        const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* b0 = (const float*)in[2];
+    const float* b1 = (const float*)in[3];
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v1 = p1[i];
+                            o[i] = v0*v1;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            row += v0*v1;
+                        }
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v1 = p1[i];
+                            o[i] = v0*v1;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            lane[i] += v0*v1;
+                        }
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+    }
+}
+
+void deepdsl_ew_mul_2_fr_then_ew_mul_ff_csum(
+        long rows, long channels, long inner, float* out0, float* out1, const void* const* in, const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_ew_mul_2_fr_then_ew_mul_ff_csum_range(begin, end, rows, channels, inner, out0, out1, in, value);
+    }
+}
+
 // ew_mul_add_3 then ew_neg summed per channel, in one pass (two statements computed together): out0 = v0*v1 + 2*v2*v3,
 // stored, and out1[c] = the sum over channel c of -v0 over it, as ew_neg's _csum adds it (the same
 // values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each

@@ -373,8 +373,9 @@ def pair_function(first: str, first_pattern: str, second: str, second_pattern: s
     then `second` (which reads the first's output) over `second_pattern`, in one pass over the elements. There is
     one for each pair of patterns the program calls: whole tensors and scalars (letters f, u and s) for two
     stored results; with `summed`, the second summed per channel (`channel_sum_pattern`, over rows of channels as
-    `kernel_rows`), per-channel operands (c) allowed in both. None for other patterns (the pair is two calls)."""
-    letters = "fusc" if summed else "fsu"
+    `kernel_rows`), per-channel operands (c) allowed in both, and last-axis ones (r) where that pattern gives them.
+    None for other patterns (the pair is two calls)."""
+    letters = "fuscr" if summed else "fsu"       # (summed: r only under a row view, `channel_sum_pattern`)
     if not set(first_pattern + second_pattern) <= set(letters):
         return None
     return f"deepdsl_{first}_{first_pattern}_then_{second}_{second_pattern}" + ("_csum" if summed else "")
@@ -389,21 +390,24 @@ def sum_view(values_shape, out_shape) -> tuple[int, ...] | None:
     padded = (1,) * (len(values) - len(out)) + out
     if len(values) >= 3 and padded == (1, values[1]) + (1,) * (len(values) - 2):
         return values
-    if len(values) >= 2 and len(out) == len(values) and out == values[:-1] + (1,) and values[-1] > 1:
+    if len(values) >= 2 and out == values[:-1] + (1,) and values[-1] > 1:
         return (1, math.prod(values[:-1]), values[-1])
     return None
 
 
 def _viewed(shape, values_shape, view) -> tuple[int, ...] | None:
     """An operand of `shape` (broadcast to `values_shape`) as it reads under `view` (`sum_view`): itself when the
-    view is the values' shape; else whole (f), one element (s) or one value per row (..., 1) (c); None otherwise."""
+    view is the values' shape; else whole (f), one element (s), one value per row (..., 1) (c) or one per position
+    of the last axis, as a layer norm's weight (r); None otherwise."""
     if tuple(view) == tuple(values_shape):
         return tuple(shape)
     size = math.prod(shape)
     if size in (1, math.prod(values_shape)):
         return (1,) * 3 if size == 1 else tuple(view)
     padded = (1,) * (len(values_shape) - len(shape)) + tuple(shape)
-    return (1, view[1], 1) if padded == tuple(values_shape[:-1]) + (1,) else None
+    if padded == tuple(values_shape[:-1]) + (1,):
+        return (1, view[1], 1)
+    return (1, 1, view[2]) if padded == (1,) * (len(values_shape) - 1) + (values_shape[-1],) else None
 
 
 def channel_sum_pattern(shapes_and_uint8, values_shape, out_shape) -> str | None:
@@ -418,7 +422,11 @@ def channel_sum_pattern(shapes_and_uint8, values_shape, out_shape) -> str | None
     if any(shape is None for shape, _ in viewed):
         return None
     pattern = operand_pattern(viewed, view)
-    return pattern if pattern is not None and set(pattern) <= set("fusc") else None
+    # last-axis operands (r) only where each row of the last axis is one channel's values: element i of the row
+    # reads their element i
+    rows_are_channels = len(view) == 3 and view[0] == 1 and view[2] == tuple(values_shape)[-1]
+    letters = "fuscr" if rows_are_channels else "fusc"
+    return pattern if pattern is not None and set(pattern) <= set(letters) else None
 
 
 def channel_rows(values_shape, out_shape) -> tuple[int, int, int]:

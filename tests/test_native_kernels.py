@@ -433,9 +433,10 @@ def test_every_per_channel_sum_equals_numpy(name, tmp_path_factory):
 
 def _row_operands(pattern, shape, rng):
     """Operands of each letter for values of `shape` summed over their last axis: per-channel operands (c) are one
-    value per row, (..., 1)."""
+    value per row, (..., 1); last-axis operands (r) one per position of a row, as a layer norm's weight."""
     made = {"f": lambda: rng.uniform(0.5, 1.5, shape), "u": lambda: (rng.random(shape) < 0.5),
-            "c": lambda: rng.uniform(0.5, 1.5, shape[:-1] + (1,)), "s": lambda: rng.uniform(0.5, 1.5)}
+            "c": lambda: rng.uniform(0.5, 1.5, shape[:-1] + (1,)), "r": lambda: rng.uniform(0.5, 1.5, shape[-1:]),
+            "s": lambda: rng.uniform(0.5, 1.5)}
     return [np.uint8(made[k]()) if k == "u" else np.float32(made[k]()) for k in pattern]
 
 
@@ -487,7 +488,9 @@ def test_sums_over_each_rows_last_axis_equal_numpy(tmp_path_factory):
                     checked += 1
     finally:
         found.set_threads(before)
-    assert checked >= 20, checked
+    letters = "".join(p for _, patterns in description.kernel_sums for p in patterns) + \
+        "".join(a + b for a, _, b, *_ in [(p[1], None, p[3]) for p in description.kernel_pairs if p[4]])
+    assert checked >= 20 and "c" in letters and "r" in letters, (checked, letters)
 
 
 @needs_cc
