@@ -293,11 +293,11 @@ def bernoulli_scratch(shape) -> int:
     return _per_sample(shape)
 
 
-ATTENTION_ROWS = 64     # queries numpy's attention kernels take at a time (the compiled and CUDA ones need no scratch)
+ATTENTION_ROWS = 64     # queries the CPU's attention kernels weigh at a time (the CUDA ones: one per thread)
 
 
 def attention_rows(t: int) -> int:
-    """How many queries of a unit (one batch index and head) numpy's attention kernels weigh at a time."""
+    """How many queries of a unit (one batch index and head) the CPU's attention kernels weigh at a time."""
     return min(t, ATTENTION_ROWS)
 
 

@@ -3,14 +3,15 @@
 `attention(q, k, v[, bias])` is softmax(q k^T * scale + bias) v over the last two axes of queries (..., T, d), keys
 (..., S, d) and values (..., S, e), the leading axes (batch, heads) one *unit* each; `causal`: query i weighs keys
 0..i only. `bias` (optional) broadcasts to the scores (..., T, S): a padding mask arrives as a bias of 0 or the
-most negative float (`D.attention`). Its kernels weigh a block of queries against the keys at a time with an online
-softmax (FlashAttention's method: Dao et al. 2022), so the (T, S) weights exist only inside a statement, never
-between the forward and the backward: the memory plan keeps q, k, v and the output, not the weights.
+most negative float (`D.attention`). Its CPU kernels weigh a block of `contract.attention_rows` queries of as
+many units as the workspace holds against all the keys at a time, its CUDA kernels a query per thread, so the (T,
+S) weights exist only inside a statement, never between the forward and the backward: the memory plan keeps q, k,
+v and the output, not the weights (as FlashAttention, Dao et al. 2022, keeps them out of memory).
 
 `attention_grad(q, k, v, o, g[, bias])` is the three gradients at once, packed one after the other in one flat
-tensor (dq, then dk, then dv; the VJP takes them out with `slice`): its kernels recompute each block's weights
-from the row statistics (log-sum-exp) and the row sums dO . O, as FlashAttention's backward does. A bias that needs
-a gradient gets it from the same formula written with ordinary ops (it needs the (T, S) gradient of the scores).
+tensor (dq, then dk, then dv; the VJP takes them out with `slice`): its kernels recompute each block's weights,
+and use the row sums dO . O (the softmax's backward needs nothing else of the forward). A bias that needs a
+gradient gets it from the same formula written with ordinary ops (it needs the (T, S) gradient of the scores).
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ class Attention(Op):
         return np.asarray(_weights(q, k, bias, causal, scale) @ v, dtype=ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """numpy's kernel: the weights of a block of queries per unit (`contract.attention_scratch`), or units'
-        chunks' within `limit` (the compiled and CUDA kernels need none)."""
+        """The CPU kernels' scratch: the weights of a block of queries per unit (`contract.attention_scratch`), or
+        units' chunks' within `limit` (the CUDA kernel needs none)."""
         q, k = node.inputs[:2]
         return scratch_chunks(units(q.shape), contract.attention_scratch(q.shape[-2], k.shape[-2]), limit)
 
@@ -103,9 +104,9 @@ class AttentionGrad(Op):
         return np.concatenate([dq.ravel(), dk.ravel(), dv.ravel()]).astype(ctx.float_dtype)
 
     def workspace(self, node, limit=None):
-        """numpy's kernel: a block's weights and their gradient, the keys' and values' gradients of a block and
-        the row statistics per unit (`contract.attention_grad_scratch`); the CUDA kernels use the row statistics'
-        part, the compiled ones none."""
+        """The CPU kernels' scratch: a block's weights and their gradient, the keys' and values' gradients of a
+        block and the row sums dO . O per unit (`contract.attention_grad_scratch`); the CUDA kernels use a unit's
+        row statistics' part."""
         q, k, v = node.inputs[:3]
         per_unit = contract.attention_grad_scratch(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
         return scratch_chunks(units(q.shape), per_unit, limit)
