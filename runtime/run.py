@@ -961,17 +961,26 @@ class _Run:
     def save_best(self, iteration: int) -> None:
         """The checkpoint of `iteration` to --keep-best's file, atomically, with the metric, value and iteration
         (rank 0 writes; the ranks stop alike if it fails)."""
-        outcome = ("", 0)
-        if self.ranks.rank == 0:
-            state = self.checkpoint_state(iteration)
+        def write() -> None:
             try:
-                ckpt.write(self.best_path, state)
+                ckpt.write(self.best_path, self.checkpoint_state(iteration))
             except OSError as err:
-                outcome = (f"cannot write {self.best_path}: {err.strerror or err}; training stopped at iteration "
-                           f"{iteration}, {self.kept()}", EXIT_SAVE)
-        message, status = self.ranks.share(outcome) if self.ranks.size > 1 else outcome
+                raise RunError(f"cannot write {self.best_path}: {err.strerror or err}; training stopped at iteration "
+                               f"{iteration}, {self.kept()}", EXIT_SAVE) from None
+        self._on_rank_zero(write)
+
+    def _on_rank_zero(self, write):
+        """`write()` on rank 0 and its result on every rank; a RunError it raises stops every rank alike."""
+        outcome = None
+        if self.ranks.rank == 0:
+            try:
+                outcome = (write(), "", 0)
+            except RunError as err:
+                outcome = (None, str(err), err.status)
+        result, message, status = self.ranks.share(outcome) if self.ranks.size > 1 else outcome
         if message:
             raise RunError(message if self.ranks.rank == 0 else f"rank 0: {message}", status, collective=True)
+        return result
 
     def image_data(self) -> image_stream.ImageData:
         """Images read from files: their manifests (the data set a resumed checkpoint was trained on), the
@@ -1141,16 +1150,10 @@ class _Run:
         if not self.ranks.same(parallel.digest(self.model.host_tensors())):
             raise RunError(f"the ranks hold different parameters at iteration {iteration}; training stopped, "
                            f"{self.kept()}", EXIT_DIVERGED, collective=True)
-        outcome = None
-        if self.ranks.rank == 0:
-            try:
-                outcome = (self._write(iteration), "", 0)
-            except RunError as err:
-                outcome = (False, str(err), err.status)
-        saved, message, status = self.ranks.share(outcome)
-        self.watchdog.beat()
-        if message:
-            raise RunError(message if self.ranks.rank == 0 else f"rank 0: {message}", status, collective=True)
+        try:
+            saved = self._on_rank_zero(lambda: self._write(iteration))
+        finally:
+            self.watchdog.beat()
         self.saved_iteration = iteration
         return saved
 
