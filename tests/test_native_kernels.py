@@ -910,6 +910,22 @@ def test_the_peer_benchmark_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["lenet"]]
     assert [r[3] for r in rows] == ["ours", "numpy", "eager"], done.stdout
+
+
+@needs_cc
+def test_the_peer_benchmark_trains_the_language_model_on_tokens(tmp_path):
+    """benchmarks/cpu_vs_peers.py on the byte-level language model: both sides train on random tokens with a label
+    per position (ours and PyTorch eager's twin), each reporting a step time."""
+    import sys
+
+    from tests.support.program_helpers import ROOT
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_vs_peers.py"), "char_lm:4", "--threads", "1",
+                           "--rounds", "1", "--warmup", "1", "--steps", "1", "--sides", "ours", "eager"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["char_lm"]]
+    assert [r[3] for r in rows] == ["ours", "eager"] and all(float(r[4]) > 0 for r in rows), done.stdout
     assert all(float(r[4]) > 0 for r in rows), done.stdout
 
 
