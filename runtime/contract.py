@@ -293,6 +293,16 @@ def bernoulli_scratch(shape) -> int:
     return _per_sample(shape)
 
 
+def broadcast_steps(shape) -> list[int]:
+    """The element strides of a C-contiguous array of `shape`, 0 along its axes of size 1: how it is read
+    broadcast to a shape of as many axes (attention's bias, read by the CPU's and the CUDA kernels in place)."""
+    steps, size = [], 1
+    for extent in reversed(tuple(shape)):
+        steps.append(0 if extent == 1 else size)
+        size *= extent
+    return steps[::-1]
+
+
 ATTENTION_ROWS = 64     # queries the CPU's attention kernels weigh at a time (the CUDA ones: one per thread)
 
 

@@ -598,8 +598,9 @@ def test_label_ranks_and_token_masks_equal_numpy(lib, threads):
 
 @needs_cc
 @pytest.mark.parametrize("case", [  # (units, T, S, d, e, causal, bias shape or None)
-    ((2, 3), 5, 7, 4, 6, False, None), ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6)), ((3,), 70, 90, 5, 2, False, (3, 1, 90)),
-    ((2,), 130, 130, 64, 64, True, None), ((4,), 17, 200, 33, 5, False, (4, 17, 1)), ((2, 2), 3, 2, 16, 16, True, None)])
+    ((2, 3), 5, 7, 4, 6, False, None), ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6)),
+    ((3,), 70, 90, 5, 2, False, (3, 1, 90)), ((2,), 130, 130, 64, 64, True, None),
+    ((4,), 17, 200, 33, 5, False, (4, 17, 1)), ((2, 2), 3, 2, 16, 16, True, None)])
 def test_attention_equals_numpy_at_any_thread_count(lib, case):
     """Attention and its gradient with the library's passes over rows and its products against numpy's kernels
     within float32 rounding, the same bits at 1, 2 and 3 threads; outputs start NaN-filled, the workspace too."""
@@ -649,7 +650,7 @@ def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
     rng = np.random.default_rng(17)
     for s in (1, 7, 8, 9, 16, 23):
         scores = (3 * rng.standard_normal((3, s, s))).astype(np.float32)
-        bias = Bias(rng.standard_normal((3, 1, s)).astype(np.float32), (3, s, 4), s)
+        bias = Bias(rng.standard_normal((3, 1, s)).astype(np.float32), (3, s, 4))
         delta = rng.standard_normal((3, s)).astype(np.float32)
         results = []
         for kernels in (lib, avx):

@@ -17,7 +17,7 @@ from deepdsl.errors import ArgumentError, DeepDSLError, ShapeError, SourceLocati
 from deepdsl import provenance
 from deepdsl.ir import FLOAT, INT32, Node, make
 from deepdsl.ops import dims
-from deepdsl.ops.elementwise import broadcast_shapes, broadcast_to, reshape, sum_to, sym
+from deepdsl.ops.elementwise import broadcast_shapes, broadcast_to, broadcasts_to, reshape, sum_to, sym
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.leaf import Init
 from deepdsl.ops.shape import slice_axis, transpose
@@ -331,11 +331,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _broadcastable(node: Node, shape: tuple[int, ...], what: str) -> Node:
-    try:
-        ok = broadcast_shapes(shape, node.shape) == tuple(shape)
-    except ValueError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(node.shape, shape):
         raise ShapeError(f"{what}: a mask of {dims(node.shape)} does not broadcast to {dims(shape)}", user_location())
     return node
 

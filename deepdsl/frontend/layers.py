@@ -11,7 +11,7 @@ from deepdsl.errors import DeepDSLError, ShapeError, user_location
 from deepdsl import provenance
 from deepdsl.ir import INT32, Node, make
 from deepdsl.ops import dims
-from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, broadcast_shapes, reshape, stable_forms, sum_to, sym
+from deepdsl.ops.elementwise import Sigmoid, Softplus, Y, broadcasts_to, reshape, stable_forms, sum_to, sym
 from deepdsl.ops.elementwise import elementwise as ew_node
 from deepdsl.ops.conv import grouping
 from deepdsl.ops.shape import concat as _concat
@@ -687,11 +687,7 @@ def _scores_shaped(t, scores_shape: tuple[int, ...], what: str) -> Tensor:
     """A mask or bias of attention that broadcasts to the scores' shape (a one-line error otherwise)."""
     if not isinstance(t, Tensor):
         _reject("D.attention", f"{what} must be a tensor")
-    try:
-        ok = broadcast_shapes(scores_shape, t.shape) == scores_shape
-    except ValueError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(t.shape, scores_shape):
         raise ShapeError(f"D.attention: a {what} of {dims(t.shape)} does not broadcast to the scores' "
                          f"{dims(scores_shape)} (queries by keys)", user_location())
     return t

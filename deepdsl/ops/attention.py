@@ -21,7 +21,7 @@ import numpy as np
 
 from deepdsl.ir import FLOAT, Node, make
 from deepdsl.ops import Op, dims, register, require, scratch_chunks
-from deepdsl.ops.elementwise import broadcast_shapes, elementwise, reshape, sum_to, sym
+from deepdsl.ops.elementwise import broadcasts_to, elementwise, reshape, sum_to, sym
 from deepdsl.ops.linalg import matmul
 from deepdsl.ops.shape import slice_axis
 from deepdsl_runtime import contract
@@ -29,22 +29,15 @@ from deepdsl_runtime import contract
 
 def _check(q: Node, k: Node, v: Node, bias: tuple[Node, ...], causal: bool) -> None:
     require(len(q.shape) >= 2 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == k.shape[-1]
-            and k.shape[-2] == v.shape[-2] and len(k.shape) == len(q.shape) == len(v.shape),
+            and k.shape[-2] == v.shape[-2],
             f"attention of q {dims(q.shape)}, k {dims(k.shape)}, v {dims(v.shape)}: needs (..., T, d), (..., S, d) "
             "and (..., S, e)")
     require(not causal or q.shape[-2] == k.shape[-2],
             f"causal attention needs as many queries as keys, got {q.shape[-2]} and {k.shape[-2]}")
     scores = (*q.shape[:-1], k.shape[-2])
     for b in bias:
-        require(len(b.shape) == len(scores) and b.dtype == FLOAT and _broadcasts(b.shape, scores),
+        require(len(b.shape) == len(scores) and b.dtype == FLOAT and broadcasts_to(b.shape, scores),
                 f"attention bias of {dims(b.shape)} does not broadcast to the scores' {dims(scores)}")
-
-
-def _broadcasts(shape, to) -> bool:
-    try:
-        return broadcast_shapes(shape, to) == tuple(to)
-    except ValueError:
-        return False
 
 
 def units(q_shape) -> int:
@@ -63,8 +56,7 @@ class Attention(Op):
 
     def vjp(self, node, g):
         q, k, v, *bias = node.inputs
-        attrs = dict(node.attrs)
-        packed = make("attention_grad", (q, k, v, node, g, *bias), **attrs)
+        packed = make("attention_grad", (q, k, v, node, g, *bias), **node.kwargs)
         grads, start = [], 0
         for x in (q, k, v):
             grads.append(reshape(slice_axis(packed, 0, start, start + x.size), x.shape))
@@ -142,9 +134,7 @@ def _bias_grad(node: Node, g: Node) -> Node:
     return sum_to(ds, bias.shape)
 
 
-def attention(q: Node, k: Node, v: Node, bias: Node | None = None, *, causal: bool = False,
-              scale: float | None = None) -> Node:
-    """The attention node of q, k, v (and a bias); `scale` 1 / sqrt(d) by default."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    attrs = {"scale": scale, **({"causal": True} if causal else {})}
+def attention(q: Node, k: Node, v: Node, bias: Node | None, *, causal: bool, scale: float) -> Node:
+    """The attention node of q, k, v (and a bias)."""
+    attrs = {"scale": float(scale), **({"causal": True} if causal else {})}
     return make("attention", (q, k, v) + ((bias,) if bias is not None else ()), **attrs)

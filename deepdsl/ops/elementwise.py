@@ -63,6 +63,14 @@ def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(result)
 
 
+def broadcasts_to(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
+    """Whether `shape` broadcasts to `to` (an operand of `shape` read as one of `to`)."""
+    try:
+        return broadcast_shapes(shape, to) == tuple(to)
+    except ValueError:
+        return False
+
+
 def _heaviside_zero_at_zero(expr: sympy.Expr) -> sympy.Expr:
     """sympy's Heaviside(0) is 1/2; PyTorch's ReLU'(0) is 0. Use 0 so gradients match it exactly.
     (sympy >= 1.9 spells the default value out: `diff(Max(v, 0), v)` is Heaviside(v, 1/2), with two arguments.)
@@ -332,13 +340,7 @@ class SumTo(Op):
 
 def require_summable(source: tuple[int, ...], shape: tuple[int, ...]) -> None:
     """A ShapeError unless `source` sums down to `shape` (`shape` broadcasts to `source`)."""
-    ok = len(shape) <= len(source)
-    if ok:
-        try:
-            ok = broadcast_shapes(shape, source) == tuple(source)
-        except ValueError:
-            ok = False
-    require(ok, f"cannot sum {dims(source)} to {dims(shape)}")
+    require(broadcasts_to(shape, source), f"cannot sum {dims(source)} to {dims(shape)}")
 
 
 @register
@@ -386,11 +388,7 @@ class BroadcastTo(Op):
     name = "broadcast_to"
 
     def infer(self, x: Node, *, shape):
-        try:
-            ok = broadcast_shapes(shape, x.shape) == tuple(shape)
-        except ValueError:
-            ok = False
-        require(ok, f"cannot broadcast {dims(x.shape)} to {dims(shape)}")
+        require(broadcasts_to(x.shape, shape), f"cannot broadcast {dims(x.shape)} to {dims(shape)}")
         return shape, x.dtype
 
     def vjp(self, node, g):

@@ -40,7 +40,7 @@ import sympy
 
 from deepdsl.ir import FLOAT, Graph, Node, make
 from deepdsl.ops import EvalContext, get_op
-from deepdsl.ops.elementwise import broadcast_to, elementwise, reshape, sum_to, sym, symbols
+from deepdsl.ops.elementwise import broadcast_to, broadcasts_to, elementwise, reshape, sum_to, sym, symbols
 from deepdsl.ops.leaf import const
 
 FOLD_LIMIT = 4096          # evaluate all-constant nodes only when every tensor involved is at most this big
@@ -85,13 +85,6 @@ def _value(node: Node) -> float:
 
 def _fill(value: float, shape: tuple[int, ...]) -> Node:
     return const(value, shape)
-
-
-def _broadcasts_to(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
-    try:
-        return np.broadcast_shapes(src, dst) == tuple(dst)
-    except ValueError:
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,7 +133,7 @@ def _sum_to_rule(node: Node) -> Node | None:
     count = x.size // max(node.size, 1)
     if _is_fill(x):
         return _fill(_value(x) * count, shape)
-    if x.op == "broadcast_to" and _broadcasts_to(x.inputs[0].shape, shape):
+    if x.op == "broadcast_to" and broadcasts_to(x.inputs[0].shape, shape):
         return simplify_node(elementwise(count * sym(0), [x.inputs[0]], shape=shape))
     if x.op == "unpick":
         g = x.inputs[0]

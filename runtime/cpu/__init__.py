@@ -28,8 +28,8 @@ product; pooling windows one offset at a time) find it in the cache. Every float
 as Python floats or float32 (numpy keeps the array's precision), and no kernel upcasts.
 
 Modules, by op family: `transfer` (host <-> device), `scratch` (chunking and workspaces), `conv`, `pool`
-(pooling), `norm`, `loss`, `shape`, `linalg`, `attention`, `elementwise`, `masks` (dropout); this package's namespace is the
-backend: every op of `__all__` is importable from here.
+(pooling), `norm`, `loss`, `shape`, `linalg`, `attention`, `elementwise`, `masks` (dropout); this package's
+namespace is the backend: every op of `__all__` is importable from here.
 """
 from __future__ import annotations
 
@@ -51,11 +51,11 @@ from deepdsl_runtime.cpu.shape import (broadcast_to, concat, gather_rows, pad_ax
 from deepdsl_runtime.cpu.transfer import all_sum, asarray, scalar, to_numpy, zeros
 
 __all__ = [
-    "DEVICE", "all_sum", "asarray", "attention", "attention_grad", "avg_pool", "avg_pool_bwd", "bernoulli", "bernoulli_mask", "broadcast_to",
-    "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy", "ew", "ew_and_sum", "ew_pair",
-    "equal", "ew_sum", "gather_rows", "label_rank", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool",
-    "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick", "precision", "reshape", "scalar",
-    "scatter_rows", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
+    "DEVICE", "all_sum", "asarray", "attention", "attention_grad", "avg_pool", "avg_pool_bwd", "bernoulli",
+    "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy",
+    "ew", "ew_and_sum", "ew_pair", "equal", "ew_sum", "gather_rows", "label_rank", "log_softmax", "lrn", "lrn_bwd",
+    "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick", "precision", "reshape",
+    "scalar", "scatter_rows", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
 ]
 
 DEVICE = "cpu"

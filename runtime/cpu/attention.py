@@ -22,12 +22,12 @@ def _units(x: np.ndarray) -> np.ndarray:
 
 class Bias:
     """A bias of the scores as the kernels read it: element (i, j) of unit u at `flat[offsets[u] + i * row + j *
-    col]`, strides 0 along the axes it broadcasts over (no copy of the bias broadcast to the scores)."""
+    col]`, strides 0 along the axes it broadcasts over (`contract.broadcast_steps`: no copy of the bias broadcast to
+    the scores)."""
 
-    def __init__(self, bias: np.ndarray, q_shape, s: int):
+    def __init__(self, bias: np.ndarray, q_shape):
         self.flat = np.ascontiguousarray(bias).reshape(-1)
-        seen = np.broadcast_to(bias, (*q_shape[:-1], s))
-        steps = [stride // bias.itemsize for stride in seen.strides]
+        steps = contract.broadcast_steps(bias.shape)           # (as many axes as the scores: the op's rule)
         self.row, self.col = steps[-2:]
         lead = tuple(q_shape[:-2])
         offsets = np.zeros(lead, np.int64)
@@ -65,7 +65,7 @@ def attention(q, k, v, bias=None, *, out, scale, causal=False, workspace=None, g
     """out = softmax(q k^T * scale + bias) v over the last two axes (`deepdsl.ops.attention`)."""
     t, s = q.shape[-2], k.shape[-2]
     qu, ku, vu, ou = _units(q), _units(k), _units(v), _units(out)
-    bu = None if bias is None else Bias(bias, q.shape, s)
+    bu = None if bias is None else Bias(bias, q.shape)
     rows = contract.attention_rows(t)
     per_unit = contract.attention_scratch(t, s)
     for a, b in sample_chunks(qu.shape[0], workspace, per_unit, per_unit + 2 * t * (q.shape[-1] + v.shape[-1])):
@@ -85,7 +85,7 @@ def attention_grad(q, k, v, o, g, bias=None, *, out, scale, causal=False, worksp
     dq = out[:q.size].reshape(n, t, d)
     dk = out[q.size:q.size + k.size].reshape(n, s, d)
     dv = out[q.size + k.size:].reshape(n, s, e)
-    bu = None if bias is None else Bias(bias, q.shape, s)
+    bu = None if bias is None else Bias(bias, q.shape)
     rows = contract.attention_rows(t)
     per_unit = contract.attention_grad_scratch(t, s, d, e)
     for a, b in sample_chunks(n, workspace, per_unit, per_unit + 2 * (t + s) * (d + e)):

@@ -19,14 +19,8 @@ def _shape(q, k, v, bias, scale, causal) -> tuple:
     """(AttShape, AttLead) fields: the bias's element strides as broadcast to the scores (0 where it broadcasts)."""
     t, d, s, e = *q.shape[-2:], k.shape[-2], v.shape[-1]
     lead = list(q.shape[:-2])
-    if bias is None:
-        steps = [0] * (len(lead) + 2)
-    else:
-        steps, size = [], 1
-        for extent in reversed(bias.shape):               # (as many axes as the scores: the op's rule)
-            steps.append(0 if extent == 1 else size)
-            size *= extent
-        steps.reverse()
+    # (a bias has as many axes as the scores: the op's rule)
+    steps = [0] * (len(lead) + 2) if bias is None else contract.broadcast_steps(bias.shape)
     sizes, strides = [], []
     for extent, step in zip(lead, steps[:-2]):          # adjacent axes that read as one merge
         if sizes and strides[-1] == step * extent:

@@ -714,7 +714,7 @@ void deepdsl_equal_tokens(const int* x, long n, int value, uint8_t* out) {
 // thin convolutions straight from the input
 #include "cpu_conv.c"
 
-// attention and its gradient, tile by tile
+// attention's passes over rows
 #include "cpu_attention.c"
 
 // matrix products on these threads
