@@ -1,11 +1,12 @@
 """GPT-2 small imported from PyTorch and trained by deepdsl: `deepdsl import`, `deepdsl memory` (its table and
 `--fit`), then training steps of the generated program.
 
-    python benchmarks/gpt2_small.py [--batch 1] [--fit 16GB] [--iters 2] [--dir DIR]
+    python benchmarks/gpt2_small.py [--batch 1] [--fit 16GB] [--iters 2] [--attention-dropout P] [--dir DIR]
 
 The model is tests/support/torch_models.py's GPT2 at GPT-2 small's configuration (Radford et al. 2019: 50,257
 tokens, context 1024, 12 layers of 12 heads over 768 features, the output projection tied to the token embedding;
-124,439,808 parameters), imported at --batch on (batch, 1024) int64 tokens. Each stage runs as its command
+124,439,808 parameters; --attention-dropout: of the attention weights while training, 0.1 in the published
+model, none by default), imported at --batch on (batch, 1024) int64 tokens. Each stage runs as its command
 would, timed; the training run reads random tokens (`--data synthetic`) from the imported weights (`--init-from`)
 and its report gives the seconds an iteration and the measured and planned peak of tensor memory. The processor's
 vector extensions and the load average are printed with the figures.
@@ -31,7 +32,7 @@ from tests.support.torch_models import GPT2
 
 
 def gpt2_small():
-    return GPT2(vocab=50257, context=1024, dim=768, depth=12, heads=12)
+    return GPT2(vocab=50257, context=1024, dim=768, depth=12, heads=12, attention_dropout={dropout!r})
 '''
 
 
@@ -50,11 +51,12 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--fit", default="16GB")
     parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument("--dir", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
     work = Path(args.dir or tempfile.mkdtemp(prefix="gpt2-small-"))
     work.mkdir(parents=True, exist_ok=True)
-    (work / "gpt2small.py").write_text(FACTORY.format(root=str(ROOT)))
+    (work / "gpt2small.py").write_text(FACTORY.format(root=str(ROOT), dropout=args.attention_dropout))
     deepdsl = [sys.executable, "-m", "deepdsl"]
     print(f"ISA {processor()[1]}, {os.cpu_count()} cores, load average {os.getloadavg()}")
     done = stage("import", deepdsl + ["import", "gpt2small.py:gpt2_small", "--input", f"{args.batch}x1024:int64",

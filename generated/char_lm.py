@@ -4,8 +4,8 @@ Source network: networks/char_lm.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
-Memory: peak 23.17 MB of tensors planned for the training step (3.15 MB testing); static arena 23.17 MB, pool 23.18 MB, workspace 4.26 MB
-Structure hash: 3dd1c13ab23c4b42
+Memory: peak 24.22 MB of tensors planned for the training step (3.15 MB testing); static arena 24.22 MB, pool 24.22 MB, workspace 6.36 MB
+Structure hash: 787bafeaa8a10fa1
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "3dd1c13ab23c4b42"
+    structure_hash = "787bafeaa8a10fa1"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -200,11 +200,21 @@ class CharLm(rp.Model):
         x = mem.load(0, x)
         y = mem.load(1, y)
 
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_mask = bernoulli[keep=0.9,key=2,shape=(32,4,64,64)]
+        block2_attn_mask = mem.tensor(2, (32, 4, 64, 64), 'uint8')
+        rt.bernoulli(out=block2_attn_mask, keep=0.9, key=2, shape=(32, 4, 64, 64), seed=self.seed, step=step, workspace=mem.workspace(2097152))
+
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_mask = bernoulli[keep=0.9,key=1,shape=(32,4,64,64)]
+        block1_attn_mask = mem.tensor(3, (32, 4, 64, 64), 'uint8')
+        rt.bernoulli(out=block1_attn_mask, keep=0.9, key=1, shape=(32, 4, 64, 64), seed=self.seed, step=step, workspace=mem.workspace(2097152))
+
         # ---- embed (embedding of 256 tokens in 64 features), forward ----
         # embed_reshape = reshape[2048](x)
         embed_reshape = rt.reshape(x, shape=(2048,))
         # embed_gather_rows = gather_rows(embed_W, embed_reshape)
-        embed_gather_rows = mem.tensor(2, (2048, 64), 'float32')
+        embed_gather_rows = mem.tensor(4, (2048, 64), 'float32')
         rt.gather_rows(T['embed_W'], embed_reshape, out=embed_gather_rows)
         # embed = reshape[32x64x64](embed_gather_rows)
         embed = rt.reshape(embed_gather_rows, shape=(32, 64, 64))
@@ -216,29 +226,29 @@ class CharLm(rp.Model):
 
         # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
         # block1_ln1_sum_to = sum_to[32x64x1](block1_ln2_add)
-        block1_ln1_sum_to = mem.tensor(3, (32, 64, 1), 'float32')
+        block1_ln1_sum_to = mem.tensor(5, (32, 64, 1), 'float32')
         rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(32, 64, 1))
         # block1_ln1_scale = 0.015625*block1_ln1_sum_to
         block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
         rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
         # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
-        block1_ln1_sub = mem.tensor(4, (32, 64, 64), 'float32')
+        block1_ln1_sub = mem.tensor(6, (32, 64, 64), 'float32')
         # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(5, (32, 64, 1), 'float32')
+        block1_ln1_sum_to_2 = mem.tensor(7, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
                       (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln1_sum_to, block1_ln1_scale
         del block1_ln1_sum_to, block1_ln1_scale
-        mem.free(3)
+        mem.free(5)
         # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln1_add = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
         # block1_ln1_rsqrt = 1/sqrt(block1_ln1_add)
-        block1_ln1_rsqrt = mem.tensor(6, (32, 64, 1), 'float32')
+        block1_ln1_rsqrt = mem.tensor(8, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block1_ln1_add, block1_ln1_sum_to_2),
                    (ew_rsqrt, block1_ln1_rsqrt, block1_ln1_add))
         # block1_ln1_mul = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul = mem.tensor(7, (32, 64, 64), 'float32')
+        block1_ln1_mul = mem.tensor(9, (32, 64, 64), 'float32')
         # block1_ln1 = block1_ln1_mul*block1_ln1_W + block1_ln1_B
         block1_ln1 = block1_ln1_mul  # in place: over block1_ln1_mul
         rt.ew_pair((ew_mul, block1_ln1_mul, block1_ln1_sub, block1_ln1_rsqrt),
@@ -250,7 +260,7 @@ class CharLm(rp.Model):
 
         # ---- block1_attn_v (fully connected, 64 outputs), forward ----
         # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(8, (2048, 64), 'float32')
+        block1_attn_v_matmul = mem.tensor(10, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
         # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
@@ -260,30 +270,30 @@ class CharLm(rp.Model):
         # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
         block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
         # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(9, (32, 4, 64, 16), 'float32')
+        block1_attn_transpose = mem.tensor(11, (32, 4, 64, 16), 'float32')
         rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
         # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
         del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(8)
+        mem.free(10)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(10, (2048, 64), 'float32')
+        block1_attn_k_matmul = mem.tensor(12, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
         # ---- block1_attn (causal scaled dot-product attention), forward ----
         # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
         block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
         # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(11, (32, 4, 64, 16), 'float32')
+        block1_attn_transpose_2 = mem.tensor(13, (32, 4, 64, 16), 'float32')
         rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
         # free block1_attn_k_matmul, block1_attn_reshape_2
         del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(10)
+        mem.free(12)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(12, (2048, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(14, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
@@ -293,23 +303,23 @@ class CharLm(rp.Model):
         # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
         block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
         # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(13, (32, 4, 64, 16), 'float32')
+        block1_attn_transpose_3 = mem.tensor(15, (32, 4, 64, 16), 'float32')
         rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
         # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
         del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(12)
-        # block1_attn = attention[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
-        block1_attn = mem.tensor(14, (32, 4, 64, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
+        mem.free(14)
+        # block1_attn = attention[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn_mask)
+        block1_attn = mem.tensor(16, (32, 4, 64, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, mask=block1_attn_mask, out=block1_attn, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(15, (32, 64, 4, 16), 'float32')
+        block1_attn_out_transpose = mem.tensor(17, (32, 64, 4, 16), 'float32')
         rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
         # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
         block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
         # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(16, (2048, 64), 'float32')
+        block1_attn_out_matmul = mem.tensor(18, (2048, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
         # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
@@ -323,31 +333,31 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
         del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(16)
+        mem.free(18)
         # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(17, (32, 64, 1), 'float32')
+        block1_ln2_sum_to = mem.tensor(19, (32, 64, 1), 'float32')
         rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
         # block1_ln2_scale = 0.015625*block1_ln2_sum_to
         block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
         rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
         # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(18, (32, 64, 64), 'float32')
+        block1_ln2_sub = mem.tensor(20, (32, 64, 64), 'float32')
         # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(19, (32, 64, 1), 'float32')
+        block1_ln2_sum_to_2 = mem.tensor(21, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
                       (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sum_to, block1_ln2_scale
         del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(17)
+        mem.free(19)
         # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
         # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
-        block1_ln2_rsqrt = mem.tensor(20, (32, 64, 1), 'float32')
+        block1_ln2_rsqrt = mem.tensor(22, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2),
                    (ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3))
         # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul = mem.tensor(21, (32, 64, 64), 'float32')
+        block1_ln2_mul = mem.tensor(23, (32, 64, 64), 'float32')
         # block1_ln2 = block1_ln2_mul*block1_ln2_W + block1_ln2_B
         block1_ln2 = block1_ln2_mul  # in place: over block1_ln2_mul
         rt.ew_pair((ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt),
@@ -357,7 +367,7 @@ class CharLm(rp.Model):
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(22, (2048, 256), 'float32')
+        block1_fc1_matmul = mem.tensor(24, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
@@ -367,14 +377,14 @@ class CharLm(rp.Model):
 
         # ---- block1_fc1_gelu (gelu), forward ----
         # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = mem.tensor(23, (32, 64, 256), 'float32')
+        block1_fc1_gelu = mem.tensor(25, (32, 64, 256), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
 
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(24, (2048, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(26, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
@@ -388,31 +398,31 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(24)
+        mem.free(26)
         # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(25, (32, 64, 1), 'float32')
+        block2_ln1_sum_to = mem.tensor(27, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
         # block2_ln1_scale = 0.015625*block2_ln1_sum_to
         block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
         rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
         # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(26, (32, 64, 64), 'float32')
+        block2_ln1_sub = mem.tensor(28, (32, 64, 64), 'float32')
         # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(27, (32, 64, 1), 'float32')
+        block2_ln1_sum_to_2 = mem.tensor(29, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
                       (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sum_to, block2_ln1_scale
         del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(25)
+        mem.free(27)
         # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
         # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
-        block2_ln1_rsqrt = mem.tensor(28, (32, 64, 1), 'float32')
+        block2_ln1_rsqrt = mem.tensor(30, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2),
                    (ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2))
         # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul = mem.tensor(29, (32, 64, 64), 'float32')
+        block2_ln1_mul = mem.tensor(31, (32, 64, 64), 'float32')
         # block2_ln1 = block2_ln1_mul*block2_ln1_W + block2_ln1_B
         block2_ln1 = block2_ln1_mul  # in place: over block2_ln1_mul
         rt.ew_pair((ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt),
@@ -424,7 +434,7 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(30, (2048, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(32, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
@@ -434,30 +444,30 @@ class CharLm(rp.Model):
         # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
         block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
         # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(31, (32, 4, 64, 16), 'float32')
+        block2_attn_transpose = mem.tensor(33, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
         # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
         del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(30)
+        mem.free(32)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(32, (2048, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(34, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
         # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
         block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
         # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(33, (32, 4, 64, 16), 'float32')
+        block2_attn_transpose_2 = mem.tensor(35, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
         # free block2_attn_k_matmul, block2_attn_reshape_2
         del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(32)
+        mem.free(34)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(34, (2048, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(36, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
@@ -467,23 +477,23 @@ class CharLm(rp.Model):
         # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
         block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
         # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(35, (32, 4, 64, 16), 'float32')
+        block2_attn_transpose_3 = mem.tensor(37, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
         # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
         del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(34)
-        # block2_attn = attention[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(36, (32, 4, 64, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
+        mem.free(36)
+        # block2_attn = attention[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn_mask)
+        block2_attn = mem.tensor(38, (32, 4, 64, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, mask=block2_attn_mask, out=block2_attn, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(37, (32, 64, 4, 16), 'float32')
+        block2_attn_out_transpose = mem.tensor(39, (32, 64, 4, 16), 'float32')
         rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
         # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
         block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
         # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(38, (2048, 64), 'float32')
+        block2_attn_out_matmul = mem.tensor(40, (2048, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
         # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
@@ -497,31 +507,31 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
         del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(38)
+        mem.free(40)
         # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(39, (32, 64, 1), 'float32')
+        block2_ln2_sum_to = mem.tensor(41, (32, 64, 1), 'float32')
         rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
         # block2_ln2_scale = 0.015625*block2_ln2_sum_to
         block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
         rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
         # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(40, (32, 64, 64), 'float32')
+        block2_ln2_sub = mem.tensor(42, (32, 64, 64), 'float32')
         # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(41, (32, 64, 1), 'float32')
+        block2_ln2_sum_to_2 = mem.tensor(43, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
                       (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sum_to, block2_ln2_scale
         del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(39)
+        mem.free(41)
         # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
         block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
         # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
-        block2_ln2_rsqrt = mem.tensor(42, (32, 64, 1), 'float32')
+        block2_ln2_rsqrt = mem.tensor(44, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2),
                    (ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2))
         # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul = mem.tensor(43, (32, 64, 64), 'float32')
+        block2_ln2_mul = mem.tensor(45, (32, 64, 64), 'float32')
         # block2_ln2 = block2_ln2_mul*block2_ln2_W + block2_ln2_B
         block2_ln2 = block2_ln2_mul  # in place: over block2_ln2_mul
         rt.ew_pair((ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt),
@@ -531,7 +541,7 @@ class CharLm(rp.Model):
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(44, (2048, 256), 'float32')
+        block2_fc1_matmul = mem.tensor(46, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
@@ -541,14 +551,14 @@ class CharLm(rp.Model):
 
         # ---- block2_fc1_gelu (gelu), forward ----
         # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = mem.tensor(45, (32, 64, 256), 'float32')
+        block2_fc1_gelu = mem.tensor(47, (32, 64, 256), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
 
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(46, (2048, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(48, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
@@ -562,9 +572,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(46)
+        mem.free(48)
         # ln_sum_to = sum_to[32x64x1](ln_add)
-        ln_sum_to = mem.tensor(47, (32, 64, 1), 'float32')
+        ln_sum_to = mem.tensor(49, (32, 64, 1), 'float32')
         rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
         # ln_scale = 0.015625*ln_sum_to
         ln_scale = ln_sum_to  # in place: over ln_sum_to
@@ -572,21 +582,21 @@ class CharLm(rp.Model):
         # ln_sub = ln_add - ln_scale   (computed with the next statement)
         ln_sub = ln_add  # in place: over ln_add
         # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(48, (32, 64, 1), 'float32')
+        ln_sum_to_2 = mem.tensor(50, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
                       (ew_square, ln_sum_to_2, ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free ln_sum_to, ln_scale
         del ln_sum_to, ln_scale
-        mem.free(47)
+        mem.free(49)
         # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
         ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
         # ln_rsqrt = 1/sqrt(ln_add_2)
-        ln_rsqrt = mem.tensor(49, (32, 64, 1), 'float32')
+        ln_rsqrt = mem.tensor(51, (32, 64, 1), 'float32')
         rt.ew_pair((ew_scale_add, ln_add_2, ln_sum_to_2),
                    (ew_rsqrt, ln_rsqrt, ln_add_2))
         # ln_mul = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul = mem.tensor(50, (32, 64, 64), 'float32')
+        ln_mul = mem.tensor(52, (32, 64, 64), 'float32')
         # ln = ln_mul*ln_W + ln_B
         ln = ln_mul  # in place: over ln_mul
         rt.ew_pair((ew_mul, ln_mul, ln_sub, ln_rsqrt),
@@ -596,7 +606,7 @@ class CharLm(rp.Model):
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(51, (2048, 256), 'float32')
+        next_matmul = mem.tensor(53, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
         # next_add = next_matmul + next_B
         next_add = next_matmul  # in place: over next_matmul
@@ -609,21 +619,21 @@ class CharLm(rp.Model):
         # next_cross_entropy_reshape = reshape[2048](y)
         next_cross_entropy_reshape = rt.reshape(y, shape=(2048,))
         # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(52, (2048,), 'float32')
+        next_cross_entropy_pick = mem.tensor(54, (2048,), 'float32')
         rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
         # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(53, (), 'float32')
+        next_cross_entropy_sum_to = mem.tensor(55, (), 'float32')
         rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
         # free next_cross_entropy_pick
         del next_cross_entropy_pick
-        mem.free(52)
+        mem.free(54)
         # next_cross_entropy = -next_cross_entropy_sum_to/2048
         next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
         rt.ew(ew_scale_2, next_cross_entropy, next_cross_entropy_sum_to)
 
         # ---- next_cross_entropy (cross_entropy), backward ----
         # d_next_cross_entropy_log_softmax = unpick[classes=256](H1, next_cross_entropy_reshape)
-        d_next_cross_entropy_log_softmax = mem.tensor(54, (2048, 256), 'float32')
+        d_next_cross_entropy_log_softmax = mem.tensor(56, (2048, 256), 'float32')
         rt.unpick(T['H1'], next_cross_entropy_reshape, out=d_next_cross_entropy_log_softmax, classes=256)
         # free y, next_cross_entropy_reshape
         del y, next_cross_entropy_reshape
@@ -633,15 +643,15 @@ class CharLm(rp.Model):
         rt.ew(ew_exp_scale_add, d_next_add, d_next_cross_entropy_log_softmax, next_cross_entropy_log_softmax)
         # free next_matmul, next_add, next_cross_entropy_log_softmax
         del next_matmul, next_add, next_cross_entropy_log_softmax
-        mem.free(51)
+        mem.free(53)
 
         # ---- next (fully connected, 256 outputs), backward ----
         # d_next_W = matmul[ta](d_next_add, next_reshape)
-        d_next_W = mem.tensor(55, (256, 64), 'float32')
+        d_next_W = mem.tensor(57, (256, 64), 'float32')
         rt.matmul(d_next_add, next_reshape, out=d_next_W, ta=True)
         # free ln_mul, ln, next_reshape
         del ln_mul, ln, next_reshape
-        mem.free(50)
+        mem.free(52)
         # S_next_W_new = 0.999*S_next_W + 0.001*d_next_W**2
         S_next_W_new = T['S_next_W']  # in place: the new S_next_W
         rt.ew(ew_square_scale_add, S_next_W_new, T['S_next_W'], d_next_W)
@@ -650,32 +660,32 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_next_W_new, T['M_next_W'], d_next_W)
         # free d_next_W
         del d_next_W
-        mem.free(55)
+        mem.free(57)
         # d_next_B = sum_to[256](d_next_add)
-        d_next_B = mem.tensor(56, (256,), 'float32')
+        d_next_B = mem.tensor(58, (256,), 'float32')
         rt.sum_to(d_next_add, out=d_next_B, shape=(256,))
         # d_next_reshape = matmul(d_next_add, next_W)
-        d_next_reshape = mem.tensor(57, (2048, 64), 'float32')
+        d_next_reshape = mem.tensor(59, (2048, 64), 'float32')
         rt.matmul(d_next_add, T['next_W'], out=d_next_reshape)
         # free d_next_cross_entropy_log_softmax, d_next_add
         del d_next_cross_entropy_log_softmax, d_next_add
-        mem.free(54)
+        mem.free(56)
         # d_ln = reshape[32x64x64](d_next_reshape)
         d_ln = rt.reshape(d_next_reshape, shape=(32, 64, 64))
 
         # ---- ln (layer norm over the last 1 axes), forward ----
         # ln_mul_2 = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul_2 = mem.tensor(58, (32, 64, 64), 'float32')
+        ln_mul_2 = mem.tensor(60, (32, 64, 64), 'float32')
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_W = sum_to[64](d_ln*ln_mul_2)
-        d_ln_W = mem.tensor(59, (64,), 'float32')
+        d_ln_W = mem.tensor(61, (64,), 'float32')
         rt.ew_and_sum((ew_mul, ln_mul_2, ln_sub, ln_rsqrt),
                       (ew_mul, d_ln_W, d_ln, ln_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free ln_mul_2
         del ln_mul_2
-        mem.free(58)
+        mem.free(60)
         # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
         S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
         rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
@@ -684,7 +694,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_ln_W_new, T['M_ln_W'], d_ln_W)
         # free d_ln_W
         del d_ln_W
-        mem.free(59)
+        mem.free(61)
 
         # ---- next (fully connected, 256 outputs), backward ----
         # next_W_new = next_W*(-lr*decay + 1) - lr*M_next_W_new/(bias1*(sqrt(S_next_W_new)/sqrt(bias2) + 1.0e-8))
@@ -701,16 +711,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, next_B_new, T['next_B'], lr, bias1, M_next_B_new, S_next_B_new, bias2, decay))
         # free d_next_B
         del d_next_B
-        mem.free(56)
+        mem.free(58)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_B = sum_to[64](d_ln)
-        d_ln_B = mem.tensor(60, (64,), 'float32')
+        d_ln_B = mem.tensor(62, (64,), 'float32')
         rt.sum_to(d_ln, out=d_ln_B, shape=(64,))
         # d_ln_mul = d_ln*ln_W   (computed with the next statement)
         d_ln_mul = d_ln  # in place: over d_ln
         # d_ln_rsqrt = sum_to[32x64x1](d_ln_mul*ln_sub)
-        d_ln_rsqrt = mem.tensor(61, (32, 64, 1), 'float32')
+        d_ln_rsqrt = mem.tensor(63, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_ln_mul, d_ln, T['ln_W']),
                       (ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -728,23 +738,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
         # free d_ln_B
         del d_ln_B
-        mem.free(60)
+        mem.free(62)
         # d_ln_sum_to = -0.0078125*d_ln_rsqrt/ln_add_2**(3/2)
         d_ln_sum_to = d_ln_rsqrt  # in place: over d_ln_rsqrt
         rt.ew(ew_pow_mul, d_ln_sum_to, d_ln_rsqrt, ln_add_2)
         # free ln_sum_to_2, ln_add_2
         del ln_sum_to_2, ln_add_2
-        mem.free(48)
+        mem.free(50)
         # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub   (computed with the next statement)
         d_ln_sub = d_ln_mul  # in place: over d_ln_mul
         # d_ln_scale = sum_to[32x64x1](-d_ln_sub)
-        d_ln_scale = mem.tensor(62, (32, 64, 1), 'float32')
+        d_ln_scale = mem.tensor(64, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub),
                       (ew_neg, d_ln_scale, d_ln_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
         del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
-        mem.free(2, 49, 61)
+        mem.free(4, 51, 63)
         # d_ln_sum_to_2 = 0.015625*d_ln_scale
         d_ln_sum_to_2 = d_ln_scale  # in place: over d_ln_scale
         rt.ew(ew_scale, d_ln_sum_to_2, d_ln_scale)
@@ -753,17 +763,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add, d_ln_add, d_ln_sub, d_ln_sum_to_2)
         # free d_ln_scale, d_ln_sum_to_2
         del d_ln_scale, d_ln_sum_to_2
-        mem.free(62)
+        mem.free(64)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_add = reshape[2048x64](d_ln_add)
         d_block2_fc2_add = rt.reshape(d_ln_add, shape=(2048, 64))
         # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
-        d_block2_fc2_W = mem.tensor(63, (64, 256), 'float32')
+        d_block2_fc2_W = mem.tensor(65, (64, 256), 'float32')
         rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True)
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
-        mem.free(45)
+        mem.free(47)
         # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
         S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
         rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
@@ -772,9 +782,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
         # free d_block2_fc2_W
         del d_block2_fc2_W
-        mem.free(63)
+        mem.free(65)
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
-        d_block2_fc2_B = mem.tensor(64, (64,), 'float32')
+        d_block2_fc2_B = mem.tensor(66, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
         # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
         S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
@@ -787,9 +797,9 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
         # free d_block2_fc2_B
         del d_block2_fc2_B
-        mem.free(64)
+        mem.free(66)
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(65, (2048, 256), 'float32')
+        d_block2_fc2_reshape = mem.tensor(67, (2048, 256), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
         # d_block2_fc1_gelu = reshape[32x64x256](d_block2_fc2_reshape)
         d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(32, 64, 256))
@@ -800,17 +810,17 @@ class CharLm(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1
         del block2_fc1_matmul, block2_fc1_add, block2_fc1
-        mem.free(44)
+        mem.free(46)
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # d_block2_fc1_add = reshape[2048x256](d_block2_fc1)
         d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(2048, 256))
         # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(66, (256, 64), 'float32')
+        d_block2_fc1_W = mem.tensor(68, (256, 64), 'float32')
         rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True)
         # free block2_ln2_mul, block2_ln2, block2_fc1_reshape
         del block2_ln2_mul, block2_ln2, block2_fc1_reshape
-        mem.free(43)
+        mem.free(45)
         # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
         S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
         rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
@@ -819,7 +829,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
         # free d_block2_fc1_W
         del d_block2_fc1_W
-        mem.free(66)
+        mem.free(68)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -828,30 +838,30 @@ class CharLm(rp.Model):
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # d_block2_fc1_B = sum_to[256](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(67, (256,), 'float32')
+        d_block2_fc1_B = mem.tensor(69, (256,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(256,))
         # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(68, (2048, 64), 'float32')
+        d_block2_fc1_reshape = mem.tensor(70, (2048, 64), 'float32')
         rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(65)
+        mem.free(67)
         # d_block2_ln2 = reshape[32x64x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
         # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul_2 = mem.tensor(69, (32, 64, 64), 'float32')
+        block2_ln2_mul_2 = mem.tensor(71, (32, 64, 64), 'float32')
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_W = sum_to[64](d_block2_ln2*block2_ln2_mul_2)
-        d_block2_ln2_W = mem.tensor(70, (64,), 'float32')
+        d_block2_ln2_W = mem.tensor(72, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt),
                       (ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block2_ln2_mul_2
         del block2_ln2_mul_2
-        mem.free(69)
+        mem.free(71)
         # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
         S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
         rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
@@ -860,7 +870,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W)
         # free d_block2_ln2_W
         del d_block2_ln2_W
-        mem.free(70)
+        mem.free(72)
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -877,16 +887,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
         # free d_block2_fc1_B
         del d_block2_fc1_B
-        mem.free(67)
+        mem.free(69)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_B = sum_to[64](d_block2_ln2)
-        d_block2_ln2_B = mem.tensor(71, (64,), 'float32')
+        d_block2_ln2_B = mem.tensor(73, (64,), 'float32')
         rt.sum_to(d_block2_ln2, out=d_block2_ln2_B, shape=(64,))
         # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W   (computed with the next statement)
         d_block2_ln2_mul = d_block2_ln2  # in place: over d_block2_ln2
         # d_block2_ln2_rsqrt = sum_to[32x64x1](d_block2_ln2_mul*block2_ln2_sub)
-        d_block2_ln2_rsqrt = mem.tensor(72, (32, 64, 1), 'float32')
+        d_block2_ln2_rsqrt = mem.tensor(74, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W']),
                       (ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -904,23 +914,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
         # free d_block2_ln2_B
         del d_block2_ln2_B
-        mem.free(71)
+        mem.free(73)
         # d_block2_ln2_sum_to = -0.0078125*d_block2_ln2_rsqrt/block2_ln2_add_2**(3/2)
         d_block2_ln2_sum_to = d_block2_ln2_rsqrt  # in place: over d_block2_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln2_sum_to, d_block2_ln2_rsqrt, block2_ln2_add_2)
         # free block2_ln2_sum_to_2, block2_ln2_add_2
         del block2_ln2_sum_to_2, block2_ln2_add_2
-        mem.free(41)
+        mem.free(43)
         # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub   (computed with the next statement)
         d_block2_ln2_sub = d_block2_ln2_mul  # in place: over d_block2_ln2_mul
         # d_block2_ln2_scale = sum_to[32x64x1](-d_block2_ln2_sub)
-        d_block2_ln2_scale = mem.tensor(73, (32, 64, 1), 'float32')
+        d_block2_ln2_scale = mem.tensor(75, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub),
                       (ew_neg, d_block2_ln2_scale, d_block2_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
         del block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
-        mem.free(40, 42, 72)
+        mem.free(42, 44, 74)
         # d_block2_ln2_sum_to_2 = 0.015625*d_block2_ln2_scale
         d_block2_ln2_sum_to_2 = d_block2_ln2_scale  # in place: over d_block2_ln2_scale
         rt.ew(ew_scale, d_block2_ln2_sum_to_2, d_block2_ln2_scale)
@@ -929,17 +939,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block2_ln2_add, d_ln_add, d_block2_ln2_sub, d_block2_ln2_sum_to_2)
         # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
         del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
-        mem.free(68, 73)
+        mem.free(70, 75)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_add = reshape[2048x64](d_block2_ln2_add)
         d_block2_attn_out_add = rt.reshape(d_block2_ln2_add, shape=(2048, 64))
         # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
-        d_block2_attn_out_W = mem.tensor(74, (64, 64), 'float32')
+        d_block2_attn_out_W = mem.tensor(76, (64, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True)
         # free block2_attn_out_transpose, block2_attn_out_reshape
         del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(37)
+        mem.free(39)
         # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
         S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
         rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
@@ -948,9 +958,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
         # free d_block2_attn_out_W
         del d_block2_attn_out_W
-        mem.free(74)
+        mem.free(76)
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(75, (64,), 'float32')
+        d_block2_attn_out_B = mem.tensor(77, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
@@ -963,26 +973,26 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
         # free d_block2_attn_out_B
         del d_block2_attn_out_B
-        mem.free(75)
+        mem.free(77)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(76, (2048, 64), 'float32')
+        d_block2_attn_out_reshape = mem.tensor(78, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
         # d_block2_attn_out_transpose = reshape[32x64x4x16](d_block2_attn_out_reshape)
         d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(32, 64, 4, 16))
         # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
-        d_block2_attn = mem.tensor(77, (32, 4, 64, 16), 'float32')
+        d_block2_attn = mem.tensor(79, (32, 4, 64, 16), 'float32')
         rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
         # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
         del d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(76)
+        mem.free(78)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
-        # d_block2_attn_attention_grad = attention_grad[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn)
-        d_block2_attn_attention_grad = mem.tensor(78, (393216,), 'float32')
-        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, out=d_block2_attn_attention_grad, causal=True, scale=0.25, workspace=mem.workspace(4259840))
-        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        mem.free(31, 33, 35, 36, 77)
+        # d_block2_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, block2_attn_mask)
+        d_block2_attn_attention_grad = mem.tensor(80, (393216,), 'float32')
+        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, mask=block2_attn_mask, out=d_block2_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
+        # free block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        del block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        mem.free(2, 33, 35, 37, 38, 79)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -991,22 +1001,22 @@ class CharLm(rp.Model):
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_slice = slice[axis=0,start=0,stop=131072](d_block2_attn_attention_grad)
-        d_block2_attn_slice = mem.tensor(79, (131072,), 'float32')
+        d_block2_attn_slice = mem.tensor(81, (131072,), 'float32')
         rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=131072)
         # d_block2_attn_transpose = reshape[32x4x64x16](d_block2_attn_slice)
         d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(32, 4, 64, 16))
         # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
-        d_block2_attn_reshape = mem.tensor(80, (32, 64, 4, 16), 'float32')
+        d_block2_attn_reshape = mem.tensor(82, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
         # free d_block2_attn_slice, d_block2_attn_transpose
         del d_block2_attn_slice, d_block2_attn_transpose
-        mem.free(79)
+        mem.free(81)
         # d_block2_attn_q_add = reshape[2048x64](d_block2_attn_reshape)
         d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(2048, 64))
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(81, (64,), 'float32')
+        d_block2_attn_q_B = mem.tensor(83, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
@@ -1019,16 +1029,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
         # free d_block2_attn_q_B
         del d_block2_attn_q_B
-        mem.free(81)
+        mem.free(83)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(82, (64, 64), 'float32')
+        d_block2_attn_q_W = mem.tensor(84, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True)
         # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape = mem.tensor(83, (2048, 64), 'float32')
+        d_block2_attn_q_reshape = mem.tensor(85, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
         # free d_block2_attn_reshape, d_block2_attn_q_add
         del d_block2_attn_reshape, d_block2_attn_q_add
-        mem.free(80)
+        mem.free(82)
         # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
         S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
         rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
@@ -1040,40 +1050,40 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
         # free d_block2_attn_q_W
         del d_block2_attn_q_W
-        mem.free(82)
+        mem.free(84)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block2_attn_attention_grad)
-        d_block2_attn_slice_2 = mem.tensor(84, (131072,), 'float32')
+        d_block2_attn_slice_2 = mem.tensor(86, (131072,), 'float32')
         rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=131072, stop=262144)
         # d_block2_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block2_attn_attention_grad)
-        d_block2_attn_slice_3 = mem.tensor(85, (131072,), 'float32')
+        d_block2_attn_slice_3 = mem.tensor(87, (131072,), 'float32')
         rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=262144, stop=393216)
         # free d_block2_attn_attention_grad
         del d_block2_attn_attention_grad
-        mem.free(78)
+        mem.free(80)
         # d_block2_attn_transpose_2 = reshape[32x4x64x16](d_block2_attn_slice_2)
         d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(32, 4, 64, 16))
         # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
-        d_block2_attn_reshape_2 = mem.tensor(86, (32, 64, 4, 16), 'float32')
+        d_block2_attn_reshape_2 = mem.tensor(88, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
         # free d_block2_attn_slice_2, d_block2_attn_transpose_2
         del d_block2_attn_slice_2, d_block2_attn_transpose_2
-        mem.free(84)
+        mem.free(86)
         # d_block2_attn_transpose_3 = reshape[32x4x64x16](d_block2_attn_slice_3)
         d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(32, 4, 64, 16))
         # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
-        d_block2_attn_reshape_3 = mem.tensor(87, (32, 64, 4, 16), 'float32')
+        d_block2_attn_reshape_3 = mem.tensor(89, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
         # free d_block2_attn_slice_3, d_block2_attn_transpose_3
         del d_block2_attn_slice_3, d_block2_attn_transpose_3
-        mem.free(85)
+        mem.free(87)
         # d_block2_attn_v_add = reshape[2048x64](d_block2_attn_reshape_3)
         d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(2048, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(88, (64,), 'float32')
+        d_block2_attn_v_B = mem.tensor(90, (64,), 'float32')
         rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
         # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
         S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
@@ -1086,7 +1096,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
         # free d_block2_attn_v_B
         del d_block2_attn_v_B
-        mem.free(88)
+        mem.free(90)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_k_matmul = reshape[2048x64](d_block2_attn_reshape_2)
@@ -1094,32 +1104,32 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(89, (64, 64), 'float32')
+        d_block2_attn_k_W = mem.tensor(91, (64, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(90, (64, 64), 'float32')
+        d_block2_attn_v_W = mem.tensor(92, (64, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
         # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
         del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        mem.free(29)
+        mem.free(31)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(91, (2048, 64), 'float32')
+        d_block2_attn_q_reshape_2 = mem.tensor(93, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
         # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
         del d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        mem.free(86)
+        mem.free(88)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(92, (2048, 64), 'float32')
+        d_block2_attn_q_reshape_3 = mem.tensor(94, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
         # free d_block2_attn_reshape_3, d_block2_attn_v_add
         del d_block2_attn_reshape_3, d_block2_attn_v_add
-        mem.free(87)
+        mem.free(89)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
@@ -1127,23 +1137,23 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
         # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
         del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
-        mem.free(83, 91)
+        mem.free(85, 93)
         # d_block2_ln1 = reshape[32x64x64](d_block2_attn_q_reshape_4)
         d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(32, 64, 64))
 
         # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
         # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul_2 = mem.tensor(93, (32, 64, 64), 'float32')
+        block2_ln1_mul_2 = mem.tensor(95, (32, 64, 64), 'float32')
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
-        d_block2_ln1_W = mem.tensor(94, (64,), 'float32')
+        d_block2_ln1_W = mem.tensor(96, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
                       (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block2_ln1_mul_2
         del block2_ln1_mul_2
-        mem.free(93)
+        mem.free(95)
         # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
         S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
         rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
@@ -1152,7 +1162,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W)
         # free d_block2_ln1_W
         del d_block2_ln1_W
-        mem.free(94)
+        mem.free(96)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
@@ -1166,7 +1176,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
         # free d_block2_attn_k_W
         del d_block2_attn_k_W
-        mem.free(89)
+        mem.free(91)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
@@ -1180,16 +1190,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
         # free d_block2_attn_v_W
         del d_block2_attn_v_W
-        mem.free(90)
+        mem.free(92)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_B = sum_to[64](d_block2_ln1)
-        d_block2_ln1_B = mem.tensor(95, (64,), 'float32')
+        d_block2_ln1_B = mem.tensor(97, (64,), 'float32')
         rt.sum_to(d_block2_ln1, out=d_block2_ln1_B, shape=(64,))
         # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W   (computed with the next statement)
         d_block2_ln1_mul = d_block2_ln1  # in place: over d_block2_ln1
         # d_block2_ln1_rsqrt = sum_to[32x64x1](d_block2_ln1_mul*block2_ln1_sub)
-        d_block2_ln1_rsqrt = mem.tensor(96, (32, 64, 1), 'float32')
+        d_block2_ln1_rsqrt = mem.tensor(98, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W']),
                       (ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1207,23 +1217,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
         # free d_block2_ln1_B
         del d_block2_ln1_B
-        mem.free(95)
+        mem.free(97)
         # d_block2_ln1_sum_to = -0.0078125*d_block2_ln1_rsqrt/block2_ln1_add_2**(3/2)
         d_block2_ln1_sum_to = d_block2_ln1_rsqrt  # in place: over d_block2_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block2_ln1_sum_to, d_block2_ln1_rsqrt, block2_ln1_add_2)
         # free block2_ln1_sum_to_2, block2_ln1_add_2
         del block2_ln1_sum_to_2, block2_ln1_add_2
-        mem.free(27)
+        mem.free(29)
         # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub   (computed with the next statement)
         d_block2_ln1_sub = d_block2_ln1_mul  # in place: over d_block2_ln1_mul
         # d_block2_ln1_scale = sum_to[32x64x1](-d_block2_ln1_sub)
-        d_block2_ln1_scale = mem.tensor(97, (32, 64, 1), 'float32')
+        d_block2_ln1_scale = mem.tensor(99, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub),
                       (ew_neg, d_block2_ln1_scale, d_block2_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
         del block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
-        mem.free(26, 28, 96)
+        mem.free(28, 30, 98)
         # d_block2_ln1_sum_to_2 = 0.015625*d_block2_ln1_scale
         d_block2_ln1_sum_to_2 = d_block2_ln1_scale  # in place: over d_block2_ln1_scale
         rt.ew(ew_scale, d_block2_ln1_sum_to_2, d_block2_ln1_scale)
@@ -1232,17 +1242,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block2_ln1_add, d_block2_ln2_add, d_block2_ln1_sub, d_block2_ln1_sum_to_2)
         # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
         del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        mem.free(92, 97)
+        mem.free(94, 99)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_add = reshape[2048x64](d_block2_ln1_add)
         d_block1_fc2_add = rt.reshape(d_block2_ln1_add, shape=(2048, 64))
         # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(98, (64, 256), 'float32')
+        d_block1_fc2_W = mem.tensor(100, (64, 256), 'float32')
         rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True)
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
-        mem.free(23)
+        mem.free(25)
         # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
         S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
         rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
@@ -1251,9 +1261,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
         # free d_block1_fc2_W
         del d_block1_fc2_W
-        mem.free(98)
+        mem.free(100)
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(99, (64,), 'float32')
+        d_block1_fc2_B = mem.tensor(101, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
         # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
         S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
@@ -1266,9 +1276,9 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
         # free d_block1_fc2_B
         del d_block1_fc2_B
-        mem.free(99)
+        mem.free(101)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(100, (2048, 256), 'float32')
+        d_block1_fc2_reshape = mem.tensor(102, (2048, 256), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
         # d_block1_fc1_gelu = reshape[32x64x256](d_block1_fc2_reshape)
         d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(32, 64, 256))
@@ -1279,17 +1289,17 @@ class CharLm(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1
         del block1_fc1_matmul, block1_fc1_add, block1_fc1
-        mem.free(22)
+        mem.free(24)
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # d_block1_fc1_add = reshape[2048x256](d_block1_fc1)
         d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(2048, 256))
         # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(101, (256, 64), 'float32')
+        d_block1_fc1_W = mem.tensor(103, (256, 64), 'float32')
         rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True)
         # free block1_ln2_mul, block1_ln2, block1_fc1_reshape
         del block1_ln2_mul, block1_ln2, block1_fc1_reshape
-        mem.free(21)
+        mem.free(23)
         # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
         S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
         rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
@@ -1298,7 +1308,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
         # free d_block1_fc1_W
         del d_block1_fc1_W
-        mem.free(101)
+        mem.free(103)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1307,30 +1317,30 @@ class CharLm(rp.Model):
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # d_block1_fc1_B = sum_to[256](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(102, (256,), 'float32')
+        d_block1_fc1_B = mem.tensor(104, (256,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(256,))
         # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(103, (2048, 64), 'float32')
+        d_block1_fc1_reshape = mem.tensor(105, (2048, 64), 'float32')
         rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(100)
+        mem.free(102)
         # d_block1_ln2 = reshape[32x64x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
         # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul_2 = mem.tensor(104, (32, 64, 64), 'float32')
+        block1_ln2_mul_2 = mem.tensor(106, (32, 64, 64), 'float32')
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_W = sum_to[64](d_block1_ln2*block1_ln2_mul_2)
-        d_block1_ln2_W = mem.tensor(105, (64,), 'float32')
+        d_block1_ln2_W = mem.tensor(107, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt),
                       (ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block1_ln2_mul_2
         del block1_ln2_mul_2
-        mem.free(104)
+        mem.free(106)
         # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
         S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
         rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
@@ -1339,7 +1349,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W)
         # free d_block1_ln2_W
         del d_block1_ln2_W
-        mem.free(105)
+        mem.free(107)
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1356,16 +1366,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
         # free d_block1_fc1_B
         del d_block1_fc1_B
-        mem.free(102)
+        mem.free(104)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_B = sum_to[64](d_block1_ln2)
-        d_block1_ln2_B = mem.tensor(106, (64,), 'float32')
+        d_block1_ln2_B = mem.tensor(108, (64,), 'float32')
         rt.sum_to(d_block1_ln2, out=d_block1_ln2_B, shape=(64,))
         # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W   (computed with the next statement)
         d_block1_ln2_mul = d_block1_ln2  # in place: over d_block1_ln2
         # d_block1_ln2_rsqrt = sum_to[32x64x1](d_block1_ln2_mul*block1_ln2_sub)
-        d_block1_ln2_rsqrt = mem.tensor(107, (32, 64, 1), 'float32')
+        d_block1_ln2_rsqrt = mem.tensor(109, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W']),
                       (ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1383,23 +1393,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
         # free d_block1_ln2_B
         del d_block1_ln2_B
-        mem.free(106)
+        mem.free(108)
         # d_block1_ln2_sum_to = -0.0078125*d_block1_ln2_rsqrt/block1_ln2_add_3**(3/2)
         d_block1_ln2_sum_to = d_block1_ln2_rsqrt  # in place: over d_block1_ln2_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln2_sum_to, d_block1_ln2_rsqrt, block1_ln2_add_3)
         # free block1_ln2_sum_to_2, block1_ln2_add_3
         del block1_ln2_sum_to_2, block1_ln2_add_3
-        mem.free(19)
+        mem.free(21)
         # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub   (computed with the next statement)
         d_block1_ln2_sub = d_block1_ln2_mul  # in place: over d_block1_ln2_mul
         # d_block1_ln2_scale = sum_to[32x64x1](-d_block1_ln2_sub)
-        d_block1_ln2_scale = mem.tensor(108, (32, 64, 1), 'float32')
+        d_block1_ln2_scale = mem.tensor(110, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub),
                       (ew_neg, d_block1_ln2_scale, d_block1_ln2_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
         del block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
-        mem.free(18, 20, 107)
+        mem.free(20, 22, 109)
         # d_block1_ln2_sum_to_2 = 0.015625*d_block1_ln2_scale
         d_block1_ln2_sum_to_2 = d_block1_ln2_scale  # in place: over d_block1_ln2_scale
         rt.ew(ew_scale, d_block1_ln2_sum_to_2, d_block1_ln2_scale)
@@ -1408,17 +1418,17 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block1_ln2_add, d_block2_ln1_add, d_block1_ln2_sub, d_block1_ln2_sum_to_2)
         # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
         del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
-        mem.free(103, 108)
+        mem.free(105, 110)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_add = reshape[2048x64](d_block1_ln2_add)
         d_block1_attn_out_add = rt.reshape(d_block1_ln2_add, shape=(2048, 64))
         # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
-        d_block1_attn_out_W = mem.tensor(109, (64, 64), 'float32')
+        d_block1_attn_out_W = mem.tensor(111, (64, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True)
         # free block1_attn_out_transpose, block1_attn_out_reshape
         del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(15)
+        mem.free(17)
         # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
         S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
         rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
@@ -1427,9 +1437,9 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
         # free d_block1_attn_out_W
         del d_block1_attn_out_W
-        mem.free(109)
+        mem.free(111)
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(110, (64,), 'float32')
+        d_block1_attn_out_B = mem.tensor(112, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
@@ -1442,26 +1452,26 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
         # free d_block1_attn_out_B
         del d_block1_attn_out_B
-        mem.free(110)
+        mem.free(112)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(111, (2048, 64), 'float32')
+        d_block1_attn_out_reshape = mem.tensor(113, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
         # d_block1_attn_out_transpose = reshape[32x64x4x16](d_block1_attn_out_reshape)
         d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(32, 64, 4, 16))
         # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
-        d_block1_attn = mem.tensor(112, (32, 4, 64, 16), 'float32')
+        d_block1_attn = mem.tensor(114, (32, 4, 64, 16), 'float32')
         rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
         # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
         del d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(111)
+        mem.free(113)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
-        # d_block1_attn_attention_grad = attention_grad[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn)
-        d_block1_attn_attention_grad = mem.tensor(113, (393216,), 'float32')
-        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, out=d_block1_attn_attention_grad, causal=True, scale=0.25, workspace=mem.workspace(4259840))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        mem.free(9, 11, 13, 14, 112)
+        # d_block1_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, block1_attn_mask)
+        d_block1_attn_attention_grad = mem.tensor(115, (393216,), 'float32')
+        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, mask=block1_attn_mask, out=d_block1_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
+        # free block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        del block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        mem.free(3, 11, 13, 15, 16, 114)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1470,22 +1480,22 @@ class CharLm(rp.Model):
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_slice = slice[axis=0,start=0,stop=131072](d_block1_attn_attention_grad)
-        d_block1_attn_slice = mem.tensor(114, (131072,), 'float32')
+        d_block1_attn_slice = mem.tensor(116, (131072,), 'float32')
         rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=131072)
         # d_block1_attn_transpose = reshape[32x4x64x16](d_block1_attn_slice)
         d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(32, 4, 64, 16))
         # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
-        d_block1_attn_reshape = mem.tensor(115, (32, 64, 4, 16), 'float32')
+        d_block1_attn_reshape = mem.tensor(117, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
         # free d_block1_attn_slice, d_block1_attn_transpose
         del d_block1_attn_slice, d_block1_attn_transpose
-        mem.free(114)
+        mem.free(116)
         # d_block1_attn_q_add = reshape[2048x64](d_block1_attn_reshape)
         d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(2048, 64))
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(116, (64,), 'float32')
+        d_block1_attn_q_B = mem.tensor(118, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
@@ -1498,16 +1508,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
         # free d_block1_attn_q_B
         del d_block1_attn_q_B
-        mem.free(116)
+        mem.free(118)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(117, (64, 64), 'float32')
+        d_block1_attn_q_W = mem.tensor(119, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True)
         # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape = mem.tensor(118, (2048, 64), 'float32')
+        d_block1_attn_q_reshape = mem.tensor(120, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
         # free d_block1_attn_reshape, d_block1_attn_q_add
         del d_block1_attn_reshape, d_block1_attn_q_add
-        mem.free(115)
+        mem.free(117)
         # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
         S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
         rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
@@ -1519,40 +1529,40 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
         # free d_block1_attn_q_W
         del d_block1_attn_q_W
-        mem.free(117)
+        mem.free(119)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block1_attn_attention_grad)
-        d_block1_attn_slice_2 = mem.tensor(119, (131072,), 'float32')
+        d_block1_attn_slice_2 = mem.tensor(121, (131072,), 'float32')
         rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=131072, stop=262144)
         # d_block1_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block1_attn_attention_grad)
-        d_block1_attn_slice_3 = mem.tensor(120, (131072,), 'float32')
+        d_block1_attn_slice_3 = mem.tensor(122, (131072,), 'float32')
         rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=262144, stop=393216)
         # free d_block1_attn_attention_grad
         del d_block1_attn_attention_grad
-        mem.free(113)
+        mem.free(115)
         # d_block1_attn_transpose_2 = reshape[32x4x64x16](d_block1_attn_slice_2)
         d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(32, 4, 64, 16))
         # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
-        d_block1_attn_reshape_2 = mem.tensor(121, (32, 64, 4, 16), 'float32')
+        d_block1_attn_reshape_2 = mem.tensor(123, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
         # free d_block1_attn_slice_2, d_block1_attn_transpose_2
         del d_block1_attn_slice_2, d_block1_attn_transpose_2
-        mem.free(119)
+        mem.free(121)
         # d_block1_attn_transpose_3 = reshape[32x4x64x16](d_block1_attn_slice_3)
         d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(32, 4, 64, 16))
         # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
-        d_block1_attn_reshape_3 = mem.tensor(122, (32, 64, 4, 16), 'float32')
+        d_block1_attn_reshape_3 = mem.tensor(124, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
         # free d_block1_attn_slice_3, d_block1_attn_transpose_3
         del d_block1_attn_slice_3, d_block1_attn_transpose_3
-        mem.free(120)
+        mem.free(122)
         # d_block1_attn_v_add = reshape[2048x64](d_block1_attn_reshape_3)
         d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(2048, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(123, (64,), 'float32')
+        d_block1_attn_v_B = mem.tensor(125, (64,), 'float32')
         rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
         # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
         S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
@@ -1565,7 +1575,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
         # free d_block1_attn_v_B
         del d_block1_attn_v_B
-        mem.free(123)
+        mem.free(125)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_k_matmul = reshape[2048x64](d_block1_attn_reshape_2)
@@ -1573,32 +1583,32 @@ class CharLm(rp.Model):
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(124, (64, 64), 'float32')
+        d_block1_attn_k_W = mem.tensor(126, (64, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(125, (64, 64), 'float32')
+        d_block1_attn_v_W = mem.tensor(127, (64, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
         # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
         del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        mem.free(7)
+        mem.free(9)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(126, (2048, 64), 'float32')
+        d_block1_attn_q_reshape_2 = mem.tensor(128, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
         # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
         del d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        mem.free(121)
+        mem.free(123)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(127, (2048, 64), 'float32')
+        d_block1_attn_q_reshape_3 = mem.tensor(129, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
         # free d_block1_attn_reshape_3, d_block1_attn_v_add
         del d_block1_attn_reshape_3, d_block1_attn_v_add
-        mem.free(122)
+        mem.free(124)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
@@ -1606,23 +1616,23 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
         # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
         del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
-        mem.free(118, 126)
+        mem.free(120, 128)
         # d_block1_ln1 = reshape[32x64x64](d_block1_attn_q_reshape_4)
         d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(32, 64, 64))
 
         # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
         # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul_2 = mem.tensor(128, (32, 64, 64), 'float32')
+        block1_ln1_mul_2 = mem.tensor(130, (32, 64, 64), 'float32')
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
-        d_block1_ln1_W = mem.tensor(129, (64,), 'float32')
+        d_block1_ln1_W = mem.tensor(131, (64,), 'float32')
         rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
                       (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
                       shape=(64,), workspace=mem.workspace(524288))
         # free block1_ln1_mul_2
         del block1_ln1_mul_2
-        mem.free(128)
+        mem.free(130)
         # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
         S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
         rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
@@ -1631,7 +1641,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add_2, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W)
         # free d_block1_ln1_W
         del d_block1_ln1_W
-        mem.free(129)
+        mem.free(131)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
@@ -1645,7 +1655,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
         # free d_block1_attn_k_W
         del d_block1_attn_k_W
-        mem.free(124)
+        mem.free(126)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
@@ -1659,16 +1669,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
         # free d_block1_attn_v_W
         del d_block1_attn_v_W
-        mem.free(125)
+        mem.free(127)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_B = sum_to[64](d_block1_ln1)
-        d_block1_ln1_B = mem.tensor(130, (64,), 'float32')
+        d_block1_ln1_B = mem.tensor(132, (64,), 'float32')
         rt.sum_to(d_block1_ln1, out=d_block1_ln1_B, shape=(64,))
         # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W   (computed with the next statement)
         d_block1_ln1_mul = d_block1_ln1  # in place: over d_block1_ln1
         # d_block1_ln1_rsqrt = sum_to[32x64x1](d_block1_ln1_mul*block1_ln1_sub)
-        d_block1_ln1_rsqrt = mem.tensor(131, (32, 64, 1), 'float32')
+        d_block1_ln1_rsqrt = mem.tensor(133, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W']),
                       (ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
@@ -1686,23 +1696,23 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
         # free d_block1_ln1_B
         del d_block1_ln1_B
-        mem.free(130)
+        mem.free(132)
         # d_block1_ln1_sum_to = -0.0078125*d_block1_ln1_rsqrt/block1_ln1_add**(3/2)
         d_block1_ln1_sum_to = d_block1_ln1_rsqrt  # in place: over d_block1_ln1_rsqrt
         rt.ew(ew_pow_mul, d_block1_ln1_sum_to, d_block1_ln1_rsqrt, block1_ln1_add)
         # free block1_ln1_sum_to_2, block1_ln1_add
         del block1_ln1_sum_to_2, block1_ln1_add
-        mem.free(5)
+        mem.free(7)
         # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub   (computed with the next statement)
         d_block1_ln1_sub = d_block1_ln1_mul  # in place: over d_block1_ln1_mul
         # d_block1_ln1_scale = sum_to[32x64x1](-d_block1_ln1_sub)
-        d_block1_ln1_scale = mem.tensor(132, (32, 64, 1), 'float32')
+        d_block1_ln1_scale = mem.tensor(134, (32, 64, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub),
                       (ew_neg, d_block1_ln1_scale, d_block1_ln1_sub),
                       shape=(32, 64, 1), workspace=mem.workspace(524288))
         # free block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
         del block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
-        mem.free(4, 6, 131)
+        mem.free(6, 8, 133)
         # d_block1_ln1_sum_to_2 = 0.015625*d_block1_ln1_scale
         d_block1_ln1_sum_to_2 = d_block1_ln1_scale  # in place: over d_block1_ln1_scale
         rt.ew(ew_scale, d_block1_ln1_sum_to_2, d_block1_ln1_scale)
@@ -1713,20 +1723,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add_2, d_block1_ln2_add_2, d_block1_ln2_add, d_block1_ln1_sub, d_block1_ln1_sum_to_2)
         # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
         del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        mem.free(127, 132)
+        mem.free(129, 134)
         # d_pos = sum_to[1x64x64](d_block1_ln2_add_2)
-        d_pos = mem.tensor(133, (1, 64, 64), 'float32')
+        d_pos = mem.tensor(135, (1, 64, 64), 'float32')
         rt.sum_to(d_block1_ln2_add_2, out=d_pos, shape=(1, 64, 64))
 
         # ---- embed (embedding of 256 tokens in 64 features), backward ----
         # d_embed_gather_rows = reshape[2048x64](d_block1_ln2_add_2)
         d_embed_gather_rows = rt.reshape(d_block1_ln2_add_2, shape=(2048, 64))
         # d_embed_W = scatter_rows[rows=256](d_embed_gather_rows, embed_reshape)
-        d_embed_W = mem.tensor(134, (256, 64), 'float32')
+        d_embed_W = mem.tensor(136, (256, 64), 'float32')
         rt.scatter_rows(d_embed_gather_rows, embed_reshape, out=d_embed_W, rows=256)
         # free x, embed_reshape, d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_gather_rows
         del x, embed_reshape, d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_gather_rows
-        mem.free(0, 57)
+        mem.free(0, 59)
         # S_embed_W_new = 0.999*S_embed_W + 0.001*d_embed_W**2
         S_embed_W_new = T['S_embed_W']  # in place: the new S_embed_W
         rt.ew(ew_square_scale_add, S_embed_W_new, T['S_embed_W'], d_embed_W)
@@ -1738,7 +1748,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, embed_W_new, T['embed_W'], lr, bias1, M_embed_W_new, S_embed_W_new, bias2, decay))
         # free d_embed_W
         del d_embed_W
-        mem.free(134)
+        mem.free(136)
 
         # ---- pos (parameter 1x64x64), backward ----
         # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
@@ -1752,7 +1762,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         # free d_pos
         del d_pos
-        mem.free(133)
+        mem.free(135)
         loss = rt.scalar(next_cross_entropy)
         mem.end()
         return loss
@@ -2682,143 +2692,145 @@ class CharLm(rp.Model):
                 (0, 8192),  # 0: const 2048 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=23167232, peak_bytes=23167232, workspace_bytes=4259840, pool_bytes=23175424,
+            arena_bytes=24215808, peak_bytes=24215808, workspace_bytes=6356992, pool_bytes=24224000,
             buffers=(
-                (23068672, 8192),  # 0: x 32x64 int32
-                (23076864, 8192),  # 1: y 32x64 int32
-                (12582912, 524288),  # 2: embed_gather_rows 2048x64 float32
-                (0, 8192),  # 3: block1_ln1_sum_to 32x64x1 float32
-                (13107200, 524288),  # 4: block1_ln1_sub 32x64x64 float32
-                (23085056, 8192),  # 5: block1_ln1_sum_to_2 32x64x1 float32
-                (23093248, 8192),  # 6: block1_ln1_rsqrt 32x64x1 float32
-                (13631488, 524288),  # 7: block1_ln1_mul 32x64x64 float32
-                (0, 524288),  # 8: block1_attn_v_matmul 2048x64 float32
-                (14155776, 524288),  # 9: block1_attn_transpose 32x4x64x16 float32
-                (0, 524288),  # 10: block1_attn_k_matmul 2048x64 float32
-                (14680064, 524288),  # 11: block1_attn_transpose_2 32x4x64x16 float32
-                (0, 524288),  # 12: block1_attn_q_matmul 2048x64 float32
-                (15204352, 524288),  # 13: block1_attn_transpose_3 32x4x64x16 float32
-                (15728640, 524288),  # 14: block1_attn 32x4x64x16 float32
-                (16252928, 524288),  # 15: block1_attn_out_transpose 32x64x4x16 float32
-                (0, 524288),  # 16: block1_attn_out_matmul 2048x64 float32
-                (0, 8192),  # 17: block1_ln2_sum_to 32x64x1 float32
-                (16777216, 524288),  # 18: block1_ln2_sub 32x64x64 float32
-                (23101440, 8192),  # 19: block1_ln2_sum_to_2 32x64x1 float32
-                (23109632, 8192),  # 20: block1_ln2_rsqrt 32x64x1 float32
-                (17301504, 524288),  # 21: block1_ln2_mul 32x64x64 float32
-                (0, 2097152),  # 22: block1_fc1_matmul 2048x256 float32
-                (2097152, 2097152),  # 23: block1_fc1_gelu 32x64x256 float32
-                (4194304, 524288),  # 24: block1_fc2_matmul 2048x64 float32
-                (4194304, 8192),  # 25: block2_ln1_sum_to 32x64x1 float32
-                (17825792, 524288),  # 26: block2_ln1_sub 32x64x64 float32
-                (23117824, 8192),  # 27: block2_ln1_sum_to_2 32x64x1 float32
-                (23126016, 8192),  # 28: block2_ln1_rsqrt 32x64x1 float32
-                (18350080, 524288),  # 29: block2_ln1_mul 32x64x64 float32
-                (4194304, 524288),  # 30: block2_attn_v_matmul 2048x64 float32
-                (18874368, 524288),  # 31: block2_attn_transpose 32x4x64x16 float32
-                (4194304, 524288),  # 32: block2_attn_k_matmul 2048x64 float32
-                (19398656, 524288),  # 33: block2_attn_transpose_2 32x4x64x16 float32
-                (4194304, 524288),  # 34: block2_attn_q_matmul 2048x64 float32
-                (19922944, 524288),  # 35: block2_attn_transpose_3 32x4x64x16 float32
-                (20447232, 524288),  # 36: block2_attn 32x4x64x16 float32
-                (20971520, 524288),  # 37: block2_attn_out_transpose 32x64x4x16 float32
-                (4194304, 524288),  # 38: block2_attn_out_matmul 2048x64 float32
-                (4194304, 8192),  # 39: block2_ln2_sum_to 32x64x1 float32
-                (21495808, 524288),  # 40: block2_ln2_sub 32x64x64 float32
-                (23134208, 8192),  # 41: block2_ln2_sum_to_2 32x64x1 float32
-                (23142400, 8192),  # 42: block2_ln2_rsqrt 32x64x1 float32
-                (22020096, 524288),  # 43: block2_ln2_mul 32x64x64 float32
-                (4194304, 2097152),  # 44: block2_fc1_matmul 2048x256 float32
-                (6291456, 2097152),  # 45: block2_fc1_gelu 32x64x256 float32
-                (8388608, 524288),  # 46: block2_fc2_matmul 2048x64 float32
-                (8388608, 8192),  # 47: ln_sum_to 32x64x1 float32
-                (23150592, 8192),  # 48: ln_sum_to_2 32x64x1 float32
-                (23158784, 8192),  # 49: ln_rsqrt 32x64x1 float32
-                (22544384, 524288),  # 50: ln_mul 32x64x64 float32
-                (8388608, 2097152),  # 51: next_matmul 2048x256 float32
-                (10485760, 8192),  # 52: next_cross_entropy_pick 2048 float32
-                (23166976, 4),  # 53: next_cross_entropy_sum_to scalar float32
-                (10485760, 2097152),  # 54: d_next_cross_entropy_log_softmax 2048x256 float32
-                (8388608, 65536),  # 55: d_next_W 256x64 float32
-                (9437184, 1024),  # 56: d_next_B 256 float32
-                (8388608, 524288),  # 57: d_next_reshape 2048x64 float32
-                (8912896, 524288),  # 58: ln_mul_2 32x64x64 float32
-                (9438208, 256),  # 59: d_ln_W 64 float32
-                (8921088, 256),  # 60: d_ln_B 64 float32
-                (8912896, 8192),  # 61: d_ln_rsqrt 32x64x1 float32
-                (8921088, 8192),  # 62: d_ln_scale 32x64x1 float32
-                (8912896, 65536),  # 63: d_block2_fc2_W 64x256 float32
-                (6291456, 256),  # 64: d_block2_fc2_B 64 float32
-                (6291456, 2097152),  # 65: d_block2_fc2_reshape 2048x256 float32
-                (4194304, 65536),  # 66: d_block2_fc1_W 256x64 float32
-                (5242880, 1024),  # 67: d_block2_fc1_B 256 float32
-                (4194304, 524288),  # 68: d_block2_fc1_reshape 2048x64 float32
-                (4718592, 524288),  # 69: block2_ln2_mul_2 32x64x64 float32
-                (5243904, 256),  # 70: d_block2_ln2_W 64 float32
-                (4726784, 256),  # 71: d_block2_ln2_B 64 float32
-                (4718592, 8192),  # 72: d_block2_ln2_rsqrt 32x64x1 float32
-                (4726784, 8192),  # 73: d_block2_ln2_scale 32x64x1 float32
-                (4194304, 16384),  # 74: d_block2_attn_out_W 64x64 float32
-                (4194304, 256),  # 75: d_block2_attn_out_B 64 float32
-                (4194304, 524288),  # 76: d_block2_attn_out_reshape 2048x64 float32
-                (5767168, 524288),  # 77: d_block2_attn 32x4x64x16 float32
-                (4194304, 1572864),  # 78: d_block2_attn_attention_grad 393216 float32
-                (5767168, 524288),  # 79: d_block2_attn_slice 131072 float32
-                (6291456, 524288),  # 80: d_block2_attn_reshape 32x64x4x16 float32
-                (5767168, 256),  # 81: d_block2_attn_q_B 64 float32
-                (6815744, 16384),  # 82: d_block2_attn_q_W 64x64 float32
-                (5767168, 524288),  # 83: d_block2_attn_q_reshape 2048x64 float32
-                (6291456, 524288),  # 84: d_block2_attn_slice_2 131072 float32
-                (6815744, 524288),  # 85: d_block2_attn_slice_3 131072 float32
-                (4194304, 524288),  # 86: d_block2_attn_reshape_2 32x64x4x16 float32
-                (4718592, 524288),  # 87: d_block2_attn_reshape_3 32x64x4x16 float32
-                (5242880, 256),  # 88: d_block2_attn_v_B 64 float32
-                (6291456, 16384),  # 89: d_block2_attn_k_W 64x64 float32
-                (6307840, 16384),  # 90: d_block2_attn_v_W 64x64 float32
-                (5242880, 524288),  # 91: d_block2_attn_q_reshape_2 2048x64 float32
-                (4194304, 524288),  # 92: d_block2_attn_q_reshape_3 2048x64 float32
-                (4718592, 524288),  # 93: block2_ln1_mul_2 32x64x64 float32
-                (5242880, 256),  # 94: d_block2_ln1_W 64 float32
-                (4726784, 256),  # 95: d_block2_ln1_B 64 float32
-                (4718592, 8192),  # 96: d_block2_ln1_rsqrt 32x64x1 float32
-                (4726784, 8192),  # 97: d_block2_ln1_scale 32x64x1 float32
-                (4194304, 65536),  # 98: d_block1_fc2_W 64x256 float32
-                (2097152, 256),  # 99: d_block1_fc2_B 64 float32
-                (2097152, 2097152),  # 100: d_block1_fc2_reshape 2048x256 float32
-                (0, 65536),  # 101: d_block1_fc1_W 256x64 float32
-                (1048576, 1024),  # 102: d_block1_fc1_B 256 float32
-                (0, 524288),  # 103: d_block1_fc1_reshape 2048x64 float32
-                (524288, 524288),  # 104: block1_ln2_mul_2 32x64x64 float32
-                (1049600, 256),  # 105: d_block1_ln2_W 64 float32
-                (532480, 256),  # 106: d_block1_ln2_B 64 float32
-                (524288, 8192),  # 107: d_block1_ln2_rsqrt 32x64x1 float32
-                (532480, 8192),  # 108: d_block1_ln2_scale 32x64x1 float32
-                (0, 16384),  # 109: d_block1_attn_out_W 64x64 float32
-                (0, 256),  # 110: d_block1_attn_out_B 64 float32
-                (0, 524288),  # 111: d_block1_attn_out_reshape 2048x64 float32
-                (1572864, 524288),  # 112: d_block1_attn 32x4x64x16 float32
-                (0, 1572864),  # 113: d_block1_attn_attention_grad 393216 float32
-                (1572864, 524288),  # 114: d_block1_attn_slice 131072 float32
-                (2097152, 524288),  # 115: d_block1_attn_reshape 32x64x4x16 float32
-                (1572864, 256),  # 116: d_block1_attn_q_B 64 float32
-                (2621440, 16384),  # 117: d_block1_attn_q_W 64x64 float32
-                (1572864, 524288),  # 118: d_block1_attn_q_reshape 2048x64 float32
-                (2097152, 524288),  # 119: d_block1_attn_slice_2 131072 float32
-                (2621440, 524288),  # 120: d_block1_attn_slice_3 131072 float32
-                (0, 524288),  # 121: d_block1_attn_reshape_2 32x64x4x16 float32
-                (524288, 524288),  # 122: d_block1_attn_reshape_3 32x64x4x16 float32
-                (1048576, 256),  # 123: d_block1_attn_v_B 64 float32
-                (2097152, 16384),  # 124: d_block1_attn_k_W 64x64 float32
-                (2113536, 16384),  # 125: d_block1_attn_v_W 64x64 float32
-                (1048576, 524288),  # 126: d_block1_attn_q_reshape_2 2048x64 float32
-                (0, 524288),  # 127: d_block1_attn_q_reshape_3 2048x64 float32
-                (524288, 524288),  # 128: block1_ln1_mul_2 32x64x64 float32
-                (1048576, 256),  # 129: d_block1_ln1_W 64 float32
-                (532480, 256),  # 130: d_block1_ln1_B 64 float32
-                (524288, 8192),  # 131: d_block1_ln1_rsqrt 32x64x1 float32
-                (532480, 8192),  # 132: d_block1_ln1_scale 32x64x1 float32
-                (65536, 16384),  # 133: d_pos 1x64x64 float32
-                (0, 65536),  # 134: d_embed_W 256x64 float32
+                (24117248, 8192),  # 0: x 32x64 int32
+                (24125440, 8192),  # 1: y 32x64 int32
+                (12582912, 524288),  # 2: block2_attn_mask 32x4x64x64 uint8
+                (13107200, 524288),  # 3: block1_attn_mask 32x4x64x64 uint8
+                (13631488, 524288),  # 4: embed_gather_rows 2048x64 float32
+                (0, 8192),  # 5: block1_ln1_sum_to 32x64x1 float32
+                (14155776, 524288),  # 6: block1_ln1_sub 32x64x64 float32
+                (24133632, 8192),  # 7: block1_ln1_sum_to_2 32x64x1 float32
+                (24141824, 8192),  # 8: block1_ln1_rsqrt 32x64x1 float32
+                (14680064, 524288),  # 9: block1_ln1_mul 32x64x64 float32
+                (0, 524288),  # 10: block1_attn_v_matmul 2048x64 float32
+                (15204352, 524288),  # 11: block1_attn_transpose 32x4x64x16 float32
+                (0, 524288),  # 12: block1_attn_k_matmul 2048x64 float32
+                (15728640, 524288),  # 13: block1_attn_transpose_2 32x4x64x16 float32
+                (0, 524288),  # 14: block1_attn_q_matmul 2048x64 float32
+                (16252928, 524288),  # 15: block1_attn_transpose_3 32x4x64x16 float32
+                (16777216, 524288),  # 16: block1_attn 32x4x64x16 float32
+                (17301504, 524288),  # 17: block1_attn_out_transpose 32x64x4x16 float32
+                (0, 524288),  # 18: block1_attn_out_matmul 2048x64 float32
+                (0, 8192),  # 19: block1_ln2_sum_to 32x64x1 float32
+                (17825792, 524288),  # 20: block1_ln2_sub 32x64x64 float32
+                (24150016, 8192),  # 21: block1_ln2_sum_to_2 32x64x1 float32
+                (24158208, 8192),  # 22: block1_ln2_rsqrt 32x64x1 float32
+                (18350080, 524288),  # 23: block1_ln2_mul 32x64x64 float32
+                (0, 2097152),  # 24: block1_fc1_matmul 2048x256 float32
+                (2097152, 2097152),  # 25: block1_fc1_gelu 32x64x256 float32
+                (4194304, 524288),  # 26: block1_fc2_matmul 2048x64 float32
+                (4194304, 8192),  # 27: block2_ln1_sum_to 32x64x1 float32
+                (18874368, 524288),  # 28: block2_ln1_sub 32x64x64 float32
+                (24166400, 8192),  # 29: block2_ln1_sum_to_2 32x64x1 float32
+                (24174592, 8192),  # 30: block2_ln1_rsqrt 32x64x1 float32
+                (19398656, 524288),  # 31: block2_ln1_mul 32x64x64 float32
+                (4194304, 524288),  # 32: block2_attn_v_matmul 2048x64 float32
+                (19922944, 524288),  # 33: block2_attn_transpose 32x4x64x16 float32
+                (4194304, 524288),  # 34: block2_attn_k_matmul 2048x64 float32
+                (20447232, 524288),  # 35: block2_attn_transpose_2 32x4x64x16 float32
+                (4194304, 524288),  # 36: block2_attn_q_matmul 2048x64 float32
+                (20971520, 524288),  # 37: block2_attn_transpose_3 32x4x64x16 float32
+                (21495808, 524288),  # 38: block2_attn 32x4x64x16 float32
+                (22020096, 524288),  # 39: block2_attn_out_transpose 32x64x4x16 float32
+                (4194304, 524288),  # 40: block2_attn_out_matmul 2048x64 float32
+                (4194304, 8192),  # 41: block2_ln2_sum_to 32x64x1 float32
+                (22544384, 524288),  # 42: block2_ln2_sub 32x64x64 float32
+                (24182784, 8192),  # 43: block2_ln2_sum_to_2 32x64x1 float32
+                (24190976, 8192),  # 44: block2_ln2_rsqrt 32x64x1 float32
+                (23068672, 524288),  # 45: block2_ln2_mul 32x64x64 float32
+                (4194304, 2097152),  # 46: block2_fc1_matmul 2048x256 float32
+                (6291456, 2097152),  # 47: block2_fc1_gelu 32x64x256 float32
+                (8388608, 524288),  # 48: block2_fc2_matmul 2048x64 float32
+                (8388608, 8192),  # 49: ln_sum_to 32x64x1 float32
+                (24199168, 8192),  # 50: ln_sum_to_2 32x64x1 float32
+                (24207360, 8192),  # 51: ln_rsqrt 32x64x1 float32
+                (23592960, 524288),  # 52: ln_mul 32x64x64 float32
+                (8388608, 2097152),  # 53: next_matmul 2048x256 float32
+                (10485760, 8192),  # 54: next_cross_entropy_pick 2048 float32
+                (24215552, 4),  # 55: next_cross_entropy_sum_to scalar float32
+                (10485760, 2097152),  # 56: d_next_cross_entropy_log_softmax 2048x256 float32
+                (8388608, 65536),  # 57: d_next_W 256x64 float32
+                (9437184, 1024),  # 58: d_next_B 256 float32
+                (8388608, 524288),  # 59: d_next_reshape 2048x64 float32
+                (8912896, 524288),  # 60: ln_mul_2 32x64x64 float32
+                (9438208, 256),  # 61: d_ln_W 64 float32
+                (8921088, 256),  # 62: d_ln_B 64 float32
+                (8912896, 8192),  # 63: d_ln_rsqrt 32x64x1 float32
+                (8921088, 8192),  # 64: d_ln_scale 32x64x1 float32
+                (8912896, 65536),  # 65: d_block2_fc2_W 64x256 float32
+                (6291456, 256),  # 66: d_block2_fc2_B 64 float32
+                (6291456, 2097152),  # 67: d_block2_fc2_reshape 2048x256 float32
+                (4194304, 65536),  # 68: d_block2_fc1_W 256x64 float32
+                (5242880, 1024),  # 69: d_block2_fc1_B 256 float32
+                (4194304, 524288),  # 70: d_block2_fc1_reshape 2048x64 float32
+                (4718592, 524288),  # 71: block2_ln2_mul_2 32x64x64 float32
+                (5243904, 256),  # 72: d_block2_ln2_W 64 float32
+                (4726784, 256),  # 73: d_block2_ln2_B 64 float32
+                (4718592, 8192),  # 74: d_block2_ln2_rsqrt 32x64x1 float32
+                (4726784, 8192),  # 75: d_block2_ln2_scale 32x64x1 float32
+                (4194304, 16384),  # 76: d_block2_attn_out_W 64x64 float32
+                (4194304, 256),  # 77: d_block2_attn_out_B 64 float32
+                (4194304, 524288),  # 78: d_block2_attn_out_reshape 2048x64 float32
+                (5767168, 524288),  # 79: d_block2_attn 32x4x64x16 float32
+                (4194304, 1572864),  # 80: d_block2_attn_attention_grad 393216 float32
+                (5767168, 524288),  # 81: d_block2_attn_slice 131072 float32
+                (6291456, 524288),  # 82: d_block2_attn_reshape 32x64x4x16 float32
+                (5767168, 256),  # 83: d_block2_attn_q_B 64 float32
+                (6815744, 16384),  # 84: d_block2_attn_q_W 64x64 float32
+                (5767168, 524288),  # 85: d_block2_attn_q_reshape 2048x64 float32
+                (6291456, 524288),  # 86: d_block2_attn_slice_2 131072 float32
+                (6815744, 524288),  # 87: d_block2_attn_slice_3 131072 float32
+                (4194304, 524288),  # 88: d_block2_attn_reshape_2 32x64x4x16 float32
+                (4718592, 524288),  # 89: d_block2_attn_reshape_3 32x64x4x16 float32
+                (5242880, 256),  # 90: d_block2_attn_v_B 64 float32
+                (6291456, 16384),  # 91: d_block2_attn_k_W 64x64 float32
+                (6307840, 16384),  # 92: d_block2_attn_v_W 64x64 float32
+                (5242880, 524288),  # 93: d_block2_attn_q_reshape_2 2048x64 float32
+                (4194304, 524288),  # 94: d_block2_attn_q_reshape_3 2048x64 float32
+                (4718592, 524288),  # 95: block2_ln1_mul_2 32x64x64 float32
+                (5242880, 256),  # 96: d_block2_ln1_W 64 float32
+                (4726784, 256),  # 97: d_block2_ln1_B 64 float32
+                (4718592, 8192),  # 98: d_block2_ln1_rsqrt 32x64x1 float32
+                (4726784, 8192),  # 99: d_block2_ln1_scale 32x64x1 float32
+                (4194304, 65536),  # 100: d_block1_fc2_W 64x256 float32
+                (2097152, 256),  # 101: d_block1_fc2_B 64 float32
+                (2097152, 2097152),  # 102: d_block1_fc2_reshape 2048x256 float32
+                (0, 65536),  # 103: d_block1_fc1_W 256x64 float32
+                (1048576, 1024),  # 104: d_block1_fc1_B 256 float32
+                (0, 524288),  # 105: d_block1_fc1_reshape 2048x64 float32
+                (524288, 524288),  # 106: block1_ln2_mul_2 32x64x64 float32
+                (1049600, 256),  # 107: d_block1_ln2_W 64 float32
+                (532480, 256),  # 108: d_block1_ln2_B 64 float32
+                (524288, 8192),  # 109: d_block1_ln2_rsqrt 32x64x1 float32
+                (532480, 8192),  # 110: d_block1_ln2_scale 32x64x1 float32
+                (0, 16384),  # 111: d_block1_attn_out_W 64x64 float32
+                (0, 256),  # 112: d_block1_attn_out_B 64 float32
+                (0, 524288),  # 113: d_block1_attn_out_reshape 2048x64 float32
+                (1572864, 524288),  # 114: d_block1_attn 32x4x64x16 float32
+                (0, 1572864),  # 115: d_block1_attn_attention_grad 393216 float32
+                (1572864, 524288),  # 116: d_block1_attn_slice 131072 float32
+                (2097152, 524288),  # 117: d_block1_attn_reshape 32x64x4x16 float32
+                (1572864, 256),  # 118: d_block1_attn_q_B 64 float32
+                (2621440, 16384),  # 119: d_block1_attn_q_W 64x64 float32
+                (1572864, 524288),  # 120: d_block1_attn_q_reshape 2048x64 float32
+                (2097152, 524288),  # 121: d_block1_attn_slice_2 131072 float32
+                (2621440, 524288),  # 122: d_block1_attn_slice_3 131072 float32
+                (0, 524288),  # 123: d_block1_attn_reshape_2 32x64x4x16 float32
+                (524288, 524288),  # 124: d_block1_attn_reshape_3 32x64x4x16 float32
+                (1048576, 256),  # 125: d_block1_attn_v_B 64 float32
+                (2097152, 16384),  # 126: d_block1_attn_k_W 64x64 float32
+                (2113536, 16384),  # 127: d_block1_attn_v_W 64x64 float32
+                (1048576, 524288),  # 128: d_block1_attn_q_reshape_2 2048x64 float32
+                (0, 524288),  # 129: d_block1_attn_q_reshape_3 2048x64 float32
+                (524288, 524288),  # 130: block1_ln1_mul_2 32x64x64 float32
+                (1048576, 256),  # 131: d_block1_ln1_W 64 float32
+                (532480, 256),  # 132: d_block1_ln1_B 64 float32
+                (524288, 8192),  # 133: d_block1_ln1_rsqrt 32x64x1 float32
+                (532480, 8192),  # 134: d_block1_ln1_scale 32x64x1 float32
+                (65536, 16384),  # 135: d_pos 1x64x64 float32
+                (0, 65536),  # 136: d_embed_W 256x64 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=3153920, peak_bytes=3153920, workspace_bytes=2097152, pool_bytes=3162112,

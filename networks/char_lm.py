@@ -1,13 +1,15 @@
 # A small causal Transformer language model over bytes (a GPT, Radford et al. 2018, in miniature): each byte of a
 # window of T embedded as 64 features, learned position embeddings added, two pre-norm Transformer blocks of causal
 # multi-head self-attention (every position attends to itself and the positions before it, never after) and an MLP
-# with exact GELU, a final layer norm, and at every position the scores of the next byte. Trained on a text file
+# with exact GELU, a final layer norm, and at every position the scores of the next byte. While training, a tenth of
+# the attention weights are dropped (each step draws its own mask). Trained on a text file
 # with `--data text:PATH` (its bytes, in windows of T + 1), by AdamW with a cosine schedule after a warm-up.
 from deepdsl import dsl as D
 
 V = 256                       # vocabulary: the 256 byte values
 N, T = 32, 64                 # batch, window length (tokens)
 DIM, HEADS, DEPTH = 64, 4, 2
+ATTENTION_DROPOUT = 0.1
 
 x = D.tokens("x", (N, T), vocab=V)
 y = D.labels("y", (N, T), classes=V)          # each position's next byte
@@ -23,7 +25,8 @@ def causal_attention(name, tokens):
     def heads(z):                                        # (N, T, D) -> (N, HEADS, T, D / HEADS)
         return z.reshape(n, t, HEADS, width).transpose(1, 2)
     q, k, v = (heads(D.full(f"{name}_{part}", d, bias=part != "k")(tokens)) for part in "qkv")
-    mixed = D.attention(q, k, v, causal=True, name=name)   # (N, HEADS, T, width), query i over keys 0..i
+    # (N, HEADS, T, width), query i over keys 0..i
+    mixed = D.attention(q, k, v, causal=True, dropout=ATTENTION_DROPOUT, name=name)
     mixed = mixed.transpose(1, 2).reshape(n, t, d)
     return D.full(f"{name}_out", d)(mixed)
 

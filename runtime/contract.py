@@ -316,11 +316,12 @@ def attention_scratch(t: int, s: int) -> int:
     return attention_rows(t) * s
 
 
-def attention_grad_scratch(t: int, s: int, d: int, e: int) -> int:
-    """attention_grad, per unit: a block's weights and their gradient, and one block's share of the keys' and the
-    values' gradients (added up over the blocks); a unit's row statistics (log-sum-exp and dO . O) beside them."""
+def attention_grad_scratch(t: int, s: int, d: int, e: int, dropout: bool = False) -> int:
+    """attention_grad, per unit: a block's weights and their gradient (and, with dropout, the weights kept), and
+    one block's share of the keys' and the values' gradients (added up over the blocks); a unit's row statistics
+    (log-sum-exp and dO . O) beside them."""
     r = attention_rows(t)
-    return 2 * r * s + (s * max(d, e) if r < t else 0) + 2 * t
+    return (3 if dropout else 2) * r * s + (s * max(d, e) if r < t else 0) + 2 * t
 
 
 EW_SUM_CHUNK_BYTES = 1 << 23      # an ew_sum's chunk of samples: cache-sized, so its two passes stay in the cache

@@ -597,24 +597,29 @@ def test_label_ranks_and_token_masks_equal_numpy(lib, threads):
 
 
 @needs_cc
-@pytest.mark.parametrize("case", [  # (units, T, S, d, e, causal, bias shape or None)
-    ((2, 3), 5, 7, 4, 6, False, None), ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6)),
-    ((3,), 70, 90, 5, 2, False, (3, 1, 90)), ((2,), 130, 130, 64, 64, True, None),
-    ((4,), 17, 200, 33, 5, False, (4, 17, 1)), ((2, 2), 3, 2, 16, 16, True, None)])
+@pytest.mark.parametrize("case", [  # (units, T, S, d, e, causal, bias shape or None, dropout's keep or None)
+    ((2, 3), 5, 7, 4, 6, False, None, None), ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6), None),
+    ((3,), 70, 90, 5, 2, False, (3, 1, 90), None), ((2,), 130, 130, 64, 64, True, None, None),
+    ((4,), 17, 200, 33, 5, False, (4, 17, 1), None), ((2, 2), 3, 2, 16, 16, True, None, None),
+    ((3,), 70, 90, 5, 2, False, (3, 1, 90), 0.8), ((2,), 130, 130, 16, 8, True, None, 0.5)])
 def test_attention_equals_numpy_at_any_thread_count(lib, case):
     """Attention and its gradient with the library's passes over rows and its products against numpy's kernels
-    within float32 rounding, the same bits at 1, 2 and 3 threads; outputs start NaN-filled, the workspace too."""
+    within float32 rounding, the same bits at 1, 2 and 3 threads; outputs start NaN-filled, the workspace too;
+    with dropout's masks over one block of queries and over several."""
     from deepdsl_runtime import cpu
 
     assert lib._attention_weights is not None and lib._attention_dscores is not None
-    lead, t, s, d, e, causal, bias_shape = case
+    lead, t, s, d, e, causal, bias_shape, keep = case
     rng = np.random.default_rng(t * s)
     q, k = rng.standard_normal((*lead, t, d)).astype(np.float32), rng.standard_normal((*lead, s, d)).astype(np.float32)
     v, g = rng.standard_normal((*lead, s, e)).astype(np.float32), rng.standard_normal((*lead, t, e)).astype(np.float32)
     bias = () if bias_shape is None else (rng.standard_normal(bias_shape).astype(np.float32),)
     attrs = {"scale": 0.25, "causal": causal}
+    if keep is not None:
+        attrs.update(keep=keep, mask=(rng.random((*lead, t, s)) < keep).astype(np.uint8))
     units = math.prod(lead)
-    sizes = (units * contract.attention_scratch(t, s), units * contract.attention_grad_scratch(t, s, d, e))
+    sizes = (units * contract.attention_scratch(t, s),
+             units * contract.attention_grad_scratch(t, s, d, e, keep is not None))
     want_o, want_g = np.empty((*lead, t, e), np.float32), np.empty(q.size + k.size + v.size, np.float32)
     cpu.attention(q, k, v, *bias, out=want_o, **attrs)
     cpu.attention_grad(q, k, v, want_o, g, *bias, out=want_g, **attrs)
@@ -639,7 +644,8 @@ def test_attention_equals_numpy_at_any_thread_count(lib, case):
 @needs_cc
 def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
     """The attention's passes over rows built for a processor with AVX2 but not AVX-512 (masked vectors by AVX's own
-    loads and stores) give this build's bits: rows of every length around a vector's, causal, with a bias."""
+    loads and stores) give this build's bits: rows of every length around a vector's, causal, with a bias, with
+    and without dropout's masks."""
     from deepdsl_runtime.cpu.attention import Bias
 
     command = compile_command(native.KERNELS_DIR / "cpu_ops.c", tmp_path / "avx.so") + ["-mavx2", "-mfma",
@@ -652,12 +658,16 @@ def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
         scores = (3 * rng.standard_normal((3, s, s))).astype(np.float32)
         bias = Bias(rng.standard_normal((3, 1, s)).astype(np.float32), (3, s, 4))
         delta = rng.standard_normal((3, s)).astype(np.float32)
+        mask = (rng.random((3, s, s)) < 0.6).astype(np.uint8)
         results = []
         for kernels in (lib, avx):
             w, dw = scores.copy(), scores[::-1].copy()
             assert kernels.attention_weights(w, bias, 0, 0, 0.3, True)
+            kept, dropped = np.empty_like(w), scores.copy()
+            assert kernels.attention_kept(w, mask, 0.6, kept)
+            assert kernels.attention_dscores(w, dropped, delta, 0, 0.3, mask, 0.6)
             assert kernels.attention_dscores(w, dw, delta, 0, 0.3)
-            results.append((w, dw))
+            results.append((w, dw, kept, dropped))
         assert all(a.tobytes() == b.tobytes() for a, b in zip(*results)), s
         assert np.allclose(results[0][0].sum(-1), 1, atol=1e-6)
 

@@ -556,6 +556,54 @@ def _drop_path_train():
 _drop_path_train()
 
 
+def _attention_dropout():
+    """Attention's dropout of the weights when training, with the mask the interpreter draws at seed 0, step 0:
+    (softmax(scores) * mask / keep) v; causal through D.attention, and the op with a bias that has a gradient (the
+    scores' gradient carries the mask); the identity when testing."""
+    ratio, keys = 0.35, []
+
+    def build(causal):
+        def made(q, k, v):
+            node = D.attention(D.Tensor(q), D.Tensor(k), D.Tensor(v), causal=causal, dropout=ratio).node
+            keys.append(node.attr("key"))
+            out = specialized(node, "train")["out"]
+            assert out.attr("keep") == 1 - ratio and out.inputs[-1].op == "bernoulli"
+            return out
+        return made
+
+    def with_bias(q, k, v, b):
+        keys.append(7)
+        return specialized(make("attention", (q, k, v, b), scale=0.4, dropout=ratio, key=7), "train")["out"]
+
+    def reference(causal, scale=None):
+        def weights(q, k, v, b=None):
+            s = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+            if b is not None:
+                s = s + b
+            if causal:
+                s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -np.inf)
+            mask = torch.from_numpy(bernoulli_mask(0, 0, keys[-1], s.shape, 1 - ratio).astype(np.float64))
+            assert 0 < mask.sum() < mask.numel()
+            return (torch.softmax(s, -1) * mask / (1 - ratio)) @ v
+        return weights
+
+    case("dsl_attention_dropout_train", build(False), reference(False),
+         {"q": randn(2, 2, 3, 4), "k": randn(2, 2, 5, 4), "v": randn(2, 2, 5, 3)}, mode_ops=("dropout",))
+    case("dsl_attention_dropout_causal_train", build(True), reference(True),
+         {"q": randn(3, 6, 4), "k": randn(3, 6, 4), "v": randn(3, 6, 2)}, mode_ops=("dropout",))
+    case("attention_dropout_bias_train", with_bias, reference(False, 0.4),
+         {"q": randn(2, 3, 5, 4), "k": randn(2, 3, 6, 4), "v": randn(2, 3, 6, 3), "b": randn(1, 3, 5, 6)},
+         mode_ops=("dropout",))
+    case("dsl_attention_dropout_test",
+         lambda q, k, v: specialized(D.attention(D.Tensor(q), D.Tensor(k), D.Tensor(v), dropout=ratio).node,
+                                     "test")["out"],
+         lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+         {"q": randn(2, 3, 4), "k": randn(2, 5, 4), "v": randn(2, 5, 3)}, mode_ops=("dropout",))
+
+
+_attention_dropout()
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_vjp(name):
     c = CASES[name]

@@ -68,6 +68,8 @@ def run_runtime(node, arrays, limit=UNLIMITED):
         kwargs["workspace"] = np.full(size, np.nan, dtype=np.float32)
     if node.op == "bernoulli":
         kwargs.update(seed=3, step=5)
+    if node.op in ("attention", "attention_grad") and node.attr("keep") is not None:    # a dropout mask
+        *arrays, kwargs["mask"] = arrays
     fn(*arrays, out=out, **kwargs)
     return out
 
@@ -262,11 +264,13 @@ def test_losses():
     check(make("label_rank", (x, labels)), [scores, yv], exact=True)
 
 
-ATTENTION = [  # (units, T, S, d, e, causal, bias shape or None)
-    ((2, 3), 5, 7, 4, 6, False, None),
-    ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6)),
-    ((3,), 70, 40, 5, 2, False, (3, 1, 40)),            # two blocks of queries (64 at a time)
-    ((2,), 130, 130, 8, 8, True, None),                 # three blocks, causal
+ATTENTION = [  # (units, T, S, d, e, causal, bias shape or None, fraction kept by dropout or None)
+    ((2, 3), 5, 7, 4, 6, False, None, None),
+    ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6), None),
+    ((3,), 70, 40, 5, 2, False, (3, 1, 40), None),      # two blocks of queries (64 at a time)
+    ((2,), 130, 130, 8, 8, True, None, None),           # three blocks, causal
+    ((2, 3), 5, 7, 4, 6, False, None, 0.7),             # dropout
+    ((3,), 70, 70, 5, 2, True, (3, 1, 70), 0.5),        # dropout over two blocks, causal, a bias
 ]
 
 
@@ -275,15 +279,16 @@ ATTENTION = [  # (units, T, S, d, e, causal, bias shape or None)
 @pytest.mark.parametrize("limit", [UNLIMITED, 1])
 def test_attention_and_its_gradient(case, limit):
     """numpy's attention kernels against the reference, with the whole workspace and with one unit's (a limit of
-    one byte: unit by unit), blocks of queries, causal masks and broadcast biases."""
-    lead, t, s, d, e, causal, bias_shape = case
+    one byte: unit by unit), blocks of queries, causal masks, broadcast biases and dropout masks."""
+    lead, t, s, d, e, causal, bias_shape, keep = case
     q, k, v = leaf("q", (*lead, t, d)), leaf("k", (*lead, s, d)), leaf("v", (*lead, s, e))
     bias = () if bias_shape is None else (leaf("b", bias_shape),)
-    attrs = {"scale": 0.3, **({"causal": True} if causal else {})}
-    forward = make("attention", (q, k, v, *bias), **attrs)
+    mask = () if keep is None else (leaf("m", (*lead, t, s), UINT8),)
+    attrs = {"scale": 0.3, **({"causal": True} if causal else {}), **({"keep": keep} if keep else {})}
+    forward = make("attention", (q, k, v, *bias, *mask), **attrs)
     check(forward, seed=1, limit=limit)
     g = leaf("g", forward.shape)
-    check(make("attention_grad", (q, k, v, forward, g, *bias), **attrs), seed=2, limit=limit)
+    check(make("attention_grad", (q, k, v, forward, g, *bias, *mask), **attrs), seed=2, limit=limit)
 
 
 @covers("equal")

@@ -65,7 +65,8 @@ def _torch_step(module, values: dict, x, y, masks, dtype) -> dict:
         for key, tensor in named.items():
             tensor.copy_(torch.from_numpy(values[key].astype(np.float64)))
     pending = [torch.from_numpy(m).to(dtype) for m in masks]
-    original, original_bernoulli = torch.nn.functional.dropout, torch.Tensor.bernoulli_
+    functional = torch.nn.functional
+    originals = functional.dropout, torch.Tensor.bernoulli_, functional.scaled_dot_product_attention
 
     def dropout(input, p=0.5, training=True, inplace=False):
         return input * pending.pop(0) / (1 - p) if training and p > 0 else input
@@ -73,14 +74,25 @@ def _torch_step(module, values: dict, x, y, masks, dtype) -> dict:
     def bernoulli_(tensor, p=0.5, generator=None):       # stochastic depth's noise: deepdsl's per-example masks
         with torch.no_grad():
             return tensor.copy_(pending.pop(0).reshape(tensor.shape))
-    torch.nn.functional.dropout, torch.Tensor.bernoulli_ = dropout, bernoulli_
+
+    def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **rest):
+        """scaled_dot_product_attention, its weights' dropout by deepdsl's masks (nn.MultiheadAttention's too)."""
+        if not dropout_p:
+            return originals[2](q, k, v, attn_mask, 0.0, is_causal, scale=scale, **rest)
+        assert attn_mask is None and not rest
+        scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if is_causal:
+            scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        return dropout(torch.softmax(scores, -1), dropout_p) @ v
+    functional.dropout, torch.Tensor.bernoulli_, functional.scaled_dot_product_attention = \
+        dropout, bernoulli_, attention
     try:
         inputs = torch.from_numpy(x).long() if x.dtype == np.int32 else torch.from_numpy(x).to(dtype)
         scores = module(inputs)
         loss = torch.nn.functional.cross_entropy(scores.reshape(-1, scores.shape[-1]),
                                                  torch.from_numpy(y).long().reshape(-1))
     finally:
-        torch.nn.functional.dropout, torch.Tensor.bernoulli_ = original, original_bernoulli
+        functional.dropout, torch.Tensor.bernoulli_, functional.scaled_dot_product_attention = originals
     assert not pending, "masks left over"
     module.zero_grad()
     loss.backward()

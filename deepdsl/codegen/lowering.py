@@ -3,7 +3,7 @@
 The default rule covers most ops: `rt.<op>(<inputs>, out=<value>, <attributes>)`, the runtime function having
 the op's name, its inputs in order and its attributes as keywords; ops with scratch memory also get
 `workspace=`. The table below holds the exceptions: views (no `out`), elementwise kernels and their sums, random
-masks.
+masks, attention's dropout mask.
 """
 from __future__ import annotations
 
@@ -84,6 +84,15 @@ def bernoulli(site: Site) -> str:
     return f"rt.bernoulli(out={site.out}{_attrs(site.node)}, seed=self.seed, step=step{ws})"
 
 
+def attention(site: Site) -> str:
+    """Attention and its gradient: a dropout mask (the last input, where the node keeps a fraction) by keyword."""
+    if site.node.attr("keep") is None:
+        return default(site)
+    *args, mask = site.args
+    ws = f", workspace={site.workspace}" if site.workspace else ""
+    return f"rt.{site.node.op}({''.join(f'{a}, ' for a in args)}mask={mask}, out={site.out}{_attrs(site.node)}{ws})"
+
+
 def max_pool_pair(site: Site, argmax: str) -> str:
     """A `max_pool` statement and the `max_pool_argmax` of the same windows in one call (see `steps`)."""
     ws = f", workspace={site.workspace}" if site.workspace else ""
@@ -101,6 +110,8 @@ SNIPPETS: dict[str, Callable[[Site], str]] = {
     "ew": elementwise,
     "ew_sum": elementwise_sum,
     "bernoulli": bernoulli,
+    "attention": attention,
+    "attention_grad": attention,
 }
 
 # ops that never reach a generated program: leaves are inputs or inline constants; `batch_norm` and `dropout`

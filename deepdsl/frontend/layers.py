@@ -553,8 +553,6 @@ def dropout(ratio: float = 0.5) -> Layer:
     return _Dropout(_fraction("layer 'dropout'", "ratio", ratio))
 
 
-_dropout_layer = dropout          # `attention` takes a `dropout` ratio
-
 
 class _DropPath(Layer):
     def __init__(self, ratio):
@@ -705,8 +703,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     the layer its queries came from.
 
     One statement (the op `attention`, `deepdsl.ops.attention`): the (T, S) weights live only inside it, never
-    between the forward and the backward. With `dropout` the weights must be drawn and kept: it is then written
-    with ordinary ops (the scores, their softmax, the dropout and the product)."""
+    between the forward and the backward; with `dropout` the training step draws a 0/1 mask of their shape (uint8),
+    which the backward reads again."""
     what = "D.attention"
     if not all(isinstance(t, Tensor) for t in (q, k, v)):
         _reject(what, "q, k and v must be tensors")
@@ -720,14 +718,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _number(what, "scale", scale, "a finite number",
                                                                         math.isfinite)
     scores_shape = (*q.shape[:-1], k.shape[-2])
-    if dropout:
-        scores = (q @ k.transpose(-2, -1)) * float(scale)
-        if bias is not None:
-            scores = scores + _scores_shaped(bias, scores_shape, "bias")
-        if mask is not None:
-            scores = where(_scores_shaped(mask, scores_shape, "mask"), scores, -math.inf)
-        weights = causal_softmax(scores) if causal else softmax(scores)
-        return _recorded(_dropout_layer(dropout)(weights) @ v, (q, k, v, bias, mask), causal, name)
+    dropout = _fraction(what, "dropout", dropout)
     added = None
     if bias is not None:
         added = _scores_shaped(bias, scores_shape, "bias")
@@ -737,7 +728,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: floa
     if added is not None and len(added.shape) < len(scores_shape):
         added = added.reshape(*(1,) * (len(scores_shape) - len(added.shape)), *added.shape)
     out = Tensor(attention_node(q.node, k.node, v.node, None if added is None else added.node, causal=causal,
-                                scale=float(scale)))
+                                scale=float(scale), dropout=dropout, key=_next_dropout_key() if dropout else None))
     return _recorded(out, (q, k, v, bias, mask), causal, name)
 
 

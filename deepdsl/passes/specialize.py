@@ -1,15 +1,17 @@
 """Specialize mode-dependent layers for the step being compiled.
 
-Training: `dropout` becomes a product with a random 0/1 mask (one per example for drop path); `batch_norm` normalizes with the batch statistics and
-adds graph outputs that update the running statistics (PyTorch's rule: unbiased variance, `momentum` weight on the
-new value). Testing: `dropout` is the identity; `batch_norm` uses the running statistics.
+Training: `dropout` becomes a product with a random 0/1 mask (one per example for drop path), and an `attention`
+with dropout takes its mask as an input (`ops.attention.drawn`); `batch_norm` normalizes with the batch statistics
+and adds graph outputs that update the running statistics (PyTorch's rule: unbiased variance, `momentum` weight on the
+new value). Testing: `dropout` is the identity, and so is an attention's; `batch_norm` uses the running
+statistics.
 The split step (`specialize_split`, the accumulate step of data-parallel training) is synced: the batch statistics
 are those of the batches of every rank, their sums and the example count summed over the ranks (`all_sum`, which
 is the identity in one process), and the step does not update the running statistics: it writes the batch's mean
 and unbiased variance into the buffers `B_<running statistic>` (`batch_statistics`), from which the statistics
 step, built alongside, updates them. Kept apart, the updates can be replayed batch after batch in the order one
 process would make them (ranks that normalize by their own batch's statistics).
-Guarantees: the result holds no `dropout` or `batch_norm` node.
+Guarantees: the result holds no `dropout` or `batch_norm` node, nor an `attention` with a `dropout` attribute.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import sympy
 
 from deepdsl import provenance
 from deepdsl.ir import FLOAT, Graph, Node, make
+from deepdsl.ops.attention import drawn
 from deepdsl.ops.elementwise import elementwise, reshape, sum_to, sym
 from deepdsl.ops.leaf import Init
 
@@ -64,6 +67,11 @@ def _specialize(graph: Graph, mode: str, synced: bool, statistics: dict[str, Nod
             mask = make("bernoulli", (), shape=shape, keep=keep, key=node.attr("key"))
             provenance.record_parts(node, {"mask": mask})
             return elementwise(sym(0) * sym(1) / sympy.Float(keep), [node.inputs[0], mask])
+        if node.op == "attention" and node.attr("dropout") is not None:
+            result = drawn(node, mode)
+            if result.inputs != node.inputs:
+                provenance.record_parts(node, {"mask": result.inputs[-1]})
+            return result
         if node.op == "batch_norm":
             return _batch_norm(node, mode, updates, synced, statistics)
         return node

@@ -4,7 +4,9 @@ The kernels weigh `contract.attention_rows` queries of as many units (batch inde
 at a time: the block's scores in the workspace (a product, by the backend's `gemm`), their softmax in place, then
 the product with the values; the gradient recomputes a block's weights the same way. The passes over the rows
 between the products run numpy's code, or the compiled kernels' (kernels/cpu_attention.c) where the program has
-them: those compute exp by a polynomial, within an ulp of numpy's.
+them: those compute exp by a polynomial, within an ulp of numpy's. With dropout (a 0/1 `mask` of the scores'
+shape, `keep` the fraction kept) a block's weights are multiplied by mask / keep before the product, and the
+gradient keeps a block's kept weights (for the values' gradient) beside its weights (for the scores').
 """
 from __future__ import annotations
 
@@ -61,11 +63,21 @@ def _block_weights(q, k, bias, a, b, r0, r1, causal, scale, w, gemm, native):
     np.divide(w, w.sum(axis=-1, keepdims=True), out=w)
 
 
-def attention(q, k, v, bias=None, *, out, scale, causal=False, workspace=None, gemm=np.matmul, native=None):
-    """out = softmax(q k^T * scale + bias) v over the last two axes (`deepdsl.ops.attention`)."""
+def _kept(w, mask, keep, out, native):
+    """out = w * mask / keep: a block's weights kept by dropout (mask: that block's)."""
+    if native is None or not native.attention_kept(w, mask, keep, out):
+        np.multiply(w, mask, out=out)
+        np.multiply(out, np.float32(1.0 / keep), out=out)
+
+
+def attention(q, k, v, bias=None, mask=None, *, out, scale, causal=False, keep=1.0, workspace=None, gemm=np.matmul,
+              native=None):
+    """out = (softmax(q k^T * scale + bias) * mask / keep) v over the last two axes (`deepdsl.ops.attention`; no
+    mask: no dropout)."""
     t, s = q.shape[-2], k.shape[-2]
     qu, ku, vu, ou = _units(q), _units(k), _units(v), _units(out)
     bu = None if bias is None else Bias(bias, q.shape)
+    mu = None if mask is None else _units(mask)
     rows = contract.attention_rows(t)
     per_unit = contract.attention_scratch(t, s)
     for a, b in sample_chunks(qu.shape[0], workspace, per_unit, per_unit + 2 * t * (q.shape[-1] + v.shape[-1])):
@@ -73,11 +85,13 @@ def attention(q, k, v, bias=None, *, out, scale, causal=False, workspace=None, g
             r1 = min(t, r0 + rows)
             w = Scratch(workspace).take((b - a, r1 - r0, s))
             _block_weights(qu, ku, bu, a, b, r0, r1, causal, scale, w, gemm, native)
+            if mu is not None:
+                _kept(w, mu[a:b, r0:r1], keep, w, native)
             gemm(w, vu[a:b], out=ou[a:b, r0:r1])
 
 
-def attention_grad(q, k, v, o, g, bias=None, *, out, scale, causal=False, workspace=None, gemm=np.matmul,
-                   native=None):
+def attention_grad(q, k, v, o, g, bias=None, mask=None, *, out, scale, causal=False, keep=1.0, workspace=None,
+                   gemm=np.matmul, native=None):
     """out = (dq, dk, dv) of attention, flat one after the other, given its output o and o's gradient g."""
     t, s, d, e = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     qu, ku, vu, ou, gu = _units(q), _units(k), _units(v), _units(o), _units(g)
@@ -86,25 +100,34 @@ def attention_grad(q, k, v, o, g, bias=None, *, out, scale, causal=False, worksp
     dk = out[q.size:q.size + k.size].reshape(n, s, d)
     dv = out[q.size + k.size:].reshape(n, s, e)
     bu = None if bias is None else Bias(bias, q.shape)
+    mu = None if mask is None else _units(mask)
     rows = contract.attention_rows(t)
-    per_unit = contract.attention_grad_scratch(t, s, d, e)
+    per_unit = contract.attention_grad_scratch(t, s, d, e, mask is not None)
     for a, b in sample_chunks(n, workspace, per_unit, per_unit + 2 * (t + s) * (d + e)):
         scratch = Scratch(workspace)
         w = scratch.take((b - a, rows, s))
         dw = scratch.take((b - a, rows, s))
+        kept = scratch.take((b - a, rows, s)) if mu is not None else None
         part = scratch.take((b - a, s, max(d, e))) if rows < t else None
         delta = scratch.take((b - a, t, 1))
         np.einsum("ute,ute->ut", gu[a:b], ou[a:b], out=delta[..., 0])
         for r0 in range(0, t, rows):
             r1 = min(t, r0 + rows)
-            wb, dwb = (x.reshape(-1)[:(b - a) * (r1 - r0) * s].reshape(b - a, r1 - r0, s) for x in (w, dw))
+            wb, dwb, kb = (None if x is None else x.reshape(-1)[:(b - a) * (r1 - r0) * s].reshape(b - a, r1 - r0, s)
+                           for x in (w, dw, kept))
             _block_weights(qu, ku, bu, a, b, r0, r1, causal, scale, wb, gemm, native)
+            mb = None if mu is None else mu[a:b, r0:r1]
+            if mb is not None:
+                _kept(wb, mb, keep, kb, native)
             first = r0 == 0
-            # dv += w^T g
-            _accumulate(gemm, wb.swapaxes(-1, -2), gu[a:b, r0:r1], dv[a:b], None if first else part[..., :e])
-            # dw = w * (g v^T - rowsum(g * o)) * scale
+            # dv += (w * mask / keep)^T g
+            _accumulate(gemm, (wb if kb is None else kb).swapaxes(-1, -2), gu[a:b, r0:r1], dv[a:b],
+                        None if first else part[..., :e])
+            # dw = w * (g v^T [* mask / keep] - rowsum(g * o)) * scale
             gemm(gu[a:b, r0:r1], vu[a:b].swapaxes(-1, -2), out=dwb)
-            if native is None or not native.attention_dscores(wb, dwb, delta, r0, scale):
+            if native is None or not native.attention_dscores(wb, dwb, delta, r0, scale, mb, keep):
+                if mb is not None:
+                    _kept(dwb, mb, keep, dwb, None)
                 np.subtract(dwb, delta[:, r0:r1], out=dwb)
                 np.multiply(dwb, wb, out=dwb)
                 np.multiply(dwb, np.float32(scale), out=dwb)

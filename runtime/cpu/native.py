@@ -228,9 +228,11 @@ class Native:
         # (nor attention's passes over rows)
         self._attention_weights = getattr(lib, "deepdsl_attention_weights", None)
         self._attention_dscores = getattr(lib, "deepdsl_attention_dscores", None)
+        self._attention_kept = getattr(lib, "deepdsl_attention_kept", None)
         if self._attention_weights is not None:
             self._attention_weights.argtypes = [_P, _L, _L, _L, _L, _F, _P, _P, _L, _L, _I]
-            self._attention_dscores.argtypes = [_P, _P, _P, _L, _L, _L, _L, _L, _F]
+            self._attention_dscores.argtypes = [_P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _L, _F]
+            self._attention_kept.argtypes = [_P, _P, _P, _L, _L, _L, _L, _F]
         # (nor the render of images read from files)
         self._resample = getattr(lib, "deepdsl_resample_image", None)
         if self._resample is not None:
@@ -406,13 +408,25 @@ class Native:
         self._attention_weights(w.ctypes.data, units, rows, s, r0, scale, *extra, int(causal))
         return True
 
-    def attention_dscores(self, w: np.ndarray, dw: np.ndarray, delta: np.ndarray, r0: int, scale: float) -> bool:
-        """dw = w * (dw - delta) * scale in place (`deepdsl_attention_dscores`); False as `attention_weights`."""
-        if self._attention_dscores is None or not _contiguous32(w, dw, delta):
+    def attention_dscores(self, w: np.ndarray, dw: np.ndarray, delta: np.ndarray, r0: int, scale: float,
+                          mask: np.ndarray | None = None, keep: float = 1.0) -> bool:
+        """dw = w * (dw [* mask / keep] - delta) * scale in place (`deepdsl_attention_dscores`; `mask` the block's,
+        a view of a unit's rows); False as `attention_weights`."""
+        if self._attention_dscores is None or not _contiguous32(w, dw, delta) or not _block_mask(mask, w):
             return False
         units, rows, s = w.shape
         self._attention_dscores(w.ctypes.data, dw.ctypes.data, delta.ctypes.data, units, rows, s, r0,
-                                delta.shape[1], scale)
+                                delta.shape[1], scale, *_mask_args(mask, keep))
+        return True
+
+    def attention_kept(self, w: np.ndarray, mask: np.ndarray, keep: float, out: np.ndarray) -> bool:
+        """out = w * mask / keep (`deepdsl_attention_kept`; `mask` as `attention_dscores`'s); False as
+        `attention_weights`."""
+        if self._attention_kept is None or not _contiguous32(w, out) or not _block_mask(mask, w):
+            return False
+        units, rows, s = w.shape
+        self._attention_kept(w.ctypes.data, mask.ctypes.data, out.ctypes.data, units, rows, s,
+                             *_mask_args(mask, keep)[1:])
         return True
 
     @staticmethod
@@ -696,6 +710,18 @@ def _index(x: np.ndarray, i: int, axes: int) -> np.ndarray:
     if x.ndim - 2 < axes:
         return x
     return x[i] if x.shape[0] > 1 else x[0]
+
+
+def _block_mask(mask: np.ndarray | None, w: np.ndarray) -> bool:
+    """Whether `mask` is none, or a uint8 block of w's shape whose rows are contiguous (units apart by a stride)."""
+    return mask is None or (mask.dtype == np.uint8 and mask.shape == w.shape and mask.strides[1:] == (w.shape[2], 1))
+
+
+def _mask_args(mask: np.ndarray | None, keep: float) -> tuple:
+    """The mask's pointer, its units' stride and 1 / keep, as the kernels take them (NULL, 0, 1 without one)."""
+    if mask is None:
+        return None, 0, 1.0
+    return mask.ctypes.data, mask.strides[0], np.float32(1.0 / keep)
 
 
 def _contiguous32(*arrays) -> bool:

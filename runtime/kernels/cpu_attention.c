@@ -81,15 +81,36 @@ void deepdsl_attention_weights(float* w, long units, long rows, long s, long r0,
     }
 }
 
+// out = w * mask * factor (factor = 1 / keep): a block's weights kept by dropout, as deepdsl_attention_weights's
+// block; mask (0 or 1) of unit u's row r0 at mask + u * mask_unit, its rows s apart. out may be w.
+void deepdsl_attention_kept(const float* w, const unsigned char* mask, float* out, long units, long rows, long s,
+                            long mask_unit, float factor) {
+#pragma omp parallel for schedule(static) if (units * rows * s >= DEEPDSL_PARALLEL_MIN)
+    for (long item = 0; item < units * rows; ++item) {
+        const unsigned char* m = mask + (item / rows) * mask_unit + (item % rows) * s;
+        const float* wr = w + item * s;
+        float* o = out + item * s;
+#pragma omp simd
+        for (long j = 0; j < s; ++j) o[j] = wr[j] * (float)m[j] * factor;
+    }
+}
+
 // dw = w * (dw - delta) * scale, in place over dw: the scores' gradient from the weights w and their gradient dw =
-// g v^T, for the same block as deepdsl_attention_weights; delta (units, t): each query's g . out.
+// g v^T, for the same block as deepdsl_attention_weights; delta (units, t): each query's g . out. With dropout
+// (mask not NULL, as deepdsl_attention_kept's): dw = w * (dw * mask * factor - delta) * scale.
 void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, long units, long rows, long s, long r0,
-                               long t, float scale) {
+                               long t, float scale, const unsigned char* mask, long mask_unit, float factor) {
 #pragma omp parallel for schedule(static) if (units * rows * s >= DEEPDSL_PARALLEL_MIN)
     for (long item = 0; item < units * rows; ++item) {
         const float d = delta[(item / rows) * t + r0 + item % rows];
         const float* wr = w + item * s;
         float* gr = dw + item * s;
+        if (mask) {
+            const unsigned char* m = mask + (item / rows) * mask_unit + (item % rows) * s;
+#pragma omp simd
+            for (long j = 0; j < s; ++j) gr[j] = wr[j] * (gr[j] * (float)m[j] * factor - d) * scale;
+            continue;
+        }
 #if DEEPDSL_MASKED
         for (long j = 0; j < s; j += 8) {
             const deepdsl_v8i in = deepdsl_inside((int)j, (int)s);

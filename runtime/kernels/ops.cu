@@ -163,7 +163,9 @@ DEEPDSL_HD void deepdsl_unpick_at(unsigned i, unsigned classes, const float* g, 
 // attention (deepdsl.ops.attention): one thread per query row (the output, the queries' gradient, the row
 // statistics) or key row (the keys' and values' gradients); each recomputes the scores it needs, so no (T, S)
 // matrix is stored. The bias of unit u starts at bias + AttLead::offset(u) (up to four leading axes, element strides
-// 0 where it broadcasts) and its element (i, j) is at i * row + j * col.
+// 0 where it broadcasts) and its element (i, j) is at i * row + j * col. With dropout, unit u's 0/1 mask (uint8)
+// starts at mask + u * t * s, its element (i, j) at i * s + j, and a weight p counts as p * mask * drop (drop = 1 /
+// keep); without, mask is NULL.
 struct AttLead {
     unsigned size[4], stride[4];
     DEEPDSL_HD unsigned offset(unsigned u) const {
@@ -179,7 +181,13 @@ struct AttShape {
     unsigned t, s, d, e, row, col;
     float scale;
     int causal;
+    float drop;
 };
+
+// weight p of (i, j) as dropout keeps it (p itself without a mask; mask: the unit's)
+DEEPDSL_HD float deepdsl_att_kept(const AttShape& a, const unsigned char* mask, float p, unsigned i, unsigned j) {
+    return mask ? p * static_cast<float>(mask[i * a.s + j]) * a.drop : p;
+}
 
 DEEPDSL_HD float deepdsl_att_score(const AttShape& a, const float* q, const float* k, const float* bias, unsigned i,
                                    unsigned j) {
@@ -204,15 +212,18 @@ DEEPDSL_HD float deepdsl_att_weight(float score, float lse) { return score == DE
 
 // item (u, i): out row i of unit u
 DEEPDSL_HD void deepdsl_attention_at(unsigned item, const AttShape& a, const AttLead& lead, const float* q,
-                                     const float* k, const float* v, const float* bias, float* out) {
+                                     const float* k, const float* v, const float* bias, const unsigned char* mask,
+                                     float* out) {
     const unsigned u = item / a.t, i = item % a.t;
     q += static_cast<size_t>(u) * a.t * a.d, k += static_cast<size_t>(u) * a.s * a.d;
     v += static_cast<size_t>(u) * a.s * a.e, bias = bias ? bias + lead.offset(u) : bias;
+    mask = mask ? mask + static_cast<size_t>(u) * a.t * a.s : mask;
     float* o = out + static_cast<size_t>(item) * a.e;
     const float lse = deepdsl_att_lse(a, q, k, bias, i);
     for (unsigned x = 0; x < a.e; ++x) o[x] = 0.0f;
     for (unsigned j = 0; j < a.s; ++j) {
-        const float p = lse == DEEPDSL_NEG_INF ? nanf("") : deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, i, j), lse);
+        const float p = deepdsl_att_kept(a, mask, lse == DEEPDSL_NEG_INF ? nanf("")
+                                         : deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, i, j), lse), i, j);
         for (unsigned x = 0; x < a.e; ++x) o[x] += p * v[j * a.e + x];
     }
 }
@@ -231,31 +242,33 @@ DEEPDSL_HD void deepdsl_attention_stats_at(unsigned item, unsigned items, const 
     stats[items + item] = dot;
 }
 
-// the scores' gradient at (i, j): p (g_i . v_j - delta_i) * scale
-DEEPDSL_HD float deepdsl_att_dscore(const AttShape& a, float p, const float* g, const float* v, unsigned i,
-                                    unsigned j, float delta) {
+// the scores' gradient at (i, j): p (g_i . v_j [* mask * drop] - delta_i) * scale
+DEEPDSL_HD float deepdsl_att_dscore(const AttShape& a, float p, const float* g, const float* v,
+                                    const unsigned char* mask, unsigned i, unsigned j, float delta) {
     float dot = 0.0f;
     for (unsigned x = 0; x < a.e; ++x) dot += g[i * a.e + x] * v[j * a.e + x];
-    return p * (dot - delta) * a.scale;
+    return p * (deepdsl_att_kept(a, mask, dot, i, j) - delta) * a.scale;
 }
 
 // item (u, i) of a chunk: dq row i; item (u, j): dk and dv rows j (`keys`)
 DEEPDSL_HD void deepdsl_attention_grad_at(unsigned item, unsigned items, int keys, const AttShape& a,
                                           const AttLead& lead, unsigned first, const float* q, const float* k,
-                                          const float* v, const float* g, const float* bias, const float* stats,
-                                          float* dq, float* dk, float* dv) {
+                                          const float* v, const float* g, const float* bias,
+                                          const unsigned char* mask, const float* stats, float* dq, float* dk,
+                                          float* dv) {
     const unsigned rows = keys ? a.s : a.t;
     const unsigned u = first + item / rows, at = item % rows, base = (item / rows) * a.t;
     q += static_cast<size_t>(u) * a.t * a.d, k += static_cast<size_t>(u) * a.s * a.d;
     v += static_cast<size_t>(u) * a.s * a.e, g += static_cast<size_t>(u) * a.t * a.e;
     bias = bias ? bias + lead.offset(u) : bias;
+    mask = mask ? mask + static_cast<size_t>(u) * a.t * a.s : mask;
     const float *lse = stats + base, *delta = stats + items + base;
     if (!keys) {
         float* out = dq + (static_cast<size_t>(u) * a.t + at) * a.d;
         for (unsigned x = 0; x < a.d; ++x) out[x] = 0.0f;
         for (unsigned j = 0; j < a.s; ++j) {
             const float p = deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, at, j), lse[at]);
-            const float ds = deepdsl_att_dscore(a, p, g, v, at, j, delta[at]);
+            const float ds = deepdsl_att_dscore(a, p, g, v, mask, at, j, delta[at]);
             for (unsigned x = 0; x < a.d; ++x) out[x] += ds * k[j * a.d + x];
         }
         return;
@@ -266,8 +279,9 @@ DEEPDSL_HD void deepdsl_attention_grad_at(unsigned item, unsigned items, int key
     for (unsigned x = 0; x < a.e; ++x) vout[x] = 0.0f;
     for (unsigned i = 0; i < a.t; ++i) {
         const float p = deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, i, at), lse[i]);
-        const float ds = deepdsl_att_dscore(a, p, g, v, i, at, delta[i]);
-        for (unsigned x = 0; x < a.e; ++x) vout[x] += p * g[i * a.e + x];
+        const float ds = deepdsl_att_dscore(a, p, g, v, mask, i, at, delta[i]);
+        const float kept = deepdsl_att_kept(a, mask, p, i, at);
+        for (unsigned x = 0; x < a.e; ++x) vout[x] += kept * g[i * a.e + x];
         for (unsigned x = 0; x < a.d; ++x) kout[x] += ds * q[i * a.d + x];
     }
 }
@@ -632,8 +646,8 @@ DEEPDSL_KERNEL deepdsl_softmax(unsigned rows, unsigned classes, const float* x, 
     DEEPDSL_FOR(i, 0, rows) deepdsl_softmax_row(i, classes, x, out, log_domain, causal);
 }
 DEEPDSL_KERNEL deepdsl_attention(unsigned n, AttShape a, AttLead lead, const float* q, const float* k,
-                                 const float* v, const float* bias, float* out) {
-    DEEPDSL_FOR(i, 0, n) deepdsl_attention_at(i, a, lead, q, k, v, bias, out);
+                                 const float* v, const float* bias, const unsigned char* mask, float* out) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_attention_at(i, a, lead, q, k, v, bias, mask, out);
 }
 DEEPDSL_KERNEL deepdsl_attention_stats(unsigned n, AttShape a, AttLead lead, unsigned first, const float* q,
                                        const float* k, const float* o, const float* g, const float* bias,
@@ -642,8 +656,10 @@ DEEPDSL_KERNEL deepdsl_attention_stats(unsigned n, AttShape a, AttLead lead, uns
 }
 DEEPDSL_KERNEL deepdsl_attention_grad(unsigned n, unsigned items, int keys, AttShape a, AttLead lead, unsigned first,
                                       const float* q, const float* k, const float* v, const float* g,
-                                      const float* bias, const float* stats, float* dq, float* dk, float* dv) {
-    DEEPDSL_FOR(i, 0, n) deepdsl_attention_grad_at(i, items, keys, a, lead, first, q, k, v, g, bias, stats, dq, dk, dv);
+                                      const float* bias, const unsigned char* mask, const float* stats, float* dq,
+                                      float* dk, float* dv) {
+    DEEPDSL_FOR(i, 0, n) deepdsl_attention_grad_at(i, items, keys, a, lead, first, q, k, v, g, bias, mask, stats, dq,
+                                                   dk, dv);
 }
 DEEPDSL_KERNEL deepdsl_pick(unsigned rows, unsigned classes, const float* x, const int* labels, float* out) {
     DEEPDSL_FOR(i, 0, rows) deepdsl_pick_at(i, classes, x, labels, out);

@@ -371,32 +371,40 @@ def case_dropout_masks(g, rng):
 
 
 def case_attention(g, rng):
-    """Attention and its gradient: causal, a bias broadcast over heads, queries or keys, a workspace of one unit
-    (the gradient's row statistics unit by unit) and of all."""
+    """Attention and its gradient: causal, a bias broadcast over heads, queries or keys, dropout's masks, a
+    workspace of one unit (the gradient's row statistics unit by unit) and of all."""
     from deepdsl_runtime import contract
 
     result = []
-    for lead, t, s, d, e, causal, bias_shape in [((2, 3), 5, 7, 4, 6, False, None),
-                                                   ((2, 3), 6, 6, 4, 3, True, (2, 1, 6, 6)),
-                                                   ((3,), 9, 20, 5, 2, False, (3, 1, 20)),
-                                                   ((2, 2, 2), 4, 3, 3, 3, False, (2, 1, 2, 4, 3))]:
+    for lead, t, s, d, e, causal, bias_shape, keep in [((2, 3), 5, 7, 4, 6, False, None, None),
+                                                         ((2, 3), 6, 6, 4, 3, True, (2, 1, 6, 6), None),
+                                                         ((3,), 9, 20, 5, 2, False, (3, 1, 20), None),
+                                                         ((2, 2, 2), 4, 3, 3, 3, False, (2, 1, 2, 4, 3), None),
+                                                         ((2, 3), 6, 6, 4, 3, True, (2, 1, 6, 6), 0.7),
+                                                         ((3,), 9, 20, 5, 2, False, None, 0.5)]:
         q, k = rng.standard_normal((*lead, t, d)).astype(F32), rng.standard_normal((*lead, s, d)).astype(F32)
         v, dout = rng.standard_normal((*lead, s, e)).astype(F32), rng.standard_normal((*lead, t, e)).astype(F32)
         bias = () if bias_shape is None else (rng.standard_normal(bias_shape).astype(F32),)
         attrs = {"scale": 0.3, "causal": causal}
+        mask = None
+        if keep is not None:
+            mask = (rng.random((*lead, t, s)) < keep).astype(np.uint8)
+            attrs["keep"] = keep
+        what = f"{lead} {t}x{s}" + (f", dropout keeping {keep}" if keep else "")
         ref = np.empty((*lead, t, e), F32)
-        C.attention(q, k, v, *bias, out=ref, **attrs)
+        C.attention(q, k, v, *bias, mask=mask, out=ref, **attrs)
         out = _out(g, ref.shape)
-        g.attention(*(_in(g, a) for a in (q, k, v, *bias)), out=out, **attrs)
-        result.append((f"attention {lead} {t}x{s}", out, ref, 1e-5))
+        device_mask = None if mask is None else _in(g, mask)
+        g.attention(*(_in(g, a) for a in (q, k, v, *bias)), mask=device_mask, out=out, **attrs)
+        result.append((f"attention {what}", out, ref, 1e-5))
         grads = np.empty(q.size + k.size + v.size, F32)
-        C.attention_grad(q, k, v, ref, dout, *bias, out=grads, **attrs)
-        per_unit = contract.attention_grad_scratch(t, s, d, e)
+        C.attention_grad(q, k, v, ref, dout, *bias, mask=mask, out=grads, **attrs)
+        per_unit = contract.attention_grad_scratch(t, s, d, e, mask is not None)
         for units in (1, int(np.prod(lead))):
             out = _out(g, grads.shape)
-            g.attention_grad(*(_in(g, a) for a in (q, k, v, ref, dout, *bias)), out=out,
+            g.attention_grad(*(_in(g, a) for a in (q, k, v, ref, dout, *bias)), mask=device_mask, out=out,
                              workspace=_out(g, (units * per_unit,)), **attrs)
-            result.append((f"attention_grad {lead} {t}x{s}, workspace of {units} units", out, grads, 1e-5))
+            result.append((f"attention_grad {what}, workspace of {units} units", out, grads, 1e-5))
     return result
 
 

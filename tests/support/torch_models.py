@@ -198,16 +198,17 @@ class EncoderBlock(nn.Module):
 
 class VisionTransformer(nn.Module):
     """torchvision's VisionTransformer layout: a patch convolution, a class token, position embeddings, encoder
-    blocks, a final layer norm and a head on the class token."""
+    blocks (dropout of the attention weights inside nn.MultiheadAttention), a final layer norm and a head on the
+    class token."""
 
     def __init__(self, image: int = 16, patch: int = 4, dim: int = 32, depth: int = 2, heads: int = 4,
-                 classes: int = 10):
+                 classes: int = 10, attention_dropout: float = 0.1):
         super().__init__()
         self.conv_proj = nn.Conv2d(3, dim, patch, stride=patch)
         tokens = (image // patch) ** 2 + 1
         self.class_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embedding = nn.Parameter(torch.empty(1, tokens, dim).normal_(std=0.02))
-        self.layers = nn.Sequential(*(EncoderBlock(dim, heads, 2 * dim) for _ in range(depth)))
+        self.layers = nn.Sequential(*(EncoderBlock(dim, heads, 2 * dim, attention_dropout) for _ in range(depth)))
         self.ln = nn.LayerNorm(dim, eps=1e-6)
         self.head = nn.Linear(dim, classes)
 
@@ -227,25 +228,25 @@ def vit() -> VisionTransformer:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.c_attn = nn.Linear(dim, 3 * dim)
         self.c_proj = nn.Linear(dim, dim)
-        self.heads = heads
+        self.heads, self.dropout = heads, dropout
 
     def forward(self, x):
         n, t, d = x.shape
         q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (z.view(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.c_proj(y.transpose(1, 2).contiguous().view(n, t, d))
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, attention_dropout: float = 0.0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads)
+        self.attn = CausalSelfAttention(dim, heads, attention_dropout)
         self.ln_2 = nn.LayerNorm(dim)
         self.mlp = nn.ModuleDict({"c_fc": nn.Linear(dim, 4 * dim), "c_proj": nn.Linear(4 * dim, dim)})
 
@@ -255,11 +256,12 @@ class GPT2Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    def __init__(self, vocab: int = 96, context: int = 16, dim: int = 32, depth: int = 2, heads: int = 4):
+    def __init__(self, vocab: int = 96, context: int = 16, dim: int = 32, depth: int = 2, heads: int = 4,
+                 attention_dropout: float = 0.0):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(context, dim)
-        self.h = nn.ModuleList(GPT2Block(dim, heads) for _ in range(depth))
+        self.h = nn.ModuleList(GPT2Block(dim, heads, attention_dropout) for _ in range(depth))
         self.ln_f = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.wte.weight                # tied

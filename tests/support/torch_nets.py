@@ -437,15 +437,20 @@ def _transformer_blocks(twin: Twin, depth: int, dim: int, widen: int) -> list[di
     return blocks
 
 
-def _transformer_block(parts: dict[str, nn.Module], h: torch.Tensor, heads: int, causal: bool) -> torch.Tensor:
-    """h + attention(ln1(h)), then + fc2(gelu(fc1(ln2(.)))); causal: position i attends to positions 0..i."""
+def _transformer_block(twin: Twin, parts: dict[str, nn.Module], h: torch.Tensor, heads: int, causal: bool,
+                       dropout: float = 0.0) -> torch.Tensor:
+    """h + attention(ln1(h)), then + fc2(gelu(fc1(ln2(.)))); causal: position i attends to positions 0..i;
+    `dropout`: of the attention weights."""
     n, t, d = h.shape
     x = parts["ln1"](h)
     q, k, v = (parts[f"attn_{p}"](x).reshape(n, t, heads, d // heads).transpose(1, 2) for p in "qkv")
     scores = q @ k.transpose(2, 3) / (d // heads) ** 0.5
     if causal:
         scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-    h = h + parts["attn_out"]((torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(n, t, d))
+    weights = torch.softmax(scores, dim=-1)
+    if dropout:
+        weights = twin.dropout(weights, dropout)
+    h = h + parts["attn_out"]((weights @ v).transpose(1, 2).reshape(n, t, d))
     return h + parts["fc2"](F.gelu(parts["fc1"](parts["ln2"](h))))
 
 
@@ -466,7 +471,7 @@ class ViT(Twin):
     def logits(self, x):
         tokens = self.patch(x).flatten(2).transpose(1, 2) + self.pos
         for parts in self.blocks:
-            tokens = _transformer_block(parts, tokens, self.heads, causal=False)
+            tokens = _transformer_block(self, parts, tokens, self.heads, causal=False)
         return self.head(self.ln(tokens).mean(1))
 
     def deepdsl_tensors(self):
@@ -475,11 +480,12 @@ class ViT(Twin):
 
 class CharLM(Twin):
     """A small causal Transformer language model over bytes: embedding, position embeddings, pre-norm blocks of causal
-    4-head self-attention and a GELU MLP of 4x width, a final layer norm, next-byte scores."""
+    4-head self-attention (a tenth of its weights dropped while training) and a GELU MLP of 4x width, a final layer
+    norm, next-byte scores."""
 
-    def __init__(self, image=None, classes=256, length=64, dim=64, heads=4, depth=2):
+    def __init__(self, image=None, classes=256, length=64, dim=64, heads=4, depth=2, attention_dropout=0.1):
         super().__init__()
-        self.heads = heads
+        self.heads, self.attention_dropout = heads, attention_dropout
         self.embed = self.add("embed", nn.Embedding(classes, dim))
         self.pos = nn.Parameter(torch.zeros(1, length, dim))
         self.blocks = _transformer_blocks(self, depth, dim, 4)
@@ -489,7 +495,7 @@ class CharLM(Twin):
     def logits(self, x):
         h = self.embed(x) + self.pos
         for parts in self.blocks:
-            h = _transformer_block(parts, h, self.heads, causal=True)
+            h = _transformer_block(self, parts, h, self.heads, causal=True, dropout=self.attention_dropout)
         return self.next(self.ln(h))
 
     def loss(self, x, y):
