@@ -5,8 +5,8 @@
   copies, dropout masks).
 - One training step and a test step of LeNet and of a branching network (inception_mini, concat) on the GPU equal
   the CPU's, in every memory mode, and the device allocator measures exactly the planned peak.
-- LeNet trained on the digits with --device cuda reaches 97 % test accuracy; the report's measured peaks equal the
-  planned ones.
+- LeNet trained on the digits with --device cuda reaches 97 % test accuracy in 200 iterations (on the emulator 95 %
+  in 100); the report's measured peaks equal the planned ones.
 - Two ranks of a data-parallel --device cuda program train as one process accumulating two batches (bit for bit).
 - The fat binary `deepdsl compile` builds is what the program loads.
 - benchmarks/cuda_vs_pytorch.py runs (two steps per side), and its worker for our program alone.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -32,7 +33,11 @@ from tests.test_cuda_codegen import _steps, check_steps_equal_the_cpu
 
 pytestmark = pytest.mark.gpu
 GPU_TOLERANCE = 1e-4
-LENET_ITERS = 200        # as tests/test_generated.py: batch 64, lr 0.02 reach 97.8-98.75 % on the CPU
+# LeNet's training on the digits: as tests/test_generated.py, batch 64 and lr 0.02 reach 97.8-98.75 % on the CPU in
+# 200 iterations; on the host emulator of a GPU (--fake-gpu: every thread of every block run on the host, its steps
+# checked against the CPU's above) half as many, which reach 98 % on the CPU
+EMULATED = os.environ.get("DEEPDSL_FAKE_GPU") == "1"
+LENET_ITERS, LENET_ACCURACY = (100, 0.95) if EMULATED else (200, 0.97)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +85,7 @@ def test_lenet_learns_the_digits_on_the_gpu(mode, iters, rt, tmp_path):
     result = json.loads(report.read_text())
     assert result["device"] == "cuda" and result["iterations"] == iters
     if iters == LENET_ITERS:
-        assert result["test_accuracy"] >= 0.97, result
+        assert result["test_accuracy"] >= LENET_ACCURACY, result
     assert result["peak_bytes_measured"] == result["peak_bytes_planned"], result
     assert result["test_peak_bytes_measured"] == result["test_peak_bytes_planned"], result
 
@@ -90,7 +95,6 @@ def test_data_parallel_ranks_on_the_gpu_train_as_one_process_accumulating(rt, tm
     process accumulating two batches on the device gives, bit for bit; resnet_mini's batch-norm sums over the ranks
     (`all_sum` of device arrays) run too; every rank measures its planned peak. Needs mpi4py and its mpiexec (the
     test extra)."""
-    import os
     import shutil
     from pathlib import Path
 
