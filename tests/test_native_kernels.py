@@ -641,11 +641,36 @@ def test_attention_equals_numpy_at_any_thread_count(lib, case):
     np.testing.assert_allclose(results[0][1], want_g, rtol=1e-5, atol=1e-5 * np.abs(want_g).max())
 
 
+DROPOUT_MASKS = [  # (shape, keep, seed, step, key): whole blocks of 16 groups of 8 bytes, partial ones, one byte
+    ((32, 4, 64, 64), 0.9, 0, 3, 1), ((7, 13), 0.5, 12345, 0, 2), ((1,), 0.3, 1, 1, 1), ((129,), 0.5, 3, 4, 5),
+    ((5, 3, 9), 0.7, 2 ** 40, 17, 5), ((1000, 17), 0.2, 9, 9, 9)]
+
+
+@needs_cc
+def test_dropout_masks_are_numpys_at_any_thread_count(lib):
+    """The compiled masks (`deepdsl_bernoulli`: Philox4x64-10 sixteen groups at a time) are the bytes numpy's
+    generator gives the reference semantics, at 1, 2 and 3 threads, over outputs filled with another value."""
+    from deepdsl_runtime.cpu import masks
+
+    before = lib.threads
+    try:
+        for shape, keep, seed, step, key in DROPOUT_MASKS:
+            want = masks.bernoulli_mask(seed, step, key, shape, keep)
+            assert 0 < want.mean() < 1 or want.size == 1
+            for threads in (1, 2, 3):
+                lib.set_threads(threads)
+                got = np.full(shape, 7, np.uint8)
+                masks.bernoulli(out=got, shape=shape, keep=keep, key=key, seed=seed, step=step, native=lib)
+                np.testing.assert_array_equal(got, want, err_msg=f"{shape} at {threads} threads")
+    finally:
+        lib.set_threads(before)
+
+
 @needs_cc
 def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
     """The attention's passes over rows built for a processor with AVX2 but not AVX-512 (masked vectors by AVX's own
     loads and stores) give this build's bits: rows of every length around a vector's, causal, with a bias, with
-    and without dropout's masks."""
+    and without dropout's masks; and so do dropout's masks themselves (four 64-bit lanes instead of eight)."""
     from deepdsl_runtime.cpu.attention import Bias
 
     command = compile_command(native.KERNELS_DIR / "cpu_ops.c", tmp_path / "avx.so") + ["-mavx2", "-mfma",
@@ -670,6 +695,11 @@ def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
             results.append((w, dw, kept, dropped))
         assert all(a.tobytes() == b.tobytes() for a, b in zip(*results)), s
         assert np.allclose(results[0][0].sum(-1), 1, atol=1e-6)
+    for shape, keep, seed, step, key in DROPOUT_MASKS:
+        masks = [np.full(shape, 7, np.uint8) for _ in range(2)]
+        for kernels, out in zip((lib, avx), masks):
+            assert kernels.bernoulli(out, seed, contract.counter_key(step, key), keep)
+        np.testing.assert_array_equal(masks[0], masks[1])
 
 
 _MATH_LOOPS = """

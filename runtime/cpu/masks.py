@@ -13,9 +13,13 @@ def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.nda
     return (rng.random(shape, dtype=np.float32) < keep).astype(np.uint8)
 
 
-def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
+def bernoulli(*, out, shape, keep, key, seed, step, workspace=None, native=None):
     """out = 1 with probability `keep`, from the counter-based stream (seed, step, key): reproducible and
-    independent of what ran before, so resuming a run draws the same masks."""
+    independent of what ran before, so resuming a run draws the same masks. The compiled kernel, where the program
+    has it, makes the same bytes from the same generator (kernels/deepdsl_random.h) on the kernels' threads,
+    without the workspace."""
+    if native is not None and native.bernoulli(out, seed, contract.counter_key(step, key), keep):
+        return
     rng = contract.mask_generator(seed, step, key)
     rows = out.reshape(tuple(shape) or (1,))           # a scalar mask as one row
     per = contract.bernoulli_scratch(shape)

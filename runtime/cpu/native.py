@@ -39,7 +39,7 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # what a program's .c includes from the runtime
 KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_gemm.c", "cpu_images.c", "cpu_attention.c",
-                  "deepdsl_math.h")
+                  "deepdsl_math.h", "deepdsl_random.h")
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
@@ -233,6 +233,10 @@ class Native:
             self._attention_weights.argtypes = [_P, _L, _L, _L, _L, _F, _P, _P, _L, _L, _I]
             self._attention_dscores.argtypes = [_P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _L, _F]
             self._attention_kept.argtypes = [_P, _P, _P, _L, _L, _L, _L, _F]
+        # (nor dropout's masks)
+        self._bernoulli = getattr(lib, "deepdsl_bernoulli", None)
+        if self._bernoulli is not None:
+            self._bernoulli.argtypes = [_P, _L, ctypes.c_ulonglong, ctypes.c_ulonglong, _F]
         # (nor the render of images read from files)
         self._resample = getattr(lib, "deepdsl_resample_image", None)
         if self._resample is not None:
@@ -445,6 +449,14 @@ class Native:
                 float(value) != int(value) or not -2 ** 31 <= value < 2 ** 31:
             return False
         self.lib.deepdsl_equal_tokens(x.ctypes.data, x.size, int(value), out.ctypes.data)
+        return True
+
+    def bernoulli(self, out: np.ndarray, seed: int, stream: int, keep: float) -> bool:
+        """out (uint8) = dropout's mask keyed by (seed, stream), numpy's generator's bytes (`deepdsl_bernoulli`);
+        False where the library has no such kernel or out is not contiguous."""
+        if self._bernoulli is None or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            return False
+        self._bernoulli(out.ctypes.data, out.size, int(seed), int(stream), np.float32(keep))
         return True
 
     def add_bias(self, x: np.ndarray, bias: np.ndarray) -> None:

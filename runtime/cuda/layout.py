@@ -359,7 +359,8 @@ def strided_batched_gemm(transa: bool, transb: bool, m: int, n: int, k: int, lda
 # ----------------------------------------------------------------------------------------------------------------
 # prebuilt kernels
 
-KERNEL_SOURCES = ("deepdsl_common.cuh", "deepdsl_math.h", "ops.cu")      # what a program's .cu includes from the runtime
+# what a program's .cu includes from the runtime
+KERNEL_SOURCES = ("deepdsl_common.cuh", "deepdsl_math.h", "deepdsl_random.h", "ops.cu")
 
 
 def kernel_sources_digest(program_source: str, kernels: Path) -> str:

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "deepdsl_math.h"
+#include "deepdsl_random.h"
 #if defined(__FMA__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -709,6 +710,44 @@ void deepdsl_label_rank(const float* x, const int* labels, long rows, long class
 void deepdsl_equal_tokens(const int* x, long n, int value, uint8_t* out) {
 #pragma omp parallel for schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
     for (long i = 0; i < n; ++i) out[i] = x[i] == value;
+}
+
+// Dropout's mask: n bytes of the stream keyed by (seed, stream), 1 with probability keep (deepdsl_random.h: the
+// bytes numpy's generator gives, each a function of its index alone).
+// Sixteen groups at a time, lane by lane in each round (vectors of groups: eight 64-bit lanes with AVX-512, four with
+// AVX2), a last partial block of groups alone.
+#define DEEPDSL_BERNOULLI_LANES 16
+void deepdsl_bernoulli(uint8_t* out, long n, unsigned long long seed, unsigned long long stream, float keep) {
+    const long blocks = n / (8 * DEEPDSL_BERNOULLI_LANES);
+#pragma omp parallel for schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
+    for (long block = 0; block < blocks; ++block) {
+        deepdsl_u64 c0[DEEPDSL_BERNOULLI_LANES], c1[DEEPDSL_BERNOULLI_LANES], c2[DEEPDSL_BERNOULLI_LANES],
+            c3[DEEPDSL_BERNOULLI_LANES];
+        for (int l = 0; l < DEEPDSL_BERNOULLI_LANES; ++l) {
+            c0[l] = (deepdsl_u64)(block * DEEPDSL_BERNOULLI_LANES + l) + 1;
+            c1[l] = c2[l] = c3[l] = 0;
+        }
+        for (int round = 0; round < 10; ++round) {
+            const deepdsl_u64 k0 = seed + round * DEEPDSL_PHILOX_W0, k1 = stream + round * DEEPDSL_PHILOX_W1;
+#pragma omp simd
+            for (int l = 0; l < DEEPDSL_BERNOULLI_LANES; ++l)
+                deepdsl_philox_round(&c0[l], &c1[l], &c2[l], &c3[l], k0, k1);
+        }
+        uint8_t* o = out + block * 8 * DEEPDSL_BERNOULLI_LANES;
+#pragma omp simd
+        for (int l = 0; l < DEEPDSL_BERNOULLI_LANES; ++l) {      // each draw's low 32 bits, then its high ones
+            o[8 * l + 0] = deepdsl_bernoulli_bit((unsigned)c0[l], keep);
+            o[8 * l + 1] = deepdsl_bernoulli_bit((unsigned)(c0[l] >> 32), keep);
+            o[8 * l + 2] = deepdsl_bernoulli_bit((unsigned)c1[l], keep);
+            o[8 * l + 3] = deepdsl_bernoulli_bit((unsigned)(c1[l] >> 32), keep);
+            o[8 * l + 4] = deepdsl_bernoulli_bit((unsigned)c2[l], keep);
+            o[8 * l + 5] = deepdsl_bernoulli_bit((unsigned)(c2[l] >> 32), keep);
+            o[8 * l + 6] = deepdsl_bernoulli_bit((unsigned)c3[l], keep);
+            o[8 * l + 7] = deepdsl_bernoulli_bit((unsigned)(c3[l] >> 32), keep);
+        }
+    }
+    for (long group = blocks * DEEPDSL_BERNOULLI_LANES; group * 8 < n; ++group)
+        deepdsl_bernoulli_group(group, n, seed, stream, keep, out);
 }
 
 // thin convolutions straight from the input

@@ -19,12 +19,12 @@
 #endif
 
 #include "deepdsl_math.h"
+#include "deepdsl_random.h"
 
 #define DEEPDSL_THREADS 256
 #define DEEPDSL_NEG_INF (-__builtin_huge_valf())
 
 typedef unsigned char deepdsl_u8;
-typedef unsigned long long deepdsl_u64;
 
 // A grid-stride loop over [begin, end): what every one-thread-per-item wrapper runs.
 #ifdef __CUDACC__
@@ -90,39 +90,3 @@ struct EwIndex {
     }
 };
 
-// ---------------------------------------------------------------------------------------------------------------
-// Philox4x64-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): the counter-based
-// generator numpy's np.random.Philox implements. Dropout masks draw from it exactly as the CPU backend's numpy
-// generator does, so the two backends make the same masks bit for bit (see ops.cu: bernoulli).
-
-struct Philox4x64 {
-    deepdsl_u64 v[4];
-};
-
-DEEPDSL_HD deepdsl_u64 deepdsl_mulhi64(deepdsl_u64 a, deepdsl_u64 b) {
-#ifdef __CUDA_ARCH__
-    return __umul64hi(a, b);
-#else
-    return static_cast<deepdsl_u64>((static_cast<unsigned __int128>(a) * b) >> 64);
-#endif
-}
-
-DEEPDSL_HD Philox4x64 deepdsl_philox4x64_10(Philox4x64 ctr, deepdsl_u64 k0, deepdsl_u64 k1) {
-    const deepdsl_u64 M0 = 0xD2E7470EE14C6C93ULL, M1 = 0xCA5A826395121157ULL;
-    const deepdsl_u64 W0 = 0x9E3779B97F4A7C15ULL, W1 = 0xBB67AE8584CAA73BULL;
-    for (int round = 0; round < 10; ++round) {
-        if (round) {
-            k0 += W0;
-            k1 += W1;
-        }
-        const deepdsl_u64 hi0 = deepdsl_mulhi64(M0, ctr.v[0]), lo0 = M0 * ctr.v[0];
-        const deepdsl_u64 hi1 = deepdsl_mulhi64(M1, ctr.v[2]), lo1 = M1 * ctr.v[2];
-        Philox4x64 next;
-        next.v[0] = hi1 ^ ctr.v[1] ^ k0;
-        next.v[1] = lo1;
-        next.v[2] = hi0 ^ ctr.v[3] ^ k1;
-        next.v[3] = lo0;
-        ctr = next;
-    }
-    return ctr;
-}

@@ -558,25 +558,7 @@ DEEPDSL_HD void deepdsl_col2im_at(unsigned idx, const ConvGeom& g, const float* 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// dropout masks: Philox4x64-10 keyed by (seed, step * 65536 + key), counter = 1 + draw / 4, as numpy's
-// np.random.Generator(np.random.Philox(key=[seed, step * 65536 + key])).random(dtype=np.float32): float e uses
-// 32 bits of 64-bit draw e / 2 (low half first), (bits >> 8) * 2^-24 < keep. One thread makes 8 mask bytes (one
-// Philox block of four 64-bit draws).
-DEEPDSL_HD void deepdsl_bernoulli_group(unsigned group, unsigned n, deepdsl_u64 seed, deepdsl_u64 stream,
-                                        float keep, deepdsl_u8* out) {
-    Philox4x64 ctr;
-    ctr.v[0] = static_cast<deepdsl_u64>(group) + 1;
-    ctr.v[1] = ctr.v[2] = ctr.v[3] = 0;
-    const Philox4x64 r = deepdsl_philox4x64_10(ctr, seed, stream);
-    for (unsigned t = 0; t < 8; ++t) {
-        const unsigned e = group * 8 + t;
-        if (e >= n) break;
-        const deepdsl_u64 draw = r.v[t >> 1];
-        const unsigned bits = static_cast<unsigned>((t & 1) ? (draw >> 32) : (draw & 0xffffffffULL));
-        const float uniform = static_cast<float>(bits >> 8) * (1.0f / 16777216.0f);
-        out[e] = uniform < keep ? 1 : 0;
-    }
-}
+// dropout masks: deepdsl_bernoulli_group (deepdsl_random.h), one group of eight bytes per thread
 
 // ===============================================================================================================
 // __global__ wrappers (nvcc only). Launch: 1-D grids of DEEPDSL_THREADS threads unless stated otherwise.
