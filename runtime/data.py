@@ -314,11 +314,8 @@ def _cifar10(spec: str, directory: str) -> Dataset:
                    x_test, y_test)
 
 
-def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None = None,
-         tokens: tuple[int, int, bool] | None = None) -> Dataset:
-    """Arrays `x` and `y` (or `x_train`, `y_train` and `x_test`, `y_test`) of an .npz: images (N, C, H, W) or
-    (N, H, W), integer pixels scaled by 1/255, with integer labels (N,) or float targets; with `tokens` = (T,
-    vocab, per_token), integer tokens (N, T) in [0, vocab) with labels (N, T) (per_token) or (N,)."""
+def read_npz(spec: str, path: str) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file by name (a one-line DataError naming `spec` and the file if it is not one)."""
     if os.path.isdir(path):
         raise DataError(f"{spec}: {path} is a directory, not an .npz file")
     try:
@@ -335,6 +332,64 @@ def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None 
     for key, value in arrays.items():
         if not isinstance(value, np.ndarray):
             raise DataError(f"{spec}: member '{key}' of {path} is not an .npy array")
+    return arrays
+
+
+def npz_inputs(spec: str, path: str, key: str, x: np.ndarray,
+               tokens: tuple[int, int, bool] | None = None) -> np.ndarray:
+    """Array `key` of an .npz as a network's inputs: images (N, C, H, W) or (N, H, W) as float32, integer pixels
+    scaled by 1/255; with `tokens` = (T, vocab, per_token), integer tokens (N, T) in [0, vocab) as int32."""
+    if tokens is not None:
+        length, vocab, _ = tokens
+        if x.ndim != 2 or x.shape[1] != length or x.dtype.kind not in "iu":
+            raise DataError(f"{spec}: array '{key}' must hold integer tokens of shape N x {length}, got {x.dtype} "
+                            f"of shape {x.shape}")
+        if x.size and (int(x.min()) < 0 or int(x.max()) >= vocab):
+            raise DataError(f"{spec}: array '{key}' of {path}: tokens range over [{x.min()}, {x.max()}], the "
+                            f"network's vocabulary has {vocab}")
+        return np.ascontiguousarray(x, dtype=np.int32)
+    if x.ndim == 3:
+        x = x[:, None]
+    if x.ndim != 4:
+        raise DataError(f"{spec}: array '{key}' must be N,C,H,W or N,H,W, got shape {x.shape}")
+    if x.dtype.kind not in "iuf":
+        raise DataError(f"{spec}: array '{key}' must hold numbers (integer or float pixels), got {x.dtype}")
+    scale = 1 / 255.0 if np.issubdtype(x.dtype, np.integer) else 1.0
+    x = np.ascontiguousarray(x.astype(np.float32) * np.float32(scale))
+    if not np.all(np.isfinite(x)):
+        raise DataError(f"{spec}: array '{key}' holds NaN or infinite pixels")
+    return x
+
+
+def npz_labels(spec: str, path: str, key: str, y: np.ndarray, float_targets: bool = False,
+               classes: int | None = None, tokens: tuple[int, int, bool] | None = None) -> np.ndarray:
+    """Array `key` of an .npz as labels: integers (N,) in [0, classes) as int32, (N, T) with `tokens` whose
+    per_token is set; or float targets as float32."""
+    if float_targets:
+        if y.dtype.kind not in "iuf":
+            raise DataError(f"{spec}: array '{key}' must hold finite numbers (the targets), got {y.dtype}")
+        y = np.ascontiguousarray(y, dtype=np.float32)
+        if not np.all(np.isfinite(y)):          # after the cast: float64 beyond float32's range becomes inf
+            raise DataError(f"{spec}: array '{key}' holds NaN, infinite or beyond-float32 targets")
+        return y
+    rank = 2 if tokens is not None and tokens[2] else 1        # a label per position, or per example
+    if y.ndim != rank or not np.issubdtype(y.dtype, np.integer):
+        what = "integer labels of shape N x T (one per position)" if rank == 2 else "integer labels of shape N"
+        raise DataError(f"{spec}: array '{key}' must hold {what}, got {y.dtype} of shape {y.shape}")
+    # the range before the cast: int64 2^32 + 3 would become 3, a valid label
+    above = 2 ** 31 if classes is None else classes
+    if y.size and (int(y.min()) < 0 or int(y.max()) >= above):
+        raise DataError(f"{spec}: array '{key}' of {path}: labels range over [{y.min()}, {y.max()}], "
+                        + (f"the network has {classes} classes" if classes is not None else
+                           "labels must lie in [0, 2^31)"))
+    return y.astype(np.int32)
+
+
+def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None = None,
+         tokens: tuple[int, int, bool] | None = None) -> Dataset:
+    """Arrays `x` and `y` (or `x_train`, `y_train` and `x_test`, `y_test`) of an .npz: inputs (`npz_inputs`) and
+    labels or targets (`npz_labels`)."""
+    arrays = read_npz(spec, path)
     for x_key, y_key in (("x", "y"), ("x_train", "y_train"), ("x_test", "y_test")):
         for key, partner in ((x_key, y_key), (y_key, x_key)):
             if key in arrays and partner not in arrays:      # never fall back to other arrays for the missing one
@@ -347,48 +402,10 @@ def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None 
             raise DataError(f"{spec}: no array '{key}' in {path}")
 
     def images(key):
-        x = arrays[key]
-        if tokens is not None:
-            length, vocab, _ = tokens
-            if x.ndim != 2 or x.shape[1] != length or x.dtype.kind not in "iu":
-                raise DataError(f"{spec}: array '{key}' must hold integer tokens of shape N x {length}, got {x.dtype} "
-                                f"of shape {x.shape}")
-            if x.size and (int(x.min()) < 0 or int(x.max()) >= vocab):
-                raise DataError(f"{spec}: array '{key}' of {path}: tokens range over [{x.min()}, {x.max()}], the "
-                                f"network's vocabulary has {vocab}")
-            return np.ascontiguousarray(x, dtype=np.int32)
-        if x.ndim == 3:
-            x = x[:, None]
-        if x.ndim != 4:
-            raise DataError(f"{spec}: array '{key}' must be N,C,H,W or N,H,W, got shape {x.shape}")
-        if x.dtype.kind not in "iuf":
-            raise DataError(f"{spec}: array '{key}' must hold numbers (integer or float pixels), got {x.dtype}")
-        scale = 1 / 255.0 if np.issubdtype(x.dtype, np.integer) else 1.0
-        x = np.ascontiguousarray(x.astype(np.float32) * np.float32(scale))
-        if not np.all(np.isfinite(x)):
-            raise DataError(f"{spec}: array '{key}' holds NaN or infinite pixels")
-        return x
+        return npz_inputs(spec, path, key, arrays[key], tokens)
 
     def labels(key):
-        y = arrays[key]
-        if float_targets:
-            if y.dtype.kind not in "iuf":
-                raise DataError(f"{spec}: array '{key}' must hold finite numbers (the targets), got {y.dtype}")
-            y = np.ascontiguousarray(y, dtype=np.float32)
-            if not np.all(np.isfinite(y)):          # after the cast: float64 beyond float32's range becomes inf
-                raise DataError(f"{spec}: array '{key}' holds NaN, infinite or beyond-float32 targets")
-            return y
-        rank = 2 if tokens is not None and tokens[2] else 1        # a label per position, or per example
-        if y.ndim != rank or not np.issubdtype(y.dtype, np.integer):
-            what = "integer labels of shape N x T (one per position)" if rank == 2 else "integer labels of shape N"
-            raise DataError(f"{spec}: array '{key}' must hold {what}, got {y.dtype} of shape {y.shape}")
-        # the range before the cast: int64 2^32 + 3 would become 3, a valid label
-        above = 2 ** 31 if classes is None else classes
-        if y.size and (int(y.min()) < 0 or int(y.max()) >= above):
-            raise DataError(f"{spec}: array '{key}' of {path}: labels range over [{y.min()}, {y.max()}], "
-                            + (f"the network has {classes} classes" if classes is not None else
-                               "labels must lie in [0, 2^31)"))
-        return y.astype(np.int32)
+        return npz_labels(spec, path, key, arrays[key], float_targets, classes, tokens)
 
     x, y = images(train[0]), labels(train[1])
     if "x_test" in arrays:
@@ -398,6 +415,13 @@ def _npz(spec: str, path: str, float_targets: bool = False, classes: int | None 
 
 # ----------------------------------------------------------------------------------------------------------------
 # batch streams
+
+def evaluation_extent(total: int, batch: int, batches: int | None = None) -> tuple[int, int]:
+    """(batches, examples) of a test pass over `total` examples in batches of `batch`: all of them, or the first
+    `batches` batches, never more than one pass (a last partial batch counts only the examples it adds)."""
+    count = -(-total // batch) if batches is None else min(batches, -(-total // batch))
+    return count, min(count * batch, total)
+
 
 @dataclass(frozen=True)
 class Augment:

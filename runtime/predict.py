@@ -89,40 +89,28 @@ def _top(probabilities: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _read_npz(path: str, model) -> tuple[np.ndarray, np.ndarray | None]:
-    """All of `x` of an .npz (and `y` where it has one): images (integer pixels scaled by 1/255, as `npz:` data
-    for training) or tokens."""
-    spec = f"npz:{path}"
+    """All of `x` (or `x_test`) of an .npz, and its labels `y` (`y_test`) where it has them, read as `npz:` data for
+    training reads them (`data.npz_inputs`, `data.npz_labels`)."""
+    spec = f"--data npz:{path}"
+    shape = tuple(model.batch_shape[1:])
+    tokens = (shape[0], model.vocab or model.classes, model.label_shape != ()) if model.tokens else None
     try:
-        with np.load(path, allow_pickle=False) as loaded:
-            arrays = {k: loaded[k] for k in loaded.files}
-    except (OSError, ValueError, EOFError) as err:
-        raise RunError(f"--data {spec}: cannot read {path}: {err}") from None
-    key = "x" if "x" in arrays else "x_test" if "x_test" in arrays else None
-    if key is None:
-        raise RunError(f"--data {spec}: no array 'x' (or 'x_test') in {path}")
-    x, y = arrays[key], arrays.get("y" if key == "x" else "y_test")
-    shape = model.batch_shape[1:]
-    if model.tokens:
-        if x.dtype.kind not in "iu" or x.shape[1:] != shape:
-            raise RunError(f"--data {spec}: '{key}' must hold integer tokens of shape Nx{'x'.join(map(str, shape))}, "
-                           f"got {x.dtype} {'x'.join(map(str, x.shape))}")
-        x = x.astype(np.int32)
-    else:
-        if x.ndim == len(shape) and len(shape) == 3:
-            x = x[:, None]
-        if x.shape[1:] != shape or x.dtype.kind not in "iuf":
-            raise RunError(f"--data {spec}: '{key}' must hold images of shape Nx{'x'.join(map(str, shape))}, got "
-                           f"{x.dtype} {'x'.join(map(str, x.shape))}")
-        x = (x.astype(np.float32) * np.float32(1 / 255.0 if x.dtype.kind in "iu" else 1.0))
-        if not np.all(np.isfinite(x)):
-            raise RunError(f"--data {spec}: '{key}' holds NaN or infinite pixels")
-    if y is not None:
-        if y.dtype.kind not in "iu" or len(y) != len(x):
-            raise RunError(f"--data {spec}: its labels must be integers, one per example of '{key}'")
-        y = y.astype(np.int32)
-        if model.classes and (y.min(initial=0) < 0 or y.max(initial=0) >= model.classes):
-            raise RunError(f"--data {spec}: labels outside [0, {model.classes - 1}]")
-    return np.ascontiguousarray(x), y
+        arrays = datasets.read_npz(spec, path)
+        key = "x" if "x" in arrays else "x_test" if "x_test" in arrays else None
+        if key is None:
+            raise RunError(f"{spec}: no array 'x' (or 'x_test') in {path}")
+        x = datasets.npz_inputs(spec, path, key, arrays[key], tokens)
+        label_key = "y" if key == "x" else "y_test"
+        y = None if label_key not in arrays else \
+            datasets.npz_labels(spec, path, label_key, arrays[label_key], classes=model.classes, tokens=tokens)
+    except datasets.DataError as err:
+        raise RunError(str(err)) from None
+    if x.shape[1:] != shape:
+        raise RunError(f"{spec}: '{key}' holds {'tokens' if model.tokens else 'images'} of shape "
+                       f"{'x'.join(map(str, x.shape[1:]))}, {model.name} takes {'x'.join(map(str, shape))}")
+    if y is not None and len(y) != len(x):
+        raise RunError(f"{spec}: {len(y)} labels in '{label_key}' for {len(x)} examples in '{key}'")
+    return x, y
 
 
 def _read_files(files: list[str], model, augment: str) -> np.ndarray:

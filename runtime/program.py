@@ -290,8 +290,8 @@ class Model:
         """The test step over the first `batches` batches of (x, y) (at most one pass: the last batch completed
         with the first examples when the set is not a multiple of the batch size, which are not counted twice)."""
         n = self.batch_shape[0]
-        count = min(batches, -(-len(x) // n))
-        return self.evaluate_batches(datasets.Batches(x, y, n, shuffle=False), count, min(count * n, len(x)), top)
+        count, examples = datasets.evaluation_extent(len(x), n, batches)
+        return self.evaluate_batches(datasets.Batches(x, y, n, shuffle=False), count, examples, top)
 
     def evaluate_batches(self, stream, count: int, examples: int | None = None,
                          top: tuple[int, ...] = ()) -> "Evaluation":

@@ -875,11 +875,10 @@ class _Run:
         if not isinstance(data, image_stream.ImageData):
             return model.evaluate(data.x_test, data.y_test, len(data.x_test) if count is None else count, self.top)
         self.stream.pause()
-        total = len(data.test)
-        batches = -(-total // self.batch) if count is None else min(count, -(-total // self.batch))
+        batches, examples = datasets.evaluation_extent(len(data.test), self.batch, count)
         stream = image_stream.ImageBatches(self.pipeline, "test", self.batch, self.batch, 0, model.seed, train=False)
         try:
-            return model.evaluate_batches(stream, batches, min(batches * self.batch, total), self.top)
+            return model.evaluate_batches(stream, batches, examples, self.top)
         except datasets.DataError as err:
             raise RunError(f"{err}; {self.kept()}", EXIT_DATA) from None
         finally:

@@ -252,6 +252,17 @@ def test_predict_agrees_with_the_test_step_and_its_memory_plan(lenet, tmp_path):
     text = ok(predict(str(ROOT / "networks" / "lenet.py"), "--batch", "64", "--params", str(params), "--data",
                       "digits", cwd=tmp_path)).stdout
     assert text.splitlines()[-1] == f"accuracy {tested['test_accuracy']:.4f} over {DIGITS_TEST} examples"
+    # the same test split from an .npz: the same probabilities, named by their place in the file
+    from deepdsl_runtime import data
+
+    digits = data.load("digits", (1, 28, 28), 10)
+    np.savez(tmp_path / "split.npz", x_test=digits.x_test[:, 0], y_test=digits.y_test.astype(np.int64))
+    from_file = json.loads(ok(predict(str(ROOT / "networks" / "lenet.py"), "--batch", "64", "--params", str(params),
+                                      "--data", f"npz:{tmp_path / 'split.npz'}", "--json", "--top", "3",
+                                      cwd=tmp_path)).stdout)
+    assert from_file["accuracy"] == result["accuracy"] and from_file["count"] == DIGITS_TEST
+    assert [e["top"] for e in from_file["examples"]] == top
+    assert from_file["examples"][5]["input"].endswith("split.npz[5]")
 
 
 def test_predict_of_image_files_equals_predict_of_their_folder(tmp_path):
@@ -289,6 +300,14 @@ def test_predict_errors_are_one_line(lenet, tmp_path):
     ok(run_cli(lenet, "--iters", "0", "--params", str(params), timeout=TIMEOUT))
     done = predict(network, "--params", str(params), str(tmp_path / "bad.png"), cwd=tmp_path)
     assert done.returncode == 1 and "bad.png: cannot be decoded" in done.stderr and "Traceback" not in done.stderr
+    for arrays, says in (({"x": np.zeros((3, 1, 20, 20), np.float32)}, "of shape 1x20x20, lenet takes 1x28x28"),
+                         ({"x": np.zeros((3, 28, 28), np.uint8), "y": np.array([1, 2, 10])}, "the network has 10 cl"),
+                         ({"w": np.zeros(3)}, "no array 'x' (or 'x_test')")):
+        np.savez(tmp_path / "data.npz", **arrays)
+        done = predict(network, "--params", str(params), "--data", f"npz:{tmp_path / 'data.npz'}",
+                       cwd=tmp_path)
+        assert done.returncode == 1 and "data.npz" in done.stderr and says in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_a_language_model_continues_a_prompt_deterministically(tmp_path):
