@@ -946,7 +946,7 @@ class CharLm(rp.Model):
         d_block2_attn_out_add = rt.reshape(d_block2_ln2_add, shape=(2048, 64))
         # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
         d_block2_attn_out_W = mem.tensor(76, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True)
+        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block2_attn_out_transpose, block2_attn_out_reshape
         del block2_attn_out_transpose, block2_attn_out_reshape
         mem.free(39)
@@ -1032,7 +1032,7 @@ class CharLm(rp.Model):
         mem.free(83)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
         d_block2_attn_q_W = mem.tensor(84, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True)
+        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
         d_block2_attn_q_reshape = mem.tensor(85, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
@@ -1105,12 +1105,12 @@ class CharLm(rp.Model):
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
         d_block2_attn_k_W = mem.tensor(91, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True)
+        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
         d_block2_attn_v_W = mem.tensor(92, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
+        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
         del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
         mem.free(31)
@@ -1425,7 +1425,7 @@ class CharLm(rp.Model):
         d_block1_attn_out_add = rt.reshape(d_block1_ln2_add, shape=(2048, 64))
         # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
         d_block1_attn_out_W = mem.tensor(111, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True)
+        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block1_attn_out_transpose, block1_attn_out_reshape
         del block1_attn_out_transpose, block1_attn_out_reshape
         mem.free(17)
@@ -1511,7 +1511,7 @@ class CharLm(rp.Model):
         mem.free(118)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
         d_block1_attn_q_W = mem.tensor(119, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True)
+        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
         d_block1_attn_q_reshape = mem.tensor(120, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
@@ -1584,12 +1584,12 @@ class CharLm(rp.Model):
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
         d_block1_attn_k_W = mem.tensor(126, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True)
+        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
         d_block1_attn_v_W = mem.tensor(127, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
+        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
         del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
         mem.free(9)

@@ -1222,7 +1222,7 @@ class Vit(rp.Model):
         d_block4_fc2_add = rt.reshape(d_ln_add, shape=(1600, 64))
         # d_block4_fc2_W = matmul[ta](d_block4_fc2_add, block4_fc2_reshape)
         d_block4_fc2_W = mem.tensor(110, (64, 128), 'float32')
-        rt.matmul(d_block4_fc2_add, block4_fc2_reshape, out=d_block4_fc2_W, ta=True)
+        rt.matmul(d_block4_fc2_add, block4_fc2_reshape, out=d_block4_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block4_fc1_gelu, block4_fc2_reshape
         del block4_fc1_gelu, block4_fc2_reshape
         mem.free(91)
@@ -1269,7 +1269,7 @@ class Vit(rp.Model):
         d_block4_fc1_add = rt.reshape(d_block4_fc1, shape=(1600, 128))
         # d_block4_fc1_W = matmul[ta](d_block4_fc1_add, block4_fc1_reshape)
         d_block4_fc1_W = mem.tensor(113, (128, 64), 'float32')
-        rt.matmul(d_block4_fc1_add, block4_fc1_reshape, out=d_block4_fc1_W, ta=True)
+        rt.matmul(d_block4_fc1_add, block4_fc1_reshape, out=d_block4_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block4_ln2_mul, block4_ln2, block4_fc1_reshape
         del block4_ln2_mul, block4_ln2, block4_fc1_reshape
         mem.free(89)
@@ -1398,7 +1398,7 @@ class Vit(rp.Model):
         d_block4_attn_out_add = rt.reshape(d_block4_ln2_add, shape=(1600, 64))
         # d_block4_attn_out_W = matmul[ta](d_block4_attn_out_add, block4_attn_out_reshape)
         d_block4_attn_out_W = mem.tensor(121, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape, out=d_block4_attn_out_W, ta=True)
+        rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape, out=d_block4_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block4_attn_out_transpose, block4_attn_out_reshape
         del block4_attn_out_transpose, block4_attn_out_reshape
         mem.free(83)
@@ -1484,7 +1484,7 @@ class Vit(rp.Model):
         mem.free(128)
         # d_block4_attn_q_W = matmul[ta](d_block4_attn_q_add, block4_attn_q_reshape)
         d_block4_attn_q_W = mem.tensor(129, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True)
+        rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block4_attn_q_reshape = matmul(d_block4_attn_q_add, block4_attn_q_W)
         d_block4_attn_q_reshape = mem.tensor(130, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_q_add, T['block4_attn_q_W'], out=d_block4_attn_q_reshape)
@@ -1557,12 +1557,12 @@ class Vit(rp.Model):
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
         # d_block4_attn_k_W = matmul[ta](d_block4_attn_k_matmul, block4_attn_q_reshape)
         d_block4_attn_k_W = mem.tensor(136, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_k_matmul, block4_attn_q_reshape, out=d_block4_attn_k_W, ta=True)
+        rt.matmul(d_block4_attn_k_matmul, block4_attn_q_reshape, out=d_block4_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block4_attn_v (fully connected, 64 outputs), backward ----
         # d_block4_attn_v_W = matmul[ta](d_block4_attn_v_add, block4_attn_q_reshape)
         d_block4_attn_v_W = mem.tensor(137, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_v_add, block4_attn_q_reshape, out=d_block4_attn_v_W, ta=True)
+        rt.matmul(d_block4_attn_v_add, block4_attn_q_reshape, out=d_block4_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block4_ln1_mul, block4_ln1, block4_attn_q_reshape
         del block4_ln1_mul, block4_ln1, block4_attn_q_reshape
         mem.free(75)
@@ -1701,7 +1701,7 @@ class Vit(rp.Model):
         d_block3_fc2_add = rt.reshape(d_block4_ln1_add, shape=(1600, 64))
         # d_block3_fc2_W = matmul[ta](d_block3_fc2_add, block3_fc2_reshape)
         d_block3_fc2_W = mem.tensor(145, (64, 128), 'float32')
-        rt.matmul(d_block3_fc2_add, block3_fc2_reshape, out=d_block3_fc2_W, ta=True)
+        rt.matmul(d_block3_fc2_add, block3_fc2_reshape, out=d_block3_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_gelu, block3_fc2_reshape
         mem.free(69)
@@ -1748,7 +1748,7 @@ class Vit(rp.Model):
         d_block3_fc1_add = rt.reshape(d_block3_fc1, shape=(1600, 128))
         # d_block3_fc1_W = matmul[ta](d_block3_fc1_add, block3_fc1_reshape)
         d_block3_fc1_W = mem.tensor(148, (128, 64), 'float32')
-        rt.matmul(d_block3_fc1_add, block3_fc1_reshape, out=d_block3_fc1_W, ta=True)
+        rt.matmul(d_block3_fc1_add, block3_fc1_reshape, out=d_block3_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block3_ln2_mul, block3_ln2, block3_fc1_reshape
         del block3_ln2_mul, block3_ln2, block3_fc1_reshape
         mem.free(67)
@@ -1877,7 +1877,7 @@ class Vit(rp.Model):
         d_block3_attn_out_add = rt.reshape(d_block3_ln2_add, shape=(1600, 64))
         # d_block3_attn_out_W = matmul[ta](d_block3_attn_out_add, block3_attn_out_reshape)
         d_block3_attn_out_W = mem.tensor(156, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape, out=d_block3_attn_out_W, ta=True)
+        rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape, out=d_block3_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block3_attn_out_transpose, block3_attn_out_reshape
         del block3_attn_out_transpose, block3_attn_out_reshape
         mem.free(61)
@@ -1963,7 +1963,7 @@ class Vit(rp.Model):
         mem.free(163)
         # d_block3_attn_q_W = matmul[ta](d_block3_attn_q_add, block3_attn_q_reshape)
         d_block3_attn_q_W = mem.tensor(164, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True)
+        rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block3_attn_q_reshape = matmul(d_block3_attn_q_add, block3_attn_q_W)
         d_block3_attn_q_reshape = mem.tensor(165, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_q_add, T['block3_attn_q_W'], out=d_block3_attn_q_reshape)
@@ -2036,12 +2036,12 @@ class Vit(rp.Model):
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
         # d_block3_attn_k_W = matmul[ta](d_block3_attn_k_matmul, block3_attn_q_reshape)
         d_block3_attn_k_W = mem.tensor(171, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_k_matmul, block3_attn_q_reshape, out=d_block3_attn_k_W, ta=True)
+        rt.matmul(d_block3_attn_k_matmul, block3_attn_q_reshape, out=d_block3_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block3_attn_v (fully connected, 64 outputs), backward ----
         # d_block3_attn_v_W = matmul[ta](d_block3_attn_v_add, block3_attn_q_reshape)
         d_block3_attn_v_W = mem.tensor(172, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_v_add, block3_attn_q_reshape, out=d_block3_attn_v_W, ta=True)
+        rt.matmul(d_block3_attn_v_add, block3_attn_q_reshape, out=d_block3_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block3_ln1_mul, block3_ln1, block3_attn_q_reshape
         del block3_ln1_mul, block3_ln1, block3_attn_q_reshape
         mem.free(53)
@@ -2180,7 +2180,7 @@ class Vit(rp.Model):
         d_block2_fc2_add = rt.reshape(d_block3_ln1_add, shape=(1600, 64))
         # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
         d_block2_fc2_W = mem.tensor(180, (64, 128), 'float32')
-        rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True)
+        rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
         mem.free(47)
@@ -2227,7 +2227,7 @@ class Vit(rp.Model):
         d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(1600, 128))
         # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
         d_block2_fc1_W = mem.tensor(183, (128, 64), 'float32')
-        rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True)
+        rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block2_ln2_mul, block2_ln2, block2_fc1_reshape
         del block2_ln2_mul, block2_ln2, block2_fc1_reshape
         mem.free(45)
@@ -2356,7 +2356,7 @@ class Vit(rp.Model):
         d_block2_attn_out_add = rt.reshape(d_block2_ln2_add, shape=(1600, 64))
         # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
         d_block2_attn_out_W = mem.tensor(191, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True)
+        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block2_attn_out_transpose, block2_attn_out_reshape
         del block2_attn_out_transpose, block2_attn_out_reshape
         mem.free(39)
@@ -2442,7 +2442,7 @@ class Vit(rp.Model):
         mem.free(198)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
         d_block2_attn_q_W = mem.tensor(199, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True)
+        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
         d_block2_attn_q_reshape = mem.tensor(200, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
@@ -2515,12 +2515,12 @@ class Vit(rp.Model):
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
         d_block2_attn_k_W = mem.tensor(206, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True)
+        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
         d_block2_attn_v_W = mem.tensor(207, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True)
+        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
         del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
         mem.free(31)
@@ -2659,7 +2659,7 @@ class Vit(rp.Model):
         d_block1_fc2_add = rt.reshape(d_block2_ln1_add, shape=(1600, 64))
         # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
         d_block1_fc2_W = mem.tensor(215, (64, 128), 'float32')
-        rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True)
+        rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
         mem.free(25)
@@ -2706,7 +2706,7 @@ class Vit(rp.Model):
         d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(1600, 128))
         # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
         d_block1_fc1_W = mem.tensor(218, (128, 64), 'float32')
-        rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True)
+        rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block1_ln2_mul, block1_ln2, block1_fc1_reshape
         del block1_ln2_mul, block1_ln2, block1_fc1_reshape
         mem.free(23)
@@ -2835,7 +2835,7 @@ class Vit(rp.Model):
         d_block1_attn_out_add = rt.reshape(d_block1_ln2_add, shape=(1600, 64))
         # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
         d_block1_attn_out_W = mem.tensor(226, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True)
+        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block1_attn_out_transpose, block1_attn_out_reshape
         del block1_attn_out_transpose, block1_attn_out_reshape
         mem.free(17)
@@ -2921,7 +2921,7 @@ class Vit(rp.Model):
         mem.free(233)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
         d_block1_attn_q_W = mem.tensor(234, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True)
+        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
         d_block1_attn_q_reshape = mem.tensor(235, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
@@ -2994,12 +2994,12 @@ class Vit(rp.Model):
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
         d_block1_attn_k_W = mem.tensor(241, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True)
+        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
         d_block1_attn_v_W = mem.tensor(242, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True)
+        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
         del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
         mem.free(9)

@@ -92,6 +92,24 @@ def product_cuts(batch: int, m: int, n: int, k: int) -> ProductCuts:
     return ProductCuts((by_columns, parts, width))
 
 
+PRODUCT_DEPTH_PART = 256        # a depth cut's part: this many of the inner dimension at least
+
+
+def product_depth_cut(batch: int, m: int, n: int, k: int) -> int:
+    """How many parts of its inner dimension a single product whose output is too small to cut (`product_cuts`
+    gives it one part: a weight gradient, 64 x 1024 by 1024 x 64) is computed in, by the compiled kernels given
+    `product_depth_scratch` of workspace: 4 or 2 parts of at least PRODUCT_PART_DEPTH of k and PRODUCT_PART_WORK
+    multiply-adds, summed in their order (1: none). Fixed by the shapes: the same bits on any number of threads."""
+    if batch != 1 or product_cuts(batch, m, n, k).parts > 1:
+        return 1
+    return next((p for p in (4, 2) if k // p >= PRODUCT_DEPTH_PART and m * n * k // p >= PRODUCT_PART_WORK), 1)
+
+
+def product_depth_scratch(batch: int, m: int, n: int, k: int) -> int:
+    """matmul: the partial products of a depth cut beside the output (the first part is computed into it)."""
+    return (product_depth_cut(batch, m, n, k) - 1) * m * n
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # window geometry
 

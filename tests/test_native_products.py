@@ -235,3 +235,71 @@ def test_products_through_an_lp64_sgemm(lib, tmp_path):
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()), err_msg=case)
     finally:
         lib.lib.deepdsl_set_sgemm(real[0], int(real[1]))
+
+
+DEPTH_CASES = [  # (m, n, k, a transposed, b transposed): weight gradients, odd depths, a part shorter than the others
+    (64, 64, 1024, True, False), (64, 128, 1024, True, False), (128, 64, 1024, False, True),
+    (30, 50, 2000, False, False), (64, 64, 1023, True, True), (17, 9, 40001, False, True)]
+
+
+@needs_cc
+@pytest.mark.parametrize("m, n, k, ta, tb", DEPTH_CASES)
+def test_a_product_cut_in_depth_gives_the_same_bits_on_any_threads(lib, m, n, k, ta, tb):
+    """A single product whose output is too small to cut (`contract.product_depth_cut`), as the compiled matmul
+    computes it given its planned workspace: in parts of its inner dimension, the partial products summed in their
+    order; the same bits on 1, 2, 3 and 5 threads (NaN-filled output and workspace), numpy's float64 product to
+    float32 rounding; with a workspace too small, not cut (the compiled product, whole)."""
+    from deepdsl_runtime import cpu
+
+    rng = np.random.default_rng(m * n + k)
+    a = _transposed(rng, m, k) if ta else _rand(rng, m, k)
+    b = _transposed(rng, k, n) if tb else _rand(rng, k, n)
+    parts = contract.product_depth_cut(1, m, n, k)
+    size = contract.product_depth_scratch(1, m, n, k)
+    assert parts in (2, 4) and size == (parts - 1) * m * n and contract.product_cuts(1, m, n, k).parts == 1
+    rt = cpu.backend(lib)
+    results = []
+    for threads in (1, 2, 3, 5):
+        lib.set_threads(threads)
+        out = np.full((m, n), np.nan, np.float32)
+        rt.matmul(a.T if ta else a, b.T if tb else b, out=out, ta=ta, tb=tb,
+                  workspace=np.full(size, np.nan, np.float32))
+        results.append(out)
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=np.sqrt(k) * 1e-6 * np.abs(want).max())
+    whole = lib.gemm(a, b, np.full((m, n), np.nan, np.float32))
+    assert not np.array_equal(whole, results[0]), "the depth cut rounds as its parts do"
+    small = np.full((m, n), np.nan, np.float32)
+    assert not lib.gemm_in_depth(a, b, small, np.zeros(size - 1, np.float32))
+    rt.matmul(a.T if ta else a, b.T if tb else b, out=small, ta=ta, tb=tb, workspace=np.zeros(size - 1, np.float32))
+    np.testing.assert_array_equal(small, whole)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("m, n, k", [(64, 64, 1024), (64, 64, 1023), (64, 64, 300), (4096, 64, 2048), (8, 8, 64),
+                                     (30, 50, 2000), (200, 200, 4096), (1, 1, 1 << 22)])
+def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
+    """Only a single product that `product_cuts` leaves whole is cut in depth, in 4 or 2 parts of at least
+    PRODUCT_DEPTH_PART of the inner dimension and PRODUCT_PART_WORK multiply-adds; its workspace holds the partial
+    products but the first; the matmul op plans that workspace, or none beyond its limit."""
+    from deepdsl.ir import make
+    from deepdsl.ops import get_op
+
+    parts = contract.product_depth_cut(batch, m, n, k)
+    assert parts in (1, 2, 4)
+    if batch > 1 or contract.product_cuts(batch, m, n, k).parts > 1:
+        assert parts == 1
+    if parts > 1:
+        assert k // parts >= contract.PRODUCT_DEPTH_PART and m * n * k // parts >= contract.PRODUCT_PART_WORK
+    elif batch == 1 and contract.product_cuts(1, m, n, k).parts == 1:
+        assert k // 2 < contract.PRODUCT_DEPTH_PART or m * n * k // 2 < contract.PRODUCT_PART_WORK
+    assert contract.product_depth_scratch(batch, m, n, k) == (parts - 1) * m * n
+    a = make("input", (), name="a", shape=(batch, k, m) if batch > 1 else (k, m), dtype="float32", role="data")
+    b = make("input", (), name="b", shape=(batch, k, n) if batch > 1 else (k, n), dtype="float32", role="data")
+    node = make("matmul", (a, b), ta=True)
+    need = 4 * (parts - 1) * m * n
+    assert get_op("matmul").workspace(node).nbytes == need
+    assert get_op("matmul").workspace(node, limit=need).nbytes == need
+    assert get_op("matmul").workspace(node, limit=max(need - 1, 0)).nbytes == 0

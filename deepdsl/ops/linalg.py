@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+import math
+
 from deepdsl.ir import FLOAT, Node, make
-from deepdsl.ops import Op, dims, register, require
+from deepdsl.ops import Op, Workspace, dims, register, require
+from deepdsl_runtime import contract
+from deepdsl_runtime.contract import FLOAT_BYTES
 
 
 @register
@@ -35,6 +39,15 @@ class MatMul(Op):
         a = node.inputs[0]
         inner = a.shape[-2] if node.attr("ta", False) else a.shape[-1]
         return 2 * node.size * inner
+
+    def workspace(self, node, limit=None):
+        """The compiled kernels' partial products of a depth cut (`contract.product_depth_scratch`: a single
+        product with a small output and a long inner dimension, on several threads), none beyond `limit` (then
+        the product is not cut)."""
+        a = node.inputs[0]
+        inner = a.shape[-2] if node.attr("ta", False) else a.shape[-1]
+        nbytes = FLOAT_BYTES * contract.product_depth_scratch(math.prod(node.shape[:-2]), *node.shape[-2:], inner)
+        return Workspace(nbytes if limit is None or nbytes <= limit else 0)
 
     def describe(self, node):
         ta, tb = node.attr("ta", False), node.attr("tb", False)

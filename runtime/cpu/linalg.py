@@ -12,8 +12,14 @@ from deepdsl_runtime import contract
 __all__ = ["matmul", "Products"]
 
 
-def matmul(a, b, *, out, ta=False, tb=False, gemm=np.matmul):
-    gemm(a.swapaxes(-1, -2) if ta else a, b.swapaxes(-1, -2) if tb else b, out=out)
+def matmul(a, b, *, out, ta=False, tb=False, workspace=None, gemm=np.matmul, native=None):
+    """out = op(a) op(b); with the compiled products and a `workspace`, a single product with a small output and a
+    long inner dimension in parts of it (`Native.gemm_in_depth`)."""
+    a, b = a.swapaxes(-1, -2) if ta else a, b.swapaxes(-1, -2) if tb else b
+    if workspace is not None and native is not None and gemm == native.gemm and \
+            native.gemm_in_depth(a, b, out, workspace):
+        return
+    gemm(a, b, out=out)
 
 
 class Products:

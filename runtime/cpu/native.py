@@ -220,6 +220,11 @@ class Native:
         lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _L, _L]
         lib.deepdsl_gemm.restype = _I
         lib.deepdsl_set_sgemm.argtypes = [_P, _I]
+        # (nor products cut along their inner dimension)
+        self._gemm_depth = getattr(lib, "deepdsl_gemm_depth", None)
+        if self._gemm_depth is not None:
+            self._gemm_depth.argtypes = [_I, _I, _L, _L, _L, _P, _L, _P, _L, _P, _L, _L, _L, _P]
+            self._gemm_depth.restype = _I
         # (a library built from the C file of an older program has no per-channel sum of a tensor)
         self._channel_sum = getattr(lib, "deepdsl_channel_sum", None)
         if self._channel_sum is not None:
@@ -291,6 +296,23 @@ class Native:
                 out.ctypes.data, to[1], sc, by_columns, parts, width):        # (0: the library has no sgemm to call)
             return np.matmul(a, b, out=out)
         return out
+
+    def gemm_in_depth(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, workspace: np.ndarray) -> bool:
+        """out = a @ b of two matrices in the parts of their inner dimension `contract.product_depth_cut` fixes by
+        the shapes, partial products in `workspace` (`deepdsl_gemm_depth`); False where there is no such cut, the
+        workspace is smaller than `contract.product_depth_scratch`, or `gemm` would not take the operands."""
+        if self._gemm_depth is None or not self.products or a.ndim != 2 or b.ndim != 2 or out.ndim != 2 or \
+                not a.dtype == b.dtype == out.dtype == workspace.dtype == np.float32 or \
+                np.may_share_memory(out, a) or np.may_share_memory(out, b):
+            return False
+        (m, k), n = a.shape, out.shape[1]
+        parts = contract.product_depth_cut(1, m, n, k)
+        ta, tb, to = _matrix(a), _matrix(b), _matrix(out)
+        if parts < 2 or ta is None or tb is None or to is None or to[0] or b.shape != (k, n) or \
+                workspace.size < contract.product_depth_scratch(1, m, n, k) or not workspace.flags.c_contiguous:
+            return False
+        return bool(self._gemm_depth(ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], b.ctypes.data, tb[1],
+                                     out.ctypes.data, to[1], parts, -(-k // parts), workspace.ctypes.data))
 
     # convolution ----------------------------------------------------------------------------------------------
 

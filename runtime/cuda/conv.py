@@ -8,8 +8,9 @@ from deepdsl_runtime.cuda import layout as L
 from deepdsl_runtime.cuda.arrays import DeviceArray, device_array, launch_items, overlaps
 
 
-def matmul(a, b, *, out, ta=False, tb=False):
-    """out = op(a) op(b), 2-D or batched over equal leading axes (one strided batched GEMM)."""
+def matmul(a, b, *, out, ta=False, tb=False, workspace=None):
+    """out = op(a) op(b), 2-D or batched over equal leading axes (one strided batched GEMM; the workspace the CPU's
+    depth cut uses stays unused)."""
     m, n = out.shape[-2:]
     k = a.shape[-2] if ta else a.shape[-1]
     if out.ndim == 2:

@@ -66,3 +66,34 @@ int deepdsl_gemm(long batch, int ta, int tb, long m, long n, long k, const float
     }
     return 1;
 }
+
+// c (m x n) = a (m x k) b (k x n) as `parts` products over consecutive `depth` of the inner dimension (the last one
+// shorter): the first into c, the others into `partial` (m x n each, one after the other), then c += each partial
+// product in their order. A product with too small an output to cut by rows or columns and a long inner dimension
+// (a weight gradient) on several threads: the threads take whole parts, then whole rows of the sum. 0 without an
+// sgemm.
+int deepdsl_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b, long ldb,
+                       float* c, long ldc, long parts, long depth, float* partial) {
+    if (!deepdsl_sgemm_function) return 0;
+#pragma omp parallel if ((double)m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(parts, 1, &begin, &end);
+        for (long part = begin; part < end; ++part) {
+            const long first = part * depth, size = k - first < depth ? k - first : depth;
+            float* into = part ? partial + (part - 1) * m * n : c;
+            deepdsl_sgemm(ta, tb, m, n, size, a + (ta ? first * lda : first), lda, b + (tb ? first : first * ldb),
+                          ldb, into, part ? n : ldc);
+        }
+#pragma omp barrier
+        deepdsl_share(m, 1, &begin, &end);
+        for (long r = begin; r < end; ++r)
+            for (long part = 1; part < parts; ++part) {
+                const float* from = partial + (part - 1) * m * n + r * n;
+                float* row = c + r * ldc;
+#pragma omp simd
+                for (long j = 0; j < n; ++j) row[j] += from[j];
+            }
+    }
+    return 1;
+}
