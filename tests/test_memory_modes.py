@@ -327,6 +327,8 @@ def test_kernels_use_exactly_their_planned_workspace(name, image, limit, tmp_pat
                 continue
             if step.allocates is not None and plan.buffers[step.allocates].takes_over is not None:
                 continue        # adds one staged sample for running over its input (tests/test_runtime_cpu.py)
+            if node.op == "matmul":
+                continue        # the compiled products' depth cut alone uses it (tests/test_native_products.py)
             seen.add(key)
             chunked += step.chunks > 1
             assert step.workspace == get_op(node.op).workspace(node, limit).nbytes

@@ -303,3 +303,23 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
     assert get_op("matmul").workspace(node).nbytes == need
     assert get_op("matmul").workspace(node, limit=need).nbytes == need
     assert get_op("matmul").workspace(node, limit=max(need - 1, 0)).nbytes == 0
+
+
+@needs_cc
+def test_the_masks_and_depth_cuts_benchmark_runs(tmp_path, lib):
+    """benchmarks/masks_and_depth_cuts.py at a tiny size: the mask and the four products timed on both sides, each
+    pair agreeing (the same mask bytes, the products within float32 rounding)."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.program_helpers import ROOT
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "masks_and_depth_cuts.py"), "--threads", "1",
+                           "--rounds", "1", "--calls", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(r"^ *(mask [\dx]+|\d+x\d+ by \d+x\d+, \d parts) +1 +([\d.]+) +([\d.]+) +([\d.]+)x +(\w+)$",
+                      done.stdout, re.M)
+    assert len(rows) == 5 and all(agree == "yes" for *_, agree in rows), done.stdout
+    assert [r[0] for r in rows[1:]] == ["64x1024 by 1024x64, 4 parts", "64x1024 by 1024x128, 4 parts",
+                                        "128x1024 by 1024x64, 4 parts", "64x2048 by 2048x64, 4 parts"]

@@ -166,11 +166,12 @@ def find_nvcc() -> str | None:
 
 def nvcc_command(cu: Path, output: Path, kind: str = "fatbin", archs=ARCHS, nvcc: str | None = None) -> list[str]:
     """The nvcc command line compiling `cu` (with the runtime's kernel directory on the include path): a fat binary
-    for `archs` (PTX of the last one included), or with kind "cubin" one cubin for the single arch given."""
+    for `archs` (PTX of the last one included), or with kind "cubin" one cubin, with kind "ptx" the PTX, for the
+    single arch given."""
     command = [nvcc or find_nvcc() or "nvcc", f"-{kind}", "-O3", "-std=c++17", "-I", str(kernels_dir())]
-    if kind == "cubin":
+    if kind in ("cubin", "ptx"):
         (arch,) = archs
-        command += [f"-arch=sm_{arch}"]
+        command += [f"-arch={'sm' if kind == 'cubin' else 'compute'}_{arch}"]
     else:
         for arch in archs:
             code = f"[sm_{arch},compute_{arch}]" if arch == archs[-1] else f"sm_{arch}"

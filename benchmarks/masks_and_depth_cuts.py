@@ -1,0 +1,107 @@
+"""Dropout's masks and the weight gradients' products on the compiled kernels, against what ran before them.
+
+    python benchmarks/masks_and_depth_cuts.py [--threads 1 2] [--rounds 5] [--calls 40] [--markdown]
+
+Masks: the (32, 4, 64, 64) masks of char_lm's attention (1 M bytes), drawn by numpy's Philox generator (the
+numpy kernel, what every program ran before) and by the compiled kernel (`deepdsl_bernoulli`: the same bytes).
+Products: the single products of a ViT's and char_lm's weight gradients (a small output, a long inner dimension),
+whole on one thread as `contract.product_cuts` leaves them, and cut along the inner dimension on the kernels'
+threads (`contract.product_depth_cut`, given the planned workspace). The library is built from the program of
+networks/char_lm.py in a temporary directory. For each thread count, `--rounds` rounds alternate the two sides of
+each case, `--calls` calls each; printed: the median milliseconds of a call over all calls, the ratio (before /
+after: above 1, faster now), a check that both sides agree (the same bytes; the products within float32 rounding),
+the processor's vector extensions and the load average before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from timing import load_average, print_row, processor  # benchmarks/ is on the path of a script run from it
+
+ROOT = Path(__file__).resolve().parents[1]
+MASK = (32, 4, 64, 64)
+PRODUCTS = [(64, 64, 1024), (64, 128, 1024), (128, 64, 1024), (64, 64, 2048)]   # (m, n, k): a^T (k x m) b (k x n)
+
+
+def _library(tmp: Path):
+    from deepdsl_runtime.cpu import native
+
+    for suffix in (".c", ".py"):
+        shutil.copy(ROOT / "generated" / f"char_lm{suffix}", tmp / f"char_lm{suffix}")
+    path, why = native.build_library(tmp / "char_lm.c")
+    if path is None:
+        sys.exit(f"cannot build the kernels: {why}")
+    lib, why = native.load(tmp / "char_lm.py")
+    if lib is None or not lib.products:
+        sys.exit(f"cannot load the kernels or their products: {why or 'no CBLAS sgemm'}")
+    return lib
+
+
+def _cases(lib):
+    """(name, before, after, agree) for each case: two calls and a check of their results."""
+    from deepdsl_runtime import contract
+    from deepdsl_runtime.cpu import masks
+
+    rng = np.random.default_rng(0)
+    drawn = [np.empty(MASK, np.uint8) for _ in range(2)]
+    scratch = np.empty(contract.bernoulli_scratch(MASK) * MASK[0], np.float32)
+    cases = [(f"mask {'x'.join(map(str, MASK))}",
+              lambda: masks.bernoulli(out=drawn[0], shape=MASK, keep=0.9, key=1, seed=0, step=3, workspace=scratch),
+              lambda: masks.bernoulli(out=drawn[1], shape=MASK, keep=0.9, key=1, seed=0, step=3, native=lib),
+              lambda: np.array_equal(drawn[0], drawn[1]))]
+    for m, n, k in PRODUCTS:
+        a = rng.standard_normal((k, m)).astype(np.float32).T
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        outs = [np.empty((m, n), np.float32) for _ in range(2)]
+        workspace = np.empty(contract.product_depth_scratch(1, m, n, k), np.float32)
+        parts = contract.product_depth_cut(1, m, n, k)
+
+        def agree(outs=outs, k=k):
+            return np.allclose(outs[0], outs[1], rtol=0, atol=np.sqrt(k) * 1e-6 * np.abs(outs[0]).max())
+        cases.append((f"{m}x{k} by {k}x{n}, {parts} parts", lambda a=a, b=b, o=outs[0]: lib.gemm(a, b, o),
+                      lambda a=a, b=b, o=outs[1], w=workspace: lib.gemm_in_depth(a, b, o, w), agree))
+    return cases
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    name, isa = processor()
+    print(f"{name} ({isa}); load average before: {load_average()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = _library(Path(tmp))
+        cases = _cases(lib)
+        print_row(["case", "threads", "before ms", "after ms", "ratio", "agree"], args.markdown, 22, header=True)
+        for threads in args.threads:
+            lib.set_threads(threads)
+            times = {name: ([], []) for name, *_ in cases}
+            for _ in range(args.rounds):
+                for name, before, after, _ in cases:
+                    for side, call in enumerate((before, after)):
+                        call()                                      # untimed: caches, the team of threads
+                        for _ in range(args.calls):
+                            began = time.perf_counter()
+                            call()
+                            times[name][side].append(time.perf_counter() - began)
+            for name, _, _, agree in cases:
+                was, now = (statistics.median(t) * 1e3 for t in times[name])
+                print_row([name, str(threads), f"{was:.3f}", f"{now:.3f}", f"{was / now:.2f}x",
+                           "yes" if agree() else "NO"], args.markdown, 22)
+    print(f"load average after: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
