@@ -1105,3 +1105,30 @@ def test_lrn_and_its_gradient_equal_numpy(lib, case, in_place, samples):
     else:       # beta 0.75 by square roots, or numpy's own AVX-512 power: a few ulp apart
         for got, want in ((got_y, want_y), (got_dx, want_dx)):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
+
+
+@needs_cc
+@pytest.mark.parametrize("shape, axes", [((64, 16, 4, 16), (1, 2)), ((64, 4, 16, 16), (1, 2)), ((3, 5, 7), (0, 2)),
+                                         ((2, 3, 4, 5, 6), (1, 3)), ((9, 1, 11), (0, 1)), ((130, 257), (0, 1))])
+def test_transposes_equal_numpy_at_any_thread_count(lib, shape, axes):
+    """Any two axes swapped by the compiled kernel (`deepdsl_swap_axes`: rows of the trailing axes copied) equal
+    numpy's copy bit for bit at 1, 2 and 3 threads, over an output filled with NaN; what it does not take (another
+    dtype) is numpy's."""
+    from deepdsl_runtime.cpu import shape as shapes
+
+    x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+    want = np.ascontiguousarray(x.swapaxes(*axes))
+    before = lib.threads
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            out = np.full(want.shape, np.nan, np.float32)
+            assert lib.swap_axes(x, out, axes)
+            np.testing.assert_array_equal(out, want)
+    finally:
+        lib.set_threads(before)
+    tokens = np.arange(math.prod(shape), dtype=np.int32).reshape(shape)
+    out = np.zeros(want.shape, np.int32)
+    assert not lib.swap_axes(tokens, out, axes)
+    shapes.transpose(tokens, out=out, axes=axes, native=lib)
+    np.testing.assert_array_equal(out, tokens.swapaxes(*axes))

@@ -62,7 +62,8 @@ DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "attention", "attention_grad")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
              "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to", "gather_rows", "scatter_rows",
-             "label_rank", "equal", "attention", "attention_grad", "bernoulli", "matmul")
+             "label_rank", "equal", "attention", "attention_grad", "bernoulli", "matmul",
+             "transpose")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

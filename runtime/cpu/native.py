@@ -238,6 +238,10 @@ class Native:
             self._attention_weights.argtypes = [_P, _L, _L, _L, _L, _F, _P, _P, _L, _L, _I]
             self._attention_dscores.argtypes = [_P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _L, _F]
             self._attention_kept.argtypes = [_P, _P, _P, _L, _L, _L, _L, _F]
+        # (nor a swap of any two axes)
+        self._swap_axes = getattr(lib, "deepdsl_swap_axes", None)
+        if self._swap_axes is not None:
+            self._swap_axes.argtypes = [_P, _L, _L, _L, _L, _L, _P]
         # (nor dropout's masks)
         self._bernoulli = getattr(lib, "deepdsl_bernoulli", None)
         if self._bernoulli is not None:
@@ -362,6 +366,17 @@ class Native:
             return _numpy_passes().swap01(src, dst, bias)
         self.lib.deepdsl_swap01(src.ctypes.data, a, b, src.size // max(a * b, 1),
                                 None if bias is None else bias.ctypes.data, dst.ctypes.data)
+
+    def swap_axes(self, src: np.ndarray, dst: np.ndarray, axes: tuple[int, int]) -> bool:
+        """dst = src with axes (i, j), i < j, swapped, dst contiguous (`deepdsl_swap_axes`); False for other
+        arrays (not contiguous float32)."""
+        if self._swap_axes is None or not _contiguous32(src, dst):
+            return False
+        i, j = axes
+        shape = src.shape
+        self._swap_axes(src.ctypes.data, math.prod(shape[:i]), shape[i], math.prod(shape[i + 1:j]), shape[j],
+                        math.prod(shape[j + 1:]), dst.ctypes.data)
+        return True
 
     def depthwise(self, op: str, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, out: np.ndarray,
                   stride: int, pad: int) -> bool:

@@ -59,8 +59,10 @@ def pad_axis(x, *, out, axis, start, size):
     out[_axis_index(x.ndim, axis, start, start + x.shape[axis])] = x
 
 
-def transpose(x, *, out, axes):
+def transpose(x, *, out, axes, native=None):
     """out = x with axes (i, j) swapped, in out's (contiguous) order."""
+    if native is not None and native.swap_axes(x, out, axes):
+        return
     np.copyto(out, x.swapaxes(*axes))
 
 

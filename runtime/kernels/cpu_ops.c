@@ -248,6 +248,18 @@ void deepdsl_swap01(const float* src, long na, long nb, long inner, const float*
         }
 }
 
+// dst (P, B, M, A, R) = src (P, A, M, B, R): two axes of a tensor swapped (attention's heads and tokens), rows of R
+// floats copied, the threads taking whole rows of dst.
+void deepdsl_swap_axes(const float* src, long p, long a, long m, long b, long r, float* dst) {
+#pragma omp parallel for collapse(2) schedule(static) if (p * a * m * b * r >= DEEPDSL_PARALLEL_MIN)
+    for (long pi = 0; pi < p; ++pi)
+        for (long bi = 0; bi < b; ++bi)
+            for (long mi = 0; mi < m; ++mi)
+                for (long ai = 0; ai < a; ++ai)
+                    deepdsl_copy_floats(dst + (((pi * b + bi) * m + mi) * a + ai) * r,
+                                        src + (((pi * a + ai) * m + mi) * b + bi) * r, r);
+}
+
 // x[s][c][k] += bias[c] for s < n, c < channels, k < inner (a convolution's bias).
 void deepdsl_add_bias(float* x, long n, long channels, long inner, const float* bias) {
 #pragma omp parallel for collapse(2) schedule(static) if (n * channels * inner >= DEEPDSL_PARALLEL_MIN)
