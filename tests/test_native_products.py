@@ -306,20 +306,21 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
 
 
 @needs_cc
-def test_the_masks_and_depth_cuts_benchmark_runs(tmp_path, lib):
-    """benchmarks/masks_and_depth_cuts.py at a tiny size: the mask and the four products timed on both sides, each
-    pair agreeing (the same mask bytes, the products within float32 rounding)."""
+def test_the_small_kernels_benchmark_runs(tmp_path, lib):
+    """benchmarks/small_kernels.py at a tiny size: the mask, the four products and the three transposes timed on
+    both sides, each pair agreeing (the same bytes; the products within float32 rounding)."""
     import re
     import subprocess
     import sys
 
     from tests.support.program_helpers import ROOT
 
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "masks_and_depth_cuts.py"), "--threads", "1",
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "small_kernels.py"), "--threads", "1",
                            "--rounds", "1", "--calls", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    rows = re.findall(r"^ *(mask [\dx]+|\d+x\d+ by \d+x\d+, \d parts) +1 +([\d.]+) +([\d.]+) +([\d.]+)x +(\w+)$",
-                      done.stdout, re.M)
-    assert len(rows) == 5 and all(agree == "yes" for *_, agree in rows), done.stdout
-    assert [r[0] for r in rows[1:]] == ["64x1024 by 1024x64, 4 parts", "64x1024 by 1024x128, 4 parts",
-                                        "128x1024 by 1024x64, 4 parts", "64x2048 by 2048x64, 4 parts"]
+    rows = re.findall(r"^ *((?:mask|transpose) [\dx]+|\d+x\d+ by \d+x\d+, \d parts) +1 +([\d.]+) +([\d.]+) +"
+                      r"([\d.]+)x +(\w+)$", done.stdout, re.M)
+    assert len(rows) == 8 and all(agree == "yes" for *_, agree in rows), done.stdout
+    assert [r[0] for r in rows[1:5]] == ["64x1024 by 1024x64, 4 parts", "64x1024 by 1024x128, 4 parts",
+                                         "128x1024 by 1024x64, 4 parts", "64x2048 by 2048x64, 4 parts"]
+    assert [r[0] for r in rows[5:]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]

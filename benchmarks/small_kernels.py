@@ -1,16 +1,18 @@
-"""Dropout's masks and the weight gradients' products on the compiled kernels, against what ran before them.
+"""Dropout's masks, the weight gradients' products and the attention heads' transposes on the compiled kernels,
+against what ran before them.
 
-    python benchmarks/masks_and_depth_cuts.py [--threads 1 2] [--rounds 5] [--calls 40] [--markdown]
+    python benchmarks/small_kernels.py [--threads 1 2] [--rounds 5] [--calls 40] [--markdown]
 
 Masks: the (32, 4, 64, 64) masks of char_lm's attention (1 M bytes), drawn by numpy's Philox generator (the
 numpy kernel, what every program ran before) and by the compiled kernel (`deepdsl_bernoulli`: the same bytes).
 Products: the single products of a ViT's and char_lm's weight gradients (a small output, a long inner dimension),
 whole on one thread as `contract.product_cuts` leaves them, and cut along the inner dimension on the kernels'
-threads (`contract.product_depth_cut`, given the planned workspace). The library is built from the program of
-networks/char_lm.py in a temporary directory. For each thread count, `--rounds` rounds alternate the two sides of
-each case, `--calls` calls each; printed: the median milliseconds of a call over all calls, the ratio (before /
-after: above 1, faster now), a check that both sides agree (the same bytes; the products within float32 rounding),
-the processor's vector extensions and the load average before and after.
+threads (`contract.product_depth_cut`, given the planned workspace). Transposes: the ViT's and char_lm's swaps of
+heads and tokens, by numpy's copy and by the compiled kernel (`deepdsl_swap_axes`). The library is built from the
+program of networks/char_lm.py in a temporary directory. For each thread count, `--rounds` rounds alternate the two
+sides of each case, `--calls` calls each; printed: the median milliseconds of a call over all calls, the ratio
+(before / after: above 1, faster now), a check that both sides agree (the same bytes; the products within float32
+rounding), the processor's vector extensions and the load average before and after.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from timing import load_average, print_row, processor  # benchmarks/ is on the p
 ROOT = Path(__file__).resolve().parents[1]
 MASK = (32, 4, 64, 64)
 PRODUCTS = [(64, 64, 1024), (64, 128, 1024), (128, 64, 1024), (64, 64, 2048)]   # (m, n, k): a^T (k x m) b (k x n)
+TRANSPOSES = [(64, 16, 4, 16), (64, 4, 16, 16), (32, 64, 4, 16)]                  # axes 1 and 2 swapped
 
 
 def _library(tmp: Path):
@@ -48,7 +51,7 @@ def _library(tmp: Path):
 def _cases(lib):
     """(name, before, after, agree) for each case: two calls and a check of their results."""
     from deepdsl_runtime import contract
-    from deepdsl_runtime.cpu import masks
+    from deepdsl_runtime.cpu import masks, shape as shapes
 
     rng = np.random.default_rng(0)
     drawn = [np.empty(MASK, np.uint8) for _ in range(2)]
@@ -68,6 +71,13 @@ def _cases(lib):
             return np.allclose(outs[0], outs[1], rtol=0, atol=np.sqrt(k) * 1e-6 * np.abs(outs[0]).max())
         cases.append((f"{m}x{k} by {k}x{n}, {parts} parts", lambda a=a, b=b, o=outs[0]: lib.gemm(a, b, o),
                       lambda a=a, b=b, o=outs[1], w=workspace: lib.gemm_in_depth(a, b, o, w), agree))
+    for shape in TRANSPOSES:
+        x = rng.standard_normal(shape).astype(np.float32)
+        outs = [np.empty((shape[0], shape[2], shape[1], shape[3]), np.float32) for _ in range(2)]
+        cases.append((f"transpose {'x'.join(map(str, shape))}",
+                      lambda x=x, o=outs[0]: shapes.transpose(x, out=o, axes=(1, 2)),
+                      lambda x=x, o=outs[1]: shapes.transpose(x, out=o, axes=(1, 2), native=lib),
+                      lambda outs=outs: np.array_equal(outs[0], outs[1])))
     return cases
 
 
@@ -83,7 +93,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         lib = _library(Path(tmp))
         cases = _cases(lib)
-        print_row(["case", "threads", "before ms", "after ms", "ratio", "agree"], args.markdown, 22, header=True)
+        print_row(["case", "threads", "before ms", "after ms", "ratio", "agree"], args.markdown, 24, header=True)
         for threads in args.threads:
             lib.set_threads(threads)
             times = {name: ([], []) for name, *_ in cases}
@@ -98,7 +108,7 @@ def main(argv=None) -> int:
             for name, _, _, agree in cases:
                 was, now = (statistics.median(t) * 1e3 for t in times[name])
                 print_row([name, str(threads), f"{was:.3f}", f"{now:.3f}", f"{was / now:.2f}x",
-                           "yes" if agree() else "NO"], args.markdown, 22)
+                           "yes" if agree() else "NO"], args.markdown, 24)
     print(f"load average after: {load_average()}")
     return 0
 
