@@ -138,7 +138,7 @@ def run_program(path, args: list[str]) -> int:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         relay.attach(child)
-        return _exit_status(relay.child.wait())
+        return _exit_status(relay.wait())
 
 
 def _exit_status(returncode: int) -> int:
@@ -151,6 +151,7 @@ class _Relay:
 
     FORWARDED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
                       if hasattr(signal, name))
+    POLL_SECONDS = 0.05       # how long a relayed signal may wait at most
 
     def __init__(self):
         self.child: subprocess.Popen | None = None
@@ -174,6 +175,17 @@ class _Relay:
         pending, self.pending = self.pending, []
         for sig in pending:
             self._send(sig)
+
+    def wait(self) -> int:
+        """The child's return code once it has ended. Waited for in short polls, never one blocking waitpid: a
+        signal that another thread of this process took (numpy's BLAS threads, any thread not blocking it) only
+        marks itself for the main thread, which runs the relaying handler when it next runs Python code, and a
+        waitpid that nothing interrupts would hold it until the child had ended."""
+        while True:
+            try:
+                return self.child.wait(timeout=self.POLL_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
 
     def _send(self, sig: int) -> None:
         if self.child is None:
