@@ -36,22 +36,25 @@ class MatMul(Op):
         return np.asarray((a.swapaxes(-1, -2) if ta else a) @ (b.swapaxes(-1, -2) if tb else b), dtype=ctx.float_dtype)
 
     def flops(self, node):
-        a = node.inputs[0]
-        inner = a.shape[-2] if node.attr("ta", False) else a.shape[-1]
-        return 2 * node.size * inner
+        return 2 * node.size * _inner(node)
 
     def workspace(self, node, limit=None):
         """The compiled kernels' partial products of a depth cut (`contract.product_depth_scratch`: a single
         product with a small output and a long inner dimension, on several threads), none beyond `limit` (then
         the product is not cut)."""
-        a = node.inputs[0]
-        inner = a.shape[-2] if node.attr("ta", False) else a.shape[-1]
-        nbytes = FLOAT_BYTES * contract.product_depth_scratch(math.prod(node.shape[:-2]), *node.shape[-2:], inner)
+        nbytes = FLOAT_BYTES * contract.product_depth_scratch(math.prod(node.shape[:-2]), *node.shape[-2:],
+                                                              _inner(node))
         return Workspace(nbytes if limit is None or nbytes <= limit else 0)
 
     def describe(self, node):
         ta, tb = node.attr("ta", False), node.attr("tb", False)
         return "matmul" + ("[" + ",".join(n for n, f in (("ta", ta), ("tb", tb)) if f) + "]" if ta or tb else "")
+
+
+def _inner(node: Node) -> int:
+    """The inner (summed) size of a matmul node's product."""
+    a = node.inputs[0]
+    return a.shape[-2] if node.attr("ta", False) else a.shape[-1]
 
 
 def matmul(a: Node, b: Node, ta: bool = False, tb: bool = False) -> Node:

@@ -69,7 +69,7 @@ def _specialize(graph: Graph, mode: str, synced: bool, statistics: dict[str, Nod
             return elementwise(sym(0) * sym(1) / sympy.Float(keep), [node.inputs[0], mask])
         if node.op == "attention" and node.attr("dropout") is not None:
             result = drawn(node, mode)
-            if result.inputs != node.inputs:
+            if result.attr("keep") is not None:          # its last input the mask drawn
                 provenance.record_parts(node, {"mask": result.inputs[-1]})
             return result
         if node.op == "batch_norm":

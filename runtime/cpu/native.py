@@ -276,15 +276,10 @@ class Native:
         computing each part of the cut `contract.product_cuts` fixes by the shapes. What the library cannot address
         (another dtype, a view with strides of its own, an output over an operand) runs np.matmul; a stack that is
         not one stride apart, one product per leading index."""
-        if not self.products or a.ndim < 2 or b.ndim < 2 or out.ndim < 2 or \
-                not a.dtype == b.dtype == out.dtype == np.float32 or \
-                np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        layout = self._layout(a, b, out)
+        if layout is None:
             return np.matmul(a, b, out=out)
-        m, k = a.shape[-2:]
-        n = out.shape[-1]
-        ta, tb, to = _matrix(a), _matrix(b), _matrix(out)
-        if ta is None or tb is None or to is None or to[0] or out.shape[-2] != m or b.shape[-2:] != (k, n):
-            return np.matmul(a, b, out=out)
+        m, n, k, ta, tb, to = layout
         lead = out.shape[:-2]
         sa, sb, sc = _stack(a, lead), _stack(b, lead), _stack(out, lead)
         if sa is None or sb is None or sc is None:
@@ -305,18 +300,31 @@ class Native:
         """out = a @ b of two matrices in the parts of their inner dimension `contract.product_depth_cut` fixes by
         the shapes, partial products in `workspace` (`deepdsl_gemm_depth`); False where there is no such cut, the
         workspace is smaller than `contract.product_depth_scratch`, or `gemm` would not take the operands."""
-        if self._gemm_depth is None or not self.products or a.ndim != 2 or b.ndim != 2 or out.ndim != 2 or \
-                not a.dtype == b.dtype == out.dtype == workspace.dtype == np.float32 or \
-                np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        layout = self._layout(a, b, out)
+        if self._gemm_depth is None or layout is None or a.ndim != 2 or b.ndim != 2 or out.ndim != 2 or \
+                workspace.dtype != np.float32 or not workspace.flags.c_contiguous:
             return False
-        (m, k), n = a.shape, out.shape[1]
+        m, n, k, ta, tb, to = layout
         parts = contract.product_depth_cut(1, m, n, k)
-        ta, tb, to = _matrix(a), _matrix(b), _matrix(out)
-        if parts < 2 or ta is None or tb is None or to is None or to[0] or b.shape != (k, n) or \
-                workspace.size < contract.product_depth_scratch(1, m, n, k) or not workspace.flags.c_contiguous:
+        if parts < 2 or workspace.size < contract.product_depth_scratch(1, m, n, k):
             return False
         return bool(self._gemm_depth(ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], b.ctypes.data, tb[1],
                                      out.ctypes.data, to[1], parts, -(-k // parts), workspace.ctypes.data))
+
+    def _layout(self, a: np.ndarray, b: np.ndarray, out: np.ndarray):
+        """(m, n, k, a's, b's and out's `_matrix`) of out = a @ b where the library's sgemm reads the operands and
+        writes the output in place (float32 matrices or stacks of them, the output stored by rows apart from the
+        operands), else None."""
+        if not self.products or a.ndim < 2 or b.ndim < 2 or out.ndim < 2 or \
+                not a.dtype == b.dtype == out.dtype == np.float32 or \
+                np.may_share_memory(out, a) or np.may_share_memory(out, b):
+            return None
+        m, k = a.shape[-2:]
+        n = out.shape[-1]
+        ta, tb, to = _matrix(a), _matrix(b), _matrix(out)
+        if ta is None or tb is None or to is None or to[0] or out.shape[-2] != m or b.shape[-2:] != (k, n):
+            return None
+        return m, n, k, ta, tb, to
 
     # convolution ----------------------------------------------------------------------------------------------
 
