@@ -27,7 +27,8 @@ import numpy as np
 
 __all__ = [
     "ALIGNMENT", "COUNTER_KEY_STEP", "FLOAT_BYTES", "avg_pool_bwd_scratch", "avg_pool_divisor", "avg_pool_scratch",
-    "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch", "conv2d_scratch",
+    "bernoulli_mask", "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch",
+    "conv2d_scratch",
     "counter_key", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
@@ -157,6 +158,12 @@ def counter_key(step: int, key: int) -> int:
 def mask_generator(seed: int, step: int, key: int) -> np.random.Generator:
     """The random stream the mask of dropout `key` at `step` draws its float32 uniforms from, in order."""
     return np.random.Generator(np.random.Philox(key=[seed, counter_key(step, key)]))
+
+
+def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
+    """The mask of dropout `key` at `step`: 1 where the float32 uniform drawn from `mask_generator`'s stream is
+    below `keep` (the reference semantics; every backend's masks are these bytes)."""
+    return (mask_generator(seed, step, key).random(shape, dtype=np.float32) < keep).astype(np.uint8)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -166,7 +166,4 @@ class Bernoulli(Op):
         return scratch_chunks(rows, contract.bernoulli_scratch(node.shape), limit)
 
 
-def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
-    """The mask of dropout `key` at `step`: 1 where the float32 uniform drawn from the contract's stream
-    (`contract.mask_generator`) is below `keep`."""
-    return (contract.mask_generator(seed, step, key).random(shape, dtype=np.float32) < keep).astype(np.uint8)
+bernoulli_mask = contract.bernoulli_mask      # the mask of dropout `key` at `step` (the contract's stream)

@@ -6,11 +6,7 @@ import numpy as np
 from deepdsl_runtime import contract
 from deepdsl_runtime.cuda.arrays import launch_items
 
-
-def bernoulli_mask(seed: int, step: int, key: int, shape, keep: float) -> np.ndarray:
-    """The mask the compiler's reference semantics draw (deepdsl.ops.norm.bernoulli_mask), on the host."""
-    rng = contract.mask_generator(seed, step, key)
-    return (rng.random(shape, dtype=np.float32) < keep).astype(np.uint8)
+bernoulli_mask = contract.bernoulli_mask      # the mask the compiler's reference semantics draw
 
 
 def bernoulli(*, out, shape, keep, key, seed, step, workspace=None):
