@@ -29,7 +29,8 @@ __all__ = [
     "ALIGNMENT", "COUNTER_KEY_STEP", "FLOAT_BYTES", "avg_pool_bwd_scratch", "avg_pool_divisor", "avg_pool_scratch",
     "bernoulli_mask", "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch",
     "conv2d_scratch",
-    "counter_key", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
+    "counter_key", "BLOCKED_CONV_CHANNELS", "BLOCKED_CONV_ROW", "blocked_conv", "blocked_scratch", "CHANNEL_BLOCK",
+    "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
     "pointwise_conv", "pool_padded_scratch", "one_product", "WIDE_PLANE", "stage_floats", "operand_letter",
@@ -209,6 +210,47 @@ def direct_conv(c: int, kh: int, kw: int, stride: int, groups: int = 1) -> bool:
     input (runtime/kernels/cpu_conv.c), without the im2col matrix (its workspace stays planned: numpy's kernels,
     which the program falls back to, use it)."""
     return groups == 1 and stride == 1 and kw <= DIRECT_CONV_WIDTH and c * kh * kw <= DIRECT_CONV_ROWS
+
+
+CHANNEL_BLOCK = 16          # channels a blocked copy keeps together (runtime/kernels/cpu_blocked.c: DEEPDSL_BLOCK)
+BLOCKED_CONV_CHANNELS = 16  # input and output channels at least, for direct convolution on blocked copies
+BLOCKED_CONV_ROW = 7        # output rows at least this long: shorter ones leave the tiles' registers idle, and
+                            # their layers' filters (converted on every call) outweigh their few positions
+
+
+def blocked_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: int, groups: int = 1) -> bool:
+    """A stride-1 "same" convolution (an odd square kernel larger than 1x1, padded by half its width: a residual
+    network's 3x3 layers) of many channels (at least BLOCKED_CONV_CHANNELS in and out, filling their blocks to
+    three quarters at least) with output rows at least BLOCKED_CONV_ROW long: the compiled kernels compute it and both
+    its gradients directly on channel-blocked copies of its operands (runtime/kernels/cpu_blocked.c), in the op's
+    planned workspace where it holds them (`blocked_scratch`); numpy's kernels, and the compiled ones where it does
+    not, use im2col. (The kernels take any stride-1 geometry, but other padding makes the input gradient's
+    convolution sum over padding, and emptier blocks sum over zero channels.)"""
+    filled = 4 * c * o >= 3 * CHANNEL_BLOCK ** 2 * channel_blocks(c) * channel_blocks(o)
+    return (groups == 1 and stride == 1 and kh == kw > 1 and kh % 2 == 1 and 2 * pad == kh - 1
+            and wo >= BLOCKED_CONV_ROW and min(c, o) >= BLOCKED_CONV_CHANNELS and filled)
+
+
+def channel_blocks(c: int) -> int:
+    """Blocks of CHANNEL_BLOCK channels that hold `c` channels (the last one padded with zeros)."""
+    return -(-c // CHANNEL_BLOCK)
+
+
+def blocked_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
+    """A blocked convolution's workspace (`blocked_conv`) in floats: (per sample, once), the once part first. For
+    conv2d the input blocked with its padding, and the filters blocked; for conv2d_bwd_data the output gradient
+    blocked with the padding of the transposed convolution (k - 1 - pad), and the filters blocked, turned around;
+    for conv2d_bwd_filter the input blocked with its padding and the output gradient blocked, and the gradient's
+    blocked sums. `x_shape` is the forward's input, `w_shape` its filters."""
+    (_, c, h, w), (o, _, kh, kw) = x_shape, w_shape
+    ho, wo = h + 2 * pad - kh + 1, w + 2 * pad - kw + 1
+    filters = channel_blocks(o) * channel_blocks(c) * kh * kw * CHANNEL_BLOCK * CHANNEL_BLOCK
+    padded = channel_blocks(c) * (h + 2 * pad) * (w + 2 * pad) * CHANNEL_BLOCK
+    if op == "conv2d":
+        return padded, filters
+    if op == "conv2d_bwd_data":
+        return channel_blocks(o) * (ho + 2 * (kh - 1 - pad)) * (wo + 2 * (kw - 1 - pad)) * CHANNEL_BLOCK, filters
+    return padded + channel_blocks(o) * ho * wo * CHANNEL_BLOCK, filters
 
 
 def _padded_input(c: int, h: int, w: int, pad: int) -> int:

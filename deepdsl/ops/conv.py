@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from deepdsl.ir import FLOAT, Node, make
-from deepdsl.ops import Op, dims, register, require, scratch_chunks
+from deepdsl.ops import Op, Workspace, dims, register, require, scratch_chunks
 from deepdsl.ops.elementwise import reshape, sum_to
 from deepdsl_runtime import contract
-from deepdsl_runtime.contract import out_size
+from deepdsl_runtime.contract import FLOAT_BYTES, out_size
 
 
 def windows(x: np.ndarray, kh: int, kw: int, stride: int, pad: int, fill: float = 0.0) -> np.ndarray:
@@ -53,6 +53,27 @@ def _by_group(groups: int, *arrays_and_axes):
     for k in range(groups):
         yield [a[(slice(None),) * axis + (slice(k * (a.shape[axis] // groups), (k + 1) * (a.shape[axis] // groups)),)]
                for a, axis in arrays_and_axes]
+
+
+def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: int, limit) -> Workspace:
+    """A convolution's workspace: numpy's (`im2col`), or where the compiled kernels compute it on channel-blocked
+    copies (`contract.blocked_conv`) and those need more, theirs (`contract.blocked_scratch`: the filters' copy once,
+    then the operands of the whole batch, or of as many samples as `limit` leaves room for). Blocked copies that do
+    not fit the larger of the limit and numpy's workspace with one sample are not planned (the kernels then take the
+    im2col path)."""
+    (o, _, kh, kw), c = w_shape, x_shape[1]
+    stride, pad, groups = node.attr("stride", 1), node.attr("pad", 0), node.attr("groups", 1)
+    if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, groups):
+        return im2col
+    per_sample, once = contract.blocked_scratch(op, x_shape, w_shape, pad)
+    samples = x_shape[0]
+    if limit is not None:
+        room = max(limit, im2col.nbytes) // FLOAT_BYTES - once
+        if room < per_sample:
+            return im2col
+        samples = min(samples, room // per_sample)
+    blocked = FLOAT_BYTES * (once + samples * per_sample)
+    return im2col if im2col.nbytes >= blocked else Workspace(blocked, im2col.chunks)
 
 
 @register
@@ -110,7 +131,8 @@ class Conv2d(Op):
         x, w = node.inputs[:2]
         per_sample = contract.conv2d_scratch(x.shape, w.shape, node.shape, node.attr("stride", 1), node.attr("pad", 0),
                                              node.attr("groups", 1))
-        return scratch_chunks(x.shape[0], per_sample, limit)
+        return _with_blocked(self.name, scratch_chunks(x.shape[0], per_sample, limit), node, x.shape, w.shape,
+                             node.shape[3], limit)
 
 
 @register
@@ -155,7 +177,8 @@ class Conv2dBwdData(Op):
         g, w = node.inputs
         per_sample = contract.conv2d_bwd_data_scratch(g.shape, w.shape, node.attr("size"), node.attr("stride", 1),
                                                       node.attr("pad", 0), node.attr("groups", 1))
-        return scratch_chunks(g.shape[0], per_sample, limit)
+        return _with_blocked(self.name, scratch_chunks(g.shape[0], per_sample, limit), node, node.shape, w.shape,
+                             g.shape[3], limit)
 
 
 @register
@@ -190,4 +213,5 @@ class Conv2dBwdFilter(Op):
         g, x = node.inputs
         per_sample, fixed = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, node.attr("kernel"),
                                                                node.attr("pad", 0), node.attr("groups", 1))
-        return scratch_chunks(g.shape[0], per_sample, limit, fixed_if_split=fixed)
+        return _with_blocked(self.name, scratch_chunks(g.shape[0], per_sample, limit, fixed_if_split=fixed), node,
+                             x.shape, node.shape, g.shape[3], limit)

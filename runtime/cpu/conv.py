@@ -1,10 +1,68 @@
-"""Convolution on the CPU: im2col + GEMM (Torch7's scheme), forward and both gradients."""
+"""Convolution on the CPU: im2col + GEMM (Torch7's scheme), forward and both gradients; with the compiled kernels,
+thin convolutions straight from the input and stride-1 convolutions of many channels directly on channel-blocked
+copies (`_blocked`)."""
 from __future__ import annotations
 
 import numpy as np
 
 from deepdsl_runtime import contract
+from deepdsl_runtime.cpu.native import _contiguous32
 from deepdsl_runtime.cpu.scratch import Scratch, over_samples, samples_per_chunk, takes_over
+
+
+def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native, over: bool = False) -> bool:
+    """A convolution (`op` "conv2d": a the input, b the filters; "conv2d_bwd_data": a the output gradient, b the
+    filters; "conv2d_bwd_filter": a the output gradient, b the input) by the compiled direct kernels on
+    channel-blocked copies (`contract.blocked_conv`), where the library has them, the arrays are contiguous float32
+    and the workspace holds the copies (`contract.blocked_scratch`: the filters' once at its start, then the
+    operands of as many samples at a time as the rest holds); False (nothing written) otherwise. A chunk copies its
+    operands before writing its output, so an input gradient taking over its output gradient's bytes (`over`) runs
+    the chunks in the order that writes behind the unread samples (`_safe_order`). The filter gradient sums the
+    chunks in the blocked sums, so its bits do not depend on the chunks either."""
+    if native is None or not getattr(native, "blocked", False):
+        return False
+    x, w, g = {"conv2d": (a, b, out), "conv2d_bwd_data": (out, b, a), "conv2d_bwd_filter": (b, out, a)}[op]
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    ho, wo = g.shape[2:]
+    if w.shape[1] != c or not contract.blocked_conv(c, o, kh, kw, stride, pad, wo) or \
+            not _contiguous32(a, b, out, *([] if bias is None else [bias])):
+        return False
+    per_sample, once = contract.blocked_scratch(op, x.shape, w.shape, pad)
+    if workspace is not None and workspace.size < once + per_sample:
+        return False
+    scratch = Scratch(workspace)
+    ob, cb = contract.channel_blocks(o), contract.channel_blocks(c)
+    block = contract.CHANNEL_BLOCK
+    filters = scratch.take((cb, ob, kh, kw, block, block) if op == "conv2d_bwd_data" else
+                           (ob, cb, kh, kw, block, block))
+    if op == "conv2d":
+        native.block_filters(w, False, filters)
+    elif op == "conv2d_bwd_data":
+        native.block_filters(w, True, filters)
+    step = samples_per_chunk(n, None if workspace is None else workspace[once:], per_sample)
+    starts = range(0, n, step)
+    for s in (_safe_order(starts, over and out.nbytes > a.nbytes) if op == "conv2d_bwd_data" else starts):
+        e = min(n, s + step)
+        chunk = Scratch(workspace, once)
+        if op == "conv2d":
+            xb = chunk.take((e - s, cb, h + 2 * pad, wd + 2 * pad, block))
+            native.block_input(x[s:e], pad, pad, xb)
+            native.blocked_conv(xb, filters, bias, out[s:e])
+        elif op == "conv2d_bwd_data":
+            ph, pw = kh - 1 - pad, kw - 1 - pad
+            gb = chunk.take((e - s, ob, ho + 2 * ph, wo + 2 * pw, block))
+            native.block_input(g[s:e], ph, pw, gb)
+            native.blocked_conv(gb, filters, None, out[s:e])
+        else:
+            xb = chunk.take((e - s, cb, h + 2 * pad, wd + 2 * pad, block))
+            gb = chunk.take((e - s, ob, ho, wo, block))
+            native.block_input(x[s:e], pad, pad, xb)
+            native.block_input(g[s:e], 0, 0, gb)
+            native.blocked_filter_sums(xb, gb, s == 0, filters)
+    if op == "conv2d_bwd_filter":
+        native.unblock_filters(filters, out)
+    return True
 
 
 def _windows(xp: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) -> np.ndarray:
@@ -106,6 +164,8 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     if native is not None and native.direct("conv2d", x, w, b, out, stride, pad):
+        return
+    if _blocked("conv2d", x, w, b, out, stride, pad, workspace, native):
         return
     ho, wo = out.shape[2:]
     w2 = w.reshape(o, c * kh * kw)
@@ -252,6 +312,8 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
     _, c, kh, kw = w.shape
     h, wd = size
     over = takes_over(g, out)
+    if _blocked("conv2d_bwd_data", g, w, None, out, stride, pad, workspace, native, over):
+        return
     one = contract.one_product(ho * wo)
     if over and ((stride != 1 and not one) or contract.pointwise_conv(kh, kw, stride, pad)):
         return over_samples(lambda s, e, gs, os, ws: conv2d_bwd_data(
@@ -386,6 +448,8 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
     kh, kw = kernel
     ckk = c * kh * kw
     if native is not None and native.direct("conv2d_bwd_filter", g, x, None, out, stride, pad):
+        return
+    if groups == 1 and _blocked("conv2d_bwd_filter", g, x, None, out, stride, pad, workspace, native):
         return
     if groups > 1:
         if _depthwise(native, "conv2d_bwd_filter", g, x, None, out, stride, pad, groups):

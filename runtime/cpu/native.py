@@ -7,12 +7,13 @@ loaded; a build in progress, `deepdsl compile`'s in the background, is waited fo
 and the reason: the program then runs the numpy kernels). `build_library` builds it (for `deepdsl compile`, and for
 a program's first run where it is missing: `to_build`). `Native` runs the kernels that replace numpy passes:
 im2col, axis swaps and the input gradient's shifted sums inside the convolutions, thin convolutions and their
-filter gradients straight from the input (`contract.direct_conv`), max pooling with its argmax and
+filter gradients straight from the input (`contract.direct_conv`), direct convolutions of many channels on
+channel-blocked copies in their planned workspace (`contract.blocked_conv`), max pooling with its argmax and
 its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or last-axis
 vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel
-writes (to float32 rounding where it sums in another order: thin convolutions' filter gradients, LRN with beta
-0.75), into the same buffers; none needs more scratch memory than numpy's, so the memory plan is the same with or
-without them. Where numpy's BLAS is an OpenBLAS with a CBLAS sgemm, `gemm` computes the matrix products on the
+writes (to float32 rounding where it sums in another order: thin and blocked convolutions, LRN with beta 0.75),
+into the same buffers, within the statement's planned workspace (the plan holds the larger of a blocked convolution's
+copies and numpy's im2col scratch), so the memory plan is the same with or without them. Where numpy's BLAS is an OpenBLAS with a CBLAS sgemm, `gemm` computes the matrix products on the
 kernels' threads too (numpy's BLAS on one thread: one team for the whole step). `set_threads` sets the kernels'
 OpenMP threads.
 """
@@ -38,7 +39,7 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # what a program's .c includes from the runtime
-KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_gemm.c", "cpu_images.c", "cpu_attention.c",
+KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_blocked.c", "cpu_gemm.c", "cpu_images.c", "cpu_attention.c",
                   "deepdsl_math.h", "deepdsl_random.h")
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
@@ -246,6 +247,16 @@ class Native:
         self._bernoulli = getattr(lib, "deepdsl_bernoulli", None)
         if self._bernoulli is not None:
             self._bernoulli.argtypes = [_P, _L, ctypes.c_ulonglong, ctypes.c_ulonglong, _F]
+        # (nor direct convolutions on channel-blocked copies; nor has a library built for a processor without AVX2
+        # and fused multiply-adds)
+        blocked = getattr(lib, "deepdsl_blocked_kernels", None)
+        self.blocked = blocked is not None and bool(blocked())
+        if self.blocked:
+            lib.deepdsl_blocked_input.argtypes = [_P] + [_I] * 6 + [_P]
+            lib.deepdsl_blocked_filters.argtypes = [_P] + [_I] * 5 + [_P]
+            lib.deepdsl_blocked_conv.argtypes = [_P, _P, _P] + [_I] * 7 + [_P]
+            lib.deepdsl_blocked_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 8 + [_P]
+            lib.deepdsl_unblocked_filters.argtypes = [_P] + [_I] * 4 + [_P]
         # (nor the render of images read from files)
         self._resample = getattr(lib, "deepdsl_resample_image", None)
         if self._resample is not None:
@@ -428,6 +439,40 @@ class Native:
             self.lib.deepdsl_direct_conv_bwd_filter(a.ctypes.data, b.ctypes.data, m, c, h, w, o, kh, kw, ho, wo, pad,
                                                     out.ctypes.data)
         return True
+
+    # blocked copies (kernels/cpu_blocked.c; `self.blocked`: the library has them): the caller,
+    # runtime/cpu/conv.py's `_blocked`, checks the arrays (contiguous float32) and carves the copies out of its
+    # workspace
+
+    def block_input(self, x: np.ndarray, ph: int, pw: int, out: np.ndarray) -> None:
+        """out (m, ceil(C/16), H + 2 ph, W + 2 pw, 16) = x (m, C, H, W) blocked, zeros around it and past C."""
+        m, c, h, w = x.shape
+        self.lib.deepdsl_blocked_input(x.ctypes.data, m, c, h, w, ph, pw, out.ctypes.data)
+
+    def block_filters(self, w: np.ndarray, flip: bool, out: np.ndarray) -> None:
+        """out = the filters w (O, C, kh, kw) blocked (ceil(O/16), ceil(C/16), kh, kw, 16, 16), or with `flip` those
+        of the input gradient's convolution (ceil(C/16), ceil(O/16), kh, kw, 16, 16; the kernel turned around)."""
+        self.lib.deepdsl_blocked_filters(w.ctypes.data, *w.shape, int(flip), out.ctypes.data)
+
+    def blocked_conv(self, xb: np.ndarray, wb: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> None:
+        """out (m, O, Ho, Wo) = the stride-1 convolution of the blocked, padded input xb (m, cb, Hp, Wp, 16) with the
+        blocked filters wb (ceil(O/16), cb, kh, kw, 16, 16), + bias (O) when given."""
+        m, cb, hp, wp, _ = xb.shape
+        kh, kw = wb.shape[2:4]
+        self.lib.deepdsl_blocked_conv(xb.ctypes.data, wb.ctypes.data, None if bias is None else bias.ctypes.data,
+                                      m, cb, hp, wp, out.shape[1], kh, kw, out.ctypes.data)
+
+    def blocked_filter_sums(self, xb: np.ndarray, gb: np.ndarray, first: bool, sums: np.ndarray) -> None:
+        """sums (ob, cb, kh, kw, 16, 16) = (first) or += the filter gradient of the blocked, padded input xb (m, cb,
+        Hp, Wp, 16) and blocked output gradient gb (m, ob, Ho, Wo, 16), summed over the samples in order."""
+        m, cb, hp, wp, _ = xb.shape
+        ob, _, kh, kw = sums.shape[:4]
+        self.lib.deepdsl_blocked_conv_bwd_filter(xb.ctypes.data, gb.ctypes.data, m, cb, hp, wp, ob, kh, kw,
+                                                 int(first), sums.ctypes.data)
+
+    def unblock_filters(self, sums: np.ndarray, out: np.ndarray) -> None:
+        """out (O, C, kh, kw) = the blocked filters `sums` without their zero channels."""
+        self.lib.deepdsl_unblocked_filters(sums.ctypes.data, *out.shape, out.ctypes.data)
 
     def gather_rows(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
         """out[i] = table[ids[i]] (`deepdsl_take_rows`); False where the arrays are not contiguous float32 and

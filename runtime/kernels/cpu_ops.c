@@ -1,7 +1,8 @@
 // The generic kernels of the compiled CPU backend (deepdsl_runtime.cpu.native), included by every generated
 // program's `<program>.c` before its own elementwise kernels; built with OpenMP into `<program>.<digest>.so`:
 // the im2col copies and col2im additions of the convolutions (cpu_columns.c), their axis swaps, thin convolutions
-// and their filter gradients (cpu_conv.c, included at the end), max pooling with its argmax, and its gradient,
+// and their filter gradients (cpu_conv.c, included at the end), direct convolutions of many channels on blocked
+// copies (cpu_blocked.c), max pooling with its argmax, and its gradient,
 // attention and its gradient (cpu_attention.c).
 //
 // Each kernel computes what the numpy kernel it replaces computes (runtime/cpu/; exactly, but for the sums of thin
@@ -764,6 +765,9 @@ void deepdsl_bernoulli(uint8_t* out, long n, unsigned long long seed, unsigned l
 
 // thin convolutions straight from the input
 #include "cpu_conv.c"
+
+// direct convolutions on channel-blocked copies
+#include "cpu_blocked.c"
 
 // attention's passes over rows
 #include "cpu_attention.c"

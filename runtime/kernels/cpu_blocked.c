@@ -1,0 +1,384 @@
+// Direct convolutions on channel-blocked data, included by cpu_ops.c: stride 1 convolutions of many channels (a
+// residual network's 3x3 layers), whose im2col matrix would be kh*kw copies of the input. runtime/cpu/conv.py takes
+// this path where `contract.blocked_conv` says so and the planned workspace holds the blocked copies
+// (`contract.blocked_conv_scratch`).
+//
+// The blocked layout keeps 16 consecutive channels of one position together: a (C, H, W) sample is stored as
+// (C/16, H, W, 16) (channels past C are zeros), so that 16 channels are one vector (one AVX-512 register, two AVX2
+// ones) and the 16 channels of a position one cache line. The input is copied into that layout with its zero
+// padding around it (`deepdsl_blocked_input`), the filters into (O/16, C/16, kh, kw, 16 inputs, 16 outputs)
+// (`deepdsl_blocked_filters`), and the convolution then runs without bounds checks (the method of Georganas et al.,
+// "Anatomy of high-performance deep learning convolutions on SIMD architectures", SC18): a tile of up to
+// DEEPDSL_TILE output positions of one row keeps its sums of 16 output channels in registers, and each input
+// channel of each tap is one broadcast and one fused multiply-add per position; the tile is written to the plain
+// (N, O, Ho, Wo) output through a small transposition.
+//
+// The input gradient is the same convolution of the output gradient (padded by k - 1 - pad) with the filters
+// turned around and transposed. The filter gradient of one (16 x 16 channels, tap) block sums over the samples and
+// positions with its 256 sums in registers.
+//
+// Every output is the sum of its products in one fixed order: over input channels, kernel rows, kernel columns
+// (forward: c, i, j; input gradient: o, i, j), or over samples, rows and columns (filter gradient), in partial sums
+// of fused multiply-adds from zero of at most DEEPDSL_SUM_TERMS products (a block of channels, or rows of a sample)
+// added up in order, then + bias. Threads split outputs, never a sum, so results do not depend on the thread
+// count; and each lane of a vector sums alone, so AVX-512 and AVX2 give the same bits.
+
+#define DEEPDSL_BLOCK 16                /* channels of a block (contract.CHANNEL_BLOCK) */
+#if defined(__AVX512F__)
+#define DEEPDSL_TILE 14                 /* output positions a tile sums in registers: 14 of 32 vector registers */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DEEPDSL_TILE 6                  /* 12 of 16 (each 16 channels is two registers) */
+#endif
+
+#ifdef DEEPDSL_TILE
+#define DEEPDSL_BLOCKED 1
+
+// The tiles' shapes (OB output blocks, R positions; OB * R <= DEEPDSL_TILE), as switch arms: constants in each,
+// so the tile's loops unroll.
+#if DEEPDSL_TILE == 14
+#define DEEPDSL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6) X(1, 7) X(1, 8) X(1, 9) X(1, 10) X(1, 11) \
+    X(1, 12) X(1, 13) X(1, 14) X(2, 1) X(2, 2) X(2, 3) X(2, 4) X(2, 5) X(2, 6) X(2, 7) X(3, 1) X(3, 2) X(3, 3) X(3, 4)
+#else
+#define DEEPDSL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6) X(2, 1) X(2, 2) X(2, 3) X(3, 1) X(3, 2)
+#endif
+
+// out (OB blocks x R positions x 16 channels) = (`add`: out +) the sum over channel blocks c < cb, kernel rows i,
+// columns j and channels k of the block of x[c][i][j + position][k] * w_b[c][i][j][k][:], x pointing at the tile's
+// first input position in block 0 (its blocks `x_block` floats apart, rows `x_row` apart), w at the first output
+// block's filters (the next ones `w_block` floats apart). Several output blocks share each input broadcast where a
+// row has few positions.
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
+        const float* x, const float* w, long w_block, int cb, int kh, int kw, long x_block, long x_row, int OB, int R,
+        int add, float* out) {
+    __m512 acc[3][DEEPDSL_TILE];
+    #pragma GCC unroll 3
+    for (int b = 0; b < OB; ++b)
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+    for (int c = 0; c < cb; ++c)
+        for (int i = 0; i < kh; ++i)
+            for (int j = 0; j < kw; ++j) {
+                const float* xr = x + c * x_block + i * x_row + j * DEEPDSL_BLOCK;
+                const float* wt = w + ((long)(c * kh + i) * kw + j) * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+                #pragma GCC unroll 4
+                for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
+                    __m512 wv[3];
+                    #pragma GCC unroll 3
+                    for (int b = 0; b < OB; ++b) wv[b] = _mm512_loadu_ps(wt + b * w_block + k * DEEPDSL_BLOCK);
+                    #pragma GCC unroll 16
+                    for (int r = 0; r < R; ++r) {
+                        const __m512 v = _mm512_set1_ps(xr[r * DEEPDSL_BLOCK + k]);
+                        #pragma GCC unroll 3
+                        for (int b = 0; b < OB; ++b) acc[b][r] = _mm512_fmadd_ps(v, wv[b], acc[b][r]);
+                    }
+                }
+            }
+    #pragma GCC unroll 3
+    for (int b = 0; b < OB; ++b)
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            float* to = out + (b * R + r) * DEEPDSL_BLOCK;
+            _mm512_storeu_ps(to, add ? _mm512_add_ps(_mm512_loadu_ps(to), acc[b][r]) : acc[b][r]);
+        }
+}
+#else
+static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
+        const float* x, const float* w, long w_block, int cb, int kh, int kw, long x_block, long x_row, int OB, int R,
+        int add, float* out) {
+    __m256 lo[3][DEEPDSL_TILE], hi[3][DEEPDSL_TILE];
+    #pragma GCC unroll 3
+    for (int b = 0; b < OB; ++b)
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) lo[b][r] = hi[b][r] = _mm256_setzero_ps();
+    for (int c = 0; c < cb; ++c)
+        for (int i = 0; i < kh; ++i)
+            for (int j = 0; j < kw; ++j) {
+                const float* xr = x + c * x_block + i * x_row + j * DEEPDSL_BLOCK;
+                const float* wt = w + ((long)(c * kh + i) * kw + j) * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+                #pragma GCC unroll 4
+                for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
+                    __m256 w0[3], w1[3];
+                    #pragma GCC unroll 3
+                    for (int b = 0; b < OB; ++b) {
+                        w0[b] = _mm256_loadu_ps(wt + b * w_block + k * DEEPDSL_BLOCK);
+                        w1[b] = _mm256_loadu_ps(wt + b * w_block + k * DEEPDSL_BLOCK + 8);
+                    }
+                    #pragma GCC unroll 16
+                    for (int r = 0; r < R; ++r) {
+                        const __m256 v = _mm256_broadcast_ss(xr + r * DEEPDSL_BLOCK + k);
+                        #pragma GCC unroll 3
+                        for (int b = 0; b < OB; ++b) {
+                            lo[b][r] = _mm256_fmadd_ps(v, w0[b], lo[b][r]);
+                            hi[b][r] = _mm256_fmadd_ps(v, w1[b], hi[b][r]);
+                        }
+                    }
+                }
+            }
+    #pragma GCC unroll 3
+    for (int b = 0; b < OB; ++b)
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            float* to = out + (b * R + r) * DEEPDSL_BLOCK;
+            _mm256_storeu_ps(to, add ? _mm256_add_ps(_mm256_loadu_ps(to), lo[b][r]) : lo[b][r]);
+            _mm256_storeu_ps(to + 8, add ? _mm256_add_ps(_mm256_loadu_ps(to + 8), hi[b][r]) : hi[b][r]);
+        }
+}
+#endif
+
+#define DEEPDSL_SUM_TERMS 256   /* products a partial sum adds at most before it is added to the output's total */
+
+// A tile of OB output blocks by r positions (OB * r <= DEEPDSL_TILE), constants in each arm, over all cb channel
+// blocks: a partial sum over each group of channel blocks of at most DEEPDSL_SUM_TERMS products (one block at least),
+// the partial sums added up in order (as a matrix product's blocks of its inner dimension are: far less rounding than
+// one long sum).
+static inline void deepdsl_blocked_tile_of(const float* x, const float* w, long w_block, int cb, int kh, int kw,
+                                           long x_block, long x_row, int ob, int r, float* out) {
+    const int per_block = kh * kw * DEEPDSL_BLOCK, group = per_block >= DEEPDSL_SUM_TERMS ? 1 :
+                                                          DEEPDSL_SUM_TERMS / per_block;
+    for (int c0 = 0; c0 < cb; c0 += group) {
+        const float* xs = x + c0 * x_block;
+        const float* ws = w + (long)c0 * per_block * DEEPDSL_BLOCK;
+        const int count = cb - c0 < group ? cb - c0 : group, add = c0 > 0;
+        switch (ob * 64 + r) {
+#define DEEPDSL_TILE_CASE(OB, R) \
+        case OB * 64 + R: deepdsl_blocked_tile(xs, ws, w_block, count, kh, kw, x_block, x_row, OB, R, add, out); break;
+        DEEPDSL_TILES(DEEPDSL_TILE_CASE)
+#undef DEEPDSL_TILE_CASE
+        }
+    }
+}
+
+// The output blocks a tile of `positions` positions sums together: as many as fit its registers, at most 3.
+static inline int deepdsl_tile_blocks(int positions) {
+    const int fit = DEEPDSL_TILE / positions;
+    return fit < 1 ? 1 : fit > 3 ? 3 : fit;
+}
+
+// to[q][k] = from[k * stride + q] for q < w, k < 16: a row of 16 channels (zeros past `channels`) blocked, 16
+// positions at a time through a 16 x 16 transposition in registers.
+DEEPDSL_ROW void deepdsl_block_row(const float* from, long stride, int channels, int w, float* to) {
+    int q = 0;
+    if (channels >= DEEPDSL_BLOCK)
+        for (; q + DEEPDSL_BLOCK <= w; q += DEEPDSL_BLOCK) {
+            float t[DEEPDSL_BLOCK][DEEPDSL_BLOCK];
+            for (int k = 0; k < DEEPDSL_BLOCK; ++k) memcpy(t[k], from + k * stride + q, sizeof t[k]);
+            for (int r = 0; r < DEEPDSL_BLOCK; ++r)
+#pragma omp simd
+                for (int k = 0; k < DEEPDSL_BLOCK; ++k) to[(q + r) * DEEPDSL_BLOCK + k] = t[k][r];
+        }
+    for (; q < w; ++q)
+        for (int k = 0; k < DEEPDSL_BLOCK; ++k) to[q * DEEPDSL_BLOCK + k] = k < channels ? from[k * stride + q] : 0.0f;
+}
+
+// xb (m, ceil(c / 16), h + 2 ph, w + 2 pw, 16) = x (m, c, h, w) with ph zero rows above and below, pw zero columns
+// left and right, and zero channels past c. A thread copies whole rows of blocks.
+void deepdsl_blocked_input(const float* x, int m, int c, int h, int w, int ph, int pw, float* xb) {
+    const int cb = (c + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, hp = h + 2 * ph, wp = w + 2 * pw;
+    const long row = (long)wp * DEEPDSL_BLOCK;
+#pragma omp parallel for collapse(2) schedule(static) if ((long)m * cb * hp * row >= DEEPDSL_EW_PARALLEL_MIN)
+    for (long sb = 0; sb < (long)m * cb; ++sb)
+        for (int p = 0; p < hp; ++p) {
+            float* to = xb + (sb * hp + p) * row;
+            const int s = (int)(sb / cb), c0 = (int)(sb % cb) * DEEPDSL_BLOCK;
+            const int inside = p >= ph && p < ph + h;
+            memset(to, 0, sizeof(float) * pw * DEEPDSL_BLOCK);
+            memset(to + (long)(pw + w) * DEEPDSL_BLOCK, 0, sizeof(float) * pw * DEEPDSL_BLOCK);
+            if (!inside) {
+                memset(to + (long)pw * DEEPDSL_BLOCK, 0, sizeof(float) * w * DEEPDSL_BLOCK);
+                continue;
+            }
+            deepdsl_block_row(x + (((long)s * c + c0) * h + p - ph) * w, (long)h * w, c - c0, w,
+                              to + (long)pw * DEEPDSL_BLOCK);
+        }
+}
+
+// The filters w (o, c, kh, kw) as a convolution's blocked filters: wb (ceil(o / 16), ceil(c / 16), kh, kw, 16 input
+// channels, 16 output channels), zeros past o and c. `flip`: the filters of the input gradient, the convolution of
+// the output gradient: inputs and outputs exchanged and the kernel turned around, wb (ceil(c / 16), ceil(o / 16), kh,
+// kw, 16 output channels of w, 16 input channels of w) with wb[..][i][j] from w[..][kh - 1 - i][kw - 1 - j].
+void deepdsl_blocked_filters(const float* w, int o, int c, int kh, int kw, int flip, float* wb) {
+    const int to = flip ? c : o, from = flip ? o : c;
+    const int tb = (to + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, fb = (from + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK;
+    const long taps = (long)kh * kw;
+#pragma omp parallel for collapse(2) schedule(static) if ((long)tb * fb * taps * 256 >= DEEPDSL_EW_PARALLEL_MIN)
+    for (int a = 0; a < tb; ++a)
+        for (int b = 0; b < fb; ++b) {
+            float* blocks = wb + ((long)a * fb + b) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+            for (int k = 0; k < DEEPDSL_BLOCK; ++k)             // the convolution's input channel b * 16 + k
+                for (int l = 0; l < DEEPDSL_BLOCK; ++l) {       // its output channel a * 16 + l
+                    const int oc = flip ? b * DEEPDSL_BLOCK + k : a * DEEPDSL_BLOCK + l;
+                    const int ic = flip ? a * DEEPDSL_BLOCK + l : b * DEEPDSL_BLOCK + k;
+                    const float* from = w + ((long)oc * c + ic) * taps;
+                    float* to = blocks + k * DEEPDSL_BLOCK + l;
+                    const int inside = oc < o && ic < c;
+                    for (long t = 0; t < taps; ++t)
+                        to[t * DEEPDSL_BLOCK * DEEPDSL_BLOCK] = inside ? from[flip ? taps - 1 - t : t] : 0.0f;
+                }
+        }
+}
+
+// out (m, o, ho, wo) = the stride-1 convolution of the blocked, padded input xb (m, cb, hp, wp, 16) with the
+// blocked filters wb (ceil(o / 16), cb, kh, kw, 16, 16) (+ bias (o) when given): ho = hp - kh + 1, wo = wp - kw + 1.
+// A thread computes whole rows of a group of output blocks of a sample (`deepdsl_tile_blocks`), in tiles of as
+// equal a number of positions as DEEPDSL_TILE allows; the groups outermost, so that a group's filters stay in the
+// cache over the samples.
+void deepdsl_blocked_conv(const float* xb, const float* wb, const float* bias, int m, int cb, int hp, int wp,
+                          int o, int kh, int kw, float* out) {
+    const int ob = (o + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, ho = hp - kh + 1, wo = wp - kw + 1;
+    const long x_row = (long)wp * DEEPDSL_BLOCK, x_block = (long)hp * x_row;
+    const long filters = (long)cb * kh * kw * DEEPDSL_BLOCK * DEEPDSL_BLOCK, plane = (long)ho * wo;
+    const int tiles = (wo + DEEPDSL_TILE - 1) / DEEPDSL_TILE, per_tile = (wo + tiles - 1) / tiles;
+    const int together = deepdsl_tile_blocks(per_tile), groups = (ob + together - 1) / together;
+#pragma omp parallel for collapse(3) schedule(static) \
+    if ((long)m * o * plane * cb * kh * kw * DEEPDSL_BLOCK >= DEEPDSL_PARALLEL_MIN)
+    for (int a = 0; a < groups; ++a)
+        for (int s = 0; s < m; ++s)
+            for (int p = 0; p < ho; ++p) {
+                const float* x = xb + (long)s * cb * x_block + (long)p * x_row;
+                const int b0 = a * together, blocks = ob - b0 < together ? ob - b0 : together;
+                for (int q = 0; q < wo; q += per_tile) {
+                    const int r = wo - q < per_tile ? wo - q : per_tile;
+                    float tile[DEEPDSL_TILE * DEEPDSL_BLOCK];
+                    deepdsl_blocked_tile_of(x + (long)q * DEEPDSL_BLOCK, wb + b0 * filters, filters, cb, kh, kw,
+                                            x_block, x_row, blocks, r, tile);
+                    for (int b = 0; b < blocks; ++b) {
+                        const int o0 = (b0 + b) * DEEPDSL_BLOCK, oe = o - o0 < DEEPDSL_BLOCK ? o - o0 : DEEPDSL_BLOCK;
+                        const float* part = tile + b * r * DEEPDSL_BLOCK;
+                        float* row = out + ((long)s * o + o0) * plane + (long)p * wo + q;
+                        for (int l = 0; l < oe; ++l) {
+                            float* to = row + l * plane;
+                            if (bias) {
+                                const float add = bias[o0 + l];
+                                for (int t = 0; t < r; ++t) to[t] = part[t * DEEPDSL_BLOCK + l] + add;
+                            } else {
+                                for (int t = 0; t < r; ++t) to[t] = part[t * DEEPDSL_BLOCK + l];
+                            }
+                        }
+                    }
+                }
+            }
+}
+
+// sums (16 input channels x 16 output channels of one tap, by rows) += over samples s < m, then rows p < ho,
+// columns q < wo of x[s][p][q][k] * g[s][p][q][:], x pointing at the tap's first input position of the first sample
+// (rows `x_row` floats apart, samples `x_sample`), g at the first sample's output gradient block (rows of wo
+// positions, samples `g_sample` apart): a partial sum in registers over each group of rows of a sample of at most
+// DEEPDSL_SUM_TERMS positions (one row at least), added to the sums in order (AVX2: 4 input channels at a time).
+#if defined(__AVX512F__)
+static inline void deepdsl_blocked_filter_sums(const float* x, long x_row, long x_sample, const float* g,
+                                               long g_sample, int m, int ho, int wo, float* sums) {
+    const int rows = wo >= DEEPDSL_SUM_TERMS ? 1 : DEEPDSL_SUM_TERMS / wo;
+    for (int s = 0; s < m; ++s)
+        for (int p0 = 0; p0 < ho; p0 += rows) {
+            __m512 acc[DEEPDSL_BLOCK];
+            for (int k = 0; k < DEEPDSL_BLOCK; ++k) acc[k] = _mm512_setzero_ps();
+            for (int p = p0; p < ho && p < p0 + rows; ++p) {
+                const float* xr = x + s * x_sample + p * x_row;
+                const float* gr = g + s * g_sample + (long)p * wo * DEEPDSL_BLOCK;
+                for (int q = 0; q < wo; ++q) {
+                    const __m512 gv = _mm512_loadu_ps(gr + q * DEEPDSL_BLOCK);
+                    #pragma GCC unroll 16
+                    for (int k = 0; k < DEEPDSL_BLOCK; ++k)
+                        acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(xr[q * DEEPDSL_BLOCK + k]), gv, acc[k]);
+                }
+            }
+            for (int k = 0; k < DEEPDSL_BLOCK; ++k)
+                _mm512_storeu_ps(sums + k * DEEPDSL_BLOCK, _mm512_add_ps(_mm512_loadu_ps(sums + k * DEEPDSL_BLOCK),
+                                                                         acc[k]));
+        }
+}
+#else
+static inline void deepdsl_blocked_filter_sums(const float* x, long x_row, long x_sample, const float* g,
+                                               long g_sample, int m, int ho, int wo, float* sums) {
+    const int rows = wo >= DEEPDSL_SUM_TERMS ? 1 : DEEPDSL_SUM_TERMS / wo;
+    for (int k0 = 0; k0 < DEEPDSL_BLOCK; k0 += 4)
+        for (int s = 0; s < m; ++s)
+            for (int p0 = 0; p0 < ho; p0 += rows) {
+                __m256 lo[4], hi[4];
+                for (int k = 0; k < 4; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
+                for (int p = p0; p < ho && p < p0 + rows; ++p) {
+                    const float* xr = x + s * x_sample + p * x_row + k0;
+                    const float* gr = g + s * g_sample + (long)p * wo * DEEPDSL_BLOCK;
+                    for (int q = 0; q < wo; ++q) {
+                        const __m256 g0 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK);
+                        const __m256 g1 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK + 8);
+                        #pragma GCC unroll 4
+                        for (int k = 0; k < 4; ++k) {
+                            const __m256 v = _mm256_broadcast_ss(xr + q * DEEPDSL_BLOCK + k);
+                            lo[k] = _mm256_fmadd_ps(v, g0, lo[k]);
+                            hi[k] = _mm256_fmadd_ps(v, g1, hi[k]);
+                        }
+                    }
+                }
+                for (int k = 0; k < 4; ++k) {
+                    float* to = sums + (k0 + k) * DEEPDSL_BLOCK;
+                    _mm256_storeu_ps(to, _mm256_add_ps(_mm256_loadu_ps(to), lo[k]));
+                    _mm256_storeu_ps(to + 8, _mm256_add_ps(_mm256_loadu_ps(to + 8), hi[k]));
+                }
+            }
+}
+#endif
+
+#define DEEPDSL_FILTER_CACHE (1L << 18)  /* bytes of an input and a gradient block a group of samples spans */
+
+// dwb (ob, cb, kh, kw, 16 inputs, 16 outputs) (+)= the filter gradient of a stride-1 convolution from the blocked,
+// padded input xb (m, cb, hp, wp, 16) and the blocked output gradient gb (m, ob, ho, wo, 16), ho = hp - kh + 1,
+// wo = wp - kw + 1: from zero where `first`, else adding to dwb (the next chunk of samples). A thread takes a fixed
+// share of the blocks (output block, input block, tap) in that order; for each pair of an output and an input block
+// it runs groups of samples whose two blocks stay in its cache (DEEPDSL_FILTER_CACHE) over the pair's taps, each
+// tap's sums in registers over the group.
+void deepdsl_blocked_conv_bwd_filter(const float* xb, const float* gb, int m, int cb, int hp, int wp, int ob, int kh,
+                                     int kw, int first, float* dwb) {
+    const int ho = hp - kh + 1, wo = wp - kw + 1;
+    const long x_row = (long)wp * DEEPDSL_BLOCK, x_block = (long)hp * x_row, g_block = (long)ho * wo * DEEPDSL_BLOCK;
+    const long taps = (long)kh * kw, blocks = (long)ob * cb * taps, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+    const long pair_bytes = (long)sizeof(float) * (x_block + g_block);
+    const int group = pair_bytes >= DEEPDSL_FILTER_CACHE ? 1 : (int)(DEEPDSL_FILTER_CACHE / pair_bytes);
+#pragma omp parallel if (blocks * m * g_block * DEEPDSL_BLOCK >= DEEPDSL_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(blocks, 1, &begin, &end);
+        if (first)
+            memset(dwb + begin * tile, 0, sizeof(float) * (end - begin) * tile);
+        for (long t0 = begin; t0 < end;) {
+            const long pair = t0 / taps, t1 = (pair + 1) * taps < end ? (pair + 1) * taps : end;
+            const long a = pair / cb, c = pair % cb;
+            for (int s0 = 0; s0 < m; s0 += group) {
+                const int samples = m - s0 < group ? m - s0 : group;
+                for (long t = t0; t < t1; ++t) {
+                    const long tap = t % taps;
+                    const float* x = xb + ((long)s0 * cb + c) * x_block + (tap / kw) * x_row
+                                     + (tap % kw) * DEEPDSL_BLOCK;
+                    deepdsl_blocked_filter_sums(x, x_row, cb * x_block, gb + ((long)s0 * ob + a) * g_block,
+                                                ob * g_block, samples, ho, wo, dwb + t * tile);
+                }
+            }
+            t0 = t1;
+        }
+    }
+}
+
+// w (o, c, kh, kw) = the blocked filters wb (ceil(o / 16), ceil(c / 16), kh, kw, 16 inputs, 16 outputs), dropping
+// the channels past o and c.
+void deepdsl_unblocked_filters(const float* wb, int o, int c, int kh, int kw, float* w) {
+    const int ob = (o + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, cb = (c + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK;
+    const long taps = (long)kh * kw;
+#pragma omp parallel for collapse(2) schedule(static) if ((long)o * c * taps >= DEEPDSL_EW_PARALLEL_MIN)
+    for (int a = 0; a < ob; ++a)
+        for (int b = 0; b < cb; ++b) {
+            const float* blocks = wb + ((long)a * cb + b) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+            for (int l = 0; l < DEEPDSL_BLOCK && a * DEEPDSL_BLOCK + l < o; ++l)
+                for (int k = 0; k < DEEPDSL_BLOCK && b * DEEPDSL_BLOCK + k < c; ++k) {
+                    float* to = w + ((long)(a * DEEPDSL_BLOCK + l) * c + b * DEEPDSL_BLOCK + k) * taps;
+                    for (long t = 0; t < taps; ++t) to[t] = blocks[(t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l];
+                }
+        }
+}
+
+#else
+#define DEEPDSL_BLOCKED 0
+#endif
+
+// Whether this library has the blocked kernels (processors with AVX2 and fused multiply-adds, or AVX-512).
+int deepdsl_blocked_kernels(void) { return DEEPDSL_BLOCKED; }

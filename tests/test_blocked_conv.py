@@ -1,0 +1,219 @@
+"""Stride-1 convolutions of many channels computed directly on channel-blocked copies by the compiled kernels
+(runtime/kernels/cpu_blocked.c, `contract.blocked_conv`): the convolution and both its gradients against float64
+reference semantics on odd geometries (channels that leave a block partly empty, rows shorter and longer than a
+register tile, kernels of other sizes, no padding and padding to the kernel's reach), with bias, into NaN-filled
+outputs under NaN-filled workspaces of exactly the planned size; the same bits on 1, 2 and 3 threads, in chunks of
+one sample and of all, and built for AVX2 alone; an input gradient over its output gradient's bytes; the fallback to
+im2col where the workspace is too small or the processor has no AVX2. Networks whose layers run here (resnet_mini,
+SE-ResNet, VGG, U-Net, ResNet-50) are checked step by step against numpy's kernels in tests/test_native_kernels.py."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from deepdsl.ir import make
+from deepdsl.ops import EvalContext, get_op
+from deepdsl_runtime import contract
+from deepdsl_runtime.cpu import conv, native
+from tests.test_native_kernels import lib  # noqa: F401  (the fixture: resnet_mini's library)
+from tests.test_runtime_cpu import leaf
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="needs a C compiler")
+
+GEOMETRIES = [  # (N, C, H, W, O, kh, kw, pad)
+    (2, 16, 9, 9, 16, 3, 3, 1),       # one block in and out
+    (3, 48, 8, 11, 28, 3, 3, 1),      # an output block partly empty, rows of 11 (a tile)
+    (2, 56, 7, 12, 32, 5, 5, 2),      # a 5x5 kernel, an input block partly empty
+    (1, 16, 6, 31, 48, 3, 3, 1),      # rows of 31: three tiles
+    (2, 32, 9, 7, 40, 3, 3, 1),       # rows of 7 (the shortest taken), blocks partly empty
+    (2, 16, 5, 16, 64, 7, 7, 3),      # a 7x7 kernel taller than the input, four output blocks
+    (1, 64, 14, 14, 64, 3, 3, 1),     # ResNet's 3x3 at 14x14
+]
+
+
+def _nodes(n, c, h, w, o, kh, kw, pad, bias):
+    x, wt = leaf("x", (n, c, h, w)), leaf("w", (o, c, kh, kw))
+    y = make("conv2d", [x, wt] + ([leaf("b", (o,))] if bias else []), stride=1, pad=pad)
+    g = leaf("g", y.shape)
+    return [y, make("conv2d_bwd_data", (g, wt), stride=1, pad=pad, size=(h, w)),
+            make("conv2d_bwd_filter", (g, x), stride=1, pad=pad, kernel=(kh, kw))]
+
+
+def _arrays(node, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(i.shape).astype(np.float32) for i in node.inputs]
+
+
+def _samples_limit(node, samples):
+    """A workspace limit with room for the filters' blocked copy and `samples` samples' operands."""
+    x_shape = {"conv2d": node.inputs[0].shape, "conv2d_bwd_data": node.shape,
+               "conv2d_bwd_filter": node.inputs[1].shape}[node.op]
+    w_shape = node.shape if node.op == "conv2d_bwd_filter" else node.inputs[1].shape
+    per_sample, once = contract.blocked_scratch(node.op, x_shape, w_shape, node.attr("pad", 0))
+    return 4 * (once + samples * per_sample)
+
+
+def _run(kernels, node, arrays, limit=None, workspace=None, out=None):
+    """The runtime's convolution of `node` with `kernels` into a NaN-filled output, under a NaN-filled workspace of
+    exactly the planned size at `limit` (or `workspace`)."""
+    if workspace is None:
+        size = get_op(node.op).workspace(node, limit).nbytes // 4
+        workspace = np.full(size, np.nan, np.float32) if size else None
+    if out is None:
+        out = np.full(node.shape, np.nan, np.float32)
+    getattr(conv, node.op)(*arrays, out=out, workspace=workspace, native=kernels, **node.kwargs)
+    return out
+
+
+@pytest.fixture
+def recorded(lib, monkeypatch):  # noqa: F811
+    """The ops the blocked kernels computed: each call of `Native.blocked_conv` or `blocked_filter_sums`."""
+    ran = []
+    conv_, sums = lib.blocked_conv, lib.blocked_filter_sums
+    monkeypatch.setattr(lib, "blocked_conv", lambda *a: ran.append("conv") or conv_(*a))
+    monkeypatch.setattr(lib, "blocked_filter_sums", lambda *a: ran.append("filter") or sums(*a))
+    return ran
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
+def test_blocked_convolutions_equal_the_reference(lib, recorded, geometry):  # noqa: F811
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    n, c, h, w, o, kh, kw, pad = geometry
+    assert contract.blocked_conv(c, o, kh, kw, 1, pad, w + 2 * pad - kw + 1)
+    for node in _nodes(n, c, h, w, o, kh, kw, pad, bias=True):
+        arrays = _arrays(node, sum(geometry))
+        want = get_op(node.op).evaluate(EvalContext(np.float64), *[a.astype(np.float64) for a in arrays],
+                                        **node.kwargs)
+        for limit in (None, _samples_limit(node, 1)):
+            recorded.clear()
+            got = _run(lib, node, arrays, limit)
+            assert recorded, (node.op, limit)
+            assert not np.isnan(got).any()
+            # sums of fused multiply-adds in float32: within float32 rounding of the products' magnitude
+            scale = float(np.sqrt(np.abs(want).max() + 1.0))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * scale * np.sqrt(c * kh * kw))
+
+
+def test_the_bits_do_not_depend_on_threads_or_chunks(lib, recorded):  # noqa: F811
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    before = lib.threads
+    for node in _nodes(5, 32, 9, 13, 48, 3, 3, 1, bias=True):
+        arrays = _arrays(node, 7)
+        results = []
+        try:
+            for threads in (1, 2, 3):
+                lib.set_threads(threads)
+                for limit in (None, _samples_limit(node, 1), _samples_limit(node, 2)):
+                    results.append(_run(lib, node, arrays, limit))
+        finally:
+            lib.set_threads(before)
+        assert len(recorded) >= 9, node.op
+        for other in results[1:]:
+            np.testing.assert_array_equal(other, results[0])
+
+
+def test_the_planned_workspace_holds_the_blocked_copies(monkeypatch):
+    """Where the kernels run blocked, the op plans room for the filters' copy and the batch's operands (more where
+    numpy's im2col needs more), or under a limit as many samples' as it leaves room for; not even one sample's room:
+    numpy's workspace alone."""
+    for node in _nodes(4, 64, 8, 8, 256, 3, 3, 1, bias=False):
+        x_shape = {"conv2d": node.inputs[0].shape, "conv2d_bwd_data": node.shape,
+                   "conv2d_bwd_filter": node.inputs[1].shape}[node.op]
+        per_sample, once = contract.blocked_scratch(node.op, x_shape, (256, 64, 3, 3), 1)
+        op = get_op(node.op)
+        assert op.workspace(node, None).nbytes // 4 >= once + 4 * per_sample
+        assert op.workspace(node, _samples_limit(node, 2)).nbytes // 4 >= once + 2 * per_sample
+        tight = op.workspace(node, 1)
+        with monkeypatch.context() as patch:
+            patch.setattr(contract, "blocked_conv", lambda *args, **kwargs: False)
+            assert tight == op.workspace(node, 1)           # no room for the filters and a sample: numpy's alone
+
+
+def test_a_workspace_too_small_runs_im2col(lib, recorded):  # noqa: F811
+    """One float short of the filters' copy and a sample's operands: the im2col kernels, with the same result to
+    float32 rounding."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    x_shape, w_shape = (2, 128, 7, 7), (128, 128, 3, 3)
+    node = make("conv2d", (leaf("x", x_shape), leaf("w", w_shape)), stride=1, pad=1)
+    arrays = _arrays(node, 3)
+    per_sample, once = contract.blocked_scratch("conv2d", x_shape, w_shape, 1)
+    im2col = contract.conv2d_scratch(x_shape, w_shape, node.shape, 1, 1)
+    size = once + per_sample - 1
+    assert size >= 2 * im2col, "the case needs filters larger than the batch's im2col scratch"
+    plain = _run(lib, node, arrays, workspace=np.full(size, np.nan, np.float32))
+    assert not recorded
+    blocked = _run(lib, node, arrays)
+    assert recorded == ["conv"]
+    np.testing.assert_allclose(plain, blocked, rtol=1e-5, atol=1e-6 * float(np.abs(blocked).max()))
+
+
+@pytest.mark.parametrize("c,o", [(16, 32), (32, 16), (32, 32)])
+def test_an_input_gradient_over_its_output_gradient(lib, recorded, c, o):  # noqa: F811
+    """The input gradient taking over the bytes of its dying output gradient (same start; larger, smaller and the
+    same size): chunks of one sample in the safe order give the bits of separate buffers."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    node = _nodes(4, c, 8, 8, o, 3, 3, 1, bias=False)[1]
+    g, w = _arrays(node, c + o)
+    limit = _samples_limit(node, 1)
+    want = _run(lib, node, [g, w], limit=limit)
+    shared = np.empty(max(g.size, 4 * c * 64), np.float32)
+    g_over = shared[:g.size].reshape(g.shape)
+    g_over[...] = g
+    out = shared[:4 * c * 64].reshape(node.shape)
+    got = _run(lib, node, [g_over, w], limit=limit, out=out)
+    assert recorded and recorded[-1] == "conv"
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_rule_takes_stride_one_layers_of_many_channels():
+    assert contract.blocked_conv(64, 64, 3, 3, 1, 1, 56)
+    assert contract.blocked_conv(16, 16, 3, 3, 1, 1, contract.BLOCKED_CONV_ROW)
+    assert not contract.blocked_conv(64, 64, 3, 3, 2, 1, 28)                  # strided
+    assert not contract.blocked_conv(64, 64, 1, 1, 1, 0, 56)                  # pointwise: a product already
+    assert not contract.blocked_conv(3, 64, 7, 7, 1, 3, 112)                  # few input channels
+    assert not contract.blocked_conv(64, 8, 3, 3, 1, 1, 56)                   # few output channels
+    assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 4)                   # short rows
+    assert not contract.blocked_conv(64, 64, 3, 3, 1, 0, 54)                  # not "same" padding
+    assert not contract.blocked_conv(64, 64, 3, 1, 1, 1, 56)                  # not square
+    assert not contract.blocked_conv(20, 50, 5, 5, 1, 2, 8)                   # blocks half empty (LeNet's conv2)
+    assert contract.blocked_conv(48, 28, 5, 5, 1, 2, 8)                       # blocks 7/8 full
+    assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 56, groups=2)        # grouped
+
+
+def _build(tmp_path, name, *flags):
+    from deepdsl.codegen.native import compile_command
+
+    source = native.KERNELS_DIR / "cpu_ops.c"
+    done = subprocess.run(compile_command(source, tmp_path / name) + list(flags), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return native.Native(ctypes.CDLL(str(tmp_path / name)))
+
+
+def test_built_for_avx2_alone_the_bits_are_the_same(lib, tmp_path):  # noqa: F811
+    """Each lane sums alone in the same order, so two AVX2 registers per 16 channels give the bits of one AVX-512
+    register (where this processor has AVX-512; else both builds are AVX2's)."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    avx2 = _build(tmp_path, "avx2.so", "-mno-avx512f")
+    assert avx2.blocked
+    for node in _nodes(3, 48, 8, 11, 28, 3, 3, 1, bias=True):
+        arrays = _arrays(node, 5)
+        np.testing.assert_array_equal(_run(avx2, node, arrays), _run(lib, node, arrays))
+
+
+def test_without_avx2_the_convolutions_keep_im2col(tmp_path):
+    plain = _build(tmp_path, "plain.so", "-mno-avx2", "-mno-fma", "-mno-avx512f")
+    assert not plain.blocked
+    for node in _nodes(2, 16, 9, 9, 16, 3, 3, 1, bias=False):
+        arrays = _arrays(node, 1)
+        np.testing.assert_allclose(_run(plain, node, arrays), _run(None, node, arrays), rtol=1e-5, atol=1e-5)
