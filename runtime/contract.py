@@ -29,7 +29,7 @@ __all__ = [
     "ALIGNMENT", "COUNTER_KEY_STEP", "FLOAT_BYTES", "avg_pool_bwd_scratch", "avg_pool_divisor", "avg_pool_scratch",
     "bernoulli_mask", "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch",
     "conv2d_scratch",
-    "counter_key", "BLOCKED_CONV_CHANNELS", "BLOCKED_CONV_ROW", "blocked_conv", "blocked_scratch", "CHANNEL_BLOCK",
+    "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "BLOCKED_CONV_CHANNELS", "BLOCKED_CONV_ROW", "blocked_conv", "blocked_scratch", "CHANNEL_BLOCK",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
@@ -210,6 +210,20 @@ def direct_conv(c: int, kh: int, kw: int, stride: int, groups: int = 1) -> bool:
     input (runtime/kernels/cpu_conv.c), without the im2col matrix (its workspace stays planned: numpy's kernels,
     which the program falls back to, use it)."""
     return groups == 1 and stride == 1 and kw <= DIRECT_CONV_WIDTH and c * kh * kw <= DIRECT_CONV_ROWS
+
+
+POINTWISE_FILTER_CHANNELS = 32   # pointwise filter gradients of at most this many input (or output) channels
+
+
+def pointwise_filter(c: int, o: int, hw: int, kh: int, kw: int, stride: int, pad: int, groups: int = 1) -> bool:
+    """A pointwise convolution's filter gradient of few input channels (at most POINTWISE_FILTER_CHANNELS), or of
+    few output channels on planes of at least WIDE_PLANE positions (MobileNet's expansions and projections): a
+    product with a very long inner dimension and a thin side, which the compiled kernels compute straight from the
+    output gradient and the input (runtime/kernels/cpu_conv.c), without their transposed copies, before the thin
+    convolutions' kernels (`direct_conv`) would: a matrix-product library, or those, run such products several
+    times slower."""
+    return pointwise_conv(kh, kw, stride, pad) and groups == 1 and (
+        c <= POINTWISE_FILTER_CHANNELS or (o <= POINTWISE_FILTER_CHANNELS and hw >= WIDE_PLANE))
 
 
 CHANNEL_BLOCK = 16          # channels a blocked copy keeps together (runtime/kernels/cpu_blocked.c: DEEPDSL_BLOCK)

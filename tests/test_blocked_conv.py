@@ -1,7 +1,7 @@
 """Stride-1 convolutions of many channels computed directly on channel-blocked copies by the compiled kernels
 (runtime/kernels/cpu_blocked.c, `contract.blocked_conv`): the convolution and both its gradients against float64
 reference semantics on odd geometries (channels that leave a block partly empty, rows shorter and longer than a
-register tile, kernels of other sizes, no padding and padding to the kernel's reach), with bias, into NaN-filled
+register tile, 3x3, 5x5 and 7x7 kernels, one taller than its input), with bias, into NaN-filled
 outputs under NaN-filled workspaces of exactly the planned size; the same bits on 1, 2 and 3 threads, in chunks of
 one sample and of all, and built for AVX2 alone; an input gradient over its output gradient's bytes; the fallback to
 im2col where the workspace is too small or the processor has no AVX2. Networks whose layers run here (resnet_mini,
@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -217,3 +219,20 @@ def test_without_avx2_the_convolutions_keep_im2col(tmp_path):
     for node in _nodes(2, 16, 9, 9, 16, 3, 3, 1, bias=False):
         arrays = _arrays(node, 1)
         np.testing.assert_allclose(_run(plain, node, arrays), _run(None, node, arrays), rtol=1e-5, atol=1e-5)
+
+
+def test_the_layer_benchmark_runs():
+    """benchmarks/conv_layers.py on a small network: a row per distinct convolution at one thread, the blocked
+    column filled exactly for the layers `contract.blocked_conv` takes, and the step's sums."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "conv_layers.py"), "--network", "resnet_mini",
+                           "--batch", "2", "--image", "0", "--threads", "1", "--rounds", "1", "--calls", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] and
+            line.split()[0].startswith("conv2d")]
+    assert rows and all(row[4] == "1" for row in rows)
+    blocked = [row for row in rows if row[7] != "-"]
+    assert blocked and len(blocked) < len(rows)
+    assert "the step's convolutions" in done.stdout
+    assert done.stdout.splitlines()[0].split(";")[0] in ("AVX-512", "AVX2", "no AVX2", "unknown")

@@ -60,7 +60,10 @@ def _check_against_numpy(kernels, case, pad):
         got = _convolutions(kernels, x, w, b, g, pad)
     finally:
         del kernels.direct
-    assert ran == ["conv2d", "conv2d_bwd_filter"]
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    pointwise = contract.pointwise_filter(c, o, g.shape[2] * g.shape[3], kh, kw, 1, pad)    # (its own kernel)
+    assert ran == ["conv2d"] + ([] if pointwise else ["conv2d_bwd_filter"])
     # the forward sums the taps in numpy's order (fused where the processor fuses, as OpenBLAS does); the filter
     # gradient in eight interleaved partial sums: within float32 rounding of the sums' magnitude
     for g_, w_ in zip(got, want):
@@ -142,3 +145,69 @@ def test_the_kernel_benchmark_runs():
     thin = [line for line in lines if re.match(r"\s*\d+x\d+x\d+x\d+ \d+x\d+x\d+ pad \d+\s+1\s", line)]
     products = [line for line in lines if re.match(r"\s*\d+ x \d+ x \d+\s+1\s", line)]
     assert len(thin) == 5 and len(products) == 8, done.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pointwise filter gradients straight from their operands (`contract.pointwise_filter`)
+
+POINTWISE = [  # (N, O, C, H, W): tails of positions and of tiles, MobileNet's shapes, a plane of one position
+    (2, 96, 16, 11, 13), (3, 5, 7, 9, 9), (1, 24, 144, 16, 16), (2, 33, 30, 1, 1), (1, 17, 3, 40, 41),
+]
+
+
+def _pointwise(kernels, g, x):
+    out = np.full((g.shape[1], x.shape[1], 1, 1), np.nan, np.float32)
+    per, acc = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, (1, 1), 0)
+    workspace = np.full(g.shape[0] * per + acc, np.nan, np.float32)
+    conv.conv2d_bwd_filter(g, x, out=out, stride=1, pad=0, kernel=(1, 1), workspace=workspace, native=kernels)
+    return out
+
+
+@pytest.mark.parametrize("shape", POINTWISE, ids=[str(s) for s in POINTWISE])
+def test_pointwise_filter_gradients_equal_the_reference(lib, shape, monkeypatch):  # noqa: F811
+    n, o, c, h, w = shape
+    assert contract.pointwise_filter(c, o, h * w, 1, 1, 1, 0)
+    rng = np.random.default_rng(sum(shape))
+    g = rng.standard_normal((n, o, h, w)).astype(np.float32)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    ran, direct = [], lib.pointwise_filter
+    monkeypatch.setattr(lib, "pointwise_filter", lambda *a: ran.append(1) or direct(*a))
+    got = _pointwise(lib, g, x)
+    assert ran and not np.isnan(got).any()
+    want = np.einsum("nop,ncp->oc", g.reshape(n, o, -1).astype(np.float64), x.reshape(n, c, -1).astype(np.float64))
+    np.testing.assert_allclose(got[:, :, 0, 0], want, rtol=1e-5, atol=1e-6 * np.sqrt(n * h * w))
+    results = []
+    before = lib.threads
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            results.append(_pointwise(lib, g, x))
+    finally:
+        lib.set_threads(before)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
+def test_pointwise_filter_gradients_built_for_avx2_give_the_same_bits(lib, tmp_path):  # noqa: F811
+    """16 lanes in two AVX2 registers or one AVX-512 register, added up in the same order: the same bits."""
+    source = native.KERNELS_DIR / "cpu_ops.c"
+    from deepdsl.codegen.native import compile_command
+
+    done = subprocess.run(compile_command(source, tmp_path / "avx2.so") + ["-mno-avx512f"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    avx2 = native.Native(ctypes.CDLL(str(tmp_path / "avx2.so")))
+    rng = np.random.default_rng(1)
+    g = rng.standard_normal((2, 37, 9, 23)).astype(np.float32)
+    x = rng.standard_normal((2, 19, 9, 23)).astype(np.float32)
+    np.testing.assert_array_equal(_pointwise(avx2, g, x), _pointwise(lib, g, x))
+
+
+def test_the_rule_takes_thin_pointwise_filter_gradients():
+    assert contract.pointwise_filter(16, 96, 112 * 112, 1, 1, 1, 0)           # few inputs
+    assert contract.pointwise_filter(144, 24, 56 * 56, 1, 1, 1, 0)            # few outputs on a wide plane
+    assert not contract.pointwise_filter(192, 32, 7 * 7, 1, 1, 1, 0)          # few outputs on a small plane
+    assert not contract.pointwise_filter(256, 64, 28 * 28, 1, 1, 1, 0)        # a product of ordinary shape
+    assert not contract.pointwise_filter(16, 96, 56 * 56, 1, 1, 2, 0)         # strided
+    assert not contract.pointwise_filter(16, 96, 56 * 56, 3, 3, 1, 1)         # not pointwise
+    assert not contract.pointwise_filter(16, 96, 56 * 56, 1, 1, 1, 0, groups=2)

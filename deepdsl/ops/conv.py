@@ -1,5 +1,6 @@
 """2-D convolution (cross-correlation, PyTorch layouts: x (N,C,H,W), w (O,C/groups,kh,kw), b (O,)) and its two
-backward ops. The reference semantics are im2col + GEMM, as the CPU runtime computes them.
+backward ops. The reference semantics are im2col + GEMM, as the CPU runtime's numpy kernels compute them (its
+compiled kernels compute some layers directly: `contract.direct_conv`, `contract.blocked_conv`).
 
 `groups` (an attribute present only when above 1, PyTorch's Conv2d `groups`) splits the input and output channels
 into that many consecutive groups, group k's outputs convolving group k's inputs only (depthwise: one input channel
@@ -127,7 +128,8 @@ class Conv2d(Op):
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.conv2d_scratch`: the im2col matrix, on small planes room for the
         larger of it and the regrouped result, and with padding the zero-padded input; a 1x1 stride-1 convolution's
-        regrouped input and result on small planes, else none) for the whole batch, or its chunks' within `limit`."""
+        regrouped input and result on small planes, else none) for the whole batch, or its chunks' within `limit`;
+        or the compiled kernels' blocked copies where they are larger (`_with_blocked`)."""
         x, w = node.inputs[:2]
         per_sample = contract.conv2d_scratch(x.shape, w.shape, node.shape, node.attr("stride", 1), node.attr("pad", 0),
                                              node.attr("groups", 1))
@@ -173,7 +175,8 @@ class Conv2dBwdData(Op):
         """The CPU kernel's scratch (`contract.conv2d_bwd_data_scratch`: the column gradients, with stride 1 on
         rows as wide as the padded input, with the widened output gradient and the padded input gradient, with other
         strides on small planes after the regrouped output gradient; a 1x1 stride-1 convolution's regrouped output
-        gradient and result on small planes, else none) for the whole batch, or its chunks' within `limit`."""
+        gradient and result on small planes, else none) for the whole batch, or its chunks' within `limit`; or the
+        compiled kernels' blocked copies where they are larger (`_with_blocked`)."""
         g, w = node.inputs
         per_sample = contract.conv2d_bwd_data_scratch(g.shape, w.shape, node.attr("size"), node.attr("stride", 1),
                                                       node.attr("pad", 0), node.attr("groups", 1))
@@ -209,7 +212,8 @@ class Conv2dBwdFilter(Op):
     def workspace(self, node, limit=None):
         """The CPU kernel's scratch (`contract.conv2d_bwd_filter_scratch`: per sample the im2col matrix, the output
         gradient transposed and with padding the zero-padded input; an accumulator when the batch runs in more than
-        one chunk) for the whole batch, or its chunks' within `limit`."""
+        one chunk) for the whole batch, or its chunks' within `limit`; or the compiled kernels' blocked copies where
+        they are larger (`_with_blocked`)."""
         g, x = node.inputs
         per_sample, fixed = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, node.attr("kernel"),
                                                                node.attr("pad", 0), node.attr("groups", 1))

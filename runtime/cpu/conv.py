@@ -441,12 +441,16 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
     Workspace per sample: its im2col matrix (C*kh*kw, Ho*Wo), its gradient transposed to (O, Ho*Wo) and with
     padding the zero-padded input; plus an accumulator of the weights' size when the batch runs in several chunks.
     With `groups` the product is stacked: group k's output gradient (O/groups, samples*Ho*Wo) by group k's rows of
-    the im2col matrix, transposed. With `native`, a thin convolution's (`contract.direct_conv`) runs straight from
-    the input, without workspace."""
+    the im2col matrix, transposed. With `native`, a thin pointwise convolution's (`contract.pointwise_filter`) runs
+    straight from its operands and another thin one's (`contract.direct_conv`) straight from the input, both
+    without workspace, and a blocked one's (`_blocked`) on channel-blocked copies."""
     n, o, ho, wo = g.shape
     c, h, wd = x.shape[1:]
     kh, kw = kernel
     ckk = c * kh * kw
+    if native is not None and contract.pointwise_filter(c, o, ho * wo, kh, kw, stride, pad, groups) and \
+            native.pointwise_filter(g, x, out):
+        return
     if native is not None and native.direct("conv2d_bwd_filter", g, x, None, out, stride, pad):
         return
     if groups == 1 and _blocked("conv2d_bwd_filter", g, x, None, out, stride, pad, workspace, native):

@@ -7,11 +7,13 @@ loaded; a build in progress, `deepdsl compile`'s in the background, is waited fo
 and the reason: the program then runs the numpy kernels). `build_library` builds it (for `deepdsl compile`, and for
 a program's first run where it is missing: `to_build`). `Native` runs the kernels that replace numpy passes:
 im2col, axis swaps and the input gradient's shifted sums inside the convolutions, thin convolutions and their
-filter gradients straight from the input (`contract.direct_conv`), direct convolutions of many channels on
+filter gradients straight from the input (`contract.direct_conv`), thin pointwise filter gradients straight from
+their operands (`contract.pointwise_filter`), direct convolutions of many channels on
 channel-blocked copies in their planned workspace (`contract.blocked_conv`), max pooling with its argmax and
 its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or last-axis
 vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel
-writes (to float32 rounding where it sums in another order: thin and blocked convolutions, LRN with beta 0.75),
+writes (to float32 rounding where it sums in another order: thin, pointwise and blocked convolutions, LRN with
+beta 0.75),
 into the same buffers, within the statement's planned workspace (the plan holds the larger of a blocked convolution's
 copies and numpy's im2col scratch), so the memory plan is the same with or without them. Where numpy's BLAS is an OpenBLAS with a CBLAS sgemm, `gemm` computes the matrix products on the
 kernels' threads too (numpy's BLAS on one thread: one team for the whole step). `set_threads` sets the kernels'
@@ -247,6 +249,10 @@ class Native:
         self._bernoulli = getattr(lib, "deepdsl_bernoulli", None)
         if self._bernoulli is not None:
             self._bernoulli.argtypes = [_P, _L, ctypes.c_ulonglong, ctypes.c_ulonglong, _F]
+        # (nor pointwise filter gradients straight from their operands)
+        self._pointwise_filter = getattr(lib, "deepdsl_pointwise_filter", None)
+        if self._pointwise_filter is not None:
+            self._pointwise_filter.argtypes = [_P, _P, _I, _I, _I, _L, _P]
         # (nor direct convolutions on channel-blocked copies; nor has a library built for a processor without AVX2
         # and fused multiply-adds)
         blocked = getattr(lib, "deepdsl_blocked_kernels", None)
@@ -438,6 +444,16 @@ class Native:
         else:
             self.lib.deepdsl_direct_conv_bwd_filter(a.ctypes.data, b.ctypes.data, m, c, h, w, o, kh, kw, ho, wo, pad,
                                                     out.ctypes.data)
+        return True
+
+    def pointwise_filter(self, g: np.ndarray, x: np.ndarray, out: np.ndarray) -> bool:
+        """out (O, C, 1, 1) = the filter gradient of a pointwise convolution (`contract.pointwise_filter`) from its
+        output gradient g (m, O, H, W) and input x (m, C, H, W), read in place (`deepdsl_pointwise_filter`); False
+        where the library has no such kernel or the arrays are not contiguous float32."""
+        if self._pointwise_filter is None or not _contiguous32(g, x, out):
+            return False
+        m, o, h, w = g.shape
+        self._pointwise_filter(g.ctypes.data, x.ctypes.data, m, o, x.shape[1], h * w, out.ctypes.data)
         return True
 
     # blocked copies (kernels/cpu_blocked.c; `self.blocked`: the library has them): the caller,

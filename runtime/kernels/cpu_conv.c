@@ -2,7 +2,8 @@
 // as in a network's first layer on images of few channels, LeNet's conv1), where the im2col matrix would be kh*kw
 // copies of the input and its products too narrow for a matrix-product library to run fast or on several threads.
 // The convolution and its filter gradient straight from the input, no workspace (runtime/cpu/conv.py takes this
-// path where `contract.direct_conv` says so).
+// path where `contract.direct_conv` says so). At the end: the filter gradients of thin pointwise convolutions
+// straight from their operands (`contract.pointwise_filter`).
 //
 // Every output is summed by one thread in one fixed order, so results do not depend on the thread count: an output
 // of the forward is the sum over the taps (c, i, j) in that order, then the bias (as numpy's product, then its
@@ -257,6 +258,137 @@ void deepdsl_direct_conv_bwd_filter(const float* g, const float* x, int m, int c
             case 3: deepdsl_direct_filter_taps(go, xc, g_sample, x_sample, m, h, wd, kh, 3, ho, wo, pad, d); break;
             case 5: deepdsl_direct_filter_taps(go, xc, g_sample, x_sample, m, h, wd, kh, 5, ho, wo, pad, d); break;
             default: deepdsl_direct_filter_taps(go, xc, g_sample, x_sample, m, h, wd, kh, kw, ho, wo, pad, d);
+            }
+        }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Filter gradients of pointwise convolutions straight from the input (`contract.pointwise_filter`): dw (O, C) =
+// sum over samples s of g[s] (O, P) x[s]^T (P, C), P = H*W positions, both operands read in place (no transposed
+// copies) with the positions in the vectors' lanes. A tile of DEEPDSL_PW_O x DEEPDSL_PW_C filters keeps 16 lanes of
+// sums each in registers over a chunk of positions of a sample, whose rows of all channels stay in the cache for
+// every tile (DEEPDSL_PW_CACHE); each chunk's lanes are added up in a fixed order and the chunks' sums added to dw in
+// order: the same bits on any number of threads, and with AVX2 (two registers of 8 lanes) as with AVX-512.
+
+#if defined(__AVX512F__)
+#define DEEPDSL_PW_O 4                  /* a tile's filters: 16 accumulators of 32 registers */
+#define DEEPDSL_PW_C 4
+#else
+#define DEEPDSL_PW_O 2                  /* 2 x 2 pairs of 8 lanes: 8 accumulators of 16 registers */
+#define DEEPDSL_PW_C 2
+#endif
+#define DEEPDSL_PW_CACHE (1L << 17)     /* floats of a chunk's rows (512 KB) */
+
+// The sum of 16 lanes in one fixed order (pairs, then pairs of pairs).
+static inline float deepdsl_lanes16_sum(const float* v) {
+    float a[8];
+    for (int l = 0; l < 8; ++l) a[l] = v[l] + v[l + 8];
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// partial[i][j] = sum over positions k < n of g[i * plane + k] * x[j * plane + k] for i < TO, j < TC: 16 lanes of
+// fused multiply-adds, the last vector's positions past n read from zero-filled copies.
+static inline __attribute__((always_inline)) void deepdsl_pointwise_tile(
+        const float* g, const float* x, long plane, long n, int TO, int TC, float* partial) {
+    float gt[DEEPDSL_PW_O][16], xt[DEEPDSL_PW_C][16];
+    const long full = n / 16 * 16, rest = n - full;
+    for (int i = 0; i < TO; ++i) {
+        memset(gt[i], 0, sizeof gt[i]);
+        memcpy(gt[i], g + i * plane + full, sizeof(float) * rest);
+    }
+    for (int j = 0; j < TC; ++j) {
+        memset(xt[j], 0, sizeof xt[j]);
+        memcpy(xt[j], x + j * plane + full, sizeof(float) * rest);
+    }
+#if defined(__AVX512F__)
+    __m512 acc[DEEPDSL_PW_O][DEEPDSL_PW_C];
+    for (int i = 0; i < TO; ++i)
+        for (int j = 0; j < TC; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (long k = 0; k <= full; k += 16) {
+        const int last = k == full;
+        if (last && !rest) break;
+        __m512 gv[DEEPDSL_PW_O], xv[DEEPDSL_PW_C];
+        #pragma GCC unroll 4
+        for (int i = 0; i < TO; ++i) gv[i] = _mm512_loadu_ps(last ? gt[i] : g + i * plane + k);
+        #pragma GCC unroll 4
+        for (int j = 0; j < TC; ++j) xv[j] = _mm512_loadu_ps(last ? xt[j] : x + j * plane + k);
+        #pragma GCC unroll 4
+        for (int i = 0; i < TO; ++i)
+            #pragma GCC unroll 4
+            for (int j = 0; j < TC; ++j) acc[i][j] = _mm512_fmadd_ps(gv[i], xv[j], acc[i][j]);
+    }
+    for (int i = 0; i < TO; ++i)
+        for (int j = 0; j < TC; ++j) {
+            float lanes[16];
+            _mm512_storeu_ps(lanes, acc[i][j]);
+            partial[i * TC + j] = deepdsl_lanes16_sum(lanes);
+        }
+#else
+    deepdsl_v8f lo[DEEPDSL_PW_O][DEEPDSL_PW_C], hi[DEEPDSL_PW_O][DEEPDSL_PW_C];
+    for (int i = 0; i < TO; ++i)
+        for (int j = 0; j < TC; ++j) lo[i][j] = hi[i][j] = (deepdsl_v8f){0};
+    for (long k = 0; k <= full; k += 16) {
+        const int last = k == full;
+        if (last && !rest) break;
+        deepdsl_v8f g0[DEEPDSL_PW_O], g1[DEEPDSL_PW_O], x0[DEEPDSL_PW_C], x1[DEEPDSL_PW_C];
+        #pragma GCC unroll 4
+        for (int i = 0; i < TO; ++i) {
+            const float* from = last ? gt[i] : g + i * plane + k;
+            memcpy(&g0[i], from, sizeof g0[i]);
+            memcpy(&g1[i], from + 8, sizeof g1[i]);
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < TC; ++j) {
+            const float* from = last ? xt[j] : x + j * plane + k;
+            memcpy(&x0[j], from, sizeof x0[j]);
+            memcpy(&x1[j], from + 8, sizeof x1[j]);
+        }
+        #pragma GCC unroll 4
+        for (int i = 0; i < TO; ++i)
+            #pragma GCC unroll 4
+            for (int j = 0; j < TC; ++j) {
+                lo[i][j] = DEEPDSL_FMA(lo[i][j], g0[i], x0[j]);
+                hi[i][j] = DEEPDSL_FMA(hi[i][j], g1[i], x1[j]);
+            }
+    }
+    for (int i = 0; i < TO; ++i)
+        for (int j = 0; j < TC; ++j) {
+            float lanes[16];
+            memcpy(lanes, &lo[i][j], sizeof lo[i][j]);
+            memcpy(lanes + 8, &hi[i][j], sizeof hi[i][j]);
+            partial[i * TC + j] = deepdsl_lanes16_sum(lanes);
+        }
+#endif
+}
+
+// dw (o, c) = the filter gradient of a pointwise convolution from its output gradient g (m, o, P) and input
+// x (m, c, P): per sample, chunks of positions whose rows of all channels fit DEEPDSL_PW_CACHE (whole vectors), and
+// per chunk the tiles on the kernels' threads, each chunk's sums added to dw in order.
+void deepdsl_pointwise_filter(const float* g, const float* x, int m, int o, int c, long plane, float* dw) {
+    long chunk = DEEPDSL_PW_CACHE / (o + c) / 16 * 16;
+    if (chunk < 16) chunk = 16;
+    const int to = (o + DEEPDSL_PW_O - 1) / DEEPDSL_PW_O, tc = (c + DEEPDSL_PW_C - 1) / DEEPDSL_PW_C;
+    for (int s = 0; s < m; ++s)
+        for (long p0 = 0; p0 < plane; p0 += chunk) {
+            const long n = plane - p0 < chunk ? plane - p0 : chunk;
+            const int first = s == 0 && p0 == 0;
+#pragma omp parallel for schedule(static) if ((long)o * c * n >= DEEPDSL_PARALLEL_MIN)
+            for (int t = 0; t < to * tc; ++t) {
+                const int o0 = t / tc * DEEPDSL_PW_O, c0 = t % tc * DEEPDSL_PW_C;
+                const int ro = o - o0 < DEEPDSL_PW_O ? o - o0 : DEEPDSL_PW_O;
+                const int rc = c - c0 < DEEPDSL_PW_C ? c - c0 : DEEPDSL_PW_C;
+                const float* gs = g + ((long)s * o + o0) * plane + p0;
+                const float* xs = x + ((long)s * c + c0) * plane + p0;
+                float partial[DEEPDSL_PW_O * DEEPDSL_PW_C];
+                if (ro == DEEPDSL_PW_O && rc == DEEPDSL_PW_C)
+                    deepdsl_pointwise_tile(gs, xs, plane, n, DEEPDSL_PW_O, DEEPDSL_PW_C, partial);
+                else
+                    deepdsl_pointwise_tile(gs, xs, plane, n, ro, rc, partial);
+                for (int i = 0; i < ro; ++i)
+                    for (int j = 0; j < rc; ++j) {
+                        float* to_ = dw + (long)(o0 + i) * c + c0 + j;
+                        *to_ = first ? partial[i * rc + j] : *to_ + partial[i * rc + j];
+                    }
             }
         }
 }
