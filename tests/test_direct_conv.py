@@ -211,3 +211,69 @@ def test_the_rule_takes_thin_pointwise_filter_gradients():
     assert not contract.pointwise_filter(16, 96, 56 * 56, 1, 1, 2, 0)         # strided
     assert not contract.pointwise_filter(16, 96, 56 * 56, 3, 3, 1, 1)         # not pointwise
     assert not contract.pointwise_filter(16, 96, 56 * 56, 1, 1, 1, 0, groups=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# depthwise convolutions, stride 1 widened (the padded plane in the thread's buffer, each tap one flat pass)
+
+DEPTHWISE = [  # (N, C, H, W, k, stride, pad): widened (small and large planes, no padding, padding to the kernel's
+    # reach, a 1x1 plane, planes past the filter gradient's row limit and below it); row by row (stride 2, padding
+    # wider than the kernel, a plane past the buffer's limit)
+    (2, 3, 9, 11, 3, 1, 1), (1, 2, 30, 17, 5, 1, 2), (2, 4, 7, 7, 3, 1, 0), (3, 2, 1, 1, 3, 1, 1),
+    (2, 5, 4, 4, 3, 1, 1), (1, 2, 16, 16, 3, 1, 2), (2, 3, 13, 10, 3, 2, 1), (1, 2, 6, 6, 3, 1, 3),
+    (1, 1, 300, 260, 3, 1, 1),
+]
+
+
+def _depthwise(kernels, arrays, op, n, c, h, w, k, stride, pad):
+    out_shape = {"conv2d": arrays[0].shape[:2] + (contract.out_size(h, k, stride, pad),
+                                                  contract.out_size(w, k, stride, pad)),
+                 "conv2d_bwd_data": (n, c, h, w), "conv2d_bwd_filter": (c, 1, k, k)}[op]
+    out = np.full(out_shape, np.nan, np.float32)
+    extra = {"conv2d_bwd_data": {"size": (h, w)}, "conv2d_bwd_filter": {"kernel": (k, k)}}.get(op, {})
+    getattr(conv, op)(*arrays, out=out, stride=stride, pad=pad, groups=c, workspace=None, native=kernels, **extra)
+    return out
+
+
+@pytest.mark.parametrize("geometry", DEPTHWISE, ids=[str(g) for g in DEPTHWISE])
+def test_depthwise_convolutions_equal_numpy_at_any_thread_count(lib, geometry):  # noqa: F811
+    n, c, h, w, k, stride, pad = geometry
+    ho, wo = contract.out_size(h, k, stride, pad), contract.out_size(w, k, stride, pad)
+    rng = np.random.default_rng(sum(geometry))
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    f = rng.standard_normal((c, 1, k, k)).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    g = rng.standard_normal((n, c, ho, wo)).astype(np.float32)
+    before = lib.threads
+    for op, arrays in (("conv2d", (x, f, b)), ("conv2d_bwd_data", (g, f)), ("conv2d_bwd_filter", (g, x))):
+        want = _depthwise(None, arrays, op, n, c, h, w, k, stride, pad)
+        runs = []
+        try:
+            for threads in (1, 2, 3):
+                lib.set_threads(threads)
+                runs.append(_depthwise(lib, arrays, op, n, c, h, w, k, stride, pad))
+        finally:
+            lib.set_threads(before)
+        assert not np.isnan(runs[0]).any(), op
+        # the taps in numpy's order; the filter gradient's sums in another (16 lanes): float32 rounding
+        np.testing.assert_allclose(runs[0], want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+        for other in runs[1:]:
+            np.testing.assert_array_equal(other, runs[0])
+
+
+def test_depthwise_convolutions_built_for_avx2_give_the_same_bits(lib, tmp_path):  # noqa: F811
+    source = native.KERNELS_DIR / "cpu_ops.c"
+    from deepdsl.codegen.native import compile_command
+
+    done = subprocess.run(compile_command(source, tmp_path / "avx2.so") + ["-mno-avx512f"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    avx2 = native.Native(ctypes.CDLL(str(tmp_path / "avx2.so")))
+    n, c, h, w, k, stride, pad = 2, 3, 19, 23, 3, 1, 1
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    f = rng.standard_normal((c, 1, k, k)).astype(np.float32)
+    g = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    for op, arrays in (("conv2d", (x, f)), ("conv2d_bwd_data", (g, f)), ("conv2d_bwd_filter", (g, x))):
+        np.testing.assert_array_equal(_depthwise(avx2, arrays, op, n, c, h, w, k, stride, pad),
+                                      _depthwise(lib, arrays, op, n, c, h, w, k, stride, pad))

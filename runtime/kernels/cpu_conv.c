@@ -279,13 +279,6 @@ void deepdsl_direct_conv_bwd_filter(const float* g, const float* x, int m, int c
 #endif
 #define DEEPDSL_PW_CACHE (1L << 17)     /* floats of a chunk's rows (512 KB) */
 
-// The sum of 16 lanes in one fixed order (pairs, then pairs of pairs).
-static inline float deepdsl_lanes16_sum(const float* v) {
-    float a[8];
-    for (int l = 0; l < 8; ++l) a[l] = v[l] + v[l + 8];
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
-
 // partial[i][j] = sum over positions k < n of g[i * plane + k] * x[j * plane + k] for i < TO, j < TC: 16 lanes of
 // fused multiply-adds, the last vector's positions past n read from zero-filled copies.
 static inline __attribute__((always_inline)) void deepdsl_pointwise_tile(

@@ -13,6 +13,7 @@
 // results do not depend on the thread count.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include "deepdsl_math.h"
 #include "deepdsl_random.h"
@@ -164,9 +165,71 @@ static void deepdsl_depthwise_taps(const float* f, int h, int wd, int kh, int kw
     }
 }
 
+// Stride-1 depthwise convolutions on planes of at most DEEPDSL_DW_PLANE floats padded run "widened": the plane is
+// copied with its zero padding (and kw - 1 zeros after it) into the thread's buffer, and each tap's products are
+// added over rows as wide as the padded plane in one flat, vectorized pass (the columns past the output's are
+// computed and dropped), rather than row by row and tap by tap. The same products are added in the same order (a
+// padding position adds a zero product where the row-by-row loops skip it), so the sums are the same.
+#define DEEPDSL_DW_PLANE (1L << 16)
+#define DEEPDSL_DW_FILTER_ROWS 128      /* the filter gradient's widened rows at least (small planes: row by row) */
+
+// Whether a stride-1 depthwise convolution's planes run widened.
+static inline int deepdsl_depthwise_widened(int h, int wd, int kh, int kw, int stride, int pad) {
+    return stride == 1 && pad < kh && pad < kw &&
+           (long)(h + kh - 1 + 2 * pad) * (wd + kw - 1 + 2 * pad) + kw <= DEEPDSL_DW_PLANE;
+}
+
+// to (rows x width, then `extra` zeros) = the (h, wd) plane `from` with `top` zero rows above, `left` zero columns
+// before each row and zeros after it up to `width`, and zero rows below.
+static void deepdsl_padded_plane(const float* from, int h, int wd, int top, int left, int rows, int width, int extra,
+                                 float* to) {
+    memset(to, 0, sizeof(float) * ((long)rows * width + extra));
+    for (int p = 0; p < h; ++p) memcpy(to + (long)(top + p) * width + left, from + (long)p * wd, sizeof(float) * wd);
+}
+
+// wide[k] = sum over taps (i, j) in order of f[i][j] * src[k + i * width + j] for k < n (unfused, as the row loops)
+static void deepdsl_widened_taps(const float* f, int kh, int kw, int width, const float* src, long n, int flip,
+                                 float* wide) {
+    memset(wide, 0, sizeof(float) * n);
+    for (int i = 0; i < kh; ++i)
+        for (int j = 0; j < kw; ++j) {
+            const float tap = f[i * kw + j];
+            const float* from = src + (long)(flip ? kh - 1 - i : i) * width + (flip ? kw - 1 - j : j);
+#pragma omp simd
+            for (long k = 0; k < n; ++k) wide[k] += tap * from[k];
+        }
+}
+
 // The sum over the taps comes first, then the bias, as numpy's products do.
 void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m, int c, int h, int wd, int kh,
                        int kw, int ho, int wo, int stride, int pad, float* out) {
+    if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad)) {
+        const int hp = h + 2 * pad, wp = wd + 2 * pad;
+#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+        {
+            float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + (long)ho * wp));
+            float* wide = plane + (long)hp * wp + kw;
+#pragma omp for collapse(2) schedule(static)
+            for (int s = 0; s < m; ++s)
+                for (int ch = 0; ch < c; ++ch) {
+                    deepdsl_padded_plane(x + ((long)s * c + ch) * h * wd, h, wd, pad, pad, hp, wp, kw, plane);
+                    deepdsl_widened_taps(w + (long)ch * kh * kw, kh, kw, wp, plane, (long)ho * wp, 0, wide);
+                    float* dst = out + ((long)s * c + ch) * ho * wo;
+                    const float b = bias ? bias[ch] : 0.0f;
+                    for (int p = 0; p < ho; ++p) {
+                        const float* row = wide + (long)p * wp;
+                        if (bias) {
+#pragma omp simd
+                            for (int q = 0; q < wo; ++q) dst[(long)p * wo + q] = row[q] + b;
+                        } else {
+                            memcpy(dst + (long)p * wo, row, sizeof(float) * wo);
+                        }
+                    }
+                }
+            free(plane);
+        }
+        return;
+    }
 #pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
     for (int s = 0; s < m; ++s) {
         for (int ch = 0; ch < c; ++ch) {
@@ -183,8 +246,29 @@ void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m,
     }
 }
 
+// The input gradient widened: the output gradient padded by kh - 1 - pad rows and kw - 1 - pad columns, each tap
+// (in order) times it shifted by the turned-around tap: dx[y][x] = sum over (i, j) of w[i][j] g[y + pad - i]
+// [x + pad - j], the products the scatter adds, in its order.
 void deepdsl_depthwise_bwd_data(const float* g, const float* w, int m, int c, int h, int wd, int kh, int kw, int ho,
                                 int wo, int stride, int pad, float* dx) {
+    if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad)) {
+        const int top = kh - 1 - pad, left = kw - 1 - pad, hp = ho + 2 * top, wp = wo + 2 * left;
+#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+        {
+            float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + (long)h * wp));
+            float* wide = plane + (long)hp * wp + kw;
+#pragma omp for collapse(2) schedule(static)
+            for (int s = 0; s < m; ++s)
+                for (int ch = 0; ch < c; ++ch) {
+                    deepdsl_padded_plane(g + ((long)s * c + ch) * ho * wo, ho, wo, top, left, hp, wp, kw, plane);
+                    deepdsl_widened_taps(w + (long)ch * kh * kw, kh, kw, wp, plane, (long)h * wp, 1, wide);
+                    float* dst = dx + ((long)s * c + ch) * h * wd;
+                    for (int p = 0; p < h; ++p) memcpy(dst + (long)p * wd, wide + (long)p * wp, sizeof(float) * wd);
+                }
+            free(plane);
+        }
+        return;
+    }
 #pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
     for (int s = 0; s < m; ++s) {
         for (int ch = 0; ch < c; ++ch) {
@@ -196,10 +280,63 @@ void deepdsl_depthwise_bwd_data(const float* g, const float* w, int m, int c, in
     }
 }
 
+// The sum of 16 lanes in one fixed order (pairs, then pairs of pairs).
+static inline float deepdsl_lanes16_sum(const float* v) {
+    float a[8];
+    for (int l = 0; l < 8; ++l) a[l] = v[l] + v[l + 8];
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// sum over k < n of a[k] * b[k] in 16 lanes (two vectors of 8: the same sums on any SIMD width), added up at the end.
+static float deepdsl_dot16(const float* a, const float* b, long n) {
+    deepdsl_v8f lo = {0}, hi = {0};
+    long k = 0;
+    for (; k + 16 <= n; k += 16) {
+        deepdsl_v8f a0, a1, b0, b1;
+        memcpy(&a0, a + k, sizeof a0);
+        memcpy(&a1, a + k + 8, sizeof a1);
+        memcpy(&b0, b + k, sizeof b0);
+        memcpy(&b1, b + k + 8, sizeof b1);
+        lo += a0 * b0;
+        hi += a1 * b1;
+    }
+    float lanes[16];
+    memcpy(lanes, &lo, sizeof lo);
+    memcpy(lanes + 8, &hi, sizeof hi);
+    for (long l = 0; k + l < n; ++l) lanes[l] += a[k + l] * b[k + l];
+    return deepdsl_lanes16_sum(lanes);
+}
+
 // Its filter gradient: for each channel and tap, the sum over samples and output positions of the output gradient
-// times the input the tap read.
+// times the input the tap read. Widened (stride 1, `deepdsl_depthwise_widened`): per sample, the output gradient
+// with zero columns to the padded input's width, and each tap's sum one flat dot product of it with the padded input
+// shifted by the tap (16 lanes), the samples' sums added in order; where those rows are fewer than
+// DEEPDSL_DW_FILTER_ROWS floats, row by row (copying such a plane costs more than its few products).
 void deepdsl_depthwise_bwd_filter(const float* g, const float* x, int m, int c, int h, int wd, int kh, int kw, int ho,
                                   int wo, int stride, int pad, float* dw) {
+    if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad) &&
+        (long)ho * (wd + 2 * pad) >= DEEPDSL_DW_FILTER_ROWS) {
+        const int hp = h + 2 * pad, wp = wd + 2 * pad;
+        const long n = (long)ho * wp;
+#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+        {
+            float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + n));
+            float* wide = plane + (long)hp * wp + kw;
+#pragma omp for schedule(static)
+            for (int ch = 0; ch < c; ++ch) {
+                float* total = dw + (long)ch * kh * kw;
+                for (int t = 0; t < kh * kw; ++t) total[t] = 0.0f;
+                for (int s = 0; s < m; ++s) {
+                    deepdsl_padded_plane(x + ((long)s * c + ch) * h * wd, h, wd, pad, pad, hp, wp, kw, plane);
+                    deepdsl_padded_plane(g + ((long)s * c + ch) * ho * wo, ho, wo, 0, 0, ho, wp, 0, wide);
+                    for (int t = 0; t < kh * kw; ++t)
+                        total[t] += deepdsl_dot16(wide, plane + (long)(t / kw) * wp + t % kw, n);
+                }
+            }
+            free(plane);
+        }
+        return;
+    }
 #pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
     for (int ch = 0; ch < c; ++ch) {
         for (int t = 0; t < kh * kw; ++t) {
