@@ -205,11 +205,14 @@ DIRECT_CONV_WIDTH = 8       # kernels at most this wide (runtime/kernels/cpu_con
 
 
 def direct_conv(c: int, kh: int, kw: int, stride: int, groups: int = 1) -> bool:
-    """A thin stride-1 convolution (C*kh*kw <= DIRECT_CONV_ROWS, kernels at most DIRECT_CONV_WIDTH wide; a first
-    layer on images of few channels): the compiled kernels compute it and its filter gradient straight from the
-    input (runtime/kernels/cpu_conv.c), without the im2col matrix (its workspace stays planned: numpy's kernels,
-    which the program falls back to, use it)."""
-    return groups == 1 and stride == 1 and kw <= DIRECT_CONV_WIDTH and c * kh * kw <= DIRECT_CONV_ROWS
+    """A thin stride-1 convolution (C*kh*kw <= DIRECT_CONV_ROWS, kernels at most DIRECT_CONV_WIDTH wide, not
+    pointwise; a first layer on images of few channels): the compiled kernels compute it and its filter gradient
+    straight from the input (runtime/kernels/cpu_conv.c), without the im2col matrix (its workspace stays planned:
+    numpy's kernels, which the program falls back to, use it). A pointwise one is a product on the input itself,
+    which the matrix-product library runs several times faster than these kernels (its filter gradient:
+    `pointwise_filter`)."""
+    return groups == 1 and stride == 1 and kw <= DIRECT_CONV_WIDTH and c * kh * kw <= DIRECT_CONV_ROWS and \
+        kh * kw > 1
 
 
 POINTWISE_FILTER_CHANNELS = 32   # pointwise filter gradients of at most this many input (or output) channels

@@ -114,11 +114,12 @@ def test_direct_results_do_not_depend_on_the_thread_count(lib):  # noqa: F811
 
 
 def test_the_other_convolutions_keep_im2col(lib):  # noqa: F811
-    """Strided, grouped, wide or many-channel convolutions do not take the direct path."""
+    """Strided, grouped, wide, many-channel or pointwise convolutions do not take the direct path."""
     assert not contract.direct_conv(1, 5, 5, 2)
     assert not contract.direct_conv(2, 3, 3, 1, groups=2)
     assert not contract.direct_conv(1, 1, 9, 1)
     assert not contract.direct_conv(4, 3, 3, 1)
+    assert not contract.direct_conv(16, 1, 1, 1)          # pointwise: a product (its filter gradient: its own kernel)
     assert contract.direct_conv(1, 5, 5, 1) and contract.direct_conv(3, 3, 3, 1)
 
 
