@@ -187,17 +187,45 @@ static void deepdsl_padded_plane(const float* from, int h, int wd, int top, int 
     for (int p = 0; p < h; ++p) memcpy(to + (long)(top + p) * width + left, from + (long)p * wd, sizeof(float) * wd);
 }
 
-// wide[k] = sum over taps (i, j) in order of f[i][j] * src[k + i * width + j] for k < n (unfused, as the row loops)
+// wide[k] = sum over taps (i, j) in order of f[i][j] * src[k + i * width + j] for k < n (the tap turned around
+// with `flip`): unfused products added from zero, as the row loops do, 32 (then 8) positions at a time with their
+// sums in registers over the taps.
 static void deepdsl_widened_taps(const float* f, int kh, int kw, int width, const float* src, long n, int flip,
                                  float* wide) {
-    memset(wide, 0, sizeof(float) * n);
-    for (int i = 0; i < kh; ++i)
-        for (int j = 0; j < kw; ++j) {
-            const float tap = f[i * kw + j];
-            const float* from = src + (long)(flip ? kh - 1 - i : i) * width + (flip ? kw - 1 - j : j);
-#pragma omp simd
-            for (long k = 0; k < n; ++k) wide[k] += tap * from[k];
+    const int taps = kh * kw;
+    long offsets[taps];
+    for (int t = 0; t < taps; ++t) {
+        const int i = t / kw, j = t % kw;
+        offsets[t] = (long)(flip ? kh - 1 - i : i) * width + (flip ? kw - 1 - j : j);
+    }
+    long k = 0;
+    for (; k + 32 <= n; k += 32) {
+        deepdsl_v8f acc[4] = {{0}};
+        for (int t = 0; t < taps; ++t) {
+            const float* from = src + offsets[t] + k;
+            #pragma GCC unroll 4
+            for (int u = 0; u < 4; ++u) {
+                deepdsl_v8f v;
+                memcpy(&v, from + 8 * u, sizeof v);
+                acc[u] += f[t] * v;
+            }
         }
+        memcpy(wide + k, acc, sizeof acc);
+    }
+    for (; k + 8 <= n; k += 8) {
+        deepdsl_v8f acc = {0};
+        for (int t = 0; t < taps; ++t) {
+            deepdsl_v8f v;
+            memcpy(&v, src + offsets[t] + k, sizeof v);
+            acc += f[t] * v;
+        }
+        memcpy(wide + k, &acc, sizeof acc);
+    }
+    for (; k < n; ++k) {
+        float acc = 0.0f;
+        for (int t = 0; t < taps; ++t) acc += f[t] * src[offsets[t] + k];
+        wide[k] = acc;
+    }
 }
 
 // The sum over the taps comes first, then the bias, as numpy's products do.
