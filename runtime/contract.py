@@ -29,7 +29,7 @@ __all__ = [
     "ALIGNMENT", "COUNTER_KEY_STEP", "FLOAT_BYTES", "avg_pool_bwd_scratch", "avg_pool_divisor", "avg_pool_scratch",
     "bernoulli_mask", "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch",
     "conv2d_scratch",
-    "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "BLOCKED_CONV_CHANNELS", "BLOCKED_CONV_ROW", "blocked_conv", "blocked_scratch", "CHANNEL_BLOCK",
+    "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW", "BLOCKED_CONV_ROW", "blocked_conv", "blocked_scratch", "CHANNEL_BLOCK",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
@@ -233,19 +233,24 @@ CHANNEL_BLOCK = 16          # channels a blocked copy keeps together (runtime/ke
 BLOCKED_CONV_CHANNELS = 16  # input and output channels at least, for direct convolution on blocked copies
 BLOCKED_CONV_ROW = 7        # output rows at least this long: shorter ones leave the tiles' registers idle, and
                             # their layers' filters (converted on every call) outweigh their few positions
+BLOCKED_FILTER_ROW = 14     # the filter gradient's rows at least: on rows of 7 the product of the im2col matrix
+                            # is as fast (measured with AVX-512 and AVX2: docs/performance.md)
 
 
-def blocked_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: int, groups: int = 1) -> bool:
+def blocked_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: int, groups: int = 1,
+                 op: str = "conv2d") -> bool:
     """A stride-1 "same" convolution (an odd square kernel larger than 1x1, padded by half its width: a residual
     network's 3x3 layers) of many channels (at least BLOCKED_CONV_CHANNELS in and out, filling their blocks to
-    three quarters at least) with output rows at least BLOCKED_CONV_ROW long: the compiled kernels compute it and both
-    its gradients directly on channel-blocked copies of its operands (runtime/kernels/cpu_blocked.c), in the op's
-    planned workspace where it holds them (`blocked_scratch`); numpy's kernels, and the compiled ones where it does
-    not, use im2col. (The kernels take any stride-1 geometry, but other padding makes the input gradient's
-    convolution sum over padding, and emptier blocks sum over zero channels.)"""
+    three quarters at least) with output rows at least BLOCKED_CONV_ROW long (BLOCKED_FILTER_ROW for `op`
+    "conv2d_bwd_filter"): the compiled kernels compute it (`op`: the convolution or either of its gradients) directly
+    on channel-blocked copies of its operands (runtime/kernels/cpu_blocked.c), in the op's planned workspace where it
+    holds them (`blocked_scratch`); numpy's kernels, and the compiled ones where it does not, use im2col. (The
+    kernels take any stride-1 geometry, but other padding makes the input gradient's convolution sum over padding,
+    and emptier blocks sum over zero channels.)"""
     filled = 4 * c * o >= 3 * CHANNEL_BLOCK ** 2 * channel_blocks(c) * channel_blocks(o)
+    row = BLOCKED_FILTER_ROW if op == "conv2d_bwd_filter" else BLOCKED_CONV_ROW
     return (groups == 1 and stride == 1 and kh == kw > 1 and kh % 2 == 1 and 2 * pad == kh - 1
-            and wo >= BLOCKED_CONV_ROW and min(c, o) >= BLOCKED_CONV_CHANNELS and filled)
+            and wo >= row and min(c, o) >= BLOCKED_CONV_CHANNELS and filled)
 
 
 def channel_blocks(c: int) -> int:

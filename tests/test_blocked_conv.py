@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 
 GEOMETRIES = [  # (N, C, H, W, O, kh, kw, pad)
     (2, 16, 9, 9, 16, 3, 3, 1),       # one block in and out
-    (3, 48, 8, 11, 28, 3, 3, 1),      # an output block partly empty, rows of 11 (a tile)
+    (3, 48, 8, 15, 28, 3, 3, 1),      # an output block partly empty, rows of 15 (two tiles)
     (2, 56, 7, 12, 32, 5, 5, 2),      # a 5x5 kernel, an input block partly empty
     (1, 16, 6, 31, 48, 3, 3, 1),      # rows of 31: three tiles
     (2, 32, 9, 7, 40, 3, 3, 1),       # rows of 7 (the shortest taken), blocks partly empty
@@ -89,13 +89,14 @@ def test_blocked_convolutions_equal_the_reference(lib, recorded, geometry):  # n
     n, c, h, w, o, kh, kw, pad = geometry
     assert contract.blocked_conv(c, o, kh, kw, 1, pad, w + 2 * pad - kw + 1)
     for node in _nodes(n, c, h, w, o, kh, kw, pad, bias=True):
+        taken = contract.blocked_conv(c, o, kh, kw, 1, pad, w + 2 * pad - kw + 1, op=node.op)
         arrays = _arrays(node, sum(geometry))
         want = get_op(node.op).evaluate(EvalContext(np.float64), *[a.astype(np.float64) for a in arrays],
                                         **node.kwargs)
         for limit in (None, _samples_limit(node, 1)):
             recorded.clear()
             got = _run(lib, node, arrays, limit)
-            assert recorded, (node.op, limit)
+            assert bool(recorded) == taken, (node.op, limit)
             assert not np.isnan(got).any()
             # sums of fused multiply-adds in float32: within float32 rounding of the products' magnitude
             scale = float(np.sqrt(np.abs(want).max() + 1.0))
@@ -106,7 +107,7 @@ def test_the_bits_do_not_depend_on_threads_or_chunks(lib, recorded):  # noqa: F8
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     before = lib.threads
-    for node in _nodes(5, 32, 9, 13, 48, 3, 3, 1, bias=True):
+    for node in _nodes(5, 32, 9, 15, 48, 3, 3, 1, bias=True):
         arrays = _arrays(node, 7)
         results = []
         try:
@@ -125,7 +126,7 @@ def test_the_planned_workspace_holds_the_blocked_copies(monkeypatch):
     """Where the kernels run blocked, the op plans room for the filters' copy and the batch's operands (more where
     numpy's im2col needs more), or under a limit as many samples' as it leaves room for; not even one sample's room:
     numpy's workspace alone."""
-    for node in _nodes(4, 64, 8, 8, 256, 3, 3, 1, bias=False):
+    for node in _nodes(4, 64, 8, 16, 256, 3, 3, 1, bias=False):
         x_shape = {"conv2d": node.inputs[0].shape, "conv2d_bwd_data": node.shape,
                    "conv2d_bwd_filter": node.inputs[1].shape}[node.op]
         per_sample, once = contract.blocked_scratch(node.op, x_shape, (256, 64, 3, 3), 1)
@@ -184,6 +185,9 @@ def test_the_rule_takes_stride_one_layers_of_many_channels():
     assert not contract.blocked_conv(3, 64, 7, 7, 1, 3, 112)                  # few input channels
     assert not contract.blocked_conv(64, 8, 3, 3, 1, 1, 56)                   # few output channels
     assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 4)                   # short rows
+    assert contract.blocked_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_data")
+    assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_filter")     # (im2col as fast)
+    assert contract.blocked_conv(64, 64, 3, 3, 1, 1, contract.BLOCKED_FILTER_ROW, op="conv2d_bwd_filter")
     assert not contract.blocked_conv(64, 64, 3, 3, 1, 0, 54)                  # not "same" padding
     assert not contract.blocked_conv(64, 64, 3, 1, 1, 1, 56)                  # not square
     assert not contract.blocked_conv(20, 50, 5, 5, 1, 2, 8)                   # blocks half empty (LeNet's conv2)
@@ -208,7 +212,7 @@ def test_built_for_avx2_alone_the_bits_are_the_same(lib, tmp_path):  # noqa: F81
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     avx2 = _build(tmp_path, "avx2.so", "-mno-avx512f")
     assert avx2.blocked
-    for node in _nodes(3, 48, 8, 11, 28, 3, 3, 1, bias=True):
+    for node in _nodes(3, 48, 8, 15, 28, 3, 3, 1, bias=True):
         arrays = _arrays(node, 5)
         np.testing.assert_array_equal(_run(avx2, node, arrays), _run(lib, node, arrays))
 

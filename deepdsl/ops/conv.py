@@ -64,7 +64,7 @@ def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: 
     im2col path)."""
     (o, _, kh, kw), c = w_shape, x_shape[1]
     stride, pad, groups = node.attr("stride", 1), node.attr("pad", 0), node.attr("groups", 1)
-    if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, groups):
+    if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, groups, op):
         return im2col
     per_sample, once = contract.blocked_scratch(op, x_shape, w_shape, pad)
     samples = x_shape[0]

@@ -264,7 +264,7 @@ void deepdsl_blocked_conv(const float* xb, const float* wb, const float* bias, i
 // columns q < wo of x[s][p][q][k] * g[s][p][q][:], x pointing at the tap's first input position of the first sample
 // (rows `x_row` floats apart, samples `x_sample`), g at the first sample's output gradient block (rows of wo
 // positions, samples `g_sample` apart): a partial sum in registers over each group of rows of a sample of at most
-// DEEPDSL_SUM_TERMS positions (one row at least), added to the sums in order (AVX2: 4 input channels at a time).
+// DEEPDSL_SUM_TERMS positions (one row at least), added to the sums in order (AVX2: 6 input channels at a time).
 #if defined(__AVX512F__)
 static inline void deepdsl_blocked_filter_sums(const float* x, long x_row, long x_sample, const float* g,
                                                long g_sample, int m, int ho, int wo, float* sums) {
@@ -272,6 +272,7 @@ static inline void deepdsl_blocked_filter_sums(const float* x, long x_row, long 
     for (int s = 0; s < m; ++s)
         for (int p0 = 0; p0 < ho; p0 += rows) {
             __m512 acc[DEEPDSL_BLOCK];
+            #pragma GCC unroll 16
             for (int k = 0; k < DEEPDSL_BLOCK; ++k) acc[k] = _mm512_setzero_ps();
             for (int p = p0; p < ho && p < p0 + rows; ++p) {
                 const float* xr = x + s * x_sample + p * x_row;
@@ -283,40 +284,52 @@ static inline void deepdsl_blocked_filter_sums(const float* x, long x_row, long 
                         acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(xr[q * DEEPDSL_BLOCK + k]), gv, acc[k]);
                 }
             }
+            #pragma GCC unroll 16
             for (int k = 0; k < DEEPDSL_BLOCK; ++k)
                 _mm512_storeu_ps(sums + k * DEEPDSL_BLOCK, _mm512_add_ps(_mm512_loadu_ps(sums + k * DEEPDSL_BLOCK),
                                                                          acc[k]));
         }
 }
 #else
+// AVX2: input channels [k0, k0 + IC) of the block at a time (IC = 6 or 4: 12 or 8 accumulators, with the output
+// gradient's two registers and a broadcast within 16), the same sums lane by lane as AVX-512's.
+static inline __attribute__((always_inline)) void deepdsl_blocked_filter_part(
+        const float* x, long x_row, long x_sample, const float* g, long g_sample, int m, int ho, int wo, int rows,
+        int k0, int IC, float* sums) {
+    for (int s = 0; s < m; ++s)
+        for (int p0 = 0; p0 < ho; p0 += rows) {
+            __m256 lo[6], hi[6];
+            #pragma GCC unroll 6
+            for (int k = 0; k < IC; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
+            for (int p = p0; p < ho && p < p0 + rows; ++p) {
+                const float* xr = x + s * x_sample + p * x_row + k0;
+                const float* gr = g + s * g_sample + (long)p * wo * DEEPDSL_BLOCK;
+                for (int q = 0; q < wo; ++q) {
+                    const __m256 g0 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK);
+                    const __m256 g1 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK + 8);
+                    #pragma GCC unroll 6
+                    for (int k = 0; k < IC; ++k) {
+                        const __m256 v = _mm256_broadcast_ss(xr + q * DEEPDSL_BLOCK + k);
+                        lo[k] = _mm256_fmadd_ps(v, g0, lo[k]);
+                        hi[k] = _mm256_fmadd_ps(v, g1, hi[k]);
+                    }
+                }
+            }
+            #pragma GCC unroll 6
+            for (int k = 0; k < IC; ++k) {
+                float* to = sums + (k0 + k) * DEEPDSL_BLOCK;
+                _mm256_storeu_ps(to, _mm256_add_ps(_mm256_loadu_ps(to), lo[k]));
+                _mm256_storeu_ps(to + 8, _mm256_add_ps(_mm256_loadu_ps(to + 8), hi[k]));
+            }
+        }
+}
+
 static inline void deepdsl_blocked_filter_sums(const float* x, long x_row, long x_sample, const float* g,
                                                long g_sample, int m, int ho, int wo, float* sums) {
     const int rows = wo >= DEEPDSL_SUM_TERMS ? 1 : DEEPDSL_SUM_TERMS / wo;
-    for (int k0 = 0; k0 < DEEPDSL_BLOCK; k0 += 4)
-        for (int s = 0; s < m; ++s)
-            for (int p0 = 0; p0 < ho; p0 += rows) {
-                __m256 lo[4], hi[4];
-                for (int k = 0; k < 4; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
-                for (int p = p0; p < ho && p < p0 + rows; ++p) {
-                    const float* xr = x + s * x_sample + p * x_row + k0;
-                    const float* gr = g + s * g_sample + (long)p * wo * DEEPDSL_BLOCK;
-                    for (int q = 0; q < wo; ++q) {
-                        const __m256 g0 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK);
-                        const __m256 g1 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK + 8);
-                        #pragma GCC unroll 4
-                        for (int k = 0; k < 4; ++k) {
-                            const __m256 v = _mm256_broadcast_ss(xr + q * DEEPDSL_BLOCK + k);
-                            lo[k] = _mm256_fmadd_ps(v, g0, lo[k]);
-                            hi[k] = _mm256_fmadd_ps(v, g1, hi[k]);
-                        }
-                    }
-                }
-                for (int k = 0; k < 4; ++k) {
-                    float* to = sums + (k0 + k) * DEEPDSL_BLOCK;
-                    _mm256_storeu_ps(to, _mm256_add_ps(_mm256_loadu_ps(to), lo[k]));
-                    _mm256_storeu_ps(to + 8, _mm256_add_ps(_mm256_loadu_ps(to + 8), hi[k]));
-                }
-            }
+    deepdsl_blocked_filter_part(x, x_row, x_sample, g, g_sample, m, ho, wo, rows, 0, 6, sums);
+    deepdsl_blocked_filter_part(x, x_row, x_sample, g, g_sample, m, ho, wo, rows, 6, 6, sums);
+    deepdsl_blocked_filter_part(x, x_row, x_sample, g, g_sample, m, ho, wo, rows, 12, 4, sums);
 }
 #endif
 
