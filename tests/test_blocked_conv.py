@@ -8,7 +8,6 @@ im2col where the workspace is too small or the processor has no AVX2. Networks w
 SE-ResNet, VGG, U-Net, ResNet-50) are checked step by step against numpy's kernels in tests/test_native_kernels.py."""
 from __future__ import annotations
 
-import ctypes
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,8 @@ import pytest
 from deepdsl.ir import make
 from deepdsl.ops import EvalContext, get_op
 from deepdsl_runtime import contract
-from deepdsl_runtime.cpu import conv, native
+from deepdsl_runtime.cpu import conv
+from tests.test_direct_conv import kernels_built
 from tests.test_native_kernels import lib  # noqa: F401  (the fixture: resnet_mini's library)
 from tests.test_runtime_cpu import leaf
 
@@ -195,22 +195,12 @@ def test_the_rule_takes_stride_one_layers_of_many_channels():
     assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 56, groups=2)        # grouped
 
 
-def _build(tmp_path, name, *flags):
-    from deepdsl.codegen.native import compile_command
-
-    source = native.KERNELS_DIR / "cpu_ops.c"
-    done = subprocess.run(compile_command(source, tmp_path / name) + list(flags), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    return native.Native(ctypes.CDLL(str(tmp_path / name)))
-
-
 def test_built_for_avx2_alone_the_bits_are_the_same(lib, tmp_path):  # noqa: F811
     """Each lane sums alone in the same order, so two AVX2 registers per 16 channels give the bits of one AVX-512
     register (where this processor has AVX-512; else both builds are AVX2's)."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
-    avx2 = _build(tmp_path, "avx2.so", "-mno-avx512f")
+    avx2 = kernels_built(tmp_path, "avx2.so", "-mno-avx512f")
     assert avx2.blocked
     for node in _nodes(3, 48, 8, 15, 28, 3, 3, 1, bias=True):
         arrays = _arrays(node, 5)
@@ -218,7 +208,7 @@ def test_built_for_avx2_alone_the_bits_are_the_same(lib, tmp_path):  # noqa: F81
 
 
 def test_without_avx2_the_convolutions_keep_im2col(tmp_path):
-    plain = _build(tmp_path, "plain.so", "-mno-avx2", "-mno-fma", "-mno-avx512f")
+    plain = kernels_built(tmp_path, "plain.so", "-mno-avx2", "-mno-fma", "-mno-avx512f")
     assert not plain.blocked
     for node in _nodes(2, 16, 9, 9, 16, 3, 3, 1, bias=False):
         arrays = _arrays(node, 1)

@@ -27,6 +27,18 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="needs a C compiler")
 
 
+def kernels_built(directory, name: str, *flags: str) -> native.Native:
+    """The runtime's generic kernels (kernels/cpu_ops.c) built into `directory`/`name` with extra compiler flags
+    (another instruction set: `-mno-avx512f`, `-mno-avx`), loaded."""
+    from deepdsl.codegen.native import compile_command
+
+    source = native.KERNELS_DIR / "cpu_ops.c"
+    done = subprocess.run(compile_command(source, directory / name) + list(flags), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return native.Native(ctypes.CDLL(str(directory / name)))
+
+
 def _convolutions(kernels, x, w, b, g, pad):
     """(forward, filter gradient) of a stride-1 convolution with `kernels` (None: numpy's), outputs NaN-filled."""
     n, c, h, wd = x.shape
@@ -126,13 +138,7 @@ def test_the_other_convolutions_keep_im2col(lib):  # noqa: F811
 def test_without_avx_the_columns_go_one_at_a_time(lib, tmp_path):  # noqa: F811
     """The library built for a processor without AVX and fused multiply-adds (GCC's generic vectors; the columns
     whose windows leave the input one at a time) computes the same convolutions."""
-    source = next(p for p in native.KERNELS_DIR.glob("cpu_ops.c"))
-    from deepdsl.codegen.native import compile_command
-
-    command = compile_command(source, tmp_path / "plain.so") + ["-mno-avx", "-mno-fma"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    plain = native.Native(ctypes.CDLL(str(tmp_path / "plain.so")))
+    plain = kernels_built(tmp_path, "plain.so", "-mno-avx", "-mno-fma")
     for geometry in GEOMETRIES[:4]:
         n, c, h, wd, o, kh, kw, pad = geometry
         _check_against_numpy(plain, _case(n, c, h, wd, o, kh, kw, pad, seed=5), pad)
@@ -191,13 +197,7 @@ def test_pointwise_filter_gradients_equal_the_reference(lib, shape, monkeypatch)
 
 def test_pointwise_filter_gradients_built_for_avx2_give_the_same_bits(lib, tmp_path):  # noqa: F811
     """16 lanes in two AVX2 registers or one AVX-512 register, added up in the same order: the same bits."""
-    source = native.KERNELS_DIR / "cpu_ops.c"
-    from deepdsl.codegen.native import compile_command
-
-    done = subprocess.run(compile_command(source, tmp_path / "avx2.so") + ["-mno-avx512f"], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    avx2 = native.Native(ctypes.CDLL(str(tmp_path / "avx2.so")))
+    avx2 = kernels_built(tmp_path, "avx2.so", "-mno-avx512f")
     rng = np.random.default_rng(1)
     g = rng.standard_normal((2, 37, 9, 23)).astype(np.float32)
     x = rng.standard_normal((2, 19, 9, 23)).astype(np.float32)
@@ -263,13 +263,7 @@ def test_depthwise_convolutions_equal_numpy_at_any_thread_count(lib, geometry): 
 
 
 def test_depthwise_convolutions_built_for_avx2_give_the_same_bits(lib, tmp_path):  # noqa: F811
-    source = native.KERNELS_DIR / "cpu_ops.c"
-    from deepdsl.codegen.native import compile_command
-
-    done = subprocess.run(compile_command(source, tmp_path / "avx2.so") + ["-mno-avx512f"], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    avx2 = native.Native(ctypes.CDLL(str(tmp_path / "avx2.so")))
+    avx2 = kernels_built(tmp_path, "avx2.so", "-mno-avx512f")
     n, c, h, w, k, stride, pad = 2, 3, 19, 23, 3, 1, 1
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)

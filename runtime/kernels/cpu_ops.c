@@ -228,34 +228,42 @@ static void deepdsl_widened_taps(const float* f, int kh, int kw, int width, cons
     }
 }
 
+// to (m, c, oh, ow) = per plane of from (m, c, fh, fw), padded by `top` rows and `left` columns: each channel's taps
+// over it widened (`deepdsl_widened_taps`, the taps turned around with `flip`), then + bias (c) when given; the
+// planes on the kernels' threads, each with its padded plane and widened rows in the thread's buffer.
+static void deepdsl_widened_planes(const float* from, const float* w, const float* bias, int m, int c, int fh, int fw,
+                                   int top, int left, int kh, int kw, int flip, int oh, int ow, float* to) {
+    const int hp = fh + 2 * top, wp = fw + 2 * left;
+#pragma omp parallel if ((long)m * c * oh * ow * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    {
+        float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + (long)oh * wp));
+        float* wide = plane + (long)hp * wp + kw;
+#pragma omp for collapse(2) schedule(static)
+        for (int s = 0; s < m; ++s)
+            for (int ch = 0; ch < c; ++ch) {
+                deepdsl_padded_plane(from + ((long)s * c + ch) * fh * fw, fh, fw, top, left, hp, wp, kw, plane);
+                deepdsl_widened_taps(w + (long)ch * kh * kw, kh, kw, wp, plane, (long)oh * wp, flip, wide);
+                float* dst = to + ((long)s * c + ch) * oh * ow;
+                for (int p = 0; p < oh; ++p) {
+                    const float* row = wide + (long)p * wp;
+                    if (bias) {
+                        const float b = bias[ch];
+#pragma omp simd
+                        for (int q = 0; q < ow; ++q) dst[(long)p * ow + q] = row[q] + b;
+                    } else {
+                        memcpy(dst + (long)p * ow, row, sizeof(float) * ow);
+                    }
+                }
+            }
+        free(plane);
+    }
+}
+
 // The sum over the taps comes first, then the bias, as numpy's products do.
 void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m, int c, int h, int wd, int kh,
                        int kw, int ho, int wo, int stride, int pad, float* out) {
     if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad)) {
-        const int hp = h + 2 * pad, wp = wd + 2 * pad;
-#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
-        {
-            float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + (long)ho * wp));
-            float* wide = plane + (long)hp * wp + kw;
-#pragma omp for collapse(2) schedule(static)
-            for (int s = 0; s < m; ++s)
-                for (int ch = 0; ch < c; ++ch) {
-                    deepdsl_padded_plane(x + ((long)s * c + ch) * h * wd, h, wd, pad, pad, hp, wp, kw, plane);
-                    deepdsl_widened_taps(w + (long)ch * kh * kw, kh, kw, wp, plane, (long)ho * wp, 0, wide);
-                    float* dst = out + ((long)s * c + ch) * ho * wo;
-                    const float b = bias ? bias[ch] : 0.0f;
-                    for (int p = 0; p < ho; ++p) {
-                        const float* row = wide + (long)p * wp;
-                        if (bias) {
-#pragma omp simd
-                            for (int q = 0; q < wo; ++q) dst[(long)p * wo + q] = row[q] + b;
-                        } else {
-                            memcpy(dst + (long)p * wo, row, sizeof(float) * wo);
-                        }
-                    }
-                }
-            free(plane);
-        }
+        deepdsl_widened_planes(x, w, bias, m, c, h, wd, pad, pad, kh, kw, 0, ho, wo, out);
         return;
     }
 #pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
@@ -280,21 +288,7 @@ void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m,
 void deepdsl_depthwise_bwd_data(const float* g, const float* w, int m, int c, int h, int wd, int kh, int kw, int ho,
                                 int wo, int stride, int pad, float* dx) {
     if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad)) {
-        const int top = kh - 1 - pad, left = kw - 1 - pad, hp = ho + 2 * top, wp = wo + 2 * left;
-#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
-        {
-            float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + (long)h * wp));
-            float* wide = plane + (long)hp * wp + kw;
-#pragma omp for collapse(2) schedule(static)
-            for (int s = 0; s < m; ++s)
-                for (int ch = 0; ch < c; ++ch) {
-                    deepdsl_padded_plane(g + ((long)s * c + ch) * ho * wo, ho, wo, top, left, hp, wp, kw, plane);
-                    deepdsl_widened_taps(w + (long)ch * kh * kw, kh, kw, wp, plane, (long)h * wp, 1, wide);
-                    float* dst = dx + ((long)s * c + ch) * h * wd;
-                    for (int p = 0; p < h; ++p) memcpy(dst + (long)p * wd, wide + (long)p * wp, sizeof(float) * wd);
-                }
-            free(plane);
-        }
+        deepdsl_widened_planes(g, w, NULL, m, c, ho, wo, kh - 1 - pad, kw - 1 - pad, kh, kw, 1, h, wd, dx);
         return;
     }
 #pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
