@@ -2,11 +2,11 @@
 channel-blocked copies (`contract.blocked_conv`, those layers only) and PyTorch's on the same shapes, side by side.
 
     python benchmarks/conv_layers.py [--network resnet50] [--batch 8] [--image 112] [--threads 1 2] [--rounds 3]
-                                     [--calls 5] [--markdown]
+                                     [--calls 5] [--isa native|avx2] [--markdown]
 
-The network (a file of networks/) is compiled at that batch and image size (`--image 0`: the network's own) (`deepdsl compile`, which builds the compiled kernels); each
-distinct convolution of its training step (forward, input gradient, filter gradient) runs under the workspace its
-memory plan gives it. Per thread count (the kernels' and PyTorch's), `--rounds` rounds alternate the three sides,
+The network (a file of networks/) is compiled at that batch and image size (`--image 0`: the network's own), and
+its compiled kernels are built; each distinct convolution of its training step (forward, input gradient, filter
+gradient) runs under the workspace its memory plan gives it. Per thread count (the kernels' and PyTorch's), `--rounds` rounds alternate the three sides,
 `--calls` timed calls each after one untimed; the table gives the median milliseconds over all calls, GFLOP/s, and
 PyTorch's time over ours (above 1: we are faster). PyTorch (`torch.nn.functional.conv2d` and
 `torch.ops.aten.convolution_backward` with one output mask at a time) runs where it is installed; its CPU
@@ -191,7 +191,8 @@ def main() -> int:
                            f"{ms['torch'] / best:.2f}" if "torch" in ms else "-"], args.markdown, 12)
             kernels.blocked = True
         for threads in args.threads:
-            parts = [f"im2col only {totals[threads, 'im2col']:.1f}", f"blocked where taken {totals[threads, 'blocked']:.1f}",
+            parts = [f"im2col only {totals[threads, 'im2col']:.1f}",
+                     f"blocked where taken {totals[threads, 'blocked']:.1f}",
                      f"the faster of ours {totals[threads, 'best']:.1f}"]
             if (threads, "torch") in totals:
                 parts.append(f"torch {totals[threads, 'torch']:.1f} "

@@ -13,9 +13,9 @@ channel-blocked copies in their planned workspace (`contract.blocked_conv`), max
 its gradient, and every elementwise statement whose operands are whole tensors, scalars, per-channel or last-axis
 vectors (`contract.operand_letter`; another broadcast runs numpy's kernel). Each writes what the numpy kernel
 writes (to float32 rounding where it sums in another order: thin, pointwise and blocked convolutions, LRN with
-beta 0.75),
-into the same buffers, within the statement's planned workspace (the plan holds the larger of a blocked convolution's
-copies and numpy's im2col scratch), so the memory plan is the same with or without them. Where numpy's BLAS is an OpenBLAS with a CBLAS sgemm, `gemm` computes the matrix products on the
+beta 0.75), into the same buffers, within the statement's planned workspace (the plan holds the larger of a blocked
+convolution's copies and numpy's im2col scratch), so the memory plan is the same with or without them. Where
+numpy's BLAS is an OpenBLAS with a CBLAS sgemm, `gemm` computes the matrix products on the
 kernels' threads too (numpy's BLAS on one thread: one team for the whole step). `set_threads` sets the kernels'
 OpenMP threads.
 """
@@ -41,8 +41,8 @@ __all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # what a program's .c includes from the runtime
-KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_blocked.c", "cpu_gemm.c", "cpu_images.c", "cpu_attention.c",
-                  "deepdsl_math.h", "deepdsl_random.h")
+KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_blocked.c", "cpu_gemm.c", "cpu_images.c",
+                  "cpu_attention.c", "deepdsl_math.h", "deepdsl_random.h")
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
