@@ -30,7 +30,7 @@ __all__ = [
     "bernoulli_mask", "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch",
     "conv2d_scratch",
     "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW",
-    "BLOCKED_CONV_ROW", "blocked_conv", "blocked_scratch", "CHANNEL_BLOCK", "channel_blocks", "DIRECT_CONV_ROWS",
+    "BLOCKED_CONV_ROW", "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK", "channel_blocks", "DIRECT_CONV_ROWS",
     "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
@@ -257,6 +257,20 @@ def blocked_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: in
 def channel_blocks(c: int) -> int:
     """Blocks of CHANNEL_BLOCK channels that hold `c` channels (the last one padded with zeros)."""
     return -(-c // CHANNEL_BLOCK)
+
+
+BLOCKED_CHUNK_BYTES = 1 << 23  # a blocked convolution's operands copied at a time at most: they stay in the cache
+
+
+def blocked_samples(batch: int, per_sample: int, once: int, room: int | None = None) -> int:
+    """How many samples a blocked convolution copies and computes at a time (`blocked_scratch`'s `per_sample` and
+    `once` floats): the batch, at most BLOCKED_CHUNK_BYTES of copies, at most what `room` floats of workspace hold
+    after the once part (one at least). The plan reserves exactly that many samples' room, and the kernel, handed
+    that workspace, takes the same number."""
+    samples = min(batch, max(1, BLOCKED_CHUNK_BYTES // FLOAT_BYTES // max(per_sample, 1)))
+    if room is not None:
+        samples = min(samples, max(1, (room - once) // max(per_sample, 1)))
+    return samples
 
 
 def blocked_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from deepdsl.ir import make
 from deepdsl.ops import EvalContext, get_op
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import conv
-from tests.test_direct_conv import kernels_built
+from tests.test_direct_conv import avx2_kernels, plain_kernels  # noqa: F401  (session fixtures)
 from tests.test_native_kernels import lib  # noqa: F401  (the fixture: resnet_mini's library)
 from tests.test_runtime_cpu import leaf
 
@@ -195,20 +195,20 @@ def test_the_rule_takes_stride_one_layers_of_many_channels():
     assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 56, groups=2)        # grouped
 
 
-def test_built_for_avx2_alone_the_bits_are_the_same(lib, tmp_path):  # noqa: F811
+def test_built_for_avx2_alone_the_bits_are_the_same(lib, avx2_kernels):  # noqa: F811
     """Each lane sums alone in the same order, so two AVX2 registers per 16 channels give the bits of one AVX-512
     register (where this processor has AVX-512; else both builds are AVX2's)."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
-    avx2 = kernels_built(tmp_path, "avx2.so", "-mno-avx512f")
+    avx2 = avx2_kernels
     assert avx2.blocked
     for node in _nodes(3, 48, 8, 15, 28, 3, 3, 1, bias=True):
         arrays = _arrays(node, 5)
         np.testing.assert_array_equal(_run(avx2, node, arrays), _run(lib, node, arrays))
 
 
-def test_without_avx2_the_convolutions_keep_im2col(tmp_path):
-    plain = kernels_built(tmp_path, "plain.so", "-mno-avx2", "-mno-fma", "-mno-avx512f")
+def test_without_avx2_the_convolutions_keep_im2col(plain_kernels):  # noqa: F811
+    plain = plain_kernels
     assert not plain.blocked
     for node in _nodes(2, 16, 9, 9, 16, 3, 3, 1, bias=False):
         arrays = _arrays(node, 1)

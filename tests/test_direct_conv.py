@@ -39,6 +39,18 @@ def kernels_built(directory, name: str, *flags: str) -> native.Native:
     return native.Native(ctypes.CDLL(str(directory / name)))
 
 
+@pytest.fixture(scope="session")
+def avx2_kernels(tmp_path_factory):
+    """The generic kernels built for a processor without AVX-512."""
+    return kernels_built(tmp_path_factory.mktemp("avx2"), "avx2.so", "-mno-avx512f")
+
+
+@pytest.fixture(scope="session")
+def plain_kernels(tmp_path_factory):
+    """The generic kernels built for a processor without AVX and fused multiply-adds (no AVX2 either)."""
+    return kernels_built(tmp_path_factory.mktemp("plain"), "plain.so", "-mno-avx", "-mno-fma")
+
+
 def _convolutions(kernels, x, w, b, g, pad):
     """(forward, filter gradient) of a stride-1 convolution with `kernels` (None: numpy's), outputs NaN-filled."""
     n, c, h, wd = x.shape
@@ -135,10 +147,10 @@ def test_the_other_convolutions_keep_im2col(lib):  # noqa: F811
     assert contract.direct_conv(1, 5, 5, 1) and contract.direct_conv(3, 3, 3, 1)
 
 
-def test_without_avx_the_columns_go_one_at_a_time(lib, tmp_path):  # noqa: F811
+def test_without_avx_the_columns_go_one_at_a_time(lib, plain_kernels):  # noqa: F811
     """The library built for a processor without AVX and fused multiply-adds (GCC's generic vectors; the columns
     whose windows leave the input one at a time) computes the same convolutions."""
-    plain = kernels_built(tmp_path, "plain.so", "-mno-avx", "-mno-fma")
+    plain = plain_kernels
     for geometry in GEOMETRIES[:4]:
         n, c, h, wd, o, kh, kw, pad = geometry
         _check_against_numpy(plain, _case(n, c, h, wd, o, kh, kw, pad, seed=5), pad)
@@ -195,9 +207,9 @@ def test_pointwise_filter_gradients_equal_the_reference(lib, shape, monkeypatch)
         np.testing.assert_array_equal(other, results[0])
 
 
-def test_pointwise_filter_gradients_built_for_avx2_give_the_same_bits(lib, tmp_path):  # noqa: F811
+def test_pointwise_filter_gradients_built_for_avx2_give_the_same_bits(lib, avx2_kernels):  # noqa: F811
     """16 lanes in two AVX2 registers or one AVX-512 register, added up in the same order: the same bits."""
-    avx2 = kernels_built(tmp_path, "avx2.so", "-mno-avx512f")
+    avx2 = avx2_kernels
     rng = np.random.default_rng(1)
     g = rng.standard_normal((2, 37, 9, 23)).astype(np.float32)
     x = rng.standard_normal((2, 19, 9, 23)).astype(np.float32)
@@ -262,8 +274,8 @@ def test_depthwise_convolutions_equal_numpy_at_any_thread_count(lib, geometry): 
             np.testing.assert_array_equal(other, runs[0])
 
 
-def test_depthwise_convolutions_built_for_avx2_give_the_same_bits(lib, tmp_path):  # noqa: F811
-    avx2 = kernels_built(tmp_path, "avx2.so", "-mno-avx512f")
+def test_depthwise_convolutions_built_for_avx2_give_the_same_bits(lib, avx2_kernels):  # noqa: F811
+    avx2 = avx2_kernels
     n, c, h, w, k, stride, pad = 2, 3, 19, 23, 3, 1, 1
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)

@@ -59,21 +59,18 @@ def _by_group(groups: int, *arrays_and_axes):
 def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: int, limit) -> Workspace:
     """A convolution's workspace: numpy's (`im2col`), or where the compiled kernels compute it on channel-blocked
     copies (`contract.blocked_conv`) and those need more, theirs (`contract.blocked_scratch`: the filters' copy once,
-    then the operands of the whole batch, or of as many samples as `limit` leaves room for). Blocked copies that do
-    not fit the larger of the limit and numpy's workspace with one sample are not planned (the kernels then take the
-    im2col path)."""
+    then the operands of the samples the kernel copies at a time, `contract.blocked_samples`, within the larger of
+    `limit` and numpy's workspace). Blocked copies that do not fit that with one sample are not planned (the kernels
+    then take the im2col path)."""
     (o, _, kh, kw), c = w_shape, x_shape[1]
     stride, pad, groups = node.attr("stride", 1), node.attr("pad", 0), node.attr("groups", 1)
     if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, groups, op):
         return im2col
     per_sample, once = contract.blocked_scratch(op, x_shape, w_shape, pad)
-    samples = x_shape[0]
-    if limit is not None:
-        room = max(limit, im2col.nbytes) // FLOAT_BYTES - once
-        if room < per_sample:
-            return im2col
-        samples = min(samples, room // per_sample)
-    blocked = FLOAT_BYTES * (once + samples * per_sample)
+    room = None if limit is None else max(limit, im2col.nbytes) // FLOAT_BYTES
+    if room is not None and room < once + per_sample:
+        return im2col
+    blocked = FLOAT_BYTES * (once + contract.blocked_samples(x_shape[0], per_sample, once, room) * per_sample)
     return im2col if im2col.nbytes >= blocked else Workspace(blocked, im2col.chunks)
 
 

@@ -15,7 +15,7 @@ def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native,
     filters; "conv2d_bwd_filter": a the output gradient, b the input) by the compiled direct kernels on
     channel-blocked copies (`contract.blocked_conv`), where the library has them, the arrays are contiguous float32
     and the workspace holds the copies (`contract.blocked_scratch`: the filters' once at its start, then the
-    operands of as many samples at a time as the rest holds); False (nothing written) otherwise. A chunk copies its
+    operands of `contract.blocked_samples` samples at a time); False (nothing written) otherwise. A chunk copies its
     operands before writing its output, so an input gradient taking over its output gradient's bytes (`over`) runs
     the chunks in the order that writes behind the unread samples (`_safe_order`). The filter gradient sums the
     chunks in the blocked sums, so its bits do not depend on the chunks either."""
@@ -40,7 +40,7 @@ def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native,
         native.block_filters(w, False, filters)
     elif op == "conv2d_bwd_data":
         native.block_filters(w, True, filters)
-    step = samples_per_chunk(n, None if workspace is None else workspace[once:], per_sample)
+    step = contract.blocked_samples(n, per_sample, once, None if workspace is None else workspace.size)
     starts = range(0, n, step)
     for s in (_safe_order(starts, over and out.nbytes > a.nbytes) if op == "conv2d_bwd_data" else starts):
         e = min(n, s + step)
