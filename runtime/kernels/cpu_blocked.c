@@ -1,7 +1,8 @@
 // Direct convolutions on channel-blocked data, included by cpu_ops.c: stride 1 convolutions of many channels (a
 // residual network's 3x3 layers), whose im2col matrix would be kh*kw copies of the input. runtime/cpu/conv.py takes
 // this path where `contract.blocked_conv` says so and the planned workspace holds the blocked copies
-// (`contract.blocked_conv_scratch`).
+// (`contract.blocked_scratch`). Processors without AVX2 and fused multiply-adds have none of these kernels
+// (`deepdsl_blocked_kernels` returns 0) and keep im2col.
 //
 // The blocked layout keeps 16 consecutive channels of one position together: a (C, H, W) sample is stored as
 // (C/16, H, W, 16) (channels past C are zeros), so that 16 channels are one vector (one AVX-512 register, two AVX2
@@ -15,7 +16,7 @@
 //
 // The input gradient is the same convolution of the output gradient (padded by k - 1 - pad) with the filters
 // turned around and transposed. The filter gradient of one (16 x 16 channels, tap) block sums over the samples and
-// positions with its 256 sums in registers.
+// positions with its 256 sums in registers (AVX2: six input channels, 96 sums, at a time).
 //
 // Every output is the sum of its products in one fixed order: over input channels, kernel rows, kernel columns
 // (forward: c, i, j; input gradient: o, i, j), or over samples, rows and columns (filter gradient), in partial sums
