@@ -22,7 +22,7 @@ from deepdsl.ir import make
 from deepdsl.pipeline import compile_without_search
 from tests.support.memory_programs import small_networks
 from tests.support.program_helpers import NETWORKS, compile_program, import_program, model_class, run_cli
-from tests.test_memory_modes import batches, planned_peak, run_steps
+from tests.test_memory_modes import NETWORKS as NETWORKS_AT_TEST_SIZE, batches, planned_peak, run_steps
 
 from deepdsl_runtime.memory import MODES
 
@@ -142,6 +142,16 @@ loss = (D.log_loss(y) @ D.softmax @ network)(x)
 accuracy = (D.precision(y) @ network)(x)
 loop = D.Loop(loss, accuracy, D.Train("dropnet", iters=10, lr=0.01, momentum=0.9))
 """
+
+
+OTHERS = [(name, image) for name, image in NETWORKS_AT_TEST_SIZE if name not in {c[0] for c in CASES}]
+
+
+@pytest.mark.parametrize("name,image", OTHERS, ids=[n for n, _ in OTHERS])
+def test_every_network_fits_its_budgets(name, image, tmp_path):
+    """Every other network at the test size, at its least reachable budget (`check_budgets`; the networks above
+    check the budget halfway as well)."""
+    check_budgets(name, image, 2, tmp_path, fractions=FRACTIONS[:1])
 
 
 def test_a_recomputed_dropout_mask_is_the_same_mask(tmp_path):

@@ -34,13 +34,13 @@
 #ifdef DEEPDSL_TILE
 #define DEEPDSL_BLOCKED 1
 
-// The tiles' shapes (OB output blocks, R positions; OB * R <= DEEPDSL_TILE), as switch arms: constants in each,
-// so the tile's loops unroll.
+// The tiles' shapes (OB output blocks, R positions; OB * R <= DEEPDSL_TILE) that `deepdsl_tile_blocks` uses, as
+// switch arms: constants in each, so the tile's loops unroll.
 #if DEEPDSL_TILE == 14
 #define DEEPDSL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6) X(1, 7) X(1, 8) X(1, 9) X(1, 10) X(1, 11) \
-    X(1, 12) X(1, 13) X(1, 14) X(2, 1) X(2, 2) X(2, 3) X(2, 4) X(2, 5) X(2, 6) X(2, 7) X(3, 1) X(3, 2) X(3, 3) X(3, 4)
+    X(1, 12) X(1, 13) X(1, 14) X(2, 7)
 #else
-#define DEEPDSL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6) X(2, 1) X(2, 2) X(2, 3) X(3, 1) X(3, 2)
+#define DEEPDSL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6)
 #endif
 
 // out (OB blocks x R positions x 16 channels) = (`add`: out +) the sum over channel blocks c < cb, kernel rows i,
@@ -62,7 +62,6 @@ static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
             for (int j = 0; j < kw; ++j) {
                 const float* xr = x + c * x_block + i * x_row + j * DEEPDSL_BLOCK;
                 const float* wt = w + ((long)(c * kh + i) * kw + j) * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
-                #pragma GCC unroll 4
                 for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
                     __m512 wv[3];
                     #pragma GCC unroll 3
@@ -97,7 +96,6 @@ static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
             for (int j = 0; j < kw; ++j) {
                 const float* xr = x + c * x_block + i * x_row + j * DEEPDSL_BLOCK;
                 const float* wt = w + ((long)(c * kh + i) * kw + j) * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
-                #pragma GCC unroll 4
                 for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
                     __m256 w0[3], w1[3];
                     #pragma GCC unroll 3
@@ -150,10 +148,11 @@ static inline void deepdsl_blocked_tile_of(const float* x, const float* w, long 
     }
 }
 
-// The output blocks a tile of `positions` positions sums together: as many as fit its registers, at most 3.
+// The output blocks a tile of `positions` positions sums together: two for rows of 7 with AVX-512 (the shortest
+// rows `contract.blocked_conv` takes: 14 sums in registers rather than 7), else one (the shapes instantiated in
+// DEEPDSL_TILES; each instance adds to the library's build time).
 static inline int deepdsl_tile_blocks(int positions) {
-    const int fit = DEEPDSL_TILE / positions;
-    return fit < 1 ? 1 : fit > 3 ? 3 : fit;
+    return DEEPDSL_TILE == 14 && positions == 7 ? 2 : 1;
 }
 
 // to[q][k] = from[k * stride + q] for q < w, k < 16: a row of 16 channels (zeros past `channels`) blocked, 16
