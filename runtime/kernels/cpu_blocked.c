@@ -156,7 +156,7 @@ static inline int deepdsl_tile_blocks(int positions) {
 }
 
 // to[q][k] = from[k * stride + q] for q < w, k < 16: a row of 16 channels (zeros past `channels`) blocked, 16
-// positions at a time through a 16 x 16 transposition in registers.
+// positions at a time through a 16 x 16 tile on the stack.
 DEEPDSL_ROW void deepdsl_block_row(const float* from, long stride, int channels, int w, float* to) {
     int q = 0;
     if (channels >= DEEPDSL_BLOCK)
