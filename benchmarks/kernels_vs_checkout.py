@@ -49,11 +49,19 @@ SWAPS = [(8, 1024, 49), (1024, 8, 49), (8, 2048, 16), (8, 512, 196), (8, 256, 78
 
 
 def _build(source: Path, include: Path, target: Path) -> native.Native:
-    """The library of `source` built as `deepdsl compile` builds one, its runtime kernels found first in `include`."""
-    command = compile_command(source, target)
-    command[1:1] = ["-I", str(include)]             # searched before the runtime's own kernels directory
-    subprocess.run(command, check=True)
-    return native.Native(ctypes.CDLL(str(target)))
+    """The library of `source` built as `deepdsl compile` builds one, its runtime kernels found first in `include`;
+    a program's with the generic kernels' library built from `include` beside it, unless the program's C file
+    includes them itself (a checkout from before they were one library that programs share)."""
+    def built(c: Path, library: Path) -> ctypes.CDLL:
+        command = compile_command(c, library)
+        command[1:1] = ["-I", str(include)]         # searched before the runtime's own kernels directory
+        subprocess.run(command, check=True)
+        return ctypes.CDLL(str(library))
+
+    lib = built(source, target)
+    if source.name == native.GENERIC_SOURCE or f'#include "{native.GENERIC_SOURCE}"' in source.read_text():
+        return native.Native(lib)
+    return native.Native(built(include / native.GENERIC_SOURCE, target.with_name(f"{target.stem}-generic.so")), lib)
 
 
 def _alternating(libs: dict, rounds: int, call) -> dict:

@@ -4,18 +4,18 @@
 // Structure hash: 5a3a5ce14e8a9aa4
 //
 // `python alexnet.py` runs these where the library built from this file is current (deepdsl compile builds
-// `<program>.<digest>.so` with a C compiler; deepdsl_runtime.cpu.native loads it, else numpy's kernels run): the
-// runtime's generic kernels (the convolutions' im2col and axis swaps, max pooling and its gradient:
-// kernels/cpu_ops.c, included here), a tensor's sum per channel (`deepdsl_channel_sum`),
-// and below, for each of the program's elementwise kernels, one function per pattern of operands it is called
-// with (deepdsl_runtime.contract.operand_letter: f a float32 tensor of the output's size, u a uint8 one, s a
-// scalar, c one value per channel, r one value per position of the last axis), computing the same expression in
-// float32 over the elements, each thread a contiguous share (`_range`: a function of its own, so that its loop
-// reads its operands from locals and vectorizes); with c or r operands, over rows of the output. A kernel whose
+// `<program>.<digest>.so` with a C compiler; deepdsl_runtime.cpu.native loads it beside the runtime's generic
+// kernels, kernels/cpu_ops.c, a library every program shares; else numpy's kernels run): a tensor's sum per
+// channel (`deepdsl_channel_sum`), and below, for each of the program's elementwise kernels, one function per
+// pattern of operands it is called with (deepdsl_runtime.contract.operand_letter: f a float32 tensor of the
+// output's size, u a uint8 one, s a scalar, c one value per channel, r one value per position of the last axis),
+// computing the same expression in float32 over the elements, each thread a contiguous share (`_range`: a function
+// of its own, so that its loop reads its operands from locals and vectorizes); with c or r operands, over rows of
+// the output. A kernel whose
 // values a statement sums per channel (`ew_sum`) also has a `_csum` function per pattern, summing without storing.
 // Last, a function for each pair of kernels two statements compute in one pass (`_then_`: the second reads the
 // first's output; deepdsl.passes.fuse_multi_output).
-#include "cpu_ops.c"
+#include "cpu_common.h"
 // A tensor summed per channel (sum_to (1, C, 1, ...) of (N, C, ...): batch norm's mean, bias and batch-norm
 // gradients; deepdsl_runtime.cpu.shape.sum_to): out[c] = the sum over the rows r of channel c and their elements of
 // x, as a `_csum` function adds its values (`channel_sums`), each thread a share of the channels. Returns 1, or 0

@@ -21,3 +21,14 @@ def idle_threads_sleep() -> None:
     for key, value in IDLE_THREADS_SLEEP.items():
         if not (key == "GOMP_SPINCOUNT" and chosen):
             os.environ.setdefault(key, value)
+
+
+def cache_directory() -> str:
+    """deepdsl's directory in the user's cache, shared by every program (the generic compiled kernels, image
+    indexes): $DEEPDSL_CACHE, else $XDG_CACHE_HOME/deepdsl, else ~/.cache/deepdsl; "" where there is no home
+    directory to name it by. Not made here."""
+    if os.environ.get("DEEPDSL_CACHE"):
+        return os.environ["DEEPDSL_CACHE"]
+    home = os.path.expanduser("~")
+    base = os.environ.get("XDG_CACHE_HOME") or (os.path.join(home, ".cache") if home != "~" else "")
+    return os.path.join(base, "deepdsl") if base else ""

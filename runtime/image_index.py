@@ -15,10 +15,10 @@ Specs (`splits`):
 
 The manifest (`Index`) is numpy arrays, no object per record: the names as one UTF-8 blob and their ends, labels,
 byte sizes, and for shards the shard and the offset of each member's data (a record is one positioned read). Its
-cache (`load_index`) is `.deepdsl-index-<split>[-<shards digest>].npz` beside the data, or under
-$XDG_CACHE_HOME/deepdsl/index (~/.cache) where that directory is read-only; it is fresh while the times of the
-split directory and of its class directories (found by a stat of each, no directory listed) or the shards' sizes
-and times are those recorded; a stale or damaged cache is rebuilt. The digest names the data set: class names,
+cache (`load_index`) is `.deepdsl-index-<split>[-<shards digest>].npz` beside the data, or under `index/` of
+deepdsl's cache directory (`deepdsl_runtime.cache_directory`: ~/.cache/deepdsl) where that directory is read-only;
+it is fresh while the times of the split directory and of its class directories (found by a stat of each, no
+directory listed) or the shards' sizes and times are those recorded; a stale or damaged cache is rebuilt. The digest names the data set: class names,
 record names, labels and sizes.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import deepdsl_runtime
 from deepdsl_runtime.data import DataError
 
 __all__ = ["IMAGE_EXTENSIONS", "Index", "RecordError", "Source", "expand", "check", "load_index", "pack", "splits"]
@@ -399,9 +400,8 @@ def _cache_path(source: Source, split: str) -> str:
     # a cache written inside the split directory would change the time its freshness is judged by
     if os.access(directory, os.W_OK) and not inside:
         return os.path.join(directory, name)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = hashlib.sha256(os.path.realpath(os.path.join(directory, name)).encode()).hexdigest()[:16]
-    return os.path.join(base, "deepdsl", "index", f"{tag}-{split}.npz")
+    return os.path.join(deepdsl_runtime.cache_directory() or ".", "index", f"{tag}-{split}.npz")
 
 
 def _read_cache(path: str) -> tuple[dict, dict] | None:

@@ -269,7 +269,7 @@ class Decoder:
 
 
 def _native(library: str | None):
-    """The compiled kernels of the library at `library` (the program's), or None for numpy's."""
+    """The compiled kernels of the library at `library` (the runtime's generic kernels'), or None for numpy's."""
     if not library:
         return None
     import ctypes

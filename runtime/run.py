@@ -999,7 +999,7 @@ class _Run:
         library = None
         if model.rt.native is not None:
             from deepdsl_runtime.cpu import native
-            library = str(native.library_path(os.path.splitext(os.path.abspath(model.program_file()))[0] + ".c"))
+            library = str(native.generic_library(os.path.splitext(os.path.abspath(model.program_file()))[0] + ".c"))
         try:
             self.pipeline = image_stream.Pipeline(data, self.augment, rows, getattr(args, "prefetch", 2) + 1,
                                                   workers, model.seed, library, getattr(args, "skip_bad", False))

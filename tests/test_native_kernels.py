@@ -918,6 +918,42 @@ def test_a_program_builds_its_missing_library_on_its_first_run(tmp_path):
 
 
 @needs_cc
+def test_programs_share_one_library_of_the_generic_kernels(tmp_path, monkeypatch):
+    """Every program's library holds its own kernels only; the generic ones are one library in the cache directory,
+    built once for all programs, rebuilt where it has gone, and beside the program where no cache can be written."""
+    import os
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("DEEPDSL_CACHE", str(tmp_path / "cache"))
+    for name in ("mlp", "lenet"):
+        shutil.copy(root / "generated" / f"{name}.c", tmp_path / f"{name}.c")
+        built, why = native.build_library(tmp_path / f"{name}.c")
+        assert built == native.library_path(tmp_path / f"{name}.c"), why
+    generic = native.generic_library(tmp_path / "mlp.c")
+    assert generic.parent == tmp_path / "cache" and generic == native.generic_library(tmp_path / "lenet.c")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [generic.name]
+    for name in ("mlp", "lenet"):
+        own = ctypes.CDLL(str(native.library_path(tmp_path / f"{name}.c")))
+        assert hasattr(own, "deepdsl_channel_sum") and not hasattr(own, "deepdsl_im2col")
+        found, why = native.load(tmp_path / f"{name}.py")
+        assert found is not None and found.program is not found.lib, why
+        assert hasattr(found.lib, "deepdsl_im2col") and found.threads >= 1
+    lenet = native.library_path(tmp_path / "lenet.c")
+    built_at = lenet.stat().st_mtime_ns
+    generic.unlink()
+    found, why = native.load(tmp_path / "lenet.py")
+    assert found is None and f"{generic.name} is not built" in why, why
+    assert native.to_build(tmp_path / "lenet.py") == lenet
+    assert native.build_library(tmp_path / "lenet.c")[0] == lenet and generic.exists()
+    assert lenet.stat().st_mtime_ns == built_at and native.to_build(tmp_path / "lenet.py") is None
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DEEPDSL_CACHE", str(tmp_path / "file" / "cache"))      # cannot be made
+    assert native.generic_library(tmp_path / "mlp.c") == tmp_path / generic.name
+    assert native.build_library(tmp_path / "mlp.c")[0] is not None and (tmp_path / generic.name).exists()
+    assert native.load(tmp_path / "mlp.py")[0] is not None and os.listdir(tmp_path / "cache") == [generic.name]
+
+
+@needs_cc
 def test_compile_builds_the_library_the_program_uses(tmp_path):
     from deepdsl.cli import main
 

@@ -1,13 +1,14 @@
 """Code generation of the compiled CPU kernels: `<program>.c` and its library `<program>.<digest>.so`.
 
 `render_c(description)` renders `codegen_templates/kernels.c.jinja` from the `ProgramDescription` the Python
-program is rendered from: the runtime's generic kernels (`#include "cpu_ops.c"`) and, for each elementwise kernel
-of the program, one function per operand pattern its statements call it with, the expression printed as float32
-C by the same printer as the CUDA kernels. `build_library(c)` (the runtime's, `deepdsl_runtime.cpu.native`, which
-a program's first run calls too) compiles it with the C compiler (`cc`, or $CC) and OpenMP into the library
-`deepdsl_runtime.cpu.native.load` looks for (its name's digest covers the sources, the flags and the processor);
-it returns None, and says why, where there is no compiler or the build fails: the program then runs its numpy
-kernels.
+program is rendered from: for each elementwise kernel of the program, one function per operand pattern its
+statements call it with, the expression printed as float32 C by the same printer as the CUDA kernels (what it shares
+with the runtime's generic kernels: `#include "cpu_common.h"`). `build_library(c)` (the runtime's,
+`deepdsl_runtime.cpu.native`, which a program's first run calls too) compiles it with the C compiler (`cc`, or $CC)
+and OpenMP into the library `deepdsl_runtime.cpu.native.load` looks for (its name's digest covers the sources, the
+flags and the processor), after the generic kernels' library that all programs share where that is missing
+(`deepdsl_cpu.<digest>.so` in ~/.cache/deepdsl); it returns None, and says why, where there is no compiler or the
+build fails: the program then runs its numpy kernels.
 
     python -m deepdsl.codegen.native build generated/lenet.c      # (re)build one program's library
 """
@@ -22,7 +23,8 @@ import sympy
 
 from deepdsl_runtime import contract
 # the build is the runtime's (a program builds its own library on its first run): one build command, one place
-from deepdsl_runtime.cpu.native import NO_COMPILER, build_library, compile_command, find_compiler, library_path
+from deepdsl_runtime.cpu.native import (NO_COMPILER, build_library, compile_command, find_compiler, generic_library,
+                                        library_path)
 
 __all__ = ["render_c", "build_library", "build_in_background", "find_compiler", "compile_command", "not_built"]
 
@@ -55,7 +57,7 @@ def build_in_background(source) -> str:
     the program waits for a build in progress when it starts (`deepdsl_runtime.cpu.native.load`)."""
     source = Path(source)
     target = library_path(source)
-    if target.exists():
+    if target.exists() and generic_library(source).exists():
         return f"{target} is current"
     if find_compiler() is None:
         return not_built(NO_COMPILER)

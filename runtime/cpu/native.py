@@ -1,11 +1,14 @@
-"""The compiled CPU kernels of a generated program: `<program>.<digest>.so`, built from `<program>.c` (the runtime's
-generic kernels, kernels/cpu_ops.c, and the program's elementwise kernels in C) with OpenMP, loaded with ctypes.
+"""The compiled CPU kernels of a generated program, in two libraries built with OpenMP and loaded with ctypes: the
+runtime's generic kernels (kernels/cpu_ops.c), one library that every program on this machine shares,
+`deepdsl_cpu.<digest>.so` in the user's cache directory (`generic_library`), and the program's elementwise kernels,
+`<program>.<digest>.so` beside the program, built from its `<program>.c` (`library_path`). Each digest names the
+sources, the build flags and the processor, so a library built elsewhere or from other sources is never loaded.
 
-`load(program)` finds the library of a program's current sources on this machine (`library_path`: the digest
-names the sources, the build flags and the processor, so a library built elsewhere or from other sources is never
-loaded; a build in progress, `deepdsl compile`'s in the background, is waited for) and returns a `Native` (or None
-and the reason: the program then runs the numpy kernels). `build_library` builds it (for `deepdsl compile`, and for
-a program's first run where it is missing: `to_build`). `Native` runs the kernels that replace numpy passes:
+`load(program)` finds both libraries of a program's current sources on this machine (a build in progress,
+`deepdsl compile`'s in the background, is waited for) and returns a `Native` (or None and the reason: the program
+then runs the numpy kernels). `build_library` builds them, the generic one where it is missing (for `deepdsl
+compile`, and for a program's first run where one is missing: `to_build`). `Native` runs the kernels that replace
+numpy passes:
 im2col, axis swaps and the input gradient's shifted sums inside the convolutions, thin convolutions and their
 filter gradients straight from the input (`contract.direct_conv`), thin pointwise filter gradients straight from
 their operands (`contract.pointwise_filter`), direct convolutions of many channels on
@@ -36,13 +39,15 @@ import numpy as np
 import deepdsl_runtime
 from deepdsl_runtime import contract
 
-__all__ = ["Native", "load", "library_path", "sources_digest", "set_blas_threads", "threads_available", "BUILD_FLAGS",
-           "KERNELS_DIR", "build_library", "compile_command", "find_compiler", "to_build"]
+__all__ = ["Native", "load", "library_path", "generic_library", "sources_digest", "set_blas_threads",
+           "threads_available", "BUILD_FLAGS", "KERNELS_DIR", "build_library", "compile_command", "find_compiler",
+           "to_build"]
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-# what a program's .c includes from the runtime
-KERNEL_SOURCES = ("cpu_ops.c", "cpu_columns.c", "cpu_conv.c", "cpu_blocked.c", "cpu_gemm.c", "cpu_images.c",
-                  "cpu_attention.c", "deepdsl_math.h", "deepdsl_random.h")
+# the generic kernels' source, and the runtime's sources of both libraries (a program's .c includes cpu_common.h)
+GENERIC_SOURCE = "cpu_ops.c"
+KERNEL_SOURCES = ("cpu_ops.c", "cpu_common.h", "cpu_columns.c", "cpu_conv.c", "cpu_blocked.c", "cpu_gemm.c",
+                  "cpu_images.c", "cpu_attention.c", "deepdsl_math.h", "deepdsl_random.h")
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
@@ -83,6 +88,26 @@ def library_path(source: Path) -> Path:
     return source.with_name(f"{source.stem}.{sources_digest(source.read_text())}.so")
 
 
+def _cache_directory() -> Path | None:
+    """deepdsl's directory in the user's cache (`deepdsl_runtime.cache_directory`), made where missing; None where it
+    cannot be made or written."""
+    path = deepdsl_runtime.cache_directory()
+    if not path:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    return Path(path) if os.access(path, os.W_OK | os.X_OK) else None
+
+
+def generic_library(source: Path) -> Path:
+    """Where the library of the runtime's generic kernels is for the program whose C file is `source`:
+    `deepdsl_cpu.<digest>.so` in the user's cache directory, shared by every program (beside `source` where there
+    is no cache directory to write); its digest names the runtime's sources, the flags and the processor."""
+    return (_cache_directory() or Path(source).absolute().parent) / f"deepdsl_cpu.{sources_digest('')}.so"
+
+
 def building(path: Path) -> list[Path]:
     """The partial files of builds of library `path` in progress: `.<name>.<pid>.tmp` of a running process."""
     found = []
@@ -106,7 +131,8 @@ def _built_meanwhile(path: Path, timeout: float = 300.0) -> bool:
 
 
 def load(program) -> tuple["Native | None", str]:
-    """(the compiled kernels of the generated program at path `program`, "") or (None, why not)."""
+    """(the compiled kernels of the generated program at path `program`: the generic library's and the program's,
+    "") or (None, why not)."""
     # absolute: a bare file name would send the dynamic loader to its search path (`python -m mpi4py prog.py` runs
     # a program whose __file__ is relative)
     source = Path(program).absolute().with_suffix(".c")
@@ -116,11 +142,14 @@ def load(program) -> tuple["Native | None", str]:
         path = library_path(source)
     except OSError as err:
         return None, f"cannot read {source}: {err.strerror or err}"
-    if not path.exists() and not _built_meanwhile(path):
-        return None, f"{path.name} is not built (deepdsl compile, or the program's run, builds it with a C compiler)"
+    generic = generic_library(source)
+    for library in (path, generic):            # (a build in progress builds the generic library first)
+        if not library.exists() and not _built_meanwhile(library):
+            return None, (f"{library.name} is not built (deepdsl compile, or the program's run, builds it with a C "
+                          "compiler)")
     deepdsl_runtime.idle_threads_sleep()        # (the program did so before numpy; another caller may not have)
     try:
-        return Native(ctypes.CDLL(str(path))), ""
+        return Native(ctypes.CDLL(str(generic)), ctypes.CDLL(str(path))), ""
     except OSError as err:
         return None, f"cannot load {path.name}: {err}"
 
@@ -141,16 +170,31 @@ def compile_command(source: Path, output: Path, compiler: str | None = None) -> 
 
 def build_library(source, compiler: str | None = None) -> tuple[Path | None, str]:
     """Build the library of `source` (`<program>.c`) beside it, unless the current one is there (older libraries of
-    the program are removed): (its path, "") or (None, why not). The build writes `.<name>.<pid>.tmp` (a build in
-    progress to others, `building`) and renames it, so programs starting together never load a partial file."""
+    the program are removed), and the generic kernels' library first where it is missing (`generic_library`): (the
+    program's library's path, "") or (None, why not)."""
     source = Path(source)
     compiler = compiler or find_compiler()
     if compiler is None:
         return None, NO_COMPILER
-    target = library_path(source)
-    if target.exists():
+    generic, why = _build(KERNELS_DIR / GENERIC_SOURCE, generic_library(source), compiler)
+    if generic is None:
+        return None, why
+    target, why = _build(source, library_path(source), compiler)
+    if target is not None:
+        for old in source.parent.glob(f"{source.stem}.*.so"):
+            if old != target:
+                old.unlink(missing_ok=True)
+    return target, why
+
+
+def _build(source: Path, target: Path, compiler: str) -> tuple[Path | None, str]:
+    """Build the library `target` from the C file `source` unless it is there, or another process's build of it
+    ends meanwhile: (target, "") or (None, why not). The build writes `.<name>.<pid>.tmp` (a build in progress to
+    others, `building`) and renames it, so programs starting together never load a partial file."""
+    mine = f".{os.getpid()}.tmp"
+    if target.exists() or (any(not p.name.endswith(mine) for p in building(target)) and _built_meanwhile(target)):
         return target, ""
-    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    partial = target.with_name(f".{target.name}{mine}")
     try:
         done = subprocess.run(compile_command(source, partial, compiler), capture_output=True, text=True,
                               timeout=300)
@@ -162,9 +206,6 @@ def build_library(source, compiler: str | None = None) -> tuple[Path | None, str
         first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
         return None, f"{compiler} failed: {first}"
     os.replace(partial, target)
-    for old in source.parent.glob(f"{source.stem}.*.so"):
-        if old != target:
-            old.unlink(missing_ok=True)
     return target, ""
 
 
@@ -177,7 +218,7 @@ def to_build(program) -> Path | None:
         target = library_path(source)
     except OSError:
         return None
-    if target.exists() or building(target) or find_compiler() is None:
+    if (target.exists() and generic_library(source).exists()) or building(target) or find_compiler() is None:
         return None
     return target
 
@@ -197,8 +238,11 @@ def _plain(floats: np.ndarray, out: np.ndarray, ids: np.ndarray) -> bool:
 class Native:
     """The kernels of one loaded library."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, program: ctypes.CDLL | None = None):
+        """`lib`: the generic kernels' library; `program`: the program's own (its elementwise kernels and
+        per-channel sums), if any."""
         self.lib = lib
+        self.program = program if program is not None else lib
         lib.deepdsl_im2col.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_swap01.argtypes = [_P, _L, _L, _L, _P, _P]
         lib.deepdsl_col2im.argtypes = [_P, _L, _L, _L, _L, _I, _I, _I, _I, _I, _I, _I, _I, _P]
@@ -229,7 +273,7 @@ class Native:
             self._gemm_depth.argtypes = [_I, _I, _L, _L, _L, _P, _L, _P, _L, _P, _L, _L, _L, _P]
             self._gemm_depth.restype = _I
         # (a library built from the C file of an older program has no per-channel sum of a tensor)
-        self._channel_sum = getattr(lib, "deepdsl_channel_sum", None)
+        self._channel_sum = getattr(self.program, "deepdsl_channel_sum", None)
         if self._channel_sum is not None:
             self._channel_sum.argtypes = [_L, _L, _L, _P, _P]
             self._channel_sum.restype = _I
@@ -704,7 +748,7 @@ class Native:
         if first_pattern is None or second_pattern is None:
             return False
         name = contract.pair_function(first, first_pattern, second, second_pattern, summed)
-        function = None if name is None else getattr(self.lib, name, None)
+        function = None if name is None else getattr(self.program, name, None)
         if function is None:
             return False
         sizes = contract.channel_rows(out_shape, sum_shape) if summed else (math.prod(out_shape),)
@@ -739,7 +783,7 @@ class Native:
     def _sum_function(self, name: str, shape, args):
         values = np.broadcast_shapes(*(np.shape(a) for a in args))
         pattern = _sum_pattern(args, values, shape)
-        function = None if pattern is None else getattr(self.lib, f"deepdsl_{name}_{pattern}_csum", None)
+        function = None if pattern is None else getattr(self.program, f"deepdsl_{name}_{pattern}_csum", None)
         if function is None:
             return False
         function.argtypes = [_L] * 3 + [_P, _P, _P]
@@ -766,7 +810,7 @@ class Native:
         """(the library's function of kernel `name` for these operands, their pattern, its size arguments), or
         False where there is none (operands it does not take, or a pattern the program does not call it with)."""
         pattern = self._pattern(args, out_shape)
-        function = None if pattern is None else getattr(self.lib, f"deepdsl_{name}_{pattern}", None)
+        function = None if pattern is None else getattr(self.program, f"deepdsl_{name}_{pattern}", None)
         if function is None:
             return False
         # over rows (rows, channels, inner) with channel or last-axis operands, else over the n flat elements

@@ -1,5 +1,6 @@
-// The generic kernels of the compiled CPU backend (deepdsl_runtime.cpu.native), included by every generated
-// program's `<program>.c` before its own elementwise kernels; built with OpenMP into `<program>.<digest>.so`:
+// The generic kernels of the compiled CPU backend (deepdsl_runtime.cpu.native), built with OpenMP into one library
+// every program on this machine shares, `deepdsl_cpu.<digest>.so` (a program's own elementwise kernels are a
+// library of their own, `<program>.<digest>.so`; what both include is cpu_common.h):
 // the im2col copies and col2im additions of the convolutions (cpu_columns.c), their axis swaps, thin convolutions
 // and their filter gradients (cpu_conv.c, included at the end), direct convolutions of many channels on blocked
 // copies (cpu_blocked.c), max pooling with its argmax, and its gradient,
@@ -11,17 +12,10 @@
 // outputs never overlapping inputs (the Python side runs takeovers chunk by chunk, as for numpy). Loops are
 // branch-free where it matters, threads split independent rows, and every thread writes only its own outputs:
 // results do not depend on the thread count.
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include "deepdsl_math.h"
+#include "cpu_common.h"
 #include "deepdsl_random.h"
 #if defined(__FMA__) || defined(__AVX__)
 #include <immintrin.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
 #endif
 
 // Vectors of 8 and 4 floats (GCC's vector extensions: SIMD code on any target, AVX2 here), where the compiler does
@@ -68,12 +62,6 @@ static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepd
 #endif
 
 #define DEEPDSL_PARALLEL_MIN 16384      /* below this many elements a kernel runs on one thread */
-/* an elementwise kernel is a single pass: worth waking sleeping threads for only when it is long */
-#define DEEPDSL_EW_PARALLEL_MIN (1L << 18)
-#define DEEPDSL_CSUM_BLOCK 256          /* channels a per-channel sum reads at a time, sample by sample */
-#define DEEPDSL_CSUM_PLANE 256          /* planes of at most this many floats are summed position by position */
-#define DEEPDSL_CSUM_LANES 4096         /* floats of such sums' lanes (16 KB, on the stack) */
-#define DEEPDSL_CSUM_SAMPLES 32         /* samples a lane sums in float32 before it is added in double */
 
 void deepdsl_set_threads(int threads) {
 #ifdef _OPENMP
@@ -95,19 +83,6 @@ int deepdsl_threads(void) {
 // variable the threads share is read again after every store through a pointer), so their loops vectorize: by
 // explicit vectors or `omp simd` (at -O2 gcc vectorizes no loop whose count it does not know by itself).
 #define DEEPDSL_ROW static __attribute__((noinline))
-
-// [*begin, *end): this thread's share of n items in an OpenMP team (all of them outside one), in whole blocks of
-// `block` items (16 elements: a vector's worth; 1 row).
-static inline void deepdsl_share(long n, long block, long* begin, long* end) {
-#ifdef _OPENMP
-    const long threads = omp_get_num_threads(), me = omp_get_thread_num();
-#else
-    const long threads = 1, me = 0;
-#endif
-    const long blocks = (n + block - 1) / block, per = (blocks + threads - 1) / threads;
-    *begin = me * per * block < n ? me * per * block : n;
-    *end = (me + 1) * per * block < n ? (me + 1) * per * block : n;
-}
 
 // Output positions [*lo, *hi) whose input coordinate offset + stride * p - pad lies in [0, size).
 static inline void deepdsl_valid(int offset, int size, int out, int stride, int pad, int* lo, int* hi) {

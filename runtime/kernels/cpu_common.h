@@ -1,0 +1,37 @@
+// What the compiled kernels of the runtime (cpu_ops.c, the generic kernels' library) and of a program (its
+// `<program>.c`, generated from codegen_templates/kernels.c.jinja, a library of its own) share: the headers, the
+// math functions that vectorize (deepdsl_math.h), the elementwise kernels' and per-channel sums' sizes, and a
+// thread's share of a loop. Both libraries run on one OpenMP runtime (the process's libgomp): the thread count the
+// generic library's `deepdsl_set_threads` sets is the one the program's kernels run on.
+#ifndef DEEPDSL_CPU_COMMON_H
+#define DEEPDSL_CPU_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "deepdsl_math.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* an elementwise kernel is a single pass: worth waking sleeping threads for only when it is long */
+#define DEEPDSL_EW_PARALLEL_MIN (1L << 18)
+#define DEEPDSL_CSUM_BLOCK 256          /* channels a per-channel sum reads at a time, sample by sample */
+#define DEEPDSL_CSUM_PLANE 256          /* planes of at most this many floats are summed position by position */
+#define DEEPDSL_CSUM_LANES 4096         /* floats of such sums' lanes (16 KB, on the stack) */
+#define DEEPDSL_CSUM_SAMPLES 32         /* samples a lane sums in float32 before it is added in double */
+
+// [*begin, *end): this thread's share of n items in an OpenMP team (all of them outside one), in whole blocks of
+// `block` items (16 elements: a vector's worth; 1 row).
+static inline void deepdsl_share(long n, long block, long* begin, long* end) {
+#ifdef _OPENMP
+    const long threads = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+    const long threads = 1, me = 0;
+#endif
+    const long blocks = (n + block - 1) / block, per = (blocks + threads - 1) / threads;
+    *begin = me * per * block < n ? me * per * block : n;
+    *end = (me + 1) * per * block < n ? (me + 1) * per * block : n;
+}
+
+#endif
