@@ -415,6 +415,15 @@ def attention_rows(t: int) -> int:
     return min(t, ATTENTION_ROWS)
 
 
+ATTENTION_UNIT = 64     # the most queries, keys and features of a unit the CPU's kernels weigh whole, on one thread
+
+
+def attention_in_units(t: int, s: int, d: int, e: int) -> bool:
+    """Whether the compiled CPU kernels weigh each unit of (t, d) queries against (s, d) keys and (s, e) values
+    whole, on one thread, with no workspace (`deepdsl_attention_units`): where each is at most ATTENTION_UNIT."""
+    return max(t, s, d, e) <= ATTENTION_UNIT
+
+
 def attention_scratch(t: int, s: int) -> int:
     """attention, per unit of (T, d) queries against (S, d) keys: the weights of a block of queries."""
     return attention_rows(t) * s

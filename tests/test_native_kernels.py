@@ -601,14 +601,25 @@ def test_label_ranks_and_token_masks_equal_numpy(lib, threads):
     ((2, 3), 5, 7, 4, 6, False, None, None), ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6), None),
     ((3,), 70, 90, 5, 2, False, (3, 1, 90), None), ((2,), 130, 130, 64, 64, True, None, None),
     ((4,), 17, 200, 33, 5, False, (4, 17, 1), None), ((2, 2), 3, 2, 16, 16, True, None, None),
-    ((3,), 70, 90, 5, 2, False, (3, 1, 90), 0.8), ((2,), 130, 130, 16, 8, True, None, 0.5)])
-def test_attention_equals_numpy_at_any_thread_count(lib, case):
-    """Attention and its gradient with the library's passes over rows and its products against numpy's kernels
-    within float32 rounding, the same bits at 1, 2 and 3 threads; outputs start NaN-filled, the workspace too;
-    with dropout's masks over one block of queries and over several."""
+    ((3,), 70, 90, 5, 2, False, (3, 1, 90), 0.8), ((2,), 130, 130, 16, 8, True, None, 0.5),
+    # units weighed whole (contract.attention_in_units): a ViT's heads, a causal language model's with dropout, a
+    # bias per query, the largest unit, and one query beyond it
+    ((2, 3), 16, 16, 16, 16, False, None, None), ((2,), 64, 64, 16, 16, True, None, 0.9),
+    ((3,), 9, 33, 64, 7, False, (3, 9, 1), 0.7), ((2,), 64, 64, 64, 64, True, (1, 64, 64), None),
+    ((2,), 65, 8, 4, 4, False, None, None)])
+def test_attention_equals_numpy_at_any_thread_count(lib, case, monkeypatch):
+    """Attention and its gradient with the library's passes over rows and its products, or with small units
+    weighed whole, against numpy's kernels within float32 rounding, the same bits at 1, 2 and 3 threads; outputs
+    start NaN-filled, the workspace too; with dropout's masks over one block of queries and over several."""
     from deepdsl_runtime import cpu
 
     assert lib._attention_weights is not None and lib._attention_dscores is not None
+    whole = []
+    for name in ("attention_units", "attention_units_grad"):
+        def spy(*args, real=getattr(lib, name)):
+            whole.append(real(*args))
+            return whole[-1]
+        monkeypatch.setattr(lib, name, spy)
     lead, t, s, d, e, causal, bias_shape, keep = case
     rng = np.random.default_rng(t * s)
     q, k = rng.standard_normal((*lead, t, d)).astype(np.float32), rng.standard_normal((*lead, s, d)).astype(np.float32)
@@ -635,6 +646,7 @@ def test_attention_equals_numpy_at_any_thread_count(lib, case):
             results.append((o, grads))
     finally:
         lib.set_threads(before)
+    assert whole == [contract.attention_in_units(t, s, d, e)] * 6
     for o, grads in results[1:]:
         assert o.tobytes() == results[0][0].tobytes() and grads.tobytes() == results[0][1].tobytes()
     np.testing.assert_allclose(results[0][0], want_o, rtol=1e-5, atol=1e-5)
@@ -695,6 +707,18 @@ def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
             results.append((w, dw, kept, dropped))
         assert all(a.tobytes() == b.tobytes() for a, b in zip(*results)), s
         assert np.allclose(results[0][0].sum(-1), 1, atol=1e-6)
+    for t, s, d, e in ((16, 16, 16, 16), (7, 13, 5, 9), (64, 64, 64, 64)):       # units weighed whole
+        q, k = rng.standard_normal((3, t, d)).astype(np.float32), rng.standard_normal((3, s, d)).astype(np.float32)
+        v, g = rng.standard_normal((3, s, e)).astype(np.float32), rng.standard_normal((3, t, e)).astype(np.float32)
+        bias = Bias(rng.standard_normal((3, t, 1)).astype(np.float32), (3, t, d))
+        mask = (rng.random((3, t, s)) < 0.6).astype(np.uint8)
+        results = []
+        for kernels in (lib, avx):
+            o, dq, dk, dv = np.empty((3, t, e), np.float32), np.empty_like(q), np.empty_like(k), np.empty_like(v)
+            assert kernels.attention_units(q, k, v, bias, mask, 0.6, o, 0.3, True)
+            assert kernels.attention_units_grad(q, k, v, o, g, bias, mask, 0.6, dq, dk, dv, 0.3, True)
+            results.append((o, dq, dk, dv))
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(*results)), (t, s, d, e)
     for shape, keep, seed, step, key in DROPOUT_MASKS:
         masks = [np.full(shape, 7, np.uint8) for _ in range(2)]
         for kernels, out in zip((lib, avx), masks):

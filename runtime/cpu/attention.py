@@ -1,9 +1,12 @@
 """Scaled dot-product attention on the CPU and its gradient (`deepdsl.ops.attention`).
 
-The kernels weigh `contract.attention_rows` queries of as many units (batch index and head) as the workspace holds
-at a time: the block's scores in the workspace (a product, by the backend's `gemm`), their softmax in place, then
-the product with the values; the gradient recomputes a block's weights the same way. The passes over the rows
-between the products run numpy's code, or the compiled kernels' (kernels/cpu_attention.c) where the program has
+Where the compiled kernels take a unit's sizes (`contract.attention_in_units`: at most 64 queries, keys and
+features, as a ViT's or a small language model's heads), they weigh each unit whole on one thread, with no
+workspace (`deepdsl_attention_units`: products, softmax and gradient in registers and on the stack). Otherwise the
+kernels weigh `contract.attention_rows` queries of as many units (batch index and head) as the workspace holds at a
+time: the block's scores in the workspace (a product, by the backend's `gemm`), their softmax in place, then the
+product with the values; the gradient recomputes a block's weights the same way. The passes over the rows between the
+products run numpy's code, or the compiled kernels' (kernels/cpu_attention.c) where the program has
 them: those compute exp by a polynomial, within an ulp of numpy's. With dropout (a 0/1 `mask` of the scores'
 shape, `keep` the fraction kept) a block's weights are multiplied by mask / keep before the product, and the
 gradient keeps a block's kept weights (for the values' gradient) beside its weights (for the scores').
@@ -78,6 +81,8 @@ def attention(q, k, v, bias=None, mask=None, *, out, scale, causal=False, keep=1
     qu, ku, vu, ou = _units(q), _units(k), _units(v), _units(out)
     bu = None if bias is None else Bias(bias, q.shape)
     mu = None if mask is None else _units(mask)
+    if native is not None and native.attention_units(qu, ku, vu, bu, mu, keep, ou, scale, causal):
+        return
     rows = contract.attention_rows(t)
     per_unit = contract.attention_scratch(t, s)
     for a, b in sample_chunks(qu.shape[0], workspace, per_unit, per_unit + 2 * t * (q.shape[-1] + v.shape[-1])):
@@ -101,6 +106,8 @@ def attention_grad(q, k, v, o, g, bias=None, mask=None, *, out, scale, causal=Fa
     dv = out[q.size + k.size:].reshape(n, s, e)
     bu = None if bias is None else Bias(bias, q.shape)
     mu = None if mask is None else _units(mask)
+    if native is not None and native.attention_units_grad(qu, ku, vu, ou, gu, bu, mu, keep, dq, dk, dv, scale, causal):
+        return
     rows = contract.attention_rows(t)
     per_unit = contract.attention_grad_scratch(t, s, d, e, mask is not None)
     for a, b in sample_chunks(n, workspace, per_unit, per_unit + 2 * (t + s) * (d + e)):

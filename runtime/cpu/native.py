@@ -285,6 +285,15 @@ class Native:
             self._attention_weights.argtypes = [_P, _L, _L, _L, _L, _F, _P, _P, _L, _L, _I]
             self._attention_dscores.argtypes = [_P, _P, _P, _L, _L, _L, _L, _L, _F, _P, _L, _F]
             self._attention_kept.argtypes = [_P, _P, _P, _L, _L, _L, _L, _F]
+        # (nor attention of small units on the stack)
+        self._attention_units = getattr(lib, "deepdsl_attention_units", None)
+        self._attention_units_grad = getattr(lib, "deepdsl_attention_units_grad", None)
+        if self._attention_units is not None:
+            common = [_L] * 5 + [_F, _P, _P, _L, _L, _I, _P, _L, _F]
+            self._attention_units.argtypes = [_P] * 4 + common
+            self._attention_units.restype = _I
+            self._attention_units_grad.argtypes = [_P] * 8 + common
+            self._attention_units_grad.restype = _I
         # (nor a swap of any two axes)
         self._swap_axes = getattr(lib, "deepdsl_swap_axes", None)
         if self._swap_axes is not None:
@@ -572,6 +581,35 @@ class Native:
         self._attention_dscores(w.ctypes.data, dw.ctypes.data, delta.ctypes.data, units, rows, s, r0,
                                 delta.shape[1], scale, *_mask_args(mask, keep))
         return True
+
+    def attention_units(self, q, k, v, bias, mask, keep: float, out, scale: float, causal: bool) -> bool:
+        """out = attention of each unit (arrays (units, rows, features); `bias` a `cpu.attention.Bias`, `mask` the
+        0/1 uint8 (units, t, s) or None) weighed whole on one thread (`deepdsl_attention_units`), where
+        `contract.attention_in_units` takes the sizes; False otherwise (nothing computed)."""
+        arrays = self._units(q, k, v, mask, out)
+        if arrays is None:
+            return False
+        return bool(self._attention_units(*arrays, *_unit_sizes(q, k, v), scale, *_bias_args(bias), int(causal),
+                                          *_mask_args(mask, keep)))
+
+    def attention_units_grad(self, q, k, v, o, g, bias, mask, keep: float, dq, dk, dv, scale: float,
+                             causal: bool) -> bool:
+        """(dq, dk, dv) of `attention_units`, given its output o and o's gradient g (`deepdsl_attention_units_grad`:
+        the weights recomputed with the forward's bits); False as `attention_units`."""
+        arrays = self._units(q, k, v, mask, o, g, dq, dk, dv)
+        if arrays is None:
+            return False
+        return bool(self._attention_units_grad(*arrays, *_unit_sizes(q, k, v), scale, *_bias_args(bias),
+                                               int(causal), *_mask_args(mask, keep)))
+
+    def _units(self, q, k, v, mask, *others):
+        """The pointers of the units' arrays (q, k, v, *others), or None where the kernels do not take them."""
+        if self._attention_units is None or not _contiguous32(q, k, v, *others) or \
+                not contract.attention_in_units(q.shape[1], k.shape[1], q.shape[2], v.shape[2]):
+            return None
+        if mask is not None and not (mask.dtype == np.uint8 and mask.flags.c_contiguous):
+            return None
+        return [a.ctypes.data for a in (q, k, v, *others)]
 
     def attention_kept(self, w: np.ndarray, mask: np.ndarray, keep: float, out: np.ndarray) -> bool:
         """out = w * mask / keep (`deepdsl_attention_kept`; `mask` as `attention_dscores`'s); False as
@@ -884,6 +922,18 @@ def _mask_args(mask: np.ndarray | None, keep: float) -> tuple:
     if mask is None:
         return None, 0, 1.0
     return mask.ctypes.data, mask.strides[0], np.float32(1.0 / keep)
+
+
+def _unit_sizes(q, k, v) -> tuple[int, int, int, int, int]:
+    """(units, t, s, d, e) of attention's units q (units, t, d), k (units, s, d), v (units, s, e)."""
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+
+
+def _bias_args(bias) -> tuple:
+    """A `cpu.attention.Bias` as the kernels take it: its elements, each unit's offset, its row and column steps."""
+    if bias is None:
+        return None, None, 0, 0
+    return bias.flat.ctypes.data, bias.offsets.ctypes.data, bias.row, bias.col
 
 
 def _contiguous32(*arrays) -> bool:

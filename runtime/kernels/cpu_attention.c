@@ -121,3 +121,256 @@ void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, lo
 #endif
     }
 }
+
+// Attention of small units, each whole on one thread with nothing but its own arrays on the stack: queries and keys
+// of at most DEEPDSL_ATTENTION_UNIT (contract.ATTENTION_UNIT) of at most as many features. Where the products of
+// such units go through the BLAS one unit at a time, its calls cost more than their arithmetic (a ViT's 16 tokens of
+// 16 features a head). A unit's weights are held transposed, a query's in a lane of its own, so that its softmax
+// needs no sum across the lanes of a vector. Each sum below adds in one order, the lanes of a vector being other
+// outputs: the bits depend on neither the thread count nor the vector width (AVX2 and AVX-512 give the same), and
+// they differ from the BLAS's products and the row passes above by rounding only. A unit's arrays: q (t, d), k (s, d), v (s, e), out (t, e), its
+// bias and mask as deepdsl_attention_weights's and deepdsl_attention_kept's (rows s apart).
+#define DEEPDSL_ATTENTION_UNIT 64      /* contract.ATTENTION_UNIT */
+#define DEEPDSL_ATTENTION_TILE (DEEPDSL_ATTENTION_UNIT * DEEPDSL_ATTENTION_UNIT)
+
+// a (rows, cols) -> to (cols, rows)
+static inline void deepdsl_att_transpose(const float* a, long rows, long cols, float* to) {
+    for (long r = 0; r < rows; ++r)
+        for (long c = 0; c < cols; ++c) to[c * rows + r] = a[r * cols + c];
+}
+
+// out (m, n) = a b, n at most DEEPDSL_ATTENTION_UNIT: out[i, j] = the sum over c < k of a[i * a_row + c * a_col] *
+// b[c * n + j], c in order (a product, then a sum: no fused multiply-add). R rows at a time, each row's sums in NB
+// eight-lane vectors (ceil(n / 8), the last one masked) kept in registers while c runs: R * NB sums in flight.
+#if DEEPDSL_MASKED
+#define DEEPDSL_ATT_PRODUCT(NB, R)                                                                                  \
+    static void deepdsl_att_product_##NB##_##R(const float* a, long a_row, long a_col, const float* b, long i0,     \
+                                               long k, long n, float* out) {                                        \
+        const deepdsl_v8i last = deepdsl_inside((NB - 1) * 8, (int)n);                                              \
+        deepdsl_v8f acc[R][NB];                                                                                     \
+        _Pragma("GCC unroll 8")                                                                                     \
+        for (int h = 0; h < R; ++h)                                                                                 \
+            _Pragma("GCC unroll 8")                                                                                 \
+            for (int l = 0; l < NB; ++l) acc[h][l] = (deepdsl_v8f){0};                                              \
+        for (long c = 0; c < k; ++c) {                                                                              \
+            const float* r = b + c * n;                                                                             \
+            deepdsl_v8f y[NB];                                                                                      \
+            _Pragma("GCC unroll 8")                                                                                 \
+            for (int l = 0; l < NB - 1; ++l) memcpy(&y[l], r + 8 * l, sizeof y[l]);                                 \
+            y[NB - 1] = deepdsl_load(r + 8 * (NB - 1), last);                                                       \
+            _Pragma("GCC unroll 8")                                                                                 \
+            for (int h = 0; h < R; ++h) {                                                                           \
+                const float x = a[(i0 + h) * a_row + c * a_col];                                                    \
+                _Pragma("GCC unroll 8")                                                                             \
+                for (int l = 0; l < NB; ++l) acc[h][l] += x * y[l];                                                 \
+            }                                                                                                       \
+        }                                                                                                           \
+        _Pragma("GCC unroll 8")                                                                                     \
+        for (int h = 0; h < R; ++h) {                                                                               \
+            float* o = out + (i0 + h) * n;                                                                          \
+            _Pragma("GCC unroll 8")                                                                                 \
+            for (int l = 0; l < NB - 1; ++l) memcpy(o + 8 * l, &acc[h][l], sizeof acc[h][l]);                       \
+            deepdsl_store(o + 8 * (NB - 1), last, acc[h][NB - 1]);                                                  \
+        }                                                                                                           \
+    }
+#define DEEPDSL_ATT_PRODUCTS(NB, R)                                                                                 \
+    DEEPDSL_ATT_PRODUCT(NB, R)                                                                                      \
+    DEEPDSL_ATT_PRODUCT(NB, 1)                                                                                      \
+    static void deepdsl_att_product_##NB(const float* a, long a_row, long a_col, const float* b, long m, long k,    \
+                                         long n, float* out) {                                                      \
+        long i = 0;                                                                                                 \
+        for (; i + R <= m; i += R) deepdsl_att_product_##NB##_##R(a, a_row, a_col, b, i, k, n, out);                \
+        for (; i < m; ++i) deepdsl_att_product_##NB##_1(a, a_row, a_col, b, i, k, n, out);                          \
+    }
+DEEPDSL_ATT_PRODUCTS(1, 6)
+DEEPDSL_ATT_PRODUCTS(2, 4)
+DEEPDSL_ATT_PRODUCTS(3, 3)
+DEEPDSL_ATT_PRODUCTS(4, 2)
+DEEPDSL_ATT_PRODUCTS(5, 2)
+DEEPDSL_ATT_PRODUCTS(6, 2)
+DEEPDSL_ATT_PRODUCTS(7, 2)
+DEEPDSL_ATT_PRODUCTS(8, 2)
+#endif
+
+static void deepdsl_att_product(const float* a, long a_row, long a_col, const float* b, long m, long k, long n,
+                                float* out) {
+#if DEEPDSL_MASKED
+    switch ((n + 7) / 8) {
+    case 1: deepdsl_att_product_1(a, a_row, a_col, b, m, k, n, out); return;
+    case 2: deepdsl_att_product_2(a, a_row, a_col, b, m, k, n, out); return;
+    case 3: deepdsl_att_product_3(a, a_row, a_col, b, m, k, n, out); return;
+    case 4: deepdsl_att_product_4(a, a_row, a_col, b, m, k, n, out); return;
+    case 5: deepdsl_att_product_5(a, a_row, a_col, b, m, k, n, out); return;
+    case 6: deepdsl_att_product_6(a, a_row, a_col, b, m, k, n, out); return;
+    case 7: deepdsl_att_product_7(a, a_row, a_col, b, m, k, n, out); return;
+    case 8: deepdsl_att_product_8(a, a_row, a_col, b, m, k, n, out); return;
+    }
+#endif
+    for (long i = 0; i < m; ++i) {
+        float* o = out + i * n;
+        for (long j = 0; j < n; ++j) o[j] = 0.0f;
+        for (long c = 0; c < k; ++c) {
+            const float x = a[i * a_row + c * a_col];
+            for (long j = 0; j < n; ++j) o[j] += x * b[c * n + j];
+        }
+    }
+}
+
+// The softmax of each column of x (s, n), n at most DEEPDSL_ATTENTION_UNIT, in place: a column's maximum, then
+// exp(x - maximum) (deepdsl_exp8: deepdsl_expf_poly's bits) summed over the rows in order, then x times 1 / sum.
+// The columns' maxima and sums stay in NB eight-lane vectors while the rows run.
+#if DEEPDSL_MASKED
+#define DEEPDSL_ATT_SOFTMAX(NB)                                                                                     \
+    static void deepdsl_att_softmax_columns_##NB(float* x, long s, long n) {                                        \
+        const deepdsl_v8i last = deepdsl_inside((NB - 1) * 8, (int)n);                                              \
+        deepdsl_v8f top[NB], sum[NB];                                                                               \
+        _Pragma("GCC unroll 8")                                                                                     \
+        for (int l = 0; l < NB; ++l) top[l] = (deepdsl_v8f){0} - INFINITY, sum[l] = (deepdsl_v8f){0};               \
+        for (long j = 0; j < s; ++j)                                                                                \
+            _Pragma("GCC unroll 8")                                                                                 \
+            for (int l = 0; l < NB; ++l) {                                                                          \
+                const deepdsl_v8f v = deepdsl_load(x + j * n + 8 * l, l == NB - 1 ? last : last | ~last);           \
+                top[l] = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, v > top[l], v, top[l]);                           \
+            }                                                                                                       \
+        for (long j = 0; j < s; ++j)                                                                                \
+            _Pragma("GCC unroll 8")                                                                                 \
+            for (int l = 0; l < NB; ++l) {                                                                          \
+                const deepdsl_v8i in = l == NB - 1 ? last : last | ~last;                                           \
+                const deepdsl_v8f e = deepdsl_exp8(deepdsl_load(x + j * n + 8 * l, in) - top[l]);                   \
+                deepdsl_store(x + j * n + 8 * l, in, e);                                                            \
+                sum[l] += e;                                                                                        \
+            }                                                                                                       \
+        _Pragma("GCC unroll 8")                                                                                     \
+        for (int l = 0; l < NB; ++l) sum[l] = 1.0f / sum[l];                                                        \
+        for (long j = 0; j < s; ++j)                                                                                \
+            _Pragma("GCC unroll 8")                                                                                 \
+            for (int l = 0; l < NB; ++l) {                                                                          \
+                const deepdsl_v8i in = l == NB - 1 ? last : last | ~last;                                           \
+                deepdsl_store(x + j * n + 8 * l, in, deepdsl_load(x + j * n + 8 * l, in) * sum[l]);                 \
+            }                                                                                                       \
+    }
+DEEPDSL_ATT_SOFTMAX(1)
+DEEPDSL_ATT_SOFTMAX(2)
+DEEPDSL_ATT_SOFTMAX(3)
+DEEPDSL_ATT_SOFTMAX(4)
+DEEPDSL_ATT_SOFTMAX(5)
+DEEPDSL_ATT_SOFTMAX(6)
+DEEPDSL_ATT_SOFTMAX(7)
+DEEPDSL_ATT_SOFTMAX(8)
+#endif
+
+static void deepdsl_att_softmax_columns(float* x, long s, long n) {
+#if DEEPDSL_MASKED
+    switch ((n + 7) / 8) {
+    case 1: deepdsl_att_softmax_columns_1(x, s, n); return;
+    case 2: deepdsl_att_softmax_columns_2(x, s, n); return;
+    case 3: deepdsl_att_softmax_columns_3(x, s, n); return;
+    case 4: deepdsl_att_softmax_columns_4(x, s, n); return;
+    case 5: deepdsl_att_softmax_columns_5(x, s, n); return;
+    case 6: deepdsl_att_softmax_columns_6(x, s, n); return;
+    case 7: deepdsl_att_softmax_columns_7(x, s, n); return;
+    case 8: deepdsl_att_softmax_columns_8(x, s, n); return;
+    }
+#endif
+    for (long i = 0; i < n; ++i) {
+        float top = -INFINITY, sum = 0.0f;
+        for (long j = 0; j < s; ++j) top = x[j * n + i] > top ? x[j * n + i] : top;
+        for (long j = 0; j < s; ++j) sum += x[j * n + i] = deepdsl_expf_poly(x[j * n + i] - top);
+        const float inverse = 1.0f / sum;
+        for (long j = 0; j < s; ++j) x[j * n + i] *= inverse;
+    }
+}
+
+// One unit's weights, transposed: wt (s, t), wt[j, i] the weight of key j for query i: the scores k q^T scaled,
+// the bias added, the keys after a causal query left out, and each query's softmax over its keys; kept (not NULL
+// with a mask): wt * mask^T * factor. A query's lanes are its own: its maximum and sum run over the keys in order,
+// whatever the vectors' width. qt: scratch (d, t).
+static void deepdsl_att_unit_weights(const float* q, const float* k, long t, long s, long d, float scale,
+                                     const float* b, long bias_row, long bias_col, int causal,
+                                     const unsigned char* m, float factor, float* qt, float* wt, float* kept) {
+    deepdsl_att_transpose(q, t, d, qt);
+    deepdsl_att_product(k, d, 1, qt, s, d, t, wt);
+    for (long j = 0; j < s; ++j) {
+        float* r = wt + j * t;
+#pragma omp simd
+        for (long i = 0; i < t; ++i) r[i] *= scale;
+        if (b) {
+            for (long i = 0; i < t; ++i) r[i] += b[i * bias_row + j * bias_col];
+        }
+        if (causal) {
+            for (long i = 0; i < j && i < t; ++i) r[i] = -INFINITY;          // key j after query i
+        }
+    }
+    deepdsl_att_softmax_columns(wt, s, t);
+    if (m) {
+        for (long j = 0; j < s; ++j) {
+            const float* r = wt + j * t;
+            float* o = kept + j * t;
+#pragma omp simd
+            for (long i = 0; i < t; ++i) o[i] = r[i] * (float)m[i * s + j] * factor;
+        }
+    }
+}
+
+// out = (softmax(q k^T * scale + bias) [* mask * factor]) v for each of `units` units (their arrays one after the
+// other). Returns 0, computing nothing, where a size exceeds DEEPDSL_ATTENTION_UNIT.
+int deepdsl_attention_units(const float* q, const float* k, const float* v, float* out, long units, long t, long s,
+                            long d, long e, float scale, const float* bias, const long* bias_units, long bias_row,
+                            long bias_col, int causal, const unsigned char* mask, long mask_unit, float factor) {
+    const long most = DEEPDSL_ATTENTION_UNIT;
+    if (t > most || s > most || d > most || e > most) return 0;
+#pragma omp parallel for schedule(static) if (units * t * s * (d + e) >= DEEPDSL_PARALLEL_MIN)
+    for (long u = 0; u < units; ++u) {
+        float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], kept[DEEPDSL_ATTENTION_TILE];
+        const unsigned char* m = mask ? mask + u * mask_unit : 0;
+        deepdsl_att_unit_weights(q + u * t * d, k + u * s * d, t, s, d, scale, bias ? bias + bias_units[u] : 0,
+                                 bias_row, bias_col, causal, m, factor, qt, wt, kept);
+        deepdsl_att_product(m ? kept : wt, 1, t, v + u * s * e, t, s, e, out + u * t * e);      // out = w v
+    }
+    return 1;
+}
+
+// The gradient of deepdsl_attention_units: dq (units, t, d), dk (units, s, d), dv (units, s, e) from its output o
+// and o's gradient g, the weights recomputed as the forward computes them (the same bits). delta, each query's
+// g . o, sums its features in order; then as deepdsl_attention_dscores: ds = w * (g v^T [* mask * factor] -
+// delta) * scale; dq = ds k, dk = ds^T q, dv = (w [* mask * factor])^T g. Returns 0 as deepdsl_attention_units.
+int deepdsl_attention_units_grad(const float* q, const float* k, const float* v, const float* o, const float* g,
+                                 float* dq, float* dk, float* dv, long units, long t, long s, long d, long e,
+                                 float scale, const float* bias, const long* bias_units, long bias_row,
+                                 long bias_col, int causal, const unsigned char* mask, long mask_unit, float factor) {
+    const long most = DEEPDSL_ATTENTION_UNIT;
+    if (t > most || s > most || d > most || e > most) return 0;
+#pragma omp parallel for schedule(static) if (units * t * s * (d + e) >= DEEPDSL_PARALLEL_MIN)
+    for (long u = 0; u < units; ++u) {
+        float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], kept[DEEPDSL_ATTENTION_TILE];
+        float dst[DEEPDSL_ATTENTION_TILE];
+        float delta[DEEPDSL_ATTENTION_UNIT];
+        const float *qu = q + u * t * d, *ku = k + u * s * d, *vu = v + u * s * e, *gu = g + u * t * e;
+        const float* ou = o + u * t * e;
+        const unsigned char* m = mask ? mask + u * mask_unit : 0;
+        deepdsl_att_unit_weights(qu, ku, t, s, d, scale, bias ? bias + bias_units[u] : 0, bias_row, bias_col, causal,
+                                 m, factor, qt, wt, kept);
+        deepdsl_att_product(m ? kept : wt, t, 1, gu, s, t, e, dv + u * s * e);         // dv = w^T g
+        deepdsl_att_transpose(gu, t, e, qt);                                           // (q^T is read no more)
+        deepdsl_att_product(vu, e, 1, qt, s, e, t, dst);                               // (g v^T)^T = v g^T
+        for (long i = 0; i < t; ++i) delta[i] = 0.0f;
+        for (long c = 0; c < e; ++c) {
+#pragma omp simd
+            for (long i = 0; i < t; ++i) delta[i] += gu[i * e + c] * ou[i * e + c];
+        }
+        for (long j = 0; j < s; ++j) {
+            const float* wr = wt + j * t;
+            float* r = dst + j * t;
+            if (m) {
+#pragma omp simd
+                for (long i = 0; i < t; ++i) r[i] = wr[i] * (r[i] * (float)m[i * s + j] * factor - delta[i]) * scale;
+            } else {
+#pragma omp simd
+                for (long i = 0; i < t; ++i) r[i] = wr[i] * (r[i] - delta[i]) * scale;
+            }
+        }
+        deepdsl_att_product(dst, 1, t, ku, t, s, d, dq + u * t * d);                 // dq = ds k
+        deepdsl_att_product(dst, t, 1, qu, s, t, d, dk + u * s * d);                 // dk = ds^T q
+    }
+    return 1;
+}
