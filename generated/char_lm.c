@@ -8,10 +8,10 @@
 // kernels, kernels/cpu_ops.c, a library every program shares; else numpy's kernels run): a tensor's sum per
 // channel (`deepdsl_channel_sum`), and below, for each of the program's elementwise kernels, one function per
 // pattern of operands it is called with (deepdsl_runtime.contract.operand_letter: f a float32 tensor of the
-// output's size, u a uint8 one, s a scalar, c one value per channel, r one value per position of the last axis),
-// computing the same expression in float32 over the elements, each thread a contiguous share (`_range`: a function
-// of its own, so that its loop reads its operands from locals and vectorizes); with c or r operands, over rows of
-// the output. A kernel whose
+// output's size, u a uint8 one, s a scalar, c one value per channel, r one value per position of the last axis,
+// w one value per row of it), computing the same expression in float32 over the elements, each thread a contiguous
+// share (`_range`: a function of its own, so that its loop reads its operands from locals and vectorizes); with c,
+// r or w operands, over rows of the output. A kernel whose
 // values a statement sums per channel (`ew_sum`) also has a `_csum` function per pattern, summing without storing.
 // Last, a function for each pair of kernels two statements compute in one pass (`_then_`: the second reads the
 // first's output; deepdsl.passes.fuse_multi_output).
@@ -134,6 +134,32 @@ void deepdsl_ew_add_ff(long n, float* out, const void* const* in, const float* v
         deepdsl_ew_add_ff_range(begin, end, out, in, value);
     }
 }
+static __attribute__((noinline)) void deepdsl_ew_add_fw_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v0 + v1;
+        }
+    }
+}
+
+void deepdsl_ew_add_fw(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_add_fw_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_scale: out = 0.015625*v0
 static __attribute__((noinline)) void deepdsl_ew_scale_f_range(long begin, long end, float* out,
@@ -156,6 +182,32 @@ void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* 
 }
 
 // ew_sub: out = v0 - v1
+static __attribute__((noinline)) void deepdsl_ew_sub_fw_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v0 - v1;
+        }
+    }
+}
+
+void deepdsl_ew_sub_fw(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_sub_fw_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_square: out = v0**2
 static __attribute__((noinline)) void deepdsl_ew_square_f_range(long begin, long end, float* out,
@@ -291,6 +343,32 @@ void deepdsl_ew_rsqrt_f(long n, float* out, const void* const* in, const float* 
 }
 
 // ew_mul: out = v0*v1
+static __attribute__((noinline)) void deepdsl_ew_mul_fw_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v0*v1;
+        }
+    }
+}
+
+void deepdsl_ew_mul_fw(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_mul_fw_range(begin, end, channels, inner, out, in, value);
+    }
+}
 static __attribute__((noinline)) void deepdsl_ew_mul_ff_range(long begin, long end, float* out,
                                                                  const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
@@ -441,6 +519,32 @@ void deepdsl_ew_sqrt_mul_erf_add_f(long n, float* out, const void* const* in, co
 }
 
 // ew_sub_2: out = v0 - v1
+static __attribute__((noinline)) void deepdsl_ew_sub_2_fw_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v0 - v1;
+        }
+    }
+}
+
+void deepdsl_ew_sub_2_fw(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_sub_2_fw_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_scale_2: out = -v0/2048
 static __attribute__((noinline)) void deepdsl_ew_scale_2_f_range(long begin, long end, float* out,
@@ -607,6 +711,37 @@ void deepdsl_ew_pow_mul_ff(long n, float* out, const void* const* in, const floa
 }
 
 // ew_mul_add_2: out = v0*v1 + 2*v2*v3
+static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fwwf_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+        const float v2 = p2[r];
+        const float* q3 = p3 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v3 = (float)q3[i];
+            o[i] = v0*v1 + 2*v2*v3;
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_2_fwwf(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_mul_add_2_fwwf_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_neg: out = -v0
 static __attribute__((noinline)) void deepdsl_ew_neg_f_range(long begin, long end, float* out,
@@ -724,6 +859,35 @@ void deepdsl_ew_sqrt_mul_erf_scale_ff(long n, float* out, const void* const* in,
 }
 
 // ew_add_2: out = v0 + v1 + v2
+static __attribute__((noinline)) void deepdsl_ew_add_2_ffw_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float* q1 = p1 + r * inner;
+        const float v2 = p2[r];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v1 = (float)q1[i];
+            o[i] = v0 + v1 + v2;
+        }
+    }
+}
+
+void deepdsl_ew_add_2_ffw(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_add_2_ffw_range(begin, end, channels, inner, out, in, value);
+    }
+}
 static __attribute__((noinline)) void deepdsl_ew_add_2_fff_range(long begin, long end, float* out,
                                                                  const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
@@ -768,6 +932,36 @@ void deepdsl_ew_scale_add_rsqrt_f(long n, float* out, const void* const* in, con
 }
 
 // ew_mul_add_3: out = v0*v1*v2 + v3
+static __attribute__((noinline)) void deepdsl_ew_mul_add_3_fwrr_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v2 = p2[i];
+            const float v3 = p3[i];
+            o[i] = v0*v1*v2 + v3;
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_3_fwrr(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_mul_add_3_fwrr_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_sqrt_mul_erf_add_2: out = v0*(erf(sqrt(2)*v0/2) + 1)/2
 static __attribute__((noinline)) void deepdsl_ew_sqrt_mul_erf_add_2_f_range(long begin, long end, float* out,

@@ -466,7 +466,8 @@ def operand_letter(shape, uint8: bool, out_shape) -> str | None:
     picks the kernels to compile by it, the runtime the kernel to call): `f` a float32 tensor of the output's size
     (`u` a uint8 one), `s` one element, `c` one value per channel (axis 1 of an output of 3 or more axes: a (1, C,
     1, 1) batch-norm or bias operand), `r` one value per position of the last axis (a bias of a fully connected
-    layer); None for any other broadcast."""
+    layer), `w` one value per row of the last axis (..., 1): a layer norm's statistics of each token; None for any
+    other broadcast."""
     size, out_size_ = math.prod(shape), math.prod(out_shape)
     if size == out_size_:
         return "u" if uint8 else "f"
@@ -479,14 +480,16 @@ def operand_letter(shape, uint8: bool, out_shape) -> str | None:
         return "c"
     if len(out_shape) >= 2 and padded == (1,) * (len(out_shape) - 1) + (out_shape[-1],):
         return "r"
+    if len(out_shape) >= 2 and out_shape[-1] > 1 and padded == tuple(out_shape[:-1]) + (1,):
+        return "w"
     return None
 
 
 def operand_pattern(shapes_and_uint8, out_shape) -> str | None:
     """The letters of a kernel call's operands (`operand_letter`), or None when one is broadcast otherwise or
-    channel and last-axis operands meet in one call."""
+    channel operands meet last-axis or per-row ones in one call (they run over other rows)."""
     letters = [operand_letter(shape, uint8, out_shape) for shape, uint8 in shapes_and_uint8]
-    if None in letters or ("c" in letters and "r" in letters):
+    if None in letters or ("c" in letters and ("r" in letters or "w" in letters)):
         return None
     return "".join(letters)
 
@@ -562,12 +565,12 @@ def channel_rows(values_shape, out_shape) -> tuple[int, int, int]:
 
 def kernel_rows(pattern: str, out_shape) -> tuple[int, int, int]:
     """(rows, channels, inner) a compiled kernel of `pattern` runs over: the output as rows of `inner` elements,
-    the channel of row k being k % channels (channel operands) or each row's position i reading element i of a
-    last-axis operand."""
+    the channel of row k being k % channels (channel operands), or rows of the last axis, each row's position i
+    reading element i of a last-axis operand and row k element k of a per-row one."""
     size = math.prod(out_shape)
     if "c" in pattern:
         inner = math.prod(out_shape[2:])
         return size // max(inner, 1), out_shape[1], inner
-    if "r" in pattern:
+    if "r" in pattern or "w" in pattern:
         return size // max(out_shape[-1], 1), 1, out_shape[-1]
     return 1, 1, size

@@ -145,3 +145,9 @@ def test_operand_letters_of_compiled_elementwise_kernels():
     assert operand_pattern([(out, False), ((1, 16, 1, 1), False), ((), False)], out) == "fcs"
     assert kernel_rows("fcs", out) == (8 * 16, 16, 25) and kernel_rows("fr", out) == (8 * 16 * 5, 1, 5)
     assert kernel_rows("fs", out) == (1, 1, 8 * 16 * 25)
+    # one value per row of the last axis (a layer norm's statistics), with last-axis operands but not per-channel ones
+    assert operand_letter((8, 16, 5, 1), False, out) == "w" and operand_letter((8, 1), False, (8, 16)) == "w"
+    assert operand_letter((8, 16, 1), False, (8, 16, 1)) == "f" and operand_letter((8, 16, 1, 5), False, out) is None
+    assert operand_pattern([(out, False), ((8, 16, 5, 1), False), ((5,), False)], out) == "fwr"
+    assert operand_pattern([(out, False), ((8, 16, 5, 1), False), ((16, 1, 1), False)], out) is None   # c and w
+    assert kernel_rows("fwr", out) == (8 * 16 * 5, 1, 5)

@@ -303,7 +303,7 @@ def _operands(pattern, shape, rng):
     channel = (1, shape[1]) + (1,) * (len(shape) - 2)
     made = {"f": lambda: rng.uniform(0.5, 1.5, shape), "u": lambda: (rng.random(shape) < 0.5),
             "c": lambda: rng.uniform(0.5, 1.5, channel), "r": lambda: rng.uniform(0.5, 1.5, shape[-1:]),
-            "s": lambda: rng.uniform(0.5, 1.5)}
+            "w": lambda: rng.uniform(0.5, 1.5, shape[:-1] + (1,)), "s": lambda: rng.uniform(0.5, 1.5)}
     return [np.uint8(made[k]()) if k == "u" else np.float32(made[k]()) for k in pattern]
 
 
@@ -334,9 +334,11 @@ def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory
                     np.testing.assert_allclose(target, want, rtol=2e-6, atol=1e-7)
                 checked += 1
     assert checked >= 3
+    letters = "".join(p for _, patterns in describe(compiled).kernel_patterns for p in patterns)
     if name == "resnet_mini":          # batch norm's per-channel operands and the bias of its last layer
-        letters = "".join(p for _, patterns in describe(compiled).kernel_patterns for p in patterns)
         assert "c" in letters and "r" in letters, letters
+    if name == "vit":                  # layer norms' statistics of each token, and their weights
+        assert "w" in letters and "r" in letters, letters
 
 
 @needs_cc

@@ -852,7 +852,7 @@ class Native:
         if function is None:
             return False
         # over rows (rows, channels, inner) with channel or last-axis operands, else over the n flat elements
-        rows = "c" in pattern or "r" in pattern
+        rows = "c" in pattern or "r" in pattern or "w" in pattern
         sizes = contract.kernel_rows(pattern, out_shape) if rows else (math.prod(out_shape),)
         function.argtypes = [_L] * len(sizes) + [_P, _P, _P]
         return function, pattern, sizes
