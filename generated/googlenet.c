@@ -19,10 +19,35 @@
 // A tensor summed per channel (sum_to (1, C, 1, ...) of (N, C, ...): batch norm's mean, bias and batch-norm
 // gradients; deepdsl_runtime.cpu.shape.sum_to): out[c] = the sum over the rows r of channel c and their elements of
 // x, as a `_csum` function adds its values (`channel_sums`), each thread a share of the channels. Returns 1, or 0
-// without summing on planes of at most DEEPDSL_CSUM_PLANE floats (numpy's product of each sample's planes by a
-// vector of ones sums them faster than the lanes of `channel_sums`).
+// without summing on planes of 2 to DEEPDSL_CSUM_PLANE floats (numpy's product of each sample's planes by a vector
+// of ones sums them faster than the lanes of `channel_sums`).
 static __attribute__((noinline)) void deepdsl_channel_sum_range(long c0, long c1, long rows, long channels,
                                                                long inner, float* out, const float* x) {
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        const float* q = x + r * inner;
+                        lane[i] += q[i];
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
@@ -77,7 +102,7 @@ static __attribute__((noinline)) void deepdsl_channel_sum_range(long c0, long c1
 }
 
 int deepdsl_channel_sum(long rows, long channels, long inner, float* out, const float* x) {
-    if (inner <= DEEPDSL_CSUM_PLANE) return 0;
+    if (inner > 1 && inner <= DEEPDSL_CSUM_PLANE) return 0;
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;

@@ -19,10 +19,35 @@
 // A tensor summed per channel (sum_to (1, C, 1, ...) of (N, C, ...): batch norm's mean, bias and batch-norm
 // gradients; deepdsl_runtime.cpu.shape.sum_to): out[c] = the sum over the rows r of channel c and their elements of
 // x, as a `_csum` function adds its values (`channel_sums`), each thread a share of the channels. Returns 1, or 0
-// without summing on planes of at most DEEPDSL_CSUM_PLANE floats (numpy's product of each sample's planes by a
-// vector of ones sums them faster than the lanes of `channel_sums`).
+// without summing on planes of 2 to DEEPDSL_CSUM_PLANE floats (numpy's product of each sample's planes by a vector
+// of ones sums them faster than the lanes of `channel_sums`).
 static __attribute__((noinline)) void deepdsl_channel_sum_range(long c0, long c1, long rows, long channels,
                                                                long inner, float* out, const float* x) {
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        const float* q = x + r * inner;
+                        lane[i] += q[i];
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
@@ -77,7 +102,7 @@ static __attribute__((noinline)) void deepdsl_channel_sum_range(long c0, long c1
 }
 
 int deepdsl_channel_sum(long rows, long channels, long inner, float* out, const float* x) {
-    if (inner <= DEEPDSL_CSUM_PLANE) return 0;
+    if (inner > 1 && inner <= DEEPDSL_CSUM_PLANE) return 0;
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
@@ -163,6 +188,32 @@ static __attribute__((noinline)) void deepdsl_ew_square_f_csum_range(long c0, lo
                                                                       long channels, long inner, float* out,
                                                                       const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        const float* q0 = p0 + r * inner;
+                        const float v0 = (float)q0[i];
+                        lane[i] += (v0*v0);
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
@@ -801,6 +852,34 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_csum_range(long c0, long
                                                                       const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        const float* q0 = p0 + r * inner;
+                        const float* q1 = p1 + r * inner;
+                        const float v0 = (float)q0[i];
+                        const float v1 = (float)q1[i];
+                        lane[i] += v0*v1;
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
@@ -955,6 +1034,32 @@ static __attribute__((noinline)) void deepdsl_ew_neg_f_csum_range(long c0, long 
                                                                       long channels, long inner, float* out,
                                                                       const void* const* in, const float* value) {
     const float* p0 = (const float*)in[0];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        const float* q0 = p0 + r * inner;
+                        const float v0 = (float)q0[i];
+                        lane[i] += -v0;
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
@@ -1353,6 +1458,41 @@ static __attribute__((noinline)) void deepdsl_ew_sub_fc_then_ew_square_f_csum_ra
     const float* p0 = (const float*)in[0];
     const float* p1 = (const float*)in[1];
     const float* b0 = (const float*)in[2];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        float* o = out0 + r * inner;
+                        const float* q0 = p0 + r * inner;
+                        const float v1 = p1[c];
+                        const float* bq0 = b0 + r * inner;
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0 - v1;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            lane[i] += (v0*v0);
+                        }
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
@@ -1523,6 +1663,45 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fcccf_then_ew_neg_f_c
     const float* p3 = (const float*)in[3];
     const float* p4 = (const float*)in[4];
     const float* b0 = (const float*)in[5];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        float* o = out0 + r * inner;
+                        const float* q0 = p0 + r * inner;
+                        const float v1 = p1[c];
+                        const float v2 = p2[c];
+                        const float v3 = p3[c];
+                        const float* q4 = p4 + r * inner;
+                        const float* bq0 = b0 + r * inner;
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v4 = (float)q4[i];
+                            o[i] = v0*v1*v2 + 2*v3*v4;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            lane[i] += -v0;
+                        }
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
@@ -1625,6 +1804,44 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_then_ew_mul_ff_csum
     const float* p1 = (const float*)in[1];
     const float* b0 = (const float*)in[2];
     const float* b1 = (const float*)in[3];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        float* o = out0 + r * inner;
+                        const float* q0 = p0 + r * inner;
+                        const float* q1 = p1 + r * inner;
+                        const float* bq0 = b0 + r * inner;
+                        const float* bq1 = b1 + r * inner;
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v1 = (float)q1[i];
+                            o[i] = v0*((v1) > 0.0F ? 1.0F : 0.0F);
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            lane[i] += v0*v1;
+                        }
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
@@ -1726,6 +1943,46 @@ static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_then_ew_mul_ff
     const float* p2 = (const float*)in[2];
     const float* b0 = (const float*)in[3];
     const float* b1 = (const float*)in[4];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        float* o = out0 + r * inner;
+                        const float* q0 = p0 + r * inner;
+                        const float* q1 = p1 + r * inner;
+                        const float* q2 = p2 + r * inner;
+                        const float* bq0 = b0 + r * inner;
+                        const float* bq1 = b1 + r * inner;
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v1 = (float)q1[i];
+                            const float v2 = (float)q2[i];
+                            o[i] = (v0 + v1)*((v2) > 0.0F ? 1.0F : 0.0F);
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            lane[i] += v0*v1;
+                        }
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
@@ -1966,6 +2223,43 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_3_fcf_then_ew_neg_f_csu
     const float* p1 = (const float*)in[1];
     const float* p2 = (const float*)in[2];
     const float* b0 = (const float*)in[3];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        float* o = out0 + r * inner;
+                        const float* q0 = p0 + r * inner;
+                        const float v1 = p1[c];
+                        const float* q2 = p2 + r * inner;
+                        const float* bq0 = b0 + r * inner;
+                        {
+                            const float v0 = (float)q0[i];
+                            const float v2 = (float)q2[i];
+                            o[i] = v0 + 2*v1*v2;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            lane[i] += -v0;
+                        }
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
     if (inner > DEEPDSL_CSUM_PLANE) {
         for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
             const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;

@@ -512,26 +512,33 @@ def sum_view(values_shape, out_shape) -> tuple[int, ...] | None:
     """The shape under which a compiled kernel sums `values_shape` to `out_shape` per channel: (N, C, ...) of 3 or
     more axes to (1, C, 1, ...) as it is (batch norm's statistics); a sum over the last axis, (..., D) to (..., 1)
     (a layer norm's over each token's features), as (1, R, D) to (1, R, 1), each of the R rows a channel of its
-    own; None for other sums."""
+    own; a sum over every axis but the last, (..., D) to (D,) (a bias's gradient, a layer norm weight's), as (R,
+    D, 1) to (1, D, 1), each of the D columns a channel; None for other sums."""
     values, out = tuple(values_shape), tuple(out_shape)
     padded = (1,) * (len(values) - len(out)) + out
     if len(values) >= 3 and padded == (1, values[1]) + (1,) * (len(values) - 2):
         return values
     if len(values) >= 2 and out == values[:-1] + (1,) and values[-1] > 1:
         return (1, math.prod(values[:-1]), values[-1])
+    if len(values) >= 2 and padded == (1,) * (len(values) - 1) + values[-1:] and values[-1] > 1 and \
+            math.prod(values[:-1]) > 1:
+        return (math.prod(values[:-1]), values[-1], 1)
     return None
 
 
 def _viewed(shape, values_shape, view) -> tuple[int, ...] | None:
     """An operand of `shape` (broadcast to `values_shape`) as it reads under `view` (`sum_view`): itself when the
-    view is the values' shape; else whole (f), one element (s), one value per row (..., 1) (c) or one per position
-    of the last axis, as a layer norm's weight (r); None otherwise."""
+    view is the values' shape; else whole (f), one element (s), and under a view of rows one value per row (..., 1)
+    (c) or one per position of the last axis, as a layer norm's weight (r), under a view of columns one per position
+    of the last axis (c); None otherwise."""
     if tuple(view) == tuple(values_shape):
         return tuple(shape)
     size = math.prod(shape)
     if size in (1, math.prod(values_shape)):
         return (1,) * 3 if size == 1 else tuple(view)
     padded = (1,) * (len(values_shape) - len(shape)) + tuple(shape)
+    if view[0] != 1:                           # columns (R, D, 1)
+        return (1, view[1], 1) if padded == (1,) * (len(values_shape) - 1) + (values_shape[-1],) else None
     if padded == tuple(values_shape[:-1]) + (1,):
         return (1, view[1], 1)
     return (1, 1, view[2]) if padded == (1,) * (len(values_shape) - 1) + (values_shape[-1],) else None

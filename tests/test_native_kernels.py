@@ -496,6 +496,82 @@ def test_sums_over_each_rows_last_axis_equal_numpy(tmp_path_factory):
 
 
 @needs_cc
+def test_sums_over_every_axis_but_the_last_equal_numpy(tmp_path_factory):
+    """A bias's and a layer norm weight's gradients sum (..., D) to (D,): the compiled per-channel sums, summed
+    pairs and `sum_to` run them under the view (R, D, 1), each column a channel (`contract.sum_view`), within float32
+    roundings of numpy's kernels (float64 for `sum_to`), with the same bits at 1, 2 and 3 threads, on odd shapes and
+    more columns than a thread reads at a time."""
+    from deepdsl.codegen.description import describe
+    from deepdsl_runtime import cpu
+    from deepdsl_runtime.cpu import elementwise
+
+    compiled, module, path = _program("vit", dict(NETWORKS)["vit"], tmp_path_factory)
+    found, why = native.load(path)
+    assert found is not None, why
+    description = describe(compiled)
+    rng = np.random.default_rng(29)
+    shapes = ((3, 5, 64), (7, 33, 17), (2, 600, 130), (3, 4100), (1000, 2))
+    patterns = [(name, p) for name, ps in description.kernel_sums for p in ps if set(p) <= set("fsc")]
+    pairs = [p for p in description.kernel_pairs if p[4] and set(p[1] + p[3]) <= set("fsc")]
+    assert patterns and pairs, (description.kernel_sums, description.kernel_pairs)
+
+    def operands(pattern, shape):
+        made = {"f": lambda: rng.uniform(0.5, 1.5, shape), "c": lambda: rng.uniform(0.5, 1.5, shape[-1:]),
+                "s": lambda: rng.uniform(0.5, 1.5)}
+        return [np.float32(made[k]()) for k in pattern]
+
+    cases = []
+    for shape in shapes:
+        x = rng.standard_normal(shape).astype(np.float32) + 0.5
+        cases += [("ew_sum", name, operands(p, shape), shape) for name, p in patterns]
+        cases += [("pair", pair, (operands(pair[1], shape), operands(pair[3], shape)), shape) for pair in pairs]
+        cases.append(("sum_to", None, x, shape))
+    before, results = found.threads, []
+    try:
+        for threads in (1, 2, 3):
+            found.set_threads(threads)
+            got = []
+            for kind, what, args, shape in cases:
+                target = shape[-1:]
+                if kind == "ew_sum":
+                    out = np.full(target, np.nan, np.float32)
+                    assert found.ew_sum(getattr(module, what), out, args, target), what
+                    want = np.empty(target, np.float32)
+                    elementwise.ew_sum(getattr(module, what), want, *args, shape=target)
+                    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+                    got.append(out)
+                elif kind == "pair":
+                    (first, _, second, second_pattern, _), (args0, args1) = what, args
+                    k0, k1 = getattr(module, first), getattr(module, second)
+                    out0, out1 = np.full(shape, np.nan, np.float32), np.full(target, np.nan, np.float32)
+                    a1 = list(args1)
+                    a1[second_pattern.rindex("f")] = out0
+                    assert found.ew_and_sum((k0, out0, *args0), (k1, out1, *a1), target), first
+                    want0, want1 = np.empty(shape, np.float32), np.empty(target, np.float32)
+                    k0(want0, *args0)
+                    a1[second_pattern.rindex("f")] = want0
+                    elementwise.ew_sum(k1, want1, *a1, shape=target)
+                    np.testing.assert_allclose(out0, want0, rtol=2e-6, atol=1e-6)
+                    np.testing.assert_allclose(out1, want1, rtol=1e-5, atol=1e-5 * float(np.abs(want1).max()))
+                    got += [out0, out1]
+                else:
+                    want = args.astype(np.float64).reshape(-1, shape[-1]).sum(axis=0)
+                    tolerance = dict(rtol=1e-6, atol=1e-6 * float(np.abs(args).sum() / shape[-1]))
+                    out = np.full(target, np.nan, np.float32)
+                    assert found.channel_sum(args, out)
+                    np.testing.assert_allclose(out, want, **tolerance)
+                    through = np.full((1,) + target, np.nan, np.float32)
+                    cpu.backend(found).sum_to(args, out=through, shape=through.shape)
+                    assert through.tobytes() == out.tobytes()
+                    got.append(out)
+            results.append(got)
+    finally:
+        found.set_threads(before)
+    for got in results[1:]:
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, results[0]))
+
+
+@needs_cc
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_tensor_summed_per_channel_equals_numpy(lib, threads):
     """sum_to (1, C, 1, 1) with the compiled kernels (`Native.channel_sum`, the library's `deepdsl_channel_sum`)

@@ -794,10 +794,11 @@ class Native:
         return function, first_pattern + second_pattern, sizes
 
     def channel_sum(self, x: np.ndarray, out: np.ndarray) -> bool:
-        """out (1, C, 1, ...) = x (N, C, ...) summed per channel (`sum_to`), as a compiled per-channel sum adds its
-        values (the library's `deepdsl_channel_sum`, on the kernels' threads); False where it does not (small planes,
-        another dtype, strides, or a library without it): the caller sums with numpy."""
-        if self._channel_sum is None or not _contiguous32(x, out) or x.ndim < 3:
+        """out (1, C, 1, ...) = x (N, C, ...) summed per channel, or out (D,) = x (..., D) summed over every axis but
+        the last (`sum_to`; `contract.sum_view`), as a compiled per-channel sum adds its values (the library's
+        `deepdsl_channel_sum`, on the kernels' threads); False where it does not (small planes, another dtype,
+        strides, or a library without it): the caller sums with numpy."""
+        if self._channel_sum is None or not _contiguous32(x, out) or contract.sum_view(x.shape, out.shape) is None:
             return False
         return bool(self._channel_sum(*contract.channel_rows(x.shape, out.shape), out.ctypes.data, x.ctypes.data))
 
