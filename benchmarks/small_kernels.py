@@ -1,5 +1,5 @@
-"""Dropout's masks, the weight gradients' products and the attention heads' transposes on the compiled kernels,
-against what ran before them.
+"""Dropout's masks, the weight gradients' products, the attention heads' transposes, attention of small heads and
+the sums of a bias's gradient on the compiled kernels, against what ran before them.
 
     python benchmarks/small_kernels.py [--threads 1 2] [--rounds 5] [--calls 40] [--markdown]
 
@@ -8,7 +8,13 @@ numpy kernel, what every program ran before) and by the compiled kernel (`deepds
 Products: the single products of a ViT's and char_lm's weight gradients (a small output, a long inner dimension),
 whole on one thread as `contract.product_cuts` leaves them, and cut along the inner dimension on the kernels'
 threads (`contract.product_depth_cut`, given the planned workspace). Transposes: the ViT's and char_lm's swaps of
-heads and tokens, by numpy's copy and by the compiled kernel (`deepdsl_swap_axes`). The library is built from the
+heads and tokens, by numpy's copy and by the compiled kernel (`deepdsl_swap_axes`). Attention: the forward and the
+gradient of the ViT's heads (64 x 4 units of 16 tokens of 16 features), causal heads of 16 tokens with a tenth of
+their weights dropped, and char_lm's heads without dropout (32 x 4 units of 64 causal tokens of 16 features), by
+the compiled row passes between BLAS products on blocks of units, and weighed whole unit by unit
+(`deepdsl_attention_units`, where `contract.attention_in_units` takes them; within float32 rounding). Sums: a (1024, 64) and a (2048,
+128) gradient summed to its bias, by numpy and by the compiled kernel (`Native.channel_sum`, each column a channel;
+within float32 rounding). The library is built from the
 program of networks/char_lm.py in a temporary directory. For each thread count, `--rounds` rounds alternate the two
 sides of each case, `--calls` calls each; printed: the median milliseconds of a call over all calls, the ratio
 (before / after: above 1, faster now), a check that both sides agree (the same bytes; the products within float32
@@ -32,6 +38,25 @@ ROOT = Path(__file__).resolve().parents[1]
 MASK = (32, 4, 64, 64)
 PRODUCTS = [(64, 64, 1024), (64, 128, 1024), (128, 64, 1024), (64, 64, 2048)]   # (m, n, k): a^T (k x m) b (k x n)
 TRANSPOSES = [(64, 16, 4, 16), (64, 4, 16, 16), (32, 64, 4, 16)]                  # axes 1 and 2 swapped
+ATTENTION = [((64, 4), 16, 16, False, None), ((32, 4), 16, 16, True, 0.9),       # (units, tokens, features, causal,
+             ((32, 4), 64, 16, True, None)]                                     # keep)
+BIAS_SUMS = [(1024, 64), (2048, 128)]                                            # (rows, columns) to (columns,)
+
+
+class _InBlocks:
+    """The compiled kernels as they weighed attention before units were weighed whole: on blocks of units."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def attention_units(self, *args) -> bool:
+        return False
+
+    def attention_units_grad(self, *args) -> bool:
+        return False
 
 
 def _library(tmp: Path):
@@ -50,7 +75,7 @@ def _library(tmp: Path):
 
 def _cases(lib):
     """(name, before, after, agree) for each case: two calls and a check of their results."""
-    from deepdsl_runtime import contract
+    from deepdsl_runtime import contract, cpu
     from deepdsl_runtime.cpu import masks, shape as shapes
 
     rng = np.random.default_rng(0)
@@ -78,6 +103,33 @@ def _cases(lib):
                       lambda x=x, o=outs[0]: shapes.transpose(x, out=o, axes=(1, 2)),
                       lambda x=x, o=outs[1]: shapes.transpose(x, out=o, axes=(1, 2), native=lib),
                       lambda outs=outs: np.array_equal(outs[0], outs[1])))
+    for lead, t, d, causal, keep in ATTENTION:
+        q, k, v, g = (rng.standard_normal((*lead, t, d)).astype(np.float32) for _ in range(4))
+        attrs = {"scale": d ** -0.5, "causal": causal}
+        if keep is not None:
+            attrs.update(keep=keep, mask=(rng.random((*lead, t, t)) < keep).astype(np.uint8))
+        units = int(np.prod(lead))
+        spaces = [np.empty(units * contract.attention_scratch(t, t), np.float32),
+                  np.empty(units * contract.attention_grad_scratch(t, t, d, d, keep is not None), np.float32)]
+        outs = [[np.empty_like(q), np.empty(4 * q.size, np.float32)] for _ in range(2)]
+
+        def weigh(kernels, out, q=q, k=k, v=v, g=g, attrs=attrs, spaces=spaces):
+            cpu.attention(q, k, v, out=out[0], workspace=spaces[0], gemm=lib.gemm, native=kernels, **attrs)
+            cpu.attention_grad(q, k, v, out[0], g, out=out[1][:3 * q.size], workspace=spaces[1], gemm=lib.gemm,
+                               native=kernels, **attrs)
+
+        def agree(outs=outs):
+            return all(np.allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(a).max()) for a, b in zip(*outs))
+        cases.append((f"attention {'x'.join(map(str, (*lead, t, d)))}",
+                      lambda w=weigh, o=outs[0]: w(_InBlocks(lib), o), lambda w=weigh, o=outs[1]: w(lib, o), agree))
+    for rows, columns in BIAS_SUMS:
+        x = rng.standard_normal((rows, columns)).astype(np.float32)
+        outs = [np.empty((columns,), np.float32) for _ in range(2)]
+
+        def agree(outs=outs, rows=rows):
+            return np.allclose(outs[0], outs[1], rtol=0, atol=np.sqrt(rows) * 1e-6 * np.abs(outs[0]).max())
+        cases.append((f"bias sum {rows}x{columns}", lambda x=x, o=outs[0]: shapes.sum_to(x, out=o, shape=o.shape),
+                      lambda x=x, o=outs[1]: shapes.sum_to(x, out=o, shape=o.shape, native=lib), agree))
     return cases
 
 

@@ -416,12 +416,16 @@ def attention_rows(t: int) -> int:
 
 
 ATTENTION_UNIT = 64     # the most queries, keys and features of a unit the CPU's kernels weigh whole, on one thread
+# with dropout, the most queries and keys: its mask is read across its rows there, and beyond 16 of them the products
+# of blocks of units (benchmarks/small_kernels.py) are as fast
+ATTENTION_UNIT_DROPPED = 16
 
 
-def attention_in_units(t: int, s: int, d: int, e: int) -> bool:
+def attention_in_units(t: int, s: int, d: int, e: int, dropout: bool = False) -> bool:
     """Whether the compiled CPU kernels weigh each unit of (t, d) queries against (s, d) keys and (s, e) values
-    whole, on one thread, with no workspace (`deepdsl_attention_units`): where each is at most ATTENTION_UNIT."""
-    return max(t, s, d, e) <= ATTENTION_UNIT
+    whole, on one thread, with no workspace (`deepdsl_attention_units`): where each is at most ATTENTION_UNIT, and
+    with dropout t and s at most ATTENTION_UNIT_DROPPED."""
+    return max(t, s, d, e) <= ATTENTION_UNIT and (not dropout or max(t, s) <= ATTENTION_UNIT_DROPPED)
 
 
 def attention_scratch(t: int, s: int) -> int:

@@ -307,8 +307,9 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
 
 @needs_cc
 def test_the_small_kernels_benchmark_runs(tmp_path, lib):
-    """benchmarks/small_kernels.py at a tiny size: the mask, the four products and the three transposes timed on
-    both sides, each pair agreeing (the same bytes; the products within float32 rounding)."""
+    """benchmarks/small_kernels.py at a tiny size: the mask, the four products, the three transposes, the three
+    attentions and the two bias sums timed on both sides, each pair agreeing (the same bytes; the products, the
+    attentions and the sums within float32 rounding)."""
     import re
     import subprocess
     import sys
@@ -318,9 +319,11 @@ def test_the_small_kernels_benchmark_runs(tmp_path, lib):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "small_kernels.py"), "--threads", "1",
                            "--rounds", "1", "--calls", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    rows = re.findall(r"^ *((?:mask|transpose) [\dx]+|\d+x\d+ by \d+x\d+, \d parts) +1 +([\d.]+) +([\d.]+) +"
-                      r"([\d.]+)x +(\w+)$", done.stdout, re.M)
-    assert len(rows) == 8 and all(agree == "yes" for *_, agree in rows), done.stdout
+    rows = re.findall(r"^ *((?:mask|transpose|attention|bias sum) [\dx]+|\d+x\d+ by \d+x\d+, \d parts) +1 +([\d.]+) +"
+                      r"([\d.]+) +([\d.]+)x +(\w+)$", done.stdout, re.M)
+    assert len(rows) == 13 and all(agree == "yes" for *_, agree in rows), done.stdout
+    assert [r[0] for r in rows[8:]] == ["attention 64x4x16x16", "attention 32x4x16x16", "attention 32x4x64x16",
+                                        "bias sum 1024x64", "bias sum 2048x128"]
     assert [r[0] for r in rows[1:5]] == ["64x1024 by 1024x64, 4 parts", "64x1024 by 1024x128, 4 parts",
                                          "128x1024 by 1024x64, 4 parts", "64x2048 by 2048x64, 4 parts"]
-    assert [r[0] for r in rows[5:]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
+    assert [r[0] for r in rows[5:8]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]

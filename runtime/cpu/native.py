@@ -605,7 +605,7 @@ class Native:
     def _units(self, q, k, v, mask, *others):
         """The pointers of the units' arrays (q, k, v, *others), or None where the kernels do not take them."""
         if self._attention_units is None or not _contiguous32(q, k, v, *others) or \
-                not contract.attention_in_units(q.shape[1], k.shape[1], q.shape[2], v.shape[2]):
+                not contract.attention_in_units(q.shape[1], k.shape[1], q.shape[2], v.shape[2], mask is not None):
             return None
         if mask is not None and not (mask.dtype == np.uint8 and mask.flags.c_contiguous):
             return None

@@ -133,10 +133,10 @@ void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, lo
 #define DEEPDSL_ATTENTION_UNIT 64      /* contract.ATTENTION_UNIT */
 #define DEEPDSL_ATTENTION_TILE (DEEPDSL_ATTENTION_UNIT * DEEPDSL_ATTENTION_UNIT)
 
-// a (rows, cols) -> to (cols, rows)
+// a (rows, cols) -> to (cols, rows), written in order (stores a row apart would fall in few cache sets)
 static inline void deepdsl_att_transpose(const float* a, long rows, long cols, float* to) {
-    for (long r = 0; r < rows; ++r)
-        for (long c = 0; c < cols; ++c) to[c * rows + r] = a[r * cols + c];
+    for (long c = 0; c < cols; ++c)
+        for (long r = 0; r < rows; ++r) to[c * rows + r] = a[r * cols + c];
 }
 
 // out (m, n) = a b, n at most DEEPDSL_ATTENTION_UNIT: out[i, j] = the sum over c < k of a[i * a_row + c * a_col] *
@@ -282,12 +282,13 @@ static void deepdsl_att_softmax_columns(float* x, long s, long n) {
 }
 
 // One unit's weights, transposed: wt (s, t), wt[j, i] the weight of key j for query i: the scores k q^T scaled,
-// the bias added, the keys after a causal query left out, and each query's softmax over its keys; kept (not NULL
-// with a mask): wt * mask^T * factor. A query's lanes are its own: its maximum and sum run over the keys in order,
-// whatever the vectors' width. qt: scratch (d, t).
+// the bias added, the keys after a causal query left out, and each query's softmax over its keys; with a mask m:
+// mt = m^T * factor (0 or factor: wt * mt rounds as (wt * m) * factor does) and kept = wt * mt. A query's lanes are
+// its own: its maximum and sum run over the keys in order, whatever the vectors' width. qt: scratch (d, t).
 static void deepdsl_att_unit_weights(const float* q, const float* k, long t, long s, long d, float scale,
                                      const float* b, long bias_row, long bias_col, int causal,
-                                     const unsigned char* m, float factor, float* qt, float* wt, float* kept) {
+                                     const unsigned char* m, float factor, float* qt, float* wt, float* mt,
+                                     float* kept) {
     deepdsl_att_transpose(q, t, d, qt);
     deepdsl_att_product(k, d, 1, qt, s, d, t, wt);
     for (long j = 0; j < s; ++j) {
@@ -303,12 +304,10 @@ static void deepdsl_att_unit_weights(const float* q, const float* k, long t, lon
     }
     deepdsl_att_softmax_columns(wt, s, t);
     if (m) {
-        for (long j = 0; j < s; ++j) {
-            const float* r = wt + j * t;
-            float* o = kept + j * t;
+        for (long j = 0; j < s; ++j)                  // (written in order, as deepdsl_att_transpose's)
+            for (long i = 0; i < t; ++i) mt[j * t + i] = (float)m[i * s + j] * factor;
 #pragma omp simd
-            for (long i = 0; i < t; ++i) o[i] = r[i] * (float)m[i * s + j] * factor;
-        }
+        for (long x = 0; x < s * t; ++x) kept[x] = wt[x] * mt[x];
     }
 }
 
@@ -321,10 +320,11 @@ int deepdsl_attention_units(const float* q, const float* k, const float* v, floa
     if (t > most || s > most || d > most || e > most) return 0;
 #pragma omp parallel for schedule(static) if (units * t * s * (d + e) >= DEEPDSL_PARALLEL_MIN)
     for (long u = 0; u < units; ++u) {
-        float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], kept[DEEPDSL_ATTENTION_TILE];
+        float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], mt[DEEPDSL_ATTENTION_TILE];
+        float kept[DEEPDSL_ATTENTION_TILE];
         const unsigned char* m = mask ? mask + u * mask_unit : 0;
         deepdsl_att_unit_weights(q + u * t * d, k + u * s * d, t, s, d, scale, bias ? bias + bias_units[u] : 0,
-                                 bias_row, bias_col, causal, m, factor, qt, wt, kept);
+                                 bias_row, bias_col, causal, m, factor, qt, wt, mt, kept);
         deepdsl_att_product(m ? kept : wt, 1, t, v + u * s * e, t, s, e, out + u * t * e);      // out = w v
     }
     return 1;
@@ -342,28 +342,30 @@ int deepdsl_attention_units_grad(const float* q, const float* k, const float* v,
     if (t > most || s > most || d > most || e > most) return 0;
 #pragma omp parallel for schedule(static) if (units * t * s * (d + e) >= DEEPDSL_PARALLEL_MIN)
     for (long u = 0; u < units; ++u) {
-        float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], kept[DEEPDSL_ATTENTION_TILE];
-        float dst[DEEPDSL_ATTENTION_TILE];
+        float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], mt[DEEPDSL_ATTENTION_TILE];
+        float kept[DEEPDSL_ATTENTION_TILE], dst[DEEPDSL_ATTENTION_TILE];
         float delta[DEEPDSL_ATTENTION_UNIT];
         const float *qu = q + u * t * d, *ku = k + u * s * d, *vu = v + u * s * e, *gu = g + u * t * e;
         const float* ou = o + u * t * e;
         const unsigned char* m = mask ? mask + u * mask_unit : 0;
         deepdsl_att_unit_weights(qu, ku, t, s, d, scale, bias ? bias + bias_units[u] : 0, bias_row, bias_col, causal,
-                                 m, factor, qt, wt, kept);
+                                 m, factor, qt, wt, mt, kept);
         deepdsl_att_product(m ? kept : wt, t, 1, gu, s, t, e, dv + u * s * e);         // dv = w^T g
         deepdsl_att_transpose(gu, t, e, qt);                                           // (q^T is read no more)
         deepdsl_att_product(vu, e, 1, qt, s, e, t, dst);                               // (g v^T)^T = v g^T
         for (long i = 0; i < t; ++i) delta[i] = 0.0f;
         for (long c = 0; c < e; ++c) {
+            const float* gc = qt + c * t;                                              // g^T's row c
 #pragma omp simd
-            for (long i = 0; i < t; ++i) delta[i] += gu[i * e + c] * ou[i * e + c];
+            for (long i = 0; i < t; ++i) delta[i] += gc[i] * ou[i * e + c];
         }
         for (long j = 0; j < s; ++j) {
             const float* wr = wt + j * t;
             float* r = dst + j * t;
             if (m) {
+                const float* mr = mt + j * t;
 #pragma omp simd
-                for (long i = 0; i < t; ++i) r[i] = wr[i] * (r[i] * (float)m[i * s + j] * factor - delta[i]) * scale;
+                for (long i = 0; i < t; ++i) r[i] = wr[i] * (r[i] * mr[i] - delta[i]) * scale;
             } else {
 #pragma omp simd
                 for (long i = 0; i < t; ++i) r[i] = wr[i] * (r[i] - delta[i]) * scale;
