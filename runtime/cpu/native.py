@@ -873,8 +873,9 @@ def _operands(args, pattern):
     its value as float32."""
     n = len(args)
     pointers = (_P * n)(*(a.ctypes.data if p != "s" else None for a, p in zip(args, pattern)))
-    values = (_F * n)(*(float(np.asarray(a, dtype=np.float32).reshape(-1)[0]) if p == "s" else 0.0
-                        for a, p in zip(args, pattern)))
+    # (a Python float is rounded to float32 by ctypes as by numpy: to nearest, ties to even)
+    values = (_F * n)(*((a if type(a) is float else float(np.asarray(a, dtype=np.float32).reshape(-1)[0]))
+                        if p == "s" else 0.0 for a, p in zip(args, pattern)))
     return pointers, values
 
 
