@@ -1,13 +1,13 @@
 """Scaled dot-product attention on the CPU and its gradient (`deepdsl.ops.attention`).
 
 Where the compiled kernels take a unit's sizes (`contract.attention_in_units`: at most 64 queries, keys and
-features, as a ViT's or a small language model's heads), they weigh each unit whole on one thread, with no
-workspace (`deepdsl_attention_units`: products, softmax and gradient in registers and on the stack). Otherwise the
-kernels weigh `contract.attention_rows` queries of as many units (batch index and head) as the workspace holds at a
-time: the block's scores in the workspace (a product, by the backend's `gemm`), their softmax in place, then the
-product with the values; the gradient recomputes a block's weights the same way. The passes over the rows between the
-products run numpy's code, or the compiled kernels' (kernels/cpu_attention.c) where the program has
-them: those compute exp by a polynomial, within an ulp of numpy's. With dropout (a 0/1 `mask` of the scores'
+features, as a ViT's heads; with dropout at most 16 queries and keys), they weigh each unit whole on one thread,
+with no workspace (`deepdsl_attention_units`: products, softmax and gradient in registers and on the stack).
+Otherwise the kernels weigh `contract.attention_rows` queries of as many units (batch index and head) as the
+workspace holds at a time: the block's scores in the workspace (a product, by the backend's `gemm`), their softmax
+in place, then the product with the values; the gradient recomputes a block's weights the same way. The passes over
+the rows between the products run numpy's code, or the compiled kernels' (kernels/cpu_attention.c) where the program
+has them: those compute exp by a polynomial, within an ulp of numpy's. With dropout (a 0/1 `mask` of the scores'
 shape, `keep` the fraction kept) a block's weights are multiplied by mask / keep before the product, and the
 gradient keeps a block's kept weights (for the values' gradient) beside its weights (for the scores').
 """

@@ -236,7 +236,7 @@ def _plain(floats: np.ndarray, out: np.ndarray, ids: np.ndarray) -> bool:
 
 
 class Native:
-    """The kernels of one loaded library."""
+    """The kernels of the loaded libraries: the generic one's, and the program's where it has its own."""
 
     def __init__(self, lib: ctypes.CDLL, program: ctypes.CDLL | None = None):
         """`lib`: the generic kernels' library; `program`: the program's own (its elementwise kernels and
