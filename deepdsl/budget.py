@@ -150,7 +150,9 @@ EXACT_TIME_LIMIT = 60.0      # seconds the exact solver may take for one workspa
 
 def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str = "", explain: bool = True):
     """`pipeline.plan_steps` under `options.memory_budget`: every step's final program and plan, each fitting the
-    budget, with its `Fit`; `BudgetError` when some step cannot fit (`DoesNotFit`, sooner, when not `explain`)."""
+    budget, with its `Fit`; `BudgetError` when some step cannot fit (`DoesNotFit`, sooner, when not `explain`): of
+    the step whose least reachable total is the largest, so that the minimum it states fits every step (a test
+    step may need more than the training step's minimum)."""
     from deepdsl.pipeline import CompiledStep, run_stages, stage_index, STAGES
 
     ordering = STAGES[stage_index("schedule"):stage_index("inplace")]
@@ -159,7 +161,7 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
     if options.memory_solver not in (None, "exact"):
         raise ValueError(f"memory_solver must be None (the greedy sequence) or 'exact', got {options.memory_solver!r}")
     ordered = run_stages(unplanned, ordering, options, hook)
-    result = {}
+    result, failures = {}, []
     start_limit = options.workspace_limit       # the other steps start from the training step's workspace limit
     for step, program in sorted(ordered.items(), key=lambda item: item[0] != "train"):   # the training step first
         start = time.perf_counter()
@@ -198,7 +200,8 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
                 if least is None or p.total_bytes < least[1].total_bytes:
                     least = (candidate, p)
             final = run_stages({step: least[0]}, finishing[:-1], options)[step]
-            raise BudgetError(network, step, _batch(program), budget, final, least[1])
+            failures.append((least[1].total_bytes, step, program, final, least[1]))
+            continue
         count, candidate, limit = chosen
         limited = options.changed(workspace_limit=limit)
         final = run_stages({step: candidate}, finishing[:-1], limited, hook)
@@ -208,6 +211,9 @@ def fit_steps(unplanned: Mapping[str, Program], options, hook=None, network: str
         if step == "train":
             start_limit = limit
         result[step] = CompiledStep(final[step], plans[step], unplanned[step], fit)
+    if failures:
+        _, step, program, final, least = max(failures, key=lambda failure: failure[0])
+        raise BudgetError(network, step, _batch(program), budget, final, least)
     return {step: result[step] for step in ordered}
 
 

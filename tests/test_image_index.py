@@ -108,11 +108,15 @@ def test_a_manifest_holds_arrays_not_an_object_per_record(digits):
 
 
 def test_a_read_only_data_directory_caches_in_the_users_cache(digits, tmp_path, monkeypatch):
+    monkeypatch.delenv("DEEPDSL_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     load(f"folder:{digits}")
     assert list((tmp_path / "cache" / "deepdsl" / "index").glob("*-train.npz"))
     assert not (digits / ".deepdsl-index-train.npz").exists()
+    monkeypatch.setenv("DEEPDSL_CACHE", str(tmp_path / "own"))          # deepdsl's own cache directory, if set
+    load(f"folder:{digits}")
+    assert list((tmp_path / "own" / "index").glob("*-train.npz"))
 
 
 def test_folder_faults(digits, tmp_path):
