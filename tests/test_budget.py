@@ -222,6 +222,28 @@ def test_an_infeasible_budget_is_one_line_and_its_minimum_fits():
         compile_without_search(load("resnet_mini", largest + 1), deepdsl.CompileOptions(memory_budget=least - 1))
 
 
+def test_the_stated_minimum_fits_a_test_step_that_needs_more_than_the_training_step():
+    """A tiny network (found by the random networks below) whose test step needs more memory than its training
+    step's minimum: the error names the test step, and its minimum fits every step."""
+    from deepdsl import dsl as D
+
+    x = D.images("x", (1, 1, 5, 5))
+    y = D.labels("y", 1, classes=3)
+    net = D.full("fc", 3) @ D.flatten @ D.max_pool(2, 1, 0, False) @ D.relu
+    loop = D.Loop((D.log_loss(y) @ D.softmax @ net)(x), (D.precision(y) @ net)(x), D.Train("tiny"))
+    with pytest.raises(BudgetError) as caught:
+        compile_without_search(loop, deepdsl.CompileOptions(memory_budget=0))
+    least = caught.value.least.total_bytes
+    assert caught.value.step == "test" and "(test step)" in str(caught.value)
+    compiled = compile_without_search(loop, deepdsl.CompileOptions(memory_budget=least))
+    assert compiled.steps["train"].plan.total_bytes < least
+    for step in compiled.steps.values():
+        assert step.plan.total_bytes <= least
+        step.plan.check()
+    with pytest.raises(BudgetError):
+        compile_without_search(loop, deepdsl.CompileOptions(memory_budget=least - 1))
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_networks(), st.floats(0.0, 1.0))
 def test_random_networks_fit_or_state_a_minimum_that_fits(loop, fraction):
