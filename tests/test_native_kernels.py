@@ -684,7 +684,8 @@ def test_label_ranks_and_token_masks_equal_numpy(lib, threads):
     # bias per query, the largest unit, and one query beyond it; with dropout, the largest unit and one key beyond it
     ((2, 3), 16, 16, 16, 16, False, None, None), ((2,), 16, 16, 16, 16, True, None, 0.9),
     ((3,), 9, 13, 64, 7, False, (3, 9, 1), 0.7), ((2,), 64, 64, 64, 64, True, (1, 64, 64), None),
-    ((2,), 65, 8, 4, 4, False, None, None), ((2,), 64, 64, 16, 16, True, None, 0.9), ((3,), 9, 17, 8, 8, False, None, 0.7)])
+    ((2,), 65, 8, 4, 4, False, None, None), ((2,), 64, 64, 16, 16, True, None, 0.9),
+    ((3,), 9, 17, 8, 8, False, None, 0.7)])
 def test_attention_equals_numpy_at_any_thread_count(lib, case, monkeypatch):
     """Attention and its gradient with the library's passes over rows and its products, or with small units
     weighed whole, against numpy's kernels within float32 rounding, the same bits at 1, 2 and 3 threads; outputs
