@@ -69,10 +69,11 @@ def layers(network: str, batch: int, image: int | None, directory: Path, avx2: b
     if avx2:
         import ctypes
 
-        library = directory / "avx2.so"
-        subprocess.run(native.compile_command(path.with_suffix(".c"), library) + ["-mno-avx512f"], check=True,
-                       capture_output=True)
-        kernels = native.Native(ctypes.CDLL(str(library)))
+        generic, library = directory / "generic_avx2.so", directory / "avx2.so"
+        for source, output in ((native.KERNELS_DIR / native.GENERIC_SOURCE, generic),
+                               (path.with_suffix(".c"), library)):
+            subprocess.run(native.compile_command(source, output) + ["-mno-avx512f"], check=True, capture_output=True)
+        kernels = native.Native(ctypes.CDLL(str(generic)), ctypes.CDLL(str(library)))
     else:
         build_library(path.with_suffix(".c"))
         kernels, why = native.load(path)

@@ -1,13 +1,14 @@
 """Dropout's masks, the weight gradients' products, the attention heads' transposes, attention of small heads and
 the sums of a bias's gradient on the compiled kernels, against what ran before them.
 
-    python benchmarks/small_kernels.py [--threads 1 2] [--rounds 5] [--calls 40] [--markdown]
+    python benchmarks/small_kernels.py [--threads 1 2] [--rounds 5] [--calls 40] [--isa native|avx2] [--markdown]
 
 Masks: the (32, 4, 64, 64) masks of char_lm's attention (1 M bytes), drawn by numpy's Philox generator (the numpy
 kernel, what every program ran before) and by the compiled kernel (`deepdsl_bernoulli`: the same bytes). Products:
-the single products of a ViT's and char_lm's weight gradients (a small output, a long inner dimension), whole on one
-thread as `contract.product_cuts` leaves them, and cut along the inner dimension on the kernels' threads
-(`contract.product_depth_cut`, given the planned workspace). Transposes: the ViT's and char_lm's swaps of heads and
+a ViT's, char_lm's and LeNet's products (forward, input and weight gradients; `T`: an operand read transposed), by
+the BLAS's sgemm on the kernels' threads, cut as `contract.product_cuts` says (and along the inner dimension where
+`contract.product_depth_cut` says so, given the planned workspace), and as `Native.gemm` computes them now: in the
+kernels' own tiles where `contract.small_product` takes them (`tiles`), else as before (`sgemm`). Transposes: the ViT's and char_lm's swaps of heads and
 tokens, by numpy's copy and by the compiled kernel (`deepdsl_swap_axes`). Attention: the forward and the gradient of
 the ViT's heads (64 x 4 units of 16 tokens of 16 features), causal heads of 16 tokens with a tenth of their weights
 dropped, and char_lm's heads without dropout (32 x 4 units of 64 causal tokens of 16 features), by the compiled row
@@ -18,11 +19,14 @@ rounding). The library is built from the program of networks/char_lm.py in a tem
 count, `--rounds` rounds alternate the two sides of each case, `--calls` calls each; printed: the median
 milliseconds of a call over all calls, the ratio (before / after: above 1, faster now), a check that both sides
 agree (the same bytes; the products within float32 rounding), the processor's vector extensions and the load average
-before and after.
+before and after. `--isa avx2` runs both sides as on a processor without AVX-512 (on one that has it): the generic
+kernels built with `-mno-avx512f`, OpenBLAS on its Haswell kernels (OPENBLAS_CORETYPE; the process starts again
+with it set before numpy loads).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -36,7 +40,12 @@ from timing import load_average, print_row, processor  # benchmarks/ is on the p
 
 ROOT = Path(__file__).resolve().parents[1]
 MASK = (32, 4, 64, 64)
-PRODUCTS = [(64, 64, 1024), (64, 128, 1024), (128, 64, 1024), (64, 64, 2048)]   # (m, n, k): a^T (k x m) b (k x n)
+PRODUCTS = [  # (m, n, k, a read transposed, b read transposed)
+    (1024, 64, 64, False, True), (1024, 64, 64, False, False), (64, 64, 1024, True, False),      # ViT: projections
+    (1024, 128, 64, False, True), (1024, 64, 128, False, False), (128, 64, 1024, True, False),   # its MLP
+    (2048, 256, 64, False, True), (256, 64, 2048, True, False),                                  # char_lm
+    (64, 800, 500, False, False), (500, 800, 64, True, False),                                   # LeNet's fc1
+    (64, 64, 2048, True, False)]                                                                 # a deep one
 TRANSPOSES = [(64, 16, 4, 16), (64, 4, 16, 16), (32, 64, 4, 16)]                  # axes 1 and 2 swapped
 ATTENTION = [((64, 4), 16, 16, False, None), ((32, 4), 16, 16, True, 0.9),       # (units, tokens, features, causal,
              ((32, 4), 64, 16, True, None)]                                     # keep)
@@ -59,7 +68,7 @@ class _InBlocks:
         return False
 
 
-def _library(tmp: Path):
+def _library(tmp: Path, avx2: bool):
     from deepdsl_runtime.cpu import native
 
     for suffix in (".c", ".py"):
@@ -70,13 +79,28 @@ def _library(tmp: Path):
     lib, why = native.load(tmp / "char_lm.py")
     if lib is None or not lib.products:
         sys.exit(f"cannot load the kernels or their products: {why or 'no CBLAS sgemm'}")
+    if avx2:                    # the generic kernels again, built without AVX-512
+        import ctypes
+        import subprocess
+
+        generic = tmp / "generic_avx2.so"
+        subprocess.run(native.compile_command(native.KERNELS_DIR / native.GENERIC_SOURCE, generic) +
+                       ["-mno-avx512f"], check=True, capture_output=True)
+        lib = native.Native(ctypes.CDLL(str(generic)), lib.program)
     return lib
+
+
+def _product(kernels, a, b, out, workspace) -> None:
+    """out = a @ b as a program's matmul computes it given its planned workspace (cut in depth where the BLAS
+    computes it and `contract.product_depth_cut` cuts it)."""
+    if not kernels.gemm_in_depth(a, b, out, workspace):
+        kernels.gemm(a, b, out)
 
 
 def _cases(lib):
     """(name, before, after, agree) for each case: two calls and a check of their results."""
     from deepdsl_runtime import contract, cpu
-    from deepdsl_runtime.cpu import masks, shape as shapes
+    from deepdsl_runtime.cpu import masks, native, shape as shapes
 
     rng = np.random.default_rng(0)
     drawn = [np.empty(MASK, np.uint8) for _ in range(2)]
@@ -85,17 +109,20 @@ def _cases(lib):
               lambda: masks.bernoulli(out=drawn[0], shape=MASK, keep=0.9, key=1, seed=0, step=3, workspace=scratch),
               lambda: masks.bernoulli(out=drawn[1], shape=MASK, keep=0.9, key=1, seed=0, step=3, native=lib),
               lambda: np.array_equal(drawn[0], drawn[1]))]
-    for m, n, k in PRODUCTS:
-        a = rng.standard_normal((k, m)).astype(np.float32).T
-        b = rng.standard_normal((k, n)).astype(np.float32)
+    blas = native.Native(lib.lib, lib.program)
+    blas.tiles = False
+    for m, n, k, ta, tb in PRODUCTS:
+        a = rng.standard_normal((k, m)).astype(np.float32).T if ta else rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((n, k)).astype(np.float32).T if tb else rng.standard_normal((k, n)).astype(np.float32)
         outs = [np.empty((m, n), np.float32) for _ in range(2)]
         workspace = np.empty(contract.product_depth_scratch(1, m, n, k), np.float32)
-        parts = contract.product_depth_cut(1, m, n, k)
+        how = "tiles" if contract.small_product(m, n, k, ta, tb) else "sgemm"
 
         def agree(outs=outs, k=k):
             return np.allclose(outs[0], outs[1], rtol=0, atol=np.sqrt(k) * 1e-6 * np.abs(outs[0]).max())
-        cases.append((f"{m}x{k} by {k}x{n}, {parts} parts", lambda a=a, b=b, o=outs[0]: lib.gemm(a, b, o),
-                      lambda a=a, b=b, o=outs[1], w=workspace: lib.gemm_in_depth(a, b, o, w), agree))
+        cases.append((f"{m}x{k}{'T' * ta} by {k}x{n}{'T' * tb}, {how}",
+                      lambda a=a, b=b, o=outs[0], w=workspace: _product(blas, a, b, o, w),
+                      lambda a=a, b=b, o=outs[1], w=workspace: _product(lib, a, b, o, w), agree))
     for shape in TRANSPOSES:
         x = rng.standard_normal(shape).astype(np.float32)
         outs = [np.empty((shape[0], shape[2], shape[1], shape[3]), np.float32) for _ in range(2)]
@@ -139,11 +166,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native")
     args = parser.parse_args(argv)
+    avx2 = args.isa == "avx2"
+    if avx2 and os.environ.get("OPENBLAS_CORETYPE") != "Haswell":
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "OPENBLAS_CORETYPE": "Haswell"})
     name, isa = processor()
+    if avx2 and isa == "AVX-512":
+        isa = "AVX-512, every side restricted to AVX2"
     print(f"{name} ({isa}); load average before: {load_average()}")
     with tempfile.TemporaryDirectory() as tmp:
-        lib = _library(Path(tmp))
+        lib = _library(Path(tmp), avx2)
         cases = _cases(lib)
         print_row(["case", "threads", "before ms", "after ms", "ratio", "agree"], args.markdown, 24, header=True)
         for threads in args.threads:

@@ -36,7 +36,7 @@ __all__ = [
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
     "pointwise_conv", "pool_padded_scratch", "one_product", "WIDE_PLANE", "stage_floats", "operand_letter",
     "operand_pattern", "kernel_rows", "ProductCuts", "product_cuts", "PRODUCT_ITEMS", "PRODUCT_PART_WIDTH",
-    "PRODUCT_PART_WORK", "PRODUCT_PART_DEPTH", "PRODUCT_HALVES_WORK",
+    "PRODUCT_PART_WORK", "PRODUCT_PART_DEPTH", "PRODUCT_HALVES_WORK", "small_product", "SMALL_PRODUCT_WORK",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -93,6 +93,32 @@ def product_cuts(batch: int, m: int, n: int, k: int) -> ProductCuts:
     parts = max(p for p in _EVEN_PARTS if p <= max(most, 1))
     width = (-(-side // parts) + 15) // 16 * 16 if side else 0
     return ProductCuts((by_columns, parts, width))
+
+
+SMALL_PRODUCT_WORK = 1 << 18    # a product of at most this many multiply-adds is computed in tiles whatever its shape
+SMALL_PRODUCT_SIDE = 1 << 20    # floats of a transposed a (m x k) below this; of b (k x n) below four times this
+
+
+def small_product(m: int, n: int, k: int, ta: bool, tb: bool) -> bool:
+    """Whether the compiled kernels compute a product c (m x n) = a (m x k) b (k x n) (each of a stack) in their
+    own tiles (`deepdsl_small_gemm`: the same bits on any number of threads, with AVX2 as with AVX-512) rather than
+    in the BLAS's sgemm, cut as `product_cuts` says; `ta` / `tb`: a, b read transposed (a's columns, b's rows
+    stored one after the other). Measured per shape against the sgemm on one and two threads
+    (benchmarks/small_kernels.py): the tiles win on products of at most SMALL_PRODUCT_WORK multiply-adds, where
+    the sgemm's packing and calls cost most, and on larger ones but
+    - an output too small for its depth (4 k > m n): no tiles to share among threads, where the sgemm's depth cut
+      shares it (a filter gradient of few channels, 27 x 21952 by 21952 x 32);
+    - a transposed a of SMALL_PRODUCT_SIDE floats or more (its columns, read across rows kilobytes apart, collide
+      in the cache: 1024 x 2048 read transposed, 0.7x);
+    - a transposed b but with at least 128 rows of a, a depth of at most 512 and at most SMALL_PRODUCT_SIDE floats
+      (b is packed by rows for every strip of 64 columns on each thread: fully connected layers of a few rows
+      and long inputs, 16 x 4096 by 4096 x 4096, 0.6x);
+    - a b of 4 SMALL_PRODUCT_SIDE floats or more (read from memory for every three tiles of rows: 0.8x)."""
+    if m * n * k <= SMALL_PRODUCT_WORK:
+        return True
+    if 4 * k > m * n or (ta and m * k >= SMALL_PRODUCT_SIDE) or n * k >= 4 * SMALL_PRODUCT_SIDE:
+        return False
+    return not tb or (m >= 128 and k <= 512 and n * k <= SMALL_PRODUCT_SIDE)
 
 
 PRODUCT_DEPTH_PART = 256        # a depth cut's part: this many of the inner dimension at least

@@ -1,5 +1,6 @@
 """Matrix products on the compiled kernels' threads (`Native.gemm`, runtime/kernels/cpu_gemm.c): each product cut
-into parts the BLAS's single-threaded sgemm computes, shared among the kernels' OpenMP threads. Against numpy's
+into parts the BLAS's single-threaded sgemm computes, shared among the kernels' OpenMP threads, or computed in the
+kernels' own tiles where `contract.small_product` takes it. Against numpy's
 matmul in float64 on the layouts the convolutions and fully connected layers hand it (transposed views, stacks
 broadcast against one matrix, stacks not one stride apart), every element written, the same bits on every call at
 one thread count; what it cannot address runs numpy's matmul. The program's backend computes its products there,
@@ -142,8 +143,16 @@ def test_what_the_library_cannot_address_runs_numpy(lib):
     try:
         a, b = _rand(rng, 30, 50), _rand(rng, 50, 20)
         out = np.full((30, 20), np.nan, np.float32)
-        lib.gemm(a, b, out)
+        tiles, lib.tiles = lib.tiles, False
+        try:
+            lib.gemm(a, b, out)
+        finally:
+            lib.tiles = tiles
         np.testing.assert_array_equal(out, np.matmul(a, b))
+        if lib.tiles:                                         # the tiles call no sgemm
+            assert contract.small_product(30, 20, 50, False, False)
+            np.testing.assert_allclose(lib.gemm(a, b, np.full((30, 20), np.nan, np.float32)), np.matmul(a, b),
+                                       rtol=0, atol=1e-5 * float(np.abs(out).max()))
     finally:
         lib.lib.deepdsl_set_sgemm(real[0], int(real[1]))
 
@@ -238,7 +247,7 @@ def test_products_through_an_lp64_sgemm(lib, tmp_path):
 
 
 DEPTH_CASES = [  # (m, n, k, a transposed, b transposed): weight gradients, odd depths, a part shorter than the others
-    (64, 64, 1024, True, False), (64, 128, 1024, True, False), (128, 64, 1024, False, True),
+    (64, 64, 2048, True, False), (96, 64, 2048, True, False), (128, 64, 1024, False, True),
     (30, 50, 2000, False, False), (64, 64, 1023, True, True), (17, 9, 40001, False, True)]
 
 
@@ -256,6 +265,7 @@ def test_a_product_cut_in_depth_gives_the_same_bits_on_any_threads(lib, m, n, k,
     b = _transposed(rng, k, n) if tb else _rand(rng, k, n)
     parts = contract.product_depth_cut(1, m, n, k)
     size = contract.product_depth_scratch(1, m, n, k)
+    assert not contract.small_product(m, n, k, ta, tb), "the BLAS computes it, not the kernels' own tiles"
     assert parts in (2, 4) and size == (parts - 1) * m * n and contract.product_cuts(1, m, n, k).parts == 1
     rt = cpu.backend(lib)
     results = []
@@ -306,10 +316,11 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
 
 
 @needs_cc
-def test_the_small_kernels_benchmark_runs(tmp_path, lib):
-    """benchmarks/small_kernels.py at a tiny size: the mask, the four products, the three transposes, the three
-    attentions and the two bias sums timed on both sides, each pair agreeing (the same bytes; the products, the
-    attentions and the sums within float32 rounding)."""
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
+    """benchmarks/small_kernels.py at a tiny size (also with both sides restricted to AVX2): the mask, the eleven
+    products, the three transposes, the three attentions and the two bias sums timed on both sides, each pair
+    agreeing (the same bytes; the products, the attentions and the sums within float32 rounding)."""
     import re
     import subprocess
     import sys
@@ -317,13 +328,134 @@ def test_the_small_kernels_benchmark_runs(tmp_path, lib):
     from tests.support.program_helpers import ROOT
 
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "small_kernels.py"), "--threads", "1",
-                           "--rounds", "1", "--calls", "2"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                           "--rounds", "1", "--calls", "2", "--isa", isa], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    rows = re.findall(r"^ *((?:mask|transpose|attention|bias sum) [\dx]+|\d+x\d+ by \d+x\d+, \d parts) +1 +([\d.]+) +"
-                      r"([\d.]+) +([\d.]+)x +(\w+)$", done.stdout, re.M)
-    assert len(rows) == 13 and all(agree == "yes" for *_, agree in rows), done.stdout
-    assert [r[0] for r in rows[8:]] == ["attention 64x4x16x16", "attention 32x4x16x16", "attention 32x4x64x16",
-                                        "bias sum 1024x64", "bias sum 2048x128"]
-    assert [r[0] for r in rows[1:5]] == ["64x1024 by 1024x64, 4 parts", "64x1024 by 1024x128, 4 parts",
-                                         "128x1024 by 1024x64, 4 parts", "64x2048 by 2048x64, 4 parts"]
-    assert [r[0] for r in rows[5:8]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
+    rows = re.findall(r"^ *((?:mask|transpose|attention|bias sum) [\dx]+|\d+x\d+T? by \d+x\d+T?, (?:tiles|sgemm))"
+                      r" +1 +([\d.]+) +([\d.]+) +([\d.]+)x +(\w+)$", done.stdout, re.M)
+    assert len(rows) == 20 and all(agree == "yes" for *_, agree in rows), done.stdout
+    assert [r[0] for r in rows[15:]] == ["attention 64x4x16x16", "attention 32x4x16x16", "attention 32x4x64x16",
+                                         "bias sum 1024x64", "bias sum 2048x128"]
+    assert [r[0] for r in rows[1:4]] == ["1024x64 by 64x64T, tiles", "1024x64 by 64x64, tiles",
+                                         "64x1024T by 1024x64, tiles"]
+    assert rows[11][0] == "64x2048T by 2048x64, sgemm"
+    assert [r[0] for r in rows[12:15]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
+
+
+SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract.small_product
+    "a projection (b transposed)": lambda r: (_rand(r, 1024, 64), _transposed(r, 64, 64)),
+    "a weight gradient (a transposed, partial sums of four depths)": lambda r: (_transposed(r, 64, 1024),
+                                                                               _rand(r, 1024, 64)),
+    "odd sizes: columns past a strip, a depth of three partial sums": lambda r: (_rand(r, 61, 513), _rand(r, 513, 77)),
+    "b transposed under many rows": lambda r: (_rand(r, 300, 200), _transposed(r, 200, 70)),
+    "both transposed": lambda r: (_transposed(r, 13, 9), _transposed(r, 9, 130)),
+    "a stack of five": lambda r: (_rand(r, 5, 33, 60), _rand(r, 5, 60, 41)),
+    "one matrix by a stack": lambda r: (_rand(r, 96, 72), _rand(r, 5, 72, 49)),
+    "a view of a wider matrix": lambda r: (_rand(r, 30, 100)[:, 7:87], _rand(r, 80, 64)),
+    "one row": lambda r: (_rand(r, 1, 64), _rand(r, 64, 300)),
+    "one column": lambda r: (_rand(r, 200, 64), _rand(r, 64, 1)),
+    "a depth of one": lambda r: (_rand(r, 50, 1), _rand(r, 1, 70)),
+}
+
+
+def _counted(lib):
+    """Count the calls of the library's tiles (`deepdsl_small_gemm`) in lib.tile_calls."""
+    tiles = lib._small_gemm
+    lib.tile_calls = 0
+
+    def counting(*args):
+        lib.tile_calls += 1
+        return tiles(*args)
+    lib._small_gemm = counting
+    return tiles
+
+
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory):
+    """The generic kernels built for a processor with AVX2 but not AVX-512."""
+    import subprocess
+
+    output = tmp_path_factory.mktemp("avx2") / "avx.so"
+    command = native.compile_command(native.KERNELS_DIR / native.GENERIC_SOURCE, output) + [
+        "-mavx2", "-mfma", "-mno-avx512f"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    built = native.Native(ctypes.CDLL(str(output)))
+    if not built.products:
+        pytest.skip("numpy's BLAS has no CBLAS sgemm this process can call")
+    return built
+
+
+@needs_cc
+@pytest.mark.parametrize("case", list(SMALL_CASES))
+def test_products_in_tiles_equal_numpy_with_the_same_bits_on_any_threads_and_with_avx2(lib, avx2, case):
+    """The products `contract.small_product` takes run in the kernels' tiles (and only they: the cases above that
+    the rule does not take run the sgemm): every element written, numpy's float64 product to float32 rounding, the
+    same bits on 1, 2, 3 and 5 threads, and the same bits built for AVX2 (16 columns a tile, not 64)."""
+    a, b = SMALL_CASES[case](np.random.default_rng(13))
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    assert contract.small_product(m, n, k, native._matrix(a)[0] == 1, native._matrix(b)[0] == 1)
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n)
+    tiles = _counted(lib)
+    try:
+        results = []
+        for threads in (1, 2, 3, 5):
+            lib.set_threads(threads)
+            results.append(lib.gemm(a, b, np.full(shape, np.nan, np.float32)))
+        assert lib.tile_calls == 4
+        for other in CASES:
+            x, y = CASES[other](np.random.default_rng(1))
+            before = lib.tile_calls
+            lib.gemm(x, y, np.empty((*np.broadcast_shapes(x.shape[:-2], y.shape[:-2]), x.shape[-2], y.shape[-1]),
+                                    np.float32))
+            taken = contract.small_product(x.shape[-2], y.shape[-1], x.shape[-1], native._matrix(x)[0] == 1,
+                                           native._matrix(y)[0] == 1)
+            assert (lib.tile_calls > before) == taken, other
+    finally:
+        lib._small_gemm = tiles
+    assert np.isfinite(results[0]).all(), "an element was not written"
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=np.sqrt(k) * 1e-6 * max(1.0, float(np.abs(want).max())))
+    if avx2.tiles:
+        avx2.set_threads(2)
+        np.testing.assert_array_equal(avx2.gemm(a, b, np.full(shape, np.nan, np.float32)), results[0])
+
+
+@needs_cc
+@pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True)])
+def test_the_tiles_sum_in_partial_sums_of_256_terms_in_order(lib, ta, tb):
+    """Each output is the sum of partial sums over 256 consecutive terms of the inner dimension, each summed from
+    zero in order, added in order: ones times 2^24, 511 ones and 2^-1 give 2^24 (2^24 + 1 rounds to 2^24, 255 times)
+    + 256 (the second part, exactly) + 0.5 = 16777472 (the half is lost), where one sum in order gives 2^24."""
+    k = 513
+    column = np.ones(k, np.float32)
+    column[0], column[-1] = 2.0 ** 24, 0.5
+    a = np.ones((8, k), np.float32)
+    b = np.repeat(column[:, None], 8, axis=1)
+    a, b = (np.ascontiguousarray(a.T).T if ta else a), (np.ascontiguousarray(b.T).T if tb else b)
+    assert contract.small_product(8, 8, k, ta, tb)
+    lib.set_threads(2)
+    out = lib.gemm(a, b, np.full((8, 8), np.nan, np.float32))
+    assert np.all(out == 16777472.0), out[0, :3]
+
+
+def test_which_products_run_in_tiles():
+    """contract.small_product on the shapes its rule names: any product of at most SMALL_PRODUCT_WORK
+    multiply-adds; a ViT's projections, its weight gradients; not an output too small for its depth, a large a read
+    transposed, a b read transposed under few rows or deep, a large b."""
+    assert contract.small_product(64, 64, 64, True, True)
+    assert contract.small_product(2, 2, 1 << 16, False, False)        # 4 k > m n, but small
+    assert contract.small_product(1024, 64, 64, False, True) and contract.small_product(1024, 64, 64, False, False)
+    assert contract.small_product(64, 64, 1024, True, False) and contract.small_product(64, 128, 1024, True, False)
+    assert not contract.small_product(27, 32, 21952, False, True)     # 4 k > m n
+    assert not contract.small_product(64, 64, 2048, True, False)
+    assert not contract.small_product(1024, 128, 2048, True, False)   # a transposed: 2^21 floats
+    assert contract.small_product(1024, 128, 512, True, False)
+    assert not contract.small_product(64, 500, 800, False, True)      # b transposed under 64 rows
+    assert not contract.small_product(512, 128, 1568, False, True)    # b transposed, deeper than 512
+    assert contract.small_product(512, 128, 512, False, True)
+    assert not contract.small_product(512, 4096, 512, False, True)    # b transposed: 2^21 floats
+    assert not contract.small_product(16, 4096, 4096, False, False)   # b: 2^24 floats
+    assert contract.small_product(16, 1280, 1000, False, False)

@@ -24,10 +24,10 @@ def matmul(a, b, *, out, ta=False, tb=False, workspace=None, gemm=np.matmul, nat
 
 class Products:
     """out = a @ b as `np.matmul(a, b, out=out)` computes it, numpy's BLAS on one thread, each product cut into the
-    parts `contract.product_cuts` fixes by its shape (as the compiled kernels' `Native.gemm` cuts it) and the parts
-    computed on `threads` threads (numpy releases the interpreter during a product): the same bits on any number of
-    threads, where numpy's BLAS on several threads would cut each product by their number. What cuts nothing (one
-    part, an output over an operand, fewer than two axes) runs np.matmul as it is."""
+    parts `contract.product_cuts` fixes by its shape (as the compiled kernels' `Native.gemm` cuts what it gives the
+    BLAS) and the parts computed on `threads` threads (numpy releases the interpreter during a product): the same
+    bits on any number of threads, where numpy's BLAS on several threads would cut each product by their number.
+    What cuts nothing (one part, an output over an operand, fewer than two axes) runs np.matmul as it is."""
 
     def __init__(self, threads: int = 1):
         self.threads = 1

@@ -19,7 +19,8 @@ writes (to float32 rounding where it sums in another order: thin, pointwise and 
 beta 0.75), into the same buffers, within the statement's planned workspace (the plan holds the larger of a blocked
 convolution's copies and numpy's im2col scratch), so the memory plan is the same with or without them. Where
 numpy's BLAS is an OpenBLAS with a CBLAS sgemm, `gemm` computes the matrix products on the
-kernels' threads too (numpy's BLAS on one thread: one team for the whole step). `set_threads` sets the kernels'
+kernels' threads too (numpy's BLAS on one thread: one team for the whole step), in the kernels' own tiles where
+`contract.small_product` takes them. `set_threads` sets the kernels'
 OpenMP threads.
 """
 from __future__ import annotations
@@ -267,6 +268,14 @@ class Native:
         lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _L, _L]
         lib.deepdsl_gemm.restype = _I
         lib.deepdsl_set_sgemm.argtypes = [_P, _I]
+        # (nor products in tiles of their own)
+        self._small_gemm = getattr(lib, "deepdsl_small_gemm", None)
+        if self._small_gemm is not None:
+            self._small_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L]
+            self._small_gemm.restype = _I
+        # whether `gemm` computes the products `contract.small_product` takes in the kernels' own tiles
+        # (a library built for a processor without AVX2 and fused multiply-adds has none)
+        self.tiles = self._small_gemm is not None and bool(lib.deepdsl_small_gemm_kernels())
         # (nor products cut along their inner dimension)
         self._gemm_depth = getattr(lib, "deepdsl_gemm_depth", None)
         if self._gemm_depth is not None:
@@ -342,10 +351,11 @@ class Native:
 
     def gemm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = a @ b as `np.matmul(a, b, out=out)` computes it (matrices, or stacks of them broadcast against each
-        other; transposed views read in place), on the kernels' threads (kernels/cpu_gemm.c), the BLAS's sgemm
-        computing each part of the cut `contract.product_cuts` fixes by the shapes. What the library cannot address
-        (another dtype, a view with strides of its own, an output over an operand) runs np.matmul; a stack that is
-        not one stride apart, one product per leading index."""
+        other; transposed views read in place), on the kernels' threads (kernels/cpu_gemm.c): in the kernels' own
+        tiles where `contract.small_product` takes it (`deepdsl_small_gemm`), else the BLAS's sgemm computing each
+        part of the cut `contract.product_cuts` fixes by the shapes. What the library cannot address (another
+        dtype, a view with strides of its own, an output over an operand) runs np.matmul; a stack that is not one
+        stride apart, one product per leading index."""
         layout = self._layout(a, b, out)
         if layout is None:
             return np.matmul(a, b, out=out)
@@ -359,8 +369,14 @@ class Native:
                 self.gemm(_index(a, i, len(lead)), _index(b, i, len(lead)), out[i])
             return out
         batch = math.prod(lead)
+        if 0 in (m, n, k, *lead):
+            return np.matmul(a, b, out=out)
+        if self._small(m, n, k, ta, tb) and self._small_gemm(
+                batch, ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], sa, b.ctypes.data, tb[1], sb, out.ctypes.data,
+                to[1], sc):
+            return out
         by_columns, parts, width = contract.product_cuts(batch, m, n, k)
-        if 0 in (m, n, k, *lead) or not self.lib.deepdsl_gemm(
+        if not self.lib.deepdsl_gemm(
                 batch, ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], sa, b.ctypes.data, tb[1], sb,
                 out.ctypes.data, to[1], sc, by_columns, parts, width):        # (0: the library has no sgemm to call)
             return np.matmul(a, b, out=out)
@@ -375,11 +391,17 @@ class Native:
                 workspace.dtype != np.float32 or not workspace.flags.c_contiguous:
             return False
         m, n, k, ta, tb, to = layout
+        if self._small(m, n, k, ta, tb):
+            return False
         parts = contract.product_depth_cut(1, m, n, k)
         if parts < 2 or workspace.size < contract.product_depth_scratch(1, m, n, k):
             return False
         return bool(self._gemm_depth(ta[0], tb[0], m, n, k, a.ctypes.data, ta[1], b.ctypes.data, tb[1],
                                      out.ctypes.data, to[1], parts, -(-k // parts), workspace.ctypes.data))
+
+    def _small(self, m: int, n: int, k: int, ta, tb) -> bool:
+        """Whether this library computes the product in its own tiles (`contract.small_product`)."""
+        return self.tiles and contract.small_product(m, n, k, bool(ta[0]), bool(tb[0]))
 
     def _layout(self, a: np.ndarray, b: np.ndarray, out: np.ndarray):
         """(m, n, k, a's, b's and out's `_matrix`) of out = a @ b where the library's sgemm reads the operands and

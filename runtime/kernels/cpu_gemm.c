@@ -1,4 +1,5 @@
-// Matrix products on the kernels' own threads (included by cpu_ops.c): one pool of threads for the whole step.
+// Matrix products on the kernels' own threads (included by cpu_ops.c): one pool of threads for the whole step; the
+// BLAS's sgemm computes them in parts, or the kernels' own tiles do (deepdsl_small_gemm, below).
 //
 // The BLAS numpy loaded (OpenBLAS) keeps threads of its own; between two products they sleep, and waking them, as
 // waking the kernels' OpenMP threads after them, costs tens of microseconds on a virtual machine, several hundred
@@ -96,4 +97,191 @@ int deepdsl_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, l
             }
     }
     return 1;
+}
+
+// Products in tiles of the kernels' own, where contract.small_product takes them (a Transformer's projections,
+// 1024 x 64 by 64 x 64, and their weight gradients; most products of the networks' layers): the BLAS's sgemm packs
+// both operands on every call, and a product cut into the parts fixed by its shape calls it once a part. On one
+// thread of an AVX-512 processor the tiles computed the ViT's products 1.1-1.4x faster than the sgemm so cut
+// (benchmarks/small_kernels.py). A tile of ROWS rows and VECTORS vectors of columns
+// keeps its sums in registers over the inner dimension: each step is one broadcast of a's element per row and one
+// fused multiply-add per vector (the Goto-van de Geijn micro-kernel, without packing a: its rows, or its columns
+// where it is read transposed, are read in place). b is read in place by rows, or packed by rows (a strip of its
+// columns, a part of the inner dimension at a time, on the thread's stack) where it is read transposed.
+//
+// Every output is the sum of its products in one order: partial sums of fused multiply-adds from zero over at most
+// DEEPDSL_SG_DEPTH consecutive terms of the inner dimension, added to the output in their order. Threads take whole
+// tiles and each lane sums alone, so the bits depend neither on the thread count, nor on the tiles' shapes, nor on
+// the vectors' width: AVX-512 and AVX2 give the same bits. Processors without AVX2 and fused multiply-adds have no
+// such kernel (deepdsl_small_gemm returns 0; the BLAS computes the product).
+#define DEEPDSL_SG_DEPTH 256            /* terms of a partial sum at most */
+#define DEEPDSL_SG_ROWS 6               /* rows of a tile */
+#if defined(__AVX512F__)
+#define DEEPDSL_SG_LANES 16
+#define DEEPDSL_SG_VECTORS 4            /* 6 x 4 sums in 24 of 32 registers */
+typedef __m512 deepdsl_sg_v;
+typedef __mmask16 deepdsl_sg_m;
+#define DEEPDSL_SG_ZERO() _mm512_setzero_ps()
+#define DEEPDSL_SG_SET1(x) _mm512_set1_ps(x)
+#define DEEPDSL_SG_FMA(x, y, z) _mm512_fmadd_ps(x, y, z)
+#define DEEPDSL_SG_ADD(x, y) _mm512_add_ps(x, y)
+#define DEEPDSL_SG_LOADU(p) _mm512_loadu_ps(p)
+#define DEEPDSL_SG_LOAD(p, mask) _mm512_maskz_loadu_ps(mask, p)
+#define DEEPDSL_SG_STORE(p, mask, v) _mm512_mask_storeu_ps(p, mask, v)
+static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
+    return lanes >= 16 ? (deepdsl_sg_m)0xFFFF : (deepdsl_sg_m)((1u << lanes) - 1u);
+}
+#define DEEPDSL_SG_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(2, 1) X(2, 2) X(2, 3) X(2, 4) X(3, 1) X(3, 2) \
+    X(3, 3) X(3, 4) X(4, 1) X(4, 2) X(4, 3) X(4, 4) X(5, 1) X(5, 2) X(5, 3) X(5, 4) X(6, 1) X(6, 2) X(6, 3) X(6, 4)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DEEPDSL_SG_LANES 8
+#define DEEPDSL_SG_VECTORS 2            /* 6 x 2 sums in 12 of 16 registers */
+typedef __m256 deepdsl_sg_v;
+typedef __m256i deepdsl_sg_m;
+#define DEEPDSL_SG_ZERO() _mm256_setzero_ps()
+#define DEEPDSL_SG_SET1(x) _mm256_set1_ps(x)
+#define DEEPDSL_SG_FMA(x, y, z) _mm256_fmadd_ps(x, y, z)
+#define DEEPDSL_SG_ADD(x, y) _mm256_add_ps(x, y)
+#define DEEPDSL_SG_LOADU(p) _mm256_loadu_ps(p)
+#define DEEPDSL_SG_LOAD(p, mask) _mm256_maskload_ps(p, mask)
+#define DEEPDSL_SG_STORE(p, mask, v) _mm256_maskstore_ps(p, mask, v)
+static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(lanes < 8 ? lanes : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#define DEEPDSL_SG_TILES(X) X(1, 1) X(1, 2) X(2, 1) X(2, 2) X(3, 1) X(3, 2) X(4, 1) X(4, 2) X(5, 1) X(5, 2) \
+    X(6, 1) X(6, 2)
+#endif
+
+#ifdef DEEPDSL_SG_LANES
+#define DEEPDSL_SG_WIDTH (DEEPDSL_SG_VECTORS * DEEPDSL_SG_LANES)    /* columns of a tile, of a strip */
+
+// c (R rows ldc apart, V vectors of columns, the last one's lanes `last`) = (`add`: c +) the sum over p < depth of
+// a[r * ra + p * ca] * b[p * ldb + column]
+static inline __attribute__((always_inline)) void deepdsl_sg_tile(
+        int R, int V, long depth, const float* a, long ra, long ca, const float* b, long ldb, deepdsl_sg_m last,
+        float* c, long ldc, int add) {
+    deepdsl_sg_v acc[DEEPDSL_SG_ROWS][DEEPDSL_SG_VECTORS];
+    #pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[r][v] = DEEPDSL_SG_ZERO();
+    for (long p = 0; p < depth; ++p) {
+        const float* bp = b + p * ldb;
+        deepdsl_sg_v bv[DEEPDSL_SG_VECTORS];
+        #pragma GCC unroll 4
+        for (int v = 0; v < V - 1; ++v) bv[v] = DEEPDSL_SG_LOADU(bp + v * DEEPDSL_SG_LANES);
+        bv[V - 1] = DEEPDSL_SG_LOAD(bp + (V - 1) * DEEPDSL_SG_LANES, last);
+        const float* ap = a + p * ca;
+        #pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+            const deepdsl_sg_v x = DEEPDSL_SG_SET1(ap[r * ra]);
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) acc[r][v] = DEEPDSL_SG_FMA(x, bv[v], acc[r][v]);
+        }
+    }
+    const deepdsl_sg_m all = deepdsl_sg_mask(DEEPDSL_SG_LANES);
+    #pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) {
+            float* cp = c + r * ldc + v * DEEPDSL_SG_LANES;
+            const deepdsl_sg_m mask = v == V - 1 ? last : all;
+            DEEPDSL_SG_STORE(cp, mask, add ? DEEPDSL_SG_ADD(DEEPDSL_SG_LOAD(cp, mask), acc[r][v]) : acc[r][v]);
+        }
+}
+
+#define DEEPDSL_SG_CASE(R, V) \
+    case R * 8 + V: deepdsl_sg_tile(R, V, depth, a, ra, ca, b, ldb, last, c, ldc, add); break;
+static void deepdsl_sg_tile_any(int R, int V, long depth, const float* a, long ra, long ca, const float* b, long ldb,
+                                deepdsl_sg_m last, float* c, long ldc, int add) {
+    switch (R * 8 + V) { DEEPDSL_SG_TILES(DEEPDSL_SG_CASE) }
+}
+#endif
+
+// Whether this build has the tiles (AVX2 and fused multiply-adds, or AVX-512).
+int deepdsl_small_gemm_kernels(void) {
+#ifdef DEEPDSL_SG_LANES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// c[i] = a[i] b[i] for i < batch (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand; ta / tb: an operand
+// read transposed, its rows columns ld apart), on the kernels' threads, which take whole groups of tiles. 0 where
+// this processor has no such kernel.
+int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda, long sa,
+                       const float* b, long ldb, long sb, float* c, long ldc, long sc) {
+#ifndef DEEPDSL_SG_LANES
+    (void)batch; (void)ta; (void)tb; (void)m; (void)n; (void)k; (void)a; (void)lda; (void)sa; (void)b; (void)ldb;
+    (void)sb; (void)c; (void)ldc; (void)sc;
+    return 0;
+#else
+    const long ra = ta ? 1 : lda, ca = ta ? lda : 1;
+    const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
+    const long strips = (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
+#pragma omp parallel if ((double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
+    {
+#ifdef _OPENMP
+        const long threads = omp_get_num_threads();
+#else
+        const long threads = 1;
+#endif
+        // groups of consecutive tiles of a strip: about eight per thread, of at most 16 tiles (which the strip of b
+        // packed for them serves)
+        long group = (batch * strips * tiles + threads * 8 - 1) / (threads * 8);
+        group = group < 1 ? 1 : group > 16 ? 16 : group;
+        const long groups = (tiles + group - 1) / group;
+        group = (tiles + groups - 1) / groups;          // groups of equal size, but for the last one
+        float packed[tb ? DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH : 1];
+        long begin, end;
+        deepdsl_share(batch * strips * groups, 1, &begin, &end);
+        // items (product, strip, group) where b is packed: a thread packs each strip of its share once; else
+        // (product, group, strip): a group of a's rows is read from the cache for every strip
+        while (begin < end) {
+            long i, s, t_begin, t_end;
+            if (tb) {                   // the groups of one strip of one product in this thread's share
+                i = begin / (strips * groups);
+                s = begin / groups % strips;
+                const long run_end = (i * strips + s + 1) * groups < end ? (i * strips + s + 1) * groups : end;
+                t_begin = begin % groups * group;
+                t_end = ((run_end - 1) % groups + 1) * group;
+                begin = run_end;
+            } else {
+                i = begin / (groups * strips);
+                s = begin % strips;
+                t_begin = begin / strips % groups * group;
+                t_end = t_begin + group;
+                ++begin;
+            }
+            t_end = t_end < tiles ? t_end : tiles;
+            const long j0 = s * DEEPDSL_SG_WIDTH, columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
+            const int V = (int)((columns + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES);
+            const deepdsl_sg_m last = deepdsl_sg_mask(columns - (V - 1) * DEEPDSL_SG_LANES);
+            const float* ai = a + i * sa;
+            const float* bi = b + i * sb;
+            float* ci = c + i * sc + j0;
+            for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH) {
+                const long depth = k - p0 < DEEPDSL_SG_DEPTH ? k - p0 : DEEPDSL_SG_DEPTH;
+                const float* bp = bi + p0 * ldb + j0;
+                long ldp = ldb;
+                if (tb) {               // b's columns j0.. are rows of the stored matrix: pack them by rows
+                    for (long j = 0; j < columns; ++j) {
+                        const float* from = bi + (j0 + j) * ldb + p0;
+                        for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
+                    }
+                    bp = packed;
+                    ldp = DEEPDSL_SG_WIDTH;
+                }
+                for (long t = t_begin; t < t_end; ++t) {
+                    const long r0 = t * DEEPDSL_SG_ROWS;
+                    const int R = (int)(m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS);
+                    deepdsl_sg_tile_any(R, V, depth, ai + r0 * ra + p0 * ca, ra, ca, bp, ldp, last, ci + r0 * ldc,
+                                        ldc, p0 > 0);
+                }
+            }
+        }
+    }
+    return 1;
+#endif
 }
