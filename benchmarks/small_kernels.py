@@ -43,7 +43,7 @@ MASK = (32, 4, 64, 64)
 PRODUCTS = [  # (m, n, k, a read transposed, b read transposed)
     (1024, 64, 64, False, True), (1024, 64, 64, False, False), (64, 64, 1024, True, False),      # ViT: projections
     (1024, 128, 64, False, True), (1024, 64, 128, False, False), (128, 64, 1024, True, False),   # its MLP
-    (2048, 256, 64, False, True), (256, 64, 2048, True, False),                                  # char_lm
+    (2048, 256, 64, False, True), (2048, 64, 256, False, False), (256, 64, 2048, True, False),   # char_lm
     (64, 800, 500, False, False), (500, 800, 64, True, False),                                   # LeNet's fc1
     (64, 64, 2048, True, False)]                                                                 # a deep one
 TRANSPOSES = [(64, 16, 4, 16), (64, 4, 16, 16), (32, 64, 4, 16)]                  # axes 1 and 2 swapped

@@ -103,20 +103,21 @@ def small_product(m: int, n: int, k: int, ta: bool, tb: bool) -> bool:
     """Whether the compiled kernels compute a product c (m x n) = a (m x k) b (k x n) (each of a stack) in their
     own tiles (`deepdsl_small_gemm`: the same bits on any number of threads, with AVX2 as with AVX-512) rather than
     in the BLAS's sgemm, cut as `product_cuts` says; `ta` / `tb`: a, b read transposed (a's columns, b's rows
-    stored one after the other). Measured per shape against the sgemm on one and two threads
-    (benchmarks/small_kernels.py): the tiles win on products of at most SMALL_PRODUCT_WORK multiply-adds, where
-    the sgemm's packing and calls cost most, and on larger ones but
+    stored one after the other). Measured per shape against the sgemm on one and two threads, with AVX-512 and
+    restricted to AVX2 (benchmarks/small_kernels.py): the tiles win on products of at most SMALL_PRODUCT_WORK
+    multiply-adds, where the sgemm's packing and calls cost most, and on larger ones but
     - an output too small for its depth (4 k > m n): no tiles to share among threads, where the sgemm's depth cut
       shares it (a filter gradient of few channels, 27 x 21952 by 21952 x 32);
-    - a transposed a of SMALL_PRODUCT_SIDE floats or more (its columns, read across rows kilobytes apart, collide
-      in the cache: 1024 x 2048 read transposed, 0.7x);
+    - a transposed a of SMALL_PRODUCT_SIDE floats or more, or deeper than 1024 (its columns, read across rows
+      kilobytes apart, collide in the cache: 1024 x 2048 read transposed, 0.7x; with AVX2's narrower strips, each
+      reading a again, 256 x 2048 read transposed 0.7x);
     - a transposed b but with at least 128 rows of a, a depth of at most 512 and at most SMALL_PRODUCT_SIDE floats
       (b is packed by rows for every strip of 64 columns on each thread: fully connected layers of a few rows
       and long inputs, 16 x 4096 by 4096 x 4096, 0.6x);
     - a b of 4 SMALL_PRODUCT_SIDE floats or more (read from memory for every three tiles of rows: 0.8x)."""
     if m * n * k <= SMALL_PRODUCT_WORK:
         return True
-    if 4 * k > m * n or (ta and m * k >= SMALL_PRODUCT_SIDE) or n * k >= 4 * SMALL_PRODUCT_SIDE:
+    if 4 * k > m * n or (ta and (m * k >= SMALL_PRODUCT_SIDE or k > 1024)) or n * k >= 4 * SMALL_PRODUCT_SIDE:
         return False
     return not tb or (m >= 128 and k <= 512 and n * k <= SMALL_PRODUCT_SIDE)
 

@@ -318,7 +318,7 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
 @needs_cc
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
-    """benchmarks/small_kernels.py at a tiny size (also with both sides restricted to AVX2): the mask, the eleven
+    """benchmarks/small_kernels.py at a tiny size (also with both sides restricted to AVX2): the mask, the twelve
     products, the three transposes, the three attentions and the two bias sums timed on both sides, each pair
     agreeing (the same bytes; the products, the attentions and the sums within float32 rounding)."""
     import re
@@ -333,13 +333,14 @@ def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
     assert done.returncode == 0, done.stderr
     rows = re.findall(r"^ *((?:mask|transpose|attention|bias sum) [\dx]+|\d+x\d+T? by \d+x\d+T?, (?:tiles|sgemm))"
                       r" +1 +([\d.]+) +([\d.]+) +([\d.]+)x +(\w+)$", done.stdout, re.M)
-    assert len(rows) == 20 and all(agree == "yes" for *_, agree in rows), done.stdout
-    assert [r[0] for r in rows[15:]] == ["attention 64x4x16x16", "attention 32x4x16x16", "attention 32x4x64x16",
+    assert len(rows) == 21 and all(agree == "yes" for *_, agree in rows), done.stdout
+    assert [r[0] for r in rows[16:]] == ["attention 64x4x16x16", "attention 32x4x16x16", "attention 32x4x64x16",
                                          "bias sum 1024x64", "bias sum 2048x128"]
     assert [r[0] for r in rows[1:4]] == ["1024x64 by 64x64T, tiles", "1024x64 by 64x64, tiles",
                                          "64x1024T by 1024x64, tiles"]
-    assert rows[11][0] == "64x2048T by 2048x64, sgemm"
-    assert [r[0] for r in rows[12:15]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
+    assert [r[0] for r in rows[9:13]] == ["256x2048T by 2048x64, sgemm", "64x500 by 500x800, tiles",
+                                          "500x64T by 64x800, tiles", "64x2048T by 2048x64, sgemm"]
+    assert [r[0] for r in rows[13:16]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
 
 
 SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract.small_product
@@ -453,6 +454,7 @@ def test_which_products_run_in_tiles():
     assert not contract.small_product(64, 64, 2048, True, False)
     assert not contract.small_product(1024, 128, 2048, True, False)   # a transposed: 2^21 floats
     assert contract.small_product(1024, 128, 512, True, False)
+    assert not contract.small_product(256, 64, 2048, True, False)     # a transposed, deeper than 1024
     assert not contract.small_product(64, 500, 800, False, True)      # b transposed under 64 rows
     assert not contract.small_product(512, 128, 1568, False, True)    # b transposed, deeper than 512
     assert contract.small_product(512, 128, 512, False, True)

@@ -107,7 +107,8 @@ int deepdsl_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, l
 // keeps its sums in registers over the inner dimension: each step is one broadcast of a's element per row and one
 // fused multiply-add per vector (the Goto-van de Geijn micro-kernel, without packing a: its rows, or its columns
 // where it is read transposed, are read in place). b is read in place by rows, or packed by rows (a strip of its
-// columns, a part of the inner dimension at a time, on the thread's stack) where it is read transposed.
+// columns, a part of the inner dimension at a time, on the thread's stack) where it is read transposed or the
+// strip ends inside a vector.
 //
 // Every output is the sum of its products in one order: partial sums of fused multiply-adds from zero over at most
 // DEEPDSL_SG_DEPTH consecutive terms of the inner dimension, added to the output in their order. Threads take whole
@@ -126,6 +127,7 @@ typedef __mmask16 deepdsl_sg_m;
 #define DEEPDSL_SG_FMA(x, y, z) _mm512_fmadd_ps(x, y, z)
 #define DEEPDSL_SG_ADD(x, y) _mm512_add_ps(x, y)
 #define DEEPDSL_SG_LOADU(p) _mm512_loadu_ps(p)
+#define DEEPDSL_SG_STOREU(p, v) _mm512_storeu_ps(p, v)
 #define DEEPDSL_SG_LOAD(p, mask) _mm512_maskz_loadu_ps(mask, p)
 #define DEEPDSL_SG_STORE(p, mask, v) _mm512_mask_storeu_ps(p, mask, v)
 static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
@@ -143,6 +145,7 @@ typedef __m256i deepdsl_sg_m;
 #define DEEPDSL_SG_FMA(x, y, z) _mm256_fmadd_ps(x, y, z)
 #define DEEPDSL_SG_ADD(x, y) _mm256_add_ps(x, y)
 #define DEEPDSL_SG_LOADU(p) _mm256_loadu_ps(p)
+#define DEEPDSL_SG_STOREU(p, v) _mm256_storeu_ps(p, v)
 #define DEEPDSL_SG_LOAD(p, mask) _mm256_maskload_ps(p, mask)
 #define DEEPDSL_SG_STORE(p, mask, v) _mm256_maskstore_ps(p, mask, v)
 static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
@@ -155,11 +158,12 @@ static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
 #ifdef DEEPDSL_SG_LANES
 #define DEEPDSL_SG_WIDTH (DEEPDSL_SG_VECTORS * DEEPDSL_SG_LANES)    /* columns of a tile, of a strip */
 
-// c (R rows ldc apart, V vectors of columns, the last one's lanes `last`) = (`add`: c +) the sum over p < depth of
-// a[r * ra + p * ca] * b[p * ldb + column]
+// c (R rows ldc apart, V vectors of columns, the last one's lanes `last` where `partial`) = (`add`: c +) the sum over
+// p < depth of a[r * ra + p * ca] * b[p * ldb + column], b's rows holding V whole vectors (unmasked loads: AVX's
+// masked loads and stores are slow on AMD's processors; only a partial vector is stored under its mask)
 static inline __attribute__((always_inline)) void deepdsl_sg_tile(
-        int R, int V, long depth, const float* a, long ra, long ca, const float* b, long ldb, deepdsl_sg_m last,
-        float* c, long ldc, int add) {
+        int R, int V, long depth, const float* a, long ra, long ca, const float* b, long ldb, int partial,
+        deepdsl_sg_m last, float* c, long ldc, int add) {
     deepdsl_sg_v acc[DEEPDSL_SG_ROWS][DEEPDSL_SG_VECTORS];
     #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
@@ -169,8 +173,7 @@ static inline __attribute__((always_inline)) void deepdsl_sg_tile(
         const float* bp = b + p * ldb;
         deepdsl_sg_v bv[DEEPDSL_SG_VECTORS];
         #pragma GCC unroll 4
-        for (int v = 0; v < V - 1; ++v) bv[v] = DEEPDSL_SG_LOADU(bp + v * DEEPDSL_SG_LANES);
-        bv[V - 1] = DEEPDSL_SG_LOAD(bp + (V - 1) * DEEPDSL_SG_LANES, last);
+        for (int v = 0; v < V; ++v) bv[v] = DEEPDSL_SG_LOADU(bp + v * DEEPDSL_SG_LANES);
         const float* ap = a + p * ca;
         #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
@@ -179,21 +182,22 @@ static inline __attribute__((always_inline)) void deepdsl_sg_tile(
             for (int v = 0; v < V; ++v) acc[r][v] = DEEPDSL_SG_FMA(x, bv[v], acc[r][v]);
         }
     }
-    const deepdsl_sg_m all = deepdsl_sg_mask(DEEPDSL_SG_LANES);
     #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
         #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) {
             float* cp = c + r * ldc + v * DEEPDSL_SG_LANES;
-            const deepdsl_sg_m mask = v == V - 1 ? last : all;
-            DEEPDSL_SG_STORE(cp, mask, add ? DEEPDSL_SG_ADD(DEEPDSL_SG_LOAD(cp, mask), acc[r][v]) : acc[r][v]);
+            if (partial && v == V - 1)
+                DEEPDSL_SG_STORE(cp, last, add ? DEEPDSL_SG_ADD(DEEPDSL_SG_LOAD(cp, last), acc[r][v]) : acc[r][v]);
+            else
+                DEEPDSL_SG_STOREU(cp, add ? DEEPDSL_SG_ADD(DEEPDSL_SG_LOADU(cp), acc[r][v]) : acc[r][v]);
         }
 }
 
 #define DEEPDSL_SG_CASE(R, V) \
-    case R * 8 + V: deepdsl_sg_tile(R, V, depth, a, ra, ca, b, ldb, last, c, ldc, add); break;
+    case R * 8 + V: deepdsl_sg_tile(R, V, depth, a, ra, ca, b, ldb, partial, last, c, ldc, add); break;
 static void deepdsl_sg_tile_any(int R, int V, long depth, const float* a, long ra, long ca, const float* b, long ldb,
-                                deepdsl_sg_m last, float* c, long ldc, int add) {
+                                int partial, deepdsl_sg_m last, float* c, long ldc, int add) {
     switch (R * 8 + V) { DEEPDSL_SG_TILES(DEEPDSL_SG_CASE) }
 }
 #endif
@@ -233,7 +237,7 @@ int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const
         group = group < 1 ? 1 : group > 16 ? 16 : group;
         const long groups = (tiles + group - 1) / group;
         group = (tiles + groups - 1) / groups;          // groups of equal size, but for the last one
-        float packed[tb ? DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH : 1];
+        float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];          // 64 KB (16 KB with AVX2) of the stack
         long begin, end;
         deepdsl_share(batch * strips * groups, 1, &begin, &end);
         // items (product, strip, group) where b is packed: a thread packs each strip of its share once; else
@@ -257,6 +261,7 @@ int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const
             t_end = t_end < tiles ? t_end : tiles;
             const long j0 = s * DEEPDSL_SG_WIDTH, columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
             const int V = (int)((columns + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES);
+            const int partial = columns % DEEPDSL_SG_LANES != 0, pack = tb || partial;
             const deepdsl_sg_m last = deepdsl_sg_mask(columns - (V - 1) * DEEPDSL_SG_LANES);
             const float* ai = a + i * sa;
             const float* bi = b + i * sb;
@@ -265,19 +270,27 @@ int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const
                 const long depth = k - p0 < DEEPDSL_SG_DEPTH ? k - p0 : DEEPDSL_SG_DEPTH;
                 const float* bp = bi + p0 * ldb + j0;
                 long ldp = ldb;
-                if (tb) {               // b's columns j0.. are rows of the stored matrix: pack them by rows
-                    for (long j = 0; j < columns; ++j) {
-                        const float* from = bi + (j0 + j) * ldb + p0;
-                        for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
-                    }
+                if (pack) {             // the strip's columns by rows, whole vectors (zeros past the last column)
+                    if (tb)             // (b's columns are rows of the stored matrix)
+                        for (long j = 0; j < columns; ++j) {
+                            const float* from = bi + (j0 + j) * ldb + p0;
+                            for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
+                        }
+                    else
+                        for (long p = 0; p < depth; ++p)
+                            memcpy(packed + p * DEEPDSL_SG_WIDTH, bi + (p0 + p) * ldb + j0, columns * sizeof(float));
+                    if (partial)
+                        for (long p = 0; p < depth; ++p)
+                            memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0,
+                                   (V * DEEPDSL_SG_LANES - columns) * sizeof(float));
                     bp = packed;
                     ldp = DEEPDSL_SG_WIDTH;
                 }
                 for (long t = t_begin; t < t_end; ++t) {
                     const long r0 = t * DEEPDSL_SG_ROWS;
                     const int R = (int)(m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS);
-                    deepdsl_sg_tile_any(R, V, depth, ai + r0 * ra + p0 * ca, ra, ca, bp, ldp, last, ci + r0 * ldc,
-                                        ldc, p0 > 0);
+                    deepdsl_sg_tile_any(R, V, depth, ai + r0 * ra + p0 * ca, ra, ca, bp, ldp, partial, last,
+                                        ci + r0 * ldc, ldc, p0 > 0);
                 }
             }
         }
