@@ -461,3 +461,21 @@ def test_which_products_run_in_tiles():
     assert not contract.small_product(512, 4096, 512, False, True)    # b transposed: 2^21 floats
     assert not contract.small_product(16, 4096, 4096, False, False)   # b: 2^24 floats
     assert contract.small_product(16, 1280, 1000, False, False)
+
+
+def test_the_address_of_an_array_is_its_ctypes_address(tmp_path):
+    """`native._address`, what every compiled call passes for an array, equals `ndarray.ctypes.data` on arrays of
+    every kind the runtime hands a kernel: contiguous, views at an offset, transposed, zero-dimensional, a memory map,
+    an array the memory plan's arena slices; and anything else goes through `ctypes.data` itself."""
+    base = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+    mapped = np.memmap(tmp_path / "mapped", dtype=np.float32, mode="w+", shape=(7, 9))
+    arena = np.zeros(1 << 12, np.uint8)
+    probes = [base, base[1:, 2:, 3:], base.T, base[..., ::2], np.ones((), np.float32), mapped, mapped[2:, 1:],
+              arena[256:512].view(np.float32).reshape(8, 8), np.empty(0, np.float32), np.zeros(3, np.uint8)[1:]]
+    for x in probes:
+        assert native._address(x) == x.ctypes.data
+    assert native._DATA_OFFSET is not None, "numpy's array struct as this module expects it"
+
+    class Addressed:
+        ctypes = type("ctypes", (), {"data": 1234})()
+    assert native._address(Addressed()) == 1234
