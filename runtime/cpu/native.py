@@ -273,8 +273,9 @@ class Native:
         if self._small_gemm is not None:
             self._small_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L]
             self._small_gemm.restype = _I
-        # whether `gemm` computes the products `contract.small_product` takes in the kernels' own tiles
-        # (a library built for a processor without AVX2 and fused multiply-adds has none)
+        # the operands' layouts -> how `gemm` computes their product (`_product_plan`)
+        self._products: dict[tuple, object] = {}
+        # (a library built for a processor without AVX2 and fused multiply-adds has no tiles)
         self.tiles = self._small_gemm is not None and bool(lib.deepdsl_small_gemm_kernels())
         # (nor products cut along their inner dimension)
         self._gemm_depth = getattr(lib, "deepdsl_gemm_depth", None)
@@ -332,10 +333,29 @@ class Native:
         sgemm = blas_sgemm()
         if sgemm is not None:
             lib.deepdsl_set_sgemm(sgemm[0], int(sgemm[1]))
-        # whether matrix products run on the kernels' threads (`gemm`), numpy's BLAS on one thread of its own
         self.products = sgemm is not None
         # (kernel, output shape, operand shapes) -> (function, pattern, size arguments), or False
         self._ew: dict[tuple, object] = {}
+
+    @property
+    def tiles(self) -> bool:
+        """Whether `gemm` computes the products `contract.small_product` takes in the kernels' own tiles."""
+        return self._tiles
+
+    @tiles.setter
+    def tiles(self, value: bool) -> None:
+        self._tiles = bool(value)
+        self._products.clear()
+
+    @property
+    def products(self) -> bool:
+        """Whether matrix products run on the kernels' threads (`gemm`), numpy's BLAS on one thread of its own."""
+        return self._products_here
+
+    @products.setter
+    def products(self, value: bool) -> None:
+        self._products_here = bool(value)
+        self._products.clear()
 
     @property
     def threads(self) -> int:
@@ -355,32 +375,45 @@ class Native:
         tiles where `contract.small_product` takes it (`deepdsl_small_gemm`), else the BLAS's sgemm computing each
         part of the cut `contract.product_cuts` fixes by the shapes. What the library cannot address (another
         dtype, a view with strides of its own, an output over an operand) runs np.matmul; a stack that is not one
-        stride apart, one product per leading index."""
+        stride apart, one product per leading index. How is decided once for each layout of the operands
+        (`_product_plan`)."""
+        key = (a.shape, a.strides, a.dtype.num, b.shape, b.strides, b.dtype.num, out.shape, out.strides,
+               out.dtype.num)
+        plan = self._products.get(key, False)
+        if plan is False:
+            plan = self._products[key] = self._product_plan(a, b, out)
+        if plan is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
+            return np.matmul(a, b, out=out)
+        if plan == "each":                      # one stride apart below the first axis, maybe
+            for i in range(out.shape[0]):
+                self.gemm(_index(a, i, out.ndim - 2), _index(b, i, out.ndim - 2), out[i])
+            return out
+        function, head, (lda, sa), (ldb, sb), (ldc, sc), tail = plan
+        if not function(*head, _address(a), lda, sa, _address(b), ldb, sb, _address(out), ldc, sc, *tail):
+            return np.matmul(a, b, out=out)     # (0: the library has no sgemm to call)
+        return out
+
+    def _product_plan(self, a: np.ndarray, b: np.ndarray, out: np.ndarray):
+        """How `gemm` computes out = a @ b for operands laid out as these: None (numpy's matmul), "each" (a product
+        per index of the first leading axis), or (the library's function, its arguments before a's pointer, a's
+        distances between rows or columns and between matrices, b's, out's, its arguments after them)."""
         layout = self._layout(a, b, out)
         if layout is None:
-            return np.matmul(a, b, out=out)
+            return None
         m, n, k, ta, tb, to = layout
         lead = out.shape[:-2]
         sa, sb, sc = _stack(a, lead), _stack(b, lead), _stack(out, lead)
         if sa is None or sb is None or sc is None:
             if not lead or lead != np.broadcast_shapes(a.shape[:-2], b.shape[:-2], lead):
-                return np.matmul(a, b, out=out)
-            for i in range(lead[0]):            # one stride apart below the first axis, maybe
-                self.gemm(_index(a, i, len(lead)), _index(b, i, len(lead)), out[i])
-            return out
-        batch = math.prod(lead)
+                return None
+            return "each"
         if 0 in (m, n, k, *lead):
-            return np.matmul(a, b, out=out)
-        if self._small(m, n, k, ta, tb) and self._small_gemm(
-                batch, ta[0], tb[0], m, n, k, _address(a), ta[1], sa, _address(b), tb[1], sb, _address(out),
-                to[1], sc):
-            return out
-        by_columns, parts, width = contract.product_cuts(batch, m, n, k)
-        if not self.lib.deepdsl_gemm(
-                batch, ta[0], tb[0], m, n, k, _address(a), ta[1], sa, _address(b), tb[1], sb,
-                _address(out), to[1], sc, by_columns, parts, width):        # (0: the library has no sgemm to call)
-            return np.matmul(a, b, out=out)
-        return out
+            return None
+        batch = math.prod(lead)
+        head, operands = (batch, ta[0], tb[0], m, n, k), ((ta[1], sa), (tb[1], sb), (to[1], sc))
+        if self._small(m, n, k, ta, tb):
+            return (self._small_gemm, head, *operands, ())
+        return (self.lib.deepdsl_gemm, head, *operands, tuple(contract.product_cuts(batch, m, n, k)))
 
     def gemm_in_depth(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, workspace: np.ndarray) -> bool:
         """out = a @ b of two matrices in the parts of their inner dimension `contract.product_depth_cut` fixes by
