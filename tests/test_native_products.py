@@ -138,6 +138,14 @@ def test_what_the_library_cannot_address_runs_numpy(lib):
     want = np.matmul(square, square)
     lib.gemm(square, square.copy(), square)                   # an output over an operand (numpy buffers it)
     np.testing.assert_array_equal(square, want)
+    tiles = _counted(lib)
+    try:                                                      # the same layout apart from its operands: the tiles
+        lib.gemm(square, square.copy(), np.empty_like(square))
+        lib.gemm(square, square.copy(), square)
+        assert lib.tile_calls == (1 if lib.tiles else 0)
+    finally:
+        lib._small_gemm = tiles
+        lib._products.clear()
     real = native.blas_sgemm()
     lib.lib.deepdsl_set_sgemm(None, 1)                        # a library left without an sgemm to call
     try:

@@ -396,8 +396,9 @@ class Native:
     def _product_plan(self, a: np.ndarray, b: np.ndarray, out: np.ndarray):
         """How `gemm` computes out = a @ b for operands laid out as these: None (numpy's matmul), "each" (a product
         per index of the first leading axis), or (the library's function, its arguments before a's pointer, a's
-        distances between rows or columns and between matrices, b's, out's, its arguments after them)."""
-        layout = self._layout(a, b, out)
+        distances between rows or columns and between matrices, b's, out's, its arguments after them). Whether
+        the output lies apart from the operands is asked on every call, not here."""
+        layout = self._layout(a, b, out, apart=False)
         if layout is None:
             return None
         m, n, k, ta, tb, to = layout
@@ -436,13 +437,13 @@ class Native:
         """Whether this library computes the product in its own tiles (`contract.small_product`)."""
         return self.tiles and contract.small_product(m, n, k, bool(ta[0]), bool(tb[0]))
 
-    def _layout(self, a: np.ndarray, b: np.ndarray, out: np.ndarray):
+    def _layout(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, apart: bool = True):
         """(m, n, k, a's, b's and out's `_matrix`) of out = a @ b where the library's sgemm reads the operands and
         writes the output in place (float32 matrices or stacks of them, the output stored by rows apart from the
-        operands), else None."""
+        operands: `apart=False` leaves that to the caller), else None."""
         if not self.products or a.ndim < 2 or b.ndim < 2 or out.ndim < 2 or \
                 not a.dtype == b.dtype == out.dtype == np.float32 or \
-                np.may_share_memory(out, a) or np.may_share_memory(out, b):
+                apart and (np.may_share_memory(out, a) or np.may_share_memory(out, b)):
             return None
         m, k = a.shape[-2:]
         n = out.shape[-1]
