@@ -19,8 +19,9 @@
 // A tensor summed per channel (sum_to (1, C, 1, ...) of (N, C, ...): batch norm's mean, bias and batch-norm
 // gradients; deepdsl_runtime.cpu.shape.sum_to): out[c] = the sum over the rows r of channel c and their elements of
 // x, as a `_csum` function adds its values (`channel_sums`), each thread a share of the channels. Returns 1, or 0
-// without summing on planes of 2 to DEEPDSL_CSUM_PLANE floats (numpy's product of each sample's planes by a vector
-// of ones sums them faster than the lanes of `channel_sums`).
+// without summing on planes of 2 to DEEPDSL_CSUM_PLANE floats of several samples (numpy's product of each sample's
+// planes by a vector of ones sums them faster than the lanes of `channel_sums`); one sample's (the rows of a layer
+// norm's sums over each token's features, (..., D) to (..., 1)) it sums.
 static __attribute__((noinline)) void deepdsl_channel_sum_range(long c0, long c1, long rows, long channels,
                                                                long inner, float* out, const float* x) {
     if (inner == 1) {
@@ -102,7 +103,19 @@ static __attribute__((noinline)) void deepdsl_channel_sum_range(long c0, long c1
 }
 
 int deepdsl_channel_sum(long rows, long channels, long inner, float* out, const float* x) {
-    if (inner > 1 && inner <= DEEPDSL_CSUM_PLANE) return 0;
+    if (inner > 1 && inner <= DEEPDSL_CSUM_PLANE) {
+        if (rows > channels) return 0;
+        // one sample: each channel's plane (a row) summed in double, as a lane of `channel_sums` is summed
+#pragma omp parallel for schedule(static) if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+        for (long c = 0; c < channels; ++c) {
+            const float* q = x + c * inner;
+            double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+            for (long i = 0; i < inner; ++i) sum += q[i];
+            out[c] = (float)sum;
+        }
+        return 1;
+    }
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;

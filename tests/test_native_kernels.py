@@ -500,7 +500,8 @@ def test_sums_over_every_axis_but_the_last_equal_numpy(tmp_path_factory):
     """A bias's and a layer norm weight's gradients sum (..., D) to (D,): the compiled per-channel sums, summed
     pairs and `sum_to` run them under the view (R, D, 1), each column a channel (`contract.sum_view`), within float32
     roundings of numpy's kernels (float64 for `sum_to`), with the same bits at 1, 2 and 3 threads, on odd shapes and
-    more columns than a thread reads at a time."""
+    more columns than a thread reads at a time. So do the sums over the last axis, (..., D) to (..., 1), under the
+    view (1, R, D): `sum_to` through the compiled per-channel sum, rows of 2 to 4100 floats."""
     from deepdsl.codegen.description import describe
     from deepdsl_runtime import cpu
     from deepdsl_runtime.cpu import elementwise
@@ -526,6 +527,7 @@ def test_sums_over_every_axis_but_the_last_equal_numpy(tmp_path_factory):
         cases += [("ew_sum", name, operands(p, shape), shape) for name, p in patterns]
         cases += [("pair", pair, (operands(pair[1], shape), operands(pair[3], shape)), shape) for pair in pairs]
         cases.append(("sum_to", None, x, shape))
+        cases.append(("rows", None, x, shape))
     before, results = found.threads, []
     try:
         for threads in (1, 2, 3):
@@ -554,6 +556,16 @@ def test_sums_over_every_axis_but_the_last_equal_numpy(tmp_path_factory):
                     np.testing.assert_allclose(out0, want0, rtol=2e-6, atol=1e-6)
                     np.testing.assert_allclose(out1, want1, rtol=1e-5, atol=1e-5 * float(np.abs(want1).max()))
                     got += [out0, out1]
+                elif kind == "rows":                # (..., D) to (..., 1): a layer norm's sums
+                    rows = shape[:-1] + (1,)
+                    want = args.astype(np.float64).sum(axis=-1, keepdims=True)
+                    out = np.full(rows, np.nan, np.float32)
+                    assert found.channel_sum(args, out)
+                    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6 * float(np.abs(args).max()))
+                    through = np.full(rows, np.nan, np.float32)
+                    cpu.backend(found).sum_to(args, out=through, shape=rows)
+                    assert through.tobytes() == out.tobytes()
+                    got.append(out)
                 else:
                     want = args.astype(np.float64).reshape(-1, shape[-1]).sum(axis=0)
                     tolerance = dict(rtol=1e-6, atol=1e-6 * float(np.abs(args).sum() / shape[-1]))

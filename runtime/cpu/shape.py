@@ -14,14 +14,14 @@ def _reduced_axes(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]
 
 
 def sum_to(x, *, out, shape, native=None):
-    """Sum x down to `shape` (the inverse of broadcasting). Per channel ((N, C, H, W) to (1, C, 1, 1)) and over every
-    axis but the last ((..., D) to (D,): a bias's gradient) with `native`, the program's compiled kernels sum
-    (`Native.channel_sum`, on their threads)."""
+    """Sum x down to `shape` (the inverse of broadcasting). Per channel ((N, C, H, W) to (1, C, 1, 1)), over every
+    axis but the last ((..., D) to (D,): a bias's gradient) and over the last ((..., D) to (..., 1): a layer norm's)
+    with `native`, the program's compiled kernels sum (`Native.channel_sum`, on their threads)."""
     if x.shape == tuple(shape):
         np.copyto(out, x)
         return
-    if native is not None and x.ndim >= 2 and tuple(shape)[-1:] == x.shape[-1:] and math.prod(shape) == x.shape[-1] \
-            and native.channel_sum(x, out):
+    if native is not None and x.ndim >= 2 and (tuple(shape)[-1:] == x.shape[-1:] and math.prod(shape) == x.shape[-1]
+                                               or tuple(shape) == x.shape[:-1] + (1,)) and native.channel_sum(x, out):
         return
     if x.ndim == 4 and tuple(shape) == (1, x.shape[1], 1, 1) and x.shape[2] * x.shape[3] > 1:
         if native is not None and native.channel_sum(x, out):
