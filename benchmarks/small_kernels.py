@@ -8,8 +8,8 @@ kernel, what every program ran before) and by the compiled kernel (`deepdsl_bern
 a ViT's, char_lm's and LeNet's products (forward, input and weight gradients; `T`: an operand read transposed), by
 the BLAS's sgemm on the kernels' threads, cut as `contract.product_cuts` says (and along the inner dimension where
 `contract.product_depth_cut` says so, given the planned workspace), and as `Native.gemm` computes them now: in the
-kernels' own tiles where `contract.small_product` takes them (`tiles`), else as before (`sgemm`). Transposes: the ViT's and char_lm's swaps of heads and
-tokens, by numpy's copy and by the compiled kernel (`deepdsl_swap_axes`). Attention: the forward and the gradient of
+kernels' own tiles where `contract.small_product` takes them (`tiles`), else as before (`sgemm`). Transposes: the
+ViT's and char_lm's swaps of heads and tokens, by numpy's copy and by the compiled kernel (`deepdsl_swap_axes`). Attention: the forward and the gradient of
 the ViT's heads (64 x 4 units of 16 tokens of 16 features), causal heads of 16 tokens with a tenth of their weights
 dropped, and char_lm's heads without dropout (32 x 4 units of 64 causal tokens of 16 features), by the compiled row
 passes between BLAS products on blocks of units, and weighed whole unit by unit (`deepdsl_attention_units`, where
