@@ -4,13 +4,13 @@ channel-blocked copies (`contract.blocked_conv`, those layers only) and PyTorch'
     python benchmarks/conv_layers.py [--network resnet50] [--batch 8] [--image 112] [--threads 1 2] [--rounds 3]
                                      [--calls 5] [--isa native|avx2] [--markdown]
 
-The network (a file of networks/) is compiled at that batch and image size (`--image 0`: the network's own), and
-its compiled kernels are built; each distinct convolution of its training step (forward, input gradient, filter
+The network (a file of networks/) is compiled at that batch and image size (`--image 0`: the network's own), and its
+compiled kernels are built; each distinct convolution of its training step (forward, input gradient, filter
 gradient) runs under the workspace its memory plan gives it. Per thread count (the kernels' and PyTorch's),
 `--rounds` rounds alternate the three sides, `--calls` timed calls each after one untimed; the table gives the
-median milliseconds over all calls, GFLOP/s, and PyTorch's time over ours (above 1: we are faster). PyTorch (`torch.nn.functional.conv2d` and
-`torch.ops.aten.convolution_backward` with one output mask at a time) runs where it is installed; its CPU
-convolutions are oneDNN's. The processor's vector ISA and the load average are printed.
+median milliseconds over all calls, GFLOP/s, and PyTorch's time over ours (above 1: we are faster). PyTorch
+(`torch.nn.functional.conv2d` and `torch.ops.aten.convolution_backward` with one output mask at a time) runs where
+it is installed; its CPU convolutions are oneDNN's. The processor's vector ISA and the load average are printed.
 
 `--isa avx2` runs every side as on a processor without AVX-512 (on one that has it): the compiled kernels built
 with `-mno-avx512f`, OpenBLAS on its Haswell kernels (OPENBLAS_CORETYPE), oneDNN and PyTorch's own kernels on
