@@ -145,7 +145,7 @@ def test_what_the_library_cannot_address_runs_numpy(lib):
         assert lib.tile_calls == (1 if lib.tiles else 0)
     finally:
         lib._small_gemm = tiles
-        lib._products.clear()
+        lib._product_plans.clear()
     real = native.blas_sgemm()
     lib.lib.deepdsl_set_sgemm(None, 1)                        # a library left without an sgemm to call
     try:
@@ -377,7 +377,7 @@ def _counted(lib):
         lib.tile_calls += 1
         return tiles(*args)
     lib._small_gemm = counting
-    lib._products.clear()
+    lib._product_plans.clear()
     return tiles
 
 
@@ -424,7 +424,7 @@ def test_products_in_tiles_equal_numpy_with_the_same_bits_on_any_threads_and_wit
             assert (lib.tile_calls > before) == taken, other
     finally:
         lib._small_gemm = tiles
-        lib._products.clear()
+        lib._product_plans.clear()
     assert np.isfinite(results[0]).all(), "an element was not written"
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])

@@ -274,7 +274,7 @@ class Native:
             self._small_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L]
             self._small_gemm.restype = _I
         # the operands' layouts -> how `gemm` computes their product (`_product_plan`)
-        self._products: dict[tuple, object] = {}
+        self._product_plans: dict[tuple, object] = {}
         # (a library built for a processor without AVX2 and fused multiply-adds has no tiles)
         self.tiles = self._small_gemm is not None and bool(lib.deepdsl_small_gemm_kernels())
         # (nor products cut along their inner dimension)
@@ -345,7 +345,7 @@ class Native:
     @tiles.setter
     def tiles(self, value: bool) -> None:
         self._tiles = bool(value)
-        self._products.clear()
+        self._product_plans.clear()
 
     @property
     def products(self) -> bool:
@@ -355,7 +355,7 @@ class Native:
     @products.setter
     def products(self, value: bool) -> None:
         self._products_here = bool(value)
-        self._products.clear()
+        self._product_plans.clear()
 
     @property
     def threads(self) -> int:
@@ -379,9 +379,9 @@ class Native:
         (`_product_plan`)."""
         key = (a.shape, a.strides, a.dtype.num, b.shape, b.strides, b.dtype.num, out.shape, out.strides,
                out.dtype.num)
-        plan = self._products.get(key, False)
+        plan = self._product_plans.get(key, False)
         if plan is False:
-            plan = self._products[key] = self._product_plan(a, b, out)
+            plan = self._product_plans[key] = self._product_plan(a, b, out)
         if plan is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
             return np.matmul(a, b, out=out)
         if plan == "each":                      # one stride apart below the first axis, maybe

@@ -102,13 +102,13 @@ int deepdsl_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, l
 // Products in tiles of the kernels' own, where contract.small_product takes them (a Transformer's projections,
 // 1024 x 64 by 64 x 64, and their weight gradients; most products of the networks' layers): the BLAS's sgemm packs
 // both operands on every call, and a product cut into the parts fixed by its shape calls it once a part. On one
-// thread of an AVX-512 processor the tiles computed the ViT's products 1.1-1.4x faster than the sgemm so cut
-// (benchmarks/small_kernels.py). A tile of ROWS rows and VECTORS vectors of columns
-// keeps its sums in registers over the inner dimension: each step is one broadcast of a's element per row and one
-// fused multiply-add per vector (the Goto-van de Geijn micro-kernel, without packing a: its rows, or its columns
-// where it is read transposed, are read in place). b is read in place by rows, or packed by rows (a strip of its
-// columns, a part of the inner dimension at a time, on the thread's stack) where it is read transposed or the
-// strip ends inside a vector.
+// thread of an AVX-512 processor the tiles computed the ViT's products 1.2-1.5x faster than the sgemm so cut; with
+// AVX2 they tie OpenBLAS's Haswell kernels (benchmarks/small_kernels.py). A tile of ROWS rows and VECTORS vectors of
+// columns keeps its sums in registers over the inner dimension: each step is one broadcast of a's element per row
+// and one fused multiply-add per vector (the Goto-van de Geijn micro-kernel, without packing a: its rows, or its
+// columns where it is read transposed, are read in place). b is read in place by rows, or packed by rows (a strip
+// of its columns, a part of the inner dimension at a time, on the thread's stack) where it is read transposed or
+// the strip ends inside a vector.
 //
 // Every output is the sum of its products in one order: partial sums of fused multiply-adds from zero over at most
 // DEEPDSL_SG_DEPTH consecutive terms of the inner dimension, added to the output in their order. Threads take whole
@@ -149,7 +149,8 @@ typedef __m256i deepdsl_sg_m;
 #define DEEPDSL_SG_LOAD(p, mask) _mm256_maskload_ps(p, mask)
 #define DEEPDSL_SG_STORE(p, mask, v) _mm256_maskstore_ps(p, mask, v)
 static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(lanes < 8 ? lanes : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(lanes < 8 ? lanes : 8)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 #define DEEPDSL_SG_TILES(X) X(1, 1) X(1, 2) X(2, 1) X(2, 2) X(3, 1) X(3, 2) X(4, 1) X(4, 2) X(5, 1) X(5, 2) \
     X(6, 1) X(6, 2)
