@@ -1,9 +1,10 @@
 """Generated training programs on the CPU against PyTorch eager, torch.compile and JAX, side by side.
 
-    python benchmarks/cpu_vs_peers.py [NET:BATCH[:IMAGE] ...] [--threads 1 2] [--rounds 3] [--warmup 3]
+    python benchmarks/cpu_vs_peers.py [NET[:BATCH[:IMAGE]] ...] [--threads 1 2] [--rounds 3] [--warmup 3]
                                       [--steps 10] [--sides ours numpy eager compile max-autotune jax] [--markdown]
 
-Default networks: lenet:64 lenet:500 alexnet:16:227 resnet50:8:112 (IMAGE: the input's height and width); also
+Default networks: lenet:64 lenet:500 alexnet:16:227 resnet50:8:112 (BATCH: the network's own where left out; IMAGE:
+the input's height and width); also
 mobilenet_v2, vit and char_lm (the byte-level language model, on random tokens with a label per position). Each
 network is compiled once with `deepdsl compile` (its wall time is reported as ours' compile time; the command also
 builds the program's compiled kernels). Then, for each thread count, the sides run in rounds, interleaved (one
@@ -21,7 +22,8 @@ synthetic batches with the same thread count (OMP/OPENBLAS/MKL_NUM_THREADS and t
 A side's figure for a round is the median of its `--steps` timed steps after `--warmup` untimed ones; the table
 gives the median over rounds, its ratio to ours (above 1: slower than ours), the peak RSS (ru_maxrss) and its
 ratio, and the first step's seconds (for torch.compile: compiling; for jax: tracing and compiling). The load
-average is printed before and after.
+average is printed before and after; the first line names the processor and its widest vector extension (AVX-512,
+AVX2), which every figure depends on.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import load_average, print_row, timed_steps  # benchmarks/ is on the path of a script run from it
+from timing import load_average, print_row, processor, timed_steps  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
@@ -182,10 +184,21 @@ def _spawn(args: list[str], threads: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _compile(name: str, batch: int, image: str | None, directory: Path) -> tuple[Path, float, dict]:
-    program = directory / f"{name}_{batch}.py"
-    command = [sys.executable, "-m", "deepdsl", "compile", str(ROOT / "networks" / f"{name}.py"), "-o", str(program),
-               "--batch", str(batch)] + (["--image", image] if image else [])
+def _spec(spec: str) -> tuple[str, int | None, str | None]:
+    """NAME[:BATCH[:IMAGE]] as (name, batch or None: the network's own, image or None); one line and exit 2 where it
+    names no network of networks/ or its batch is no number."""
+    name, batch, image = (spec.split(":") + ["", ""])[:3]
+    if not (ROOT / "networks" / f"{name}.py").is_file():
+        raise SystemExit(f"cpu_vs_peers: '{spec}': no network '{name}' in networks/")
+    if batch and not batch.isdigit():
+        raise SystemExit(f"cpu_vs_peers: '{spec}': the batch '{batch}' is no positive number")
+    return name, int(batch) if batch else None, image or None
+
+
+def _compile(name: str, batch: int | None, image: str | None, directory: Path) -> tuple[Path, float, dict]:
+    program = directory / f"{name}_{batch or 'default'}.py"
+    command = [sys.executable, "-m", "deepdsl", "compile", str(ROOT / "networks" / f"{name}.py"), "-o", str(program)]
+    command += (["--batch", str(batch)] if batch else []) + (["--image", image] if image else [])
     began = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - began
@@ -227,15 +240,17 @@ def main(argv=None) -> int:
         print(json.dumps(result))
         return 0
 
-    print(f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+    specs = [_spec(spec) for spec in args.networks]
+    cpu, isa = processor()
+    print(f"{cpu} ({platform.machine()}, {isa}), {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"median of {args.steps} steps after {args.warmup} warm-up steps, {args.rounds} rounds interleaved; "
           f"load average before: {load_average()}", flush=True)
     print_row(("network", "batch", "threads", "side", "ms/step", "vs ours", "peak RSS MiB", "vs ours",
                "first step s"), args.markdown, 12, header=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.networks:
-            name, batch, *image = spec.split(":")
-            program, compile_s, info = _compile(name, int(batch), image[0] if image else None, Path(tmp))
+        for name, batch, image in specs:
+            program, compile_s, info = _compile(name, batch, image, Path(tmp))
+            batch = str(info["shape"][0])
             sides = [s for s in args.sides if s != "jax" or name == "lenet"]
             for threads in args.threads:
                 runs: dict[str, list[dict]] = {s: [] for s in sides}

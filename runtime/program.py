@@ -18,6 +18,7 @@ import numpy as np
 
 from deepdsl_runtime import data as datasets
 from deepdsl_runtime import memory, parallel
+from deepdsl_runtime.frames import roomy
 from deepdsl_runtime.cpu.cores import FreeCores
 from deepdsl_runtime.cpu.linalg import Products
 from deepdsl_runtime.memory import StepPlan
@@ -116,6 +117,16 @@ class Model:
     setup_inputs: tuple[str, ...] = ()
     memory_plans: dict[str, StepPlan] = {}
 
+    STEPS = ("setup", "train_step", "test_step", "predict_step", "accumulate_step", "apply_step", "statistics_step")
+
+    def __init_subclass__(cls, **kwargs):
+        """A generated class's steps run with room on the frame stack for their calls (`deepdsl_runtime.frames`)."""
+        super().__init_subclass__(**kwargs)
+        for name in cls.STEPS:
+            step = cls.__dict__.get(name)
+            if callable(step):
+                setattr(cls, name, roomy(step))
+
     def __init__(self, device: str = "cpu", seed: int = 0, memory_mode: str = "static", check_memory: bool = False,
                  kernels: str = "auto", threads: int | None = None):
         self.rt = backend(device)
@@ -205,7 +216,8 @@ class Model:
     @classmethod
     def program_file(cls) -> str | None:
         """The generated program's own file (None for a class not defined in one)."""
-        return getattr(cls.train_step, "__globals__", {}).get("__file__")
+        step = getattr(cls.train_step, "__wrapped__", cls.train_step)      # (`roomy` wraps the steps)
+        return getattr(step, "__globals__", {}).get("__file__")
 
     # tensors ----------------------------------------------------------------------------------------------------
     def initialize(self, seed: int) -> None:

@@ -1091,7 +1091,9 @@ def test_compile_builds_the_library_the_program_uses(tmp_path):
 @needs_cc
 def test_the_peer_benchmark_runs(tmp_path):
     """benchmarks/cpu_vs_peers.py end to end at a tiny size (ours, numpy and PyTorch eager; one round): every side
-    reports a step time."""
+    reports a step time, under a first line naming the processor's vector extension; a spec naming no network, or
+    a batch that is no number, is one line and a non-zero exit."""
+    import re
     import sys
 
     from tests.support.program_helpers import ROOT
@@ -1102,6 +1104,12 @@ def test_the_peer_benchmark_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["lenet"]]
     assert [r[3] for r in rows] == ["ours", "numpy", "eager"], done.stdout
+    assert re.search(r"\(\w+, (AVX-512|AVX2|no AVX2|unknown)\), \d+ cores", done.stdout.splitlines()[0]), done.stdout
+    for spec, says in (("nonet:4", "no network 'nonet'"), ("lenet:x", "the batch 'x' is no positive number")):
+        bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_vs_peers.py"), spec], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path)
+        assert bad.returncode != 0 and bad.stdout == "" and bad.stderr.strip().splitlines() == [
+            f"cpu_vs_peers: '{spec}': {says}"], (bad.stdout, bad.stderr)
 
 
 @needs_cc
