@@ -37,7 +37,7 @@ from deepdsl_runtime import cpu  # noqa: E402
 from deepdsl_runtime.cpu import native  # noqa: E402
 
 from op_profile import _compile, _model  # noqa: E402  (benchmarks/ is on the path of a script run from it)
-from timing import load_average, median_ms  # noqa: E402
+from timing import load_average, median_ms, timed_steps  # noqa: E402
 
 GEOMETRIES = [  # (N, C, H=W, kernel, pad, stride): ResNet-50's 3x3 layers at 112x112 (a chunk of 8), LeNet's,
     # AlexNet's; ResNet-50's first layer (a chunk of 4) and its strided pointwise layers
@@ -149,12 +149,9 @@ def steps(spec: str, other: Path, threads: list[int], rounds: int, count: int) -
             for _ in range(rounds):
                 for name in libs:
                     model.rt = backends[name]
-                    times = []
-                    for i in range(count):
-                        began = time.perf_counter()
-                        model.train_step(model.rt.asarray(x), model.rt.asarray(y), step=i, **hyper)
-                        times.append(time.perf_counter() - began)
-                    per_round[name].append(statistics.median(times[1:]) * 1000)
+                    times = timed_steps(lambda i: model.train_step(model.rt.asarray(x), model.rt.asarray(y), step=i,
+                                                                   **hyper), 1, count - 1)
+                    per_round[name].append(statistics.median(times) * 1000)
             ratio = statistics.median(a / b for a, b in zip(per_round["this"], per_round["other"]))
             for name, values in per_round.items():
                 print(f"{spec} {t} thread(s), {name}: " + " ".join(f"{v:.1f}" for v in values)

@@ -35,7 +35,7 @@ import deepdsl_runtime
 deepdsl_runtime.idle_threads_sleep()        # as the generated program does, before numpy loads its BLAS
 import numpy as np  # noqa: E402
 
-from timing import load_average, print_row  # benchmarks/ is on the path of a script run from it
+from timing import load_average, print_row, timed_steps  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,16 +134,18 @@ def main() -> int:
         model.prepare(hyper)
         totals = collections.defaultdict(float)
         calls, flops = _timed(model.rt, totals) if not args.steps_only else ({}, {})
-        per_step, steps = collections.defaultdict(list), []
-        for i in range(args.warmup + args.steps):
-            totals.clear()
-            began = time.perf_counter()
-            model.train_step(model.rt.asarray(x), model.rt.asarray(y), step=i, **hyper)
-            elapsed = time.perf_counter() - began
-            if i >= args.warmup:
-                steps.append(elapsed)
-                for label, seconds in totals.items():
+        per_step = collections.defaultdict(list)
+
+        def step(i):
+            if i > args.warmup:
+                for label, seconds in totals.items():       # the step before's (each timed step's, kept)
                     per_step[label].append(seconds)
+            totals.clear()
+            model.train_step(model.rt.asarray(x), model.rt.asarray(y), step=i, **hyper)
+
+        steps = timed_steps(step, args.warmup, args.steps)
+        for label, seconds in totals.items():
+            per_step[label].append(seconds)
     step_ms = statistics.median(steps) * 1000
     if args.steps_only:
         if len(steps) <= 20:

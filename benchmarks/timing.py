@@ -7,7 +7,15 @@ from typing import Sequence
 
 
 def timed_steps(step, warmup: int, steps: int) -> list[float]:
-    """Run `step(i)` for i = 0 .. warmup + steps - 1 and return the seconds of each step after the first `warmup`."""
+    """Run `step(i)` for i = 0 .. warmup + steps - 1 and return the seconds of each step after the first `warmup`;
+    with room on the frame stack for a generated step's calls, as the training command runs them
+    (`deepdsl_runtime.frames`)."""
+    from deepdsl_runtime.frames import run_with_room
+
+    return run_with_room(_timed_steps, step, warmup, steps)
+
+
+def _timed_steps(step, warmup: int, steps: int) -> list[float]:
     for i in range(warmup):
         step(i)
     times = []

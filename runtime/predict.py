@@ -24,6 +24,7 @@ import numpy as np
 from deepdsl_runtime import checkpoint as ckpt
 from deepdsl_runtime import data as datasets
 from deepdsl_runtime import image_stream
+from deepdsl_runtime.frames import run_with_room
 from deepdsl_runtime.run import RunError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
@@ -273,7 +274,8 @@ def predict(model_cls, args) -> int:
         if "predict_step" not in model.memory_plans:
             model.predict_step(None)                      # says why there is none
         augment = load_parameters(model, args.params)
-        result = continue_prompt(model, args) if args.prompt is not None else classify(model, args, augment)
+        result = run_with_room(continue_prompt, model, args) if args.prompt is not None else \
+            run_with_room(classify, model, args, augment)          # the steps' calls on one frame chunk
     except (RunError, ckpt.CheckpointError, datasets.DataError) as err:
         sys.stderr.write(f"deepdsl predict: error: {err}\n")
         return 1

@@ -29,6 +29,7 @@ import numpy as np
 from deepdsl_runtime import checkpoint as ckpt
 from deepdsl_runtime import data as datasets
 from deepdsl_runtime import image_stream, metrics, parallel
+from deepdsl_runtime.frames import run_with_room
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
 if TYPE_CHECKING:
@@ -450,7 +451,7 @@ def run(model_cls: type[Model], args) -> int:
                                    lambda: signals.received, model_cls.name)
             session = _Run(model_cls, args, signals, ranks)
             try:
-                status = session.execute()
+                status = run_with_room(session.execute)      # its steps' calls on one frame chunk
             finally:
                 if session.pipeline is not None:
                     session.pipeline.close()

@@ -71,3 +71,29 @@ def test_a_generated_program_s_steps_have_room():
 
     assert Net.train_step.__wrapped__.__name__ == "train_step" or not frames.NEEDED
     assert Net(kernels="numpy").train_step(1.0, 2.0, step=0) == 3.0
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="frames are allocated one by one before Python 3.11")
+def test_inside_a_run_s_room_a_step_maps_nothing():
+    """`run_with_room` (the training command's) keeps one chunk for the run: a step called inside it faults no page
+    in, where outside it each call maps the step's own chunk."""
+    with_room = frames.roomy(_big_step(1850))
+    outside = [_faults(_at_depth, depth, with_room, _leaf, 10) for depth in range(40)]
+    inside = frames.run_with_room(lambda: [_faults(_at_depth, depth, with_room, _leaf, 10) for depth in range(40)])
+    assert min(outside) >= 1 and sum(inside) < len(inside), (outside, inside)
+
+
+def test_a_room_is_left_as_it_was_entered_when_its_function_raises():
+    def fails():
+        assert frames._inside.rooms == 2
+        raise ValueError("inside")
+
+    def outer():
+        with pytest.raises(ValueError, match="inside"):
+            frames.run_with_room(fails)
+        return frames._inside.rooms
+
+    if not frames.NEEDED:
+        pytest.skip("no rooms before Python 3.11")
+    assert frames.run_with_room(outer) == 1 and frames._inside.rooms == 0
+    assert frames.run_with_room(lambda a, b=0: a + b, 1, b=2) == 3

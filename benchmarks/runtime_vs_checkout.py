@@ -1,0 +1,94 @@
+"""The training command of a generated program on this checkout's runtime against another checkout's, interleaved.
+
+    python benchmarks/runtime_vs_checkout.py --against DIR NET[:BATCH[:IMAGE]] ... [--threads 1 2] [--rounds 3]
+                                             [--iters 20] [--markdown]
+
+DIR is another checkout of this repository (`git worktree add DIR REV`). Each network of networks/ is compiled once
+by this checkout (`deepdsl compile`, which also builds the program's compiled kernels) and its program trained on
+synthetic data by its own command line, `--iters` iterations without testing, in one process per run: with this
+checkout's `deepdsl_runtime`, and with DIR's (its runtime/ put first on the import path), alternating in `--rounds`
+rounds with the same thread count. What differs is the Python side of the runtime (the generic compiled kernels
+are built from each checkout's sources; the program's own library is the same file). The figure is the command's
+own "ms per iteration" (every iteration, the first included); the table gives the median over rounds and the ratio
+this / DIR of each round's pair's median. The processor, its vector extension and the load average are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from timing import load_average, print_row, processor  # benchmarks/ is on the path of a script run from it
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _program(spec: str, directory: Path) -> Path:
+    name, batch, image = (spec.split(":") + ["", ""])[:3]
+    if not (ROOT / "networks" / f"{name}.py").is_file():
+        raise SystemExit(f"runtime_vs_checkout: '{spec}': no network '{name}' in networks/")
+    program = directory / f"{name}{batch}.py"
+    command = [sys.executable, "-m", "deepdsl", "compile", str(ROOT / "networks" / f"{name}.py"), "-o", str(program)]
+    command += (["--batch", batch] if batch else []) + (["--image", image] if image else [])
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"runtime_vs_checkout: compiling {spec}: {done.stderr.strip() or done.stdout.strip()}")
+    return program
+
+
+def _train_ms(program: Path, threads: int, iters: int, runtime_path: str | None, directory: Path) -> float:
+    """The training command's ms per iteration, with the runtime found first on `runtime_path` (None: this one)."""
+    env = dict(os.environ)
+    if runtime_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [runtime_path, env.get("PYTHONPATH")]))
+    command = [sys.executable, str(program), "--iters", str(iters), "--test-iters", "0", "--data", "synthetic",
+               "--fresh", "--params", str(directory / "params.npz"), "--threads", str(threads)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=directory)
+    found = re.search(r"([\d.]+) ms per iteration", done.stdout + done.stderr)
+    if done.returncode != 0 or not found:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"runtime_vs_checkout: {program.name} ({'DIR' if runtime_path else 'this'}): {tail}")
+    return float(found.group(1))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("networks", nargs="+")
+    parser.add_argument("--against", required=True, help="another checkout of this repository")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    other = Path(args.against).resolve()
+    if not (other / "runtime" / "program.py").is_file():
+        raise SystemExit(f"runtime_vs_checkout: {other} is no checkout of this repository (no runtime/program.py)")
+    cpu, isa = processor()
+    print(f"{cpu} ({isa}); {args.iters} iterations a run, {args.rounds} rounds alternating; load average before: "
+          f"{load_average()}", flush=True)
+    print_row(("network", "threads", f"{other.name} ms", "this ms", "this / other"), args.markdown, 12, header=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        shim = Path(tmp) / "against"
+        shim.mkdir()
+        (shim / "deepdsl_runtime").symlink_to(other / "runtime")
+        for spec in args.networks:
+            program = _program(spec, Path(tmp))
+            for threads in args.threads:
+                theirs, ours = [], []
+                for _ in range(args.rounds):
+                    theirs.append(_train_ms(program, threads, args.iters, str(shim), Path(tmp)))
+                    ours.append(_train_ms(program, threads, args.iters, None, Path(tmp)))
+                ratio = statistics.median(o / t for o, t in zip(ours, theirs))
+                print_row((spec, str(threads), f"{statistics.median(theirs):.1f}", f"{statistics.median(ours):.1f}",
+                           f"{ratio:.3f}"), args.markdown, 12)
+    print(f"load average after: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
