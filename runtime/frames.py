@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import types
 from types import CodeType
 
 __all__ = ["roomy", "run_with_room", "frame_bytes", "CALLS_ROOM"]
@@ -40,17 +41,21 @@ def frame_bytes(code: CodeType) -> int:
     return 8 * (code.co_nlocals + len(code.co_cellvars) + len(code.co_freevars) + code.co_stacksize + HEADER_SLOTS)
 
 
+def _call_with_room(step, args, kwargs):
+    return step(*args, **kwargs)
+
+
 @functools.cache
 def _helper(chunk: int):
-    """A function calling step(*args, **kwargs) whose frame takes half of `chunk` and a little more: its frame never
-    fits a chunk that has less free, so it starts one of `chunk` bytes and leaves the other half to the step. The
-    locals are never assigned (the code after `return` is dropped by the compiler; the names stay its locals)."""
+    """`_call_with_room` with a frame of half of `chunk` and a little more: its frame never fits a chunk that has
+    less free, so it starts one of `chunk` bytes and leaves the other half to what it calls. The frame's size is
+    its code's locals, here unused names added to the code object (no bytecode reads them; each call sets them to
+    NULL, one store each)."""
+    code = _call_with_room.__code__
     slots = chunk // 16 + HEADER_SLOTS
-    names = " = ".join(f"_{i}" for i in range(slots))
-    source = f"def call_with_room(step, args, kwargs):\n    return step(*args, **kwargs)\n    {names} = None\n"
-    scope: dict = {}
-    exec(compile(source, "<deepdsl_runtime.frames>", "exec"), scope)
-    return scope["call_with_room"]
+    code = code.replace(co_varnames=code.co_varnames + tuple(f"_{i}" for i in range(slots)),
+                        co_nlocals=code.co_nlocals + slots)
+    return types.FunctionType(code, globals(), "call_with_room")
 
 
 def _room(chunk: int) -> int:
