@@ -125,6 +125,7 @@ class Allocator:
         self._credit: dict[int, int] = {}       # buffer index -> bytes it shares with a buffer it took over
         self._taken: dict[int, int] = {}        # buffer taken over -> the buffer that took it over
         self._current = self._peak = self._workspace = self._allocs = self._frees = 0
+        self._sizes: dict[tuple, tuple[np.dtype, int, int]] = {}   # (shape, dtype) -> (dtype, bytes, placed bytes)
 
     # -- a step ------------------------------------------------------------------------------------------------
     def begin(self, step: str, persistent: bool = False) -> "Allocator":
@@ -153,18 +154,21 @@ class Allocator:
     def tensor(self, index: int, shape: tuple[int, ...], dtype: str, over: int | None = None) -> np.ndarray:
         """Buffer `index` of the plan as an uninitialized array of `shape` and `dtype`; `over`: the plan lets it
         take over that buffer's bytes (live, and released right after this statement)."""
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
+        sizes = self._sizes.get((shape, dtype))
+        if sizes is None:
+            dt = np.dtype(dtype)
+            nbytes = math.prod(shape) * dt.itemsize
+            sizes = self._sizes[shape, dtype] = (dt, nbytes, placed_size(nbytes))
+        dt, nbytes, size = sizes
         if self.check:
             self._check_request(index, nbytes, over)
-        size = placed_size(nbytes)
-        raw = self._bytes(nbytes) if self._persistent else self._take(index, nbytes, size, over)
+        array = self._array(index, shape, dt, nbytes, size, over)
         self._live[index] = size
         self._allocs += 1
         self._current += size - self._credit.get(index, 0)
         if self._current > self._peak:
             self._peak = self._current
-        return raw[:nbytes].view(dtype).reshape(shape)
+        return array
 
     def load(self, index: int, array: np.ndarray) -> np.ndarray:
         """Buffer `index` holding a copy of `array` (a batch input)."""
@@ -213,6 +217,12 @@ class Allocator:
     def _copy_in(self, buffer, array: np.ndarray) -> None:
         np.copyto(buffer, array)
 
+    def _array(self, index: int, shape: tuple[int, ...], dtype: np.dtype, nbytes: int, size: int,
+               over: int | None) -> np.ndarray:
+        """Buffer `index`'s bytes as the array `tensor` returns."""
+        raw = self._bytes(nbytes) if self._persistent else self._take(index, nbytes, size, over)
+        return raw[:nbytes].view(dtype).reshape(shape)
+
     def _take(self, index: int, nbytes: int, size: int, over: int | None) -> np.ndarray:
         raise NotImplementedError
 
@@ -250,20 +260,27 @@ class Static(Allocator):
         super().__init__(plans, check)
         self.arena = self._bytes(max((p.arena_bytes for p in self.plans.values()), default=0))
         self._base = self.arena.ctypes.data
-        self._views: dict[tuple[str, int], np.ndarray] = {}
+        self._views: dict[tuple, np.ndarray] = {}     # (step, index, shape, dtype) -> the array at its offset
 
     @property
     def reserved_bytes(self) -> int:
         return self.arena.size
 
-    def _take(self, index, nbytes, size, over):
-        offset = self._plan.buffers[index][0]
+    def _array(self, index, shape, dtype, nbytes, size, over):
+        # a buffer is the same bytes at every run of its step: its array is made once and handed out again
+        if self._persistent:
+            return super()._array(index, shape, dtype, nbytes, size, over)
         if self.check:
-            self._check_placement(index, offset, size, over)
+            self._check_placement(index, self._plan.buffers[index][0], size, over)
         if over is not None:
             self._credit[index] = min(size, self._live[over])
             self._taken[over] = index
-        return self.arena[offset:offset + nbytes]
+        key = (self._name, index, shape, dtype)
+        array = self._views.get(key)
+        if array is None:
+            offset = self._plan.buffers[index][0]
+            array = self._views[key] = self.arena[offset:offset + nbytes].view(dtype).reshape(shape)
+        return array
 
     def _check_placement(self, index: int, offset: int, size: int, over: int | None) -> None:
         where = f"step '{self._name}': buffer {index} at [{offset}, {offset + size})"
