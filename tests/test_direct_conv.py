@@ -284,3 +284,42 @@ def test_depthwise_convolutions_built_for_avx2_give_the_same_bits(lib, avx2_kern
     for op, arrays in (("conv2d", (x, f)), ("conv2d_bwd_data", (g, f)), ("conv2d_bwd_filter", (g, x))):
         np.testing.assert_array_equal(_depthwise(avx2, arrays, op, n, c, h, w, k, stride, pad),
                                       _depthwise(lib, arrays, op, n, c, h, w, k, stride, pad))
+
+
+def _taps_in_order(x, f, stride, pad, ho, wo, scatter_into=None):
+    """A depthwise convolution tap by tap in float32 (each tap's products rounded, then added in tap order from
+    zero): the order the compiled stride-2 kernels keep. With `scatter_into` (N, C, H, W) zeros: the input gradient
+    of x as the output gradient, each tap's products added into the positions it read."""
+    n, c, k = x.shape[0], x.shape[1], f.shape[-1]
+    h, w = (scatter_into.shape[2:] if scatter_into is not None else x.shape[2:])
+    out = np.zeros((n, c, ho, wo), np.float32) if scatter_into is None else scatter_into
+    for i in range(k):
+        for j in range(k):
+            p = [p for p in range(ho) if 0 <= stride * p + i - pad < h]
+            q = [q for q in range(wo) if 0 <= stride * q + j - pad < w]
+            rows, cols = [stride * v + i - pad for v in p], [stride * v + j - pad for v in q]
+            tap = f[:, 0, i, j][None, :, None, None]
+            if scatter_into is None:
+                out[:, :, p[0]:p[-1] + 1, q[0]:q[-1] + 1] += tap * x[:, :, rows][:, :, :, cols]
+            else:
+                out[:, :, rows[0]:rows[-1] + 1:stride, cols[0]:cols[-1] + 1:stride] += \
+                    tap * x[:, :, p[0]:p[-1] + 1, q[0]:q[-1] + 1]
+    return out
+
+
+@pytest.mark.parametrize("geometry", [(2, 3, 56, 56, 3, 2, 1), (1, 2, 13, 40, 5, 2, 2), (2, 2, 9, 33, 3, 2, 0)])
+def test_stride_2_depthwise_convolutions_add_the_taps_in_order(lib, avx2_kernels, geometry):  # noqa: F811
+    """The stride-2 forward and input gradient, their rows in vectors: the same bits as the taps one by one in
+    order, with AVX-512 and AVX2 alike."""
+    n, c, h, w, k, stride, pad = geometry
+    ho, wo = contract.out_size(h, k, stride, pad), contract.out_size(w, k, stride, pad)
+    rng = np.random.default_rng(sum(geometry))
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    f = rng.standard_normal((c, 1, k, k)).astype(np.float32)
+    g = rng.standard_normal((n, c, ho, wo)).astype(np.float32)
+    forward = _taps_in_order(x, f, stride, pad, ho, wo)
+    backward = _taps_in_order(g, f, stride, pad, ho, wo, scatter_into=np.zeros((n, c, h, w), np.float32))
+    for kernels in (lib, avx2_kernels):
+        np.testing.assert_array_equal(_depthwise(kernels, (x, f), "conv2d", n, c, h, w, k, stride, pad), forward)
+        np.testing.assert_array_equal(_depthwise(kernels, (g, f), "conv2d_bwd_data", n, c, h, w, k, stride, pad),
+                                      backward)

@@ -121,7 +121,12 @@ static void deepdsl_depthwise_taps(const float* f, int h, int wd, int kh, int kw
             const float tap = f[i * kw + j];
             for (int p = p0; p < p1; ++p) {
                 const long input = (long)(i + stride * p - pad) * wd + (j - pad), output = (long)p * wo;
-                if (scatter) {
+                if (scatter && stride == 2) {
+                    float* row = to + input;
+                    const float* grad = from + output;
+#pragma omp simd
+                    for (int q = q0; q < q1; ++q) row[2L * q] += tap * grad[q];
+                } else if (scatter) {
                     float* row = to + input;
                     const float* grad = from + output;
                     for (int q = q0; q < q1; ++q) row[(long)stride * q] += tap * grad[q];
@@ -130,6 +135,11 @@ static void deepdsl_depthwise_taps(const float* f, int h, int wd, int kh, int kw
                     float* d = to + output;
 #pragma omp simd
                     for (int q = q0; q < q1; ++q) d[q] += tap * row[q];
+                } else if (stride == 2) {             // (a constant stride: even and odd lanes, vectorized)
+                    const float* row = from + input;
+                    float* d = to + output;
+#pragma omp simd
+                    for (int q = q0; q < q1; ++q) d[q] += tap * row[2L * q];
                 } else {
                     const float* row = from + input;
                     float* d = to + output;
