@@ -25,7 +25,7 @@ import threading
 import types
 from types import CodeType
 
-__all__ = ["roomy", "run_with_room", "frame_bytes", "CALLS_ROOM"]
+__all__ = ["CALLS_ROOM", "chunk_for", "frame_bytes", "roomy", "run_with_room"]
 
 CHUNK = 16 * 1024          # the smallest chunk CPython maps (DATA_STACK_CHUNK_SIZE)
 CALLS_ROOM = 16 * 1024     # what a step's calls may stack after its frame (the runtime's chains: under 20 frames)

@@ -18,9 +18,9 @@ import numpy as np
 
 from deepdsl_runtime import data as datasets
 from deepdsl_runtime import memory, parallel
-from deepdsl_runtime.frames import roomy
 from deepdsl_runtime.cpu.cores import FreeCores
 from deepdsl_runtime.cpu.linalg import Products
+from deepdsl_runtime.frames import roomy
 from deepdsl_runtime.memory import StepPlan
 from deepdsl_runtime.run import (KERNELS, RunError, add_gemm_options, add_kernel_options,  # noqa: F401
                                  add_parallel_options, add_workflow_options, run)

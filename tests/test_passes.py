@@ -296,6 +296,17 @@ def test_sums_differing_in_per_channel_factors_become_one_sum():
     assert_same_values(before, after)
 
 
+def test_a_size_1_factor_of_more_axes_than_the_sum_stays_inside_it():
+    """sum_to (2,) of x (1, 2) * (1 - tanh(b + s)^2), b (2,), s (1, 1): the factor is constant along the summed
+    axis, but s (1, 1) does not broadcast to (2,), so the factor is summed with x instead of multiplied after."""
+    x, b, s = data("x", (1, 2)), param("b", (2,)), make("state", (), name="s", shape=(1, 1), dtype=FLOAT)
+    before = graph(sum_to(make("ew", (x, b, s), expr=v0 * (1 - sympy.tanh(v1 + v2) ** 2)), (2,)))
+    after = fuse_reductions(before)
+    (summed,) = [n for n in toposort([node for _, node in after.outputs]) if n.op == "ew_sum"]
+    assert set(summed.inputs) == {x, b, s} and after.outputs[0][1].shape == (2,)
+    assert_same_values(before, after)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # code motion
 

@@ -9,8 +9,8 @@ The runtime computes an `ew_sum` in cache-sized chunks of samples (its workspace
 rule), so the memory plan holds the chunk instead of the whole tensor. Run after `fuse_elementwise`, which has
 made each such `ew` node the whole expression. Linear in the size of the graph.
 
-The factors of the expression that are constant along the summed axes (operands of the sum's own shape, scalar
-operands, and with them numbers) are multiplied in after the sum: sum(k * f) = k * sum(f). Sums that differ only in
+The factors of the expression that are constant along the summed axes (operands of the sum's own shape, size-1
+operands of no more axes than it, and with them numbers) are multiplied in after the sum: sum(k * f) = k * sum(f). Sums that differ only in
 such factors are then one sum, which `cse` merges: batch norm's backward sums the incoming gradient times the
 centred input twice, once times the scale (for the inverse deviation's gradient) and once times the inverse
 deviation (for the scale's), which then read the two activations once for both.
@@ -51,7 +51,10 @@ def _summed(producer: Node, shape: tuple[int, ...]) -> Node:
     """The sum to `shape` of the `ew` node `producer`: an `ew_sum` of its expression, the factors constant along the
     summed axes multiplied in after it (by an `ew` node of `shape`)."""
     expr, inputs = producer.attr("expr"), producer.inputs
-    constant = {sym(i) for i, x in enumerate(inputs) if x.shape == tuple(shape) or x.size == 1}
+    # constant along the summed axes and able to meet the sum at its shape: a size-1 operand of more axes than
+    # the sum (a (1, 1) state beside a (2,) sum) would not broadcast to it, so it stays inside
+    constant = {sym(i) for i, x in enumerate(inputs)
+                if x.shape == tuple(shape) or (x.size == 1 and len(x.shape) <= len(shape))}
     factors = sympy.Mul.make_args(expr)
     outside = [f for f in factors if f.free_symbols <= constant]
     if not any(f.free_symbols for f in outside) or len(outside) == len(factors):
