@@ -23,22 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from timing import load_average, print_row, processor  # benchmarks/ is on the path of a script run from it
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _program(spec: str, directory: Path) -> Path:
-    name, batch, image = (spec.split(":") + ["", ""])[:3]
-    if not (ROOT / "networks" / f"{name}.py").is_file():
-        raise SystemExit(f"runtime_vs_checkout: '{spec}': no network '{name}' in networks/")
-    program = directory / f"{name}{batch}.py"
-    command = [sys.executable, "-m", "deepdsl", "compile", str(ROOT / "networks" / f"{name}.py"), "-o", str(program)]
-    command += (["--batch", batch] if batch else []) + (["--image", image] if image else [])
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"runtime_vs_checkout: compiling {spec}: {done.stderr.strip() or done.stdout.strip()}")
-    return program
+from op_profile import _compile  # benchmarks/ is on the path of a script run from it
+from timing import load_average, print_row, processor
 
 
 def _train_ms(program: Path, threads: int, iters: int, runtime_path: str | None, directory: Path) -> float:
@@ -77,7 +63,7 @@ def main(argv=None) -> int:
         shim.mkdir()
         (shim / "deepdsl_runtime").symlink_to(other / "runtime")
         for spec in args.networks:
-            program = _program(spec, Path(tmp))
+            program = _compile(spec, Path(tmp))
             for threads in args.threads:
                 theirs, ours = [], []
                 for _ in range(args.rounds):
