@@ -1105,7 +1105,8 @@ def test_the_peer_benchmark_runs(tmp_path):
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["lenet"]]
     assert [r[3] for r in rows] == ["ours", "numpy", "eager"], done.stdout
     assert re.search(r"\(\w+, (AVX-512|AVX2|no AVX2|unknown)\), \d+ cores", done.stdout.splitlines()[0]), done.stdout
-    for spec, says in (("nonet:4", "no network 'nonet' in networks/"), ("lenet:x", "the batch 'x' is no positive number")):
+    for spec, says in (("nonet:4", "no network 'nonet' in networks/"),
+                       ("lenet:x", "the batch 'x' is no positive number")):
         bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_vs_peers.py"), spec], capture_output=True,
                              text=True, timeout=60, cwd=tmp_path)
         assert bad.returncode != 0 and bad.stdout == "" and bad.stderr.strip().splitlines() == [

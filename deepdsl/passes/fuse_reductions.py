@@ -10,10 +10,10 @@ rule), so the memory plan holds the chunk instead of the whole tensor. Run after
 made each such `ew` node the whole expression. Linear in the size of the graph.
 
 The factors of the expression that are constant along the summed axes (operands of the sum's own shape, size-1
-operands of no more axes than it, and with them numbers) are multiplied in after the sum: sum(k * f) = k * sum(f). Sums that differ only in
-such factors are then one sum, which `cse` merges: batch norm's backward sums the incoming gradient times the
-centred input twice, once times the scale (for the inverse deviation's gradient) and once times the inverse
-deviation (for the scale's), which then read the two activations once for both.
+operands of no more axes than it, and with them numbers) are multiplied in after the sum: sum(k * f) = k * sum(f).
+Sums that differ only in such factors are then one sum, which `cse` merges: batch norm's backward sums the incoming
+gradient times the centred input twice, once times the scale (for the inverse deviation's gradient) and once times
+the inverse deviation (for the scale's), which then read the two activations once for both.
 
 Guarantees: same values (up to the order of the sums' additions, which follows the chunks, and the rounding of a
 factor multiplied after the sum instead of into each term); every graph output keeps its node's shape and dtype.
