@@ -261,22 +261,26 @@ CHANNEL_BLOCK = 16          # channels a blocked copy keeps together (runtime/ke
 BLOCKED_CONV_CHANNELS = 16  # input and output channels at least, for direct convolution on blocked copies
 BLOCKED_CONV_ROW = 7        # output rows at least this long: shorter ones leave the tiles' registers idle, and
                             # their layers' filters (converted on every call) outweigh their few positions
-BLOCKED_FILTER_ROW = 14     # the filter gradient's rows at least: on rows of 7 the product of the im2col matrix
-                            # is as fast (measured with AVX-512 and AVX2: docs/performance.md)
+BLOCKED_FILTER_ROW = {16: 7, 8: 14}  # the filter gradient's rows at least, by the kernels' vector lanes: with
+                            # AVX2's 8, on rows of 7 the product of the im2col matrix is as fast (docs/performance.md)
+WIDEST_LANES = 16           # AVX-512's: the memory plan reserves what the kernels of the widest vectors take
 
 
 def blocked_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: int, groups: int = 1,
-                 op: str = "conv2d") -> bool:
+                 op: str = "conv2d", lanes: int = WIDEST_LANES) -> bool:
     """A stride-1 "same" convolution (an odd square kernel larger than 1x1, padded by half its width: a residual
     network's 3x3 layers) of many channels (at least BLOCKED_CONV_CHANNELS in and out, filling their blocks to
-    three quarters at least) with output rows at least BLOCKED_CONV_ROW long (BLOCKED_FILTER_ROW for `op`
-    "conv2d_bwd_filter"): the compiled kernels compute it (`op`: the convolution or either of its gradients) directly
-    on channel-blocked copies of its operands (runtime/kernels/cpu_blocked.c), in the op's planned workspace where it
-    holds them (`blocked_scratch`); numpy's kernels, and the compiled ones where it does not, use im2col. (The
-    kernels take any stride-1 geometry, but other padding makes the input gradient's convolution sum over padding,
-    and emptier blocks sum over zero channels.)"""
+    three quarters at least) with output rows at least BLOCKED_CONV_ROW long (BLOCKED_FILTER_ROW[lanes] for `op`
+    "conv2d_bwd_filter", `lanes` the compiled kernels' vector lanes): the compiled kernels compute it (`op`: the
+    convolution or either of its gradients) directly on channel-blocked copies of its operands
+    (runtime/kernels/cpu_blocked.c), in the op's planned workspace where it holds them (`blocked_scratch`); numpy's
+    kernels, and the compiled ones where it does not, use im2col. The memory plan asks for the widest lanes, so that
+    its workspace holds the copies on any processor; the runtime asks for its library's, so which path a layer takes
+    (and its bits) depends on the processor's vector width, never on the thread count. (The kernels take any
+    stride-1 geometry, but other padding makes the input gradient's convolution sum over padding, and emptier blocks
+    sum over zero channels.)"""
     filled = 4 * c * o >= 3 * CHANNEL_BLOCK ** 2 * channel_blocks(c) * channel_blocks(o)
-    row = BLOCKED_FILTER_ROW if op == "conv2d_bwd_filter" else BLOCKED_CONV_ROW
+    row = BLOCKED_FILTER_ROW[lanes] if op == "conv2d_bwd_filter" else BLOCKED_CONV_ROW
     return (groups == 1 and stride == 1 and kh == kw > 1 and kh % 2 == 1 and 2 * pad == kh - 1
             and wo >= row and min(c, o) >= BLOCKED_CONV_CHANNELS and filled)
 

@@ -35,6 +35,7 @@ GEOMETRIES = [  # (N, C, H, W, O, kh, kw, pad)
     (2, 32, 9, 7, 40, 3, 3, 1),       # rows of 7 (the shortest taken), blocks partly empty
     (2, 16, 5, 16, 64, 7, 7, 3),      # a 7x7 kernel taller than the input, four output blocks
     (1, 64, 14, 14, 64, 3, 3, 1),     # ResNet's 3x3 at 14x14
+    (2, 24, 6, 9, 80, 3, 3, 1),       # five output blocks: groups of three and two of them share the broadcasts
 ]
 
 
@@ -89,7 +90,7 @@ def test_blocked_convolutions_equal_the_reference(lib, recorded, geometry):  # n
     n, c, h, w, o, kh, kw, pad = geometry
     assert contract.blocked_conv(c, o, kh, kw, 1, pad, w + 2 * pad - kw + 1)
     for node in _nodes(n, c, h, w, o, kh, kw, pad, bias=True):
-        taken = contract.blocked_conv(c, o, kh, kw, 1, pad, w + 2 * pad - kw + 1, op=node.op)
+        taken = contract.blocked_conv(c, o, kh, kw, 1, pad, w + 2 * pad - kw + 1, op=node.op, lanes=lib.lanes)
         arrays = _arrays(node, sum(geometry))
         want = get_op(node.op).evaluate(EvalContext(np.float64), *[a.astype(np.float64) for a in arrays],
                                         **node.kwargs)
@@ -103,11 +104,14 @@ def test_blocked_convolutions_equal_the_reference(lib, recorded, geometry):  # n
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * scale * np.sqrt(c * kh * kw))
 
 
-def test_the_bits_do_not_depend_on_threads_or_chunks(lib, recorded):  # noqa: F811
+@pytest.mark.parametrize("geometry", [(5, 32, 9, 15, 48), (3, 24, 7, 7, 80)], ids=["rows of 15", "five blocks"])
+def test_the_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometry):  # noqa: F811
+    """Threads take shares of the work weighted by the output blocks of each group (five blocks: groups of three
+    and two), never parts of a sum."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     before = lib.threads
-    for node in _nodes(5, 32, 9, 15, 48, 3, 3, 1, bias=True):
+    for node in _nodes(*geometry, 3, 3, 1, bias=True):
         arrays = _arrays(node, 7)
         results = []
         try:
@@ -186,8 +190,9 @@ def test_the_rule_takes_stride_one_layers_of_many_channels():
     assert not contract.blocked_conv(64, 8, 3, 3, 1, 1, 56)                   # few output channels
     assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 4)                   # short rows
     assert contract.blocked_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_data")
-    assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_filter")     # (im2col as fast)
-    assert contract.blocked_conv(64, 64, 3, 3, 1, 1, contract.BLOCKED_FILTER_ROW, op="conv2d_bwd_filter")
+    assert contract.blocked_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_filter")               # AVX-512's lanes
+    assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_filter", lanes=8)  # (im2col as fast)
+    assert contract.blocked_conv(64, 64, 3, 3, 1, 1, 14, op="conv2d_bwd_filter", lanes=8)
     assert not contract.blocked_conv(64, 64, 3, 3, 1, 0, 54)                  # not "same" padding
     assert not contract.blocked_conv(64, 64, 3, 1, 1, 1, 56)                  # not square
     assert not contract.blocked_conv(20, 50, 5, 5, 1, 2, 8)                   # blocks half empty (LeNet's conv2)
@@ -201,7 +206,7 @@ def test_built_for_avx2_alone_the_bits_are_the_same(lib, avx2_kernels):  # noqa:
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     avx2 = avx2_kernels
-    assert avx2.blocked
+    assert avx2.blocked and avx2.lanes == 8 and lib.lanes in (8, 16)
     for node in _nodes(3, 48, 8, 15, 28, 3, 3, 1, bias=True):
         arrays = _arrays(node, 5)
         np.testing.assert_array_equal(_run(avx2, node, arrays), _run(lib, node, arrays))
@@ -209,7 +214,7 @@ def test_built_for_avx2_alone_the_bits_are_the_same(lib, avx2_kernels):  # noqa:
 
 def test_without_avx2_the_convolutions_keep_im2col(plain_kernels):  # noqa: F811
     plain = plain_kernels
-    assert not plain.blocked
+    assert not plain.blocked and plain.lanes == 0
     for node in _nodes(2, 16, 9, 9, 16, 3, 3, 1, bias=False):
         arrays = _arrays(node, 1)
         np.testing.assert_allclose(_run(plain, node, arrays), _run(None, node, arrays), rtol=1e-5, atol=1e-5)

@@ -25,7 +25,7 @@ def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native,
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     ho, wo = g.shape[2:]
-    if w.shape[1] != c or not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, op=op) or \
+    if w.shape[1] != c or not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, op=op, lanes=native.lanes) or \
             not _contiguous32(a, b, out, *([] if bias is None else [bias])):
         return False
     per_sample, once = contract.blocked_scratch(op, x.shape, w.shape, pad)

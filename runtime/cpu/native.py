@@ -319,7 +319,8 @@ class Native:
         # (nor direct convolutions on channel-blocked copies; nor has a library built for a processor without AVX2
         # and fused multiply-adds)
         blocked = getattr(lib, "deepdsl_blocked_kernels", None)
-        self.blocked = blocked is not None and bool(blocked())
+        self.lanes = 0 if blocked is None else blocked()     # their vectors' lanes: 16 (AVX-512), 8 (AVX2), 0
+        self.blocked = self.lanes > 0
         if self.blocked:
             lib.deepdsl_blocked_input.argtypes = [_P] + [_I] * 6 + [_P]
             lib.deepdsl_blocked_filters.argtypes = [_P] + [_I] * 5 + [_P]
