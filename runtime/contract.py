@@ -29,8 +29,9 @@ __all__ = [
     "ALIGNMENT", "COUNTER_KEY_STEP", "FLOAT_BYTES", "avg_pool_bwd_scratch", "avg_pool_divisor", "avg_pool_scratch",
     "bernoulli_mask", "bernoulli_scratch", "bool_floats", "conv2d_bwd_data_scratch", "conv2d_bwd_filter_scratch",
     "conv2d_scratch",
-    "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW",
-    "BLOCKED_CONV_ROW", "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
+    "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "FILTER_BY_SAMPLES_PLANE", "filter_by_samples",
+    "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW", "WIDE_FILTER_ROW", "WIDEST_LANES", "BLOCKED_CONV_ROW",
+    "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
@@ -257,12 +258,25 @@ def pointwise_filter(c: int, o: int, hw: int, kh: int, kw: int, stride: int, pad
         c <= POINTWISE_FILTER_CHANNELS or (o <= POINTWISE_FILTER_CHANNELS and hw >= WIDE_PLANE))
 
 
+FILTER_BY_SAMPLES_PLANE = 196   # output planes (Ho*Wo) at least this large: pointwise filter gradients by samples
+
+
+def filter_by_samples(kh: int, kw: int, stride: int, pad: int, hw: int, groups: int = 1) -> bool:
+    """A pointwise convolution's filter gradient on planes of at least FILTER_BY_SAMPLES_PLANE positions (ResNet's
+    1x1 layers at 14x14 and larger): the compiled kernels sum one product per sample straight from the output
+    gradient and the input (`Native.gemm_sum`), without the transposed copies of both that make them one product
+    (1.2-1.4x faster on ResNet-50's layers at 14x14 and 28x28; slower on smaller planes, whose products are too
+    shallow). Either way in the op's planned workspace, which the sums leave unused."""
+    return pointwise_conv(kh, kw, stride, pad) and groups == 1 and hw >= FILTER_BY_SAMPLES_PLANE
+
+
 CHANNEL_BLOCK = 16          # channels a blocked copy keeps together (runtime/kernels/cpu_blocked.c: DEEPDSL_BLOCK)
 BLOCKED_CONV_CHANNELS = 16  # input and output channels at least, for direct convolution on blocked copies
 BLOCKED_CONV_ROW = 7        # output rows at least this long: shorter ones leave the tiles' registers idle, and
                             # their layers' filters (converted on every call) outweigh their few positions
-BLOCKED_FILTER_ROW = {16: 7, 8: 14}  # the filter gradient's rows at least, by the kernels' vector lanes: with
-                            # AVX2's 8, on rows of 7 the product of the im2col matrix is as fast (docs/performance.md)
+BLOCKED_FILTER_ROW = 14     # the filter gradient's rows at least: on rows of 7 the product of the im2col matrix
+                            # is as fast with AVX2's vectors of 8 floats,
+WIDE_FILTER_ROW = 7         # slower than the blocked sums with AVX-512's of 16 (docs/performance.md)
 WIDEST_LANES = 16           # AVX-512's: the memory plan reserves what the kernels of the widest vectors take
 
 
@@ -270,17 +284,19 @@ def blocked_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: in
                  op: str = "conv2d", lanes: int = WIDEST_LANES) -> bool:
     """A stride-1 "same" convolution (an odd square kernel larger than 1x1, padded by half its width: a residual
     network's 3x3 layers) of many channels (at least BLOCKED_CONV_CHANNELS in and out, filling their blocks to
-    three quarters at least) with output rows at least BLOCKED_CONV_ROW long (BLOCKED_FILTER_ROW[lanes] for `op`
-    "conv2d_bwd_filter", `lanes` the compiled kernels' vector lanes): the compiled kernels compute it (`op`: the
-    convolution or either of its gradients) directly on channel-blocked copies of its operands
-    (runtime/kernels/cpu_blocked.c), in the op's planned workspace where it holds them (`blocked_scratch`); numpy's
-    kernels, and the compiled ones where it does not, use im2col. The memory plan asks for the widest lanes, so that
+    three quarters at least) with output rows at least BLOCKED_CONV_ROW long (for `op` "conv2d_bwd_filter",
+    WIDE_FILTER_ROW where `lanes`, the compiled kernels' vector lanes, are 16, else BLOCKED_FILTER_ROW): the
+    compiled kernels compute it (`op`: the convolution or either of its gradients) directly on channel-blocked
+    copies of its operands (runtime/kernels/cpu_blocked.c), in the op's planned workspace where it holds them
+    (`blocked_scratch`); numpy's kernels, and the compiled ones where it does not, use im2col. The memory plan asks
+    for the widest lanes, so that
     its workspace holds the copies on any processor; the runtime asks for its library's, so which path a layer takes
     (and its bits) depends on the processor's vector width, never on the thread count. (The kernels take any
     stride-1 geometry, but other padding makes the input gradient's convolution sum over padding, and emptier blocks
     sum over zero channels.)"""
     filled = 4 * c * o >= 3 * CHANNEL_BLOCK ** 2 * channel_blocks(c) * channel_blocks(o)
-    row = BLOCKED_FILTER_ROW[lanes] if op == "conv2d_bwd_filter" else BLOCKED_CONV_ROW
+    row = BLOCKED_CONV_ROW if op != "conv2d_bwd_filter" else \
+        WIDE_FILTER_ROW if lanes >= WIDEST_LANES else BLOCKED_FILTER_ROW
     return (groups == 1 and stride == 1 and kh == kw > 1 and kh % 2 == 1 and 2 * pad == kh - 1
             and wo >= row and min(c, o) >= BLOCKED_CONV_CHANNELS and filled)
 

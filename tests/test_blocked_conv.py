@@ -192,7 +192,7 @@ def test_the_rule_takes_stride_one_layers_of_many_channels():
     assert contract.blocked_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_data")
     assert contract.blocked_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_filter")               # AVX-512's lanes
     assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_filter", lanes=8)  # (im2col as fast)
-    assert contract.blocked_conv(64, 64, 3, 3, 1, 1, 14, op="conv2d_bwd_filter", lanes=8)
+    assert contract.blocked_conv(64, 64, 3, 3, 1, 1, contract.BLOCKED_FILTER_ROW, op="conv2d_bwd_filter", lanes=8)
     assert not contract.blocked_conv(64, 64, 3, 3, 1, 0, 54)                  # not "same" padding
     assert not contract.blocked_conv(64, 64, 3, 1, 1, 1, 56)                  # not square
     assert not contract.blocked_conv(20, 50, 5, 5, 1, 2, 8)                   # blocks half empty (LeNet's conv2)

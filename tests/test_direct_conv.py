@@ -216,6 +216,40 @@ def test_pointwise_filter_gradients_built_for_avx2_give_the_same_bits(lib, avx2_
     np.testing.assert_array_equal(_pointwise(avx2, g, x), _pointwise(lib, g, x))
 
 
+
+BY_SAMPLES = [(3, 64, 48, 14, 14), (2, 40, 72, 15, 17)]     # (N, O, C, H, W): planes of 196 and 255 positions
+
+
+@pytest.mark.parametrize("shape", BY_SAMPLES, ids=[str(s) for s in BY_SAMPLES])
+def test_pointwise_filter_gradients_by_samples_equal_the_reference(lib, shape, monkeypatch):  # noqa: F811
+    """Pointwise filter gradients of ordinary channel counts on planes of FILTER_BY_SAMPLES_PLANE positions or
+    more: one product per sample summed in order (`Native.gemm_sum`), the reference to float32 rounding, the same
+    bits on 1, 2 and 3 threads; on a smaller plane, not taken."""
+    n, o, c, h, w = shape
+    assert contract.filter_by_samples(1, 1, 1, 0, h * w) and not contract.pointwise_filter(c, o, h * w, 1, 1, 1, 0)
+    rng = np.random.default_rng(sum(shape))
+    g = rng.standard_normal((n, o, h, w)).astype(np.float32)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    ran, summed = [], lib.gemm_sum
+    monkeypatch.setattr(lib, "gemm_sum", lambda *a: ran.append(1) or summed(*a))
+    got = _pointwise(lib, g, x)
+    assert ran and not np.isnan(got).any()
+    want = np.einsum("nop,ncp->oc", g.reshape(n, o, -1).astype(np.float64), x.reshape(n, c, -1).astype(np.float64))
+    np.testing.assert_allclose(got[:, :, 0, 0], want, rtol=1e-5, atol=1e-6 * np.sqrt(n * h * w))
+    results = []
+    before = lib.threads
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            results.append(_pointwise(lib, g, x))
+    finally:
+        lib.set_threads(before)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+    ran.clear()
+    small = _pointwise(lib, g[:, :, :7, :7].copy(), x[:, :, :7, :7].copy())
+    assert not ran and not np.isnan(small).any()
+
 def test_the_rule_takes_thin_pointwise_filter_gradients():
     assert contract.pointwise_filter(16, 96, 112 * 112, 1, 1, 1, 0)           # few inputs
     assert contract.pointwise_filter(144, 24, 56 * 56, 1, 1, 1, 0)            # few outputs on a wide plane
@@ -224,6 +258,10 @@ def test_the_rule_takes_thin_pointwise_filter_gradients():
     assert not contract.pointwise_filter(16, 96, 56 * 56, 1, 1, 2, 0)         # strided
     assert not contract.pointwise_filter(16, 96, 56 * 56, 3, 3, 1, 1)         # not pointwise
     assert not contract.pointwise_filter(16, 96, 56 * 56, 1, 1, 1, 0, groups=2)
+    assert contract.filter_by_samples(1, 1, 1, 0, 14 * 14)                     # ResNet's 1x1 layers at 14x14
+    assert not contract.filter_by_samples(1, 1, 1, 0, 7 * 7)                  # too shallow products
+    assert not contract.filter_by_samples(1, 1, 2, 0, 28 * 28)                # strided
+    assert not contract.filter_by_samples(3, 3, 1, 1, 28 * 28)                # not pointwise
 
 
 # ---------------------------------------------------------------------------------------------------------------

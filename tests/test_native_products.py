@@ -295,6 +295,32 @@ def test_a_product_cut_in_depth_gives_the_same_bits_on_any_threads(lib, m, n, k,
     np.testing.assert_array_equal(small, whole)
 
 
+SUM_CASES = [  # (batch, m, n, k, b read transposed): pointwise filter gradients by samples, a stack of one, odd sizes
+    (8, 256, 64, 196, True), (5, 64, 130, 200, True), (3, 40, 33, 250, False), (1, 128, 96, 300, True)]
+
+
+@needs_cc
+@pytest.mark.parametrize("batch, m, n, k, tb", SUM_CASES)
+def test_a_sum_of_products_gives_the_same_bits_on_any_threads(lib, batch, m, n, k, tb):
+    """`Native.gemm_sum`: the sum over a stack of products, each part of the output's cut summing them in order;
+    the same bits on 1, 2, 3 and 5 threads into NaN-filled outputs, numpy's float64 sum to float32 rounding."""
+    rng = np.random.default_rng(batch * m + n * k)
+    a = _rand(rng, batch, m, k)
+    b = _transposed(rng, batch, k, n) if tb else _rand(rng, batch, k, n)
+    results = []
+    for threads in (1, 2, 3, 5):
+        lib.set_threads(threads)
+        out = np.full((m, n), np.nan, np.float32)
+        assert lib.gemm_sum(a, b, out)
+        results.append(out)
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    want = np.einsum("bmk,bkn->mn", a.astype(np.float64), b.astype(np.float64))
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=np.sqrt(batch * k) * 1e-6 * np.abs(want).max())
+    assert not lib.gemm_sum(a, b[:, :, :n - 1], np.zeros((m, n), np.float32)), "a shape that does not match"
+    assert not lib.gemm_sum(a[:, :, ::2], b[:, ::2], np.zeros((m, n), np.float32)), "a view the sgemm cannot read"
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("m, n, k", [(64, 64, 1024), (64, 64, 1023), (64, 64, 300), (4096, 64, 2048), (8, 8, 64),
                                      (30, 50, 2000), (200, 200, 4096), (1, 1, 1 << 22)])

@@ -442,14 +442,19 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
     padding the zero-padded input; plus an accumulator of the weights' size when the batch runs in several chunks.
     With `groups` the product is stacked: group k's output gradient (O/groups, samples*Ho*Wo) by group k's rows of
     the im2col matrix, transposed. With `native`, a thin pointwise convolution's (`contract.pointwise_filter`) runs
-    straight from its operands and another thin one's (`contract.direct_conv`) straight from the input, both
-    without workspace, and a blocked one's (`_blocked`) on channel-blocked copies."""
+    straight from its operands, another pointwise one's on large planes (`contract.filter_by_samples`) as a sum of
+    products by samples, and another thin one's (`contract.direct_conv`) straight from the input, all without
+    workspace, and a blocked one's (`_blocked`) on channel-blocked copies."""
     n, o, ho, wo = g.shape
     c, h, wd = x.shape[1:]
     kh, kw = kernel
     ckk = c * kh * kw
     if native is not None and contract.pointwise_filter(c, o, ho * wo, kh, kw, stride, pad, groups) and \
             native.pointwise_filter(g, x, out):
+        return
+    if native is not None and contract.filter_by_samples(kh, kw, stride, pad, ho * wo, groups) and \
+            _contiguous32(g, x, out) and \
+            native.gemm_sum(g.reshape(n, o, ho * wo), x.reshape(n, c, h * wd).transpose(0, 2, 1), out.reshape(o, c)):
         return
     if native is not None and native.direct("conv2d_bwd_filter", g, x, None, out, stride, pad):
         return

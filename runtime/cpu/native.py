@@ -278,6 +278,10 @@ class Native:
         # (a library built for a processor without AVX2 and fused multiply-adds has no tiles)
         self.tiles = self._small_gemm is not None and bool(lib.deepdsl_small_gemm_kernels())
         # (nor products cut along their inner dimension)
+        self._gemm_sum = getattr(lib, "deepdsl_gemm_sum", None)
+        if self._gemm_sum is not None:
+            self._gemm_sum.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _I, _L, _L]
+            self._gemm_sum.restype = _I
         self._gemm_depth = getattr(lib, "deepdsl_gemm_depth", None)
         if self._gemm_depth is not None:
             self._gemm_depth.argtypes = [_I, _I, _L, _L, _L, _P, _L, _P, _L, _P, _L, _L, _L, _P]
@@ -416,6 +420,23 @@ class Native:
         if self._small(m, n, k, ta, tb):
             return (self._small_gemm, head, *operands, ())
         return (self.lib.deepdsl_gemm, head, *operands, tuple(contract.product_cuts(batch, m, n, k)))
+
+    def gemm_sum(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+        """out = the sum over i of a[i] @ b[i] (stacks of matrices one stride apart), in order, without workspace
+        (`deepdsl_gemm_sum`): the output cut into the parts `contract.product_cuts` gives one product of the whole
+        depth, each part summed by the BLAS's sgemm product after product. False where the library cannot address
+        the operands."""
+        if self._gemm_sum is None or a.ndim != 3 or b.ndim != 3 or out.ndim != 2 or a.shape[0] != b.shape[0]:
+            return False
+        layout = self._layout(a[0], b[0], out)
+        sa, sb = _stack(a, a.shape[:1]), _stack(b, b.shape[:1])
+        if layout is None or sa is None or sb is None or 0 in (*a.shape, *b.shape):
+            return False
+        m, n, k, ta, tb, to = layout
+        batch = a.shape[0]
+        by_columns, parts, width = contract.product_cuts(1, m, n, k * batch)
+        return bool(self._gemm_sum(batch, ta[0], tb[0], m, n, k, _address(a), ta[1], sa, _address(b), tb[1], sb,
+                                   _address(out), to[1], int(by_columns), parts, width))
 
     def gemm_in_depth(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, workspace: np.ndarray) -> bool:
         """out = a @ b of two matrices in the parts of their inner dimension `contract.product_depth_cut` fixes by

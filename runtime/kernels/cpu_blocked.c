@@ -28,7 +28,7 @@
 
 #define DEEPDSL_BLOCK 16                /* channels of a block (contract.CHANNEL_BLOCK) */
 #if defined(__AVX512F__)
-#define DEEPDSL_LANES 16                /* floats of a vector (contract.BLOCKED_FILTER_ROW) */
+#define DEEPDSL_LANES 16                /* floats of a vector (contract.WIDE_FILTER_ROW) */
 #define DEEPDSL_TILE 14                 /* output positions of a tile at most */
 #define DEEPDSL_TILE_SUMS 28            /* its sums of 16 channels, in 28 of the 32 vector registers */
 #elif defined(__AVX2__) && defined(__FMA__)

@@ -26,17 +26,23 @@ void deepdsl_set_sgemm(void* sgemm, int ilp64) {
 enum { DEEPDSL_ROW_MAJOR = 101, DEEPDSL_NO_TRANS = 111, DEEPDSL_TRANS = 112 };
 #define DEEPDSL_GEMM_PARALLEL_MIN 1e6   /* multiply-adds below which a product runs on one thread */
 
-// c (m x n, rows ldc apart) = a (m x k) b (k x n), each operand read transposed where ta / tb (then its rows are
-// columns ld apart)
-static void deepdsl_sgemm(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b,
-                          long ldb, float* c, long ldc) {
+// c (m x n, rows ldc apart) = a (m x k) b (k x n) (+ c where `add`), each operand read transposed where ta / tb
+// (then its rows are columns ld apart)
+static void deepdsl_sgemm_into(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b,
+                               long ldb, float* c, long ldc, int add) {
     const int oa = ta ? DEEPDSL_TRANS : DEEPDSL_NO_TRANS, ob = tb ? DEEPDSL_TRANS : DEEPDSL_NO_TRANS;
+    const float beta = add ? 1.0f : 0.0f;
     if (deepdsl_sgemm_ilp64)
-        ((deepdsl_sgemm64)deepdsl_sgemm_function)(DEEPDSL_ROW_MAJOR, oa, ob, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c,
+        ((deepdsl_sgemm64)deepdsl_sgemm_function)(DEEPDSL_ROW_MAJOR, oa, ob, m, n, k, 1.0f, a, lda, b, ldb, beta, c,
                                                   ldc);
     else
         ((deepdsl_sgemm32)deepdsl_sgemm_function)(DEEPDSL_ROW_MAJOR, oa, ob, (int)m, (int)n, (int)k, 1.0f, a,
-                                                  (int)lda, b, (int)ldb, 0.0f, c, (int)ldc);
+                                                  (int)lda, b, (int)ldb, beta, c, (int)ldc);
+}
+
+static void deepdsl_sgemm(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b,
+                          long ldb, float* c, long ldc) {
+    deepdsl_sgemm_into(ta, tb, m, n, k, a, lda, b, ldb, c, ldc, 0);
 }
 
 // c[i] = a[i] b[i] for i < batch (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand), each product cut
@@ -63,6 +69,36 @@ int deepdsl_gemm(long batch, int ta, int tb, long m, long n, long k, const float
             else
                 deepdsl_sgemm(ta, tb, size, n, k, ai + (ta ? first : first * lda), lda, bi, ldb, ci + first * ldc,
                               ldc);
+        }
+    }
+    return 1;
+}
+
+// c (m x n) = the sum over i < batch of a[i] b[i] (a[i] at a + i * sa, ...), cut along the columns of c
+// (`by_columns`), else its rows, into `parts` parts of `width`: for each part, the first product into c, each next
+// one added to it by the sgemm in order. A filter gradient of a pointwise convolution straight from its operands,
+// sample by sample (a sum over samples whose (channels, positions) planes are not one matrix). The threads take
+// whole parts; 0 without an sgemm.
+int deepdsl_gemm_sum(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda, long sa,
+                     const float* b, long ldb, long sb, float* c, long ldc, int by_columns, long parts, long width) {
+    if (!deepdsl_sgemm_function) return 0;
+    const long side = by_columns ? n : m;
+#pragma omp parallel if (parts > 1 && (double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(parts, 1, &begin, &end);
+        for (long part = begin; part < end; ++part) {
+            const long first = part * width, size = side - first < width ? side - first : width;
+            for (long i = 0; i < batch && size > 0; ++i) {
+                const float* ai = a + i * sa;
+                const float* bi = b + i * sb;
+                if (by_columns)
+                    deepdsl_sgemm_into(ta, tb, m, size, k, ai, lda, bi + (tb ? first * ldb : first), ldb, c + first,
+                                       ldc, i > 0);
+                else
+                    deepdsl_sgemm_into(ta, tb, size, n, k, ai + (ta ? first : first * lda), lda, bi, ldb,
+                                       c + first * ldc, ldc, i > 0);
+            }
         }
     }
     return 1;
