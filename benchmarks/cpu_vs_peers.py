@@ -16,8 +16,10 @@ synthetic batches with the same thread count (OMP/OPENBLAS/MKL_NUM_THREADS and t
 - eager: the PyTorch twin the tests check our programs against (tests/support/torch_nets.py), `torch.optim.SGD`
   with the same momentum and weight decay; compile: its loss under `torch.compile` (default mode);
   max-autotune: `torch.compile(mode="max-autotune-no-cudagraphs")`;
-- jax: LeNet in jax.numpy under `jax.jit` (the step: loss, gradients and the SGD update in one jitted function),
-  where jax is installed; other networks have no JAX version here.
+- jax: the JAX twin of the PyTorch twin (benchmarks/jax_twins.py: the twin's loss exported with torch.export and
+  each core ATen op computed with jax.numpy), the step (loss, gradients, the same SGD update, batch norm's running
+  statistics) one function under `jax.jit`, where jax is installed (`pip install ".[peers]"`); its process runs
+  on the first THREADS processors (XLA sizes its pool by them; one thread: XLA's single-threaded Eigen).
 
 A side's figure for a round is the median of its `--steps` timed steps after `--warmup` untimed ones; the table
 gives the median over rounds, its ratio to ours (above 1: slower than ours), the peak RSS (ru_maxrss) and its
@@ -101,14 +103,10 @@ def worker_ours(program: str, kernels: str, threads: int, warmup: int, steps: in
 def worker_torch(network: str, shape, classes: int, mode: str, threads: int, warmup: int, steps: int,
                  tokens: bool = False, label_shape=()) -> dict:
     import torch
-    sys.path.insert(0, str(ROOT))
-    from tests.support import torch_nets
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    twin_cls = getattr(torch_nets, TWINS[network])
-    twin = twin_cls() if network == "lenet" else twin_cls(image=tuple(shape[2:]), classes=classes)
-    twin.train()
+    twin = _twin(network, shape, classes)
     optimizer = torch.optim.SGD(twin.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
     loss_fn = twin.loss if mode == "eager" else torch.compile(
         twin.loss, mode=None if mode == "compile" else "max-autotune-no-cudagraphs")
@@ -126,46 +124,66 @@ def worker_torch(network: str, shape, classes: int, mode: str, threads: int, war
     return {**_measure(step, warmup, steps), "torch": torch.__version__}
 
 
-def worker_jax(shape, classes: int, warmup: int, steps: int) -> dict:
-    """LeNet (conv 20 5x5, max-pool 2, conv 50 5x5, max-pool 2, fc 500, ReLU, fc 10, cross entropy) in jax.numpy,
-    SGD with momentum and weight decay, the whole step jitted."""
+def _twin(network: str, shape, classes: int):
+    """The network's PyTorch twin (tests/support/torch_nets.py), in training mode."""
+    sys.path.insert(0, str(ROOT))
+    from tests.support import torch_nets
+
+    twin_cls = getattr(torch_nets, TWINS[network])
+    twin = twin_cls() if network == "lenet" else twin_cls(image=tuple(shape[2:]), classes=classes)
+    twin.train()
+    return twin
+
+
+def worker_jax_export(network: str, shape, classes: int, tokens: bool, label_shape, out: str) -> dict:
+    """The network's twin described for its JAX twin (`jax_twins.describe`), pickled to `out`: in a process of its
+    own, so that the JAX side's process never loads PyTorch (its peak RSS is JAX's own)."""
+    import pickle
+
+    import torch
+    from jax_twins import describe
+
+    torch.manual_seed(0)
+    x, y = (torch.from_numpy(a).long() if a.dtype.kind == "i" else torch.from_numpy(a)
+            for a in _data(shape, classes, tokens, label_shape)[0])
+    with open(out, "wb") as f:
+        pickle.dump(describe(_twin(network, shape, classes), x, y), f)
+    return {}
+
+
+def worker_jax(network: str, shape, classes: int, threads: int, warmup: int, steps: int, tokens: bool = False,
+               label_shape=()) -> dict:
+    """The network's JAX twin (benchmarks/jax_twins.py: the PyTorch twin exported and computed with jax.numpy), its
+    step (loss, gradients, PyTorch's SGD update and batch norm's running statistics) one jitted function, on the
+    first `threads` processors (XLA sizes its thread pool by the processors it may run on)."""
+    import pickle
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "twin.pickle")
+        job = {"side": "jax-export", "threads": threads, "network": network, "shape": shape, "classes": classes,
+               "tokens": tokens, "label_shape": label_shape, "out": out}
+        done = _spawn(["--worker", json.dumps(job)], threads)
+        if "error" in done:
+            raise SystemExit(f"exporting the twin: {done['error']}")
+        with open(out, "rb") as f:
+            description = pickle.load(f)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+    if threads == 1:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
     import jax
-    import jax.numpy as jnp
+    from jax_twins import batches, from_description
 
-    def init(key):
-        shapes = {"c1": (20, shape[1], 5, 5), "c2": (50, 20, 5, 5), "f1": (500, 800), "f2": (classes, 500)}
-        params = {}
-        for name, s in shapes.items():
-            key, sub = jax.random.split(key)
-            params[name + "_W"] = jax.random.uniform(sub, s, minval=-0.1, maxval=0.1)
-            params[name + "_B"] = jnp.zeros(s[0])
-        return params
-
-    def pool(x):
-        return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
-
-    def loss(p, x, y):
-        conv = lambda a, w, b: jax.lax.conv(a, w, (1, 1), "VALID") + b[None, :, None, None]   # noqa: E731
-        h = pool(conv(x, p["c1_W"], p["c1_B"]))
-        h = pool(conv(h, p["c2_W"], p["c2_B"])).reshape(x.shape[0], -1)
-        h = jax.nn.relu(h @ p["f1_W"].T + p["f1_B"])
-        logits = h @ p["f2_W"].T + p["f2_B"]
-        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(x.shape[0]), y])
-
-    @jax.jit
-    def train(p, v, x, y):
-        grads = jax.grad(loss)(p, x, y)
-        v = {k: MOMENTUM * v[k] + grads[k] + DECAY * p[k] for k in p}
-        return {k: p[k] - LR * v[k] for k in p}, v
-
-    params = init(jax.random.PRNGKey(0))
-    state = [params, {k: jnp.zeros_like(a) for k, a in params.items()}]
-    data = [(jnp.asarray(x), jnp.asarray(y)) for x, y in _data(shape, classes)]
+    twin = from_description(description)
+    train = twin.sgd_step(LR, MOMENTUM, DECAY)
+    state = [twin.params, {k: jax.numpy.zeros_like(a) for k, a in twin.params.items()}, twin.buffers]
+    jax_data = [batches(x, y) for x, y in _data(shape, classes, tokens, label_shape)]
+    key = jax.random.PRNGKey(0)
 
     def step(i):
-        x, y = data[i % BATCHES]
-        state[0], state[1] = train(state[0], state[1], x, y)
-        jax.block_until_ready(state[0])
+        x, y = jax_data[i % BATCHES]
+        state[0], state[1], state[2], loss = train(*state, x, y, jax.random.fold_in(key, i))
+        jax.block_until_ready(loss)
 
     return {**_measure(step, warmup, steps), "jax": jax.__version__}
 
@@ -232,8 +250,12 @@ def main(argv=None) -> int:
         if side in ("ours", "numpy"):
             result = worker_ours(job["program"], "compiled" if side == "ours" else "numpy", threads, args.warmup,
                                  args.steps)
+        elif side == "jax-export":
+            result = worker_jax_export(job["network"], job["shape"], job["classes"], job["tokens"],
+                                       job["label_shape"], job["out"])
         elif side == "jax":
-            result = worker_jax(job["shape"], job["classes"], args.warmup, args.steps)
+            result = worker_jax(job["network"], job["shape"], job["classes"], threads, args.warmup, args.steps,
+                                job.get("tokens", False), job.get("label_shape", ()))
         else:
             result = worker_torch(job["network"], job["shape"], job["classes"], side, threads, args.warmup,
                                   args.steps, job.get("tokens", False), job.get("label_shape", ()))
@@ -251,7 +273,7 @@ def main(argv=None) -> int:
         for name, batch, image in specs:
             program, compile_s, info = _compile(name, batch, image, Path(tmp))
             batch = str(info["shape"][0])
-            sides = [s for s in args.sides if s != "jax" or name == "lenet"]
+            sides = [s for s in args.sides if s not in ("eager", "compile", "max-autotune", "jax") or name in TWINS]
             for threads in args.threads:
                 runs: dict[str, list[dict]] = {s: [] for s in sides}
                 for _ in range(args.rounds):
