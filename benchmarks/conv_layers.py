@@ -121,8 +121,9 @@ def sides(node, size, kernels, threads):
 
     x_shape, w_shape, stride, pad = geometry(node)
     calls = {"im2col": ours(False)}
-    if contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad,
-                             (node.inputs[0] if node.op != "conv2d" else node).shape[3], op=node.op):
+    wo = (node.inputs[0] if node.op != "conv2d" else node).shape[3]
+    if contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo, op=node.op,
+                             lanes=kernels.lanes):
         calls["blocked"] = ours(True)
     try:
         import torch
