@@ -182,15 +182,15 @@ def _pointwise(kernels, g, x):
     return out
 
 
-@pytest.mark.parametrize("shape", POINTWISE, ids=[str(s) for s in POINTWISE])
-def test_pointwise_filter_gradients_equal_the_reference(lib, shape, monkeypatch):  # noqa: F811
+def _against_the_reference(lib, shape, monkeypatch, method):
+    """A pointwise filter gradient of `shape` (N, O, C, H, W) through the compiled kernels: `lib.<method>` computes
+    it, the reference to float32 rounding, the same bits on 1, 2 and 3 threads. (g, x, the record of its calls)."""
     n, o, c, h, w = shape
-    assert contract.pointwise_filter(c, o, h * w, 1, 1, 1, 0)
     rng = np.random.default_rng(sum(shape))
     g = rng.standard_normal((n, o, h, w)).astype(np.float32)
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
-    ran, direct = [], lib.pointwise_filter
-    monkeypatch.setattr(lib, "pointwise_filter", lambda *a: ran.append(1) or direct(*a))
+    ran, call = [], getattr(lib, method)
+    monkeypatch.setattr(lib, method, lambda *a: ran.append(1) or call(*a))
     got = _pointwise(lib, g, x)
     assert ran and not np.isnan(got).any()
     want = np.einsum("nop,ncp->oc", g.reshape(n, o, -1).astype(np.float64), x.reshape(n, c, -1).astype(np.float64))
@@ -205,6 +205,14 @@ def test_pointwise_filter_gradients_equal_the_reference(lib, shape, monkeypatch)
         lib.set_threads(before)
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
+    return g, x, ran
+
+
+@pytest.mark.parametrize("shape", POINTWISE, ids=[str(s) for s in POINTWISE])
+def test_pointwise_filter_gradients_equal_the_reference(lib, shape, monkeypatch):  # noqa: F811
+    n, o, c, h, w = shape
+    assert contract.pointwise_filter(c, o, h * w, 1, 1, 1, 0)
+    _against_the_reference(lib, shape, monkeypatch, "pointwise_filter")
 
 
 def test_pointwise_filter_gradients_built_for_avx2_give_the_same_bits(lib, avx2_kernels):  # noqa: F811
@@ -214,7 +222,6 @@ def test_pointwise_filter_gradients_built_for_avx2_give_the_same_bits(lib, avx2_
     g = rng.standard_normal((2, 37, 9, 23)).astype(np.float32)
     x = rng.standard_normal((2, 19, 9, 23)).astype(np.float32)
     np.testing.assert_array_equal(_pointwise(avx2, g, x), _pointwise(lib, g, x))
-
 
 
 BY_SAMPLES = [(3, 64, 48, 14, 14), (2, 40, 72, 15, 17)]     # (N, O, C, H, W): planes of 196 and 255 positions
@@ -227,28 +234,11 @@ def test_pointwise_filter_gradients_by_samples_equal_the_reference(lib, shape, m
     bits on 1, 2 and 3 threads; on a smaller plane, not taken."""
     n, o, c, h, w = shape
     assert contract.filter_by_samples(1, 1, 1, 0, h * w) and not contract.pointwise_filter(c, o, h * w, 1, 1, 1, 0)
-    rng = np.random.default_rng(sum(shape))
-    g = rng.standard_normal((n, o, h, w)).astype(np.float32)
-    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
-    ran, summed = [], lib.gemm_sum
-    monkeypatch.setattr(lib, "gemm_sum", lambda *a: ran.append(1) or summed(*a))
-    got = _pointwise(lib, g, x)
-    assert ran and not np.isnan(got).any()
-    want = np.einsum("nop,ncp->oc", g.reshape(n, o, -1).astype(np.float64), x.reshape(n, c, -1).astype(np.float64))
-    np.testing.assert_allclose(got[:, :, 0, 0], want, rtol=1e-5, atol=1e-6 * np.sqrt(n * h * w))
-    results = []
-    before = lib.threads
-    try:
-        for threads in (1, 2, 3):
-            lib.set_threads(threads)
-            results.append(_pointwise(lib, g, x))
-    finally:
-        lib.set_threads(before)
-    for other in results[1:]:
-        np.testing.assert_array_equal(other, results[0])
+    g, x, ran = _against_the_reference(lib, shape, monkeypatch, "gemm_sum")
     ran.clear()
     small = _pointwise(lib, g[:, :, :7, :7].copy(), x[:, :, :7, :7].copy())
     assert not ran and not np.isnan(small).any()
+
 
 def test_the_rule_takes_thin_pointwise_filter_gradients():
     assert contract.pointwise_filter(16, 96, 112 * 112, 1, 1, 1, 0)           # few inputs
