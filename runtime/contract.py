@@ -289,11 +289,10 @@ def blocked_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: in
     compiled kernels compute it (`op`: the convolution or either of its gradients) directly on channel-blocked
     copies of its operands (runtime/kernels/cpu_blocked.c), in the op's planned workspace where it holds them
     (`blocked_scratch`); numpy's kernels, and the compiled ones where it does not, use im2col. The memory plan asks
-    for the widest lanes, so that
-    its workspace holds the copies on any processor; the runtime asks for its library's, so which path a layer takes
-    (and its bits) depends on the processor's vector width, never on the thread count. (The kernels take any
-    stride-1 geometry, but other padding makes the input gradient's convolution sum over padding, and emptier blocks
-    sum over zero channels.)"""
+    for the widest lanes, so that its workspace holds the copies on any processor; the runtime asks for its
+    library's, so which path a layer takes (and its bits) depends on the processor's vector width, never on the
+    thread count. (The kernels take any stride-1 geometry, but other padding makes the input gradient's convolution
+    sum over padding, and emptier blocks sum over zero channels.)"""
     filled = 4 * c * o >= 3 * CHANNEL_BLOCK ** 2 * channel_blocks(c) * channel_blocks(o)
     row = BLOCKED_CONV_ROW if op != "conv2d_bwd_filter" else \
         WIDE_FILTER_ROW if lanes >= WIDEST_LANES else BLOCKED_FILTER_ROW

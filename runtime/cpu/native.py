@@ -277,11 +277,12 @@ class Native:
         self._product_plans: dict[tuple, object] = {}
         # (a library built for a processor without AVX2 and fused multiply-adds has no tiles)
         self.tiles = self._small_gemm is not None and bool(lib.deepdsl_small_gemm_kernels())
-        # (nor products cut along their inner dimension)
+        # (nor sums of products)
         self._gemm_sum = getattr(lib, "deepdsl_gemm_sum", None)
         if self._gemm_sum is not None:
             self._gemm_sum.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _I, _L, _L]
             self._gemm_sum.restype = _I
+        # (nor products cut along their inner dimension)
         self._gemm_depth = getattr(lib, "deepdsl_gemm_depth", None)
         if self._gemm_depth is not None:
             self._gemm_depth.argtypes = [_I, _I, _L, _L, _L, _P, _L, _P, _L, _P, _L, _L, _L, _P]
