@@ -156,8 +156,11 @@ def worker_jax(network: str, shape, classes: int, threads: int, warmup: int, ste
     """The network's JAX twin (benchmarks/jax_twins.py: the PyTorch twin exported and computed with jax.numpy), its
     step (loss, gradients, PyTorch's SGD update and batch norm's running statistics) one jitted function, on the
     first `threads` processors (XLA sizes its thread pool by the processors it may run on)."""
+    import importlib.util
     import pickle
 
+    if importlib.util.find_spec("jax") is None:
+        raise SystemExit('jax is not installed (pip install -e ".[peers]")')
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "twin.pickle")
         job = {"side": "jax-export", "threads": threads, "network": network, "shape": shape, "classes": classes,

@@ -1090,20 +1090,27 @@ def test_compile_builds_the_library_the_program_uses(tmp_path):
 
 @needs_cc
 def test_the_peer_benchmark_runs(tmp_path):
-    """benchmarks/cpu_vs_peers.py end to end at a tiny size (ours, numpy and PyTorch eager; one round): every side
-    reports a step time, under a first line naming the processor's vector extension; a spec naming no network, or
-    a batch that is no number, is one line and a non-zero exit."""
+    """benchmarks/cpu_vs_peers.py end to end at a tiny size (ours, numpy, PyTorch eager and JAX; one round): every
+    side reports a step time (JAX, where it is not installed, says so in its row), under a first line naming the
+    processor's vector extension; a spec naming no network, or a batch that is no number, is one line and a
+    non-zero exit."""
+    import importlib.util
     import re
     import sys
 
     from tests.support.program_helpers import ROOT
 
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_vs_peers.py"), "lenet:8", "--threads", "1",
-                           "--rounds", "1", "--warmup", "1", "--steps", "2", "--sides", "ours", "numpy", "eager"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                           "--rounds", "1", "--warmup", "1", "--steps", "2", "--sides", "ours", "numpy", "eager",
+                           "jax"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["lenet"]]
-    assert [r[3] for r in rows] == ["ours", "numpy", "eager"], done.stdout
+    assert [r[3] for r in rows] == ["ours", "numpy", "eager", "jax"], done.stdout
+    assert all(float(r[4]) > 0 for r in rows[:3]), done.stdout
+    if importlib.util.find_spec("jax") is None:
+        assert " ".join(rows[3][4:]).endswith('jax is not installed (pip install -e ".[peers]")'), done.stdout
+    else:
+        assert float(rows[3][4]) > 0, done.stdout
     assert re.search(r"\(\w+, (AVX-512|AVX2|no AVX2|unknown)\), \d+ cores", done.stdout.splitlines()[0]), done.stdout
     for spec, says in (("nonet:4", "no network 'nonet' in networks/"),
                        ("lenet:x", "the batch 'x' is no positive number")):
