@@ -110,8 +110,7 @@ def worker_torch(network: str, shape, classes: int, mode: str, threads: int, war
     optimizer = torch.optim.SGD(twin.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
     loss_fn = twin.loss if mode == "eager" else torch.compile(
         twin.loss, mode=None if mode == "compile" else "max-autotune-no-cudagraphs")
-    data = [(torch.from_numpy(x).long() if tokens else torch.from_numpy(x), torch.from_numpy(y).long())
-            for x, y in _data(shape, classes, tokens, label_shape)]
+    data = _torch_data(shape, classes, tokens, label_shape)
 
     def step(i):
         x, y = data[i % BATCHES]
@@ -122,6 +121,14 @@ def worker_torch(network: str, shape, classes: int, mode: str, threads: int, war
         loss.item()
 
     return {**_measure(step, warmup, steps), "torch": torch.__version__}
+
+
+def _torch_data(shape, classes: int, tokens: bool, label_shape) -> list:
+    """`_data`'s batches as torch tensors (tokens and labels int64, as PyTorch's embedding and losses take them)."""
+    import torch
+
+    return [(torch.from_numpy(x).long() if tokens else torch.from_numpy(x), torch.from_numpy(y).long())
+            for x, y in _data(shape, classes, tokens, label_shape)]
 
 
 def _twin(network: str, shape, classes: int):
@@ -144,8 +151,7 @@ def worker_jax_export(network: str, shape, classes: int, tokens: bool, label_sha
     from jax_twins import describe
 
     torch.manual_seed(0)
-    x, y = (torch.from_numpy(a).long() if a.dtype.kind == "i" else torch.from_numpy(a)
-            for a in _data(shape, classes, tokens, label_shape)[0])
+    x, y = _torch_data(shape, classes, tokens, label_shape)[0]
     with open(out, "wb") as f:
         pickle.dump(describe(_twin(network, shape, classes), x, y), f)
     return {}

@@ -220,21 +220,19 @@ class JaxTwin:
         return step
 
 
-class _Loss:
+def _loss_module(twin):
     """The twin's `loss(x, y)` as the module torch.export takes."""
+    import torch
 
-    def __new__(cls, twin):
-        import torch
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.twin = twin
 
-        class Loss(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.twin = twin
+        def forward(self, x, y):
+            return self.twin.loss(x, y)
 
-            def forward(self, x, y):
-                return self.twin.loss(x, y)
-
-        return Loss()
+    return Loss()
 
 
 def describe(twin, x, y) -> dict:
@@ -247,7 +245,7 @@ def describe(twin, x, y) -> dict:
     from torch.export.graph_signature import InputKind, OutputKind
 
     twin.train()
-    module = _Loss(twin)
+    module = _loss_module(twin)
     program = torch.export.export(module, (x, y)).run_decompositions()
     signature, graph = program.graph_signature, program.graph
     state = {**program.constants, **module.state_dict(keep_vars=True)}

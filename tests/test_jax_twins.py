@@ -126,6 +126,23 @@ def test_dropout_keeps_about_one_minus_p_scaled_and_draws_by_the_key():
     np.testing.assert_array_equal(np.asarray(same), np.asarray(x))
 
 
+@pytest.mark.parametrize("kernel, stride, pad, ceil, count_pad", [
+    (3, 2, 1, False, True), (3, 2, 1, True, True), (3, 2, 1, False, False), (3, 2, 1, True, False),
+    (2, 2, 0, True, True), (3, 3, 0, True, False)])
+def test_pooling_windows_are_pytorchs(kernel, stride, pad, ceil, count_pad):
+    """Max and average pooling with padding and ceil mode (a last window starting inside the input), the padding
+    counted in the average or not: PyTorch's shapes and values."""
+    ops = jax_twins._ops()
+    x = torch.randn(2, 3, 11, 10, generator=torch.Generator().manual_seed(kernel + stride))
+    jx = jax.numpy.asarray(x.numpy())
+    got = ops["aten.avg_pool2d.default"](jx, [kernel] * 2, [stride] * 2, [pad] * 2, ceil, count_pad)
+    want = torch.nn.functional.avg_pool2d(x, kernel, stride, pad, ceil_mode=ceil, count_include_pad=count_pad)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-6, atol=1e-6)
+    got, _ = ops["aten.max_pool2d_with_indices.default"](jx, [kernel] * 2, [stride] * 2, [pad] * 2, [1, 1], ceil)
+    np.testing.assert_array_equal(np.asarray(got), torch.nn.functional.max_pool2d(x, kernel, stride, pad,
+                                                                                 ceil_mode=ceil).numpy())
+
+
 def test_the_description_is_plain_data_a_process_without_pytorch_reads(tmp_path):
     """Described and pickled here; read back and evaluated in a process that blocks importing torch: PyTorch's
     loss."""

@@ -45,6 +45,16 @@ static void deepdsl_sgemm(int ta, int tb, long m, long n, long k, const float* a
     deepdsl_sgemm_into(ta, tb, m, n, k, a, lda, b, ldb, c, ldc, 0);
 }
 
+// The part of c = a b (+ c where `add`) of `size` columns (`by_columns`) or rows from column or row `first`.
+static void deepdsl_sgemm_part(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b,
+                               long ldb, float* c, long ldc, int by_columns, long first, long size, int add) {
+    if (by_columns)
+        deepdsl_sgemm_into(ta, tb, m, size, k, a, lda, b + (tb ? first * ldb : first), ldb, c + first, ldc, add);
+    else
+        deepdsl_sgemm_into(ta, tb, size, n, k, a + (ta ? first : first * lda), lda, b, ldb, c + first * ldc, ldc,
+                           add);
+}
+
 // c[i] = a[i] b[i] for i < batch (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand), each product cut
 // along the columns of c (`by_columns`), else its rows, into `parts` parts of `width` (the last one shorter, or
 // empty): the threads take whole parts, the batch's parts in order. 0 without an sgemm.
@@ -60,15 +70,9 @@ int deepdsl_gemm(long batch, int ta, int tb, long m, long n, long k, const float
         for (long item = begin; item < end; ++item) {
             const long i = item / parts, first = item % parts * width;
             const long size = side - first < width ? side - first : width;
-            if (size <= 0) continue;
-            const float* ai = a + i * sa;
-            const float* bi = b + i * sb;
-            float* ci = c + i * sc;
-            if (by_columns)
-                deepdsl_sgemm(ta, tb, m, size, k, ai, lda, bi + (tb ? first * ldb : first), ldb, ci + first, ldc);
-            else
-                deepdsl_sgemm(ta, tb, size, n, k, ai + (ta ? first : first * lda), lda, bi, ldb, ci + first * ldc,
-                              ldc);
+            if (size > 0)
+                deepdsl_sgemm_part(ta, tb, m, n, k, a + i * sa, lda, b + i * sb, ldb, c + i * sc, ldc, by_columns,
+                                   first, size, 0);
         }
     }
     return 1;
@@ -89,16 +93,9 @@ int deepdsl_gemm_sum(long batch, int ta, int tb, long m, long n, long k, const f
         deepdsl_share(parts, 1, &begin, &end);
         for (long part = begin; part < end; ++part) {
             const long first = part * width, size = side - first < width ? side - first : width;
-            for (long i = 0; i < batch && size > 0; ++i) {
-                const float* ai = a + i * sa;
-                const float* bi = b + i * sb;
-                if (by_columns)
-                    deepdsl_sgemm_into(ta, tb, m, size, k, ai, lda, bi + (tb ? first * ldb : first), ldb, c + first,
-                                       ldc, i > 0);
-                else
-                    deepdsl_sgemm_into(ta, tb, size, n, k, ai + (ta ? first : first * lda), lda, bi, ldb,
-                                       c + first * ldc, ldc, i > 0);
-            }
+            for (long i = 0; i < batch && size > 0; ++i)
+                deepdsl_sgemm_part(ta, tb, m, n, k, a + i * sa, lda, b + i * sb, ldb, c, ldc, by_columns, first, size,
+                                   i > 0);
         }
     }
     return 1;
