@@ -133,7 +133,7 @@ def test_pooling_windows_are_pytorchs(kernel, stride, pad, ceil, count_pad):
     """Max and average pooling with padding and ceil mode (a last window starting inside the input), the padding
     counted in the average or not: PyTorch's shapes and values."""
     ops = jax_twins._ops()
-    x = torch.randn(2, 3, 11, 10, generator=torch.Generator().manual_seed(kernel + stride))
+    x = torch.randn(2, 3, 11, 10, generator=torch.Generator().manual_seed(kernel + stride), dtype=torch.float32)
     jx = jax.numpy.asarray(x.numpy())
     got = ops["aten.avg_pool2d.default"](jx, [kernel] * 2, [stride] * 2, [pad] * 2, ceil, count_pad)
     want = torch.nn.functional.avg_pool2d(x, kernel, stride, pad, ceil_mode=ceil, count_include_pad=count_pad)
