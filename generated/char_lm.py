@@ -4,8 +4,8 @@ Source network: networks/char_lm.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
-Memory: peak 24.22 MB of tensors planned for the training step (3.15 MB testing); static arena 24.22 MB, pool 24.22 MB, workspace 6.36 MB
-Structure hash: 787bafeaa8a10fa1
+Memory: peak 24.13 MB of tensors planned for the training step (3.15 MB testing); static arena 24.13 MB, pool 24.14 MB, workspace 6.36 MB
+Structure hash: 3a03edb428a02474
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "787bafeaa8a10fa1"
+    structure_hash = "3a03edb428a02474"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -225,1597 +225,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_ln2_add, embed, T['pos'])
 
         # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_sum_to = sum_to[32x64x1](block1_ln2_add)
-        block1_ln1_sum_to = mem.tensor(5, (32, 64, 1), 'float32')
-        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(32, 64, 1))
-        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
-        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
-        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
-        block1_ln1_sub = mem.tensor(6, (32, 64, 64), 'float32')
-        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(7, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
-                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln1_sum_to, block1_ln1_scale
-        del block1_ln1_sum_to, block1_ln1_scale
-        mem.free(5)
-        # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block1_ln1_add = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
-        # block1_ln1_rsqrt = 1/sqrt(block1_ln1_add)
-        block1_ln1_rsqrt = mem.tensor(8, (32, 64, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block1_ln1_add, block1_ln1_sum_to_2),
-                   (ew_rsqrt, block1_ln1_rsqrt, block1_ln1_add))
-        # block1_ln1_mul = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul = mem.tensor(9, (32, 64, 64), 'float32')
-        # block1_ln1 = block1_ln1_mul*block1_ln1_W + block1_ln1_B
-        block1_ln1 = block1_ln1_mul  # in place: over block1_ln1_mul
-        rt.ew_pair((ew_mul, block1_ln1_mul, block1_ln1_sub, block1_ln1_rsqrt),
-                   (ew_mul_add, block1_ln1, block1_ln1_mul, T['block1_ln1_W'], T['block1_ln1_B']))
-
-        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_reshape = reshape[2048x64](block1_ln1)
-        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(2048, 64))
-
-        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(10, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
-
-        # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
-        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(11, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(10)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
-        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(12, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(13, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
-        # free block1_attn_k_matmul, block1_attn_reshape_2
-        del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(12)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(14, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
-
-        # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
-        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
-        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(15, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(14)
-        # block1_attn = attention[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn_mask)
-        block1_attn = mem.tensor(16, (32, 4, 64, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, mask=block1_attn_mask, out=block1_attn, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
-
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(17, (32, 64, 4, 16), 'float32')
-        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
-        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
-        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(18, (2048, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
-        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
-        # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
-        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
-        block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
-        rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(18)
-        # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(19, (32, 64, 1), 'float32')
-        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
-        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
-        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
-        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(20, (32, 64, 64), 'float32')
-        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(21, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
-                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln2_sum_to, block1_ln2_scale
-        del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(19)
-        # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
-        # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
-        block1_ln2_rsqrt = mem.tensor(22, (32, 64, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2),
-                   (ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3))
-        # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul = mem.tensor(23, (32, 64, 64), 'float32')
-        # block1_ln2 = block1_ln2_mul*block1_ln2_W + block1_ln2_B
-        block1_ln2 = block1_ln2_mul  # in place: over block1_ln2_mul
-        rt.ew_pair((ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt),
-                   (ew_mul_add, block1_ln2, block1_ln2_mul, T['block1_ln2_W'], T['block1_ln2_B']))
-
-        # ---- block1_fc1 (fully connected, 256 outputs), forward ----
-        # block1_fc1_reshape = reshape[2048x64](block1_ln2)
-        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(24, (2048, 256), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
-        # block1_fc1 = reshape[32x64x256](block1_fc1_add)
-        block1_fc1 = rt.reshape(block1_fc1_add, shape=(32, 64, 256))
-
-        # ---- block1_fc1_gelu (gelu), forward ----
-        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = mem.tensor(25, (32, 64, 256), 'float32')
-        rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
-        # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
-        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(26, (2048, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
-        # block1_fc2 = reshape[32x64x64](block1_fc2_add)
-        block1_fc2 = rt.reshape(block1_fc2_add, shape=(32, 64, 64))
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
-        block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
-        rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(26)
-        # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(27, (32, 64, 1), 'float32')
-        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
-        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
-        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
-        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(28, (32, 64, 64), 'float32')
-        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(29, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
-                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln1_sum_to, block2_ln1_scale
-        del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(27)
-        # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
-        # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
-        block2_ln1_rsqrt = mem.tensor(30, (32, 64, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2),
-                   (ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2))
-        # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul = mem.tensor(31, (32, 64, 64), 'float32')
-        # block2_ln1 = block2_ln1_mul*block2_ln1_W + block2_ln1_B
-        block2_ln1 = block2_ln1_mul  # in place: over block2_ln1_mul
-        rt.ew_pair((ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt),
-                   (ew_mul_add, block2_ln1, block2_ln1_mul, T['block2_ln1_W'], T['block2_ln1_B']))
-
-        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
-        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(2048, 64))
-
-        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(32, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
-
-        # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
-        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
-        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(33, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(32)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
-        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(34, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
-        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(35, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
-        # free block2_attn_k_matmul, block2_attn_reshape_2
-        del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(34)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(36, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
-
-        # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
-        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
-        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(37, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(36)
-        # block2_attn = attention[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn_mask)
-        block2_attn = mem.tensor(38, (32, 4, 64, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, mask=block2_attn_mask, out=block2_attn, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
-
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(39, (32, 64, 4, 16), 'float32')
-        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
-        # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
-        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
-        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(40, (2048, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
-        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
-        # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
-        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
-        # block2_ln2_add = block2_ln1_add + block2_attn_out
-        block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
-        rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(40)
-        # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(41, (32, 64, 1), 'float32')
-        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
-        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
-        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
-        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(42, (32, 64, 64), 'float32')
-        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(43, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
-                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln2_sum_to, block2_ln2_scale
-        del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(41)
-        # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
-        # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
-        block2_ln2_rsqrt = mem.tensor(44, (32, 64, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2),
-                   (ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2))
-        # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul = mem.tensor(45, (32, 64, 64), 'float32')
-        # block2_ln2 = block2_ln2_mul*block2_ln2_W + block2_ln2_B
-        block2_ln2 = block2_ln2_mul  # in place: over block2_ln2_mul
-        rt.ew_pair((ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt),
-                   (ew_mul_add, block2_ln2, block2_ln2_mul, T['block2_ln2_W'], T['block2_ln2_B']))
-
-        # ---- block2_fc1 (fully connected, 256 outputs), forward ----
-        # block2_fc1_reshape = reshape[2048x64](block2_ln2)
-        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(46, (2048, 256), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
-        # block2_fc1 = reshape[32x64x256](block2_fc1_add)
-        block2_fc1 = rt.reshape(block2_fc1_add, shape=(32, 64, 256))
-
-        # ---- block2_fc1_gelu (gelu), forward ----
-        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = mem.tensor(47, (32, 64, 256), 'float32')
-        rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
-        # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
-        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(48, (2048, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
-        # block2_fc2 = reshape[32x64x64](block2_fc2_add)
-        block2_fc2 = rt.reshape(block2_fc2_add, shape=(32, 64, 64))
-
-        # ---- ln (layer norm over the last 1 axes), forward ----
-        # ln_add = block2_ln2_add + block2_fc2
-        ln_add = block2_ln2_add  # in place: over block2_ln2_add
-        rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(48)
-        # ln_sum_to = sum_to[32x64x1](ln_add)
-        ln_sum_to = mem.tensor(49, (32, 64, 1), 'float32')
-        rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
-        # ln_scale = 0.015625*ln_sum_to
-        ln_scale = ln_sum_to  # in place: over ln_sum_to
-        rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale   (computed with the next statement)
-        ln_sub = ln_add  # in place: over ln_add
-        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(50, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
-                      (ew_square, ln_sum_to_2, ln_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free ln_sum_to, ln_scale
-        del ln_sum_to, ln_scale
-        mem.free(49)
-        # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
-        ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
-        # ln_rsqrt = 1/sqrt(ln_add_2)
-        ln_rsqrt = mem.tensor(51, (32, 64, 1), 'float32')
-        rt.ew_pair((ew_scale_add, ln_add_2, ln_sum_to_2),
-                   (ew_rsqrt, ln_rsqrt, ln_add_2))
-        # ln_mul = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul = mem.tensor(52, (32, 64, 64), 'float32')
-        # ln = ln_mul*ln_W + ln_B
-        ln = ln_mul  # in place: over ln_mul
-        rt.ew_pair((ew_mul, ln_mul, ln_sub, ln_rsqrt),
-                   (ew_mul_add, ln, ln_mul, T['ln_W'], T['ln_B']))
-
-        # ---- next (fully connected, 256 outputs), forward ----
-        # next_reshape = reshape[2048x64](ln)
-        next_reshape = rt.reshape(ln, shape=(2048, 64))
-        # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(53, (2048, 256), 'float32')
-        rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
-        # next_add = next_matmul + next_B
-        next_add = next_matmul  # in place: over next_matmul
-        rt.ew(ew_add, next_add, next_matmul, T['next_B'])
-
-        # ---- next_cross_entropy (cross_entropy), forward ----
-        # next_cross_entropy_log_softmax = log_softmax(next_add)
-        next_cross_entropy_log_softmax = next_add  # in place: over next_add
-        rt.log_softmax(next_add, out=next_cross_entropy_log_softmax, workspace=mem.workspace(2097152))
-        # next_cross_entropy_reshape = reshape[2048](y)
-        next_cross_entropy_reshape = rt.reshape(y, shape=(2048,))
-        # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(54, (2048,), 'float32')
-        rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
-        # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(55, (), 'float32')
-        rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
-        # free next_cross_entropy_pick
-        del next_cross_entropy_pick
-        mem.free(54)
-        # next_cross_entropy = -next_cross_entropy_sum_to/2048
-        next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
-        rt.ew(ew_scale_2, next_cross_entropy, next_cross_entropy_sum_to)
-
-        # ---- next_cross_entropy (cross_entropy), backward ----
-        # d_next_cross_entropy_log_softmax = unpick[classes=256](H1, next_cross_entropy_reshape)
-        d_next_cross_entropy_log_softmax = mem.tensor(56, (2048, 256), 'float32')
-        rt.unpick(T['H1'], next_cross_entropy_reshape, out=d_next_cross_entropy_log_softmax, classes=256)
-        # free y, next_cross_entropy_reshape
-        del y, next_cross_entropy_reshape
-        mem.free(1)
-        # d_next_add = d_next_cross_entropy_log_softmax + 0.00048828125*exp(next_cross_entropy_log_softmax)
-        d_next_add = d_next_cross_entropy_log_softmax  # in place: over d_next_cross_entropy_log_softmax
-        rt.ew(ew_exp_scale_add, d_next_add, d_next_cross_entropy_log_softmax, next_cross_entropy_log_softmax)
-        # free next_matmul, next_add, next_cross_entropy_log_softmax
-        del next_matmul, next_add, next_cross_entropy_log_softmax
-        mem.free(53)
-
-        # ---- next (fully connected, 256 outputs), backward ----
-        # d_next_W = matmul[ta](d_next_add, next_reshape)
-        d_next_W = mem.tensor(57, (256, 64), 'float32')
-        rt.matmul(d_next_add, next_reshape, out=d_next_W, ta=True)
-        # free ln_mul, ln, next_reshape
-        del ln_mul, ln, next_reshape
-        mem.free(52)
-        # S_next_W_new = 0.999*S_next_W + 0.001*d_next_W**2
-        S_next_W_new = T['S_next_W']  # in place: the new S_next_W
-        rt.ew(ew_square_scale_add, S_next_W_new, T['S_next_W'], d_next_W)
-        # M_next_W_new = 0.9*M_next_W + 0.1*d_next_W
-        M_next_W_new = T['M_next_W']  # in place: the new M_next_W
-        rt.ew(ew_scale_add_2, M_next_W_new, T['M_next_W'], d_next_W)
-        # free d_next_W
-        del d_next_W
-        mem.free(57)
-        # d_next_B = sum_to[256](d_next_add)
-        d_next_B = mem.tensor(58, (256,), 'float32')
-        rt.sum_to(d_next_add, out=d_next_B, shape=(256,))
-        # d_next_reshape = matmul(d_next_add, next_W)
-        d_next_reshape = mem.tensor(59, (2048, 64), 'float32')
-        rt.matmul(d_next_add, T['next_W'], out=d_next_reshape)
-        # free d_next_cross_entropy_log_softmax, d_next_add
-        del d_next_cross_entropy_log_softmax, d_next_add
-        mem.free(56)
-        # d_ln = reshape[32x64x64](d_next_reshape)
-        d_ln = rt.reshape(d_next_reshape, shape=(32, 64, 64))
-
-        # ---- ln (layer norm over the last 1 axes), forward ----
-        # ln_mul_2 = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul_2 = mem.tensor(60, (32, 64, 64), 'float32')
-
-        # ---- ln (layer norm over the last 1 axes), backward ----
-        # d_ln_W = sum_to[64](d_ln*ln_mul_2)
-        d_ln_W = mem.tensor(61, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, ln_mul_2, ln_sub, ln_rsqrt),
-                      (ew_mul, d_ln_W, d_ln, ln_mul_2),
-                      shape=(64,), workspace=mem.workspace(524288))
-        # free ln_mul_2
-        del ln_mul_2
-        mem.free(60)
-        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
-        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
-        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
-        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W
-        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
-        rt.ew(ew_scale_add_2, M_ln_W_new, T['M_ln_W'], d_ln_W)
-        # free d_ln_W
-        del d_ln_W
-        mem.free(61)
-
-        # ---- next (fully connected, 256 outputs), backward ----
-        # next_W_new = next_W*(-lr*decay + 1) - lr*M_next_W_new/(bias1*(sqrt(S_next_W_new)/sqrt(bias2) + 1.0e-8))
-        next_W_new = T['next_W']  # in place: the new next_W
-        rt.ew(ew_mul_sub_recip_sqrt, next_W_new, T['next_W'], lr, bias1, M_next_W_new, S_next_W_new, bias2, decay)
-        # S_next_B_new = 0.999*S_next_B + 0.001*d_next_B**2
-        S_next_B_new = T['S_next_B']  # in place: the new S_next_B
-        rt.ew(ew_square_scale_add, S_next_B_new, T['S_next_B'], d_next_B)
-        # M_next_B_new = 0.9*M_next_B + 0.1*d_next_B   (computed with the next statement)
-        M_next_B_new = T['M_next_B']  # in place: the new M_next_B
-        # next_B_new = next_B*(-lr*decay + 1) - lr*M_next_B_new/(bias1*(sqrt(S_next_B_new)/sqrt(bias2) + 1.0e-8))
-        next_B_new = T['next_B']  # in place: the new next_B
-        rt.ew_pair((ew_scale_add_2, M_next_B_new, T['M_next_B'], d_next_B),
-                   (ew_mul_sub_recip_sqrt, next_B_new, T['next_B'], lr, bias1, M_next_B_new, S_next_B_new, bias2, decay))
-        # free d_next_B
-        del d_next_B
-        mem.free(58)
-
-        # ---- ln (layer norm over the last 1 axes), backward ----
-        # d_ln_B = sum_to[64](d_ln)
-        d_ln_B = mem.tensor(62, (64,), 'float32')
-        rt.sum_to(d_ln, out=d_ln_B, shape=(64,))
-        # d_ln_mul = d_ln*ln_W   (computed with the next statement)
-        d_ln_mul = d_ln  # in place: over d_ln
-        # d_ln_rsqrt = sum_to[32x64x1](d_ln_mul*ln_sub)
-        d_ln_rsqrt = mem.tensor(63, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_ln_mul, d_ln, T['ln_W']),
-                      (ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
-        ln_W_new = T['ln_W']  # in place: the new ln_W
-        rt.ew(ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay)
-        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
-        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
-        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
-        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
-        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
-        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
-        ln_B_new = T['ln_B']  # in place: the new ln_B
-        rt.ew_pair((ew_scale_add_2, M_ln_B_new, T['M_ln_B'], d_ln_B),
-                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
-        # free d_ln_B
-        del d_ln_B
-        mem.free(62)
-        # d_ln_sum_to = -0.0078125*d_ln_rsqrt/ln_add_2**(3/2)
-        d_ln_sum_to = d_ln_rsqrt  # in place: over d_ln_rsqrt
-        rt.ew(ew_pow_mul, d_ln_sum_to, d_ln_rsqrt, ln_add_2)
-        # free ln_sum_to_2, ln_add_2
-        del ln_sum_to_2, ln_add_2
-        mem.free(50)
-        # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub   (computed with the next statement)
-        d_ln_sub = d_ln_mul  # in place: over d_ln_mul
-        # d_ln_scale = sum_to[32x64x1](-d_ln_sub)
-        d_ln_scale = mem.tensor(64, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_2, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub),
-                      (ew_neg, d_ln_scale, d_ln_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
-        del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
-        mem.free(4, 51, 63)
-        # d_ln_sum_to_2 = 0.015625*d_ln_scale
-        d_ln_sum_to_2 = d_ln_scale  # in place: over d_ln_scale
-        rt.ew(ew_scale, d_ln_sum_to_2, d_ln_scale)
-        # d_ln_add = d_ln_sub + d_ln_sum_to_2
-        d_ln_add = d_ln_sub  # in place: over d_ln_sub
-        rt.ew(ew_add, d_ln_add, d_ln_sub, d_ln_sum_to_2)
-        # free d_ln_scale, d_ln_sum_to_2
-        del d_ln_scale, d_ln_sum_to_2
-        mem.free(64)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
-        # d_block2_fc2_add = reshape[2048x64](d_ln_add)
-        d_block2_fc2_add = rt.reshape(d_ln_add, shape=(2048, 64))
-        # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
-        d_block2_fc2_W = mem.tensor(65, (64, 256), 'float32')
-        rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True)
-        # free block2_fc1_gelu, block2_fc2_reshape
-        del block2_fc1_gelu, block2_fc2_reshape
-        mem.free(47)
-        # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
-        S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
-        rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
-        # M_block2_fc2_W_new = 0.9*M_block2_fc2_W + 0.1*d_block2_fc2_W
-        M_block2_fc2_W_new = T['M_block2_fc2_W']  # in place: the new M_block2_fc2_W
-        rt.ew(ew_scale_add_2, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
-        # free d_block2_fc2_W
-        del d_block2_fc2_W
-        mem.free(65)
-        # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
-        d_block2_fc2_B = mem.tensor(66, (64,), 'float32')
-        rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
-        # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
-        S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
-        rt.ew(ew_square_scale_add, S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B)
-        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the next statement)
-        M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
-        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
-        rt.ew_pair((ew_scale_add_2, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
-        # free d_block2_fc2_B
-        del d_block2_fc2_B
-        mem.free(66)
-        # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(67, (2048, 256), 'float32')
-        rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
-        # d_block2_fc1_gelu = reshape[32x64x256](d_block2_fc2_reshape)
-        d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(32, 64, 256))
-
-        # ---- block2_fc1_gelu (gelu), backward ----
-        # d_block2_fc1 = d_block2_fc1_gelu*(sqrt(2)*block2_fc1*exp(-block2_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block2_fc1/2)/2 + 1/2)
-        d_block2_fc1 = d_block2_fc1_gelu  # in place: over d_block2_fc1_gelu
-        rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1
-        mem.free(46)
-
-        # ---- block2_fc1 (fully connected, 256 outputs), backward ----
-        # d_block2_fc1_add = reshape[2048x256](d_block2_fc1)
-        d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(2048, 256))
-        # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(68, (256, 64), 'float32')
-        rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True)
-        # free block2_ln2_mul, block2_ln2, block2_fc1_reshape
-        del block2_ln2_mul, block2_ln2, block2_fc1_reshape
-        mem.free(45)
-        # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
-        S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
-        rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
-        # M_block2_fc1_W_new = 0.9*M_block2_fc1_W + 0.1*d_block2_fc1_W
-        M_block2_fc1_W_new = T['M_block2_fc1_W']  # in place: the new M_block2_fc1_W
-        rt.ew(ew_scale_add_2, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
-        # free d_block2_fc1_W
-        del d_block2_fc1_W
-        mem.free(68)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
-        # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_W_new = T['block2_fc2_W']  # in place: the new block2_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc2_W_new, T['block2_fc2_W'], lr, bias1, M_block2_fc2_W_new, S_block2_fc2_W_new, bias2, decay)
-
-        # ---- block2_fc1 (fully connected, 256 outputs), backward ----
-        # d_block2_fc1_B = sum_to[256](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(69, (256,), 'float32')
-        rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(256,))
-        # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(70, (2048, 64), 'float32')
-        rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
-        # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(67)
-        # d_block2_ln2 = reshape[32x64x64](d_block2_fc1_reshape)
-        d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(32, 64, 64))
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
-        # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul_2 = mem.tensor(71, (32, 64, 64), 'float32')
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln2_W = sum_to[64](d_block2_ln2*block2_ln2_mul_2)
-        d_block2_ln2_W = mem.tensor(72, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt),
-                      (ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2),
-                      shape=(64,), workspace=mem.workspace(524288))
-        # free block2_ln2_mul_2
-        del block2_ln2_mul_2
-        mem.free(71)
-        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
-        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
-        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
-        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W
-        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
-        rt.ew(ew_scale_add_2, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W)
-        # free d_block2_ln2_W
-        del d_block2_ln2_W
-        mem.free(72)
-
-        # ---- block2_fc1 (fully connected, 256 outputs), backward ----
-        # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay)
-        # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2
-        S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
-        rt.ew(ew_square_scale_add, S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B)
-        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the next statement)
-        M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
-        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
-        rt.ew_pair((ew_scale_add_2, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
-        # free d_block2_fc1_B
-        del d_block2_fc1_B
-        mem.free(69)
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln2_B = sum_to[64](d_block2_ln2)
-        d_block2_ln2_B = mem.tensor(73, (64,), 'float32')
-        rt.sum_to(d_block2_ln2, out=d_block2_ln2_B, shape=(64,))
-        # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W   (computed with the next statement)
-        d_block2_ln2_mul = d_block2_ln2  # in place: over d_block2_ln2
-        # d_block2_ln2_rsqrt = sum_to[32x64x1](d_block2_ln2_mul*block2_ln2_sub)
-        d_block2_ln2_rsqrt = mem.tensor(74, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W']),
-                      (ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay)
-        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
-        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
-        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
-        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
-        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
-        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
-        rt.ew_pair((ew_scale_add_2, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
-        # free d_block2_ln2_B
-        del d_block2_ln2_B
-        mem.free(73)
-        # d_block2_ln2_sum_to = -0.0078125*d_block2_ln2_rsqrt/block2_ln2_add_2**(3/2)
-        d_block2_ln2_sum_to = d_block2_ln2_rsqrt  # in place: over d_block2_ln2_rsqrt
-        rt.ew(ew_pow_mul, d_block2_ln2_sum_to, d_block2_ln2_rsqrt, block2_ln2_add_2)
-        # free block2_ln2_sum_to_2, block2_ln2_add_2
-        del block2_ln2_sum_to_2, block2_ln2_add_2
-        mem.free(43)
-        # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub   (computed with the next statement)
-        d_block2_ln2_sub = d_block2_ln2_mul  # in place: over d_block2_ln2_mul
-        # d_block2_ln2_scale = sum_to[32x64x1](-d_block2_ln2_sub)
-        d_block2_ln2_scale = mem.tensor(75, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_2, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub),
-                      (ew_neg, d_block2_ln2_scale, d_block2_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
-        del block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
-        mem.free(42, 44, 74)
-        # d_block2_ln2_sum_to_2 = 0.015625*d_block2_ln2_scale
-        d_block2_ln2_sum_to_2 = d_block2_ln2_scale  # in place: over d_block2_ln2_scale
-        rt.ew(ew_scale, d_block2_ln2_sum_to_2, d_block2_ln2_scale)
-        # d_block2_ln2_add = d_ln_add + d_block2_ln2_sub + d_block2_ln2_sum_to_2
-        d_block2_ln2_add = d_ln_add  # in place: over d_ln_add
-        rt.ew(ew_add_2, d_block2_ln2_add, d_ln_add, d_block2_ln2_sub, d_block2_ln2_sum_to_2)
-        # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
-        del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
-        mem.free(70, 75)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
-        # d_block2_attn_out_add = reshape[2048x64](d_block2_ln2_add)
-        d_block2_attn_out_add = rt.reshape(d_block2_ln2_add, shape=(2048, 64))
-        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
-        d_block2_attn_out_W = mem.tensor(76, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block2_attn_out_transpose, block2_attn_out_reshape
-        del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(39)
-        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
-        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
-        rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
-        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W
-        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
-        rt.ew(ew_scale_add_2, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
-        # free d_block2_attn_out_W
-        del d_block2_attn_out_W
-        mem.free(76)
-        # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(77, (64,), 'float32')
-        rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
-        # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
-        S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
-        rt.ew(ew_square_scale_add, S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B)
-        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the next statement)
-        M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
-        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
-        # free d_block2_attn_out_B
-        del d_block2_attn_out_B
-        mem.free(77)
-        # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(78, (2048, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
-        # d_block2_attn_out_transpose = reshape[32x64x4x16](d_block2_attn_out_reshape)
-        d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(32, 64, 4, 16))
-        # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
-        d_block2_attn = mem.tensor(79, (32, 4, 64, 16), 'float32')
-        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
-        # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        del d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(78)
-
-        # ---- block2_attn (causal scaled dot-product attention), backward ----
-        # d_block2_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, block2_attn_mask)
-        d_block2_attn_attention_grad = mem.tensor(80, (393216,), 'float32')
-        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, mask=block2_attn_mask, out=d_block2_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
-        # free block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        del block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        mem.free(2, 33, 35, 37, 38, 79)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
-        # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay)
-
-        # ---- block2_attn (causal scaled dot-product attention), backward ----
-        # d_block2_attn_slice = slice[axis=0,start=0,stop=131072](d_block2_attn_attention_grad)
-        d_block2_attn_slice = mem.tensor(81, (131072,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=131072)
-        # d_block2_attn_transpose = reshape[32x4x64x16](d_block2_attn_slice)
-        d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(32, 4, 64, 16))
-        # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
-        d_block2_attn_reshape = mem.tensor(82, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
-        # free d_block2_attn_slice, d_block2_attn_transpose
-        del d_block2_attn_slice, d_block2_attn_transpose
-        mem.free(81)
-        # d_block2_attn_q_add = reshape[2048x64](d_block2_attn_reshape)
-        d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(2048, 64))
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(83, (64,), 'float32')
-        rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
-        # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
-        S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
-        rt.ew(ew_square_scale_add, S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B)
-        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the next statement)
-        M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
-        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
-        # free d_block2_attn_q_B
-        del d_block2_attn_q_B
-        mem.free(83)
-        # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(84, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape = mem.tensor(85, (2048, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
-        # free d_block2_attn_reshape, d_block2_attn_q_add
-        del d_block2_attn_reshape, d_block2_attn_q_add
-        mem.free(82)
-        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
-        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
-        rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
-        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the next statement)
-        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
-        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
-        # free d_block2_attn_q_W
-        del d_block2_attn_q_W
-        mem.free(84)
-
-        # ---- block2_attn (causal scaled dot-product attention), backward ----
-        # d_block2_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block2_attn_attention_grad)
-        d_block2_attn_slice_2 = mem.tensor(86, (131072,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=131072, stop=262144)
-        # d_block2_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block2_attn_attention_grad)
-        d_block2_attn_slice_3 = mem.tensor(87, (131072,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=262144, stop=393216)
-        # free d_block2_attn_attention_grad
-        del d_block2_attn_attention_grad
-        mem.free(80)
-        # d_block2_attn_transpose_2 = reshape[32x4x64x16](d_block2_attn_slice_2)
-        d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(32, 4, 64, 16))
-        # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
-        d_block2_attn_reshape_2 = mem.tensor(88, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
-        # free d_block2_attn_slice_2, d_block2_attn_transpose_2
-        del d_block2_attn_slice_2, d_block2_attn_transpose_2
-        mem.free(86)
-        # d_block2_attn_transpose_3 = reshape[32x4x64x16](d_block2_attn_slice_3)
-        d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(32, 4, 64, 16))
-        # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
-        d_block2_attn_reshape_3 = mem.tensor(89, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
-        # free d_block2_attn_slice_3, d_block2_attn_transpose_3
-        del d_block2_attn_slice_3, d_block2_attn_transpose_3
-        mem.free(87)
-        # d_block2_attn_v_add = reshape[2048x64](d_block2_attn_reshape_3)
-        d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(2048, 64))
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(90, (64,), 'float32')
-        rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
-        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
-        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
-        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
-        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
-        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
-        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
-        # free d_block2_attn_v_B
-        del d_block2_attn_v_B
-        mem.free(90)
-
-        # ---- block2_attn (causal scaled dot-product attention), backward ----
-        # d_block2_attn_k_matmul = reshape[2048x64](d_block2_attn_reshape_2)
-        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_reshape_2, shape=(2048, 64))
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(91, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(92, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
-        # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        mem.free(31)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(93, (2048, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
-        # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        del d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        mem.free(88)
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(94, (2048, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
-        # free d_block2_attn_reshape_3, d_block2_attn_v_add
-        del d_block2_attn_reshape_3, d_block2_attn_v_add
-        mem.free(89)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
-        d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3  # in place: over d_block2_attn_q_reshape_3
-        rt.ew(ew_add_2, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
-        # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
-        del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
-        mem.free(85, 93)
-        # d_block2_ln1 = reshape[32x64x64](d_block2_attn_q_reshape_4)
-        d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(32, 64, 64))
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul_2 = mem.tensor(95, (32, 64, 64), 'float32')
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
-        d_block2_ln1_W = mem.tensor(96, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
-                      (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(524288))
-        # free block2_ln1_mul_2
-        del block2_ln1_mul_2
-        mem.free(95)
-        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
-        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
-        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
-        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W
-        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
-        rt.ew(ew_scale_add_2, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W)
-        # free d_block2_ln1_W
-        del d_block2_ln1_W
-        mem.free(96)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
-        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
-        rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
-        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the next statement)
-        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
-        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
-        # free d_block2_attn_k_W
-        del d_block2_attn_k_W
-        mem.free(91)
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
-        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
-        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
-        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
-        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
-        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
-        # free d_block2_attn_v_W
-        del d_block2_attn_v_W
-        mem.free(92)
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln1_B = sum_to[64](d_block2_ln1)
-        d_block2_ln1_B = mem.tensor(97, (64,), 'float32')
-        rt.sum_to(d_block2_ln1, out=d_block2_ln1_B, shape=(64,))
-        # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W   (computed with the next statement)
-        d_block2_ln1_mul = d_block2_ln1  # in place: over d_block2_ln1
-        # d_block2_ln1_rsqrt = sum_to[32x64x1](d_block2_ln1_mul*block2_ln1_sub)
-        d_block2_ln1_rsqrt = mem.tensor(98, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W']),
-                      (ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay)
-        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
-        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
-        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
-        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
-        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
-        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
-        rt.ew_pair((ew_scale_add_2, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
-        # free d_block2_ln1_B
-        del d_block2_ln1_B
-        mem.free(97)
-        # d_block2_ln1_sum_to = -0.0078125*d_block2_ln1_rsqrt/block2_ln1_add_2**(3/2)
-        d_block2_ln1_sum_to = d_block2_ln1_rsqrt  # in place: over d_block2_ln1_rsqrt
-        rt.ew(ew_pow_mul, d_block2_ln1_sum_to, d_block2_ln1_rsqrt, block2_ln1_add_2)
-        # free block2_ln1_sum_to_2, block2_ln1_add_2
-        del block2_ln1_sum_to_2, block2_ln1_add_2
-        mem.free(29)
-        # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub   (computed with the next statement)
-        d_block2_ln1_sub = d_block2_ln1_mul  # in place: over d_block2_ln1_mul
-        # d_block2_ln1_scale = sum_to[32x64x1](-d_block2_ln1_sub)
-        d_block2_ln1_scale = mem.tensor(99, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_2, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub),
-                      (ew_neg, d_block2_ln1_scale, d_block2_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
-        del block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
-        mem.free(28, 30, 98)
-        # d_block2_ln1_sum_to_2 = 0.015625*d_block2_ln1_scale
-        d_block2_ln1_sum_to_2 = d_block2_ln1_scale  # in place: over d_block2_ln1_scale
-        rt.ew(ew_scale, d_block2_ln1_sum_to_2, d_block2_ln1_scale)
-        # d_block2_ln1_add = d_block2_ln2_add + d_block2_ln1_sub + d_block2_ln1_sum_to_2
-        d_block2_ln1_add = d_block2_ln2_add  # in place: over d_block2_ln2_add
-        rt.ew(ew_add_2, d_block2_ln1_add, d_block2_ln2_add, d_block2_ln1_sub, d_block2_ln1_sum_to_2)
-        # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        mem.free(94, 99)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
-        # d_block1_fc2_add = reshape[2048x64](d_block2_ln1_add)
-        d_block1_fc2_add = rt.reshape(d_block2_ln1_add, shape=(2048, 64))
-        # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(100, (64, 256), 'float32')
-        rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True)
-        # free block1_fc1_gelu, block1_fc2_reshape
-        del block1_fc1_gelu, block1_fc2_reshape
-        mem.free(25)
-        # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
-        S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
-        rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
-        # M_block1_fc2_W_new = 0.9*M_block1_fc2_W + 0.1*d_block1_fc2_W
-        M_block1_fc2_W_new = T['M_block1_fc2_W']  # in place: the new M_block1_fc2_W
-        rt.ew(ew_scale_add_2, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
-        # free d_block1_fc2_W
-        del d_block1_fc2_W
-        mem.free(100)
-        # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(101, (64,), 'float32')
-        rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
-        # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
-        S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
-        rt.ew(ew_square_scale_add, S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B)
-        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the next statement)
-        M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
-        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
-        rt.ew_pair((ew_scale_add_2, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
-        # free d_block1_fc2_B
-        del d_block1_fc2_B
-        mem.free(101)
-        # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(102, (2048, 256), 'float32')
-        rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
-        # d_block1_fc1_gelu = reshape[32x64x256](d_block1_fc2_reshape)
-        d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(32, 64, 256))
-
-        # ---- block1_fc1_gelu (gelu), backward ----
-        # d_block1_fc1 = d_block1_fc1_gelu*(sqrt(2)*block1_fc1*exp(-block1_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block1_fc1/2)/2 + 1/2)
-        d_block1_fc1 = d_block1_fc1_gelu  # in place: over d_block1_fc1_gelu
-        rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1
-        mem.free(24)
-
-        # ---- block1_fc1 (fully connected, 256 outputs), backward ----
-        # d_block1_fc1_add = reshape[2048x256](d_block1_fc1)
-        d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(2048, 256))
-        # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(103, (256, 64), 'float32')
-        rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True)
-        # free block1_ln2_mul, block1_ln2, block1_fc1_reshape
-        del block1_ln2_mul, block1_ln2, block1_fc1_reshape
-        mem.free(23)
-        # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
-        S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
-        rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
-        # M_block1_fc1_W_new = 0.9*M_block1_fc1_W + 0.1*d_block1_fc1_W
-        M_block1_fc1_W_new = T['M_block1_fc1_W']  # in place: the new M_block1_fc1_W
-        rt.ew(ew_scale_add_2, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
-        # free d_block1_fc1_W
-        del d_block1_fc1_W
-        mem.free(103)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
-        # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_W_new = T['block1_fc2_W']  # in place: the new block1_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc2_W_new, T['block1_fc2_W'], lr, bias1, M_block1_fc2_W_new, S_block1_fc2_W_new, bias2, decay)
-
-        # ---- block1_fc1 (fully connected, 256 outputs), backward ----
-        # d_block1_fc1_B = sum_to[256](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(104, (256,), 'float32')
-        rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(256,))
-        # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(105, (2048, 64), 'float32')
-        rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
-        # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(102)
-        # d_block1_ln2 = reshape[32x64x64](d_block1_fc1_reshape)
-        d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(32, 64, 64))
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul_2 = mem.tensor(106, (32, 64, 64), 'float32')
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln2_W = sum_to[64](d_block1_ln2*block1_ln2_mul_2)
-        d_block1_ln2_W = mem.tensor(107, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt),
-                      (ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2),
-                      shape=(64,), workspace=mem.workspace(524288))
-        # free block1_ln2_mul_2
-        del block1_ln2_mul_2
-        mem.free(106)
-        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
-        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
-        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
-        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W
-        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
-        rt.ew(ew_scale_add_2, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W)
-        # free d_block1_ln2_W
-        del d_block1_ln2_W
-        mem.free(107)
-
-        # ---- block1_fc1 (fully connected, 256 outputs), backward ----
-        # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay)
-        # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2
-        S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
-        rt.ew(ew_square_scale_add, S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B)
-        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the next statement)
-        M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
-        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
-        rt.ew_pair((ew_scale_add_2, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
-        # free d_block1_fc1_B
-        del d_block1_fc1_B
-        mem.free(104)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln2_B = sum_to[64](d_block1_ln2)
-        d_block1_ln2_B = mem.tensor(108, (64,), 'float32')
-        rt.sum_to(d_block1_ln2, out=d_block1_ln2_B, shape=(64,))
-        # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W   (computed with the next statement)
-        d_block1_ln2_mul = d_block1_ln2  # in place: over d_block1_ln2
-        # d_block1_ln2_rsqrt = sum_to[32x64x1](d_block1_ln2_mul*block1_ln2_sub)
-        d_block1_ln2_rsqrt = mem.tensor(109, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W']),
-                      (ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay)
-        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
-        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
-        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
-        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
-        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
-        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
-        rt.ew_pair((ew_scale_add_2, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
-        # free d_block1_ln2_B
-        del d_block1_ln2_B
-        mem.free(108)
-        # d_block1_ln2_sum_to = -0.0078125*d_block1_ln2_rsqrt/block1_ln2_add_3**(3/2)
-        d_block1_ln2_sum_to = d_block1_ln2_rsqrt  # in place: over d_block1_ln2_rsqrt
-        rt.ew(ew_pow_mul, d_block1_ln2_sum_to, d_block1_ln2_rsqrt, block1_ln2_add_3)
-        # free block1_ln2_sum_to_2, block1_ln2_add_3
-        del block1_ln2_sum_to_2, block1_ln2_add_3
-        mem.free(21)
-        # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub   (computed with the next statement)
-        d_block1_ln2_sub = d_block1_ln2_mul  # in place: over d_block1_ln2_mul
-        # d_block1_ln2_scale = sum_to[32x64x1](-d_block1_ln2_sub)
-        d_block1_ln2_scale = mem.tensor(110, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_2, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub),
-                      (ew_neg, d_block1_ln2_scale, d_block1_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
-        del block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
-        mem.free(20, 22, 109)
-        # d_block1_ln2_sum_to_2 = 0.015625*d_block1_ln2_scale
-        d_block1_ln2_sum_to_2 = d_block1_ln2_scale  # in place: over d_block1_ln2_scale
-        rt.ew(ew_scale, d_block1_ln2_sum_to_2, d_block1_ln2_scale)
-        # d_block1_ln2_add = d_block2_ln1_add + d_block1_ln2_sub + d_block1_ln2_sum_to_2
-        d_block1_ln2_add = d_block2_ln1_add  # in place: over d_block2_ln1_add
-        rt.ew(ew_add_2, d_block1_ln2_add, d_block2_ln1_add, d_block1_ln2_sub, d_block1_ln2_sum_to_2)
-        # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
-        del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
-        mem.free(105, 110)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
-        # d_block1_attn_out_add = reshape[2048x64](d_block1_ln2_add)
-        d_block1_attn_out_add = rt.reshape(d_block1_ln2_add, shape=(2048, 64))
-        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
-        d_block1_attn_out_W = mem.tensor(111, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block1_attn_out_transpose, block1_attn_out_reshape
-        del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(17)
-        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
-        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
-        rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
-        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W
-        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
-        rt.ew(ew_scale_add_2, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
-        # free d_block1_attn_out_W
-        del d_block1_attn_out_W
-        mem.free(111)
-        # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(112, (64,), 'float32')
-        rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
-        # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
-        S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
-        rt.ew(ew_square_scale_add, S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B)
-        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the next statement)
-        M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
-        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
-        # free d_block1_attn_out_B
-        del d_block1_attn_out_B
-        mem.free(112)
-        # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(113, (2048, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
-        # d_block1_attn_out_transpose = reshape[32x64x4x16](d_block1_attn_out_reshape)
-        d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(32, 64, 4, 16))
-        # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
-        d_block1_attn = mem.tensor(114, (32, 4, 64, 16), 'float32')
-        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
-        # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        del d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(113)
-
-        # ---- block1_attn (causal scaled dot-product attention), backward ----
-        # d_block1_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, block1_attn_mask)
-        d_block1_attn_attention_grad = mem.tensor(115, (393216,), 'float32')
-        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, mask=block1_attn_mask, out=d_block1_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
-        # free block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        del block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        mem.free(3, 11, 13, 15, 16, 114)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
-        # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay)
-
-        # ---- block1_attn (causal scaled dot-product attention), backward ----
-        # d_block1_attn_slice = slice[axis=0,start=0,stop=131072](d_block1_attn_attention_grad)
-        d_block1_attn_slice = mem.tensor(116, (131072,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=131072)
-        # d_block1_attn_transpose = reshape[32x4x64x16](d_block1_attn_slice)
-        d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(32, 4, 64, 16))
-        # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
-        d_block1_attn_reshape = mem.tensor(117, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
-        # free d_block1_attn_slice, d_block1_attn_transpose
-        del d_block1_attn_slice, d_block1_attn_transpose
-        mem.free(116)
-        # d_block1_attn_q_add = reshape[2048x64](d_block1_attn_reshape)
-        d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(2048, 64))
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(118, (64,), 'float32')
-        rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
-        # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
-        S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
-        rt.ew(ew_square_scale_add, S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B)
-        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the next statement)
-        M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
-        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
-        # free d_block1_attn_q_B
-        del d_block1_attn_q_B
-        mem.free(118)
-        # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(119, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape = mem.tensor(120, (2048, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
-        # free d_block1_attn_reshape, d_block1_attn_q_add
-        del d_block1_attn_reshape, d_block1_attn_q_add
-        mem.free(117)
-        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
-        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
-        rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
-        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the next statement)
-        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
-        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
-        # free d_block1_attn_q_W
-        del d_block1_attn_q_W
-        mem.free(119)
-
-        # ---- block1_attn (causal scaled dot-product attention), backward ----
-        # d_block1_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block1_attn_attention_grad)
-        d_block1_attn_slice_2 = mem.tensor(121, (131072,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=131072, stop=262144)
-        # d_block1_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block1_attn_attention_grad)
-        d_block1_attn_slice_3 = mem.tensor(122, (131072,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=262144, stop=393216)
-        # free d_block1_attn_attention_grad
-        del d_block1_attn_attention_grad
-        mem.free(115)
-        # d_block1_attn_transpose_2 = reshape[32x4x64x16](d_block1_attn_slice_2)
-        d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(32, 4, 64, 16))
-        # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
-        d_block1_attn_reshape_2 = mem.tensor(123, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
-        # free d_block1_attn_slice_2, d_block1_attn_transpose_2
-        del d_block1_attn_slice_2, d_block1_attn_transpose_2
-        mem.free(121)
-        # d_block1_attn_transpose_3 = reshape[32x4x64x16](d_block1_attn_slice_3)
-        d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(32, 4, 64, 16))
-        # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
-        d_block1_attn_reshape_3 = mem.tensor(124, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
-        # free d_block1_attn_slice_3, d_block1_attn_transpose_3
-        del d_block1_attn_slice_3, d_block1_attn_transpose_3
-        mem.free(122)
-        # d_block1_attn_v_add = reshape[2048x64](d_block1_attn_reshape_3)
-        d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(2048, 64))
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(125, (64,), 'float32')
-        rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
-        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
-        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
-        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
-        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
-        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
-        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
-        # free d_block1_attn_v_B
-        del d_block1_attn_v_B
-        mem.free(125)
-
-        # ---- block1_attn (causal scaled dot-product attention), backward ----
-        # d_block1_attn_k_matmul = reshape[2048x64](d_block1_attn_reshape_2)
-        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_reshape_2, shape=(2048, 64))
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(126, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(127, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
-        # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        mem.free(9)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(128, (2048, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
-        # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        del d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        mem.free(123)
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(129, (2048, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
-        # free d_block1_attn_reshape_3, d_block1_attn_v_add
-        del d_block1_attn_reshape_3, d_block1_attn_v_add
-        mem.free(124)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
-        d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3  # in place: over d_block1_attn_q_reshape_3
-        rt.ew(ew_add_2, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
-        # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
-        del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
-        mem.free(120, 128)
-        # d_block1_ln1 = reshape[32x64x64](d_block1_attn_q_reshape_4)
-        d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(32, 64, 64))
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul_2 = mem.tensor(130, (32, 64, 64), 'float32')
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
-        d_block1_ln1_W = mem.tensor(131, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
-                      (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(524288))
-        # free block1_ln1_mul_2
-        del block1_ln1_mul_2
-        mem.free(130)
-        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
-        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
-        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
-        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W
-        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
-        rt.ew(ew_scale_add_2, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W)
-        # free d_block1_ln1_W
-        del d_block1_ln1_W
-        mem.free(131)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
-        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
-        rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
-        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the next statement)
-        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
-        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
-        # free d_block1_attn_k_W
-        del d_block1_attn_k_W
-        mem.free(126)
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
-        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
-        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
-        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
-        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
-        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
-        # free d_block1_attn_v_W
-        del d_block1_attn_v_W
-        mem.free(127)
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln1_B = sum_to[64](d_block1_ln1)
-        d_block1_ln1_B = mem.tensor(132, (64,), 'float32')
-        rt.sum_to(d_block1_ln1, out=d_block1_ln1_B, shape=(64,))
-        # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W   (computed with the next statement)
-        d_block1_ln1_mul = d_block1_ln1  # in place: over d_block1_ln1
-        # d_block1_ln1_rsqrt = sum_to[32x64x1](d_block1_ln1_mul*block1_ln1_sub)
-        d_block1_ln1_rsqrt = mem.tensor(133, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W']),
-                      (ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay)
-        # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
-        S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
-        rt.ew(ew_square_scale_add, S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B)
-        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the next statement)
-        M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
-        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
-        rt.ew_pair((ew_scale_add_2, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
-        # free d_block1_ln1_B
-        del d_block1_ln1_B
-        mem.free(132)
-        # d_block1_ln1_sum_to = -0.0078125*d_block1_ln1_rsqrt/block1_ln1_add**(3/2)
-        d_block1_ln1_sum_to = d_block1_ln1_rsqrt  # in place: over d_block1_ln1_rsqrt
-        rt.ew(ew_pow_mul, d_block1_ln1_sum_to, d_block1_ln1_rsqrt, block1_ln1_add)
-        # free block1_ln1_sum_to_2, block1_ln1_add
-        del block1_ln1_sum_to_2, block1_ln1_add
-        mem.free(7)
-        # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub   (computed with the next statement)
-        d_block1_ln1_sub = d_block1_ln1_mul  # in place: over d_block1_ln1_mul
-        # d_block1_ln1_scale = sum_to[32x64x1](-d_block1_ln1_sub)
-        d_block1_ln1_scale = mem.tensor(134, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_2, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub),
-                      (ew_neg, d_block1_ln1_scale, d_block1_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
-        del block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
-        mem.free(6, 8, 133)
-        # d_block1_ln1_sum_to_2 = 0.015625*d_block1_ln1_scale
-        d_block1_ln1_sum_to_2 = d_block1_ln1_scale  # in place: over d_block1_ln1_scale
-        rt.ew(ew_scale, d_block1_ln1_sum_to_2, d_block1_ln1_scale)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln2_add_2 = d_block1_ln2_add + d_block1_ln1_sub + d_block1_ln1_sum_to_2
-        d_block1_ln2_add_2 = d_block1_ln2_add  # in place: over d_block1_ln2_add
-        rt.ew(ew_add_2, d_block1_ln2_add_2, d_block1_ln2_add, d_block1_ln1_sub, d_block1_ln1_sum_to_2)
-        # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        mem.free(129, 134)
-        # d_pos = sum_to[1x64x64](d_block1_ln2_add_2)
-        d_pos = mem.tensor(135, (1, 64, 64), 'float32')
-        rt.sum_to(d_block1_ln2_add_2, out=d_pos, shape=(1, 64, 64))
-
-        # ---- embed (embedding of 256 tokens in 64 features), backward ----
-        # d_embed_gather_rows = reshape[2048x64](d_block1_ln2_add_2)
-        d_embed_gather_rows = rt.reshape(d_block1_ln2_add_2, shape=(2048, 64))
-        # d_embed_W = scatter_rows[rows=256](d_embed_gather_rows, embed_reshape)
-        d_embed_W = mem.tensor(136, (256, 64), 'float32')
-        rt.scatter_rows(d_embed_gather_rows, embed_reshape, out=d_embed_W, rows=256)
-        # free x, embed_reshape, d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_gather_rows
-        del x, embed_reshape, d_next_reshape, d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2, d_embed_gather_rows
-        mem.free(0, 59)
-        # S_embed_W_new = 0.999*S_embed_W + 0.001*d_embed_W**2
-        S_embed_W_new = T['S_embed_W']  # in place: the new S_embed_W
-        rt.ew(ew_square_scale_add, S_embed_W_new, T['S_embed_W'], d_embed_W)
-        # M_embed_W_new = 0.9*M_embed_W + 0.1*d_embed_W   (computed with the next statement)
-        M_embed_W_new = T['M_embed_W']  # in place: the new M_embed_W
-        # embed_W_new = embed_W*(-lr*decay + 1) - lr*M_embed_W_new/(bias1*(sqrt(S_embed_W_new)/sqrt(bias2) + 1.0e-8))
-        embed_W_new = T['embed_W']  # in place: the new embed_W
-        rt.ew_pair((ew_scale_add_2, M_embed_W_new, T['M_embed_W'], d_embed_W),
-                   (ew_mul_sub_recip_sqrt, embed_W_new, T['embed_W'], lr, bias1, M_embed_W_new, S_embed_W_new, bias2, decay))
-        # free d_embed_W
-        del d_embed_W
-        mem.free(136)
-
-        # ---- pos (parameter 1x64x64), backward ----
-        # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
-        S_pos_new = T['S_pos']  # in place: the new S_pos
-        rt.ew(ew_square_scale_add, S_pos_new, T['S_pos'], d_pos)
-        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (computed with the next statement)
-        M_pos_new = T['M_pos']  # in place: the new M_pos
-        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
-        pos_new = T['pos']  # in place: the new pos
-        rt.ew_pair((ew_scale_add_2, M_pos_new, T['M_pos'], d_pos),
-                   (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
-        # free d_pos
-        del d_pos
-        mem.free(135)
-        loss = rt.scalar(next_cross_entropy)
-        mem.end()
-        return loss
-
-    def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
-        rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
-        x = mem.load(0, x)
-        y = mem.load(1, y)
-
-        # ---- embed (embedding of 256 tokens in 64 features), forward ----
-        # embed_reshape = reshape[2048](x)
-        embed_reshape = rt.reshape(x, shape=(2048,))
-        # embed_gather_rows = gather_rows(embed_W, embed_reshape)
-        embed_gather_rows = mem.tensor(2, (2048, 64), 'float32')
-        rt.gather_rows(T['embed_W'], embed_reshape, out=embed_gather_rows)
-        # free x, embed_reshape
-        del x, embed_reshape
-        mem.free(0)
-        # embed = reshape[32x64x64](embed_gather_rows)
-        embed = rt.reshape(embed_gather_rows, shape=(32, 64, 64))
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_add = embed + pos
-        block1_ln2_add = embed  # in place: over embed
-        rt.ew(ew_add, block1_ln2_add, embed, T['pos'])
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_sum_to = sum_to[32x64x1](block1_ln2_add)
-        block1_ln1_sum_to = mem.tensor(3, (32, 64, 1), 'float32')
-        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(32, 64, 1))
-        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
-        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
-        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
-        block1_ln1_sub = mem.tensor(4, (32, 64, 64), 'float32')
-        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(5, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
-                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln1_sum_to, block1_ln1_scale
-        del block1_ln1_sum_to, block1_ln1_scale
-        mem.free(3)
-        # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
-        block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
-        # block1_ln1 = block1_ln1_sub*block1_ln1_rsqrt*block1_ln1_W + block1_ln1_B
-        block1_ln1 = block1_ln1_sub  # in place: over block1_ln1_sub
-        rt.ew(ew_mul_add_3, block1_ln1, block1_ln1_sub, block1_ln1_rsqrt, T['block1_ln1_W'], T['block1_ln1_B'])
-        # free block1_ln1_sum_to_2, block1_ln1_rsqrt
-        del block1_ln1_sum_to_2, block1_ln1_rsqrt
-        mem.free(5)
+        # block1_ln1 = layer_norm[axes=1,eps=1e-05](block1_ln2_add, block1_ln1_W, block1_ln1_B)
+        block1_ln1 = mem.tensor(5, (32, 64, 64), 'float32')
+        rt.layer_norm(block1_ln2_add, T['block1_ln1_W'], T['block1_ln1_B'], out=block1_ln1, axes=1, eps=1e-05)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_reshape = reshape[2048x64](block1_ln1)
@@ -1858,9 +270,6 @@ class CharLm(rp.Model):
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
         block1_attn_q_matmul = mem.tensor(10, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
-        # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        mem.free(4)
         # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
@@ -1874,28 +283,1367 @@ class CharLm(rp.Model):
         # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
         del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
         mem.free(10)
-        # block1_attn = attention[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        # block1_attn = attention[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn_mask)
         block1_attn = mem.tensor(12, (32, 4, 64, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        mem.free(7, 9, 11)
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, mask=block1_attn_mask, out=block1_attn, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
         block1_attn_out_transpose = mem.tensor(13, (32, 64, 4, 16), 'float32')
         rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn
-        del block1_attn
-        mem.free(12)
         # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
         block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
         # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
         block1_attn_out_matmul = mem.tensor(14, (2048, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
+        # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
+        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
+        block1_ln2_add_2 = block1_attn_out  # in place: over block1_attn_out
+        rt.ew(ew_add_2, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
+        # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
+        block1_ln2 = mem.tensor(15, (32, 64, 64), 'float32')
+        rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
+
+        # ---- block1_fc1 (fully connected, 256 outputs), forward ----
+        # block1_fc1_reshape = reshape[2048x64](block1_ln2)
+        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
+        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
+        block1_fc1_matmul = mem.tensor(16, (2048, 256), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
+        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
+        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
+        # block1_fc1 = reshape[32x64x256](block1_fc1_add)
+        block1_fc1 = rt.reshape(block1_fc1_add, shape=(32, 64, 256))
+
+        # ---- block1_fc1_gelu (gelu), forward ----
+        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
+        block1_fc1_gelu = mem.tensor(17, (32, 64, 256), 'float32')
+        rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
+        # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
+        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
+        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
+        block1_fc2_matmul = mem.tensor(18, (2048, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
+        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
+        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
+        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
+        # block1_fc2 = reshape[32x64x64](block1_fc2_add)
+        block1_fc2 = rt.reshape(block1_fc2_add, shape=(32, 64, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
+        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
+        block2_ln1_add = block1_fc2  # in place: over block1_fc2
+        rt.ew(ew_add_2, block2_ln1_add, block1_ln2_add_2, block1_fc2)
+        # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
+        block2_ln1 = mem.tensor(19, (32, 64, 64), 'float32')
+        rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
+        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(2048, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
+        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
+        block2_attn_v_matmul = mem.tensor(20, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
+        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
+        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
+        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
+        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
+        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
+        block2_attn_transpose = mem.tensor(21, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        mem.free(20)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
+        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
+        block2_attn_k_matmul = mem.tensor(22, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
+
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
+        block2_attn_transpose_2 = mem.tensor(23, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
+        # free block2_attn_k_matmul, block2_attn_reshape_2
+        del block2_attn_k_matmul, block2_attn_reshape_2
+        mem.free(22)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
+        block2_attn_q_matmul = mem.tensor(24, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
+        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
+        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
+
+        # ---- block2_attn (causal scaled dot-product attention), forward ----
+        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
+        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
+        block2_attn_transpose_3 = mem.tensor(25, (32, 4, 64, 16), 'float32')
+        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        mem.free(24)
+        # block2_attn = attention[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn_mask)
+        block2_attn = mem.tensor(26, (32, 4, 64, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, mask=block2_attn_mask, out=block2_attn, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
+
+        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
+        block2_attn_out_transpose = mem.tensor(27, (32, 64, 4, 16), 'float32')
+        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
+        # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
+        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
+        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
+        block2_attn_out_matmul = mem.tensor(28, (2048, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
+        # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
+        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
+        # block2_ln2_add = block2_ln1_add + block2_attn_out
+        block2_ln2_add = block2_attn_out  # in place: over block2_attn_out
+        rt.ew(ew_add_2, block2_ln2_add, block2_ln1_add, block2_attn_out)
+        # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
+        block2_ln2 = mem.tensor(29, (32, 64, 64), 'float32')
+        rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
+
+        # ---- block2_fc1 (fully connected, 256 outputs), forward ----
+        # block2_fc1_reshape = reshape[2048x64](block2_ln2)
+        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
+        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
+        block2_fc1_matmul = mem.tensor(30, (2048, 256), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
+        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
+        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
+        # block2_fc1 = reshape[32x64x256](block2_fc1_add)
+        block2_fc1 = rt.reshape(block2_fc1_add, shape=(32, 64, 256))
+
+        # ---- block2_fc1_gelu (gelu), forward ----
+        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
+        block2_fc1_gelu = mem.tensor(31, (32, 64, 256), 'float32')
+        rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
+        # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
+        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
+        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
+        block2_fc2_matmul = mem.tensor(32, (2048, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
+        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
+        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
+        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
+        # block2_fc2 = reshape[32x64x64](block2_fc2_add)
+        block2_fc2 = rt.reshape(block2_fc2_add, shape=(32, 64, 64))
+
+        # ---- ln (layer norm over the last 1 axes), forward ----
+        # ln_add = block2_ln2_add + block2_fc2
+        ln_add = block2_fc2  # in place: over block2_fc2
+        rt.ew(ew_add_2, ln_add, block2_ln2_add, block2_fc2)
+        # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
+        ln = mem.tensor(33, (32, 64, 64), 'float32')
+        rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
+
+        # ---- next (fully connected, 256 outputs), forward ----
+        # next_reshape = reshape[2048x64](ln)
+        next_reshape = rt.reshape(ln, shape=(2048, 64))
+        # next_matmul = matmul[tb](next_reshape, next_W)
+        next_matmul = mem.tensor(34, (2048, 256), 'float32')
+        rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
+        # next_add = next_matmul + next_B
+        next_add = next_matmul  # in place: over next_matmul
+        rt.ew(ew_add, next_add, next_matmul, T['next_B'])
+
+        # ---- next_cross_entropy (cross_entropy), forward ----
+        # next_cross_entropy_log_softmax = log_softmax(next_add)
+        next_cross_entropy_log_softmax = next_add  # in place: over next_add
+        rt.log_softmax(next_add, out=next_cross_entropy_log_softmax, workspace=mem.workspace(2097152))
+        # next_cross_entropy_reshape = reshape[2048](y)
+        next_cross_entropy_reshape = rt.reshape(y, shape=(2048,))
+        # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
+        next_cross_entropy_pick = mem.tensor(35, (2048,), 'float32')
+        rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
+        # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
+        next_cross_entropy_sum_to = mem.tensor(36, (), 'float32')
+        rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
+        # free next_cross_entropy_pick
+        del next_cross_entropy_pick
+        mem.free(35)
+        # next_cross_entropy = -next_cross_entropy_sum_to/2048
+        next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
+        rt.ew(ew_scale, next_cross_entropy, next_cross_entropy_sum_to)
+
+        # ---- next_cross_entropy (cross_entropy), backward ----
+        # d_next_cross_entropy_log_softmax = unpick[classes=256](H1, next_cross_entropy_reshape)
+        d_next_cross_entropy_log_softmax = mem.tensor(37, (2048, 256), 'float32')
+        rt.unpick(T['H1'], next_cross_entropy_reshape, out=d_next_cross_entropy_log_softmax, classes=256)
+        # free y, next_cross_entropy_reshape
+        del y, next_cross_entropy_reshape
+        mem.free(1)
+        # d_next_add = d_next_cross_entropy_log_softmax + 0.00048828125*exp(next_cross_entropy_log_softmax)
+        d_next_add = d_next_cross_entropy_log_softmax  # in place: over d_next_cross_entropy_log_softmax
+        rt.ew(ew_exp_scale_add, d_next_add, d_next_cross_entropy_log_softmax, next_cross_entropy_log_softmax)
+        # free next_matmul, next_add, next_cross_entropy_log_softmax
+        del next_matmul, next_add, next_cross_entropy_log_softmax
+        mem.free(34)
+
+        # ---- next (fully connected, 256 outputs), backward ----
+        # d_next_W = matmul[ta](d_next_add, next_reshape)
+        d_next_W = mem.tensor(38, (256, 64), 'float32')
+        rt.matmul(d_next_add, next_reshape, out=d_next_W, ta=True)
+        # free ln, next_reshape
+        del ln, next_reshape
+        mem.free(33)
+        # S_next_W_new = 0.999*S_next_W + 0.001*d_next_W**2
+        S_next_W_new = T['S_next_W']  # in place: the new S_next_W
+        rt.ew(ew_square_scale_add, S_next_W_new, T['S_next_W'], d_next_W)
+        # M_next_W_new = 0.9*M_next_W + 0.1*d_next_W
+        M_next_W_new = T['M_next_W']  # in place: the new M_next_W
+        rt.ew(ew_scale_add, M_next_W_new, T['M_next_W'], d_next_W)
+        # free d_next_W
+        del d_next_W
+        mem.free(38)
+        # d_next_B = sum_to[256](d_next_add)
+        d_next_B = mem.tensor(39, (256,), 'float32')
+        rt.sum_to(d_next_add, out=d_next_B, shape=(256,))
+        # d_next_reshape = matmul(d_next_add, next_W)
+        d_next_reshape = mem.tensor(40, (2048, 64), 'float32')
+        rt.matmul(d_next_add, T['next_W'], out=d_next_reshape)
+        # free d_next_cross_entropy_log_softmax, d_next_add
+        del d_next_cross_entropy_log_softmax, d_next_add
+        mem.free(37)
+        # next_W_new = next_W*(-lr*decay + 1) - lr*M_next_W_new/(bias1*(sqrt(S_next_W_new)/sqrt(bias2) + 1.0e-8))
+        next_W_new = T['next_W']  # in place: the new next_W
+        rt.ew(ew_mul_sub_recip_sqrt, next_W_new, T['next_W'], lr, bias1, M_next_W_new, S_next_W_new, bias2, decay)
+        # S_next_B_new = 0.999*S_next_B + 0.001*d_next_B**2
+        S_next_B_new = T['S_next_B']  # in place: the new S_next_B
+        rt.ew(ew_square_scale_add, S_next_B_new, T['S_next_B'], d_next_B)
+        # M_next_B_new = 0.9*M_next_B + 0.1*d_next_B   (computed with the next statement)
+        M_next_B_new = T['M_next_B']  # in place: the new M_next_B
+        # next_B_new = next_B*(-lr*decay + 1) - lr*M_next_B_new/(bias1*(sqrt(S_next_B_new)/sqrt(bias2) + 1.0e-8))
+        next_B_new = T['next_B']  # in place: the new next_B
+        rt.ew_pair((ew_scale_add, M_next_B_new, T['M_next_B'], d_next_B),
+                   (ew_mul_sub_recip_sqrt, next_B_new, T['next_B'], lr, bias1, M_next_B_new, S_next_B_new, bias2, decay))
+        # free d_next_B
+        del d_next_B
+        mem.free(39)
+        # d_ln = reshape[32x64x64](d_next_reshape)
+        d_ln = rt.reshape(d_next_reshape, shape=(32, 64, 64))
+
+        # ---- ln (layer norm over the last 1 axes), backward ----
+        # d_ln_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](ln_add, d_ln)
+        d_ln_layer_norm_param_grad = mem.tensor(41, (2, 64), 'float32')
+        rt.layer_norm_param_grad(ln_add, d_ln, out=d_ln_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
+        # d_ln_add = layer_norm_grad[axes=1,eps=1e-05](ln_add, d_ln, ln_W)
+        d_ln_add = d_ln  # in place: over d_ln
+        rt.layer_norm_grad(ln_add, d_ln, T['ln_W'], out=d_ln_add, axes=1, eps=1e-05)
+        # free block2_fc2_matmul, block2_fc2_add, block2_fc2, ln_add
+        del block2_fc2_matmul, block2_fc2_add, block2_fc2, ln_add
+        mem.free(32)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
+        # d_block2_fc2_add = reshape[2048x64](d_ln_add)
+        d_block2_fc2_add = rt.reshape(d_ln_add, shape=(2048, 64))
+        # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
+        d_block2_fc2_W = mem.tensor(42, (64, 256), 'float32')
+        rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True)
+        # free block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_gelu, block2_fc2_reshape
+        mem.free(31)
+        # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
+        S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
+        rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
+        # M_block2_fc2_W_new = 0.9*M_block2_fc2_W + 0.1*d_block2_fc2_W
+        M_block2_fc2_W_new = T['M_block2_fc2_W']  # in place: the new M_block2_fc2_W
+        rt.ew(ew_scale_add, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
+        # free d_block2_fc2_W
+        del d_block2_fc2_W
+        mem.free(42)
+        # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
+        d_block2_fc2_B = mem.tensor(43, (64,), 'float32')
+        rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
+        # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
+        S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
+        rt.ew(ew_square_scale_add, S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B)
+        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the next statement)
+        M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
+        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
+        rt.ew_pair((ew_scale_add, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
+        # free d_block2_fc2_B
+        del d_block2_fc2_B
+        mem.free(43)
+
+        # ---- ln (layer norm over the last 1 axes), backward ----
+        # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
+        d_ln_slice = mem.tensor(44, (1, 64), 'float32')
+        rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice, axis=0, start=0, stop=1)
+        # d_ln_slice_2 = slice[axis=0,start=1,stop=2](d_ln_layer_norm_param_grad)
+        d_ln_slice_2 = mem.tensor(45, (1, 64), 'float32')
+        rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice_2, axis=0, start=1, stop=2)
+        # free d_ln_layer_norm_param_grad
+        del d_ln_layer_norm_param_grad
+        mem.free(41)
+        # d_ln_W = reshape[64](d_ln_slice)
+        d_ln_W = rt.reshape(d_ln_slice, shape=(64,))
+        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
+        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
+        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
+        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the next statement)
+        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
+        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
+        ln_W_new = T['ln_W']  # in place: the new ln_W
+        rt.ew_pair((ew_scale_add, M_ln_W_new, T['M_ln_W'], d_ln_W),
+                   (ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay))
+        # free d_ln_slice, d_ln_W
+        del d_ln_slice, d_ln_W
+        mem.free(44)
+        # d_ln_B = reshape[64](d_ln_slice_2)
+        d_ln_B = rt.reshape(d_ln_slice_2, shape=(64,))
+        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
+        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
+        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
+        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
+        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
+        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
+        ln_B_new = T['ln_B']  # in place: the new ln_B
+        rt.ew_pair((ew_scale_add, M_ln_B_new, T['M_ln_B'], d_ln_B),
+                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
+        # free d_ln_slice_2, d_ln_B
+        del d_ln_slice_2, d_ln_B
+        mem.free(45)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
+        # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
+        d_block2_fc2_reshape = mem.tensor(46, (2048, 256), 'float32')
+        rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
+        # d_block2_fc1_gelu = reshape[32x64x256](d_block2_fc2_reshape)
+        d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(32, 64, 256))
+
+        # ---- block2_fc1_gelu (gelu), backward ----
+        # d_block2_fc1 = d_block2_fc1_gelu*(sqrt(2)*block2_fc1*exp(-block2_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block2_fc1/2)/2 + 1/2)
+        d_block2_fc1 = d_block2_fc1_gelu  # in place: over d_block2_fc1_gelu
+        rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
+        # free block2_fc1_matmul, block2_fc1_add, block2_fc1
+        del block2_fc1_matmul, block2_fc1_add, block2_fc1
+        mem.free(30)
+
+        # ---- block2_fc1 (fully connected, 256 outputs), backward ----
+        # d_block2_fc1_add = reshape[2048x256](d_block2_fc1)
+        d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(2048, 256))
+        # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
+        d_block2_fc1_W = mem.tensor(47, (256, 64), 'float32')
+        rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True)
+        # free block2_ln2, block2_fc1_reshape
+        del block2_ln2, block2_fc1_reshape
+        mem.free(29)
+        # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
+        S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
+        rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
+        # M_block2_fc1_W_new = 0.9*M_block2_fc1_W + 0.1*d_block2_fc1_W
+        M_block2_fc1_W_new = T['M_block2_fc1_W']  # in place: the new M_block2_fc1_W
+        rt.ew(ew_scale_add, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
+        # free d_block2_fc1_W
+        del d_block2_fc1_W
+        mem.free(47)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
+        # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc2_W_new = T['block2_fc2_W']  # in place: the new block2_fc2_W
+        rt.ew(ew_mul_sub_recip_sqrt, block2_fc2_W_new, T['block2_fc2_W'], lr, bias1, M_block2_fc2_W_new, S_block2_fc2_W_new, bias2, decay)
+
+        # ---- block2_fc1 (fully connected, 256 outputs), backward ----
+        # d_block2_fc1_B = sum_to[256](d_block2_fc1_add)
+        d_block2_fc1_B = mem.tensor(48, (256,), 'float32')
+        rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(256,))
+        # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
+        d_block2_fc1_reshape = mem.tensor(49, (2048, 64), 'float32')
+        rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
+        # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
+        del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
+        mem.free(46)
+        # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
+        rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay)
+        # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2
+        S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
+        rt.ew(ew_square_scale_add, S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B)
+        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the next statement)
+        M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
+        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
+        rt.ew_pair((ew_scale_add, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
+        # free d_block2_fc1_B
+        del d_block2_fc1_B
+        mem.free(48)
+        # d_block2_ln2 = reshape[32x64x64](d_block2_fc1_reshape)
+        d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(32, 64, 64))
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2)
+        d_block2_ln2_layer_norm_param_grad = mem.tensor(50, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block2_ln2_add, d_block2_ln2, out=d_block2_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
+        # d_block2_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2, block2_ln2_W)
+        d_block2_ln2_add = d_block2_ln2  # in place: over d_block2_ln2
+        rt.layer_norm_grad(block2_ln2_add, d_block2_ln2, T['block2_ln2_W'], out=d_block2_ln2_add, axes=1, eps=1e-05)
+        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
+        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
+        mem.free(28)
+        # d_block2_ln2_add_2 = d_ln_add + d_block2_ln2_add
+        d_block2_ln2_add_2 = d_ln_add  # in place: over d_ln_add
+        rt.ew(ew_add, d_block2_ln2_add_2, d_ln_add, d_block2_ln2_add)
+        # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
+        del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
+        mem.free(49)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
+        # d_block2_attn_out_add = reshape[2048x64](d_block2_ln2_add_2)
+        d_block2_attn_out_add = rt.reshape(d_block2_ln2_add_2, shape=(2048, 64))
+        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
+        d_block2_attn_out_W = mem.tensor(51, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
+        # free block2_attn_out_transpose, block2_attn_out_reshape
+        del block2_attn_out_transpose, block2_attn_out_reshape
+        mem.free(27)
+        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
+        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
+        rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
+        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W
+        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
+        rt.ew(ew_scale_add, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
+        # free d_block2_attn_out_W
+        del d_block2_attn_out_W
+        mem.free(51)
+        # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
+        d_block2_attn_out_B = mem.tensor(52, (64,), 'float32')
+        rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
+        # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
+        S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
+        rt.ew(ew_square_scale_add, S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B)
+        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the next statement)
+        M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
+        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
+        rt.ew_pair((ew_scale_add, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
+        # free d_block2_attn_out_B
+        del d_block2_attn_out_B
+        mem.free(52)
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln2_slice = slice[axis=0,start=0,stop=1](d_block2_ln2_layer_norm_param_grad)
+        d_block2_ln2_slice = mem.tensor(53, (1, 64), 'float32')
+        rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice, axis=0, start=0, stop=1)
+        # d_block2_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln2_layer_norm_param_grad)
+        d_block2_ln2_slice_2 = mem.tensor(54, (1, 64), 'float32')
+        rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice_2, axis=0, start=1, stop=2)
+        # free d_block2_ln2_layer_norm_param_grad
+        del d_block2_ln2_layer_norm_param_grad
+        mem.free(50)
+        # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
+        d_block2_ln2_W = rt.reshape(d_block2_ln2_slice, shape=(64,))
+        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
+        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
+        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
+        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the next statement)
+        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
+        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
+        rt.ew_pair((ew_scale_add, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay))
+        # free d_block2_ln2_slice, d_block2_ln2_W
+        del d_block2_ln2_slice, d_block2_ln2_W
+        mem.free(53)
+        # d_block2_ln2_B = reshape[64](d_block2_ln2_slice_2)
+        d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
+        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
+        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
+        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
+        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
+        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
+        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
+        rt.ew_pair((ew_scale_add, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
+        # free d_block2_ln2_slice_2, d_block2_ln2_B
+        del d_block2_ln2_slice_2, d_block2_ln2_B
+        mem.free(54)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
+        # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
+        d_block2_attn_out_reshape = mem.tensor(55, (2048, 64), 'float32')
+        rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
+        # d_block2_attn_out_transpose = reshape[32x64x4x16](d_block2_attn_out_reshape)
+        d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(32, 64, 4, 16))
+        # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
+        d_block2_attn = mem.tensor(56, (32, 4, 64, 16), 'float32')
+        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
+        # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        del d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        mem.free(55)
+
+        # ---- block2_attn (causal scaled dot-product attention), backward ----
+        # d_block2_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, block2_attn_mask)
+        d_block2_attn_attention_grad = mem.tensor(57, (393216,), 'float32')
+        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, mask=block2_attn_mask, out=d_block2_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
+        # free block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        del block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        mem.free(2, 21, 23, 25, 26, 56)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
+        # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
+        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay)
+
+        # ---- block2_attn (causal scaled dot-product attention), backward ----
+        # d_block2_attn_slice = slice[axis=0,start=0,stop=131072](d_block2_attn_attention_grad)
+        d_block2_attn_slice = mem.tensor(58, (131072,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=131072)
+        # d_block2_attn_transpose = reshape[32x4x64x16](d_block2_attn_slice)
+        d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(32, 4, 64, 16))
+        # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
+        d_block2_attn_reshape = mem.tensor(59, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
+        # free d_block2_attn_slice, d_block2_attn_transpose
+        del d_block2_attn_slice, d_block2_attn_transpose
+        mem.free(58)
+        # d_block2_attn_q_add = reshape[2048x64](d_block2_attn_reshape)
+        d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(2048, 64))
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
+        d_block2_attn_q_B = mem.tensor(60, (64,), 'float32')
+        rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
+        # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
+        S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
+        rt.ew(ew_square_scale_add, S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B)
+        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the next statement)
+        M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
+        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
+        rt.ew_pair((ew_scale_add, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
+        # free d_block2_attn_q_B
+        del d_block2_attn_q_B
+        mem.free(60)
+        # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
+        d_block2_attn_q_W = mem.tensor(61, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
+        d_block2_attn_q_reshape = mem.tensor(62, (2048, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
+        # free d_block2_attn_reshape, d_block2_attn_q_add
+        del d_block2_attn_reshape, d_block2_attn_q_add
+        mem.free(59)
+        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
+        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
+        rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
+        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the next statement)
+        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
+        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
+        rt.ew_pair((ew_scale_add, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
+        # free d_block2_attn_q_W
+        del d_block2_attn_q_W
+        mem.free(61)
+
+        # ---- block2_attn (causal scaled dot-product attention), backward ----
+        # d_block2_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block2_attn_attention_grad)
+        d_block2_attn_slice_2 = mem.tensor(63, (131072,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=131072, stop=262144)
+        # d_block2_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block2_attn_attention_grad)
+        d_block2_attn_slice_3 = mem.tensor(64, (131072,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=262144, stop=393216)
+        # free d_block2_attn_attention_grad
+        del d_block2_attn_attention_grad
+        mem.free(57)
+        # d_block2_attn_transpose_2 = reshape[32x4x64x16](d_block2_attn_slice_2)
+        d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(32, 4, 64, 16))
+        # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
+        d_block2_attn_reshape_2 = mem.tensor(65, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
+        # free d_block2_attn_slice_2, d_block2_attn_transpose_2
+        del d_block2_attn_slice_2, d_block2_attn_transpose_2
+        mem.free(63)
+        # d_block2_attn_transpose_3 = reshape[32x4x64x16](d_block2_attn_slice_3)
+        d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(32, 4, 64, 16))
+        # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
+        d_block2_attn_reshape_3 = mem.tensor(66, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
+        # free d_block2_attn_slice_3, d_block2_attn_transpose_3
+        del d_block2_attn_slice_3, d_block2_attn_transpose_3
+        mem.free(64)
+        # d_block2_attn_v_add = reshape[2048x64](d_block2_attn_reshape_3)
+        d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(2048, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
+        d_block2_attn_v_B = mem.tensor(67, (64,), 'float32')
+        rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
+        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
+        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
+        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
+        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
+        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
+        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
+        rt.ew_pair((ew_scale_add, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
+        # free d_block2_attn_v_B
+        del d_block2_attn_v_B
+        mem.free(67)
+
+        # ---- block2_attn (causal scaled dot-product attention), backward ----
+        # d_block2_attn_k_matmul = reshape[2048x64](d_block2_attn_reshape_2)
+        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_reshape_2, shape=(2048, 64))
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
+        d_block2_attn_k_W = mem.tensor(68, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
+        d_block2_attn_v_W = mem.tensor(69, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
+        # free block2_ln1, block2_attn_q_reshape
+        del block2_ln1, block2_attn_q_reshape
+        mem.free(19)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
+        d_block2_attn_q_reshape_2 = mem.tensor(70, (2048, 64), 'float32')
+        rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
+        # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
+        del d_block2_attn_reshape_2, d_block2_attn_k_matmul
+        mem.free(65)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
+        d_block2_attn_q_reshape_3 = mem.tensor(71, (2048, 64), 'float32')
+        rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
+        # free d_block2_attn_reshape_3, d_block2_attn_v_add
+        del d_block2_attn_reshape_3, d_block2_attn_v_add
+        mem.free(66)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
+        d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3  # in place: over d_block2_attn_q_reshape_3
+        rt.ew(ew_add_3, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
+        # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
+        del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
+        mem.free(62, 70)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
+        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
+        rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
+        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the next statement)
+        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
+        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
+        rt.ew_pair((ew_scale_add, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
+        # free d_block2_attn_k_W
+        del d_block2_attn_k_W
+        mem.free(68)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
+        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
+        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
+        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
+        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
+        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
+        rt.ew_pair((ew_scale_add, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
+        # free d_block2_attn_v_W
+        del d_block2_attn_v_W
+        mem.free(69)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_ln1 = reshape[32x64x64](d_block2_attn_q_reshape_4)
+        d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(32, 64, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1)
+        d_block2_ln1_layer_norm_param_grad = mem.tensor(72, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block2_ln1_add, d_block2_ln1, out=d_block2_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
+        # d_block2_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1, block2_ln1_W)
+        d_block2_ln1_add = d_block2_ln1  # in place: over d_block2_ln1
+        rt.layer_norm_grad(block2_ln1_add, d_block2_ln1, T['block2_ln1_W'], out=d_block2_ln1_add, axes=1, eps=1e-05)
+        # free block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
+        del block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
+        mem.free(18)
+        # d_block2_ln1_add_2 = d_block2_ln2_add_2 + d_block2_ln1_add
+        d_block2_ln1_add_2 = d_block2_ln2_add_2  # in place: over d_block2_ln2_add_2
+        rt.ew(ew_add, d_block2_ln1_add_2, d_block2_ln2_add_2, d_block2_ln1_add)
+        # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
+        del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
+        mem.free(71)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
+        # d_block1_fc2_add = reshape[2048x64](d_block2_ln1_add_2)
+        d_block1_fc2_add = rt.reshape(d_block2_ln1_add_2, shape=(2048, 64))
+        # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
+        d_block1_fc2_W = mem.tensor(73, (64, 256), 'float32')
+        rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True)
+        # free block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_gelu, block1_fc2_reshape
+        mem.free(17)
+        # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
+        S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
+        rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
+        # M_block1_fc2_W_new = 0.9*M_block1_fc2_W + 0.1*d_block1_fc2_W
+        M_block1_fc2_W_new = T['M_block1_fc2_W']  # in place: the new M_block1_fc2_W
+        rt.ew(ew_scale_add, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
+        # free d_block1_fc2_W
+        del d_block1_fc2_W
+        mem.free(73)
+        # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
+        d_block1_fc2_B = mem.tensor(74, (64,), 'float32')
+        rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
+        # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
+        S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
+        rt.ew(ew_square_scale_add, S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B)
+        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the next statement)
+        M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
+        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
+        rt.ew_pair((ew_scale_add, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
+        # free d_block1_fc2_B
+        del d_block1_fc2_B
+        mem.free(74)
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
+        d_block2_ln1_slice = mem.tensor(75, (1, 64), 'float32')
+        rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice, axis=0, start=0, stop=1)
+        # d_block2_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln1_layer_norm_param_grad)
+        d_block2_ln1_slice_2 = mem.tensor(76, (1, 64), 'float32')
+        rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice_2, axis=0, start=1, stop=2)
+        # free d_block2_ln1_layer_norm_param_grad
+        del d_block2_ln1_layer_norm_param_grad
+        mem.free(72)
+        # d_block2_ln1_W = reshape[64](d_block2_ln1_slice)
+        d_block2_ln1_W = rt.reshape(d_block2_ln1_slice, shape=(64,))
+        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
+        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
+        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
+        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the next statement)
+        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
+        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
+        rt.ew_pair((ew_scale_add, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay))
+        # free d_block2_ln1_slice, d_block2_ln1_W
+        del d_block2_ln1_slice, d_block2_ln1_W
+        mem.free(75)
+        # d_block2_ln1_B = reshape[64](d_block2_ln1_slice_2)
+        d_block2_ln1_B = rt.reshape(d_block2_ln1_slice_2, shape=(64,))
+        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
+        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
+        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
+        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
+        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
+        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
+        rt.ew_pair((ew_scale_add, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
+        # free d_block2_ln1_slice_2, d_block2_ln1_B
+        del d_block2_ln1_slice_2, d_block2_ln1_B
+        mem.free(76)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
+        # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
+        d_block1_fc2_reshape = mem.tensor(77, (2048, 256), 'float32')
+        rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
+        # d_block1_fc1_gelu = reshape[32x64x256](d_block1_fc2_reshape)
+        d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(32, 64, 256))
+
+        # ---- block1_fc1_gelu (gelu), backward ----
+        # d_block1_fc1 = d_block1_fc1_gelu*(sqrt(2)*block1_fc1*exp(-block1_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block1_fc1/2)/2 + 1/2)
+        d_block1_fc1 = d_block1_fc1_gelu  # in place: over d_block1_fc1_gelu
+        rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
+        # free block1_fc1_matmul, block1_fc1_add, block1_fc1
+        del block1_fc1_matmul, block1_fc1_add, block1_fc1
+        mem.free(16)
+
+        # ---- block1_fc1 (fully connected, 256 outputs), backward ----
+        # d_block1_fc1_add = reshape[2048x256](d_block1_fc1)
+        d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(2048, 256))
+        # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
+        d_block1_fc1_W = mem.tensor(78, (256, 64), 'float32')
+        rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True)
+        # free block1_ln2, block1_fc1_reshape
+        del block1_ln2, block1_fc1_reshape
+        mem.free(15)
+        # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
+        S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
+        rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
+        # M_block1_fc1_W_new = 0.9*M_block1_fc1_W + 0.1*d_block1_fc1_W
+        M_block1_fc1_W_new = T['M_block1_fc1_W']  # in place: the new M_block1_fc1_W
+        rt.ew(ew_scale_add, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
+        # free d_block1_fc1_W
+        del d_block1_fc1_W
+        mem.free(78)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
+        # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc2_W_new = T['block1_fc2_W']  # in place: the new block1_fc2_W
+        rt.ew(ew_mul_sub_recip_sqrt, block1_fc2_W_new, T['block1_fc2_W'], lr, bias1, M_block1_fc2_W_new, S_block1_fc2_W_new, bias2, decay)
+
+        # ---- block1_fc1 (fully connected, 256 outputs), backward ----
+        # d_block1_fc1_B = sum_to[256](d_block1_fc1_add)
+        d_block1_fc1_B = mem.tensor(79, (256,), 'float32')
+        rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(256,))
+        # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
+        d_block1_fc1_reshape = mem.tensor(80, (2048, 64), 'float32')
+        rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
+        # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
+        del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
+        mem.free(77)
+        # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
+        rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay)
+        # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2
+        S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
+        rt.ew(ew_square_scale_add, S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B)
+        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the next statement)
+        M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
+        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
+        rt.ew_pair((ew_scale_add, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
+        # free d_block1_fc1_B
+        del d_block1_fc1_B
+        mem.free(79)
+        # d_block1_ln2 = reshape[32x64x64](d_block1_fc1_reshape)
+        d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(32, 64, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2)
+        d_block1_ln2_layer_norm_param_grad = mem.tensor(81, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block1_ln2_add_2, d_block1_ln2, out=d_block1_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
+        # d_block1_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2, block1_ln2_W)
+        d_block1_ln2_add = d_block1_ln2  # in place: over d_block1_ln2
+        rt.layer_norm_grad(block1_ln2_add_2, d_block1_ln2, T['block1_ln2_W'], out=d_block1_ln2_add, axes=1, eps=1e-05)
+        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
+        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
+        mem.free(14)
+        # d_block1_ln2_add_2 = d_block2_ln1_add_2 + d_block1_ln2_add
+        d_block1_ln2_add_2 = d_block2_ln1_add_2  # in place: over d_block2_ln1_add_2
+        rt.ew(ew_add, d_block1_ln2_add_2, d_block2_ln1_add_2, d_block1_ln2_add)
+        # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
+        del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
+        mem.free(80)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        # d_block1_attn_out_add = reshape[2048x64](d_block1_ln2_add_2)
+        d_block1_attn_out_add = rt.reshape(d_block1_ln2_add_2, shape=(2048, 64))
+        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
+        d_block1_attn_out_W = mem.tensor(82, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block1_attn_out_transpose, block1_attn_out_reshape
         del block1_attn_out_transpose, block1_attn_out_reshape
         mem.free(13)
+        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
+        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
+        rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
+        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W
+        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
+        rt.ew(ew_scale_add, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
+        # free d_block1_attn_out_W
+        del d_block1_attn_out_W
+        mem.free(82)
+        # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
+        d_block1_attn_out_B = mem.tensor(83, (64,), 'float32')
+        rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
+        # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
+        S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
+        rt.ew(ew_square_scale_add, S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B)
+        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the next statement)
+        M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
+        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
+        rt.ew_pair((ew_scale_add, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
+        # free d_block1_attn_out_B
+        del d_block1_attn_out_B
+        mem.free(83)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln2_slice = slice[axis=0,start=0,stop=1](d_block1_ln2_layer_norm_param_grad)
+        d_block1_ln2_slice = mem.tensor(84, (1, 64), 'float32')
+        rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice, axis=0, start=0, stop=1)
+        # d_block1_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln2_layer_norm_param_grad)
+        d_block1_ln2_slice_2 = mem.tensor(85, (1, 64), 'float32')
+        rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice_2, axis=0, start=1, stop=2)
+        # free d_block1_ln2_layer_norm_param_grad
+        del d_block1_ln2_layer_norm_param_grad
+        mem.free(81)
+        # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
+        d_block1_ln2_W = rt.reshape(d_block1_ln2_slice, shape=(64,))
+        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
+        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
+        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
+        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the next statement)
+        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
+        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
+        rt.ew_pair((ew_scale_add, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay))
+        # free d_block1_ln2_slice, d_block1_ln2_W
+        del d_block1_ln2_slice, d_block1_ln2_W
+        mem.free(84)
+        # d_block1_ln2_B = reshape[64](d_block1_ln2_slice_2)
+        d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
+        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
+        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
+        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
+        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
+        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
+        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
+        rt.ew_pair((ew_scale_add, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
+        # free d_block1_ln2_slice_2, d_block1_ln2_B
+        del d_block1_ln2_slice_2, d_block1_ln2_B
+        mem.free(85)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
+        d_block1_attn_out_reshape = mem.tensor(86, (2048, 64), 'float32')
+        rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
+        # d_block1_attn_out_transpose = reshape[32x64x4x16](d_block1_attn_out_reshape)
+        d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(32, 64, 4, 16))
+        # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
+        d_block1_attn = mem.tensor(87, (32, 4, 64, 16), 'float32')
+        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
+        # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        del d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        mem.free(86)
+
+        # ---- block1_attn (causal scaled dot-product attention), backward ----
+        # d_block1_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, block1_attn_mask)
+        d_block1_attn_attention_grad = mem.tensor(88, (393216,), 'float32')
+        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, mask=block1_attn_mask, out=d_block1_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
+        # free block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        del block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        mem.free(3, 7, 9, 11, 12, 87)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
+        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay)
+
+        # ---- block1_attn (causal scaled dot-product attention), backward ----
+        # d_block1_attn_slice = slice[axis=0,start=0,stop=131072](d_block1_attn_attention_grad)
+        d_block1_attn_slice = mem.tensor(89, (131072,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=131072)
+        # d_block1_attn_transpose = reshape[32x4x64x16](d_block1_attn_slice)
+        d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(32, 4, 64, 16))
+        # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
+        d_block1_attn_reshape = mem.tensor(90, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
+        # free d_block1_attn_slice, d_block1_attn_transpose
+        del d_block1_attn_slice, d_block1_attn_transpose
+        mem.free(89)
+        # d_block1_attn_q_add = reshape[2048x64](d_block1_attn_reshape)
+        d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(2048, 64))
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
+        d_block1_attn_q_B = mem.tensor(91, (64,), 'float32')
+        rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
+        # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
+        S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
+        rt.ew(ew_square_scale_add, S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B)
+        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the next statement)
+        M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
+        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
+        rt.ew_pair((ew_scale_add, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
+        # free d_block1_attn_q_B
+        del d_block1_attn_q_B
+        mem.free(91)
+        # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
+        d_block1_attn_q_W = mem.tensor(92, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
+        d_block1_attn_q_reshape = mem.tensor(93, (2048, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
+        # free d_block1_attn_reshape, d_block1_attn_q_add
+        del d_block1_attn_reshape, d_block1_attn_q_add
+        mem.free(90)
+        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
+        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
+        rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
+        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the next statement)
+        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
+        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
+        rt.ew_pair((ew_scale_add, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
+        # free d_block1_attn_q_W
+        del d_block1_attn_q_W
+        mem.free(92)
+
+        # ---- block1_attn (causal scaled dot-product attention), backward ----
+        # d_block1_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block1_attn_attention_grad)
+        d_block1_attn_slice_2 = mem.tensor(94, (131072,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=131072, stop=262144)
+        # d_block1_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block1_attn_attention_grad)
+        d_block1_attn_slice_3 = mem.tensor(95, (131072,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=262144, stop=393216)
+        # free d_block1_attn_attention_grad
+        del d_block1_attn_attention_grad
+        mem.free(88)
+        # d_block1_attn_transpose_2 = reshape[32x4x64x16](d_block1_attn_slice_2)
+        d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(32, 4, 64, 16))
+        # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
+        d_block1_attn_reshape_2 = mem.tensor(96, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
+        # free d_block1_attn_slice_2, d_block1_attn_transpose_2
+        del d_block1_attn_slice_2, d_block1_attn_transpose_2
+        mem.free(94)
+        # d_block1_attn_transpose_3 = reshape[32x4x64x16](d_block1_attn_slice_3)
+        d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(32, 4, 64, 16))
+        # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
+        d_block1_attn_reshape_3 = mem.tensor(97, (32, 64, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
+        # free d_block1_attn_slice_3, d_block1_attn_transpose_3
+        del d_block1_attn_slice_3, d_block1_attn_transpose_3
+        mem.free(95)
+        # d_block1_attn_v_add = reshape[2048x64](d_block1_attn_reshape_3)
+        d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(2048, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
+        d_block1_attn_v_B = mem.tensor(98, (64,), 'float32')
+        rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
+        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
+        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
+        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
+        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
+        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
+        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
+        rt.ew_pair((ew_scale_add, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
+        # free d_block1_attn_v_B
+        del d_block1_attn_v_B
+        mem.free(98)
+
+        # ---- block1_attn (causal scaled dot-product attention), backward ----
+        # d_block1_attn_k_matmul = reshape[2048x64](d_block1_attn_reshape_2)
+        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_reshape_2, shape=(2048, 64))
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
+        d_block1_attn_k_W = mem.tensor(99, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
+        d_block1_attn_v_W = mem.tensor(100, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
+        # free block1_ln1, block1_attn_q_reshape
+        del block1_ln1, block1_attn_q_reshape
+        mem.free(5)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
+        d_block1_attn_q_reshape_2 = mem.tensor(101, (2048, 64), 'float32')
+        rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
+        # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
+        del d_block1_attn_reshape_2, d_block1_attn_k_matmul
+        mem.free(96)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
+        d_block1_attn_q_reshape_3 = mem.tensor(102, (2048, 64), 'float32')
+        rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
+        # free d_block1_attn_reshape_3, d_block1_attn_v_add
+        del d_block1_attn_reshape_3, d_block1_attn_v_add
+        mem.free(97)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
+        d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3  # in place: over d_block1_attn_q_reshape_3
+        rt.ew(ew_add_3, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
+        # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
+        del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
+        mem.free(93, 101)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
+        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
+        rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
+        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the next statement)
+        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
+        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
+        rt.ew_pair((ew_scale_add, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
+        # free d_block1_attn_k_W
+        del d_block1_attn_k_W
+        mem.free(99)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
+        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
+        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
+        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
+        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
+        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
+        rt.ew_pair((ew_scale_add, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
+        # free d_block1_attn_v_W
+        del d_block1_attn_v_W
+        mem.free(100)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_ln1 = reshape[32x64x64](d_block1_attn_q_reshape_4)
+        d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(32, 64, 64))
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1)
+        d_block1_ln1_layer_norm_param_grad = mem.tensor(103, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block1_ln2_add, d_block1_ln1, out=d_block1_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
+        # d_block1_ln2_add_3 = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1, block1_ln1_W)
+        d_block1_ln2_add_3 = d_block1_ln1  # in place: over d_block1_ln1
+        rt.layer_norm_grad(block1_ln2_add, d_block1_ln1, T['block1_ln1_W'], out=d_block1_ln2_add_3, axes=1, eps=1e-05)
+        # free embed_gather_rows, embed, block1_ln2_add
+        del embed_gather_rows, embed, block1_ln2_add
+        mem.free(4)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln2_add_4 = d_block1_ln2_add_2 + d_block1_ln2_add_3
+        d_block1_ln2_add_4 = d_block1_ln2_add_2  # in place: over d_block1_ln2_add_2
+        rt.ew(ew_add, d_block1_ln2_add_4, d_block1_ln2_add_2, d_block1_ln2_add_3)
+        # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
+        del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
+        mem.free(102)
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln1_slice = slice[axis=0,start=0,stop=1](d_block1_ln1_layer_norm_param_grad)
+        d_block1_ln1_slice = mem.tensor(104, (1, 64), 'float32')
+        rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice, axis=0, start=0, stop=1)
+        # d_block1_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln1_layer_norm_param_grad)
+        d_block1_ln1_slice_2 = mem.tensor(105, (1, 64), 'float32')
+        rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice_2, axis=0, start=1, stop=2)
+        # free d_block1_ln1_layer_norm_param_grad
+        del d_block1_ln1_layer_norm_param_grad
+        mem.free(103)
+        # d_block1_ln1_W = reshape[64](d_block1_ln1_slice)
+        d_block1_ln1_W = rt.reshape(d_block1_ln1_slice, shape=(64,))
+        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
+        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
+        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
+        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W   (computed with the next statement)
+        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
+        # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
+        rt.ew_pair((ew_scale_add, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay))
+        # free d_block1_ln1_slice, d_block1_ln1_W
+        del d_block1_ln1_slice, d_block1_ln1_W
+        mem.free(104)
+        # d_block1_ln1_B = reshape[64](d_block1_ln1_slice_2)
+        d_block1_ln1_B = rt.reshape(d_block1_ln1_slice_2, shape=(64,))
+        # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
+        S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
+        rt.ew(ew_square_scale_add, S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B)
+        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the next statement)
+        M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
+        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
+        rt.ew_pair((ew_scale_add, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
+        # free d_block1_ln1_slice_2, d_block1_ln1_B
+        del d_block1_ln1_slice_2, d_block1_ln1_B
+        mem.free(105)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        # d_pos = sum_to[1x64x64](d_block1_ln2_add_4)
+        d_pos = mem.tensor(106, (1, 64, 64), 'float32')
+        rt.sum_to(d_block1_ln2_add_4, out=d_pos, shape=(1, 64, 64))
+
+        # ---- embed (embedding of 256 tokens in 64 features), backward ----
+        # d_embed_gather_rows = reshape[2048x64](d_block1_ln2_add_4)
+        d_embed_gather_rows = rt.reshape(d_block1_ln2_add_4, shape=(2048, 64))
+        # d_embed_W = scatter_rows[rows=256](d_embed_gather_rows, embed_reshape)
+        d_embed_W = mem.tensor(107, (256, 64), 'float32')
+        rt.scatter_rows(d_embed_gather_rows, embed_reshape, out=d_embed_W, rows=256)
+        # free x, embed_reshape, d_next_reshape, d_ln, d_ln_add, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4, d_embed_gather_rows
+        del x, embed_reshape, d_next_reshape, d_ln, d_ln_add, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4, d_embed_gather_rows
+        mem.free(0, 40)
+        # S_embed_W_new = 0.999*S_embed_W + 0.001*d_embed_W**2
+        S_embed_W_new = T['S_embed_W']  # in place: the new S_embed_W
+        rt.ew(ew_square_scale_add, S_embed_W_new, T['S_embed_W'], d_embed_W)
+        # M_embed_W_new = 0.9*M_embed_W + 0.1*d_embed_W   (computed with the next statement)
+        M_embed_W_new = T['M_embed_W']  # in place: the new M_embed_W
+        # embed_W_new = embed_W*(-lr*decay + 1) - lr*M_embed_W_new/(bias1*(sqrt(S_embed_W_new)/sqrt(bias2) + 1.0e-8))
+        embed_W_new = T['embed_W']  # in place: the new embed_W
+        rt.ew_pair((ew_scale_add, M_embed_W_new, T['M_embed_W'], d_embed_W),
+                   (ew_mul_sub_recip_sqrt, embed_W_new, T['embed_W'], lr, bias1, M_embed_W_new, S_embed_W_new, bias2, decay))
+        # free d_embed_W
+        del d_embed_W
+        mem.free(107)
+
+        # ---- pos (parameter 1x64x64), backward ----
+        # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
+        S_pos_new = T['S_pos']  # in place: the new S_pos
+        rt.ew(ew_square_scale_add, S_pos_new, T['S_pos'], d_pos)
+        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (computed with the next statement)
+        M_pos_new = T['M_pos']  # in place: the new M_pos
+        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
+        pos_new = T['pos']  # in place: the new pos
+        rt.ew_pair((ew_scale_add, M_pos_new, T['M_pos'], d_pos),
+                   (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
+        # free d_pos
+        del d_pos
+        mem.free(106)
+        loss = rt.scalar(next_cross_entropy)
+        mem.end()
+        return loss
+
+    def test_step(self, x, y):
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
+        rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
+        x = mem.load(0, x)
+        y = mem.load(1, y)
+
+        # ---- embed (embedding of 256 tokens in 64 features), forward ----
+        # embed_reshape = reshape[2048](x)
+        embed_reshape = rt.reshape(x, shape=(2048,))
+        # embed_gather_rows = gather_rows(embed_W, embed_reshape)
+        embed_gather_rows = mem.tensor(2, (2048, 64), 'float32')
+        rt.gather_rows(T['embed_W'], embed_reshape, out=embed_gather_rows)
+        # free x, embed_reshape
+        del x, embed_reshape
+        mem.free(0)
+        # embed = reshape[32x64x64](embed_gather_rows)
+        embed = rt.reshape(embed_gather_rows, shape=(32, 64, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_add = embed + pos
+        block1_ln2_add = embed  # in place: over embed
+        rt.ew(ew_add, block1_ln2_add, embed, T['pos'])
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
+        # block1_ln1 = layer_norm[axes=1,eps=1e-05](block1_ln2_add, block1_ln1_W, block1_ln1_B)
+        block1_ln1 = mem.tensor(3, (32, 64, 64), 'float32')
+        rt.layer_norm(block1_ln2_add, T['block1_ln1_W'], T['block1_ln1_B'], out=block1_ln1, axes=1, eps=1e-05)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_reshape = reshape[2048x64](block1_ln1)
+        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(2048, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
+        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
+        block1_attn_v_matmul = mem.tensor(4, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
+        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
+        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
+        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
+        block1_attn_transpose = mem.tensor(5, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        mem.free(4)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
+        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
+        block1_attn_k_matmul = mem.tensor(6, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
+
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
+        block1_attn_transpose_2 = mem.tensor(7, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
+        # free block1_attn_k_matmul, block1_attn_reshape_2
+        del block1_attn_k_matmul, block1_attn_reshape_2
+        mem.free(6)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
+        block1_attn_q_matmul = mem.tensor(8, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # free block1_ln1, block1_attn_q_reshape
+        del block1_ln1, block1_attn_q_reshape
+        mem.free(3)
+        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
+        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
+        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
+
+        # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
+        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
+        block1_attn_transpose_3 = mem.tensor(9, (32, 4, 64, 16), 'float32')
+        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(8)
+        # block1_attn = attention[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        block1_attn = mem.tensor(10, (32, 4, 64, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        mem.free(5, 7, 9)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
+        block1_attn_out_transpose = mem.tensor(11, (32, 64, 4, 16), 'float32')
+        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn
+        del block1_attn
+        mem.free(10)
+        # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
+        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
+        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
+        block1_attn_out_matmul = mem.tensor(12, (2048, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # free block1_attn_out_transpose, block1_attn_out_reshape
+        del block1_attn_out_transpose, block1_attn_out_reshape
+        mem.free(11)
         # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
         rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
@@ -1908,42 +1656,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
         del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(14)
-        # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(15, (32, 64, 1), 'float32')
-        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
-        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
-        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
-        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(16, (32, 64, 64), 'float32')
-        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(17, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
-                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln2_sum_to, block1_ln2_scale
-        del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(15)
-        # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
-        block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
-        # block1_ln2 = block1_ln2_sub*block1_ln2_rsqrt*block1_ln2_W + block1_ln2_B
-        block1_ln2 = block1_ln2_sub  # in place: over block1_ln2_sub
-        rt.ew(ew_mul_add_3, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
-        # free block1_ln2_sum_to_2, block1_ln2_rsqrt
-        del block1_ln2_sum_to_2, block1_ln2_rsqrt
-        mem.free(17)
+        mem.free(12)
+        # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
+        block1_ln2 = mem.tensor(13, (32, 64, 64), 'float32')
+        rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
 
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(18, (2048, 256), 'float32')
+        block1_fc1_matmul = mem.tensor(14, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
-        # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        del block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        mem.free(16)
+        # free block1_ln2, block1_fc1_reshape
+        del block1_ln2, block1_fc1_reshape
+        mem.free(13)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -1959,11 +1685,11 @@ class CharLm(rp.Model):
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(19, (2048, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(15, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(18)
+        mem.free(14)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -1976,32 +1702,10 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(19)
-        # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(20, (32, 64, 1), 'float32')
-        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
-        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
-        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
-        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(21, (32, 64, 64), 'float32')
-        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(22, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
-                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln1_sum_to, block2_ln1_scale
-        del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(20)
-        # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
-        block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
-        # block2_ln1 = block2_ln1_sub*block2_ln1_rsqrt*block2_ln1_W + block2_ln1_B
-        block2_ln1 = block2_ln1_sub  # in place: over block2_ln1_sub
-        rt.ew(ew_mul_add_3, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
-        # free block2_ln1_sum_to_2, block2_ln1_rsqrt
-        del block2_ln1_sum_to_2, block2_ln1_rsqrt
-        mem.free(22)
+        mem.free(15)
+        # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
+        block2_ln1 = mem.tensor(16, (32, 64, 64), 'float32')
+        rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
@@ -2009,7 +1713,7 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(23, (2048, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(17, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
@@ -2019,34 +1723,34 @@ class CharLm(rp.Model):
         # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
         block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
         # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(24, (32, 4, 64, 16), 'float32')
+        block2_attn_transpose = mem.tensor(18, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
         # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
         del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(23)
+        mem.free(17)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(25, (2048, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(19, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
         # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
         block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
         # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(26, (32, 4, 64, 16), 'float32')
+        block2_attn_transpose_2 = mem.tensor(20, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
         # free block2_attn_k_matmul, block2_attn_reshape_2
         del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(25)
+        mem.free(19)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(27, (2048, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(21, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
-        # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        mem.free(21)
+        # free block2_ln1, block2_attn_q_reshape
+        del block2_ln1, block2_attn_q_reshape
+        mem.free(16)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
@@ -2055,33 +1759,33 @@ class CharLm(rp.Model):
         # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
         block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
         # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(28, (32, 4, 64, 16), 'float32')
+        block2_attn_transpose_3 = mem.tensor(22, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
         # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
         del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(27)
+        mem.free(21)
         # block2_attn = attention[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(29, (32, 4, 64, 16), 'float32')
+        block2_attn = mem.tensor(23, (32, 4, 64, 16), 'float32')
         rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
         # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
         del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        mem.free(24, 26, 28)
+        mem.free(18, 20, 22)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(30, (32, 64, 4, 16), 'float32')
+        block2_attn_out_transpose = mem.tensor(24, (32, 64, 4, 16), 'float32')
         rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
         # free block2_attn
         del block2_attn
-        mem.free(29)
+        mem.free(23)
         # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
         block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
         # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(31, (2048, 64), 'float32')
+        block2_attn_out_matmul = mem.tensor(25, (2048, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
         # free block2_attn_out_transpose, block2_attn_out_reshape
         del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(30)
+        mem.free(24)
         # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
         rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
@@ -2094,42 +1798,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
         del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(31)
-        # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(32, (32, 64, 1), 'float32')
-        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
-        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
-        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
-        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(33, (32, 64, 64), 'float32')
-        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(34, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
-                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln2_sum_to, block2_ln2_scale
-        del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(32)
-        # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
-        block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
-        # block2_ln2 = block2_ln2_sub*block2_ln2_rsqrt*block2_ln2_W + block2_ln2_B
-        block2_ln2 = block2_ln2_sub  # in place: over block2_ln2_sub
-        rt.ew(ew_mul_add_3, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
-        # free block2_ln2_sum_to_2, block2_ln2_rsqrt
-        del block2_ln2_sum_to_2, block2_ln2_rsqrt
-        mem.free(34)
+        mem.free(25)
+        # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
+        block2_ln2 = mem.tensor(26, (32, 64, 64), 'float32')
+        rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
 
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(35, (2048, 256), 'float32')
+        block2_fc1_matmul = mem.tensor(27, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
-        # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        del block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        mem.free(33)
+        # free block2_ln2, block2_fc1_reshape
+        del block2_ln2, block2_fc1_reshape
+        mem.free(26)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -2145,11 +1827,11 @@ class CharLm(rp.Model):
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(36, (2048, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(28, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(35)
+        mem.free(27)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -2162,42 +1844,23 @@ class CharLm(rp.Model):
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(36)
-        # ln_sum_to = sum_to[32x64x1](ln_add)
-        ln_sum_to = mem.tensor(37, (32, 64, 1), 'float32')
-        rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
-        # ln_scale = 0.015625*ln_sum_to
-        ln_scale = ln_sum_to  # in place: over ln_sum_to
-        rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale   (computed with the next statement)
-        ln_sub = ln_add  # in place: over ln_add
-        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(38, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
-                      (ew_square, ln_sum_to_2, ln_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free ln_sum_to, ln_scale
-        del ln_sum_to, ln_scale
-        mem.free(37)
-        # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
-        ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
-        # ln = ln_sub*ln_rsqrt*ln_W + ln_B
-        ln = ln_sub  # in place: over ln_sub
-        rt.ew(ew_mul_add_3, ln, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'])
-        # free ln_sum_to_2, ln_rsqrt
-        del ln_sum_to_2, ln_rsqrt
-        mem.free(38)
+        mem.free(28)
+        # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
+        ln = mem.tensor(29, (32, 64, 64), 'float32')
+        rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
+        # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add
+        del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add
+        mem.free(2)
 
         # ---- next (fully connected, 256 outputs), forward ----
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(39, (2048, 256), 'float32')
+        next_matmul = mem.tensor(30, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
-        # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
-        del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
-        mem.free(2)
+        # free ln, next_reshape
+        del ln, next_reshape
+        mem.free(29)
         # next_add = next_matmul + next_B
         next_add = next_matmul  # in place: over next_matmul
         rt.ew(ew_add, next_add, next_matmul, T['next_B'])
@@ -2208,12 +1871,12 @@ class CharLm(rp.Model):
 
         # ---- next_precision (precision), forward ----
         # next_precision = precision(next_add, next_cross_entropy_reshape)
-        next_precision = mem.tensor(40, (), 'float32')
+        next_precision = mem.tensor(31, (), 'float32')
         rt.precision(next_add, next_cross_entropy_reshape, out=next_precision)
 
         # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
         # label_ranks = label_rank(next_add, next_cross_entropy_reshape)
-        label_ranks = mem.tensor(41, (2048,), 'float32')
+        label_ranks = mem.tensor(32, (2048,), 'float32')
         rt.label_rank(next_add, next_cross_entropy_reshape, out=label_ranks)
 
         # ---- next_cross_entropy (cross_entropy), forward ----
@@ -2221,20 +1884,20 @@ class CharLm(rp.Model):
         next_cross_entropy_log_softmax = next_add  # in place: over next_add
         rt.log_softmax(next_add, out=next_cross_entropy_log_softmax, workspace=mem.workspace(2097152))
         # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(42, (2048,), 'float32')
+        next_cross_entropy_pick = mem.tensor(33, (2048,), 'float32')
         rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
         # free y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
         del y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
-        mem.free(1, 39)
+        mem.free(1, 30)
         # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(43, (), 'float32')
+        next_cross_entropy_sum_to = mem.tensor(34, (), 'float32')
         rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
         # free next_cross_entropy_pick
         del next_cross_entropy_pick
-        mem.free(42)
+        mem.free(33)
         # next_cross_entropy = -next_cross_entropy_sum_to/2048
         next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
-        rt.ew(ew_scale_2, next_cross_entropy, next_cross_entropy_sum_to)
+        rt.ew(ew_scale, next_cross_entropy, next_cross_entropy_sum_to)
         accuracy = rt.scalar(next_precision)
         loss = rt.scalar(next_cross_entropy)
         ranks = rt.to_numpy(label_ranks)
@@ -2264,31 +1927,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_ln2_add, embed, T['pos'])
 
         # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_sum_to = sum_to[32x64x1](block1_ln2_add)
-        block1_ln1_sum_to = mem.tensor(2, (32, 64, 1), 'float32')
-        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(32, 64, 1))
-        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
-        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
-        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
-        block1_ln1_sub = mem.tensor(3, (32, 64, 64), 'float32')
-        # block1_ln1_sum_to_2 = sum_to[32x64x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(4, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
-                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln1_sum_to, block1_ln1_scale
-        del block1_ln1_sum_to, block1_ln1_scale
-        mem.free(2)
-        # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
-        block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
-        # block1_ln1 = block1_ln1_sub*block1_ln1_rsqrt*block1_ln1_W + block1_ln1_B
-        block1_ln1 = block1_ln1_sub  # in place: over block1_ln1_sub
-        rt.ew(ew_mul_add_3, block1_ln1, block1_ln1_sub, block1_ln1_rsqrt, T['block1_ln1_W'], T['block1_ln1_B'])
-        # free block1_ln1_sum_to_2, block1_ln1_rsqrt
-        del block1_ln1_sum_to_2, block1_ln1_rsqrt
-        mem.free(4)
+        # block1_ln1 = layer_norm[axes=1,eps=1e-05](block1_ln2_add, block1_ln1_W, block1_ln1_B)
+        block1_ln1 = mem.tensor(2, (32, 64, 64), 'float32')
+        rt.layer_norm(block1_ln2_add, T['block1_ln1_W'], T['block1_ln1_B'], out=block1_ln1, axes=1, eps=1e-05)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_reshape = reshape[2048x64](block1_ln1)
@@ -2296,7 +1937,7 @@ class CharLm(rp.Model):
 
         # ---- block1_attn_v (fully connected, 64 outputs), forward ----
         # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(5, (2048, 64), 'float32')
+        block1_attn_v_matmul = mem.tensor(3, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
         # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
@@ -2306,34 +1947,34 @@ class CharLm(rp.Model):
         # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
         block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
         # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(6, (32, 4, 64, 16), 'float32')
+        block1_attn_transpose = mem.tensor(4, (32, 4, 64, 16), 'float32')
         rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
         # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
         del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(5)
+        mem.free(3)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(7, (2048, 64), 'float32')
+        block1_attn_k_matmul = mem.tensor(5, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
         # ---- block1_attn (causal scaled dot-product attention), forward ----
         # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
         block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
         # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(8, (32, 4, 64, 16), 'float32')
+        block1_attn_transpose_2 = mem.tensor(6, (32, 4, 64, 16), 'float32')
         rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
         # free block1_attn_k_matmul, block1_attn_reshape_2
         del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(7)
+        mem.free(5)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(9, (2048, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(7, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
-        # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        mem.free(3)
+        # free block1_ln1, block1_attn_q_reshape
+        del block1_ln1, block1_attn_q_reshape
+        mem.free(2)
         # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
@@ -2342,33 +1983,33 @@ class CharLm(rp.Model):
         # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
         block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
         # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(10, (32, 4, 64, 16), 'float32')
+        block1_attn_transpose_3 = mem.tensor(8, (32, 4, 64, 16), 'float32')
         rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
         # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
         del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(9)
+        mem.free(7)
         # block1_attn = attention[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
-        block1_attn = mem.tensor(11, (32, 4, 64, 16), 'float32')
+        block1_attn = mem.tensor(9, (32, 4, 64, 16), 'float32')
         rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
         # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
         del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        mem.free(6, 8, 10)
+        mem.free(4, 6, 8)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(12, (32, 64, 4, 16), 'float32')
+        block1_attn_out_transpose = mem.tensor(10, (32, 64, 4, 16), 'float32')
         rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
         # free block1_attn
         del block1_attn
-        mem.free(11)
+        mem.free(9)
         # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
         block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
         # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(13, (2048, 64), 'float32')
+        block1_attn_out_matmul = mem.tensor(11, (2048, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
         # free block1_attn_out_transpose, block1_attn_out_reshape
         del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(12)
+        mem.free(10)
         # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
         rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
@@ -2381,42 +2022,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
         del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(13)
-        # block1_ln2_sum_to = sum_to[32x64x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(14, (32, 64, 1), 'float32')
-        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(32, 64, 1))
-        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
-        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
-        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(15, (32, 64, 64), 'float32')
-        # block1_ln2_sum_to_2 = sum_to[32x64x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(16, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
-                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block1_ln2_sum_to, block1_ln2_scale
-        del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(14)
-        # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
-        block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
-        # block1_ln2 = block1_ln2_sub*block1_ln2_rsqrt*block1_ln2_W + block1_ln2_B
-        block1_ln2 = block1_ln2_sub  # in place: over block1_ln2_sub
-        rt.ew(ew_mul_add_3, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
-        # free block1_ln2_sum_to_2, block1_ln2_rsqrt
-        del block1_ln2_sum_to_2, block1_ln2_rsqrt
-        mem.free(16)
+        mem.free(11)
+        # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
+        block1_ln2 = mem.tensor(12, (32, 64, 64), 'float32')
+        rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
 
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(17, (2048, 256), 'float32')
+        block1_fc1_matmul = mem.tensor(13, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
-        # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        del block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        mem.free(15)
+        # free block1_ln2, block1_fc1_reshape
+        del block1_ln2, block1_fc1_reshape
+        mem.free(12)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -2432,11 +2051,11 @@ class CharLm(rp.Model):
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(18, (2048, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(14, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(17)
+        mem.free(13)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -2449,32 +2068,10 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(18)
-        # block2_ln1_sum_to = sum_to[32x64x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(19, (32, 64, 1), 'float32')
-        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(32, 64, 1))
-        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
-        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
-        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(20, (32, 64, 64), 'float32')
-        # block2_ln1_sum_to_2 = sum_to[32x64x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(21, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
-                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln1_sum_to, block2_ln1_scale
-        del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(19)
-        # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
-        block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
-        # block2_ln1 = block2_ln1_sub*block2_ln1_rsqrt*block2_ln1_W + block2_ln1_B
-        block2_ln1 = block2_ln1_sub  # in place: over block2_ln1_sub
-        rt.ew(ew_mul_add_3, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
-        # free block2_ln1_sum_to_2, block2_ln1_rsqrt
-        del block2_ln1_sum_to_2, block2_ln1_rsqrt
-        mem.free(21)
+        mem.free(14)
+        # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
+        block2_ln1 = mem.tensor(15, (32, 64, 64), 'float32')
+        rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_reshape = reshape[2048x64](block2_ln1)
@@ -2482,7 +2079,7 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(22, (2048, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(16, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
@@ -2492,34 +2089,34 @@ class CharLm(rp.Model):
         # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
         block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
         # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(23, (32, 4, 64, 16), 'float32')
+        block2_attn_transpose = mem.tensor(17, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
         # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
         del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(22)
+        mem.free(16)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(24, (2048, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(18, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
         # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
         block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
         # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(25, (32, 4, 64, 16), 'float32')
+        block2_attn_transpose_2 = mem.tensor(19, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
         # free block2_attn_k_matmul, block2_attn_reshape_2
         del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(24)
+        mem.free(18)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(26, (2048, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(20, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
-        # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        mem.free(20)
+        # free block2_ln1, block2_attn_q_reshape
+        del block2_ln1, block2_attn_q_reshape
+        mem.free(15)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
@@ -2528,33 +2125,33 @@ class CharLm(rp.Model):
         # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
         block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
         # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(27, (32, 4, 64, 16), 'float32')
+        block2_attn_transpose_3 = mem.tensor(21, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
         # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
         del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(26)
+        mem.free(20)
         # block2_attn = attention[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(28, (32, 4, 64, 16), 'float32')
+        block2_attn = mem.tensor(22, (32, 4, 64, 16), 'float32')
         rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
         # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
         del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        mem.free(23, 25, 27)
+        mem.free(17, 19, 21)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(29, (32, 64, 4, 16), 'float32')
+        block2_attn_out_transpose = mem.tensor(23, (32, 64, 4, 16), 'float32')
         rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
         # free block2_attn
         del block2_attn
-        mem.free(28)
+        mem.free(22)
         # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
         block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
         # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(30, (2048, 64), 'float32')
+        block2_attn_out_matmul = mem.tensor(24, (2048, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
         # free block2_attn_out_transpose, block2_attn_out_reshape
         del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(29)
+        mem.free(23)
         # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
         rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
@@ -2567,42 +2164,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
         del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(30)
-        # block2_ln2_sum_to = sum_to[32x64x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(31, (32, 64, 1), 'float32')
-        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(32, 64, 1))
-        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
-        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
-        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(32, (32, 64, 64), 'float32')
-        # block2_ln2_sum_to_2 = sum_to[32x64x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(33, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
-                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free block2_ln2_sum_to, block2_ln2_scale
-        del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(31)
-        # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
-        block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
-        # block2_ln2 = block2_ln2_sub*block2_ln2_rsqrt*block2_ln2_W + block2_ln2_B
-        block2_ln2 = block2_ln2_sub  # in place: over block2_ln2_sub
-        rt.ew(ew_mul_add_3, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
-        # free block2_ln2_sum_to_2, block2_ln2_rsqrt
-        del block2_ln2_sum_to_2, block2_ln2_rsqrt
-        mem.free(33)
+        mem.free(24)
+        # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
+        block2_ln2 = mem.tensor(25, (32, 64, 64), 'float32')
+        rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
 
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(34, (2048, 256), 'float32')
+        block2_fc1_matmul = mem.tensor(26, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
-        # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        del block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        mem.free(32)
+        # free block2_ln2, block2_fc1_reshape
+        del block2_ln2, block2_fc1_reshape
+        mem.free(25)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -2618,11 +2193,11 @@ class CharLm(rp.Model):
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(35, (2048, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(27, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(34)
+        mem.free(26)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -2635,42 +2210,23 @@ class CharLm(rp.Model):
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(35)
-        # ln_sum_to = sum_to[32x64x1](ln_add)
-        ln_sum_to = mem.tensor(36, (32, 64, 1), 'float32')
-        rt.sum_to(ln_add, out=ln_sum_to, shape=(32, 64, 1))
-        # ln_scale = 0.015625*ln_sum_to
-        ln_scale = ln_sum_to  # in place: over ln_sum_to
-        rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale   (computed with the next statement)
-        ln_sub = ln_add  # in place: over ln_add
-        # ln_sum_to_2 = sum_to[32x64x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(37, (32, 64, 1), 'float32')
-        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
-                      (ew_square, ln_sum_to_2, ln_sub),
-                      shape=(32, 64, 1), workspace=mem.workspace(524288))
-        # free ln_sum_to, ln_scale
-        del ln_sum_to, ln_scale
-        mem.free(36)
-        # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
-        ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
-        # ln = ln_sub*ln_rsqrt*ln_W + ln_B
-        ln = ln_sub  # in place: over ln_sub
-        rt.ew(ew_mul_add_3, ln, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'])
-        # free ln_sum_to_2, ln_rsqrt
-        del ln_sum_to_2, ln_rsqrt
-        mem.free(37)
+        mem.free(27)
+        # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
+        ln = mem.tensor(28, (32, 64, 64), 'float32')
+        rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
+        # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add
+        del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add
+        mem.free(1)
 
         # ---- next (fully connected, 256 outputs), forward ----
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(38, (2048, 256), 'float32')
+        next_matmul = mem.tensor(29, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
-        # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
-        del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add, ln_sub, ln, next_reshape
-        mem.free(1)
+        # free ln, next_reshape
+        del ln, next_reshape
+        mem.free(28)
         # next_add = next_matmul + next_B
         next_add = next_matmul  # in place: over next_matmul
         rt.ew(ew_add, next_add, next_matmul, T['next_B'])
@@ -2692,145 +2248,116 @@ class CharLm(rp.Model):
                 (0, 8192),  # 0: const 2048 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=24215808, peak_bytes=24215808, workspace_bytes=6356992, pool_bytes=24224000,
+            arena_bytes=24133888, peak_bytes=24133888, workspace_bytes=6356992, pool_bytes=24142080,
             buffers=(
                 (24117248, 8192),  # 0: x 32x64 int32
                 (24125440, 8192),  # 1: y 32x64 int32
                 (12582912, 524288),  # 2: block2_attn_mask 32x4x64x64 uint8
                 (13107200, 524288),  # 3: block1_attn_mask 32x4x64x64 uint8
                 (13631488, 524288),  # 4: embed_gather_rows 2048x64 float32
-                (0, 8192),  # 5: block1_ln1_sum_to 32x64x1 float32
-                (14155776, 524288),  # 6: block1_ln1_sub 32x64x64 float32
-                (24133632, 8192),  # 7: block1_ln1_sum_to_2 32x64x1 float32
-                (24141824, 8192),  # 8: block1_ln1_rsqrt 32x64x1 float32
-                (14680064, 524288),  # 9: block1_ln1_mul 32x64x64 float32
-                (0, 524288),  # 10: block1_attn_v_matmul 2048x64 float32
-                (15204352, 524288),  # 11: block1_attn_transpose 32x4x64x16 float32
-                (0, 524288),  # 12: block1_attn_k_matmul 2048x64 float32
-                (15728640, 524288),  # 13: block1_attn_transpose_2 32x4x64x16 float32
-                (0, 524288),  # 14: block1_attn_q_matmul 2048x64 float32
-                (16252928, 524288),  # 15: block1_attn_transpose_3 32x4x64x16 float32
-                (16777216, 524288),  # 16: block1_attn 32x4x64x16 float32
-                (17301504, 524288),  # 17: block1_attn_out_transpose 32x64x4x16 float32
-                (0, 524288),  # 18: block1_attn_out_matmul 2048x64 float32
-                (0, 8192),  # 19: block1_ln2_sum_to 32x64x1 float32
-                (17825792, 524288),  # 20: block1_ln2_sub 32x64x64 float32
-                (24150016, 8192),  # 21: block1_ln2_sum_to_2 32x64x1 float32
-                (24158208, 8192),  # 22: block1_ln2_rsqrt 32x64x1 float32
-                (18350080, 524288),  # 23: block1_ln2_mul 32x64x64 float32
-                (0, 2097152),  # 24: block1_fc1_matmul 2048x256 float32
-                (2097152, 2097152),  # 25: block1_fc1_gelu 32x64x256 float32
-                (4194304, 524288),  # 26: block1_fc2_matmul 2048x64 float32
-                (4194304, 8192),  # 27: block2_ln1_sum_to 32x64x1 float32
-                (18874368, 524288),  # 28: block2_ln1_sub 32x64x64 float32
-                (24166400, 8192),  # 29: block2_ln1_sum_to_2 32x64x1 float32
-                (24174592, 8192),  # 30: block2_ln1_rsqrt 32x64x1 float32
-                (19398656, 524288),  # 31: block2_ln1_mul 32x64x64 float32
-                (4194304, 524288),  # 32: block2_attn_v_matmul 2048x64 float32
-                (19922944, 524288),  # 33: block2_attn_transpose 32x4x64x16 float32
-                (4194304, 524288),  # 34: block2_attn_k_matmul 2048x64 float32
-                (20447232, 524288),  # 35: block2_attn_transpose_2 32x4x64x16 float32
-                (4194304, 524288),  # 36: block2_attn_q_matmul 2048x64 float32
-                (20971520, 524288),  # 37: block2_attn_transpose_3 32x4x64x16 float32
-                (21495808, 524288),  # 38: block2_attn 32x4x64x16 float32
-                (22020096, 524288),  # 39: block2_attn_out_transpose 32x64x4x16 float32
-                (4194304, 524288),  # 40: block2_attn_out_matmul 2048x64 float32
-                (4194304, 8192),  # 41: block2_ln2_sum_to 32x64x1 float32
-                (22544384, 524288),  # 42: block2_ln2_sub 32x64x64 float32
-                (24182784, 8192),  # 43: block2_ln2_sum_to_2 32x64x1 float32
-                (24190976, 8192),  # 44: block2_ln2_rsqrt 32x64x1 float32
-                (23068672, 524288),  # 45: block2_ln2_mul 32x64x64 float32
-                (4194304, 2097152),  # 46: block2_fc1_matmul 2048x256 float32
-                (6291456, 2097152),  # 47: block2_fc1_gelu 32x64x256 float32
-                (8388608, 524288),  # 48: block2_fc2_matmul 2048x64 float32
-                (8388608, 8192),  # 49: ln_sum_to 32x64x1 float32
-                (24199168, 8192),  # 50: ln_sum_to_2 32x64x1 float32
-                (24207360, 8192),  # 51: ln_rsqrt 32x64x1 float32
-                (23592960, 524288),  # 52: ln_mul 32x64x64 float32
-                (8388608, 2097152),  # 53: next_matmul 2048x256 float32
-                (10485760, 8192),  # 54: next_cross_entropy_pick 2048 float32
-                (24215552, 4),  # 55: next_cross_entropy_sum_to scalar float32
-                (10485760, 2097152),  # 56: d_next_cross_entropy_log_softmax 2048x256 float32
-                (8388608, 65536),  # 57: d_next_W 256x64 float32
-                (9437184, 1024),  # 58: d_next_B 256 float32
-                (8388608, 524288),  # 59: d_next_reshape 2048x64 float32
-                (8912896, 524288),  # 60: ln_mul_2 32x64x64 float32
-                (9438208, 256),  # 61: d_ln_W 64 float32
-                (8921088, 256),  # 62: d_ln_B 64 float32
-                (8912896, 8192),  # 63: d_ln_rsqrt 32x64x1 float32
-                (8921088, 8192),  # 64: d_ln_scale 32x64x1 float32
-                (8912896, 65536),  # 65: d_block2_fc2_W 64x256 float32
-                (6291456, 256),  # 66: d_block2_fc2_B 64 float32
-                (6291456, 2097152),  # 67: d_block2_fc2_reshape 2048x256 float32
-                (4194304, 65536),  # 68: d_block2_fc1_W 256x64 float32
-                (5242880, 1024),  # 69: d_block2_fc1_B 256 float32
-                (4194304, 524288),  # 70: d_block2_fc1_reshape 2048x64 float32
-                (4718592, 524288),  # 71: block2_ln2_mul_2 32x64x64 float32
-                (5243904, 256),  # 72: d_block2_ln2_W 64 float32
-                (4726784, 256),  # 73: d_block2_ln2_B 64 float32
-                (4718592, 8192),  # 74: d_block2_ln2_rsqrt 32x64x1 float32
-                (4726784, 8192),  # 75: d_block2_ln2_scale 32x64x1 float32
-                (4194304, 16384),  # 76: d_block2_attn_out_W 64x64 float32
-                (4194304, 256),  # 77: d_block2_attn_out_B 64 float32
-                (4194304, 524288),  # 78: d_block2_attn_out_reshape 2048x64 float32
-                (5767168, 524288),  # 79: d_block2_attn 32x4x64x16 float32
-                (4194304, 1572864),  # 80: d_block2_attn_attention_grad 393216 float32
-                (5767168, 524288),  # 81: d_block2_attn_slice 131072 float32
-                (6291456, 524288),  # 82: d_block2_attn_reshape 32x64x4x16 float32
-                (5767168, 256),  # 83: d_block2_attn_q_B 64 float32
-                (6815744, 16384),  # 84: d_block2_attn_q_W 64x64 float32
-                (5767168, 524288),  # 85: d_block2_attn_q_reshape 2048x64 float32
-                (6291456, 524288),  # 86: d_block2_attn_slice_2 131072 float32
-                (6815744, 524288),  # 87: d_block2_attn_slice_3 131072 float32
-                (4194304, 524288),  # 88: d_block2_attn_reshape_2 32x64x4x16 float32
-                (4718592, 524288),  # 89: d_block2_attn_reshape_3 32x64x4x16 float32
-                (5242880, 256),  # 90: d_block2_attn_v_B 64 float32
-                (6291456, 16384),  # 91: d_block2_attn_k_W 64x64 float32
-                (6307840, 16384),  # 92: d_block2_attn_v_W 64x64 float32
-                (5242880, 524288),  # 93: d_block2_attn_q_reshape_2 2048x64 float32
-                (4194304, 524288),  # 94: d_block2_attn_q_reshape_3 2048x64 float32
-                (4718592, 524288),  # 95: block2_ln1_mul_2 32x64x64 float32
-                (5242880, 256),  # 96: d_block2_ln1_W 64 float32
-                (4726784, 256),  # 97: d_block2_ln1_B 64 float32
-                (4718592, 8192),  # 98: d_block2_ln1_rsqrt 32x64x1 float32
-                (4726784, 8192),  # 99: d_block2_ln1_scale 32x64x1 float32
-                (4194304, 65536),  # 100: d_block1_fc2_W 64x256 float32
-                (2097152, 256),  # 101: d_block1_fc2_B 64 float32
-                (2097152, 2097152),  # 102: d_block1_fc2_reshape 2048x256 float32
-                (0, 65536),  # 103: d_block1_fc1_W 256x64 float32
-                (1048576, 1024),  # 104: d_block1_fc1_B 256 float32
-                (0, 524288),  # 105: d_block1_fc1_reshape 2048x64 float32
-                (524288, 524288),  # 106: block1_ln2_mul_2 32x64x64 float32
-                (1049600, 256),  # 107: d_block1_ln2_W 64 float32
-                (532480, 256),  # 108: d_block1_ln2_B 64 float32
-                (524288, 8192),  # 109: d_block1_ln2_rsqrt 32x64x1 float32
-                (532480, 8192),  # 110: d_block1_ln2_scale 32x64x1 float32
-                (0, 16384),  # 111: d_block1_attn_out_W 64x64 float32
-                (0, 256),  # 112: d_block1_attn_out_B 64 float32
-                (0, 524288),  # 113: d_block1_attn_out_reshape 2048x64 float32
-                (1572864, 524288),  # 114: d_block1_attn 32x4x64x16 float32
-                (0, 1572864),  # 115: d_block1_attn_attention_grad 393216 float32
-                (1572864, 524288),  # 116: d_block1_attn_slice 131072 float32
-                (2097152, 524288),  # 117: d_block1_attn_reshape 32x64x4x16 float32
-                (1572864, 256),  # 118: d_block1_attn_q_B 64 float32
-                (2621440, 16384),  # 119: d_block1_attn_q_W 64x64 float32
-                (1572864, 524288),  # 120: d_block1_attn_q_reshape 2048x64 float32
-                (2097152, 524288),  # 121: d_block1_attn_slice_2 131072 float32
-                (2621440, 524288),  # 122: d_block1_attn_slice_3 131072 float32
-                (0, 524288),  # 123: d_block1_attn_reshape_2 32x64x4x16 float32
-                (524288, 524288),  # 124: d_block1_attn_reshape_3 32x64x4x16 float32
-                (1048576, 256),  # 125: d_block1_attn_v_B 64 float32
-                (2097152, 16384),  # 126: d_block1_attn_k_W 64x64 float32
-                (2113536, 16384),  # 127: d_block1_attn_v_W 64x64 float32
-                (1048576, 524288),  # 128: d_block1_attn_q_reshape_2 2048x64 float32
-                (0, 524288),  # 129: d_block1_attn_q_reshape_3 2048x64 float32
-                (524288, 524288),  # 130: block1_ln1_mul_2 32x64x64 float32
-                (1048576, 256),  # 131: d_block1_ln1_W 64 float32
-                (532480, 256),  # 132: d_block1_ln1_B 64 float32
-                (524288, 8192),  # 133: d_block1_ln1_rsqrt 32x64x1 float32
-                (532480, 8192),  # 134: d_block1_ln1_scale 32x64x1 float32
-                (65536, 16384),  # 135: d_pos 1x64x64 float32
-                (0, 65536),  # 136: d_embed_W 256x64 float32
+                (14155776, 524288),  # 5: block1_ln1 32x64x64 float32
+                (0, 524288),  # 6: block1_attn_v_matmul 2048x64 float32
+                (14680064, 524288),  # 7: block1_attn_transpose 32x4x64x16 float32
+                (0, 524288),  # 8: block1_attn_k_matmul 2048x64 float32
+                (15204352, 524288),  # 9: block1_attn_transpose_2 32x4x64x16 float32
+                (0, 524288),  # 10: block1_attn_q_matmul 2048x64 float32
+                (15728640, 524288),  # 11: block1_attn_transpose_3 32x4x64x16 float32
+                (16252928, 524288),  # 12: block1_attn 32x4x64x16 float32
+                (16777216, 524288),  # 13: block1_attn_out_transpose 32x64x4x16 float32
+                (17301504, 524288),  # 14: block1_attn_out_matmul 2048x64 float32
+                (17825792, 524288),  # 15: block1_ln2 32x64x64 float32
+                (0, 2097152),  # 16: block1_fc1_matmul 2048x256 float32
+                (2097152, 2097152),  # 17: block1_fc1_gelu 32x64x256 float32
+                (18350080, 524288),  # 18: block1_fc2_matmul 2048x64 float32
+                (18874368, 524288),  # 19: block2_ln1 32x64x64 float32
+                (4194304, 524288),  # 20: block2_attn_v_matmul 2048x64 float32
+                (19398656, 524288),  # 21: block2_attn_transpose 32x4x64x16 float32
+                (4194304, 524288),  # 22: block2_attn_k_matmul 2048x64 float32
+                (19922944, 524288),  # 23: block2_attn_transpose_2 32x4x64x16 float32
+                (4194304, 524288),  # 24: block2_attn_q_matmul 2048x64 float32
+                (20447232, 524288),  # 25: block2_attn_transpose_3 32x4x64x16 float32
+                (20971520, 524288),  # 26: block2_attn 32x4x64x16 float32
+                (21495808, 524288),  # 27: block2_attn_out_transpose 32x64x4x16 float32
+                (22020096, 524288),  # 28: block2_attn_out_matmul 2048x64 float32
+                (22544384, 524288),  # 29: block2_ln2 32x64x64 float32
+                (4194304, 2097152),  # 30: block2_fc1_matmul 2048x256 float32
+                (6291456, 2097152),  # 31: block2_fc1_gelu 32x64x256 float32
+                (23068672, 524288),  # 32: block2_fc2_matmul 2048x64 float32
+                (23592960, 524288),  # 33: ln 32x64x64 float32
+                (8388608, 2097152),  # 34: next_matmul 2048x256 float32
+                (10485760, 8192),  # 35: next_cross_entropy_pick 2048 float32
+                (24133632, 4),  # 36: next_cross_entropy_sum_to scalar float32
+                (10485760, 2097152),  # 37: d_next_cross_entropy_log_softmax 2048x256 float32
+                (8388608, 65536),  # 38: d_next_W 256x64 float32
+                (8912896, 1024),  # 39: d_next_B 256 float32
+                (8388608, 524288),  # 40: d_next_reshape 2048x64 float32
+                (8978432, 512),  # 41: d_ln_layer_norm_param_grad 2x64 float32
+                (8912896, 65536),  # 42: d_block2_fc2_W 64x256 float32
+                (6291456, 256),  # 43: d_block2_fc2_B 64 float32
+                (6291456, 256),  # 44: d_ln_slice 1x64 float32
+                (6291712, 256),  # 45: d_ln_slice_2 1x64 float32
+                (6291456, 2097152),  # 46: d_block2_fc2_reshape 2048x256 float32
+                (4194304, 65536),  # 47: d_block2_fc1_W 256x64 float32
+                (4718592, 1024),  # 48: d_block2_fc1_B 256 float32
+                (4194304, 524288),  # 49: d_block2_fc1_reshape 2048x64 float32
+                (4718592, 512),  # 50: d_block2_ln2_layer_norm_param_grad 2x64 float32
+                (4194304, 16384),  # 51: d_block2_attn_out_W 64x64 float32
+                (4194304, 256),  # 52: d_block2_attn_out_B 64 float32
+                (4194304, 256),  # 53: d_block2_ln2_slice 1x64 float32
+                (4194560, 256),  # 54: d_block2_ln2_slice_2 1x64 float32
+                (4194304, 524288),  # 55: d_block2_attn_out_reshape 2048x64 float32
+                (5767168, 524288),  # 56: d_block2_attn 32x4x64x16 float32
+                (4194304, 1572864),  # 57: d_block2_attn_attention_grad 393216 float32
+                (5767168, 524288),  # 58: d_block2_attn_slice 131072 float32
+                (6291456, 524288),  # 59: d_block2_attn_reshape 32x64x4x16 float32
+                (5767168, 256),  # 60: d_block2_attn_q_B 64 float32
+                (6815744, 16384),  # 61: d_block2_attn_q_W 64x64 float32
+                (5767168, 524288),  # 62: d_block2_attn_q_reshape 2048x64 float32
+                (6291456, 524288),  # 63: d_block2_attn_slice_2 131072 float32
+                (6815744, 524288),  # 64: d_block2_attn_slice_3 131072 float32
+                (4194304, 524288),  # 65: d_block2_attn_reshape_2 32x64x4x16 float32
+                (4718592, 524288),  # 66: d_block2_attn_reshape_3 32x64x4x16 float32
+                (5242880, 256),  # 67: d_block2_attn_v_B 64 float32
+                (6291456, 16384),  # 68: d_block2_attn_k_W 64x64 float32
+                (6307840, 16384),  # 69: d_block2_attn_v_W 64x64 float32
+                (5242880, 524288),  # 70: d_block2_attn_q_reshape_2 2048x64 float32
+                (4194304, 524288),  # 71: d_block2_attn_q_reshape_3 2048x64 float32
+                (4718592, 512),  # 72: d_block2_ln1_layer_norm_param_grad 2x64 float32
+                (4194304, 65536),  # 73: d_block1_fc2_W 64x256 float32
+                (2097152, 256),  # 74: d_block1_fc2_B 64 float32
+                (2097152, 256),  # 75: d_block2_ln1_slice 1x64 float32
+                (2097408, 256),  # 76: d_block2_ln1_slice_2 1x64 float32
+                (2097152, 2097152),  # 77: d_block1_fc2_reshape 2048x256 float32
+                (0, 65536),  # 78: d_block1_fc1_W 256x64 float32
+                (524288, 1024),  # 79: d_block1_fc1_B 256 float32
+                (0, 524288),  # 80: d_block1_fc1_reshape 2048x64 float32
+                (524288, 512),  # 81: d_block1_ln2_layer_norm_param_grad 2x64 float32
+                (0, 16384),  # 82: d_block1_attn_out_W 64x64 float32
+                (0, 256),  # 83: d_block1_attn_out_B 64 float32
+                (0, 256),  # 84: d_block1_ln2_slice 1x64 float32
+                (256, 256),  # 85: d_block1_ln2_slice_2 1x64 float32
+                (0, 524288),  # 86: d_block1_attn_out_reshape 2048x64 float32
+                (1572864, 524288),  # 87: d_block1_attn 32x4x64x16 float32
+                (0, 1572864),  # 88: d_block1_attn_attention_grad 393216 float32
+                (1572864, 524288),  # 89: d_block1_attn_slice 131072 float32
+                (2097152, 524288),  # 90: d_block1_attn_reshape 32x64x4x16 float32
+                (1572864, 256),  # 91: d_block1_attn_q_B 64 float32
+                (2621440, 16384),  # 92: d_block1_attn_q_W 64x64 float32
+                (1572864, 524288),  # 93: d_block1_attn_q_reshape 2048x64 float32
+                (2097152, 524288),  # 94: d_block1_attn_slice_2 131072 float32
+                (2621440, 524288),  # 95: d_block1_attn_slice_3 131072 float32
+                (0, 524288),  # 96: d_block1_attn_reshape_2 32x64x4x16 float32
+                (524288, 524288),  # 97: d_block1_attn_reshape_3 32x64x4x16 float32
+                (1048576, 256),  # 98: d_block1_attn_v_B 64 float32
+                (2097152, 16384),  # 99: d_block1_attn_k_W 64x64 float32
+                (2113536, 16384),  # 100: d_block1_attn_v_W 64x64 float32
+                (1048576, 524288),  # 101: d_block1_attn_q_reshape_2 2048x64 float32
+                (0, 524288),  # 102: d_block1_attn_q_reshape_3 2048x64 float32
+                (524288, 512),  # 103: d_block1_ln1_layer_norm_param_grad 2x64 float32
+                (0, 256),  # 104: d_block1_ln1_slice 1x64 float32
+                (256, 256),  # 105: d_block1_ln1_slice_2 1x64 float32
+                (65536, 16384),  # 106: d_pos 1x64x64 float32
+                (0, 65536),  # 107: d_embed_W 256x64 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=3153920, peak_bytes=3153920, workspace_bytes=2097152, pool_bytes=3162112,
@@ -2838,90 +2365,72 @@ class CharLm(rp.Model):
                 (0, 8192),  # 0: x 32x64 int32
                 (3145728, 8192),  # 1: y 32x64 int32
                 (2097152, 524288),  # 2: embed_gather_rows 2048x64 float32
-                (524288, 8192),  # 3: block1_ln1_sum_to 32x64x1 float32
-                (0, 524288),  # 4: block1_ln1_sub 32x64x64 float32
-                (532480, 8192),  # 5: block1_ln1_sum_to_2 32x64x1 float32
-                (524288, 524288),  # 6: block1_attn_v_matmul 2048x64 float32
-                (1048576, 524288),  # 7: block1_attn_transpose 32x4x64x16 float32
-                (524288, 524288),  # 8: block1_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 9: block1_attn_transpose_2 32x4x64x16 float32
-                (524288, 524288),  # 10: block1_attn_q_matmul 2048x64 float32
-                (0, 524288),  # 11: block1_attn_transpose_3 32x4x64x16 float32
-                (524288, 524288),  # 12: block1_attn 32x4x64x16 float32
-                (0, 524288),  # 13: block1_attn_out_transpose 32x64x4x16 float32
-                (524288, 524288),  # 14: block1_attn_out_matmul 2048x64 float32
-                (0, 8192),  # 15: block1_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 16: block1_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 17: block1_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 18: block1_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 19: block1_fc2_matmul 2048x64 float32
-                (524288, 8192),  # 20: block2_ln1_sum_to 32x64x1 float32
-                (0, 524288),  # 21: block2_ln1_sub 32x64x64 float32
-                (532480, 8192),  # 22: block2_ln1_sum_to_2 32x64x1 float32
-                (524288, 524288),  # 23: block2_attn_v_matmul 2048x64 float32
-                (1048576, 524288),  # 24: block2_attn_transpose 32x4x64x16 float32
-                (524288, 524288),  # 25: block2_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 26: block2_attn_transpose_2 32x4x64x16 float32
-                (524288, 524288),  # 27: block2_attn_q_matmul 2048x64 float32
-                (0, 524288),  # 28: block2_attn_transpose_3 32x4x64x16 float32
-                (524288, 524288),  # 29: block2_attn 32x4x64x16 float32
-                (0, 524288),  # 30: block2_attn_out_transpose 32x64x4x16 float32
-                (524288, 524288),  # 31: block2_attn_out_matmul 2048x64 float32
-                (0, 8192),  # 32: block2_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 33: block2_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 34: block2_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 35: block2_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 36: block2_fc2_matmul 2048x64 float32
-                (0, 8192),  # 37: ln_sum_to 32x64x1 float32
-                (8192, 8192),  # 38: ln_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 39: next_matmul 2048x256 float32
-                (2113536, 4),  # 40: next_precision scalar float32
-                (2097152, 8192),  # 41: label_ranks 2048 float32
-                (2105344, 8192),  # 42: next_cross_entropy_pick 2048 float32
-                (0, 4),  # 43: next_cross_entropy_sum_to scalar float32
+                (0, 524288),  # 3: block1_ln1 32x64x64 float32
+                (524288, 524288),  # 4: block1_attn_v_matmul 2048x64 float32
+                (1048576, 524288),  # 5: block1_attn_transpose 32x4x64x16 float32
+                (524288, 524288),  # 6: block1_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 7: block1_attn_transpose_2 32x4x64x16 float32
+                (524288, 524288),  # 8: block1_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 9: block1_attn_transpose_3 32x4x64x16 float32
+                (524288, 524288),  # 10: block1_attn 32x4x64x16 float32
+                (0, 524288),  # 11: block1_attn_out_transpose 32x64x4x16 float32
+                (524288, 524288),  # 12: block1_attn_out_matmul 2048x64 float32
+                (2621440, 524288),  # 13: block1_ln2 32x64x64 float32
+                (0, 2097152),  # 14: block1_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 15: block1_fc2_matmul 2048x64 float32
+                (0, 524288),  # 16: block2_ln1 32x64x64 float32
+                (524288, 524288),  # 17: block2_attn_v_matmul 2048x64 float32
+                (1048576, 524288),  # 18: block2_attn_transpose 32x4x64x16 float32
+                (524288, 524288),  # 19: block2_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 20: block2_attn_transpose_2 32x4x64x16 float32
+                (524288, 524288),  # 21: block2_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 22: block2_attn_transpose_3 32x4x64x16 float32
+                (524288, 524288),  # 23: block2_attn 32x4x64x16 float32
+                (0, 524288),  # 24: block2_attn_out_transpose 32x64x4x16 float32
+                (524288, 524288),  # 25: block2_attn_out_matmul 2048x64 float32
+                (2621440, 524288),  # 26: block2_ln2 32x64x64 float32
+                (0, 2097152),  # 27: block2_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 28: block2_fc2_matmul 2048x64 float32
+                (2621440, 524288),  # 29: ln 32x64x64 float32
+                (0, 2097152),  # 30: next_matmul 2048x256 float32
+                (2113536, 4),  # 31: next_precision scalar float32
+                (2097152, 8192),  # 32: label_ranks 2048 float32
+                (2105344, 8192),  # 33: next_cross_entropy_pick 2048 float32
+                (0, 4),  # 34: next_cross_entropy_sum_to scalar float32
             )),
         "predict_step": rp.StepPlan(
             arena_bytes=3145728, peak_bytes=3145728, workspace_bytes=2097152, pool_bytes=3153920,
             buffers=(
                 (0, 8192),  # 0: x 32x64 int32
                 (2097152, 524288),  # 1: embed_gather_rows 2048x64 float32
-                (524288, 8192),  # 2: block1_ln1_sum_to 32x64x1 float32
-                (0, 524288),  # 3: block1_ln1_sub 32x64x64 float32
-                (532480, 8192),  # 4: block1_ln1_sum_to_2 32x64x1 float32
-                (524288, 524288),  # 5: block1_attn_v_matmul 2048x64 float32
-                (1048576, 524288),  # 6: block1_attn_transpose 32x4x64x16 float32
-                (524288, 524288),  # 7: block1_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 8: block1_attn_transpose_2 32x4x64x16 float32
-                (524288, 524288),  # 9: block1_attn_q_matmul 2048x64 float32
-                (0, 524288),  # 10: block1_attn_transpose_3 32x4x64x16 float32
-                (524288, 524288),  # 11: block1_attn 32x4x64x16 float32
-                (0, 524288),  # 12: block1_attn_out_transpose 32x64x4x16 float32
-                (524288, 524288),  # 13: block1_attn_out_matmul 2048x64 float32
-                (0, 8192),  # 14: block1_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 15: block1_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 16: block1_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 17: block1_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 18: block1_fc2_matmul 2048x64 float32
-                (524288, 8192),  # 19: block2_ln1_sum_to 32x64x1 float32
-                (0, 524288),  # 20: block2_ln1_sub 32x64x64 float32
-                (532480, 8192),  # 21: block2_ln1_sum_to_2 32x64x1 float32
-                (524288, 524288),  # 22: block2_attn_v_matmul 2048x64 float32
-                (1048576, 524288),  # 23: block2_attn_transpose 32x4x64x16 float32
-                (524288, 524288),  # 24: block2_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 25: block2_attn_transpose_2 32x4x64x16 float32
-                (524288, 524288),  # 26: block2_attn_q_matmul 2048x64 float32
-                (0, 524288),  # 27: block2_attn_transpose_3 32x4x64x16 float32
-                (524288, 524288),  # 28: block2_attn 32x4x64x16 float32
-                (0, 524288),  # 29: block2_attn_out_transpose 32x64x4x16 float32
-                (524288, 524288),  # 30: block2_attn_out_matmul 2048x64 float32
-                (0, 8192),  # 31: block2_ln2_sum_to 32x64x1 float32
-                (2621440, 524288),  # 32: block2_ln2_sub 32x64x64 float32
-                (8192, 8192),  # 33: block2_ln2_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 34: block2_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 35: block2_fc2_matmul 2048x64 float32
-                (0, 8192),  # 36: ln_sum_to 32x64x1 float32
-                (8192, 8192),  # 37: ln_sum_to_2 32x64x1 float32
-                (0, 2097152),  # 38: next_matmul 2048x256 float32
+                (0, 524288),  # 2: block1_ln1 32x64x64 float32
+                (524288, 524288),  # 3: block1_attn_v_matmul 2048x64 float32
+                (1048576, 524288),  # 4: block1_attn_transpose 32x4x64x16 float32
+                (524288, 524288),  # 5: block1_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 6: block1_attn_transpose_2 32x4x64x16 float32
+                (524288, 524288),  # 7: block1_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 8: block1_attn_transpose_3 32x4x64x16 float32
+                (524288, 524288),  # 9: block1_attn 32x4x64x16 float32
+                (0, 524288),  # 10: block1_attn_out_transpose 32x64x4x16 float32
+                (524288, 524288),  # 11: block1_attn_out_matmul 2048x64 float32
+                (2621440, 524288),  # 12: block1_ln2 32x64x64 float32
+                (0, 2097152),  # 13: block1_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 14: block1_fc2_matmul 2048x64 float32
+                (0, 524288),  # 15: block2_ln1 32x64x64 float32
+                (524288, 524288),  # 16: block2_attn_v_matmul 2048x64 float32
+                (1048576, 524288),  # 17: block2_attn_transpose 32x4x64x16 float32
+                (524288, 524288),  # 18: block2_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 19: block2_attn_transpose_2 32x4x64x16 float32
+                (524288, 524288),  # 20: block2_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 21: block2_attn_transpose_3 32x4x64x16 float32
+                (524288, 524288),  # 22: block2_attn 32x4x64x16 float32
+                (0, 524288),  # 23: block2_attn_out_transpose 32x64x4x16 float32
+                (524288, 524288),  # 24: block2_attn_out_matmul 2048x64 float32
+                (2621440, 524288),  # 25: block2_ln2 32x64x64 float32
+                (0, 2097152),  # 26: block2_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 27: block2_fc2_matmul 2048x64 float32
+                (2621440, 524288),  # 28: ln 32x64x64 float32
+                (0, 2097152),  # 29: next_matmul 2048x256 float32
             )),
     }
 
@@ -2934,42 +2443,9 @@ def ew_add(out, v0, v1):
     np.add(v0, v1, out=out)
 
 
-def ew_scale(out, v0):
-    """out = 0.015625*v0   (out may be v0)"""
-    np.multiply(v0, 0.015625, out=out)
-
-
-def ew_sub(out, v0, v1):
-    """out = v0 - v1"""
-    np.subtract(v0, v1, out=out)
-
-
-def ew_square(out, v0):
-    """out = v0**2"""
-    np.square(v0, out=out)
-
-
-def ew_scale_add(out, v0):
-    """out = 0.015625*v0 + 1.0e-5   (out may be v0)"""
-    np.multiply(v0, 0.015625, out=out)
-    np.add(out, 1e-05, out=out)
-
-
-def ew_rsqrt(out, v0):
-    """out = 1/sqrt(v0)"""
-    np.sqrt(v0, out=out)
-    np.divide(1.0, out, out=out)
-
-
-def ew_mul(out, v0, v1):
-    """out = v0*v1"""
-    np.multiply(v0, v1, out=out)
-
-
-def ew_mul_add(out, v0, v1, v2):
-    """out = v0*v1 + v2   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-    np.add(out, v2, out=out)
+def ew_add_2(out, v0, v1):
+    """out = v0 + v1   (out may be v1)"""
+    np.add(v0, v1, out=out)
 
 
 def ew_sqrt_mul_erf_add(out, v0):
@@ -2982,12 +2458,7 @@ def ew_sqrt_mul_erf_add(out, v0):
     np.multiply(out, 0.5, out=out)
 
 
-def ew_sub_2(out, v0, v1):
-    """out = v0 - v1   (out may be v0)"""
-    np.subtract(v0, v1, out=out)
-
-
-def ew_scale_2(out, v0):
+def ew_scale(out, v0):
     """out = -v0/2048   (out may be v0)"""
     np.multiply(v0, -0.00048828125, out=out)
 
@@ -3003,7 +2474,7 @@ def ew_square_scale_add(out, v0, v1):
     np.add(np.square(v1) * 0.0010000000000000009, out, out=out)
 
 
-def ew_scale_add_2(out, v0, v1):
+def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(v1 * 0.09999999999999998, out, out=out)
@@ -3015,52 +2486,15 @@ def ew_mul_sub_recip_sqrt(out, v0, v1, v2, v3, v4, v5, v6):
     np.subtract(out, v1 * v3 / v2 / (np.sqrt(v4) / np.sqrt(v5) + 1e-08), out=out)
 
 
-def ew_mul_2(out, v0, v1):
-    """out = v0*v1   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-
-
-def ew_pow_mul(out, v0, v1):
-    """out = -0.0078125*v0/v1**(3/2)   (out may be v0)"""
-    np.multiply(v0, -0.0078125, out=out)
-    np.divide(out, np.power(v1, 1.5), out=out)
-
-
-def ew_mul_add_2(out, v0, v1, v2, v3):
-    """out = v0*v1 + 2*v2*v3   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-    np.add(v2 * v3 * 2, out, out=out)
-
-
-def ew_neg(out, v0):
-    """out = -v0"""
-    np.negative(v0, out=out)
-
-
 def ew_sqrt_mul_erf_scale(out, v0, v1):
     """out = v0*(sqrt(2)*v1*exp(-v1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*v1/2)/2 + 1/2)   (out may be v0)"""
     np.multiply(np.exp(np.square(v1) * (-0.5)) * 1.4142135623730951 * v1 * 0.5 / 1.772453850905516 + erf(1.4142135623730951 * v1 * 0.5) * 0.5 + 0.5, v0, out=out)
 
 
-def ew_add_2(out, v0, v1, v2):
+def ew_add_3(out, v0, v1, v2):
     """out = v0 + v1 + v2   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.add(out, v2, out=out)
-
-
-def ew_scale_add_rsqrt(out, v0):
-    """out = 1/sqrt(0.015625*v0 + 1.0e-5)   (out may be v0)"""
-    np.multiply(v0, 0.015625, out=out)
-    np.add(out, 1e-05, out=out)
-    np.sqrt(out, out=out)
-    np.divide(1.0, out, out=out)
-
-
-def ew_mul_add_3(out, v0, v1, v2, v3):
-    """out = v0*v1*v2 + v3   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
-    np.add(out, v3, out=out)
 
 
 def ew_sqrt_mul_erf_add_2(out, v0):

@@ -4,8 +4,8 @@ Source network: networks/vit.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: AdamW, 600 iterations, lr 0.002, betas (0.9, 0.999), eps 1e-08, decay 0.05, lr schedule cosine:0 after 50 iterations of warm-up
-Memory: peak 22.58 MB of tensors planned for the training step (2.05 MB testing); static arena 22.58 MB, pool 22.85 MB, workspace 0.87 MB
-Structure hash: c52558ddaf16dccb
+Memory: peak 22.46 MB of tensors planned for the training step (2.05 MB testing); static arena 22.46 MB, pool 22.46 MB, workspace 0.87 MB
+Structure hash: 5526e0ce4d3ebc47
 
 Usage: python vit.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class Vit(rp.Model):
 
     name = "vit"
     source = "networks/vit.py"
-    structure_hash = "c52558ddaf16dccb"
+    structure_hash = "5526e0ce4d3ebc47"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -314,3796 +314,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, block1_ln2_add, block1_ln2_transpose, T['pos'])
 
         # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_sum_to = sum_to[100x16x1](block1_ln2_add)
-        block1_ln1_sum_to = mem.tensor(5, (100, 16, 1), 'float32')
-        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(100, 16, 1))
-        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
-        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
-        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
-        block1_ln1_sub = mem.tensor(6, (100, 16, 64), 'float32')
-        # block1_ln1_sum_to_2 = sum_to[100x16x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(7, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
-                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block1_ln1_sum_to, block1_ln1_scale
-        del block1_ln1_sum_to, block1_ln1_scale
-        mem.free(5)
-        # block1_ln1_add = 0.015625*block1_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block1_ln1_add = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
-        # block1_ln1_rsqrt = 1/sqrt(block1_ln1_add)
-        block1_ln1_rsqrt = mem.tensor(8, (100, 16, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block1_ln1_add, block1_ln1_sum_to_2),
-                   (ew_rsqrt, block1_ln1_rsqrt, block1_ln1_add))
-        # block1_ln1_mul = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul = mem.tensor(9, (100, 16, 64), 'float32')
-        # block1_ln1 = block1_ln1_mul*block1_ln1_W + block1_ln1_B
-        block1_ln1 = block1_ln1_mul  # in place: over block1_ln1_mul
-        rt.ew_pair((ew_mul, block1_ln1_mul, block1_ln1_sub, block1_ln1_rsqrt),
-                   (ew_mul_add, block1_ln1, block1_ln1_mul, T['block1_ln1_W'], T['block1_ln1_B']))
-
-        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_reshape = reshape[1600x64](block1_ln1)
-        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(1600, 64))
-
-        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(10, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
-
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(11, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(10)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
-        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(12, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(13, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
-        # free block1_attn_k_matmul, block1_attn_reshape_2
-        del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(12)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(14, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
-
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
-        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(15, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(14)
-        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
-        block1_attn = mem.tensor(16, (100, 4, 16, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
-
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(17, (100, 16, 4, 16), 'float32')
-        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
-        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
-        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(18, (1600, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
-        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
-        # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
-        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
-        block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
-        rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(18)
-        # block1_ln2_sum_to = sum_to[100x16x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(19, (100, 16, 1), 'float32')
-        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(100, 16, 1))
-        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
-        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
-        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(20, (100, 16, 64), 'float32')
-        # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(21, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
-                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block1_ln2_sum_to, block1_ln2_scale
-        del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(19)
-        # block1_ln2_add_3 = 0.015625*block1_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block1_ln2_add_3 = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
-        # block1_ln2_rsqrt = 1/sqrt(block1_ln2_add_3)
-        block1_ln2_rsqrt = mem.tensor(22, (100, 16, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block1_ln2_add_3, block1_ln2_sum_to_2),
-                   (ew_rsqrt, block1_ln2_rsqrt, block1_ln2_add_3))
-        # block1_ln2_mul = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul = mem.tensor(23, (100, 16, 64), 'float32')
-        # block1_ln2 = block1_ln2_mul*block1_ln2_W + block1_ln2_B
-        block1_ln2 = block1_ln2_mul  # in place: over block1_ln2_mul
-        rt.ew_pair((ew_mul, block1_ln2_mul, block1_ln2_sub, block1_ln2_rsqrt),
-                   (ew_mul_add, block1_ln2, block1_ln2_mul, T['block1_ln2_W'], T['block1_ln2_B']))
-
-        # ---- block1_fc1 (fully connected, 128 outputs), forward ----
-        # block1_fc1_reshape = reshape[1600x64](block1_ln2)
-        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(24, (1600, 128), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
-        # block1_fc1 = reshape[100x16x128](block1_fc1_add)
-        block1_fc1 = rt.reshape(block1_fc1_add, shape=(100, 16, 128))
-
-        # ---- block1_fc1_gelu (gelu), forward ----
-        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = mem.tensor(25, (100, 16, 128), 'float32')
-        rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
-        # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
-        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(26, (1600, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
-        # block1_fc2 = reshape[100x16x64](block1_fc2_add)
-        block1_fc2 = rt.reshape(block1_fc2_add, shape=(100, 16, 64))
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
-        block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
-        rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(26)
-        # block2_ln1_sum_to = sum_to[100x16x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(27, (100, 16, 1), 'float32')
-        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(100, 16, 1))
-        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
-        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
-        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(28, (100, 16, 64), 'float32')
-        # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(29, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
-                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block2_ln1_sum_to, block2_ln1_scale
-        del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(27)
-        # block2_ln1_add_2 = 0.015625*block2_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block2_ln1_add_2 = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
-        # block2_ln1_rsqrt = 1/sqrt(block2_ln1_add_2)
-        block2_ln1_rsqrt = mem.tensor(30, (100, 16, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block2_ln1_add_2, block2_ln1_sum_to_2),
-                   (ew_rsqrt, block2_ln1_rsqrt, block2_ln1_add_2))
-        # block2_ln1_mul = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul = mem.tensor(31, (100, 16, 64), 'float32')
-        # block2_ln1 = block2_ln1_mul*block2_ln1_W + block2_ln1_B
-        block2_ln1 = block2_ln1_mul  # in place: over block2_ln1_mul
-        rt.ew_pair((ew_mul, block2_ln1_mul, block2_ln1_sub, block2_ln1_rsqrt),
-                   (ew_mul_add, block2_ln1, block2_ln1_mul, T['block2_ln1_W'], T['block2_ln1_B']))
-
-        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_reshape = reshape[1600x64](block2_ln1)
-        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(1600, 64))
-
-        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(32, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
-
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
-        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(33, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(32)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
-        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(34, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
-        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(35, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
-        # free block2_attn_k_matmul, block2_attn_reshape_2
-        del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(34)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(36, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
-
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
-        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(37, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(36)
-        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(38, (100, 4, 16, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
-
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(39, (100, 16, 4, 16), 'float32')
-        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
-        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
-        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
-        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(40, (1600, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
-        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
-        # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
-        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
-        # block2_ln2_add = block2_ln1_add + block2_attn_out
-        block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
-        rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(40)
-        # block2_ln2_sum_to = sum_to[100x16x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(41, (100, 16, 1), 'float32')
-        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(100, 16, 1))
-        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
-        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
-        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(42, (100, 16, 64), 'float32')
-        # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(43, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
-                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block2_ln2_sum_to, block2_ln2_scale
-        del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(41)
-        # block2_ln2_add_2 = 0.015625*block2_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block2_ln2_add_2 = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
-        # block2_ln2_rsqrt = 1/sqrt(block2_ln2_add_2)
-        block2_ln2_rsqrt = mem.tensor(44, (100, 16, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block2_ln2_add_2, block2_ln2_sum_to_2),
-                   (ew_rsqrt, block2_ln2_rsqrt, block2_ln2_add_2))
-        # block2_ln2_mul = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul = mem.tensor(45, (100, 16, 64), 'float32')
-        # block2_ln2 = block2_ln2_mul*block2_ln2_W + block2_ln2_B
-        block2_ln2 = block2_ln2_mul  # in place: over block2_ln2_mul
-        rt.ew_pair((ew_mul, block2_ln2_mul, block2_ln2_sub, block2_ln2_rsqrt),
-                   (ew_mul_add, block2_ln2, block2_ln2_mul, T['block2_ln2_W'], T['block2_ln2_B']))
-
-        # ---- block2_fc1 (fully connected, 128 outputs), forward ----
-        # block2_fc1_reshape = reshape[1600x64](block2_ln2)
-        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(46, (1600, 128), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
-        # block2_fc1 = reshape[100x16x128](block2_fc1_add)
-        block2_fc1 = rt.reshape(block2_fc1_add, shape=(100, 16, 128))
-
-        # ---- block2_fc1_gelu (gelu), forward ----
-        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = mem.tensor(47, (100, 16, 128), 'float32')
-        rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
-        # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
-        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(48, (1600, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
-        # block2_fc2 = reshape[100x16x64](block2_fc2_add)
-        block2_fc2 = rt.reshape(block2_fc2_add, shape=(100, 16, 64))
-
-        # ---- block3_ln1 (layer norm over the last 1 axes), forward ----
-        # block3_ln1_add = block2_ln2_add + block2_fc2
-        block3_ln1_add = block2_ln2_add  # in place: over block2_ln2_add
-        rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(48)
-        # block3_ln1_sum_to = sum_to[100x16x1](block3_ln1_add)
-        block3_ln1_sum_to = mem.tensor(49, (100, 16, 1), 'float32')
-        rt.sum_to(block3_ln1_add, out=block3_ln1_sum_to, shape=(100, 16, 1))
-        # block3_ln1_scale = 0.015625*block3_ln1_sum_to
-        block3_ln1_scale = block3_ln1_sum_to  # in place: over block3_ln1_sum_to
-        rt.ew(ew_scale, block3_ln1_scale, block3_ln1_sum_to)
-        # block3_ln1_sub = block3_ln1_add - block3_ln1_scale   (computed with the next statement)
-        block3_ln1_sub = mem.tensor(50, (100, 16, 64), 'float32')
-        # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
-        block3_ln1_sum_to_2 = mem.tensor(51, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale),
-                      (ew_square, block3_ln1_sum_to_2, block3_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block3_ln1_sum_to, block3_ln1_scale
-        del block3_ln1_sum_to, block3_ln1_scale
-        mem.free(49)
-        # block3_ln1_add_2 = 0.015625*block3_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block3_ln1_add_2 = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
-        # block3_ln1_rsqrt = 1/sqrt(block3_ln1_add_2)
-        block3_ln1_rsqrt = mem.tensor(52, (100, 16, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block3_ln1_add_2, block3_ln1_sum_to_2),
-                   (ew_rsqrt, block3_ln1_rsqrt, block3_ln1_add_2))
-        # block3_ln1_mul = block3_ln1_sub*block3_ln1_rsqrt   (computed with the next statement)
-        block3_ln1_mul = mem.tensor(53, (100, 16, 64), 'float32')
-        # block3_ln1 = block3_ln1_mul*block3_ln1_W + block3_ln1_B
-        block3_ln1 = block3_ln1_mul  # in place: over block3_ln1_mul
-        rt.ew_pair((ew_mul, block3_ln1_mul, block3_ln1_sub, block3_ln1_rsqrt),
-                   (ew_mul_add, block3_ln1, block3_ln1_mul, T['block3_ln1_W'], T['block3_ln1_B']))
-
-        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
-        # block3_attn_q_reshape = reshape[1600x64](block3_ln1)
-        block3_attn_q_reshape = rt.reshape(block3_ln1, shape=(1600, 64))
-
-        # ---- block3_attn_v (fully connected, 64 outputs), forward ----
-        # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(54, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
-        # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
-        block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
-        rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
-
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
-        block3_attn_transpose = mem.tensor(55, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        mem.free(54)
-
-        # ---- block3_attn_k (fully connected, 64 outputs), forward ----
-        # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
-        block3_attn_k_matmul = mem.tensor(56, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
-
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
-        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
-        block3_attn_transpose_2 = mem.tensor(57, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
-        # free block3_attn_k_matmul, block3_attn_reshape_2
-        del block3_attn_k_matmul, block3_attn_reshape_2
-        mem.free(56)
-
-        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
-        # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(58, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
-        # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
-        block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
-        rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
-
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
-        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
-        block3_attn_transpose_3 = mem.tensor(59, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
-        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        mem.free(58)
-        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
-        block3_attn = mem.tensor(60, (100, 4, 16, 16), 'float32')
-        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
-
-        # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
-        block3_attn_out_transpose = mem.tensor(61, (100, 16, 4, 16), 'float32')
-        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
-        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
-        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
-        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
-        block3_attn_out_matmul = mem.tensor(62, (1600, 64), 'float32')
-        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
-        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
-        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
-        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
-        # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
-        block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
-
-        # ---- block3_ln2 (layer norm over the last 1 axes), forward ----
-        # block3_ln2_add = block3_ln1_add + block3_attn_out
-        block3_ln2_add = block3_ln1_add  # in place: over block3_ln1_add
-        rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
-        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
-        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
-        mem.free(62)
-        # block3_ln2_sum_to = sum_to[100x16x1](block3_ln2_add)
-        block3_ln2_sum_to = mem.tensor(63, (100, 16, 1), 'float32')
-        rt.sum_to(block3_ln2_add, out=block3_ln2_sum_to, shape=(100, 16, 1))
-        # block3_ln2_scale = 0.015625*block3_ln2_sum_to
-        block3_ln2_scale = block3_ln2_sum_to  # in place: over block3_ln2_sum_to
-        rt.ew(ew_scale, block3_ln2_scale, block3_ln2_sum_to)
-        # block3_ln2_sub = block3_ln2_add - block3_ln2_scale   (computed with the next statement)
-        block3_ln2_sub = mem.tensor(64, (100, 16, 64), 'float32')
-        # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
-        block3_ln2_sum_to_2 = mem.tensor(65, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale),
-                      (ew_square, block3_ln2_sum_to_2, block3_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block3_ln2_sum_to, block3_ln2_scale
-        del block3_ln2_sum_to, block3_ln2_scale
-        mem.free(63)
-        # block3_ln2_add_2 = 0.015625*block3_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block3_ln2_add_2 = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
-        # block3_ln2_rsqrt = 1/sqrt(block3_ln2_add_2)
-        block3_ln2_rsqrt = mem.tensor(66, (100, 16, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block3_ln2_add_2, block3_ln2_sum_to_2),
-                   (ew_rsqrt, block3_ln2_rsqrt, block3_ln2_add_2))
-        # block3_ln2_mul = block3_ln2_sub*block3_ln2_rsqrt   (computed with the next statement)
-        block3_ln2_mul = mem.tensor(67, (100, 16, 64), 'float32')
-        # block3_ln2 = block3_ln2_mul*block3_ln2_W + block3_ln2_B
-        block3_ln2 = block3_ln2_mul  # in place: over block3_ln2_mul
-        rt.ew_pair((ew_mul, block3_ln2_mul, block3_ln2_sub, block3_ln2_rsqrt),
-                   (ew_mul_add, block3_ln2, block3_ln2_mul, T['block3_ln2_W'], T['block3_ln2_B']))
-
-        # ---- block3_fc1 (fully connected, 128 outputs), forward ----
-        # block3_fc1_reshape = reshape[1600x64](block3_ln2)
-        block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
-        # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(68, (1600, 128), 'float32')
-        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
-        # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
-        block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
-        rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
-        # block3_fc1 = reshape[100x16x128](block3_fc1_add)
-        block3_fc1 = rt.reshape(block3_fc1_add, shape=(100, 16, 128))
-
-        # ---- block3_fc1_gelu (gelu), forward ----
-        # block3_fc1_gelu = block3_fc1*(erf(sqrt(2)*block3_fc1/2) + 1)/2
-        block3_fc1_gelu = mem.tensor(69, (100, 16, 128), 'float32')
-        rt.ew(ew_sqrt_mul_erf_add, block3_fc1_gelu, block3_fc1)
-
-        # ---- block3_fc2 (fully connected, 64 outputs), forward ----
-        # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
-        block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
-        # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(70, (1600, 64), 'float32')
-        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
-        # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
-        block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
-        rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
-        # block3_fc2 = reshape[100x16x64](block3_fc2_add)
-        block3_fc2 = rt.reshape(block3_fc2_add, shape=(100, 16, 64))
-
-        # ---- block4_ln1 (layer norm over the last 1 axes), forward ----
-        # block4_ln1_add = block3_ln2_add + block3_fc2
-        block4_ln1_add = block3_ln2_add  # in place: over block3_ln2_add
-        rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
-        # free block3_fc2_matmul, block3_fc2_add, block3_fc2
-        del block3_fc2_matmul, block3_fc2_add, block3_fc2
-        mem.free(70)
-        # block4_ln1_sum_to = sum_to[100x16x1](block4_ln1_add)
-        block4_ln1_sum_to = mem.tensor(71, (100, 16, 1), 'float32')
-        rt.sum_to(block4_ln1_add, out=block4_ln1_sum_to, shape=(100, 16, 1))
-        # block4_ln1_scale = 0.015625*block4_ln1_sum_to
-        block4_ln1_scale = block4_ln1_sum_to  # in place: over block4_ln1_sum_to
-        rt.ew(ew_scale, block4_ln1_scale, block4_ln1_sum_to)
-        # block4_ln1_sub = block4_ln1_add - block4_ln1_scale   (computed with the next statement)
-        block4_ln1_sub = mem.tensor(72, (100, 16, 64), 'float32')
-        # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
-        block4_ln1_sum_to_2 = mem.tensor(73, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale),
-                      (ew_square, block4_ln1_sum_to_2, block4_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block4_ln1_sum_to, block4_ln1_scale
-        del block4_ln1_sum_to, block4_ln1_scale
-        mem.free(71)
-        # block4_ln1_add_2 = 0.015625*block4_ln1_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block4_ln1_add_2 = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
-        # block4_ln1_rsqrt = 1/sqrt(block4_ln1_add_2)
-        block4_ln1_rsqrt = mem.tensor(74, (100, 16, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block4_ln1_add_2, block4_ln1_sum_to_2),
-                   (ew_rsqrt, block4_ln1_rsqrt, block4_ln1_add_2))
-        # block4_ln1_mul = block4_ln1_sub*block4_ln1_rsqrt   (computed with the next statement)
-        block4_ln1_mul = mem.tensor(75, (100, 16, 64), 'float32')
-        # block4_ln1 = block4_ln1_mul*block4_ln1_W + block4_ln1_B
-        block4_ln1 = block4_ln1_mul  # in place: over block4_ln1_mul
-        rt.ew_pair((ew_mul, block4_ln1_mul, block4_ln1_sub, block4_ln1_rsqrt),
-                   (ew_mul_add, block4_ln1, block4_ln1_mul, T['block4_ln1_W'], T['block4_ln1_B']))
-
-        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
-        # block4_attn_q_reshape = reshape[1600x64](block4_ln1)
-        block4_attn_q_reshape = rt.reshape(block4_ln1, shape=(1600, 64))
-
-        # ---- block4_attn_v (fully connected, 64 outputs), forward ----
-        # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(76, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
-        # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
-        block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
-        rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
-
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
-        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
-        block4_attn_transpose = mem.tensor(77, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        mem.free(76)
-
-        # ---- block4_attn_k (fully connected, 64 outputs), forward ----
-        # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
-        block4_attn_k_matmul = mem.tensor(78, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
-
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
-        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
-        block4_attn_transpose_2 = mem.tensor(79, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
-        # free block4_attn_k_matmul, block4_attn_reshape_2
-        del block4_attn_k_matmul, block4_attn_reshape_2
-        mem.free(78)
-
-        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
-        # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(80, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
-        # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
-        block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
-        rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
-
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
-        block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
-        block4_attn_transpose_3 = mem.tensor(81, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
-        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        mem.free(80)
-        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
-        block4_attn = mem.tensor(82, (100, 4, 16, 16), 'float32')
-        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
-
-        # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
-        block4_attn_out_transpose = mem.tensor(83, (100, 16, 4, 16), 'float32')
-        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
-        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
-        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
-        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
-        block4_attn_out_matmul = mem.tensor(84, (1600, 64), 'float32')
-        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
-        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
-        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
-        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
-        # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
-        block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
-
-        # ---- block4_ln2 (layer norm over the last 1 axes), forward ----
-        # block4_ln2_add = block4_ln1_add + block4_attn_out
-        block4_ln2_add = block4_ln1_add  # in place: over block4_ln1_add
-        rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
-        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
-        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
-        mem.free(84)
-        # block4_ln2_sum_to = sum_to[100x16x1](block4_ln2_add)
-        block4_ln2_sum_to = mem.tensor(85, (100, 16, 1), 'float32')
-        rt.sum_to(block4_ln2_add, out=block4_ln2_sum_to, shape=(100, 16, 1))
-        # block4_ln2_scale = 0.015625*block4_ln2_sum_to
-        block4_ln2_scale = block4_ln2_sum_to  # in place: over block4_ln2_sum_to
-        rt.ew(ew_scale, block4_ln2_scale, block4_ln2_sum_to)
-        # block4_ln2_sub = block4_ln2_add - block4_ln2_scale   (computed with the next statement)
-        block4_ln2_sub = mem.tensor(86, (100, 16, 64), 'float32')
-        # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
-        block4_ln2_sum_to_2 = mem.tensor(87, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale),
-                      (ew_square, block4_ln2_sum_to_2, block4_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block4_ln2_sum_to, block4_ln2_scale
-        del block4_ln2_sum_to, block4_ln2_scale
-        mem.free(85)
-        # block4_ln2_add_2 = 0.015625*block4_ln2_sum_to_2 + 1.0e-5   (computed with the next statement)
-        block4_ln2_add_2 = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
-        # block4_ln2_rsqrt = 1/sqrt(block4_ln2_add_2)
-        block4_ln2_rsqrt = mem.tensor(88, (100, 16, 1), 'float32')
-        rt.ew_pair((ew_scale_add, block4_ln2_add_2, block4_ln2_sum_to_2),
-                   (ew_rsqrt, block4_ln2_rsqrt, block4_ln2_add_2))
-        # block4_ln2_mul = block4_ln2_sub*block4_ln2_rsqrt   (computed with the next statement)
-        block4_ln2_mul = mem.tensor(89, (100, 16, 64), 'float32')
-        # block4_ln2 = block4_ln2_mul*block4_ln2_W + block4_ln2_B
-        block4_ln2 = block4_ln2_mul  # in place: over block4_ln2_mul
-        rt.ew_pair((ew_mul, block4_ln2_mul, block4_ln2_sub, block4_ln2_rsqrt),
-                   (ew_mul_add, block4_ln2, block4_ln2_mul, T['block4_ln2_W'], T['block4_ln2_B']))
-
-        # ---- block4_fc1 (fully connected, 128 outputs), forward ----
-        # block4_fc1_reshape = reshape[1600x64](block4_ln2)
-        block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
-        # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(90, (1600, 128), 'float32')
-        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
-        # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
-        block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
-        rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
-        # block4_fc1 = reshape[100x16x128](block4_fc1_add)
-        block4_fc1 = rt.reshape(block4_fc1_add, shape=(100, 16, 128))
-
-        # ---- block4_fc1_gelu (gelu), forward ----
-        # block4_fc1_gelu = block4_fc1*(erf(sqrt(2)*block4_fc1/2) + 1)/2
-        block4_fc1_gelu = mem.tensor(91, (100, 16, 128), 'float32')
-        rt.ew(ew_sqrt_mul_erf_add, block4_fc1_gelu, block4_fc1)
-
-        # ---- block4_fc2 (fully connected, 64 outputs), forward ----
-        # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
-        block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
-        # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(92, (1600, 64), 'float32')
-        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
-        # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
-        block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
-        rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
-        # block4_fc2 = reshape[100x16x64](block4_fc2_add)
-        block4_fc2 = rt.reshape(block4_fc2_add, shape=(100, 16, 64))
-
-        # ---- ln (layer norm over the last 1 axes), forward ----
-        # ln_add = block4_ln2_add + block4_fc2
-        ln_add = block4_ln2_add  # in place: over block4_ln2_add
-        rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
-        # free block4_fc2_matmul, block4_fc2_add, block4_fc2
-        del block4_fc2_matmul, block4_fc2_add, block4_fc2
-        mem.free(92)
-        # ln_sum_to = sum_to[100x16x1](ln_add)
-        ln_sum_to = mem.tensor(93, (100, 16, 1), 'float32')
-        rt.sum_to(ln_add, out=ln_sum_to, shape=(100, 16, 1))
-        # ln_scale = 0.015625*ln_sum_to
-        ln_scale = ln_sum_to  # in place: over ln_sum_to
-        rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale   (computed with the next statement)
-        ln_sub = ln_add  # in place: over ln_add
-        # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(94, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
-                      (ew_square, ln_sum_to_2, ln_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free ln_sum_to, ln_scale
-        del ln_sum_to, ln_scale
-        mem.free(93)
-        # ln_add_2 = 0.015625*ln_sum_to_2 + 1.0e-5   (computed with the next statement)
-        ln_add_2 = ln_sum_to_2  # in place: over ln_sum_to_2
-        # ln_rsqrt = 1/sqrt(ln_add_2)
-        ln_rsqrt = mem.tensor(95, (100, 16, 1), 'float32')
-        rt.ew_pair((ew_scale_add, ln_add_2, ln_sum_to_2),
-                   (ew_rsqrt, ln_rsqrt, ln_add_2))
-        # ln_mul = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul = mem.tensor(96, (100, 16, 64), 'float32')
-
-        # ---- head (fully connected, 10 outputs), forward ----
-        # head_sum_to = sum_to[100x1x64](ln_mul*ln_W + ln_B)
-        head_sum_to = mem.tensor(97, (100, 1, 64), 'float32')
-        rt.ew_and_sum((ew_mul, ln_mul, ln_sub, ln_rsqrt),
-                      (ew_mul_add_2, head_sum_to, ln_mul, T['ln_W'], T['ln_B']),
-                      shape=(100, 1, 64), workspace=mem.workspace(409600))
-        # free ln_mul
-        del ln_mul
-        mem.free(96)
-        # head_reshape = reshape[100x64](head_sum_to)
-        head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
-        # head_scale = 0.0625*head_reshape
-        head_scale = head_reshape  # in place: over head_reshape
-        rt.ew(ew_scale_2, head_scale, head_reshape)
-        # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(98, (100, 10), 'float32')
-        rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
-        # head = head_matmul + head_B
-        head = head_matmul  # in place: over head_matmul
-        rt.ew(ew_add, head, head_matmul, T['head_B'])
-
-        # ---- head_cross_entropy (cross_entropy), forward ----
-        # head_cross_entropy_log_softmax = log_softmax(head)
-        head_cross_entropy_log_softmax = head  # in place: over head
-        rt.log_softmax(head, out=head_cross_entropy_log_softmax, workspace=mem.workspace(4000))
-        # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
-        head_cross_entropy_pick = mem.tensor(99, (100,), 'float32')
-        rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
-        # free y
-        del y
-        mem.free(1)
-
-        # ---- head_cross_entropy (cross_entropy), backward ----
-        # d_head = d_head_cross_entropy_log_softmax + 0.01*exp(head_cross_entropy_log_softmax)
-        d_head = d_head_cross_entropy_log_softmax  # in place: over d_head_cross_entropy_log_softmax
-        rt.ew(ew_exp_scale_add, d_head, d_head_cross_entropy_log_softmax, head_cross_entropy_log_softmax)
-        # free head_matmul, head, head_cross_entropy_log_softmax
-        del head_matmul, head, head_cross_entropy_log_softmax
-        mem.free(98)
-
-        # ---- head (fully connected, 10 outputs), backward ----
-        # d_head_W = matmul[ta](d_head, head_scale)
-        d_head_W = mem.tensor(100, (10, 64), 'float32')
-        rt.matmul(d_head, head_scale, out=d_head_W, ta=True)
-        # free head_sum_to, head_reshape, head_scale
-        del head_sum_to, head_reshape, head_scale
-        mem.free(97)
-
-        # ---- head_cross_entropy (cross_entropy), forward ----
-        # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
-        head_cross_entropy_sum_to = mem.tensor(101, (), 'float32')
-        rt.sum_to(head_cross_entropy_pick, out=head_cross_entropy_sum_to, shape=())
-        # free head_cross_entropy_pick
-        del head_cross_entropy_pick
-        mem.free(99)
-        # head_cross_entropy = -head_cross_entropy_sum_to/100
-        head_cross_entropy = head_cross_entropy_sum_to  # in place: over head_cross_entropy_sum_to
-        rt.ew(ew_scale_3, head_cross_entropy, head_cross_entropy_sum_to)
-
-        # ---- head (fully connected, 10 outputs), backward ----
-        # S_head_W_new = 0.999*S_head_W + 0.001*d_head_W**2
-        S_head_W_new = T['S_head_W']  # in place: the new S_head_W
-        rt.ew(ew_square_scale_add, S_head_W_new, T['S_head_W'], d_head_W)
-        # M_head_W_new = 0.9*M_head_W + 0.1*d_head_W
-        M_head_W_new = T['M_head_W']  # in place: the new M_head_W
-        rt.ew(ew_scale_add_2, M_head_W_new, T['M_head_W'], d_head_W)
-        # free d_head_W
-        del d_head_W
-        mem.free(100)
-        # d_head_B = sum_to[10](d_head)
-        d_head_B = mem.tensor(102, (10,), 'float32')
-        rt.sum_to(d_head, out=d_head_B, shape=(10,))
-        # S_head_B_new = 0.999*S_head_B + 0.001*d_head_B**2
-        S_head_B_new = T['S_head_B']  # in place: the new S_head_B
-        rt.ew(ew_square_scale_add, S_head_B_new, T['S_head_B'], d_head_B)
-        # M_head_B_new = 0.9*M_head_B + 0.1*d_head_B   (computed with the next statement)
-        M_head_B_new = T['M_head_B']  # in place: the new M_head_B
-        # head_B_new = head_B*(-lr*decay + 1) - lr*M_head_B_new/(bias1*(sqrt(S_head_B_new)/sqrt(bias2) + 1.0e-8))
-        head_B_new = T['head_B']  # in place: the new head_B
-        rt.ew_pair((ew_scale_add_2, M_head_B_new, T['M_head_B'], d_head_B),
-                   (ew_mul_sub_recip_sqrt, head_B_new, T['head_B'], lr, bias1, M_head_B_new, S_head_B_new, bias2, decay))
-        # free d_head_B
-        del d_head_B
-        mem.free(102)
-        # d_head_scale = matmul(d_head, head_W)
-        d_head_scale = mem.tensor(103, (100, 64), 'float32')
-        rt.matmul(d_head, T['head_W'], out=d_head_scale)
-        # free d_head_cross_entropy_log_softmax, d_head
-        del d_head_cross_entropy_log_softmax, d_head
-        mem.free(2)
-        # d_head_reshape = 0.0625*d_head_scale
-        d_head_reshape = d_head_scale  # in place: over d_head_scale
-        rt.ew(ew_scale_2, d_head_reshape, d_head_scale)
-        # d_head_sum_to = reshape[100x1x64](d_head_reshape)
-        d_head_sum_to = rt.reshape(d_head_reshape, shape=(100, 1, 64))
-
-        # ---- ln (layer norm over the last 1 axes), forward ----
-        # ln_mul_2 = ln_sub*ln_rsqrt   (computed with the next statement)
-        ln_mul_2 = mem.tensor(104, (100, 16, 64), 'float32')
-
-        # ---- ln (layer norm over the last 1 axes), backward ----
-        # d_ln_W = sum_to[64](d_head_sum_to*ln_mul_2)
-        d_ln_W = mem.tensor(105, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, ln_mul_2, ln_sub, ln_rsqrt),
-                      (ew_mul, d_ln_W, d_head_sum_to, ln_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free ln_mul_2
-        del ln_mul_2
-        mem.free(104)
-        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
-        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
-        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
-        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W
-        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
-        rt.ew(ew_scale_add_2, M_ln_W_new, T['M_ln_W'], d_ln_W)
-        # free d_ln_W
-        del d_ln_W
-        mem.free(105)
-
-        # ---- head (fully connected, 10 outputs), backward ----
-        # head_W_new = head_W*(-lr*decay + 1) - lr*M_head_W_new/(bias1*(sqrt(S_head_W_new)/sqrt(bias2) + 1.0e-8))
-        head_W_new = T['head_W']  # in place: the new head_W
-        rt.ew(ew_mul_sub_recip_sqrt, head_W_new, T['head_W'], lr, bias1, M_head_W_new, S_head_W_new, bias2, decay)
-        # d_ln = broadcast_to[100x16x64](d_head_sum_to)
-        d_ln = mem.tensor(106, (100, 16, 64), 'float32')
-        rt.broadcast_to(d_head_sum_to, out=d_ln, shape=(100, 16, 64))
-        # free d_head_scale, d_head_reshape, d_head_sum_to
-        del d_head_scale, d_head_reshape, d_head_sum_to
-        mem.free(103)
-
-        # ---- ln (layer norm over the last 1 axes), backward ----
-        # d_ln_B = sum_to[64](d_ln)
-        d_ln_B = mem.tensor(107, (64,), 'float32')
-        rt.sum_to(d_ln, out=d_ln_B, shape=(64,))
-        # d_ln_mul = d_ln*ln_W   (computed with the next statement)
-        d_ln_mul = d_ln  # in place: over d_ln
-        # d_ln_rsqrt = sum_to[100x16x1](d_ln_mul*ln_sub)
-        d_ln_rsqrt = mem.tensor(108, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_ln_mul, d_ln, T['ln_W']),
-                      (ew_mul, d_ln_rsqrt, d_ln_mul, ln_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
-        ln_W_new = T['ln_W']  # in place: the new ln_W
-        rt.ew(ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay)
-        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
-        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
-        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
-        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
-        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
-        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
-        ln_B_new = T['ln_B']  # in place: the new ln_B
-        rt.ew_pair((ew_scale_add_2, M_ln_B_new, T['M_ln_B'], d_ln_B),
-                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
-        # free d_ln_B
-        del d_ln_B
-        mem.free(107)
-        # d_ln_sum_to = -0.0078125*d_ln_rsqrt/ln_add_2**(3/2)
-        d_ln_sum_to = d_ln_rsqrt  # in place: over d_ln_rsqrt
-        rt.ew(ew_pow_mul, d_ln_sum_to, d_ln_rsqrt, ln_add_2)
-        # free ln_sum_to_2, ln_add_2
-        del ln_sum_to_2, ln_add_2
-        mem.free(94)
-        # d_ln_sub = d_ln_mul*ln_rsqrt + 2*d_ln_sum_to*ln_sub   (computed with the next statement)
-        d_ln_sub = d_ln_mul  # in place: over d_ln_mul
-        # d_ln_scale = sum_to[100x16x1](-d_ln_sub)
-        d_ln_scale = mem.tensor(109, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_3, d_ln_sub, d_ln_mul, ln_rsqrt, d_ln_sum_to, ln_sub),
-                      (ew_neg, d_ln_scale, d_ln_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
-        del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_rsqrt, d_ln_rsqrt, d_ln_sum_to
-        mem.free(4, 95, 108)
-        # d_ln_sum_to_2 = 0.015625*d_ln_scale
-        d_ln_sum_to_2 = d_ln_scale  # in place: over d_ln_scale
-        rt.ew(ew_scale, d_ln_sum_to_2, d_ln_scale)
-        # d_ln_add = d_ln_sub + d_ln_sum_to_2
-        d_ln_add = d_ln_sub  # in place: over d_ln_sub
-        rt.ew(ew_add, d_ln_add, d_ln_sub, d_ln_sum_to_2)
-        # free d_ln_scale, d_ln_sum_to_2
-        del d_ln_scale, d_ln_sum_to_2
-        mem.free(109)
-
-        # ---- block4_fc2 (fully connected, 64 outputs), backward ----
-        # d_block4_fc2_add = reshape[1600x64](d_ln_add)
-        d_block4_fc2_add = rt.reshape(d_ln_add, shape=(1600, 64))
-        # d_block4_fc2_W = matmul[ta](d_block4_fc2_add, block4_fc2_reshape)
-        d_block4_fc2_W = mem.tensor(110, (64, 128), 'float32')
-        rt.matmul(d_block4_fc2_add, block4_fc2_reshape, out=d_block4_fc2_W, ta=True, workspace=mem.workspace(98304))
-        # free block4_fc1_gelu, block4_fc2_reshape
-        del block4_fc1_gelu, block4_fc2_reshape
-        mem.free(91)
-        # S_block4_fc2_W_new = 0.999*S_block4_fc2_W + 0.001*d_block4_fc2_W**2
-        S_block4_fc2_W_new = T['S_block4_fc2_W']  # in place: the new S_block4_fc2_W
-        rt.ew(ew_square_scale_add, S_block4_fc2_W_new, T['S_block4_fc2_W'], d_block4_fc2_W)
-        # M_block4_fc2_W_new = 0.9*M_block4_fc2_W + 0.1*d_block4_fc2_W
-        M_block4_fc2_W_new = T['M_block4_fc2_W']  # in place: the new M_block4_fc2_W
-        rt.ew(ew_scale_add_2, M_block4_fc2_W_new, T['M_block4_fc2_W'], d_block4_fc2_W)
-        # free d_block4_fc2_W
-        del d_block4_fc2_W
-        mem.free(110)
-        # d_block4_fc2_B = sum_to[64](d_block4_fc2_add)
-        d_block4_fc2_B = mem.tensor(111, (64,), 'float32')
-        rt.sum_to(d_block4_fc2_add, out=d_block4_fc2_B, shape=(64,))
-        # S_block4_fc2_B_new = 0.999*S_block4_fc2_B + 0.001*d_block4_fc2_B**2
-        S_block4_fc2_B_new = T['S_block4_fc2_B']  # in place: the new S_block4_fc2_B
-        rt.ew(ew_square_scale_add, S_block4_fc2_B_new, T['S_block4_fc2_B'], d_block4_fc2_B)
-        # M_block4_fc2_B_new = 0.9*M_block4_fc2_B + 0.1*d_block4_fc2_B   (computed with the next statement)
-        M_block4_fc2_B_new = T['M_block4_fc2_B']  # in place: the new M_block4_fc2_B
-        # block4_fc2_B_new = block4_fc2_B*(-lr*decay + 1) - lr*M_block4_fc2_B_new/(bias1*(sqrt(S_block4_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc2_B_new = T['block4_fc2_B']  # in place: the new block4_fc2_B
-        rt.ew_pair((ew_scale_add_2, M_block4_fc2_B_new, T['M_block4_fc2_B'], d_block4_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block4_fc2_B_new, T['block4_fc2_B'], lr, bias1, M_block4_fc2_B_new, S_block4_fc2_B_new, bias2, decay))
-        # free d_block4_fc2_B
-        del d_block4_fc2_B
-        mem.free(111)
-        # d_block4_fc2_reshape = matmul(d_block4_fc2_add, block4_fc2_W)
-        d_block4_fc2_reshape = mem.tensor(112, (1600, 128), 'float32')
-        rt.matmul(d_block4_fc2_add, T['block4_fc2_W'], out=d_block4_fc2_reshape)
-        # d_block4_fc1_gelu = reshape[100x16x128](d_block4_fc2_reshape)
-        d_block4_fc1_gelu = rt.reshape(d_block4_fc2_reshape, shape=(100, 16, 128))
-
-        # ---- block4_fc1_gelu (gelu), backward ----
-        # d_block4_fc1 = d_block4_fc1_gelu*(sqrt(2)*block4_fc1*exp(-block4_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block4_fc1/2)/2 + 1/2)
-        d_block4_fc1 = d_block4_fc1_gelu  # in place: over d_block4_fc1_gelu
-        rt.ew(ew_sqrt_mul_erf_scale, d_block4_fc1, d_block4_fc1_gelu, block4_fc1)
-        # free block4_fc1_matmul, block4_fc1_add, block4_fc1
-        del block4_fc1_matmul, block4_fc1_add, block4_fc1
-        mem.free(90)
-
-        # ---- block4_fc1 (fully connected, 128 outputs), backward ----
-        # d_block4_fc1_add = reshape[1600x128](d_block4_fc1)
-        d_block4_fc1_add = rt.reshape(d_block4_fc1, shape=(1600, 128))
-        # d_block4_fc1_W = matmul[ta](d_block4_fc1_add, block4_fc1_reshape)
-        d_block4_fc1_W = mem.tensor(113, (128, 64), 'float32')
-        rt.matmul(d_block4_fc1_add, block4_fc1_reshape, out=d_block4_fc1_W, ta=True, workspace=mem.workspace(98304))
-        # free block4_ln2_mul, block4_ln2, block4_fc1_reshape
-        del block4_ln2_mul, block4_ln2, block4_fc1_reshape
-        mem.free(89)
-        # S_block4_fc1_W_new = 0.999*S_block4_fc1_W + 0.001*d_block4_fc1_W**2
-        S_block4_fc1_W_new = T['S_block4_fc1_W']  # in place: the new S_block4_fc1_W
-        rt.ew(ew_square_scale_add, S_block4_fc1_W_new, T['S_block4_fc1_W'], d_block4_fc1_W)
-        # M_block4_fc1_W_new = 0.9*M_block4_fc1_W + 0.1*d_block4_fc1_W
-        M_block4_fc1_W_new = T['M_block4_fc1_W']  # in place: the new M_block4_fc1_W
-        rt.ew(ew_scale_add_2, M_block4_fc1_W_new, T['M_block4_fc1_W'], d_block4_fc1_W)
-        # free d_block4_fc1_W
-        del d_block4_fc1_W
-        mem.free(113)
-
-        # ---- block4_fc2 (fully connected, 64 outputs), backward ----
-        # block4_fc2_W_new = block4_fc2_W*(-lr*decay + 1) - lr*M_block4_fc2_W_new/(bias1*(sqrt(S_block4_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc2_W_new = T['block4_fc2_W']  # in place: the new block4_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_fc2_W_new, T['block4_fc2_W'], lr, bias1, M_block4_fc2_W_new, S_block4_fc2_W_new, bias2, decay)
-
-        # ---- block4_fc1 (fully connected, 128 outputs), backward ----
-        # d_block4_fc1_B = sum_to[128](d_block4_fc1_add)
-        d_block4_fc1_B = mem.tensor(114, (128,), 'float32')
-        rt.sum_to(d_block4_fc1_add, out=d_block4_fc1_B, shape=(128,))
-        # d_block4_fc1_reshape = matmul(d_block4_fc1_add, block4_fc1_W)
-        d_block4_fc1_reshape = mem.tensor(115, (1600, 64), 'float32')
-        rt.matmul(d_block4_fc1_add, T['block4_fc1_W'], out=d_block4_fc1_reshape)
-        # free d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
-        del d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
-        mem.free(112)
-        # d_block4_ln2 = reshape[100x16x64](d_block4_fc1_reshape)
-        d_block4_ln2 = rt.reshape(d_block4_fc1_reshape, shape=(100, 16, 64))
-
-        # ---- block4_ln2 (layer norm over the last 1 axes), forward ----
-        # block4_ln2_mul_2 = block4_ln2_sub*block4_ln2_rsqrt   (computed with the next statement)
-        block4_ln2_mul_2 = mem.tensor(116, (100, 16, 64), 'float32')
-
-        # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block4_ln2_W = sum_to[64](d_block4_ln2*block4_ln2_mul_2)
-        d_block4_ln2_W = mem.tensor(117, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block4_ln2_mul_2, block4_ln2_sub, block4_ln2_rsqrt),
-                      (ew_mul, d_block4_ln2_W, d_block4_ln2, block4_ln2_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block4_ln2_mul_2
-        del block4_ln2_mul_2
-        mem.free(116)
-        # S_block4_ln2_W_new = 0.999*S_block4_ln2_W + 0.001*d_block4_ln2_W**2
-        S_block4_ln2_W_new = T['S_block4_ln2_W']  # in place: the new S_block4_ln2_W
-        rt.ew(ew_square_scale_add, S_block4_ln2_W_new, T['S_block4_ln2_W'], d_block4_ln2_W)
-        # M_block4_ln2_W_new = 0.9*M_block4_ln2_W + 0.1*d_block4_ln2_W
-        M_block4_ln2_W_new = T['M_block4_ln2_W']  # in place: the new M_block4_ln2_W
-        rt.ew(ew_scale_add_2, M_block4_ln2_W_new, T['M_block4_ln2_W'], d_block4_ln2_W)
-        # free d_block4_ln2_W
-        del d_block4_ln2_W
-        mem.free(117)
-
-        # ---- block4_fc1 (fully connected, 128 outputs), backward ----
-        # block4_fc1_W_new = block4_fc1_W*(-lr*decay + 1) - lr*M_block4_fc1_W_new/(bias1*(sqrt(S_block4_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc1_W_new = T['block4_fc1_W']  # in place: the new block4_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_fc1_W_new, T['block4_fc1_W'], lr, bias1, M_block4_fc1_W_new, S_block4_fc1_W_new, bias2, decay)
-        # S_block4_fc1_B_new = 0.999*S_block4_fc1_B + 0.001*d_block4_fc1_B**2
-        S_block4_fc1_B_new = T['S_block4_fc1_B']  # in place: the new S_block4_fc1_B
-        rt.ew(ew_square_scale_add, S_block4_fc1_B_new, T['S_block4_fc1_B'], d_block4_fc1_B)
-        # M_block4_fc1_B_new = 0.9*M_block4_fc1_B + 0.1*d_block4_fc1_B   (computed with the next statement)
-        M_block4_fc1_B_new = T['M_block4_fc1_B']  # in place: the new M_block4_fc1_B
-        # block4_fc1_B_new = block4_fc1_B*(-lr*decay + 1) - lr*M_block4_fc1_B_new/(bias1*(sqrt(S_block4_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc1_B_new = T['block4_fc1_B']  # in place: the new block4_fc1_B
-        rt.ew_pair((ew_scale_add_2, M_block4_fc1_B_new, T['M_block4_fc1_B'], d_block4_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block4_fc1_B_new, T['block4_fc1_B'], lr, bias1, M_block4_fc1_B_new, S_block4_fc1_B_new, bias2, decay))
-        # free d_block4_fc1_B
-        del d_block4_fc1_B
-        mem.free(114)
-
-        # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block4_ln2_B = sum_to[64](d_block4_ln2)
-        d_block4_ln2_B = mem.tensor(118, (64,), 'float32')
-        rt.sum_to(d_block4_ln2, out=d_block4_ln2_B, shape=(64,))
-        # d_block4_ln2_mul = d_block4_ln2*block4_ln2_W   (computed with the next statement)
-        d_block4_ln2_mul = d_block4_ln2  # in place: over d_block4_ln2
-        # d_block4_ln2_rsqrt = sum_to[100x16x1](d_block4_ln2_mul*block4_ln2_sub)
-        d_block4_ln2_rsqrt = mem.tensor(119, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block4_ln2_mul, d_block4_ln2, T['block4_ln2_W']),
-                      (ew_mul, d_block4_ln2_rsqrt, d_block4_ln2_mul, block4_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block4_ln2_W_new = block4_ln2_W*(-lr*decay + 1) - lr*M_block4_ln2_W_new/(bias1*(sqrt(S_block4_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln2_W_new = T['block4_ln2_W']  # in place: the new block4_ln2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_ln2_W_new, T['block4_ln2_W'], lr, bias1, M_block4_ln2_W_new, S_block4_ln2_W_new, bias2, decay)
-        # S_block4_ln2_B_new = 0.999*S_block4_ln2_B + 0.001*d_block4_ln2_B**2
-        S_block4_ln2_B_new = T['S_block4_ln2_B']  # in place: the new S_block4_ln2_B
-        rt.ew(ew_square_scale_add, S_block4_ln2_B_new, T['S_block4_ln2_B'], d_block4_ln2_B)
-        # M_block4_ln2_B_new = 0.9*M_block4_ln2_B + 0.1*d_block4_ln2_B   (computed with the next statement)
-        M_block4_ln2_B_new = T['M_block4_ln2_B']  # in place: the new M_block4_ln2_B
-        # block4_ln2_B_new = block4_ln2_B*(-lr*decay + 1) - lr*M_block4_ln2_B_new/(bias1*(sqrt(S_block4_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln2_B_new = T['block4_ln2_B']  # in place: the new block4_ln2_B
-        rt.ew_pair((ew_scale_add_2, M_block4_ln2_B_new, T['M_block4_ln2_B'], d_block4_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay))
-        # free d_block4_ln2_B
-        del d_block4_ln2_B
-        mem.free(118)
-        # d_block4_ln2_sum_to = -0.0078125*d_block4_ln2_rsqrt/block4_ln2_add_2**(3/2)
-        d_block4_ln2_sum_to = d_block4_ln2_rsqrt  # in place: over d_block4_ln2_rsqrt
-        rt.ew(ew_pow_mul, d_block4_ln2_sum_to, d_block4_ln2_rsqrt, block4_ln2_add_2)
-        # free block4_ln2_sum_to_2, block4_ln2_add_2
-        del block4_ln2_sum_to_2, block4_ln2_add_2
-        mem.free(87)
-        # d_block4_ln2_sub = d_block4_ln2_mul*block4_ln2_rsqrt + 2*d_block4_ln2_sum_to*block4_ln2_sub   (computed with the next statement)
-        d_block4_ln2_sub = d_block4_ln2_mul  # in place: over d_block4_ln2_mul
-        # d_block4_ln2_scale = sum_to[100x16x1](-d_block4_ln2_sub)
-        d_block4_ln2_scale = mem.tensor(120, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_3, d_block4_ln2_sub, d_block4_ln2_mul, block4_ln2_rsqrt, d_block4_ln2_sum_to, block4_ln2_sub),
-                      (ew_neg, d_block4_ln2_scale, d_block4_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block4_ln2_sub, block4_ln2_rsqrt, d_block4_ln2_rsqrt, d_block4_ln2_sum_to
-        del block4_ln2_sub, block4_ln2_rsqrt, d_block4_ln2_rsqrt, d_block4_ln2_sum_to
-        mem.free(86, 88, 119)
-        # d_block4_ln2_sum_to_2 = 0.015625*d_block4_ln2_scale
-        d_block4_ln2_sum_to_2 = d_block4_ln2_scale  # in place: over d_block4_ln2_scale
-        rt.ew(ew_scale, d_block4_ln2_sum_to_2, d_block4_ln2_scale)
-        # d_block4_ln2_add = d_ln_add + d_block4_ln2_sub + d_block4_ln2_sum_to_2
-        d_block4_ln2_add = d_ln_add  # in place: over d_ln_add
-        rt.ew(ew_add_2, d_block4_ln2_add, d_ln_add, d_block4_ln2_sub, d_block4_ln2_sum_to_2)
-        # free d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_mul, d_block4_ln2_sub, d_block4_ln2_scale, d_block4_ln2_sum_to_2
-        del d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_mul, d_block4_ln2_sub, d_block4_ln2_scale, d_block4_ln2_sum_to_2
-        mem.free(115, 120)
-
-        # ---- block4_attn_out (fully connected, 64 outputs), backward ----
-        # d_block4_attn_out_add = reshape[1600x64](d_block4_ln2_add)
-        d_block4_attn_out_add = rt.reshape(d_block4_ln2_add, shape=(1600, 64))
-        # d_block4_attn_out_W = matmul[ta](d_block4_attn_out_add, block4_attn_out_reshape)
-        d_block4_attn_out_W = mem.tensor(121, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape, out=d_block4_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block4_attn_out_transpose, block4_attn_out_reshape
-        del block4_attn_out_transpose, block4_attn_out_reshape
-        mem.free(83)
-        # S_block4_attn_out_W_new = 0.999*S_block4_attn_out_W + 0.001*d_block4_attn_out_W**2
-        S_block4_attn_out_W_new = T['S_block4_attn_out_W']  # in place: the new S_block4_attn_out_W
-        rt.ew(ew_square_scale_add, S_block4_attn_out_W_new, T['S_block4_attn_out_W'], d_block4_attn_out_W)
-        # M_block4_attn_out_W_new = 0.9*M_block4_attn_out_W + 0.1*d_block4_attn_out_W
-        M_block4_attn_out_W_new = T['M_block4_attn_out_W']  # in place: the new M_block4_attn_out_W
-        rt.ew(ew_scale_add_2, M_block4_attn_out_W_new, T['M_block4_attn_out_W'], d_block4_attn_out_W)
-        # free d_block4_attn_out_W
-        del d_block4_attn_out_W
-        mem.free(121)
-        # d_block4_attn_out_B = sum_to[64](d_block4_attn_out_add)
-        d_block4_attn_out_B = mem.tensor(122, (64,), 'float32')
-        rt.sum_to(d_block4_attn_out_add, out=d_block4_attn_out_B, shape=(64,))
-        # S_block4_attn_out_B_new = 0.999*S_block4_attn_out_B + 0.001*d_block4_attn_out_B**2
-        S_block4_attn_out_B_new = T['S_block4_attn_out_B']  # in place: the new S_block4_attn_out_B
-        rt.ew(ew_square_scale_add, S_block4_attn_out_B_new, T['S_block4_attn_out_B'], d_block4_attn_out_B)
-        # M_block4_attn_out_B_new = 0.9*M_block4_attn_out_B + 0.1*d_block4_attn_out_B   (computed with the next statement)
-        M_block4_attn_out_B_new = T['M_block4_attn_out_B']  # in place: the new M_block4_attn_out_B
-        # block4_attn_out_B_new = block4_attn_out_B*(-lr*decay + 1) - lr*M_block4_attn_out_B_new/(bias1*(sqrt(S_block4_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_out_B_new = T['block4_attn_out_B']  # in place: the new block4_attn_out_B
-        rt.ew_pair((ew_scale_add_2, M_block4_attn_out_B_new, T['M_block4_attn_out_B'], d_block4_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block4_attn_out_B_new, T['block4_attn_out_B'], lr, bias1, M_block4_attn_out_B_new, S_block4_attn_out_B_new, bias2, decay))
-        # free d_block4_attn_out_B
-        del d_block4_attn_out_B
-        mem.free(122)
-        # d_block4_attn_out_reshape = matmul(d_block4_attn_out_add, block4_attn_out_W)
-        d_block4_attn_out_reshape = mem.tensor(123, (1600, 64), 'float32')
-        rt.matmul(d_block4_attn_out_add, T['block4_attn_out_W'], out=d_block4_attn_out_reshape)
-        # d_block4_attn_out_transpose = reshape[100x16x4x16](d_block4_attn_out_reshape)
-        d_block4_attn_out_transpose = rt.reshape(d_block4_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block4_attn = transpose[axes=(1,2)](d_block4_attn_out_transpose)
-        d_block4_attn = mem.tensor(124, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block4_attn_out_transpose, out=d_block4_attn, axes=(1, 2))
-        # free d_block4_attn_out_reshape, d_block4_attn_out_transpose
-        del d_block4_attn_out_reshape, d_block4_attn_out_transpose
-        mem.free(123)
-
-        # ---- block4_attn (scaled dot-product attention), backward ----
-        # d_block4_attn_attention_grad = attention_grad[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, block4_attn, d_block4_attn)
-        d_block4_attn_attention_grad = mem.tensor(125, (307200,), 'float32')
-        rt.attention_grad(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, block4_attn, d_block4_attn, out=d_block4_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
-        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3, block4_attn, d_block4_attn
-        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3, block4_attn, d_block4_attn
-        mem.free(77, 79, 81, 82, 124)
-
-        # ---- block4_attn_out (fully connected, 64 outputs), backward ----
-        # block4_attn_out_W_new = block4_attn_out_W*(-lr*decay + 1) - lr*M_block4_attn_out_W_new/(bias1*(sqrt(S_block4_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_out_W_new = T['block4_attn_out_W']  # in place: the new block4_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_out_W_new, T['block4_attn_out_W'], lr, bias1, M_block4_attn_out_W_new, S_block4_attn_out_W_new, bias2, decay)
-
-        # ---- block4_attn (scaled dot-product attention), backward ----
-        # d_block4_attn_slice = slice[axis=0,start=0,stop=102400](d_block4_attn_attention_grad)
-        d_block4_attn_slice = mem.tensor(126, (102400,), 'float32')
-        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice, axis=0, start=0, stop=102400)
-        # d_block4_attn_transpose = reshape[100x4x16x16](d_block4_attn_slice)
-        d_block4_attn_transpose = rt.reshape(d_block4_attn_slice, shape=(100, 4, 16, 16))
-        # d_block4_attn_reshape = transpose[axes=(1,2)](d_block4_attn_transpose)
-        d_block4_attn_reshape = mem.tensor(127, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block4_attn_transpose, out=d_block4_attn_reshape, axes=(1, 2))
-        # free d_block4_attn_slice, d_block4_attn_transpose
-        del d_block4_attn_slice, d_block4_attn_transpose
-        mem.free(126)
-        # d_block4_attn_q_add = reshape[1600x64](d_block4_attn_reshape)
-        d_block4_attn_q_add = rt.reshape(d_block4_attn_reshape, shape=(1600, 64))
-
-        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
-        # d_block4_attn_q_B = sum_to[64](d_block4_attn_q_add)
-        d_block4_attn_q_B = mem.tensor(128, (64,), 'float32')
-        rt.sum_to(d_block4_attn_q_add, out=d_block4_attn_q_B, shape=(64,))
-        # S_block4_attn_q_B_new = 0.999*S_block4_attn_q_B + 0.001*d_block4_attn_q_B**2
-        S_block4_attn_q_B_new = T['S_block4_attn_q_B']  # in place: the new S_block4_attn_q_B
-        rt.ew(ew_square_scale_add, S_block4_attn_q_B_new, T['S_block4_attn_q_B'], d_block4_attn_q_B)
-        # M_block4_attn_q_B_new = 0.9*M_block4_attn_q_B + 0.1*d_block4_attn_q_B   (computed with the next statement)
-        M_block4_attn_q_B_new = T['M_block4_attn_q_B']  # in place: the new M_block4_attn_q_B
-        # block4_attn_q_B_new = block4_attn_q_B*(-lr*decay + 1) - lr*M_block4_attn_q_B_new/(bias1*(sqrt(S_block4_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_q_B_new = T['block4_attn_q_B']  # in place: the new block4_attn_q_B
-        rt.ew_pair((ew_scale_add_2, M_block4_attn_q_B_new, T['M_block4_attn_q_B'], d_block4_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block4_attn_q_B_new, T['block4_attn_q_B'], lr, bias1, M_block4_attn_q_B_new, S_block4_attn_q_B_new, bias2, decay))
-        # free d_block4_attn_q_B
-        del d_block4_attn_q_B
-        mem.free(128)
-        # d_block4_attn_q_W = matmul[ta](d_block4_attn_q_add, block4_attn_q_reshape)
-        d_block4_attn_q_W = mem.tensor(129, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block4_attn_q_reshape = matmul(d_block4_attn_q_add, block4_attn_q_W)
-        d_block4_attn_q_reshape = mem.tensor(130, (1600, 64), 'float32')
-        rt.matmul(d_block4_attn_q_add, T['block4_attn_q_W'], out=d_block4_attn_q_reshape)
-        # free d_block4_attn_reshape, d_block4_attn_q_add
-        del d_block4_attn_reshape, d_block4_attn_q_add
-        mem.free(127)
-        # S_block4_attn_q_W_new = 0.999*S_block4_attn_q_W + 0.001*d_block4_attn_q_W**2
-        S_block4_attn_q_W_new = T['S_block4_attn_q_W']  # in place: the new S_block4_attn_q_W
-        rt.ew(ew_square_scale_add, S_block4_attn_q_W_new, T['S_block4_attn_q_W'], d_block4_attn_q_W)
-        # M_block4_attn_q_W_new = 0.9*M_block4_attn_q_W + 0.1*d_block4_attn_q_W   (computed with the next statement)
-        M_block4_attn_q_W_new = T['M_block4_attn_q_W']  # in place: the new M_block4_attn_q_W
-        # block4_attn_q_W_new = block4_attn_q_W*(-lr*decay + 1) - lr*M_block4_attn_q_W_new/(bias1*(sqrt(S_block4_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_q_W_new = T['block4_attn_q_W']  # in place: the new block4_attn_q_W
-        rt.ew_pair((ew_scale_add_2, M_block4_attn_q_W_new, T['M_block4_attn_q_W'], d_block4_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay))
-        # free d_block4_attn_q_W
-        del d_block4_attn_q_W
-        mem.free(129)
-
-        # ---- block4_attn (scaled dot-product attention), backward ----
-        # d_block4_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block4_attn_attention_grad)
-        d_block4_attn_slice_2 = mem.tensor(131, (102400,), 'float32')
-        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_2, axis=0, start=102400, stop=204800)
-        # d_block4_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block4_attn_attention_grad)
-        d_block4_attn_slice_3 = mem.tensor(132, (102400,), 'float32')
-        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_3, axis=0, start=204800, stop=307200)
-        # free d_block4_attn_attention_grad
-        del d_block4_attn_attention_grad
-        mem.free(125)
-        # d_block4_attn_transpose_2 = reshape[100x4x16x16](d_block4_attn_slice_2)
-        d_block4_attn_transpose_2 = rt.reshape(d_block4_attn_slice_2, shape=(100, 4, 16, 16))
-        # d_block4_attn_reshape_2 = transpose[axes=(1,2)](d_block4_attn_transpose_2)
-        d_block4_attn_reshape_2 = mem.tensor(133, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block4_attn_transpose_2, out=d_block4_attn_reshape_2, axes=(1, 2))
-        # free d_block4_attn_slice_2, d_block4_attn_transpose_2
-        del d_block4_attn_slice_2, d_block4_attn_transpose_2
-        mem.free(131)
-        # d_block4_attn_transpose_3 = reshape[100x4x16x16](d_block4_attn_slice_3)
-        d_block4_attn_transpose_3 = rt.reshape(d_block4_attn_slice_3, shape=(100, 4, 16, 16))
-        # d_block4_attn_reshape_3 = transpose[axes=(1,2)](d_block4_attn_transpose_3)
-        d_block4_attn_reshape_3 = mem.tensor(134, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block4_attn_transpose_3, out=d_block4_attn_reshape_3, axes=(1, 2))
-        # free d_block4_attn_slice_3, d_block4_attn_transpose_3
-        del d_block4_attn_slice_3, d_block4_attn_transpose_3
-        mem.free(132)
-        # d_block4_attn_v_add = reshape[1600x64](d_block4_attn_reshape_3)
-        d_block4_attn_v_add = rt.reshape(d_block4_attn_reshape_3, shape=(1600, 64))
-
-        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
-        # d_block4_attn_v_B = sum_to[64](d_block4_attn_v_add)
-        d_block4_attn_v_B = mem.tensor(135, (64,), 'float32')
-        rt.sum_to(d_block4_attn_v_add, out=d_block4_attn_v_B, shape=(64,))
-        # S_block4_attn_v_B_new = 0.999*S_block4_attn_v_B + 0.001*d_block4_attn_v_B**2
-        S_block4_attn_v_B_new = T['S_block4_attn_v_B']  # in place: the new S_block4_attn_v_B
-        rt.ew(ew_square_scale_add, S_block4_attn_v_B_new, T['S_block4_attn_v_B'], d_block4_attn_v_B)
-        # M_block4_attn_v_B_new = 0.9*M_block4_attn_v_B + 0.1*d_block4_attn_v_B   (computed with the next statement)
-        M_block4_attn_v_B_new = T['M_block4_attn_v_B']  # in place: the new M_block4_attn_v_B
-        # block4_attn_v_B_new = block4_attn_v_B*(-lr*decay + 1) - lr*M_block4_attn_v_B_new/(bias1*(sqrt(S_block4_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_v_B_new = T['block4_attn_v_B']  # in place: the new block4_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block4_attn_v_B_new, T['M_block4_attn_v_B'], d_block4_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay))
-        # free d_block4_attn_v_B
-        del d_block4_attn_v_B
-        mem.free(135)
-
-        # ---- block4_attn (scaled dot-product attention), backward ----
-        # d_block4_attn_k_matmul = reshape[1600x64](d_block4_attn_reshape_2)
-        d_block4_attn_k_matmul = rt.reshape(d_block4_attn_reshape_2, shape=(1600, 64))
-
-        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
-        # d_block4_attn_k_W = matmul[ta](d_block4_attn_k_matmul, block4_attn_q_reshape)
-        d_block4_attn_k_W = mem.tensor(136, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_k_matmul, block4_attn_q_reshape, out=d_block4_attn_k_W, ta=True, workspace=mem.workspace(49152))
-
-        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
-        # d_block4_attn_v_W = matmul[ta](d_block4_attn_v_add, block4_attn_q_reshape)
-        d_block4_attn_v_W = mem.tensor(137, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_v_add, block4_attn_q_reshape, out=d_block4_attn_v_W, ta=True, workspace=mem.workspace(49152))
-        # free block4_ln1_mul, block4_ln1, block4_attn_q_reshape
-        del block4_ln1_mul, block4_ln1, block4_attn_q_reshape
-        mem.free(75)
-
-        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
-        # d_block4_attn_q_reshape_2 = matmul(d_block4_attn_k_matmul, block4_attn_k_W)
-        d_block4_attn_q_reshape_2 = mem.tensor(138, (1600, 64), 'float32')
-        rt.matmul(d_block4_attn_k_matmul, T['block4_attn_k_W'], out=d_block4_attn_q_reshape_2)
-        # free d_block4_attn_reshape_2, d_block4_attn_k_matmul
-        del d_block4_attn_reshape_2, d_block4_attn_k_matmul
-        mem.free(133)
-
-        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
-        # d_block4_attn_q_reshape_3 = matmul(d_block4_attn_v_add, block4_attn_v_W)
-        d_block4_attn_q_reshape_3 = mem.tensor(139, (1600, 64), 'float32')
-        rt.matmul(d_block4_attn_v_add, T['block4_attn_v_W'], out=d_block4_attn_q_reshape_3)
-        # free d_block4_attn_reshape_3, d_block4_attn_v_add
-        del d_block4_attn_reshape_3, d_block4_attn_v_add
-        mem.free(134)
-
-        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
-        # d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape_3 + d_block4_attn_q_reshape_2 + d_block4_attn_q_reshape
-        d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape_3  # in place: over d_block4_attn_q_reshape_3
-        rt.ew(ew_add_2, d_block4_attn_q_reshape_4, d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_2, d_block4_attn_q_reshape)
-        # free d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
-        del d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
-        mem.free(130, 138)
-        # d_block4_ln1 = reshape[100x16x64](d_block4_attn_q_reshape_4)
-        d_block4_ln1 = rt.reshape(d_block4_attn_q_reshape_4, shape=(100, 16, 64))
-
-        # ---- block4_ln1 (layer norm over the last 1 axes), forward ----
-        # block4_ln1_mul_2 = block4_ln1_sub*block4_ln1_rsqrt   (computed with the next statement)
-        block4_ln1_mul_2 = mem.tensor(140, (100, 16, 64), 'float32')
-
-        # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block4_ln1_W = sum_to[64](d_block4_ln1*block4_ln1_mul_2)
-        d_block4_ln1_W = mem.tensor(141, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block4_ln1_mul_2, block4_ln1_sub, block4_ln1_rsqrt),
-                      (ew_mul, d_block4_ln1_W, d_block4_ln1, block4_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block4_ln1_mul_2
-        del block4_ln1_mul_2
-        mem.free(140)
-        # S_block4_ln1_W_new = 0.999*S_block4_ln1_W + 0.001*d_block4_ln1_W**2
-        S_block4_ln1_W_new = T['S_block4_ln1_W']  # in place: the new S_block4_ln1_W
-        rt.ew(ew_square_scale_add, S_block4_ln1_W_new, T['S_block4_ln1_W'], d_block4_ln1_W)
-        # M_block4_ln1_W_new = 0.9*M_block4_ln1_W + 0.1*d_block4_ln1_W
-        M_block4_ln1_W_new = T['M_block4_ln1_W']  # in place: the new M_block4_ln1_W
-        rt.ew(ew_scale_add_2, M_block4_ln1_W_new, T['M_block4_ln1_W'], d_block4_ln1_W)
-        # free d_block4_ln1_W
-        del d_block4_ln1_W
-        mem.free(141)
-
-        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
-        # S_block4_attn_k_W_new = 0.999*S_block4_attn_k_W + 0.001*d_block4_attn_k_W**2
-        S_block4_attn_k_W_new = T['S_block4_attn_k_W']  # in place: the new S_block4_attn_k_W
-        rt.ew(ew_square_scale_add, S_block4_attn_k_W_new, T['S_block4_attn_k_W'], d_block4_attn_k_W)
-        # M_block4_attn_k_W_new = 0.9*M_block4_attn_k_W + 0.1*d_block4_attn_k_W   (computed with the next statement)
-        M_block4_attn_k_W_new = T['M_block4_attn_k_W']  # in place: the new M_block4_attn_k_W
-        # block4_attn_k_W_new = block4_attn_k_W*(-lr*decay + 1) - lr*M_block4_attn_k_W_new/(bias1*(sqrt(S_block4_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_k_W_new = T['block4_attn_k_W']  # in place: the new block4_attn_k_W
-        rt.ew_pair((ew_scale_add_2, M_block4_attn_k_W_new, T['M_block4_attn_k_W'], d_block4_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay))
-        # free d_block4_attn_k_W
-        del d_block4_attn_k_W
-        mem.free(136)
-
-        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
-        # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2
-        S_block4_attn_v_W_new = T['S_block4_attn_v_W']  # in place: the new S_block4_attn_v_W
-        rt.ew(ew_square_scale_add, S_block4_attn_v_W_new, T['S_block4_attn_v_W'], d_block4_attn_v_W)
-        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W   (computed with the next statement)
-        M_block4_attn_v_W_new = T['M_block4_attn_v_W']  # in place: the new M_block4_attn_v_W
-        # block4_attn_v_W_new = block4_attn_v_W*(-lr*decay + 1) - lr*M_block4_attn_v_W_new/(bias1*(sqrt(S_block4_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_v_W_new = T['block4_attn_v_W']  # in place: the new block4_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay))
-        # free d_block4_attn_v_W
-        del d_block4_attn_v_W
-        mem.free(137)
-
-        # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block4_ln1_B = sum_to[64](d_block4_ln1)
-        d_block4_ln1_B = mem.tensor(142, (64,), 'float32')
-        rt.sum_to(d_block4_ln1, out=d_block4_ln1_B, shape=(64,))
-        # d_block4_ln1_mul = d_block4_ln1*block4_ln1_W   (computed with the next statement)
-        d_block4_ln1_mul = d_block4_ln1  # in place: over d_block4_ln1
-        # d_block4_ln1_rsqrt = sum_to[100x16x1](d_block4_ln1_mul*block4_ln1_sub)
-        d_block4_ln1_rsqrt = mem.tensor(143, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block4_ln1_mul, d_block4_ln1, T['block4_ln1_W']),
-                      (ew_mul, d_block4_ln1_rsqrt, d_block4_ln1_mul, block4_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block4_ln1_W_new = block4_ln1_W*(-lr*decay + 1) - lr*M_block4_ln1_W_new/(bias1*(sqrt(S_block4_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln1_W_new = T['block4_ln1_W']  # in place: the new block4_ln1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_ln1_W_new, T['block4_ln1_W'], lr, bias1, M_block4_ln1_W_new, S_block4_ln1_W_new, bias2, decay)
-        # S_block4_ln1_B_new = 0.999*S_block4_ln1_B + 0.001*d_block4_ln1_B**2
-        S_block4_ln1_B_new = T['S_block4_ln1_B']  # in place: the new S_block4_ln1_B
-        rt.ew(ew_square_scale_add, S_block4_ln1_B_new, T['S_block4_ln1_B'], d_block4_ln1_B)
-        # M_block4_ln1_B_new = 0.9*M_block4_ln1_B + 0.1*d_block4_ln1_B   (computed with the next statement)
-        M_block4_ln1_B_new = T['M_block4_ln1_B']  # in place: the new M_block4_ln1_B
-        # block4_ln1_B_new = block4_ln1_B*(-lr*decay + 1) - lr*M_block4_ln1_B_new/(bias1*(sqrt(S_block4_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln1_B_new = T['block4_ln1_B']  # in place: the new block4_ln1_B
-        rt.ew_pair((ew_scale_add_2, M_block4_ln1_B_new, T['M_block4_ln1_B'], d_block4_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay))
-        # free d_block4_ln1_B
-        del d_block4_ln1_B
-        mem.free(142)
-        # d_block4_ln1_sum_to = -0.0078125*d_block4_ln1_rsqrt/block4_ln1_add_2**(3/2)
-        d_block4_ln1_sum_to = d_block4_ln1_rsqrt  # in place: over d_block4_ln1_rsqrt
-        rt.ew(ew_pow_mul, d_block4_ln1_sum_to, d_block4_ln1_rsqrt, block4_ln1_add_2)
-        # free block4_ln1_sum_to_2, block4_ln1_add_2
-        del block4_ln1_sum_to_2, block4_ln1_add_2
-        mem.free(73)
-        # d_block4_ln1_sub = d_block4_ln1_mul*block4_ln1_rsqrt + 2*d_block4_ln1_sum_to*block4_ln1_sub   (computed with the next statement)
-        d_block4_ln1_sub = d_block4_ln1_mul  # in place: over d_block4_ln1_mul
-        # d_block4_ln1_scale = sum_to[100x16x1](-d_block4_ln1_sub)
-        d_block4_ln1_scale = mem.tensor(144, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_3, d_block4_ln1_sub, d_block4_ln1_mul, block4_ln1_rsqrt, d_block4_ln1_sum_to, block4_ln1_sub),
-                      (ew_neg, d_block4_ln1_scale, d_block4_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block4_ln1_sub, block4_ln1_rsqrt, d_block4_ln1_rsqrt, d_block4_ln1_sum_to
-        del block4_ln1_sub, block4_ln1_rsqrt, d_block4_ln1_rsqrt, d_block4_ln1_sum_to
-        mem.free(72, 74, 143)
-        # d_block4_ln1_sum_to_2 = 0.015625*d_block4_ln1_scale
-        d_block4_ln1_sum_to_2 = d_block4_ln1_scale  # in place: over d_block4_ln1_scale
-        rt.ew(ew_scale, d_block4_ln1_sum_to_2, d_block4_ln1_scale)
-        # d_block4_ln1_add = d_block4_ln2_add + d_block4_ln1_sub + d_block4_ln1_sum_to_2
-        d_block4_ln1_add = d_block4_ln2_add  # in place: over d_block4_ln2_add
-        rt.ew(ew_add_2, d_block4_ln1_add, d_block4_ln2_add, d_block4_ln1_sub, d_block4_ln1_sum_to_2)
-        # free d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_mul, d_block4_ln1_sub, d_block4_ln1_scale, d_block4_ln1_sum_to_2
-        del d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_mul, d_block4_ln1_sub, d_block4_ln1_scale, d_block4_ln1_sum_to_2
-        mem.free(139, 144)
-
-        # ---- block3_fc2 (fully connected, 64 outputs), backward ----
-        # d_block3_fc2_add = reshape[1600x64](d_block4_ln1_add)
-        d_block3_fc2_add = rt.reshape(d_block4_ln1_add, shape=(1600, 64))
-        # d_block3_fc2_W = matmul[ta](d_block3_fc2_add, block3_fc2_reshape)
-        d_block3_fc2_W = mem.tensor(145, (64, 128), 'float32')
-        rt.matmul(d_block3_fc2_add, block3_fc2_reshape, out=d_block3_fc2_W, ta=True, workspace=mem.workspace(98304))
-        # free block3_fc1_gelu, block3_fc2_reshape
-        del block3_fc1_gelu, block3_fc2_reshape
-        mem.free(69)
-        # S_block3_fc2_W_new = 0.999*S_block3_fc2_W + 0.001*d_block3_fc2_W**2
-        S_block3_fc2_W_new = T['S_block3_fc2_W']  # in place: the new S_block3_fc2_W
-        rt.ew(ew_square_scale_add, S_block3_fc2_W_new, T['S_block3_fc2_W'], d_block3_fc2_W)
-        # M_block3_fc2_W_new = 0.9*M_block3_fc2_W + 0.1*d_block3_fc2_W
-        M_block3_fc2_W_new = T['M_block3_fc2_W']  # in place: the new M_block3_fc2_W
-        rt.ew(ew_scale_add_2, M_block3_fc2_W_new, T['M_block3_fc2_W'], d_block3_fc2_W)
-        # free d_block3_fc2_W
-        del d_block3_fc2_W
-        mem.free(145)
-        # d_block3_fc2_B = sum_to[64](d_block3_fc2_add)
-        d_block3_fc2_B = mem.tensor(146, (64,), 'float32')
-        rt.sum_to(d_block3_fc2_add, out=d_block3_fc2_B, shape=(64,))
-        # S_block3_fc2_B_new = 0.999*S_block3_fc2_B + 0.001*d_block3_fc2_B**2
-        S_block3_fc2_B_new = T['S_block3_fc2_B']  # in place: the new S_block3_fc2_B
-        rt.ew(ew_square_scale_add, S_block3_fc2_B_new, T['S_block3_fc2_B'], d_block3_fc2_B)
-        # M_block3_fc2_B_new = 0.9*M_block3_fc2_B + 0.1*d_block3_fc2_B   (computed with the next statement)
-        M_block3_fc2_B_new = T['M_block3_fc2_B']  # in place: the new M_block3_fc2_B
-        # block3_fc2_B_new = block3_fc2_B*(-lr*decay + 1) - lr*M_block3_fc2_B_new/(bias1*(sqrt(S_block3_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc2_B_new = T['block3_fc2_B']  # in place: the new block3_fc2_B
-        rt.ew_pair((ew_scale_add_2, M_block3_fc2_B_new, T['M_block3_fc2_B'], d_block3_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block3_fc2_B_new, T['block3_fc2_B'], lr, bias1, M_block3_fc2_B_new, S_block3_fc2_B_new, bias2, decay))
-        # free d_block3_fc2_B
-        del d_block3_fc2_B
-        mem.free(146)
-        # d_block3_fc2_reshape = matmul(d_block3_fc2_add, block3_fc2_W)
-        d_block3_fc2_reshape = mem.tensor(147, (1600, 128), 'float32')
-        rt.matmul(d_block3_fc2_add, T['block3_fc2_W'], out=d_block3_fc2_reshape)
-        # d_block3_fc1_gelu = reshape[100x16x128](d_block3_fc2_reshape)
-        d_block3_fc1_gelu = rt.reshape(d_block3_fc2_reshape, shape=(100, 16, 128))
-
-        # ---- block3_fc1_gelu (gelu), backward ----
-        # d_block3_fc1 = d_block3_fc1_gelu*(sqrt(2)*block3_fc1*exp(-block3_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block3_fc1/2)/2 + 1/2)
-        d_block3_fc1 = d_block3_fc1_gelu  # in place: over d_block3_fc1_gelu
-        rt.ew(ew_sqrt_mul_erf_scale, d_block3_fc1, d_block3_fc1_gelu, block3_fc1)
-        # free block3_fc1_matmul, block3_fc1_add, block3_fc1
-        del block3_fc1_matmul, block3_fc1_add, block3_fc1
-        mem.free(68)
-
-        # ---- block3_fc1 (fully connected, 128 outputs), backward ----
-        # d_block3_fc1_add = reshape[1600x128](d_block3_fc1)
-        d_block3_fc1_add = rt.reshape(d_block3_fc1, shape=(1600, 128))
-        # d_block3_fc1_W = matmul[ta](d_block3_fc1_add, block3_fc1_reshape)
-        d_block3_fc1_W = mem.tensor(148, (128, 64), 'float32')
-        rt.matmul(d_block3_fc1_add, block3_fc1_reshape, out=d_block3_fc1_W, ta=True, workspace=mem.workspace(98304))
-        # free block3_ln2_mul, block3_ln2, block3_fc1_reshape
-        del block3_ln2_mul, block3_ln2, block3_fc1_reshape
-        mem.free(67)
-        # S_block3_fc1_W_new = 0.999*S_block3_fc1_W + 0.001*d_block3_fc1_W**2
-        S_block3_fc1_W_new = T['S_block3_fc1_W']  # in place: the new S_block3_fc1_W
-        rt.ew(ew_square_scale_add, S_block3_fc1_W_new, T['S_block3_fc1_W'], d_block3_fc1_W)
-        # M_block3_fc1_W_new = 0.9*M_block3_fc1_W + 0.1*d_block3_fc1_W
-        M_block3_fc1_W_new = T['M_block3_fc1_W']  # in place: the new M_block3_fc1_W
-        rt.ew(ew_scale_add_2, M_block3_fc1_W_new, T['M_block3_fc1_W'], d_block3_fc1_W)
-        # free d_block3_fc1_W
-        del d_block3_fc1_W
-        mem.free(148)
-
-        # ---- block3_fc2 (fully connected, 64 outputs), backward ----
-        # block3_fc2_W_new = block3_fc2_W*(-lr*decay + 1) - lr*M_block3_fc2_W_new/(bias1*(sqrt(S_block3_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc2_W_new = T['block3_fc2_W']  # in place: the new block3_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_fc2_W_new, T['block3_fc2_W'], lr, bias1, M_block3_fc2_W_new, S_block3_fc2_W_new, bias2, decay)
-
-        # ---- block3_fc1 (fully connected, 128 outputs), backward ----
-        # d_block3_fc1_B = sum_to[128](d_block3_fc1_add)
-        d_block3_fc1_B = mem.tensor(149, (128,), 'float32')
-        rt.sum_to(d_block3_fc1_add, out=d_block3_fc1_B, shape=(128,))
-        # d_block3_fc1_reshape = matmul(d_block3_fc1_add, block3_fc1_W)
-        d_block3_fc1_reshape = mem.tensor(150, (1600, 64), 'float32')
-        rt.matmul(d_block3_fc1_add, T['block3_fc1_W'], out=d_block3_fc1_reshape)
-        # free d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
-        del d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
-        mem.free(147)
-        # d_block3_ln2 = reshape[100x16x64](d_block3_fc1_reshape)
-        d_block3_ln2 = rt.reshape(d_block3_fc1_reshape, shape=(100, 16, 64))
-
-        # ---- block3_ln2 (layer norm over the last 1 axes), forward ----
-        # block3_ln2_mul_2 = block3_ln2_sub*block3_ln2_rsqrt   (computed with the next statement)
-        block3_ln2_mul_2 = mem.tensor(151, (100, 16, 64), 'float32')
-
-        # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block3_ln2_W = sum_to[64](d_block3_ln2*block3_ln2_mul_2)
-        d_block3_ln2_W = mem.tensor(152, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block3_ln2_mul_2, block3_ln2_sub, block3_ln2_rsqrt),
-                      (ew_mul, d_block3_ln2_W, d_block3_ln2, block3_ln2_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block3_ln2_mul_2
-        del block3_ln2_mul_2
-        mem.free(151)
-        # S_block3_ln2_W_new = 0.999*S_block3_ln2_W + 0.001*d_block3_ln2_W**2
-        S_block3_ln2_W_new = T['S_block3_ln2_W']  # in place: the new S_block3_ln2_W
-        rt.ew(ew_square_scale_add, S_block3_ln2_W_new, T['S_block3_ln2_W'], d_block3_ln2_W)
-        # M_block3_ln2_W_new = 0.9*M_block3_ln2_W + 0.1*d_block3_ln2_W
-        M_block3_ln2_W_new = T['M_block3_ln2_W']  # in place: the new M_block3_ln2_W
-        rt.ew(ew_scale_add_2, M_block3_ln2_W_new, T['M_block3_ln2_W'], d_block3_ln2_W)
-        # free d_block3_ln2_W
-        del d_block3_ln2_W
-        mem.free(152)
-
-        # ---- block3_fc1 (fully connected, 128 outputs), backward ----
-        # block3_fc1_W_new = block3_fc1_W*(-lr*decay + 1) - lr*M_block3_fc1_W_new/(bias1*(sqrt(S_block3_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc1_W_new = T['block3_fc1_W']  # in place: the new block3_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_fc1_W_new, T['block3_fc1_W'], lr, bias1, M_block3_fc1_W_new, S_block3_fc1_W_new, bias2, decay)
-        # S_block3_fc1_B_new = 0.999*S_block3_fc1_B + 0.001*d_block3_fc1_B**2
-        S_block3_fc1_B_new = T['S_block3_fc1_B']  # in place: the new S_block3_fc1_B
-        rt.ew(ew_square_scale_add, S_block3_fc1_B_new, T['S_block3_fc1_B'], d_block3_fc1_B)
-        # M_block3_fc1_B_new = 0.9*M_block3_fc1_B + 0.1*d_block3_fc1_B   (computed with the next statement)
-        M_block3_fc1_B_new = T['M_block3_fc1_B']  # in place: the new M_block3_fc1_B
-        # block3_fc1_B_new = block3_fc1_B*(-lr*decay + 1) - lr*M_block3_fc1_B_new/(bias1*(sqrt(S_block3_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc1_B_new = T['block3_fc1_B']  # in place: the new block3_fc1_B
-        rt.ew_pair((ew_scale_add_2, M_block3_fc1_B_new, T['M_block3_fc1_B'], d_block3_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block3_fc1_B_new, T['block3_fc1_B'], lr, bias1, M_block3_fc1_B_new, S_block3_fc1_B_new, bias2, decay))
-        # free d_block3_fc1_B
-        del d_block3_fc1_B
-        mem.free(149)
-
-        # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block3_ln2_B = sum_to[64](d_block3_ln2)
-        d_block3_ln2_B = mem.tensor(153, (64,), 'float32')
-        rt.sum_to(d_block3_ln2, out=d_block3_ln2_B, shape=(64,))
-        # d_block3_ln2_mul = d_block3_ln2*block3_ln2_W   (computed with the next statement)
-        d_block3_ln2_mul = d_block3_ln2  # in place: over d_block3_ln2
-        # d_block3_ln2_rsqrt = sum_to[100x16x1](d_block3_ln2_mul*block3_ln2_sub)
-        d_block3_ln2_rsqrt = mem.tensor(154, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block3_ln2_mul, d_block3_ln2, T['block3_ln2_W']),
-                      (ew_mul, d_block3_ln2_rsqrt, d_block3_ln2_mul, block3_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block3_ln2_W_new = block3_ln2_W*(-lr*decay + 1) - lr*M_block3_ln2_W_new/(bias1*(sqrt(S_block3_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln2_W_new = T['block3_ln2_W']  # in place: the new block3_ln2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_ln2_W_new, T['block3_ln2_W'], lr, bias1, M_block3_ln2_W_new, S_block3_ln2_W_new, bias2, decay)
-        # S_block3_ln2_B_new = 0.999*S_block3_ln2_B + 0.001*d_block3_ln2_B**2
-        S_block3_ln2_B_new = T['S_block3_ln2_B']  # in place: the new S_block3_ln2_B
-        rt.ew(ew_square_scale_add, S_block3_ln2_B_new, T['S_block3_ln2_B'], d_block3_ln2_B)
-        # M_block3_ln2_B_new = 0.9*M_block3_ln2_B + 0.1*d_block3_ln2_B   (computed with the next statement)
-        M_block3_ln2_B_new = T['M_block3_ln2_B']  # in place: the new M_block3_ln2_B
-        # block3_ln2_B_new = block3_ln2_B*(-lr*decay + 1) - lr*M_block3_ln2_B_new/(bias1*(sqrt(S_block3_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln2_B_new = T['block3_ln2_B']  # in place: the new block3_ln2_B
-        rt.ew_pair((ew_scale_add_2, M_block3_ln2_B_new, T['M_block3_ln2_B'], d_block3_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay))
-        # free d_block3_ln2_B
-        del d_block3_ln2_B
-        mem.free(153)
-        # d_block3_ln2_sum_to = -0.0078125*d_block3_ln2_rsqrt/block3_ln2_add_2**(3/2)
-        d_block3_ln2_sum_to = d_block3_ln2_rsqrt  # in place: over d_block3_ln2_rsqrt
-        rt.ew(ew_pow_mul, d_block3_ln2_sum_to, d_block3_ln2_rsqrt, block3_ln2_add_2)
-        # free block3_ln2_sum_to_2, block3_ln2_add_2
-        del block3_ln2_sum_to_2, block3_ln2_add_2
-        mem.free(65)
-        # d_block3_ln2_sub = d_block3_ln2_mul*block3_ln2_rsqrt + 2*d_block3_ln2_sum_to*block3_ln2_sub   (computed with the next statement)
-        d_block3_ln2_sub = d_block3_ln2_mul  # in place: over d_block3_ln2_mul
-        # d_block3_ln2_scale = sum_to[100x16x1](-d_block3_ln2_sub)
-        d_block3_ln2_scale = mem.tensor(155, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_3, d_block3_ln2_sub, d_block3_ln2_mul, block3_ln2_rsqrt, d_block3_ln2_sum_to, block3_ln2_sub),
-                      (ew_neg, d_block3_ln2_scale, d_block3_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block3_ln2_sub, block3_ln2_rsqrt, d_block3_ln2_rsqrt, d_block3_ln2_sum_to
-        del block3_ln2_sub, block3_ln2_rsqrt, d_block3_ln2_rsqrt, d_block3_ln2_sum_to
-        mem.free(64, 66, 154)
-        # d_block3_ln2_sum_to_2 = 0.015625*d_block3_ln2_scale
-        d_block3_ln2_sum_to_2 = d_block3_ln2_scale  # in place: over d_block3_ln2_scale
-        rt.ew(ew_scale, d_block3_ln2_sum_to_2, d_block3_ln2_scale)
-        # d_block3_ln2_add = d_block4_ln1_add + d_block3_ln2_sub + d_block3_ln2_sum_to_2
-        d_block3_ln2_add = d_block4_ln1_add  # in place: over d_block4_ln1_add
-        rt.ew(ew_add_2, d_block3_ln2_add, d_block4_ln1_add, d_block3_ln2_sub, d_block3_ln2_sum_to_2)
-        # free d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_mul, d_block3_ln2_sub, d_block3_ln2_scale, d_block3_ln2_sum_to_2
-        del d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_mul, d_block3_ln2_sub, d_block3_ln2_scale, d_block3_ln2_sum_to_2
-        mem.free(150, 155)
-
-        # ---- block3_attn_out (fully connected, 64 outputs), backward ----
-        # d_block3_attn_out_add = reshape[1600x64](d_block3_ln2_add)
-        d_block3_attn_out_add = rt.reshape(d_block3_ln2_add, shape=(1600, 64))
-        # d_block3_attn_out_W = matmul[ta](d_block3_attn_out_add, block3_attn_out_reshape)
-        d_block3_attn_out_W = mem.tensor(156, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape, out=d_block3_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block3_attn_out_transpose, block3_attn_out_reshape
-        del block3_attn_out_transpose, block3_attn_out_reshape
-        mem.free(61)
-        # S_block3_attn_out_W_new = 0.999*S_block3_attn_out_W + 0.001*d_block3_attn_out_W**2
-        S_block3_attn_out_W_new = T['S_block3_attn_out_W']  # in place: the new S_block3_attn_out_W
-        rt.ew(ew_square_scale_add, S_block3_attn_out_W_new, T['S_block3_attn_out_W'], d_block3_attn_out_W)
-        # M_block3_attn_out_W_new = 0.9*M_block3_attn_out_W + 0.1*d_block3_attn_out_W
-        M_block3_attn_out_W_new = T['M_block3_attn_out_W']  # in place: the new M_block3_attn_out_W
-        rt.ew(ew_scale_add_2, M_block3_attn_out_W_new, T['M_block3_attn_out_W'], d_block3_attn_out_W)
-        # free d_block3_attn_out_W
-        del d_block3_attn_out_W
-        mem.free(156)
-        # d_block3_attn_out_B = sum_to[64](d_block3_attn_out_add)
-        d_block3_attn_out_B = mem.tensor(157, (64,), 'float32')
-        rt.sum_to(d_block3_attn_out_add, out=d_block3_attn_out_B, shape=(64,))
-        # S_block3_attn_out_B_new = 0.999*S_block3_attn_out_B + 0.001*d_block3_attn_out_B**2
-        S_block3_attn_out_B_new = T['S_block3_attn_out_B']  # in place: the new S_block3_attn_out_B
-        rt.ew(ew_square_scale_add, S_block3_attn_out_B_new, T['S_block3_attn_out_B'], d_block3_attn_out_B)
-        # M_block3_attn_out_B_new = 0.9*M_block3_attn_out_B + 0.1*d_block3_attn_out_B   (computed with the next statement)
-        M_block3_attn_out_B_new = T['M_block3_attn_out_B']  # in place: the new M_block3_attn_out_B
-        # block3_attn_out_B_new = block3_attn_out_B*(-lr*decay + 1) - lr*M_block3_attn_out_B_new/(bias1*(sqrt(S_block3_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_out_B_new = T['block3_attn_out_B']  # in place: the new block3_attn_out_B
-        rt.ew_pair((ew_scale_add_2, M_block3_attn_out_B_new, T['M_block3_attn_out_B'], d_block3_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block3_attn_out_B_new, T['block3_attn_out_B'], lr, bias1, M_block3_attn_out_B_new, S_block3_attn_out_B_new, bias2, decay))
-        # free d_block3_attn_out_B
-        del d_block3_attn_out_B
-        mem.free(157)
-        # d_block3_attn_out_reshape = matmul(d_block3_attn_out_add, block3_attn_out_W)
-        d_block3_attn_out_reshape = mem.tensor(158, (1600, 64), 'float32')
-        rt.matmul(d_block3_attn_out_add, T['block3_attn_out_W'], out=d_block3_attn_out_reshape)
-        # d_block3_attn_out_transpose = reshape[100x16x4x16](d_block3_attn_out_reshape)
-        d_block3_attn_out_transpose = rt.reshape(d_block3_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block3_attn = transpose[axes=(1,2)](d_block3_attn_out_transpose)
-        d_block3_attn = mem.tensor(159, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block3_attn_out_transpose, out=d_block3_attn, axes=(1, 2))
-        # free d_block3_attn_out_reshape, d_block3_attn_out_transpose
-        del d_block3_attn_out_reshape, d_block3_attn_out_transpose
-        mem.free(158)
-
-        # ---- block3_attn (scaled dot-product attention), backward ----
-        # d_block3_attn_attention_grad = attention_grad[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, block3_attn, d_block3_attn)
-        d_block3_attn_attention_grad = mem.tensor(160, (307200,), 'float32')
-        rt.attention_grad(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, block3_attn, d_block3_attn, out=d_block3_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
-        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3, block3_attn, d_block3_attn
-        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3, block3_attn, d_block3_attn
-        mem.free(55, 57, 59, 60, 159)
-
-        # ---- block3_attn_out (fully connected, 64 outputs), backward ----
-        # block3_attn_out_W_new = block3_attn_out_W*(-lr*decay + 1) - lr*M_block3_attn_out_W_new/(bias1*(sqrt(S_block3_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_out_W_new = T['block3_attn_out_W']  # in place: the new block3_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_out_W_new, T['block3_attn_out_W'], lr, bias1, M_block3_attn_out_W_new, S_block3_attn_out_W_new, bias2, decay)
-
-        # ---- block3_attn (scaled dot-product attention), backward ----
-        # d_block3_attn_slice = slice[axis=0,start=0,stop=102400](d_block3_attn_attention_grad)
-        d_block3_attn_slice = mem.tensor(161, (102400,), 'float32')
-        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice, axis=0, start=0, stop=102400)
-        # d_block3_attn_transpose = reshape[100x4x16x16](d_block3_attn_slice)
-        d_block3_attn_transpose = rt.reshape(d_block3_attn_slice, shape=(100, 4, 16, 16))
-        # d_block3_attn_reshape = transpose[axes=(1,2)](d_block3_attn_transpose)
-        d_block3_attn_reshape = mem.tensor(162, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block3_attn_transpose, out=d_block3_attn_reshape, axes=(1, 2))
-        # free d_block3_attn_slice, d_block3_attn_transpose
-        del d_block3_attn_slice, d_block3_attn_transpose
-        mem.free(161)
-        # d_block3_attn_q_add = reshape[1600x64](d_block3_attn_reshape)
-        d_block3_attn_q_add = rt.reshape(d_block3_attn_reshape, shape=(1600, 64))
-
-        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
-        # d_block3_attn_q_B = sum_to[64](d_block3_attn_q_add)
-        d_block3_attn_q_B = mem.tensor(163, (64,), 'float32')
-        rt.sum_to(d_block3_attn_q_add, out=d_block3_attn_q_B, shape=(64,))
-        # S_block3_attn_q_B_new = 0.999*S_block3_attn_q_B + 0.001*d_block3_attn_q_B**2
-        S_block3_attn_q_B_new = T['S_block3_attn_q_B']  # in place: the new S_block3_attn_q_B
-        rt.ew(ew_square_scale_add, S_block3_attn_q_B_new, T['S_block3_attn_q_B'], d_block3_attn_q_B)
-        # M_block3_attn_q_B_new = 0.9*M_block3_attn_q_B + 0.1*d_block3_attn_q_B   (computed with the next statement)
-        M_block3_attn_q_B_new = T['M_block3_attn_q_B']  # in place: the new M_block3_attn_q_B
-        # block3_attn_q_B_new = block3_attn_q_B*(-lr*decay + 1) - lr*M_block3_attn_q_B_new/(bias1*(sqrt(S_block3_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_q_B_new = T['block3_attn_q_B']  # in place: the new block3_attn_q_B
-        rt.ew_pair((ew_scale_add_2, M_block3_attn_q_B_new, T['M_block3_attn_q_B'], d_block3_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block3_attn_q_B_new, T['block3_attn_q_B'], lr, bias1, M_block3_attn_q_B_new, S_block3_attn_q_B_new, bias2, decay))
-        # free d_block3_attn_q_B
-        del d_block3_attn_q_B
-        mem.free(163)
-        # d_block3_attn_q_W = matmul[ta](d_block3_attn_q_add, block3_attn_q_reshape)
-        d_block3_attn_q_W = mem.tensor(164, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block3_attn_q_reshape = matmul(d_block3_attn_q_add, block3_attn_q_W)
-        d_block3_attn_q_reshape = mem.tensor(165, (1600, 64), 'float32')
-        rt.matmul(d_block3_attn_q_add, T['block3_attn_q_W'], out=d_block3_attn_q_reshape)
-        # free d_block3_attn_reshape, d_block3_attn_q_add
-        del d_block3_attn_reshape, d_block3_attn_q_add
-        mem.free(162)
-        # S_block3_attn_q_W_new = 0.999*S_block3_attn_q_W + 0.001*d_block3_attn_q_W**2
-        S_block3_attn_q_W_new = T['S_block3_attn_q_W']  # in place: the new S_block3_attn_q_W
-        rt.ew(ew_square_scale_add, S_block3_attn_q_W_new, T['S_block3_attn_q_W'], d_block3_attn_q_W)
-        # M_block3_attn_q_W_new = 0.9*M_block3_attn_q_W + 0.1*d_block3_attn_q_W   (computed with the next statement)
-        M_block3_attn_q_W_new = T['M_block3_attn_q_W']  # in place: the new M_block3_attn_q_W
-        # block3_attn_q_W_new = block3_attn_q_W*(-lr*decay + 1) - lr*M_block3_attn_q_W_new/(bias1*(sqrt(S_block3_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_q_W_new = T['block3_attn_q_W']  # in place: the new block3_attn_q_W
-        rt.ew_pair((ew_scale_add_2, M_block3_attn_q_W_new, T['M_block3_attn_q_W'], d_block3_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay))
-        # free d_block3_attn_q_W
-        del d_block3_attn_q_W
-        mem.free(164)
-
-        # ---- block3_attn (scaled dot-product attention), backward ----
-        # d_block3_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block3_attn_attention_grad)
-        d_block3_attn_slice_2 = mem.tensor(166, (102400,), 'float32')
-        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_2, axis=0, start=102400, stop=204800)
-        # d_block3_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block3_attn_attention_grad)
-        d_block3_attn_slice_3 = mem.tensor(167, (102400,), 'float32')
-        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_3, axis=0, start=204800, stop=307200)
-        # free d_block3_attn_attention_grad
-        del d_block3_attn_attention_grad
-        mem.free(160)
-        # d_block3_attn_transpose_2 = reshape[100x4x16x16](d_block3_attn_slice_2)
-        d_block3_attn_transpose_2 = rt.reshape(d_block3_attn_slice_2, shape=(100, 4, 16, 16))
-        # d_block3_attn_reshape_2 = transpose[axes=(1,2)](d_block3_attn_transpose_2)
-        d_block3_attn_reshape_2 = mem.tensor(168, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block3_attn_transpose_2, out=d_block3_attn_reshape_2, axes=(1, 2))
-        # free d_block3_attn_slice_2, d_block3_attn_transpose_2
-        del d_block3_attn_slice_2, d_block3_attn_transpose_2
-        mem.free(166)
-        # d_block3_attn_transpose_3 = reshape[100x4x16x16](d_block3_attn_slice_3)
-        d_block3_attn_transpose_3 = rt.reshape(d_block3_attn_slice_3, shape=(100, 4, 16, 16))
-        # d_block3_attn_reshape_3 = transpose[axes=(1,2)](d_block3_attn_transpose_3)
-        d_block3_attn_reshape_3 = mem.tensor(169, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block3_attn_transpose_3, out=d_block3_attn_reshape_3, axes=(1, 2))
-        # free d_block3_attn_slice_3, d_block3_attn_transpose_3
-        del d_block3_attn_slice_3, d_block3_attn_transpose_3
-        mem.free(167)
-        # d_block3_attn_v_add = reshape[1600x64](d_block3_attn_reshape_3)
-        d_block3_attn_v_add = rt.reshape(d_block3_attn_reshape_3, shape=(1600, 64))
-
-        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
-        # d_block3_attn_v_B = sum_to[64](d_block3_attn_v_add)
-        d_block3_attn_v_B = mem.tensor(170, (64,), 'float32')
-        rt.sum_to(d_block3_attn_v_add, out=d_block3_attn_v_B, shape=(64,))
-        # S_block3_attn_v_B_new = 0.999*S_block3_attn_v_B + 0.001*d_block3_attn_v_B**2
-        S_block3_attn_v_B_new = T['S_block3_attn_v_B']  # in place: the new S_block3_attn_v_B
-        rt.ew(ew_square_scale_add, S_block3_attn_v_B_new, T['S_block3_attn_v_B'], d_block3_attn_v_B)
-        # M_block3_attn_v_B_new = 0.9*M_block3_attn_v_B + 0.1*d_block3_attn_v_B   (computed with the next statement)
-        M_block3_attn_v_B_new = T['M_block3_attn_v_B']  # in place: the new M_block3_attn_v_B
-        # block3_attn_v_B_new = block3_attn_v_B*(-lr*decay + 1) - lr*M_block3_attn_v_B_new/(bias1*(sqrt(S_block3_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_v_B_new = T['block3_attn_v_B']  # in place: the new block3_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block3_attn_v_B_new, T['M_block3_attn_v_B'], d_block3_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay))
-        # free d_block3_attn_v_B
-        del d_block3_attn_v_B
-        mem.free(170)
-
-        # ---- block3_attn (scaled dot-product attention), backward ----
-        # d_block3_attn_k_matmul = reshape[1600x64](d_block3_attn_reshape_2)
-        d_block3_attn_k_matmul = rt.reshape(d_block3_attn_reshape_2, shape=(1600, 64))
-
-        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
-        # d_block3_attn_k_W = matmul[ta](d_block3_attn_k_matmul, block3_attn_q_reshape)
-        d_block3_attn_k_W = mem.tensor(171, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_k_matmul, block3_attn_q_reshape, out=d_block3_attn_k_W, ta=True, workspace=mem.workspace(49152))
-
-        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
-        # d_block3_attn_v_W = matmul[ta](d_block3_attn_v_add, block3_attn_q_reshape)
-        d_block3_attn_v_W = mem.tensor(172, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_v_add, block3_attn_q_reshape, out=d_block3_attn_v_W, ta=True, workspace=mem.workspace(49152))
-        # free block3_ln1_mul, block3_ln1, block3_attn_q_reshape
-        del block3_ln1_mul, block3_ln1, block3_attn_q_reshape
-        mem.free(53)
-
-        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
-        # d_block3_attn_q_reshape_2 = matmul(d_block3_attn_k_matmul, block3_attn_k_W)
-        d_block3_attn_q_reshape_2 = mem.tensor(173, (1600, 64), 'float32')
-        rt.matmul(d_block3_attn_k_matmul, T['block3_attn_k_W'], out=d_block3_attn_q_reshape_2)
-        # free d_block3_attn_reshape_2, d_block3_attn_k_matmul
-        del d_block3_attn_reshape_2, d_block3_attn_k_matmul
-        mem.free(168)
-
-        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
-        # d_block3_attn_q_reshape_3 = matmul(d_block3_attn_v_add, block3_attn_v_W)
-        d_block3_attn_q_reshape_3 = mem.tensor(174, (1600, 64), 'float32')
-        rt.matmul(d_block3_attn_v_add, T['block3_attn_v_W'], out=d_block3_attn_q_reshape_3)
-        # free d_block3_attn_reshape_3, d_block3_attn_v_add
-        del d_block3_attn_reshape_3, d_block3_attn_v_add
-        mem.free(169)
-
-        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
-        # d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape_3 + d_block3_attn_q_reshape_2 + d_block3_attn_q_reshape
-        d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape_3  # in place: over d_block3_attn_q_reshape_3
-        rt.ew(ew_add_2, d_block3_attn_q_reshape_4, d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_2, d_block3_attn_q_reshape)
-        # free d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
-        del d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
-        mem.free(165, 173)
-        # d_block3_ln1 = reshape[100x16x64](d_block3_attn_q_reshape_4)
-        d_block3_ln1 = rt.reshape(d_block3_attn_q_reshape_4, shape=(100, 16, 64))
-
-        # ---- block3_ln1 (layer norm over the last 1 axes), forward ----
-        # block3_ln1_mul_2 = block3_ln1_sub*block3_ln1_rsqrt   (computed with the next statement)
-        block3_ln1_mul_2 = mem.tensor(175, (100, 16, 64), 'float32')
-
-        # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block3_ln1_W = sum_to[64](d_block3_ln1*block3_ln1_mul_2)
-        d_block3_ln1_W = mem.tensor(176, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block3_ln1_mul_2, block3_ln1_sub, block3_ln1_rsqrt),
-                      (ew_mul, d_block3_ln1_W, d_block3_ln1, block3_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block3_ln1_mul_2
-        del block3_ln1_mul_2
-        mem.free(175)
-        # S_block3_ln1_W_new = 0.999*S_block3_ln1_W + 0.001*d_block3_ln1_W**2
-        S_block3_ln1_W_new = T['S_block3_ln1_W']  # in place: the new S_block3_ln1_W
-        rt.ew(ew_square_scale_add, S_block3_ln1_W_new, T['S_block3_ln1_W'], d_block3_ln1_W)
-        # M_block3_ln1_W_new = 0.9*M_block3_ln1_W + 0.1*d_block3_ln1_W
-        M_block3_ln1_W_new = T['M_block3_ln1_W']  # in place: the new M_block3_ln1_W
-        rt.ew(ew_scale_add_2, M_block3_ln1_W_new, T['M_block3_ln1_W'], d_block3_ln1_W)
-        # free d_block3_ln1_W
-        del d_block3_ln1_W
-        mem.free(176)
-
-        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
-        # S_block3_attn_k_W_new = 0.999*S_block3_attn_k_W + 0.001*d_block3_attn_k_W**2
-        S_block3_attn_k_W_new = T['S_block3_attn_k_W']  # in place: the new S_block3_attn_k_W
-        rt.ew(ew_square_scale_add, S_block3_attn_k_W_new, T['S_block3_attn_k_W'], d_block3_attn_k_W)
-        # M_block3_attn_k_W_new = 0.9*M_block3_attn_k_W + 0.1*d_block3_attn_k_W   (computed with the next statement)
-        M_block3_attn_k_W_new = T['M_block3_attn_k_W']  # in place: the new M_block3_attn_k_W
-        # block3_attn_k_W_new = block3_attn_k_W*(-lr*decay + 1) - lr*M_block3_attn_k_W_new/(bias1*(sqrt(S_block3_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_k_W_new = T['block3_attn_k_W']  # in place: the new block3_attn_k_W
-        rt.ew_pair((ew_scale_add_2, M_block3_attn_k_W_new, T['M_block3_attn_k_W'], d_block3_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay))
-        # free d_block3_attn_k_W
-        del d_block3_attn_k_W
-        mem.free(171)
-
-        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
-        # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2
-        S_block3_attn_v_W_new = T['S_block3_attn_v_W']  # in place: the new S_block3_attn_v_W
-        rt.ew(ew_square_scale_add, S_block3_attn_v_W_new, T['S_block3_attn_v_W'], d_block3_attn_v_W)
-        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W   (computed with the next statement)
-        M_block3_attn_v_W_new = T['M_block3_attn_v_W']  # in place: the new M_block3_attn_v_W
-        # block3_attn_v_W_new = block3_attn_v_W*(-lr*decay + 1) - lr*M_block3_attn_v_W_new/(bias1*(sqrt(S_block3_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_v_W_new = T['block3_attn_v_W']  # in place: the new block3_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay))
-        # free d_block3_attn_v_W
-        del d_block3_attn_v_W
-        mem.free(172)
-
-        # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block3_ln1_B = sum_to[64](d_block3_ln1)
-        d_block3_ln1_B = mem.tensor(177, (64,), 'float32')
-        rt.sum_to(d_block3_ln1, out=d_block3_ln1_B, shape=(64,))
-        # d_block3_ln1_mul = d_block3_ln1*block3_ln1_W   (computed with the next statement)
-        d_block3_ln1_mul = d_block3_ln1  # in place: over d_block3_ln1
-        # d_block3_ln1_rsqrt = sum_to[100x16x1](d_block3_ln1_mul*block3_ln1_sub)
-        d_block3_ln1_rsqrt = mem.tensor(178, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block3_ln1_mul, d_block3_ln1, T['block3_ln1_W']),
-                      (ew_mul, d_block3_ln1_rsqrt, d_block3_ln1_mul, block3_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block3_ln1_W_new = block3_ln1_W*(-lr*decay + 1) - lr*M_block3_ln1_W_new/(bias1*(sqrt(S_block3_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln1_W_new = T['block3_ln1_W']  # in place: the new block3_ln1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_ln1_W_new, T['block3_ln1_W'], lr, bias1, M_block3_ln1_W_new, S_block3_ln1_W_new, bias2, decay)
-        # S_block3_ln1_B_new = 0.999*S_block3_ln1_B + 0.001*d_block3_ln1_B**2
-        S_block3_ln1_B_new = T['S_block3_ln1_B']  # in place: the new S_block3_ln1_B
-        rt.ew(ew_square_scale_add, S_block3_ln1_B_new, T['S_block3_ln1_B'], d_block3_ln1_B)
-        # M_block3_ln1_B_new = 0.9*M_block3_ln1_B + 0.1*d_block3_ln1_B   (computed with the next statement)
-        M_block3_ln1_B_new = T['M_block3_ln1_B']  # in place: the new M_block3_ln1_B
-        # block3_ln1_B_new = block3_ln1_B*(-lr*decay + 1) - lr*M_block3_ln1_B_new/(bias1*(sqrt(S_block3_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln1_B_new = T['block3_ln1_B']  # in place: the new block3_ln1_B
-        rt.ew_pair((ew_scale_add_2, M_block3_ln1_B_new, T['M_block3_ln1_B'], d_block3_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay))
-        # free d_block3_ln1_B
-        del d_block3_ln1_B
-        mem.free(177)
-        # d_block3_ln1_sum_to = -0.0078125*d_block3_ln1_rsqrt/block3_ln1_add_2**(3/2)
-        d_block3_ln1_sum_to = d_block3_ln1_rsqrt  # in place: over d_block3_ln1_rsqrt
-        rt.ew(ew_pow_mul, d_block3_ln1_sum_to, d_block3_ln1_rsqrt, block3_ln1_add_2)
-        # free block3_ln1_sum_to_2, block3_ln1_add_2
-        del block3_ln1_sum_to_2, block3_ln1_add_2
-        mem.free(51)
-        # d_block3_ln1_sub = d_block3_ln1_mul*block3_ln1_rsqrt + 2*d_block3_ln1_sum_to*block3_ln1_sub   (computed with the next statement)
-        d_block3_ln1_sub = d_block3_ln1_mul  # in place: over d_block3_ln1_mul
-        # d_block3_ln1_scale = sum_to[100x16x1](-d_block3_ln1_sub)
-        d_block3_ln1_scale = mem.tensor(179, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_3, d_block3_ln1_sub, d_block3_ln1_mul, block3_ln1_rsqrt, d_block3_ln1_sum_to, block3_ln1_sub),
-                      (ew_neg, d_block3_ln1_scale, d_block3_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block3_ln1_sub, block3_ln1_rsqrt, d_block3_ln1_rsqrt, d_block3_ln1_sum_to
-        del block3_ln1_sub, block3_ln1_rsqrt, d_block3_ln1_rsqrt, d_block3_ln1_sum_to
-        mem.free(50, 52, 178)
-        # d_block3_ln1_sum_to_2 = 0.015625*d_block3_ln1_scale
-        d_block3_ln1_sum_to_2 = d_block3_ln1_scale  # in place: over d_block3_ln1_scale
-        rt.ew(ew_scale, d_block3_ln1_sum_to_2, d_block3_ln1_scale)
-        # d_block3_ln1_add = d_block3_ln2_add + d_block3_ln1_sub + d_block3_ln1_sum_to_2
-        d_block3_ln1_add = d_block3_ln2_add  # in place: over d_block3_ln2_add
-        rt.ew(ew_add_2, d_block3_ln1_add, d_block3_ln2_add, d_block3_ln1_sub, d_block3_ln1_sum_to_2)
-        # free d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_mul, d_block3_ln1_sub, d_block3_ln1_scale, d_block3_ln1_sum_to_2
-        del d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_mul, d_block3_ln1_sub, d_block3_ln1_scale, d_block3_ln1_sum_to_2
-        mem.free(174, 179)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
-        # d_block2_fc2_add = reshape[1600x64](d_block3_ln1_add)
-        d_block2_fc2_add = rt.reshape(d_block3_ln1_add, shape=(1600, 64))
-        # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
-        d_block2_fc2_W = mem.tensor(180, (64, 128), 'float32')
-        rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True, workspace=mem.workspace(98304))
-        # free block2_fc1_gelu, block2_fc2_reshape
-        del block2_fc1_gelu, block2_fc2_reshape
-        mem.free(47)
-        # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
-        S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
-        rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
-        # M_block2_fc2_W_new = 0.9*M_block2_fc2_W + 0.1*d_block2_fc2_W
-        M_block2_fc2_W_new = T['M_block2_fc2_W']  # in place: the new M_block2_fc2_W
-        rt.ew(ew_scale_add_2, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
-        # free d_block2_fc2_W
-        del d_block2_fc2_W
-        mem.free(180)
-        # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
-        d_block2_fc2_B = mem.tensor(181, (64,), 'float32')
-        rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
-        # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
-        S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
-        rt.ew(ew_square_scale_add, S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B)
-        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the next statement)
-        M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
-        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
-        rt.ew_pair((ew_scale_add_2, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
-        # free d_block2_fc2_B
-        del d_block2_fc2_B
-        mem.free(181)
-        # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(182, (1600, 128), 'float32')
-        rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
-        # d_block2_fc1_gelu = reshape[100x16x128](d_block2_fc2_reshape)
-        d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(100, 16, 128))
-
-        # ---- block2_fc1_gelu (gelu), backward ----
-        # d_block2_fc1 = d_block2_fc1_gelu*(sqrt(2)*block2_fc1*exp(-block2_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block2_fc1/2)/2 + 1/2)
-        d_block2_fc1 = d_block2_fc1_gelu  # in place: over d_block2_fc1_gelu
-        rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1
-        mem.free(46)
-
-        # ---- block2_fc1 (fully connected, 128 outputs), backward ----
-        # d_block2_fc1_add = reshape[1600x128](d_block2_fc1)
-        d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(1600, 128))
-        # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(183, (128, 64), 'float32')
-        rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True, workspace=mem.workspace(98304))
-        # free block2_ln2_mul, block2_ln2, block2_fc1_reshape
-        del block2_ln2_mul, block2_ln2, block2_fc1_reshape
-        mem.free(45)
-        # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
-        S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
-        rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
-        # M_block2_fc1_W_new = 0.9*M_block2_fc1_W + 0.1*d_block2_fc1_W
-        M_block2_fc1_W_new = T['M_block2_fc1_W']  # in place: the new M_block2_fc1_W
-        rt.ew(ew_scale_add_2, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
-        # free d_block2_fc1_W
-        del d_block2_fc1_W
-        mem.free(183)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
-        # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_W_new = T['block2_fc2_W']  # in place: the new block2_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc2_W_new, T['block2_fc2_W'], lr, bias1, M_block2_fc2_W_new, S_block2_fc2_W_new, bias2, decay)
-
-        # ---- block2_fc1 (fully connected, 128 outputs), backward ----
-        # d_block2_fc1_B = sum_to[128](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(184, (128,), 'float32')
-        rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(128,))
-        # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(185, (1600, 64), 'float32')
-        rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
-        # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(182)
-        # d_block2_ln2 = reshape[100x16x64](d_block2_fc1_reshape)
-        d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(100, 16, 64))
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
-        # block2_ln2_mul_2 = block2_ln2_sub*block2_ln2_rsqrt   (computed with the next statement)
-        block2_ln2_mul_2 = mem.tensor(186, (100, 16, 64), 'float32')
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln2_W = sum_to[64](d_block2_ln2*block2_ln2_mul_2)
-        d_block2_ln2_W = mem.tensor(187, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block2_ln2_mul_2, block2_ln2_sub, block2_ln2_rsqrt),
-                      (ew_mul, d_block2_ln2_W, d_block2_ln2, block2_ln2_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block2_ln2_mul_2
-        del block2_ln2_mul_2
-        mem.free(186)
-        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
-        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
-        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
-        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W
-        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
-        rt.ew(ew_scale_add_2, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W)
-        # free d_block2_ln2_W
-        del d_block2_ln2_W
-        mem.free(187)
-
-        # ---- block2_fc1 (fully connected, 128 outputs), backward ----
-        # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay)
-        # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2
-        S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
-        rt.ew(ew_square_scale_add, S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B)
-        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the next statement)
-        M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
-        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
-        rt.ew_pair((ew_scale_add_2, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
-        # free d_block2_fc1_B
-        del d_block2_fc1_B
-        mem.free(184)
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln2_B = sum_to[64](d_block2_ln2)
-        d_block2_ln2_B = mem.tensor(188, (64,), 'float32')
-        rt.sum_to(d_block2_ln2, out=d_block2_ln2_B, shape=(64,))
-        # d_block2_ln2_mul = d_block2_ln2*block2_ln2_W   (computed with the next statement)
-        d_block2_ln2_mul = d_block2_ln2  # in place: over d_block2_ln2
-        # d_block2_ln2_rsqrt = sum_to[100x16x1](d_block2_ln2_mul*block2_ln2_sub)
-        d_block2_ln2_rsqrt = mem.tensor(189, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block2_ln2_mul, d_block2_ln2, T['block2_ln2_W']),
-                      (ew_mul, d_block2_ln2_rsqrt, d_block2_ln2_mul, block2_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay)
-        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
-        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
-        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
-        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
-        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
-        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
-        rt.ew_pair((ew_scale_add_2, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
-        # free d_block2_ln2_B
-        del d_block2_ln2_B
-        mem.free(188)
-        # d_block2_ln2_sum_to = -0.0078125*d_block2_ln2_rsqrt/block2_ln2_add_2**(3/2)
-        d_block2_ln2_sum_to = d_block2_ln2_rsqrt  # in place: over d_block2_ln2_rsqrt
-        rt.ew(ew_pow_mul, d_block2_ln2_sum_to, d_block2_ln2_rsqrt, block2_ln2_add_2)
-        # free block2_ln2_sum_to_2, block2_ln2_add_2
-        del block2_ln2_sum_to_2, block2_ln2_add_2
-        mem.free(43)
-        # d_block2_ln2_sub = d_block2_ln2_mul*block2_ln2_rsqrt + 2*d_block2_ln2_sum_to*block2_ln2_sub   (computed with the next statement)
-        d_block2_ln2_sub = d_block2_ln2_mul  # in place: over d_block2_ln2_mul
-        # d_block2_ln2_scale = sum_to[100x16x1](-d_block2_ln2_sub)
-        d_block2_ln2_scale = mem.tensor(190, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_3, d_block2_ln2_sub, d_block2_ln2_mul, block2_ln2_rsqrt, d_block2_ln2_sum_to, block2_ln2_sub),
-                      (ew_neg, d_block2_ln2_scale, d_block2_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
-        del block2_ln2_sub, block2_ln2_rsqrt, d_block2_ln2_rsqrt, d_block2_ln2_sum_to
-        mem.free(42, 44, 189)
-        # d_block2_ln2_sum_to_2 = 0.015625*d_block2_ln2_scale
-        d_block2_ln2_sum_to_2 = d_block2_ln2_scale  # in place: over d_block2_ln2_scale
-        rt.ew(ew_scale, d_block2_ln2_sum_to_2, d_block2_ln2_scale)
-        # d_block2_ln2_add = d_block3_ln1_add + d_block2_ln2_sub + d_block2_ln2_sum_to_2
-        d_block2_ln2_add = d_block3_ln1_add  # in place: over d_block3_ln1_add
-        rt.ew(ew_add_2, d_block2_ln2_add, d_block3_ln1_add, d_block2_ln2_sub, d_block2_ln2_sum_to_2)
-        # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
-        del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_mul, d_block2_ln2_sub, d_block2_ln2_scale, d_block2_ln2_sum_to_2
-        mem.free(185, 190)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
-        # d_block2_attn_out_add = reshape[1600x64](d_block2_ln2_add)
-        d_block2_attn_out_add = rt.reshape(d_block2_ln2_add, shape=(1600, 64))
-        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
-        d_block2_attn_out_W = mem.tensor(191, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block2_attn_out_transpose, block2_attn_out_reshape
-        del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(39)
-        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
-        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
-        rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
-        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W
-        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
-        rt.ew(ew_scale_add_2, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
-        # free d_block2_attn_out_W
-        del d_block2_attn_out_W
-        mem.free(191)
-        # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(192, (64,), 'float32')
-        rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
-        # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
-        S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
-        rt.ew(ew_square_scale_add, S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B)
-        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the next statement)
-        M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
-        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
-        # free d_block2_attn_out_B
-        del d_block2_attn_out_B
-        mem.free(192)
-        # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(193, (1600, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
-        # d_block2_attn_out_transpose = reshape[100x16x4x16](d_block2_attn_out_reshape)
-        d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
-        d_block2_attn = mem.tensor(194, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
-        # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        del d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(193)
-
-        # ---- block2_attn (scaled dot-product attention), backward ----
-        # d_block2_attn_attention_grad = attention_grad[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn)
-        d_block2_attn_attention_grad = mem.tensor(195, (307200,), 'float32')
-        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, out=d_block2_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
-        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        mem.free(33, 35, 37, 38, 194)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
-        # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay)
-
-        # ---- block2_attn (scaled dot-product attention), backward ----
-        # d_block2_attn_slice = slice[axis=0,start=0,stop=102400](d_block2_attn_attention_grad)
-        d_block2_attn_slice = mem.tensor(196, (102400,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=102400)
-        # d_block2_attn_transpose = reshape[100x4x16x16](d_block2_attn_slice)
-        d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(100, 4, 16, 16))
-        # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
-        d_block2_attn_reshape = mem.tensor(197, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
-        # free d_block2_attn_slice, d_block2_attn_transpose
-        del d_block2_attn_slice, d_block2_attn_transpose
-        mem.free(196)
-        # d_block2_attn_q_add = reshape[1600x64](d_block2_attn_reshape)
-        d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(1600, 64))
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(198, (64,), 'float32')
-        rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
-        # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
-        S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
-        rt.ew(ew_square_scale_add, S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B)
-        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the next statement)
-        M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
-        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
-        # free d_block2_attn_q_B
-        del d_block2_attn_q_B
-        mem.free(198)
-        # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(199, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape = mem.tensor(200, (1600, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
-        # free d_block2_attn_reshape, d_block2_attn_q_add
-        del d_block2_attn_reshape, d_block2_attn_q_add
-        mem.free(197)
-        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
-        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
-        rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
-        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the next statement)
-        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
-        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
-        # free d_block2_attn_q_W
-        del d_block2_attn_q_W
-        mem.free(199)
-
-        # ---- block2_attn (scaled dot-product attention), backward ----
-        # d_block2_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block2_attn_attention_grad)
-        d_block2_attn_slice_2 = mem.tensor(201, (102400,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=102400, stop=204800)
-        # d_block2_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block2_attn_attention_grad)
-        d_block2_attn_slice_3 = mem.tensor(202, (102400,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=204800, stop=307200)
-        # free d_block2_attn_attention_grad
-        del d_block2_attn_attention_grad
-        mem.free(195)
-        # d_block2_attn_transpose_2 = reshape[100x4x16x16](d_block2_attn_slice_2)
-        d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(100, 4, 16, 16))
-        # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
-        d_block2_attn_reshape_2 = mem.tensor(203, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
-        # free d_block2_attn_slice_2, d_block2_attn_transpose_2
-        del d_block2_attn_slice_2, d_block2_attn_transpose_2
-        mem.free(201)
-        # d_block2_attn_transpose_3 = reshape[100x4x16x16](d_block2_attn_slice_3)
-        d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(100, 4, 16, 16))
-        # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
-        d_block2_attn_reshape_3 = mem.tensor(204, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
-        # free d_block2_attn_slice_3, d_block2_attn_transpose_3
-        del d_block2_attn_slice_3, d_block2_attn_transpose_3
-        mem.free(202)
-        # d_block2_attn_v_add = reshape[1600x64](d_block2_attn_reshape_3)
-        d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(1600, 64))
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(205, (64,), 'float32')
-        rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
-        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
-        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
-        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
-        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
-        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
-        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
-        # free d_block2_attn_v_B
-        del d_block2_attn_v_B
-        mem.free(205)
-
-        # ---- block2_attn (scaled dot-product attention), backward ----
-        # d_block2_attn_k_matmul = reshape[1600x64](d_block2_attn_reshape_2)
-        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_reshape_2, shape=(1600, 64))
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(206, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(207, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
-        # free block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        del block2_ln1_mul, block2_ln1, block2_attn_q_reshape
-        mem.free(31)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(208, (1600, 64), 'float32')
-        rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
-        # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        del d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        mem.free(203)
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(209, (1600, 64), 'float32')
-        rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
-        # free d_block2_attn_reshape_3, d_block2_attn_v_add
-        del d_block2_attn_reshape_3, d_block2_attn_v_add
-        mem.free(204)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
-        # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
-        d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3  # in place: over d_block2_attn_q_reshape_3
-        rt.ew(ew_add_2, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
-        # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
-        del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
-        mem.free(200, 208)
-        # d_block2_ln1 = reshape[100x16x64](d_block2_attn_q_reshape_4)
-        d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(100, 16, 64))
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_mul_2 = block2_ln1_sub*block2_ln1_rsqrt   (computed with the next statement)
-        block2_ln1_mul_2 = mem.tensor(210, (100, 16, 64), 'float32')
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln1_W = sum_to[64](d_block2_ln1*block2_ln1_mul_2)
-        d_block2_ln1_W = mem.tensor(211, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block2_ln1_mul_2, block2_ln1_sub, block2_ln1_rsqrt),
-                      (ew_mul, d_block2_ln1_W, d_block2_ln1, block2_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block2_ln1_mul_2
-        del block2_ln1_mul_2
-        mem.free(210)
-        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
-        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
-        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
-        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W
-        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
-        rt.ew(ew_scale_add_2, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W)
-        # free d_block2_ln1_W
-        del d_block2_ln1_W
-        mem.free(211)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
-        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
-        rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
-        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the next statement)
-        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
-        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
-        # free d_block2_attn_k_W
-        del d_block2_attn_k_W
-        mem.free(206)
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
-        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
-        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
-        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
-        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
-        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
-        # free d_block2_attn_v_W
-        del d_block2_attn_v_W
-        mem.free(207)
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln1_B = sum_to[64](d_block2_ln1)
-        d_block2_ln1_B = mem.tensor(212, (64,), 'float32')
-        rt.sum_to(d_block2_ln1, out=d_block2_ln1_B, shape=(64,))
-        # d_block2_ln1_mul = d_block2_ln1*block2_ln1_W   (computed with the next statement)
-        d_block2_ln1_mul = d_block2_ln1  # in place: over d_block2_ln1
-        # d_block2_ln1_rsqrt = sum_to[100x16x1](d_block2_ln1_mul*block2_ln1_sub)
-        d_block2_ln1_rsqrt = mem.tensor(213, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block2_ln1_mul, d_block2_ln1, T['block2_ln1_W']),
-                      (ew_mul, d_block2_ln1_rsqrt, d_block2_ln1_mul, block2_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay)
-        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
-        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
-        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
-        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
-        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
-        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
-        rt.ew_pair((ew_scale_add_2, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
-        # free d_block2_ln1_B
-        del d_block2_ln1_B
-        mem.free(212)
-        # d_block2_ln1_sum_to = -0.0078125*d_block2_ln1_rsqrt/block2_ln1_add_2**(3/2)
-        d_block2_ln1_sum_to = d_block2_ln1_rsqrt  # in place: over d_block2_ln1_rsqrt
-        rt.ew(ew_pow_mul, d_block2_ln1_sum_to, d_block2_ln1_rsqrt, block2_ln1_add_2)
-        # free block2_ln1_sum_to_2, block2_ln1_add_2
-        del block2_ln1_sum_to_2, block2_ln1_add_2
-        mem.free(29)
-        # d_block2_ln1_sub = d_block2_ln1_mul*block2_ln1_rsqrt + 2*d_block2_ln1_sum_to*block2_ln1_sub   (computed with the next statement)
-        d_block2_ln1_sub = d_block2_ln1_mul  # in place: over d_block2_ln1_mul
-        # d_block2_ln1_scale = sum_to[100x16x1](-d_block2_ln1_sub)
-        d_block2_ln1_scale = mem.tensor(214, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_3, d_block2_ln1_sub, d_block2_ln1_mul, block2_ln1_rsqrt, d_block2_ln1_sum_to, block2_ln1_sub),
-                      (ew_neg, d_block2_ln1_scale, d_block2_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
-        del block2_ln1_sub, block2_ln1_rsqrt, d_block2_ln1_rsqrt, d_block2_ln1_sum_to
-        mem.free(28, 30, 213)
-        # d_block2_ln1_sum_to_2 = 0.015625*d_block2_ln1_scale
-        d_block2_ln1_sum_to_2 = d_block2_ln1_scale  # in place: over d_block2_ln1_scale
-        rt.ew(ew_scale, d_block2_ln1_sum_to_2, d_block2_ln1_scale)
-        # d_block2_ln1_add = d_block2_ln2_add + d_block2_ln1_sub + d_block2_ln1_sum_to_2
-        d_block2_ln1_add = d_block2_ln2_add  # in place: over d_block2_ln2_add
-        rt.ew(ew_add_2, d_block2_ln1_add, d_block2_ln2_add, d_block2_ln1_sub, d_block2_ln1_sum_to_2)
-        # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_mul, d_block2_ln1_sub, d_block2_ln1_scale, d_block2_ln1_sum_to_2
-        mem.free(209, 214)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
-        # d_block1_fc2_add = reshape[1600x64](d_block2_ln1_add)
-        d_block1_fc2_add = rt.reshape(d_block2_ln1_add, shape=(1600, 64))
-        # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(215, (64, 128), 'float32')
-        rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True, workspace=mem.workspace(98304))
-        # free block1_fc1_gelu, block1_fc2_reshape
-        del block1_fc1_gelu, block1_fc2_reshape
-        mem.free(25)
-        # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
-        S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
-        rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
-        # M_block1_fc2_W_new = 0.9*M_block1_fc2_W + 0.1*d_block1_fc2_W
-        M_block1_fc2_W_new = T['M_block1_fc2_W']  # in place: the new M_block1_fc2_W
-        rt.ew(ew_scale_add_2, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
-        # free d_block1_fc2_W
-        del d_block1_fc2_W
-        mem.free(215)
-        # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(216, (64,), 'float32')
-        rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
-        # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
-        S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
-        rt.ew(ew_square_scale_add, S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B)
-        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the next statement)
-        M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
-        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
-        rt.ew_pair((ew_scale_add_2, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
-        # free d_block1_fc2_B
-        del d_block1_fc2_B
-        mem.free(216)
-        # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(217, (1600, 128), 'float32')
-        rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
-        # d_block1_fc1_gelu = reshape[100x16x128](d_block1_fc2_reshape)
-        d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(100, 16, 128))
-
-        # ---- block1_fc1_gelu (gelu), backward ----
-        # d_block1_fc1 = d_block1_fc1_gelu*(sqrt(2)*block1_fc1*exp(-block1_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block1_fc1/2)/2 + 1/2)
-        d_block1_fc1 = d_block1_fc1_gelu  # in place: over d_block1_fc1_gelu
-        rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1
-        mem.free(24)
-
-        # ---- block1_fc1 (fully connected, 128 outputs), backward ----
-        # d_block1_fc1_add = reshape[1600x128](d_block1_fc1)
-        d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(1600, 128))
-        # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(218, (128, 64), 'float32')
-        rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True, workspace=mem.workspace(98304))
-        # free block1_ln2_mul, block1_ln2, block1_fc1_reshape
-        del block1_ln2_mul, block1_ln2, block1_fc1_reshape
-        mem.free(23)
-        # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
-        S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
-        rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
-        # M_block1_fc1_W_new = 0.9*M_block1_fc1_W + 0.1*d_block1_fc1_W
-        M_block1_fc1_W_new = T['M_block1_fc1_W']  # in place: the new M_block1_fc1_W
-        rt.ew(ew_scale_add_2, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
-        # free d_block1_fc1_W
-        del d_block1_fc1_W
-        mem.free(218)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
-        # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_W_new = T['block1_fc2_W']  # in place: the new block1_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc2_W_new, T['block1_fc2_W'], lr, bias1, M_block1_fc2_W_new, S_block1_fc2_W_new, bias2, decay)
-
-        # ---- block1_fc1 (fully connected, 128 outputs), backward ----
-        # d_block1_fc1_B = sum_to[128](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(219, (128,), 'float32')
-        rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(128,))
-        # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(220, (1600, 64), 'float32')
-        rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
-        # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(217)
-        # d_block1_ln2 = reshape[100x16x64](d_block1_fc1_reshape)
-        d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(100, 16, 64))
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_mul_2 = block1_ln2_sub*block1_ln2_rsqrt   (computed with the next statement)
-        block1_ln2_mul_2 = mem.tensor(221, (100, 16, 64), 'float32')
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln2_W = sum_to[64](d_block1_ln2*block1_ln2_mul_2)
-        d_block1_ln2_W = mem.tensor(222, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block1_ln2_mul_2, block1_ln2_sub, block1_ln2_rsqrt),
-                      (ew_mul, d_block1_ln2_W, d_block1_ln2, block1_ln2_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block1_ln2_mul_2
-        del block1_ln2_mul_2
-        mem.free(221)
-        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
-        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
-        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
-        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W
-        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
-        rt.ew(ew_scale_add_2, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W)
-        # free d_block1_ln2_W
-        del d_block1_ln2_W
-        mem.free(222)
-
-        # ---- block1_fc1 (fully connected, 128 outputs), backward ----
-        # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay)
-        # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2
-        S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
-        rt.ew(ew_square_scale_add, S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B)
-        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the next statement)
-        M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
-        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
-        rt.ew_pair((ew_scale_add_2, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
-        # free d_block1_fc1_B
-        del d_block1_fc1_B
-        mem.free(219)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln2_B = sum_to[64](d_block1_ln2)
-        d_block1_ln2_B = mem.tensor(223, (64,), 'float32')
-        rt.sum_to(d_block1_ln2, out=d_block1_ln2_B, shape=(64,))
-        # d_block1_ln2_mul = d_block1_ln2*block1_ln2_W   (computed with the next statement)
-        d_block1_ln2_mul = d_block1_ln2  # in place: over d_block1_ln2
-        # d_block1_ln2_rsqrt = sum_to[100x16x1](d_block1_ln2_mul*block1_ln2_sub)
-        d_block1_ln2_rsqrt = mem.tensor(224, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block1_ln2_mul, d_block1_ln2, T['block1_ln2_W']),
-                      (ew_mul, d_block1_ln2_rsqrt, d_block1_ln2_mul, block1_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay)
-        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
-        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
-        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
-        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
-        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
-        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
-        rt.ew_pair((ew_scale_add_2, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
-        # free d_block1_ln2_B
-        del d_block1_ln2_B
-        mem.free(223)
-        # d_block1_ln2_sum_to = -0.0078125*d_block1_ln2_rsqrt/block1_ln2_add_3**(3/2)
-        d_block1_ln2_sum_to = d_block1_ln2_rsqrt  # in place: over d_block1_ln2_rsqrt
-        rt.ew(ew_pow_mul, d_block1_ln2_sum_to, d_block1_ln2_rsqrt, block1_ln2_add_3)
-        # free block1_ln2_sum_to_2, block1_ln2_add_3
-        del block1_ln2_sum_to_2, block1_ln2_add_3
-        mem.free(21)
-        # d_block1_ln2_sub = d_block1_ln2_mul*block1_ln2_rsqrt + 2*d_block1_ln2_sum_to*block1_ln2_sub   (computed with the next statement)
-        d_block1_ln2_sub = d_block1_ln2_mul  # in place: over d_block1_ln2_mul
-        # d_block1_ln2_scale = sum_to[100x16x1](-d_block1_ln2_sub)
-        d_block1_ln2_scale = mem.tensor(225, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_3, d_block1_ln2_sub, d_block1_ln2_mul, block1_ln2_rsqrt, d_block1_ln2_sum_to, block1_ln2_sub),
-                      (ew_neg, d_block1_ln2_scale, d_block1_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
-        del block1_ln2_sub, block1_ln2_rsqrt, d_block1_ln2_rsqrt, d_block1_ln2_sum_to
-        mem.free(20, 22, 224)
-        # d_block1_ln2_sum_to_2 = 0.015625*d_block1_ln2_scale
-        d_block1_ln2_sum_to_2 = d_block1_ln2_scale  # in place: over d_block1_ln2_scale
-        rt.ew(ew_scale, d_block1_ln2_sum_to_2, d_block1_ln2_scale)
-        # d_block1_ln2_add = d_block2_ln1_add + d_block1_ln2_sub + d_block1_ln2_sum_to_2
-        d_block1_ln2_add = d_block2_ln1_add  # in place: over d_block2_ln1_add
-        rt.ew(ew_add_2, d_block1_ln2_add, d_block2_ln1_add, d_block1_ln2_sub, d_block1_ln2_sum_to_2)
-        # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
-        del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_mul, d_block1_ln2_sub, d_block1_ln2_scale, d_block1_ln2_sum_to_2
-        mem.free(220, 225)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
-        # d_block1_attn_out_add = reshape[1600x64](d_block1_ln2_add)
-        d_block1_attn_out_add = rt.reshape(d_block1_ln2_add, shape=(1600, 64))
-        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
-        d_block1_attn_out_W = mem.tensor(226, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block1_attn_out_transpose, block1_attn_out_reshape
-        del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(17)
-        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
-        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
-        rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
-        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W
-        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
-        rt.ew(ew_scale_add_2, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
-        # free d_block1_attn_out_W
-        del d_block1_attn_out_W
-        mem.free(226)
-        # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(227, (64,), 'float32')
-        rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
-        # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
-        S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
-        rt.ew(ew_square_scale_add, S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B)
-        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the next statement)
-        M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
-        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
-        # free d_block1_attn_out_B
-        del d_block1_attn_out_B
-        mem.free(227)
-        # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(228, (1600, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
-        # d_block1_attn_out_transpose = reshape[100x16x4x16](d_block1_attn_out_reshape)
-        d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
-        d_block1_attn = mem.tensor(229, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
-        # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        del d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(228)
-
-        # ---- block1_attn (scaled dot-product attention), backward ----
-        # d_block1_attn_attention_grad = attention_grad[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn)
-        d_block1_attn_attention_grad = mem.tensor(230, (307200,), 'float32')
-        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, out=d_block1_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        mem.free(11, 13, 15, 16, 229)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
-        # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay)
-
-        # ---- block1_attn (scaled dot-product attention), backward ----
-        # d_block1_attn_slice = slice[axis=0,start=0,stop=102400](d_block1_attn_attention_grad)
-        d_block1_attn_slice = mem.tensor(231, (102400,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=102400)
-        # d_block1_attn_transpose = reshape[100x4x16x16](d_block1_attn_slice)
-        d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(100, 4, 16, 16))
-        # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
-        d_block1_attn_reshape = mem.tensor(232, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
-        # free d_block1_attn_slice, d_block1_attn_transpose
-        del d_block1_attn_slice, d_block1_attn_transpose
-        mem.free(231)
-        # d_block1_attn_q_add = reshape[1600x64](d_block1_attn_reshape)
-        d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(1600, 64))
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(233, (64,), 'float32')
-        rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
-        # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
-        S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
-        rt.ew(ew_square_scale_add, S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B)
-        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the next statement)
-        M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
-        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
-        # free d_block1_attn_q_B
-        del d_block1_attn_q_B
-        mem.free(233)
-        # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(234, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape = mem.tensor(235, (1600, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
-        # free d_block1_attn_reshape, d_block1_attn_q_add
-        del d_block1_attn_reshape, d_block1_attn_q_add
-        mem.free(232)
-        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
-        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
-        rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
-        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the next statement)
-        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
-        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
-        # free d_block1_attn_q_W
-        del d_block1_attn_q_W
-        mem.free(234)
-
-        # ---- block1_attn (scaled dot-product attention), backward ----
-        # d_block1_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block1_attn_attention_grad)
-        d_block1_attn_slice_2 = mem.tensor(236, (102400,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=102400, stop=204800)
-        # d_block1_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block1_attn_attention_grad)
-        d_block1_attn_slice_3 = mem.tensor(237, (102400,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=204800, stop=307200)
-        # free d_block1_attn_attention_grad
-        del d_block1_attn_attention_grad
-        mem.free(230)
-        # d_block1_attn_transpose_2 = reshape[100x4x16x16](d_block1_attn_slice_2)
-        d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(100, 4, 16, 16))
-        # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
-        d_block1_attn_reshape_2 = mem.tensor(238, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
-        # free d_block1_attn_slice_2, d_block1_attn_transpose_2
-        del d_block1_attn_slice_2, d_block1_attn_transpose_2
-        mem.free(236)
-        # d_block1_attn_transpose_3 = reshape[100x4x16x16](d_block1_attn_slice_3)
-        d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(100, 4, 16, 16))
-        # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
-        d_block1_attn_reshape_3 = mem.tensor(239, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
-        # free d_block1_attn_slice_3, d_block1_attn_transpose_3
-        del d_block1_attn_slice_3, d_block1_attn_transpose_3
-        mem.free(237)
-        # d_block1_attn_v_add = reshape[1600x64](d_block1_attn_reshape_3)
-        d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(1600, 64))
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(240, (64,), 'float32')
-        rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
-        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
-        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
-        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
-        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
-        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
-        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
-        # free d_block1_attn_v_B
-        del d_block1_attn_v_B
-        mem.free(240)
-
-        # ---- block1_attn (scaled dot-product attention), backward ----
-        # d_block1_attn_k_matmul = reshape[1600x64](d_block1_attn_reshape_2)
-        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_reshape_2, shape=(1600, 64))
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(241, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(242, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
-        # free block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        del block1_ln1_mul, block1_ln1, block1_attn_q_reshape
-        mem.free(9)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(243, (1600, 64), 'float32')
-        rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
-        # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        del d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        mem.free(238)
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(244, (1600, 64), 'float32')
-        rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
-        # free d_block1_attn_reshape_3, d_block1_attn_v_add
-        del d_block1_attn_reshape_3, d_block1_attn_v_add
-        mem.free(239)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
-        # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
-        d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3  # in place: over d_block1_attn_q_reshape_3
-        rt.ew(ew_add_2, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
-        # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
-        del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
-        mem.free(235, 243)
-        # d_block1_ln1 = reshape[100x16x64](d_block1_attn_q_reshape_4)
-        d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(100, 16, 64))
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_mul_2 = block1_ln1_sub*block1_ln1_rsqrt   (computed with the next statement)
-        block1_ln1_mul_2 = mem.tensor(245, (100, 16, 64), 'float32')
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln1_W = sum_to[64](d_block1_ln1*block1_ln1_mul_2)
-        d_block1_ln1_W = mem.tensor(246, (64,), 'float32')
-        rt.ew_and_sum((ew_mul, block1_ln1_mul_2, block1_ln1_sub, block1_ln1_rsqrt),
-                      (ew_mul, d_block1_ln1_W, d_block1_ln1, block1_ln1_mul_2),
-                      shape=(64,), workspace=mem.workspace(409600))
-        # free block1_ln1_mul_2
-        del block1_ln1_mul_2
-        mem.free(245)
-        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
-        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
-        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
-        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W
-        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
-        rt.ew(ew_scale_add_2, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W)
-        # free d_block1_ln1_W
-        del d_block1_ln1_W
-        mem.free(246)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
-        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
-        rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
-        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the next statement)
-        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
-        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
-        # free d_block1_attn_k_W
-        del d_block1_attn_k_W
-        mem.free(241)
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
-        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
-        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
-        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
-        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
-        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
-        rt.ew_pair((ew_scale_add_2, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
-        # free d_block1_attn_v_W
-        del d_block1_attn_v_W
-        mem.free(242)
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln1_B = sum_to[64](d_block1_ln1)
-        d_block1_ln1_B = mem.tensor(247, (64,), 'float32')
-        rt.sum_to(d_block1_ln1, out=d_block1_ln1_B, shape=(64,))
-        # d_block1_ln1_mul = d_block1_ln1*block1_ln1_W   (computed with the next statement)
-        d_block1_ln1_mul = d_block1_ln1  # in place: over d_block1_ln1
-        # d_block1_ln1_rsqrt = sum_to[100x16x1](d_block1_ln1_mul*block1_ln1_sub)
-        d_block1_ln1_rsqrt = mem.tensor(248, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_2, d_block1_ln1_mul, d_block1_ln1, T['block1_ln1_W']),
-                      (ew_mul, d_block1_ln1_rsqrt, d_block1_ln1_mul, block1_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay)
-        # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
-        S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
-        rt.ew(ew_square_scale_add, S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B)
-        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the next statement)
-        M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
-        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
-        rt.ew_pair((ew_scale_add_2, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
-        # free d_block1_ln1_B
-        del d_block1_ln1_B
-        mem.free(247)
-        # d_block1_ln1_sum_to = -0.0078125*d_block1_ln1_rsqrt/block1_ln1_add**(3/2)
-        d_block1_ln1_sum_to = d_block1_ln1_rsqrt  # in place: over d_block1_ln1_rsqrt
-        rt.ew(ew_pow_mul, d_block1_ln1_sum_to, d_block1_ln1_rsqrt, block1_ln1_add)
-        # free block1_ln1_sum_to_2, block1_ln1_add
-        del block1_ln1_sum_to_2, block1_ln1_add
-        mem.free(7)
-        # d_block1_ln1_sub = d_block1_ln1_mul*block1_ln1_rsqrt + 2*d_block1_ln1_sum_to*block1_ln1_sub   (computed with the next statement)
-        d_block1_ln1_sub = d_block1_ln1_mul  # in place: over d_block1_ln1_mul
-        # d_block1_ln1_scale = sum_to[100x16x1](-d_block1_ln1_sub)
-        d_block1_ln1_scale = mem.tensor(249, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_mul_add_3, d_block1_ln1_sub, d_block1_ln1_mul, block1_ln1_rsqrt, d_block1_ln1_sum_to, block1_ln1_sub),
-                      (ew_neg, d_block1_ln1_scale, d_block1_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
-        del block1_ln1_sub, block1_ln1_rsqrt, d_block1_ln1_rsqrt, d_block1_ln1_sum_to
-        mem.free(6, 8, 248)
-        # d_block1_ln1_sum_to_2 = 0.015625*d_block1_ln1_scale
-        d_block1_ln1_sum_to_2 = d_block1_ln1_scale  # in place: over d_block1_ln1_scale
-        rt.ew(ew_scale, d_block1_ln1_sum_to_2, d_block1_ln1_scale)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln2_add_2 = d_block1_ln2_add + d_block1_ln1_sub + d_block1_ln1_sum_to_2
-        d_block1_ln2_add_2 = d_block1_ln2_add  # in place: over d_block1_ln2_add
-        rt.ew(ew_add_2, d_block1_ln2_add_2, d_block1_ln2_add, d_block1_ln1_sub, d_block1_ln1_sum_to_2)
-        # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln1_mul, d_block1_ln1_sub, d_block1_ln1_scale, d_block1_ln1_sum_to_2
-        mem.free(244, 249)
-        # d_pos = sum_to[1x16x64](d_block1_ln2_add_2)
-        d_pos = mem.tensor(250, (1, 16, 64), 'float32')
-        rt.sum_to(d_block1_ln2_add_2, out=d_pos, shape=(1, 16, 64))
-        # d_block1_ln2_reshape = transpose[axes=(1,2)](d_block1_ln2_add_2)
-        d_block1_ln2_reshape = mem.tensor(251, (100, 64, 16), 'float32')
-        rt.transpose(d_block1_ln2_add_2, out=d_block1_ln2_reshape, axes=(1, 2))
-        # free d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block4_fc2_add, d_block4_ln2_add, d_block4_attn_out_add, d_block4_ln1_add, d_block3_fc2_add, d_block3_ln2_add, d_block3_attn_out_add, d_block3_ln1_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2
-        del d_ln, d_ln_mul, d_ln_sub, d_ln_add, d_block4_fc2_add, d_block4_ln2_add, d_block4_attn_out_add, d_block4_ln1_add, d_block3_fc2_add, d_block3_ln2_add, d_block3_attn_out_add, d_block3_ln1_add, d_block2_fc2_add, d_block2_ln2_add, d_block2_attn_out_add, d_block2_ln1_add, d_block1_fc2_add, d_block1_ln2_add, d_block1_attn_out_add, d_block1_ln2_add_2
-        mem.free(106)
-        # d_patch = reshape[100x64x4x4](d_block1_ln2_reshape)
-        d_patch = rt.reshape(d_block1_ln2_reshape, shape=(100, 64, 4, 4))
-
-        # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), backward ----
-        # d_patch_W = conv2d_bwd_filter[kernel=(7,7),stride=7](d_patch, x)
-        d_patch_W = mem.tensor(252, (64, 1, 7, 7), 'float32')
-        rt.conv2d_bwd_filter(d_patch, x, out=d_patch_W, kernel=(7, 7), pad=0, stride=7, workspace=mem.workspace(723200))
-        # free x
-        del x
-        mem.free(0)
-        # d_patch_sum_to = sum_to[1x64x1x1](d_patch)
-        d_patch_sum_to = mem.tensor(253, (1, 64, 1, 1), 'float32')
-        rt.sum_to(d_patch, out=d_patch_sum_to, shape=(1, 64, 1, 1))
-        # free d_block1_ln2_reshape, d_patch
-        del d_block1_ln2_reshape, d_patch
-        mem.free(251)
-        # S_patch_W_new = 0.999*S_patch_W + 0.001*d_patch_W**2
-        S_patch_W_new = T['S_patch_W']  # in place: the new S_patch_W
-        rt.ew(ew_square_scale_add, S_patch_W_new, T['S_patch_W'], d_patch_W)
-        # M_patch_W_new = 0.9*M_patch_W + 0.1*d_patch_W   (computed with the next statement)
-        M_patch_W_new = T['M_patch_W']  # in place: the new M_patch_W
-        # patch_W_new = patch_W*(-lr*decay + 1) - lr*M_patch_W_new/(bias1*(sqrt(S_patch_W_new)/sqrt(bias2) + 1.0e-8))
-        patch_W_new = T['patch_W']  # in place: the new patch_W
-        rt.ew_pair((ew_scale_add_2, M_patch_W_new, T['M_patch_W'], d_patch_W),
-                   (ew_mul_sub_recip_sqrt, patch_W_new, T['patch_W'], lr, bias1, M_patch_W_new, S_patch_W_new, bias2, decay))
-        # free d_patch_W
-        del d_patch_W
-        mem.free(252)
-        # d_patch_B = reshape[64](d_patch_sum_to)
-        d_patch_B = rt.reshape(d_patch_sum_to, shape=(64,))
-        # S_patch_B_new = 0.999*S_patch_B + 0.001*d_patch_B**2
-        S_patch_B_new = T['S_patch_B']  # in place: the new S_patch_B
-        rt.ew(ew_square_scale_add, S_patch_B_new, T['S_patch_B'], d_patch_B)
-        # M_patch_B_new = 0.9*M_patch_B + 0.1*d_patch_B   (computed with the next statement)
-        M_patch_B_new = T['M_patch_B']  # in place: the new M_patch_B
-        # patch_B_new = patch_B*(-lr*decay + 1) - lr*M_patch_B_new/(bias1*(sqrt(S_patch_B_new)/sqrt(bias2) + 1.0e-8))
-        patch_B_new = T['patch_B']  # in place: the new patch_B
-        rt.ew_pair((ew_scale_add_2, M_patch_B_new, T['M_patch_B'], d_patch_B),
-                   (ew_mul_sub_recip_sqrt, patch_B_new, T['patch_B'], lr, bias1, M_patch_B_new, S_patch_B_new, bias2, decay))
-        # free d_patch_sum_to, d_patch_B
-        del d_patch_sum_to, d_patch_B
-        mem.free(253)
-
-        # ---- pos (parameter 1x16x64), backward ----
-        # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
-        S_pos_new = T['S_pos']  # in place: the new S_pos
-        rt.ew(ew_square_scale_add, S_pos_new, T['S_pos'], d_pos)
-        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (computed with the next statement)
-        M_pos_new = T['M_pos']  # in place: the new M_pos
-        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
-        pos_new = T['pos']  # in place: the new pos
-        rt.ew_pair((ew_scale_add_2, M_pos_new, T['M_pos'], d_pos),
-                   (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
-        # free d_pos
-        del d_pos
-        mem.free(250)
-        loss = rt.scalar(head_cross_entropy)
-        mem.end()
-        return loss
-
-    def test_step(self, x, y):
-        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
-        rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
-        x = mem.load(0, x)
-        y = mem.load(1, y)
-
-        # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), forward ----
-        # patch = conv2d[stride=7](x, patch_W, patch_B)
-        patch = mem.tensor(2, (100, 64, 4, 4), 'float32')
-        rt.conv2d(x, T['patch_W'], T['patch_B'], out=patch, pad=0, stride=7, workspace=mem.workspace(409600))
-        # free x
-        del x
-        mem.free(0)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_reshape = reshape[100x64x16](patch)
-        block1_ln2_reshape = rt.reshape(patch, shape=(100, 64, 16))
-        # block1_ln2_transpose = transpose[axes=(1,2)](block1_ln2_reshape)
-        block1_ln2_transpose = mem.tensor(3, (100, 16, 64), 'float32')
-        rt.transpose(block1_ln2_reshape, out=block1_ln2_transpose, axes=(1, 2))
-        # free patch, block1_ln2_reshape
-        del patch, block1_ln2_reshape
-        mem.free(2)
-        # block1_ln2_add = block1_ln2_transpose + pos
-        block1_ln2_add = block1_ln2_transpose  # in place: over block1_ln2_transpose
-        rt.ew(ew_add, block1_ln2_add, block1_ln2_transpose, T['pos'])
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_sum_to = sum_to[100x16x1](block1_ln2_add)
-        block1_ln1_sum_to = mem.tensor(4, (100, 16, 1), 'float32')
-        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(100, 16, 1))
-        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
-        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
-        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
-        block1_ln1_sub = mem.tensor(5, (100, 16, 64), 'float32')
-        # block1_ln1_sum_to_2 = sum_to[100x16x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(6, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
-                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block1_ln1_sum_to, block1_ln1_scale
-        del block1_ln1_sum_to, block1_ln1_scale
-        mem.free(4)
-        # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
-        block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
-        # block1_ln1 = block1_ln1_sub*block1_ln1_rsqrt*block1_ln1_W + block1_ln1_B
-        block1_ln1 = block1_ln1_sub  # in place: over block1_ln1_sub
-        rt.ew(ew_mul_add_4, block1_ln1, block1_ln1_sub, block1_ln1_rsqrt, T['block1_ln1_W'], T['block1_ln1_B'])
-        # free block1_ln1_sum_to_2, block1_ln1_rsqrt
-        del block1_ln1_sum_to_2, block1_ln1_rsqrt
-        mem.free(6)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_reshape = reshape[1600x64](block1_ln1)
-        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(1600, 64))
-
-        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(7, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
-
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(8, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(7)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
-        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(9, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(10, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
-        # free block1_attn_k_matmul, block1_attn_reshape_2
-        del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(9)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(11, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
-        # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        mem.free(5)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
-
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
-        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(12, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(11)
-        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
-        block1_attn = mem.tensor(13, (100, 4, 16, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        mem.free(8, 10, 12)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(14, (100, 16, 4, 16), 'float32')
-        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn
-        del block1_attn
-        mem.free(13)
-        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
-        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
-        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(15, (1600, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
-        # free block1_attn_out_transpose, block1_attn_out_reshape
-        del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(14)
-        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
-        # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
-        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
-        block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
-        rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(15)
-        # block1_ln2_sum_to = sum_to[100x16x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(16, (100, 16, 1), 'float32')
-        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(100, 16, 1))
-        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
-        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
-        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(17, (100, 16, 64), 'float32')
-        # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(18, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
-                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block1_ln2_sum_to, block1_ln2_scale
-        del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(16)
-        # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
-        block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
-        # block1_ln2 = block1_ln2_sub*block1_ln2_rsqrt*block1_ln2_W + block1_ln2_B
-        block1_ln2 = block1_ln2_sub  # in place: over block1_ln2_sub
-        rt.ew(ew_mul_add_4, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
-        # free block1_ln2_sum_to_2, block1_ln2_rsqrt
-        del block1_ln2_sum_to_2, block1_ln2_rsqrt
-        mem.free(18)
-
-        # ---- block1_fc1 (fully connected, 128 outputs), forward ----
-        # block1_fc1_reshape = reshape[1600x64](block1_ln2)
-        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(19, (1600, 128), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
-        # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        del block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        mem.free(17)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
-        # block1_fc1 = reshape[100x16x128](block1_fc1_add)
-        block1_fc1 = rt.reshape(block1_fc1_add, shape=(100, 16, 128))
-
-        # ---- block1_fc1_gelu (gelu), forward ----
-        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = block1_fc1  # in place: over block1_fc1
-        rt.ew(ew_sqrt_mul_erf_add_2, block1_fc1_gelu, block1_fc1)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
-        # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
-        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(20, (1600, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(19)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
-        # block1_fc2 = reshape[100x16x64](block1_fc2_add)
-        block1_fc2 = rt.reshape(block1_fc2_add, shape=(100, 16, 64))
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
-        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
-        block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
-        rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(20)
-        # block2_ln1_sum_to = sum_to[100x16x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(21, (100, 16, 1), 'float32')
-        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(100, 16, 1))
-        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
-        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
-        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(22, (100, 16, 64), 'float32')
-        # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(23, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
-                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block2_ln1_sum_to, block2_ln1_scale
-        del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(21)
-        # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
-        block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
-        # block2_ln1 = block2_ln1_sub*block2_ln1_rsqrt*block2_ln1_W + block2_ln1_B
-        block2_ln1 = block2_ln1_sub  # in place: over block2_ln1_sub
-        rt.ew(ew_mul_add_4, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
-        # free block2_ln1_sum_to_2, block2_ln1_rsqrt
-        del block2_ln1_sum_to_2, block2_ln1_rsqrt
-        mem.free(23)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_reshape = reshape[1600x64](block2_ln1)
-        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(1600, 64))
-
-        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(24, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
-
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
-        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(25, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(24)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
-        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(26, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
-        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(27, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
-        # free block2_attn_k_matmul, block2_attn_reshape_2
-        del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(26)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(28, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
-        # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        mem.free(22)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
-
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
-        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(29, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(28)
-        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(30, (100, 4, 16, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        mem.free(25, 27, 29)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(31, (100, 16, 4, 16), 'float32')
-        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn
-        del block2_attn
-        mem.free(30)
-        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
-        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
-        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(32, (1600, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
-        # free block2_attn_out_transpose, block2_attn_out_reshape
-        del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(31)
-        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
-        # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
-        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
-        # block2_ln2_add = block2_ln1_add + block2_attn_out
-        block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
-        rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(32)
-        # block2_ln2_sum_to = sum_to[100x16x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(33, (100, 16, 1), 'float32')
-        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(100, 16, 1))
-        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
-        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
-        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(34, (100, 16, 64), 'float32')
-        # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(35, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
-                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block2_ln2_sum_to, block2_ln2_scale
-        del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(33)
-        # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
-        block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
-        # block2_ln2 = block2_ln2_sub*block2_ln2_rsqrt*block2_ln2_W + block2_ln2_B
-        block2_ln2 = block2_ln2_sub  # in place: over block2_ln2_sub
-        rt.ew(ew_mul_add_4, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
-        # free block2_ln2_sum_to_2, block2_ln2_rsqrt
-        del block2_ln2_sum_to_2, block2_ln2_rsqrt
-        mem.free(35)
-
-        # ---- block2_fc1 (fully connected, 128 outputs), forward ----
-        # block2_fc1_reshape = reshape[1600x64](block2_ln2)
-        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(36, (1600, 128), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
-        # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        del block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        mem.free(34)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
-        # block2_fc1 = reshape[100x16x128](block2_fc1_add)
-        block2_fc1 = rt.reshape(block2_fc1_add, shape=(100, 16, 128))
-
-        # ---- block2_fc1_gelu (gelu), forward ----
-        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = block2_fc1  # in place: over block2_fc1
-        rt.ew(ew_sqrt_mul_erf_add_2, block2_fc1_gelu, block2_fc1)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
-        # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
-        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(37, (1600, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(36)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
-        # block2_fc2 = reshape[100x16x64](block2_fc2_add)
-        block2_fc2 = rt.reshape(block2_fc2_add, shape=(100, 16, 64))
-
-        # ---- block3_ln1 (layer norm over the last 1 axes), forward ----
-        # block3_ln1_add = block2_ln2_add + block2_fc2
-        block3_ln1_add = block2_ln2_add  # in place: over block2_ln2_add
-        rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(37)
-        # block3_ln1_sum_to = sum_to[100x16x1](block3_ln1_add)
-        block3_ln1_sum_to = mem.tensor(38, (100, 16, 1), 'float32')
-        rt.sum_to(block3_ln1_add, out=block3_ln1_sum_to, shape=(100, 16, 1))
-        # block3_ln1_scale = 0.015625*block3_ln1_sum_to
-        block3_ln1_scale = block3_ln1_sum_to  # in place: over block3_ln1_sum_to
-        rt.ew(ew_scale, block3_ln1_scale, block3_ln1_sum_to)
-        # block3_ln1_sub = block3_ln1_add - block3_ln1_scale   (computed with the next statement)
-        block3_ln1_sub = mem.tensor(39, (100, 16, 64), 'float32')
-        # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
-        block3_ln1_sum_to_2 = mem.tensor(40, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale),
-                      (ew_square, block3_ln1_sum_to_2, block3_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block3_ln1_sum_to, block3_ln1_scale
-        del block3_ln1_sum_to, block3_ln1_scale
-        mem.free(38)
-        # block3_ln1_rsqrt = 1/sqrt(0.015625*block3_ln1_sum_to_2 + 1.0e-5)
-        block3_ln1_rsqrt = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block3_ln1_rsqrt, block3_ln1_sum_to_2)
-        # block3_ln1 = block3_ln1_sub*block3_ln1_rsqrt*block3_ln1_W + block3_ln1_B
-        block3_ln1 = block3_ln1_sub  # in place: over block3_ln1_sub
-        rt.ew(ew_mul_add_4, block3_ln1, block3_ln1_sub, block3_ln1_rsqrt, T['block3_ln1_W'], T['block3_ln1_B'])
-        # free block3_ln1_sum_to_2, block3_ln1_rsqrt
-        del block3_ln1_sum_to_2, block3_ln1_rsqrt
-        mem.free(40)
-
-        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
-        # block3_attn_q_reshape = reshape[1600x64](block3_ln1)
-        block3_attn_q_reshape = rt.reshape(block3_ln1, shape=(1600, 64))
-
-        # ---- block3_attn_v (fully connected, 64 outputs), forward ----
-        # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(41, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
-        # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
-        block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
-        rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
-
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
-        block3_attn_transpose = mem.tensor(42, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        mem.free(41)
-
-        # ---- block3_attn_k (fully connected, 64 outputs), forward ----
-        # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
-        block3_attn_k_matmul = mem.tensor(43, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
-
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
-        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
-        block3_attn_transpose_2 = mem.tensor(44, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
-        # free block3_attn_k_matmul, block3_attn_reshape_2
-        del block3_attn_k_matmul, block3_attn_reshape_2
-        mem.free(43)
-
-        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
-        # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(45, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
-        # free block3_ln1_sub, block3_ln1, block3_attn_q_reshape
-        del block3_ln1_sub, block3_ln1, block3_attn_q_reshape
-        mem.free(39)
-        # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
-        block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
-        rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
-
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
-        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
-        block3_attn_transpose_3 = mem.tensor(46, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
-        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        mem.free(45)
-        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
-        block3_attn = mem.tensor(47, (100, 4, 16, 16), 'float32')
-        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
-        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
-        mem.free(42, 44, 46)
-
-        # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
-        block3_attn_out_transpose = mem.tensor(48, (100, 16, 4, 16), 'float32')
-        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
-        # free block3_attn
-        del block3_attn
-        mem.free(47)
-        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
-        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
-        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
-        block3_attn_out_matmul = mem.tensor(49, (1600, 64), 'float32')
-        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
-        # free block3_attn_out_transpose, block3_attn_out_reshape
-        del block3_attn_out_transpose, block3_attn_out_reshape
-        mem.free(48)
-        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
-        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
-        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
-        # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
-        block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
-
-        # ---- block3_ln2 (layer norm over the last 1 axes), forward ----
-        # block3_ln2_add = block3_ln1_add + block3_attn_out
-        block3_ln2_add = block3_ln1_add  # in place: over block3_ln1_add
-        rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
-        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
-        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
-        mem.free(49)
-        # block3_ln2_sum_to = sum_to[100x16x1](block3_ln2_add)
-        block3_ln2_sum_to = mem.tensor(50, (100, 16, 1), 'float32')
-        rt.sum_to(block3_ln2_add, out=block3_ln2_sum_to, shape=(100, 16, 1))
-        # block3_ln2_scale = 0.015625*block3_ln2_sum_to
-        block3_ln2_scale = block3_ln2_sum_to  # in place: over block3_ln2_sum_to
-        rt.ew(ew_scale, block3_ln2_scale, block3_ln2_sum_to)
-        # block3_ln2_sub = block3_ln2_add - block3_ln2_scale   (computed with the next statement)
-        block3_ln2_sub = mem.tensor(51, (100, 16, 64), 'float32')
-        # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
-        block3_ln2_sum_to_2 = mem.tensor(52, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale),
-                      (ew_square, block3_ln2_sum_to_2, block3_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block3_ln2_sum_to, block3_ln2_scale
-        del block3_ln2_sum_to, block3_ln2_scale
-        mem.free(50)
-        # block3_ln2_rsqrt = 1/sqrt(0.015625*block3_ln2_sum_to_2 + 1.0e-5)
-        block3_ln2_rsqrt = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block3_ln2_rsqrt, block3_ln2_sum_to_2)
-        # block3_ln2 = block3_ln2_sub*block3_ln2_rsqrt*block3_ln2_W + block3_ln2_B
-        block3_ln2 = block3_ln2_sub  # in place: over block3_ln2_sub
-        rt.ew(ew_mul_add_4, block3_ln2, block3_ln2_sub, block3_ln2_rsqrt, T['block3_ln2_W'], T['block3_ln2_B'])
-        # free block3_ln2_sum_to_2, block3_ln2_rsqrt
-        del block3_ln2_sum_to_2, block3_ln2_rsqrt
-        mem.free(52)
-
-        # ---- block3_fc1 (fully connected, 128 outputs), forward ----
-        # block3_fc1_reshape = reshape[1600x64](block3_ln2)
-        block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
-        # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(53, (1600, 128), 'float32')
-        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
-        # free block3_ln2_sub, block3_ln2, block3_fc1_reshape
-        del block3_ln2_sub, block3_ln2, block3_fc1_reshape
-        mem.free(51)
-        # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
-        block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
-        rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
-        # block3_fc1 = reshape[100x16x128](block3_fc1_add)
-        block3_fc1 = rt.reshape(block3_fc1_add, shape=(100, 16, 128))
-
-        # ---- block3_fc1_gelu (gelu), forward ----
-        # block3_fc1_gelu = block3_fc1*(erf(sqrt(2)*block3_fc1/2) + 1)/2
-        block3_fc1_gelu = block3_fc1  # in place: over block3_fc1
-        rt.ew(ew_sqrt_mul_erf_add_2, block3_fc1_gelu, block3_fc1)
-
-        # ---- block3_fc2 (fully connected, 64 outputs), forward ----
-        # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
-        block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
-        # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(54, (1600, 64), 'float32')
-        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
-        # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
-        del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
-        mem.free(53)
-        # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
-        block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
-        rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
-        # block3_fc2 = reshape[100x16x64](block3_fc2_add)
-        block3_fc2 = rt.reshape(block3_fc2_add, shape=(100, 16, 64))
-
-        # ---- block4_ln1 (layer norm over the last 1 axes), forward ----
-        # block4_ln1_add = block3_ln2_add + block3_fc2
-        block4_ln1_add = block3_ln2_add  # in place: over block3_ln2_add
-        rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
-        # free block3_fc2_matmul, block3_fc2_add, block3_fc2
-        del block3_fc2_matmul, block3_fc2_add, block3_fc2
-        mem.free(54)
-        # block4_ln1_sum_to = sum_to[100x16x1](block4_ln1_add)
-        block4_ln1_sum_to = mem.tensor(55, (100, 16, 1), 'float32')
-        rt.sum_to(block4_ln1_add, out=block4_ln1_sum_to, shape=(100, 16, 1))
-        # block4_ln1_scale = 0.015625*block4_ln1_sum_to
-        block4_ln1_scale = block4_ln1_sum_to  # in place: over block4_ln1_sum_to
-        rt.ew(ew_scale, block4_ln1_scale, block4_ln1_sum_to)
-        # block4_ln1_sub = block4_ln1_add - block4_ln1_scale   (computed with the next statement)
-        block4_ln1_sub = mem.tensor(56, (100, 16, 64), 'float32')
-        # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
-        block4_ln1_sum_to_2 = mem.tensor(57, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale),
-                      (ew_square, block4_ln1_sum_to_2, block4_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block4_ln1_sum_to, block4_ln1_scale
-        del block4_ln1_sum_to, block4_ln1_scale
-        mem.free(55)
-        # block4_ln1_rsqrt = 1/sqrt(0.015625*block4_ln1_sum_to_2 + 1.0e-5)
-        block4_ln1_rsqrt = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block4_ln1_rsqrt, block4_ln1_sum_to_2)
-        # block4_ln1 = block4_ln1_sub*block4_ln1_rsqrt*block4_ln1_W + block4_ln1_B
-        block4_ln1 = block4_ln1_sub  # in place: over block4_ln1_sub
-        rt.ew(ew_mul_add_4, block4_ln1, block4_ln1_sub, block4_ln1_rsqrt, T['block4_ln1_W'], T['block4_ln1_B'])
-        # free block4_ln1_sum_to_2, block4_ln1_rsqrt
-        del block4_ln1_sum_to_2, block4_ln1_rsqrt
-        mem.free(57)
-
-        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
-        # block4_attn_q_reshape = reshape[1600x64](block4_ln1)
-        block4_attn_q_reshape = rt.reshape(block4_ln1, shape=(1600, 64))
-
-        # ---- block4_attn_v (fully connected, 64 outputs), forward ----
-        # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(58, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
-        # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
-        block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
-        rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
-
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
-        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
-        block4_attn_transpose = mem.tensor(59, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        mem.free(58)
-
-        # ---- block4_attn_k (fully connected, 64 outputs), forward ----
-        # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
-        block4_attn_k_matmul = mem.tensor(60, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
-
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
-        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
-        block4_attn_transpose_2 = mem.tensor(61, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
-        # free block4_attn_k_matmul, block4_attn_reshape_2
-        del block4_attn_k_matmul, block4_attn_reshape_2
-        mem.free(60)
-
-        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
-        # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(62, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
-        # free block4_ln1_sub, block4_ln1, block4_attn_q_reshape
-        del block4_ln1_sub, block4_ln1, block4_attn_q_reshape
-        mem.free(56)
-        # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
-        block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
-        rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
-
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
-        block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
-        block4_attn_transpose_3 = mem.tensor(63, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
-        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        mem.free(62)
-        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
-        block4_attn = mem.tensor(64, (100, 4, 16, 16), 'float32')
-        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
-        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
-        mem.free(59, 61, 63)
-
-        # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
-        block4_attn_out_transpose = mem.tensor(65, (100, 16, 4, 16), 'float32')
-        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
-        # free block4_attn
-        del block4_attn
-        mem.free(64)
-        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
-        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
-        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
-        block4_attn_out_matmul = mem.tensor(66, (1600, 64), 'float32')
-        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
-        # free block4_attn_out_transpose, block4_attn_out_reshape
-        del block4_attn_out_transpose, block4_attn_out_reshape
-        mem.free(65)
-        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
-        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
-        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
-        # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
-        block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
-
-        # ---- block4_ln2 (layer norm over the last 1 axes), forward ----
-        # block4_ln2_add = block4_ln1_add + block4_attn_out
-        block4_ln2_add = block4_ln1_add  # in place: over block4_ln1_add
-        rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
-        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
-        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
-        mem.free(66)
-        # block4_ln2_sum_to = sum_to[100x16x1](block4_ln2_add)
-        block4_ln2_sum_to = mem.tensor(67, (100, 16, 1), 'float32')
-        rt.sum_to(block4_ln2_add, out=block4_ln2_sum_to, shape=(100, 16, 1))
-        # block4_ln2_scale = 0.015625*block4_ln2_sum_to
-        block4_ln2_scale = block4_ln2_sum_to  # in place: over block4_ln2_sum_to
-        rt.ew(ew_scale, block4_ln2_scale, block4_ln2_sum_to)
-        # block4_ln2_sub = block4_ln2_add - block4_ln2_scale   (computed with the next statement)
-        block4_ln2_sub = mem.tensor(68, (100, 16, 64), 'float32')
-        # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
-        block4_ln2_sum_to_2 = mem.tensor(69, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale),
-                      (ew_square, block4_ln2_sum_to_2, block4_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block4_ln2_sum_to, block4_ln2_scale
-        del block4_ln2_sum_to, block4_ln2_scale
-        mem.free(67)
-        # block4_ln2_rsqrt = 1/sqrt(0.015625*block4_ln2_sum_to_2 + 1.0e-5)
-        block4_ln2_rsqrt = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block4_ln2_rsqrt, block4_ln2_sum_to_2)
-        # block4_ln2 = block4_ln2_sub*block4_ln2_rsqrt*block4_ln2_W + block4_ln2_B
-        block4_ln2 = block4_ln2_sub  # in place: over block4_ln2_sub
-        rt.ew(ew_mul_add_4, block4_ln2, block4_ln2_sub, block4_ln2_rsqrt, T['block4_ln2_W'], T['block4_ln2_B'])
-        # free block4_ln2_sum_to_2, block4_ln2_rsqrt
-        del block4_ln2_sum_to_2, block4_ln2_rsqrt
-        mem.free(69)
-
-        # ---- block4_fc1 (fully connected, 128 outputs), forward ----
-        # block4_fc1_reshape = reshape[1600x64](block4_ln2)
-        block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
-        # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(70, (1600, 128), 'float32')
-        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
-        # free block4_ln2_sub, block4_ln2, block4_fc1_reshape
-        del block4_ln2_sub, block4_ln2, block4_fc1_reshape
-        mem.free(68)
-        # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
-        block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
-        rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
-        # block4_fc1 = reshape[100x16x128](block4_fc1_add)
-        block4_fc1 = rt.reshape(block4_fc1_add, shape=(100, 16, 128))
-
-        # ---- block4_fc1_gelu (gelu), forward ----
-        # block4_fc1_gelu = block4_fc1*(erf(sqrt(2)*block4_fc1/2) + 1)/2
-        block4_fc1_gelu = block4_fc1  # in place: over block4_fc1
-        rt.ew(ew_sqrt_mul_erf_add_2, block4_fc1_gelu, block4_fc1)
-
-        # ---- block4_fc2 (fully connected, 64 outputs), forward ----
-        # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
-        block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
-        # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(71, (1600, 64), 'float32')
-        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
-        # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
-        del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
-        mem.free(70)
-        # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
-        block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
-        rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
-        # block4_fc2 = reshape[100x16x64](block4_fc2_add)
-        block4_fc2 = rt.reshape(block4_fc2_add, shape=(100, 16, 64))
-
-        # ---- ln (layer norm over the last 1 axes), forward ----
-        # ln_add = block4_ln2_add + block4_fc2
-        ln_add = block4_ln2_add  # in place: over block4_ln2_add
-        rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
-        # free block4_fc2_matmul, block4_fc2_add, block4_fc2
-        del block4_fc2_matmul, block4_fc2_add, block4_fc2
-        mem.free(71)
-        # ln_sum_to = sum_to[100x16x1](ln_add)
-        ln_sum_to = mem.tensor(72, (100, 16, 1), 'float32')
-        rt.sum_to(ln_add, out=ln_sum_to, shape=(100, 16, 1))
-        # ln_scale = 0.015625*ln_sum_to
-        ln_scale = ln_sum_to  # in place: over ln_sum_to
-        rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale   (computed with the next statement)
-        ln_sub = ln_add  # in place: over ln_add
-        # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(73, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
-                      (ew_square, ln_sum_to_2, ln_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free ln_sum_to, ln_scale
-        del ln_sum_to, ln_scale
-        mem.free(72)
-        # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
-        ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
-
-        # ---- head (fully connected, 10 outputs), forward ----
-        # head_sum_to = sum_to[100x1x64](ln_sub*ln_rsqrt*ln_W + ln_B)
-        head_sum_to = mem.tensor(74, (100, 1, 64), 'float32')
-        rt.ew_sum(ew_mul_add_5, head_sum_to, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'], shape=(100, 1, 64), workspace=mem.workspace(409600))
-        # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
-        del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
-        mem.free(3, 73)
-        # head_reshape = reshape[100x64](head_sum_to)
-        head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
-        # head_scale = 0.0625*head_reshape
-        head_scale = head_reshape  # in place: over head_reshape
-        rt.ew(ew_scale_2, head_scale, head_reshape)
-        # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(75, (100, 10), 'float32')
-        rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
-        # free head_sum_to, head_reshape, head_scale
-        del head_sum_to, head_reshape, head_scale
-        mem.free(74)
-        # head = head_matmul + head_B
-        head = head_matmul  # in place: over head_matmul
-        rt.ew(ew_add, head, head_matmul, T['head_B'])
-
-        # ---- head_precision (precision), forward ----
-        # head_precision = precision(head, y)
-        head_precision = mem.tensor(76, (), 'float32')
-        rt.precision(head, y, out=head_precision)
-
-        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
-        # label_ranks = label_rank(head, y)
-        label_ranks = mem.tensor(77, (100,), 'float32')
-        rt.label_rank(head, y, out=label_ranks)
-
-        # ---- head_cross_entropy (cross_entropy), forward ----
-        # head_cross_entropy_log_softmax = log_softmax(head)
-        head_cross_entropy_log_softmax = head  # in place: over head
-        rt.log_softmax(head, out=head_cross_entropy_log_softmax, workspace=mem.workspace(4000))
-        # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
-        head_cross_entropy_pick = mem.tensor(78, (100,), 'float32')
-        rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
-        # free y, head_matmul, head, head_cross_entropy_log_softmax
-        del y, head_matmul, head, head_cross_entropy_log_softmax
-        mem.free(1, 75)
-        # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
-        head_cross_entropy_sum_to = mem.tensor(79, (), 'float32')
-        rt.sum_to(head_cross_entropy_pick, out=head_cross_entropy_sum_to, shape=())
-        # free head_cross_entropy_pick
-        del head_cross_entropy_pick
-        mem.free(78)
-        # head_cross_entropy = -head_cross_entropy_sum_to/100
-        head_cross_entropy = head_cross_entropy_sum_to  # in place: over head_cross_entropy_sum_to
-        rt.ew(ew_scale_3, head_cross_entropy, head_cross_entropy_sum_to)
-        accuracy = rt.scalar(head_precision)
-        loss = rt.scalar(head_cross_entropy)
-        ranks = rt.to_numpy(label_ranks)
-        mem.end()
-        return accuracy, loss, ranks
-
-    def predict_step(self, x):
-        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
-        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
-        x = mem.load(0, x)
-
-        # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), forward ----
-        # patch = conv2d[stride=7](x, patch_W, patch_B)
-        patch = mem.tensor(1, (100, 64, 4, 4), 'float32')
-        rt.conv2d(x, T['patch_W'], T['patch_B'], out=patch, pad=0, stride=7, workspace=mem.workspace(409600))
-        # free x
-        del x
-        mem.free(0)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
-        # block1_ln2_reshape = reshape[100x64x16](patch)
-        block1_ln2_reshape = rt.reshape(patch, shape=(100, 64, 16))
-        # block1_ln2_transpose = transpose[axes=(1,2)](block1_ln2_reshape)
-        block1_ln2_transpose = mem.tensor(2, (100, 16, 64), 'float32')
-        rt.transpose(block1_ln2_reshape, out=block1_ln2_transpose, axes=(1, 2))
-        # free patch, block1_ln2_reshape
-        del patch, block1_ln2_reshape
-        mem.free(1)
-        # block1_ln2_add = block1_ln2_transpose + pos
-        block1_ln2_add = block1_ln2_transpose  # in place: over block1_ln2_transpose
-        rt.ew(ew_add, block1_ln2_add, block1_ln2_transpose, T['pos'])
-
-        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
-        # block1_ln1_sum_to = sum_to[100x16x1](block1_ln2_add)
-        block1_ln1_sum_to = mem.tensor(3, (100, 16, 1), 'float32')
-        rt.sum_to(block1_ln2_add, out=block1_ln1_sum_to, shape=(100, 16, 1))
-        # block1_ln1_scale = 0.015625*block1_ln1_sum_to
-        block1_ln1_scale = block1_ln1_sum_to  # in place: over block1_ln1_sum_to
-        rt.ew(ew_scale, block1_ln1_scale, block1_ln1_sum_to)
-        # block1_ln1_sub = block1_ln2_add - block1_ln1_scale   (computed with the next statement)
-        block1_ln1_sub = mem.tensor(4, (100, 16, 64), 'float32')
-        # block1_ln1_sum_to_2 = sum_to[100x16x1](block1_ln1_sub**2)
-        block1_ln1_sum_to_2 = mem.tensor(5, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln1_sub, block1_ln2_add, block1_ln1_scale),
-                      (ew_square, block1_ln1_sum_to_2, block1_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block1_ln1_sum_to, block1_ln1_scale
-        del block1_ln1_sum_to, block1_ln1_scale
-        mem.free(3)
-        # block1_ln1_rsqrt = 1/sqrt(0.015625*block1_ln1_sum_to_2 + 1.0e-5)
-        block1_ln1_rsqrt = block1_ln1_sum_to_2  # in place: over block1_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln1_rsqrt, block1_ln1_sum_to_2)
-        # block1_ln1 = block1_ln1_sub*block1_ln1_rsqrt*block1_ln1_W + block1_ln1_B
-        block1_ln1 = block1_ln1_sub  # in place: over block1_ln1_sub
-        rt.ew(ew_mul_add_4, block1_ln1, block1_ln1_sub, block1_ln1_rsqrt, T['block1_ln1_W'], T['block1_ln1_B'])
-        # free block1_ln1_sum_to_2, block1_ln1_rsqrt
-        del block1_ln1_sum_to_2, block1_ln1_rsqrt
-        mem.free(5)
+        # block1_ln1 = layer_norm[axes=1,eps=1e-05](block1_ln2_add, block1_ln1_W, block1_ln1_B)
+        block1_ln1 = mem.tensor(5, (100, 16, 64), 'float32')
+        rt.layer_norm(block1_ln2_add, T['block1_ln1_W'], T['block1_ln1_B'], out=block1_ln1, axes=1, eps=1e-05)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_reshape = reshape[1600x64](block1_ln1)
@@ -4146,9 +359,6 @@ class Vit(rp.Model):
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
         block1_attn_q_matmul = mem.tensor(10, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
-        # free block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        del block1_ln1_sub, block1_ln1, block1_attn_q_reshape
-        mem.free(4)
         # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
@@ -4165,25 +375,2537 @@ class Vit(rp.Model):
         # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
         block1_attn = mem.tensor(12, (100, 4, 16, 16), 'float32')
         rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        mem.free(7, 9, 11)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
         block1_attn_out_transpose = mem.tensor(13, (100, 16, 4, 16), 'float32')
         rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn
-        del block1_attn
-        mem.free(12)
         # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
         block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
         # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
         block1_attn_out_matmul = mem.tensor(14, (1600, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
+        # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
+        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
+        block1_ln2_add_2 = block1_attn_out  # in place: over block1_attn_out
+        rt.ew(ew_add_2, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
+        # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
+        block1_ln2 = mem.tensor(15, (100, 16, 64), 'float32')
+        rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
+
+        # ---- block1_fc1 (fully connected, 128 outputs), forward ----
+        # block1_fc1_reshape = reshape[1600x64](block1_ln2)
+        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
+        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
+        block1_fc1_matmul = mem.tensor(16, (1600, 128), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
+        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
+        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
+        # block1_fc1 = reshape[100x16x128](block1_fc1_add)
+        block1_fc1 = rt.reshape(block1_fc1_add, shape=(100, 16, 128))
+
+        # ---- block1_fc1_gelu (gelu), forward ----
+        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
+        block1_fc1_gelu = mem.tensor(17, (100, 16, 128), 'float32')
+        rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
+        # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
+        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
+        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
+        block1_fc2_matmul = mem.tensor(18, (1600, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
+        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
+        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
+        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
+        # block1_fc2 = reshape[100x16x64](block1_fc2_add)
+        block1_fc2 = rt.reshape(block1_fc2_add, shape=(100, 16, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
+        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
+        block2_ln1_add = block1_fc2  # in place: over block1_fc2
+        rt.ew(ew_add_2, block2_ln1_add, block1_ln2_add_2, block1_fc2)
+        # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
+        block2_ln1 = mem.tensor(19, (100, 16, 64), 'float32')
+        rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_reshape = reshape[1600x64](block2_ln1)
+        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(1600, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
+        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
+        block2_attn_v_matmul = mem.tensor(20, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
+        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
+        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
+        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
+        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
+        block2_attn_transpose = mem.tensor(21, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        mem.free(20)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
+        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
+        block2_attn_k_matmul = mem.tensor(22, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
+
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
+        block2_attn_transpose_2 = mem.tensor(23, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
+        # free block2_attn_k_matmul, block2_attn_reshape_2
+        del block2_attn_k_matmul, block2_attn_reshape_2
+        mem.free(22)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
+        block2_attn_q_matmul = mem.tensor(24, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
+        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
+        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
+
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
+        block2_attn_transpose_3 = mem.tensor(25, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        mem.free(24)
+        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
+        block2_attn = mem.tensor(26, (100, 4, 16, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
+
+        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
+        block2_attn_out_transpose = mem.tensor(27, (100, 16, 4, 16), 'float32')
+        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
+        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
+        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
+        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
+        block2_attn_out_matmul = mem.tensor(28, (1600, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
+        # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
+        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
+        # block2_ln2_add = block2_ln1_add + block2_attn_out
+        block2_ln2_add = block2_attn_out  # in place: over block2_attn_out
+        rt.ew(ew_add_2, block2_ln2_add, block2_ln1_add, block2_attn_out)
+        # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
+        block2_ln2 = mem.tensor(29, (100, 16, 64), 'float32')
+        rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
+
+        # ---- block2_fc1 (fully connected, 128 outputs), forward ----
+        # block2_fc1_reshape = reshape[1600x64](block2_ln2)
+        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
+        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
+        block2_fc1_matmul = mem.tensor(30, (1600, 128), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
+        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
+        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
+        # block2_fc1 = reshape[100x16x128](block2_fc1_add)
+        block2_fc1 = rt.reshape(block2_fc1_add, shape=(100, 16, 128))
+
+        # ---- block2_fc1_gelu (gelu), forward ----
+        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
+        block2_fc1_gelu = mem.tensor(31, (100, 16, 128), 'float32')
+        rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
+        # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
+        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
+        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
+        block2_fc2_matmul = mem.tensor(32, (1600, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
+        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
+        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
+        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
+        # block2_fc2 = reshape[100x16x64](block2_fc2_add)
+        block2_fc2 = rt.reshape(block2_fc2_add, shape=(100, 16, 64))
+
+        # ---- block3_ln1 (layer norm over the last 1 axes), forward ----
+        # block3_ln1_add = block2_ln2_add + block2_fc2
+        block3_ln1_add = block2_fc2  # in place: over block2_fc2
+        rt.ew(ew_add_2, block3_ln1_add, block2_ln2_add, block2_fc2)
+        # block3_ln1 = layer_norm[axes=1,eps=1e-05](block3_ln1_add, block3_ln1_W, block3_ln1_B)
+        block3_ln1 = mem.tensor(33, (100, 16, 64), 'float32')
+        rt.layer_norm(block3_ln1_add, T['block3_ln1_W'], T['block3_ln1_B'], out=block3_ln1, axes=1, eps=1e-05)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
+        # block3_attn_q_reshape = reshape[1600x64](block3_ln1)
+        block3_attn_q_reshape = rt.reshape(block3_ln1, shape=(1600, 64))
+
+        # ---- block3_attn_v (fully connected, 64 outputs), forward ----
+        # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
+        block3_attn_v_matmul = mem.tensor(34, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
+        # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
+        block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
+        rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
+
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
+        block3_attn_transpose = mem.tensor(35, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
+        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        mem.free(34)
+
+        # ---- block3_attn_k (fully connected, 64 outputs), forward ----
+        # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
+        block3_attn_k_matmul = mem.tensor(36, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
+
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
+        block3_attn_transpose_2 = mem.tensor(37, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
+        # free block3_attn_k_matmul, block3_attn_reshape_2
+        del block3_attn_k_matmul, block3_attn_reshape_2
+        mem.free(36)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
+        # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
+        block3_attn_q_matmul = mem.tensor(38, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
+        # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
+        block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
+        rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
+
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
+        block3_attn_transpose_3 = mem.tensor(39, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
+        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        mem.free(38)
+        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
+        block3_attn = mem.tensor(40, (100, 4, 16, 16), 'float32')
+        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
+
+        # ---- block3_attn_out (fully connected, 64 outputs), forward ----
+        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
+        block3_attn_out_transpose = mem.tensor(41, (100, 16, 4, 16), 'float32')
+        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
+        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
+        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
+        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
+        block3_attn_out_matmul = mem.tensor(42, (1600, 64), 'float32')
+        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
+        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
+        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
+        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
+        # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
+        block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block3_ln2 (layer norm over the last 1 axes), forward ----
+        # block3_ln2_add = block3_ln1_add + block3_attn_out
+        block3_ln2_add = block3_attn_out  # in place: over block3_attn_out
+        rt.ew(ew_add_2, block3_ln2_add, block3_ln1_add, block3_attn_out)
+        # block3_ln2 = layer_norm[axes=1,eps=1e-05](block3_ln2_add, block3_ln2_W, block3_ln2_B)
+        block3_ln2 = mem.tensor(43, (100, 16, 64), 'float32')
+        rt.layer_norm(block3_ln2_add, T['block3_ln2_W'], T['block3_ln2_B'], out=block3_ln2, axes=1, eps=1e-05)
+
+        # ---- block3_fc1 (fully connected, 128 outputs), forward ----
+        # block3_fc1_reshape = reshape[1600x64](block3_ln2)
+        block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
+        # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
+        block3_fc1_matmul = mem.tensor(44, (1600, 128), 'float32')
+        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
+        # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
+        block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
+        rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
+        # block3_fc1 = reshape[100x16x128](block3_fc1_add)
+        block3_fc1 = rt.reshape(block3_fc1_add, shape=(100, 16, 128))
+
+        # ---- block3_fc1_gelu (gelu), forward ----
+        # block3_fc1_gelu = block3_fc1*(erf(sqrt(2)*block3_fc1/2) + 1)/2
+        block3_fc1_gelu = mem.tensor(45, (100, 16, 128), 'float32')
+        rt.ew(ew_sqrt_mul_erf_add, block3_fc1_gelu, block3_fc1)
+
+        # ---- block3_fc2 (fully connected, 64 outputs), forward ----
+        # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
+        block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
+        # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
+        block3_fc2_matmul = mem.tensor(46, (1600, 64), 'float32')
+        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
+        # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
+        block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
+        rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
+        # block3_fc2 = reshape[100x16x64](block3_fc2_add)
+        block3_fc2 = rt.reshape(block3_fc2_add, shape=(100, 16, 64))
+
+        # ---- block4_ln1 (layer norm over the last 1 axes), forward ----
+        # block4_ln1_add = block3_ln2_add + block3_fc2
+        block4_ln1_add = block3_fc2  # in place: over block3_fc2
+        rt.ew(ew_add_2, block4_ln1_add, block3_ln2_add, block3_fc2)
+        # block4_ln1 = layer_norm[axes=1,eps=1e-05](block4_ln1_add, block4_ln1_W, block4_ln1_B)
+        block4_ln1 = mem.tensor(47, (100, 16, 64), 'float32')
+        rt.layer_norm(block4_ln1_add, T['block4_ln1_W'], T['block4_ln1_B'], out=block4_ln1, axes=1, eps=1e-05)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
+        # block4_attn_q_reshape = reshape[1600x64](block4_ln1)
+        block4_attn_q_reshape = rt.reshape(block4_ln1, shape=(1600, 64))
+
+        # ---- block4_attn_v (fully connected, 64 outputs), forward ----
+        # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
+        block4_attn_v_matmul = mem.tensor(48, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
+        # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
+        block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
+        rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
+
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
+        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
+        block4_attn_transpose = mem.tensor(49, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
+        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        mem.free(48)
+
+        # ---- block4_attn_k (fully connected, 64 outputs), forward ----
+        # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
+        block4_attn_k_matmul = mem.tensor(50, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
+
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
+        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
+        block4_attn_transpose_2 = mem.tensor(51, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
+        # free block4_attn_k_matmul, block4_attn_reshape_2
+        del block4_attn_k_matmul, block4_attn_reshape_2
+        mem.free(50)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
+        # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
+        block4_attn_q_matmul = mem.tensor(52, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
+        # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
+        block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
+        rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
+
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
+        block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
+        block4_attn_transpose_3 = mem.tensor(53, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
+        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        mem.free(52)
+        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
+        block4_attn = mem.tensor(54, (100, 4, 16, 16), 'float32')
+        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
+
+        # ---- block4_attn_out (fully connected, 64 outputs), forward ----
+        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
+        block4_attn_out_transpose = mem.tensor(55, (100, 16, 4, 16), 'float32')
+        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
+        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
+        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
+        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
+        block4_attn_out_matmul = mem.tensor(56, (1600, 64), 'float32')
+        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
+        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
+        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
+        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
+        # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
+        block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block4_ln2 (layer norm over the last 1 axes), forward ----
+        # block4_ln2_add = block4_ln1_add + block4_attn_out
+        block4_ln2_add = block4_attn_out  # in place: over block4_attn_out
+        rt.ew(ew_add_2, block4_ln2_add, block4_ln1_add, block4_attn_out)
+        # block4_ln2 = layer_norm[axes=1,eps=1e-05](block4_ln2_add, block4_ln2_W, block4_ln2_B)
+        block4_ln2 = mem.tensor(57, (100, 16, 64), 'float32')
+        rt.layer_norm(block4_ln2_add, T['block4_ln2_W'], T['block4_ln2_B'], out=block4_ln2, axes=1, eps=1e-05)
+
+        # ---- block4_fc1 (fully connected, 128 outputs), forward ----
+        # block4_fc1_reshape = reshape[1600x64](block4_ln2)
+        block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
+        # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
+        block4_fc1_matmul = mem.tensor(58, (1600, 128), 'float32')
+        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
+        # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
+        block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
+        rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
+        # block4_fc1 = reshape[100x16x128](block4_fc1_add)
+        block4_fc1 = rt.reshape(block4_fc1_add, shape=(100, 16, 128))
+
+        # ---- block4_fc1_gelu (gelu), forward ----
+        # block4_fc1_gelu = block4_fc1*(erf(sqrt(2)*block4_fc1/2) + 1)/2
+        block4_fc1_gelu = mem.tensor(59, (100, 16, 128), 'float32')
+        rt.ew(ew_sqrt_mul_erf_add, block4_fc1_gelu, block4_fc1)
+
+        # ---- block4_fc2 (fully connected, 64 outputs), forward ----
+        # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
+        block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
+        # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
+        block4_fc2_matmul = mem.tensor(60, (1600, 64), 'float32')
+        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
+        # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
+        block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
+        rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
+        # block4_fc2 = reshape[100x16x64](block4_fc2_add)
+        block4_fc2 = rt.reshape(block4_fc2_add, shape=(100, 16, 64))
+
+        # ---- ln (layer norm over the last 1 axes), forward ----
+        # ln_add = block4_ln2_add + block4_fc2
+        ln_add = block4_fc2  # in place: over block4_fc2
+        rt.ew(ew_add_2, ln_add, block4_ln2_add, block4_fc2)
+        # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
+        ln = mem.tensor(61, (100, 16, 64), 'float32')
+        rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
+
+        # ---- head (fully connected, 10 outputs), forward ----
+        # head_sum_to = sum_to[100x1x64](ln)
+        head_sum_to = mem.tensor(62, (100, 1, 64), 'float32')
+        rt.sum_to(ln, out=head_sum_to, shape=(100, 1, 64))
+        # free ln
+        del ln
+        mem.free(61)
+        # head_reshape = reshape[100x64](head_sum_to)
+        head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
+        # head_scale = 0.0625*head_reshape
+        head_scale = head_reshape  # in place: over head_reshape
+        rt.ew(ew_scale, head_scale, head_reshape)
+        # head_matmul = matmul[tb](head_scale, head_W)
+        head_matmul = mem.tensor(63, (100, 10), 'float32')
+        rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
+        # head = head_matmul + head_B
+        head = head_matmul  # in place: over head_matmul
+        rt.ew(ew_add, head, head_matmul, T['head_B'])
+
+        # ---- head_cross_entropy (cross_entropy), forward ----
+        # head_cross_entropy_log_softmax = log_softmax(head)
+        head_cross_entropy_log_softmax = head  # in place: over head
+        rt.log_softmax(head, out=head_cross_entropy_log_softmax, workspace=mem.workspace(4000))
+        # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
+        head_cross_entropy_pick = mem.tensor(64, (100,), 'float32')
+        rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
+        # free y
+        del y
+        mem.free(1)
+
+        # ---- head_cross_entropy (cross_entropy), backward ----
+        # d_head = d_head_cross_entropy_log_softmax + 0.01*exp(head_cross_entropy_log_softmax)
+        d_head = d_head_cross_entropy_log_softmax  # in place: over d_head_cross_entropy_log_softmax
+        rt.ew(ew_exp_scale_add, d_head, d_head_cross_entropy_log_softmax, head_cross_entropy_log_softmax)
+        # free head_matmul, head, head_cross_entropy_log_softmax
+        del head_matmul, head, head_cross_entropy_log_softmax
+        mem.free(63)
+
+        # ---- head (fully connected, 10 outputs), backward ----
+        # d_head_W = matmul[ta](d_head, head_scale)
+        d_head_W = mem.tensor(65, (10, 64), 'float32')
+        rt.matmul(d_head, head_scale, out=d_head_W, ta=True)
+        # free head_sum_to, head_reshape, head_scale
+        del head_sum_to, head_reshape, head_scale
+        mem.free(62)
+
+        # ---- head_cross_entropy (cross_entropy), forward ----
+        # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
+        head_cross_entropy_sum_to = mem.tensor(66, (), 'float32')
+        rt.sum_to(head_cross_entropy_pick, out=head_cross_entropy_sum_to, shape=())
+        # free head_cross_entropy_pick
+        del head_cross_entropy_pick
+        mem.free(64)
+        # head_cross_entropy = -head_cross_entropy_sum_to/100
+        head_cross_entropy = head_cross_entropy_sum_to  # in place: over head_cross_entropy_sum_to
+        rt.ew(ew_scale_2, head_cross_entropy, head_cross_entropy_sum_to)
+
+        # ---- head (fully connected, 10 outputs), backward ----
+        # S_head_W_new = 0.999*S_head_W + 0.001*d_head_W**2
+        S_head_W_new = T['S_head_W']  # in place: the new S_head_W
+        rt.ew(ew_square_scale_add, S_head_W_new, T['S_head_W'], d_head_W)
+        # M_head_W_new = 0.9*M_head_W + 0.1*d_head_W
+        M_head_W_new = T['M_head_W']  # in place: the new M_head_W
+        rt.ew(ew_scale_add, M_head_W_new, T['M_head_W'], d_head_W)
+        # free d_head_W
+        del d_head_W
+        mem.free(65)
+        # d_head_B = sum_to[10](d_head)
+        d_head_B = mem.tensor(67, (10,), 'float32')
+        rt.sum_to(d_head, out=d_head_B, shape=(10,))
+        # S_head_B_new = 0.999*S_head_B + 0.001*d_head_B**2
+        S_head_B_new = T['S_head_B']  # in place: the new S_head_B
+        rt.ew(ew_square_scale_add, S_head_B_new, T['S_head_B'], d_head_B)
+        # M_head_B_new = 0.9*M_head_B + 0.1*d_head_B   (computed with the next statement)
+        M_head_B_new = T['M_head_B']  # in place: the new M_head_B
+        # head_B_new = head_B*(-lr*decay + 1) - lr*M_head_B_new/(bias1*(sqrt(S_head_B_new)/sqrt(bias2) + 1.0e-8))
+        head_B_new = T['head_B']  # in place: the new head_B
+        rt.ew_pair((ew_scale_add, M_head_B_new, T['M_head_B'], d_head_B),
+                   (ew_mul_sub_recip_sqrt, head_B_new, T['head_B'], lr, bias1, M_head_B_new, S_head_B_new, bias2, decay))
+        # free d_head_B
+        del d_head_B
+        mem.free(67)
+        # d_head_scale = matmul(d_head, head_W)
+        d_head_scale = mem.tensor(68, (100, 64), 'float32')
+        rt.matmul(d_head, T['head_W'], out=d_head_scale)
+        # free d_head_cross_entropy_log_softmax, d_head
+        del d_head_cross_entropy_log_softmax, d_head
+        mem.free(2)
+        # d_head_reshape = 0.0625*d_head_scale
+        d_head_reshape = d_head_scale  # in place: over d_head_scale
+        rt.ew(ew_scale, d_head_reshape, d_head_scale)
+        # head_W_new = head_W*(-lr*decay + 1) - lr*M_head_W_new/(bias1*(sqrt(S_head_W_new)/sqrt(bias2) + 1.0e-8))
+        head_W_new = T['head_W']  # in place: the new head_W
+        rt.ew(ew_mul_sub_recip_sqrt, head_W_new, T['head_W'], lr, bias1, M_head_W_new, S_head_W_new, bias2, decay)
+        # d_head_sum_to = reshape[100x1x64](d_head_reshape)
+        d_head_sum_to = rt.reshape(d_head_reshape, shape=(100, 1, 64))
+        # d_ln = broadcast_to[100x16x64](d_head_sum_to)
+        d_ln = mem.tensor(69, (100, 16, 64), 'float32')
+        rt.broadcast_to(d_head_sum_to, out=d_ln, shape=(100, 16, 64))
+        # free d_head_scale, d_head_reshape, d_head_sum_to
+        del d_head_scale, d_head_reshape, d_head_sum_to
+        mem.free(68)
+
+        # ---- ln (layer norm over the last 1 axes), backward ----
+        # d_ln_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](ln_add, d_ln)
+        d_ln_layer_norm_param_grad = mem.tensor(70, (2, 64), 'float32')
+        rt.layer_norm_param_grad(ln_add, d_ln, out=d_ln_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
+        # d_ln_add = layer_norm_grad[axes=1,eps=1e-05](ln_add, d_ln, ln_W)
+        d_ln_add = d_ln  # in place: over d_ln
+        rt.layer_norm_grad(ln_add, d_ln, T['ln_W'], out=d_ln_add, axes=1, eps=1e-05)
+        # free block4_fc2_matmul, block4_fc2_add, block4_fc2, ln_add
+        del block4_fc2_matmul, block4_fc2_add, block4_fc2, ln_add
+        mem.free(60)
+
+        # ---- block4_fc2 (fully connected, 64 outputs), backward ----
+        # d_block4_fc2_add = reshape[1600x64](d_ln_add)
+        d_block4_fc2_add = rt.reshape(d_ln_add, shape=(1600, 64))
+        # d_block4_fc2_W = matmul[ta](d_block4_fc2_add, block4_fc2_reshape)
+        d_block4_fc2_W = mem.tensor(71, (64, 128), 'float32')
+        rt.matmul(d_block4_fc2_add, block4_fc2_reshape, out=d_block4_fc2_W, ta=True, workspace=mem.workspace(98304))
+        # free block4_fc1_gelu, block4_fc2_reshape
+        del block4_fc1_gelu, block4_fc2_reshape
+        mem.free(59)
+        # S_block4_fc2_W_new = 0.999*S_block4_fc2_W + 0.001*d_block4_fc2_W**2
+        S_block4_fc2_W_new = T['S_block4_fc2_W']  # in place: the new S_block4_fc2_W
+        rt.ew(ew_square_scale_add, S_block4_fc2_W_new, T['S_block4_fc2_W'], d_block4_fc2_W)
+        # M_block4_fc2_W_new = 0.9*M_block4_fc2_W + 0.1*d_block4_fc2_W
+        M_block4_fc2_W_new = T['M_block4_fc2_W']  # in place: the new M_block4_fc2_W
+        rt.ew(ew_scale_add, M_block4_fc2_W_new, T['M_block4_fc2_W'], d_block4_fc2_W)
+        # free d_block4_fc2_W
+        del d_block4_fc2_W
+        mem.free(71)
+        # d_block4_fc2_B = sum_to[64](d_block4_fc2_add)
+        d_block4_fc2_B = mem.tensor(72, (64,), 'float32')
+        rt.sum_to(d_block4_fc2_add, out=d_block4_fc2_B, shape=(64,))
+        # S_block4_fc2_B_new = 0.999*S_block4_fc2_B + 0.001*d_block4_fc2_B**2
+        S_block4_fc2_B_new = T['S_block4_fc2_B']  # in place: the new S_block4_fc2_B
+        rt.ew(ew_square_scale_add, S_block4_fc2_B_new, T['S_block4_fc2_B'], d_block4_fc2_B)
+        # M_block4_fc2_B_new = 0.9*M_block4_fc2_B + 0.1*d_block4_fc2_B   (computed with the next statement)
+        M_block4_fc2_B_new = T['M_block4_fc2_B']  # in place: the new M_block4_fc2_B
+        # block4_fc2_B_new = block4_fc2_B*(-lr*decay + 1) - lr*M_block4_fc2_B_new/(bias1*(sqrt(S_block4_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_fc2_B_new = T['block4_fc2_B']  # in place: the new block4_fc2_B
+        rt.ew_pair((ew_scale_add, M_block4_fc2_B_new, T['M_block4_fc2_B'], d_block4_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block4_fc2_B_new, T['block4_fc2_B'], lr, bias1, M_block4_fc2_B_new, S_block4_fc2_B_new, bias2, decay))
+        # free d_block4_fc2_B
+        del d_block4_fc2_B
+        mem.free(72)
+
+        # ---- ln (layer norm over the last 1 axes), backward ----
+        # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
+        d_ln_slice = mem.tensor(73, (1, 64), 'float32')
+        rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice, axis=0, start=0, stop=1)
+        # d_ln_slice_2 = slice[axis=0,start=1,stop=2](d_ln_layer_norm_param_grad)
+        d_ln_slice_2 = mem.tensor(74, (1, 64), 'float32')
+        rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice_2, axis=0, start=1, stop=2)
+        # free d_ln_layer_norm_param_grad
+        del d_ln_layer_norm_param_grad
+        mem.free(70)
+        # d_ln_W = reshape[64](d_ln_slice)
+        d_ln_W = rt.reshape(d_ln_slice, shape=(64,))
+        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
+        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
+        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
+        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the next statement)
+        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
+        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
+        ln_W_new = T['ln_W']  # in place: the new ln_W
+        rt.ew_pair((ew_scale_add, M_ln_W_new, T['M_ln_W'], d_ln_W),
+                   (ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay))
+        # free d_ln_slice, d_ln_W
+        del d_ln_slice, d_ln_W
+        mem.free(73)
+        # d_ln_B = reshape[64](d_ln_slice_2)
+        d_ln_B = rt.reshape(d_ln_slice_2, shape=(64,))
+        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
+        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
+        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
+        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
+        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
+        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
+        ln_B_new = T['ln_B']  # in place: the new ln_B
+        rt.ew_pair((ew_scale_add, M_ln_B_new, T['M_ln_B'], d_ln_B),
+                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
+        # free d_ln_slice_2, d_ln_B
+        del d_ln_slice_2, d_ln_B
+        mem.free(74)
+
+        # ---- block4_fc2 (fully connected, 64 outputs), backward ----
+        # d_block4_fc2_reshape = matmul(d_block4_fc2_add, block4_fc2_W)
+        d_block4_fc2_reshape = mem.tensor(75, (1600, 128), 'float32')
+        rt.matmul(d_block4_fc2_add, T['block4_fc2_W'], out=d_block4_fc2_reshape)
+        # d_block4_fc1_gelu = reshape[100x16x128](d_block4_fc2_reshape)
+        d_block4_fc1_gelu = rt.reshape(d_block4_fc2_reshape, shape=(100, 16, 128))
+
+        # ---- block4_fc1_gelu (gelu), backward ----
+        # d_block4_fc1 = d_block4_fc1_gelu*(sqrt(2)*block4_fc1*exp(-block4_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block4_fc1/2)/2 + 1/2)
+        d_block4_fc1 = d_block4_fc1_gelu  # in place: over d_block4_fc1_gelu
+        rt.ew(ew_sqrt_mul_erf_scale, d_block4_fc1, d_block4_fc1_gelu, block4_fc1)
+        # free block4_fc1_matmul, block4_fc1_add, block4_fc1
+        del block4_fc1_matmul, block4_fc1_add, block4_fc1
+        mem.free(58)
+
+        # ---- block4_fc1 (fully connected, 128 outputs), backward ----
+        # d_block4_fc1_add = reshape[1600x128](d_block4_fc1)
+        d_block4_fc1_add = rt.reshape(d_block4_fc1, shape=(1600, 128))
+        # d_block4_fc1_W = matmul[ta](d_block4_fc1_add, block4_fc1_reshape)
+        d_block4_fc1_W = mem.tensor(76, (128, 64), 'float32')
+        rt.matmul(d_block4_fc1_add, block4_fc1_reshape, out=d_block4_fc1_W, ta=True, workspace=mem.workspace(98304))
+        # free block4_ln2, block4_fc1_reshape
+        del block4_ln2, block4_fc1_reshape
+        mem.free(57)
+        # S_block4_fc1_W_new = 0.999*S_block4_fc1_W + 0.001*d_block4_fc1_W**2
+        S_block4_fc1_W_new = T['S_block4_fc1_W']  # in place: the new S_block4_fc1_W
+        rt.ew(ew_square_scale_add, S_block4_fc1_W_new, T['S_block4_fc1_W'], d_block4_fc1_W)
+        # M_block4_fc1_W_new = 0.9*M_block4_fc1_W + 0.1*d_block4_fc1_W
+        M_block4_fc1_W_new = T['M_block4_fc1_W']  # in place: the new M_block4_fc1_W
+        rt.ew(ew_scale_add, M_block4_fc1_W_new, T['M_block4_fc1_W'], d_block4_fc1_W)
+        # free d_block4_fc1_W
+        del d_block4_fc1_W
+        mem.free(76)
+
+        # ---- block4_fc2 (fully connected, 64 outputs), backward ----
+        # block4_fc2_W_new = block4_fc2_W*(-lr*decay + 1) - lr*M_block4_fc2_W_new/(bias1*(sqrt(S_block4_fc2_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_fc2_W_new = T['block4_fc2_W']  # in place: the new block4_fc2_W
+        rt.ew(ew_mul_sub_recip_sqrt, block4_fc2_W_new, T['block4_fc2_W'], lr, bias1, M_block4_fc2_W_new, S_block4_fc2_W_new, bias2, decay)
+
+        # ---- block4_fc1 (fully connected, 128 outputs), backward ----
+        # d_block4_fc1_B = sum_to[128](d_block4_fc1_add)
+        d_block4_fc1_B = mem.tensor(77, (128,), 'float32')
+        rt.sum_to(d_block4_fc1_add, out=d_block4_fc1_B, shape=(128,))
+        # d_block4_fc1_reshape = matmul(d_block4_fc1_add, block4_fc1_W)
+        d_block4_fc1_reshape = mem.tensor(78, (1600, 64), 'float32')
+        rt.matmul(d_block4_fc1_add, T['block4_fc1_W'], out=d_block4_fc1_reshape)
+        # free d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
+        del d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
+        mem.free(75)
+        # block4_fc1_W_new = block4_fc1_W*(-lr*decay + 1) - lr*M_block4_fc1_W_new/(bias1*(sqrt(S_block4_fc1_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_fc1_W_new = T['block4_fc1_W']  # in place: the new block4_fc1_W
+        rt.ew(ew_mul_sub_recip_sqrt, block4_fc1_W_new, T['block4_fc1_W'], lr, bias1, M_block4_fc1_W_new, S_block4_fc1_W_new, bias2, decay)
+        # S_block4_fc1_B_new = 0.999*S_block4_fc1_B + 0.001*d_block4_fc1_B**2
+        S_block4_fc1_B_new = T['S_block4_fc1_B']  # in place: the new S_block4_fc1_B
+        rt.ew(ew_square_scale_add, S_block4_fc1_B_new, T['S_block4_fc1_B'], d_block4_fc1_B)
+        # M_block4_fc1_B_new = 0.9*M_block4_fc1_B + 0.1*d_block4_fc1_B   (computed with the next statement)
+        M_block4_fc1_B_new = T['M_block4_fc1_B']  # in place: the new M_block4_fc1_B
+        # block4_fc1_B_new = block4_fc1_B*(-lr*decay + 1) - lr*M_block4_fc1_B_new/(bias1*(sqrt(S_block4_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_fc1_B_new = T['block4_fc1_B']  # in place: the new block4_fc1_B
+        rt.ew_pair((ew_scale_add, M_block4_fc1_B_new, T['M_block4_fc1_B'], d_block4_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block4_fc1_B_new, T['block4_fc1_B'], lr, bias1, M_block4_fc1_B_new, S_block4_fc1_B_new, bias2, decay))
+        # free d_block4_fc1_B
+        del d_block4_fc1_B
+        mem.free(77)
+        # d_block4_ln2 = reshape[100x16x64](d_block4_fc1_reshape)
+        d_block4_ln2 = rt.reshape(d_block4_fc1_reshape, shape=(100, 16, 64))
+
+        # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block4_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block4_ln2_add, d_block4_ln2)
+        d_block4_ln2_layer_norm_param_grad = mem.tensor(79, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block4_ln2_add, d_block4_ln2, out=d_block4_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
+        # d_block4_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block4_ln2_add, d_block4_ln2, block4_ln2_W)
+        d_block4_ln2_add = d_block4_ln2  # in place: over d_block4_ln2
+        rt.layer_norm_grad(block4_ln2_add, d_block4_ln2, T['block4_ln2_W'], out=d_block4_ln2_add, axes=1, eps=1e-05)
+        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out, block4_ln2_add
+        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out, block4_ln2_add
+        mem.free(56)
+        # d_block4_ln2_add_2 = d_ln_add + d_block4_ln2_add
+        d_block4_ln2_add_2 = d_ln_add  # in place: over d_ln_add
+        rt.ew(ew_add, d_block4_ln2_add_2, d_ln_add, d_block4_ln2_add)
+        # free d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_add
+        del d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_add
+        mem.free(78)
+
+        # ---- block4_attn_out (fully connected, 64 outputs), backward ----
+        # d_block4_attn_out_add = reshape[1600x64](d_block4_ln2_add_2)
+        d_block4_attn_out_add = rt.reshape(d_block4_ln2_add_2, shape=(1600, 64))
+        # d_block4_attn_out_W = matmul[ta](d_block4_attn_out_add, block4_attn_out_reshape)
+        d_block4_attn_out_W = mem.tensor(80, (64, 64), 'float32')
+        rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape, out=d_block4_attn_out_W, ta=True, workspace=mem.workspace(49152))
+        # free block4_attn_out_transpose, block4_attn_out_reshape
+        del block4_attn_out_transpose, block4_attn_out_reshape
+        mem.free(55)
+        # S_block4_attn_out_W_new = 0.999*S_block4_attn_out_W + 0.001*d_block4_attn_out_W**2
+        S_block4_attn_out_W_new = T['S_block4_attn_out_W']  # in place: the new S_block4_attn_out_W
+        rt.ew(ew_square_scale_add, S_block4_attn_out_W_new, T['S_block4_attn_out_W'], d_block4_attn_out_W)
+        # M_block4_attn_out_W_new = 0.9*M_block4_attn_out_W + 0.1*d_block4_attn_out_W
+        M_block4_attn_out_W_new = T['M_block4_attn_out_W']  # in place: the new M_block4_attn_out_W
+        rt.ew(ew_scale_add, M_block4_attn_out_W_new, T['M_block4_attn_out_W'], d_block4_attn_out_W)
+        # free d_block4_attn_out_W
+        del d_block4_attn_out_W
+        mem.free(80)
+        # d_block4_attn_out_B = sum_to[64](d_block4_attn_out_add)
+        d_block4_attn_out_B = mem.tensor(81, (64,), 'float32')
+        rt.sum_to(d_block4_attn_out_add, out=d_block4_attn_out_B, shape=(64,))
+        # S_block4_attn_out_B_new = 0.999*S_block4_attn_out_B + 0.001*d_block4_attn_out_B**2
+        S_block4_attn_out_B_new = T['S_block4_attn_out_B']  # in place: the new S_block4_attn_out_B
+        rt.ew(ew_square_scale_add, S_block4_attn_out_B_new, T['S_block4_attn_out_B'], d_block4_attn_out_B)
+        # M_block4_attn_out_B_new = 0.9*M_block4_attn_out_B + 0.1*d_block4_attn_out_B   (computed with the next statement)
+        M_block4_attn_out_B_new = T['M_block4_attn_out_B']  # in place: the new M_block4_attn_out_B
+        # block4_attn_out_B_new = block4_attn_out_B*(-lr*decay + 1) - lr*M_block4_attn_out_B_new/(bias1*(sqrt(S_block4_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_out_B_new = T['block4_attn_out_B']  # in place: the new block4_attn_out_B
+        rt.ew_pair((ew_scale_add, M_block4_attn_out_B_new, T['M_block4_attn_out_B'], d_block4_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block4_attn_out_B_new, T['block4_attn_out_B'], lr, bias1, M_block4_attn_out_B_new, S_block4_attn_out_B_new, bias2, decay))
+        # free d_block4_attn_out_B
+        del d_block4_attn_out_B
+        mem.free(81)
+
+        # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block4_ln2_slice = slice[axis=0,start=0,stop=1](d_block4_ln2_layer_norm_param_grad)
+        d_block4_ln2_slice = mem.tensor(82, (1, 64), 'float32')
+        rt.slice(d_block4_ln2_layer_norm_param_grad, out=d_block4_ln2_slice, axis=0, start=0, stop=1)
+        # d_block4_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln2_layer_norm_param_grad)
+        d_block4_ln2_slice_2 = mem.tensor(83, (1, 64), 'float32')
+        rt.slice(d_block4_ln2_layer_norm_param_grad, out=d_block4_ln2_slice_2, axis=0, start=1, stop=2)
+        # free d_block4_ln2_layer_norm_param_grad
+        del d_block4_ln2_layer_norm_param_grad
+        mem.free(79)
+        # d_block4_ln2_W = reshape[64](d_block4_ln2_slice)
+        d_block4_ln2_W = rt.reshape(d_block4_ln2_slice, shape=(64,))
+        # S_block4_ln2_W_new = 0.999*S_block4_ln2_W + 0.001*d_block4_ln2_W**2
+        S_block4_ln2_W_new = T['S_block4_ln2_W']  # in place: the new S_block4_ln2_W
+        rt.ew(ew_square_scale_add, S_block4_ln2_W_new, T['S_block4_ln2_W'], d_block4_ln2_W)
+        # M_block4_ln2_W_new = 0.9*M_block4_ln2_W + 0.1*d_block4_ln2_W   (computed with the next statement)
+        M_block4_ln2_W_new = T['M_block4_ln2_W']  # in place: the new M_block4_ln2_W
+        # block4_ln2_W_new = block4_ln2_W*(-lr*decay + 1) - lr*M_block4_ln2_W_new/(bias1*(sqrt(S_block4_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln2_W_new = T['block4_ln2_W']  # in place: the new block4_ln2_W
+        rt.ew_pair((ew_scale_add, M_block4_ln2_W_new, T['M_block4_ln2_W'], d_block4_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block4_ln2_W_new, T['block4_ln2_W'], lr, bias1, M_block4_ln2_W_new, S_block4_ln2_W_new, bias2, decay))
+        # free d_block4_ln2_slice, d_block4_ln2_W
+        del d_block4_ln2_slice, d_block4_ln2_W
+        mem.free(82)
+        # d_block4_ln2_B = reshape[64](d_block4_ln2_slice_2)
+        d_block4_ln2_B = rt.reshape(d_block4_ln2_slice_2, shape=(64,))
+        # S_block4_ln2_B_new = 0.999*S_block4_ln2_B + 0.001*d_block4_ln2_B**2
+        S_block4_ln2_B_new = T['S_block4_ln2_B']  # in place: the new S_block4_ln2_B
+        rt.ew(ew_square_scale_add, S_block4_ln2_B_new, T['S_block4_ln2_B'], d_block4_ln2_B)
+        # M_block4_ln2_B_new = 0.9*M_block4_ln2_B + 0.1*d_block4_ln2_B   (computed with the next statement)
+        M_block4_ln2_B_new = T['M_block4_ln2_B']  # in place: the new M_block4_ln2_B
+        # block4_ln2_B_new = block4_ln2_B*(-lr*decay + 1) - lr*M_block4_ln2_B_new/(bias1*(sqrt(S_block4_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln2_B_new = T['block4_ln2_B']  # in place: the new block4_ln2_B
+        rt.ew_pair((ew_scale_add, M_block4_ln2_B_new, T['M_block4_ln2_B'], d_block4_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay))
+        # free d_block4_ln2_slice_2, d_block4_ln2_B
+        del d_block4_ln2_slice_2, d_block4_ln2_B
+        mem.free(83)
+
+        # ---- block4_attn_out (fully connected, 64 outputs), backward ----
+        # d_block4_attn_out_reshape = matmul(d_block4_attn_out_add, block4_attn_out_W)
+        d_block4_attn_out_reshape = mem.tensor(84, (1600, 64), 'float32')
+        rt.matmul(d_block4_attn_out_add, T['block4_attn_out_W'], out=d_block4_attn_out_reshape)
+        # d_block4_attn_out_transpose = reshape[100x16x4x16](d_block4_attn_out_reshape)
+        d_block4_attn_out_transpose = rt.reshape(d_block4_attn_out_reshape, shape=(100, 16, 4, 16))
+        # d_block4_attn = transpose[axes=(1,2)](d_block4_attn_out_transpose)
+        d_block4_attn = mem.tensor(85, (100, 4, 16, 16), 'float32')
+        rt.transpose(d_block4_attn_out_transpose, out=d_block4_attn, axes=(1, 2))
+        # free d_block4_attn_out_reshape, d_block4_attn_out_transpose
+        del d_block4_attn_out_reshape, d_block4_attn_out_transpose
+        mem.free(84)
+
+        # ---- block4_attn (scaled dot-product attention), backward ----
+        # d_block4_attn_attention_grad = attention_grad[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, block4_attn, d_block4_attn)
+        d_block4_attn_attention_grad = mem.tensor(86, (307200,), 'float32')
+        rt.attention_grad(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, block4_attn, d_block4_attn, out=d_block4_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
+        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3, block4_attn, d_block4_attn
+        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3, block4_attn, d_block4_attn
+        mem.free(49, 51, 53, 54, 85)
+
+        # ---- block4_attn_out (fully connected, 64 outputs), backward ----
+        # block4_attn_out_W_new = block4_attn_out_W*(-lr*decay + 1) - lr*M_block4_attn_out_W_new/(bias1*(sqrt(S_block4_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_out_W_new = T['block4_attn_out_W']  # in place: the new block4_attn_out_W
+        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_out_W_new, T['block4_attn_out_W'], lr, bias1, M_block4_attn_out_W_new, S_block4_attn_out_W_new, bias2, decay)
+
+        # ---- block4_attn (scaled dot-product attention), backward ----
+        # d_block4_attn_slice = slice[axis=0,start=0,stop=102400](d_block4_attn_attention_grad)
+        d_block4_attn_slice = mem.tensor(87, (102400,), 'float32')
+        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice, axis=0, start=0, stop=102400)
+        # d_block4_attn_transpose = reshape[100x4x16x16](d_block4_attn_slice)
+        d_block4_attn_transpose = rt.reshape(d_block4_attn_slice, shape=(100, 4, 16, 16))
+        # d_block4_attn_reshape = transpose[axes=(1,2)](d_block4_attn_transpose)
+        d_block4_attn_reshape = mem.tensor(88, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block4_attn_transpose, out=d_block4_attn_reshape, axes=(1, 2))
+        # free d_block4_attn_slice, d_block4_attn_transpose
+        del d_block4_attn_slice, d_block4_attn_transpose
+        mem.free(87)
+        # d_block4_attn_q_add = reshape[1600x64](d_block4_attn_reshape)
+        d_block4_attn_q_add = rt.reshape(d_block4_attn_reshape, shape=(1600, 64))
+
+        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_B = sum_to[64](d_block4_attn_q_add)
+        d_block4_attn_q_B = mem.tensor(89, (64,), 'float32')
+        rt.sum_to(d_block4_attn_q_add, out=d_block4_attn_q_B, shape=(64,))
+        # S_block4_attn_q_B_new = 0.999*S_block4_attn_q_B + 0.001*d_block4_attn_q_B**2
+        S_block4_attn_q_B_new = T['S_block4_attn_q_B']  # in place: the new S_block4_attn_q_B
+        rt.ew(ew_square_scale_add, S_block4_attn_q_B_new, T['S_block4_attn_q_B'], d_block4_attn_q_B)
+        # M_block4_attn_q_B_new = 0.9*M_block4_attn_q_B + 0.1*d_block4_attn_q_B   (computed with the next statement)
+        M_block4_attn_q_B_new = T['M_block4_attn_q_B']  # in place: the new M_block4_attn_q_B
+        # block4_attn_q_B_new = block4_attn_q_B*(-lr*decay + 1) - lr*M_block4_attn_q_B_new/(bias1*(sqrt(S_block4_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_q_B_new = T['block4_attn_q_B']  # in place: the new block4_attn_q_B
+        rt.ew_pair((ew_scale_add, M_block4_attn_q_B_new, T['M_block4_attn_q_B'], d_block4_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block4_attn_q_B_new, T['block4_attn_q_B'], lr, bias1, M_block4_attn_q_B_new, S_block4_attn_q_B_new, bias2, decay))
+        # free d_block4_attn_q_B
+        del d_block4_attn_q_B
+        mem.free(89)
+        # d_block4_attn_q_W = matmul[ta](d_block4_attn_q_add, block4_attn_q_reshape)
+        d_block4_attn_q_W = mem.tensor(90, (64, 64), 'float32')
+        rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # d_block4_attn_q_reshape = matmul(d_block4_attn_q_add, block4_attn_q_W)
+        d_block4_attn_q_reshape = mem.tensor(91, (1600, 64), 'float32')
+        rt.matmul(d_block4_attn_q_add, T['block4_attn_q_W'], out=d_block4_attn_q_reshape)
+        # free d_block4_attn_reshape, d_block4_attn_q_add
+        del d_block4_attn_reshape, d_block4_attn_q_add
+        mem.free(88)
+        # S_block4_attn_q_W_new = 0.999*S_block4_attn_q_W + 0.001*d_block4_attn_q_W**2
+        S_block4_attn_q_W_new = T['S_block4_attn_q_W']  # in place: the new S_block4_attn_q_W
+        rt.ew(ew_square_scale_add, S_block4_attn_q_W_new, T['S_block4_attn_q_W'], d_block4_attn_q_W)
+        # M_block4_attn_q_W_new = 0.9*M_block4_attn_q_W + 0.1*d_block4_attn_q_W   (computed with the next statement)
+        M_block4_attn_q_W_new = T['M_block4_attn_q_W']  # in place: the new M_block4_attn_q_W
+        # block4_attn_q_W_new = block4_attn_q_W*(-lr*decay + 1) - lr*M_block4_attn_q_W_new/(bias1*(sqrt(S_block4_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_q_W_new = T['block4_attn_q_W']  # in place: the new block4_attn_q_W
+        rt.ew_pair((ew_scale_add, M_block4_attn_q_W_new, T['M_block4_attn_q_W'], d_block4_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay))
+        # free d_block4_attn_q_W
+        del d_block4_attn_q_W
+        mem.free(90)
+
+        # ---- block4_attn (scaled dot-product attention), backward ----
+        # d_block4_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block4_attn_attention_grad)
+        d_block4_attn_slice_2 = mem.tensor(92, (102400,), 'float32')
+        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_2, axis=0, start=102400, stop=204800)
+        # d_block4_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block4_attn_attention_grad)
+        d_block4_attn_slice_3 = mem.tensor(93, (102400,), 'float32')
+        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_3, axis=0, start=204800, stop=307200)
+        # free d_block4_attn_attention_grad
+        del d_block4_attn_attention_grad
+        mem.free(86)
+        # d_block4_attn_transpose_2 = reshape[100x4x16x16](d_block4_attn_slice_2)
+        d_block4_attn_transpose_2 = rt.reshape(d_block4_attn_slice_2, shape=(100, 4, 16, 16))
+        # d_block4_attn_reshape_2 = transpose[axes=(1,2)](d_block4_attn_transpose_2)
+        d_block4_attn_reshape_2 = mem.tensor(94, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block4_attn_transpose_2, out=d_block4_attn_reshape_2, axes=(1, 2))
+        # free d_block4_attn_slice_2, d_block4_attn_transpose_2
+        del d_block4_attn_slice_2, d_block4_attn_transpose_2
+        mem.free(92)
+        # d_block4_attn_transpose_3 = reshape[100x4x16x16](d_block4_attn_slice_3)
+        d_block4_attn_transpose_3 = rt.reshape(d_block4_attn_slice_3, shape=(100, 4, 16, 16))
+        # d_block4_attn_reshape_3 = transpose[axes=(1,2)](d_block4_attn_transpose_3)
+        d_block4_attn_reshape_3 = mem.tensor(95, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block4_attn_transpose_3, out=d_block4_attn_reshape_3, axes=(1, 2))
+        # free d_block4_attn_slice_3, d_block4_attn_transpose_3
+        del d_block4_attn_slice_3, d_block4_attn_transpose_3
+        mem.free(93)
+        # d_block4_attn_v_add = reshape[1600x64](d_block4_attn_reshape_3)
+        d_block4_attn_v_add = rt.reshape(d_block4_attn_reshape_3, shape=(1600, 64))
+
+        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
+        # d_block4_attn_v_B = sum_to[64](d_block4_attn_v_add)
+        d_block4_attn_v_B = mem.tensor(96, (64,), 'float32')
+        rt.sum_to(d_block4_attn_v_add, out=d_block4_attn_v_B, shape=(64,))
+        # S_block4_attn_v_B_new = 0.999*S_block4_attn_v_B + 0.001*d_block4_attn_v_B**2
+        S_block4_attn_v_B_new = T['S_block4_attn_v_B']  # in place: the new S_block4_attn_v_B
+        rt.ew(ew_square_scale_add, S_block4_attn_v_B_new, T['S_block4_attn_v_B'], d_block4_attn_v_B)
+        # M_block4_attn_v_B_new = 0.9*M_block4_attn_v_B + 0.1*d_block4_attn_v_B   (computed with the next statement)
+        M_block4_attn_v_B_new = T['M_block4_attn_v_B']  # in place: the new M_block4_attn_v_B
+        # block4_attn_v_B_new = block4_attn_v_B*(-lr*decay + 1) - lr*M_block4_attn_v_B_new/(bias1*(sqrt(S_block4_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_v_B_new = T['block4_attn_v_B']  # in place: the new block4_attn_v_B
+        rt.ew_pair((ew_scale_add, M_block4_attn_v_B_new, T['M_block4_attn_v_B'], d_block4_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay))
+        # free d_block4_attn_v_B
+        del d_block4_attn_v_B
+        mem.free(96)
+
+        # ---- block4_attn (scaled dot-product attention), backward ----
+        # d_block4_attn_k_matmul = reshape[1600x64](d_block4_attn_reshape_2)
+        d_block4_attn_k_matmul = rt.reshape(d_block4_attn_reshape_2, shape=(1600, 64))
+
+        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
+        # d_block4_attn_k_W = matmul[ta](d_block4_attn_k_matmul, block4_attn_q_reshape)
+        d_block4_attn_k_W = mem.tensor(97, (64, 64), 'float32')
+        rt.matmul(d_block4_attn_k_matmul, block4_attn_q_reshape, out=d_block4_attn_k_W, ta=True, workspace=mem.workspace(49152))
+
+        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
+        # d_block4_attn_v_W = matmul[ta](d_block4_attn_v_add, block4_attn_q_reshape)
+        d_block4_attn_v_W = mem.tensor(98, (64, 64), 'float32')
+        rt.matmul(d_block4_attn_v_add, block4_attn_q_reshape, out=d_block4_attn_v_W, ta=True, workspace=mem.workspace(49152))
+        # free block4_ln1, block4_attn_q_reshape
+        del block4_ln1, block4_attn_q_reshape
+        mem.free(47)
+
+        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_reshape_2 = matmul(d_block4_attn_k_matmul, block4_attn_k_W)
+        d_block4_attn_q_reshape_2 = mem.tensor(99, (1600, 64), 'float32')
+        rt.matmul(d_block4_attn_k_matmul, T['block4_attn_k_W'], out=d_block4_attn_q_reshape_2)
+        # free d_block4_attn_reshape_2, d_block4_attn_k_matmul
+        del d_block4_attn_reshape_2, d_block4_attn_k_matmul
+        mem.free(94)
+
+        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_reshape_3 = matmul(d_block4_attn_v_add, block4_attn_v_W)
+        d_block4_attn_q_reshape_3 = mem.tensor(100, (1600, 64), 'float32')
+        rt.matmul(d_block4_attn_v_add, T['block4_attn_v_W'], out=d_block4_attn_q_reshape_3)
+        # free d_block4_attn_reshape_3, d_block4_attn_v_add
+        del d_block4_attn_reshape_3, d_block4_attn_v_add
+        mem.free(95)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape_3 + d_block4_attn_q_reshape_2 + d_block4_attn_q_reshape
+        d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape_3  # in place: over d_block4_attn_q_reshape_3
+        rt.ew(ew_add_3, d_block4_attn_q_reshape_4, d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_2, d_block4_attn_q_reshape)
+        # free d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
+        del d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
+        mem.free(91, 99)
+
+        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
+        # S_block4_attn_k_W_new = 0.999*S_block4_attn_k_W + 0.001*d_block4_attn_k_W**2
+        S_block4_attn_k_W_new = T['S_block4_attn_k_W']  # in place: the new S_block4_attn_k_W
+        rt.ew(ew_square_scale_add, S_block4_attn_k_W_new, T['S_block4_attn_k_W'], d_block4_attn_k_W)
+        # M_block4_attn_k_W_new = 0.9*M_block4_attn_k_W + 0.1*d_block4_attn_k_W   (computed with the next statement)
+        M_block4_attn_k_W_new = T['M_block4_attn_k_W']  # in place: the new M_block4_attn_k_W
+        # block4_attn_k_W_new = block4_attn_k_W*(-lr*decay + 1) - lr*M_block4_attn_k_W_new/(bias1*(sqrt(S_block4_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_k_W_new = T['block4_attn_k_W']  # in place: the new block4_attn_k_W
+        rt.ew_pair((ew_scale_add, M_block4_attn_k_W_new, T['M_block4_attn_k_W'], d_block4_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay))
+        # free d_block4_attn_k_W
+        del d_block4_attn_k_W
+        mem.free(97)
+
+        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
+        # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2
+        S_block4_attn_v_W_new = T['S_block4_attn_v_W']  # in place: the new S_block4_attn_v_W
+        rt.ew(ew_square_scale_add, S_block4_attn_v_W_new, T['S_block4_attn_v_W'], d_block4_attn_v_W)
+        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W   (computed with the next statement)
+        M_block4_attn_v_W_new = T['M_block4_attn_v_W']  # in place: the new M_block4_attn_v_W
+        # block4_attn_v_W_new = block4_attn_v_W*(-lr*decay + 1) - lr*M_block4_attn_v_W_new/(bias1*(sqrt(S_block4_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_v_W_new = T['block4_attn_v_W']  # in place: the new block4_attn_v_W
+        rt.ew_pair((ew_scale_add, M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay))
+        # free d_block4_attn_v_W
+        del d_block4_attn_v_W
+        mem.free(98)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
+        # d_block4_ln1 = reshape[100x16x64](d_block4_attn_q_reshape_4)
+        d_block4_ln1 = rt.reshape(d_block4_attn_q_reshape_4, shape=(100, 16, 64))
+
+        # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block4_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block4_ln1_add, d_block4_ln1)
+        d_block4_ln1_layer_norm_param_grad = mem.tensor(101, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block4_ln1_add, d_block4_ln1, out=d_block4_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
+        # d_block4_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block4_ln1_add, d_block4_ln1, block4_ln1_W)
+        d_block4_ln1_add = d_block4_ln1  # in place: over d_block4_ln1
+        rt.layer_norm_grad(block4_ln1_add, d_block4_ln1, T['block4_ln1_W'], out=d_block4_ln1_add, axes=1, eps=1e-05)
+        # free block3_fc2_matmul, block3_fc2_add, block3_fc2, block4_ln1_add
+        del block3_fc2_matmul, block3_fc2_add, block3_fc2, block4_ln1_add
+        mem.free(46)
+        # d_block4_ln1_add_2 = d_block4_ln2_add_2 + d_block4_ln1_add
+        d_block4_ln1_add_2 = d_block4_ln2_add_2  # in place: over d_block4_ln2_add_2
+        rt.ew(ew_add, d_block4_ln1_add_2, d_block4_ln2_add_2, d_block4_ln1_add)
+        # free d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_add
+        del d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_add
+        mem.free(100)
+
+        # ---- block3_fc2 (fully connected, 64 outputs), backward ----
+        # d_block3_fc2_add = reshape[1600x64](d_block4_ln1_add_2)
+        d_block3_fc2_add = rt.reshape(d_block4_ln1_add_2, shape=(1600, 64))
+        # d_block3_fc2_W = matmul[ta](d_block3_fc2_add, block3_fc2_reshape)
+        d_block3_fc2_W = mem.tensor(102, (64, 128), 'float32')
+        rt.matmul(d_block3_fc2_add, block3_fc2_reshape, out=d_block3_fc2_W, ta=True, workspace=mem.workspace(98304))
+        # free block3_fc1_gelu, block3_fc2_reshape
+        del block3_fc1_gelu, block3_fc2_reshape
+        mem.free(45)
+        # S_block3_fc2_W_new = 0.999*S_block3_fc2_W + 0.001*d_block3_fc2_W**2
+        S_block3_fc2_W_new = T['S_block3_fc2_W']  # in place: the new S_block3_fc2_W
+        rt.ew(ew_square_scale_add, S_block3_fc2_W_new, T['S_block3_fc2_W'], d_block3_fc2_W)
+        # M_block3_fc2_W_new = 0.9*M_block3_fc2_W + 0.1*d_block3_fc2_W
+        M_block3_fc2_W_new = T['M_block3_fc2_W']  # in place: the new M_block3_fc2_W
+        rt.ew(ew_scale_add, M_block3_fc2_W_new, T['M_block3_fc2_W'], d_block3_fc2_W)
+        # free d_block3_fc2_W
+        del d_block3_fc2_W
+        mem.free(102)
+        # d_block3_fc2_B = sum_to[64](d_block3_fc2_add)
+        d_block3_fc2_B = mem.tensor(103, (64,), 'float32')
+        rt.sum_to(d_block3_fc2_add, out=d_block3_fc2_B, shape=(64,))
+        # S_block3_fc2_B_new = 0.999*S_block3_fc2_B + 0.001*d_block3_fc2_B**2
+        S_block3_fc2_B_new = T['S_block3_fc2_B']  # in place: the new S_block3_fc2_B
+        rt.ew(ew_square_scale_add, S_block3_fc2_B_new, T['S_block3_fc2_B'], d_block3_fc2_B)
+        # M_block3_fc2_B_new = 0.9*M_block3_fc2_B + 0.1*d_block3_fc2_B   (computed with the next statement)
+        M_block3_fc2_B_new = T['M_block3_fc2_B']  # in place: the new M_block3_fc2_B
+        # block3_fc2_B_new = block3_fc2_B*(-lr*decay + 1) - lr*M_block3_fc2_B_new/(bias1*(sqrt(S_block3_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_fc2_B_new = T['block3_fc2_B']  # in place: the new block3_fc2_B
+        rt.ew_pair((ew_scale_add, M_block3_fc2_B_new, T['M_block3_fc2_B'], d_block3_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block3_fc2_B_new, T['block3_fc2_B'], lr, bias1, M_block3_fc2_B_new, S_block3_fc2_B_new, bias2, decay))
+        # free d_block3_fc2_B
+        del d_block3_fc2_B
+        mem.free(103)
+
+        # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block4_ln1_slice = slice[axis=0,start=0,stop=1](d_block4_ln1_layer_norm_param_grad)
+        d_block4_ln1_slice = mem.tensor(104, (1, 64), 'float32')
+        rt.slice(d_block4_ln1_layer_norm_param_grad, out=d_block4_ln1_slice, axis=0, start=0, stop=1)
+        # d_block4_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln1_layer_norm_param_grad)
+        d_block4_ln1_slice_2 = mem.tensor(105, (1, 64), 'float32')
+        rt.slice(d_block4_ln1_layer_norm_param_grad, out=d_block4_ln1_slice_2, axis=0, start=1, stop=2)
+        # free d_block4_ln1_layer_norm_param_grad
+        del d_block4_ln1_layer_norm_param_grad
+        mem.free(101)
+        # d_block4_ln1_W = reshape[64](d_block4_ln1_slice)
+        d_block4_ln1_W = rt.reshape(d_block4_ln1_slice, shape=(64,))
+        # S_block4_ln1_W_new = 0.999*S_block4_ln1_W + 0.001*d_block4_ln1_W**2
+        S_block4_ln1_W_new = T['S_block4_ln1_W']  # in place: the new S_block4_ln1_W
+        rt.ew(ew_square_scale_add, S_block4_ln1_W_new, T['S_block4_ln1_W'], d_block4_ln1_W)
+        # M_block4_ln1_W_new = 0.9*M_block4_ln1_W + 0.1*d_block4_ln1_W   (computed with the next statement)
+        M_block4_ln1_W_new = T['M_block4_ln1_W']  # in place: the new M_block4_ln1_W
+        # block4_ln1_W_new = block4_ln1_W*(-lr*decay + 1) - lr*M_block4_ln1_W_new/(bias1*(sqrt(S_block4_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln1_W_new = T['block4_ln1_W']  # in place: the new block4_ln1_W
+        rt.ew_pair((ew_scale_add, M_block4_ln1_W_new, T['M_block4_ln1_W'], d_block4_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block4_ln1_W_new, T['block4_ln1_W'], lr, bias1, M_block4_ln1_W_new, S_block4_ln1_W_new, bias2, decay))
+        # free d_block4_ln1_slice, d_block4_ln1_W
+        del d_block4_ln1_slice, d_block4_ln1_W
+        mem.free(104)
+        # d_block4_ln1_B = reshape[64](d_block4_ln1_slice_2)
+        d_block4_ln1_B = rt.reshape(d_block4_ln1_slice_2, shape=(64,))
+        # S_block4_ln1_B_new = 0.999*S_block4_ln1_B + 0.001*d_block4_ln1_B**2
+        S_block4_ln1_B_new = T['S_block4_ln1_B']  # in place: the new S_block4_ln1_B
+        rt.ew(ew_square_scale_add, S_block4_ln1_B_new, T['S_block4_ln1_B'], d_block4_ln1_B)
+        # M_block4_ln1_B_new = 0.9*M_block4_ln1_B + 0.1*d_block4_ln1_B   (computed with the next statement)
+        M_block4_ln1_B_new = T['M_block4_ln1_B']  # in place: the new M_block4_ln1_B
+        # block4_ln1_B_new = block4_ln1_B*(-lr*decay + 1) - lr*M_block4_ln1_B_new/(bias1*(sqrt(S_block4_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln1_B_new = T['block4_ln1_B']  # in place: the new block4_ln1_B
+        rt.ew_pair((ew_scale_add, M_block4_ln1_B_new, T['M_block4_ln1_B'], d_block4_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay))
+        # free d_block4_ln1_slice_2, d_block4_ln1_B
+        del d_block4_ln1_slice_2, d_block4_ln1_B
+        mem.free(105)
+
+        # ---- block3_fc2 (fully connected, 64 outputs), backward ----
+        # d_block3_fc2_reshape = matmul(d_block3_fc2_add, block3_fc2_W)
+        d_block3_fc2_reshape = mem.tensor(106, (1600, 128), 'float32')
+        rt.matmul(d_block3_fc2_add, T['block3_fc2_W'], out=d_block3_fc2_reshape)
+        # d_block3_fc1_gelu = reshape[100x16x128](d_block3_fc2_reshape)
+        d_block3_fc1_gelu = rt.reshape(d_block3_fc2_reshape, shape=(100, 16, 128))
+
+        # ---- block3_fc1_gelu (gelu), backward ----
+        # d_block3_fc1 = d_block3_fc1_gelu*(sqrt(2)*block3_fc1*exp(-block3_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block3_fc1/2)/2 + 1/2)
+        d_block3_fc1 = d_block3_fc1_gelu  # in place: over d_block3_fc1_gelu
+        rt.ew(ew_sqrt_mul_erf_scale, d_block3_fc1, d_block3_fc1_gelu, block3_fc1)
+        # free block3_fc1_matmul, block3_fc1_add, block3_fc1
+        del block3_fc1_matmul, block3_fc1_add, block3_fc1
+        mem.free(44)
+
+        # ---- block3_fc1 (fully connected, 128 outputs), backward ----
+        # d_block3_fc1_add = reshape[1600x128](d_block3_fc1)
+        d_block3_fc1_add = rt.reshape(d_block3_fc1, shape=(1600, 128))
+        # d_block3_fc1_W = matmul[ta](d_block3_fc1_add, block3_fc1_reshape)
+        d_block3_fc1_W = mem.tensor(107, (128, 64), 'float32')
+        rt.matmul(d_block3_fc1_add, block3_fc1_reshape, out=d_block3_fc1_W, ta=True, workspace=mem.workspace(98304))
+        # free block3_ln2, block3_fc1_reshape
+        del block3_ln2, block3_fc1_reshape
+        mem.free(43)
+        # S_block3_fc1_W_new = 0.999*S_block3_fc1_W + 0.001*d_block3_fc1_W**2
+        S_block3_fc1_W_new = T['S_block3_fc1_W']  # in place: the new S_block3_fc1_W
+        rt.ew(ew_square_scale_add, S_block3_fc1_W_new, T['S_block3_fc1_W'], d_block3_fc1_W)
+        # M_block3_fc1_W_new = 0.9*M_block3_fc1_W + 0.1*d_block3_fc1_W
+        M_block3_fc1_W_new = T['M_block3_fc1_W']  # in place: the new M_block3_fc1_W
+        rt.ew(ew_scale_add, M_block3_fc1_W_new, T['M_block3_fc1_W'], d_block3_fc1_W)
+        # free d_block3_fc1_W
+        del d_block3_fc1_W
+        mem.free(107)
+
+        # ---- block3_fc2 (fully connected, 64 outputs), backward ----
+        # block3_fc2_W_new = block3_fc2_W*(-lr*decay + 1) - lr*M_block3_fc2_W_new/(bias1*(sqrt(S_block3_fc2_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_fc2_W_new = T['block3_fc2_W']  # in place: the new block3_fc2_W
+        rt.ew(ew_mul_sub_recip_sqrt, block3_fc2_W_new, T['block3_fc2_W'], lr, bias1, M_block3_fc2_W_new, S_block3_fc2_W_new, bias2, decay)
+
+        # ---- block3_fc1 (fully connected, 128 outputs), backward ----
+        # d_block3_fc1_B = sum_to[128](d_block3_fc1_add)
+        d_block3_fc1_B = mem.tensor(108, (128,), 'float32')
+        rt.sum_to(d_block3_fc1_add, out=d_block3_fc1_B, shape=(128,))
+        # d_block3_fc1_reshape = matmul(d_block3_fc1_add, block3_fc1_W)
+        d_block3_fc1_reshape = mem.tensor(109, (1600, 64), 'float32')
+        rt.matmul(d_block3_fc1_add, T['block3_fc1_W'], out=d_block3_fc1_reshape)
+        # free d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
+        del d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
+        mem.free(106)
+        # block3_fc1_W_new = block3_fc1_W*(-lr*decay + 1) - lr*M_block3_fc1_W_new/(bias1*(sqrt(S_block3_fc1_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_fc1_W_new = T['block3_fc1_W']  # in place: the new block3_fc1_W
+        rt.ew(ew_mul_sub_recip_sqrt, block3_fc1_W_new, T['block3_fc1_W'], lr, bias1, M_block3_fc1_W_new, S_block3_fc1_W_new, bias2, decay)
+        # S_block3_fc1_B_new = 0.999*S_block3_fc1_B + 0.001*d_block3_fc1_B**2
+        S_block3_fc1_B_new = T['S_block3_fc1_B']  # in place: the new S_block3_fc1_B
+        rt.ew(ew_square_scale_add, S_block3_fc1_B_new, T['S_block3_fc1_B'], d_block3_fc1_B)
+        # M_block3_fc1_B_new = 0.9*M_block3_fc1_B + 0.1*d_block3_fc1_B   (computed with the next statement)
+        M_block3_fc1_B_new = T['M_block3_fc1_B']  # in place: the new M_block3_fc1_B
+        # block3_fc1_B_new = block3_fc1_B*(-lr*decay + 1) - lr*M_block3_fc1_B_new/(bias1*(sqrt(S_block3_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_fc1_B_new = T['block3_fc1_B']  # in place: the new block3_fc1_B
+        rt.ew_pair((ew_scale_add, M_block3_fc1_B_new, T['M_block3_fc1_B'], d_block3_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block3_fc1_B_new, T['block3_fc1_B'], lr, bias1, M_block3_fc1_B_new, S_block3_fc1_B_new, bias2, decay))
+        # free d_block3_fc1_B
+        del d_block3_fc1_B
+        mem.free(108)
+        # d_block3_ln2 = reshape[100x16x64](d_block3_fc1_reshape)
+        d_block3_ln2 = rt.reshape(d_block3_fc1_reshape, shape=(100, 16, 64))
+
+        # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block3_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block3_ln2_add, d_block3_ln2)
+        d_block3_ln2_layer_norm_param_grad = mem.tensor(110, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block3_ln2_add, d_block3_ln2, out=d_block3_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
+        # d_block3_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block3_ln2_add, d_block3_ln2, block3_ln2_W)
+        d_block3_ln2_add = d_block3_ln2  # in place: over d_block3_ln2
+        rt.layer_norm_grad(block3_ln2_add, d_block3_ln2, T['block3_ln2_W'], out=d_block3_ln2_add, axes=1, eps=1e-05)
+        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out, block3_ln2_add
+        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out, block3_ln2_add
+        mem.free(42)
+        # d_block3_ln2_add_2 = d_block4_ln1_add_2 + d_block3_ln2_add
+        d_block3_ln2_add_2 = d_block4_ln1_add_2  # in place: over d_block4_ln1_add_2
+        rt.ew(ew_add, d_block3_ln2_add_2, d_block4_ln1_add_2, d_block3_ln2_add)
+        # free d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_add
+        del d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_add
+        mem.free(109)
+
+        # ---- block3_attn_out (fully connected, 64 outputs), backward ----
+        # d_block3_attn_out_add = reshape[1600x64](d_block3_ln2_add_2)
+        d_block3_attn_out_add = rt.reshape(d_block3_ln2_add_2, shape=(1600, 64))
+        # d_block3_attn_out_W = matmul[ta](d_block3_attn_out_add, block3_attn_out_reshape)
+        d_block3_attn_out_W = mem.tensor(111, (64, 64), 'float32')
+        rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape, out=d_block3_attn_out_W, ta=True, workspace=mem.workspace(49152))
+        # free block3_attn_out_transpose, block3_attn_out_reshape
+        del block3_attn_out_transpose, block3_attn_out_reshape
+        mem.free(41)
+        # S_block3_attn_out_W_new = 0.999*S_block3_attn_out_W + 0.001*d_block3_attn_out_W**2
+        S_block3_attn_out_W_new = T['S_block3_attn_out_W']  # in place: the new S_block3_attn_out_W
+        rt.ew(ew_square_scale_add, S_block3_attn_out_W_new, T['S_block3_attn_out_W'], d_block3_attn_out_W)
+        # M_block3_attn_out_W_new = 0.9*M_block3_attn_out_W + 0.1*d_block3_attn_out_W
+        M_block3_attn_out_W_new = T['M_block3_attn_out_W']  # in place: the new M_block3_attn_out_W
+        rt.ew(ew_scale_add, M_block3_attn_out_W_new, T['M_block3_attn_out_W'], d_block3_attn_out_W)
+        # free d_block3_attn_out_W
+        del d_block3_attn_out_W
+        mem.free(111)
+        # d_block3_attn_out_B = sum_to[64](d_block3_attn_out_add)
+        d_block3_attn_out_B = mem.tensor(112, (64,), 'float32')
+        rt.sum_to(d_block3_attn_out_add, out=d_block3_attn_out_B, shape=(64,))
+        # S_block3_attn_out_B_new = 0.999*S_block3_attn_out_B + 0.001*d_block3_attn_out_B**2
+        S_block3_attn_out_B_new = T['S_block3_attn_out_B']  # in place: the new S_block3_attn_out_B
+        rt.ew(ew_square_scale_add, S_block3_attn_out_B_new, T['S_block3_attn_out_B'], d_block3_attn_out_B)
+        # M_block3_attn_out_B_new = 0.9*M_block3_attn_out_B + 0.1*d_block3_attn_out_B   (computed with the next statement)
+        M_block3_attn_out_B_new = T['M_block3_attn_out_B']  # in place: the new M_block3_attn_out_B
+        # block3_attn_out_B_new = block3_attn_out_B*(-lr*decay + 1) - lr*M_block3_attn_out_B_new/(bias1*(sqrt(S_block3_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_out_B_new = T['block3_attn_out_B']  # in place: the new block3_attn_out_B
+        rt.ew_pair((ew_scale_add, M_block3_attn_out_B_new, T['M_block3_attn_out_B'], d_block3_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block3_attn_out_B_new, T['block3_attn_out_B'], lr, bias1, M_block3_attn_out_B_new, S_block3_attn_out_B_new, bias2, decay))
+        # free d_block3_attn_out_B
+        del d_block3_attn_out_B
+        mem.free(112)
+
+        # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block3_ln2_slice = slice[axis=0,start=0,stop=1](d_block3_ln2_layer_norm_param_grad)
+        d_block3_ln2_slice = mem.tensor(113, (1, 64), 'float32')
+        rt.slice(d_block3_ln2_layer_norm_param_grad, out=d_block3_ln2_slice, axis=0, start=0, stop=1)
+        # d_block3_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln2_layer_norm_param_grad)
+        d_block3_ln2_slice_2 = mem.tensor(114, (1, 64), 'float32')
+        rt.slice(d_block3_ln2_layer_norm_param_grad, out=d_block3_ln2_slice_2, axis=0, start=1, stop=2)
+        # free d_block3_ln2_layer_norm_param_grad
+        del d_block3_ln2_layer_norm_param_grad
+        mem.free(110)
+        # d_block3_ln2_W = reshape[64](d_block3_ln2_slice)
+        d_block3_ln2_W = rt.reshape(d_block3_ln2_slice, shape=(64,))
+        # S_block3_ln2_W_new = 0.999*S_block3_ln2_W + 0.001*d_block3_ln2_W**2
+        S_block3_ln2_W_new = T['S_block3_ln2_W']  # in place: the new S_block3_ln2_W
+        rt.ew(ew_square_scale_add, S_block3_ln2_W_new, T['S_block3_ln2_W'], d_block3_ln2_W)
+        # M_block3_ln2_W_new = 0.9*M_block3_ln2_W + 0.1*d_block3_ln2_W   (computed with the next statement)
+        M_block3_ln2_W_new = T['M_block3_ln2_W']  # in place: the new M_block3_ln2_W
+        # block3_ln2_W_new = block3_ln2_W*(-lr*decay + 1) - lr*M_block3_ln2_W_new/(bias1*(sqrt(S_block3_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln2_W_new = T['block3_ln2_W']  # in place: the new block3_ln2_W
+        rt.ew_pair((ew_scale_add, M_block3_ln2_W_new, T['M_block3_ln2_W'], d_block3_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block3_ln2_W_new, T['block3_ln2_W'], lr, bias1, M_block3_ln2_W_new, S_block3_ln2_W_new, bias2, decay))
+        # free d_block3_ln2_slice, d_block3_ln2_W
+        del d_block3_ln2_slice, d_block3_ln2_W
+        mem.free(113)
+        # d_block3_ln2_B = reshape[64](d_block3_ln2_slice_2)
+        d_block3_ln2_B = rt.reshape(d_block3_ln2_slice_2, shape=(64,))
+        # S_block3_ln2_B_new = 0.999*S_block3_ln2_B + 0.001*d_block3_ln2_B**2
+        S_block3_ln2_B_new = T['S_block3_ln2_B']  # in place: the new S_block3_ln2_B
+        rt.ew(ew_square_scale_add, S_block3_ln2_B_new, T['S_block3_ln2_B'], d_block3_ln2_B)
+        # M_block3_ln2_B_new = 0.9*M_block3_ln2_B + 0.1*d_block3_ln2_B   (computed with the next statement)
+        M_block3_ln2_B_new = T['M_block3_ln2_B']  # in place: the new M_block3_ln2_B
+        # block3_ln2_B_new = block3_ln2_B*(-lr*decay + 1) - lr*M_block3_ln2_B_new/(bias1*(sqrt(S_block3_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln2_B_new = T['block3_ln2_B']  # in place: the new block3_ln2_B
+        rt.ew_pair((ew_scale_add, M_block3_ln2_B_new, T['M_block3_ln2_B'], d_block3_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay))
+        # free d_block3_ln2_slice_2, d_block3_ln2_B
+        del d_block3_ln2_slice_2, d_block3_ln2_B
+        mem.free(114)
+
+        # ---- block3_attn_out (fully connected, 64 outputs), backward ----
+        # d_block3_attn_out_reshape = matmul(d_block3_attn_out_add, block3_attn_out_W)
+        d_block3_attn_out_reshape = mem.tensor(115, (1600, 64), 'float32')
+        rt.matmul(d_block3_attn_out_add, T['block3_attn_out_W'], out=d_block3_attn_out_reshape)
+        # d_block3_attn_out_transpose = reshape[100x16x4x16](d_block3_attn_out_reshape)
+        d_block3_attn_out_transpose = rt.reshape(d_block3_attn_out_reshape, shape=(100, 16, 4, 16))
+        # d_block3_attn = transpose[axes=(1,2)](d_block3_attn_out_transpose)
+        d_block3_attn = mem.tensor(116, (100, 4, 16, 16), 'float32')
+        rt.transpose(d_block3_attn_out_transpose, out=d_block3_attn, axes=(1, 2))
+        # free d_block3_attn_out_reshape, d_block3_attn_out_transpose
+        del d_block3_attn_out_reshape, d_block3_attn_out_transpose
+        mem.free(115)
+
+        # ---- block3_attn (scaled dot-product attention), backward ----
+        # d_block3_attn_attention_grad = attention_grad[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, block3_attn, d_block3_attn)
+        d_block3_attn_attention_grad = mem.tensor(117, (307200,), 'float32')
+        rt.attention_grad(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, block3_attn, d_block3_attn, out=d_block3_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
+        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3, block3_attn, d_block3_attn
+        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3, block3_attn, d_block3_attn
+        mem.free(35, 37, 39, 40, 116)
+
+        # ---- block3_attn_out (fully connected, 64 outputs), backward ----
+        # block3_attn_out_W_new = block3_attn_out_W*(-lr*decay + 1) - lr*M_block3_attn_out_W_new/(bias1*(sqrt(S_block3_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_out_W_new = T['block3_attn_out_W']  # in place: the new block3_attn_out_W
+        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_out_W_new, T['block3_attn_out_W'], lr, bias1, M_block3_attn_out_W_new, S_block3_attn_out_W_new, bias2, decay)
+
+        # ---- block3_attn (scaled dot-product attention), backward ----
+        # d_block3_attn_slice = slice[axis=0,start=0,stop=102400](d_block3_attn_attention_grad)
+        d_block3_attn_slice = mem.tensor(118, (102400,), 'float32')
+        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice, axis=0, start=0, stop=102400)
+        # d_block3_attn_transpose = reshape[100x4x16x16](d_block3_attn_slice)
+        d_block3_attn_transpose = rt.reshape(d_block3_attn_slice, shape=(100, 4, 16, 16))
+        # d_block3_attn_reshape = transpose[axes=(1,2)](d_block3_attn_transpose)
+        d_block3_attn_reshape = mem.tensor(119, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block3_attn_transpose, out=d_block3_attn_reshape, axes=(1, 2))
+        # free d_block3_attn_slice, d_block3_attn_transpose
+        del d_block3_attn_slice, d_block3_attn_transpose
+        mem.free(118)
+        # d_block3_attn_q_add = reshape[1600x64](d_block3_attn_reshape)
+        d_block3_attn_q_add = rt.reshape(d_block3_attn_reshape, shape=(1600, 64))
+
+        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_B = sum_to[64](d_block3_attn_q_add)
+        d_block3_attn_q_B = mem.tensor(120, (64,), 'float32')
+        rt.sum_to(d_block3_attn_q_add, out=d_block3_attn_q_B, shape=(64,))
+        # S_block3_attn_q_B_new = 0.999*S_block3_attn_q_B + 0.001*d_block3_attn_q_B**2
+        S_block3_attn_q_B_new = T['S_block3_attn_q_B']  # in place: the new S_block3_attn_q_B
+        rt.ew(ew_square_scale_add, S_block3_attn_q_B_new, T['S_block3_attn_q_B'], d_block3_attn_q_B)
+        # M_block3_attn_q_B_new = 0.9*M_block3_attn_q_B + 0.1*d_block3_attn_q_B   (computed with the next statement)
+        M_block3_attn_q_B_new = T['M_block3_attn_q_B']  # in place: the new M_block3_attn_q_B
+        # block3_attn_q_B_new = block3_attn_q_B*(-lr*decay + 1) - lr*M_block3_attn_q_B_new/(bias1*(sqrt(S_block3_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_q_B_new = T['block3_attn_q_B']  # in place: the new block3_attn_q_B
+        rt.ew_pair((ew_scale_add, M_block3_attn_q_B_new, T['M_block3_attn_q_B'], d_block3_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block3_attn_q_B_new, T['block3_attn_q_B'], lr, bias1, M_block3_attn_q_B_new, S_block3_attn_q_B_new, bias2, decay))
+        # free d_block3_attn_q_B
+        del d_block3_attn_q_B
+        mem.free(120)
+        # d_block3_attn_q_W = matmul[ta](d_block3_attn_q_add, block3_attn_q_reshape)
+        d_block3_attn_q_W = mem.tensor(121, (64, 64), 'float32')
+        rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # d_block3_attn_q_reshape = matmul(d_block3_attn_q_add, block3_attn_q_W)
+        d_block3_attn_q_reshape = mem.tensor(122, (1600, 64), 'float32')
+        rt.matmul(d_block3_attn_q_add, T['block3_attn_q_W'], out=d_block3_attn_q_reshape)
+        # free d_block3_attn_reshape, d_block3_attn_q_add
+        del d_block3_attn_reshape, d_block3_attn_q_add
+        mem.free(119)
+        # S_block3_attn_q_W_new = 0.999*S_block3_attn_q_W + 0.001*d_block3_attn_q_W**2
+        S_block3_attn_q_W_new = T['S_block3_attn_q_W']  # in place: the new S_block3_attn_q_W
+        rt.ew(ew_square_scale_add, S_block3_attn_q_W_new, T['S_block3_attn_q_W'], d_block3_attn_q_W)
+        # M_block3_attn_q_W_new = 0.9*M_block3_attn_q_W + 0.1*d_block3_attn_q_W   (computed with the next statement)
+        M_block3_attn_q_W_new = T['M_block3_attn_q_W']  # in place: the new M_block3_attn_q_W
+        # block3_attn_q_W_new = block3_attn_q_W*(-lr*decay + 1) - lr*M_block3_attn_q_W_new/(bias1*(sqrt(S_block3_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_q_W_new = T['block3_attn_q_W']  # in place: the new block3_attn_q_W
+        rt.ew_pair((ew_scale_add, M_block3_attn_q_W_new, T['M_block3_attn_q_W'], d_block3_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay))
+        # free d_block3_attn_q_W
+        del d_block3_attn_q_W
+        mem.free(121)
+
+        # ---- block3_attn (scaled dot-product attention), backward ----
+        # d_block3_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block3_attn_attention_grad)
+        d_block3_attn_slice_2 = mem.tensor(123, (102400,), 'float32')
+        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_2, axis=0, start=102400, stop=204800)
+        # d_block3_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block3_attn_attention_grad)
+        d_block3_attn_slice_3 = mem.tensor(124, (102400,), 'float32')
+        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_3, axis=0, start=204800, stop=307200)
+        # free d_block3_attn_attention_grad
+        del d_block3_attn_attention_grad
+        mem.free(117)
+        # d_block3_attn_transpose_2 = reshape[100x4x16x16](d_block3_attn_slice_2)
+        d_block3_attn_transpose_2 = rt.reshape(d_block3_attn_slice_2, shape=(100, 4, 16, 16))
+        # d_block3_attn_reshape_2 = transpose[axes=(1,2)](d_block3_attn_transpose_2)
+        d_block3_attn_reshape_2 = mem.tensor(125, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block3_attn_transpose_2, out=d_block3_attn_reshape_2, axes=(1, 2))
+        # free d_block3_attn_slice_2, d_block3_attn_transpose_2
+        del d_block3_attn_slice_2, d_block3_attn_transpose_2
+        mem.free(123)
+        # d_block3_attn_transpose_3 = reshape[100x4x16x16](d_block3_attn_slice_3)
+        d_block3_attn_transpose_3 = rt.reshape(d_block3_attn_slice_3, shape=(100, 4, 16, 16))
+        # d_block3_attn_reshape_3 = transpose[axes=(1,2)](d_block3_attn_transpose_3)
+        d_block3_attn_reshape_3 = mem.tensor(126, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block3_attn_transpose_3, out=d_block3_attn_reshape_3, axes=(1, 2))
+        # free d_block3_attn_slice_3, d_block3_attn_transpose_3
+        del d_block3_attn_slice_3, d_block3_attn_transpose_3
+        mem.free(124)
+        # d_block3_attn_v_add = reshape[1600x64](d_block3_attn_reshape_3)
+        d_block3_attn_v_add = rt.reshape(d_block3_attn_reshape_3, shape=(1600, 64))
+
+        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
+        # d_block3_attn_v_B = sum_to[64](d_block3_attn_v_add)
+        d_block3_attn_v_B = mem.tensor(127, (64,), 'float32')
+        rt.sum_to(d_block3_attn_v_add, out=d_block3_attn_v_B, shape=(64,))
+        # S_block3_attn_v_B_new = 0.999*S_block3_attn_v_B + 0.001*d_block3_attn_v_B**2
+        S_block3_attn_v_B_new = T['S_block3_attn_v_B']  # in place: the new S_block3_attn_v_B
+        rt.ew(ew_square_scale_add, S_block3_attn_v_B_new, T['S_block3_attn_v_B'], d_block3_attn_v_B)
+        # M_block3_attn_v_B_new = 0.9*M_block3_attn_v_B + 0.1*d_block3_attn_v_B   (computed with the next statement)
+        M_block3_attn_v_B_new = T['M_block3_attn_v_B']  # in place: the new M_block3_attn_v_B
+        # block3_attn_v_B_new = block3_attn_v_B*(-lr*decay + 1) - lr*M_block3_attn_v_B_new/(bias1*(sqrt(S_block3_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_v_B_new = T['block3_attn_v_B']  # in place: the new block3_attn_v_B
+        rt.ew_pair((ew_scale_add, M_block3_attn_v_B_new, T['M_block3_attn_v_B'], d_block3_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay))
+        # free d_block3_attn_v_B
+        del d_block3_attn_v_B
+        mem.free(127)
+
+        # ---- block3_attn (scaled dot-product attention), backward ----
+        # d_block3_attn_k_matmul = reshape[1600x64](d_block3_attn_reshape_2)
+        d_block3_attn_k_matmul = rt.reshape(d_block3_attn_reshape_2, shape=(1600, 64))
+
+        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
+        # d_block3_attn_k_W = matmul[ta](d_block3_attn_k_matmul, block3_attn_q_reshape)
+        d_block3_attn_k_W = mem.tensor(128, (64, 64), 'float32')
+        rt.matmul(d_block3_attn_k_matmul, block3_attn_q_reshape, out=d_block3_attn_k_W, ta=True, workspace=mem.workspace(49152))
+
+        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
+        # d_block3_attn_v_W = matmul[ta](d_block3_attn_v_add, block3_attn_q_reshape)
+        d_block3_attn_v_W = mem.tensor(129, (64, 64), 'float32')
+        rt.matmul(d_block3_attn_v_add, block3_attn_q_reshape, out=d_block3_attn_v_W, ta=True, workspace=mem.workspace(49152))
+        # free block3_ln1, block3_attn_q_reshape
+        del block3_ln1, block3_attn_q_reshape
+        mem.free(33)
+
+        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_reshape_2 = matmul(d_block3_attn_k_matmul, block3_attn_k_W)
+        d_block3_attn_q_reshape_2 = mem.tensor(130, (1600, 64), 'float32')
+        rt.matmul(d_block3_attn_k_matmul, T['block3_attn_k_W'], out=d_block3_attn_q_reshape_2)
+        # free d_block3_attn_reshape_2, d_block3_attn_k_matmul
+        del d_block3_attn_reshape_2, d_block3_attn_k_matmul
+        mem.free(125)
+
+        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_reshape_3 = matmul(d_block3_attn_v_add, block3_attn_v_W)
+        d_block3_attn_q_reshape_3 = mem.tensor(131, (1600, 64), 'float32')
+        rt.matmul(d_block3_attn_v_add, T['block3_attn_v_W'], out=d_block3_attn_q_reshape_3)
+        # free d_block3_attn_reshape_3, d_block3_attn_v_add
+        del d_block3_attn_reshape_3, d_block3_attn_v_add
+        mem.free(126)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape_3 + d_block3_attn_q_reshape_2 + d_block3_attn_q_reshape
+        d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape_3  # in place: over d_block3_attn_q_reshape_3
+        rt.ew(ew_add_3, d_block3_attn_q_reshape_4, d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_2, d_block3_attn_q_reshape)
+        # free d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
+        del d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
+        mem.free(122, 130)
+
+        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
+        # S_block3_attn_k_W_new = 0.999*S_block3_attn_k_W + 0.001*d_block3_attn_k_W**2
+        S_block3_attn_k_W_new = T['S_block3_attn_k_W']  # in place: the new S_block3_attn_k_W
+        rt.ew(ew_square_scale_add, S_block3_attn_k_W_new, T['S_block3_attn_k_W'], d_block3_attn_k_W)
+        # M_block3_attn_k_W_new = 0.9*M_block3_attn_k_W + 0.1*d_block3_attn_k_W   (computed with the next statement)
+        M_block3_attn_k_W_new = T['M_block3_attn_k_W']  # in place: the new M_block3_attn_k_W
+        # block3_attn_k_W_new = block3_attn_k_W*(-lr*decay + 1) - lr*M_block3_attn_k_W_new/(bias1*(sqrt(S_block3_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_k_W_new = T['block3_attn_k_W']  # in place: the new block3_attn_k_W
+        rt.ew_pair((ew_scale_add, M_block3_attn_k_W_new, T['M_block3_attn_k_W'], d_block3_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay))
+        # free d_block3_attn_k_W
+        del d_block3_attn_k_W
+        mem.free(128)
+
+        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
+        # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2
+        S_block3_attn_v_W_new = T['S_block3_attn_v_W']  # in place: the new S_block3_attn_v_W
+        rt.ew(ew_square_scale_add, S_block3_attn_v_W_new, T['S_block3_attn_v_W'], d_block3_attn_v_W)
+        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W   (computed with the next statement)
+        M_block3_attn_v_W_new = T['M_block3_attn_v_W']  # in place: the new M_block3_attn_v_W
+        # block3_attn_v_W_new = block3_attn_v_W*(-lr*decay + 1) - lr*M_block3_attn_v_W_new/(bias1*(sqrt(S_block3_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_v_W_new = T['block3_attn_v_W']  # in place: the new block3_attn_v_W
+        rt.ew_pair((ew_scale_add, M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay))
+        # free d_block3_attn_v_W
+        del d_block3_attn_v_W
+        mem.free(129)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
+        # d_block3_ln1 = reshape[100x16x64](d_block3_attn_q_reshape_4)
+        d_block3_ln1 = rt.reshape(d_block3_attn_q_reshape_4, shape=(100, 16, 64))
+
+        # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block3_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block3_ln1_add, d_block3_ln1)
+        d_block3_ln1_layer_norm_param_grad = mem.tensor(132, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block3_ln1_add, d_block3_ln1, out=d_block3_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
+        # d_block3_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block3_ln1_add, d_block3_ln1, block3_ln1_W)
+        d_block3_ln1_add = d_block3_ln1  # in place: over d_block3_ln1
+        rt.layer_norm_grad(block3_ln1_add, d_block3_ln1, T['block3_ln1_W'], out=d_block3_ln1_add, axes=1, eps=1e-05)
+        # free block2_fc2_matmul, block2_fc2_add, block2_fc2, block3_ln1_add
+        del block2_fc2_matmul, block2_fc2_add, block2_fc2, block3_ln1_add
+        mem.free(32)
+        # d_block3_ln1_add_2 = d_block3_ln2_add_2 + d_block3_ln1_add
+        d_block3_ln1_add_2 = d_block3_ln2_add_2  # in place: over d_block3_ln2_add_2
+        rt.ew(ew_add, d_block3_ln1_add_2, d_block3_ln2_add_2, d_block3_ln1_add)
+        # free d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_add
+        del d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_add
+        mem.free(131)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
+        # d_block2_fc2_add = reshape[1600x64](d_block3_ln1_add_2)
+        d_block2_fc2_add = rt.reshape(d_block3_ln1_add_2, shape=(1600, 64))
+        # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
+        d_block2_fc2_W = mem.tensor(133, (64, 128), 'float32')
+        rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True, workspace=mem.workspace(98304))
+        # free block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_gelu, block2_fc2_reshape
+        mem.free(31)
+        # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
+        S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
+        rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
+        # M_block2_fc2_W_new = 0.9*M_block2_fc2_W + 0.1*d_block2_fc2_W
+        M_block2_fc2_W_new = T['M_block2_fc2_W']  # in place: the new M_block2_fc2_W
+        rt.ew(ew_scale_add, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
+        # free d_block2_fc2_W
+        del d_block2_fc2_W
+        mem.free(133)
+        # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
+        d_block2_fc2_B = mem.tensor(134, (64,), 'float32')
+        rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
+        # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
+        S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
+        rt.ew(ew_square_scale_add, S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B)
+        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the next statement)
+        M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
+        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
+        rt.ew_pair((ew_scale_add, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
+        # free d_block2_fc2_B
+        del d_block2_fc2_B
+        mem.free(134)
+
+        # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block3_ln1_slice = slice[axis=0,start=0,stop=1](d_block3_ln1_layer_norm_param_grad)
+        d_block3_ln1_slice = mem.tensor(135, (1, 64), 'float32')
+        rt.slice(d_block3_ln1_layer_norm_param_grad, out=d_block3_ln1_slice, axis=0, start=0, stop=1)
+        # d_block3_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln1_layer_norm_param_grad)
+        d_block3_ln1_slice_2 = mem.tensor(136, (1, 64), 'float32')
+        rt.slice(d_block3_ln1_layer_norm_param_grad, out=d_block3_ln1_slice_2, axis=0, start=1, stop=2)
+        # free d_block3_ln1_layer_norm_param_grad
+        del d_block3_ln1_layer_norm_param_grad
+        mem.free(132)
+        # d_block3_ln1_W = reshape[64](d_block3_ln1_slice)
+        d_block3_ln1_W = rt.reshape(d_block3_ln1_slice, shape=(64,))
+        # S_block3_ln1_W_new = 0.999*S_block3_ln1_W + 0.001*d_block3_ln1_W**2
+        S_block3_ln1_W_new = T['S_block3_ln1_W']  # in place: the new S_block3_ln1_W
+        rt.ew(ew_square_scale_add, S_block3_ln1_W_new, T['S_block3_ln1_W'], d_block3_ln1_W)
+        # M_block3_ln1_W_new = 0.9*M_block3_ln1_W + 0.1*d_block3_ln1_W   (computed with the next statement)
+        M_block3_ln1_W_new = T['M_block3_ln1_W']  # in place: the new M_block3_ln1_W
+        # block3_ln1_W_new = block3_ln1_W*(-lr*decay + 1) - lr*M_block3_ln1_W_new/(bias1*(sqrt(S_block3_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln1_W_new = T['block3_ln1_W']  # in place: the new block3_ln1_W
+        rt.ew_pair((ew_scale_add, M_block3_ln1_W_new, T['M_block3_ln1_W'], d_block3_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block3_ln1_W_new, T['block3_ln1_W'], lr, bias1, M_block3_ln1_W_new, S_block3_ln1_W_new, bias2, decay))
+        # free d_block3_ln1_slice, d_block3_ln1_W
+        del d_block3_ln1_slice, d_block3_ln1_W
+        mem.free(135)
+        # d_block3_ln1_B = reshape[64](d_block3_ln1_slice_2)
+        d_block3_ln1_B = rt.reshape(d_block3_ln1_slice_2, shape=(64,))
+        # S_block3_ln1_B_new = 0.999*S_block3_ln1_B + 0.001*d_block3_ln1_B**2
+        S_block3_ln1_B_new = T['S_block3_ln1_B']  # in place: the new S_block3_ln1_B
+        rt.ew(ew_square_scale_add, S_block3_ln1_B_new, T['S_block3_ln1_B'], d_block3_ln1_B)
+        # M_block3_ln1_B_new = 0.9*M_block3_ln1_B + 0.1*d_block3_ln1_B   (computed with the next statement)
+        M_block3_ln1_B_new = T['M_block3_ln1_B']  # in place: the new M_block3_ln1_B
+        # block3_ln1_B_new = block3_ln1_B*(-lr*decay + 1) - lr*M_block3_ln1_B_new/(bias1*(sqrt(S_block3_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln1_B_new = T['block3_ln1_B']  # in place: the new block3_ln1_B
+        rt.ew_pair((ew_scale_add, M_block3_ln1_B_new, T['M_block3_ln1_B'], d_block3_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay))
+        # free d_block3_ln1_slice_2, d_block3_ln1_B
+        del d_block3_ln1_slice_2, d_block3_ln1_B
+        mem.free(136)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
+        # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
+        d_block2_fc2_reshape = mem.tensor(137, (1600, 128), 'float32')
+        rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
+        # d_block2_fc1_gelu = reshape[100x16x128](d_block2_fc2_reshape)
+        d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(100, 16, 128))
+
+        # ---- block2_fc1_gelu (gelu), backward ----
+        # d_block2_fc1 = d_block2_fc1_gelu*(sqrt(2)*block2_fc1*exp(-block2_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block2_fc1/2)/2 + 1/2)
+        d_block2_fc1 = d_block2_fc1_gelu  # in place: over d_block2_fc1_gelu
+        rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
+        # free block2_fc1_matmul, block2_fc1_add, block2_fc1
+        del block2_fc1_matmul, block2_fc1_add, block2_fc1
+        mem.free(30)
+
+        # ---- block2_fc1 (fully connected, 128 outputs), backward ----
+        # d_block2_fc1_add = reshape[1600x128](d_block2_fc1)
+        d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(1600, 128))
+        # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
+        d_block2_fc1_W = mem.tensor(138, (128, 64), 'float32')
+        rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True, workspace=mem.workspace(98304))
+        # free block2_ln2, block2_fc1_reshape
+        del block2_ln2, block2_fc1_reshape
+        mem.free(29)
+        # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
+        S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
+        rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
+        # M_block2_fc1_W_new = 0.9*M_block2_fc1_W + 0.1*d_block2_fc1_W
+        M_block2_fc1_W_new = T['M_block2_fc1_W']  # in place: the new M_block2_fc1_W
+        rt.ew(ew_scale_add, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
+        # free d_block2_fc1_W
+        del d_block2_fc1_W
+        mem.free(138)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
+        # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc2_W_new = T['block2_fc2_W']  # in place: the new block2_fc2_W
+        rt.ew(ew_mul_sub_recip_sqrt, block2_fc2_W_new, T['block2_fc2_W'], lr, bias1, M_block2_fc2_W_new, S_block2_fc2_W_new, bias2, decay)
+
+        # ---- block2_fc1 (fully connected, 128 outputs), backward ----
+        # d_block2_fc1_B = sum_to[128](d_block2_fc1_add)
+        d_block2_fc1_B = mem.tensor(139, (128,), 'float32')
+        rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(128,))
+        # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
+        d_block2_fc1_reshape = mem.tensor(140, (1600, 64), 'float32')
+        rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
+        # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
+        del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
+        mem.free(137)
+        # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
+        rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay)
+        # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2
+        S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
+        rt.ew(ew_square_scale_add, S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B)
+        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the next statement)
+        M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
+        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
+        rt.ew_pair((ew_scale_add, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
+        # free d_block2_fc1_B
+        del d_block2_fc1_B
+        mem.free(139)
+        # d_block2_ln2 = reshape[100x16x64](d_block2_fc1_reshape)
+        d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(100, 16, 64))
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2)
+        d_block2_ln2_layer_norm_param_grad = mem.tensor(141, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block2_ln2_add, d_block2_ln2, out=d_block2_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
+        # d_block2_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2, block2_ln2_W)
+        d_block2_ln2_add = d_block2_ln2  # in place: over d_block2_ln2
+        rt.layer_norm_grad(block2_ln2_add, d_block2_ln2, T['block2_ln2_W'], out=d_block2_ln2_add, axes=1, eps=1e-05)
+        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
+        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
+        mem.free(28)
+        # d_block2_ln2_add_2 = d_block3_ln1_add_2 + d_block2_ln2_add
+        d_block2_ln2_add_2 = d_block3_ln1_add_2  # in place: over d_block3_ln1_add_2
+        rt.ew(ew_add, d_block2_ln2_add_2, d_block3_ln1_add_2, d_block2_ln2_add)
+        # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
+        del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
+        mem.free(140)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
+        # d_block2_attn_out_add = reshape[1600x64](d_block2_ln2_add_2)
+        d_block2_attn_out_add = rt.reshape(d_block2_ln2_add_2, shape=(1600, 64))
+        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
+        d_block2_attn_out_W = mem.tensor(142, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
+        # free block2_attn_out_transpose, block2_attn_out_reshape
+        del block2_attn_out_transpose, block2_attn_out_reshape
+        mem.free(27)
+        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
+        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
+        rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
+        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W
+        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
+        rt.ew(ew_scale_add, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
+        # free d_block2_attn_out_W
+        del d_block2_attn_out_W
+        mem.free(142)
+        # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
+        d_block2_attn_out_B = mem.tensor(143, (64,), 'float32')
+        rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
+        # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
+        S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
+        rt.ew(ew_square_scale_add, S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B)
+        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the next statement)
+        M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
+        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
+        rt.ew_pair((ew_scale_add, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
+        # free d_block2_attn_out_B
+        del d_block2_attn_out_B
+        mem.free(143)
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln2_slice = slice[axis=0,start=0,stop=1](d_block2_ln2_layer_norm_param_grad)
+        d_block2_ln2_slice = mem.tensor(144, (1, 64), 'float32')
+        rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice, axis=0, start=0, stop=1)
+        # d_block2_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln2_layer_norm_param_grad)
+        d_block2_ln2_slice_2 = mem.tensor(145, (1, 64), 'float32')
+        rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice_2, axis=0, start=1, stop=2)
+        # free d_block2_ln2_layer_norm_param_grad
+        del d_block2_ln2_layer_norm_param_grad
+        mem.free(141)
+        # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
+        d_block2_ln2_W = rt.reshape(d_block2_ln2_slice, shape=(64,))
+        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
+        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
+        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
+        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the next statement)
+        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
+        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
+        rt.ew_pair((ew_scale_add, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay))
+        # free d_block2_ln2_slice, d_block2_ln2_W
+        del d_block2_ln2_slice, d_block2_ln2_W
+        mem.free(144)
+        # d_block2_ln2_B = reshape[64](d_block2_ln2_slice_2)
+        d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
+        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
+        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
+        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
+        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
+        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
+        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
+        rt.ew_pair((ew_scale_add, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
+        # free d_block2_ln2_slice_2, d_block2_ln2_B
+        del d_block2_ln2_slice_2, d_block2_ln2_B
+        mem.free(145)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
+        # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
+        d_block2_attn_out_reshape = mem.tensor(146, (1600, 64), 'float32')
+        rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
+        # d_block2_attn_out_transpose = reshape[100x16x4x16](d_block2_attn_out_reshape)
+        d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(100, 16, 4, 16))
+        # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
+        d_block2_attn = mem.tensor(147, (100, 4, 16, 16), 'float32')
+        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
+        # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        del d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        mem.free(146)
+
+        # ---- block2_attn (scaled dot-product attention), backward ----
+        # d_block2_attn_attention_grad = attention_grad[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn)
+        d_block2_attn_attention_grad = mem.tensor(148, (307200,), 'float32')
+        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, out=d_block2_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
+        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
+        mem.free(21, 23, 25, 26, 147)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
+        # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
+        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay)
+
+        # ---- block2_attn (scaled dot-product attention), backward ----
+        # d_block2_attn_slice = slice[axis=0,start=0,stop=102400](d_block2_attn_attention_grad)
+        d_block2_attn_slice = mem.tensor(149, (102400,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=102400)
+        # d_block2_attn_transpose = reshape[100x4x16x16](d_block2_attn_slice)
+        d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(100, 4, 16, 16))
+        # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
+        d_block2_attn_reshape = mem.tensor(150, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
+        # free d_block2_attn_slice, d_block2_attn_transpose
+        del d_block2_attn_slice, d_block2_attn_transpose
+        mem.free(149)
+        # d_block2_attn_q_add = reshape[1600x64](d_block2_attn_reshape)
+        d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(1600, 64))
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
+        d_block2_attn_q_B = mem.tensor(151, (64,), 'float32')
+        rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
+        # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
+        S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
+        rt.ew(ew_square_scale_add, S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B)
+        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the next statement)
+        M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
+        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
+        rt.ew_pair((ew_scale_add, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
+        # free d_block2_attn_q_B
+        del d_block2_attn_q_B
+        mem.free(151)
+        # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
+        d_block2_attn_q_W = mem.tensor(152, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
+        d_block2_attn_q_reshape = mem.tensor(153, (1600, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
+        # free d_block2_attn_reshape, d_block2_attn_q_add
+        del d_block2_attn_reshape, d_block2_attn_q_add
+        mem.free(150)
+        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
+        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
+        rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
+        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the next statement)
+        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
+        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
+        rt.ew_pair((ew_scale_add, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
+        # free d_block2_attn_q_W
+        del d_block2_attn_q_W
+        mem.free(152)
+
+        # ---- block2_attn (scaled dot-product attention), backward ----
+        # d_block2_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block2_attn_attention_grad)
+        d_block2_attn_slice_2 = mem.tensor(154, (102400,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=102400, stop=204800)
+        # d_block2_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block2_attn_attention_grad)
+        d_block2_attn_slice_3 = mem.tensor(155, (102400,), 'float32')
+        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=204800, stop=307200)
+        # free d_block2_attn_attention_grad
+        del d_block2_attn_attention_grad
+        mem.free(148)
+        # d_block2_attn_transpose_2 = reshape[100x4x16x16](d_block2_attn_slice_2)
+        d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(100, 4, 16, 16))
+        # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
+        d_block2_attn_reshape_2 = mem.tensor(156, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
+        # free d_block2_attn_slice_2, d_block2_attn_transpose_2
+        del d_block2_attn_slice_2, d_block2_attn_transpose_2
+        mem.free(154)
+        # d_block2_attn_transpose_3 = reshape[100x4x16x16](d_block2_attn_slice_3)
+        d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(100, 4, 16, 16))
+        # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
+        d_block2_attn_reshape_3 = mem.tensor(157, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
+        # free d_block2_attn_slice_3, d_block2_attn_transpose_3
+        del d_block2_attn_slice_3, d_block2_attn_transpose_3
+        mem.free(155)
+        # d_block2_attn_v_add = reshape[1600x64](d_block2_attn_reshape_3)
+        d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(1600, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
+        d_block2_attn_v_B = mem.tensor(158, (64,), 'float32')
+        rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
+        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
+        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
+        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
+        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
+        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
+        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
+        rt.ew_pair((ew_scale_add, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
+        # free d_block2_attn_v_B
+        del d_block2_attn_v_B
+        mem.free(158)
+
+        # ---- block2_attn (scaled dot-product attention), backward ----
+        # d_block2_attn_k_matmul = reshape[1600x64](d_block2_attn_reshape_2)
+        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_reshape_2, shape=(1600, 64))
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
+        d_block2_attn_k_W = mem.tensor(159, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
+        d_block2_attn_v_W = mem.tensor(160, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
+        # free block2_ln1, block2_attn_q_reshape
+        del block2_ln1, block2_attn_q_reshape
+        mem.free(19)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
+        d_block2_attn_q_reshape_2 = mem.tensor(161, (1600, 64), 'float32')
+        rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
+        # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
+        del d_block2_attn_reshape_2, d_block2_attn_k_matmul
+        mem.free(156)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
+        d_block2_attn_q_reshape_3 = mem.tensor(162, (1600, 64), 'float32')
+        rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
+        # free d_block2_attn_reshape_3, d_block2_attn_v_add
+        del d_block2_attn_reshape_3, d_block2_attn_v_add
+        mem.free(157)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
+        d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3  # in place: over d_block2_attn_q_reshape_3
+        rt.ew(ew_add_3, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
+        # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
+        del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
+        mem.free(153, 161)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
+        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
+        rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
+        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the next statement)
+        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
+        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
+        rt.ew_pair((ew_scale_add, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
+        # free d_block2_attn_k_W
+        del d_block2_attn_k_W
+        mem.free(159)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
+        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
+        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
+        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
+        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
+        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
+        rt.ew_pair((ew_scale_add, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
+        # free d_block2_attn_v_W
+        del d_block2_attn_v_W
+        mem.free(160)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_ln1 = reshape[100x16x64](d_block2_attn_q_reshape_4)
+        d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(100, 16, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1)
+        d_block2_ln1_layer_norm_param_grad = mem.tensor(163, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block2_ln1_add, d_block2_ln1, out=d_block2_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
+        # d_block2_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1, block2_ln1_W)
+        d_block2_ln1_add = d_block2_ln1  # in place: over d_block2_ln1
+        rt.layer_norm_grad(block2_ln1_add, d_block2_ln1, T['block2_ln1_W'], out=d_block2_ln1_add, axes=1, eps=1e-05)
+        # free block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
+        del block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
+        mem.free(18)
+        # d_block2_ln1_add_2 = d_block2_ln2_add_2 + d_block2_ln1_add
+        d_block2_ln1_add_2 = d_block2_ln2_add_2  # in place: over d_block2_ln2_add_2
+        rt.ew(ew_add, d_block2_ln1_add_2, d_block2_ln2_add_2, d_block2_ln1_add)
+        # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
+        del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
+        mem.free(162)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
+        # d_block1_fc2_add = reshape[1600x64](d_block2_ln1_add_2)
+        d_block1_fc2_add = rt.reshape(d_block2_ln1_add_2, shape=(1600, 64))
+        # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
+        d_block1_fc2_W = mem.tensor(164, (64, 128), 'float32')
+        rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True, workspace=mem.workspace(98304))
+        # free block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_gelu, block1_fc2_reshape
+        mem.free(17)
+        # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
+        S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
+        rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
+        # M_block1_fc2_W_new = 0.9*M_block1_fc2_W + 0.1*d_block1_fc2_W
+        M_block1_fc2_W_new = T['M_block1_fc2_W']  # in place: the new M_block1_fc2_W
+        rt.ew(ew_scale_add, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
+        # free d_block1_fc2_W
+        del d_block1_fc2_W
+        mem.free(164)
+        # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
+        d_block1_fc2_B = mem.tensor(165, (64,), 'float32')
+        rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
+        # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
+        S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
+        rt.ew(ew_square_scale_add, S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B)
+        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the next statement)
+        M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
+        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
+        rt.ew_pair((ew_scale_add, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
+                   (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
+        # free d_block1_fc2_B
+        del d_block1_fc2_B
+        mem.free(165)
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
+        d_block2_ln1_slice = mem.tensor(166, (1, 64), 'float32')
+        rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice, axis=0, start=0, stop=1)
+        # d_block2_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln1_layer_norm_param_grad)
+        d_block2_ln1_slice_2 = mem.tensor(167, (1, 64), 'float32')
+        rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice_2, axis=0, start=1, stop=2)
+        # free d_block2_ln1_layer_norm_param_grad
+        del d_block2_ln1_layer_norm_param_grad
+        mem.free(163)
+        # d_block2_ln1_W = reshape[64](d_block2_ln1_slice)
+        d_block2_ln1_W = rt.reshape(d_block2_ln1_slice, shape=(64,))
+        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
+        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
+        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
+        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the next statement)
+        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
+        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
+        rt.ew_pair((ew_scale_add, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay))
+        # free d_block2_ln1_slice, d_block2_ln1_W
+        del d_block2_ln1_slice, d_block2_ln1_W
+        mem.free(166)
+        # d_block2_ln1_B = reshape[64](d_block2_ln1_slice_2)
+        d_block2_ln1_B = rt.reshape(d_block2_ln1_slice_2, shape=(64,))
+        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
+        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
+        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
+        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
+        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
+        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
+        rt.ew_pair((ew_scale_add, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
+        # free d_block2_ln1_slice_2, d_block2_ln1_B
+        del d_block2_ln1_slice_2, d_block2_ln1_B
+        mem.free(167)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
+        # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
+        d_block1_fc2_reshape = mem.tensor(168, (1600, 128), 'float32')
+        rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
+        # d_block1_fc1_gelu = reshape[100x16x128](d_block1_fc2_reshape)
+        d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(100, 16, 128))
+
+        # ---- block1_fc1_gelu (gelu), backward ----
+        # d_block1_fc1 = d_block1_fc1_gelu*(sqrt(2)*block1_fc1*exp(-block1_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block1_fc1/2)/2 + 1/2)
+        d_block1_fc1 = d_block1_fc1_gelu  # in place: over d_block1_fc1_gelu
+        rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
+        # free block1_fc1_matmul, block1_fc1_add, block1_fc1
+        del block1_fc1_matmul, block1_fc1_add, block1_fc1
+        mem.free(16)
+
+        # ---- block1_fc1 (fully connected, 128 outputs), backward ----
+        # d_block1_fc1_add = reshape[1600x128](d_block1_fc1)
+        d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(1600, 128))
+        # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
+        d_block1_fc1_W = mem.tensor(169, (128, 64), 'float32')
+        rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True, workspace=mem.workspace(98304))
+        # free block1_ln2, block1_fc1_reshape
+        del block1_ln2, block1_fc1_reshape
+        mem.free(15)
+        # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
+        S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
+        rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
+        # M_block1_fc1_W_new = 0.9*M_block1_fc1_W + 0.1*d_block1_fc1_W
+        M_block1_fc1_W_new = T['M_block1_fc1_W']  # in place: the new M_block1_fc1_W
+        rt.ew(ew_scale_add, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
+        # free d_block1_fc1_W
+        del d_block1_fc1_W
+        mem.free(169)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
+        # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc2_W_new = T['block1_fc2_W']  # in place: the new block1_fc2_W
+        rt.ew(ew_mul_sub_recip_sqrt, block1_fc2_W_new, T['block1_fc2_W'], lr, bias1, M_block1_fc2_W_new, S_block1_fc2_W_new, bias2, decay)
+
+        # ---- block1_fc1 (fully connected, 128 outputs), backward ----
+        # d_block1_fc1_B = sum_to[128](d_block1_fc1_add)
+        d_block1_fc1_B = mem.tensor(170, (128,), 'float32')
+        rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(128,))
+        # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
+        d_block1_fc1_reshape = mem.tensor(171, (1600, 64), 'float32')
+        rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
+        # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
+        del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
+        mem.free(168)
+        # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
+        rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay)
+        # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2
+        S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
+        rt.ew(ew_square_scale_add, S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B)
+        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the next statement)
+        M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
+        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
+        rt.ew_pair((ew_scale_add, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
+                   (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
+        # free d_block1_fc1_B
+        del d_block1_fc1_B
+        mem.free(170)
+        # d_block1_ln2 = reshape[100x16x64](d_block1_fc1_reshape)
+        d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(100, 16, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2)
+        d_block1_ln2_layer_norm_param_grad = mem.tensor(172, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block1_ln2_add_2, d_block1_ln2, out=d_block1_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
+        # d_block1_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2, block1_ln2_W)
+        d_block1_ln2_add = d_block1_ln2  # in place: over d_block1_ln2
+        rt.layer_norm_grad(block1_ln2_add_2, d_block1_ln2, T['block1_ln2_W'], out=d_block1_ln2_add, axes=1, eps=1e-05)
+        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
+        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
+        mem.free(14)
+        # d_block1_ln2_add_2 = d_block2_ln1_add_2 + d_block1_ln2_add
+        d_block1_ln2_add_2 = d_block2_ln1_add_2  # in place: over d_block2_ln1_add_2
+        rt.ew(ew_add, d_block1_ln2_add_2, d_block2_ln1_add_2, d_block1_ln2_add)
+        # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
+        del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
+        mem.free(171)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        # d_block1_attn_out_add = reshape[1600x64](d_block1_ln2_add_2)
+        d_block1_attn_out_add = rt.reshape(d_block1_ln2_add_2, shape=(1600, 64))
+        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
+        d_block1_attn_out_W = mem.tensor(173, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block1_attn_out_transpose, block1_attn_out_reshape
         del block1_attn_out_transpose, block1_attn_out_reshape
         mem.free(13)
+        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
+        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
+        rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
+        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W
+        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
+        rt.ew(ew_scale_add, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
+        # free d_block1_attn_out_W
+        del d_block1_attn_out_W
+        mem.free(173)
+        # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
+        d_block1_attn_out_B = mem.tensor(174, (64,), 'float32')
+        rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
+        # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
+        S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
+        rt.ew(ew_square_scale_add, S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B)
+        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the next statement)
+        M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
+        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
+        rt.ew_pair((ew_scale_add, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
+        # free d_block1_attn_out_B
+        del d_block1_attn_out_B
+        mem.free(174)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln2_slice = slice[axis=0,start=0,stop=1](d_block1_ln2_layer_norm_param_grad)
+        d_block1_ln2_slice = mem.tensor(175, (1, 64), 'float32')
+        rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice, axis=0, start=0, stop=1)
+        # d_block1_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln2_layer_norm_param_grad)
+        d_block1_ln2_slice_2 = mem.tensor(176, (1, 64), 'float32')
+        rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice_2, axis=0, start=1, stop=2)
+        # free d_block1_ln2_layer_norm_param_grad
+        del d_block1_ln2_layer_norm_param_grad
+        mem.free(172)
+        # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
+        d_block1_ln2_W = rt.reshape(d_block1_ln2_slice, shape=(64,))
+        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
+        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
+        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
+        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the next statement)
+        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
+        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
+        rt.ew_pair((ew_scale_add, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay))
+        # free d_block1_ln2_slice, d_block1_ln2_W
+        del d_block1_ln2_slice, d_block1_ln2_W
+        mem.free(175)
+        # d_block1_ln2_B = reshape[64](d_block1_ln2_slice_2)
+        d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
+        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
+        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
+        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
+        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
+        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
+        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
+        rt.ew_pair((ew_scale_add, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
+        # free d_block1_ln2_slice_2, d_block1_ln2_B
+        del d_block1_ln2_slice_2, d_block1_ln2_B
+        mem.free(176)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
+        d_block1_attn_out_reshape = mem.tensor(177, (1600, 64), 'float32')
+        rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
+        # d_block1_attn_out_transpose = reshape[100x16x4x16](d_block1_attn_out_reshape)
+        d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(100, 16, 4, 16))
+        # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
+        d_block1_attn = mem.tensor(178, (100, 4, 16, 16), 'float32')
+        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
+        # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        del d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        mem.free(177)
+
+        # ---- block1_attn (scaled dot-product attention), backward ----
+        # d_block1_attn_attention_grad = attention_grad[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn)
+        d_block1_attn_attention_grad = mem.tensor(179, (307200,), 'float32')
+        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, out=d_block1_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
+        mem.free(7, 9, 11, 12, 178)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
+        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay)
+
+        # ---- block1_attn (scaled dot-product attention), backward ----
+        # d_block1_attn_slice = slice[axis=0,start=0,stop=102400](d_block1_attn_attention_grad)
+        d_block1_attn_slice = mem.tensor(180, (102400,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=102400)
+        # d_block1_attn_transpose = reshape[100x4x16x16](d_block1_attn_slice)
+        d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(100, 4, 16, 16))
+        # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
+        d_block1_attn_reshape = mem.tensor(181, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
+        # free d_block1_attn_slice, d_block1_attn_transpose
+        del d_block1_attn_slice, d_block1_attn_transpose
+        mem.free(180)
+        # d_block1_attn_q_add = reshape[1600x64](d_block1_attn_reshape)
+        d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(1600, 64))
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
+        d_block1_attn_q_B = mem.tensor(182, (64,), 'float32')
+        rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
+        # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
+        S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
+        rt.ew(ew_square_scale_add, S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B)
+        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the next statement)
+        M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
+        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
+        rt.ew_pair((ew_scale_add, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
+        # free d_block1_attn_q_B
+        del d_block1_attn_q_B
+        mem.free(182)
+        # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
+        d_block1_attn_q_W = mem.tensor(183, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
+        d_block1_attn_q_reshape = mem.tensor(184, (1600, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
+        # free d_block1_attn_reshape, d_block1_attn_q_add
+        del d_block1_attn_reshape, d_block1_attn_q_add
+        mem.free(181)
+        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
+        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
+        rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
+        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the next statement)
+        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
+        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
+        rt.ew_pair((ew_scale_add, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
+        # free d_block1_attn_q_W
+        del d_block1_attn_q_W
+        mem.free(183)
+
+        # ---- block1_attn (scaled dot-product attention), backward ----
+        # d_block1_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block1_attn_attention_grad)
+        d_block1_attn_slice_2 = mem.tensor(185, (102400,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=102400, stop=204800)
+        # d_block1_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block1_attn_attention_grad)
+        d_block1_attn_slice_3 = mem.tensor(186, (102400,), 'float32')
+        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=204800, stop=307200)
+        # free d_block1_attn_attention_grad
+        del d_block1_attn_attention_grad
+        mem.free(179)
+        # d_block1_attn_transpose_2 = reshape[100x4x16x16](d_block1_attn_slice_2)
+        d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(100, 4, 16, 16))
+        # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
+        d_block1_attn_reshape_2 = mem.tensor(187, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
+        # free d_block1_attn_slice_2, d_block1_attn_transpose_2
+        del d_block1_attn_slice_2, d_block1_attn_transpose_2
+        mem.free(185)
+        # d_block1_attn_transpose_3 = reshape[100x4x16x16](d_block1_attn_slice_3)
+        d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(100, 4, 16, 16))
+        # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
+        d_block1_attn_reshape_3 = mem.tensor(188, (100, 16, 4, 16), 'float32')
+        rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
+        # free d_block1_attn_slice_3, d_block1_attn_transpose_3
+        del d_block1_attn_slice_3, d_block1_attn_transpose_3
+        mem.free(186)
+        # d_block1_attn_v_add = reshape[1600x64](d_block1_attn_reshape_3)
+        d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(1600, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
+        d_block1_attn_v_B = mem.tensor(189, (64,), 'float32')
+        rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
+        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
+        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
+        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
+        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
+        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
+        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
+        rt.ew_pair((ew_scale_add, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
+        # free d_block1_attn_v_B
+        del d_block1_attn_v_B
+        mem.free(189)
+
+        # ---- block1_attn (scaled dot-product attention), backward ----
+        # d_block1_attn_k_matmul = reshape[1600x64](d_block1_attn_reshape_2)
+        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_reshape_2, shape=(1600, 64))
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
+        d_block1_attn_k_W = mem.tensor(190, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
+        d_block1_attn_v_W = mem.tensor(191, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
+        # free block1_ln1, block1_attn_q_reshape
+        del block1_ln1, block1_attn_q_reshape
+        mem.free(5)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
+        d_block1_attn_q_reshape_2 = mem.tensor(192, (1600, 64), 'float32')
+        rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
+        # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
+        del d_block1_attn_reshape_2, d_block1_attn_k_matmul
+        mem.free(187)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
+        d_block1_attn_q_reshape_3 = mem.tensor(193, (1600, 64), 'float32')
+        rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
+        # free d_block1_attn_reshape_3, d_block1_attn_v_add
+        del d_block1_attn_reshape_3, d_block1_attn_v_add
+        mem.free(188)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
+        d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3  # in place: over d_block1_attn_q_reshape_3
+        rt.ew(ew_add_3, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
+        # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
+        del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
+        mem.free(184, 192)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
+        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
+        rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
+        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the next statement)
+        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
+        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
+        rt.ew_pair((ew_scale_add, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
+        # free d_block1_attn_k_W
+        del d_block1_attn_k_W
+        mem.free(190)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
+        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
+        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
+        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
+        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
+        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
+        rt.ew_pair((ew_scale_add, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
+                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
+        # free d_block1_attn_v_W
+        del d_block1_attn_v_W
+        mem.free(191)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_ln1 = reshape[100x16x64](d_block1_attn_q_reshape_4)
+        d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(100, 16, 64))
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1)
+        d_block1_ln1_layer_norm_param_grad = mem.tensor(194, (2, 64), 'float32')
+        rt.layer_norm_param_grad(block1_ln2_add, d_block1_ln1, out=d_block1_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
+        # d_block1_ln2_add_3 = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1, block1_ln1_W)
+        d_block1_ln2_add_3 = d_block1_ln1  # in place: over d_block1_ln1
+        rt.layer_norm_grad(block1_ln2_add, d_block1_ln1, T['block1_ln1_W'], out=d_block1_ln2_add_3, axes=1, eps=1e-05)
+        # free block1_ln2_transpose, block1_ln2_add
+        del block1_ln2_transpose, block1_ln2_add
+        mem.free(4)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln2_add_4 = d_block1_ln2_add_2 + d_block1_ln2_add_3
+        d_block1_ln2_add_4 = d_block1_ln2_add_2  # in place: over d_block1_ln2_add_2
+        rt.ew(ew_add, d_block1_ln2_add_4, d_block1_ln2_add_2, d_block1_ln2_add_3)
+        # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
+        del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
+        mem.free(193)
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln1_slice = slice[axis=0,start=0,stop=1](d_block1_ln1_layer_norm_param_grad)
+        d_block1_ln1_slice = mem.tensor(195, (1, 64), 'float32')
+        rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice, axis=0, start=0, stop=1)
+        # d_block1_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln1_layer_norm_param_grad)
+        d_block1_ln1_slice_2 = mem.tensor(196, (1, 64), 'float32')
+        rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice_2, axis=0, start=1, stop=2)
+        # free d_block1_ln1_layer_norm_param_grad
+        del d_block1_ln1_layer_norm_param_grad
+        mem.free(194)
+        # d_block1_ln1_W = reshape[64](d_block1_ln1_slice)
+        d_block1_ln1_W = rt.reshape(d_block1_ln1_slice, shape=(64,))
+        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
+        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
+        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
+        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W   (computed with the next statement)
+        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
+        # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
+        rt.ew_pair((ew_scale_add, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay))
+        # free d_block1_ln1_slice, d_block1_ln1_W
+        del d_block1_ln1_slice, d_block1_ln1_W
+        mem.free(195)
+        # d_block1_ln1_B = reshape[64](d_block1_ln1_slice_2)
+        d_block1_ln1_B = rt.reshape(d_block1_ln1_slice_2, shape=(64,))
+        # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
+        S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
+        rt.ew(ew_square_scale_add, S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B)
+        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the next statement)
+        M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
+        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
+        rt.ew_pair((ew_scale_add, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
+        # free d_block1_ln1_slice_2, d_block1_ln1_B
+        del d_block1_ln1_slice_2, d_block1_ln1_B
+        mem.free(196)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        # d_pos = sum_to[1x16x64](d_block1_ln2_add_4)
+        d_pos = mem.tensor(197, (1, 16, 64), 'float32')
+        rt.sum_to(d_block1_ln2_add_4, out=d_pos, shape=(1, 16, 64))
+        # d_block1_ln2_reshape = transpose[axes=(1,2)](d_block1_ln2_add_4)
+        d_block1_ln2_reshape = mem.tensor(198, (100, 64, 16), 'float32')
+        rt.transpose(d_block1_ln2_add_4, out=d_block1_ln2_reshape, axes=(1, 2))
+        # free d_ln, d_ln_add, d_block4_fc2_add, d_block4_ln2_add_2, d_block4_attn_out_add, d_block4_ln1_add_2, d_block3_fc2_add, d_block3_ln2_add_2, d_block3_attn_out_add, d_block3_ln1_add_2, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4
+        del d_ln, d_ln_add, d_block4_fc2_add, d_block4_ln2_add_2, d_block4_attn_out_add, d_block4_ln1_add_2, d_block3_fc2_add, d_block3_ln2_add_2, d_block3_attn_out_add, d_block3_ln1_add_2, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4
+        mem.free(69)
+        # d_patch = reshape[100x64x4x4](d_block1_ln2_reshape)
+        d_patch = rt.reshape(d_block1_ln2_reshape, shape=(100, 64, 4, 4))
+
+        # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), backward ----
+        # d_patch_W = conv2d_bwd_filter[kernel=(7,7),stride=7](d_patch, x)
+        d_patch_W = mem.tensor(199, (64, 1, 7, 7), 'float32')
+        rt.conv2d_bwd_filter(d_patch, x, out=d_patch_W, kernel=(7, 7), pad=0, stride=7, workspace=mem.workspace(723200))
+        # free x
+        del x
+        mem.free(0)
+        # d_patch_sum_to = sum_to[1x64x1x1](d_patch)
+        d_patch_sum_to = mem.tensor(200, (1, 64, 1, 1), 'float32')
+        rt.sum_to(d_patch, out=d_patch_sum_to, shape=(1, 64, 1, 1))
+        # free d_block1_ln2_reshape, d_patch
+        del d_block1_ln2_reshape, d_patch
+        mem.free(198)
+        # S_patch_W_new = 0.999*S_patch_W + 0.001*d_patch_W**2
+        S_patch_W_new = T['S_patch_W']  # in place: the new S_patch_W
+        rt.ew(ew_square_scale_add, S_patch_W_new, T['S_patch_W'], d_patch_W)
+        # M_patch_W_new = 0.9*M_patch_W + 0.1*d_patch_W   (computed with the next statement)
+        M_patch_W_new = T['M_patch_W']  # in place: the new M_patch_W
+        # patch_W_new = patch_W*(-lr*decay + 1) - lr*M_patch_W_new/(bias1*(sqrt(S_patch_W_new)/sqrt(bias2) + 1.0e-8))
+        patch_W_new = T['patch_W']  # in place: the new patch_W
+        rt.ew_pair((ew_scale_add, M_patch_W_new, T['M_patch_W'], d_patch_W),
+                   (ew_mul_sub_recip_sqrt, patch_W_new, T['patch_W'], lr, bias1, M_patch_W_new, S_patch_W_new, bias2, decay))
+        # free d_patch_W
+        del d_patch_W
+        mem.free(199)
+        # d_patch_B = reshape[64](d_patch_sum_to)
+        d_patch_B = rt.reshape(d_patch_sum_to, shape=(64,))
+        # S_patch_B_new = 0.999*S_patch_B + 0.001*d_patch_B**2
+        S_patch_B_new = T['S_patch_B']  # in place: the new S_patch_B
+        rt.ew(ew_square_scale_add, S_patch_B_new, T['S_patch_B'], d_patch_B)
+        # M_patch_B_new = 0.9*M_patch_B + 0.1*d_patch_B   (computed with the next statement)
+        M_patch_B_new = T['M_patch_B']  # in place: the new M_patch_B
+        # patch_B_new = patch_B*(-lr*decay + 1) - lr*M_patch_B_new/(bias1*(sqrt(S_patch_B_new)/sqrt(bias2) + 1.0e-8))
+        patch_B_new = T['patch_B']  # in place: the new patch_B
+        rt.ew_pair((ew_scale_add, M_patch_B_new, T['M_patch_B'], d_patch_B),
+                   (ew_mul_sub_recip_sqrt, patch_B_new, T['patch_B'], lr, bias1, M_patch_B_new, S_patch_B_new, bias2, decay))
+        # free d_patch_sum_to, d_patch_B
+        del d_patch_sum_to, d_patch_B
+        mem.free(200)
+
+        # ---- pos (parameter 1x16x64), backward ----
+        # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
+        S_pos_new = T['S_pos']  # in place: the new S_pos
+        rt.ew(ew_square_scale_add, S_pos_new, T['S_pos'], d_pos)
+        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (computed with the next statement)
+        M_pos_new = T['M_pos']  # in place: the new M_pos
+        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
+        pos_new = T['pos']  # in place: the new pos
+        rt.ew_pair((ew_scale_add, M_pos_new, T['M_pos'], d_pos),
+                   (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
+        # free d_pos
+        del d_pos
+        mem.free(197)
+        loss = rt.scalar(head_cross_entropy)
+        mem.end()
+        return loss
+
+    def test_step(self, x, y):
+        """Accuracy and loss of the batch (no update), and each row's rank of its label among its scores (0: the best; below k: among the k best)."""
+        rt, mem, T = self.rt, self.mem.begin("test_step"), self.tensors
+        x = mem.load(0, x)
+        y = mem.load(1, y)
+
+        # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), forward ----
+        # patch = conv2d[stride=7](x, patch_W, patch_B)
+        patch = mem.tensor(2, (100, 64, 4, 4), 'float32')
+        rt.conv2d(x, T['patch_W'], T['patch_B'], out=patch, pad=0, stride=7, workspace=mem.workspace(409600))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_reshape = reshape[100x64x16](patch)
+        block1_ln2_reshape = rt.reshape(patch, shape=(100, 64, 16))
+        # block1_ln2_transpose = transpose[axes=(1,2)](block1_ln2_reshape)
+        block1_ln2_transpose = mem.tensor(3, (100, 16, 64), 'float32')
+        rt.transpose(block1_ln2_reshape, out=block1_ln2_transpose, axes=(1, 2))
+        # free patch, block1_ln2_reshape
+        del patch, block1_ln2_reshape
+        mem.free(2)
+        # block1_ln2_add = block1_ln2_transpose + pos
+        block1_ln2_add = block1_ln2_transpose  # in place: over block1_ln2_transpose
+        rt.ew(ew_add, block1_ln2_add, block1_ln2_transpose, T['pos'])
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
+        # block1_ln1 = layer_norm[axes=1,eps=1e-05](block1_ln2_add, block1_ln1_W, block1_ln1_B)
+        block1_ln1 = mem.tensor(4, (100, 16, 64), 'float32')
+        rt.layer_norm(block1_ln2_add, T['block1_ln1_W'], T['block1_ln1_B'], out=block1_ln1, axes=1, eps=1e-05)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_reshape = reshape[1600x64](block1_ln1)
+        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(1600, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
+        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
+        block1_attn_v_matmul = mem.tensor(5, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
+        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
+        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
+        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
+        block1_attn_transpose = mem.tensor(6, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        mem.free(5)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
+        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
+        block1_attn_k_matmul = mem.tensor(7, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
+
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
+        block1_attn_transpose_2 = mem.tensor(8, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
+        # free block1_attn_k_matmul, block1_attn_reshape_2
+        del block1_attn_k_matmul, block1_attn_reshape_2
+        mem.free(7)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
+        block1_attn_q_matmul = mem.tensor(9, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # free block1_ln1, block1_attn_q_reshape
+        del block1_ln1, block1_attn_q_reshape
+        mem.free(4)
+        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
+        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
+        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
+
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
+        block1_attn_transpose_3 = mem.tensor(10, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(9)
+        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        block1_attn = mem.tensor(11, (100, 4, 16, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        mem.free(6, 8, 10)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
+        block1_attn_out_transpose = mem.tensor(12, (100, 16, 4, 16), 'float32')
+        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn
+        del block1_attn
+        mem.free(11)
+        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
+        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
+        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
+        block1_attn_out_matmul = mem.tensor(13, (1600, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # free block1_attn_out_transpose, block1_attn_out_reshape
+        del block1_attn_out_transpose, block1_attn_out_reshape
+        mem.free(12)
         # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
         rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
@@ -4196,42 +2918,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
         del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(14)
-        # block1_ln2_sum_to = sum_to[100x16x1](block1_ln2_add_2)
-        block1_ln2_sum_to = mem.tensor(15, (100, 16, 1), 'float32')
-        rt.sum_to(block1_ln2_add_2, out=block1_ln2_sum_to, shape=(100, 16, 1))
-        # block1_ln2_scale = 0.015625*block1_ln2_sum_to
-        block1_ln2_scale = block1_ln2_sum_to  # in place: over block1_ln2_sum_to
-        rt.ew(ew_scale, block1_ln2_scale, block1_ln2_sum_to)
-        # block1_ln2_sub = block1_ln2_add_2 - block1_ln2_scale   (computed with the next statement)
-        block1_ln2_sub = mem.tensor(16, (100, 16, 64), 'float32')
-        # block1_ln2_sum_to_2 = sum_to[100x16x1](block1_ln2_sub**2)
-        block1_ln2_sum_to_2 = mem.tensor(17, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block1_ln2_sub, block1_ln2_add_2, block1_ln2_scale),
-                      (ew_square, block1_ln2_sum_to_2, block1_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block1_ln2_sum_to, block1_ln2_scale
-        del block1_ln2_sum_to, block1_ln2_scale
-        mem.free(15)
-        # block1_ln2_rsqrt = 1/sqrt(0.015625*block1_ln2_sum_to_2 + 1.0e-5)
-        block1_ln2_rsqrt = block1_ln2_sum_to_2  # in place: over block1_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block1_ln2_rsqrt, block1_ln2_sum_to_2)
-        # block1_ln2 = block1_ln2_sub*block1_ln2_rsqrt*block1_ln2_W + block1_ln2_B
-        block1_ln2 = block1_ln2_sub  # in place: over block1_ln2_sub
-        rt.ew(ew_mul_add_4, block1_ln2, block1_ln2_sub, block1_ln2_rsqrt, T['block1_ln2_W'], T['block1_ln2_B'])
-        # free block1_ln2_sum_to_2, block1_ln2_rsqrt
-        del block1_ln2_sum_to_2, block1_ln2_rsqrt
-        mem.free(17)
+        mem.free(13)
+        # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
+        block1_ln2 = mem.tensor(14, (100, 16, 64), 'float32')
+        rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
 
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(18, (1600, 128), 'float32')
+        block1_fc1_matmul = mem.tensor(15, (1600, 128), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
-        # free block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        del block1_ln2_sub, block1_ln2, block1_fc1_reshape
-        mem.free(16)
+        # free block1_ln2, block1_fc1_reshape
+        del block1_ln2, block1_fc1_reshape
+        mem.free(14)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -4247,11 +2947,11 @@ class Vit(rp.Model):
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(19, (1600, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(16, (1600, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(18)
+        mem.free(15)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -4264,32 +2964,10 @@ class Vit(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(19)
-        # block2_ln1_sum_to = sum_to[100x16x1](block2_ln1_add)
-        block2_ln1_sum_to = mem.tensor(20, (100, 16, 1), 'float32')
-        rt.sum_to(block2_ln1_add, out=block2_ln1_sum_to, shape=(100, 16, 1))
-        # block2_ln1_scale = 0.015625*block2_ln1_sum_to
-        block2_ln1_scale = block2_ln1_sum_to  # in place: over block2_ln1_sum_to
-        rt.ew(ew_scale, block2_ln1_scale, block2_ln1_sum_to)
-        # block2_ln1_sub = block2_ln1_add - block2_ln1_scale   (computed with the next statement)
-        block2_ln1_sub = mem.tensor(21, (100, 16, 64), 'float32')
-        # block2_ln1_sum_to_2 = sum_to[100x16x1](block2_ln1_sub**2)
-        block2_ln1_sum_to_2 = mem.tensor(22, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln1_sub, block2_ln1_add, block2_ln1_scale),
-                      (ew_square, block2_ln1_sum_to_2, block2_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block2_ln1_sum_to, block2_ln1_scale
-        del block2_ln1_sum_to, block2_ln1_scale
-        mem.free(20)
-        # block2_ln1_rsqrt = 1/sqrt(0.015625*block2_ln1_sum_to_2 + 1.0e-5)
-        block2_ln1_rsqrt = block2_ln1_sum_to_2  # in place: over block2_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln1_rsqrt, block2_ln1_sum_to_2)
-        # block2_ln1 = block2_ln1_sub*block2_ln1_rsqrt*block2_ln1_W + block2_ln1_B
-        block2_ln1 = block2_ln1_sub  # in place: over block2_ln1_sub
-        rt.ew(ew_mul_add_4, block2_ln1, block2_ln1_sub, block2_ln1_rsqrt, T['block2_ln1_W'], T['block2_ln1_B'])
-        # free block2_ln1_sum_to_2, block2_ln1_rsqrt
-        del block2_ln1_sum_to_2, block2_ln1_rsqrt
-        mem.free(22)
+        mem.free(16)
+        # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
+        block2_ln1 = mem.tensor(17, (100, 16, 64), 'float32')
+        rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_reshape = reshape[1600x64](block2_ln1)
@@ -4297,7 +2975,7 @@ class Vit(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(23, (1600, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(18, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
@@ -4307,34 +2985,34 @@ class Vit(rp.Model):
         # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
         block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
         # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(24, (100, 4, 16, 16), 'float32')
+        block2_attn_transpose = mem.tensor(19, (100, 4, 16, 16), 'float32')
         rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
         # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
         del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(23)
+        mem.free(18)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(25, (1600, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(20, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- block2_attn (scaled dot-product attention), forward ----
         # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
         block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
         # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(26, (100, 4, 16, 16), 'float32')
+        block2_attn_transpose_2 = mem.tensor(21, (100, 4, 16, 16), 'float32')
         rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
         # free block2_attn_k_matmul, block2_attn_reshape_2
         del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(25)
+        mem.free(20)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(27, (1600, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(22, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
-        # free block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        del block2_ln1_sub, block2_ln1, block2_attn_q_reshape
-        mem.free(21)
+        # free block2_ln1, block2_attn_q_reshape
+        del block2_ln1, block2_attn_q_reshape
+        mem.free(17)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
@@ -4343,33 +3021,33 @@ class Vit(rp.Model):
         # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
         block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
         # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(28, (100, 4, 16, 16), 'float32')
+        block2_attn_transpose_3 = mem.tensor(23, (100, 4, 16, 16), 'float32')
         rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
         # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
         del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(27)
+        mem.free(22)
         # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(29, (100, 4, 16, 16), 'float32')
+        block2_attn = mem.tensor(24, (100, 4, 16, 16), 'float32')
         rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
         # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
         del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        mem.free(24, 26, 28)
+        mem.free(19, 21, 23)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(30, (100, 16, 4, 16), 'float32')
+        block2_attn_out_transpose = mem.tensor(25, (100, 16, 4, 16), 'float32')
         rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
         # free block2_attn
         del block2_attn
-        mem.free(29)
+        mem.free(24)
         # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
         block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
         # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(31, (1600, 64), 'float32')
+        block2_attn_out_matmul = mem.tensor(26, (1600, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
         # free block2_attn_out_transpose, block2_attn_out_reshape
         del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(30)
+        mem.free(25)
         # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
         rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
@@ -4382,42 +3060,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
         del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(31)
-        # block2_ln2_sum_to = sum_to[100x16x1](block2_ln2_add)
-        block2_ln2_sum_to = mem.tensor(32, (100, 16, 1), 'float32')
-        rt.sum_to(block2_ln2_add, out=block2_ln2_sum_to, shape=(100, 16, 1))
-        # block2_ln2_scale = 0.015625*block2_ln2_sum_to
-        block2_ln2_scale = block2_ln2_sum_to  # in place: over block2_ln2_sum_to
-        rt.ew(ew_scale, block2_ln2_scale, block2_ln2_sum_to)
-        # block2_ln2_sub = block2_ln2_add - block2_ln2_scale   (computed with the next statement)
-        block2_ln2_sub = mem.tensor(33, (100, 16, 64), 'float32')
-        # block2_ln2_sum_to_2 = sum_to[100x16x1](block2_ln2_sub**2)
-        block2_ln2_sum_to_2 = mem.tensor(34, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block2_ln2_sub, block2_ln2_add, block2_ln2_scale),
-                      (ew_square, block2_ln2_sum_to_2, block2_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block2_ln2_sum_to, block2_ln2_scale
-        del block2_ln2_sum_to, block2_ln2_scale
-        mem.free(32)
-        # block2_ln2_rsqrt = 1/sqrt(0.015625*block2_ln2_sum_to_2 + 1.0e-5)
-        block2_ln2_rsqrt = block2_ln2_sum_to_2  # in place: over block2_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block2_ln2_rsqrt, block2_ln2_sum_to_2)
-        # block2_ln2 = block2_ln2_sub*block2_ln2_rsqrt*block2_ln2_W + block2_ln2_B
-        block2_ln2 = block2_ln2_sub  # in place: over block2_ln2_sub
-        rt.ew(ew_mul_add_4, block2_ln2, block2_ln2_sub, block2_ln2_rsqrt, T['block2_ln2_W'], T['block2_ln2_B'])
-        # free block2_ln2_sum_to_2, block2_ln2_rsqrt
-        del block2_ln2_sum_to_2, block2_ln2_rsqrt
-        mem.free(34)
+        mem.free(26)
+        # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
+        block2_ln2 = mem.tensor(27, (100, 16, 64), 'float32')
+        rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
 
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(35, (1600, 128), 'float32')
+        block2_fc1_matmul = mem.tensor(28, (1600, 128), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
-        # free block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        del block2_ln2_sub, block2_ln2, block2_fc1_reshape
-        mem.free(33)
+        # free block2_ln2, block2_fc1_reshape
+        del block2_ln2, block2_fc1_reshape
+        mem.free(27)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -4433,11 +3089,11 @@ class Vit(rp.Model):
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(36, (1600, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(29, (1600, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(35)
+        mem.free(28)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -4450,32 +3106,10 @@ class Vit(rp.Model):
         rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(36)
-        # block3_ln1_sum_to = sum_to[100x16x1](block3_ln1_add)
-        block3_ln1_sum_to = mem.tensor(37, (100, 16, 1), 'float32')
-        rt.sum_to(block3_ln1_add, out=block3_ln1_sum_to, shape=(100, 16, 1))
-        # block3_ln1_scale = 0.015625*block3_ln1_sum_to
-        block3_ln1_scale = block3_ln1_sum_to  # in place: over block3_ln1_sum_to
-        rt.ew(ew_scale, block3_ln1_scale, block3_ln1_sum_to)
-        # block3_ln1_sub = block3_ln1_add - block3_ln1_scale   (computed with the next statement)
-        block3_ln1_sub = mem.tensor(38, (100, 16, 64), 'float32')
-        # block3_ln1_sum_to_2 = sum_to[100x16x1](block3_ln1_sub**2)
-        block3_ln1_sum_to_2 = mem.tensor(39, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block3_ln1_sub, block3_ln1_add, block3_ln1_scale),
-                      (ew_square, block3_ln1_sum_to_2, block3_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block3_ln1_sum_to, block3_ln1_scale
-        del block3_ln1_sum_to, block3_ln1_scale
-        mem.free(37)
-        # block3_ln1_rsqrt = 1/sqrt(0.015625*block3_ln1_sum_to_2 + 1.0e-5)
-        block3_ln1_rsqrt = block3_ln1_sum_to_2  # in place: over block3_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block3_ln1_rsqrt, block3_ln1_sum_to_2)
-        # block3_ln1 = block3_ln1_sub*block3_ln1_rsqrt*block3_ln1_W + block3_ln1_B
-        block3_ln1 = block3_ln1_sub  # in place: over block3_ln1_sub
-        rt.ew(ew_mul_add_4, block3_ln1, block3_ln1_sub, block3_ln1_rsqrt, T['block3_ln1_W'], T['block3_ln1_B'])
-        # free block3_ln1_sum_to_2, block3_ln1_rsqrt
-        del block3_ln1_sum_to_2, block3_ln1_rsqrt
-        mem.free(39)
+        mem.free(29)
+        # block3_ln1 = layer_norm[axes=1,eps=1e-05](block3_ln1_add, block3_ln1_W, block3_ln1_B)
+        block3_ln1 = mem.tensor(30, (100, 16, 64), 'float32')
+        rt.layer_norm(block3_ln1_add, T['block3_ln1_W'], T['block3_ln1_B'], out=block3_ln1, axes=1, eps=1e-05)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_reshape = reshape[1600x64](block3_ln1)
@@ -4483,7 +3117,7 @@ class Vit(rp.Model):
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
         # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(40, (1600, 64), 'float32')
+        block3_attn_v_matmul = mem.tensor(31, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
         # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
         block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
@@ -4493,34 +3127,34 @@ class Vit(rp.Model):
         # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
         block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
         # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
-        block3_attn_transpose = mem.tensor(41, (100, 4, 16, 16), 'float32')
+        block3_attn_transpose = mem.tensor(32, (100, 4, 16, 16), 'float32')
         rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
         # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
         del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        mem.free(40)
+        mem.free(31)
 
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
-        block3_attn_k_matmul = mem.tensor(42, (1600, 64), 'float32')
+        block3_attn_k_matmul = mem.tensor(33, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
 
         # ---- block3_attn (scaled dot-product attention), forward ----
         # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
         block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
         # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
-        block3_attn_transpose_2 = mem.tensor(43, (100, 4, 16, 16), 'float32')
+        block3_attn_transpose_2 = mem.tensor(34, (100, 4, 16, 16), 'float32')
         rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
         # free block3_attn_k_matmul, block3_attn_reshape_2
         del block3_attn_k_matmul, block3_attn_reshape_2
-        mem.free(42)
+        mem.free(33)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(44, (1600, 64), 'float32')
+        block3_attn_q_matmul = mem.tensor(35, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
-        # free block3_ln1_sub, block3_ln1, block3_attn_q_reshape
-        del block3_ln1_sub, block3_ln1, block3_attn_q_reshape
-        mem.free(38)
+        # free block3_ln1, block3_attn_q_reshape
+        del block3_ln1, block3_attn_q_reshape
+        mem.free(30)
         # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
         block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
         rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
@@ -4529,33 +3163,33 @@ class Vit(rp.Model):
         # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
         block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
         # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
-        block3_attn_transpose_3 = mem.tensor(45, (100, 4, 16, 16), 'float32')
+        block3_attn_transpose_3 = mem.tensor(36, (100, 4, 16, 16), 'float32')
         rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
         # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
         del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        mem.free(44)
+        mem.free(35)
         # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
-        block3_attn = mem.tensor(46, (100, 4, 16, 16), 'float32')
+        block3_attn = mem.tensor(37, (100, 4, 16, 16), 'float32')
         rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
         # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
         del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
-        mem.free(41, 43, 45)
+        mem.free(32, 34, 36)
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
         # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
-        block3_attn_out_transpose = mem.tensor(47, (100, 16, 4, 16), 'float32')
+        block3_attn_out_transpose = mem.tensor(38, (100, 16, 4, 16), 'float32')
         rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
         # free block3_attn
         del block3_attn
-        mem.free(46)
+        mem.free(37)
         # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
         block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
         # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
-        block3_attn_out_matmul = mem.tensor(48, (1600, 64), 'float32')
+        block3_attn_out_matmul = mem.tensor(39, (1600, 64), 'float32')
         rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
         # free block3_attn_out_transpose, block3_attn_out_reshape
         del block3_attn_out_transpose, block3_attn_out_reshape
-        mem.free(47)
+        mem.free(38)
         # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
         block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
         rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
@@ -4568,42 +3202,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
         # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
         del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
-        mem.free(48)
-        # block3_ln2_sum_to = sum_to[100x16x1](block3_ln2_add)
-        block3_ln2_sum_to = mem.tensor(49, (100, 16, 1), 'float32')
-        rt.sum_to(block3_ln2_add, out=block3_ln2_sum_to, shape=(100, 16, 1))
-        # block3_ln2_scale = 0.015625*block3_ln2_sum_to
-        block3_ln2_scale = block3_ln2_sum_to  # in place: over block3_ln2_sum_to
-        rt.ew(ew_scale, block3_ln2_scale, block3_ln2_sum_to)
-        # block3_ln2_sub = block3_ln2_add - block3_ln2_scale   (computed with the next statement)
-        block3_ln2_sub = mem.tensor(50, (100, 16, 64), 'float32')
-        # block3_ln2_sum_to_2 = sum_to[100x16x1](block3_ln2_sub**2)
-        block3_ln2_sum_to_2 = mem.tensor(51, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block3_ln2_sub, block3_ln2_add, block3_ln2_scale),
-                      (ew_square, block3_ln2_sum_to_2, block3_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block3_ln2_sum_to, block3_ln2_scale
-        del block3_ln2_sum_to, block3_ln2_scale
-        mem.free(49)
-        # block3_ln2_rsqrt = 1/sqrt(0.015625*block3_ln2_sum_to_2 + 1.0e-5)
-        block3_ln2_rsqrt = block3_ln2_sum_to_2  # in place: over block3_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block3_ln2_rsqrt, block3_ln2_sum_to_2)
-        # block3_ln2 = block3_ln2_sub*block3_ln2_rsqrt*block3_ln2_W + block3_ln2_B
-        block3_ln2 = block3_ln2_sub  # in place: over block3_ln2_sub
-        rt.ew(ew_mul_add_4, block3_ln2, block3_ln2_sub, block3_ln2_rsqrt, T['block3_ln2_W'], T['block3_ln2_B'])
-        # free block3_ln2_sum_to_2, block3_ln2_rsqrt
-        del block3_ln2_sum_to_2, block3_ln2_rsqrt
-        mem.free(51)
+        mem.free(39)
+        # block3_ln2 = layer_norm[axes=1,eps=1e-05](block3_ln2_add, block3_ln2_W, block3_ln2_B)
+        block3_ln2 = mem.tensor(40, (100, 16, 64), 'float32')
+        rt.layer_norm(block3_ln2_add, T['block3_ln2_W'], T['block3_ln2_B'], out=block3_ln2, axes=1, eps=1e-05)
 
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
         # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(52, (1600, 128), 'float32')
+        block3_fc1_matmul = mem.tensor(41, (1600, 128), 'float32')
         rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
-        # free block3_ln2_sub, block3_ln2, block3_fc1_reshape
-        del block3_ln2_sub, block3_ln2, block3_fc1_reshape
-        mem.free(50)
+        # free block3_ln2, block3_fc1_reshape
+        del block3_ln2, block3_fc1_reshape
+        mem.free(40)
         # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
         block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
         rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
@@ -4619,11 +3231,11 @@ class Vit(rp.Model):
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
         # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(53, (1600, 64), 'float32')
+        block3_fc2_matmul = mem.tensor(42, (1600, 64), 'float32')
         rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
         # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
-        mem.free(52)
+        mem.free(41)
         # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
         block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
         rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
@@ -4636,32 +3248,10 @@ class Vit(rp.Model):
         rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
         # free block3_fc2_matmul, block3_fc2_add, block3_fc2
         del block3_fc2_matmul, block3_fc2_add, block3_fc2
-        mem.free(53)
-        # block4_ln1_sum_to = sum_to[100x16x1](block4_ln1_add)
-        block4_ln1_sum_to = mem.tensor(54, (100, 16, 1), 'float32')
-        rt.sum_to(block4_ln1_add, out=block4_ln1_sum_to, shape=(100, 16, 1))
-        # block4_ln1_scale = 0.015625*block4_ln1_sum_to
-        block4_ln1_scale = block4_ln1_sum_to  # in place: over block4_ln1_sum_to
-        rt.ew(ew_scale, block4_ln1_scale, block4_ln1_sum_to)
-        # block4_ln1_sub = block4_ln1_add - block4_ln1_scale   (computed with the next statement)
-        block4_ln1_sub = mem.tensor(55, (100, 16, 64), 'float32')
-        # block4_ln1_sum_to_2 = sum_to[100x16x1](block4_ln1_sub**2)
-        block4_ln1_sum_to_2 = mem.tensor(56, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block4_ln1_sub, block4_ln1_add, block4_ln1_scale),
-                      (ew_square, block4_ln1_sum_to_2, block4_ln1_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block4_ln1_sum_to, block4_ln1_scale
-        del block4_ln1_sum_to, block4_ln1_scale
-        mem.free(54)
-        # block4_ln1_rsqrt = 1/sqrt(0.015625*block4_ln1_sum_to_2 + 1.0e-5)
-        block4_ln1_rsqrt = block4_ln1_sum_to_2  # in place: over block4_ln1_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block4_ln1_rsqrt, block4_ln1_sum_to_2)
-        # block4_ln1 = block4_ln1_sub*block4_ln1_rsqrt*block4_ln1_W + block4_ln1_B
-        block4_ln1 = block4_ln1_sub  # in place: over block4_ln1_sub
-        rt.ew(ew_mul_add_4, block4_ln1, block4_ln1_sub, block4_ln1_rsqrt, T['block4_ln1_W'], T['block4_ln1_B'])
-        # free block4_ln1_sum_to_2, block4_ln1_rsqrt
-        del block4_ln1_sum_to_2, block4_ln1_rsqrt
-        mem.free(56)
+        mem.free(42)
+        # block4_ln1 = layer_norm[axes=1,eps=1e-05](block4_ln1_add, block4_ln1_W, block4_ln1_B)
+        block4_ln1 = mem.tensor(43, (100, 16, 64), 'float32')
+        rt.layer_norm(block4_ln1_add, T['block4_ln1_W'], T['block4_ln1_B'], out=block4_ln1, axes=1, eps=1e-05)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_reshape = reshape[1600x64](block4_ln1)
@@ -4669,7 +3259,7 @@ class Vit(rp.Model):
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
         # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(57, (1600, 64), 'float32')
+        block4_attn_v_matmul = mem.tensor(44, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
         # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
         block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
@@ -4679,34 +3269,34 @@ class Vit(rp.Model):
         # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
         block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
         # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
-        block4_attn_transpose = mem.tensor(58, (100, 4, 16, 16), 'float32')
+        block4_attn_transpose = mem.tensor(45, (100, 4, 16, 16), 'float32')
         rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
         # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
         del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        mem.free(57)
+        mem.free(44)
 
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
-        block4_attn_k_matmul = mem.tensor(59, (1600, 64), 'float32')
+        block4_attn_k_matmul = mem.tensor(46, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
 
         # ---- block4_attn (scaled dot-product attention), forward ----
         # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
         block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
         # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
-        block4_attn_transpose_2 = mem.tensor(60, (100, 4, 16, 16), 'float32')
+        block4_attn_transpose_2 = mem.tensor(47, (100, 4, 16, 16), 'float32')
         rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
         # free block4_attn_k_matmul, block4_attn_reshape_2
         del block4_attn_k_matmul, block4_attn_reshape_2
-        mem.free(59)
+        mem.free(46)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(61, (1600, 64), 'float32')
+        block4_attn_q_matmul = mem.tensor(48, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
-        # free block4_ln1_sub, block4_ln1, block4_attn_q_reshape
-        del block4_ln1_sub, block4_ln1, block4_attn_q_reshape
-        mem.free(55)
+        # free block4_ln1, block4_attn_q_reshape
+        del block4_ln1, block4_attn_q_reshape
+        mem.free(43)
         # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
         block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
         rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
@@ -4715,33 +3305,33 @@ class Vit(rp.Model):
         # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
         block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
         # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
-        block4_attn_transpose_3 = mem.tensor(62, (100, 4, 16, 16), 'float32')
+        block4_attn_transpose_3 = mem.tensor(49, (100, 4, 16, 16), 'float32')
         rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
         # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
         del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        mem.free(61)
+        mem.free(48)
         # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
-        block4_attn = mem.tensor(63, (100, 4, 16, 16), 'float32')
+        block4_attn = mem.tensor(50, (100, 4, 16, 16), 'float32')
         rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
         # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
         del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
-        mem.free(58, 60, 62)
+        mem.free(45, 47, 49)
 
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
         # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
-        block4_attn_out_transpose = mem.tensor(64, (100, 16, 4, 16), 'float32')
+        block4_attn_out_transpose = mem.tensor(51, (100, 16, 4, 16), 'float32')
         rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
         # free block4_attn
         del block4_attn
-        mem.free(63)
+        mem.free(50)
         # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
         block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
         # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
-        block4_attn_out_matmul = mem.tensor(65, (1600, 64), 'float32')
+        block4_attn_out_matmul = mem.tensor(52, (1600, 64), 'float32')
         rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
         # free block4_attn_out_transpose, block4_attn_out_reshape
         del block4_attn_out_transpose, block4_attn_out_reshape
-        mem.free(64)
+        mem.free(51)
         # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
         block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
         rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
@@ -4754,42 +3344,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
         # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
         del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
-        mem.free(65)
-        # block4_ln2_sum_to = sum_to[100x16x1](block4_ln2_add)
-        block4_ln2_sum_to = mem.tensor(66, (100, 16, 1), 'float32')
-        rt.sum_to(block4_ln2_add, out=block4_ln2_sum_to, shape=(100, 16, 1))
-        # block4_ln2_scale = 0.015625*block4_ln2_sum_to
-        block4_ln2_scale = block4_ln2_sum_to  # in place: over block4_ln2_sum_to
-        rt.ew(ew_scale, block4_ln2_scale, block4_ln2_sum_to)
-        # block4_ln2_sub = block4_ln2_add - block4_ln2_scale   (computed with the next statement)
-        block4_ln2_sub = mem.tensor(67, (100, 16, 64), 'float32')
-        # block4_ln2_sum_to_2 = sum_to[100x16x1](block4_ln2_sub**2)
-        block4_ln2_sum_to_2 = mem.tensor(68, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub, block4_ln2_sub, block4_ln2_add, block4_ln2_scale),
-                      (ew_square, block4_ln2_sum_to_2, block4_ln2_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free block4_ln2_sum_to, block4_ln2_scale
-        del block4_ln2_sum_to, block4_ln2_scale
-        mem.free(66)
-        # block4_ln2_rsqrt = 1/sqrt(0.015625*block4_ln2_sum_to_2 + 1.0e-5)
-        block4_ln2_rsqrt = block4_ln2_sum_to_2  # in place: over block4_ln2_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, block4_ln2_rsqrt, block4_ln2_sum_to_2)
-        # block4_ln2 = block4_ln2_sub*block4_ln2_rsqrt*block4_ln2_W + block4_ln2_B
-        block4_ln2 = block4_ln2_sub  # in place: over block4_ln2_sub
-        rt.ew(ew_mul_add_4, block4_ln2, block4_ln2_sub, block4_ln2_rsqrt, T['block4_ln2_W'], T['block4_ln2_B'])
-        # free block4_ln2_sum_to_2, block4_ln2_rsqrt
-        del block4_ln2_sum_to_2, block4_ln2_rsqrt
-        mem.free(68)
+        mem.free(52)
+        # block4_ln2 = layer_norm[axes=1,eps=1e-05](block4_ln2_add, block4_ln2_W, block4_ln2_B)
+        block4_ln2 = mem.tensor(53, (100, 16, 64), 'float32')
+        rt.layer_norm(block4_ln2_add, T['block4_ln2_W'], T['block4_ln2_B'], out=block4_ln2, axes=1, eps=1e-05)
 
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
         # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(69, (1600, 128), 'float32')
+        block4_fc1_matmul = mem.tensor(54, (1600, 128), 'float32')
         rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
-        # free block4_ln2_sub, block4_ln2, block4_fc1_reshape
-        del block4_ln2_sub, block4_ln2, block4_fc1_reshape
-        mem.free(67)
+        # free block4_ln2, block4_fc1_reshape
+        del block4_ln2, block4_fc1_reshape
+        mem.free(53)
         # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
         block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
         rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
@@ -4805,11 +3373,11 @@ class Vit(rp.Model):
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
         # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(70, (1600, 64), 'float32')
+        block4_fc2_matmul = mem.tensor(55, (1600, 64), 'float32')
         rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
         # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
         del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
-        mem.free(69)
+        mem.free(54)
         # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
         block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
         rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
@@ -4822,45 +3390,691 @@ class Vit(rp.Model):
         rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
         # free block4_fc2_matmul, block4_fc2_add, block4_fc2
         del block4_fc2_matmul, block4_fc2_add, block4_fc2
-        mem.free(70)
-        # ln_sum_to = sum_to[100x16x1](ln_add)
-        ln_sum_to = mem.tensor(71, (100, 16, 1), 'float32')
-        rt.sum_to(ln_add, out=ln_sum_to, shape=(100, 16, 1))
-        # ln_scale = 0.015625*ln_sum_to
-        ln_scale = ln_sum_to  # in place: over ln_sum_to
-        rt.ew(ew_scale, ln_scale, ln_sum_to)
-        # ln_sub = ln_add - ln_scale   (computed with the next statement)
-        ln_sub = ln_add  # in place: over ln_add
-        # ln_sum_to_2 = sum_to[100x16x1](ln_sub**2)
-        ln_sum_to_2 = mem.tensor(72, (100, 16, 1), 'float32')
-        rt.ew_and_sum((ew_sub_2, ln_sub, ln_add, ln_scale),
-                      (ew_square, ln_sum_to_2, ln_sub),
-                      shape=(100, 16, 1), workspace=mem.workspace(409600))
-        # free ln_sum_to, ln_scale
-        del ln_sum_to, ln_scale
-        mem.free(71)
-        # ln_rsqrt = 1/sqrt(0.015625*ln_sum_to_2 + 1.0e-5)
-        ln_rsqrt = ln_sum_to_2  # in place: over ln_sum_to_2
-        rt.ew(ew_scale_add_rsqrt, ln_rsqrt, ln_sum_to_2)
+        mem.free(55)
+        # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
+        ln = mem.tensor(56, (100, 16, 64), 'float32')
+        rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
+        # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add
+        del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add
+        mem.free(3)
 
         # ---- head (fully connected, 10 outputs), forward ----
-        # head_sum_to = sum_to[100x1x64](ln_sub*ln_rsqrt*ln_W + ln_B)
-        head_sum_to = mem.tensor(73, (100, 1, 64), 'float32')
-        rt.ew_sum(ew_mul_add_5, head_sum_to, ln_sub, ln_rsqrt, T['ln_W'], T['ln_B'], shape=(100, 1, 64), workspace=mem.workspace(409600))
-        # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
-        del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add, ln_sub, ln_sum_to_2, ln_rsqrt
-        mem.free(2, 72)
+        # head_sum_to = sum_to[100x1x64](ln)
+        head_sum_to = mem.tensor(57, (100, 1, 64), 'float32')
+        rt.sum_to(ln, out=head_sum_to, shape=(100, 1, 64))
+        # free ln
+        del ln
+        mem.free(56)
         # head_reshape = reshape[100x64](head_sum_to)
         head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
-        rt.ew(ew_scale_2, head_scale, head_reshape)
+        rt.ew(ew_scale, head_scale, head_reshape)
         # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(74, (100, 10), 'float32')
+        head_matmul = mem.tensor(58, (100, 10), 'float32')
         rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
         # free head_sum_to, head_reshape, head_scale
         del head_sum_to, head_reshape, head_scale
-        mem.free(73)
+        mem.free(57)
+        # head = head_matmul + head_B
+        head = head_matmul  # in place: over head_matmul
+        rt.ew(ew_add, head, head_matmul, T['head_B'])
+
+        # ---- head_precision (precision), forward ----
+        # head_precision = precision(head, y)
+        head_precision = mem.tensor(59, (), 'float32')
+        rt.precision(head, y, out=head_precision)
+
+        # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
+        # label_ranks = label_rank(head, y)
+        label_ranks = mem.tensor(60, (100,), 'float32')
+        rt.label_rank(head, y, out=label_ranks)
+
+        # ---- head_cross_entropy (cross_entropy), forward ----
+        # head_cross_entropy_log_softmax = log_softmax(head)
+        head_cross_entropy_log_softmax = head  # in place: over head
+        rt.log_softmax(head, out=head_cross_entropy_log_softmax, workspace=mem.workspace(4000))
+        # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
+        head_cross_entropy_pick = mem.tensor(61, (100,), 'float32')
+        rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
+        # free y, head_matmul, head, head_cross_entropy_log_softmax
+        del y, head_matmul, head, head_cross_entropy_log_softmax
+        mem.free(1, 58)
+        # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
+        head_cross_entropy_sum_to = mem.tensor(62, (), 'float32')
+        rt.sum_to(head_cross_entropy_pick, out=head_cross_entropy_sum_to, shape=())
+        # free head_cross_entropy_pick
+        del head_cross_entropy_pick
+        mem.free(61)
+        # head_cross_entropy = -head_cross_entropy_sum_to/100
+        head_cross_entropy = head_cross_entropy_sum_to  # in place: over head_cross_entropy_sum_to
+        rt.ew(ew_scale_2, head_cross_entropy, head_cross_entropy_sum_to)
+        accuracy = rt.scalar(head_precision)
+        loss = rt.scalar(head_cross_entropy)
+        ranks = rt.to_numpy(label_ranks)
+        mem.end()
+        return accuracy, loss, ranks
+
+    def predict_step(self, x):
+        """The class probabilities of the batch's examples (the forward pass alone: no labels, no update)."""
+        rt, mem, T = self.rt, self.mem.begin("predict_step"), self.tensors
+        x = mem.load(0, x)
+
+        # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), forward ----
+        # patch = conv2d[stride=7](x, patch_W, patch_B)
+        patch = mem.tensor(1, (100, 64, 4, 4), 'float32')
+        rt.conv2d(x, T['patch_W'], T['patch_B'], out=patch, pad=0, stride=7, workspace=mem.workspace(409600))
+        # free x
+        del x
+        mem.free(0)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_reshape = reshape[100x64x16](patch)
+        block1_ln2_reshape = rt.reshape(patch, shape=(100, 64, 16))
+        # block1_ln2_transpose = transpose[axes=(1,2)](block1_ln2_reshape)
+        block1_ln2_transpose = mem.tensor(2, (100, 16, 64), 'float32')
+        rt.transpose(block1_ln2_reshape, out=block1_ln2_transpose, axes=(1, 2))
+        # free patch, block1_ln2_reshape
+        del patch, block1_ln2_reshape
+        mem.free(1)
+        # block1_ln2_add = block1_ln2_transpose + pos
+        block1_ln2_add = block1_ln2_transpose  # in place: over block1_ln2_transpose
+        rt.ew(ew_add, block1_ln2_add, block1_ln2_transpose, T['pos'])
+
+        # ---- block1_ln1 (layer norm over the last 1 axes), forward ----
+        # block1_ln1 = layer_norm[axes=1,eps=1e-05](block1_ln2_add, block1_ln1_W, block1_ln1_B)
+        block1_ln1 = mem.tensor(3, (100, 16, 64), 'float32')
+        rt.layer_norm(block1_ln2_add, T['block1_ln1_W'], T['block1_ln1_B'], out=block1_ln1, axes=1, eps=1e-05)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_reshape = reshape[1600x64](block1_ln1)
+        block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(1600, 64))
+
+        # ---- block1_attn_v (fully connected, 64 outputs), forward ----
+        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
+        block1_attn_v_matmul = mem.tensor(4, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
+        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
+        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
+        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
+        block1_attn_transpose = mem.tensor(5, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        mem.free(4)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), forward ----
+        # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
+        block1_attn_k_matmul = mem.tensor(6, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
+
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
+        block1_attn_transpose_2 = mem.tensor(7, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
+        # free block1_attn_k_matmul, block1_attn_reshape_2
+        del block1_attn_k_matmul, block1_attn_reshape_2
+        mem.free(6)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), forward ----
+        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
+        block1_attn_q_matmul = mem.tensor(8, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # free block1_ln1, block1_attn_q_reshape
+        del block1_ln1, block1_attn_q_reshape
+        mem.free(3)
+        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
+        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
+        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
+
+        # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
+        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
+        block1_attn_transpose_3 = mem.tensor(9, (100, 4, 16, 16), 'float32')
+        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
+        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(8)
+        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
+        block1_attn = mem.tensor(10, (100, 4, 16, 16), 'float32')
+        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
+        mem.free(5, 7, 9)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), forward ----
+        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
+        block1_attn_out_transpose = mem.tensor(11, (100, 16, 4, 16), 'float32')
+        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
+        # free block1_attn
+        del block1_attn
+        mem.free(10)
+        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
+        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
+        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
+        block1_attn_out_matmul = mem.tensor(12, (1600, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # free block1_attn_out_transpose, block1_attn_out_reshape
+        del block1_attn_out_transpose, block1_attn_out_reshape
+        mem.free(11)
+        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
+        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
+        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
+        # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
+        block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), forward ----
+        # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
+        block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
+        rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
+        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        mem.free(12)
+        # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
+        block1_ln2 = mem.tensor(13, (100, 16, 64), 'float32')
+        rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
+
+        # ---- block1_fc1 (fully connected, 128 outputs), forward ----
+        # block1_fc1_reshape = reshape[1600x64](block1_ln2)
+        block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
+        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
+        block1_fc1_matmul = mem.tensor(14, (1600, 128), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # free block1_ln2, block1_fc1_reshape
+        del block1_ln2, block1_fc1_reshape
+        mem.free(13)
+        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
+        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
+        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
+        # block1_fc1 = reshape[100x16x128](block1_fc1_add)
+        block1_fc1 = rt.reshape(block1_fc1_add, shape=(100, 16, 128))
+
+        # ---- block1_fc1_gelu (gelu), forward ----
+        # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
+        block1_fc1_gelu = block1_fc1  # in place: over block1_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block1_fc1_gelu, block1_fc1)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), forward ----
+        # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
+        block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
+        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
+        block1_fc2_matmul = mem.tensor(15, (1600, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
+        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        mem.free(14)
+        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
+        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
+        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
+        # block1_fc2 = reshape[100x16x64](block1_fc2_add)
+        block1_fc2 = rt.reshape(block1_fc2_add, shape=(100, 16, 64))
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), forward ----
+        # block2_ln1_add = block1_ln2_add_2 + block1_fc2
+        block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
+        rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
+        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
+        del block1_fc2_matmul, block1_fc2_add, block1_fc2
+        mem.free(15)
+        # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
+        block2_ln1 = mem.tensor(16, (100, 16, 64), 'float32')
+        rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_reshape = reshape[1600x64](block2_ln1)
+        block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(1600, 64))
+
+        # ---- block2_attn_v (fully connected, 64 outputs), forward ----
+        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
+        block2_attn_v_matmul = mem.tensor(17, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
+        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
+        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
+        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
+        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
+        block2_attn_transpose = mem.tensor(18, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        mem.free(17)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
+        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
+        block2_attn_k_matmul = mem.tensor(19, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
+
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
+        block2_attn_transpose_2 = mem.tensor(20, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
+        # free block2_attn_k_matmul, block2_attn_reshape_2
+        del block2_attn_k_matmul, block2_attn_reshape_2
+        mem.free(19)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
+        block2_attn_q_matmul = mem.tensor(21, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # free block2_ln1, block2_attn_q_reshape
+        del block2_ln1, block2_attn_q_reshape
+        mem.free(16)
+        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
+        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
+        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
+
+        # ---- block2_attn (scaled dot-product attention), forward ----
+        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
+        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
+        block2_attn_transpose_3 = mem.tensor(22, (100, 4, 16, 16), 'float32')
+        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
+        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        mem.free(21)
+        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
+        block2_attn = mem.tensor(23, (100, 4, 16, 16), 'float32')
+        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
+        mem.free(18, 20, 22)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), forward ----
+        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
+        block2_attn_out_transpose = mem.tensor(24, (100, 16, 4, 16), 'float32')
+        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
+        # free block2_attn
+        del block2_attn
+        mem.free(23)
+        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
+        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
+        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
+        block2_attn_out_matmul = mem.tensor(25, (1600, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # free block2_attn_out_transpose, block2_attn_out_reshape
+        del block2_attn_out_transpose, block2_attn_out_reshape
+        mem.free(24)
+        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
+        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
+        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
+        # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
+        block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), forward ----
+        # block2_ln2_add = block2_ln1_add + block2_attn_out
+        block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
+        rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
+        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        mem.free(25)
+        # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
+        block2_ln2 = mem.tensor(26, (100, 16, 64), 'float32')
+        rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
+
+        # ---- block2_fc1 (fully connected, 128 outputs), forward ----
+        # block2_fc1_reshape = reshape[1600x64](block2_ln2)
+        block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
+        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
+        block2_fc1_matmul = mem.tensor(27, (1600, 128), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # free block2_ln2, block2_fc1_reshape
+        del block2_ln2, block2_fc1_reshape
+        mem.free(26)
+        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
+        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
+        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
+        # block2_fc1 = reshape[100x16x128](block2_fc1_add)
+        block2_fc1 = rt.reshape(block2_fc1_add, shape=(100, 16, 128))
+
+        # ---- block2_fc1_gelu (gelu), forward ----
+        # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
+        block2_fc1_gelu = block2_fc1  # in place: over block2_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block2_fc1_gelu, block2_fc1)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), forward ----
+        # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
+        block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
+        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
+        block2_fc2_matmul = mem.tensor(28, (1600, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
+        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        mem.free(27)
+        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
+        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
+        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
+        # block2_fc2 = reshape[100x16x64](block2_fc2_add)
+        block2_fc2 = rt.reshape(block2_fc2_add, shape=(100, 16, 64))
+
+        # ---- block3_ln1 (layer norm over the last 1 axes), forward ----
+        # block3_ln1_add = block2_ln2_add + block2_fc2
+        block3_ln1_add = block2_ln2_add  # in place: over block2_ln2_add
+        rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
+        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
+        del block2_fc2_matmul, block2_fc2_add, block2_fc2
+        mem.free(28)
+        # block3_ln1 = layer_norm[axes=1,eps=1e-05](block3_ln1_add, block3_ln1_W, block3_ln1_B)
+        block3_ln1 = mem.tensor(29, (100, 16, 64), 'float32')
+        rt.layer_norm(block3_ln1_add, T['block3_ln1_W'], T['block3_ln1_B'], out=block3_ln1, axes=1, eps=1e-05)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
+        # block3_attn_q_reshape = reshape[1600x64](block3_ln1)
+        block3_attn_q_reshape = rt.reshape(block3_ln1, shape=(1600, 64))
+
+        # ---- block3_attn_v (fully connected, 64 outputs), forward ----
+        # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
+        block3_attn_v_matmul = mem.tensor(30, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
+        # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
+        block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
+        rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
+
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
+        block3_attn_transpose = mem.tensor(31, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
+        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
+        mem.free(30)
+
+        # ---- block3_attn_k (fully connected, 64 outputs), forward ----
+        # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
+        block3_attn_k_matmul = mem.tensor(32, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
+
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
+        block3_attn_transpose_2 = mem.tensor(33, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
+        # free block3_attn_k_matmul, block3_attn_reshape_2
+        del block3_attn_k_matmul, block3_attn_reshape_2
+        mem.free(32)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), forward ----
+        # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
+        block3_attn_q_matmul = mem.tensor(34, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
+        # free block3_ln1, block3_attn_q_reshape
+        del block3_ln1, block3_attn_q_reshape
+        mem.free(29)
+        # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
+        block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
+        rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
+
+        # ---- block3_attn (scaled dot-product attention), forward ----
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
+        block3_attn_transpose_3 = mem.tensor(35, (100, 4, 16, 16), 'float32')
+        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
+        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
+        mem.free(34)
+        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
+        block3_attn = mem.tensor(36, (100, 4, 16, 16), 'float32')
+        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
+        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
+        mem.free(31, 33, 35)
+
+        # ---- block3_attn_out (fully connected, 64 outputs), forward ----
+        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
+        block3_attn_out_transpose = mem.tensor(37, (100, 16, 4, 16), 'float32')
+        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
+        # free block3_attn
+        del block3_attn
+        mem.free(36)
+        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
+        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
+        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
+        block3_attn_out_matmul = mem.tensor(38, (1600, 64), 'float32')
+        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
+        # free block3_attn_out_transpose, block3_attn_out_reshape
+        del block3_attn_out_transpose, block3_attn_out_reshape
+        mem.free(37)
+        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
+        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
+        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
+        # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
+        block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block3_ln2 (layer norm over the last 1 axes), forward ----
+        # block3_ln2_add = block3_ln1_add + block3_attn_out
+        block3_ln2_add = block3_ln1_add  # in place: over block3_ln1_add
+        rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
+        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        mem.free(38)
+        # block3_ln2 = layer_norm[axes=1,eps=1e-05](block3_ln2_add, block3_ln2_W, block3_ln2_B)
+        block3_ln2 = mem.tensor(39, (100, 16, 64), 'float32')
+        rt.layer_norm(block3_ln2_add, T['block3_ln2_W'], T['block3_ln2_B'], out=block3_ln2, axes=1, eps=1e-05)
+
+        # ---- block3_fc1 (fully connected, 128 outputs), forward ----
+        # block3_fc1_reshape = reshape[1600x64](block3_ln2)
+        block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
+        # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
+        block3_fc1_matmul = mem.tensor(40, (1600, 128), 'float32')
+        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
+        # free block3_ln2, block3_fc1_reshape
+        del block3_ln2, block3_fc1_reshape
+        mem.free(39)
+        # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
+        block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
+        rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
+        # block3_fc1 = reshape[100x16x128](block3_fc1_add)
+        block3_fc1 = rt.reshape(block3_fc1_add, shape=(100, 16, 128))
+
+        # ---- block3_fc1_gelu (gelu), forward ----
+        # block3_fc1_gelu = block3_fc1*(erf(sqrt(2)*block3_fc1/2) + 1)/2
+        block3_fc1_gelu = block3_fc1  # in place: over block3_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block3_fc1_gelu, block3_fc1)
+
+        # ---- block3_fc2 (fully connected, 64 outputs), forward ----
+        # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
+        block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
+        # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
+        block3_fc2_matmul = mem.tensor(41, (1600, 64), 'float32')
+        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
+        # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
+        del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
+        mem.free(40)
+        # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
+        block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
+        rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
+        # block3_fc2 = reshape[100x16x64](block3_fc2_add)
+        block3_fc2 = rt.reshape(block3_fc2_add, shape=(100, 16, 64))
+
+        # ---- block4_ln1 (layer norm over the last 1 axes), forward ----
+        # block4_ln1_add = block3_ln2_add + block3_fc2
+        block4_ln1_add = block3_ln2_add  # in place: over block3_ln2_add
+        rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
+        # free block3_fc2_matmul, block3_fc2_add, block3_fc2
+        del block3_fc2_matmul, block3_fc2_add, block3_fc2
+        mem.free(41)
+        # block4_ln1 = layer_norm[axes=1,eps=1e-05](block4_ln1_add, block4_ln1_W, block4_ln1_B)
+        block4_ln1 = mem.tensor(42, (100, 16, 64), 'float32')
+        rt.layer_norm(block4_ln1_add, T['block4_ln1_W'], T['block4_ln1_B'], out=block4_ln1, axes=1, eps=1e-05)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
+        # block4_attn_q_reshape = reshape[1600x64](block4_ln1)
+        block4_attn_q_reshape = rt.reshape(block4_ln1, shape=(1600, 64))
+
+        # ---- block4_attn_v (fully connected, 64 outputs), forward ----
+        # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
+        block4_attn_v_matmul = mem.tensor(43, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
+        # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
+        block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
+        rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
+
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
+        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
+        block4_attn_transpose = mem.tensor(44, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
+        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
+        mem.free(43)
+
+        # ---- block4_attn_k (fully connected, 64 outputs), forward ----
+        # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
+        block4_attn_k_matmul = mem.tensor(45, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
+
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
+        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
+        block4_attn_transpose_2 = mem.tensor(46, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
+        # free block4_attn_k_matmul, block4_attn_reshape_2
+        del block4_attn_k_matmul, block4_attn_reshape_2
+        mem.free(45)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), forward ----
+        # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
+        block4_attn_q_matmul = mem.tensor(47, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
+        # free block4_ln1, block4_attn_q_reshape
+        del block4_ln1, block4_attn_q_reshape
+        mem.free(42)
+        # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
+        block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
+        rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
+
+        # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
+        block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
+        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
+        block4_attn_transpose_3 = mem.tensor(48, (100, 4, 16, 16), 'float32')
+        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
+        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        mem.free(47)
+        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
+        block4_attn = mem.tensor(49, (100, 4, 16, 16), 'float32')
+        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
+        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
+        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
+        mem.free(44, 46, 48)
+
+        # ---- block4_attn_out (fully connected, 64 outputs), forward ----
+        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
+        block4_attn_out_transpose = mem.tensor(50, (100, 16, 4, 16), 'float32')
+        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
+        # free block4_attn
+        del block4_attn
+        mem.free(49)
+        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
+        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
+        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
+        block4_attn_out_matmul = mem.tensor(51, (1600, 64), 'float32')
+        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
+        # free block4_attn_out_transpose, block4_attn_out_reshape
+        del block4_attn_out_transpose, block4_attn_out_reshape
+        mem.free(50)
+        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
+        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
+        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
+        # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
+        block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
+
+        # ---- block4_ln2 (layer norm over the last 1 axes), forward ----
+        # block4_ln2_add = block4_ln1_add + block4_attn_out
+        block4_ln2_add = block4_ln1_add  # in place: over block4_ln1_add
+        rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
+        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        mem.free(51)
+        # block4_ln2 = layer_norm[axes=1,eps=1e-05](block4_ln2_add, block4_ln2_W, block4_ln2_B)
+        block4_ln2 = mem.tensor(52, (100, 16, 64), 'float32')
+        rt.layer_norm(block4_ln2_add, T['block4_ln2_W'], T['block4_ln2_B'], out=block4_ln2, axes=1, eps=1e-05)
+
+        # ---- block4_fc1 (fully connected, 128 outputs), forward ----
+        # block4_fc1_reshape = reshape[1600x64](block4_ln2)
+        block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
+        # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
+        block4_fc1_matmul = mem.tensor(53, (1600, 128), 'float32')
+        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
+        # free block4_ln2, block4_fc1_reshape
+        del block4_ln2, block4_fc1_reshape
+        mem.free(52)
+        # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
+        block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
+        rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
+        # block4_fc1 = reshape[100x16x128](block4_fc1_add)
+        block4_fc1 = rt.reshape(block4_fc1_add, shape=(100, 16, 128))
+
+        # ---- block4_fc1_gelu (gelu), forward ----
+        # block4_fc1_gelu = block4_fc1*(erf(sqrt(2)*block4_fc1/2) + 1)/2
+        block4_fc1_gelu = block4_fc1  # in place: over block4_fc1
+        rt.ew(ew_sqrt_mul_erf_add_2, block4_fc1_gelu, block4_fc1)
+
+        # ---- block4_fc2 (fully connected, 64 outputs), forward ----
+        # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
+        block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
+        # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
+        block4_fc2_matmul = mem.tensor(54, (1600, 64), 'float32')
+        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
+        # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
+        del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
+        mem.free(53)
+        # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
+        block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
+        rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
+        # block4_fc2 = reshape[100x16x64](block4_fc2_add)
+        block4_fc2 = rt.reshape(block4_fc2_add, shape=(100, 16, 64))
+
+        # ---- ln (layer norm over the last 1 axes), forward ----
+        # ln_add = block4_ln2_add + block4_fc2
+        ln_add = block4_ln2_add  # in place: over block4_ln2_add
+        rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
+        # free block4_fc2_matmul, block4_fc2_add, block4_fc2
+        del block4_fc2_matmul, block4_fc2_add, block4_fc2
+        mem.free(54)
+        # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
+        ln = mem.tensor(55, (100, 16, 64), 'float32')
+        rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
+        # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add
+        del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add
+        mem.free(2)
+
+        # ---- head (fully connected, 10 outputs), forward ----
+        # head_sum_to = sum_to[100x1x64](ln)
+        head_sum_to = mem.tensor(56, (100, 1, 64), 'float32')
+        rt.sum_to(ln, out=head_sum_to, shape=(100, 1, 64))
+        # free ln
+        del ln
+        mem.free(55)
+        # head_reshape = reshape[100x64](head_sum_to)
+        head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
+        # head_scale = 0.0625*head_reshape
+        head_scale = head_reshape  # in place: over head_reshape
+        rt.ew(ew_scale, head_scale, head_reshape)
+        # head_matmul = matmul[tb](head_scale, head_W)
+        head_matmul = mem.tensor(57, (100, 10), 'float32')
+        rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
+        # free head_sum_to, head_reshape, head_scale
+        del head_sum_to, head_reshape, head_scale
+        mem.free(56)
         # head = head_matmul + head_B
         head = head_matmul  # in place: over head_matmul
         rt.ew(ew_add, head, head_matmul, T['head_B'])
@@ -4882,262 +4096,209 @@ class Vit(rp.Model):
                 (0, 400),  # 0: const 100 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=22577408, peak_bytes=22577408, workspace_bytes=870400, pool_bytes=22846208,
+            arena_bytes=22462208, peak_bytes=22462208, workspace_bytes=870400, pool_bytes=22462208,
             buffers=(
                 (22118400, 313600),  # 0: x 100x1x28x28 float32
-                (22576896, 400),  # 1: y 100 int32
-                (22572800, 4000),  # 2: d_head_cross_entropy_log_softmax 100x10 float32
+                (22461696, 400),  # 1: y 100 int32
+                (22457600, 4000),  # 2: d_head_cross_entropy_log_softmax 100x10 float32
                 (0, 409600),  # 3: patch 100x64x4x4 float32
-                (819200, 409600),  # 4: block1_ln2_transpose 100x16x64 float32
-                (0, 6400),  # 5: block1_ln1_sum_to 100x16x1 float32
-                (6963200, 409600),  # 6: block1_ln1_sub 100x16x64 float32
-                (22457600, 6400),  # 7: block1_ln1_sum_to_2 100x16x1 float32
-                (22464000, 6400),  # 8: block1_ln1_rsqrt 100x16x1 float32
-                (7372800, 409600),  # 9: block1_ln1_mul 100x16x64 float32
-                (0, 409600),  # 10: block1_attn_v_matmul 1600x64 float32
-                (7782400, 409600),  # 11: block1_attn_transpose 100x4x16x16 float32
-                (0, 409600),  # 12: block1_attn_k_matmul 1600x64 float32
-                (8192000, 409600),  # 13: block1_attn_transpose_2 100x4x16x16 float32
-                (0, 409600),  # 14: block1_attn_q_matmul 1600x64 float32
-                (8601600, 409600),  # 15: block1_attn_transpose_3 100x4x16x16 float32
-                (9011200, 409600),  # 16: block1_attn 100x4x16x16 float32
-                (9420800, 409600),  # 17: block1_attn_out_transpose 100x16x4x16 float32
-                (0, 409600),  # 18: block1_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 19: block1_ln2_sum_to 100x16x1 float32
-                (9830400, 409600),  # 20: block1_ln2_sub 100x16x64 float32
-                (22470400, 6400),  # 21: block1_ln2_sum_to_2 100x16x1 float32
-                (22476800, 6400),  # 22: block1_ln2_rsqrt 100x16x1 float32
-                (10240000, 409600),  # 23: block1_ln2_mul 100x16x64 float32
-                (1228800, 819200),  # 24: block1_fc1_matmul 1600x128 float32
-                (2048000, 819200),  # 25: block1_fc1_gelu 100x16x128 float32
-                (0, 409600),  # 26: block1_fc2_matmul 1600x64 float32
-                (0, 6400),  # 27: block2_ln1_sum_to 100x16x1 float32
-                (10649600, 409600),  # 28: block2_ln1_sub 100x16x64 float32
-                (22483200, 6400),  # 29: block2_ln1_sum_to_2 100x16x1 float32
-                (22489600, 6400),  # 30: block2_ln1_rsqrt 100x16x1 float32
-                (11059200, 409600),  # 31: block2_ln1_mul 100x16x64 float32
-                (0, 409600),  # 32: block2_attn_v_matmul 1600x64 float32
-                (11468800, 409600),  # 33: block2_attn_transpose 100x4x16x16 float32
-                (0, 409600),  # 34: block2_attn_k_matmul 1600x64 float32
-                (11878400, 409600),  # 35: block2_attn_transpose_2 100x4x16x16 float32
-                (0, 409600),  # 36: block2_attn_q_matmul 1600x64 float32
-                (12288000, 409600),  # 37: block2_attn_transpose_3 100x4x16x16 float32
-                (12697600, 409600),  # 38: block2_attn 100x4x16x16 float32
-                (13107200, 409600),  # 39: block2_attn_out_transpose 100x16x4x16 float32
-                (0, 409600),  # 40: block2_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 41: block2_ln2_sum_to 100x16x1 float32
-                (13516800, 409600),  # 42: block2_ln2_sub 100x16x64 float32
-                (22496000, 6400),  # 43: block2_ln2_sum_to_2 100x16x1 float32
-                (22502400, 6400),  # 44: block2_ln2_rsqrt 100x16x1 float32
-                (13926400, 409600),  # 45: block2_ln2_mul 100x16x64 float32
-                (2867200, 819200),  # 46: block2_fc1_matmul 1600x128 float32
-                (3686400, 819200),  # 47: block2_fc1_gelu 100x16x128 float32
-                (0, 409600),  # 48: block2_fc2_matmul 1600x64 float32
-                (0, 6400),  # 49: block3_ln1_sum_to 100x16x1 float32
-                (14336000, 409600),  # 50: block3_ln1_sub 100x16x64 float32
-                (22508800, 6400),  # 51: block3_ln1_sum_to_2 100x16x1 float32
-                (22515200, 6400),  # 52: block3_ln1_rsqrt 100x16x1 float32
-                (14745600, 409600),  # 53: block3_ln1_mul 100x16x64 float32
-                (0, 409600),  # 54: block3_attn_v_matmul 1600x64 float32
-                (15155200, 409600),  # 55: block3_attn_transpose 100x4x16x16 float32
-                (0, 409600),  # 56: block3_attn_k_matmul 1600x64 float32
-                (15564800, 409600),  # 57: block3_attn_transpose_2 100x4x16x16 float32
-                (0, 409600),  # 58: block3_attn_q_matmul 1600x64 float32
-                (15974400, 409600),  # 59: block3_attn_transpose_3 100x4x16x16 float32
-                (16384000, 409600),  # 60: block3_attn 100x4x16x16 float32
-                (16793600, 409600),  # 61: block3_attn_out_transpose 100x16x4x16 float32
-                (0, 409600),  # 62: block3_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 63: block3_ln2_sum_to 100x16x1 float32
-                (17203200, 409600),  # 64: block3_ln2_sub 100x16x64 float32
-                (22521600, 6400),  # 65: block3_ln2_sum_to_2 100x16x1 float32
-                (22528000, 6400),  # 66: block3_ln2_rsqrt 100x16x1 float32
-                (17612800, 409600),  # 67: block3_ln2_mul 100x16x64 float32
-                (4505600, 819200),  # 68: block3_fc1_matmul 1600x128 float32
-                (5324800, 819200),  # 69: block3_fc1_gelu 100x16x128 float32
-                (0, 409600),  # 70: block3_fc2_matmul 1600x64 float32
-                (0, 6400),  # 71: block4_ln1_sum_to 100x16x1 float32
-                (18022400, 409600),  # 72: block4_ln1_sub 100x16x64 float32
-                (22534400, 6400),  # 73: block4_ln1_sum_to_2 100x16x1 float32
-                (22540800, 6400),  # 74: block4_ln1_rsqrt 100x16x1 float32
-                (18432000, 409600),  # 75: block4_ln1_mul 100x16x64 float32
-                (0, 409600),  # 76: block4_attn_v_matmul 1600x64 float32
-                (18841600, 409600),  # 77: block4_attn_transpose 100x4x16x16 float32
-                (0, 409600),  # 78: block4_attn_k_matmul 1600x64 float32
-                (19251200, 409600),  # 79: block4_attn_transpose_2 100x4x16x16 float32
-                (0, 409600),  # 80: block4_attn_q_matmul 1600x64 float32
-                (19660800, 409600),  # 81: block4_attn_transpose_3 100x4x16x16 float32
-                (20070400, 409600),  # 82: block4_attn 100x4x16x16 float32
-                (20480000, 409600),  # 83: block4_attn_out_transpose 100x16x4x16 float32
-                (0, 409600),  # 84: block4_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 85: block4_ln2_sum_to 100x16x1 float32
-                (20889600, 409600),  # 86: block4_ln2_sub 100x16x64 float32
-                (22547200, 6400),  # 87: block4_ln2_sum_to_2 100x16x1 float32
-                (22553600, 6400),  # 88: block4_ln2_rsqrt 100x16x1 float32
-                (21299200, 409600),  # 89: block4_ln2_mul 100x16x64 float32
-                (0, 819200),  # 90: block4_fc1_matmul 1600x128 float32
-                (6144000, 819200),  # 91: block4_fc1_gelu 100x16x128 float32
-                (21708800, 409600),  # 92: block4_fc2_matmul 1600x64 float32
-                (21708800, 6400),  # 93: ln_sum_to 100x16x1 float32
-                (22560000, 6400),  # 94: ln_sum_to_2 100x16x1 float32
-                (22566400, 6400),  # 95: ln_rsqrt 100x16x1 float32
-                (21708800, 409600),  # 96: ln_mul 100x16x64 float32
-                (22432000, 25600),  # 97: head_sum_to 100x1x64 float32
-                (21708800, 4000),  # 98: head_matmul 100x10 float32
-                (21712896, 400),  # 99: head_cross_entropy_pick 100 float32
-                (21708800, 2560),  # 100: d_head_W 10x64 float32
-                (22576896, 4),  # 101: head_cross_entropy_sum_to scalar float32
-                (21708800, 40),  # 102: d_head_B 10 float32
-                (22432000, 25600),  # 103: d_head_scale 100x64 float32
-                (21708800, 409600),  # 104: ln_mul_2 100x16x64 float32
-                (22572800, 256),  # 105: d_ln_W 64 float32
-                (21708800, 409600),  # 106: d_ln 100x16x64 float32
-                (22438400, 256),  # 107: d_ln_B 64 float32
-                (22432000, 6400),  # 108: d_ln_rsqrt 100x16x1 float32
-                (22438400, 6400),  # 109: d_ln_scale 100x16x1 float32
-                (819200, 32768),  # 110: d_block4_fc2_W 64x128 float32
-                (819200, 256),  # 111: d_block4_fc2_B 64 float32
-                (6144000, 819200),  # 112: d_block4_fc2_reshape 1600x128 float32
-                (0, 32768),  # 113: d_block4_fc1_W 128x64 float32
-                (819200, 512),  # 114: d_block4_fc1_B 128 float32
-                (0, 409600),  # 115: d_block4_fc1_reshape 1600x64 float32
-                (409600, 409600),  # 116: block4_ln2_mul_2 100x16x64 float32
-                (819712, 256),  # 117: d_block4_ln2_W 64 float32
-                (416000, 256),  # 118: d_block4_ln2_B 64 float32
-                (409600, 6400),  # 119: d_block4_ln2_rsqrt 100x16x1 float32
-                (416000, 6400),  # 120: d_block4_ln2_scale 100x16x1 float32
-                (0, 16384),  # 121: d_block4_attn_out_W 64x64 float32
-                (0, 256),  # 122: d_block4_attn_out_B 64 float32
-                (0, 409600),  # 123: d_block4_attn_out_reshape 1600x64 float32
-                (6144000, 409600),  # 124: d_block4_attn 100x4x16x16 float32
-                (0, 1228800),  # 125: d_block4_attn_attention_grad 307200 float32
-                (6144000, 409600),  # 126: d_block4_attn_slice 102400 float32
-                (6553600, 409600),  # 127: d_block4_attn_reshape 100x16x4x16 float32
-                (6144000, 256),  # 128: d_block4_attn_q_B 64 float32
-                (18841600, 16384),  # 129: d_block4_attn_q_W 64x64 float32
-                (6144000, 409600),  # 130: d_block4_attn_q_reshape 1600x64 float32
-                (6553600, 409600),  # 131: d_block4_attn_slice_2 102400 float32
-                (18841600, 409600),  # 132: d_block4_attn_slice_3 102400 float32
-                (0, 409600),  # 133: d_block4_attn_reshape_2 100x16x4x16 float32
-                (409600, 409600),  # 134: d_block4_attn_reshape_3 100x16x4x16 float32
-                (819200, 256),  # 135: d_block4_attn_v_B 64 float32
-                (6553600, 16384),  # 136: d_block4_attn_k_W 64x64 float32
-                (6569984, 16384),  # 137: d_block4_attn_v_W 64x64 float32
-                (819200, 409600),  # 138: d_block4_attn_q_reshape_2 1600x64 float32
-                (0, 409600),  # 139: d_block4_attn_q_reshape_3 1600x64 float32
-                (409600, 409600),  # 140: block4_ln1_mul_2 100x16x64 float32
-                (819200, 256),  # 141: d_block4_ln1_W 64 float32
-                (416000, 256),  # 142: d_block4_ln1_B 64 float32
-                (409600, 6400),  # 143: d_block4_ln1_rsqrt 100x16x1 float32
-                (416000, 6400),  # 144: d_block4_ln1_scale 100x16x1 float32
-                (0, 32768),  # 145: d_block3_fc2_W 64x128 float32
-                (0, 256),  # 146: d_block3_fc2_B 64 float32
-                (0, 819200),  # 147: d_block3_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 148: d_block3_fc1_W 128x64 float32
-                (4505600, 512),  # 149: d_block3_fc1_B 128 float32
-                (819200, 409600),  # 150: d_block3_fc1_reshape 1600x64 float32
-                (0, 409600),  # 151: block3_ln2_mul_2 100x16x64 float32
-                (409600, 256),  # 152: d_block3_ln2_W 64 float32
-                (6400, 256),  # 153: d_block3_ln2_B 64 float32
-                (0, 6400),  # 154: d_block3_ln2_rsqrt 100x16x1 float32
-                (6400, 6400),  # 155: d_block3_ln2_scale 100x16x1 float32
-                (0, 16384),  # 156: d_block3_attn_out_W 64x64 float32
-                (0, 256),  # 157: d_block3_attn_out_B 64 float32
-                (0, 409600),  # 158: d_block3_attn_out_reshape 1600x64 float32
-                (4505600, 409600),  # 159: d_block3_attn 100x4x16x16 float32
-                (0, 1228800),  # 160: d_block3_attn_attention_grad 307200 float32
-                (4505600, 409600),  # 161: d_block3_attn_slice 102400 float32
-                (4915200, 409600),  # 162: d_block3_attn_reshape 100x16x4x16 float32
-                (4505600, 256),  # 163: d_block3_attn_q_B 64 float32
-                (5324800, 16384),  # 164: d_block3_attn_q_W 64x64 float32
-                (4505600, 409600),  # 165: d_block3_attn_q_reshape 1600x64 float32
-                (4915200, 409600),  # 166: d_block3_attn_slice_2 102400 float32
-                (5324800, 409600),  # 167: d_block3_attn_slice_3 102400 float32
-                (0, 409600),  # 168: d_block3_attn_reshape_2 100x16x4x16 float32
-                (409600, 409600),  # 169: d_block3_attn_reshape_3 100x16x4x16 float32
-                (819200, 256),  # 170: d_block3_attn_v_B 64 float32
-                (4915200, 16384),  # 171: d_block3_attn_k_W 64x64 float32
-                (4931584, 16384),  # 172: d_block3_attn_v_W 64x64 float32
-                (819200, 409600),  # 173: d_block3_attn_q_reshape_2 1600x64 float32
-                (0, 409600),  # 174: d_block3_attn_q_reshape_3 1600x64 float32
-                (409600, 409600),  # 175: block3_ln1_mul_2 100x16x64 float32
-                (819200, 256),  # 176: d_block3_ln1_W 64 float32
-                (416000, 256),  # 177: d_block3_ln1_B 64 float32
-                (409600, 6400),  # 178: d_block3_ln1_rsqrt 100x16x1 float32
-                (416000, 6400),  # 179: d_block3_ln1_scale 100x16x1 float32
-                (0, 32768),  # 180: d_block2_fc2_W 64x128 float32
-                (0, 256),  # 181: d_block2_fc2_B 64 float32
-                (0, 819200),  # 182: d_block2_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 183: d_block2_fc1_W 128x64 float32
-                (2867200, 512),  # 184: d_block2_fc1_B 128 float32
-                (819200, 409600),  # 185: d_block2_fc1_reshape 1600x64 float32
-                (0, 409600),  # 186: block2_ln2_mul_2 100x16x64 float32
-                (409600, 256),  # 187: d_block2_ln2_W 64 float32
-                (6400, 256),  # 188: d_block2_ln2_B 64 float32
-                (0, 6400),  # 189: d_block2_ln2_rsqrt 100x16x1 float32
-                (6400, 6400),  # 190: d_block2_ln2_scale 100x16x1 float32
-                (0, 16384),  # 191: d_block2_attn_out_W 64x64 float32
-                (0, 256),  # 192: d_block2_attn_out_B 64 float32
-                (0, 409600),  # 193: d_block2_attn_out_reshape 1600x64 float32
-                (2867200, 409600),  # 194: d_block2_attn 100x4x16x16 float32
-                (0, 1228800),  # 195: d_block2_attn_attention_grad 307200 float32
-                (2867200, 409600),  # 196: d_block2_attn_slice 102400 float32
-                (3276800, 409600),  # 197: d_block2_attn_reshape 100x16x4x16 float32
-                (2867200, 256),  # 198: d_block2_attn_q_B 64 float32
-                (3686400, 16384),  # 199: d_block2_attn_q_W 64x64 float32
-                (2867200, 409600),  # 200: d_block2_attn_q_reshape 1600x64 float32
-                (3276800, 409600),  # 201: d_block2_attn_slice_2 102400 float32
-                (3686400, 409600),  # 202: d_block2_attn_slice_3 102400 float32
-                (0, 409600),  # 203: d_block2_attn_reshape_2 100x16x4x16 float32
-                (409600, 409600),  # 204: d_block2_attn_reshape_3 100x16x4x16 float32
-                (819200, 256),  # 205: d_block2_attn_v_B 64 float32
-                (3276800, 16384),  # 206: d_block2_attn_k_W 64x64 float32
-                (3293184, 16384),  # 207: d_block2_attn_v_W 64x64 float32
-                (819200, 409600),  # 208: d_block2_attn_q_reshape_2 1600x64 float32
-                (0, 409600),  # 209: d_block2_attn_q_reshape_3 1600x64 float32
-                (409600, 409600),  # 210: block2_ln1_mul_2 100x16x64 float32
-                (819200, 256),  # 211: d_block2_ln1_W 64 float32
-                (416000, 256),  # 212: d_block2_ln1_B 64 float32
-                (409600, 6400),  # 213: d_block2_ln1_rsqrt 100x16x1 float32
-                (416000, 6400),  # 214: d_block2_ln1_scale 100x16x1 float32
-                (0, 32768),  # 215: d_block1_fc2_W 64x128 float32
-                (0, 256),  # 216: d_block1_fc2_B 64 float32
-                (0, 819200),  # 217: d_block1_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 218: d_block1_fc1_W 128x64 float32
-                (1228800, 512),  # 219: d_block1_fc1_B 128 float32
-                (819200, 409600),  # 220: d_block1_fc1_reshape 1600x64 float32
-                (0, 409600),  # 221: block1_ln2_mul_2 100x16x64 float32
-                (409600, 256),  # 222: d_block1_ln2_W 64 float32
-                (6400, 256),  # 223: d_block1_ln2_B 64 float32
-                (0, 6400),  # 224: d_block1_ln2_rsqrt 100x16x1 float32
-                (6400, 6400),  # 225: d_block1_ln2_scale 100x16x1 float32
-                (0, 16384),  # 226: d_block1_attn_out_W 64x64 float32
-                (0, 256),  # 227: d_block1_attn_out_B 64 float32
-                (0, 409600),  # 228: d_block1_attn_out_reshape 1600x64 float32
-                (1228800, 409600),  # 229: d_block1_attn 100x4x16x16 float32
-                (0, 1228800),  # 230: d_block1_attn_attention_grad 307200 float32
-                (1228800, 409600),  # 231: d_block1_attn_slice 102400 float32
-                (1638400, 409600),  # 232: d_block1_attn_reshape 100x16x4x16 float32
-                (1228800, 256),  # 233: d_block1_attn_q_B 64 float32
-                (2048000, 16384),  # 234: d_block1_attn_q_W 64x64 float32
-                (1228800, 409600),  # 235: d_block1_attn_q_reshape 1600x64 float32
-                (1638400, 409600),  # 236: d_block1_attn_slice_2 102400 float32
-                (2048000, 409600),  # 237: d_block1_attn_slice_3 102400 float32
-                (0, 409600),  # 238: d_block1_attn_reshape_2 100x16x4x16 float32
-                (409600, 409600),  # 239: d_block1_attn_reshape_3 100x16x4x16 float32
-                (819200, 256),  # 240: d_block1_attn_v_B 64 float32
-                (1638400, 16384),  # 241: d_block1_attn_k_W 64x64 float32
-                (1654784, 16384),  # 242: d_block1_attn_v_W 64x64 float32
-                (819200, 409600),  # 243: d_block1_attn_q_reshape_2 1600x64 float32
-                (0, 409600),  # 244: d_block1_attn_q_reshape_3 1600x64 float32
-                (409600, 409600),  # 245: block1_ln1_mul_2 100x16x64 float32
-                (819200, 256),  # 246: d_block1_ln1_W 64 float32
-                (416000, 256),  # 247: d_block1_ln1_B 64 float32
-                (409600, 6400),  # 248: d_block1_ln1_rsqrt 100x16x1 float32
-                (416000, 6400),  # 249: d_block1_ln1_scale 100x16x1 float32
-                (422144, 4096),  # 250: d_pos 1x16x64 float32
-                (0, 409600),  # 251: d_block1_ln2_reshape 100x64x16 float32
-                (409600, 12544),  # 252: d_patch_W 64x1x7x7 float32
-                (426240, 256),  # 253: d_patch_sum_to 1x64x1x1 float32
+                (6963200, 409600),  # 4: block1_ln2_transpose 100x16x64 float32
+                (7372800, 409600),  # 5: block1_ln1 100x16x64 float32
+                (0, 409600),  # 6: block1_attn_v_matmul 1600x64 float32
+                (7782400, 409600),  # 7: block1_attn_transpose 100x4x16x16 float32
+                (0, 409600),  # 8: block1_attn_k_matmul 1600x64 float32
+                (8192000, 409600),  # 9: block1_attn_transpose_2 100x4x16x16 float32
+                (0, 409600),  # 10: block1_attn_q_matmul 1600x64 float32
+                (8601600, 409600),  # 11: block1_attn_transpose_3 100x4x16x16 float32
+                (9011200, 409600),  # 12: block1_attn 100x4x16x16 float32
+                (9420800, 409600),  # 13: block1_attn_out_transpose 100x16x4x16 float32
+                (9830400, 409600),  # 14: block1_attn_out_matmul 1600x64 float32
+                (10240000, 409600),  # 15: block1_ln2 100x16x64 float32
+                (1228800, 819200),  # 16: block1_fc1_matmul 1600x128 float32
+                (2048000, 819200),  # 17: block1_fc1_gelu 100x16x128 float32
+                (10649600, 409600),  # 18: block1_fc2_matmul 1600x64 float32
+                (11059200, 409600),  # 19: block2_ln1 100x16x64 float32
+                (0, 409600),  # 20: block2_attn_v_matmul 1600x64 float32
+                (11468800, 409600),  # 21: block2_attn_transpose 100x4x16x16 float32
+                (0, 409600),  # 22: block2_attn_k_matmul 1600x64 float32
+                (11878400, 409600),  # 23: block2_attn_transpose_2 100x4x16x16 float32
+                (0, 409600),  # 24: block2_attn_q_matmul 1600x64 float32
+                (12288000, 409600),  # 25: block2_attn_transpose_3 100x4x16x16 float32
+                (12697600, 409600),  # 26: block2_attn 100x4x16x16 float32
+                (13107200, 409600),  # 27: block2_attn_out_transpose 100x16x4x16 float32
+                (13516800, 409600),  # 28: block2_attn_out_matmul 1600x64 float32
+                (13926400, 409600),  # 29: block2_ln2 100x16x64 float32
+                (2867200, 819200),  # 30: block2_fc1_matmul 1600x128 float32
+                (3686400, 819200),  # 31: block2_fc1_gelu 100x16x128 float32
+                (14336000, 409600),  # 32: block2_fc2_matmul 1600x64 float32
+                (14745600, 409600),  # 33: block3_ln1 100x16x64 float32
+                (0, 409600),  # 34: block3_attn_v_matmul 1600x64 float32
+                (15155200, 409600),  # 35: block3_attn_transpose 100x4x16x16 float32
+                (0, 409600),  # 36: block3_attn_k_matmul 1600x64 float32
+                (15564800, 409600),  # 37: block3_attn_transpose_2 100x4x16x16 float32
+                (0, 409600),  # 38: block3_attn_q_matmul 1600x64 float32
+                (15974400, 409600),  # 39: block3_attn_transpose_3 100x4x16x16 float32
+                (16384000, 409600),  # 40: block3_attn 100x4x16x16 float32
+                (16793600, 409600),  # 41: block3_attn_out_transpose 100x16x4x16 float32
+                (17203200, 409600),  # 42: block3_attn_out_matmul 1600x64 float32
+                (17612800, 409600),  # 43: block3_ln2 100x16x64 float32
+                (4505600, 819200),  # 44: block3_fc1_matmul 1600x128 float32
+                (5324800, 819200),  # 45: block3_fc1_gelu 100x16x128 float32
+                (18022400, 409600),  # 46: block3_fc2_matmul 1600x64 float32
+                (18432000, 409600),  # 47: block4_ln1 100x16x64 float32
+                (0, 409600),  # 48: block4_attn_v_matmul 1600x64 float32
+                (18841600, 409600),  # 49: block4_attn_transpose 100x4x16x16 float32
+                (0, 409600),  # 50: block4_attn_k_matmul 1600x64 float32
+                (19251200, 409600),  # 51: block4_attn_transpose_2 100x4x16x16 float32
+                (0, 409600),  # 52: block4_attn_q_matmul 1600x64 float32
+                (19660800, 409600),  # 53: block4_attn_transpose_3 100x4x16x16 float32
+                (20070400, 409600),  # 54: block4_attn 100x4x16x16 float32
+                (819200, 409600),  # 55: block4_attn_out_transpose 100x16x4x16 float32
+                (20480000, 409600),  # 56: block4_attn_out_matmul 1600x64 float32
+                (20889600, 409600),  # 57: block4_ln2 100x16x64 float32
+                (0, 819200),  # 58: block4_fc1_matmul 1600x128 float32
+                (6144000, 819200),  # 59: block4_fc1_gelu 100x16x128 float32
+                (21299200, 409600),  # 60: block4_fc2_matmul 1600x64 float32
+                (21708800, 409600),  # 61: ln 100x16x64 float32
+                (22432000, 25600),  # 62: head_sum_to 100x1x64 float32
+                (21708800, 4000),  # 63: head_matmul 100x10 float32
+                (21712896, 400),  # 64: head_cross_entropy_pick 100 float32
+                (21708800, 2560),  # 65: d_head_W 10x64 float32
+                (22461696, 4),  # 66: head_cross_entropy_sum_to scalar float32
+                (21708800, 40),  # 67: d_head_B 10 float32
+                (22432000, 25600),  # 68: d_head_scale 100x64 float32
+                (21708800, 409600),  # 69: d_ln 100x16x64 float32
+                (22432000, 512),  # 70: d_ln_layer_norm_param_grad 2x64 float32
+                (21299200, 32768),  # 71: d_block4_fc2_W 64x128 float32
+                (6144000, 256),  # 72: d_block4_fc2_B 64 float32
+                (6144000, 256),  # 73: d_ln_slice 1x64 float32
+                (6144256, 256),  # 74: d_ln_slice_2 1x64 float32
+                (6144000, 819200),  # 75: d_block4_fc2_reshape 1600x128 float32
+                (0, 32768),  # 76: d_block4_fc1_W 128x64 float32
+                (409600, 512),  # 77: d_block4_fc1_B 128 float32
+                (0, 409600),  # 78: d_block4_fc1_reshape 1600x64 float32
+                (409600, 512),  # 79: d_block4_ln2_layer_norm_param_grad 2x64 float32
+                (0, 16384),  # 80: d_block4_attn_out_W 64x64 float32
+                (0, 256),  # 81: d_block4_attn_out_B 64 float32
+                (0, 256),  # 82: d_block4_ln2_slice 1x64 float32
+                (256, 256),  # 83: d_block4_ln2_slice_2 1x64 float32
+                (0, 409600),  # 84: d_block4_attn_out_reshape 1600x64 float32
+                (6144000, 409600),  # 85: d_block4_attn 100x4x16x16 float32
+                (0, 1228800),  # 86: d_block4_attn_attention_grad 307200 float32
+                (6144000, 409600),  # 87: d_block4_attn_slice 102400 float32
+                (6553600, 409600),  # 88: d_block4_attn_reshape 100x16x4x16 float32
+                (6144000, 256),  # 89: d_block4_attn_q_B 64 float32
+                (18841600, 16384),  # 90: d_block4_attn_q_W 64x64 float32
+                (6144000, 409600),  # 91: d_block4_attn_q_reshape 1600x64 float32
+                (6553600, 409600),  # 92: d_block4_attn_slice_2 102400 float32
+                (18841600, 409600),  # 93: d_block4_attn_slice_3 102400 float32
+                (0, 409600),  # 94: d_block4_attn_reshape_2 100x16x4x16 float32
+                (409600, 409600),  # 95: d_block4_attn_reshape_3 100x16x4x16 float32
+                (819200, 256),  # 96: d_block4_attn_v_B 64 float32
+                (6553600, 16384),  # 97: d_block4_attn_k_W 64x64 float32
+                (6569984, 16384),  # 98: d_block4_attn_v_W 64x64 float32
+                (819200, 409600),  # 99: d_block4_attn_q_reshape_2 1600x64 float32
+                (0, 409600),  # 100: d_block4_attn_q_reshape_3 1600x64 float32
+                (409600, 512),  # 101: d_block4_ln1_layer_norm_param_grad 2x64 float32
+                (0, 32768),  # 102: d_block3_fc2_W 64x128 float32
+                (0, 256),  # 103: d_block3_fc2_B 64 float32
+                (0, 256),  # 104: d_block4_ln1_slice 1x64 float32
+                (256, 256),  # 105: d_block4_ln1_slice_2 1x64 float32
+                (0, 819200),  # 106: d_block3_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 107: d_block3_fc1_W 128x64 float32
+                (4505600, 512),  # 108: d_block3_fc1_B 128 float32
+                (819200, 409600),  # 109: d_block3_fc1_reshape 1600x64 float32
+                (16384, 512),  # 110: d_block3_ln2_layer_norm_param_grad 2x64 float32
+                (0, 16384),  # 111: d_block3_attn_out_W 64x64 float32
+                (0, 256),  # 112: d_block3_attn_out_B 64 float32
+                (0, 256),  # 113: d_block3_ln2_slice 1x64 float32
+                (256, 256),  # 114: d_block3_ln2_slice_2 1x64 float32
+                (0, 409600),  # 115: d_block3_attn_out_reshape 1600x64 float32
+                (4505600, 409600),  # 116: d_block3_attn 100x4x16x16 float32
+                (0, 1228800),  # 117: d_block3_attn_attention_grad 307200 float32
+                (4505600, 409600),  # 118: d_block3_attn_slice 102400 float32
+                (4915200, 409600),  # 119: d_block3_attn_reshape 100x16x4x16 float32
+                (4505600, 256),  # 120: d_block3_attn_q_B 64 float32
+                (5324800, 16384),  # 121: d_block3_attn_q_W 64x64 float32
+                (4505600, 409600),  # 122: d_block3_attn_q_reshape 1600x64 float32
+                (4915200, 409600),  # 123: d_block3_attn_slice_2 102400 float32
+                (5324800, 409600),  # 124: d_block3_attn_slice_3 102400 float32
+                (0, 409600),  # 125: d_block3_attn_reshape_2 100x16x4x16 float32
+                (409600, 409600),  # 126: d_block3_attn_reshape_3 100x16x4x16 float32
+                (819200, 256),  # 127: d_block3_attn_v_B 64 float32
+                (4915200, 16384),  # 128: d_block3_attn_k_W 64x64 float32
+                (4931584, 16384),  # 129: d_block3_attn_v_W 64x64 float32
+                (819200, 409600),  # 130: d_block3_attn_q_reshape_2 1600x64 float32
+                (0, 409600),  # 131: d_block3_attn_q_reshape_3 1600x64 float32
+                (409600, 512),  # 132: d_block3_ln1_layer_norm_param_grad 2x64 float32
+                (0, 32768),  # 133: d_block2_fc2_W 64x128 float32
+                (0, 256),  # 134: d_block2_fc2_B 64 float32
+                (0, 256),  # 135: d_block3_ln1_slice 1x64 float32
+                (256, 256),  # 136: d_block3_ln1_slice_2 1x64 float32
+                (0, 819200),  # 137: d_block2_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 138: d_block2_fc1_W 128x64 float32
+                (2867200, 512),  # 139: d_block2_fc1_B 128 float32
+                (819200, 409600),  # 140: d_block2_fc1_reshape 1600x64 float32
+                (16384, 512),  # 141: d_block2_ln2_layer_norm_param_grad 2x64 float32
+                (0, 16384),  # 142: d_block2_attn_out_W 64x64 float32
+                (0, 256),  # 143: d_block2_attn_out_B 64 float32
+                (0, 256),  # 144: d_block2_ln2_slice 1x64 float32
+                (256, 256),  # 145: d_block2_ln2_slice_2 1x64 float32
+                (0, 409600),  # 146: d_block2_attn_out_reshape 1600x64 float32
+                (2867200, 409600),  # 147: d_block2_attn 100x4x16x16 float32
+                (0, 1228800),  # 148: d_block2_attn_attention_grad 307200 float32
+                (2867200, 409600),  # 149: d_block2_attn_slice 102400 float32
+                (3276800, 409600),  # 150: d_block2_attn_reshape 100x16x4x16 float32
+                (2867200, 256),  # 151: d_block2_attn_q_B 64 float32
+                (3686400, 16384),  # 152: d_block2_attn_q_W 64x64 float32
+                (2867200, 409600),  # 153: d_block2_attn_q_reshape 1600x64 float32
+                (3276800, 409600),  # 154: d_block2_attn_slice_2 102400 float32
+                (3686400, 409600),  # 155: d_block2_attn_slice_3 102400 float32
+                (0, 409600),  # 156: d_block2_attn_reshape_2 100x16x4x16 float32
+                (409600, 409600),  # 157: d_block2_attn_reshape_3 100x16x4x16 float32
+                (819200, 256),  # 158: d_block2_attn_v_B 64 float32
+                (3276800, 16384),  # 159: d_block2_attn_k_W 64x64 float32
+                (3293184, 16384),  # 160: d_block2_attn_v_W 64x64 float32
+                (819200, 409600),  # 161: d_block2_attn_q_reshape_2 1600x64 float32
+                (0, 409600),  # 162: d_block2_attn_q_reshape_3 1600x64 float32
+                (409600, 512),  # 163: d_block2_ln1_layer_norm_param_grad 2x64 float32
+                (0, 32768),  # 164: d_block1_fc2_W 64x128 float32
+                (0, 256),  # 165: d_block1_fc2_B 64 float32
+                (0, 256),  # 166: d_block2_ln1_slice 1x64 float32
+                (256, 256),  # 167: d_block2_ln1_slice_2 1x64 float32
+                (0, 819200),  # 168: d_block1_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 169: d_block1_fc1_W 128x64 float32
+                (1228800, 512),  # 170: d_block1_fc1_B 128 float32
+                (819200, 409600),  # 171: d_block1_fc1_reshape 1600x64 float32
+                (16384, 512),  # 172: d_block1_ln2_layer_norm_param_grad 2x64 float32
+                (0, 16384),  # 173: d_block1_attn_out_W 64x64 float32
+                (0, 256),  # 174: d_block1_attn_out_B 64 float32
+                (0, 256),  # 175: d_block1_ln2_slice 1x64 float32
+                (256, 256),  # 176: d_block1_ln2_slice_2 1x64 float32
+                (0, 409600),  # 177: d_block1_attn_out_reshape 1600x64 float32
+                (1228800, 409600),  # 178: d_block1_attn 100x4x16x16 float32
+                (0, 1228800),  # 179: d_block1_attn_attention_grad 307200 float32
+                (1228800, 409600),  # 180: d_block1_attn_slice 102400 float32
+                (1638400, 409600),  # 181: d_block1_attn_reshape 100x16x4x16 float32
+                (1228800, 256),  # 182: d_block1_attn_q_B 64 float32
+                (2048000, 16384),  # 183: d_block1_attn_q_W 64x64 float32
+                (1228800, 409600),  # 184: d_block1_attn_q_reshape 1600x64 float32
+                (1638400, 409600),  # 185: d_block1_attn_slice_2 102400 float32
+                (2048000, 409600),  # 186: d_block1_attn_slice_3 102400 float32
+                (0, 409600),  # 187: d_block1_attn_reshape_2 100x16x4x16 float32
+                (409600, 409600),  # 188: d_block1_attn_reshape_3 100x16x4x16 float32
+                (819200, 256),  # 189: d_block1_attn_v_B 64 float32
+                (1638400, 16384),  # 190: d_block1_attn_k_W 64x64 float32
+                (1654784, 16384),  # 191: d_block1_attn_v_W 64x64 float32
+                (819200, 409600),  # 192: d_block1_attn_q_reshape_2 1600x64 float32
+                (0, 409600),  # 193: d_block1_attn_q_reshape_3 1600x64 float32
+                (409600, 512),  # 194: d_block1_ln1_layer_norm_param_grad 2x64 float32
+                (0, 256),  # 195: d_block1_ln1_slice 1x64 float32
+                (256, 256),  # 196: d_block1_ln1_slice_2 1x64 float32
+                (422144, 4096),  # 197: d_pos 1x16x64 float32
+                (0, 409600),  # 198: d_block1_ln2_reshape 100x64x16 float32
+                (409600, 12544),  # 199: d_patch_W 64x1x7x7 float32
+                (426240, 256),  # 200: d_patch_sum_to 1x64x1x1 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=2048512, peak_bytes=2048512, workspace_bytes=409600, pool_bytes=2362112,
@@ -5146,82 +4307,65 @@ class Vit(rp.Model):
                 (2048000, 400),  # 1: y 100 int32
                 (0, 409600),  # 2: patch 100x64x4x4 float32
                 (819200, 409600),  # 3: block1_ln2_transpose 100x16x64 float32
-                (409600, 6400),  # 4: block1_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 5: block1_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 6: block1_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 7: block1_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 8: block1_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 9: block1_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 10: block1_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 11: block1_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 12: block1_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 13: block1_attn 100x4x16x16 float32
-                (0, 409600),  # 14: block1_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 15: block1_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 16: block1_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 17: block1_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 18: block1_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 19: block1_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 20: block1_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 21: block2_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 22: block2_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 23: block2_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 24: block2_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 25: block2_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 26: block2_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 27: block2_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 28: block2_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 29: block2_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 30: block2_attn 100x4x16x16 float32
-                (0, 409600),  # 31: block2_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 32: block2_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 33: block2_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 34: block2_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 35: block2_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 36: block2_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 37: block2_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 38: block3_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 39: block3_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 40: block3_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 41: block3_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 42: block3_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 43: block3_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 44: block3_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 45: block3_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 46: block3_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 47: block3_attn 100x4x16x16 float32
-                (0, 409600),  # 48: block3_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 49: block3_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 50: block3_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 51: block3_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 52: block3_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 53: block3_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 54: block3_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 55: block4_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 56: block4_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 57: block4_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 58: block4_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 59: block4_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 60: block4_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 61: block4_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 62: block4_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 63: block4_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 64: block4_attn 100x4x16x16 float32
-                (0, 409600),  # 65: block4_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 66: block4_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 67: block4_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 68: block4_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 69: block4_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 70: block4_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 71: block4_fc2_matmul 1600x64 float32
-                (0, 6400),  # 72: ln_sum_to 100x16x1 float32
-                (25600, 6400),  # 73: ln_sum_to_2 100x16x1 float32
-                (0, 25600),  # 74: head_sum_to 100x1x64 float32
-                (25600, 4000),  # 75: head_matmul 100x10 float32
-                (1024, 4),  # 76: head_precision scalar float32
-                (0, 400),  # 77: label_ranks 100 float32
-                (512, 400),  # 78: head_cross_entropy_pick 100 float32
-                (1280, 4),  # 79: head_cross_entropy_sum_to scalar float32
+                (0, 409600),  # 4: block1_ln1 100x16x64 float32
+                (409600, 409600),  # 5: block1_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 6: block1_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 7: block1_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 8: block1_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 9: block1_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 10: block1_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 11: block1_attn 100x4x16x16 float32
+                (0, 409600),  # 12: block1_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 13: block1_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 14: block1_ln2 100x16x64 float32
+                (0, 819200),  # 15: block1_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 16: block1_fc2_matmul 1600x64 float32
+                (0, 409600),  # 17: block2_ln1 100x16x64 float32
+                (409600, 409600),  # 18: block2_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 19: block2_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 20: block2_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 21: block2_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 22: block2_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 23: block2_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 24: block2_attn 100x4x16x16 float32
+                (0, 409600),  # 25: block2_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 26: block2_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 27: block2_ln2 100x16x64 float32
+                (0, 819200),  # 28: block2_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 29: block2_fc2_matmul 1600x64 float32
+                (0, 409600),  # 30: block3_ln1 100x16x64 float32
+                (409600, 409600),  # 31: block3_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 32: block3_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 33: block3_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 34: block3_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 35: block3_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 36: block3_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 37: block3_attn 100x4x16x16 float32
+                (0, 409600),  # 38: block3_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 39: block3_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 40: block3_ln2 100x16x64 float32
+                (0, 819200),  # 41: block3_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 42: block3_fc2_matmul 1600x64 float32
+                (0, 409600),  # 43: block4_ln1 100x16x64 float32
+                (409600, 409600),  # 44: block4_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 45: block4_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 46: block4_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 47: block4_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 48: block4_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 49: block4_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 50: block4_attn 100x4x16x16 float32
+                (0, 409600),  # 51: block4_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 52: block4_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 53: block4_ln2 100x16x64 float32
+                (0, 819200),  # 54: block4_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 55: block4_fc2_matmul 1600x64 float32
+                (0, 409600),  # 56: ln 100x16x64 float32
+                (409600, 25600),  # 57: head_sum_to 100x1x64 float32
+                (0, 4000),  # 58: head_matmul 100x10 float32
+                (5120, 4),  # 59: head_precision scalar float32
+                (4096, 400),  # 60: label_ranks 100 float32
+                (4608, 400),  # 61: head_cross_entropy_pick 100 float32
+                (0, 4),  # 62: head_cross_entropy_sum_to scalar float32
             )),
         "predict_step": rp.StepPlan(
             arena_bytes=2048000, peak_bytes=2048000, workspace_bytes=409600, pool_bytes=2361600,
@@ -5229,78 +4373,61 @@ class Vit(rp.Model):
                 (409600, 313600),  # 0: x 100x1x28x28 float32
                 (0, 409600),  # 1: patch 100x64x4x4 float32
                 (819200, 409600),  # 2: block1_ln2_transpose 100x16x64 float32
-                (409600, 6400),  # 3: block1_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 4: block1_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 5: block1_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 6: block1_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 7: block1_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 8: block1_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 9: block1_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 10: block1_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 11: block1_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 12: block1_attn 100x4x16x16 float32
-                (0, 409600),  # 13: block1_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 14: block1_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 15: block1_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 16: block1_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 17: block1_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 18: block1_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 19: block1_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 20: block2_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 21: block2_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 22: block2_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 23: block2_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 24: block2_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 25: block2_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 26: block2_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 27: block2_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 28: block2_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 29: block2_attn 100x4x16x16 float32
-                (0, 409600),  # 30: block2_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 31: block2_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 32: block2_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 33: block2_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 34: block2_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 35: block2_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 36: block2_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 37: block3_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 38: block3_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 39: block3_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 40: block3_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 41: block3_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 42: block3_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 43: block3_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 44: block3_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 45: block3_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 46: block3_attn 100x4x16x16 float32
-                (0, 409600),  # 47: block3_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 48: block3_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 49: block3_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 50: block3_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 51: block3_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 52: block3_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 53: block3_fc2_matmul 1600x64 float32
-                (409600, 6400),  # 54: block4_ln1_sum_to 100x16x1 float32
-                (0, 409600),  # 55: block4_ln1_sub 100x16x64 float32
-                (416000, 6400),  # 56: block4_ln1_sum_to_2 100x16x1 float32
-                (409600, 409600),  # 57: block4_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 58: block4_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 59: block4_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 60: block4_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 61: block4_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 62: block4_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 63: block4_attn 100x4x16x16 float32
-                (0, 409600),  # 64: block4_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 65: block4_attn_out_matmul 1600x64 float32
-                (0, 6400),  # 66: block4_ln2_sum_to 100x16x1 float32
-                (1228800, 409600),  # 67: block4_ln2_sub 100x16x64 float32
-                (6400, 6400),  # 68: block4_ln2_sum_to_2 100x16x1 float32
-                (0, 819200),  # 69: block4_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 70: block4_fc2_matmul 1600x64 float32
-                (0, 6400),  # 71: ln_sum_to 100x16x1 float32
-                (25600, 6400),  # 72: ln_sum_to_2 100x16x1 float32
-                (0, 25600),  # 73: head_sum_to 100x1x64 float32
-                (25600, 4000),  # 74: head_matmul 100x10 float32
+                (0, 409600),  # 3: block1_ln1 100x16x64 float32
+                (409600, 409600),  # 4: block1_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 5: block1_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 6: block1_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 7: block1_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 8: block1_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 9: block1_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 10: block1_attn 100x4x16x16 float32
+                (0, 409600),  # 11: block1_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 12: block1_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 13: block1_ln2 100x16x64 float32
+                (0, 819200),  # 14: block1_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 15: block1_fc2_matmul 1600x64 float32
+                (0, 409600),  # 16: block2_ln1 100x16x64 float32
+                (409600, 409600),  # 17: block2_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 18: block2_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 19: block2_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 20: block2_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 21: block2_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 22: block2_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 23: block2_attn 100x4x16x16 float32
+                (0, 409600),  # 24: block2_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 25: block2_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 26: block2_ln2 100x16x64 float32
+                (0, 819200),  # 27: block2_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 28: block2_fc2_matmul 1600x64 float32
+                (0, 409600),  # 29: block3_ln1 100x16x64 float32
+                (409600, 409600),  # 30: block3_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 31: block3_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 32: block3_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 33: block3_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 34: block3_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 35: block3_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 36: block3_attn 100x4x16x16 float32
+                (0, 409600),  # 37: block3_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 38: block3_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 39: block3_ln2 100x16x64 float32
+                (0, 819200),  # 40: block3_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 41: block3_fc2_matmul 1600x64 float32
+                (0, 409600),  # 42: block4_ln1 100x16x64 float32
+                (409600, 409600),  # 43: block4_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 44: block4_attn_transpose 100x4x16x16 float32
+                (409600, 409600),  # 45: block4_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 46: block4_attn_transpose_2 100x4x16x16 float32
+                (409600, 409600),  # 47: block4_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 48: block4_attn_transpose_3 100x4x16x16 float32
+                (409600, 409600),  # 49: block4_attn 100x4x16x16 float32
+                (0, 409600),  # 50: block4_attn_out_transpose 100x16x4x16 float32
+                (409600, 409600),  # 51: block4_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 52: block4_ln2 100x16x64 float32
+                (0, 819200),  # 53: block4_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 54: block4_fc2_matmul 1600x64 float32
+                (0, 409600),  # 55: ln 100x16x64 float32
+                (409600, 25600),  # 56: head_sum_to 100x1x64 float32
+                (0, 4000),  # 57: head_matmul 100x10 float32
             )),
     }
 
@@ -5313,42 +4440,9 @@ def ew_add(out, v0, v1):
     np.add(v0, v1, out=out)
 
 
-def ew_scale(out, v0):
-    """out = 0.015625*v0   (out may be v0)"""
-    np.multiply(v0, 0.015625, out=out)
-
-
-def ew_sub(out, v0, v1):
-    """out = v0 - v1"""
-    np.subtract(v0, v1, out=out)
-
-
-def ew_square(out, v0):
-    """out = v0**2"""
-    np.square(v0, out=out)
-
-
-def ew_scale_add(out, v0):
-    """out = 0.015625*v0 + 1.0e-5   (out may be v0)"""
-    np.multiply(v0, 0.015625, out=out)
-    np.add(out, 1e-05, out=out)
-
-
-def ew_rsqrt(out, v0):
-    """out = 1/sqrt(v0)"""
-    np.sqrt(v0, out=out)
-    np.divide(1.0, out, out=out)
-
-
-def ew_mul(out, v0, v1):
-    """out = v0*v1"""
-    np.multiply(v0, v1, out=out)
-
-
-def ew_mul_add(out, v0, v1, v2):
-    """out = v0*v1 + v2   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-    np.add(out, v2, out=out)
+def ew_add_2(out, v0, v1):
+    """out = v0 + v1   (out may be v1)"""
+    np.add(v0, v1, out=out)
 
 
 def ew_sqrt_mul_erf_add(out, v0):
@@ -5361,18 +4455,7 @@ def ew_sqrt_mul_erf_add(out, v0):
     np.multiply(out, 0.5, out=out)
 
 
-def ew_sub_2(out, v0, v1):
-    """out = v0 - v1   (out may be v0)"""
-    np.subtract(v0, v1, out=out)
-
-
-def ew_mul_add_2(out, v0, v1, v2):
-    """out = v0*v1 + v2"""
-    np.multiply(v0, v1, out=out)
-    np.add(out, v2, out=out)
-
-
-def ew_scale_2(out, v0):
+def ew_scale(out, v0):
     """out = 0.0625*v0   (out may be v0)"""
     np.multiply(v0, 0.0625, out=out)
 
@@ -5382,7 +4465,7 @@ def ew_exp_scale_add(out, v0, v1):
     np.add(np.exp(v1) * 0.01, v0, out=out)
 
 
-def ew_scale_3(out, v0):
+def ew_scale_2(out, v0):
     """out = -v0/100   (out may be v0)"""
     np.multiply(v0, -0.01, out=out)
 
@@ -5393,7 +4476,7 @@ def ew_square_scale_add(out, v0, v1):
     np.add(np.square(v1) * 0.0010000000000000009, out, out=out)
 
 
-def ew_scale_add_2(out, v0, v1):
+def ew_scale_add(out, v0, v1):
     """out = 0.9*v0 + 0.1*v1   (out may be v0)"""
     np.multiply(v0, 0.9, out=out)
     np.add(v1 * 0.09999999999999998, out, out=out)
@@ -5405,65 +4488,21 @@ def ew_mul_sub_recip_sqrt(out, v0, v1, v2, v3, v4, v5, v6):
     np.subtract(out, v1 * v3 / v2 / (np.sqrt(v4) / np.sqrt(v5) + 1e-08), out=out)
 
 
-def ew_mul_2(out, v0, v1):
-    """out = v0*v1   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-
-
-def ew_pow_mul(out, v0, v1):
-    """out = -0.0078125*v0/v1**(3/2)   (out may be v0)"""
-    np.multiply(v0, -0.0078125, out=out)
-    np.divide(out, np.power(v1, 1.5), out=out)
-
-
-def ew_mul_add_3(out, v0, v1, v2, v3):
-    """out = v0*v1 + 2*v2*v3   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-    np.add(v2 * v3 * 2, out, out=out)
-
-
-def ew_neg(out, v0):
-    """out = -v0"""
-    np.negative(v0, out=out)
-
-
 def ew_sqrt_mul_erf_scale(out, v0, v1):
     """out = v0*(sqrt(2)*v1*exp(-v1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*v1/2)/2 + 1/2)   (out may be v0)"""
     np.multiply(np.exp(np.square(v1) * (-0.5)) * 1.4142135623730951 * v1 * 0.5 / 1.772453850905516 + erf(1.4142135623730951 * v1 * 0.5) * 0.5 + 0.5, v0, out=out)
 
 
-def ew_add_2(out, v0, v1, v2):
+def ew_add_3(out, v0, v1, v2):
     """out = v0 + v1 + v2   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.add(out, v2, out=out)
-
-
-def ew_scale_add_rsqrt(out, v0):
-    """out = 1/sqrt(0.015625*v0 + 1.0e-5)   (out may be v0)"""
-    np.multiply(v0, 0.015625, out=out)
-    np.add(out, 1e-05, out=out)
-    np.sqrt(out, out=out)
-    np.divide(1.0, out, out=out)
-
-
-def ew_mul_add_4(out, v0, v1, v2, v3):
-    """out = v0*v1*v2 + v3   (out may be v0)"""
-    np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
-    np.add(out, v3, out=out)
 
 
 def ew_sqrt_mul_erf_add_2(out, v0):
     """out = v0*(erf(sqrt(2)*v0/2) + 1)/2   (out may be v0)"""
     np.multiply(erf(1.4142135623730951 * v0 * 0.5) + 1, v0, out=out)
     np.multiply(out, 0.5, out=out)
-
-
-def ew_mul_add_5(out, v0, v1, v2, v3):
-    """out = v0*v1*v2 + v3"""
-    np.multiply(v0, v1, out=out)
-    np.multiply(out, v2, out=out)
-    np.add(out, v3, out=out)
 
 
 def main(argv=None):

@@ -33,7 +33,7 @@ __all__ = [
     "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW", "WIDE_FILTER_ROW", "WIDEST_LANES", "BLOCKED_CONV_ROW",
     "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
-    "lrn_scratch", "mask_generator",
+    "lrn_scratch", "LAYER_NORM_PART_ROWS", "layer_norm_parts", "layer_norm_param_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
     "pointwise_conv", "pool_padded_scratch", "one_product", "WIDE_PLANE", "stage_floats", "operand_letter",
     "operand_pattern", "kernel_rows", "ProductCuts", "product_cuts", "PRODUCT_ITEMS", "PRODUCT_PART_WIDTH",
@@ -430,6 +430,20 @@ def lrn_scratch(shape) -> int:
 def lrn_bwd_scratch(shape) -> int:
     """lrn_bwd: the scale, the inner term and its window sum, each input-sized."""
     return 3 * _per_sample(shape)
+
+
+LAYER_NORM_PART_ROWS = 64     # rows of a part of layer_norm_param_grad's sums: fixed by the shape, one thread's
+
+
+def layer_norm_parts(rows: int) -> int:
+    """The parts of the rows whose sums layer_norm_param_grad's CPU kernel adds one after the other."""
+    return max(1, -(-rows // LAYER_NORM_PART_ROWS))
+
+
+def layer_norm_param_scratch(rows: int, features: int) -> int:
+    """layer_norm_param_grad: each part's sums of g * xhat and of g, in double (two floats each), on the CPU; each
+    row's mean and 1 / std on the CUDA device. The larger of the two."""
+    return max(layer_norm_parts(rows) * 2 * features * 2, 2 * rows)
 
 
 def log_softmax_scratch(shape) -> int:

@@ -1275,6 +1275,53 @@ def test_lrn_and_its_gradient_equal_numpy(lib, case, in_place, samples):
 
 
 @needs_cc
+@pytest.mark.parametrize("shape, axes, affine", [((64, 16, 64), 1, True), ((3, 5, 7), 2, True), ((130, 33), 1, False),
+                                                 ((2, 3, 4, 5), 1, True), ((200, 300), 1, True), ((129, 16), 1, True)])
+def test_layer_norm_kernels_equal_numpy_at_any_thread_count(lib, shape, axes, affine):
+    """The compiled layer norm, its input gradient (also written over g) and its weight's and bias's gradients equal
+    the numpy backend's bit for bit on 1, 2 and 3 threads: the row sums in lanes of 16 and their fixed halving, the
+    parameter sums by parts of 64 rows added in order. Features of whole vectors and not, rows of several parts and
+    a part cut short; outputs and workspace NaN-filled. What the kernels do not take (a strided input) is numpy's."""
+    from deepdsl_runtime import contract
+    from deepdsl_runtime.cpu import norm
+
+    rng = np.random.default_rng(sum(shape))
+    x = (2 * rng.standard_normal(shape) - 1).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    features = shape[len(shape) - axes:]
+    affine = tuple(rng.standard_normal(features).astype(np.float32) for _ in range(2 if affine else 0))
+    rows = x.size // math.prod(features)
+    attrs = dict(eps=1e-5, axes=axes)
+    want_y, want_dx = np.empty_like(x), np.empty_like(x)
+    want_p = np.empty((2, math.prod(features)), np.float32)
+    norm.layer_norm(x, *affine, out=want_y, **attrs)
+    norm.layer_norm_grad(x, g, *affine[:1], out=want_dx, **attrs)
+    norm.layer_norm_param_grad(x, g, out=want_p, **attrs)
+    before = lib.threads
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            y, dx, both = np.full_like(x, np.nan), np.full_like(x, np.nan), np.full_like(want_p, np.nan)
+            workspace = np.full(contract.layer_norm_param_scratch(rows, math.prod(features)), np.nan, np.float32)
+            assert lib.layer_norm(x, affine, y, 1e-5, axes)
+            assert lib.layer_norm_grad(x, g, affine[:1], dx, 1e-5, axes)
+            assert lib.layer_norm_param_grad(x, g, both, workspace, 1e-5, axes)
+            np.testing.assert_array_equal(y, want_y)
+            np.testing.assert_array_equal(dx, want_dx)
+            np.testing.assert_array_equal(both, want_p)
+            inplace = g.copy()
+            assert lib.layer_norm_grad(x, inplace, affine[:1], inplace, 1e-5, axes)
+            np.testing.assert_array_equal(inplace, want_dx)
+    finally:
+        lib.set_threads(before)
+    strided = np.asfortranarray(x)
+    assert not lib.layer_norm(strided, affine, np.empty_like(x), 1e-5, axes)
+    y = np.empty_like(x)
+    norm.layer_norm(strided, *affine, out=y, native=lib, **attrs)
+    np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
+
+
+@needs_cc
 @pytest.mark.parametrize("shape, axes", [((64, 16, 4, 16), (1, 2)), ((64, 4, 16, 16), (1, 2)), ((3, 5, 7), (0, 2)),
                                          ((2, 3, 4, 5, 6), (1, 3)), ((9, 1, 11), (0, 1)), ((130, 257), (0, 1))])
 def test_transposes_equal_numpy_at_any_thread_count(lib, shape, axes):

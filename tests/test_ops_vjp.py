@@ -705,7 +705,7 @@ NOT_DIFFERENTIATED = {
     # backward ops: they only appear in gradient graphs (no second derivatives)
     "conv2d_bwd_filter": "backward op", "max_pool_bwd": "backward op",
     "avg_pool_bwd": "backward op", "lrn_bwd": "backward op", "max_pool_argmax": "backward op (integer output)",
-    "attention_grad": "backward op",
+    "attention_grad": "backward op", "layer_norm_grad": "backward op", "layer_norm_param_grad": "backward op",
     # non-differentiable outputs
     "precision": "piecewise constant", "label_rank": "piecewise constant (a count)",
     "bernoulli": "random integer mask",

@@ -245,6 +245,28 @@ def test_lrn(shape, size):
     check(make("lrn_bwd", (leaf("g", shape), x), **attrs))
 
 
+@covers("layer_norm", "layer_norm_grad", "layer_norm_param_grad")
+@pytest.mark.parametrize("shape, axes, affine", [((4, 3, 20), 1, True), ((3, 4, 5), 2, True), ((7, 6), 1, False),
+                                                 ((2, 1), 1, True), ((130, 17), 1, True)])
+def test_layer_norm(shape, axes, affine):
+    """The three layer norm ops of the numpy backend against their reference semantics (float32 inputs, values far
+    from zero mean), under NaN-filled outputs and workspaces of the planned size; dx written over g (in place)."""
+    rng = np.random.default_rng(len(shape) + axes)
+    x = (3 * rng.standard_normal(shape) + 2).astype(np.float32)
+    features = shape[len(shape) - axes:]
+    params = [leaf("w", features), leaf("b", features)] if affine else []
+    values = [rng.standard_normal(features).astype(np.float32) for _ in params]
+    attrs = dict(eps=1e-5, axes=axes)
+    check(make("layer_norm", (leaf("x", shape), *params), **attrs), [x, *values])
+    g = rng.standard_normal(shape).astype(np.float32)
+    node = make("layer_norm_grad", (leaf("x", shape), leaf("g", shape), *params[:1]), **attrs)
+    want = check(node, [x, g, *values[:1]])
+    inplace = g.copy()
+    cpu.layer_norm_grad(x, inplace, *values[:1], out=inplace, **attrs)
+    np.testing.assert_array_equal(inplace, want)
+    check(make("layer_norm_param_grad", (leaf("x", shape), leaf("g", shape)), **attrs), [x, g])
+
+
 @covers("softmax", "log_softmax", "pick", "unpick", "precision", "label_rank")
 def test_losses():
     rng = np.random.default_rng(2)

@@ -597,14 +597,12 @@ class _LayerNorm(_ParamLayer):
         if len(x.shape) <= self.axes:
             raise ShapeError(f"layer norm over the last {self.axes} axes needs an input of more axes, got "
                              f"{dims(x.shape)}")
-        axes = tuple(range(len(x.shape) - self.axes, len(x.shape)))
-        centered = x - x.mean(axes, keepdims=True)
-        y = centered * ((centered ** 2).mean(axes, keepdims=True) + self.eps) ** -0.5
-        if not self.affine:
-            return y
-        shape = x.shape[len(x.shape) - self.axes:]
-        p = self._weights({"W": shape, "B": shape}, {"W": constant(1.0), "B": constant(0.0)})
-        return y * Tensor(p["W"]) + Tensor(p["B"])
+        affine = ()
+        if self.affine:
+            shape = x.shape[len(x.shape) - self.axes:]
+            p = self._weights({"W": shape, "B": shape}, {"W": constant(1.0), "B": constant(0.0)})
+            affine = (p["W"], p["B"])
+        return Tensor(make("layer_norm", (x.node, *affine), eps=self.eps, axes=self.axes))
 
 
 def layer_norm(name: str, axes: int = 1, eps: float = 1e-5, affine: bool = True) -> Layer:

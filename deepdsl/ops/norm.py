@@ -1,4 +1,5 @@
-"""Normalization and regularization layers: local response normalization, batch normalization and dropout.
+"""Normalization and regularization layers: local response normalization, layer normalization, batch normalization
+and dropout.
 
 `batch_norm` and `dropout` behave differently when training and testing; they stay as single nodes in the graph
 the user builds and the `specialize` pass rewrites them for the step being compiled (batch statistics and running
@@ -9,8 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
+import math
+
 from deepdsl.ir import FLOAT, UINT8, Node, make
 from deepdsl.ops import Op, dims, register, require, scratch_chunks
+from deepdsl.ops.elementwise import reshape
+from deepdsl.ops.shape import slice_axis
 from deepdsl_runtime import contract
 
 
@@ -78,6 +83,124 @@ class LRNBwd(Op):
         """The CPU kernel's scratch (`contract.lrn_bwd_scratch`: the scale, the inner term and its window sum); for
         the whole batch, or for the chunks of samples it runs in within `limit`."""
         return scratch_chunks(node.shape[0], contract.lrn_bwd_scratch(node.shape), limit)
+
+
+def _layer_norm_check(x: Node, affine: tuple[Node, ...], axes: int) -> None:
+    require(isinstance(axes, int) and 0 < axes < len(x.shape),
+            f"layer norm over the last {axes} axes of {dims(x.shape)}: needs fewer axes than the input has")
+    require(x.dtype == FLOAT, f"layer norm of a {x.dtype} tensor")
+    features = x.shape[len(x.shape) - axes:]
+    require(len(affine) in (0, 2), "layer norm takes a weight and a bias, or neither")
+    for t, what in zip(affine, ("weight", "bias")):
+        require(t.shape == features and t.dtype == FLOAT,
+                f"layer norm {what} of {dims(t.shape)} for features of {dims(features)}")
+
+
+def layer_norm_rows(shape: tuple[int, ...], axes: int) -> tuple[int, int]:
+    """(rows, features) of a layer norm over the last `axes` axes of `shape`: each row normalized on its own."""
+    cut = len(shape) - axes
+    return math.prod(shape[:cut]), math.prod(shape[cut:])
+
+
+def _normalized(x: np.ndarray, axes: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(x - mean) / sqrt(var + eps) over the last `axes` axes (the biased variance), and 1 / sqrt(var + eps)."""
+    over = tuple(range(x.ndim - axes, x.ndim))
+    centered = x - x.mean(axis=over, keepdims=True)
+    rstd = 1.0 / np.sqrt((centered * centered).mean(axis=over, keepdims=True) + eps)
+    return centered * rstd, rstd
+
+
+@register
+class LayerNorm(Op):
+    """PyTorch's LayerNorm over the last `axes` axes, as one op: y = (x - mean) / sqrt(var + eps) * weight + bias
+    (inputs x, weight, bias; or x alone, not affine). Each row (the last `axes` axes of one position) is normalized
+    on its own: the compiled kernel reads a row once into the cache and writes its output, where the same layer
+    written with elementwise ops and sums makes several passes over the tensor. The backward recomputes the row's
+    mean and variance from x: `layer_norm_grad` (the input's gradient) and `layer_norm_param_grad` (the weight's and
+    the bias's)."""
+
+    name = "layer_norm"
+
+    def infer(self, x: Node, *affine: Node, eps, axes):
+        _layer_norm_check(x, affine, axes)
+        require(eps > 0, f"layer norm's eps {eps}: must be positive")
+        return x.shape, FLOAT
+
+    def vjp(self, node, g):
+        x, *affine = node.inputs
+        attrs = dict(eps=node.attr("eps"), axes=node.attr("axes"))
+        dx = make("layer_norm_grad", (x, g, *affine[:1]), **attrs)
+        if not affine:
+            return (dx,)
+        both = make("layer_norm_param_grad", (x, g), **attrs)
+        features = affine[0].shape
+        return (dx, *(reshape(slice_axis(both, 0, i, i + 1), features) for i in (0, 1)))
+
+    def evaluate(self, ctx, x, *affine, eps, axes):
+        y, _ = _normalized(x, axes, eps)
+        if affine:
+            y = y * affine[0] + affine[1]
+        return y.astype(ctx.float_dtype)
+
+    def flops(self, node):
+        """The sums of x and of its squared deviations, the normalization and the affine map: about 8 a value."""
+        return 8 * node.size
+
+
+@register
+class LayerNormGrad(Op):
+    """The gradient of `layer_norm` with respect to its input x, given x, the output's gradient g (and the weight):
+    dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) per row, gw = g * weight, xhat the normalized x."""
+
+    name = "layer_norm_grad"
+    in_place = (1,)           # dx may overwrite g: the kernel reads a row of g whole before writing that row of dx
+
+    def infer(self, x: Node, g: Node, *weight: Node, eps, axes):
+        _layer_norm_check(x, weight + weight, axes)
+        require(g.shape == x.shape, f"layer_norm_grad of an output gradient {dims(g.shape)} for an input "
+                f"{dims(x.shape)}")
+        return x.shape, FLOAT
+
+    def evaluate(self, ctx, x, g, *weight, eps, axes):
+        xhat, rstd = _normalized(x, axes, eps)
+        over = tuple(range(x.ndim - axes, x.ndim))
+        gw = g * weight[0] if weight else g
+        dx = rstd * (gw - gw.mean(axis=over, keepdims=True) - xhat * (gw * xhat).mean(axis=over, keepdims=True))
+        return dx.astype(ctx.float_dtype)
+
+    def flops(self, node):
+        return 14 * node.size
+
+
+@register
+class LayerNormParamGrad(Op):
+    """The gradients of `layer_norm`'s weight and bias, one after the other in a (2, features) tensor: the sums over
+    the rows of g * xhat and of g. The compiled kernel sums fixed parts of the rows (`contract.layer_norm_parts`),
+    each on one thread, then the parts in order: the sums do not depend on the thread count."""
+
+    name = "layer_norm_param_grad"
+
+    def infer(self, x: Node, g: Node, *, eps, axes):
+        _layer_norm_check(x, (), axes)
+        require(g.shape == x.shape, f"layer_norm_param_grad of an output gradient {dims(g.shape)} for an input "
+                f"{dims(x.shape)}")
+        return (2, layer_norm_rows(x.shape, axes)[1]), FLOAT
+
+    def evaluate(self, ctx, x, g, *, eps, axes):
+        xhat, _ = _normalized(x, axes, eps)
+        rows, features = layer_norm_rows(x.shape, axes)
+        both = np.stack([(g * xhat).reshape(rows, features).sum(0), g.reshape(rows, features).sum(0)])
+        return both.astype(ctx.float_dtype)
+
+    def workspace(self, node, limit=None):
+        """The CPU kernel's partial sums (`contract.layer_norm_param_scratch`); the CUDA kernel keeps each row's
+        mean and 1 / std there. All rows at once: the parts are fixed by the shape."""
+        x = node.inputs[0]
+        rows, features = layer_norm_rows(x.shape, node.attr("axes"))
+        return scratch_chunks(1, contract.layer_norm_param_scratch(rows, features), None)
+
+    def flops(self, node):
+        return 10 * node.inputs[0].size
 
 
 @register

@@ -43,7 +43,7 @@ from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_and_sum, ew_pair
 from deepdsl_runtime.cpu.linalg import matmul
 from deepdsl_runtime.cpu.loss import label_rank, log_softmax, pick, precision, softmax, unpick
 from deepdsl_runtime.cpu.masks import bernoulli, bernoulli_mask, equal
-from deepdsl_runtime.cpu.norm import lrn, lrn_bwd
+from deepdsl_runtime.cpu.norm import layer_norm, layer_norm_grad, layer_norm_param_grad, lrn, lrn_bwd
 from deepdsl_runtime.cpu.pool import avg_pool, avg_pool_bwd, max_pool, max_pool_argmax, max_pool_bwd
 from deepdsl_runtime.cpu.pool import avg_pool_divisor  # noqa: F401  (public, not an op)
 from deepdsl_runtime.cpu.shape import (broadcast_to, concat, gather_rows, pad_axis, reshape, scatter_rows, slice,
@@ -53,14 +53,16 @@ from deepdsl_runtime.cpu.transfer import all_sum, asarray, scalar, to_numpy, zer
 __all__ = [
     "DEVICE", "all_sum", "asarray", "attention", "attention_grad", "avg_pool", "avg_pool_bwd", "bernoulli",
     "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy",
-    "ew", "ew_and_sum", "ew_pair", "equal", "ew_sum", "gather_rows", "label_rank", "log_softmax", "lrn", "lrn_bwd",
+    "ew", "ew_and_sum", "ew_pair", "equal", "ew_sum", "gather_rows", "label_rank", "layer_norm", "layer_norm_grad",
+    "layer_norm_param_grad", "log_softmax", "lrn", "lrn_bwd",
     "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick", "precision", "reshape",
     "scalar", "scatter_rows", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
 ]
 
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "attention", "attention_grad")
-_COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
+_COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "layer_norm", "layer_norm_grad",
+             "layer_norm_param_grad", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
              "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to", "gather_rows", "scatter_rows",
              "label_rank", "equal", "attention", "attention_grad", "bernoulli", "matmul",
              "transpose")

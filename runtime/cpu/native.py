@@ -39,6 +39,7 @@ import numpy as np
 
 import deepdsl_runtime
 from deepdsl_runtime import contract
+from deepdsl_runtime.cpu.scratch import Scratch
 
 __all__ = ["Native", "load", "library_path", "generic_library", "sources_digest", "set_blas_threads",
            "threads_available", "BUILD_FLAGS", "KERNELS_DIR", "build_library", "compile_command", "find_compiler",
@@ -253,6 +254,9 @@ class Native:
         lib.deepdsl_max_pool_bwd.argtypes = [_P, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P]
         lib.deepdsl_lrn.argtypes = [_P, _L, _L, _L, _I, _F, _F, _F, _P, _P]
         lib.deepdsl_lrn_bwd.argtypes = [_P, _P, _L, _L, _L, _I, _F, _F, _F, _F, _F, _P, _P, _P]
+        lib.deepdsl_layer_norm.argtypes = [_P, _P, _P, _L, _L, _F, _P]
+        lib.deepdsl_layer_norm_grad.argtypes = [_P, _P, _P, _L, _L, _F, _P]
+        lib.deepdsl_layer_norm_param_grad.argtypes = [_P, _P, _L, _L, _F, _L, _P, _P]
         depthwise = [_I] * 10 + [_P]           # m, c, h, w, kh, kw, ho, wo, stride, pad, output
         lib.deepdsl_depthwise.argtypes = [_P, _P, _P] + depthwise
         lib.deepdsl_depthwise_bwd_data.argtypes = [_P, _P] + depthwise
@@ -805,6 +809,41 @@ class Native:
                                  _address(out))
         return True
 
+    # layer normalization --------------------------------------------------------------------------------------
+
+    def layer_norm(self, x: np.ndarray, affine: tuple, out: np.ndarray, eps: float, axes: int) -> bool:
+        """out = the layer norm of x over its last `axes` axes (`affine`: the weight and the bias, or nothing);
+        False (nothing written) where the arrays are not contiguous float32."""
+        if not _contiguous32(x, out, *affine):
+            return False
+        rows, features = _layer_norm_rows(x, axes)
+        w, b = (_address(affine[0]), _address(affine[1])) if affine else (None, None)
+        self.lib.deepdsl_layer_norm(_address(x), w, b, rows, features, eps, _address(out))
+        return True
+
+    def layer_norm_grad(self, x: np.ndarray, g: np.ndarray, weight: tuple, out: np.ndarray, eps: float,
+                        axes: int) -> bool:
+        """out = the layer norm's input gradient (`out` may be g); False where not contiguous float32."""
+        if not _contiguous32(x, g, out, *weight):
+            return False
+        rows, features = _layer_norm_rows(x, axes)
+        self.lib.deepdsl_layer_norm_grad(_address(x), _address(g), _address(weight[0]) if weight else None, rows,
+                                         features, eps, _address(out))
+        return True
+
+    def layer_norm_param_grad(self, x: np.ndarray, g: np.ndarray, out: np.ndarray, workspace: np.ndarray | None,
+                              eps: float, axes: int) -> bool:
+        """out = the layer norm's weight and bias gradients (2, features), the parts' sums in the workspace
+        (`contract.layer_norm_param_scratch`); False where not contiguous float32."""
+        if not _contiguous32(x, g, out):
+            return False
+        rows, features = _layer_norm_rows(x, axes)
+        floats = contract.layer_norm_parts(rows) * 2 * features * 2
+        parts = Scratch(workspace).take((floats,))
+        self.lib.deepdsl_layer_norm_param_grad(_address(x), _address(g), rows, features, eps,
+                                               contract.LAYER_NORM_PART_ROWS, _address(parts), _address(out))
+        return True
+
     # elementwise ----------------------------------------------------------------------------------------------
 
     def ew(self, kernel, out: np.ndarray, args) -> bool:
@@ -1046,6 +1085,12 @@ def _bias_args(bias) -> tuple:
     if bias is None:
         return None, None, 0, 0
     return _address(bias.flat), _address(bias.offsets), bias.row, bias.col
+
+
+def _layer_norm_rows(x: np.ndarray, axes: int) -> tuple[int, int]:
+    """(rows, features) of a layer norm over the last `axes` axes of x."""
+    features = math.prod(x.shape[x.ndim - axes:])
+    return x.size // max(features, 1), features
 
 
 def _contiguous32(*arrays) -> bool:

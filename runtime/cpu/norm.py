@@ -1,4 +1,4 @@
-"""Local response normalization on the CPU, forward and backward."""
+"""Local response normalization and layer normalization on the CPU, forward and backward."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,3 +60,78 @@ def lrn_bwd(g, x, *, out, size, alpha, beta, k, workspace=None, native=None):
         np.power(s, -beta, out=s)
         np.multiply(s, gs, out=outs)
         np.subtract(outs, spread, out=outs)
+
+
+def _rows(x, axes):
+    """x as (rows, features): the last `axes` axes of each position one row (a view of a contiguous x)."""
+    features = int(np.prod(x.shape[x.ndim - axes:]))
+    return x.reshape(-1, features)
+
+
+SUM_LANES = 16       # DEEPDSL_SUM_LANES
+
+
+def _lane_sums(v):
+    """The sum of each row of (rows, features) float32 `v`, in float32 and in the compiled kernels' order
+    (`DEEPDSL_LANE_SUM`): element k adds to lane k mod 16 in order, then the lanes are halved down to one."""
+    rows, features = v.shape
+    lanes = np.zeros((rows, SUM_LANES), np.float32)
+    for start in range(0, features, SUM_LANES):
+        part = v[:, start:start + SUM_LANES]
+        lanes[:, :part.shape[1]] += part
+    half = SUM_LANES // 2
+    while half:
+        lanes[:, :half] += lanes[:, half:2 * half]
+        half //= 2
+    return lanes[:, :1]
+
+
+def _row_statistics(x, eps):
+    """Each row's mean and 1 / sqrt(var + eps) (the biased variance of the deviations from the rounded mean) of
+    (rows, features) float32 `x`, as (rows, 1) columns, in float32 as the compiled kernel computes them
+    (`deepdsl_layer_norm_stats`)."""
+    features = np.float32(x.shape[1])
+    mean = _lane_sums(x) / features
+    centered = x - mean
+    var = _lane_sums(centered * centered) / features
+    return mean, np.float32(1) / np.sqrt(var + np.float32(eps))
+
+
+def layer_norm(x, *affine, out, eps, axes, native=None):
+    """out = (x - mean) / sqrt(var + eps) [* weight + bias] over the last `axes` axes. With `native`, one compiled
+    pass that reads each row once (`deepdsl_layer_norm`)."""
+    if native is not None and native.layer_norm(x, affine, out, eps, axes):
+        return
+    rows = _rows(x, axes)
+    mean, rstd = _row_statistics(rows, eps)
+    y = (rows - mean) * rstd
+    if affine:
+        y = y * _rows(affine[0], affine[0].ndim) + _rows(affine[1], affine[1].ndim)
+    np.copyto(out, y.reshape(out.shape))
+
+
+def layer_norm_grad(x, g, *weight, out, eps, axes, native=None):
+    """dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) per row, gw = g * weight (g without one). `out` may be `g`
+    (in place): each row of g is read whole before its row of dx is written."""
+    if native is not None and native.layer_norm_grad(x, g, weight, out, eps, axes):
+        return
+    rows, grads = _rows(x, axes), _rows(g, axes)
+    features = rows.shape[1]
+    mean, rstd = _row_statistics(rows, eps)
+    xhat = (rows - mean) * rstd
+    gw = grads * _rows(weight[0], weight[0].ndim) if weight else grads
+    a = _lane_sums(gw) / np.float32(features)
+    b = _lane_sums(gw * xhat) / np.float32(features)
+    np.copyto(out, (rstd * (gw - a - xhat * b)).reshape(out.shape))
+
+
+def layer_norm_param_grad(x, g, *, out, eps, axes, workspace=None, native=None):
+    """out[0] = the sum over rows of g * xhat (the weight's gradient), out[1] = the sum of g (the bias's), summed
+    in float64."""
+    if native is not None and native.layer_norm_param_grad(x, g, out, workspace, eps, axes):
+        return
+    rows, grads = _rows(x, axes), _rows(g, axes)
+    mean, rstd = _row_statistics(rows, eps)
+    xhat = (rows - mean) * rstd
+    out[0] = (grads * xhat).sum(axis=0, dtype=np.float64)
+    out[1] = grads.sum(axis=0, dtype=np.float64)

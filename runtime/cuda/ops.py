@@ -33,7 +33,7 @@ from deepdsl_runtime.cuda.elementwise import (all_sum, broadcast_to, const, copy
                                              ew_sum, reshape, sum_to)
 from deepdsl_runtime.cuda.loss import label_rank, log_softmax, pick, precision, softmax, unpick
 from deepdsl_runtime.cuda.masks import bernoulli, bernoulli_mask, equal
-from deepdsl_runtime.cuda.norm import lrn, lrn_bwd
+from deepdsl_runtime.cuda.norm import layer_norm, layer_norm_grad, layer_norm_param_grad, lrn, lrn_bwd
 from deepdsl_runtime.cuda.pool import avg_pool, avg_pool_bwd, max_pool, max_pool_argmax, max_pool_bwd
 from deepdsl_runtime.cuda.shape import concat, gather_rows, pad_axis, scatter_rows, slice, transpose
 
@@ -41,7 +41,7 @@ __all__ = [
     "DEVICE", "DeviceArray", "Device", "all_sum", "allocator", "asarray", "attention", "attention_grad", "avg_pool",
     "avg_pool_bwd", "bernoulli", "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data",
     "conv2d_bwd_filter", "copy", "equal", "ew", "ew_and_sum", "ew_pair", "ew_sum", "gather_rows", "label_rank",
-    "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis",
+    "layer_norm", "layer_norm_grad", "layer_norm_param_grad", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis",
     "pick", "precision", "reshape", "scalar", "scatter_rows", "slice", "softmax", "sum_to", "to_numpy", "transpose",
     "unpick", "zeros", "on",
 ]

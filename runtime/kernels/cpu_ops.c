@@ -527,6 +527,152 @@ void deepdsl_lrn_bwd(const float* g, const float* x, long m, long channels, long
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// layer normalization (runtime/cpu/norm.py): rows of `features` floats, each normalized on its own; the sums in
+// double, the mean and the variance rounded to float, as numpy's version computes them. Rows are independent, and the
+// weight's and bias's sums add fixed parts of the rows in order: no result depends on the thread count.
+
+// Sums over a row, in the same order on any vector width (and in numpy's version, `norm._lane_sums`): element k goes
+// to lane k mod 16, each lane adds its elements in order, then the lanes are halved (lane i + lane i + half) down to
+// one.
+#define DEEPDSL_SUM_LANES 16
+#define DEEPDSL_LANE_SUM(n, lanes, k, value)                                                                       \
+    do {                                                                                                            \
+        for (int l_ = 0; l_ < DEEPDSL_SUM_LANES; ++l_) (lanes)[l_] = 0.0f;                                          \
+        long b_ = 0;                                                                                                \
+        for (; b_ + DEEPDSL_SUM_LANES <= (n); b_ += DEEPDSL_SUM_LANES) {                                            \
+            _Pragma("omp simd") for (int l_ = 0; l_ < DEEPDSL_SUM_LANES; ++l_) {                                    \
+                const long k = b_ + l_;                                                                             \
+                (lanes)[l_] += (value);                                                                             \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int l_ = 0; b_ + l_ < (n); ++l_) {                                                                     \
+            const long k = b_ + l_;                                                                                 \
+            (lanes)[l_] += (value);                                                                                 \
+        }                                                                                                           \
+    } while (0)
+
+typedef float deepdsl_f8 __attribute__((vector_size(32)));
+typedef float deepdsl_f4 __attribute__((vector_size(16)));
+
+// the lanes halved down to one: vectors of 8 and 4 (a register's halves, not a trip through memory per add)
+static inline __attribute__((always_inline)) float deepdsl_lane_total(const float* a) {
+    deepdsl_f8 low, high;
+    memcpy(&low, a, sizeof low);
+    memcpy(&high, a + 8, sizeof high);
+    const deepdsl_f8 eight = low + high;
+    deepdsl_f4 front, back;
+    memcpy(&front, &eight, sizeof front);
+    memcpy(&back, (const float*)&eight + 4, sizeof back);
+    const deepdsl_f4 four = front + back;
+    return (four[0] + four[2]) + (four[1] + four[3]);
+}
+
+// a row's mean and 1 / sqrt(var + eps), the biased variance of its deviations from the rounded mean
+static inline __attribute__((always_inline)) void deepdsl_layer_norm_stats(const float* x, long features, float eps,
+                                                                           float* mean, float* rstd) {
+    float lanes[DEEPDSL_SUM_LANES];
+    DEEPDSL_LANE_SUM(features, lanes, j, x[j]);
+    const float m = deepdsl_lane_total(lanes) / (float)features;
+    DEEPDSL_LANE_SUM(features, lanes, j, (x[j] - m) * (x[j] - m));
+    *mean = m;
+    *rstd = 1.0f / sqrtf(deepdsl_lane_total(lanes) / (float)features + eps);
+}
+
+// out = (x - mean) * rstd [* w + b] row by row (w and b NULL: not affine)
+void deepdsl_layer_norm(const float* x, const float* w, const float* b, long rows, long features, float eps,
+                        float* out) {
+#pragma omp parallel for schedule(static) if (rows * features >= DEEPDSL_PARALLEL_MIN)
+    for (long r = 0; r < rows; ++r) {
+        const float* xr = x + r * features;
+        float* o = out + r * features;
+        float mean, rstd;
+        deepdsl_layer_norm_stats(xr, features, eps, &mean, &rstd);
+        if (w) {
+#pragma omp simd
+            for (long j = 0; j < features; ++j) o[j] = ((xr[j] - mean) * rstd) * w[j] + b[j];
+        } else {
+#pragma omp simd
+            for (long j = 0; j < features; ++j) o[j] = (xr[j] - mean) * rstd;
+        }
+    }
+}
+
+// g times the weight (g itself without one)
+static inline __attribute__((always_inline)) float deepdsl_weighted(const float* g, const float* w, long j) {
+    return w ? g[j] * w[j] : g[j];
+}
+
+// a row of dx (inlined twice: with the weight, and with w NULL, where the selects fold away)
+static inline __attribute__((always_inline)) void deepdsl_layer_norm_grad_row(const float* xr, const float* gr,
+                                                                              const float* w, long features,
+                                                                              float eps, float* o) {
+    float mean, rstd, lanes[DEEPDSL_SUM_LANES];
+    deepdsl_layer_norm_stats(xr, features, eps, &mean, &rstd);
+    DEEPDSL_LANE_SUM(features, lanes, j, deepdsl_weighted(gr, w, j));
+    const float a = deepdsl_lane_total(lanes) / (float)features;
+    DEEPDSL_LANE_SUM(features, lanes, j, deepdsl_weighted(gr, w, j) * ((xr[j] - mean) * rstd));
+    const float c = deepdsl_lane_total(lanes) / (float)features;
+#pragma omp simd
+    for (long j = 0; j < features; ++j) {
+        const float gw = deepdsl_weighted(gr, w, j), xhat = (xr[j] - mean) * rstd;
+        o[j] = rstd * ((gw - a) - xhat * c);
+    }
+}
+
+// dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) row by row, gw = g * w (w NULL: g). `out` may be `g`: a row of g is
+// read whole (the sums) before that row of dx is written, each element read before it is overwritten.
+void deepdsl_layer_norm_grad(const float* x, const float* g, const float* w, long rows, long features, float eps,
+                             float* out) {
+#pragma omp parallel for schedule(static) if (rows * features >= DEEPDSL_PARALLEL_MIN)
+    for (long r = 0; r < rows; ++r) {
+        if (w)
+            deepdsl_layer_norm_grad_row(x + r * features, g + r * features, w, features, eps, out + r * features);
+        else
+            deepdsl_layer_norm_grad_row(x + r * features, g + r * features, NULL, features, eps, out + r * features);
+    }
+}
+
+// out[0][j] = sum over rows of g * xhat, out[1][j] = sum of g: each part of `part_rows` rows summed in double into
+// parts[part] (2 x features doubles) by one thread, then the parts added in order, a column per thread's share.
+void deepdsl_layer_norm_param_grad(const float* x, const float* g, long rows, long features, float eps,
+                                   long part_rows, double* parts, float* out) {
+    const long count = (rows + part_rows - 1) / part_rows;
+#pragma omp parallel if (rows * features >= DEEPDSL_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(count, 1, &begin, &end);
+        for (long p = begin; p < end; ++p) {
+            double* dw = parts + p * 2 * features;
+            double* db = dw + features;
+            for (long j = 0; j < features; ++j) dw[j] = db[j] = 0.0;
+            const long last = (p + 1) * part_rows < rows ? (p + 1) * part_rows : rows;
+            for (long r = p * part_rows; r < last; ++r) {
+                const float* xr = x + r * features;
+                const float* gr = g + r * features;
+                float mean, rstd;
+                deepdsl_layer_norm_stats(xr, features, eps, &mean, &rstd);
+#pragma omp simd
+                for (long j = 0; j < features; ++j) {
+                    dw[j] += gr[j] * ((xr[j] - mean) * rstd);
+                    db[j] += gr[j];
+                }
+            }
+        }
+#pragma omp barrier
+        deepdsl_share(features, 16, &begin, &end);
+        for (long j = begin; j < end; ++j) {
+            double dw = 0.0, db = 0.0;
+            for (long p = 0; p < count; ++p) {
+                dw += parts[p * 2 * features + j];
+                db += parts[p * 2 * features + features + j];
+            }
+            out[j] = (float)dw;
+            out[features + j] = (float)db;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // max pooling: numpy's results (runtime/cpu/pool.py) -- the maximum by np.maximum's rule (NaN wins; of equal values
 // the first stays), the argmax the offset row * kernel + column of the first position holding it (the last
 // position when none does: NaN windows), positions outside the plane -inf -- window by window, branch-free

@@ -11,6 +11,8 @@
 // - softmax, log_softmax, lrn, lrn_bwd may write over their first input: one thread owns a whole row (softmax) or
 //   a whole channel column (LRN) and reads every value it needs of its input before it overwrites it (LRN keeps
 //   the window in a ring).
+// - layer_norm_grad may write over its output gradient g: one thread owns a whole row, and reads each value of the
+//   row before it overwrites it.
 // - elementwise kernels may write over an input of the output's shape: each thread reads its element first.
 // - pooling may write its output over its dying input from the same start ("takes over"): the launcher then runs
 //   the *_range kernels over sample ranges that cannot race, and the *_ordered kernels (one block, tiles in
@@ -558,6 +560,73 @@ DEEPDSL_HD void deepdsl_col2im_at(unsigned idx, const ConvGeom& g, const float* 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// layer normalization over rows of `features` floats: a thread per row for the output and the input's gradient (each
+// recomputing its row's mean and 1 / std), and for the statistics the weight's and bias's gradients read; a thread
+// per feature for those gradients, adding the rows in order
+
+DEEPDSL_HD void deepdsl_layer_norm_stats_row(const float* x, unsigned features, float eps, float* mean, float* rstd) {
+    float sum = 0.0f;
+    for (unsigned j = 0; j < features; ++j) sum += x[j];
+    const float m = sum / static_cast<float>(features);
+    float squares = 0.0f;
+    for (unsigned j = 0; j < features; ++j) squares += (x[j] - m) * (x[j] - m);
+    *mean = m;
+    *rstd = 1.0f / sqrtf(squares / static_cast<float>(features) + eps);
+}
+
+// out = (x - mean) * rstd [* w + b] for row r (w and b null: not affine)
+DEEPDSL_HD void deepdsl_layer_norm_row(unsigned r, unsigned features, float eps, const float* x, const float* w,
+                                       const float* b, float* out) {
+    const float* xr = x + static_cast<size_t>(r) * features;
+    float* o = out + static_cast<size_t>(r) * features;
+    float mean, rstd;
+    deepdsl_layer_norm_stats_row(xr, features, eps, &mean, &rstd);
+    for (unsigned j = 0; j < features; ++j) {
+        const float y = (xr[j] - mean) * rstd;
+        o[j] = w ? y * w[j] + b[j] : y;
+    }
+}
+
+// dx = rstd (gw - mean(gw) - xhat mean(gw xhat)) for row r, gw = g * w (g when w is null); out may be g
+DEEPDSL_HD void deepdsl_layer_norm_grad_row(unsigned r, unsigned features, float eps, const float* x, const float* g,
+                                            const float* w, float* out) {
+    const size_t base = static_cast<size_t>(r) * features;
+    const float* xr = x + base;
+    const float* gr = g + base;
+    float mean, rstd, sum = 0.0f, dot = 0.0f;
+    deepdsl_layer_norm_stats_row(xr, features, eps, &mean, &rstd);
+    for (unsigned j = 0; j < features; ++j) {
+        const float gw = w ? gr[j] * w[j] : gr[j];
+        sum += gw;
+        dot += gw * ((xr[j] - mean) * rstd);
+    }
+    const float a = sum / static_cast<float>(features), c = dot / static_cast<float>(features);
+    for (unsigned j = 0; j < features; ++j) {
+        const float gw = w ? gr[j] * w[j] : gr[j], xhat = (xr[j] - mean) * rstd;
+        out[base + j] = rstd * ((gw - a) - xhat * c);
+    }
+}
+
+// stats[2r], stats[2r + 1] = row r's mean and 1 / std
+DEEPDSL_HD void deepdsl_layer_norm_stats_at(unsigned r, unsigned features, float eps, const float* x, float* stats) {
+    deepdsl_layer_norm_stats_row(x + static_cast<size_t>(r) * features, features, eps, stats + 2 * r,
+                                 stats + 2 * r + 1);
+}
+
+// out[j] = sum over rows of g * xhat, out[features + j] = sum of g, for feature j, the rows in order
+DEEPDSL_HD void deepdsl_layer_norm_param_column(unsigned j, unsigned rows, unsigned features, const float* x,
+                                                const float* g, const float* stats, float* out) {
+    float dw = 0.0f, db = 0.0f;
+    for (unsigned r = 0; r < rows; ++r) {
+        const size_t at = static_cast<size_t>(r) * features + j;
+        dw += g[at] * ((x[at] - stats[2 * r]) * stats[2 * r + 1]);
+        db += g[at];
+    }
+    out[j] = dw;
+    out[features + j] = db;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // dropout masks: deepdsl_bernoulli_group (deepdsl_random.h), one group of eight bytes per thread
 
 // ===============================================================================================================
@@ -758,6 +827,22 @@ DEEPDSL_KERNEL deepdsl_lrn_bwd(unsigned columns, unsigned channels, unsigned spa
     DEEPDSL_FOR(col, 0, columns)
         deepdsl_lrn_bwd_column(col, channels, spatial, size, alpha_over_size, k, neg_beta, neg_beta_minus_one,
                                two_alpha_beta_over_size, g, x, out);
+}
+
+DEEPDSL_KERNEL deepdsl_layer_norm(unsigned rows, unsigned features, float eps, const float* x, const float* w,
+                                  const float* b, float* out) {
+    DEEPDSL_FOR(r, 0, rows) deepdsl_layer_norm_row(r, features, eps, x, w, b, out);
+}
+DEEPDSL_KERNEL deepdsl_layer_norm_grad(unsigned rows, unsigned features, float eps, const float* x, const float* g,
+                                       const float* w, float* out) {
+    DEEPDSL_FOR(r, 0, rows) deepdsl_layer_norm_grad_row(r, features, eps, x, g, w, out);
+}
+DEEPDSL_KERNEL deepdsl_layer_norm_stats(unsigned rows, unsigned features, float eps, const float* x, float* stats) {
+    DEEPDSL_FOR(r, 0, rows) deepdsl_layer_norm_stats_at(r, features, eps, x, stats);
+}
+DEEPDSL_KERNEL deepdsl_layer_norm_param_grad(unsigned features, unsigned rows, const float* x, const float* g,
+                                             const float* stats, float* out) {
+    DEEPDSL_FOR(j, 0, features) deepdsl_layer_norm_param_column(j, rows, features, x, g, stats, out);
 }
 
 DEEPDSL_KERNEL deepdsl_im2col(unsigned n, ConvGeom g, unsigned sample_stride, unsigned row_stride, const float* x,

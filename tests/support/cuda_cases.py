@@ -232,6 +232,39 @@ def case_lrn(g, rng):
     return result
 
 
+def case_layer_norm(g, rng):
+    """The layer norm, its input gradient (also over g, in place) and its weight's and bias's gradients (through the
+    workspace's row statistics), affine and not, rows of whole vectors and not."""
+    from deepdsl_runtime import contract
+
+    result = []
+    for shape, axes, affine in [((3, 4, 20), 1, True), ((2, 3, 5), 2, True), ((9, 6), 1, False), ((70, 33), 1, True)]:
+        x = (2 * rng.standard_normal(shape) + 1).astype(F32)
+        gy = rng.standard_normal(shape).astype(F32)
+        features = shape[len(shape) - axes:]
+        params = [rng.standard_normal(features).astype(F32) for _ in range(2 if affine else 0)]
+        attrs = dict(eps=1e-5, axes=axes)
+        ref, refd, refp = np.empty_like(x), np.empty_like(x), np.empty((2, int(np.prod(features))), F32)
+        C.layer_norm(x, *params, out=ref, **attrs)
+        C.layer_norm_grad(x, gy, *params[:1], out=refd, **attrs)
+        C.layer_norm_param_grad(x, gy, out=refp, **attrs)
+        tag = f"{shape} over {axes} axes{' affine' if affine else ''}"
+        out = _out(g, shape)
+        g.layer_norm(_in(g, x), *(_in(g, p) for p in params), out=out, **attrs)
+        result.append((f"layer_norm {tag}", out, ref, 1e-5))
+        out = _out(g, shape)
+        g.layer_norm_grad(_in(g, x), _in(g, gy), *(_in(g, p) for p in params[:1]), out=out, **attrs)
+        result.append((f"layer_norm_grad {tag}", out, refd, 1e-5))
+        inplace = _in(g, gy)
+        g.layer_norm_grad(_in(g, x), inplace, *(_in(g, p) for p in params[:1]), out=inplace, **attrs)
+        result.append((f"layer_norm_grad over g {tag}", inplace, refd, 1e-5))
+        out = _out(g, refp.shape)
+        workspace = _out(g, (contract.layer_norm_param_scratch(x.size // refp.shape[1], refp.shape[1]),))
+        g.layer_norm_param_grad(_in(g, x), _in(g, gy), out=out, workspace=workspace, **attrs)
+        result.append((f"layer_norm_param_grad {tag}", out, refp, 1e-5))
+    return result
+
+
 def case_losses(g, rng):
     result = []
     for rows, classes in [(7, 10), (3, 1000), (1, 2), (12, 4)]:
@@ -409,7 +442,7 @@ def case_attention(g, rng):
 
 
 CASES = [case_conv, case_grouped_conv, case_conv_bwd_data_takes_over, case_pool, case_pool_takes_over, case_lrn,
-         case_losses, case_reductions_and_shapes, case_dropout_masks, case_attention]
+         case_layer_norm, case_losses, case_reductions_and_shapes, case_dropout_masks, case_attention]
 
 
 def compare(g, label, got, expected, tolerance) -> None:
