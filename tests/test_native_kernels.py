@@ -34,6 +34,9 @@ from tests.test_runtime_cpu import GROUPED_CONV, grouped_conv_nodes
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                               reason="needs a C compiler")
 _built: dict = {}
+# a ViT whose normalizations are written out as tensor ops (RMSNorm, a layer norm): kernels with operands per token
+# and per feature, sums over each token's features and over every axis but the last
+NORMS_VIT = str(Path(__file__).parent / "support" / "norms_vit.py")
 
 
 def _program(name, image, tmp_path_factory):
@@ -41,7 +44,8 @@ def _program(name, image, tmp_path_factory):
     from deepdsl.codegen.native import build_library
 
     if name not in _built:
-        compiled, path = compile_program(name, tmp_path_factory.mktemp(f"native-{name}"), batch=2, image=image)
+        compiled, path = compile_program(name, tmp_path_factory.mktemp(f"native-{Path(name).stem}"), batch=2,
+                                         image=image)
         built, why = build_library(path.with_suffix(".c"))
         assert built is not None, why
         _built[name] = compiled, import_program(path), path
@@ -308,9 +312,9 @@ def _operands(pattern, shape, rng):
 
 
 @needs_cc
-@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "googlenet", "alexnet", "vit"])
+@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "googlenet", "alexnet", "vit", NORMS_VIT])
 def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory):
-    compiled, module, path = _program(name, dict(NETWORKS)[name], tmp_path_factory)
+    compiled, module, path = _program(name, dict(NETWORKS).get(name), tmp_path_factory)
     found, why = native.load(path)
     assert found is not None, why
     from deepdsl.codegen.description import describe
@@ -337,7 +341,7 @@ def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory
     letters = "".join(p for _, patterns in describe(compiled).kernel_patterns for p in patterns)
     if name == "resnet_mini":          # batch norm's per-channel operands and the bias of its last layer
         assert "c" in letters and "r" in letters, letters
-    if name == "vit":                  # layer norms' statistics of each token, and their weights
+    if name == NORMS_VIT:              # the norms' statistics of each token, and their weights
         assert "w" in letters and "r" in letters, letters
 
 
@@ -444,14 +448,14 @@ def _row_operands(pattern, shape, rng):
 
 @needs_cc
 def test_sums_over_each_rows_last_axis_equal_numpy(tmp_path_factory):
-    """The ViT's layer norms sum over each token's features ((N, T, D) to (N, T, 1)): the compiled per-channel
+    """Normalizations written out sum over each token's features ((N, T, D) to (N, T, 1)): the compiled per-channel
     sums and summed pairs run them under the view (1, N*T, D), each row a channel (`contract.sum_view`), within
     float32 roundings of numpy's kernels and chunked sums, at one and two threads, on odd shapes and on more rows
     than a thread reads at a time."""
     from deepdsl.codegen.description import describe
     from deepdsl_runtime.cpu import elementwise
 
-    compiled, module, path = _program("vit", dict(NETWORKS)["vit"], tmp_path_factory)
+    compiled, module, path = _program(NORMS_VIT, None, tmp_path_factory)
     found, why = native.load(path)
     assert found is not None, why
     description = describe(compiled)
@@ -506,7 +510,7 @@ def test_sums_over_every_axis_but_the_last_equal_numpy(tmp_path_factory):
     from deepdsl_runtime import cpu
     from deepdsl_runtime.cpu import elementwise
 
-    compiled, module, path = _program("vit", dict(NETWORKS)["vit"], tmp_path_factory)
+    compiled, module, path = _program(NORMS_VIT, None, tmp_path_factory)
     found, why = native.load(path)
     assert found is not None, why
     description = describe(compiled)
@@ -815,6 +819,34 @@ def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
         for kernels, out in zip((lib, avx), masks):
             assert kernels.bernoulli(out, seed, contract.counter_key(step, key), keep)
         np.testing.assert_array_equal(masks[0], masks[1])
+
+
+@needs_cc
+def test_layer_norms_built_for_avx2_give_the_same_bits(lib, tmp_path):
+    """The layer norm's kernels built for a processor with AVX2 but not AVX-512 give this build's bits: each row's
+    sums run in 16 lanes of their own and halve in a fixed order, whatever the vectors' width. Rows of whole
+    vectors and not, affine and not."""
+    from deepdsl_runtime import contract
+
+    command = compile_command(native.KERNELS_DIR / "cpu_ops.c", tmp_path / "avx.so") + ["-mavx2", "-mfma",
+                                                                                        "-mno-avx512f"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    avx = native.Native(ctypes.CDLL(str(tmp_path / "avx.so")))
+    rng = np.random.default_rng(31)
+    for rows, features, affine in ((100, 64, True), (7, 33, False), (65, 5, True), (3, 300, True)):
+        x = (3 * rng.standard_normal((rows, features)) + 1).astype(np.float32)
+        g = rng.standard_normal((rows, features)).astype(np.float32)
+        params = tuple(rng.standard_normal(features).astype(np.float32) for _ in range(2 if affine else 0))
+        results = []
+        for kernels in (lib, avx):
+            y, dx, both = np.empty_like(x), np.empty_like(x), np.empty((2, features), np.float32)
+            workspace = np.empty(contract.layer_norm_param_scratch(rows, features), np.float32)
+            assert kernels.layer_norm(x, params, y, 1e-5, 1)
+            assert kernels.layer_norm_grad(x, g, params[:1], dx, 1e-5, 1)
+            assert kernels.layer_norm_param_grad(x, g, both, workspace, 1e-5, 1)
+            results.append((y, dx, both))
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(*results)), (rows, features)
 
 
 _MATH_LOOPS = """

@@ -551,19 +551,16 @@ void deepdsl_lrn_bwd(const float* g, const float* x, long m, long channels, long
         }                                                                                                           \
     } while (0)
 
-typedef float deepdsl_f8 __attribute__((vector_size(32)));
-typedef float deepdsl_f4 __attribute__((vector_size(16)));
-
 // the lanes halved down to one: vectors of 8 and 4 (a register's halves, not a trip through memory per add)
 static inline __attribute__((always_inline)) float deepdsl_lane_total(const float* a) {
-    deepdsl_f8 low, high;
+    deepdsl_v8f low, high;
     memcpy(&low, a, sizeof low);
     memcpy(&high, a + 8, sizeof high);
-    const deepdsl_f8 eight = low + high;
-    deepdsl_f4 front, back;
+    const deepdsl_v8f eight = low + high;
+    deepdsl_v4f front, back;
     memcpy(&front, &eight, sizeof front);
     memcpy(&back, (const float*)&eight + 4, sizeof back);
-    const deepdsl_f4 four = front + back;
+    const deepdsl_v4f four = front + back;
     return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
