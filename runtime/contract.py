@@ -33,7 +33,7 @@ __all__ = [
     "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW", "WIDE_FILTER_ROW", "WIDEST_LANES", "BLOCKED_CONV_ROW",
     "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
-    "lrn_scratch", "LAYER_NORM_PART_ROWS", "layer_norm_parts", "layer_norm_param_scratch", "mask_generator",
+    "lrn_scratch", "LAYER_NORM_PART_ROWS", "layer_norm_rows", "layer_norm_parts", "layer_norm_param_scratch", "mask_generator",
     "max_pool_argmax_scratch", "max_pool_bwd_scratch", "max_pool_scratch", "out_size", "placed_size",
     "pointwise_conv", "pool_padded_scratch", "one_product", "WIDE_PLANE", "stage_floats", "operand_letter",
     "operand_pattern", "kernel_rows", "ProductCuts", "product_cuts", "PRODUCT_ITEMS", "PRODUCT_PART_WIDTH",
@@ -433,6 +433,12 @@ def lrn_bwd_scratch(shape) -> int:
 
 
 LAYER_NORM_PART_ROWS = 64     # rows of a part of layer_norm_param_grad's sums: fixed by the shape, one thread's
+
+
+def layer_norm_rows(shape, axes: int) -> tuple[int, int]:
+    """(rows, features) of a layer norm over the last `axes` axes of `shape`: each row is normalized on its own."""
+    cut = len(shape) - axes
+    return math.prod(shape[:cut]), math.prod(shape[cut:])
 
 
 def layer_norm_parts(rows: int) -> int:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-import math
-
 from deepdsl.ir import FLOAT, UINT8, Node, make
 from deepdsl.ops import Op, dims, register, require, scratch_chunks
 from deepdsl.ops.elementwise import reshape
@@ -85,21 +83,15 @@ class LRNBwd(Op):
         return scratch_chunks(node.shape[0], contract.lrn_bwd_scratch(node.shape), limit)
 
 
-def _layer_norm_check(x: Node, affine: tuple[Node, ...], axes: int) -> None:
+def _layer_norm_check(x: Node, params: tuple[Node, ...], axes: int) -> None:
+    """A layer norm's input of more than `axes` axes, its parameters (weight, bias) of the last `axes` axes' shape."""
     require(isinstance(axes, int) and 0 < axes < len(x.shape),
             f"layer norm over the last {axes} axes of {dims(x.shape)}: needs fewer axes than the input has")
     require(x.dtype == FLOAT, f"layer norm of a {x.dtype} tensor")
     features = x.shape[len(x.shape) - axes:]
-    require(len(affine) in (0, 2), "layer norm takes a weight and a bias, or neither")
-    for t, what in zip(affine, ("weight", "bias")):
+    for t in params:
         require(t.shape == features and t.dtype == FLOAT,
-                f"layer norm {what} of {dims(t.shape)} for features of {dims(features)}")
-
-
-def layer_norm_rows(shape: tuple[int, ...], axes: int) -> tuple[int, int]:
-    """(rows, features) of a layer norm over the last `axes` axes of `shape`: each row normalized on its own."""
-    cut = len(shape) - axes
-    return math.prod(shape[:cut]), math.prod(shape[cut:])
+                f"layer norm parameter {t.name or t.op} of {dims(t.shape)} for features of {dims(features)}")
 
 
 def _normalized(x: np.ndarray, axes: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
@@ -122,6 +114,7 @@ class LayerNorm(Op):
     name = "layer_norm"
 
     def infer(self, x: Node, *affine: Node, eps, axes):
+        require(len(affine) in (0, 2), "layer norm takes a weight and a bias, or neither")
         _layer_norm_check(x, affine, axes)
         require(eps > 0, f"layer norm's eps {eps}: must be positive")
         return x.shape, FLOAT
@@ -156,7 +149,8 @@ class LayerNormGrad(Op):
     in_place = (1,)           # dx may overwrite g: the kernel reads a row of g whole before writing that row of dx
 
     def infer(self, x: Node, g: Node, *weight: Node, eps, axes):
-        _layer_norm_check(x, weight + weight, axes)
+        require(len(weight) <= 1, "layer_norm_grad takes the weight, or nothing")
+        _layer_norm_check(x, weight, axes)
         require(g.shape == x.shape, f"layer_norm_grad of an output gradient {dims(g.shape)} for an input "
                 f"{dims(x.shape)}")
         return x.shape, FLOAT
@@ -184,11 +178,11 @@ class LayerNormParamGrad(Op):
         _layer_norm_check(x, (), axes)
         require(g.shape == x.shape, f"layer_norm_param_grad of an output gradient {dims(g.shape)} for an input "
                 f"{dims(x.shape)}")
-        return (2, layer_norm_rows(x.shape, axes)[1]), FLOAT
+        return (2, contract.layer_norm_rows(x.shape, axes)[1]), FLOAT
 
     def evaluate(self, ctx, x, g, *, eps, axes):
         xhat, _ = _normalized(x, axes, eps)
-        rows, features = layer_norm_rows(x.shape, axes)
+        rows, features = contract.layer_norm_rows(x.shape, axes)
         both = np.stack([(g * xhat).reshape(rows, features).sum(0), g.reshape(rows, features).sum(0)])
         return both.astype(ctx.float_dtype)
 
@@ -196,7 +190,7 @@ class LayerNormParamGrad(Op):
         """The CPU kernel's partial sums (`contract.layer_norm_param_scratch`); the CUDA kernel keeps each row's
         mean and 1 / std there. All rows at once: the parts are fixed by the shape."""
         x = node.inputs[0]
-        rows, features = layer_norm_rows(x.shape, node.attr("axes"))
+        rows, features = contract.layer_norm_rows(x.shape, node.attr("axes"))
         return scratch_chunks(1, contract.layer_norm_param_scratch(rows, features), None)
 
     def flops(self, node):

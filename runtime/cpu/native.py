@@ -816,7 +816,7 @@ class Native:
         False (nothing written) where the arrays are not contiguous float32."""
         if not _contiguous32(x, out, *affine):
             return False
-        rows, features = _layer_norm_rows(x, axes)
+        rows, features = contract.layer_norm_rows(x.shape, axes)
         w, b = (_address(affine[0]), _address(affine[1])) if affine else (None, None)
         self.lib.deepdsl_layer_norm(_address(x), w, b, rows, features, eps, _address(out))
         return True
@@ -826,7 +826,7 @@ class Native:
         """out = the layer norm's input gradient (`out` may be g); False where not contiguous float32."""
         if not _contiguous32(x, g, out, *weight):
             return False
-        rows, features = _layer_norm_rows(x, axes)
+        rows, features = contract.layer_norm_rows(x.shape, axes)
         self.lib.deepdsl_layer_norm_grad(_address(x), _address(g), _address(weight[0]) if weight else None, rows,
                                          features, eps, _address(out))
         return True
@@ -837,7 +837,7 @@ class Native:
         (`contract.layer_norm_param_scratch`); False where not contiguous float32."""
         if not _contiguous32(x, g, out):
             return False
-        rows, features = _layer_norm_rows(x, axes)
+        rows, features = contract.layer_norm_rows(x.shape, axes)
         floats = contract.layer_norm_parts(rows) * 2 * features * 2
         parts = Scratch(workspace).take((floats,))
         self.lib.deepdsl_layer_norm_param_grad(_address(x), _address(g), rows, features, eps,
@@ -1085,12 +1085,6 @@ def _bias_args(bias) -> tuple:
     if bias is None:
         return None, None, 0, 0
     return _address(bias.flat), _address(bias.offsets), bias.row, bias.col
-
-
-def _layer_norm_rows(x: np.ndarray, axes: int) -> tuple[int, int]:
-    """(rows, features) of a layer norm over the last `axes` axes of x."""
-    features = math.prod(x.shape[x.ndim - axes:])
-    return x.size // max(features, 1), features
 
 
 def _contiguous32(*arrays) -> bool:

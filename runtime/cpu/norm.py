@@ -64,8 +64,7 @@ def lrn_bwd(g, x, *, out, size, alpha, beta, k, workspace=None, native=None):
 
 def _rows(x, axes):
     """x as (rows, features): the last `axes` axes of each position one row (a view of a contiguous x)."""
-    features = int(np.prod(x.shape[x.ndim - axes:]))
-    return x.reshape(-1, features)
+    return x.reshape(contract.layer_norm_rows(x.shape, axes))
 
 
 SUM_LANES = 16       # DEEPDSL_SUM_LANES

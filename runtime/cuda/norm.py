@@ -32,27 +32,22 @@ def lrn_bwd(g, x, *, out, size, alpha, beta, k, workspace=None):
                  f(alpha / size), f(k), f(-beta), f(-beta - 1), f(2 * alpha * beta / size), g.ptr, x.ptr, out.ptr)
 
 
-def _rows(x: DeviceArray, axes: int) -> tuple[int, int]:
-    features = math.prod(x.shape[len(x.shape) - axes:])
-    return x.size // max(features, 1), features
-
-
 def layer_norm(x, *affine, out, eps, axes, workspace=None):
-    rows, features = _rows(x, axes)
+    rows, features = contract.layer_norm_rows(x.shape, axes)
     w, b = (affine[0].ptr, affine[1].ptr) if affine else (0, 0)
     launch_items(out.device, "deepdsl_layer_norm", "IIfPPPP", rows, rows, features, np.float32(eps), x.ptr, w, b,
                  out.ptr)
 
 
 def layer_norm_grad(x, g, *weight, out, eps, axes, workspace=None):
-    rows, features = _rows(x, axes)
+    rows, features = contract.layer_norm_rows(x.shape, axes)
     launch_items(out.device, "deepdsl_layer_norm_grad", "IIfPPPP", rows, rows, features, np.float32(eps), x.ptr,
                  g.ptr, weight[0].ptr if weight else 0, out.ptr)
 
 
 def layer_norm_param_grad(x, g, *, out, eps, axes, workspace=None):
     """The rows' means and 1 / std into the workspace, then a thread per feature over the rows in order."""
-    rows, features = _rows(x, axes)
+    rows, features = contract.layer_norm_rows(x.shape, axes)
     needed = contract.layer_norm_param_scratch(rows, features)
     if workspace is None or workspace.size < needed:
         raise ValueError(f"layer_norm_param_grad needs a workspace of at least {needed} floats")
