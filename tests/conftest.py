@@ -60,6 +60,17 @@ def golden(request):
     return check
 
 
+@pytest.fixture
+def torch_float64():
+    """PyTorch's default dtype float64 during a test, as it was afterwards (the operator tests compare in float64)."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
 STRIDE1_SCHEMES = ("columns", "widened", "kernel rows")
 
 

@@ -773,6 +773,15 @@ def test_dropout_masks_are_numpys_at_any_thread_count(lib):
         lib.set_threads(before)
 
 
+def _avx2_library(tmp_path) -> native.Native:
+    """The generic kernels built for a processor with AVX2 but not AVX-512."""
+    command = compile_command(native.KERNELS_DIR / "cpu_ops.c", tmp_path / "avx.so") + ["-mavx2", "-mfma",
+                                                                                        "-mno-avx512f"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return native.Native(ctypes.CDLL(str(tmp_path / "avx.so")))
+
+
 @needs_cc
 def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
     """The attention's passes over rows built for a processor with AVX2 but not AVX-512 (masked vectors by AVX's own
@@ -780,11 +789,7 @@ def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
     and without dropout's masks; and so do dropout's masks themselves (four 64-bit lanes instead of eight)."""
     from deepdsl_runtime.cpu.attention import Bias
 
-    command = compile_command(native.KERNELS_DIR / "cpu_ops.c", tmp_path / "avx.so") + ["-mavx2", "-mfma",
-                                                                                        "-mno-avx512f"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    avx = native.Native(ctypes.CDLL(str(tmp_path / "avx.so")))
+    avx = _avx2_library(tmp_path)
     rng = np.random.default_rng(17)
     for s in (1, 7, 8, 9, 16, 23):
         scores = (3 * rng.standard_normal((3, s, s))).astype(np.float32)
@@ -828,11 +833,7 @@ def test_layer_norms_built_for_avx2_give_the_same_bits(lib, tmp_path):
     vectors and not, affine and not."""
     from deepdsl_runtime import contract
 
-    command = compile_command(native.KERNELS_DIR / "cpu_ops.c", tmp_path / "avx.so") + ["-mavx2", "-mfma",
-                                                                                        "-mno-avx512f"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    avx = native.Native(ctypes.CDLL(str(tmp_path / "avx.so")))
+    avx = _avx2_library(tmp_path)
     rng = np.random.default_rng(31)
     for rows, features, affine in ((100, 64, True), (7, 33, False), (65, 5, True), (3, 300, True)):
         x = (3 * rng.standard_normal((rows, features)) + 1).astype(np.float32)

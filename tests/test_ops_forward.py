@@ -23,14 +23,9 @@ from deepdsl.ops.loss import cross_entropy, log_loss, nll
 from deepdsl.ops.shape import concat, slice_axis
 from tests.support.random_programs import conv_geometries, pool_geometries
 
-@pytest.fixture(autouse=True)
-def _torch_in_float64():
-    """PyTorch's default dtype float64 for this file's tests only: every worker collects every file, so a setting made
-    at import would reach the other files' tests."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+# PyTorch's default dtype float64 for this file's tests only (conftest's fixture: a setting made at import would
+# reach the other files' tests, every worker collecting every file)
+pytestmark = pytest.mark.usefixtures("torch_float64")
 
 
 def leaf(name, shape, dtype=FLOAT):

@@ -37,14 +37,9 @@ from deepdsl.passes.linearize import linearize
 from deepdsl.passes.specialize import specialize
 from tests.support.random_programs import conv_geometries, pool_geometries
 
-@pytest.fixture(autouse=True)
-def _torch_in_float64():
-    """PyTorch's default dtype float64 for this file's tests only: every worker collects every file, so a setting made
-    at import would reach the other files' tests."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+# PyTorch's default dtype float64 for this file's tests only (conftest's fixture: a setting made at import would
+# reach the other files' tests, every worker collecting every file)
+pytestmark = pytest.mark.usefixtures("torch_float64")
 
 RTOL = 1e-6            # gradients vs autograd and vs finite differences
 FD_STEP = 1e-6         # central differences: O(h^2) truncation and O(eps / h) rounding, both far below RTOL
