@@ -125,12 +125,16 @@ def layer_norm_grad(x, g, *weight, out, eps, axes, native=None):
 
 
 def layer_norm_param_grad(x, g, *, out, eps, axes, workspace=None, native=None):
-    """out[0] = the sum over rows of g * xhat (the weight's gradient), out[1] = the sum of g (the bias's), summed
-    in float64."""
+    """out[0] = the sum over rows of g * xhat (the weight's gradient), out[1] = the sum of g (the bias's): each part
+    of `contract.LAYER_NORM_PART_ROWS` rows summed in float64 row after row, then the parts in order, as the
+    compiled kernel adds them."""
     if native is not None and native.layer_norm_param_grad(x, g, out, workspace, eps, axes):
         return
     rows, grads = _rows(x, axes), _rows(g, axes)
     mean, rstd = _row_statistics(rows, eps)
-    xhat = (rows - mean) * rstd
-    out[0] = (grads * xhat).sum(axis=0, dtype=np.float64)
-    out[1] = grads.sum(axis=0, dtype=np.float64)
+    both = np.stack([grads * ((rows - mean) * rstd), grads])                  # (2, rows, features)
+    step = contract.LAYER_NORM_PART_ROWS
+    total = np.zeros((2, rows.shape[1]))
+    for first in range(0, rows.shape[0], step):
+        total += both[:, first:first + step].sum(axis=1, dtype=np.float64)
+    np.copyto(out, total)
