@@ -527,9 +527,9 @@ void deepdsl_lrn_bwd(const float* g, const float* x, long m, long channels, long
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// layer normalization (runtime/cpu/norm.py): rows of `features` floats, each normalized on its own; the sums in
-// double, the mean and the variance rounded to float, as numpy's version computes them. Rows are independent, and the
-// weight's and bias's sums add fixed parts of the rows in order: no result depends on the thread count.
+// layer normalization (runtime/cpu/norm.py): rows of `features` floats, each normalized on its own, its sums in
+// float in the lanes below, as numpy's version computes them; the weight's and bias's sums add fixed parts of the
+// rows in double, then the parts in order. No result depends on the thread count or the vector width.
 
 // Sums over a row, in the same order on any vector width (and in numpy's version, `norm._lane_sums`): element k goes
 // to lane k mod 16, each lane adds its elements in order, then the lanes are halved (lane i + lane i + half) down to
