@@ -838,8 +838,7 @@ class Native:
         if not _contiguous32(x, g, out):
             return False
         rows, features = contract.layer_norm_rows(x.shape, axes)
-        floats = contract.layer_norm_parts(rows) * 2 * features * 2
-        parts = Scratch(workspace).take((floats,))
+        parts = Scratch(workspace).take((contract.layer_norm_param_scratch(rows, features),))
         self.lib.deepdsl_layer_norm_param_grad(_address(x), _address(g), rows, features, eps,
                                                contract.LAYER_NORM_PART_ROWS, _address(parts), _address(out))
         return True
