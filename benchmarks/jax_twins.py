@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from deepdsl_runtime import contract
+
 
 class UnknownOp(Exception):
     """An ATen op of the exported graph that the JAX twin has no computation for."""
@@ -73,10 +75,7 @@ def _ops():
         padding = list(padding) * (dims // len(padding))
         pads = []
         for size, k, s, p in zip(x.shape[-dims:], kernel, stride, padding):
-            span = size + 2 * p - k
-            out = (-(-span // s) if ceil_mode else span // s) + 1
-            if ceil_mode and (out - 1) * s >= size + p:
-                out -= 1
+            out = contract.out_size(size, k, s, p, ceil_mode)       # PyTorch's rule, ceil mode's last window too
             pads.append((p, (out - 1) * s + k - size - p))
         lead = x.ndim - dims
         return lax.reduce_window(x, init, op, (1,) * lead + tuple(kernel), (1,) * lead + tuple(stride),

@@ -105,7 +105,7 @@ def layer_norm(x, *affine, out, eps, axes, native=None):
     mean, rstd = _row_statistics(rows, eps)
     y = (rows - mean) * rstd
     if affine:
-        y = y * _rows(affine[0], affine[0].ndim) + _rows(affine[1], affine[1].ndim)
+        y = y * affine[0].reshape(-1) + affine[1].reshape(-1)
     np.copyto(out, y.reshape(out.shape))
 
 
@@ -118,7 +118,7 @@ def layer_norm_grad(x, g, *weight, out, eps, axes, native=None):
     features = rows.shape[1]
     mean, rstd = _row_statistics(rows, eps)
     xhat = (rows - mean) * rstd
-    gw = grads * _rows(weight[0], weight[0].ndim) if weight else grads
+    gw = grads * weight[0].reshape(-1) if weight else grads
     a = _lane_sums(gw) / np.float32(features)
     b = _lane_sums(gw * xhat) / np.float32(features)
     np.copyto(out, (rstd * (gw - a - xhat * b)).reshape(out.shape))
