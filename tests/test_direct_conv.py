@@ -257,14 +257,21 @@ def test_the_rule_takes_thin_pointwise_filter_gradients():
 # ---------------------------------------------------------------------------------------------------------------
 # depthwise convolutions, stride 1 widened (the padded plane in the thread's buffer, each tap one flat pass)
 
+# 16 channels at a time (at least 16 channels; small or strided planes): groups cut short (19, 33, 24 channels),
+# strides 2 and 3, a 5x5 kernel, padding wider than the kernel, a 1x1 plane, planes of whole vectors of eight and
+# not; and wide stride-1 planes of many channels, which stay plane by plane
+LANES = [
+    (2, 19, 7, 7, 3, 1, 1), (2, 33, 4, 5, 3, 1, 1), (3, 16, 13, 10, 3, 2, 1), (1, 24, 11, 9, 5, 2, 2),
+    (2, 16, 9, 8, 3, 3, 0), (1, 17, 6, 6, 3, 1, 3), (2, 16, 1, 1, 3, 1, 1), (1, 32, 16, 16, 3, 2, 1),
+    (2, 32, 14, 14, 3, 1, 1),
+]
 DEPTHWISE = [  # (N, C, H, W, k, stride, pad): widened (small and large planes, no padding, padding to the kernel's
     # reach, a 1x1 plane, planes past the filter gradient's row limit and below it); row by row (stride 2, padding
     # wider than the kernel, a plane past the buffer's limit)
     (2, 3, 9, 11, 3, 1, 1), (1, 2, 30, 17, 5, 1, 2), (2, 4, 7, 7, 3, 1, 0), (3, 2, 1, 1, 3, 1, 1),
     (2, 5, 4, 4, 3, 1, 1), (1, 2, 16, 16, 3, 1, 2), (2, 3, 13, 10, 3, 2, 1), (1, 2, 6, 6, 3, 1, 3),
     (1, 1, 300, 260, 3, 1, 1),
-]
-
+] + LANES
 
 def _depthwise(kernels, arrays, op, n, c, h, w, k, stride, pad):
     out_shape = {"conv2d": arrays[0].shape[:2] + (contract.out_size(h, k, stride, pad),
@@ -325,6 +332,8 @@ def _taps_in_order(x, f, stride, pad, ho, wo, scatter_into=None):
         for j in range(k):
             p = [p for p in range(ho) if 0 <= stride * p + i - pad < h]
             q = [q for q in range(wo) if 0 <= stride * q + j - pad < w]
+            if not p or not q:                # the tap reads no position
+                continue
             rows, cols = [stride * v + i - pad for v in p], [stride * v + j - pad for v in q]
             tap = f[:, 0, i, j][None, :, None, None]
             if scatter_into is None:
@@ -335,10 +344,37 @@ def _taps_in_order(x, f, stride, pad, ho, wo, scatter_into=None):
     return out
 
 
-@pytest.mark.parametrize("geometry", [(2, 3, 56, 56, 3, 2, 1), (1, 2, 13, 40, 5, 2, 2), (2, 2, 9, 33, 3, 2, 0)])
-def test_stride_2_depthwise_convolutions_add_the_taps_in_order(lib, avx2_kernels, geometry):  # noqa: F811
-    """The stride-2 forward and input gradient, their rows in vectors: the same bits as the taps one by one in
-    order, with AVX-512 and AVX2 alike."""
+def _rows_in_order(g, x, stride, pad, k):
+    """A depthwise convolution's filter gradient in float32 as the compiled kernels sum it row by row: for each tap,
+    sample by sample and output row by output row, the row's products added in order from zero, then the row's sum
+    added to the tap's."""
+    n, c, ho, wo = g.shape
+    h, w = x.shape[2:]
+    out = np.zeros((c, 1, k, k), np.float32)
+    for i in range(k):
+        for j in range(k):
+            total = np.zeros(c, np.float32)
+            for s in range(n):
+                for p in range(ho):
+                    if not 0 <= stride * p + i - pad < h:
+                        continue
+                    part = np.zeros(c, np.float32)
+                    for q in range(wo):
+                        if 0 <= stride * q + j - pad < w:
+                            part = part + g[s, :, p, q] * x[s, :, stride * p + i - pad, stride * q + j - pad]
+                    total = total + part
+            out[:, 0, i, j] = total
+    return out
+
+
+IN_ORDER = [(2, 3, 56, 56, 3, 2, 1), (1, 2, 13, 40, 5, 2, 2), (2, 2, 9, 33, 3, 2, 0)] + LANES[:-1]
+
+
+@pytest.mark.parametrize("geometry", IN_ORDER, ids=[str(g) for g in IN_ORDER])
+def test_depthwise_convolutions_add_the_taps_in_order(lib, avx2_kernels, geometry):  # noqa: F811
+    """The strided (rows in vectors) and 16-channel kernels: the forward and the input gradient give the same bits
+    as the taps one by one in order, the filter gradient those of the sums row by row in order, with AVX-512 and
+    AVX2 alike. Plane by plane or 16 channels at a time, the same bits."""
     n, c, h, w, k, stride, pad = geometry
     ho, wo = contract.out_size(h, k, stride, pad), contract.out_size(w, k, stride, pad)
     rng = np.random.default_rng(sum(geometry))
@@ -347,7 +383,11 @@ def test_stride_2_depthwise_convolutions_add_the_taps_in_order(lib, avx2_kernels
     g = rng.standard_normal((n, c, ho, wo)).astype(np.float32)
     forward = _taps_in_order(x, f, stride, pad, ho, wo)
     backward = _taps_in_order(g, f, stride, pad, ho, wo, scatter_into=np.zeros((n, c, h, w), np.float32))
+    filters = _rows_in_order(g, x, stride, pad, k) if h * w < 1000 else None       # (a python loop per position)
     for kernels in (lib, avx2_kernels):
         np.testing.assert_array_equal(_depthwise(kernels, (x, f), "conv2d", n, c, h, w, k, stride, pad), forward)
         np.testing.assert_array_equal(_depthwise(kernels, (g, f), "conv2d_bwd_data", n, c, h, w, k, stride, pad),
                                       backward)
+        if filters is not None:
+            np.testing.assert_array_equal(_depthwise(kernels, (g, x), "conv2d_bwd_filter", n, c, h, w, k, stride,
+                                                     pad), filters)

@@ -13,31 +13,6 @@
 
 #define DEEPDSL_IMAGE_ROWS 8
 
-// v[i][k] <-> v[k][i]: 8 x 8 floats transposed in registers (pairs interleaved, then quads, then halves swapped).
-static inline __attribute__((always_inline)) void deepdsl_transpose8(deepdsl_v8f v[8]) {
-    const deepdsl_v8i lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
-    const deepdsl_v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-    const deepdsl_v8i first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
-    deepdsl_v8f t[8], u[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = __builtin_shuffle(v[i], v[i + 1], lo);
-        t[i + 1] = __builtin_shuffle(v[i], v[i + 1], hi);
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = __builtin_shuffle(t[i], t[i + 2], lo2);
-        u[i + 1] = __builtin_shuffle(t[i], t[i + 2], hi2);
-        u[i + 2] = __builtin_shuffle(t[i + 1], t[i + 3], lo2);
-        u[i + 3] = __builtin_shuffle(t[i + 1], t[i + 3], hi2);
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < 4; i++) {
-        v[i] = __builtin_shuffle(u[i], u[i + 4], first);
-        v[i + 4] = __builtin_shuffle(u[i], u[i + 4], second);
-    }
-}
-
 // Eight bytes as floats (gcc converts a vector of bytes to floats one lane at a time).
 #if defined(__SSE4_1__) && !defined(__AVX__)
 #include <immintrin.h>

@@ -94,6 +94,31 @@ static inline void deepdsl_valid(int offset, int size, int out, int stride, int 
     *hi = p1 > p0 ? p1 : p0;
 }
 
+// v[i][k] <-> v[k][i]: 8 x 8 floats transposed in registers (pairs interleaved, then quads, then halves swapped).
+static inline __attribute__((always_inline)) void deepdsl_transpose8(deepdsl_v8f v[8]) {
+    const deepdsl_v8i lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+    const deepdsl_v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const deepdsl_v8i first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+    deepdsl_v8f t[8], u[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = __builtin_shuffle(v[i], v[i + 1], lo);
+        t[i + 1] = __builtin_shuffle(v[i], v[i + 1], hi);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = __builtin_shuffle(t[i], t[i + 2], lo2);
+        u[i + 1] = __builtin_shuffle(t[i], t[i + 2], hi2);
+        u[i + 2] = __builtin_shuffle(t[i + 1], t[i + 3], lo2);
+        u[i + 3] = __builtin_shuffle(t[i + 1], t[i + 3], hi2);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 4; i++) {
+        v[i] = __builtin_shuffle(u[i], u[i + 4], first);
+        v[i + 4] = __builtin_shuffle(u[i], u[i + 4], second);
+    }
+}
+
 // dst[k] = src[k] for k < n: short runs (a convolution's output rows, often 8 to 32 floats) copied inline, which
 // a call of memcpy per run costs several times over.
 static inline __attribute__((always_inline)) void deepdsl_copy_floats(float* dst, const float* src, long n) {
@@ -106,267 +131,8 @@ static inline __attribute__((always_inline)) void deepdsl_copy_floats(float* dst
     for (; k < n; ++k) dst[k] = src[k];
 }
 
-// Depthwise convolution (groups = channels = filters, MobileNet's): plane by plane, each tap of a channel's filter
-// times its input plane shifted by the tap (zeros outside), with no im2col matrix; out (m, c, ho, wo) from x
-// (m, c, h, w) and w (c, 1, kh, kw). Its input gradient scatters the same products back (`scatter`): each tap
-// times the output gradient added into the input positions the tap read.
-static void deepdsl_depthwise_taps(const float* f, int h, int wd, int kh, int kw, int ho, int wo, int stride,
-                                   int pad, const float* from, float* to, int scatter) {
-    for (int i = 0; i < kh; ++i) {
-        int p0, p1;
-        deepdsl_valid(i, h, ho, stride, pad, &p0, &p1);
-        for (int j = 0; j < kw; ++j) {
-            int q0, q1;
-            deepdsl_valid(j, wd, wo, stride, pad, &q0, &q1);
-            const float tap = f[i * kw + j];
-            for (int p = p0; p < p1; ++p) {
-                const long input = (long)(i + stride * p - pad) * wd + (j - pad), output = (long)p * wo;
-                if (scatter && stride == 2) {
-                    float* row = to + input;
-                    const float* grad = from + output;
-#pragma omp simd
-                    for (int q = q0; q < q1; ++q) row[2L * q] += tap * grad[q];
-                } else if (scatter) {
-                    float* row = to + input;
-                    const float* grad = from + output;
-                    for (int q = q0; q < q1; ++q) row[(long)stride * q] += tap * grad[q];
-                } else if (stride == 1) {
-                    const float* row = from + input;
-                    float* d = to + output;
-#pragma omp simd
-                    for (int q = q0; q < q1; ++q) d[q] += tap * row[q];
-                } else if (stride == 2) {             // (a constant stride: even and odd lanes, vectorized)
-                    const float* row = from + input;
-                    float* d = to + output;
-#pragma omp simd
-                    for (int q = q0; q < q1; ++q) d[q] += tap * row[2L * q];
-                } else {
-                    const float* row = from + input;
-                    float* d = to + output;
-                    for (int q = q0; q < q1; ++q) d[q] += tap * row[(long)stride * q];
-                }
-            }
-        }
-    }
-}
-
-// Stride-1 depthwise convolutions on planes of at most DEEPDSL_DW_PLANE floats padded run "widened": the plane is
-// copied with its zero padding (and kw - 1 zeros after it) into the thread's buffer, and each tap's products are
-// added over rows as wide as the padded plane in one flat, vectorized pass (the columns past the output's are
-// computed and dropped), rather than row by row and tap by tap. The same products are added in the same order (a
-// padding position adds a zero product where the row-by-row loops skip it), so the sums are the same.
-#define DEEPDSL_DW_PLANE (1L << 16)
-#define DEEPDSL_DW_FILTER_ROWS 128      /* the filter gradient's widened rows at least (small planes: row by row) */
-
-// Whether a stride-1 depthwise convolution's planes run widened.
-static inline int deepdsl_depthwise_widened(int h, int wd, int kh, int kw, int stride, int pad) {
-    return stride == 1 && pad < kh && pad < kw &&
-           (long)(h + kh - 1 + 2 * pad) * (wd + kw - 1 + 2 * pad) + kw <= DEEPDSL_DW_PLANE;
-}
-
-// to (rows x width, then `extra` zeros) = the (h, wd) plane `from` with `top` zero rows above, `left` zero columns
-// before each row and zeros after it up to `width`, and zero rows below.
-static void deepdsl_padded_plane(const float* from, int h, int wd, int top, int left, int rows, int width, int extra,
-                                 float* to) {
-    memset(to, 0, sizeof(float) * ((long)rows * width + extra));
-    for (int p = 0; p < h; ++p) memcpy(to + (long)(top + p) * width + left, from + (long)p * wd, sizeof(float) * wd);
-}
-
-// wide[k] = sum over taps (i, j) in order of f[i][j] * src[k + i * width + j] for k < n (the tap turned around
-// with `flip`): unfused products added from zero, as the row loops do, 32 (then 8) positions at a time with their
-// sums in registers over the taps.
-static void deepdsl_widened_taps(const float* f, int kh, int kw, int width, const float* src, long n, int flip,
-                                 float* wide) {
-    const int taps = kh * kw;
-    long offsets[taps];
-    for (int t = 0; t < taps; ++t) {
-        const int i = t / kw, j = t % kw;
-        offsets[t] = (long)(flip ? kh - 1 - i : i) * width + (flip ? kw - 1 - j : j);
-    }
-    long k = 0;
-    for (; k + 32 <= n; k += 32) {
-        deepdsl_v8f acc[4] = {{0}};
-        for (int t = 0; t < taps; ++t) {
-            const float* from = src + offsets[t] + k;
-            #pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) {
-                deepdsl_v8f v;
-                memcpy(&v, from + 8 * u, sizeof v);
-                acc[u] += f[t] * v;
-            }
-        }
-        memcpy(wide + k, acc, sizeof acc);
-    }
-    for (; k + 8 <= n; k += 8) {
-        deepdsl_v8f acc = {0};
-        for (int t = 0; t < taps; ++t) {
-            deepdsl_v8f v;
-            memcpy(&v, src + offsets[t] + k, sizeof v);
-            acc += f[t] * v;
-        }
-        memcpy(wide + k, &acc, sizeof acc);
-    }
-    for (; k < n; ++k) {
-        float acc = 0.0f;
-        for (int t = 0; t < taps; ++t) acc += f[t] * src[offsets[t] + k];
-        wide[k] = acc;
-    }
-}
-
-// to (m, c, oh, ow) = per plane of from (m, c, fh, fw), padded by `top` rows and `left` columns: each channel's taps
-// over it widened (`deepdsl_widened_taps`, the taps turned around with `flip`), then + bias (c) when given; the
-// planes on the kernels' threads, each with its padded plane and widened rows in the thread's buffer.
-static void deepdsl_widened_planes(const float* from, const float* w, const float* bias, int m, int c, int fh, int fw,
-                                   int top, int left, int kh, int kw, int flip, int oh, int ow, float* to) {
-    const int hp = fh + 2 * top, wp = fw + 2 * left;
-#pragma omp parallel if ((long)m * c * oh * ow * kh * kw >= DEEPDSL_PARALLEL_MIN)
-    {
-        float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + (long)oh * wp));
-        float* wide = plane + (long)hp * wp + kw;
-#pragma omp for collapse(2) schedule(static)
-        for (int s = 0; s < m; ++s)
-            for (int ch = 0; ch < c; ++ch) {
-                deepdsl_padded_plane(from + ((long)s * c + ch) * fh * fw, fh, fw, top, left, hp, wp, kw, plane);
-                deepdsl_widened_taps(w + (long)ch * kh * kw, kh, kw, wp, plane, (long)oh * wp, flip, wide);
-                float* dst = to + ((long)s * c + ch) * oh * ow;
-                for (int p = 0; p < oh; ++p) {
-                    const float* row = wide + (long)p * wp;
-                    if (bias) {
-                        const float b = bias[ch];
-#pragma omp simd
-                        for (int q = 0; q < ow; ++q) dst[(long)p * ow + q] = row[q] + b;
-                    } else {
-                        memcpy(dst + (long)p * ow, row, sizeof(float) * ow);
-                    }
-                }
-            }
-        free(plane);
-    }
-}
-
-// The sum over the taps comes first, then the bias, as numpy's products do.
-void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m, int c, int h, int wd, int kh,
-                       int kw, int ho, int wo, int stride, int pad, float* out) {
-    if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad)) {
-        deepdsl_widened_planes(x, w, bias, m, c, h, wd, pad, pad, kh, kw, 0, ho, wo, out);
-        return;
-    }
-#pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
-    for (int s = 0; s < m; ++s) {
-        for (int ch = 0; ch < c; ++ch) {
-            float* dst = out + ((long)s * c + ch) * ho * wo;
-            memset(dst, 0, sizeof(float) * ho * wo);
-            deepdsl_depthwise_taps(w + (long)ch * kh * kw, h, wd, kh, kw, ho, wo, stride, pad,
-                                   x + ((long)s * c + ch) * h * wd, dst, 0);
-            if (bias) {
-                const float b = bias[ch];
-#pragma omp simd
-                for (long k = 0; k < (long)ho * wo; ++k) dst[k] += b;
-            }
-        }
-    }
-}
-
-// The input gradient widened: the output gradient padded by kh - 1 - pad rows and kw - 1 - pad columns, each tap
-// (in order) times it shifted by the turned-around tap: dx[y][x] = sum over (i, j) of w[i][j] g[y + pad - i]
-// [x + pad - j], the products the scatter adds, in its order.
-void deepdsl_depthwise_bwd_data(const float* g, const float* w, int m, int c, int h, int wd, int kh, int kw, int ho,
-                                int wo, int stride, int pad, float* dx) {
-    if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad)) {
-        deepdsl_widened_planes(g, w, NULL, m, c, ho, wo, kh - 1 - pad, kw - 1 - pad, kh, kw, 1, h, wd, dx);
-        return;
-    }
-#pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
-    for (int s = 0; s < m; ++s) {
-        for (int ch = 0; ch < c; ++ch) {
-            float* dst = dx + ((long)s * c + ch) * h * wd;
-            memset(dst, 0, sizeof(float) * h * wd);
-            deepdsl_depthwise_taps(w + (long)ch * kh * kw, h, wd, kh, kw, ho, wo, stride, pad,
-                                   g + ((long)s * c + ch) * ho * wo, dst, 1);
-        }
-    }
-}
-
-// The sum of 16 lanes in one fixed order (pairs, then pairs of pairs).
-static inline float deepdsl_lanes16_sum(const float* v) {
-    float a[8];
-    for (int l = 0; l < 8; ++l) a[l] = v[l] + v[l + 8];
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
-
-// sum over k < n of a[k] * b[k] in 16 lanes (two vectors of 8: the same sums on any SIMD width), added up at the end.
-static float deepdsl_dot16(const float* a, const float* b, long n) {
-    deepdsl_v8f lo = {0}, hi = {0};
-    long k = 0;
-    for (; k + 16 <= n; k += 16) {
-        deepdsl_v8f a0, a1, b0, b1;
-        memcpy(&a0, a + k, sizeof a0);
-        memcpy(&a1, a + k + 8, sizeof a1);
-        memcpy(&b0, b + k, sizeof b0);
-        memcpy(&b1, b + k + 8, sizeof b1);
-        lo += a0 * b0;
-        hi += a1 * b1;
-    }
-    float lanes[16];
-    memcpy(lanes, &lo, sizeof lo);
-    memcpy(lanes + 8, &hi, sizeof hi);
-    for (long l = 0; k + l < n; ++l) lanes[l] += a[k + l] * b[k + l];
-    return deepdsl_lanes16_sum(lanes);
-}
-
-// Its filter gradient: for each channel and tap, the sum over samples and output positions of the output gradient
-// times the input the tap read. Widened (stride 1, `deepdsl_depthwise_widened`): per sample, the output gradient
-// with zero columns to the padded input's width, and each tap's sum one flat dot product of it with the padded input
-// shifted by the tap (16 lanes), the samples' sums added in order; where those rows are fewer than
-// DEEPDSL_DW_FILTER_ROWS floats, row by row (copying such a plane costs more than its few products).
-void deepdsl_depthwise_bwd_filter(const float* g, const float* x, int m, int c, int h, int wd, int kh, int kw, int ho,
-                                  int wo, int stride, int pad, float* dw) {
-    if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad) &&
-        (long)ho * (wd + 2 * pad) >= DEEPDSL_DW_FILTER_ROWS) {
-        const int hp = h + 2 * pad, wp = wd + 2 * pad;
-        const long n = (long)ho * wp;
-#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
-        {
-            float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + n));
-            float* wide = plane + (long)hp * wp + kw;
-#pragma omp for schedule(static)
-            for (int ch = 0; ch < c; ++ch) {
-                float* total = dw + (long)ch * kh * kw;
-                for (int t = 0; t < kh * kw; ++t) total[t] = 0.0f;
-                for (int s = 0; s < m; ++s) {
-                    deepdsl_padded_plane(x + ((long)s * c + ch) * h * wd, h, wd, pad, pad, hp, wp, kw, plane);
-                    deepdsl_padded_plane(g + ((long)s * c + ch) * ho * wo, ho, wo, 0, 0, ho, wp, 0, wide);
-                    for (int t = 0; t < kh * kw; ++t)
-                        total[t] += deepdsl_dot16(wide, plane + (long)(t / kw) * wp + t % kw, n);
-                }
-            }
-            free(plane);
-        }
-        return;
-    }
-#pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
-    for (int ch = 0; ch < c; ++ch) {
-        for (int t = 0; t < kh * kw; ++t) {
-            const int i = t / kw, j = t % kw;
-            int p0, p1, q0, q1;
-            deepdsl_valid(i, h, ho, stride, pad, &p0, &p1);
-            deepdsl_valid(j, wd, wo, stride, pad, &q0, &q1);
-            float total = 0.0f;
-            for (int s = 0; s < m; ++s) {
-                const float* grad = g + ((long)s * c + ch) * ho * wo;
-                const float* src = x + ((long)s * c + ch) * h * wd;
-                for (int p = p0; p < p1; ++p) {
-                    const float* row = src + (long)(i + stride * p - pad) * wd + (j - pad);
-                    const float* gr = grad + (long)p * wo;
-                    float part = 0.0f;
-                    for (int q = q0; q < q1; ++q) part += gr[q] * row[(long)stride * q];
-                    total += part;
-                }
-            }
-            dw[(long)ch * kh * kw + t] = total;
-        }
-    }
-}
+// depthwise convolutions: plane by plane, or 16 channels at a time
+#include "cpu_depthwise.c"
 
 // d[k] += s[k] for k < n (the arrays do not overlap).
 static inline __attribute__((always_inline)) void deepdsl_add_floats(float* restrict d, const float* restrict s,

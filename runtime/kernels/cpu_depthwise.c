@@ -1,0 +1,552 @@
+// Depthwise convolutions (groups = channels = filters, MobileNet's) and their gradients, two ways:
+// - plane by plane (`deepdsl_depthwise_planes` and the gradients' `_planes`): each tap of a channel's filter times
+//   the channel's plane shifted by the tap, rows in vectors (stride-1 planes "widened": a flat pass over the padded
+//   plane per tap);
+// - 16 channels at a time (`deepdsl_depthwise_lanes`, "lanes"): a sample's planes of 16 consecutive channels
+//   interleaved into the thread's buffer, position by position, so that every tap at every output position is one
+//   product of 16 lanes, whatever the plane's size and the stride; small planes and strided ones, which leave most
+//   of a row's vector idle plane by plane.
+// Each lane computes what the plane kernels compute for its channel, in their order: the forward and the input
+// gradient give the same bits either way; the filter gradient gives those of the plane kernel's row-by-row sums.
+// The public kernels at the end choose by the shapes alone.
+
+// Depthwise convolution (groups = channels = filters, MobileNet's): plane by plane, each tap of a channel's filter
+// times its input plane shifted by the tap (zeros outside), with no im2col matrix; out (m, c, ho, wo) from x
+// (m, c, h, w) and w (c, 1, kh, kw). Its input gradient scatters the same products back (`scatter`): each tap
+// times the output gradient added into the input positions the tap read.
+static void deepdsl_depthwise_taps(const float* f, int h, int wd, int kh, int kw, int ho, int wo, int stride,
+                                   int pad, const float* from, float* to, int scatter) {
+    for (int i = 0; i < kh; ++i) {
+        int p0, p1;
+        deepdsl_valid(i, h, ho, stride, pad, &p0, &p1);
+        for (int j = 0; j < kw; ++j) {
+            int q0, q1;
+            deepdsl_valid(j, wd, wo, stride, pad, &q0, &q1);
+            const float tap = f[i * kw + j];
+            for (int p = p0; p < p1; ++p) {
+                const long input = (long)(i + stride * p - pad) * wd + (j - pad), output = (long)p * wo;
+                if (scatter && stride == 2) {
+                    float* row = to + input;
+                    const float* grad = from + output;
+#pragma omp simd
+                    for (int q = q0; q < q1; ++q) row[2L * q] += tap * grad[q];
+                } else if (scatter) {
+                    float* row = to + input;
+                    const float* grad = from + output;
+                    for (int q = q0; q < q1; ++q) row[(long)stride * q] += tap * grad[q];
+                } else if (stride == 1) {
+                    const float* row = from + input;
+                    float* d = to + output;
+#pragma omp simd
+                    for (int q = q0; q < q1; ++q) d[q] += tap * row[q];
+                } else if (stride == 2) {             // (a constant stride: even and odd lanes, vectorized)
+                    const float* row = from + input;
+                    float* d = to + output;
+#pragma omp simd
+                    for (int q = q0; q < q1; ++q) d[q] += tap * row[2L * q];
+                } else {
+                    const float* row = from + input;
+                    float* d = to + output;
+                    for (int q = q0; q < q1; ++q) d[q] += tap * row[(long)stride * q];
+                }
+            }
+        }
+    }
+}
+
+// Stride-1 depthwise convolutions on planes of at most DEEPDSL_DW_PLANE floats padded run "widened": the plane is
+// copied with its zero padding (and kw - 1 zeros after it) into the thread's buffer, and each tap's products are
+// added over rows as wide as the padded plane in one flat, vectorized pass (the columns past the output's are
+// computed and dropped), rather than row by row and tap by tap. The same products are added in the same order (a
+// padding position adds a zero product where the row-by-row loops skip it), so the sums are the same.
+#define DEEPDSL_DW_PLANE (1L << 16)
+#define DEEPDSL_DW_FILTER_ROWS 128      /* the filter gradient's widened rows at least (small planes: row by row) */
+
+// Whether a stride-1 depthwise convolution's planes run widened.
+static inline int deepdsl_depthwise_widened(int h, int wd, int kh, int kw, int stride, int pad) {
+    return stride == 1 && pad < kh && pad < kw &&
+           (long)(h + kh - 1 + 2 * pad) * (wd + kw - 1 + 2 * pad) + kw <= DEEPDSL_DW_PLANE;
+}
+
+// to (rows x width, then `extra` zeros) = the (h, wd) plane `from` with `top` zero rows above, `left` zero columns
+// before each row and zeros after it up to `width`, and zero rows below.
+static void deepdsl_padded_plane(const float* from, int h, int wd, int top, int left, int rows, int width, int extra,
+                                 float* to) {
+    memset(to, 0, sizeof(float) * ((long)rows * width + extra));
+    for (int p = 0; p < h; ++p) memcpy(to + (long)(top + p) * width + left, from + (long)p * wd, sizeof(float) * wd);
+}
+
+// wide[k] = sum over taps (i, j) in order of f[i][j] * src[k + i * width + j] for k < n (the tap turned around
+// with `flip`): unfused products added from zero, as the row loops do, 32 (then 8) positions at a time with their
+// sums in registers over the taps.
+static void deepdsl_widened_taps(const float* f, int kh, int kw, int width, const float* src, long n, int flip,
+                                 float* wide) {
+    const int taps = kh * kw;
+    long offsets[taps];
+    for (int t = 0; t < taps; ++t) {
+        const int i = t / kw, j = t % kw;
+        offsets[t] = (long)(flip ? kh - 1 - i : i) * width + (flip ? kw - 1 - j : j);
+    }
+    long k = 0;
+    for (; k + 32 <= n; k += 32) {
+        deepdsl_v8f acc[4] = {{0}};
+        for (int t = 0; t < taps; ++t) {
+            const float* from = src + offsets[t] + k;
+            #pragma GCC unroll 4
+            for (int u = 0; u < 4; ++u) {
+                deepdsl_v8f v;
+                memcpy(&v, from + 8 * u, sizeof v);
+                acc[u] += f[t] * v;
+            }
+        }
+        memcpy(wide + k, acc, sizeof acc);
+    }
+    for (; k + 8 <= n; k += 8) {
+        deepdsl_v8f acc = {0};
+        for (int t = 0; t < taps; ++t) {
+            deepdsl_v8f v;
+            memcpy(&v, src + offsets[t] + k, sizeof v);
+            acc += f[t] * v;
+        }
+        memcpy(wide + k, &acc, sizeof acc);
+    }
+    for (; k < n; ++k) {
+        float acc = 0.0f;
+        for (int t = 0; t < taps; ++t) acc += f[t] * src[offsets[t] + k];
+        wide[k] = acc;
+    }
+}
+
+// to (m, c, oh, ow) = per plane of from (m, c, fh, fw), padded by `top` rows and `left` columns: each channel's taps
+// over it widened (`deepdsl_widened_taps`, the taps turned around with `flip`), then + bias (c) when given; the
+// planes on the kernels' threads, each with its padded plane and widened rows in the thread's buffer.
+static void deepdsl_widened_planes(const float* from, const float* w, const float* bias, int m, int c, int fh, int fw,
+                                   int top, int left, int kh, int kw, int flip, int oh, int ow, float* to) {
+    const int hp = fh + 2 * top, wp = fw + 2 * left;
+#pragma omp parallel if ((long)m * c * oh * ow * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    {
+        float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + (long)oh * wp));
+        float* wide = plane + (long)hp * wp + kw;
+#pragma omp for collapse(2) schedule(static)
+        for (int s = 0; s < m; ++s)
+            for (int ch = 0; ch < c; ++ch) {
+                deepdsl_padded_plane(from + ((long)s * c + ch) * fh * fw, fh, fw, top, left, hp, wp, kw, plane);
+                deepdsl_widened_taps(w + (long)ch * kh * kw, kh, kw, wp, plane, (long)oh * wp, flip, wide);
+                float* dst = to + ((long)s * c + ch) * oh * ow;
+                for (int p = 0; p < oh; ++p) {
+                    const float* row = wide + (long)p * wp;
+                    if (bias) {
+                        const float b = bias[ch];
+#pragma omp simd
+                        for (int q = 0; q < ow; ++q) dst[(long)p * ow + q] = row[q] + b;
+                    } else {
+                        memcpy(dst + (long)p * ow, row, sizeof(float) * ow);
+                    }
+                }
+            }
+        free(plane);
+    }
+}
+
+// The sum over the taps comes first, then the bias, as numpy's products do.
+static void deepdsl_depthwise_planes(const float* x, const float* w, const float* bias, int m, int c, int h,
+                                     int wd, int kh, int kw, int ho, int wo, int stride, int pad, float* out) {
+    if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad)) {
+        deepdsl_widened_planes(x, w, bias, m, c, h, wd, pad, pad, kh, kw, 0, ho, wo, out);
+        return;
+    }
+#pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    for (int s = 0; s < m; ++s) {
+        for (int ch = 0; ch < c; ++ch) {
+            float* dst = out + ((long)s * c + ch) * ho * wo;
+            memset(dst, 0, sizeof(float) * ho * wo);
+            deepdsl_depthwise_taps(w + (long)ch * kh * kw, h, wd, kh, kw, ho, wo, stride, pad,
+                                   x + ((long)s * c + ch) * h * wd, dst, 0);
+            if (bias) {
+                const float b = bias[ch];
+#pragma omp simd
+                for (long k = 0; k < (long)ho * wo; ++k) dst[k] += b;
+            }
+        }
+    }
+}
+
+// The input gradient widened: the output gradient padded by kh - 1 - pad rows and kw - 1 - pad columns, each tap
+// (in order) times it shifted by the turned-around tap: dx[y][x] = sum over (i, j) of w[i][j] g[y + pad - i]
+// [x + pad - j], the products the scatter adds, in its order.
+static void deepdsl_depthwise_bwd_data_planes(const float* g, const float* w, int m, int c, int h, int wd, int kh,
+                                              int kw, int ho, int wo, int stride, int pad, float* dx) {
+    if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad)) {
+        deepdsl_widened_planes(g, w, NULL, m, c, ho, wo, kh - 1 - pad, kw - 1 - pad, kh, kw, 1, h, wd, dx);
+        return;
+    }
+#pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    for (int s = 0; s < m; ++s) {
+        for (int ch = 0; ch < c; ++ch) {
+            float* dst = dx + ((long)s * c + ch) * h * wd;
+            memset(dst, 0, sizeof(float) * h * wd);
+            deepdsl_depthwise_taps(w + (long)ch * kh * kw, h, wd, kh, kw, ho, wo, stride, pad,
+                                   g + ((long)s * c + ch) * ho * wo, dst, 1);
+        }
+    }
+}
+
+// The sum of 16 lanes in one fixed order (pairs, then pairs of pairs).
+static inline float deepdsl_lanes16_sum(const float* v) {
+    float a[8];
+    for (int l = 0; l < 8; ++l) a[l] = v[l] + v[l + 8];
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// sum over k < n of a[k] * b[k] in 16 lanes (two vectors of 8: the same sums on any SIMD width), added up at the end.
+static float deepdsl_dot16(const float* a, const float* b, long n) {
+    deepdsl_v8f lo = {0}, hi = {0};
+    long k = 0;
+    for (; k + 16 <= n; k += 16) {
+        deepdsl_v8f a0, a1, b0, b1;
+        memcpy(&a0, a + k, sizeof a0);
+        memcpy(&a1, a + k + 8, sizeof a1);
+        memcpy(&b0, b + k, sizeof b0);
+        memcpy(&b1, b + k + 8, sizeof b1);
+        lo += a0 * b0;
+        hi += a1 * b1;
+    }
+    float lanes[16];
+    memcpy(lanes, &lo, sizeof lo);
+    memcpy(lanes + 8, &hi, sizeof hi);
+    for (long l = 0; k + l < n; ++l) lanes[l] += a[k + l] * b[k + l];
+    return deepdsl_lanes16_sum(lanes);
+}
+
+// Its filter gradient: for each channel and tap, the sum over samples and output positions of the output gradient
+// times the input the tap read. Widened (stride 1, `deepdsl_depthwise_widened`): per sample, the output gradient
+// with zero columns to the padded input's width, and each tap's sum one flat dot product of it with the padded input
+// shifted by the tap (16 lanes), the samples' sums added in order; where those rows are fewer than
+// DEEPDSL_DW_FILTER_ROWS floats, row by row (copying such a plane costs more than its few products).
+static void deepdsl_depthwise_bwd_filter_planes(const float* g, const float* x, int m, int c, int h, int wd, int kh,
+                                                int kw, int ho, int wo, int stride, int pad, float* dw) {
+    if (deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad) &&
+        (long)ho * (wd + 2 * pad) >= DEEPDSL_DW_FILTER_ROWS) {
+        const int hp = h + 2 * pad, wp = wd + 2 * pad;
+        const long n = (long)ho * wp;
+#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+        {
+            float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + n));
+            float* wide = plane + (long)hp * wp + kw;
+#pragma omp for schedule(static)
+            for (int ch = 0; ch < c; ++ch) {
+                float* total = dw + (long)ch * kh * kw;
+                for (int t = 0; t < kh * kw; ++t) total[t] = 0.0f;
+                for (int s = 0; s < m; ++s) {
+                    deepdsl_padded_plane(x + ((long)s * c + ch) * h * wd, h, wd, pad, pad, hp, wp, kw, plane);
+                    deepdsl_padded_plane(g + ((long)s * c + ch) * ho * wo, ho, wo, 0, 0, ho, wp, 0, wide);
+                    for (int t = 0; t < kh * kw; ++t)
+                        total[t] += deepdsl_dot16(wide, plane + (long)(t / kw) * wp + t % kw, n);
+                }
+            }
+            free(plane);
+        }
+        return;
+    }
+#pragma omp parallel for collapse(2) schedule(static) if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    for (int ch = 0; ch < c; ++ch) {
+        for (int t = 0; t < kh * kw; ++t) {
+            const int i = t / kw, j = t % kw;
+            int p0, p1, q0, q1;
+            deepdsl_valid(i, h, ho, stride, pad, &p0, &p1);
+            deepdsl_valid(j, wd, wo, stride, pad, &q0, &q1);
+            float total = 0.0f;
+            for (int s = 0; s < m; ++s) {
+                const float* grad = g + ((long)s * c + ch) * ho * wo;
+                const float* src = x + ((long)s * c + ch) * h * wd;
+                for (int p = p0; p < p1; ++p) {
+                    const float* row = src + (long)(i + stride * p - pad) * wd + (j - pad);
+                    const float* gr = grad + (long)p * wo;
+                    float part = 0.0f;
+                    for (int q = q0; q < q1; ++q) part += gr[q] * row[(long)stride * q];
+                    total += part;
+                }
+            }
+            dw[(long)ch * kh * kw + t] = total;
+        }
+    }
+}
+
+
+// ---------------------------------------------------------------------------------------------------------------
+// 16 channels at a time
+
+typedef float deepdsl_v16f __attribute__((vector_size(64)));
+#define DEEPDSL_DW_LANES 16
+#define DEEPDSL_DW_LANE_FLOATS (1L << 17)   /* a thread's interleaved planes at most (512 KB) */
+
+static inline __attribute__((always_inline)) deepdsl_v16f deepdsl_load16(const float* from) {
+    deepdsl_v16f v;
+    memcpy(&v, from, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void deepdsl_store16(float* to, deepdsl_v16f v) {
+    memcpy(to, &v, sizeof v);
+}
+
+// to[k][l] (16 lanes a position, k < n) = from[l * plane + k] for the first `lanes` channels l, zero in the others.
+static void deepdsl_lanes_in(const float* from, long plane, int lanes, long n, float* to) {
+    long k = 0;
+    if (lanes == DEEPDSL_DW_LANES)
+        for (; k + 8 <= n; k += 8)
+            for (int half = 0; half < DEEPDSL_DW_LANES; half += 8) {
+                deepdsl_v8f r[8];
+                for (int l = 0; l < 8; ++l) memcpy(&r[l], from + (half + l) * plane + k, sizeof r[l]);
+                deepdsl_transpose8(r);
+                for (int u = 0; u < 8; ++u) memcpy(to + (k + u) * DEEPDSL_DW_LANES + half, &r[u], sizeof r[u]);
+            }
+    for (; k < n; ++k)
+        for (int l = 0; l < DEEPDSL_DW_LANES; ++l) to[k * DEEPDSL_DW_LANES + l] = l < lanes ? from[l * plane + k] : 0;
+}
+
+// to[l * plane + k] = from[k][l] for k < n and the first `lanes` lanes l.
+static void deepdsl_lanes_out(const float* from, long n, int lanes, long plane, float* to) {
+    long k = 0;
+    if (lanes == DEEPDSL_DW_LANES)
+        for (; k + 8 <= n; k += 8)
+            for (int half = 0; half < DEEPDSL_DW_LANES; half += 8) {
+                deepdsl_v8f r[8];
+                for (int u = 0; u < 8; ++u) memcpy(&r[u], from + (k + u) * DEEPDSL_DW_LANES + half, sizeof r[u]);
+                deepdsl_transpose8(r);
+                for (int l = 0; l < 8; ++l) memcpy(to + (half + l) * plane + k, &r[l], sizeof r[l]);
+            }
+    for (; k < n; ++k)
+        for (int l = 0; l < lanes; ++l) to[l * plane + k] = from[k * DEEPDSL_DW_LANES + l];
+}
+
+// F[t][l] = tap t of filter l (w: `lanes` filters of `taps` taps), zero past them; B[l] = bias[l] likewise.
+static void deepdsl_lanes_filters(const float* w, const float* bias, int taps, int lanes, float* F, float* B) {
+    for (int t = 0; t < taps; ++t)
+        for (int l = 0; l < DEEPDSL_DW_LANES; ++l) F[t * DEEPDSL_DW_LANES + l] = l < lanes ? w[(long)l * taps + t] : 0;
+    if (bias)
+        for (int l = 0; l < DEEPDSL_DW_LANES; ++l) B[l] = l < lanes ? bias[l] : 0;
+}
+
+// O[p][q] = the sum over the taps (i, j) in order whose input lies in the plane of F[i][j] X[s p + i - pad]
+// [s q + j - pad], from zero, then + B where given: the plane kernels' sums, 16 channels at once. The columns whose
+// taps all lie in the plane, [qa, qb), run with the filter's width known to the compiler where it is 3 (`kw3`).
+static inline __attribute__((always_inline)) void deepdsl_lanes_conv_rows(const float* X, const float* F,
+                                                                         const float* B, int h, int wd, int kh,
+                                                                         int kw, int ho, int wo, int stride,
+                                                                         int pad, int kw3, float* O) {
+    if (kw3) kw = 3;
+    const int qa = (pad + stride - 1) / stride;
+    int qb = wd - kw + pad >= 0 ? (wd - kw + pad) / stride + 1 : 0;
+    if (qb > wo) qb = wo;
+    if (qb < qa) qb = qa;
+    for (int p = 0; p < ho; ++p) {
+        const int y0 = stride * p - pad;
+        const int i0 = y0 < 0 ? -y0 : 0, i1 = h - y0 < kh ? h - y0 : kh;
+        float* out = O + (long)p * wo * DEEPDSL_DW_LANES;
+        for (int q = 0; q < wo; ++q) {
+            const int x0 = stride * q - pad;
+            const float* at = X + ((long)y0 * wd + x0) * DEEPDSL_DW_LANES;
+            deepdsl_v16f acc = {0};
+            if (q >= qa && q < qb) {
+                for (int i = i0; i < i1; ++i)
+#pragma GCC unroll 4
+                    for (int j = 0; j < kw; ++j)
+                        acc += deepdsl_load16(F + ((long)i * kw + j) * DEEPDSL_DW_LANES) *
+                               deepdsl_load16(at + ((long)i * wd + j) * DEEPDSL_DW_LANES);
+            } else {
+                const int j0 = x0 < 0 ? -x0 : 0, j1 = wd - x0 < kw ? wd - x0 : kw;
+                for (int i = i0; i < i1; ++i)
+                    for (int j = j0; j < j1; ++j)
+                        acc += deepdsl_load16(F + ((long)i * kw + j) * DEEPDSL_DW_LANES) *
+                               deepdsl_load16(at + ((long)i * wd + j) * DEEPDSL_DW_LANES);
+            }
+            if (B) acc += deepdsl_load16(B);
+            deepdsl_store16(out + (long)q * DEEPDSL_DW_LANES, acc);
+        }
+    }
+}
+
+static void deepdsl_lanes_conv(const float* X, const float* F, const float* B, int h, int wd, int kh, int kw, int ho,
+                               int wo, int stride, int pad, float* O) {
+    if (kw == 3) deepdsl_lanes_conv_rows(X, F, B, h, wd, kh, kw, ho, wo, stride, pad, 1, O);
+    else deepdsl_lanes_conv_rows(X, F, B, h, wd, kh, kw, ho, wo, stride, pad, 0, O);
+}
+
+// The taps t = first, first + stride, ... (`count` of them) that read input coordinate y, at output coordinates
+// o = (y + pad - first) / stride, o - 1, ...: those whose o is a whole number in [0, out).
+static inline void deepdsl_reading_taps(int y, int k, int out, int stride, int pad, int* first, int* count, int* o) {
+    const int lo = y + pad - stride * (out - 1) > 0 ? y + pad - stride * (out - 1) : 0;
+    const int end = y + pad + 1 < k ? y + pad + 1 : k;
+    *first = lo + (y + pad - lo) % stride;
+    *count = *first < end ? (end - 1 - *first) / stride + 1 : 0;
+    *o = (y + pad - *first) / stride;
+}
+
+// D[y][x] = the sum over the taps (i, j) in order that read input position (y, x), at output position (p, q) =
+// ((y + pad - i) / s, (x + pad - j) / s), of F[i][j] G[p][q], from zero: the products the plane kernels add into
+// that position, in their order. `columns`: 3 wd ints of room.
+static void deepdsl_lanes_conv_bwd_data(const float* G, const float* F, int h, int wd, int kh, int kw, int ho, int wo,
+                                        int stride, int pad, int* columns, float* D) {
+    int *first = columns, *count = columns + wd, *q0 = columns + 2 * wd;
+    for (int x = 0; x < wd; ++x) deepdsl_reading_taps(x, kw, wo, stride, pad, first + x, count + x, q0 + x);
+    for (int y = 0; y < h; ++y) {
+        int i0, rows, p0;
+        deepdsl_reading_taps(y, kh, ho, stride, pad, &i0, &rows, &p0);
+        for (int x = 0; x < wd; ++x) {
+            deepdsl_v16f acc = {0};
+            for (int a = 0; a < rows; ++a) {
+                const float* grad = G + ((long)(p0 - a) * wo + q0[x]) * DEEPDSL_DW_LANES;
+                const float* taps = F + ((long)(i0 + a * stride) * kw + first[x]) * DEEPDSL_DW_LANES;
+                for (int b = 0; b < count[x]; ++b)
+                    acc += deepdsl_load16(taps + (long)b * stride * DEEPDSL_DW_LANES) *
+                           deepdsl_load16(grad - (long)b * DEEPDSL_DW_LANES);
+            }
+            deepdsl_store16(D + ((long)y * wd + x) * DEEPDSL_DW_LANES, acc);
+        }
+    }
+}
+
+// T[i][j] += for each output row p whose tap row i lies in the plane, in order, the sum over the output columns q
+// in order whose tap column lies in it, from zero, of G[p][q] X[s p + i - pad][s q + j - pad]: one sample's part of
+// the plane kernel's row-by-row sums. A row's taps (i, j) for every j at once: kw independent sums, each over its
+// own columns in order (those before the columns all taps read, those, those after).
+static inline __attribute__((always_inline)) void deepdsl_lanes_filter_row(const float* grad, const float* row,
+                                                                          int wd, int kw, int wo, int stride,
+                                                                          int pad, float* T) {
+    deepdsl_v16f part[kw];
+    int q0[kw], q1[kw];
+    int qa = 0, qb = wo;
+    for (int j = 0; j < kw; ++j) {
+        part[j] = (deepdsl_v16f){0};
+        deepdsl_valid(j, wd, wo, stride, pad, &q0[j], &q1[j]);
+        if (q0[j] > qa) qa = q0[j];
+        if (q1[j] < qb) qb = q1[j];
+    }
+    const int middle = qa < qb ? qb : qa;
+#define DEEPDSL_DW_TERM(j, q) (deepdsl_load16(grad + (long)(q) * DEEPDSL_DW_LANES) * \
+                               deepdsl_load16(row + (long)(stride * (q) - pad + (j)) * DEEPDSL_DW_LANES))
+    for (int j = 0; j < kw; ++j)
+        for (int q = q0[j]; q < (q1[j] < qa ? q1[j] : qa); ++q) part[j] += DEEPDSL_DW_TERM(j, q);
+    for (int q = qa; q < middle; ++q)
+        for (int j = 0; j < kw; ++j) part[j] += DEEPDSL_DW_TERM(j, q);
+    for (int j = 0; j < kw; ++j)
+        for (int q = q0[j] > middle ? q0[j] : middle; q < q1[j]; ++q) part[j] += DEEPDSL_DW_TERM(j, q);
+#undef DEEPDSL_DW_TERM
+    for (int j = 0; j < kw; ++j)
+        deepdsl_store16(T + j * DEEPDSL_DW_LANES, deepdsl_load16(T + j * DEEPDSL_DW_LANES) + part[j]);
+}
+
+static void deepdsl_lanes_conv_bwd_filter(const float* G, const float* X, int h, int wd, int kh, int kw, int ho,
+                                          int wo, int stride, int pad, float* T) {
+    for (int p = 0; p < ho; ++p)
+        for (int i = 0; i < kh; ++i) {
+            const int y = stride * p - pad + i;
+            if (y < 0 || y >= h) continue;
+            const float* grad = G + (long)p * wo * DEEPDSL_DW_LANES;
+            const float* row = X + (long)y * wd * DEEPDSL_DW_LANES;
+            float* taps = T + (long)i * kw * DEEPDSL_DW_LANES;
+            if (kw == 3) deepdsl_lanes_filter_row(grad, row, wd, 3, wo, stride, pad, taps);   // sums in registers
+            else deepdsl_lanes_filter_row(grad, row, wd, kw, wo, stride, pad, taps);
+        }
+}
+
+// Whether a depthwise convolution and its gradients run 16 channels at a time: at least 16 channels, a sample's 16
+// planes in and out fit a thread's buffer, and the planes are not wide stride-1 ones (which run widened plane by
+// plane as fast, and whose filter gradient sums in 16 lanes of its own). The filter gradient then sums as the plane
+// kernel would have (row by row): the choice changes no bits.
+static inline int deepdsl_depthwise_lanes(int c, int h, int wd, int kh, int kw, int ho, int wo, int stride, int pad) {
+    return c >= DEEPDSL_DW_LANES && (long)(h * wd + ho * wo) * DEEPDSL_DW_LANES <= DEEPDSL_DW_LANE_FLOATS &&
+           !(deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad) &&
+             (long)ho * (wd + 2 * pad) >= DEEPDSL_DW_FILTER_ROWS);
+}
+
+// A thread's buffer for 16 channels: `floats` floats and `ints` ints after them, 64-byte aligned (a vector).
+static float* deepdsl_lanes_buffer(long floats, long ints) {
+    const long bytes = (long)sizeof(float) * floats + (long)sizeof(int) * ints;
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The kernels: out (m, c, ho, wo) from x (m, c, h, w) and w (c, 1, kh, kw), the input gradient dx from the output
+// gradient g, the filter gradient dw from g and x; threads take a sample's group of 16 channels each (the filter
+// gradient: a group of channels, every sample in order).
+
+void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m, int c, int h, int wd, int kh,
+                       int kw, int ho, int wo, int stride, int pad, float* out) {
+    if (!deepdsl_depthwise_lanes(c, h, wd, kh, kw, ho, wo, stride, pad)) {
+        deepdsl_depthwise_planes(x, w, bias, m, c, h, wd, kh, kw, ho, wo, stride, pad, out);
+        return;
+    }
+    const int groups = (c + DEEPDSL_DW_LANES - 1) / DEEPDSL_DW_LANES, taps = kh * kw;
+    const long in = (long)h * wd, n = (long)ho * wo;
+#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    {
+        float* X = deepdsl_lanes_buffer(DEEPDSL_DW_LANES * (in + n + taps + 1), 0);
+        float *O = X + DEEPDSL_DW_LANES * in, *F = O + DEEPDSL_DW_LANES * n, *B = F + DEEPDSL_DW_LANES * taps;
+#pragma omp for collapse(2) schedule(static)
+        for (int s = 0; s < m; ++s)
+            for (int group = 0; group < groups; ++group) {
+                const int c0 = group * DEEPDSL_DW_LANES, lanes = c - c0 < DEEPDSL_DW_LANES ? c - c0 : DEEPDSL_DW_LANES;
+                deepdsl_lanes_filters(w + (long)c0 * taps, bias ? bias + c0 : NULL, taps, lanes, F, B);
+                deepdsl_lanes_in(x + ((long)s * c + c0) * in, in, lanes, in, X);
+                deepdsl_lanes_conv(X, F, bias ? B : NULL, h, wd, kh, kw, ho, wo, stride, pad, O);
+                deepdsl_lanes_out(O, n, lanes, n, out + ((long)s * c + c0) * n);
+            }
+        free(X);
+    }
+}
+
+void deepdsl_depthwise_bwd_data(const float* g, const float* w, int m, int c, int h, int wd, int kh, int kw, int ho,
+                                int wo, int stride, int pad, float* dx) {
+    if (!deepdsl_depthwise_lanes(c, h, wd, kh, kw, ho, wo, stride, pad)) {
+        deepdsl_depthwise_bwd_data_planes(g, w, m, c, h, wd, kh, kw, ho, wo, stride, pad, dx);
+        return;
+    }
+    const int groups = (c + DEEPDSL_DW_LANES - 1) / DEEPDSL_DW_LANES, taps = kh * kw;
+    const long in = (long)h * wd, n = (long)ho * wo;
+#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    {
+        float* G = deepdsl_lanes_buffer(DEEPDSL_DW_LANES * (n + in + taps), 3L * wd);
+        float *D = G + DEEPDSL_DW_LANES * n, *F = D + DEEPDSL_DW_LANES * in;
+        int* columns = (int*)(F + DEEPDSL_DW_LANES * taps);
+#pragma omp for collapse(2) schedule(static)
+        for (int s = 0; s < m; ++s)
+            for (int group = 0; group < groups; ++group) {
+                const int c0 = group * DEEPDSL_DW_LANES, lanes = c - c0 < DEEPDSL_DW_LANES ? c - c0 : DEEPDSL_DW_LANES;
+                deepdsl_lanes_filters(w + (long)c0 * taps, NULL, taps, lanes, F, NULL);
+                deepdsl_lanes_in(g + ((long)s * c + c0) * n, n, lanes, n, G);
+                deepdsl_lanes_conv_bwd_data(G, F, h, wd, kh, kw, ho, wo, stride, pad, columns, D);
+                deepdsl_lanes_out(D, in, lanes, in, dx + ((long)s * c + c0) * in);
+            }
+        free(G);
+    }
+}
+
+void deepdsl_depthwise_bwd_filter(const float* g, const float* x, int m, int c, int h, int wd, int kh, int kw, int ho,
+                                  int wo, int stride, int pad, float* dw) {
+    if (!deepdsl_depthwise_lanes(c, h, wd, kh, kw, ho, wo, stride, pad)) {
+        deepdsl_depthwise_bwd_filter_planes(g, x, m, c, h, wd, kh, kw, ho, wo, stride, pad, dw);
+        return;
+    }
+    const int groups = (c + DEEPDSL_DW_LANES - 1) / DEEPDSL_DW_LANES, taps = kh * kw;
+    const long in = (long)h * wd, n = (long)ho * wo;
+#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    {
+        float* G = deepdsl_lanes_buffer(DEEPDSL_DW_LANES * (n + in + taps), 0);
+        float *X = G + DEEPDSL_DW_LANES * n, *T = X + DEEPDSL_DW_LANES * in;
+#pragma omp for schedule(static)
+        for (int group = 0; group < groups; ++group) {
+            const int c0 = group * DEEPDSL_DW_LANES, lanes = c - c0 < DEEPDSL_DW_LANES ? c - c0 : DEEPDSL_DW_LANES;
+            memset(T, 0, sizeof(float) * DEEPDSL_DW_LANES * taps);
+            for (int s = 0; s < m; ++s) {
+                deepdsl_lanes_in(g + ((long)s * c + c0) * n, n, lanes, n, G);
+                deepdsl_lanes_in(x + ((long)s * c + c0) * in, in, lanes, in, X);
+                deepdsl_lanes_conv_bwd_filter(G, X, h, wd, kh, kw, ho, wo, stride, pad, T);
+            }
+            for (int l = 0; l < lanes; ++l)
+                for (int t = 0; t < taps; ++t) dw[(long)(c0 + l) * taps + t] = T[t * DEEPDSL_DW_LANES + l];
+        }
+        free(G);
+    }
+}
