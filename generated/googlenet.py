@@ -585,7 +585,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4a_pool_proj = conv2d(inception_3b_1x1_max_pool_2, inception_4a_pool_proj_W, inception_4a_pool_proj_B)
         inception_4a_pool_proj = mem.tensor(34, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1)
         # free inception_3b_1x1_max_pool_2
         del inception_3b_1x1_max_pool_2
         mem.free(33)
@@ -598,7 +598,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_4a_5x5_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_5x5_reduce_W, inception_4a_5x5_reduce_B)
         inception_4a_5x5_reduce = mem.tensor(35, (128, 16, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4a_5x5_reduce_relu (relu), forward ----
         # inception_4a_5x5_reduce_relu = Max(0, inception_4a_5x5_reduce)
@@ -618,7 +618,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # inception_4a_3x3_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_3x3_reduce_W, inception_4a_3x3_reduce_B)
         inception_4a_3x3_reduce = mem.tensor(37, (128, 96, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4a_3x3_reduce_relu (relu), forward ----
         # inception_4a_3x3_reduce_relu = Max(0, inception_4a_3x3_reduce)
@@ -638,7 +638,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), forward ----
         # inception_4a_1x1 = conv2d(inception_3b_1x1_max_pool, inception_4a_1x1_W, inception_4a_1x1_B)
         inception_4a_1x1 = mem.tensor(39, (128, 192, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1)
 
         # ---- inception_4a_1x1_relu (relu), forward ----
         # inception_4a_1x1_relu = Max(0, inception_4a_1x1)
@@ -663,7 +663,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4b_pool_proj = conv2d(inception_4a_1x1_max_pool, inception_4b_pool_proj_W, inception_4b_pool_proj_B)
         inception_4b_pool_proj = mem.tensor(43, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1)
         # free inception_4a_1x1_max_pool
         del inception_4a_1x1_max_pool
         mem.free(42)
@@ -676,7 +676,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4b_5x5_reduce = conv2d(inception_4a_1x1_concat, inception_4b_5x5_reduce_W, inception_4b_5x5_reduce_B)
         inception_4b_5x5_reduce = mem.tensor(44, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4b_5x5_reduce_relu (relu), forward ----
         # inception_4b_5x5_reduce_relu = Max(0, inception_4b_5x5_reduce)
@@ -696,7 +696,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4b_3x3_reduce = conv2d(inception_4a_1x1_concat, inception_4b_3x3_reduce_W, inception_4b_3x3_reduce_B)
         inception_4b_3x3_reduce = mem.tensor(46, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4b_3x3_reduce_relu (relu), forward ----
         # inception_4b_3x3_reduce_relu = Max(0, inception_4b_3x3_reduce)
@@ -716,7 +716,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4b_1x1 = conv2d(inception_4a_1x1_concat, inception_4b_1x1_W, inception_4b_1x1_B)
         inception_4b_1x1 = mem.tensor(48, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1)
 
         # ---- inception_4b_1x1_relu (relu), forward ----
         # inception_4b_1x1_relu = Max(0, inception_4b_1x1)
@@ -741,7 +741,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4c_pool_proj = conv2d(inception_4b_1x1_max_pool, inception_4c_pool_proj_W, inception_4c_pool_proj_B)
         inception_4c_pool_proj = mem.tensor(52, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1)
         # free inception_4b_1x1_max_pool
         del inception_4b_1x1_max_pool
         mem.free(51)
@@ -754,7 +754,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4c_5x5_reduce = conv2d(inception_4b_1x1_concat, inception_4c_5x5_reduce_W, inception_4c_5x5_reduce_B)
         inception_4c_5x5_reduce = mem.tensor(53, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4c_5x5_reduce_relu (relu), forward ----
         # inception_4c_5x5_reduce_relu = Max(0, inception_4c_5x5_reduce)
@@ -774,7 +774,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_3x3_reduce = conv2d(inception_4b_1x1_concat, inception_4c_3x3_reduce_W, inception_4c_3x3_reduce_B)
         inception_4c_3x3_reduce = mem.tensor(55, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4c_3x3_reduce_relu (relu), forward ----
         # inception_4c_3x3_reduce_relu = Max(0, inception_4c_3x3_reduce)
@@ -794,7 +794,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_1x1 = conv2d(inception_4b_1x1_concat, inception_4c_1x1_W, inception_4c_1x1_B)
         inception_4c_1x1 = mem.tensor(57, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1)
 
         # ---- inception_4c_1x1_relu (relu), forward ----
         # inception_4c_1x1_relu = Max(0, inception_4c_1x1)
@@ -819,7 +819,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4d_pool_proj = conv2d(inception_4c_1x1_max_pool, inception_4d_pool_proj_W, inception_4d_pool_proj_B)
         inception_4d_pool_proj = mem.tensor(61, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1)
         # free inception_4c_1x1_max_pool
         del inception_4c_1x1_max_pool
         mem.free(60)
@@ -832,7 +832,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4d_5x5_reduce = conv2d(inception_4c_1x1_concat, inception_4d_5x5_reduce_W, inception_4d_5x5_reduce_B)
         inception_4d_5x5_reduce = mem.tensor(62, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4d_5x5_reduce_relu (relu), forward ----
         # inception_4d_5x5_reduce_relu = Max(0, inception_4d_5x5_reduce)
@@ -852,7 +852,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), forward ----
         # inception_4d_3x3_reduce = conv2d(inception_4c_1x1_concat, inception_4d_3x3_reduce_W, inception_4d_3x3_reduce_B)
         inception_4d_3x3_reduce = mem.tensor(64, (128, 144, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4d_3x3_reduce_relu (relu), forward ----
         # inception_4d_3x3_reduce_relu = Max(0, inception_4d_3x3_reduce)
@@ -872,7 +872,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4d_1x1 = conv2d(inception_4c_1x1_concat, inception_4d_1x1_W, inception_4d_1x1_B)
         inception_4d_1x1 = mem.tensor(66, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1)
 
         # ---- inception_4d_1x1_relu (relu), forward ----
         # inception_4d_1x1_relu = Max(0, inception_4d_1x1)
@@ -1019,7 +1019,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4e_pool_proj = conv2d(inception_4d_1x1_max_pool, inception_4e_pool_proj_W, inception_4e_pool_proj_B)
         inception_4e_pool_proj = mem.tensor(86, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1)
         # free inception_4d_1x1_max_pool
         del inception_4d_1x1_max_pool
         mem.free(85)
@@ -1032,7 +1032,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4e_5x5_reduce = conv2d(inception_4d_1x1_concat, inception_4e_5x5_reduce_W, inception_4e_5x5_reduce_B)
         inception_4e_5x5_reduce = mem.tensor(87, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4e_5x5_reduce_relu (relu), forward ----
         # inception_4e_5x5_reduce_relu = Max(0, inception_4e_5x5_reduce)
@@ -1052,7 +1052,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4e_3x3_reduce = conv2d(inception_4d_1x1_concat, inception_4e_3x3_reduce_W, inception_4e_3x3_reduce_B)
         inception_4e_3x3_reduce = mem.tensor(89, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4e_3x3_reduce_relu (relu), forward ----
         # inception_4e_3x3_reduce_relu = Max(0, inception_4e_3x3_reduce)
@@ -1072,7 +1072,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # inception_4e_1x1 = conv2d(inception_4d_1x1_concat, inception_4e_1x1_W, inception_4e_1x1_B)
         inception_4e_1x1 = mem.tensor(91, (128, 256, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1)
 
         # ---- inception_4e_1x1_relu (relu), forward ----
         # inception_4e_1x1_relu = Max(0, inception_4e_1x1)
@@ -1112,7 +1112,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_5a_5x5_reduce = conv2d(inception_4e_1x1_max_pool, inception_5a_5x5_reduce_W, inception_5a_5x5_reduce_B)
         inception_5a_5x5_reduce = mem.tensor(98, (128, 32, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_5a_5x5_reduce_relu (relu), forward ----
         # inception_5a_5x5_reduce_relu = Max(0, inception_5a_5x5_reduce)
@@ -1184,7 +1184,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), forward ----
         # inception_5b_5x5_reduce = conv2d(inception_5a_1x1_concat, inception_5b_5x5_reduce_W, inception_5b_5x5_reduce_B)
         inception_5b_5x5_reduce = mem.tensor(107, (128, 48, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_5b_5x5_reduce_relu (relu), forward ----
         # inception_5b_5x5_reduce_relu = Max(0, inception_5b_5x5_reduce)
@@ -1489,7 +1489,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_concat_3 = conv2d_bwd_data[size=(7,7)](d_inception_5b_5x5_reduce, inception_5b_5x5_reduce_W)
         d_inception_5a_1x1_concat_3 = mem.tensor(133, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5b_5x5_reduce, T['inception_5b_5x5_reduce_W'], out=d_inception_5a_1x1_concat_3, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
+        rt.conv2d_bwd_data(d_inception_5b_5x5_reduce, T['inception_5b_5x5_reduce_W'], out=d_inception_5a_1x1_concat_3, pad=0, size=(7, 7), stride=1)
 
         # ---- inception_5b_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_max_pool = conv2d_bwd_data[size=(7,7)](d_inception_5b_pool_proj, inception_5b_pool_proj_W)
@@ -1704,7 +1704,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_max_pool_3 = conv2d_bwd_data[size=(7,7)](d_inception_5a_5x5_reduce, inception_5a_5x5_reduce_W)
         d_inception_4e_1x1_max_pool_3 = mem.tensor(150, (128, 832, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_5a_5x5_reduce, T['inception_5a_5x5_reduce_W'], out=d_inception_4e_1x1_max_pool_3, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(20873216))
+        rt.conv2d_bwd_data(d_inception_5a_5x5_reduce, T['inception_5a_5x5_reduce_W'], out=d_inception_4e_1x1_max_pool_3, pad=0, size=(7, 7), stride=1)
 
         # ---- inception_5a_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_max_pool_4 = conv2d_bwd_data[size=(7,7)](d_inception_5a_pool_proj, inception_5a_pool_proj_W)
@@ -1771,7 +1771,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_concat = conv2d_bwd_data[size=(14,14)](d_inception_4e_1x1, inception_4e_1x1_W)
         d_inception_4d_1x1_concat = mem.tensor(156, (128, 528, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4e_1x1, T['inception_4e_1x1_W'], out=d_inception_4d_1x1_concat, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d_bwd_data(d_inception_4e_1x1, T['inception_4e_1x1_W'], out=d_inception_4d_1x1_concat, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4e_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4e_3x3_relu = slice[axis=1,start=256,stop=576](d_inception_4e_1x1_concat)
@@ -1833,7 +1833,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4e_3x3_reduce, inception_4e_3x3_reduce_W)
         d_inception_4d_1x1_concat_2 = mem.tensor(161, (128, 528, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4e_3x3_reduce, T['inception_4e_3x3_reduce_W'], out=d_inception_4d_1x1_concat_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d_bwd_data(d_inception_4e_3x3_reduce, T['inception_4e_3x3_reduce_W'], out=d_inception_4d_1x1_concat_2, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4e_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4e_5x5_relu = slice[axis=1,start=576,stop=704](d_inception_4e_1x1_concat)
@@ -1930,12 +1930,12 @@ class Googlenet(rp.Model):
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4e_5x5_reduce, inception_4e_5x5_reduce_W)
         d_inception_4d_1x1_concat_3 = mem.tensor(169, (128, 528, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4e_5x5_reduce, T['inception_4e_5x5_reduce_W'], out=d_inception_4d_1x1_concat_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d_bwd_data(d_inception_4e_5x5_reduce, T['inception_4e_5x5_reduce_W'], out=d_inception_4d_1x1_concat_3, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4e_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4e_pool_proj, inception_4e_pool_proj_W)
         d_inception_4d_1x1_max_pool = mem.tensor(170, (128, 528, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4e_pool_proj, T['inception_4e_pool_proj_W'], out=d_inception_4d_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d_bwd_data(d_inception_4e_pool_proj, T['inception_4e_pool_proj_W'], out=d_inception_4d_1x1_max_pool, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4d_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_4d_1x1_concat_4 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_4d_1x1_max_pool, inception_4d_1x1_max_pool_argmax)
@@ -2080,7 +2080,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_concat = conv2d_bwd_data[size=(14,14)](d_inception_4d_1x1, inception_4d_1x1_W)
         d_inception_4c_1x1_concat = mem.tensor(181, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4d_1x1, T['inception_4d_1x1_W'], out=d_inception_4c_1x1_concat, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4d_1x1, T['inception_4d_1x1_W'], out=d_inception_4c_1x1_concat, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4d_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4d_3x3_relu = slice[axis=1,start=112,stop=400](d_inception_4d_1x1_concat_6)
@@ -2145,7 +2145,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4d_3x3_reduce, inception_4d_3x3_reduce_W)
         d_inception_4c_1x1_concat_2 = mem.tensor(187, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4d_3x3_reduce, T['inception_4d_3x3_reduce_W'], out=d_inception_4c_1x1_concat_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4d_3x3_reduce, T['inception_4d_3x3_reduce_W'], out=d_inception_4c_1x1_concat_2, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4d_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4d_5x5_relu = slice[axis=1,start=400,stop=464](d_inception_4d_1x1_concat_6)
@@ -2242,12 +2242,12 @@ class Googlenet(rp.Model):
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4d_5x5_reduce, inception_4d_5x5_reduce_W)
         d_inception_4c_1x1_concat_3 = mem.tensor(195, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4d_5x5_reduce, T['inception_4d_5x5_reduce_W'], out=d_inception_4c_1x1_concat_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4d_5x5_reduce, T['inception_4d_5x5_reduce_W'], out=d_inception_4c_1x1_concat_3, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4d_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4d_pool_proj, inception_4d_pool_proj_W)
         d_inception_4c_1x1_max_pool = mem.tensor(196, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4d_pool_proj, T['inception_4d_pool_proj_W'], out=d_inception_4c_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4d_pool_proj, T['inception_4d_pool_proj_W'], out=d_inception_4c_1x1_max_pool, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4c_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_4c_1x1_concat_4 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_4c_1x1_max_pool, inception_4c_1x1_max_pool_argmax)
@@ -2303,7 +2303,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_concat = conv2d_bwd_data[size=(14,14)](d_inception_4c_1x1, inception_4c_1x1_W)
         d_inception_4b_1x1_concat = mem.tensor(200, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4c_1x1, T['inception_4c_1x1_W'], out=d_inception_4b_1x1_concat, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4c_1x1, T['inception_4c_1x1_W'], out=d_inception_4b_1x1_concat, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4c_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4c_3x3_relu = slice[axis=1,start=128,stop=384](d_inception_4c_1x1_concat_5)
@@ -2368,7 +2368,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4c_3x3_reduce, inception_4c_3x3_reduce_W)
         d_inception_4b_1x1_concat_2 = mem.tensor(206, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4c_3x3_reduce, T['inception_4c_3x3_reduce_W'], out=d_inception_4b_1x1_concat_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4c_3x3_reduce, T['inception_4c_3x3_reduce_W'], out=d_inception_4b_1x1_concat_2, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4c_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4c_5x5_relu = slice[axis=1,start=384,stop=448](d_inception_4c_1x1_concat_5)
@@ -2465,12 +2465,12 @@ class Googlenet(rp.Model):
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4c_5x5_reduce, inception_4c_5x5_reduce_W)
         d_inception_4b_1x1_concat_3 = mem.tensor(214, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4c_5x5_reduce, T['inception_4c_5x5_reduce_W'], out=d_inception_4b_1x1_concat_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4c_5x5_reduce, T['inception_4c_5x5_reduce_W'], out=d_inception_4b_1x1_concat_3, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4c_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4c_pool_proj, inception_4c_pool_proj_W)
         d_inception_4b_1x1_max_pool = mem.tensor(215, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4c_pool_proj, T['inception_4c_pool_proj_W'], out=d_inception_4b_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4c_pool_proj, T['inception_4c_pool_proj_W'], out=d_inception_4b_1x1_max_pool, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_4b_1x1_concat_4 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_4b_1x1_max_pool, inception_4b_1x1_max_pool_argmax)
@@ -2526,7 +2526,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_concat = conv2d_bwd_data[size=(14,14)](d_inception_4b_1x1, inception_4b_1x1_W)
         d_inception_4a_1x1_concat = mem.tensor(219, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4b_1x1, T['inception_4b_1x1_W'], out=d_inception_4a_1x1_concat, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4b_1x1, T['inception_4b_1x1_W'], out=d_inception_4a_1x1_concat, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4b_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4b_3x3_relu = slice[axis=1,start=160,stop=384](d_inception_4b_1x1_concat_5)
@@ -2591,7 +2591,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_concat_2 = conv2d_bwd_data[size=(14,14)](d_inception_4b_3x3_reduce, inception_4b_3x3_reduce_W)
         d_inception_4a_1x1_concat_2 = mem.tensor(225, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4b_3x3_reduce, T['inception_4b_3x3_reduce_W'], out=d_inception_4a_1x1_concat_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4b_3x3_reduce, T['inception_4b_3x3_reduce_W'], out=d_inception_4a_1x1_concat_2, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4b_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4b_5x5_relu = slice[axis=1,start=384,stop=448](d_inception_4b_1x1_concat_5)
@@ -2688,12 +2688,12 @@ class Googlenet(rp.Model):
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_concat_3 = conv2d_bwd_data[size=(14,14)](d_inception_4b_5x5_reduce, inception_4b_5x5_reduce_W)
         d_inception_4a_1x1_concat_3 = mem.tensor(233, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4b_5x5_reduce, T['inception_4b_5x5_reduce_W'], out=d_inception_4a_1x1_concat_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4b_5x5_reduce, T['inception_4b_5x5_reduce_W'], out=d_inception_4a_1x1_concat_3, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4b_pool_proj, inception_4b_pool_proj_W)
         d_inception_4a_1x1_max_pool = mem.tensor(234, (128, 512, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4b_pool_proj, T['inception_4b_pool_proj_W'], out=d_inception_4a_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_inception_4b_pool_proj, T['inception_4b_pool_proj_W'], out=d_inception_4a_1x1_max_pool, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_4a_1x1_concat_4 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_4a_1x1_max_pool, inception_4a_1x1_max_pool_argmax)
@@ -2822,7 +2822,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_4a_1x1, inception_4a_1x1_W)
         d_inception_3b_1x1_max_pool = mem.tensor(245, (128, 480, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4a_1x1, T['inception_4a_1x1_W'], out=d_inception_3b_1x1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d_bwd_data(d_inception_4a_1x1, T['inception_4a_1x1_W'], out=d_inception_3b_1x1_max_pool, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4a_3x3_relu = slice[axis=1,start=192,stop=400](d_inception_4a_1x1_concat_6)
@@ -2887,7 +2887,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool_2 = conv2d_bwd_data[size=(14,14)](d_inception_4a_3x3_reduce, inception_4a_3x3_reduce_W)
         d_inception_3b_1x1_max_pool_2 = mem.tensor(251, (128, 480, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4a_3x3_reduce, T['inception_4a_3x3_reduce_W'], out=d_inception_3b_1x1_max_pool_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d_bwd_data(d_inception_4a_3x3_reduce, T['inception_4a_3x3_reduce_W'], out=d_inception_3b_1x1_max_pool_2, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4a_5x5_relu = slice[axis=1,start=400,stop=448](d_inception_4a_1x1_concat_6)
@@ -2984,12 +2984,12 @@ class Googlenet(rp.Model):
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool_3 = conv2d_bwd_data[size=(14,14)](d_inception_4a_5x5_reduce, inception_4a_5x5_reduce_W)
         d_inception_3b_1x1_max_pool_3 = mem.tensor(259, (128, 480, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4a_5x5_reduce, T['inception_4a_5x5_reduce_W'], out=d_inception_3b_1x1_max_pool_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d_bwd_data(d_inception_4a_5x5_reduce, T['inception_4a_5x5_reduce_W'], out=d_inception_3b_1x1_max_pool_3, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_4a_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_max_pool_4 = conv2d_bwd_data[size=(14,14)](d_inception_4a_pool_proj, inception_4a_pool_proj_W)
         d_inception_3b_1x1_max_pool_4 = mem.tensor(260, (128, 480, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_4a_pool_proj, T['inception_4a_pool_proj_W'], out=d_inception_3b_1x1_max_pool_4, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d_bwd_data(d_inception_4a_pool_proj, T['inception_4a_pool_proj_W'], out=d_inception_3b_1x1_max_pool_4, pad=0, size=(14, 14), stride=1)
 
         # ---- inception_3b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), backward ----
         # d_inception_3b_1x1_max_pool_5 = max_pool_bwd[ceil=True,kernel=3,pad=1,size=(14,14),stride=1](d_inception_3b_1x1_max_pool_4, inception_3b_1x1_max_pool_argmax_2)
@@ -4930,7 +4930,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_4a_5x5_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_5x5_reduce_W, inception_4a_5x5_reduce_B)
         inception_4a_5x5_reduce = mem.tensor(24, (128, 16, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4a_5x5_reduce_relu (relu), forward ----
         # inception_4a_5x5_reduce_relu = Max(0, inception_4a_5x5_reduce)
@@ -4953,7 +4953,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # inception_4a_3x3_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_3x3_reduce_W, inception_4a_3x3_reduce_B)
         inception_4a_3x3_reduce = mem.tensor(26, (128, 96, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4a_3x3_reduce_relu (relu), forward ----
         # inception_4a_3x3_reduce_relu = Max(0, inception_4a_3x3_reduce)
@@ -4976,7 +4976,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), forward ----
         # inception_4a_1x1 = conv2d(inception_3b_1x1_max_pool, inception_4a_1x1_W, inception_4a_1x1_B)
         inception_4a_1x1 = mem.tensor(28, (128, 192, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1)
 
         # ---- inception_3b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_3b_1x1_max_pool_2 = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_3b_1x1_max_pool)
@@ -4989,7 +4989,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4a_pool_proj = conv2d(inception_3b_1x1_max_pool_2, inception_4a_pool_proj_W, inception_4a_pool_proj_B)
         inception_4a_pool_proj = mem.tensor(30, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1)
         # free inception_3b_1x1_max_pool_2
         del inception_3b_1x1_max_pool_2
         mem.free(29)
@@ -5015,7 +5015,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4b_5x5_reduce = conv2d(inception_4a_1x1_concat, inception_4b_5x5_reduce_W, inception_4b_5x5_reduce_B)
         inception_4b_5x5_reduce = mem.tensor(32, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4b_5x5_reduce_relu (relu), forward ----
         # inception_4b_5x5_reduce_relu = Max(0, inception_4b_5x5_reduce)
@@ -5101,7 +5101,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4b_3x3_reduce = conv2d(inception_4a_1x1_concat, inception_4b_3x3_reduce_W, inception_4b_3x3_reduce_B)
         inception_4b_3x3_reduce = mem.tensor(40, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4b_3x3_reduce_relu (relu), forward ----
         # inception_4b_3x3_reduce_relu = Max(0, inception_4b_3x3_reduce)
@@ -5124,7 +5124,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4b_1x1 = conv2d(inception_4a_1x1_concat, inception_4b_1x1_W, inception_4b_1x1_B)
         inception_4b_1x1 = mem.tensor(42, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1)
 
         # ---- inception_4a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4a_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4a_1x1_concat)
@@ -5137,7 +5137,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4b_pool_proj = conv2d(inception_4a_1x1_max_pool, inception_4b_pool_proj_W, inception_4b_pool_proj_B)
         inception_4b_pool_proj = mem.tensor(44, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1)
         # free inception_4a_1x1_max_pool
         del inception_4a_1x1_max_pool
         mem.free(43)
@@ -5163,7 +5163,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4c_5x5_reduce = conv2d(inception_4b_1x1_concat, inception_4c_5x5_reduce_W, inception_4c_5x5_reduce_B)
         inception_4c_5x5_reduce = mem.tensor(46, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4c_5x5_reduce_relu (relu), forward ----
         # inception_4c_5x5_reduce_relu = Max(0, inception_4c_5x5_reduce)
@@ -5186,7 +5186,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_3x3_reduce = conv2d(inception_4b_1x1_concat, inception_4c_3x3_reduce_W, inception_4c_3x3_reduce_B)
         inception_4c_3x3_reduce = mem.tensor(48, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4c_3x3_reduce_relu (relu), forward ----
         # inception_4c_3x3_reduce_relu = Max(0, inception_4c_3x3_reduce)
@@ -5209,7 +5209,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_1x1 = conv2d(inception_4b_1x1_concat, inception_4c_1x1_W, inception_4c_1x1_B)
         inception_4c_1x1 = mem.tensor(50, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1)
 
         # ---- inception_4b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4b_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4b_1x1_concat)
@@ -5222,7 +5222,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4c_pool_proj = conv2d(inception_4b_1x1_max_pool, inception_4c_pool_proj_W, inception_4c_pool_proj_B)
         inception_4c_pool_proj = mem.tensor(52, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1)
         # free inception_4b_1x1_max_pool
         del inception_4b_1x1_max_pool
         mem.free(51)
@@ -5248,7 +5248,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4d_5x5_reduce = conv2d(inception_4c_1x1_concat, inception_4d_5x5_reduce_W, inception_4d_5x5_reduce_B)
         inception_4d_5x5_reduce = mem.tensor(54, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4d_5x5_reduce_relu (relu), forward ----
         # inception_4d_5x5_reduce_relu = Max(0, inception_4d_5x5_reduce)
@@ -5271,7 +5271,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4d_1x1 = conv2d(inception_4c_1x1_concat, inception_4d_1x1_W, inception_4d_1x1_B)
         inception_4d_1x1 = mem.tensor(56, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1)
 
         # ---- inception_4d_1x1_relu (relu), forward ----
         # inception_4d_1x1_relu = Max(0, inception_4d_1x1)
@@ -5281,7 +5281,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), forward ----
         # inception_4d_3x3_reduce = conv2d(inception_4c_1x1_concat, inception_4d_3x3_reduce_W, inception_4d_3x3_reduce_B)
         inception_4d_3x3_reduce = mem.tensor(57, (128, 144, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4c_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4c_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4c_1x1_concat)
@@ -5294,7 +5294,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4d_pool_proj = conv2d(inception_4c_1x1_max_pool, inception_4d_pool_proj_W, inception_4d_pool_proj_B)
         inception_4d_pool_proj = mem.tensor(59, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1)
         # free inception_4c_1x1_max_pool
         del inception_4c_1x1_max_pool
         mem.free(58)
@@ -5333,7 +5333,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4e_5x5_reduce = conv2d(inception_4d_1x1_concat, inception_4e_5x5_reduce_W, inception_4e_5x5_reduce_B)
         inception_4e_5x5_reduce = mem.tensor(62, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4e_5x5_reduce_relu (relu), forward ----
         # inception_4e_5x5_reduce_relu = Max(0, inception_4e_5x5_reduce)
@@ -5419,7 +5419,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4e_3x3_reduce = conv2d(inception_4d_1x1_concat, inception_4e_3x3_reduce_W, inception_4e_3x3_reduce_B)
         inception_4e_3x3_reduce = mem.tensor(70, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4e_3x3_reduce_relu (relu), forward ----
         # inception_4e_3x3_reduce_relu = Max(0, inception_4e_3x3_reduce)
@@ -5442,7 +5442,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # inception_4e_1x1 = conv2d(inception_4d_1x1_concat, inception_4e_1x1_W, inception_4e_1x1_B)
         inception_4e_1x1 = mem.tensor(72, (128, 256, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1)
 
         # ---- inception_4d_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4d_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4d_1x1_concat)
@@ -5455,7 +5455,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4e_pool_proj = conv2d(inception_4d_1x1_max_pool, inception_4e_pool_proj_W, inception_4e_pool_proj_B)
         inception_4e_pool_proj = mem.tensor(74, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1)
         # free inception_4d_1x1_max_pool
         del inception_4d_1x1_max_pool
         mem.free(73)
@@ -5489,7 +5489,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_5a_5x5_reduce = conv2d(inception_4e_1x1_max_pool, inception_5a_5x5_reduce_W, inception_5a_5x5_reduce_B)
         inception_5a_5x5_reduce = mem.tensor(77, (128, 32, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_5a_5x5_reduce_relu (relu), forward ----
         # inception_5a_5x5_reduce_relu = Max(0, inception_5a_5x5_reduce)
@@ -5574,7 +5574,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), forward ----
         # inception_5b_5x5_reduce = conv2d(inception_5a_1x1_concat, inception_5b_5x5_reduce_W, inception_5b_5x5_reduce_B)
         inception_5b_5x5_reduce = mem.tensor(85, (128, 48, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_5b_5x5_reduce_relu (relu), forward ----
         # inception_5b_5x5_reduce_relu = Max(0, inception_5b_5x5_reduce)
@@ -5970,7 +5970,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_4a_5x5_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_5x5_reduce_W, inception_4a_5x5_reduce_B)
         inception_4a_5x5_reduce = mem.tensor(23, (128, 16, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_5x5_reduce_W'], T['inception_4a_5x5_reduce_B'], out=inception_4a_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4a_5x5_reduce_relu (relu), forward ----
         # inception_4a_5x5_reduce_relu = Max(0, inception_4a_5x5_reduce)
@@ -5993,7 +5993,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # inception_4a_3x3_reduce = conv2d(inception_3b_1x1_max_pool, inception_4a_3x3_reduce_W, inception_4a_3x3_reduce_B)
         inception_4a_3x3_reduce = mem.tensor(25, (128, 96, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_3x3_reduce_W'], T['inception_4a_3x3_reduce_B'], out=inception_4a_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4a_3x3_reduce_relu (relu), forward ----
         # inception_4a_3x3_reduce_relu = Max(0, inception_4a_3x3_reduce)
@@ -6016,7 +6016,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), forward ----
         # inception_4a_1x1 = conv2d(inception_3b_1x1_max_pool, inception_4a_1x1_W, inception_4a_1x1_B)
         inception_4a_1x1 = mem.tensor(27, (128, 192, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool, T['inception_4a_1x1_W'], T['inception_4a_1x1_B'], out=inception_4a_1x1, pad=0, stride=1)
 
         # ---- inception_3b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_3b_1x1_max_pool_2 = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_3b_1x1_max_pool)
@@ -6029,7 +6029,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4a_pool_proj = conv2d(inception_3b_1x1_max_pool_2, inception_4a_pool_proj_W, inception_4a_pool_proj_B)
         inception_4a_pool_proj = mem.tensor(29, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1, workspace=mem.workspace(24084480))
+        rt.conv2d(inception_3b_1x1_max_pool_2, T['inception_4a_pool_proj_W'], T['inception_4a_pool_proj_B'], out=inception_4a_pool_proj, pad=0, stride=1)
         # free inception_3b_1x1_max_pool_2
         del inception_3b_1x1_max_pool_2
         mem.free(28)
@@ -6055,7 +6055,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4b_5x5_reduce = conv2d(inception_4a_1x1_concat, inception_4b_5x5_reduce_W, inception_4b_5x5_reduce_B)
         inception_4b_5x5_reduce = mem.tensor(31, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_5x5_reduce_W'], T['inception_4b_5x5_reduce_B'], out=inception_4b_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4b_5x5_reduce_relu (relu), forward ----
         # inception_4b_5x5_reduce_relu = Max(0, inception_4b_5x5_reduce)
@@ -6078,7 +6078,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4b_3x3_reduce = conv2d(inception_4a_1x1_concat, inception_4b_3x3_reduce_W, inception_4b_3x3_reduce_B)
         inception_4b_3x3_reduce = mem.tensor(33, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_3x3_reduce_W'], T['inception_4b_3x3_reduce_B'], out=inception_4b_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4b_3x3_reduce_relu (relu), forward ----
         # inception_4b_3x3_reduce_relu = Max(0, inception_4b_3x3_reduce)
@@ -6101,7 +6101,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4b_1x1 = conv2d(inception_4a_1x1_concat, inception_4b_1x1_W, inception_4b_1x1_B)
         inception_4b_1x1 = mem.tensor(35, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_concat, T['inception_4b_1x1_W'], T['inception_4b_1x1_B'], out=inception_4b_1x1, pad=0, stride=1)
 
         # ---- inception_4a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4a_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4a_1x1_concat)
@@ -6114,7 +6114,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4b_pool_proj = conv2d(inception_4a_1x1_max_pool, inception_4b_pool_proj_W, inception_4b_pool_proj_B)
         inception_4b_pool_proj = mem.tensor(37, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4a_1x1_max_pool, T['inception_4b_pool_proj_W'], T['inception_4b_pool_proj_B'], out=inception_4b_pool_proj, pad=0, stride=1)
         # free inception_4a_1x1_max_pool
         del inception_4a_1x1_max_pool
         mem.free(36)
@@ -6140,7 +6140,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), forward ----
         # inception_4c_5x5_reduce = conv2d(inception_4b_1x1_concat, inception_4c_5x5_reduce_W, inception_4c_5x5_reduce_B)
         inception_4c_5x5_reduce = mem.tensor(39, (128, 24, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_5x5_reduce_W'], T['inception_4c_5x5_reduce_B'], out=inception_4c_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4c_5x5_reduce_relu (relu), forward ----
         # inception_4c_5x5_reduce_relu = Max(0, inception_4c_5x5_reduce)
@@ -6163,7 +6163,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_3x3_reduce = conv2d(inception_4b_1x1_concat, inception_4c_3x3_reduce_W, inception_4c_3x3_reduce_B)
         inception_4c_3x3_reduce = mem.tensor(41, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_3x3_reduce_W'], T['inception_4c_3x3_reduce_B'], out=inception_4c_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4c_3x3_reduce_relu (relu), forward ----
         # inception_4c_3x3_reduce_relu = Max(0, inception_4c_3x3_reduce)
@@ -6186,7 +6186,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4c_1x1 = conv2d(inception_4b_1x1_concat, inception_4c_1x1_W, inception_4c_1x1_B)
         inception_4c_1x1 = mem.tensor(43, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_concat, T['inception_4c_1x1_W'], T['inception_4c_1x1_B'], out=inception_4c_1x1, pad=0, stride=1)
 
         # ---- inception_4b_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4b_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4b_1x1_concat)
@@ -6199,7 +6199,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4c_pool_proj = conv2d(inception_4b_1x1_max_pool, inception_4c_pool_proj_W, inception_4c_pool_proj_B)
         inception_4c_pool_proj = mem.tensor(45, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4b_1x1_max_pool, T['inception_4c_pool_proj_W'], T['inception_4c_pool_proj_B'], out=inception_4c_pool_proj, pad=0, stride=1)
         # free inception_4b_1x1_max_pool
         del inception_4b_1x1_max_pool
         mem.free(44)
@@ -6225,7 +6225,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4d_5x5_reduce = conv2d(inception_4c_1x1_concat, inception_4d_5x5_reduce_W, inception_4d_5x5_reduce_B)
         inception_4d_5x5_reduce = mem.tensor(47, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_5x5_reduce_W'], T['inception_4d_5x5_reduce_B'], out=inception_4d_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4d_5x5_reduce_relu (relu), forward ----
         # inception_4d_5x5_reduce_relu = Max(0, inception_4d_5x5_reduce)
@@ -6248,7 +6248,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), forward ----
         # inception_4d_1x1 = conv2d(inception_4c_1x1_concat, inception_4d_1x1_W, inception_4d_1x1_B)
         inception_4d_1x1 = mem.tensor(49, (128, 112, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_1x1_W'], T['inception_4d_1x1_B'], out=inception_4d_1x1, pad=0, stride=1)
 
         # ---- inception_4d_1x1_relu (relu), forward ----
         # inception_4d_1x1_relu = Max(0, inception_4d_1x1)
@@ -6258,7 +6258,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), forward ----
         # inception_4d_3x3_reduce = conv2d(inception_4c_1x1_concat, inception_4d_3x3_reduce_W, inception_4d_3x3_reduce_B)
         inception_4d_3x3_reduce = mem.tensor(50, (128, 144, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_concat, T['inception_4d_3x3_reduce_W'], T['inception_4d_3x3_reduce_B'], out=inception_4d_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4c_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4c_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4c_1x1_concat)
@@ -6271,7 +6271,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # inception_4d_pool_proj = conv2d(inception_4c_1x1_max_pool, inception_4d_pool_proj_W, inception_4d_pool_proj_B)
         inception_4d_pool_proj = mem.tensor(52, (128, 64, 14, 14), 'float32')
-        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(inception_4c_1x1_max_pool, T['inception_4d_pool_proj_W'], T['inception_4d_pool_proj_B'], out=inception_4d_pool_proj, pad=0, stride=1)
         # free inception_4c_1x1_max_pool
         del inception_4c_1x1_max_pool
         mem.free(51)
@@ -6310,7 +6310,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_4e_5x5_reduce = conv2d(inception_4d_1x1_concat, inception_4e_5x5_reduce_W, inception_4e_5x5_reduce_B)
         inception_4e_5x5_reduce = mem.tensor(55, (128, 32, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_5x5_reduce_W'], T['inception_4e_5x5_reduce_B'], out=inception_4e_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_4e_5x5_reduce_relu (relu), forward ----
         # inception_4e_5x5_reduce_relu = Max(0, inception_4e_5x5_reduce)
@@ -6333,7 +6333,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), forward ----
         # inception_4e_3x3_reduce = conv2d(inception_4d_1x1_concat, inception_4e_3x3_reduce_W, inception_4e_3x3_reduce_B)
         inception_4e_3x3_reduce = mem.tensor(57, (128, 160, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_3x3_reduce_W'], T['inception_4e_3x3_reduce_B'], out=inception_4e_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_4e_3x3_reduce_relu (relu), forward ----
         # inception_4e_3x3_reduce_relu = Max(0, inception_4e_3x3_reduce)
@@ -6356,7 +6356,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # inception_4e_1x1 = conv2d(inception_4d_1x1_concat, inception_4e_1x1_W, inception_4e_1x1_B)
         inception_4e_1x1 = mem.tensor(59, (128, 256, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_concat, T['inception_4e_1x1_W'], T['inception_4e_1x1_B'], out=inception_4e_1x1, pad=0, stride=1)
 
         # ---- inception_4d_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_4d_1x1_max_pool = max_pool[ceil=True,kernel=3,pad=1,stride=1](inception_4d_1x1_concat)
@@ -6369,7 +6369,7 @@ class Googlenet(rp.Model):
         # ---- inception_4e_pool_proj (conv 1x1, 128 channels, stride 1, padding 0), forward ----
         # inception_4e_pool_proj = conv2d(inception_4d_1x1_max_pool, inception_4e_pool_proj_W, inception_4e_pool_proj_B)
         inception_4e_pool_proj = mem.tensor(61, (128, 128, 14, 14), 'float32')
-        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1, workspace=mem.workspace(26492928))
+        rt.conv2d(inception_4d_1x1_max_pool, T['inception_4e_pool_proj_W'], T['inception_4e_pool_proj_B'], out=inception_4e_pool_proj, pad=0, stride=1)
         # free inception_4d_1x1_max_pool
         del inception_4d_1x1_max_pool
         mem.free(60)
@@ -6403,7 +6403,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_5a_5x5_reduce = conv2d(inception_4e_1x1_max_pool, inception_5a_5x5_reduce_W, inception_5a_5x5_reduce_B)
         inception_5a_5x5_reduce = mem.tensor(64, (128, 32, 7, 7), 'float32')
-        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+        rt.conv2d(inception_4e_1x1_max_pool, T['inception_5a_5x5_reduce_W'], T['inception_5a_5x5_reduce_B'], out=inception_5a_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_5a_5x5_reduce_relu (relu), forward ----
         # inception_5a_5x5_reduce_relu = Max(0, inception_5a_5x5_reduce)
@@ -6488,7 +6488,7 @@ class Googlenet(rp.Model):
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), forward ----
         # inception_5b_5x5_reduce = conv2d(inception_5a_1x1_concat, inception_5b_5x5_reduce_W, inception_5b_5x5_reduce_B)
         inception_5b_5x5_reduce = mem.tensor(72, (128, 48, 7, 7), 'float32')
-        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(20873216))
+        rt.conv2d(inception_5a_1x1_concat, T['inception_5b_5x5_reduce_W'], T['inception_5b_5x5_reduce_B'], out=inception_5b_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_5b_5x5_reduce_relu (relu), forward ----
         # inception_5b_5x5_reduce_relu = Max(0, inception_5b_5x5_reduce)

@@ -177,7 +177,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), forward ----
         # inception_a_5x5_reduce = conv2d(conv1_max_pool, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
         inception_a_5x5_reduce = mem.tensor(7, (100, 4, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_a_5x5_reduce_relu (relu), forward ----
         # inception_a_5x5_reduce_relu = Max(0, inception_a_5x5_reduce)
@@ -204,7 +204,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_pool_proj = conv2d(conv1_max_pool_2, inception_a_pool_proj_W, inception_a_pool_proj_B)
         inception_a_pool_proj = mem.tensor(11, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1)
         # free conv1_max_pool_2
         del conv1_max_pool_2
         mem.free(10)
@@ -217,7 +217,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_3x3_reduce = conv2d(conv1_max_pool, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
         inception_a_3x3_reduce = mem.tensor(12, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_a_3x3_reduce_relu (relu), forward ----
         # inception_a_3x3_reduce_relu = Max(0, inception_a_3x3_reduce)
@@ -227,7 +227,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_1x1 (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_1x1 = conv2d(conv1_max_pool, inception_a_1x1_W, inception_a_1x1_B)
         inception_a_1x1 = mem.tensor(13, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1)
 
         # ---- inception_a_1x1_relu (relu), forward ----
         # inception_a_1x1_relu = Max(0, inception_a_1x1)
@@ -262,7 +262,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), forward ----
         # inception_b_5x5_reduce = conv2d(inception_a_1x1_max_pool, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
         inception_b_5x5_reduce = mem.tensor(18, (100, 8, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_b_5x5_reduce_relu (relu), forward ----
         # inception_b_5x5_reduce_relu = Max(0, inception_b_5x5_reduce)
@@ -289,7 +289,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_b_pool_proj = conv2d(inception_a_1x1_max_pool_2, inception_b_pool_proj_W, inception_b_pool_proj_B)
         inception_b_pool_proj = mem.tensor(22, (100, 16, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1)
 
         # ---- inception_b_pool_proj_relu (relu), forward ----
         # inception_b_pool_proj_relu = Max(0, inception_b_pool_proj)
@@ -299,7 +299,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_3x3_reduce = conv2d(inception_a_1x1_max_pool, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
         inception_b_3x3_reduce = mem.tensor(23, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_b_3x3_reduce_relu (relu), forward ----
         # inception_b_3x3_reduce_relu = Max(0, inception_b_3x3_reduce)
@@ -309,7 +309,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_1x1 = conv2d(inception_a_1x1_max_pool, inception_b_1x1_W, inception_b_1x1_B)
         inception_b_1x1 = mem.tensor(24, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1)
 
         # ---- inception_b_1x1_relu (relu), forward ----
         # inception_b_1x1_relu = Max(0, inception_b_1x1)
@@ -705,7 +705,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_a_1x1_max_pool = conv2d_bwd_data[size=(7,7)](d_inception_b_1x1, inception_b_1x1_W)
         d_inception_a_1x1_max_pool = mem.tensor(53, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_b_1x1, T['inception_b_1x1_W'], out=d_inception_a_1x1_max_pool, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d_bwd_data(d_inception_b_1x1, T['inception_b_1x1_W'], out=d_inception_a_1x1_max_pool, pad=0, size=(7, 7), stride=1)
         # free d_inception_b_1x1_relu, d_inception_b_1x1
         del d_inception_b_1x1_relu, d_inception_b_1x1
         mem.free(44)
@@ -716,7 +716,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_a_1x1_max_pool_2 = conv2d_bwd_data[size=(7,7)](d_inception_b_3x3_reduce, inception_b_3x3_reduce_W)
         d_inception_a_1x1_max_pool_2 = mem.tensor(54, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_b_3x3_reduce, T['inception_b_3x3_reduce_W'], out=d_inception_a_1x1_max_pool_2, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d_bwd_data(d_inception_b_3x3_reduce, T['inception_b_3x3_reduce_W'], out=d_inception_a_1x1_max_pool_2, pad=0, size=(7, 7), stride=1)
         # free d_inception_b_3x3_reduce_relu, d_inception_b_3x3_reduce
         del d_inception_b_3x3_reduce_relu, d_inception_b_3x3_reduce
         mem.free(50)
@@ -727,7 +727,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_a_1x1_max_pool_3 = conv2d_bwd_data[size=(7,7)](d_inception_b_pool_proj, inception_b_pool_proj_W)
         d_inception_a_1x1_max_pool_3 = mem.tensor(55, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_b_pool_proj, T['inception_b_pool_proj_W'], out=d_inception_a_1x1_max_pool_3, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d_bwd_data(d_inception_b_pool_proj, T['inception_b_pool_proj_W'], out=d_inception_a_1x1_max_pool_3, pad=0, size=(7, 7), stride=1)
         # free d_inception_b_pool_proj_relu, d_inception_b_pool_proj
         del d_inception_b_pool_proj_relu, d_inception_b_pool_proj
         mem.free(41)
@@ -748,7 +748,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), backward ----
         # d_inception_a_1x1_max_pool_5 = conv2d_bwd_data[size=(7,7)](d_inception_b_5x5_reduce, inception_b_5x5_reduce_W)
         d_inception_a_1x1_max_pool_5 = mem.tensor(57, (100, 64, 7, 7), 'float32')
-        rt.conv2d_bwd_data(d_inception_b_5x5_reduce, T['inception_b_5x5_reduce_W'], out=d_inception_a_1x1_max_pool_5, pad=0, size=(7, 7), stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d_bwd_data(d_inception_b_5x5_reduce, T['inception_b_5x5_reduce_W'], out=d_inception_a_1x1_max_pool_5, pad=0, size=(7, 7), stride=1)
         # free d_inception_b_5x5_reduce_relu, d_inception_b_5x5_reduce
         del d_inception_b_5x5_reduce_relu, d_inception_b_5x5_reduce
         mem.free(38)
@@ -895,7 +895,7 @@ class InceptionMini(rp.Model):
         mem.free(67)
         # d_conv1_max_pool = conv2d_bwd_data[size=(14,14)](d_inception_a_1x1, inception_a_1x1_W)
         d_conv1_max_pool = mem.tensor(68, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_a_1x1, T['inception_a_1x1_W'], out=d_conv1_max_pool, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d_bwd_data(d_inception_a_1x1, T['inception_a_1x1_W'], out=d_conv1_max_pool, pad=0, size=(14, 14), stride=1)
         # free d_inception_a_1x1_relu, d_inception_a_1x1
         del d_inception_a_1x1_relu, d_inception_a_1x1
         mem.free(65)
@@ -1037,7 +1037,7 @@ class InceptionMini(rp.Model):
         mem.free(78)
         # d_conv1_max_pool_2 = conv2d_bwd_data[size=(14,14)](d_inception_a_3x3_reduce, inception_a_3x3_reduce_W)
         d_conv1_max_pool_2 = mem.tensor(79, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_a_3x3_reduce, T['inception_a_3x3_reduce_W'], out=d_conv1_max_pool_2, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d_bwd_data(d_inception_a_3x3_reduce, T['inception_a_3x3_reduce_W'], out=d_conv1_max_pool_2, pad=0, size=(14, 14), stride=1)
         # free d_inception_a_3x3_reduce_relu, d_inception_a_3x3_reduce
         del d_inception_a_3x3_reduce_relu, d_inception_a_3x3_reduce
         mem.free(76)
@@ -1048,7 +1048,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_conv1_max_pool_3 = conv2d_bwd_data[size=(14,14)](d_inception_a_pool_proj, inception_a_pool_proj_W)
         d_conv1_max_pool_3 = mem.tensor(80, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_a_pool_proj, T['inception_a_pool_proj_W'], out=d_conv1_max_pool_3, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d_bwd_data(d_inception_a_pool_proj, T['inception_a_pool_proj_W'], out=d_conv1_max_pool_3, pad=0, size=(14, 14), stride=1)
         # free d_inception_a_pool_proj_relu, d_inception_a_pool_proj
         del d_inception_a_pool_proj_relu, d_inception_a_pool_proj
         mem.free(69)
@@ -1069,7 +1069,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), backward ----
         # d_conv1_max_pool_5 = conv2d_bwd_data[size=(14,14)](d_inception_a_5x5_reduce, inception_a_5x5_reduce_W)
         d_conv1_max_pool_5 = mem.tensor(82, (100, 32, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_inception_a_5x5_reduce, T['inception_a_5x5_reduce_W'], out=d_conv1_max_pool_5, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d_bwd_data(d_inception_a_5x5_reduce, T['inception_a_5x5_reduce_W'], out=d_conv1_max_pool_5, pad=0, size=(14, 14), stride=1)
         # free d_inception_a_5x5_reduce_relu, d_inception_a_5x5_reduce
         del d_inception_a_5x5_reduce_relu, d_inception_a_5x5_reduce
         mem.free(62)
@@ -1162,7 +1162,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), forward ----
         # inception_a_5x5_reduce = conv2d(conv1_max_pool, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
         inception_a_5x5_reduce = mem.tensor(4, (100, 4, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_a_5x5_reduce_relu (relu), forward ----
         # inception_a_5x5_reduce_relu = Max(0, inception_a_5x5_reduce)
@@ -1185,7 +1185,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_3x3_reduce = conv2d(conv1_max_pool, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
         inception_a_3x3_reduce = mem.tensor(6, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_a_3x3_reduce_relu (relu), forward ----
         # inception_a_3x3_reduce_relu = Max(0, inception_a_3x3_reduce)
@@ -1208,7 +1208,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_1x1 (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_1x1 = conv2d(conv1_max_pool, inception_a_1x1_W, inception_a_1x1_B)
         inception_a_1x1 = mem.tensor(8, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1)
 
         # ---- conv1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # conv1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](conv1_max_pool)
@@ -1221,7 +1221,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_pool_proj = conv2d(conv1_max_pool_2, inception_a_pool_proj_W, inception_a_pool_proj_B)
         inception_a_pool_proj = mem.tensor(10, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1)
         # free conv1_max_pool_2
         del conv1_max_pool_2
         mem.free(9)
@@ -1255,7 +1255,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), forward ----
         # inception_b_5x5_reduce = conv2d(inception_a_1x1_max_pool, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
         inception_b_5x5_reduce = mem.tensor(13, (100, 8, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_b_5x5_reduce_relu (relu), forward ----
         # inception_b_5x5_reduce_relu = Max(0, inception_b_5x5_reduce)
@@ -1278,7 +1278,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_3x3_reduce = conv2d(inception_a_1x1_max_pool, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
         inception_b_3x3_reduce = mem.tensor(15, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_b_3x3_reduce_relu (relu), forward ----
         # inception_b_3x3_reduce_relu = Max(0, inception_b_3x3_reduce)
@@ -1301,7 +1301,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_1x1 = conv2d(inception_a_1x1_max_pool, inception_b_1x1_W, inception_b_1x1_B)
         inception_b_1x1 = mem.tensor(17, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1)
 
         # ---- inception_a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_a_1x1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](inception_a_1x1_max_pool)
@@ -1314,7 +1314,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_b_pool_proj = conv2d(inception_a_1x1_max_pool_2, inception_b_pool_proj_W, inception_b_pool_proj_B)
         inception_b_pool_proj = mem.tensor(19, (100, 16, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1)
         # free inception_a_1x1_max_pool_2
         del inception_a_1x1_max_pool_2
         mem.free(18)
@@ -1424,7 +1424,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_5x5_reduce (conv 1x1, 4 channels, stride 1, padding 0), forward ----
         # inception_a_5x5_reduce = conv2d(conv1_max_pool, inception_a_5x5_reduce_W, inception_a_5x5_reduce_B)
         inception_a_5x5_reduce = mem.tensor(3, (100, 4, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool, T['inception_a_5x5_reduce_W'], T['inception_a_5x5_reduce_B'], out=inception_a_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_a_5x5_reduce_relu (relu), forward ----
         # inception_a_5x5_reduce_relu = Max(0, inception_a_5x5_reduce)
@@ -1447,7 +1447,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_3x3_reduce (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_3x3_reduce = conv2d(conv1_max_pool, inception_a_3x3_reduce_W, inception_a_3x3_reduce_B)
         inception_a_3x3_reduce = mem.tensor(5, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool, T['inception_a_3x3_reduce_W'], T['inception_a_3x3_reduce_B'], out=inception_a_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_a_3x3_reduce_relu (relu), forward ----
         # inception_a_3x3_reduce_relu = Max(0, inception_a_3x3_reduce)
@@ -1470,7 +1470,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_1x1 (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_1x1 = conv2d(conv1_max_pool, inception_a_1x1_W, inception_a_1x1_B)
         inception_a_1x1 = mem.tensor(7, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool, T['inception_a_1x1_W'], T['inception_a_1x1_B'], out=inception_a_1x1, pad=0, stride=1)
 
         # ---- conv1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # conv1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](conv1_max_pool)
@@ -1483,7 +1483,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_a_pool_proj = conv2d(conv1_max_pool_2, inception_a_pool_proj_W, inception_a_pool_proj_B)
         inception_a_pool_proj = mem.tensor(9, (100, 16, 14, 14), 'float32')
-        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1, workspace=mem.workspace(2508800))
+        rt.conv2d(conv1_max_pool_2, T['inception_a_pool_proj_W'], T['inception_a_pool_proj_B'], out=inception_a_pool_proj, pad=0, stride=1)
         # free conv1_max_pool_2
         del conv1_max_pool_2
         mem.free(8)
@@ -1517,7 +1517,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_5x5_reduce (conv 1x1, 8 channels, stride 1, padding 0), forward ----
         # inception_b_5x5_reduce = conv2d(inception_a_1x1_max_pool, inception_b_5x5_reduce_W, inception_b_5x5_reduce_B)
         inception_b_5x5_reduce = mem.tensor(12, (100, 8, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_5x5_reduce_W'], T['inception_b_5x5_reduce_B'], out=inception_b_5x5_reduce, pad=0, stride=1)
 
         # ---- inception_b_5x5_reduce_relu (relu), forward ----
         # inception_b_5x5_reduce_relu = Max(0, inception_b_5x5_reduce)
@@ -1540,7 +1540,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_3x3_reduce (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_3x3_reduce = conv2d(inception_a_1x1_max_pool, inception_b_3x3_reduce_W, inception_b_3x3_reduce_B)
         inception_b_3x3_reduce = mem.tensor(14, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_3x3_reduce_W'], T['inception_b_3x3_reduce_B'], out=inception_b_3x3_reduce, pad=0, stride=1)
 
         # ---- inception_b_3x3_reduce_relu (relu), forward ----
         # inception_b_3x3_reduce_relu = Max(0, inception_b_3x3_reduce)
@@ -1563,7 +1563,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_1x1 (conv 1x1, 32 channels, stride 1, padding 0), forward ----
         # inception_b_1x1 = conv2d(inception_a_1x1_max_pool, inception_b_1x1_W, inception_b_1x1_B)
         inception_b_1x1 = mem.tensor(16, (100, 32, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool, T['inception_b_1x1_W'], T['inception_b_1x1_B'], out=inception_b_1x1, pad=0, stride=1)
 
         # ---- inception_a_1x1_max_pool (max pooling 3x3, stride 1, padding 1), forward ----
         # inception_a_1x1_max_pool_2 = max_pool[kernel=3,pad=1,stride=1](inception_a_1x1_max_pool)
@@ -1576,7 +1576,7 @@ class InceptionMini(rp.Model):
         # ---- inception_b_pool_proj (conv 1x1, 16 channels, stride 1, padding 0), forward ----
         # inception_b_pool_proj = conv2d(inception_a_1x1_max_pool_2, inception_b_pool_proj_W, inception_b_pool_proj_B)
         inception_b_pool_proj = mem.tensor(18, (100, 16, 7, 7), 'float32')
-        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1, workspace=mem.workspace(1254400))
+        rt.conv2d(inception_a_1x1_max_pool_2, T['inception_b_pool_proj_W'], T['inception_b_pool_proj_B'], out=inception_b_pool_proj, pad=0, stride=1)
         # free inception_a_1x1_max_pool_2
         del inception_a_1x1_max_pool_2
         mem.free(17)

@@ -1520,7 +1520,7 @@ class MobilenetV2(rp.Model):
         # ---- block7_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block7_project = conv2d(block7_dw_bn_clipped_relu, block7_project_W)
         block7_project = mem.tensor(102, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1, workspace=mem.workspace(4816896))
+        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1)
         # free block7_dw_bn_clipped_relu
         del block7_dw_bn_clipped_relu
         mem.free(101)
@@ -1569,7 +1569,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block8_expand = conv2d(block7_project_bn, block8_expand_W)
         block8_expand = mem.tensor(107, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1)
 
         # ---- block8_expand_bn (batch norm), forward ----
         # block8_expand_bn_sum = sum_to[1x384x1x1](block8_expand)
@@ -1668,7 +1668,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block8_project = conv2d(block8_dw_bn_clipped_relu, block8_project_W)
         block8_project = mem.tensor(117, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1)
         # free block8_dw_bn_clipped_relu
         del block8_dw_bn_clipped_relu
         mem.free(116)
@@ -1719,7 +1719,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block9_expand = conv2d(block8_project_bn_add, block9_expand_W)
         block9_expand = mem.tensor(121, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1)
 
         # ---- block9_expand_bn (batch norm), forward ----
         # block9_expand_bn_sum = sum_to[1x384x1x1](block9_expand)
@@ -1818,7 +1818,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block9_project = conv2d(block9_dw_bn_clipped_relu, block9_project_W)
         block9_project = mem.tensor(131, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1)
         # free block9_dw_bn_clipped_relu
         del block9_dw_bn_clipped_relu
         mem.free(130)
@@ -1869,7 +1869,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block10_expand = conv2d(block9_project_bn_add, block10_expand_W)
         block10_expand = mem.tensor(136, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1)
 
         # ---- block10_expand_bn (batch norm), forward ----
         # block10_expand_bn_sum = sum_to[1x384x1x1](block10_expand)
@@ -1968,7 +1968,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block10_project = conv2d(block10_dw_bn_clipped_relu, block10_project_W)
         block10_project = mem.tensor(146, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1)
         # free block10_dw_bn_clipped_relu
         del block10_dw_bn_clipped_relu
         mem.free(145)
@@ -2019,7 +2019,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block11_expand = conv2d(block10_project_bn_add, block11_expand_W)
         block11_expand = mem.tensor(150, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1)
 
         # ---- block11_expand_bn (batch norm), forward ----
         # block11_expand_bn_sum = sum_to[1x384x1x1](block11_expand)
@@ -2118,7 +2118,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block11_project = conv2d(block11_dw_bn_clipped_relu, block11_project_W)
         block11_project = mem.tensor(160, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1)
         # free block11_dw_bn_clipped_relu
         del block11_dw_bn_clipped_relu
         mem.free(159)
@@ -2167,7 +2167,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block12_expand = conv2d(block11_project_bn, block12_expand_W)
         block12_expand = mem.tensor(165, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1)
 
         # ---- block12_expand_bn (batch norm), forward ----
         # block12_expand_bn_sum = sum_to[1x576x1x1](block12_expand)
@@ -2266,7 +2266,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block12_project = conv2d(block12_dw_bn_clipped_relu, block12_project_W)
         block12_project = mem.tensor(175, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1)
         # free block12_dw_bn_clipped_relu
         del block12_dw_bn_clipped_relu
         mem.free(174)
@@ -2317,7 +2317,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block13_expand = conv2d(block12_project_bn_add, block13_expand_W)
         block13_expand = mem.tensor(179, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1)
 
         # ---- block13_expand_bn (batch norm), forward ----
         # block13_expand_bn_sum = sum_to[1x576x1x1](block13_expand)
@@ -2416,7 +2416,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block13_project = conv2d(block13_dw_bn_clipped_relu, block13_project_W)
         block13_project = mem.tensor(189, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1)
         # free block13_dw_bn_clipped_relu
         del block13_dw_bn_clipped_relu
         mem.free(188)
@@ -2467,7 +2467,7 @@ class MobilenetV2(rp.Model):
         # ---- block14_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block14_expand = conv2d(block13_project_bn_add, block14_expand_W)
         block14_expand = mem.tensor(194, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1)
         # free block13_project_bn_add
         del block13_project_bn_add
         mem.free(193)
@@ -4581,7 +4581,7 @@ class MobilenetV2(rp.Model):
         mem.free(354)
         # d_block13_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block14_expand, block14_expand_W)
         d_block13_project_bn_add = mem.tensor(356, (32, 96, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block14_expand, T['block14_expand_W'], out=d_block13_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d_bwd_data(d_block14_expand, T['block14_expand_W'], out=d_block13_project_bn_add, pad=0, size=(14, 14), stride=1)
         # free block14_expand, block14_expand_bn_centered, d_block14_expand_bn_centered, d_block14_expand
         del block14_expand, block14_expand_bn_centered, d_block14_expand_bn_centered, d_block14_expand
         mem.free(194)
@@ -4680,7 +4680,7 @@ class MobilenetV2(rp.Model):
         mem.free(362)
         # d_block13_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block13_project, block13_project_W)
         d_block13_dw_bn_clipped_relu = mem.tensor(363, (32, 576, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block13_project, T['block13_project_W'], out=d_block13_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d_bwd_data(d_block13_project, T['block13_project_W'], out=d_block13_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
         # free block13_project, block13_project_bn_centered, d_block13_project_bn_centered, d_block13_project
         del block13_project, block13_project_bn_centered, d_block13_project_bn_centered, d_block13_project
         mem.free(189)
@@ -4884,7 +4884,7 @@ class MobilenetV2(rp.Model):
         mem.free(164)
         # d_block12_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block13_expand, block13_expand_W)
         d_block12_project_bn_add = mem.tensor(376, (32, 96, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block13_expand, T['block13_expand_W'], out=d_block12_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d_bwd_data(d_block13_expand, T['block13_expand_W'], out=d_block12_project_bn_add, pad=0, size=(14, 14), stride=1)
         # free block13_expand, block13_expand_bn_centered, d_block13_expand_bn_centered, d_block13_expand
         del block13_expand, block13_expand_bn_centered, d_block13_expand_bn_centered, d_block13_expand
         mem.free(179)
@@ -4996,7 +4996,7 @@ class MobilenetV2(rp.Model):
         mem.free(382)
         # d_block12_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block12_project, block12_project_W)
         d_block12_dw_bn_clipped_relu = mem.tensor(383, (32, 576, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block12_project, T['block12_project_W'], out=d_block12_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d_bwd_data(d_block12_project, T['block12_project_W'], out=d_block12_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
         # free block12_project, block12_project_bn_centered, d_block12_project_bn_centered, d_block12_project
         del block12_project, block12_project_bn_centered, d_block12_project_bn_centered, d_block12_project
         mem.free(175)
@@ -5207,7 +5207,7 @@ class MobilenetV2(rp.Model):
         mem.free(395)
         # d_block11_project_bn = conv2d_bwd_data[size=(14,14)](d_block12_expand, block12_expand_W)
         d_block11_project_bn = mem.tensor(397, (32, 96, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block12_expand, T['block12_expand_W'], out=d_block11_project_bn, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d_bwd_data(d_block12_expand, T['block12_expand_W'], out=d_block11_project_bn, pad=0, size=(14, 14), stride=1)
         # free block12_expand, block12_expand_bn_centered, d_block12_expand_bn_centered, d_block12_expand
         del block12_expand, block12_expand_bn_centered, d_block12_expand_bn_centered, d_block12_expand
         mem.free(165)
@@ -5318,7 +5318,7 @@ class MobilenetV2(rp.Model):
         mem.free(403)
         # d_block11_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block11_project, block11_project_W)
         d_block11_dw_bn_clipped_relu = mem.tensor(404, (32, 384, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block11_project, T['block11_project_W'], out=d_block11_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d_bwd_data(d_block11_project, T['block11_project_W'], out=d_block11_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
         # free block11_project, block11_project_bn_centered, d_block11_project_bn_centered, d_block11_project
         del block11_project, block11_project_bn_centered, d_block11_project_bn_centered, d_block11_project
         mem.free(160)
@@ -5522,7 +5522,7 @@ class MobilenetV2(rp.Model):
         mem.free(135)
         # d_block10_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block11_expand, block11_expand_W)
         d_block10_project_bn_add = mem.tensor(417, (32, 64, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block11_expand, T['block11_expand_W'], out=d_block10_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d_bwd_data(d_block11_expand, T['block11_expand_W'], out=d_block10_project_bn_add, pad=0, size=(14, 14), stride=1)
         # free block11_expand, block11_expand_bn_centered, d_block11_expand_bn_centered, d_block11_expand
         del block11_expand, block11_expand_bn_centered, d_block11_expand_bn_centered, d_block11_expand
         mem.free(150)
@@ -5621,7 +5621,7 @@ class MobilenetV2(rp.Model):
         mem.free(423)
         # d_block10_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block10_project, block10_project_W)
         d_block10_dw_bn_clipped_relu = mem.tensor(424, (32, 384, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block10_project, T['block10_project_W'], out=d_block10_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d_bwd_data(d_block10_project, T['block10_project_W'], out=d_block10_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
         # free block10_project, block10_project_bn_centered, d_block10_project_bn_centered, d_block10_project
         del block10_project, block10_project_bn_centered, d_block10_project_bn_centered, d_block10_project
         mem.free(146)
@@ -5832,7 +5832,7 @@ class MobilenetV2(rp.Model):
         mem.free(436)
         # d_block9_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block10_expand, block10_expand_W)
         d_block9_project_bn_add = mem.tensor(438, (32, 64, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block10_expand, T['block10_expand_W'], out=d_block9_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d_bwd_data(d_block10_expand, T['block10_expand_W'], out=d_block9_project_bn_add, pad=0, size=(14, 14), stride=1)
         # free block10_expand, block10_expand_bn_centered, d_block10_expand_bn_centered, d_block10_expand
         del block10_expand, block10_expand_bn_centered, d_block10_expand_bn_centered, d_block10_expand
         mem.free(136)
@@ -5944,7 +5944,7 @@ class MobilenetV2(rp.Model):
         mem.free(444)
         # d_block9_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block9_project, block9_project_W)
         d_block9_dw_bn_clipped_relu = mem.tensor(445, (32, 384, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block9_project, T['block9_project_W'], out=d_block9_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d_bwd_data(d_block9_project, T['block9_project_W'], out=d_block9_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
         # free block9_project, block9_project_bn_centered, d_block9_project_bn_centered, d_block9_project
         del block9_project, block9_project_bn_centered, d_block9_project_bn_centered, d_block9_project
         mem.free(131)
@@ -6148,7 +6148,7 @@ class MobilenetV2(rp.Model):
         mem.free(106)
         # d_block8_project_bn_add = conv2d_bwd_data[size=(14,14)](d_block9_expand, block9_expand_W)
         d_block8_project_bn_add = mem.tensor(458, (32, 64, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block9_expand, T['block9_expand_W'], out=d_block8_project_bn_add, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d_bwd_data(d_block9_expand, T['block9_expand_W'], out=d_block8_project_bn_add, pad=0, size=(14, 14), stride=1)
         # free block9_expand, block9_expand_bn_centered, d_block9_expand_bn_centered, d_block9_expand
         del block9_expand, block9_expand_bn_centered, d_block9_expand_bn_centered, d_block9_expand
         mem.free(121)
@@ -6260,7 +6260,7 @@ class MobilenetV2(rp.Model):
         mem.free(464)
         # d_block8_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block8_project, block8_project_W)
         d_block8_dw_bn_clipped_relu = mem.tensor(465, (32, 384, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block8_project, T['block8_project_W'], out=d_block8_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d_bwd_data(d_block8_project, T['block8_project_W'], out=d_block8_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
         # free block8_project, block8_project_bn_centered, d_block8_project_bn_centered, d_block8_project
         del block8_project, block8_project_bn_centered, d_block8_project_bn_centered, d_block8_project
         mem.free(117)
@@ -6471,7 +6471,7 @@ class MobilenetV2(rp.Model):
         mem.free(477)
         # d_block7_project_bn = conv2d_bwd_data[size=(14,14)](d_block8_expand, block8_expand_W)
         d_block7_project_bn = mem.tensor(479, (32, 64, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block8_expand, T['block8_expand_W'], out=d_block7_project_bn, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d_bwd_data(d_block8_expand, T['block8_expand_W'], out=d_block7_project_bn, pad=0, size=(14, 14), stride=1)
         # free block8_expand, block8_expand_bn_centered, d_block8_expand_bn_centered, d_block8_expand
         del block8_expand, block8_expand_bn_centered, d_block8_expand_bn_centered, d_block8_expand
         mem.free(107)
@@ -6582,7 +6582,7 @@ class MobilenetV2(rp.Model):
         mem.free(485)
         # d_block7_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block7_project, block7_project_W)
         d_block7_dw_bn_clipped_relu = mem.tensor(486, (32, 192, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_block7_project, T['block7_project_W'], out=d_block7_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(4816896))
+        rt.conv2d_bwd_data(d_block7_project, T['block7_project_W'], out=d_block7_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
         # free block7_project, block7_project_bn_centered, d_block7_project_bn_centered, d_block7_project
         del block7_project, block7_project_bn_centered, d_block7_project_bn_centered, d_block7_project
         mem.free(102)
@@ -9144,7 +9144,7 @@ class MobilenetV2(rp.Model):
         # ---- block7_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block7_project = conv2d(block7_dw_bn_clipped_relu, block7_project_W)
         block7_project = mem.tensor(22, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1, workspace=mem.workspace(4816896))
+        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1)
         # free block7_dw, block7_dw_bn_clipped_relu
         del block7_dw, block7_dw_bn_clipped_relu
         mem.free(21)
@@ -9165,7 +9165,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block8_expand = conv2d(block7_project_bn, block8_expand_W)
         block8_expand = mem.tensor(23, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1)
 
         # ---- block8_expand_bn (batch norm), forward ----
         # block8_expand_bn_running_var = reshape[1x384x1x1](block8_expand_bn_var)
@@ -9208,7 +9208,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block8_project = conv2d(block8_dw_bn_clipped_relu, block8_project_W)
         block8_project = mem.tensor(25, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1)
         # free block8_dw, block8_dw_bn_clipped_relu
         del block8_dw, block8_dw_bn_clipped_relu
         mem.free(24)
@@ -9234,7 +9234,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block9_expand = conv2d(block8_project_bn_add, block9_expand_W)
         block9_expand = mem.tensor(26, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1)
 
         # ---- block9_expand_bn (batch norm), forward ----
         # block9_expand_bn_bias = reshape[1x384x1x1](block9_expand_bn_B)
@@ -9277,7 +9277,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block9_project = conv2d(block9_dw_bn_clipped_relu, block9_project_W)
         block9_project = mem.tensor(28, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1)
         # free block9_dw, block9_dw_bn_clipped_relu
         del block9_dw, block9_dw_bn_clipped_relu
         mem.free(27)
@@ -9303,7 +9303,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block10_expand = conv2d(block9_project_bn_add, block10_expand_W)
         block10_expand = mem.tensor(29, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1)
 
         # ---- block10_expand_bn (batch norm), forward ----
         # block10_expand_bn_bias = reshape[1x384x1x1](block10_expand_bn_B)
@@ -9346,7 +9346,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block10_project = conv2d(block10_dw_bn_clipped_relu, block10_project_W)
         block10_project = mem.tensor(31, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1)
         # free block10_dw, block10_dw_bn_clipped_relu
         del block10_dw, block10_dw_bn_clipped_relu
         mem.free(30)
@@ -9372,7 +9372,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block11_expand = conv2d(block10_project_bn_add, block11_expand_W)
         block11_expand = mem.tensor(32, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1)
         # free block10_project, block10_project_bn_add
         del block10_project, block10_project_bn_add
         mem.free(31)
@@ -9418,7 +9418,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block11_project = conv2d(block11_dw_bn_clipped_relu, block11_project_W)
         block11_project = mem.tensor(34, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1)
         # free block11_dw, block11_dw_bn_clipped_relu
         del block11_dw, block11_dw_bn_clipped_relu
         mem.free(33)
@@ -9439,7 +9439,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block12_expand = conv2d(block11_project_bn, block12_expand_W)
         block12_expand = mem.tensor(35, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1)
 
         # ---- block12_expand_bn (batch norm), forward ----
         # block12_expand_bn_bias = reshape[1x576x1x1](block12_expand_bn_B)
@@ -9482,7 +9482,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block12_project = conv2d(block12_dw_bn_clipped_relu, block12_project_W)
         block12_project = mem.tensor(37, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1)
         # free block12_dw, block12_dw_bn_clipped_relu
         del block12_dw, block12_dw_bn_clipped_relu
         mem.free(36)
@@ -9508,7 +9508,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block13_expand = conv2d(block12_project_bn_add, block13_expand_W)
         block13_expand = mem.tensor(38, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1)
 
         # ---- block13_expand_bn (batch norm), forward ----
         # block13_expand_bn_bias = reshape[1x576x1x1](block13_expand_bn_B)
@@ -9551,7 +9551,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block13_project = conv2d(block13_dw_bn_clipped_relu, block13_project_W)
         block13_project = mem.tensor(40, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1)
         # free block13_dw, block13_dw_bn_clipped_relu
         del block13_dw, block13_dw_bn_clipped_relu
         mem.free(39)
@@ -9577,7 +9577,7 @@ class MobilenetV2(rp.Model):
         # ---- block14_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block14_expand = conv2d(block13_project_bn_add, block14_expand_W)
         block14_expand = mem.tensor(41, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1)
         # free block13_project, block13_project_bn_add
         del block13_project, block13_project_bn_add
         mem.free(40)
@@ -10389,7 +10389,7 @@ class MobilenetV2(rp.Model):
         # ---- block7_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block7_project = conv2d(block7_dw_bn_clipped_relu, block7_project_W)
         block7_project = mem.tensor(21, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1, workspace=mem.workspace(4816896))
+        rt.conv2d(block7_dw_bn_clipped_relu, T['block7_project_W'], out=block7_project, pad=0, stride=1)
         # free block7_dw, block7_dw_bn_clipped_relu
         del block7_dw, block7_dw_bn_clipped_relu
         mem.free(20)
@@ -10410,7 +10410,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block8_expand = conv2d(block7_project_bn, block8_expand_W)
         block8_expand = mem.tensor(22, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block7_project_bn, T['block8_expand_W'], out=block8_expand, pad=0, stride=1)
 
         # ---- block8_expand_bn (batch norm), forward ----
         # block8_expand_bn_running_var = reshape[1x384x1x1](block8_expand_bn_var)
@@ -10453,7 +10453,7 @@ class MobilenetV2(rp.Model):
         # ---- block8_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block8_project = conv2d(block8_dw_bn_clipped_relu, block8_project_W)
         block8_project = mem.tensor(24, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block8_dw_bn_clipped_relu, T['block8_project_W'], out=block8_project, pad=0, stride=1)
         # free block8_dw, block8_dw_bn_clipped_relu
         del block8_dw, block8_dw_bn_clipped_relu
         mem.free(23)
@@ -10479,7 +10479,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block9_expand = conv2d(block8_project_bn_add, block9_expand_W)
         block9_expand = mem.tensor(25, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block8_project_bn_add, T['block9_expand_W'], out=block9_expand, pad=0, stride=1)
 
         # ---- block9_expand_bn (batch norm), forward ----
         # block9_expand_bn_bias = reshape[1x384x1x1](block9_expand_bn_B)
@@ -10522,7 +10522,7 @@ class MobilenetV2(rp.Model):
         # ---- block9_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block9_project = conv2d(block9_dw_bn_clipped_relu, block9_project_W)
         block9_project = mem.tensor(27, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block9_dw_bn_clipped_relu, T['block9_project_W'], out=block9_project, pad=0, stride=1)
         # free block9_dw, block9_dw_bn_clipped_relu
         del block9_dw, block9_dw_bn_clipped_relu
         mem.free(26)
@@ -10548,7 +10548,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block10_expand = conv2d(block9_project_bn_add, block10_expand_W)
         block10_expand = mem.tensor(28, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block9_project_bn_add, T['block10_expand_W'], out=block10_expand, pad=0, stride=1)
 
         # ---- block10_expand_bn (batch norm), forward ----
         # block10_expand_bn_bias = reshape[1x384x1x1](block10_expand_bn_B)
@@ -10591,7 +10591,7 @@ class MobilenetV2(rp.Model):
         # ---- block10_project (conv 1x1, 64 channels, stride 1, padding 0), forward ----
         # block10_project = conv2d(block10_dw_bn_clipped_relu, block10_project_W)
         block10_project = mem.tensor(30, (32, 64, 14, 14), 'float32')
-        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block10_dw_bn_clipped_relu, T['block10_project_W'], out=block10_project, pad=0, stride=1)
         # free block10_dw, block10_dw_bn_clipped_relu
         del block10_dw, block10_dw_bn_clipped_relu
         mem.free(29)
@@ -10617,7 +10617,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_expand (conv 1x1, 384 channels, stride 1, padding 0), forward ----
         # block11_expand = conv2d(block10_project_bn_add, block11_expand_W)
         block11_expand = mem.tensor(31, (32, 384, 14, 14), 'float32')
-        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block10_project_bn_add, T['block11_expand_W'], out=block11_expand, pad=0, stride=1)
         # free block10_project, block10_project_bn_add
         del block10_project, block10_project_bn_add
         mem.free(30)
@@ -10663,7 +10663,7 @@ class MobilenetV2(rp.Model):
         # ---- block11_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block11_project = conv2d(block11_dw_bn_clipped_relu, block11_project_W)
         block11_project = mem.tensor(33, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1, workspace=mem.workspace(9633792))
+        rt.conv2d(block11_dw_bn_clipped_relu, T['block11_project_W'], out=block11_project, pad=0, stride=1)
         # free block11_dw, block11_dw_bn_clipped_relu
         del block11_dw, block11_dw_bn_clipped_relu
         mem.free(32)
@@ -10684,7 +10684,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block12_expand = conv2d(block11_project_bn, block12_expand_W)
         block12_expand = mem.tensor(34, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block11_project_bn, T['block12_expand_W'], out=block12_expand, pad=0, stride=1)
 
         # ---- block12_expand_bn (batch norm), forward ----
         # block12_expand_bn_bias = reshape[1x576x1x1](block12_expand_bn_B)
@@ -10727,7 +10727,7 @@ class MobilenetV2(rp.Model):
         # ---- block12_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block12_project = conv2d(block12_dw_bn_clipped_relu, block12_project_W)
         block12_project = mem.tensor(36, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block12_dw_bn_clipped_relu, T['block12_project_W'], out=block12_project, pad=0, stride=1)
         # free block12_dw, block12_dw_bn_clipped_relu
         del block12_dw, block12_dw_bn_clipped_relu
         mem.free(35)
@@ -10753,7 +10753,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block13_expand = conv2d(block12_project_bn_add, block13_expand_W)
         block13_expand = mem.tensor(37, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block12_project_bn_add, T['block13_expand_W'], out=block13_expand, pad=0, stride=1)
 
         # ---- block13_expand_bn (batch norm), forward ----
         # block13_expand_bn_bias = reshape[1x576x1x1](block13_expand_bn_B)
@@ -10796,7 +10796,7 @@ class MobilenetV2(rp.Model):
         # ---- block13_project (conv 1x1, 96 channels, stride 1, padding 0), forward ----
         # block13_project = conv2d(block13_dw_bn_clipped_relu, block13_project_W)
         block13_project = mem.tensor(39, (32, 96, 14, 14), 'float32')
-        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block13_dw_bn_clipped_relu, T['block13_project_W'], out=block13_project, pad=0, stride=1)
         # free block13_dw, block13_dw_bn_clipped_relu
         del block13_dw, block13_dw_bn_clipped_relu
         mem.free(38)
@@ -10822,7 +10822,7 @@ class MobilenetV2(rp.Model):
         # ---- block14_expand (conv 1x1, 576 channels, stride 1, padding 0), forward ----
         # block14_expand = conv2d(block13_project_bn_add, block14_expand_W)
         block14_expand = mem.tensor(40, (32, 576, 14, 14), 'float32')
-        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1, workspace=mem.workspace(14450688))
+        rt.conv2d(block13_project_bn_add, T['block14_expand_W'], out=block14_expand, pad=0, stride=1)
         # free block13_project, block13_project_bn_add
         del block13_project, block13_project_bn_add
         mem.free(39)

@@ -1865,7 +1865,7 @@ class Resnet50(rp.Model):
         # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4a_branch2c = conv2d(bn4a_branch2b_relu, res4a_branch2c_W)
         res4a_branch2c = mem.tensor(134, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1)
         # free bn4a_branch2b_relu
         del bn4a_branch2b_relu
         mem.free(129)
@@ -1922,7 +1922,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4b_branch2a = conv2d(bn4a_branch2c_relu, res4b_branch2a_W)
         res4b_branch2a = mem.tensor(139, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1)
 
         # ---- bn4b_branch2a (batch norm), forward ----
         # bn4b_branch2a_sum = sum_to[1x256x1x1](res4b_branch2a)
@@ -2021,7 +2021,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4b_branch2c = conv2d(bn4b_branch2b_relu, res4b_branch2c_W)
         res4b_branch2c = mem.tensor(149, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1)
         # free bn4b_branch2b_relu
         del bn4b_branch2b_relu
         mem.free(148)
@@ -2072,7 +2072,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4c_branch2a = conv2d(bn4b_branch2c_relu, res4c_branch2a_W)
         res4c_branch2a = mem.tensor(153, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1)
 
         # ---- bn4c_branch2a (batch norm), forward ----
         # bn4c_branch2a_sum = sum_to[1x256x1x1](res4c_branch2a)
@@ -2171,7 +2171,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4c_branch2c = conv2d(bn4c_branch2b_relu, res4c_branch2c_W)
         res4c_branch2c = mem.tensor(163, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1)
         # free bn4c_branch2b_relu
         del bn4c_branch2b_relu
         mem.free(162)
@@ -2222,7 +2222,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4d_branch2a = conv2d(bn4c_branch2c_relu, res4d_branch2a_W)
         res4d_branch2a = mem.tensor(168, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1)
 
         # ---- bn4d_branch2a (batch norm), forward ----
         # bn4d_branch2a_sum = sum_to[1x256x1x1](res4d_branch2a)
@@ -2321,7 +2321,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4d_branch2c = conv2d(bn4d_branch2b_relu, res4d_branch2c_W)
         res4d_branch2c = mem.tensor(178, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1)
         # free bn4d_branch2b_relu
         del bn4d_branch2b_relu
         mem.free(177)
@@ -2372,7 +2372,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4e_branch2a = conv2d(bn4d_branch2c_relu, res4e_branch2a_W)
         res4e_branch2a = mem.tensor(182, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1)
 
         # ---- bn4e_branch2a (batch norm), forward ----
         # bn4e_branch2a_sum = sum_to[1x256x1x1](res4e_branch2a)
@@ -2471,7 +2471,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4e_branch2c = conv2d(bn4e_branch2b_relu, res4e_branch2c_W)
         res4e_branch2c = mem.tensor(192, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1)
         # free bn4e_branch2b_relu
         del bn4e_branch2b_relu
         mem.free(191)
@@ -2522,7 +2522,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4f_branch2a = conv2d(bn4e_branch2c_relu, res4f_branch2a_W)
         res4f_branch2a = mem.tensor(197, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1)
 
         # ---- bn4f_branch2a (batch norm), forward ----
         # bn4f_branch2a_sum = sum_to[1x256x1x1](res4f_branch2a)
@@ -2621,7 +2621,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4f_branch2c = conv2d(bn4f_branch2b_relu, res4f_branch2c_W)
         res4f_branch2c = mem.tensor(207, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1)
         # free bn4f_branch2b_relu
         del bn4f_branch2b_relu
         mem.free(206)
@@ -4369,7 +4369,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4f_branch2c, bn4f_branch2b_relu_2, out=d_res4f_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4f_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4f_branch2c, res4f_branch2c_W)
         d_bn4f_branch2b_relu = mem.tensor(340, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4f_branch2c, T['res4f_branch2c_W'], out=d_bn4f_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4f_branch2c, T['res4f_branch2c_W'], out=d_bn4f_branch2b_relu, pad=0, size=(14, 14), stride=1)
         # free res4f_branch2c, bn4f_branch2c_centered, d_bn4f_branch2c_centered, d_res4f_branch2c
         del res4f_branch2c, bn4f_branch2c_centered, d_bn4f_branch2c_centered, d_res4f_branch2c
         mem.free(207)
@@ -4589,7 +4589,7 @@ class Resnet50(rp.Model):
         mem.free(353)
         # d_bn4e_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4f_branch2a, res4f_branch2a_W)
         d_bn4e_branch2c_relu = mem.tensor(354, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4f_branch2a, T['res4f_branch2a_W'], out=d_bn4e_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4f_branch2a, T['res4f_branch2a_W'], out=d_bn4e_branch2c_relu, pad=0, size=(14, 14), stride=1)
         # free res4f_branch2a, bn4f_branch2a_centered, d_bn4f_branch2a_centered, d_res4f_branch2a
         del res4f_branch2a, bn4f_branch2a_centered, d_bn4f_branch2a_centered, d_res4f_branch2a
         mem.free(197)
@@ -4689,7 +4689,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4e_branch2c, bn4e_branch2b_relu_2, out=d_res4e_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4e_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4e_branch2c, res4e_branch2c_W)
         d_bn4e_branch2b_relu = mem.tensor(361, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4e_branch2c, T['res4e_branch2c_W'], out=d_bn4e_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4e_branch2c, T['res4e_branch2c_W'], out=d_bn4e_branch2b_relu, pad=0, size=(14, 14), stride=1)
         # free res4e_branch2c, bn4e_branch2c_centered, d_bn4e_branch2c_centered, d_res4e_branch2c
         del res4e_branch2c, bn4e_branch2c_centered, d_bn4e_branch2c_centered, d_res4e_branch2c
         mem.free(192)
@@ -4902,7 +4902,7 @@ class Resnet50(rp.Model):
         mem.free(373)
         # d_bn4d_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4e_branch2a, res4e_branch2a_W)
         d_bn4d_branch2c_relu = mem.tensor(374, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4e_branch2a, T['res4e_branch2a_W'], out=d_bn4d_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4e_branch2a, T['res4e_branch2a_W'], out=d_bn4d_branch2c_relu, pad=0, size=(14, 14), stride=1)
         # free res4e_branch2a, bn4e_branch2a_centered, d_bn4e_branch2a_centered, d_res4e_branch2a
         del res4e_branch2a, bn4e_branch2a_centered, d_bn4e_branch2a_centered, d_res4e_branch2a
         mem.free(182)
@@ -5002,7 +5002,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4d_branch2c, bn4d_branch2b_relu_2, out=d_res4d_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4d_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4d_branch2c, res4d_branch2c_W)
         d_bn4d_branch2b_relu = mem.tensor(381, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4d_branch2c, T['res4d_branch2c_W'], out=d_bn4d_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4d_branch2c, T['res4d_branch2c_W'], out=d_bn4d_branch2b_relu, pad=0, size=(14, 14), stride=1)
         # free res4d_branch2c, bn4d_branch2c_centered, d_bn4d_branch2c_centered, d_res4d_branch2c
         del res4d_branch2c, bn4d_branch2c_centered, d_bn4d_branch2c_centered, d_res4d_branch2c
         mem.free(178)
@@ -5222,7 +5222,7 @@ class Resnet50(rp.Model):
         mem.free(394)
         # d_bn4c_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4d_branch2a, res4d_branch2a_W)
         d_bn4c_branch2c_relu = mem.tensor(395, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4d_branch2a, T['res4d_branch2a_W'], out=d_bn4c_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4d_branch2a, T['res4d_branch2a_W'], out=d_bn4c_branch2c_relu, pad=0, size=(14, 14), stride=1)
         # free res4d_branch2a, bn4d_branch2a_centered, d_bn4d_branch2a_centered, d_res4d_branch2a
         del res4d_branch2a, bn4d_branch2a_centered, d_bn4d_branch2a_centered, d_res4d_branch2a
         mem.free(168)
@@ -5322,7 +5322,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4c_branch2c, bn4c_branch2b_relu_2, out=d_res4c_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4c_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4c_branch2c, res4c_branch2c_W)
         d_bn4c_branch2b_relu = mem.tensor(402, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4c_branch2c, T['res4c_branch2c_W'], out=d_bn4c_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4c_branch2c, T['res4c_branch2c_W'], out=d_bn4c_branch2b_relu, pad=0, size=(14, 14), stride=1)
         # free res4c_branch2c, bn4c_branch2c_centered, d_bn4c_branch2c_centered, d_res4c_branch2c
         del res4c_branch2c, bn4c_branch2c_centered, d_bn4c_branch2c_centered, d_res4c_branch2c
         mem.free(163)
@@ -5535,7 +5535,7 @@ class Resnet50(rp.Model):
         mem.free(414)
         # d_bn4b_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4c_branch2a, res4c_branch2a_W)
         d_bn4b_branch2c_relu = mem.tensor(415, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4c_branch2a, T['res4c_branch2a_W'], out=d_bn4b_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4c_branch2a, T['res4c_branch2a_W'], out=d_bn4b_branch2c_relu, pad=0, size=(14, 14), stride=1)
         # free res4c_branch2a, bn4c_branch2a_centered, d_bn4c_branch2a_centered, d_res4c_branch2a
         del res4c_branch2a, bn4c_branch2a_centered, d_bn4c_branch2a_centered, d_res4c_branch2a
         mem.free(153)
@@ -5635,7 +5635,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4b_branch2c, bn4b_branch2b_relu_2, out=d_res4b_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4b_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4b_branch2c, res4b_branch2c_W)
         d_bn4b_branch2b_relu = mem.tensor(422, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4b_branch2c, T['res4b_branch2c_W'], out=d_bn4b_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4b_branch2c, T['res4b_branch2c_W'], out=d_bn4b_branch2b_relu, pad=0, size=(14, 14), stride=1)
         # free res4b_branch2c, bn4b_branch2c_centered, d_bn4b_branch2c_centered, d_res4b_branch2c
         del res4b_branch2c, bn4b_branch2c_centered, d_bn4b_branch2c_centered, d_res4b_branch2c
         mem.free(149)
@@ -5855,7 +5855,7 @@ class Resnet50(rp.Model):
         mem.free(435)
         # d_bn4a_branch2c_relu = conv2d_bwd_data[size=(14,14)](d_res4b_branch2a, res4b_branch2a_W)
         d_bn4a_branch2c_relu = mem.tensor(436, (32, 1024, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4b_branch2a, T['res4b_branch2a_W'], out=d_bn4a_branch2c_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4b_branch2a, T['res4b_branch2a_W'], out=d_bn4a_branch2c_relu, pad=0, size=(14, 14), stride=1)
         # free res4b_branch2a, bn4b_branch2a_centered, d_bn4b_branch2a_centered, d_res4b_branch2a
         del res4b_branch2a, bn4b_branch2a_centered, d_bn4b_branch2a_centered, d_res4b_branch2a
         mem.free(139)
@@ -6022,7 +6022,7 @@ class Resnet50(rp.Model):
         rt.conv2d_bwd_filter(d_res4a_branch2c, bn4a_branch2b_relu_2, out=d_res4a_branch2c_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32112640))
         # d_bn4a_branch2b_relu = conv2d_bwd_data[size=(14,14)](d_res4a_branch2c, res4a_branch2c_W)
         d_bn4a_branch2b_relu = mem.tensor(446, (32, 256, 14, 14), 'float32')
-        rt.conv2d_bwd_data(d_res4a_branch2c, T['res4a_branch2c_W'], out=d_bn4a_branch2b_relu, pad=0, size=(14, 14), stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d_bwd_data(d_res4a_branch2c, T['res4a_branch2c_W'], out=d_bn4a_branch2b_relu, pad=0, size=(14, 14), stride=1)
         # free res4a_branch2c, bn4a_branch2c_centered, d_bn4a_branch2c_centered, d_res4a_branch2c
         del res4a_branch2c, bn4a_branch2c_centered, d_bn4a_branch2c_centered, d_res4a_branch2c
         mem.free(134)
@@ -9404,7 +9404,7 @@ class Resnet50(rp.Model):
         # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4a_branch2c = conv2d(bn4a_branch2b_relu, res4a_branch2c_W)
         res4a_branch2c = mem.tensor(30, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1)
         # free res4a_branch2b, bn4a_branch2b_relu
         del res4a_branch2b, bn4a_branch2b_relu
         mem.free(29)
@@ -9430,7 +9430,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4b_branch2a = conv2d(bn4a_branch2c_relu, res4b_branch2a_W)
         res4b_branch2a = mem.tensor(31, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1)
 
         # ---- bn4b_branch2a (batch norm), forward ----
         # bn4b_branch2a_bias = reshape[1x256x1x1](bn4b_branch2a_B)
@@ -9473,7 +9473,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4b_branch2c = conv2d(bn4b_branch2b_relu, res4b_branch2c_W)
         res4b_branch2c = mem.tensor(33, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1)
         # free res4b_branch2b, bn4b_branch2b_relu
         del res4b_branch2b, bn4b_branch2b_relu
         mem.free(32)
@@ -9499,7 +9499,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4c_branch2a = conv2d(bn4b_branch2c_relu, res4c_branch2a_W)
         res4c_branch2a = mem.tensor(34, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1)
 
         # ---- bn4c_branch2a (batch norm), forward ----
         # bn4c_branch2a_bias = reshape[1x256x1x1](bn4c_branch2a_B)
@@ -9542,7 +9542,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4c_branch2c = conv2d(bn4c_branch2b_relu, res4c_branch2c_W)
         res4c_branch2c = mem.tensor(36, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1)
         # free res4c_branch2b, bn4c_branch2b_relu
         del res4c_branch2b, bn4c_branch2b_relu
         mem.free(35)
@@ -9568,7 +9568,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4d_branch2a = conv2d(bn4c_branch2c_relu, res4d_branch2a_W)
         res4d_branch2a = mem.tensor(37, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1)
 
         # ---- bn4d_branch2a (batch norm), forward ----
         # bn4d_branch2a_bias = reshape[1x256x1x1](bn4d_branch2a_B)
@@ -9611,7 +9611,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4d_branch2c = conv2d(bn4d_branch2b_relu, res4d_branch2c_W)
         res4d_branch2c = mem.tensor(39, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1)
         # free res4d_branch2b, bn4d_branch2b_relu
         del res4d_branch2b, bn4d_branch2b_relu
         mem.free(38)
@@ -9637,7 +9637,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4e_branch2a = conv2d(bn4d_branch2c_relu, res4e_branch2a_W)
         res4e_branch2a = mem.tensor(40, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1)
 
         # ---- bn4e_branch2a (batch norm), forward ----
         # bn4e_branch2a_bias = reshape[1x256x1x1](bn4e_branch2a_B)
@@ -9680,7 +9680,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4e_branch2c = conv2d(bn4e_branch2b_relu, res4e_branch2c_W)
         res4e_branch2c = mem.tensor(42, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1)
         # free res4e_branch2b, bn4e_branch2b_relu
         del res4e_branch2b, bn4e_branch2b_relu
         mem.free(41)
@@ -9706,7 +9706,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4f_branch2a = conv2d(bn4e_branch2c_relu, res4f_branch2a_W)
         res4f_branch2a = mem.tensor(43, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1)
 
         # ---- bn4f_branch2a (batch norm), forward ----
         # bn4f_branch2a_bias = reshape[1x256x1x1](bn4f_branch2a_B)
@@ -9749,7 +9749,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4f_branch2c = conv2d(bn4f_branch2b_relu, res4f_branch2c_W)
         res4f_branch2c = mem.tensor(45, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1)
         # free res4f_branch2b, bn4f_branch2b_relu
         del res4f_branch2b, bn4f_branch2b_relu
         mem.free(44)
@@ -10686,7 +10686,7 @@ class Resnet50(rp.Model):
         # ---- res4a_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4a_branch2c = conv2d(bn4a_branch2b_relu, res4a_branch2c_W)
         res4a_branch2c = mem.tensor(29, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4a_branch2b_relu, T['res4a_branch2c_W'], out=res4a_branch2c, pad=0, stride=1)
         # free res4a_branch2b, bn4a_branch2b_relu
         del res4a_branch2b, bn4a_branch2b_relu
         mem.free(28)
@@ -10712,7 +10712,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4b_branch2a = conv2d(bn4a_branch2c_relu, res4b_branch2a_W)
         res4b_branch2a = mem.tensor(30, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4a_branch2c_relu, T['res4b_branch2a_W'], out=res4b_branch2a, pad=0, stride=1)
 
         # ---- bn4b_branch2a (batch norm), forward ----
         # bn4b_branch2a_bias = reshape[1x256x1x1](bn4b_branch2a_B)
@@ -10755,7 +10755,7 @@ class Resnet50(rp.Model):
         # ---- res4b_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4b_branch2c = conv2d(bn4b_branch2b_relu, res4b_branch2c_W)
         res4b_branch2c = mem.tensor(32, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4b_branch2b_relu, T['res4b_branch2c_W'], out=res4b_branch2c, pad=0, stride=1)
         # free res4b_branch2b, bn4b_branch2b_relu
         del res4b_branch2b, bn4b_branch2b_relu
         mem.free(31)
@@ -10781,7 +10781,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4c_branch2a = conv2d(bn4b_branch2c_relu, res4c_branch2a_W)
         res4c_branch2a = mem.tensor(33, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4b_branch2c_relu, T['res4c_branch2a_W'], out=res4c_branch2a, pad=0, stride=1)
 
         # ---- bn4c_branch2a (batch norm), forward ----
         # bn4c_branch2a_bias = reshape[1x256x1x1](bn4c_branch2a_B)
@@ -10824,7 +10824,7 @@ class Resnet50(rp.Model):
         # ---- res4c_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4c_branch2c = conv2d(bn4c_branch2b_relu, res4c_branch2c_W)
         res4c_branch2c = mem.tensor(35, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4c_branch2b_relu, T['res4c_branch2c_W'], out=res4c_branch2c, pad=0, stride=1)
         # free res4c_branch2b, bn4c_branch2b_relu
         del res4c_branch2b, bn4c_branch2b_relu
         mem.free(34)
@@ -10850,7 +10850,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4d_branch2a = conv2d(bn4c_branch2c_relu, res4d_branch2a_W)
         res4d_branch2a = mem.tensor(36, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4c_branch2c_relu, T['res4d_branch2a_W'], out=res4d_branch2a, pad=0, stride=1)
 
         # ---- bn4d_branch2a (batch norm), forward ----
         # bn4d_branch2a_bias = reshape[1x256x1x1](bn4d_branch2a_B)
@@ -10893,7 +10893,7 @@ class Resnet50(rp.Model):
         # ---- res4d_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4d_branch2c = conv2d(bn4d_branch2b_relu, res4d_branch2c_W)
         res4d_branch2c = mem.tensor(38, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4d_branch2b_relu, T['res4d_branch2c_W'], out=res4d_branch2c, pad=0, stride=1)
         # free res4d_branch2b, bn4d_branch2b_relu
         del res4d_branch2b, bn4d_branch2b_relu
         mem.free(37)
@@ -10919,7 +10919,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4e_branch2a = conv2d(bn4d_branch2c_relu, res4e_branch2a_W)
         res4e_branch2a = mem.tensor(39, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4d_branch2c_relu, T['res4e_branch2a_W'], out=res4e_branch2a, pad=0, stride=1)
 
         # ---- bn4e_branch2a (batch norm), forward ----
         # bn4e_branch2a_bias = reshape[1x256x1x1](bn4e_branch2a_B)
@@ -10962,7 +10962,7 @@ class Resnet50(rp.Model):
         # ---- res4e_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4e_branch2c = conv2d(bn4e_branch2b_relu, res4e_branch2c_W)
         res4e_branch2c = mem.tensor(41, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4e_branch2b_relu, T['res4e_branch2c_W'], out=res4e_branch2c, pad=0, stride=1)
         # free res4e_branch2b, bn4e_branch2b_relu
         del res4e_branch2b, bn4e_branch2b_relu
         mem.free(40)
@@ -10988,7 +10988,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2a (conv 1x1, 256 channels, stride 1, padding 0), forward ----
         # res4f_branch2a = conv2d(bn4e_branch2c_relu, res4f_branch2a_W)
         res4f_branch2a = mem.tensor(42, (32, 256, 14, 14), 'float32')
-        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4e_branch2c_relu, T['res4f_branch2a_W'], out=res4f_branch2a, pad=0, stride=1)
 
         # ---- bn4f_branch2a (batch norm), forward ----
         # bn4f_branch2a_bias = reshape[1x256x1x1](bn4f_branch2a_B)
@@ -11031,7 +11031,7 @@ class Resnet50(rp.Model):
         # ---- res4f_branch2c (conv 1x1, 1024 channels, stride 1, padding 0), forward ----
         # res4f_branch2c = conv2d(bn4f_branch2b_relu, res4f_branch2c_W)
         res4f_branch2c = mem.tensor(44, (32, 1024, 14, 14), 'float32')
-        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1, workspace=mem.workspace(25690112))
+        rt.conv2d(bn4f_branch2b_relu, T['res4f_branch2c_W'], out=res4f_branch2c, pad=0, stride=1)
         # free res4f_branch2b, bn4f_branch2b_relu
         del res4f_branch2b, bn4f_branch2b_relu
         mem.free(43)

@@ -152,8 +152,9 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
     """out = x (*) w + b: x (N,C,H,W), w (O,C,kh,kw), b (O,), out (N,O,Ho,Wo).
 
     Workspace per sample: the im2col matrix (C*kh*kw, Ho*Wo), and with padding the zero-padded input. Small output
-    planes (Ho*Wo < 256, `contract.one_product`) make a chunk of samples one GEMM (O, C*kh*kw) x (C*kh*kw,
-    samples*Ho*Wo) -- one large product keeps every BLAS thread busy where small products per sample do not -- whose
+    planes (Ho*Wo < 256; pointwise ones by their cost, `contract.one_product`) make a chunk of samples one GEMM
+    (O, C*kh*kw) x (C*kh*kw, samples*Ho*Wo) -- one large product keeps every BLAS thread busy where small products
+    per sample do not -- whose
     (O, samples, Ho*Wo) result lands in the chunk's own output memory and is regrouped to (samples, O, Ho*Wo) through
     the then dead im2col matrix, adding the bias on the way (the workspace holds max(C*kh*kw, O) rows). Otherwise each
     sample is one product straight into its output. With `native` (compiled kernels, `deepdsl_runtime.cpu.native`) the
@@ -172,7 +173,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
     ckk, hw = c * kh * kw, ho * wo
     one = contract.one_product(hw)
     if contract.pointwise_conv(kh, kw, stride, pad):
-        if one:
+        if contract.one_product(hw, pointwise=(c, o)):
             _regrouped_product(w2, x.reshape(n, c, h * wd), out.reshape(n, o, hw), b, workspace, gemm,
                                native or _NUMPY)
             return
@@ -262,9 +263,7 @@ def _depthwise(passes, op: str, a, b, bias, out, stride: int, pad: int, groups: 
     return kernel is not None and filters.shape[:2] == (groups, 1) and kernel(op, a, b, bias, out, stride, pad)
 
 
-# What moving one float (an addition or a copy in a memory-bound pass) costs, in the floating-point operations a matrix
-# product does meanwhile: measured here (2 cores; col2im at about 0.35 ns a float against products at 150 GFLOP/s)
-ADD_COST_FLOPS = 50
+ADD_COST_FLOPS = contract.ADD_COST_FLOPS
 
 
 def stride1_costs(o, c, kh, kw, ho, wo, wp, m) -> dict[str, int]:
@@ -321,7 +320,7 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
             workspace)
     w2t = w.reshape(o, c * kh * kw).T
     if contract.pointwise_conv(kh, kw, stride, pad):
-        if one:
+        if contract.one_product(ho * wo, pointwise=(o, c)):
             _regrouped_product(w2t, g.reshape(n, o, ho * wo), out.reshape(n, c, h * wd), None, workspace, gemm,
                                native or _NUMPY)
             return
