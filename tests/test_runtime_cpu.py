@@ -22,6 +22,7 @@ from deepdsl.ops.elementwise import sym
 from deepdsl.ops.norm import bernoulli_mask
 
 cpu = pytest.importorskip("deepdsl_runtime.cpu")
+from deepdsl_runtime import contract  # noqa: E402
 from deepdsl_runtime.cpu.scratch import safe_chunks  # noqa: E402
 
 RTOL = 1e-5
@@ -108,6 +109,7 @@ CONV = [
     (2, 3, 9, 9, 4, 3, 1, 1, True),
     (3, 2, 10, 8, 5, 3, 2, 1, True),
     (2, 4, 7, 7, 6, 1, 1, 0, True),      # pointwise: one batched GEMM, no im2col
+    (2, 64, 4, 4, 96, 1, 1, 0, True),    # pointwise on a small plane, many channels: one product, regrouped
     (2, 4, 9, 9, 3, 1, 2, 0, False),     # strided 1x1 (ResNet projection)
     (3, 2, 9, 9, 6, 1, 2, 0, True),      # strided 1x1 widening the channels: more filters than im2col rows
     (2, 2, 9, 9, 13, 1, 2, 0, False),    # ... so much that the input gradient is the smaller (taking over: forward)
@@ -130,6 +132,18 @@ def test_conv(case, limit):
     g = leaf("g", y.shape)
     check(make("conv2d_bwd_data", (g, wt), stride=s, pad=p, size=(h, w)), limit=limit)
     check(make("conv2d_bwd_filter", (g, x), stride=s, pad=p, kernel=(k, k)), limit=limit)
+
+
+def test_pointwise_convolutions_regroup_only_where_it_costs_less():
+    """One product regrouped (`contract.one_product`) for the pointwise layers whose products per sample leave most
+    lanes or strips idle, a product per sample for the others (as measured on ResNet-50's and MobileNet-v2's)."""
+    assert contract.one_product(16, pointwise=(64, 96)) and contract.one_product(16, pointwise=(96, 64))
+    assert not contract.one_product(49, pointwise=(4, 6)) and not contract.one_product(49, pointwise=(6, 4))
+    assert contract.one_product(16, pointwise=(512, 2048))              # ResNet-50's last stage at 4x4
+    assert contract.one_product(49, pointwise=(256, 1024))              # its third at 7x7
+    assert not contract.one_product(49, pointwise=(64, 384))            # MobileNet-v2's at 7x7
+    assert not contract.one_product(196, pointwise=(1024, 256))         # 14x14: a strip or more per sample
+    assert not contract.one_product(16, groups=2, pointwise=(64, 96))
 
 
 GROUPED_CONV = [
