@@ -257,11 +257,11 @@ def test_the_rule_takes_thin_pointwise_filter_gradients():
 # ---------------------------------------------------------------------------------------------------------------
 # depthwise convolutions, stride 1 widened (the padded plane in the thread's buffer, each tap one flat pass)
 
-# 16 channels at a time (at least 16 channels; small or strided planes): groups cut short (19, 33, 24 channels),
-# strides 2 and 3, a 5x5 kernel, padding wider than the kernel, a 1x1 plane, planes of whole vectors of eight and
-# not; and wide stride-1 planes of many channels, which stay plane by plane
+# a vector's channels at a time (16 with AVX-512, 8 with AVX2; small or strided planes): groups cut short (19, 33,
+# 24, 11 channels), strides 2 and 3, a 5x5 kernel, padding wider than the kernel, a 1x1 plane, planes of whole
+# vectors of eight and not; and wide stride-1 planes of many channels, which stay plane by plane
 LANES = [
-    (2, 19, 7, 7, 3, 1, 1), (2, 33, 4, 5, 3, 1, 1), (3, 16, 13, 10, 3, 2, 1), (1, 24, 11, 9, 5, 2, 2),
+    (2, 11, 9, 9, 3, 2, 1), (2, 19, 7, 7, 3, 1, 1), (2, 33, 4, 5, 3, 1, 1), (3, 16, 13, 10, 3, 2, 1), (1, 24, 11, 9, 5, 2, 2),
     (2, 16, 9, 8, 3, 3, 0), (1, 17, 6, 6, 3, 1, 3), (2, 16, 1, 1, 3, 1, 1), (1, 32, 16, 16, 3, 2, 1),
     (2, 32, 14, 14, 3, 1, 1),
 ]

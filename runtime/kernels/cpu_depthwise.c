@@ -2,10 +2,10 @@
 // - plane by plane (`deepdsl_depthwise_planes` and the gradients' `_planes`): each tap of a channel's filter times
 //   the channel's plane shifted by the tap, rows in vectors (stride-1 planes "widened": a flat pass over the padded
 //   plane per tap);
-// - 16 channels at a time (`deepdsl_depthwise_lanes`, "lanes"): a sample's planes of 16 consecutive channels
-//   interleaved into the thread's buffer, position by position, so that every tap at every output position is one
-//   product of 16 lanes, whatever the plane's size and the stride; small planes and strided ones, which leave most
-//   of a row's vector idle plane by plane.
+// - a vector's channels at a time (`deepdsl_depthwise_lanes`, "lanes": 16 with AVX-512, 8 with AVX2): a sample's
+//   planes of that many consecutive channels interleaved into the thread's buffer, position by position, so that
+//   every tap at every output position is one product of a vector, whatever the plane's size and the stride; for
+//   small planes and strided ones, which leave most of a row's vector idle plane by plane.
 // Each lane computes what the plane kernels compute for its channel, in their order: the forward and the input
 // gradient give the same bits either way; the filter gradient gives those of the plane kernel's row-by-row sums.
 // The public kernels at the end choose by the shapes alone.
@@ -274,23 +274,30 @@ static void deepdsl_depthwise_bwd_filter_planes(const float* g, const float* x, 
 
 
 // ---------------------------------------------------------------------------------------------------------------
-// 16 channels at a time
+// A vector's channels at a time
 
-typedef float deepdsl_v16f __attribute__((vector_size(64)));
+// A vector of DEEPDSL_DW_LANES channels: 16 with AVX-512, 8 without (gcc splits wider vectors through memory).
+// Each lane sums alone, so the width changes no bits.
+#if defined(__AVX512F__)
 #define DEEPDSL_DW_LANES 16
+typedef float deepdsl_dw_v __attribute__((vector_size(64)));
+#else
+#define DEEPDSL_DW_LANES 8
+typedef deepdsl_v8f deepdsl_dw_v;
+#endif
 #define DEEPDSL_DW_LANE_FLOATS (1L << 17)   /* a thread's interleaved planes at most (512 KB) */
 
-static inline __attribute__((always_inline)) deepdsl_v16f deepdsl_load16(const float* from) {
-    deepdsl_v16f v;
+static inline __attribute__((always_inline)) deepdsl_dw_v deepdsl_dw_load(const float* from) {
+    deepdsl_dw_v v;
     memcpy(&v, from, sizeof v);
     return v;
 }
 
-static inline __attribute__((always_inline)) void deepdsl_store16(float* to, deepdsl_v16f v) {
+static inline __attribute__((always_inline)) void deepdsl_dw_store(float* to, deepdsl_dw_v v) {
     memcpy(to, &v, sizeof v);
 }
 
-// to[k][l] (16 lanes a position, k < n) = from[l * plane + k] for the first `lanes` channels l, zero in the others.
+// to[k][l] (DEEPDSL_DW_LANES a position, k < n) = from[l * plane + k] for the first `lanes` channels l, zero in the others.
 static void deepdsl_lanes_in(const float* from, long plane, int lanes, long n, float* to) {
     long k = 0;
     if (lanes == DEEPDSL_DW_LANES)
@@ -329,7 +336,7 @@ static void deepdsl_lanes_filters(const float* w, const float* bias, int taps, i
 }
 
 // O[p][q] = the sum over the taps (i, j) in order whose input lies in the plane of F[i][j] X[s p + i - pad]
-// [s q + j - pad], from zero, then + B where given: the plane kernels' sums, 16 channels at once. The columns whose
+// [s q + j - pad], from zero, then + B where given: the plane kernels' sums, a vector's channels at once. The columns whose
 // taps all lie in the plane, [qa, qb), run with the filter's width known to the compiler where it is 3 (`kw3`).
 static inline __attribute__((always_inline)) void deepdsl_lanes_conv_rows(const float* X, const float* F,
                                                                          const float* B, int h, int wd, int kh,
@@ -347,22 +354,22 @@ static inline __attribute__((always_inline)) void deepdsl_lanes_conv_rows(const 
         for (int q = 0; q < wo; ++q) {
             const int x0 = stride * q - pad;
             const float* at = X + ((long)y0 * wd + x0) * DEEPDSL_DW_LANES;
-            deepdsl_v16f acc = {0};
+            deepdsl_dw_v acc = {0};
             if (q >= qa && q < qb) {
                 for (int i = i0; i < i1; ++i)
 #pragma GCC unroll 4
                     for (int j = 0; j < kw; ++j)
-                        acc += deepdsl_load16(F + ((long)i * kw + j) * DEEPDSL_DW_LANES) *
-                               deepdsl_load16(at + ((long)i * wd + j) * DEEPDSL_DW_LANES);
+                        acc += deepdsl_dw_load(F + ((long)i * kw + j) * DEEPDSL_DW_LANES) *
+                               deepdsl_dw_load(at + ((long)i * wd + j) * DEEPDSL_DW_LANES);
             } else {
                 const int j0 = x0 < 0 ? -x0 : 0, j1 = wd - x0 < kw ? wd - x0 : kw;
                 for (int i = i0; i < i1; ++i)
                     for (int j = j0; j < j1; ++j)
-                        acc += deepdsl_load16(F + ((long)i * kw + j) * DEEPDSL_DW_LANES) *
-                               deepdsl_load16(at + ((long)i * wd + j) * DEEPDSL_DW_LANES);
+                        acc += deepdsl_dw_load(F + ((long)i * kw + j) * DEEPDSL_DW_LANES) *
+                               deepdsl_dw_load(at + ((long)i * wd + j) * DEEPDSL_DW_LANES);
             }
-            if (B) acc += deepdsl_load16(B);
-            deepdsl_store16(out + (long)q * DEEPDSL_DW_LANES, acc);
+            if (B) acc += deepdsl_dw_load(B);
+            deepdsl_dw_store(out + (long)q * DEEPDSL_DW_LANES, acc);
         }
     }
 }
@@ -394,15 +401,15 @@ static void deepdsl_lanes_conv_bwd_data(const float* G, const float* F, int h, i
         int i0, rows, p0;
         deepdsl_reading_taps(y, kh, ho, stride, pad, &i0, &rows, &p0);
         for (int x = 0; x < wd; ++x) {
-            deepdsl_v16f acc = {0};
+            deepdsl_dw_v acc = {0};
             for (int a = 0; a < rows; ++a) {
                 const float* grad = G + ((long)(p0 - a) * wo + q0[x]) * DEEPDSL_DW_LANES;
                 const float* taps = F + ((long)(i0 + a * stride) * kw + first[x]) * DEEPDSL_DW_LANES;
                 for (int b = 0; b < count[x]; ++b)
-                    acc += deepdsl_load16(taps + (long)b * stride * DEEPDSL_DW_LANES) *
-                           deepdsl_load16(grad - (long)b * DEEPDSL_DW_LANES);
+                    acc += deepdsl_dw_load(taps + (long)b * stride * DEEPDSL_DW_LANES) *
+                           deepdsl_dw_load(grad - (long)b * DEEPDSL_DW_LANES);
             }
-            deepdsl_store16(D + ((long)y * wd + x) * DEEPDSL_DW_LANES, acc);
+            deepdsl_dw_store(D + ((long)y * wd + x) * DEEPDSL_DW_LANES, acc);
         }
     }
 }
@@ -414,18 +421,18 @@ static void deepdsl_lanes_conv_bwd_data(const float* G, const float* F, int h, i
 static inline __attribute__((always_inline)) void deepdsl_lanes_filter_row(const float* grad, const float* row,
                                                                           int wd, int kw, int wo, int stride,
                                                                           int pad, float* T) {
-    deepdsl_v16f part[kw];
+    deepdsl_dw_v part[kw];
     int q0[kw], q1[kw];
     int qa = 0, qb = wo;
     for (int j = 0; j < kw; ++j) {
-        part[j] = (deepdsl_v16f){0};
+        part[j] = (deepdsl_dw_v){0};
         deepdsl_valid(j, wd, wo, stride, pad, &q0[j], &q1[j]);
         if (q0[j] > qa) qa = q0[j];
         if (q1[j] < qb) qb = q1[j];
     }
     const int middle = qa < qb ? qb : qa;
-#define DEEPDSL_DW_TERM(j, q) (deepdsl_load16(grad + (long)(q) * DEEPDSL_DW_LANES) * \
-                               deepdsl_load16(row + (long)(stride * (q) - pad + (j)) * DEEPDSL_DW_LANES))
+#define DEEPDSL_DW_TERM(j, q) (deepdsl_dw_load(grad + (long)(q) * DEEPDSL_DW_LANES) * \
+                               deepdsl_dw_load(row + (long)(stride * (q) - pad + (j)) * DEEPDSL_DW_LANES))
     for (int j = 0; j < kw; ++j)
         for (int q = q0[j]; q < (q1[j] < qa ? q1[j] : qa); ++q) part[j] += DEEPDSL_DW_TERM(j, q);
     for (int q = qa; q < middle; ++q)
@@ -434,7 +441,7 @@ static inline __attribute__((always_inline)) void deepdsl_lanes_filter_row(const
         for (int q = q0[j] > middle ? q0[j] : middle; q < q1[j]; ++q) part[j] += DEEPDSL_DW_TERM(j, q);
 #undef DEEPDSL_DW_TERM
     for (int j = 0; j < kw; ++j)
-        deepdsl_store16(T + j * DEEPDSL_DW_LANES, deepdsl_load16(T + j * DEEPDSL_DW_LANES) + part[j]);
+        deepdsl_dw_store(T + j * DEEPDSL_DW_LANES, deepdsl_dw_load(T + j * DEEPDSL_DW_LANES) + part[j]);
 }
 
 static void deepdsl_lanes_conv_bwd_filter(const float* G, const float* X, int h, int wd, int kh, int kw, int ho,
@@ -451,8 +458,8 @@ static void deepdsl_lanes_conv_bwd_filter(const float* G, const float* X, int h,
         }
 }
 
-// Whether a depthwise convolution and its gradients run 16 channels at a time: at least 16 channels, a sample's 16
-// planes in and out fit a thread's buffer, and the planes are not wide stride-1 ones (which run widened plane by
+// Whether a depthwise convolution and its gradients run a vector's channels at a time: at least that many channels,
+// a sample's planes of them in and out fit a thread's buffer, and the planes are not wide stride-1 ones (which run widened plane by
 // plane as fast, and whose filter gradient sums in 16 lanes of its own). The filter gradient then sums as the plane
 // kernel would have (row by row): the choice changes no bits.
 static inline int deepdsl_depthwise_lanes(int c, int h, int wd, int kh, int kw, int ho, int wo, int stride, int pad) {
@@ -461,7 +468,7 @@ static inline int deepdsl_depthwise_lanes(int c, int h, int wd, int kh, int kw, 
              (long)ho * (wd + 2 * pad) >= DEEPDSL_DW_FILTER_ROWS);
 }
 
-// A thread's buffer for 16 channels: `floats` floats and `ints` ints after them, 64-byte aligned (a vector).
+// A thread's buffer for a vector's channels: `floats` floats and `ints` ints after them, 64-byte aligned (a vector).
 static float* deepdsl_lanes_buffer(long floats, long ints) {
     const long bytes = (long)sizeof(float) * floats + (long)sizeof(int) * ints;
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -469,8 +476,8 @@ static float* deepdsl_lanes_buffer(long floats, long ints) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // The kernels: out (m, c, ho, wo) from x (m, c, h, w) and w (c, 1, kh, kw), the input gradient dx from the output
-// gradient g, the filter gradient dw from g and x; threads take a sample's group of 16 channels each (the filter
-// gradient: a group of channels, every sample in order).
+// gradient g, the filter gradient dw from g and x; threads take a sample's group of a vector's channels each (the
+// filter gradient: a group of channels, every sample in order).
 
 void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m, int c, int h, int wd, int kh,
                        int kw, int ho, int wo, int stride, int pad, float* out) {
