@@ -6,9 +6,11 @@ channel-blocked copies (`contract.blocked_conv`, those layers only) and PyTorch'
 
 The network (a file of networks/) is compiled at that batch and image size (`--image 0`: the network's own), and its
 compiled kernels are built; each distinct convolution of its training step (forward, input gradient, filter
-gradient) runs under the workspace its memory plan gives it. Per thread count (the kernels' and PyTorch's),
-`--rounds` rounds alternate the three sides, `--calls` timed calls each after one untimed; the table gives the
-median milliseconds over all calls, GFLOP/s, and PyTorch's time over ours (above 1: we are faster). PyTorch
+gradient) runs under the workspace its memory plan gives it; grouped ones (depthwise: MobileNet-v2's) run in the
+"im2col" column on the kernels the runtime gives them (depthwise: plane by plane, or a vector's channels at a
+time). Per thread count (the kernels' and PyTorch's), `--rounds` rounds alternate the three sides, `--calls` timed
+calls each after one untimed; the table gives the median milliseconds over all calls, GFLOP/s, and PyTorch's time
+over ours (above 1: we are faster). PyTorch
 (`torch.nn.functional.conv2d` and `torch.ops.aten.convolution_backward` with one output mask at a time) runs where
 it is installed; its CPU convolutions are oneDNN's. The processor's vector ISA and the load average are printed.
 
@@ -82,7 +84,7 @@ def layers(network: str, batch: int, image: int | None, directory: Path, avx2: b
     found: dict = {}
     for step in compiled.steps["train"].plan.steps:
         node = step.instr.node if isinstance(step.instr, Let) else None
-        if node is None or node.op not in DIRECTIONS or node.attr("groups", 1) != 1:
+        if node is None or node.op not in DIRECTIONS:
             continue
         key = (node.op, node.shape, tuple(i.shape for i in node.inputs), node.attrs)
         if key not in found:
@@ -120,9 +122,10 @@ def sides(node, size, kernels, threads):
         return call
 
     x_shape, w_shape, stride, pad = geometry(node)
+    groups = node.attr("groups", 1)
     calls = {"im2col": ours(False)}
     wo = (node.inputs[0] if node.op != "conv2d" else node).shape[3]
-    if contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo, op=node.op,
+    if groups == 1 and contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo, op=node.op,
                              lanes=kernels.lanes):
         calls["blocked"] = ours(True)
     try:
@@ -132,14 +135,14 @@ def sides(node, size, kernels, threads):
     torch.set_num_threads(threads)
     t = [torch.from_numpy(a) for a in arrays]
     if node.op == "conv2d":
-        calls["torch"] = lambda: torch.nn.functional.conv2d(t[0], t[1], stride=stride, padding=pad)
+        calls["torch"] = lambda: torch.nn.functional.conv2d(t[0], t[1], stride=stride, padding=pad, groups=groups)
     else:
         g = t[0]
         xt = torch.from_numpy(rng.standard_normal(x_shape).astype(np.float32))
         wt = torch.from_numpy(rng.standard_normal(w_shape).astype(np.float32))
         mask = [node.op == "conv2d_bwd_data", node.op == "conv2d_bwd_filter", False]
         calls["torch"] = lambda: torch.ops.aten.convolution_backward(
-            g, xt, wt, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], 1, mask)
+            g, xt, wt, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], groups, mask)
     return calls
 
 

@@ -416,46 +416,60 @@ static void deepdsl_lanes_conv_bwd_data(const float* G, const float* F, int h, i
 
 // T[i][j] += for each output row p whose tap row i lies in the plane, in order, the sum over the output columns q
 // in order whose tap column lies in it, from zero, of G[p][q] X[s p + i - pad][s q + j - pad]: one sample's part of
-// the plane kernel's row-by-row sums. A row's taps (i, j) for every j at once: kw independent sums, each over its
-// own columns in order (those before the columns all taps read, those, those after).
-static inline __attribute__((always_inline)) void deepdsl_lanes_filter_row(const float* grad, const float* row,
-                                                                          int wd, int kw, int wo, int stride,
-                                                                          int pad, float* T) {
-    deepdsl_dw_v part[kw];
+// the plane kernel's row-by-row sums. An output row's taps (i, j) for its R tap rows that lie in the plane (x: the
+// first one's input row, T its taps) and every j at once: R kw independent sums (the 3x3 filters' nine in
+// registers, which keeps the adders busy where one row's three would wait on each other), each over its own
+// columns in order (those before the columns all taps read, those, those after).
+static inline __attribute__((always_inline)) void deepdsl_lanes_filter_rows(const float* grad, const float* x, int R,
+                                                                           int wd, int kw, int wo, int stride,
+                                                                           int pad, float* T) {
+    deepdsl_dw_v part[R][kw];
     int q0[kw], q1[kw];
     int qa = 0, qb = wo;
     for (int j = 0; j < kw; ++j) {
-        part[j] = (deepdsl_dw_v){0};
+        for (int r = 0; r < R; ++r) part[r][j] = (deepdsl_dw_v){0};
         deepdsl_valid(j, wd, wo, stride, pad, &q0[j], &q1[j]);
         if (q0[j] > qa) qa = q0[j];
         if (q1[j] < qb) qb = q1[j];
     }
     const int middle = qa < qb ? qb : qa;
-#define DEEPDSL_DW_TERM(j, q) (deepdsl_dw_load(grad + (long)(q) * DEEPDSL_DW_LANES) * \
-                               deepdsl_dw_load(row + (long)(stride * (q) - pad + (j)) * DEEPDSL_DW_LANES))
+#define DEEPDSL_DW_INPUT(r, j, q) deepdsl_dw_load(x + ((long)(r) * wd + stride * (q) - pad + (j)) * DEEPDSL_DW_LANES)
+#define DEEPDSL_DW_GRAD(q) deepdsl_dw_load(grad + (long)(q) * DEEPDSL_DW_LANES)
     for (int j = 0; j < kw; ++j)
-        for (int q = q0[j]; q < (q1[j] < qa ? q1[j] : qa); ++q) part[j] += DEEPDSL_DW_TERM(j, q);
-    for (int q = qa; q < middle; ++q)
-        for (int j = 0; j < kw; ++j) part[j] += DEEPDSL_DW_TERM(j, q);
+        for (int q = q0[j]; q < (q1[j] < qa ? q1[j] : qa); ++q)
+            for (int r = 0; r < R; ++r) part[r][j] += DEEPDSL_DW_GRAD(q) * DEEPDSL_DW_INPUT(r, j, q);
+    for (int q = qa; q < middle; ++q) {
+        const deepdsl_dw_v g = DEEPDSL_DW_GRAD(q);
+        for (int r = 0; r < R; ++r)
+            for (int j = 0; j < kw; ++j) part[r][j] += g * DEEPDSL_DW_INPUT(r, j, q);
+    }
     for (int j = 0; j < kw; ++j)
-        for (int q = q0[j] > middle ? q0[j] : middle; q < q1[j]; ++q) part[j] += DEEPDSL_DW_TERM(j, q);
-#undef DEEPDSL_DW_TERM
-    for (int j = 0; j < kw; ++j)
-        deepdsl_dw_store(T + j * DEEPDSL_DW_LANES, deepdsl_dw_load(T + j * DEEPDSL_DW_LANES) + part[j]);
+        for (int q = q0[j] > middle ? q0[j] : middle; q < q1[j]; ++q)
+            for (int r = 0; r < R; ++r) part[r][j] += DEEPDSL_DW_GRAD(q) * DEEPDSL_DW_INPUT(r, j, q);
+#undef DEEPDSL_DW_INPUT
+#undef DEEPDSL_DW_GRAD
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < kw; ++j) {
+            float* at = T + ((long)r * kw + j) * DEEPDSL_DW_LANES;
+            deepdsl_dw_store(at, deepdsl_dw_load(at) + part[r][j]);
+        }
 }
 
 static void deepdsl_lanes_conv_bwd_filter(const float* G, const float* X, int h, int wd, int kh, int kw, int ho,
                                           int wo, int stride, int pad, float* T) {
-    for (int p = 0; p < ho; ++p)
-        for (int i = 0; i < kh; ++i) {
-            const int y = stride * p - pad + i;
-            if (y < 0 || y >= h) continue;
-            const float* grad = G + (long)p * wo * DEEPDSL_DW_LANES;
-            const float* row = X + (long)y * wd * DEEPDSL_DW_LANES;
-            float* taps = T + (long)i * kw * DEEPDSL_DW_LANES;
-            if (kw == 3) deepdsl_lanes_filter_row(grad, row, wd, 3, wo, stride, pad, taps);   // sums in registers
-            else deepdsl_lanes_filter_row(grad, row, wd, kw, wo, stride, pad, taps);
-        }
+    for (int p = 0; p < ho; ++p) {
+        const int y0 = stride * p - pad;
+        const int i0 = y0 < 0 ? -y0 : 0, i1 = h - y0 < kh ? h - y0 : kh, rows = i1 - i0;
+        const float* grad = G + (long)p * wo * DEEPDSL_DW_LANES;
+        const float* x = X + (long)(y0 + i0) * wd * DEEPDSL_DW_LANES;
+        float* taps = T + (long)i0 * kw * DEEPDSL_DW_LANES;
+        if (kw == 3 && rows == 3) deepdsl_lanes_filter_rows(grad, x, 3, wd, 3, wo, stride, pad, taps);
+        else if (kw == 3 && rows == 2) deepdsl_lanes_filter_rows(grad, x, 2, wd, 3, wo, stride, pad, taps);
+        else
+            for (int r = 0; r < rows; ++r)
+                deepdsl_lanes_filter_rows(grad, x + (long)r * wd * DEEPDSL_DW_LANES, 1, wd, kw, wo, stride, pad,
+                                          taps + (long)r * kw * DEEPDSL_DW_LANES);
+    }
 }
 
 // Whether a depthwise convolution and its gradients run a vector's channels at a time: at least that many channels,
