@@ -169,8 +169,10 @@ def test_the_kernel_benchmark_runs():
 # ---------------------------------------------------------------------------------------------------------------
 # pointwise filter gradients straight from their operands (`contract.pointwise_filter`)
 
-POINTWISE = [  # (N, O, C, H, W): tails of positions and of tiles, MobileNet's shapes, a plane of one position
+POINTWISE = [  # (N, O, C, H, W): tails of positions and of tiles, MobileNet's shapes, a plane of one position; chunks
+    # of several samples (the last one short) and a sample's positions in chunks (its rows past DEEPDSL_PW_CACHE)
     (2, 96, 16, 11, 13), (3, 5, 7, 9, 9), (1, 24, 144, 16, 16), (2, 33, 30, 1, 1), (1, 17, 3, 40, 41),
+    (5, 100, 28, 19, 21), (2, 8, 24, 83, 77),
 ]
 
 

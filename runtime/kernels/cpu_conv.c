@@ -266,9 +266,10 @@ void deepdsl_direct_conv_bwd_filter(const float* g, const float* x, int m, int c
 // Filter gradients of pointwise convolutions straight from the input (`contract.pointwise_filter`): dw (O, C) =
 // sum over samples s of g[s] (O, P) x[s]^T (P, C), P = H*W positions, both operands read in place (no transposed
 // copies) with the positions in the vectors' lanes. A tile of DEEPDSL_PW_O x DEEPDSL_PW_C filters keeps 16 lanes of
-// sums each in registers over a chunk of positions of a sample, whose rows of all channels stay in the cache for
-// every tile (DEEPDSL_PW_CACHE); each chunk's lanes are added up in a fixed order and the chunks' sums added to dw in
-// order: the same bits on any number of threads, and with AVX2 (two registers of 8 lanes) as with AVX-512.
+// sums each in registers over a chunk whose rows of all channels stay in the cache for every tile
+// (DEEPDSL_PW_CACHE): as many whole samples as fit (small planes: a tile's lanes are added up once for them all), or
+// a sample's positions in parts; each chunk's lanes are added up in a fixed order and the chunks' sums added to dw
+// in order: the same bits on any number of threads, and with AVX2 (two registers of 8 lanes) as with AVX-512.
 
 #if defined(__AVX512F__)
 #define DEEPDSL_PW_O 4                  /* a tile's filters: 16 accumulators of 32 registers */
@@ -279,37 +280,37 @@ void deepdsl_direct_conv_bwd_filter(const float* g, const float* x, int m, int c
 #endif
 #define DEEPDSL_PW_CACHE (1L << 17)     /* floats of a chunk's rows (512 KB) */
 
-// partial[i][j] = sum over positions k < n of g[i * plane + k] * x[j * plane + k] for i < TO, j < TC: 16 lanes of
-// fused multiply-adds, the last vector's positions past n read from zero-filled copies.
+// partial[i][j] = sum over samples s < samples, then positions k < n of g[s * g_sample + i * plane + k] *
+// x[s * x_sample + j * plane + k] for i < TO, j < TC: 16 lanes of fused multiply-adds over all of them (a position
+// in lane k mod 16 of its sample), then the lanes added up in a fixed order; a sample's last vector's positions past
+// n read as zeros (masked loads, or zero-filled copies without AVX).
 static inline __attribute__((always_inline)) void deepdsl_pointwise_tile(
-        const float* g, const float* x, long plane, long n, int TO, int TC, float* partial) {
-    float gt[DEEPDSL_PW_O][16], xt[DEEPDSL_PW_C][16];
+        const float* g, const float* x, long plane, long g_sample, long x_sample, int samples, long n, int TO, int TC,
+        float* partial) {
     const long full = n / 16 * 16, rest = n - full;
-    for (int i = 0; i < TO; ++i) {
-        memset(gt[i], 0, sizeof gt[i]);
-        memcpy(gt[i], g + i * plane + full, sizeof(float) * rest);
-    }
-    for (int j = 0; j < TC; ++j) {
-        memset(xt[j], 0, sizeof xt[j]);
-        memcpy(xt[j], x + j * plane + full, sizeof(float) * rest);
-    }
 #if defined(__AVX512F__)
+    const __mmask16 tail = (__mmask16)((1u << rest) - 1u);
     __m512 acc[DEEPDSL_PW_O][DEEPDSL_PW_C];
     for (int i = 0; i < TO; ++i)
         for (int j = 0; j < TC; ++j) acc[i][j] = _mm512_setzero_ps();
-    for (long k = 0; k <= full; k += 16) {
-        const int last = k == full;
-        if (last && !rest) break;
-        __m512 gv[DEEPDSL_PW_O], xv[DEEPDSL_PW_C];
-        #pragma GCC unroll 4
-        for (int i = 0; i < TO; ++i) gv[i] = _mm512_loadu_ps(last ? gt[i] : g + i * plane + k);
-        #pragma GCC unroll 4
-        for (int j = 0; j < TC; ++j) xv[j] = _mm512_loadu_ps(last ? xt[j] : x + j * plane + k);
-        #pragma GCC unroll 4
-        for (int i = 0; i < TO; ++i)
-            #pragma GCC unroll 4
-            for (int j = 0; j < TC; ++j) acc[i][j] = _mm512_fmadd_ps(gv[i], xv[j], acc[i][j]);
+#define DEEPDSL_PW_STEP(LOAD)                                                                               \
+    do {                                                                                                    \
+        __m512 gv[DEEPDSL_PW_O], xv[DEEPDSL_PW_C];                                                          \
+        _Pragma("GCC unroll 4") for (int i = 0; i < TO; ++i) gv[i] = LOAD(gs + i * plane + k);             \
+        _Pragma("GCC unroll 4") for (int j = 0; j < TC; ++j) xv[j] = LOAD(xs + j * plane + k);             \
+        _Pragma("GCC unroll 4") for (int i = 0; i < TO; ++i)                                                \
+            _Pragma("GCC unroll 4") for (int j = 0; j < TC; ++j) acc[i][j] = _mm512_fmadd_ps(gv[i], xv[j], acc[i][j]); \
+    } while (0)
+#define DEEPDSL_PW_TAIL(p) _mm512_maskz_loadu_ps(tail, p)
+    for (int s = 0; s < samples; ++s) {
+        const float* gs = g + s * g_sample;
+        const float* xs = x + s * x_sample;
+        long k = 0;
+        for (; k < full; k += 16) DEEPDSL_PW_STEP(_mm512_loadu_ps);
+        if (rest) DEEPDSL_PW_STEP(DEEPDSL_PW_TAIL);
     }
+#undef DEEPDSL_PW_STEP
+#undef DEEPDSL_PW_TAIL
     for (int i = 0; i < TO; ++i)
         for (int j = 0; j < TC; ++j) {
             float lanes[16];
@@ -320,29 +321,44 @@ static inline __attribute__((always_inline)) void deepdsl_pointwise_tile(
     deepdsl_v8f lo[DEEPDSL_PW_O][DEEPDSL_PW_C], hi[DEEPDSL_PW_O][DEEPDSL_PW_C];
     for (int i = 0; i < TO; ++i)
         for (int j = 0; j < TC; ++j) lo[i][j] = hi[i][j] = (deepdsl_v8f){0};
-    for (long k = 0; k <= full; k += 16) {
-        const int last = k == full;
-        if (last && !rest) break;
-        deepdsl_v8f g0[DEEPDSL_PW_O], g1[DEEPDSL_PW_O], x0[DEEPDSL_PW_C], x1[DEEPDSL_PW_C];
-        #pragma GCC unroll 4
-        for (int i = 0; i < TO; ++i) {
-            const float* from = last ? gt[i] : g + i * plane + k;
-            memcpy(&g0[i], from, sizeof g0[i]);
-            memcpy(&g1[i], from + 8, sizeof g1[i]);
+    for (int s = 0; s < samples; ++s) {
+        const float* gs = g + s * g_sample;
+        const float* xs = x + s * x_sample;
+        float gt[DEEPDSL_PW_O][16], xt[DEEPDSL_PW_C][16];
+        if (rest) {
+            for (int i = 0; i < TO; ++i) {
+                memset(gt[i], 0, sizeof gt[i]);
+                memcpy(gt[i], gs + i * plane + full, sizeof(float) * rest);
+            }
+            for (int j = 0; j < TC; ++j) {
+                memset(xt[j], 0, sizeof xt[j]);
+                memcpy(xt[j], xs + j * plane + full, sizeof(float) * rest);
+            }
         }
-        #pragma GCC unroll 4
-        for (int j = 0; j < TC; ++j) {
-            const float* from = last ? xt[j] : x + j * plane + k;
-            memcpy(&x0[j], from, sizeof x0[j]);
-            memcpy(&x1[j], from + 8, sizeof x1[j]);
-        }
-        #pragma GCC unroll 4
-        for (int i = 0; i < TO; ++i)
+        for (long k = 0; k <= full; k += 16) {
+            const int last = k == full;
+            if (last && !rest) break;
+            deepdsl_v8f g0[DEEPDSL_PW_O], g1[DEEPDSL_PW_O], x0[DEEPDSL_PW_C], x1[DEEPDSL_PW_C];
+            #pragma GCC unroll 4
+            for (int i = 0; i < TO; ++i) {
+                const float* from = last ? gt[i] : gs + i * plane + k;
+                memcpy(&g0[i], from, sizeof g0[i]);
+                memcpy(&g1[i], from + 8, sizeof g1[i]);
+            }
             #pragma GCC unroll 4
             for (int j = 0; j < TC; ++j) {
-                lo[i][j] = DEEPDSL_FMA(lo[i][j], g0[i], x0[j]);
-                hi[i][j] = DEEPDSL_FMA(hi[i][j], g1[i], x1[j]);
+                const float* from = last ? xt[j] : xs + j * plane + k;
+                memcpy(&x0[j], from, sizeof x0[j]);
+                memcpy(&x1[j], from + 8, sizeof x1[j]);
             }
+            #pragma GCC unroll 4
+            for (int i = 0; i < TO; ++i)
+                #pragma GCC unroll 4
+                for (int j = 0; j < TC; ++j) {
+                    lo[i][j] = DEEPDSL_FMA(lo[i][j], g0[i], x0[j]);
+                    hi[i][j] = DEEPDSL_FMA(hi[i][j], g1[i], x1[j]);
+                }
+        }
     }
     for (int i = 0; i < TO; ++i)
         for (int j = 0; j < TC; ++j) {
@@ -355,28 +371,36 @@ static inline __attribute__((always_inline)) void deepdsl_pointwise_tile(
 }
 
 // dw (o, c) = the filter gradient of a pointwise convolution from its output gradient g (m, o, P) and input
-// x (m, c, P): per sample, chunks of positions whose rows of all channels fit DEEPDSL_PW_CACHE (whole vectors), and
-// per chunk the tiles on the kernels' threads, each chunk's sums added to dw in order.
+// x (m, c, P), in chunks whose rows of all channels fit DEEPDSL_PW_CACHE: as many whole samples as fit, or (where
+// one does not) a sample's positions in whole vectors; per chunk the tiles on the kernels' threads, each tile's lanes
+// summed over the whole chunk (few sums of lanes to add up: small planes' tiles cost little beside their products),
+// and the chunks' sums added to dw in order.
 void deepdsl_pointwise_filter(const float* g, const float* x, int m, int o, int c, long plane, float* dw) {
-    long chunk = DEEPDSL_PW_CACHE / (o + c) / 16 * 16;
-    if (chunk < 16) chunk = 16;
+    const long per_sample = (long)(o + c) * plane;
+    const int samples = per_sample <= DEEPDSL_PW_CACHE ? (int)(DEEPDSL_PW_CACHE / per_sample) : 1;
+    long width = per_sample <= DEEPDSL_PW_CACHE ? plane : DEEPDSL_PW_CACHE / (o + c) / 16 * 16;
+    if (width < 16) width = 16;
     const int to = (o + DEEPDSL_PW_O - 1) / DEEPDSL_PW_O, tc = (c + DEEPDSL_PW_C - 1) / DEEPDSL_PW_C;
-    for (int s = 0; s < m; ++s)
-        for (long p0 = 0; p0 < plane; p0 += chunk) {
-            const long n = plane - p0 < chunk ? plane - p0 : chunk;
-            const int first = s == 0 && p0 == 0;
-#pragma omp parallel for schedule(static) if ((long)o * c * n >= DEEPDSL_PARALLEL_MIN)
+#pragma omp parallel if ((long)o * c * m * plane >= DEEPDSL_PARALLEL_MIN)
+    for (int s0 = 0; s0 < m; s0 += samples)
+        for (long p0 = 0; p0 < plane; p0 += width) {
+            const int count = m - s0 < samples ? m - s0 : samples;
+            const long n = plane - p0 < width ? plane - p0 : width;
+            const int first = s0 == 0 && p0 == 0;
+#pragma omp for schedule(static)
             for (int t = 0; t < to * tc; ++t) {
                 const int o0 = t / tc * DEEPDSL_PW_O, c0 = t % tc * DEEPDSL_PW_C;
                 const int ro = o - o0 < DEEPDSL_PW_O ? o - o0 : DEEPDSL_PW_O;
                 const int rc = c - c0 < DEEPDSL_PW_C ? c - c0 : DEEPDSL_PW_C;
-                const float* gs = g + ((long)s * o + o0) * plane + p0;
-                const float* xs = x + ((long)s * c + c0) * plane + p0;
+                const float* gs = g + ((long)s0 * o + o0) * plane + p0;
+                const float* xs = x + ((long)s0 * c + c0) * plane + p0;
                 float partial[DEEPDSL_PW_O * DEEPDSL_PW_C];
                 if (ro == DEEPDSL_PW_O && rc == DEEPDSL_PW_C)
-                    deepdsl_pointwise_tile(gs, xs, plane, n, DEEPDSL_PW_O, DEEPDSL_PW_C, partial);
+                    deepdsl_pointwise_tile(gs, xs, plane, (long)o * plane, (long)c * plane, count, n, DEEPDSL_PW_O,
+                                           DEEPDSL_PW_C, partial);
                 else
-                    deepdsl_pointwise_tile(gs, xs, plane, n, ro, rc, partial);
+                    deepdsl_pointwise_tile(gs, xs, plane, (long)o * plane, (long)c * plane, count, n, ro, rc,
+                                           partial);
                 for (int i = 0; i < ro; ++i)
                     for (int j = 0; j < rc; ++j) {
                         float* to_ = dw + (long)(o0 + i) * c + c0 + j;
