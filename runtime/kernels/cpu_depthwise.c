@@ -493,55 +493,51 @@ static float* deepdsl_lanes_buffer(long floats, long ints) {
 // gradient g, the filter gradient dw from g and x; threads take a sample's group of a vector's channels each (the
 // filter gradient: a group of channels, every sample in order).
 
-void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m, int c, int h, int wd, int kh,
-                       int kw, int ho, int wo, int stride, int pad, float* out) {
-    if (!deepdsl_depthwise_lanes(c, h, wd, kh, kw, ho, wo, stride, pad)) {
-        deepdsl_depthwise_planes(x, w, bias, m, c, h, wd, kh, kw, ho, wo, stride, pad, out);
-        return;
-    }
+// The channels of the group starting at c0 (of c): a vector's, or fewer in the last group.
+static inline int deepdsl_lanes_of(int c, int c0) {
+    return c - c0 < DEEPDSL_DW_LANES ? c - c0 : DEEPDSL_DW_LANES;
+}
+
+// The forward (`backward` 0: `to` the output from the input `from`) or the input gradient (1: `to` the input gradient
+// from the output gradient `from`) a vector's channels at a time, a sample's group of channels a task.
+static void deepdsl_depthwise_lanes_run(const float* from, const float* w, const float* bias, int m, int c, int h,
+                                        int wd, int kh, int kw, int ho, int wo, int stride, int pad, int backward,
+                                        float* to) {
     const int groups = (c + DEEPDSL_DW_LANES - 1) / DEEPDSL_DW_LANES, taps = kh * kw;
-    const long in = (long)h * wd, n = (long)ho * wo;
+    const long in = (long)h * wd, n = (long)ho * wo, read = backward ? n : in, written = backward ? in : n;
 #pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
     {
-        float* X = deepdsl_lanes_buffer(DEEPDSL_DW_LANES * (in + n + taps + 1), 0);
-        float *O = X + DEEPDSL_DW_LANES * in, *F = O + DEEPDSL_DW_LANES * n, *B = F + DEEPDSL_DW_LANES * taps;
+        float* X = deepdsl_lanes_buffer(DEEPDSL_DW_LANES * (read + written + taps + 1), 3L * wd);
+        float *Y = X + DEEPDSL_DW_LANES * read, *F = Y + DEEPDSL_DW_LANES * written, *B = F + DEEPDSL_DW_LANES * taps;
+        int* columns = (int*)(B + DEEPDSL_DW_LANES);
 #pragma omp for collapse(2) schedule(static)
         for (int s = 0; s < m; ++s)
             for (int group = 0; group < groups; ++group) {
-                const int c0 = group * DEEPDSL_DW_LANES, lanes = c - c0 < DEEPDSL_DW_LANES ? c - c0 : DEEPDSL_DW_LANES;
+                const int c0 = group * DEEPDSL_DW_LANES, lanes = deepdsl_lanes_of(c, c0);
                 deepdsl_lanes_filters(w + (long)c0 * taps, bias ? bias + c0 : NULL, taps, lanes, F, B);
-                deepdsl_lanes_in(x + ((long)s * c + c0) * in, in, lanes, in, X);
-                deepdsl_lanes_conv(X, F, bias ? B : NULL, h, wd, kh, kw, ho, wo, stride, pad, O);
-                deepdsl_lanes_out(O, n, lanes, n, out + ((long)s * c + c0) * n);
+                deepdsl_lanes_in(from + ((long)s * c + c0) * read, read, lanes, read, X);
+                if (backward) deepdsl_lanes_conv_bwd_data(X, F, h, wd, kh, kw, ho, wo, stride, pad, columns, Y);
+                else deepdsl_lanes_conv(X, F, bias ? B : NULL, h, wd, kh, kw, ho, wo, stride, pad, Y);
+                deepdsl_lanes_out(Y, written, lanes, written, to + ((long)s * c + c0) * written);
             }
         free(X);
     }
 }
 
+void deepdsl_depthwise(const float* x, const float* w, const float* bias, int m, int c, int h, int wd, int kh,
+                       int kw, int ho, int wo, int stride, int pad, float* out) {
+    if (deepdsl_depthwise_lanes(c, h, wd, kh, kw, ho, wo, stride, pad))
+        deepdsl_depthwise_lanes_run(x, w, bias, m, c, h, wd, kh, kw, ho, wo, stride, pad, 0, out);
+    else
+        deepdsl_depthwise_planes(x, w, bias, m, c, h, wd, kh, kw, ho, wo, stride, pad, out);
+}
+
 void deepdsl_depthwise_bwd_data(const float* g, const float* w, int m, int c, int h, int wd, int kh, int kw, int ho,
                                 int wo, int stride, int pad, float* dx) {
-    if (!deepdsl_depthwise_lanes(c, h, wd, kh, kw, ho, wo, stride, pad)) {
+    if (deepdsl_depthwise_lanes(c, h, wd, kh, kw, ho, wo, stride, pad))
+        deepdsl_depthwise_lanes_run(g, w, NULL, m, c, h, wd, kh, kw, ho, wo, stride, pad, 1, dx);
+    else
         deepdsl_depthwise_bwd_data_planes(g, w, m, c, h, wd, kh, kw, ho, wo, stride, pad, dx);
-        return;
-    }
-    const int groups = (c + DEEPDSL_DW_LANES - 1) / DEEPDSL_DW_LANES, taps = kh * kw;
-    const long in = (long)h * wd, n = (long)ho * wo;
-#pragma omp parallel if ((long)m * c * ho * wo * kh * kw >= DEEPDSL_PARALLEL_MIN)
-    {
-        float* G = deepdsl_lanes_buffer(DEEPDSL_DW_LANES * (n + in + taps), 3L * wd);
-        float *D = G + DEEPDSL_DW_LANES * n, *F = D + DEEPDSL_DW_LANES * in;
-        int* columns = (int*)(F + DEEPDSL_DW_LANES * taps);
-#pragma omp for collapse(2) schedule(static)
-        for (int s = 0; s < m; ++s)
-            for (int group = 0; group < groups; ++group) {
-                const int c0 = group * DEEPDSL_DW_LANES, lanes = c - c0 < DEEPDSL_DW_LANES ? c - c0 : DEEPDSL_DW_LANES;
-                deepdsl_lanes_filters(w + (long)c0 * taps, NULL, taps, lanes, F, NULL);
-                deepdsl_lanes_in(g + ((long)s * c + c0) * n, n, lanes, n, G);
-                deepdsl_lanes_conv_bwd_data(G, F, h, wd, kh, kw, ho, wo, stride, pad, columns, D);
-                deepdsl_lanes_out(D, in, lanes, in, dx + ((long)s * c + c0) * in);
-            }
-        free(G);
-    }
 }
 
 void deepdsl_depthwise_bwd_filter(const float* g, const float* x, int m, int c, int h, int wd, int kh, int kw, int ho,
@@ -558,7 +554,7 @@ void deepdsl_depthwise_bwd_filter(const float* g, const float* x, int m, int c, 
         float *X = G + DEEPDSL_DW_LANES * n, *T = X + DEEPDSL_DW_LANES * in;
 #pragma omp for schedule(static)
         for (int group = 0; group < groups; ++group) {
-            const int c0 = group * DEEPDSL_DW_LANES, lanes = c - c0 < DEEPDSL_DW_LANES ? c - c0 : DEEPDSL_DW_LANES;
+            const int c0 = group * DEEPDSL_DW_LANES, lanes = deepdsl_lanes_of(c, c0);
             memset(T, 0, sizeof(float) * DEEPDSL_DW_LANES * taps);
             for (int s = 0; s < m; ++s) {
                 deepdsl_lanes_in(g + ((long)s * c + c0) * n, n, lanes, n, G);
