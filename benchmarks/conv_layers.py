@@ -125,8 +125,8 @@ def sides(node, size, kernels, threads):
     groups = node.attr("groups", 1)
     calls = {"im2col": ours(False)}
     wo = (node.inputs[0] if node.op != "conv2d" else node).shape[3]
-    if groups == 1 and contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo, op=node.op,
-                             lanes=kernels.lanes):
+    if groups == 1 and contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
+                                             op=node.op, lanes=kernels.lanes):
         calls["blocked"] = ours(True)
     try:
         import torch

@@ -297,7 +297,8 @@ static inline __attribute__((always_inline)) void deepdsl_dw_store(float* to, de
     memcpy(to, &v, sizeof v);
 }
 
-// to[k][l] (DEEPDSL_DW_LANES a position, k < n) = from[l * plane + k] for the first `lanes` channels l, zero in the others.
+// to[k][l] (DEEPDSL_DW_LANES a position, k < n) = from[l * plane + k] for the first `lanes` channels l, zero in
+// the others.
 static void deepdsl_lanes_in(const float* from, long plane, int lanes, long n, float* to) {
     long k = 0;
     if (lanes == DEEPDSL_DW_LANES)
@@ -336,8 +337,9 @@ static void deepdsl_lanes_filters(const float* w, const float* bias, int taps, i
 }
 
 // O[p][q] = the sum over the taps (i, j) in order whose input lies in the plane of F[i][j] X[s p + i - pad]
-// [s q + j - pad], from zero, then + B where given: the plane kernels' sums, a vector's channels at once. The columns whose
-// taps all lie in the plane, [qa, qb), run with the filter's width known to the compiler where it is 3 (`kw3`).
+// [s q + j - pad], from zero, then + B where given: the plane kernels' sums, a vector's channels at once. The
+// columns whose taps all lie in the plane, [qa, qb), run with the filter's width known to the compiler where it is 3
+// (`kw3`).
 static inline __attribute__((always_inline)) void deepdsl_lanes_conv_rows(const float* X, const float* F,
                                                                          const float* B, int h, int wd, int kh,
                                                                          int kw, int ho, int wo, int stride,
@@ -473,9 +475,9 @@ static void deepdsl_lanes_conv_bwd_filter(const float* G, const float* X, int h,
 }
 
 // Whether a depthwise convolution and its gradients run a vector's channels at a time: at least that many channels,
-// a sample's planes of them in and out fit a thread's buffer, and the planes are not wide stride-1 ones (which run widened plane by
-// plane as fast, and whose filter gradient sums in 16 lanes of its own). The filter gradient then sums as the plane
-// kernel would have (row by row): the choice changes no bits.
+// a sample's planes of them in and out fit a thread's buffer, and the planes are not wide stride-1 ones (which run
+// widened plane by plane as fast, and whose filter gradient sums in 16 lanes of its own). The filter gradient then
+// sums as the plane kernel would have (row by row): the choice changes no bits.
 static inline int deepdsl_depthwise_lanes(int c, int h, int wd, int kh, int kw, int ho, int wo, int stride, int pad) {
     return c >= DEEPDSL_DW_LANES && (long)(h * wd + ho * wo) * DEEPDSL_DW_LANES <= DEEPDSL_DW_LANE_FLOATS &&
            !(deepdsl_depthwise_widened(h, wd, kh, kw, stride, pad) &&
