@@ -15,16 +15,14 @@ over ours (above 1: we are faster). PyTorch
 it is installed; its CPU convolutions are oneDNN's. The processor's vector ISA and the load average are printed.
 
 `--isa avx2` runs every side as on a processor without AVX-512 (on one that has it): the compiled kernels built
-with `-mno-avx512f`, OpenBLAS on its Haswell kernels (OPENBLAS_CORETYPE), oneDNN and PyTorch's own kernels on
-AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY); the process starts again with those set before numpy and torch
-load.
+with `-mno-avx512f` (DEEPDSL_CFLAGS), OpenBLAS on its Haswell kernels (OPENBLAS_CORETYPE), oneDNN and PyTorch's own
+kernels on AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY); the process starts again with those set before numpy and
+torch load (`timing.AVX2_ENV`).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,11 +36,9 @@ import numpy as np  # noqa: E402
 from deepdsl_runtime import contract  # noqa: E402
 from deepdsl_runtime.cpu import conv, native  # noqa: E402
 
-from timing import load_average, print_row  # noqa: E402  (benchmarks/ is on the script's path)
+from timing import load_average, print_row, restart_for_avx2  # noqa: E402  (benchmarks/ is on the script's path)
 
 ROOT = Path(__file__).resolve().parents[1]
-AVX2_ENV = {"OPENBLAS_CORETYPE": "Haswell", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
-            "ATEN_CPU_CAPABILITY": "avx2"}
 DIRECTIONS = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
 
 
@@ -55,9 +51,9 @@ def vector_isa() -> str:
     return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
 
 
-def layers(network: str, batch: int, image: int | None, directory: Path, avx2: bool = False):
+def layers(network: str, batch: int, image: int | None, directory: Path):
     """(the compiled kernels, [(node, planned workspace floats, statements), ...]) for the distinct convolutions of
-    the network's training step."""
+    the network's training step (the kernels built with $DEEPDSL_CFLAGS, which `--isa avx2` sets)."""
     import deepdsl
     from deepdsl.codegen import write_program
     from deepdsl.codegen.native import build_library
@@ -68,19 +64,10 @@ def layers(network: str, batch: int, image: int | None, directory: Path, avx2: b
                                             Overrides(batch=batch, image=(image, image) if image else None)))
     path = directory / f"{compiled.name}.py"
     write_program(compiled, path)
-    if avx2:
-        import ctypes
-
-        generic, library = directory / "generic_avx2.so", directory / "avx2.so"
-        for source, output in ((native.KERNELS_DIR / native.GENERIC_SOURCE, generic),
-                               (path.with_suffix(".c"), library)):
-            subprocess.run(native.compile_command(source, output) + ["-mno-avx512f"], check=True, capture_output=True)
-        kernels = native.Native(ctypes.CDLL(str(generic)), ctypes.CDLL(str(library)))
-    else:
-        build_library(path.with_suffix(".c"))
-        kernels, why = native.load(path)
-        if kernels is None:
-            raise SystemExit(f"no compiled kernels: {why}")
+    build_library(path.with_suffix(".c"))
+    kernels, why = native.load(path)
+    if kernels is None:
+        raise SystemExit(f"no compiled kernels: {why}")
     found: dict = {}
     for step in compiled.steps["train"].plan.steps:
         node = step.instr.node if isinstance(step.instr, Let) else None
@@ -158,13 +145,13 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     avx2 = args.isa == "avx2"
-    if avx2 and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    if avx2:
+        restart_for_avx2()
     isa = "AVX2 (on a processor with AVX-512: every side restricted to AVX2)" if avx2 and vector_isa() == "AVX-512" \
         else vector_isa()
     print(f"{isa}; load average before: {load_average()}")
     with tempfile.TemporaryDirectory() as tmp:
-        kernels, found = layers(args.network, args.batch, args.image, Path(tmp), avx2)
+        kernels, found = layers(args.network, args.batch, args.image, Path(tmp))
         print(f"{args.network} batch {args.batch} image {args.image}: {len(found)} distinct convolutions; "
               f"ms (GFLOP/s); ratios are PyTorch's time over ours")
         print_row(["op", "shapes", "calls", "threads", "im2col", "blocked", "torch", "torch / best ours"],

@@ -1,7 +1,8 @@
 """Generated training programs on the CPU against PyTorch eager, torch.compile and JAX, side by side.
 
     python benchmarks/cpu_vs_peers.py [NET[:BATCH[:IMAGE]] ...] [--threads 1 2] [--rounds 3] [--warmup 3]
-                                      [--steps 10] [--sides ours numpy eager compile max-autotune jax] [--markdown]
+                                      [--steps 10] [--sides ours numpy eager compile max-autotune jax]
+                                      [--isa native|avx2] [--markdown]
 
 Default networks: lenet:64 lenet:500 alexnet:16:227 resnet50:8:112 (BATCH: the network's own where left out; IMAGE:
 the input's height and width); also
@@ -26,6 +27,10 @@ gives the median over rounds, its ratio to ours (above 1: slower than ours), the
 ratio, and the first step's seconds (for torch.compile: compiling; for jax: tracing and compiling). The load
 average is printed before and after; the first line names the processor and its widest vector extension (AVX-512,
 AVX2), which every figure depends on.
+
+`--isa avx2` runs every side as on a processor without AVX-512 (on one that has it; `timing.AVX2_ENV`): our
+compiled kernels built with `-mno-avx512f` ($DEEPDSL_CFLAGS), OpenBLAS on its Haswell kernels, oneDNN and PyTorch's
+own kernels on AVX2 (torch.compile's generated code included), XLA's on AVX2; the first line says so.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import load_average, print_row, processor, timed_steps  # benchmarks/ is on the path of a script run from it
+from timing import load_average, print_row, processor, restart_for_avx2, timed_steps  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
@@ -250,9 +255,13 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: every side as on a processor without AVX-512")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.isa == "avx2" and not args.worker:
+        restart_for_avx2()
     if args.worker:
         job = json.loads(args.worker)
         side, threads = job["side"], job["threads"]
@@ -273,6 +282,8 @@ def main(argv=None) -> int:
 
     specs = [_spec(spec) for spec in args.networks]
     cpu, isa = processor()
+    if args.isa == "avx2" and isa == "AVX-512":
+        isa = "AVX2: every side restricted to it on this AVX-512 processor"
     print(f"{cpu} ({platform.machine()}, {isa}), {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"median of {args.steps} steps after {args.warmup} warm-up steps, {args.rounds} rounds interleaved; "
           f"load average before: {load_average()}", flush=True)

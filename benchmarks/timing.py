@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Sequence
 
@@ -59,6 +60,19 @@ def print_row(cells: Sequence[str], markdown: bool, width: int, header: bool = F
             print("|" + "---|" * len(cells))
     else:
         print("  ".join(f"{c:>{width}}" for c in cells))
+
+
+# Every side as on a processor without AVX-512 (on one that has it): OpenBLAS on its Haswell kernels, oneDNN and
+# PyTorch's own kernels on AVX2, XLA's code for AVX2, and deepdsl's compiled kernels built with -mno-avx512f
+# ($DEEPDSL_CFLAGS: another library digest, so the cached AVX-512 libraries are neither used nor replaced).
+AVX2_ENV = {"OPENBLAS_CORETYPE": "Haswell", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+            "ATEN_CPU_CAPABILITY": "avx2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "DEEPDSL_CFLAGS": "-mno-avx512f"}
+
+
+def restart_for_avx2() -> None:
+    """Start this script again with AVX2_ENV set (the libraries read it when they load), unless it is set."""
+    if any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
 
 
 def load_average() -> str:

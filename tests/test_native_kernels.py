@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -1379,3 +1380,24 @@ def test_transposes_equal_numpy_at_any_thread_count(lib, shape, axes):
     assert not lib.swap_axes(tokens, out, axes)
     shapes.transpose(tokens, out=out, axes=axes, native=lib)
     np.testing.assert_array_equal(out, tokens.swapaxes(*axes))
+
+
+def test_more_build_flags_name_other_libraries(tmp_path):
+    """$DEEPDSL_CFLAGS (`-mno-avx512f`: kernels for a processor without AVX-512) go after the build flags and into
+    the libraries' digest: a library built with them is never loaded as one built without, nor replaces it."""
+    (tmp_path / "p.c").write_text("int deepdsl_probe(void) { return 1; }\n")
+    probe = ("import sys; from pathlib import Path; from deepdsl_runtime.cpu import native; "
+             "print(native.compile_command(Path('p.c'), Path('p.so'))[1:-3]); "
+             "print(native.library_path(Path(sys.argv[1])).name, native.generic_library(Path(sys.argv[1])).name)")
+    runs = {}
+    for flags in ("", "-mno-avx512f -O1"):
+        env = {k: v for k, v in os.environ.items() if k != "DEEPDSL_CFLAGS"}
+        env.update({"DEEPDSL_CFLAGS": flags} if flags else {})
+        done = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "p.c")], capture_output=True, text=True,
+                              env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        runs[flags] = done.stdout.splitlines()
+    plain, more = runs[""], runs["-mno-avx512f -O1"]
+    assert "'-mno-avx512f', '-O1'" in more[0] and "-mno-avx512f" not in plain[0]
+    assert more[0].index("'-O2'") < more[0].index("'-O1'")                     # after the defaults: they win
+    assert all(a != b for a, b in zip(plain[1].split(), more[1].split()))      # other names for both libraries

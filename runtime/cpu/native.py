@@ -54,8 +54,10 @@ KERNEL_SOURCES = ("cpu_ops.c", "cpu_common.h", "cpu_depthwise.c", "cpu_columns.c
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
 # made the pooling kernels' short loops several times slower here
+# $DEEPDSL_CFLAGS: more flags, after these (`-mno-avx512f`: kernels for a processor without AVX-512, on one with
+# it); they enter the libraries' digest, so libraries built with and without them never mix
 BUILD_FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
-               "-fno-strict-aliasing", "-shared", "-fPIC")
+               "-fno-strict-aliasing", "-shared", "-fPIC", *os.environ.get("DEEPDSL_CFLAGS", "").split())
 
 _F = ctypes.c_float
 _P = ctypes.c_void_p
