@@ -46,7 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import load_average, print_row, processor, restart_for_avx2, timed_steps  # benchmarks/ is on the path of a script run from it
+# (benchmarks/ is on the path of a script run from it)
+from timing import load_average, print_row, processor, restart_for_avx2, timed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
