@@ -36,19 +36,10 @@ import numpy as np  # noqa: E402
 from deepdsl_runtime import contract  # noqa: E402
 from deepdsl_runtime.cpu import conv, native  # noqa: E402
 
-from timing import load_average, print_row, restart_for_avx2  # noqa: E402  (benchmarks/ is on the script's path)
+from timing import add_isa_option, load_average, print_row, vector_isa  # noqa: E402  (benchmarks/ is on the path)
 
 ROOT = Path(__file__).resolve().parents[1]
 DIRECTIONS = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
-
-
-def vector_isa() -> str:
-    """The widest vector extension the processor reports (Linux), which the compiled kernels are built for."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
 
 
 def layers(network: str, batch: int, image: int | None, directory: Path):
@@ -141,15 +132,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--isa", choices=["native", "avx2"], default="native")
+    add_isa_option(parser)
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
-    avx2 = args.isa == "avx2"
-    if avx2:
-        restart_for_avx2()
-    isa = "AVX2 (on a processor with AVX-512: every side restricted to AVX2)" if avx2 and vector_isa() == "AVX-512" \
-        else vector_isa()
-    print(f"{isa}; load average before: {load_average()}")
+    print(f"{vector_isa(args.isa)}; load average before: {load_average()}")
     with tempfile.TemporaryDirectory() as tmp:
         kernels, found = layers(args.network, args.batch, args.image, Path(tmp))
         print(f"{args.network} batch {args.batch} image {args.image}: {len(found)} distinct convolutions; "

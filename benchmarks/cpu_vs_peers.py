@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 # (benchmarks/ is on the path of a script run from it)
-from timing import load_average, print_row, processor, restart_for_avx2, timed_steps
+from timing import add_isa_option, load_average, print_row, processor, timed_steps, vector_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
@@ -256,13 +256,10 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
-    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
-                        help="avx2: every side as on a processor without AVX-512")
+    add_isa_option(parser)
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.isa == "avx2" and not args.worker:
-        restart_for_avx2()
     if args.worker:
         job = json.loads(args.worker)
         side, threads = job["side"], job["threads"]
@@ -282,9 +279,7 @@ def main(argv=None) -> int:
         return 0
 
     specs = [_spec(spec) for spec in args.networks]
-    cpu, isa = processor()
-    if args.isa == "avx2" and isa == "AVX-512":
-        isa = "AVX2: every side restricted to it on this AVX-512 processor"
+    isa, cpu = vector_isa(args.isa), processor()[0]
     print(f"{cpu} ({platform.machine()}, {isa}), {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"median of {args.steps} steps after {args.warmup} warm-up steps, {args.rounds} rounds interleaved; "
           f"load average before: {load_average()}", flush=True)

@@ -69,10 +69,20 @@ AVX2_ENV = {"OPENBLAS_CORETYPE": "Haswell", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_
             "ATEN_CPU_CAPABILITY": "avx2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "DEEPDSL_CFLAGS": "-mno-avx512f"}
 
 
-def restart_for_avx2() -> None:
-    """Start this script again with AVX2_ENV set (the libraries read it when they load), unless it is set."""
-    if any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+def add_isa_option(parser) -> None:
+    """`--isa native|avx2` on a script's parser: avx2 runs every side as on a processor without AVX-512."""
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: every side as on a processor without AVX-512")
+
+
+def vector_isa(choice: str) -> str:
+    """The vector extension the sides run with under `--isa choice`: the processor's widest (`processor`), or with
+    avx2 AVX2, the script started again first with AVX2_ENV set (the libraries read it when they load)."""
+    if choice == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    widest = processor()[1]
+    return "AVX2 (on a processor with AVX-512: every side restricted to AVX2)" if choice == "avx2" and \
+        widest == "AVX-512" else widest
 
 
 def load_average() -> str:
