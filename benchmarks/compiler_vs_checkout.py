@@ -27,7 +27,8 @@ deepdsl_runtime.idle_threads_sleep()        # as the generated program does, bef
 import numpy as np  # noqa: E402
 
 from op_profile import _compile, _model  # noqa: E402  (benchmarks/ is on the path of a script run from it)
-from timing import load_average, print_row, processor, timed_steps  # noqa: E402
+from timing import (add_checkout_options, load_average, other_checkout, print_comparison,  # noqa: E402
+                    print_comparison_header, processor, timed_steps)
 
 WARMUP = 3
 
@@ -53,20 +54,14 @@ def _round(model, batch, hyper, steps: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("networks", nargs="+")
-    parser.add_argument("--against", required=True, help="another checkout of this repository")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=7)
+    add_checkout_options(parser, rounds=7)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)
-    other = Path(args.against).resolve()
-    if not (other / "deepdsl" / "cli.py").is_file():
-        raise SystemExit(f"compiler_vs_checkout: {other} is no checkout of this repository (no deepdsl/cli.py)")
+    other = other_checkout(args.against, "deepdsl/cli.py", "compiler_vs_checkout")
     cpu, isa = processor()
     print(f"{cpu} ({isa}); {args.steps} steps a round, {args.rounds} rounds alternating; load average before: "
           f"{load_average()}", flush=True)
-    print_row(("network", "threads", f"{other.name} ms", "this ms", "this / other"), args.markdown, 12, header=True)
+    print_comparison_header(other, args.markdown)
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.networks:
             programs = (_compile_in(other, spec, Path(tmp)), _compile(spec, Path(tmp)))
@@ -82,9 +77,7 @@ def main(argv=None) -> int:
                     for model, batch, hyper, times in runs:
                         times.append(_round(model, batch, hyper, args.steps))
                 (_, _, _, theirs), (_, _, _, ours) = runs
-                ratio = statistics.median(o / t for o, t in zip(ours, theirs))
-                print_row((spec, str(threads), f"{statistics.median(theirs):.2f}", f"{statistics.median(ours):.2f}",
-                           f"{ratio:.3f}"), args.markdown, 12)
+                print_comparison(spec, threads, theirs, ours, args.markdown, 2)
     print(f"load average after: {load_average()}")
     return 0
 

@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from op_profile import _compile  # benchmarks/ is on the path of a script run from it
-from timing import load_average, print_row, processor
+from timing import (add_checkout_options, load_average, other_checkout, print_comparison,
+                    print_comparison_header, processor)
 
 
 def _train_ms(program: Path, threads: int, iters: int, runtime_path: str | None, directory: Path) -> float:
@@ -44,20 +44,14 @@ def _train_ms(program: Path, threads: int, iters: int, runtime_path: str | None,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("networks", nargs="+")
-    parser.add_argument("--against", required=True, help="another checkout of this repository")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=3)
+    add_checkout_options(parser, rounds=3)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)
-    other = Path(args.against).resolve()
-    if not (other / "runtime" / "program.py").is_file():
-        raise SystemExit(f"runtime_vs_checkout: {other} is no checkout of this repository (no runtime/program.py)")
+    other = other_checkout(args.against, "runtime/program.py", "runtime_vs_checkout")
     cpu, isa = processor()
     print(f"{cpu} ({isa}); {args.iters} iterations a run, {args.rounds} rounds alternating; load average before: "
           f"{load_average()}", flush=True)
-    print_row(("network", "threads", f"{other.name} ms", "this ms", "this / other"), args.markdown, 12, header=True)
+    print_comparison_header(other, args.markdown)
     with tempfile.TemporaryDirectory() as tmp:
         shim = Path(tmp) / "against"
         shim.mkdir()
@@ -69,9 +63,7 @@ def main(argv=None) -> int:
                 for _ in range(args.rounds):
                     theirs.append(_train_ms(program, threads, args.iters, str(shim), Path(tmp)))
                     ours.append(_train_ms(program, threads, args.iters, None, Path(tmp)))
-                ratio = statistics.median(o / t for o, t in zip(ours, theirs))
-                print_row((spec, str(threads), f"{statistics.median(theirs):.1f}", f"{statistics.median(ours):.1f}",
-                           f"{ratio:.3f}"), args.markdown, 12)
+                print_comparison(spec, threads, theirs, ours, args.markdown, 1)
     print(f"load average after: {load_average()}")
     return 0
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 
@@ -83,6 +85,37 @@ def vector_isa(choice: str) -> str:
     widest = processor()[1]
     return "AVX2 (on a processor with AVX-512: every side restricted to AVX2)" if choice == "avx2" and \
         widest == "AVX-512" else widest
+
+
+def add_checkout_options(parser, rounds: int) -> None:
+    """The options of a comparison of this checkout with another: NET[:BATCH[:IMAGE]] ..., --against DIR, --threads,
+    --rounds (default `rounds`), --markdown."""
+    parser.add_argument("networks", nargs="+")
+    parser.add_argument("--against", required=True, help="another checkout of this repository")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--markdown", action="store_true")
+
+
+def other_checkout(path: str, marker: str, script: str) -> Path:
+    """The checkout at `path`; one line and exit where it has no file `marker` (no checkout of this repository)."""
+    other = Path(path).resolve()
+    if not (other / marker).is_file():
+        raise SystemExit(f"{script}: {other} is no checkout of this repository (no {marker})")
+    return other
+
+
+def print_comparison_header(other: Path, markdown: bool) -> None:
+    print_row(("network", "threads", f"{other.name} ms", "this ms", "this / other"), markdown, 12, header=True)
+
+
+def print_comparison(spec: str, threads: int, theirs: list[float], ours: list[float], markdown: bool,
+                     digits: int) -> None:
+    """A row of a comparison with another checkout: the medians over rounds of theirs and ours (ms), and the median
+    of the rounds' ratios ours / theirs."""
+    ratio = statistics.median(o / t for o, t in zip(ours, theirs))
+    print_row((spec, str(threads), f"{statistics.median(theirs):.{digits}f}", f"{statistics.median(ours):.{digits}f}",
+               f"{ratio:.3f}"), markdown, 12)
 
 
 def load_average() -> str:
