@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from op_profile import _compile, _model  # noqa: E402  (benchmarks/ is on the path of a script run from it)
 from timing import (add_checkout_options, load_average, other_checkout, print_comparison,  # noqa: E402
-                    print_comparison_header, processor, timed_steps)
+                    print_comparison_header, timed_steps)
 
 WARMUP = 3
 
@@ -58,10 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
     other = other_checkout(args.against, "deepdsl/cli.py", "compiler_vs_checkout")
-    cpu, isa = processor()
-    print(f"{cpu} ({isa}); {args.steps} steps a round, {args.rounds} rounds alternating; load average before: "
-          f"{load_average()}", flush=True)
-    print_comparison_header(other, args.markdown)
+    print_comparison_header(other, f"{args.steps} steps a round, {args.rounds} rounds alternating", args.markdown)
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.networks:
             programs = (_compile_in(other, spec, Path(tmp)), _compile(spec, Path(tmp)))

@@ -23,8 +23,7 @@ import tempfile
 from pathlib import Path
 
 from op_profile import _compile  # benchmarks/ is on the path of a script run from it
-from timing import (add_checkout_options, load_average, other_checkout, print_comparison,
-                    print_comparison_header, processor)
+from timing import add_checkout_options, load_average, other_checkout, print_comparison, print_comparison_header
 
 
 def _train_ms(program: Path, threads: int, iters: int, runtime_path: str | None, directory: Path) -> float:
@@ -48,10 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
     other = other_checkout(args.against, "runtime/program.py", "runtime_vs_checkout")
-    cpu, isa = processor()
-    print(f"{cpu} ({isa}); {args.iters} iterations a run, {args.rounds} rounds alternating; load average before: "
-          f"{load_average()}", flush=True)
-    print_comparison_header(other, args.markdown)
+    print_comparison_header(other, f"{args.iters} iterations a run, {args.rounds} rounds alternating",
+                            args.markdown)
     with tempfile.TemporaryDirectory() as tmp:
         shim = Path(tmp) / "against"
         shim.mkdir()

@@ -105,7 +105,11 @@ def other_checkout(path: str, marker: str, script: str) -> Path:
     return other
 
 
-def print_comparison_header(other: Path, markdown: bool) -> None:
+def print_comparison_header(other: Path, rounds: str, markdown: bool) -> None:
+    """The processor, its vector extension, what a round runs (`rounds`) and the load average, then the table's
+    header of a comparison with the checkout `other`."""
+    cpu, isa = processor()
+    print(f"{cpu} ({isa}); {rounds}; load average before: {load_average()}", flush=True)
     print_row(("network", "threads", f"{other.name} ms", "this ms", "this / other"), markdown, 12, header=True)
 
 
