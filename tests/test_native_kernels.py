@@ -862,10 +862,10 @@ void exp_loop(const float* x, float* out, long n) { for (long i = 0; i < n; ++i)
 
 @needs_cc
 def test_the_polynomial_erf_and_exp_are_within_a_few_ulp(tmp_path):
-    """deepdsl_erff (what the compiled elementwise kernels call for erf: exact GELU) within 2.5 ulp of erf and
-    deepdsl_expf_poly (the attention's softmax) within 1 ulp of exp, over their whole ranges (tiny, the seam between
-    erf's two forms, where erf reaches 1 and exp overflows or turns subnormal), built as the kernels are, with
-    signed zeros, infinities and NaN as libm gives them."""
+    """deepdsl_erff (what the compiled elementwise kernels call for erf: exact GELU) within 5 ulp of erf and
+    deepdsl_expf_poly (the attention's softmax) within 1 ulp of exp, over their whole ranges (tiny, where erf's
+    rational form gives way to 1 and exp overflows or turns subnormal), built as the kernels are, with signed zeros,
+    infinities and NaN as libm gives them."""
     source = tmp_path / "math.c"
     source.write_text(_MATH_LOOPS)
     done = subprocess.run(compile_command(source, tmp_path / "math.so"), capture_output=True, text=True, timeout=300)
@@ -885,7 +885,7 @@ def test_the_polynomial_erf_and_exp_are_within_a_few_ulp(tmp_path):
     x = np.concatenate([np.linspace(-5, 5, 200_001), 2 * rng.standard_normal(50_000), 1e-30 * rng.standard_normal(100),
                         np.linspace(0.92, 0.924, 1001), np.linspace(3.9, 3.94, 1001)]).astype(np.float32)
     want = np.array([math.erf(v) for v in x.astype(np.float64)])
-    assert ulps(run("erf_loop", x), want).max() <= 3.0
+    assert ulps(run("erf_loop", x), want).max() <= 5.0
     special = run("erf_loop", np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45], np.float32))
     assert special[:4].tolist() == [0.0, 0.0, 1.0, -1.0] and np.signbit(special[1]) and np.isnan(special[4])
     x = np.concatenate([np.linspace(-87.3, 88.7, 400_001), 5 * rng.standard_normal(50_000)]).astype(np.float32)
