@@ -9,11 +9,19 @@
 
 #if DEEPDSL_MASKED
 // deepdsl_expf_poly (deepdsl_math.h) on eight lanes: n rounded by adding and subtracting 1.5 * 2^23
+#if defined(__FMA__)
+// (x - 0 is x, so that a vector operand costs nothing; a float is broadcast)
+#define DEEPDSL_MADD8(a, b, c)                                                                                      \
+    ((deepdsl_v8f)_mm256_fmadd_ps((__m256)((a) - (deepdsl_v8f){0}), (__m256)((b) - (deepdsl_v8f){0}),              \
+                                  (__m256)((c) - (deepdsl_v8f){0})))
+#else
+#define DEEPDSL_MADD8(a, b, c) ((a) * (b) + (c))
+#endif
 static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_exp8(deepdsl_v8f x) {
     const deepdsl_v8f big = (deepdsl_v8f){0} + 12582912.0f;
     const deepdsl_v8f t = (x * DEEPDSL_LOG2E + big) - big;
     deepdsl_v8f y;
-    DEEPDSL_EXP_REDUCED(x, t, y);
+    DEEPDSL_EXP_REDUCED(x, t, y, DEEPDSL_MADD8);
     const deepdsl_v8i n = __builtin_convertvector(t, deepdsl_v8i), half = n >> 1;
     const deepdsl_v8f a = (deepdsl_v8f)((half + 127) << 23), b = (deepdsl_v8f)((n - half + 127) << 23);
     deepdsl_v8f e = (y * a) * b;
@@ -134,87 +142,65 @@ void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, lo
 #define DEEPDSL_ATTENTION_UNIT 64      /* contract.ATTENTION_UNIT */
 #define DEEPDSL_ATTENTION_TILE (DEEPDSL_ATTENTION_UNIT * DEEPDSL_ATTENTION_UNIT)
 
-// a (rows, cols) -> to (cols, rows), written in order (stores a row apart would fall in few cache sets)
+// a (rows, cols) -> to (cols, rows): blocks of 8 x 8 transposed in registers, the edges one float at a time in
+// order (stores a row apart would fall in few cache sets)
 static inline void deepdsl_att_transpose(const float* a, long rows, long cols, float* to) {
+    long r8 = 0, c8 = 0;
+#if DEEPDSL_MASKED
+    r8 = rows / 8 * 8, c8 = cols / 8 * 8;
+    for (long r = 0; r < r8; r += 8)
+        for (long c = 0; c < c8; c += 8) {
+            deepdsl_v8f v[8];
+            for (int i = 0; i < 8; ++i) memcpy(&v[i], a + (r + i) * cols + c, sizeof v[i]);
+            deepdsl_transpose8(v);
+            for (int i = 0; i < 8; ++i) memcpy(to + (c + i) * rows + r, &v[i], sizeof v[i]);
+        }
+#endif
     for (long c = 0; c < cols; ++c)
-        for (long r = 0; r < rows; ++r) to[c * rows + r] = a[r * cols + c];
+        for (long r = c < c8 ? r8 : 0; r < rows; ++r) to[c * rows + r] = a[r * cols + c];
 }
 
 // out (m, n) = a b, n at most DEEPDSL_ATTENTION_UNIT: out[i, j] = the sum over c < k of a[i * a_row + c * a_col] *
-// b[c * n + j], c in order (a product, then a sum: no fused multiply-add). R rows at a time, each row's sums in NB
-// eight-lane vectors (ceil(n / 8), the last one masked) kept in registers while c runs: R * NB sums in flight.
-#if DEEPDSL_MASKED
-#define DEEPDSL_ATT_PRODUCT(NB, R)                                                                                  \
-    static void deepdsl_att_product_##NB##_##R(const float* a, long a_row, long a_col, const float* b, long i0,     \
-                                               long k, long n, float* out) {                                        \
-        const deepdsl_v8i last = deepdsl_inside((NB - 1) * 8, (int)n);                                              \
-        deepdsl_v8f acc[R][NB];                                                                                     \
-        _Pragma("GCC unroll 8")                                                                                     \
-        for (int h = 0; h < R; ++h)                                                                                 \
-            _Pragma("GCC unroll 8")                                                                                 \
-            for (int l = 0; l < NB; ++l) acc[h][l] = (deepdsl_v8f){0};                                              \
-        for (long c = 0; c < k; ++c) {                                                                              \
-            const float* r = b + c * n;                                                                             \
-            deepdsl_v8f y[NB];                                                                                      \
-            _Pragma("GCC unroll 8")                                                                                 \
-            for (int l = 0; l < NB - 1; ++l) memcpy(&y[l], r + 8 * l, sizeof y[l]);                                 \
-            y[NB - 1] = deepdsl_load(r + 8 * (NB - 1), last);                                                       \
-            _Pragma("GCC unroll 8")                                                                                 \
-            for (int h = 0; h < R; ++h) {                                                                           \
-                const float x = a[(i0 + h) * a_row + c * a_col];                                                    \
-                _Pragma("GCC unroll 8")                                                                             \
-                for (int l = 0; l < NB; ++l) acc[h][l] += x * y[l];                                                 \
-            }                                                                                                       \
-        }                                                                                                           \
-        _Pragma("GCC unroll 8")                                                                                     \
-        for (int h = 0; h < R; ++h) {                                                                               \
-            float* o = out + (i0 + h) * n;                                                                          \
-            _Pragma("GCC unroll 8")                                                                                 \
-            for (int l = 0; l < NB - 1; ++l) memcpy(o + 8 * l, &acc[h][l], sizeof acc[h][l]);                       \
-            deepdsl_store(o + 8 * (NB - 1), last, acc[h][NB - 1]);                                                  \
-        }                                                                                                           \
-    }
-#define DEEPDSL_ATT_PRODUCTS(NB, R)                                                                                 \
-    DEEPDSL_ATT_PRODUCT(NB, R)                                                                                      \
-    DEEPDSL_ATT_PRODUCT(NB, 1)                                                                                      \
-    static void deepdsl_att_product_##NB(const float* a, long a_row, long a_col, const float* b, long m, long k,    \
-                                         long n, float* out) {                                                      \
-        long i = 0;                                                                                                 \
-        for (; i + R <= m; i += R) deepdsl_att_product_##NB##_##R(a, a_row, a_col, b, i, k, n, out);                \
-        for (; i < m; ++i) deepdsl_att_product_##NB##_1(a, a_row, a_col, b, i, k, n, out);                          \
-    }
-DEEPDSL_ATT_PRODUCTS(1, 6)
-DEEPDSL_ATT_PRODUCTS(2, 4)
-DEEPDSL_ATT_PRODUCTS(3, 3)
-DEEPDSL_ATT_PRODUCTS(4, 2)
-DEEPDSL_ATT_PRODUCTS(5, 2)
-DEEPDSL_ATT_PRODUCTS(6, 2)
-DEEPDSL_ATT_PRODUCTS(7, 2)
-DEEPDSL_ATT_PRODUCTS(8, 2)
-#endif
-
+// b[c * n + j], c in order, by fused multiply-adds from zero. With the matrix products' tiles (deepdsl_sg_tile:
+// AVX2 and fused multiply-adds, or AVX-512), six rows of a at a time against a strip of b's columns, whose sums
+// stay in registers while c runs; b's rows are copied into `pad`'s wider ones (k rows of a whole number of
+// vectors) where they end inside a vector, so that no load reaches past b. Each lane sums alone: the bits are the
+// same with vectors of 16 floats and of 8.
 static void deepdsl_att_product(const float* a, long a_row, long a_col, const float* b, long m, long k, long n,
-                                float* out) {
-#if DEEPDSL_MASKED
-    switch ((n + 7) / 8) {
-    case 1: deepdsl_att_product_1(a, a_row, a_col, b, m, k, n, out); return;
-    case 2: deepdsl_att_product_2(a, a_row, a_col, b, m, k, n, out); return;
-    case 3: deepdsl_att_product_3(a, a_row, a_col, b, m, k, n, out); return;
-    case 4: deepdsl_att_product_4(a, a_row, a_col, b, m, k, n, out); return;
-    case 5: deepdsl_att_product_5(a, a_row, a_col, b, m, k, n, out); return;
-    case 6: deepdsl_att_product_6(a, a_row, a_col, b, m, k, n, out); return;
-    case 7: deepdsl_att_product_7(a, a_row, a_col, b, m, k, n, out); return;
-    case 8: deepdsl_att_product_8(a, a_row, a_col, b, m, k, n, out); return;
+                                float* out, float* pad) {
+#ifdef DEEPDSL_SG_LANES
+    const long vectors = (n + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES;
+    long ldb = n;
+    if (n % DEEPDSL_SG_LANES) {
+        ldb = vectors * DEEPDSL_SG_LANES;
+        for (long c = 0; c < k; ++c) {
+            memcpy(pad + c * ldb, b + c * n, n * sizeof(float));
+            memset(pad + c * ldb + n, 0, (ldb - n) * sizeof(float));
+        }
+        b = pad;
     }
-#endif
+    for (long j0 = 0; j0 < n; j0 += DEEPDSL_SG_WIDTH) {
+        const long columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
+        const int V = (int)((columns + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES);
+        const int partial = columns % DEEPDSL_SG_LANES != 0;
+        const deepdsl_sg_m last = deepdsl_sg_mask(columns - (V - 1) * DEEPDSL_SG_LANES);
+        for (long i = 0; i < m; i += DEEPDSL_SG_ROWS) {
+            const int R = (int)(m - i < DEEPDSL_SG_ROWS ? m - i : DEEPDSL_SG_ROWS);
+            deepdsl_sg_tile_any(R, V, k, a + i * a_row, a_row, a_col, b + j0, ldb, partial, last, out + i * n + j0,
+                                n, 0);
+        }
+    }
+#else
+    (void)pad;
     for (long i = 0; i < m; ++i) {
         float* o = out + i * n;
         for (long j = 0; j < n; ++j) o[j] = 0.0f;
         for (long c = 0; c < k; ++c) {
             const float x = a[i * a_row + c * a_col];
-            for (long j = 0; j < n; ++j) o[j] += x * b[c * n + j];
+            for (long j = 0; j < n; ++j) o[j] = DEEPDSL_FMAF(o[j], x, b[c * n + j]);
         }
     }
+#endif
 }
 
 // The softmax of each column of x (s, n), n at most DEEPDSL_ATTENTION_UNIT, in place: a column's maximum, then
@@ -289,9 +275,9 @@ static void deepdsl_att_softmax_columns(float* x, long s, long n) {
 static void deepdsl_att_unit_weights(const float* q, const float* k, long t, long s, long d, float scale,
                                      const float* b, long bias_row, long bias_col, int causal,
                                      const unsigned char* m, float factor, float* qt, float* wt, float* mt,
-                                     float* kept) {
+                                     float* kept, float* pad) {
     deepdsl_att_transpose(q, t, d, qt);
-    deepdsl_att_product(k, d, 1, qt, s, d, t, wt);
+    deepdsl_att_product(k, d, 1, qt, s, d, t, wt, pad);
     for (long j = 0; j < s; ++j) {
         float* r = wt + j * t;
 #pragma omp simd
@@ -322,11 +308,11 @@ int deepdsl_attention_units(const float* q, const float* k, const float* v, floa
 #pragma omp parallel for schedule(static) if (units * t * s * (d + e) >= DEEPDSL_PARALLEL_MIN)
     for (long u = 0; u < units; ++u) {
         float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], mt[DEEPDSL_ATTENTION_TILE];
-        float kept[DEEPDSL_ATTENTION_TILE];
+        float kept[DEEPDSL_ATTENTION_TILE], pad[DEEPDSL_ATTENTION_TILE];
         const unsigned char* m = mask ? mask + u * mask_unit : 0;
         deepdsl_att_unit_weights(q + u * t * d, k + u * s * d, t, s, d, scale, bias ? bias + bias_units[u] : 0,
-                                 bias_row, bias_col, causal, m, factor, qt, wt, mt, kept);
-        deepdsl_att_product(m ? kept : wt, 1, t, v + u * s * e, t, s, e, out + u * t * e);      // out = w v
+                                 bias_row, bias_col, causal, m, factor, qt, wt, mt, kept, pad);
+        deepdsl_att_product(m ? kept : wt, 1, t, v + u * s * e, t, s, e, out + u * t * e, pad);     // out = w v
     }
     return 1;
 }
@@ -344,16 +330,16 @@ int deepdsl_attention_units_grad(const float* q, const float* k, const float* v,
 #pragma omp parallel for schedule(static) if (units * t * s * (d + e) >= DEEPDSL_PARALLEL_MIN)
     for (long u = 0; u < units; ++u) {
         float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], mt[DEEPDSL_ATTENTION_TILE];
-        float kept[DEEPDSL_ATTENTION_TILE], dst[DEEPDSL_ATTENTION_TILE];
+        float kept[DEEPDSL_ATTENTION_TILE], dst[DEEPDSL_ATTENTION_TILE], pad[DEEPDSL_ATTENTION_TILE];
         float delta[DEEPDSL_ATTENTION_UNIT];
         const float *qu = q + u * t * d, *ku = k + u * s * d, *vu = v + u * s * e, *gu = g + u * t * e;
         const float* ou = o + u * t * e;
         const unsigned char* m = mask ? mask + u * mask_unit : 0;
         deepdsl_att_unit_weights(qu, ku, t, s, d, scale, bias ? bias + bias_units[u] : 0, bias_row, bias_col, causal,
-                                 m, factor, qt, wt, mt, kept);
-        deepdsl_att_product(m ? kept : wt, t, 1, gu, s, t, e, dv + u * s * e);         // dv = w^T g
+                                 m, factor, qt, wt, mt, kept, pad);
+        deepdsl_att_product(m ? kept : wt, t, 1, gu, s, t, e, dv + u * s * e, pad);    // dv = w^T g
         deepdsl_att_transpose(gu, t, e, qt);                                           // (q^T is read no more)
-        deepdsl_att_product(vu, e, 1, qt, s, e, t, dst);                               // (g v^T)^T = v g^T
+        deepdsl_att_product(vu, e, 1, qt, s, e, t, dst, pad);                          // (g v^T)^T = v g^T
         for (long i = 0; i < t; ++i) delta[i] = 0.0f;
         for (long c = 0; c < e; ++c) {
             const float* gc = qt + c * t;                                              // g^T's row c
@@ -372,8 +358,8 @@ int deepdsl_attention_units_grad(const float* q, const float* k, const float* v,
                 for (long i = 0; i < t; ++i) r[i] = wr[i] * (r[i] - delta[i]) * scale;
             }
         }
-        deepdsl_att_product(dst, 1, t, ku, t, s, d, dq + u * t * d);                 // dq = ds k
-        deepdsl_att_product(dst, t, 1, qu, s, t, d, dk + u * s * d);                 // dk = ds^T q
+        deepdsl_att_product(dst, 1, t, ku, t, s, d, dq + u * t * d, pad);            // dq = ds k
+        deepdsl_att_product(dst, t, 1, qu, s, t, d, dk + u * s * d, pad);            // dk = ds^T q
     }
     return 1;
 }

@@ -822,11 +822,11 @@ void deepdsl_bernoulli(uint8_t* out, long n, unsigned long long seed, unsigned l
 // direct convolutions on channel-blocked copies
 #include "cpu_blocked.c"
 
-// attention's passes over rows
-#include "cpu_attention.c"
-
 // matrix products on these threads
 #include "cpu_gemm.c"
+
+// attention's passes over rows
+#include "cpu_attention.c"
 
 // the render of images read from files into batch slots
 #include "cpu_images.c"
