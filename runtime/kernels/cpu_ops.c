@@ -395,6 +395,8 @@ void deepdsl_layer_norm_grad(const float* x, const float* g, const float* w, lon
     }
 }
 
+#define DEEPDSL_LN_STATS_ROWS 8
+
 // out[0][j] = sum over rows of g * xhat, out[1][j] = sum of g: each part of `part_rows` rows summed in double into
 // parts[part] (2 x features doubles) by one thread, then the parts added in order, a column per thread's share.
 void deepdsl_layer_norm_param_grad(const float* x, const float* g, long rows, long features, float eps,
@@ -409,15 +411,22 @@ void deepdsl_layer_norm_param_grad(const float* x, const float* g, long rows, lo
             double* db = dw + features;
             for (long j = 0; j < features; ++j) dw[j] = db[j] = 0.0;
             const long last = (p + 1) * part_rows < rows ? (p + 1) * part_rows : rows;
-            for (long r = p * part_rows; r < last; ++r) {
-                const float* xr = x + r * features;
-                const float* gr = g + r * features;
-                float mean, rstd;
-                deepdsl_layer_norm_stats(xr, features, eps, &mean, &rstd);
+            // the statistics of a few rows, then their sums (each row's statistics a chain of dependent steps:
+            // several in flight, rather than one between stores to the sums)
+            for (long r0 = p * part_rows; r0 < last; r0 += DEEPDSL_LN_STATS_ROWS) {
+                const long n = last - r0 < DEEPDSL_LN_STATS_ROWS ? last - r0 : DEEPDSL_LN_STATS_ROWS;
+                float mean[DEEPDSL_LN_STATS_ROWS], rstd[DEEPDSL_LN_STATS_ROWS];
+                for (long i = 0; i < n; ++i)
+                    deepdsl_layer_norm_stats(x + (r0 + i) * features, features, eps, &mean[i], &rstd[i]);
+                for (long i = 0; i < n; ++i) {
+                    const float* xr = x + (r0 + i) * features;
+                    const float* gr = g + (r0 + i) * features;
+                    const float m = mean[i], s = rstd[i];
 #pragma omp simd
-                for (long j = 0; j < features; ++j) {
-                    dw[j] += gr[j] * ((xr[j] - mean) * rstd);
-                    db[j] += gr[j];
+                    for (long j = 0; j < features; ++j) {
+                        dw[j] += gr[j] * ((xr[j] - m) * s);
+                        db[j] += gr[j];
+                    }
                 }
             }
         }
