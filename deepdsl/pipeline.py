@@ -28,6 +28,7 @@ from deepdsl.passes.code_motion import hoist_invariants, sink
 from deepdsl.memory_plan import MemoryPlan, plan_memory
 from deepdsl.passes.cse import cse
 from deepdsl.passes.dealloc import insert_frees
+from deepdsl.passes.fold_transposes import fold_transposes
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
 from deepdsl.passes.fuse_multi_output import fuse_multi_output
 from deepdsl.passes.fuse_reductions import fuse_reductions
@@ -150,6 +151,7 @@ def _hoist(steps: Mapping[str, Graph]) -> dict[str, Graph]:
 # call computes together, `dealloc` frees each value after its last read (a pair's call reads the inputs of both);
 # `plan_memory` gives their plans.
 STAGES: tuple[Stage, ...] = (
+    Stage("fold_transposes", fold_transposes, "fuse"),    # before simplify, which removes the swaps left paired
     Stage("simplify", simplify, "simplify"),
     Stage("cse", cse, "cse"),
     Stage("push_through_pool_backward", push_through_pool_backward),

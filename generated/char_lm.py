@@ -1577,34 +1577,14 @@ class CharLm(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
-        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(5, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(4)
-
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(6, (2048, 64), 'float32')
+        block1_attn_k_matmul = mem.tensor(5, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(7, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
-        # free block1_attn_k_matmul, block1_attn_reshape_2
-        del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(6)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(8, (2048, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(6, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
@@ -1614,36 +1594,28 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
         # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
         # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
         block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
-        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(9, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(8)
-        # block1_attn = attention[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
-        block1_attn = mem.tensor(10, (32, 4, 64, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        mem.free(5, 7, 9)
+        # block1_attn = attention[causal=True,heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
+        block1_attn = mem.tensor(7, (32, 64, 4, 16), 'float32')
+        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(4, 5, 6)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(11, (32, 64, 4, 16), 'float32')
-        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn
-        del block1_attn
-        mem.free(10)
-        # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
-        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
+        # block1_attn_out_reshape = reshape[2048x64](block1_attn)
+        block1_attn_out_reshape = rt.reshape(block1_attn, shape=(2048, 64))
         # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(12, (2048, 64), 'float32')
+        block1_attn_out_matmul = mem.tensor(8, (2048, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
-        # free block1_attn_out_transpose, block1_attn_out_reshape
-        del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(11)
+        # free block1_attn, block1_attn_out_reshape
+        del block1_attn, block1_attn_out_reshape
+        mem.free(7)
         # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
         rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
@@ -1656,20 +1628,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
         del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(12)
+        mem.free(8)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
-        block1_ln2 = mem.tensor(13, (32, 64, 64), 'float32')
+        block1_ln2 = mem.tensor(9, (32, 64, 64), 'float32')
         rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
 
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(14, (2048, 256), 'float32')
+        block1_fc1_matmul = mem.tensor(10, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
-        mem.free(13)
+        mem.free(9)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -1685,11 +1657,11 @@ class CharLm(rp.Model):
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(15, (2048, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(11, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(14)
+        mem.free(10)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -1702,9 +1674,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(15)
+        mem.free(11)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
-        block2_ln1 = mem.tensor(16, (32, 64, 64), 'float32')
+        block2_ln1 = mem.tensor(12, (32, 64, 64), 'float32')
         rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
@@ -1713,79 +1685,51 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(17, (2048, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(13, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
-        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
-        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(18, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(17)
-
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(19, (2048, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(14, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
-        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(20, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
-        # free block2_attn_k_matmul, block2_attn_reshape_2
-        del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(19)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(21, (2048, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(15, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
-        mem.free(16)
+        mem.free(12)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
-        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
-        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(22, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(21)
-        # block2_attn = attention[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(23, (32, 4, 64, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
-        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        mem.free(18, 20, 22)
+        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_q_add)
+        block2_attn_reshape = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
+        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_v_add)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
+        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block2_attn = attention[causal=True,heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2)
+        block2_attn = mem.tensor(16, (32, 64, 4, 16), 'float32')
+        rt.attention(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, out=block2_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        mem.free(13, 14, 15)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(24, (32, 64, 4, 16), 'float32')
-        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn
-        del block2_attn
-        mem.free(23)
-        # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
-        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
+        # block2_attn_out_reshape = reshape[2048x64](block2_attn)
+        block2_attn_out_reshape = rt.reshape(block2_attn, shape=(2048, 64))
         # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(25, (2048, 64), 'float32')
+        block2_attn_out_matmul = mem.tensor(17, (2048, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
-        # free block2_attn_out_transpose, block2_attn_out_reshape
-        del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(24)
+        # free block2_attn, block2_attn_out_reshape
+        del block2_attn, block2_attn_out_reshape
+        mem.free(16)
         # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
         rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
@@ -1798,20 +1742,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
         del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(25)
+        mem.free(17)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
-        block2_ln2 = mem.tensor(26, (32, 64, 64), 'float32')
+        block2_ln2 = mem.tensor(18, (32, 64, 64), 'float32')
         rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
 
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(27, (2048, 256), 'float32')
+        block2_fc1_matmul = mem.tensor(19, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
-        mem.free(26)
+        mem.free(18)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -1827,11 +1771,11 @@ class CharLm(rp.Model):
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(28, (2048, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(20, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(27)
+        mem.free(19)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -1844,9 +1788,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(28)
+        mem.free(20)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
-        ln = mem.tensor(29, (32, 64, 64), 'float32')
+        ln = mem.tensor(21, (32, 64, 64), 'float32')
         rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
         # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add
         del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add
@@ -1856,11 +1800,11 @@ class CharLm(rp.Model):
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(30, (2048, 256), 'float32')
+        next_matmul = mem.tensor(22, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
         # free ln, next_reshape
         del ln, next_reshape
-        mem.free(29)
+        mem.free(21)
         # next_add = next_matmul + next_B
         next_add = next_matmul  # in place: over next_matmul
         rt.ew(ew_add, next_add, next_matmul, T['next_B'])
@@ -1871,12 +1815,12 @@ class CharLm(rp.Model):
 
         # ---- next_precision (precision), forward ----
         # next_precision = precision(next_add, next_cross_entropy_reshape)
-        next_precision = mem.tensor(31, (), 'float32')
+        next_precision = mem.tensor(23, (), 'float32')
         rt.precision(next_add, next_cross_entropy_reshape, out=next_precision)
 
         # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
         # label_ranks = label_rank(next_add, next_cross_entropy_reshape)
-        label_ranks = mem.tensor(32, (2048,), 'float32')
+        label_ranks = mem.tensor(24, (2048,), 'float32')
         rt.label_rank(next_add, next_cross_entropy_reshape, out=label_ranks)
 
         # ---- next_cross_entropy (cross_entropy), forward ----
@@ -1884,17 +1828,17 @@ class CharLm(rp.Model):
         next_cross_entropy_log_softmax = next_add  # in place: over next_add
         rt.log_softmax(next_add, out=next_cross_entropy_log_softmax, workspace=mem.workspace(2097152))
         # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(33, (2048,), 'float32')
+        next_cross_entropy_pick = mem.tensor(25, (2048,), 'float32')
         rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
         # free y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
         del y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
-        mem.free(1, 30)
+        mem.free(1, 22)
         # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(34, (), 'float32')
+        next_cross_entropy_sum_to = mem.tensor(26, (), 'float32')
         rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
         # free next_cross_entropy_pick
         del next_cross_entropy_pick
-        mem.free(33)
+        mem.free(25)
         # next_cross_entropy = -next_cross_entropy_sum_to/2048
         next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
         rt.ew(ew_scale, next_cross_entropy, next_cross_entropy_sum_to)
@@ -1943,34 +1887,14 @@ class CharLm(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
-        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(4, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(3)
-
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(5, (2048, 64), 'float32')
+        block1_attn_k_matmul = mem.tensor(4, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(6, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
-        # free block1_attn_k_matmul, block1_attn_reshape_2
-        del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(5)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(7, (2048, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(5, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
@@ -1980,36 +1904,28 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
         # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
         # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
         block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
-        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(8, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(7)
-        # block1_attn = attention[causal=True,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
-        block1_attn = mem.tensor(9, (32, 4, 64, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        mem.free(4, 6, 8)
+        # block1_attn = attention[causal=True,heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
+        block1_attn = mem.tensor(6, (32, 64, 4, 16), 'float32')
+        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(3, 4, 5)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(10, (32, 64, 4, 16), 'float32')
-        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn
-        del block1_attn
-        mem.free(9)
-        # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
-        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
+        # block1_attn_out_reshape = reshape[2048x64](block1_attn)
+        block1_attn_out_reshape = rt.reshape(block1_attn, shape=(2048, 64))
         # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(11, (2048, 64), 'float32')
+        block1_attn_out_matmul = mem.tensor(7, (2048, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
-        # free block1_attn_out_transpose, block1_attn_out_reshape
-        del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(10)
+        # free block1_attn, block1_attn_out_reshape
+        del block1_attn, block1_attn_out_reshape
+        mem.free(6)
         # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
         rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
@@ -2022,20 +1938,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
         del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(11)
+        mem.free(7)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
-        block1_ln2 = mem.tensor(12, (32, 64, 64), 'float32')
+        block1_ln2 = mem.tensor(8, (32, 64, 64), 'float32')
         rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
 
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(13, (2048, 256), 'float32')
+        block1_fc1_matmul = mem.tensor(9, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
-        mem.free(12)
+        mem.free(8)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -2051,11 +1967,11 @@ class CharLm(rp.Model):
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(14, (2048, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(10, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(13)
+        mem.free(9)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -2068,9 +1984,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(14)
+        mem.free(10)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
-        block2_ln1 = mem.tensor(15, (32, 64, 64), 'float32')
+        block2_ln1 = mem.tensor(11, (32, 64, 64), 'float32')
         rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
@@ -2079,79 +1995,51 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(16, (2048, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(12, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
-        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
-        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(17, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(16)
-
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(18, (2048, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(13, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
-        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(19, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
-        # free block2_attn_k_matmul, block2_attn_reshape_2
-        del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(18)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(20, (2048, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(14, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
-        mem.free(15)
+        mem.free(11)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
-        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
-        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(21, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(20)
-        # block2_attn = attention[causal=True,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(22, (32, 4, 64, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, causal=True, scale=0.25, workspace=mem.workspace(2097152))
-        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        mem.free(17, 19, 21)
+        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_q_add)
+        block2_attn_reshape = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
+        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_v_add)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
+        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block2_attn = attention[causal=True,heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2)
+        block2_attn = mem.tensor(15, (32, 64, 4, 16), 'float32')
+        rt.attention(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, out=block2_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        mem.free(12, 13, 14)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(23, (32, 64, 4, 16), 'float32')
-        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn
-        del block2_attn
-        mem.free(22)
-        # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
-        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
+        # block2_attn_out_reshape = reshape[2048x64](block2_attn)
+        block2_attn_out_reshape = rt.reshape(block2_attn, shape=(2048, 64))
         # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(24, (2048, 64), 'float32')
+        block2_attn_out_matmul = mem.tensor(16, (2048, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
-        # free block2_attn_out_transpose, block2_attn_out_reshape
-        del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(23)
+        # free block2_attn, block2_attn_out_reshape
+        del block2_attn, block2_attn_out_reshape
+        mem.free(15)
         # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
         rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
@@ -2164,20 +2052,20 @@ class CharLm(rp.Model):
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
         del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(24)
+        mem.free(16)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
-        block2_ln2 = mem.tensor(25, (32, 64, 64), 'float32')
+        block2_ln2 = mem.tensor(17, (32, 64, 64), 'float32')
         rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
 
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(26, (2048, 256), 'float32')
+        block2_fc1_matmul = mem.tensor(18, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
-        mem.free(25)
+        mem.free(17)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -2193,11 +2081,11 @@ class CharLm(rp.Model):
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(27, (2048, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(19, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(26)
+        mem.free(18)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -2210,9 +2098,9 @@ class CharLm(rp.Model):
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(27)
+        mem.free(19)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
-        ln = mem.tensor(28, (32, 64, 64), 'float32')
+        ln = mem.tensor(20, (32, 64, 64), 'float32')
         rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
         # free embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add
         del embed_gather_rows, embed, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, ln_add
@@ -2222,11 +2110,11 @@ class CharLm(rp.Model):
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(29, (2048, 256), 'float32')
+        next_matmul = mem.tensor(21, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
         # free ln, next_reshape
         del ln, next_reshape
-        mem.free(28)
+        mem.free(20)
         # next_add = next_matmul + next_B
         next_add = next_matmul  # in place: over next_matmul
         rt.ew(ew_add, next_add, next_matmul, T['next_B'])
@@ -2367,36 +2255,28 @@ class CharLm(rp.Model):
                 (2097152, 524288),  # 2: embed_gather_rows 2048x64 float32
                 (0, 524288),  # 3: block1_ln1 32x64x64 float32
                 (524288, 524288),  # 4: block1_attn_v_matmul 2048x64 float32
-                (1048576, 524288),  # 5: block1_attn_transpose 32x4x64x16 float32
-                (524288, 524288),  # 6: block1_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 7: block1_attn_transpose_2 32x4x64x16 float32
-                (524288, 524288),  # 8: block1_attn_q_matmul 2048x64 float32
-                (0, 524288),  # 9: block1_attn_transpose_3 32x4x64x16 float32
-                (524288, 524288),  # 10: block1_attn 32x4x64x16 float32
-                (0, 524288),  # 11: block1_attn_out_transpose 32x64x4x16 float32
-                (524288, 524288),  # 12: block1_attn_out_matmul 2048x64 float32
-                (2621440, 524288),  # 13: block1_ln2 32x64x64 float32
-                (0, 2097152),  # 14: block1_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 15: block1_fc2_matmul 2048x64 float32
-                (0, 524288),  # 16: block2_ln1 32x64x64 float32
-                (524288, 524288),  # 17: block2_attn_v_matmul 2048x64 float32
-                (1048576, 524288),  # 18: block2_attn_transpose 32x4x64x16 float32
-                (524288, 524288),  # 19: block2_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 20: block2_attn_transpose_2 32x4x64x16 float32
-                (524288, 524288),  # 21: block2_attn_q_matmul 2048x64 float32
-                (0, 524288),  # 22: block2_attn_transpose_3 32x4x64x16 float32
-                (524288, 524288),  # 23: block2_attn 32x4x64x16 float32
-                (0, 524288),  # 24: block2_attn_out_transpose 32x64x4x16 float32
-                (524288, 524288),  # 25: block2_attn_out_matmul 2048x64 float32
-                (2621440, 524288),  # 26: block2_ln2 32x64x64 float32
-                (0, 2097152),  # 27: block2_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 28: block2_fc2_matmul 2048x64 float32
-                (2621440, 524288),  # 29: ln 32x64x64 float32
-                (0, 2097152),  # 30: next_matmul 2048x256 float32
-                (2113536, 4),  # 31: next_precision scalar float32
-                (2097152, 8192),  # 32: label_ranks 2048 float32
-                (2105344, 8192),  # 33: next_cross_entropy_pick 2048 float32
-                (0, 4),  # 34: next_cross_entropy_sum_to scalar float32
+                (1048576, 524288),  # 5: block1_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 6: block1_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 7: block1_attn 32x64x4x16 float32
+                (524288, 524288),  # 8: block1_attn_out_matmul 2048x64 float32
+                (2621440, 524288),  # 9: block1_ln2 32x64x64 float32
+                (0, 2097152),  # 10: block1_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 11: block1_fc2_matmul 2048x64 float32
+                (0, 524288),  # 12: block2_ln1 32x64x64 float32
+                (524288, 524288),  # 13: block2_attn_v_matmul 2048x64 float32
+                (1048576, 524288),  # 14: block2_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 15: block2_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 16: block2_attn 32x64x4x16 float32
+                (524288, 524288),  # 17: block2_attn_out_matmul 2048x64 float32
+                (2621440, 524288),  # 18: block2_ln2 32x64x64 float32
+                (0, 2097152),  # 19: block2_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 20: block2_fc2_matmul 2048x64 float32
+                (2621440, 524288),  # 21: ln 32x64x64 float32
+                (0, 2097152),  # 22: next_matmul 2048x256 float32
+                (2113536, 4),  # 23: next_precision scalar float32
+                (2097152, 8192),  # 24: label_ranks 2048 float32
+                (2105344, 8192),  # 25: next_cross_entropy_pick 2048 float32
+                (0, 4),  # 26: next_cross_entropy_sum_to scalar float32
             )),
         "predict_step": rp.StepPlan(
             arena_bytes=3145728, peak_bytes=3145728, workspace_bytes=2097152, pool_bytes=3153920,
@@ -2405,32 +2285,24 @@ class CharLm(rp.Model):
                 (2097152, 524288),  # 1: embed_gather_rows 2048x64 float32
                 (0, 524288),  # 2: block1_ln1 32x64x64 float32
                 (524288, 524288),  # 3: block1_attn_v_matmul 2048x64 float32
-                (1048576, 524288),  # 4: block1_attn_transpose 32x4x64x16 float32
-                (524288, 524288),  # 5: block1_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 6: block1_attn_transpose_2 32x4x64x16 float32
-                (524288, 524288),  # 7: block1_attn_q_matmul 2048x64 float32
-                (0, 524288),  # 8: block1_attn_transpose_3 32x4x64x16 float32
-                (524288, 524288),  # 9: block1_attn 32x4x64x16 float32
-                (0, 524288),  # 10: block1_attn_out_transpose 32x64x4x16 float32
-                (524288, 524288),  # 11: block1_attn_out_matmul 2048x64 float32
-                (2621440, 524288),  # 12: block1_ln2 32x64x64 float32
-                (0, 2097152),  # 13: block1_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 14: block1_fc2_matmul 2048x64 float32
-                (0, 524288),  # 15: block2_ln1 32x64x64 float32
-                (524288, 524288),  # 16: block2_attn_v_matmul 2048x64 float32
-                (1048576, 524288),  # 17: block2_attn_transpose 32x4x64x16 float32
-                (524288, 524288),  # 18: block2_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 19: block2_attn_transpose_2 32x4x64x16 float32
-                (524288, 524288),  # 20: block2_attn_q_matmul 2048x64 float32
-                (0, 524288),  # 21: block2_attn_transpose_3 32x4x64x16 float32
-                (524288, 524288),  # 22: block2_attn 32x4x64x16 float32
-                (0, 524288),  # 23: block2_attn_out_transpose 32x64x4x16 float32
-                (524288, 524288),  # 24: block2_attn_out_matmul 2048x64 float32
-                (2621440, 524288),  # 25: block2_ln2 32x64x64 float32
-                (0, 2097152),  # 26: block2_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 27: block2_fc2_matmul 2048x64 float32
-                (2621440, 524288),  # 28: ln 32x64x64 float32
-                (0, 2097152),  # 29: next_matmul 2048x256 float32
+                (1048576, 524288),  # 4: block1_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 5: block1_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 6: block1_attn 32x64x4x16 float32
+                (524288, 524288),  # 7: block1_attn_out_matmul 2048x64 float32
+                (2621440, 524288),  # 8: block1_ln2 32x64x64 float32
+                (0, 2097152),  # 9: block1_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 10: block1_fc2_matmul 2048x64 float32
+                (0, 524288),  # 11: block2_ln1 32x64x64 float32
+                (524288, 524288),  # 12: block2_attn_v_matmul 2048x64 float32
+                (1048576, 524288),  # 13: block2_attn_k_matmul 2048x64 float32
+                (1572864, 524288),  # 14: block2_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 15: block2_attn 32x64x4x16 float32
+                (524288, 524288),  # 16: block2_attn_out_matmul 2048x64 float32
+                (2621440, 524288),  # 17: block2_ln2 32x64x64 float32
+                (0, 2097152),  # 18: block2_fc1_matmul 2048x256 float32
+                (2621440, 524288),  # 19: block2_fc2_matmul 2048x64 float32
+                (2621440, 524288),  # 20: ln 32x64x64 float32
+                (0, 2097152),  # 21: next_matmul 2048x256 float32
             )),
     }
 

@@ -4,8 +4,8 @@ Source network: networks/vit.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: AdamW, 600 iterations, lr 0.002, betas (0.9, 0.999), eps 1e-08, decay 0.05, lr schedule cosine:0 after 50 iterations of warm-up
-Memory: peak 22.46 MB of tensors planned for the training step (2.05 MB testing); static arena 22.46 MB, pool 22.46 MB, workspace 0.87 MB
-Structure hash: 5526e0ce4d3ebc47
+Memory: peak 20.82 MB of tensors planned for the training step (2.05 MB testing); static arena 20.82 MB, pool 20.82 MB, workspace 0.87 MB
+Structure hash: cc89dd56523d768c
 
 Usage: python vit.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class Vit(rp.Model):
 
     name = "vit"
     source = "networks/vit.py"
-    structure_hash = "5526e0ce4d3ebc47"
+    structure_hash = "cc89dd56523d768c"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -330,60 +330,35 @@ class Vit(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(7, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(6)
-
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(8, (1600, 64), 'float32')
+        block1_attn_k_matmul = mem.tensor(7, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(9, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
-        # free block1_attn_k_matmul, block1_attn_reshape_2
-        del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(8)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(10, (1600, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(8, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
         block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
         # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
         # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
         block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(11, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(10)
-        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
-        block1_attn = mem.tensor(12, (100, 4, 16, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
+        # block1_attn = attention[heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
+        block1_attn = mem.tensor(9, (100, 16, 4, 16), 'float32')
+        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(13, (100, 16, 4, 16), 'float32')
-        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
-        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
+        # block1_attn_out_reshape = reshape[1600x64](block1_attn)
+        block1_attn_out_reshape = rt.reshape(block1_attn, shape=(1600, 64))
         # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(14, (1600, 64), 'float32')
+        block1_attn_out_matmul = mem.tensor(10, (1600, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
         # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
@@ -396,14 +371,14 @@ class Vit(rp.Model):
         block1_ln2_add_2 = block1_attn_out  # in place: over block1_attn_out
         rt.ew(ew_add_2, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
-        block1_ln2 = mem.tensor(15, (100, 16, 64), 'float32')
+        block1_ln2 = mem.tensor(11, (100, 16, 64), 'float32')
         rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
 
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(16, (1600, 128), 'float32')
+        block1_fc1_matmul = mem.tensor(12, (1600, 128), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
@@ -413,14 +388,14 @@ class Vit(rp.Model):
 
         # ---- block1_fc1_gelu (gelu), forward ----
         # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = mem.tensor(17, (100, 16, 128), 'float32')
+        block1_fc1_gelu = mem.tensor(13, (100, 16, 128), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
 
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(18, (1600, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(14, (1600, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
@@ -433,7 +408,7 @@ class Vit(rp.Model):
         block2_ln1_add = block1_fc2  # in place: over block1_fc2
         rt.ew(ew_add_2, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
-        block2_ln1 = mem.tensor(19, (100, 16, 64), 'float32')
+        block2_ln1 = mem.tensor(15, (100, 16, 64), 'float32')
         rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
@@ -442,66 +417,41 @@ class Vit(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(20, (1600, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(16, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
-        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(21, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(20)
-
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(22, (1600, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(17, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
-        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(23, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
-        # free block2_attn_k_matmul, block2_attn_reshape_2
-        del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(22)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(24, (1600, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(18, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
         # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
-        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(25, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(24)
-        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(26, (100, 4, 16, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
+        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_q_add)
+        block2_attn_reshape = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
+        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_v_add)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
+        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block2_attn = attention[heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2)
+        block2_attn = mem.tensor(19, (100, 16, 4, 16), 'float32')
+        rt.attention(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, out=block2_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(27, (100, 16, 4, 16), 'float32')
-        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
-        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
-        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
+        # block2_attn_out_reshape = reshape[1600x64](block2_attn)
+        block2_attn_out_reshape = rt.reshape(block2_attn, shape=(1600, 64))
         # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(28, (1600, 64), 'float32')
+        block2_attn_out_matmul = mem.tensor(20, (1600, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
         # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
@@ -514,14 +464,14 @@ class Vit(rp.Model):
         block2_ln2_add = block2_attn_out  # in place: over block2_attn_out
         rt.ew(ew_add_2, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
-        block2_ln2 = mem.tensor(29, (100, 16, 64), 'float32')
+        block2_ln2 = mem.tensor(21, (100, 16, 64), 'float32')
         rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
 
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(30, (1600, 128), 'float32')
+        block2_fc1_matmul = mem.tensor(22, (1600, 128), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
@@ -531,14 +481,14 @@ class Vit(rp.Model):
 
         # ---- block2_fc1_gelu (gelu), forward ----
         # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = mem.tensor(31, (100, 16, 128), 'float32')
+        block2_fc1_gelu = mem.tensor(23, (100, 16, 128), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
 
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(32, (1600, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(24, (1600, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
@@ -551,7 +501,7 @@ class Vit(rp.Model):
         block3_ln1_add = block2_fc2  # in place: over block2_fc2
         rt.ew(ew_add_2, block3_ln1_add, block2_ln2_add, block2_fc2)
         # block3_ln1 = layer_norm[axes=1,eps=1e-05](block3_ln1_add, block3_ln1_W, block3_ln1_B)
-        block3_ln1 = mem.tensor(33, (100, 16, 64), 'float32')
+        block3_ln1 = mem.tensor(25, (100, 16, 64), 'float32')
         rt.layer_norm(block3_ln1_add, T['block3_ln1_W'], T['block3_ln1_B'], out=block3_ln1, axes=1, eps=1e-05)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
@@ -560,66 +510,41 @@ class Vit(rp.Model):
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
         # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(34, (1600, 64), 'float32')
+        block3_attn_v_matmul = mem.tensor(26, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
         # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
         block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
         rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
 
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
-        block3_attn_transpose = mem.tensor(35, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        mem.free(34)
-
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
-        block3_attn_k_matmul = mem.tensor(36, (1600, 64), 'float32')
+        block3_attn_k_matmul = mem.tensor(27, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
-
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
-        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
-        block3_attn_transpose_2 = mem.tensor(37, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
-        # free block3_attn_k_matmul, block3_attn_reshape_2
-        del block3_attn_k_matmul, block3_attn_reshape_2
-        mem.free(36)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(38, (1600, 64), 'float32')
+        block3_attn_q_matmul = mem.tensor(28, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
         # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
         block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
         rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
 
         # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
-        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
-        block3_attn_transpose_3 = mem.tensor(39, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
-        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        mem.free(38)
-        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
-        block3_attn = mem.tensor(40, (100, 4, 16, 16), 'float32')
-        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn = attention[heads=True,scale=0.25](block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3)
+        block3_attn = mem.tensor(29, (100, 16, 4, 16), 'float32')
+        rt.attention(block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, out=block3_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
-        block3_attn_out_transpose = mem.tensor(41, (100, 16, 4, 16), 'float32')
-        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
-        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
-        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
+        # block3_attn_out_reshape = reshape[1600x64](block3_attn)
+        block3_attn_out_reshape = rt.reshape(block3_attn, shape=(1600, 64))
         # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
-        block3_attn_out_matmul = mem.tensor(42, (1600, 64), 'float32')
+        block3_attn_out_matmul = mem.tensor(30, (1600, 64), 'float32')
         rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
         # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
         block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
@@ -632,14 +557,14 @@ class Vit(rp.Model):
         block3_ln2_add = block3_attn_out  # in place: over block3_attn_out
         rt.ew(ew_add_2, block3_ln2_add, block3_ln1_add, block3_attn_out)
         # block3_ln2 = layer_norm[axes=1,eps=1e-05](block3_ln2_add, block3_ln2_W, block3_ln2_B)
-        block3_ln2 = mem.tensor(43, (100, 16, 64), 'float32')
+        block3_ln2 = mem.tensor(31, (100, 16, 64), 'float32')
         rt.layer_norm(block3_ln2_add, T['block3_ln2_W'], T['block3_ln2_B'], out=block3_ln2, axes=1, eps=1e-05)
 
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
         # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(44, (1600, 128), 'float32')
+        block3_fc1_matmul = mem.tensor(32, (1600, 128), 'float32')
         rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
         # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
         block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
@@ -649,14 +574,14 @@ class Vit(rp.Model):
 
         # ---- block3_fc1_gelu (gelu), forward ----
         # block3_fc1_gelu = block3_fc1*(erf(sqrt(2)*block3_fc1/2) + 1)/2
-        block3_fc1_gelu = mem.tensor(45, (100, 16, 128), 'float32')
+        block3_fc1_gelu = mem.tensor(33, (100, 16, 128), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block3_fc1_gelu, block3_fc1)
 
         # ---- block3_fc2 (fully connected, 64 outputs), forward ----
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
         # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(46, (1600, 64), 'float32')
+        block3_fc2_matmul = mem.tensor(34, (1600, 64), 'float32')
         rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
         # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
         block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
@@ -669,7 +594,7 @@ class Vit(rp.Model):
         block4_ln1_add = block3_fc2  # in place: over block3_fc2
         rt.ew(ew_add_2, block4_ln1_add, block3_ln2_add, block3_fc2)
         # block4_ln1 = layer_norm[axes=1,eps=1e-05](block4_ln1_add, block4_ln1_W, block4_ln1_B)
-        block4_ln1 = mem.tensor(47, (100, 16, 64), 'float32')
+        block4_ln1 = mem.tensor(35, (100, 16, 64), 'float32')
         rt.layer_norm(block4_ln1_add, T['block4_ln1_W'], T['block4_ln1_B'], out=block4_ln1, axes=1, eps=1e-05)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
@@ -678,66 +603,41 @@ class Vit(rp.Model):
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
         # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(48, (1600, 64), 'float32')
+        block4_attn_v_matmul = mem.tensor(36, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
         # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
         block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
         rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
 
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
-        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
-        block4_attn_transpose = mem.tensor(49, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        mem.free(48)
-
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
-        block4_attn_k_matmul = mem.tensor(50, (1600, 64), 'float32')
+        block4_attn_k_matmul = mem.tensor(37, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
-
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
-        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
-        block4_attn_transpose_2 = mem.tensor(51, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
-        # free block4_attn_k_matmul, block4_attn_reshape_2
-        del block4_attn_k_matmul, block4_attn_reshape_2
-        mem.free(50)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(52, (1600, 64), 'float32')
+        block4_attn_q_matmul = mem.tensor(38, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
         # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
         block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
         rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
 
         # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
+        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
+        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
+        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
         # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
         block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
-        block4_attn_transpose_3 = mem.tensor(53, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
-        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        mem.free(52)
-        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
-        block4_attn = mem.tensor(54, (100, 4, 16, 16), 'float32')
-        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
+        # block4_attn = attention[heads=True,scale=0.25](block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape)
+        block4_attn = mem.tensor(39, (100, 16, 4, 16), 'float32')
+        rt.attention(block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, out=block4_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
-        block4_attn_out_transpose = mem.tensor(55, (100, 16, 4, 16), 'float32')
-        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
-        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
-        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
+        # block4_attn_out_reshape = reshape[1600x64](block4_attn)
+        block4_attn_out_reshape = rt.reshape(block4_attn, shape=(1600, 64))
         # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
-        block4_attn_out_matmul = mem.tensor(56, (1600, 64), 'float32')
+        block4_attn_out_matmul = mem.tensor(40, (1600, 64), 'float32')
         rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
         # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
         block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
@@ -750,14 +650,14 @@ class Vit(rp.Model):
         block4_ln2_add = block4_attn_out  # in place: over block4_attn_out
         rt.ew(ew_add_2, block4_ln2_add, block4_ln1_add, block4_attn_out)
         # block4_ln2 = layer_norm[axes=1,eps=1e-05](block4_ln2_add, block4_ln2_W, block4_ln2_B)
-        block4_ln2 = mem.tensor(57, (100, 16, 64), 'float32')
+        block4_ln2 = mem.tensor(41, (100, 16, 64), 'float32')
         rt.layer_norm(block4_ln2_add, T['block4_ln2_W'], T['block4_ln2_B'], out=block4_ln2, axes=1, eps=1e-05)
 
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
         # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(58, (1600, 128), 'float32')
+        block4_fc1_matmul = mem.tensor(42, (1600, 128), 'float32')
         rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
         # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
         block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
@@ -767,14 +667,14 @@ class Vit(rp.Model):
 
         # ---- block4_fc1_gelu (gelu), forward ----
         # block4_fc1_gelu = block4_fc1*(erf(sqrt(2)*block4_fc1/2) + 1)/2
-        block4_fc1_gelu = mem.tensor(59, (100, 16, 128), 'float32')
+        block4_fc1_gelu = mem.tensor(43, (100, 16, 128), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block4_fc1_gelu, block4_fc1)
 
         # ---- block4_fc2 (fully connected, 64 outputs), forward ----
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
         # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(60, (1600, 64), 'float32')
+        block4_fc2_matmul = mem.tensor(44, (1600, 64), 'float32')
         rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
         # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
         block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
@@ -787,23 +687,23 @@ class Vit(rp.Model):
         ln_add = block4_fc2  # in place: over block4_fc2
         rt.ew(ew_add_2, ln_add, block4_ln2_add, block4_fc2)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
-        ln = mem.tensor(61, (100, 16, 64), 'float32')
+        ln = mem.tensor(45, (100, 16, 64), 'float32')
         rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
 
         # ---- head (fully connected, 10 outputs), forward ----
         # head_sum_to = sum_to[100x1x64](ln)
-        head_sum_to = mem.tensor(62, (100, 1, 64), 'float32')
+        head_sum_to = mem.tensor(46, (100, 1, 64), 'float32')
         rt.sum_to(ln, out=head_sum_to, shape=(100, 1, 64))
         # free ln
         del ln
-        mem.free(61)
+        mem.free(45)
         # head_reshape = reshape[100x64](head_sum_to)
         head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
         rt.ew(ew_scale, head_scale, head_reshape)
         # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(63, (100, 10), 'float32')
+        head_matmul = mem.tensor(47, (100, 10), 'float32')
         rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
         # head = head_matmul + head_B
         head = head_matmul  # in place: over head_matmul
@@ -814,7 +714,7 @@ class Vit(rp.Model):
         head_cross_entropy_log_softmax = head  # in place: over head
         rt.log_softmax(head, out=head_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
-        head_cross_entropy_pick = mem.tensor(64, (100,), 'float32')
+        head_cross_entropy_pick = mem.tensor(48, (100,), 'float32')
         rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
         # free y
         del y
@@ -826,23 +726,23 @@ class Vit(rp.Model):
         rt.ew(ew_exp_scale_add, d_head, d_head_cross_entropy_log_softmax, head_cross_entropy_log_softmax)
         # free head_matmul, head, head_cross_entropy_log_softmax
         del head_matmul, head, head_cross_entropy_log_softmax
-        mem.free(63)
+        mem.free(47)
 
         # ---- head (fully connected, 10 outputs), backward ----
         # d_head_W = matmul[ta](d_head, head_scale)
-        d_head_W = mem.tensor(65, (10, 64), 'float32')
+        d_head_W = mem.tensor(49, (10, 64), 'float32')
         rt.matmul(d_head, head_scale, out=d_head_W, ta=True)
         # free head_sum_to, head_reshape, head_scale
         del head_sum_to, head_reshape, head_scale
-        mem.free(62)
+        mem.free(46)
 
         # ---- head_cross_entropy (cross_entropy), forward ----
         # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
-        head_cross_entropy_sum_to = mem.tensor(66, (), 'float32')
+        head_cross_entropy_sum_to = mem.tensor(50, (), 'float32')
         rt.sum_to(head_cross_entropy_pick, out=head_cross_entropy_sum_to, shape=())
         # free head_cross_entropy_pick
         del head_cross_entropy_pick
-        mem.free(64)
+        mem.free(48)
         # head_cross_entropy = -head_cross_entropy_sum_to/100
         head_cross_entropy = head_cross_entropy_sum_to  # in place: over head_cross_entropy_sum_to
         rt.ew(ew_scale_2, head_cross_entropy, head_cross_entropy_sum_to)
@@ -856,9 +756,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_head_W_new, T['M_head_W'], d_head_W)
         # free d_head_W
         del d_head_W
-        mem.free(65)
+        mem.free(49)
         # d_head_B = sum_to[10](d_head)
-        d_head_B = mem.tensor(67, (10,), 'float32')
+        d_head_B = mem.tensor(51, (10,), 'float32')
         rt.sum_to(d_head, out=d_head_B, shape=(10,))
         # S_head_B_new = 0.999*S_head_B + 0.001*d_head_B**2
         S_head_B_new = T['S_head_B']  # in place: the new S_head_B
@@ -871,9 +771,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, head_B_new, T['head_B'], lr, bias1, M_head_B_new, S_head_B_new, bias2, decay))
         # free d_head_B
         del d_head_B
-        mem.free(67)
+        mem.free(51)
         # d_head_scale = matmul(d_head, head_W)
-        d_head_scale = mem.tensor(68, (100, 64), 'float32')
+        d_head_scale = mem.tensor(52, (100, 64), 'float32')
         rt.matmul(d_head, T['head_W'], out=d_head_scale)
         # free d_head_cross_entropy_log_softmax, d_head
         del d_head_cross_entropy_log_softmax, d_head
@@ -887,32 +787,32 @@ class Vit(rp.Model):
         # d_head_sum_to = reshape[100x1x64](d_head_reshape)
         d_head_sum_to = rt.reshape(d_head_reshape, shape=(100, 1, 64))
         # d_ln = broadcast_to[100x16x64](d_head_sum_to)
-        d_ln = mem.tensor(69, (100, 16, 64), 'float32')
+        d_ln = mem.tensor(53, (100, 16, 64), 'float32')
         rt.broadcast_to(d_head_sum_to, out=d_ln, shape=(100, 16, 64))
         # free d_head_scale, d_head_reshape, d_head_sum_to
         del d_head_scale, d_head_reshape, d_head_sum_to
-        mem.free(68)
+        mem.free(52)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](ln_add, d_ln)
-        d_ln_layer_norm_param_grad = mem.tensor(70, (2, 64), 'float32')
+        d_ln_layer_norm_param_grad = mem.tensor(54, (2, 64), 'float32')
         rt.layer_norm_param_grad(ln_add, d_ln, out=d_ln_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_ln_add = layer_norm_grad[axes=1,eps=1e-05](ln_add, d_ln, ln_W)
         d_ln_add = d_ln  # in place: over d_ln
         rt.layer_norm_grad(ln_add, d_ln, T['ln_W'], out=d_ln_add, axes=1, eps=1e-05)
         # free block4_fc2_matmul, block4_fc2_add, block4_fc2, ln_add
         del block4_fc2_matmul, block4_fc2_add, block4_fc2, ln_add
-        mem.free(60)
+        mem.free(44)
 
         # ---- block4_fc2 (fully connected, 64 outputs), backward ----
         # d_block4_fc2_add = reshape[1600x64](d_ln_add)
         d_block4_fc2_add = rt.reshape(d_ln_add, shape=(1600, 64))
         # d_block4_fc2_W = matmul[ta](d_block4_fc2_add, block4_fc2_reshape)
-        d_block4_fc2_W = mem.tensor(71, (64, 128), 'float32')
+        d_block4_fc2_W = mem.tensor(55, (64, 128), 'float32')
         rt.matmul(d_block4_fc2_add, block4_fc2_reshape, out=d_block4_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block4_fc1_gelu, block4_fc2_reshape
         del block4_fc1_gelu, block4_fc2_reshape
-        mem.free(59)
+        mem.free(43)
         # S_block4_fc2_W_new = 0.999*S_block4_fc2_W + 0.001*d_block4_fc2_W**2
         S_block4_fc2_W_new = T['S_block4_fc2_W']  # in place: the new S_block4_fc2_W
         rt.ew(ew_square_scale_add, S_block4_fc2_W_new, T['S_block4_fc2_W'], d_block4_fc2_W)
@@ -921,9 +821,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block4_fc2_W_new, T['M_block4_fc2_W'], d_block4_fc2_W)
         # free d_block4_fc2_W
         del d_block4_fc2_W
-        mem.free(71)
+        mem.free(55)
         # d_block4_fc2_B = sum_to[64](d_block4_fc2_add)
-        d_block4_fc2_B = mem.tensor(72, (64,), 'float32')
+        d_block4_fc2_B = mem.tensor(56, (64,), 'float32')
         rt.sum_to(d_block4_fc2_add, out=d_block4_fc2_B, shape=(64,))
         # S_block4_fc2_B_new = 0.999*S_block4_fc2_B + 0.001*d_block4_fc2_B**2
         S_block4_fc2_B_new = T['S_block4_fc2_B']  # in place: the new S_block4_fc2_B
@@ -936,18 +836,18 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_fc2_B_new, T['block4_fc2_B'], lr, bias1, M_block4_fc2_B_new, S_block4_fc2_B_new, bias2, decay))
         # free d_block4_fc2_B
         del d_block4_fc2_B
-        mem.free(72)
+        mem.free(56)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
-        d_ln_slice = mem.tensor(73, (1, 64), 'float32')
+        d_ln_slice = mem.tensor(57, (1, 64), 'float32')
         rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice, axis=0, start=0, stop=1)
         # d_ln_slice_2 = slice[axis=0,start=1,stop=2](d_ln_layer_norm_param_grad)
-        d_ln_slice_2 = mem.tensor(74, (1, 64), 'float32')
+        d_ln_slice_2 = mem.tensor(58, (1, 64), 'float32')
         rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice_2, axis=0, start=1, stop=2)
         # free d_ln_layer_norm_param_grad
         del d_ln_layer_norm_param_grad
-        mem.free(70)
+        mem.free(54)
         # d_ln_W = reshape[64](d_ln_slice)
         d_ln_W = rt.reshape(d_ln_slice, shape=(64,))
         # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
@@ -961,7 +861,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay))
         # free d_ln_slice, d_ln_W
         del d_ln_slice, d_ln_W
-        mem.free(73)
+        mem.free(57)
         # d_ln_B = reshape[64](d_ln_slice_2)
         d_ln_B = rt.reshape(d_ln_slice_2, shape=(64,))
         # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
@@ -975,11 +875,11 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
         # free d_ln_slice_2, d_ln_B
         del d_ln_slice_2, d_ln_B
-        mem.free(74)
+        mem.free(58)
 
         # ---- block4_fc2 (fully connected, 64 outputs), backward ----
         # d_block4_fc2_reshape = matmul(d_block4_fc2_add, block4_fc2_W)
-        d_block4_fc2_reshape = mem.tensor(75, (1600, 128), 'float32')
+        d_block4_fc2_reshape = mem.tensor(59, (1600, 128), 'float32')
         rt.matmul(d_block4_fc2_add, T['block4_fc2_W'], out=d_block4_fc2_reshape)
         # d_block4_fc1_gelu = reshape[100x16x128](d_block4_fc2_reshape)
         d_block4_fc1_gelu = rt.reshape(d_block4_fc2_reshape, shape=(100, 16, 128))
@@ -990,17 +890,17 @@ class Vit(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block4_fc1, d_block4_fc1_gelu, block4_fc1)
         # free block4_fc1_matmul, block4_fc1_add, block4_fc1
         del block4_fc1_matmul, block4_fc1_add, block4_fc1
-        mem.free(58)
+        mem.free(42)
 
         # ---- block4_fc1 (fully connected, 128 outputs), backward ----
         # d_block4_fc1_add = reshape[1600x128](d_block4_fc1)
         d_block4_fc1_add = rt.reshape(d_block4_fc1, shape=(1600, 128))
         # d_block4_fc1_W = matmul[ta](d_block4_fc1_add, block4_fc1_reshape)
-        d_block4_fc1_W = mem.tensor(76, (128, 64), 'float32')
+        d_block4_fc1_W = mem.tensor(60, (128, 64), 'float32')
         rt.matmul(d_block4_fc1_add, block4_fc1_reshape, out=d_block4_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block4_ln2, block4_fc1_reshape
         del block4_ln2, block4_fc1_reshape
-        mem.free(57)
+        mem.free(41)
         # S_block4_fc1_W_new = 0.999*S_block4_fc1_W + 0.001*d_block4_fc1_W**2
         S_block4_fc1_W_new = T['S_block4_fc1_W']  # in place: the new S_block4_fc1_W
         rt.ew(ew_square_scale_add, S_block4_fc1_W_new, T['S_block4_fc1_W'], d_block4_fc1_W)
@@ -1009,7 +909,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block4_fc1_W_new, T['M_block4_fc1_W'], d_block4_fc1_W)
         # free d_block4_fc1_W
         del d_block4_fc1_W
-        mem.free(76)
+        mem.free(60)
 
         # ---- block4_fc2 (fully connected, 64 outputs), backward ----
         # block4_fc2_W_new = block4_fc2_W*(-lr*decay + 1) - lr*M_block4_fc2_W_new/(bias1*(sqrt(S_block4_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1018,14 +918,14 @@ class Vit(rp.Model):
 
         # ---- block4_fc1 (fully connected, 128 outputs), backward ----
         # d_block4_fc1_B = sum_to[128](d_block4_fc1_add)
-        d_block4_fc1_B = mem.tensor(77, (128,), 'float32')
+        d_block4_fc1_B = mem.tensor(61, (128,), 'float32')
         rt.sum_to(d_block4_fc1_add, out=d_block4_fc1_B, shape=(128,))
         # d_block4_fc1_reshape = matmul(d_block4_fc1_add, block4_fc1_W)
-        d_block4_fc1_reshape = mem.tensor(78, (1600, 64), 'float32')
+        d_block4_fc1_reshape = mem.tensor(62, (1600, 64), 'float32')
         rt.matmul(d_block4_fc1_add, T['block4_fc1_W'], out=d_block4_fc1_reshape)
         # free d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
         del d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
-        mem.free(75)
+        mem.free(59)
         # block4_fc1_W_new = block4_fc1_W*(-lr*decay + 1) - lr*M_block4_fc1_W_new/(bias1*(sqrt(S_block4_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block4_fc1_W_new = T['block4_fc1_W']  # in place: the new block4_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block4_fc1_W_new, T['block4_fc1_W'], lr, bias1, M_block4_fc1_W_new, S_block4_fc1_W_new, bias2, decay)
@@ -1040,47 +940,32 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_fc1_B_new, T['block4_fc1_B'], lr, bias1, M_block4_fc1_B_new, S_block4_fc1_B_new, bias2, decay))
         # free d_block4_fc1_B
         del d_block4_fc1_B
-        mem.free(77)
+        mem.free(61)
         # d_block4_ln2 = reshape[100x16x64](d_block4_fc1_reshape)
         d_block4_ln2 = rt.reshape(d_block4_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
         # d_block4_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block4_ln2_add, d_block4_ln2)
-        d_block4_ln2_layer_norm_param_grad = mem.tensor(79, (2, 64), 'float32')
+        d_block4_ln2_layer_norm_param_grad = mem.tensor(63, (2, 64), 'float32')
         rt.layer_norm_param_grad(block4_ln2_add, d_block4_ln2, out=d_block4_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block4_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block4_ln2_add, d_block4_ln2, block4_ln2_W)
         d_block4_ln2_add = d_block4_ln2  # in place: over d_block4_ln2
         rt.layer_norm_grad(block4_ln2_add, d_block4_ln2, T['block4_ln2_W'], out=d_block4_ln2_add, axes=1, eps=1e-05)
         # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out, block4_ln2_add
         del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out, block4_ln2_add
-        mem.free(56)
+        mem.free(40)
         # d_block4_ln2_add_2 = d_ln_add + d_block4_ln2_add
         d_block4_ln2_add_2 = d_ln_add  # in place: over d_ln_add
         rt.ew(ew_add, d_block4_ln2_add_2, d_ln_add, d_block4_ln2_add)
         # free d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_add
         del d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_add
-        mem.free(78)
+        mem.free(62)
 
         # ---- block4_attn_out (fully connected, 64 outputs), backward ----
         # d_block4_attn_out_add = reshape[1600x64](d_block4_ln2_add_2)
         d_block4_attn_out_add = rt.reshape(d_block4_ln2_add_2, shape=(1600, 64))
-        # d_block4_attn_out_W = matmul[ta](d_block4_attn_out_add, block4_attn_out_reshape)
-        d_block4_attn_out_W = mem.tensor(80, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape, out=d_block4_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block4_attn_out_transpose, block4_attn_out_reshape
-        del block4_attn_out_transpose, block4_attn_out_reshape
-        mem.free(55)
-        # S_block4_attn_out_W_new = 0.999*S_block4_attn_out_W + 0.001*d_block4_attn_out_W**2
-        S_block4_attn_out_W_new = T['S_block4_attn_out_W']  # in place: the new S_block4_attn_out_W
-        rt.ew(ew_square_scale_add, S_block4_attn_out_W_new, T['S_block4_attn_out_W'], d_block4_attn_out_W)
-        # M_block4_attn_out_W_new = 0.9*M_block4_attn_out_W + 0.1*d_block4_attn_out_W
-        M_block4_attn_out_W_new = T['M_block4_attn_out_W']  # in place: the new M_block4_attn_out_W
-        rt.ew(ew_scale_add, M_block4_attn_out_W_new, T['M_block4_attn_out_W'], d_block4_attn_out_W)
-        # free d_block4_attn_out_W
-        del d_block4_attn_out_W
-        mem.free(80)
         # d_block4_attn_out_B = sum_to[64](d_block4_attn_out_add)
-        d_block4_attn_out_B = mem.tensor(81, (64,), 'float32')
+        d_block4_attn_out_B = mem.tensor(64, (64,), 'float32')
         rt.sum_to(d_block4_attn_out_add, out=d_block4_attn_out_B, shape=(64,))
         # S_block4_attn_out_B_new = 0.999*S_block4_attn_out_B + 0.001*d_block4_attn_out_B**2
         S_block4_attn_out_B_new = T['S_block4_attn_out_B']  # in place: the new S_block4_attn_out_B
@@ -1093,18 +978,18 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_out_B_new, T['block4_attn_out_B'], lr, bias1, M_block4_attn_out_B_new, S_block4_attn_out_B_new, bias2, decay))
         # free d_block4_attn_out_B
         del d_block4_attn_out_B
-        mem.free(81)
+        mem.free(64)
 
         # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
         # d_block4_ln2_slice = slice[axis=0,start=0,stop=1](d_block4_ln2_layer_norm_param_grad)
-        d_block4_ln2_slice = mem.tensor(82, (1, 64), 'float32')
+        d_block4_ln2_slice = mem.tensor(65, (1, 64), 'float32')
         rt.slice(d_block4_ln2_layer_norm_param_grad, out=d_block4_ln2_slice, axis=0, start=0, stop=1)
         # d_block4_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln2_layer_norm_param_grad)
-        d_block4_ln2_slice_2 = mem.tensor(83, (1, 64), 'float32')
+        d_block4_ln2_slice_2 = mem.tensor(66, (1, 64), 'float32')
         rt.slice(d_block4_ln2_layer_norm_param_grad, out=d_block4_ln2_slice_2, axis=0, start=1, stop=2)
         # free d_block4_ln2_layer_norm_param_grad
         del d_block4_ln2_layer_norm_param_grad
-        mem.free(79)
+        mem.free(63)
         # d_block4_ln2_W = reshape[64](d_block4_ln2_slice)
         d_block4_ln2_W = rt.reshape(d_block4_ln2_slice, shape=(64,))
         # S_block4_ln2_W_new = 0.999*S_block4_ln2_W + 0.001*d_block4_ln2_W**2
@@ -1118,7 +1003,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_ln2_W_new, T['block4_ln2_W'], lr, bias1, M_block4_ln2_W_new, S_block4_ln2_W_new, bias2, decay))
         # free d_block4_ln2_slice, d_block4_ln2_W
         del d_block4_ln2_slice, d_block4_ln2_W
-        mem.free(82)
+        mem.free(65)
         # d_block4_ln2_B = reshape[64](d_block4_ln2_slice_2)
         d_block4_ln2_B = rt.reshape(d_block4_ln2_slice_2, shape=(64,))
         # S_block4_ln2_B_new = 0.999*S_block4_ln2_B + 0.001*d_block4_ln2_B**2
@@ -1132,28 +1017,34 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay))
         # free d_block4_ln2_slice_2, d_block4_ln2_B
         del d_block4_ln2_slice_2, d_block4_ln2_B
-        mem.free(83)
+        mem.free(66)
 
         # ---- block4_attn_out (fully connected, 64 outputs), backward ----
+        # d_block4_attn_out_W = matmul[ta](d_block4_attn_out_add, block4_attn_out_reshape)
+        d_block4_attn_out_W = mem.tensor(67, (64, 64), 'float32')
+        rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape, out=d_block4_attn_out_W, ta=True, workspace=mem.workspace(49152))
+        # S_block4_attn_out_W_new = 0.999*S_block4_attn_out_W + 0.001*d_block4_attn_out_W**2
+        S_block4_attn_out_W_new = T['S_block4_attn_out_W']  # in place: the new S_block4_attn_out_W
+        rt.ew(ew_square_scale_add, S_block4_attn_out_W_new, T['S_block4_attn_out_W'], d_block4_attn_out_W)
+        # M_block4_attn_out_W_new = 0.9*M_block4_attn_out_W + 0.1*d_block4_attn_out_W
+        M_block4_attn_out_W_new = T['M_block4_attn_out_W']  # in place: the new M_block4_attn_out_W
+        rt.ew(ew_scale_add, M_block4_attn_out_W_new, T['M_block4_attn_out_W'], d_block4_attn_out_W)
+        # free d_block4_attn_out_W
+        del d_block4_attn_out_W
+        mem.free(67)
         # d_block4_attn_out_reshape = matmul(d_block4_attn_out_add, block4_attn_out_W)
-        d_block4_attn_out_reshape = mem.tensor(84, (1600, 64), 'float32')
+        d_block4_attn_out_reshape = mem.tensor(68, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_out_add, T['block4_attn_out_W'], out=d_block4_attn_out_reshape)
         # d_block4_attn_out_transpose = reshape[100x16x4x16](d_block4_attn_out_reshape)
         d_block4_attn_out_transpose = rt.reshape(d_block4_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block4_attn = transpose[axes=(1,2)](d_block4_attn_out_transpose)
-        d_block4_attn = mem.tensor(85, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block4_attn_out_transpose, out=d_block4_attn, axes=(1, 2))
-        # free d_block4_attn_out_reshape, d_block4_attn_out_transpose
-        del d_block4_attn_out_reshape, d_block4_attn_out_transpose
-        mem.free(84)
 
         # ---- block4_attn (scaled dot-product attention), backward ----
-        # d_block4_attn_attention_grad = attention_grad[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, block4_attn, d_block4_attn)
-        d_block4_attn_attention_grad = mem.tensor(86, (307200,), 'float32')
-        rt.attention_grad(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, block4_attn, d_block4_attn, out=d_block4_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
-        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3, block4_attn, d_block4_attn
-        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3, block4_attn, d_block4_attn
-        mem.free(49, 51, 53, 54, 85)
+        # d_block4_attn_attention_grad = attention_grad[heads=True,scale=0.25](block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, block4_attn, d_block4_attn_out_transpose)
+        d_block4_attn_attention_grad = mem.tensor(69, (307200,), 'float32')
+        rt.attention_grad(block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, block4_attn, d_block4_attn_out_transpose, out=d_block4_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
+        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
+        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
+        mem.free(36, 37, 38, 39, 68)
 
         # ---- block4_attn_out (fully connected, 64 outputs), backward ----
         # block4_attn_out_W_new = block4_attn_out_W*(-lr*decay + 1) - lr*M_block4_attn_out_W_new/(bias1*(sqrt(S_block4_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1162,22 +1053,14 @@ class Vit(rp.Model):
 
         # ---- block4_attn (scaled dot-product attention), backward ----
         # d_block4_attn_slice = slice[axis=0,start=0,stop=102400](d_block4_attn_attention_grad)
-        d_block4_attn_slice = mem.tensor(87, (102400,), 'float32')
+        d_block4_attn_slice = mem.tensor(70, (102400,), 'float32')
         rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice, axis=0, start=0, stop=102400)
-        # d_block4_attn_transpose = reshape[100x4x16x16](d_block4_attn_slice)
-        d_block4_attn_transpose = rt.reshape(d_block4_attn_slice, shape=(100, 4, 16, 16))
-        # d_block4_attn_reshape = transpose[axes=(1,2)](d_block4_attn_transpose)
-        d_block4_attn_reshape = mem.tensor(88, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block4_attn_transpose, out=d_block4_attn_reshape, axes=(1, 2))
-        # free d_block4_attn_slice, d_block4_attn_transpose
-        del d_block4_attn_slice, d_block4_attn_transpose
-        mem.free(87)
-        # d_block4_attn_q_add = reshape[1600x64](d_block4_attn_reshape)
-        d_block4_attn_q_add = rt.reshape(d_block4_attn_reshape, shape=(1600, 64))
+        # d_block4_attn_q_add = reshape[1600x64](d_block4_attn_slice)
+        d_block4_attn_q_add = rt.reshape(d_block4_attn_slice, shape=(1600, 64))
 
         # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_B = sum_to[64](d_block4_attn_q_add)
-        d_block4_attn_q_B = mem.tensor(89, (64,), 'float32')
+        d_block4_attn_q_B = mem.tensor(71, (64,), 'float32')
         rt.sum_to(d_block4_attn_q_add, out=d_block4_attn_q_B, shape=(64,))
         # S_block4_attn_q_B_new = 0.999*S_block4_attn_q_B + 0.001*d_block4_attn_q_B**2
         S_block4_attn_q_B_new = T['S_block4_attn_q_B']  # in place: the new S_block4_attn_q_B
@@ -1190,16 +1073,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_q_B_new, T['block4_attn_q_B'], lr, bias1, M_block4_attn_q_B_new, S_block4_attn_q_B_new, bias2, decay))
         # free d_block4_attn_q_B
         del d_block4_attn_q_B
-        mem.free(89)
+        mem.free(71)
         # d_block4_attn_q_W = matmul[ta](d_block4_attn_q_add, block4_attn_q_reshape)
-        d_block4_attn_q_W = mem.tensor(90, (64, 64), 'float32')
+        d_block4_attn_q_W = mem.tensor(72, (64, 64), 'float32')
         rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block4_attn_q_reshape = matmul(d_block4_attn_q_add, block4_attn_q_W)
-        d_block4_attn_q_reshape = mem.tensor(91, (1600, 64), 'float32')
+        d_block4_attn_q_reshape = mem.tensor(73, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_q_add, T['block4_attn_q_W'], out=d_block4_attn_q_reshape)
-        # free d_block4_attn_reshape, d_block4_attn_q_add
-        del d_block4_attn_reshape, d_block4_attn_q_add
-        mem.free(88)
+        # free d_block4_attn_slice, d_block4_attn_q_add
+        del d_block4_attn_slice, d_block4_attn_q_add
+        mem.free(70)
         # S_block4_attn_q_W_new = 0.999*S_block4_attn_q_W + 0.001*d_block4_attn_q_W**2
         S_block4_attn_q_W_new = T['S_block4_attn_q_W']  # in place: the new S_block4_attn_q_W
         rt.ew(ew_square_scale_add, S_block4_attn_q_W_new, T['S_block4_attn_q_W'], d_block4_attn_q_W)
@@ -1211,40 +1094,24 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay))
         # free d_block4_attn_q_W
         del d_block4_attn_q_W
-        mem.free(90)
+        mem.free(72)
 
         # ---- block4_attn (scaled dot-product attention), backward ----
         # d_block4_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block4_attn_attention_grad)
-        d_block4_attn_slice_2 = mem.tensor(92, (102400,), 'float32')
+        d_block4_attn_slice_2 = mem.tensor(74, (102400,), 'float32')
         rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_2, axis=0, start=102400, stop=204800)
         # d_block4_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block4_attn_attention_grad)
-        d_block4_attn_slice_3 = mem.tensor(93, (102400,), 'float32')
+        d_block4_attn_slice_3 = mem.tensor(75, (102400,), 'float32')
         rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_3, axis=0, start=204800, stop=307200)
         # free d_block4_attn_attention_grad
         del d_block4_attn_attention_grad
-        mem.free(86)
-        # d_block4_attn_transpose_2 = reshape[100x4x16x16](d_block4_attn_slice_2)
-        d_block4_attn_transpose_2 = rt.reshape(d_block4_attn_slice_2, shape=(100, 4, 16, 16))
-        # d_block4_attn_reshape_2 = transpose[axes=(1,2)](d_block4_attn_transpose_2)
-        d_block4_attn_reshape_2 = mem.tensor(94, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block4_attn_transpose_2, out=d_block4_attn_reshape_2, axes=(1, 2))
-        # free d_block4_attn_slice_2, d_block4_attn_transpose_2
-        del d_block4_attn_slice_2, d_block4_attn_transpose_2
-        mem.free(92)
-        # d_block4_attn_transpose_3 = reshape[100x4x16x16](d_block4_attn_slice_3)
-        d_block4_attn_transpose_3 = rt.reshape(d_block4_attn_slice_3, shape=(100, 4, 16, 16))
-        # d_block4_attn_reshape_3 = transpose[axes=(1,2)](d_block4_attn_transpose_3)
-        d_block4_attn_reshape_3 = mem.tensor(95, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block4_attn_transpose_3, out=d_block4_attn_reshape_3, axes=(1, 2))
-        # free d_block4_attn_slice_3, d_block4_attn_transpose_3
-        del d_block4_attn_slice_3, d_block4_attn_transpose_3
-        mem.free(93)
-        # d_block4_attn_v_add = reshape[1600x64](d_block4_attn_reshape_3)
-        d_block4_attn_v_add = rt.reshape(d_block4_attn_reshape_3, shape=(1600, 64))
+        mem.free(69)
+        # d_block4_attn_v_add = reshape[1600x64](d_block4_attn_slice_3)
+        d_block4_attn_v_add = rt.reshape(d_block4_attn_slice_3, shape=(1600, 64))
 
         # ---- block4_attn_v (fully connected, 64 outputs), backward ----
         # d_block4_attn_v_B = sum_to[64](d_block4_attn_v_add)
-        d_block4_attn_v_B = mem.tensor(96, (64,), 'float32')
+        d_block4_attn_v_B = mem.tensor(76, (64,), 'float32')
         rt.sum_to(d_block4_attn_v_add, out=d_block4_attn_v_B, shape=(64,))
         # S_block4_attn_v_B_new = 0.999*S_block4_attn_v_B + 0.001*d_block4_attn_v_B**2
         S_block4_attn_v_B_new = T['S_block4_attn_v_B']  # in place: the new S_block4_attn_v_B
@@ -1257,40 +1124,40 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay))
         # free d_block4_attn_v_B
         del d_block4_attn_v_B
-        mem.free(96)
+        mem.free(76)
 
         # ---- block4_attn (scaled dot-product attention), backward ----
-        # d_block4_attn_k_matmul = reshape[1600x64](d_block4_attn_reshape_2)
-        d_block4_attn_k_matmul = rt.reshape(d_block4_attn_reshape_2, shape=(1600, 64))
+        # d_block4_attn_k_matmul = reshape[1600x64](d_block4_attn_slice_2)
+        d_block4_attn_k_matmul = rt.reshape(d_block4_attn_slice_2, shape=(1600, 64))
 
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
         # d_block4_attn_k_W = matmul[ta](d_block4_attn_k_matmul, block4_attn_q_reshape)
-        d_block4_attn_k_W = mem.tensor(97, (64, 64), 'float32')
+        d_block4_attn_k_W = mem.tensor(77, (64, 64), 'float32')
         rt.matmul(d_block4_attn_k_matmul, block4_attn_q_reshape, out=d_block4_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block4_attn_v (fully connected, 64 outputs), backward ----
         # d_block4_attn_v_W = matmul[ta](d_block4_attn_v_add, block4_attn_q_reshape)
-        d_block4_attn_v_W = mem.tensor(98, (64, 64), 'float32')
+        d_block4_attn_v_W = mem.tensor(78, (64, 64), 'float32')
         rt.matmul(d_block4_attn_v_add, block4_attn_q_reshape, out=d_block4_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block4_ln1, block4_attn_q_reshape
         del block4_ln1, block4_attn_q_reshape
-        mem.free(47)
+        mem.free(35)
 
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_reshape_2 = matmul(d_block4_attn_k_matmul, block4_attn_k_W)
-        d_block4_attn_q_reshape_2 = mem.tensor(99, (1600, 64), 'float32')
+        d_block4_attn_q_reshape_2 = mem.tensor(79, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_k_matmul, T['block4_attn_k_W'], out=d_block4_attn_q_reshape_2)
-        # free d_block4_attn_reshape_2, d_block4_attn_k_matmul
-        del d_block4_attn_reshape_2, d_block4_attn_k_matmul
-        mem.free(94)
+        # free d_block4_attn_slice_2, d_block4_attn_k_matmul
+        del d_block4_attn_slice_2, d_block4_attn_k_matmul
+        mem.free(74)
 
         # ---- block4_attn_v (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_reshape_3 = matmul(d_block4_attn_v_add, block4_attn_v_W)
-        d_block4_attn_q_reshape_3 = mem.tensor(100, (1600, 64), 'float32')
+        d_block4_attn_q_reshape_3 = mem.tensor(80, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_v_add, T['block4_attn_v_W'], out=d_block4_attn_q_reshape_3)
-        # free d_block4_attn_reshape_3, d_block4_attn_v_add
-        del d_block4_attn_reshape_3, d_block4_attn_v_add
-        mem.free(95)
+        # free d_block4_attn_slice_3, d_block4_attn_v_add
+        del d_block4_attn_slice_3, d_block4_attn_v_add
+        mem.free(75)
 
         # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape_3 + d_block4_attn_q_reshape_2 + d_block4_attn_q_reshape
@@ -1298,7 +1165,7 @@ class Vit(rp.Model):
         rt.ew(ew_add_3, d_block4_attn_q_reshape_4, d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_2, d_block4_attn_q_reshape)
         # free d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
         del d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
-        mem.free(91, 99)
+        mem.free(73, 79)
 
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
         # S_block4_attn_k_W_new = 0.999*S_block4_attn_k_W + 0.001*d_block4_attn_k_W**2
@@ -1312,7 +1179,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay))
         # free d_block4_attn_k_W
         del d_block4_attn_k_W
-        mem.free(97)
+        mem.free(77)
 
         # ---- block4_attn_v (fully connected, 64 outputs), backward ----
         # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2
@@ -1326,7 +1193,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay))
         # free d_block4_attn_v_W
         del d_block4_attn_v_W
-        mem.free(98)
+        mem.free(78)
 
         # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_ln1 = reshape[100x16x64](d_block4_attn_q_reshape_4)
@@ -1334,30 +1201,30 @@ class Vit(rp.Model):
 
         # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
         # d_block4_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block4_ln1_add, d_block4_ln1)
-        d_block4_ln1_layer_norm_param_grad = mem.tensor(101, (2, 64), 'float32')
+        d_block4_ln1_layer_norm_param_grad = mem.tensor(81, (2, 64), 'float32')
         rt.layer_norm_param_grad(block4_ln1_add, d_block4_ln1, out=d_block4_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block4_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block4_ln1_add, d_block4_ln1, block4_ln1_W)
         d_block4_ln1_add = d_block4_ln1  # in place: over d_block4_ln1
         rt.layer_norm_grad(block4_ln1_add, d_block4_ln1, T['block4_ln1_W'], out=d_block4_ln1_add, axes=1, eps=1e-05)
         # free block3_fc2_matmul, block3_fc2_add, block3_fc2, block4_ln1_add
         del block3_fc2_matmul, block3_fc2_add, block3_fc2, block4_ln1_add
-        mem.free(46)
+        mem.free(34)
         # d_block4_ln1_add_2 = d_block4_ln2_add_2 + d_block4_ln1_add
         d_block4_ln1_add_2 = d_block4_ln2_add_2  # in place: over d_block4_ln2_add_2
         rt.ew(ew_add, d_block4_ln1_add_2, d_block4_ln2_add_2, d_block4_ln1_add)
         # free d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_add
         del d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_add
-        mem.free(100)
+        mem.free(80)
 
         # ---- block3_fc2 (fully connected, 64 outputs), backward ----
         # d_block3_fc2_add = reshape[1600x64](d_block4_ln1_add_2)
         d_block3_fc2_add = rt.reshape(d_block4_ln1_add_2, shape=(1600, 64))
         # d_block3_fc2_W = matmul[ta](d_block3_fc2_add, block3_fc2_reshape)
-        d_block3_fc2_W = mem.tensor(102, (64, 128), 'float32')
+        d_block3_fc2_W = mem.tensor(82, (64, 128), 'float32')
         rt.matmul(d_block3_fc2_add, block3_fc2_reshape, out=d_block3_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_gelu, block3_fc2_reshape
-        mem.free(45)
+        mem.free(33)
         # S_block3_fc2_W_new = 0.999*S_block3_fc2_W + 0.001*d_block3_fc2_W**2
         S_block3_fc2_W_new = T['S_block3_fc2_W']  # in place: the new S_block3_fc2_W
         rt.ew(ew_square_scale_add, S_block3_fc2_W_new, T['S_block3_fc2_W'], d_block3_fc2_W)
@@ -1366,9 +1233,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block3_fc2_W_new, T['M_block3_fc2_W'], d_block3_fc2_W)
         # free d_block3_fc2_W
         del d_block3_fc2_W
-        mem.free(102)
+        mem.free(82)
         # d_block3_fc2_B = sum_to[64](d_block3_fc2_add)
-        d_block3_fc2_B = mem.tensor(103, (64,), 'float32')
+        d_block3_fc2_B = mem.tensor(83, (64,), 'float32')
         rt.sum_to(d_block3_fc2_add, out=d_block3_fc2_B, shape=(64,))
         # S_block3_fc2_B_new = 0.999*S_block3_fc2_B + 0.001*d_block3_fc2_B**2
         S_block3_fc2_B_new = T['S_block3_fc2_B']  # in place: the new S_block3_fc2_B
@@ -1381,18 +1248,18 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_fc2_B_new, T['block3_fc2_B'], lr, bias1, M_block3_fc2_B_new, S_block3_fc2_B_new, bias2, decay))
         # free d_block3_fc2_B
         del d_block3_fc2_B
-        mem.free(103)
+        mem.free(83)
 
         # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
         # d_block4_ln1_slice = slice[axis=0,start=0,stop=1](d_block4_ln1_layer_norm_param_grad)
-        d_block4_ln1_slice = mem.tensor(104, (1, 64), 'float32')
+        d_block4_ln1_slice = mem.tensor(84, (1, 64), 'float32')
         rt.slice(d_block4_ln1_layer_norm_param_grad, out=d_block4_ln1_slice, axis=0, start=0, stop=1)
         # d_block4_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln1_layer_norm_param_grad)
-        d_block4_ln1_slice_2 = mem.tensor(105, (1, 64), 'float32')
+        d_block4_ln1_slice_2 = mem.tensor(85, (1, 64), 'float32')
         rt.slice(d_block4_ln1_layer_norm_param_grad, out=d_block4_ln1_slice_2, axis=0, start=1, stop=2)
         # free d_block4_ln1_layer_norm_param_grad
         del d_block4_ln1_layer_norm_param_grad
-        mem.free(101)
+        mem.free(81)
         # d_block4_ln1_W = reshape[64](d_block4_ln1_slice)
         d_block4_ln1_W = rt.reshape(d_block4_ln1_slice, shape=(64,))
         # S_block4_ln1_W_new = 0.999*S_block4_ln1_W + 0.001*d_block4_ln1_W**2
@@ -1406,7 +1273,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_ln1_W_new, T['block4_ln1_W'], lr, bias1, M_block4_ln1_W_new, S_block4_ln1_W_new, bias2, decay))
         # free d_block4_ln1_slice, d_block4_ln1_W
         del d_block4_ln1_slice, d_block4_ln1_W
-        mem.free(104)
+        mem.free(84)
         # d_block4_ln1_B = reshape[64](d_block4_ln1_slice_2)
         d_block4_ln1_B = rt.reshape(d_block4_ln1_slice_2, shape=(64,))
         # S_block4_ln1_B_new = 0.999*S_block4_ln1_B + 0.001*d_block4_ln1_B**2
@@ -1420,11 +1287,11 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay))
         # free d_block4_ln1_slice_2, d_block4_ln1_B
         del d_block4_ln1_slice_2, d_block4_ln1_B
-        mem.free(105)
+        mem.free(85)
 
         # ---- block3_fc2 (fully connected, 64 outputs), backward ----
         # d_block3_fc2_reshape = matmul(d_block3_fc2_add, block3_fc2_W)
-        d_block3_fc2_reshape = mem.tensor(106, (1600, 128), 'float32')
+        d_block3_fc2_reshape = mem.tensor(86, (1600, 128), 'float32')
         rt.matmul(d_block3_fc2_add, T['block3_fc2_W'], out=d_block3_fc2_reshape)
         # d_block3_fc1_gelu = reshape[100x16x128](d_block3_fc2_reshape)
         d_block3_fc1_gelu = rt.reshape(d_block3_fc2_reshape, shape=(100, 16, 128))
@@ -1435,17 +1302,17 @@ class Vit(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block3_fc1, d_block3_fc1_gelu, block3_fc1)
         # free block3_fc1_matmul, block3_fc1_add, block3_fc1
         del block3_fc1_matmul, block3_fc1_add, block3_fc1
-        mem.free(44)
+        mem.free(32)
 
         # ---- block3_fc1 (fully connected, 128 outputs), backward ----
         # d_block3_fc1_add = reshape[1600x128](d_block3_fc1)
         d_block3_fc1_add = rt.reshape(d_block3_fc1, shape=(1600, 128))
         # d_block3_fc1_W = matmul[ta](d_block3_fc1_add, block3_fc1_reshape)
-        d_block3_fc1_W = mem.tensor(107, (128, 64), 'float32')
+        d_block3_fc1_W = mem.tensor(87, (128, 64), 'float32')
         rt.matmul(d_block3_fc1_add, block3_fc1_reshape, out=d_block3_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block3_ln2, block3_fc1_reshape
         del block3_ln2, block3_fc1_reshape
-        mem.free(43)
+        mem.free(31)
         # S_block3_fc1_W_new = 0.999*S_block3_fc1_W + 0.001*d_block3_fc1_W**2
         S_block3_fc1_W_new = T['S_block3_fc1_W']  # in place: the new S_block3_fc1_W
         rt.ew(ew_square_scale_add, S_block3_fc1_W_new, T['S_block3_fc1_W'], d_block3_fc1_W)
@@ -1454,7 +1321,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block3_fc1_W_new, T['M_block3_fc1_W'], d_block3_fc1_W)
         # free d_block3_fc1_W
         del d_block3_fc1_W
-        mem.free(107)
+        mem.free(87)
 
         # ---- block3_fc2 (fully connected, 64 outputs), backward ----
         # block3_fc2_W_new = block3_fc2_W*(-lr*decay + 1) - lr*M_block3_fc2_W_new/(bias1*(sqrt(S_block3_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1463,14 +1330,14 @@ class Vit(rp.Model):
 
         # ---- block3_fc1 (fully connected, 128 outputs), backward ----
         # d_block3_fc1_B = sum_to[128](d_block3_fc1_add)
-        d_block3_fc1_B = mem.tensor(108, (128,), 'float32')
+        d_block3_fc1_B = mem.tensor(88, (128,), 'float32')
         rt.sum_to(d_block3_fc1_add, out=d_block3_fc1_B, shape=(128,))
         # d_block3_fc1_reshape = matmul(d_block3_fc1_add, block3_fc1_W)
-        d_block3_fc1_reshape = mem.tensor(109, (1600, 64), 'float32')
+        d_block3_fc1_reshape = mem.tensor(89, (1600, 64), 'float32')
         rt.matmul(d_block3_fc1_add, T['block3_fc1_W'], out=d_block3_fc1_reshape)
         # free d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
         del d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
-        mem.free(106)
+        mem.free(86)
         # block3_fc1_W_new = block3_fc1_W*(-lr*decay + 1) - lr*M_block3_fc1_W_new/(bias1*(sqrt(S_block3_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block3_fc1_W_new = T['block3_fc1_W']  # in place: the new block3_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block3_fc1_W_new, T['block3_fc1_W'], lr, bias1, M_block3_fc1_W_new, S_block3_fc1_W_new, bias2, decay)
@@ -1485,47 +1352,32 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_fc1_B_new, T['block3_fc1_B'], lr, bias1, M_block3_fc1_B_new, S_block3_fc1_B_new, bias2, decay))
         # free d_block3_fc1_B
         del d_block3_fc1_B
-        mem.free(108)
+        mem.free(88)
         # d_block3_ln2 = reshape[100x16x64](d_block3_fc1_reshape)
         d_block3_ln2 = rt.reshape(d_block3_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
         # d_block3_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block3_ln2_add, d_block3_ln2)
-        d_block3_ln2_layer_norm_param_grad = mem.tensor(110, (2, 64), 'float32')
+        d_block3_ln2_layer_norm_param_grad = mem.tensor(90, (2, 64), 'float32')
         rt.layer_norm_param_grad(block3_ln2_add, d_block3_ln2, out=d_block3_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block3_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block3_ln2_add, d_block3_ln2, block3_ln2_W)
         d_block3_ln2_add = d_block3_ln2  # in place: over d_block3_ln2
         rt.layer_norm_grad(block3_ln2_add, d_block3_ln2, T['block3_ln2_W'], out=d_block3_ln2_add, axes=1, eps=1e-05)
         # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out, block3_ln2_add
         del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out, block3_ln2_add
-        mem.free(42)
+        mem.free(30)
         # d_block3_ln2_add_2 = d_block4_ln1_add_2 + d_block3_ln2_add
         d_block3_ln2_add_2 = d_block4_ln1_add_2  # in place: over d_block4_ln1_add_2
         rt.ew(ew_add, d_block3_ln2_add_2, d_block4_ln1_add_2, d_block3_ln2_add)
         # free d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_add
         del d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_add
-        mem.free(109)
+        mem.free(89)
 
         # ---- block3_attn_out (fully connected, 64 outputs), backward ----
         # d_block3_attn_out_add = reshape[1600x64](d_block3_ln2_add_2)
         d_block3_attn_out_add = rt.reshape(d_block3_ln2_add_2, shape=(1600, 64))
-        # d_block3_attn_out_W = matmul[ta](d_block3_attn_out_add, block3_attn_out_reshape)
-        d_block3_attn_out_W = mem.tensor(111, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape, out=d_block3_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block3_attn_out_transpose, block3_attn_out_reshape
-        del block3_attn_out_transpose, block3_attn_out_reshape
-        mem.free(41)
-        # S_block3_attn_out_W_new = 0.999*S_block3_attn_out_W + 0.001*d_block3_attn_out_W**2
-        S_block3_attn_out_W_new = T['S_block3_attn_out_W']  # in place: the new S_block3_attn_out_W
-        rt.ew(ew_square_scale_add, S_block3_attn_out_W_new, T['S_block3_attn_out_W'], d_block3_attn_out_W)
-        # M_block3_attn_out_W_new = 0.9*M_block3_attn_out_W + 0.1*d_block3_attn_out_W
-        M_block3_attn_out_W_new = T['M_block3_attn_out_W']  # in place: the new M_block3_attn_out_W
-        rt.ew(ew_scale_add, M_block3_attn_out_W_new, T['M_block3_attn_out_W'], d_block3_attn_out_W)
-        # free d_block3_attn_out_W
-        del d_block3_attn_out_W
-        mem.free(111)
         # d_block3_attn_out_B = sum_to[64](d_block3_attn_out_add)
-        d_block3_attn_out_B = mem.tensor(112, (64,), 'float32')
+        d_block3_attn_out_B = mem.tensor(91, (64,), 'float32')
         rt.sum_to(d_block3_attn_out_add, out=d_block3_attn_out_B, shape=(64,))
         # S_block3_attn_out_B_new = 0.999*S_block3_attn_out_B + 0.001*d_block3_attn_out_B**2
         S_block3_attn_out_B_new = T['S_block3_attn_out_B']  # in place: the new S_block3_attn_out_B
@@ -1538,18 +1390,18 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_out_B_new, T['block3_attn_out_B'], lr, bias1, M_block3_attn_out_B_new, S_block3_attn_out_B_new, bias2, decay))
         # free d_block3_attn_out_B
         del d_block3_attn_out_B
-        mem.free(112)
+        mem.free(91)
 
         # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
         # d_block3_ln2_slice = slice[axis=0,start=0,stop=1](d_block3_ln2_layer_norm_param_grad)
-        d_block3_ln2_slice = mem.tensor(113, (1, 64), 'float32')
+        d_block3_ln2_slice = mem.tensor(92, (1, 64), 'float32')
         rt.slice(d_block3_ln2_layer_norm_param_grad, out=d_block3_ln2_slice, axis=0, start=0, stop=1)
         # d_block3_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln2_layer_norm_param_grad)
-        d_block3_ln2_slice_2 = mem.tensor(114, (1, 64), 'float32')
+        d_block3_ln2_slice_2 = mem.tensor(93, (1, 64), 'float32')
         rt.slice(d_block3_ln2_layer_norm_param_grad, out=d_block3_ln2_slice_2, axis=0, start=1, stop=2)
         # free d_block3_ln2_layer_norm_param_grad
         del d_block3_ln2_layer_norm_param_grad
-        mem.free(110)
+        mem.free(90)
         # d_block3_ln2_W = reshape[64](d_block3_ln2_slice)
         d_block3_ln2_W = rt.reshape(d_block3_ln2_slice, shape=(64,))
         # S_block3_ln2_W_new = 0.999*S_block3_ln2_W + 0.001*d_block3_ln2_W**2
@@ -1563,7 +1415,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_ln2_W_new, T['block3_ln2_W'], lr, bias1, M_block3_ln2_W_new, S_block3_ln2_W_new, bias2, decay))
         # free d_block3_ln2_slice, d_block3_ln2_W
         del d_block3_ln2_slice, d_block3_ln2_W
-        mem.free(113)
+        mem.free(92)
         # d_block3_ln2_B = reshape[64](d_block3_ln2_slice_2)
         d_block3_ln2_B = rt.reshape(d_block3_ln2_slice_2, shape=(64,))
         # S_block3_ln2_B_new = 0.999*S_block3_ln2_B + 0.001*d_block3_ln2_B**2
@@ -1577,28 +1429,34 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay))
         # free d_block3_ln2_slice_2, d_block3_ln2_B
         del d_block3_ln2_slice_2, d_block3_ln2_B
-        mem.free(114)
+        mem.free(93)
 
         # ---- block3_attn_out (fully connected, 64 outputs), backward ----
+        # d_block3_attn_out_W = matmul[ta](d_block3_attn_out_add, block3_attn_out_reshape)
+        d_block3_attn_out_W = mem.tensor(94, (64, 64), 'float32')
+        rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape, out=d_block3_attn_out_W, ta=True, workspace=mem.workspace(49152))
+        # S_block3_attn_out_W_new = 0.999*S_block3_attn_out_W + 0.001*d_block3_attn_out_W**2
+        S_block3_attn_out_W_new = T['S_block3_attn_out_W']  # in place: the new S_block3_attn_out_W
+        rt.ew(ew_square_scale_add, S_block3_attn_out_W_new, T['S_block3_attn_out_W'], d_block3_attn_out_W)
+        # M_block3_attn_out_W_new = 0.9*M_block3_attn_out_W + 0.1*d_block3_attn_out_W
+        M_block3_attn_out_W_new = T['M_block3_attn_out_W']  # in place: the new M_block3_attn_out_W
+        rt.ew(ew_scale_add, M_block3_attn_out_W_new, T['M_block3_attn_out_W'], d_block3_attn_out_W)
+        # free d_block3_attn_out_W
+        del d_block3_attn_out_W
+        mem.free(94)
         # d_block3_attn_out_reshape = matmul(d_block3_attn_out_add, block3_attn_out_W)
-        d_block3_attn_out_reshape = mem.tensor(115, (1600, 64), 'float32')
+        d_block3_attn_out_reshape = mem.tensor(95, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_out_add, T['block3_attn_out_W'], out=d_block3_attn_out_reshape)
         # d_block3_attn_out_transpose = reshape[100x16x4x16](d_block3_attn_out_reshape)
         d_block3_attn_out_transpose = rt.reshape(d_block3_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block3_attn = transpose[axes=(1,2)](d_block3_attn_out_transpose)
-        d_block3_attn = mem.tensor(116, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block3_attn_out_transpose, out=d_block3_attn, axes=(1, 2))
-        # free d_block3_attn_out_reshape, d_block3_attn_out_transpose
-        del d_block3_attn_out_reshape, d_block3_attn_out_transpose
-        mem.free(115)
 
         # ---- block3_attn (scaled dot-product attention), backward ----
-        # d_block3_attn_attention_grad = attention_grad[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, block3_attn, d_block3_attn)
-        d_block3_attn_attention_grad = mem.tensor(117, (307200,), 'float32')
-        rt.attention_grad(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, block3_attn, d_block3_attn, out=d_block3_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
-        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3, block3_attn, d_block3_attn
-        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3, block3_attn, d_block3_attn
-        mem.free(35, 37, 39, 40, 116)
+        # d_block3_attn_attention_grad = attention_grad[heads=True,scale=0.25](block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, block3_attn, d_block3_attn_out_transpose)
+        d_block3_attn_attention_grad = mem.tensor(96, (307200,), 'float32')
+        rt.attention_grad(block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, block3_attn, d_block3_attn_out_transpose, out=d_block3_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
+        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
+        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
+        mem.free(26, 27, 28, 29, 95)
 
         # ---- block3_attn_out (fully connected, 64 outputs), backward ----
         # block3_attn_out_W_new = block3_attn_out_W*(-lr*decay + 1) - lr*M_block3_attn_out_W_new/(bias1*(sqrt(S_block3_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1607,22 +1465,14 @@ class Vit(rp.Model):
 
         # ---- block3_attn (scaled dot-product attention), backward ----
         # d_block3_attn_slice = slice[axis=0,start=0,stop=102400](d_block3_attn_attention_grad)
-        d_block3_attn_slice = mem.tensor(118, (102400,), 'float32')
+        d_block3_attn_slice = mem.tensor(97, (102400,), 'float32')
         rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice, axis=0, start=0, stop=102400)
-        # d_block3_attn_transpose = reshape[100x4x16x16](d_block3_attn_slice)
-        d_block3_attn_transpose = rt.reshape(d_block3_attn_slice, shape=(100, 4, 16, 16))
-        # d_block3_attn_reshape = transpose[axes=(1,2)](d_block3_attn_transpose)
-        d_block3_attn_reshape = mem.tensor(119, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block3_attn_transpose, out=d_block3_attn_reshape, axes=(1, 2))
-        # free d_block3_attn_slice, d_block3_attn_transpose
-        del d_block3_attn_slice, d_block3_attn_transpose
-        mem.free(118)
-        # d_block3_attn_q_add = reshape[1600x64](d_block3_attn_reshape)
-        d_block3_attn_q_add = rt.reshape(d_block3_attn_reshape, shape=(1600, 64))
+        # d_block3_attn_q_add = reshape[1600x64](d_block3_attn_slice)
+        d_block3_attn_q_add = rt.reshape(d_block3_attn_slice, shape=(1600, 64))
 
         # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_B = sum_to[64](d_block3_attn_q_add)
-        d_block3_attn_q_B = mem.tensor(120, (64,), 'float32')
+        d_block3_attn_q_B = mem.tensor(98, (64,), 'float32')
         rt.sum_to(d_block3_attn_q_add, out=d_block3_attn_q_B, shape=(64,))
         # S_block3_attn_q_B_new = 0.999*S_block3_attn_q_B + 0.001*d_block3_attn_q_B**2
         S_block3_attn_q_B_new = T['S_block3_attn_q_B']  # in place: the new S_block3_attn_q_B
@@ -1635,16 +1485,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_q_B_new, T['block3_attn_q_B'], lr, bias1, M_block3_attn_q_B_new, S_block3_attn_q_B_new, bias2, decay))
         # free d_block3_attn_q_B
         del d_block3_attn_q_B
-        mem.free(120)
+        mem.free(98)
         # d_block3_attn_q_W = matmul[ta](d_block3_attn_q_add, block3_attn_q_reshape)
-        d_block3_attn_q_W = mem.tensor(121, (64, 64), 'float32')
+        d_block3_attn_q_W = mem.tensor(99, (64, 64), 'float32')
         rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block3_attn_q_reshape = matmul(d_block3_attn_q_add, block3_attn_q_W)
-        d_block3_attn_q_reshape = mem.tensor(122, (1600, 64), 'float32')
+        d_block3_attn_q_reshape = mem.tensor(100, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_q_add, T['block3_attn_q_W'], out=d_block3_attn_q_reshape)
-        # free d_block3_attn_reshape, d_block3_attn_q_add
-        del d_block3_attn_reshape, d_block3_attn_q_add
-        mem.free(119)
+        # free d_block3_attn_slice, d_block3_attn_q_add
+        del d_block3_attn_slice, d_block3_attn_q_add
+        mem.free(97)
         # S_block3_attn_q_W_new = 0.999*S_block3_attn_q_W + 0.001*d_block3_attn_q_W**2
         S_block3_attn_q_W_new = T['S_block3_attn_q_W']  # in place: the new S_block3_attn_q_W
         rt.ew(ew_square_scale_add, S_block3_attn_q_W_new, T['S_block3_attn_q_W'], d_block3_attn_q_W)
@@ -1656,40 +1506,24 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay))
         # free d_block3_attn_q_W
         del d_block3_attn_q_W
-        mem.free(121)
+        mem.free(99)
 
         # ---- block3_attn (scaled dot-product attention), backward ----
         # d_block3_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block3_attn_attention_grad)
-        d_block3_attn_slice_2 = mem.tensor(123, (102400,), 'float32')
+        d_block3_attn_slice_2 = mem.tensor(101, (102400,), 'float32')
         rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_2, axis=0, start=102400, stop=204800)
         # d_block3_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block3_attn_attention_grad)
-        d_block3_attn_slice_3 = mem.tensor(124, (102400,), 'float32')
+        d_block3_attn_slice_3 = mem.tensor(102, (102400,), 'float32')
         rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_3, axis=0, start=204800, stop=307200)
         # free d_block3_attn_attention_grad
         del d_block3_attn_attention_grad
-        mem.free(117)
-        # d_block3_attn_transpose_2 = reshape[100x4x16x16](d_block3_attn_slice_2)
-        d_block3_attn_transpose_2 = rt.reshape(d_block3_attn_slice_2, shape=(100, 4, 16, 16))
-        # d_block3_attn_reshape_2 = transpose[axes=(1,2)](d_block3_attn_transpose_2)
-        d_block3_attn_reshape_2 = mem.tensor(125, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block3_attn_transpose_2, out=d_block3_attn_reshape_2, axes=(1, 2))
-        # free d_block3_attn_slice_2, d_block3_attn_transpose_2
-        del d_block3_attn_slice_2, d_block3_attn_transpose_2
-        mem.free(123)
-        # d_block3_attn_transpose_3 = reshape[100x4x16x16](d_block3_attn_slice_3)
-        d_block3_attn_transpose_3 = rt.reshape(d_block3_attn_slice_3, shape=(100, 4, 16, 16))
-        # d_block3_attn_reshape_3 = transpose[axes=(1,2)](d_block3_attn_transpose_3)
-        d_block3_attn_reshape_3 = mem.tensor(126, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block3_attn_transpose_3, out=d_block3_attn_reshape_3, axes=(1, 2))
-        # free d_block3_attn_slice_3, d_block3_attn_transpose_3
-        del d_block3_attn_slice_3, d_block3_attn_transpose_3
-        mem.free(124)
-        # d_block3_attn_v_add = reshape[1600x64](d_block3_attn_reshape_3)
-        d_block3_attn_v_add = rt.reshape(d_block3_attn_reshape_3, shape=(1600, 64))
+        mem.free(96)
+        # d_block3_attn_v_add = reshape[1600x64](d_block3_attn_slice_3)
+        d_block3_attn_v_add = rt.reshape(d_block3_attn_slice_3, shape=(1600, 64))
 
         # ---- block3_attn_v (fully connected, 64 outputs), backward ----
         # d_block3_attn_v_B = sum_to[64](d_block3_attn_v_add)
-        d_block3_attn_v_B = mem.tensor(127, (64,), 'float32')
+        d_block3_attn_v_B = mem.tensor(103, (64,), 'float32')
         rt.sum_to(d_block3_attn_v_add, out=d_block3_attn_v_B, shape=(64,))
         # S_block3_attn_v_B_new = 0.999*S_block3_attn_v_B + 0.001*d_block3_attn_v_B**2
         S_block3_attn_v_B_new = T['S_block3_attn_v_B']  # in place: the new S_block3_attn_v_B
@@ -1702,40 +1536,40 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay))
         # free d_block3_attn_v_B
         del d_block3_attn_v_B
-        mem.free(127)
+        mem.free(103)
 
         # ---- block3_attn (scaled dot-product attention), backward ----
-        # d_block3_attn_k_matmul = reshape[1600x64](d_block3_attn_reshape_2)
-        d_block3_attn_k_matmul = rt.reshape(d_block3_attn_reshape_2, shape=(1600, 64))
+        # d_block3_attn_k_matmul = reshape[1600x64](d_block3_attn_slice_2)
+        d_block3_attn_k_matmul = rt.reshape(d_block3_attn_slice_2, shape=(1600, 64))
 
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
         # d_block3_attn_k_W = matmul[ta](d_block3_attn_k_matmul, block3_attn_q_reshape)
-        d_block3_attn_k_W = mem.tensor(128, (64, 64), 'float32')
+        d_block3_attn_k_W = mem.tensor(104, (64, 64), 'float32')
         rt.matmul(d_block3_attn_k_matmul, block3_attn_q_reshape, out=d_block3_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block3_attn_v (fully connected, 64 outputs), backward ----
         # d_block3_attn_v_W = matmul[ta](d_block3_attn_v_add, block3_attn_q_reshape)
-        d_block3_attn_v_W = mem.tensor(129, (64, 64), 'float32')
+        d_block3_attn_v_W = mem.tensor(105, (64, 64), 'float32')
         rt.matmul(d_block3_attn_v_add, block3_attn_q_reshape, out=d_block3_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block3_ln1, block3_attn_q_reshape
         del block3_ln1, block3_attn_q_reshape
-        mem.free(33)
+        mem.free(25)
 
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_reshape_2 = matmul(d_block3_attn_k_matmul, block3_attn_k_W)
-        d_block3_attn_q_reshape_2 = mem.tensor(130, (1600, 64), 'float32')
+        d_block3_attn_q_reshape_2 = mem.tensor(106, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_k_matmul, T['block3_attn_k_W'], out=d_block3_attn_q_reshape_2)
-        # free d_block3_attn_reshape_2, d_block3_attn_k_matmul
-        del d_block3_attn_reshape_2, d_block3_attn_k_matmul
-        mem.free(125)
+        # free d_block3_attn_slice_2, d_block3_attn_k_matmul
+        del d_block3_attn_slice_2, d_block3_attn_k_matmul
+        mem.free(101)
 
         # ---- block3_attn_v (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_reshape_3 = matmul(d_block3_attn_v_add, block3_attn_v_W)
-        d_block3_attn_q_reshape_3 = mem.tensor(131, (1600, 64), 'float32')
+        d_block3_attn_q_reshape_3 = mem.tensor(107, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_v_add, T['block3_attn_v_W'], out=d_block3_attn_q_reshape_3)
-        # free d_block3_attn_reshape_3, d_block3_attn_v_add
-        del d_block3_attn_reshape_3, d_block3_attn_v_add
-        mem.free(126)
+        # free d_block3_attn_slice_3, d_block3_attn_v_add
+        del d_block3_attn_slice_3, d_block3_attn_v_add
+        mem.free(102)
 
         # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape_3 + d_block3_attn_q_reshape_2 + d_block3_attn_q_reshape
@@ -1743,7 +1577,7 @@ class Vit(rp.Model):
         rt.ew(ew_add_3, d_block3_attn_q_reshape_4, d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_2, d_block3_attn_q_reshape)
         # free d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
         del d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
-        mem.free(122, 130)
+        mem.free(100, 106)
 
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
         # S_block3_attn_k_W_new = 0.999*S_block3_attn_k_W + 0.001*d_block3_attn_k_W**2
@@ -1757,7 +1591,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay))
         # free d_block3_attn_k_W
         del d_block3_attn_k_W
-        mem.free(128)
+        mem.free(104)
 
         # ---- block3_attn_v (fully connected, 64 outputs), backward ----
         # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2
@@ -1771,7 +1605,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay))
         # free d_block3_attn_v_W
         del d_block3_attn_v_W
-        mem.free(129)
+        mem.free(105)
 
         # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_ln1 = reshape[100x16x64](d_block3_attn_q_reshape_4)
@@ -1779,30 +1613,30 @@ class Vit(rp.Model):
 
         # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
         # d_block3_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block3_ln1_add, d_block3_ln1)
-        d_block3_ln1_layer_norm_param_grad = mem.tensor(132, (2, 64), 'float32')
+        d_block3_ln1_layer_norm_param_grad = mem.tensor(108, (2, 64), 'float32')
         rt.layer_norm_param_grad(block3_ln1_add, d_block3_ln1, out=d_block3_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block3_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block3_ln1_add, d_block3_ln1, block3_ln1_W)
         d_block3_ln1_add = d_block3_ln1  # in place: over d_block3_ln1
         rt.layer_norm_grad(block3_ln1_add, d_block3_ln1, T['block3_ln1_W'], out=d_block3_ln1_add, axes=1, eps=1e-05)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2, block3_ln1_add
         del block2_fc2_matmul, block2_fc2_add, block2_fc2, block3_ln1_add
-        mem.free(32)
+        mem.free(24)
         # d_block3_ln1_add_2 = d_block3_ln2_add_2 + d_block3_ln1_add
         d_block3_ln1_add_2 = d_block3_ln2_add_2  # in place: over d_block3_ln2_add_2
         rt.ew(ew_add, d_block3_ln1_add_2, d_block3_ln2_add_2, d_block3_ln1_add)
         # free d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_add
         del d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_add
-        mem.free(131)
+        mem.free(107)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_add = reshape[1600x64](d_block3_ln1_add_2)
         d_block2_fc2_add = rt.reshape(d_block3_ln1_add_2, shape=(1600, 64))
         # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
-        d_block2_fc2_W = mem.tensor(133, (64, 128), 'float32')
+        d_block2_fc2_W = mem.tensor(109, (64, 128), 'float32')
         rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
-        mem.free(31)
+        mem.free(23)
         # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
         S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
         rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
@@ -1811,9 +1645,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
         # free d_block2_fc2_W
         del d_block2_fc2_W
-        mem.free(133)
+        mem.free(109)
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
-        d_block2_fc2_B = mem.tensor(134, (64,), 'float32')
+        d_block2_fc2_B = mem.tensor(110, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
         # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
         S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
@@ -1826,18 +1660,18 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
         # free d_block2_fc2_B
         del d_block2_fc2_B
-        mem.free(134)
+        mem.free(110)
 
         # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
         # d_block3_ln1_slice = slice[axis=0,start=0,stop=1](d_block3_ln1_layer_norm_param_grad)
-        d_block3_ln1_slice = mem.tensor(135, (1, 64), 'float32')
+        d_block3_ln1_slice = mem.tensor(111, (1, 64), 'float32')
         rt.slice(d_block3_ln1_layer_norm_param_grad, out=d_block3_ln1_slice, axis=0, start=0, stop=1)
         # d_block3_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln1_layer_norm_param_grad)
-        d_block3_ln1_slice_2 = mem.tensor(136, (1, 64), 'float32')
+        d_block3_ln1_slice_2 = mem.tensor(112, (1, 64), 'float32')
         rt.slice(d_block3_ln1_layer_norm_param_grad, out=d_block3_ln1_slice_2, axis=0, start=1, stop=2)
         # free d_block3_ln1_layer_norm_param_grad
         del d_block3_ln1_layer_norm_param_grad
-        mem.free(132)
+        mem.free(108)
         # d_block3_ln1_W = reshape[64](d_block3_ln1_slice)
         d_block3_ln1_W = rt.reshape(d_block3_ln1_slice, shape=(64,))
         # S_block3_ln1_W_new = 0.999*S_block3_ln1_W + 0.001*d_block3_ln1_W**2
@@ -1851,7 +1685,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_ln1_W_new, T['block3_ln1_W'], lr, bias1, M_block3_ln1_W_new, S_block3_ln1_W_new, bias2, decay))
         # free d_block3_ln1_slice, d_block3_ln1_W
         del d_block3_ln1_slice, d_block3_ln1_W
-        mem.free(135)
+        mem.free(111)
         # d_block3_ln1_B = reshape[64](d_block3_ln1_slice_2)
         d_block3_ln1_B = rt.reshape(d_block3_ln1_slice_2, shape=(64,))
         # S_block3_ln1_B_new = 0.999*S_block3_ln1_B + 0.001*d_block3_ln1_B**2
@@ -1865,11 +1699,11 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay))
         # free d_block3_ln1_slice_2, d_block3_ln1_B
         del d_block3_ln1_slice_2, d_block3_ln1_B
-        mem.free(136)
+        mem.free(112)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(137, (1600, 128), 'float32')
+        d_block2_fc2_reshape = mem.tensor(113, (1600, 128), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
         # d_block2_fc1_gelu = reshape[100x16x128](d_block2_fc2_reshape)
         d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(100, 16, 128))
@@ -1880,17 +1714,17 @@ class Vit(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1
         del block2_fc1_matmul, block2_fc1_add, block2_fc1
-        mem.free(30)
+        mem.free(22)
 
         # ---- block2_fc1 (fully connected, 128 outputs), backward ----
         # d_block2_fc1_add = reshape[1600x128](d_block2_fc1)
         d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(1600, 128))
         # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(138, (128, 64), 'float32')
+        d_block2_fc1_W = mem.tensor(114, (128, 64), 'float32')
         rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
-        mem.free(29)
+        mem.free(21)
         # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
         S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
         rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
@@ -1899,7 +1733,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
         # free d_block2_fc1_W
         del d_block2_fc1_W
-        mem.free(138)
+        mem.free(114)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1908,14 +1742,14 @@ class Vit(rp.Model):
 
         # ---- block2_fc1 (fully connected, 128 outputs), backward ----
         # d_block2_fc1_B = sum_to[128](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(139, (128,), 'float32')
+        d_block2_fc1_B = mem.tensor(115, (128,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(128,))
         # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(140, (1600, 64), 'float32')
+        d_block2_fc1_reshape = mem.tensor(116, (1600, 64), 'float32')
         rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(137)
+        mem.free(113)
         # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay)
@@ -1930,47 +1764,32 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
         # free d_block2_fc1_B
         del d_block2_fc1_B
-        mem.free(139)
+        mem.free(115)
         # d_block2_ln2 = reshape[100x16x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2)
-        d_block2_ln2_layer_norm_param_grad = mem.tensor(141, (2, 64), 'float32')
+        d_block2_ln2_layer_norm_param_grad = mem.tensor(117, (2, 64), 'float32')
         rt.layer_norm_param_grad(block2_ln2_add, d_block2_ln2, out=d_block2_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block2_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2, block2_ln2_W)
         d_block2_ln2_add = d_block2_ln2  # in place: over d_block2_ln2
         rt.layer_norm_grad(block2_ln2_add, d_block2_ln2, T['block2_ln2_W'], out=d_block2_ln2_add, axes=1, eps=1e-05)
         # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
         del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
-        mem.free(28)
+        mem.free(20)
         # d_block2_ln2_add_2 = d_block3_ln1_add_2 + d_block2_ln2_add
         d_block2_ln2_add_2 = d_block3_ln1_add_2  # in place: over d_block3_ln1_add_2
         rt.ew(ew_add, d_block2_ln2_add_2, d_block3_ln1_add_2, d_block2_ln2_add)
         # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
         del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
-        mem.free(140)
+        mem.free(116)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_add = reshape[1600x64](d_block2_ln2_add_2)
         d_block2_attn_out_add = rt.reshape(d_block2_ln2_add_2, shape=(1600, 64))
-        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
-        d_block2_attn_out_W = mem.tensor(142, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block2_attn_out_transpose, block2_attn_out_reshape
-        del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(27)
-        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
-        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
-        rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
-        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W
-        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
-        rt.ew(ew_scale_add, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
-        # free d_block2_attn_out_W
-        del d_block2_attn_out_W
-        mem.free(142)
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(143, (64,), 'float32')
+        d_block2_attn_out_B = mem.tensor(118, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
@@ -1983,18 +1802,18 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
         # free d_block2_attn_out_B
         del d_block2_attn_out_B
-        mem.free(143)
+        mem.free(118)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_slice = slice[axis=0,start=0,stop=1](d_block2_ln2_layer_norm_param_grad)
-        d_block2_ln2_slice = mem.tensor(144, (1, 64), 'float32')
+        d_block2_ln2_slice = mem.tensor(119, (1, 64), 'float32')
         rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice, axis=0, start=0, stop=1)
         # d_block2_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln2_layer_norm_param_grad)
-        d_block2_ln2_slice_2 = mem.tensor(145, (1, 64), 'float32')
+        d_block2_ln2_slice_2 = mem.tensor(120, (1, 64), 'float32')
         rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice_2, axis=0, start=1, stop=2)
         # free d_block2_ln2_layer_norm_param_grad
         del d_block2_ln2_layer_norm_param_grad
-        mem.free(141)
+        mem.free(117)
         # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
         d_block2_ln2_W = rt.reshape(d_block2_ln2_slice, shape=(64,))
         # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
@@ -2008,7 +1827,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay))
         # free d_block2_ln2_slice, d_block2_ln2_W
         del d_block2_ln2_slice, d_block2_ln2_W
-        mem.free(144)
+        mem.free(119)
         # d_block2_ln2_B = reshape[64](d_block2_ln2_slice_2)
         d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
         # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
@@ -2022,28 +1841,34 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
         # free d_block2_ln2_slice_2, d_block2_ln2_B
         del d_block2_ln2_slice_2, d_block2_ln2_B
-        mem.free(145)
+        mem.free(120)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
+        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
+        d_block2_attn_out_W = mem.tensor(121, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
+        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
+        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
+        rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
+        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W
+        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
+        rt.ew(ew_scale_add, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
+        # free d_block2_attn_out_W
+        del d_block2_attn_out_W
+        mem.free(121)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(146, (1600, 64), 'float32')
+        d_block2_attn_out_reshape = mem.tensor(122, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
         # d_block2_attn_out_transpose = reshape[100x16x4x16](d_block2_attn_out_reshape)
         d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
-        d_block2_attn = mem.tensor(147, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
-        # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        del d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(146)
 
         # ---- block2_attn (scaled dot-product attention), backward ----
-        # d_block2_attn_attention_grad = attention_grad[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn)
-        d_block2_attn_attention_grad = mem.tensor(148, (307200,), 'float32')
-        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, out=d_block2_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
-        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        mem.free(21, 23, 25, 26, 147)
+        # d_block2_attn_attention_grad = attention_grad[heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, block2_attn, d_block2_attn_out_transpose)
+        d_block2_attn_attention_grad = mem.tensor(123, (307200,), 'float32')
+        rt.attention_grad(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, block2_attn, d_block2_attn_out_transpose, out=d_block2_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        mem.free(16, 17, 18, 19, 122)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -2052,22 +1877,14 @@ class Vit(rp.Model):
 
         # ---- block2_attn (scaled dot-product attention), backward ----
         # d_block2_attn_slice = slice[axis=0,start=0,stop=102400](d_block2_attn_attention_grad)
-        d_block2_attn_slice = mem.tensor(149, (102400,), 'float32')
+        d_block2_attn_slice = mem.tensor(124, (102400,), 'float32')
         rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=102400)
-        # d_block2_attn_transpose = reshape[100x4x16x16](d_block2_attn_slice)
-        d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(100, 4, 16, 16))
-        # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
-        d_block2_attn_reshape = mem.tensor(150, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
-        # free d_block2_attn_slice, d_block2_attn_transpose
-        del d_block2_attn_slice, d_block2_attn_transpose
-        mem.free(149)
-        # d_block2_attn_q_add = reshape[1600x64](d_block2_attn_reshape)
-        d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(1600, 64))
+        # d_block2_attn_q_add = reshape[1600x64](d_block2_attn_slice)
+        d_block2_attn_q_add = rt.reshape(d_block2_attn_slice, shape=(1600, 64))
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(151, (64,), 'float32')
+        d_block2_attn_q_B = mem.tensor(125, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
@@ -2080,16 +1897,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
         # free d_block2_attn_q_B
         del d_block2_attn_q_B
-        mem.free(151)
+        mem.free(125)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(152, (64, 64), 'float32')
+        d_block2_attn_q_W = mem.tensor(126, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape = mem.tensor(153, (1600, 64), 'float32')
+        d_block2_attn_q_reshape = mem.tensor(127, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
-        # free d_block2_attn_reshape, d_block2_attn_q_add
-        del d_block2_attn_reshape, d_block2_attn_q_add
-        mem.free(150)
+        # free d_block2_attn_slice, d_block2_attn_q_add
+        del d_block2_attn_slice, d_block2_attn_q_add
+        mem.free(124)
         # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
         S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
         rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
@@ -2101,40 +1918,24 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
         # free d_block2_attn_q_W
         del d_block2_attn_q_W
-        mem.free(152)
+        mem.free(126)
 
         # ---- block2_attn (scaled dot-product attention), backward ----
         # d_block2_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block2_attn_attention_grad)
-        d_block2_attn_slice_2 = mem.tensor(154, (102400,), 'float32')
+        d_block2_attn_slice_2 = mem.tensor(128, (102400,), 'float32')
         rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=102400, stop=204800)
         # d_block2_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block2_attn_attention_grad)
-        d_block2_attn_slice_3 = mem.tensor(155, (102400,), 'float32')
+        d_block2_attn_slice_3 = mem.tensor(129, (102400,), 'float32')
         rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=204800, stop=307200)
         # free d_block2_attn_attention_grad
         del d_block2_attn_attention_grad
-        mem.free(148)
-        # d_block2_attn_transpose_2 = reshape[100x4x16x16](d_block2_attn_slice_2)
-        d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(100, 4, 16, 16))
-        # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
-        d_block2_attn_reshape_2 = mem.tensor(156, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
-        # free d_block2_attn_slice_2, d_block2_attn_transpose_2
-        del d_block2_attn_slice_2, d_block2_attn_transpose_2
-        mem.free(154)
-        # d_block2_attn_transpose_3 = reshape[100x4x16x16](d_block2_attn_slice_3)
-        d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(100, 4, 16, 16))
-        # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
-        d_block2_attn_reshape_3 = mem.tensor(157, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
-        # free d_block2_attn_slice_3, d_block2_attn_transpose_3
-        del d_block2_attn_slice_3, d_block2_attn_transpose_3
-        mem.free(155)
-        # d_block2_attn_v_add = reshape[1600x64](d_block2_attn_reshape_3)
-        d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(1600, 64))
+        mem.free(123)
+        # d_block2_attn_v_add = reshape[1600x64](d_block2_attn_slice_3)
+        d_block2_attn_v_add = rt.reshape(d_block2_attn_slice_3, shape=(1600, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(158, (64,), 'float32')
+        d_block2_attn_v_B = mem.tensor(130, (64,), 'float32')
         rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
         # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
         S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
@@ -2147,40 +1948,40 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
         # free d_block2_attn_v_B
         del d_block2_attn_v_B
-        mem.free(158)
+        mem.free(130)
 
         # ---- block2_attn (scaled dot-product attention), backward ----
-        # d_block2_attn_k_matmul = reshape[1600x64](d_block2_attn_reshape_2)
-        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_reshape_2, shape=(1600, 64))
+        # d_block2_attn_k_matmul = reshape[1600x64](d_block2_attn_slice_2)
+        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_slice_2, shape=(1600, 64))
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(159, (64, 64), 'float32')
+        d_block2_attn_k_W = mem.tensor(131, (64, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(160, (64, 64), 'float32')
+        d_block2_attn_v_W = mem.tensor(132, (64, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
-        mem.free(19)
+        mem.free(15)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(161, (1600, 64), 'float32')
+        d_block2_attn_q_reshape_2 = mem.tensor(133, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
-        # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        del d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        mem.free(156)
+        # free d_block2_attn_slice_2, d_block2_attn_k_matmul
+        del d_block2_attn_slice_2, d_block2_attn_k_matmul
+        mem.free(128)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(162, (1600, 64), 'float32')
+        d_block2_attn_q_reshape_3 = mem.tensor(134, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
-        # free d_block2_attn_reshape_3, d_block2_attn_v_add
-        del d_block2_attn_reshape_3, d_block2_attn_v_add
-        mem.free(157)
+        # free d_block2_attn_slice_3, d_block2_attn_v_add
+        del d_block2_attn_slice_3, d_block2_attn_v_add
+        mem.free(129)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
@@ -2188,7 +1989,7 @@ class Vit(rp.Model):
         rt.ew(ew_add_3, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
         # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
         del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
-        mem.free(153, 161)
+        mem.free(127, 133)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
@@ -2202,7 +2003,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
         # free d_block2_attn_k_W
         del d_block2_attn_k_W
-        mem.free(159)
+        mem.free(131)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
@@ -2216,7 +2017,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
         # free d_block2_attn_v_W
         del d_block2_attn_v_W
-        mem.free(160)
+        mem.free(132)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_ln1 = reshape[100x16x64](d_block2_attn_q_reshape_4)
@@ -2224,30 +2025,30 @@ class Vit(rp.Model):
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1)
-        d_block2_ln1_layer_norm_param_grad = mem.tensor(163, (2, 64), 'float32')
+        d_block2_ln1_layer_norm_param_grad = mem.tensor(135, (2, 64), 'float32')
         rt.layer_norm_param_grad(block2_ln1_add, d_block2_ln1, out=d_block2_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block2_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1, block2_ln1_W)
         d_block2_ln1_add = d_block2_ln1  # in place: over d_block2_ln1
         rt.layer_norm_grad(block2_ln1_add, d_block2_ln1, T['block2_ln1_W'], out=d_block2_ln1_add, axes=1, eps=1e-05)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
         del block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
-        mem.free(18)
+        mem.free(14)
         # d_block2_ln1_add_2 = d_block2_ln2_add_2 + d_block2_ln1_add
         d_block2_ln1_add_2 = d_block2_ln2_add_2  # in place: over d_block2_ln2_add_2
         rt.ew(ew_add, d_block2_ln1_add_2, d_block2_ln2_add_2, d_block2_ln1_add)
         # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
         del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
-        mem.free(162)
+        mem.free(134)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_add = reshape[1600x64](d_block2_ln1_add_2)
         d_block1_fc2_add = rt.reshape(d_block2_ln1_add_2, shape=(1600, 64))
         # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(164, (64, 128), 'float32')
+        d_block1_fc2_W = mem.tensor(136, (64, 128), 'float32')
         rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
-        mem.free(17)
+        mem.free(13)
         # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
         S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
         rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
@@ -2256,9 +2057,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
         # free d_block1_fc2_W
         del d_block1_fc2_W
-        mem.free(164)
+        mem.free(136)
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(165, (64,), 'float32')
+        d_block1_fc2_B = mem.tensor(137, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
         # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
         S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
@@ -2271,18 +2072,18 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
         # free d_block1_fc2_B
         del d_block1_fc2_B
-        mem.free(165)
+        mem.free(137)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
-        d_block2_ln1_slice = mem.tensor(166, (1, 64), 'float32')
+        d_block2_ln1_slice = mem.tensor(138, (1, 64), 'float32')
         rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice, axis=0, start=0, stop=1)
         # d_block2_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln1_layer_norm_param_grad)
-        d_block2_ln1_slice_2 = mem.tensor(167, (1, 64), 'float32')
+        d_block2_ln1_slice_2 = mem.tensor(139, (1, 64), 'float32')
         rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice_2, axis=0, start=1, stop=2)
         # free d_block2_ln1_layer_norm_param_grad
         del d_block2_ln1_layer_norm_param_grad
-        mem.free(163)
+        mem.free(135)
         # d_block2_ln1_W = reshape[64](d_block2_ln1_slice)
         d_block2_ln1_W = rt.reshape(d_block2_ln1_slice, shape=(64,))
         # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
@@ -2296,7 +2097,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay))
         # free d_block2_ln1_slice, d_block2_ln1_W
         del d_block2_ln1_slice, d_block2_ln1_W
-        mem.free(166)
+        mem.free(138)
         # d_block2_ln1_B = reshape[64](d_block2_ln1_slice_2)
         d_block2_ln1_B = rt.reshape(d_block2_ln1_slice_2, shape=(64,))
         # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
@@ -2310,11 +2111,11 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
         # free d_block2_ln1_slice_2, d_block2_ln1_B
         del d_block2_ln1_slice_2, d_block2_ln1_B
-        mem.free(167)
+        mem.free(139)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(168, (1600, 128), 'float32')
+        d_block1_fc2_reshape = mem.tensor(140, (1600, 128), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
         # d_block1_fc1_gelu = reshape[100x16x128](d_block1_fc2_reshape)
         d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(100, 16, 128))
@@ -2325,17 +2126,17 @@ class Vit(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1
         del block1_fc1_matmul, block1_fc1_add, block1_fc1
-        mem.free(16)
+        mem.free(12)
 
         # ---- block1_fc1 (fully connected, 128 outputs), backward ----
         # d_block1_fc1_add = reshape[1600x128](d_block1_fc1)
         d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(1600, 128))
         # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(169, (128, 64), 'float32')
+        d_block1_fc1_W = mem.tensor(141, (128, 64), 'float32')
         rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
-        mem.free(15)
+        mem.free(11)
         # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
         S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
         rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
@@ -2344,7 +2145,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
         # free d_block1_fc1_W
         del d_block1_fc1_W
-        mem.free(169)
+        mem.free(141)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -2353,14 +2154,14 @@ class Vit(rp.Model):
 
         # ---- block1_fc1 (fully connected, 128 outputs), backward ----
         # d_block1_fc1_B = sum_to[128](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(170, (128,), 'float32')
+        d_block1_fc1_B = mem.tensor(142, (128,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(128,))
         # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(171, (1600, 64), 'float32')
+        d_block1_fc1_reshape = mem.tensor(143, (1600, 64), 'float32')
         rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(168)
+        mem.free(140)
         # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay)
@@ -2375,47 +2176,32 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
         # free d_block1_fc1_B
         del d_block1_fc1_B
-        mem.free(170)
+        mem.free(142)
         # d_block1_ln2 = reshape[100x16x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2)
-        d_block1_ln2_layer_norm_param_grad = mem.tensor(172, (2, 64), 'float32')
+        d_block1_ln2_layer_norm_param_grad = mem.tensor(144, (2, 64), 'float32')
         rt.layer_norm_param_grad(block1_ln2_add_2, d_block1_ln2, out=d_block1_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block1_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2, block1_ln2_W)
         d_block1_ln2_add = d_block1_ln2  # in place: over d_block1_ln2
         rt.layer_norm_grad(block1_ln2_add_2, d_block1_ln2, T['block1_ln2_W'], out=d_block1_ln2_add, axes=1, eps=1e-05)
         # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
         del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
-        mem.free(14)
+        mem.free(10)
         # d_block1_ln2_add_2 = d_block2_ln1_add_2 + d_block1_ln2_add
         d_block1_ln2_add_2 = d_block2_ln1_add_2  # in place: over d_block2_ln1_add_2
         rt.ew(ew_add, d_block1_ln2_add_2, d_block2_ln1_add_2, d_block1_ln2_add)
         # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
         del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
-        mem.free(171)
+        mem.free(143)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_add = reshape[1600x64](d_block1_ln2_add_2)
         d_block1_attn_out_add = rt.reshape(d_block1_ln2_add_2, shape=(1600, 64))
-        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
-        d_block1_attn_out_W = mem.tensor(173, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block1_attn_out_transpose, block1_attn_out_reshape
-        del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(13)
-        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
-        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
-        rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
-        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W
-        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
-        rt.ew(ew_scale_add, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
-        # free d_block1_attn_out_W
-        del d_block1_attn_out_W
-        mem.free(173)
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(174, (64,), 'float32')
+        d_block1_attn_out_B = mem.tensor(145, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
@@ -2428,18 +2214,18 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
         # free d_block1_attn_out_B
         del d_block1_attn_out_B
-        mem.free(174)
+        mem.free(145)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_slice = slice[axis=0,start=0,stop=1](d_block1_ln2_layer_norm_param_grad)
-        d_block1_ln2_slice = mem.tensor(175, (1, 64), 'float32')
+        d_block1_ln2_slice = mem.tensor(146, (1, 64), 'float32')
         rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice, axis=0, start=0, stop=1)
         # d_block1_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln2_layer_norm_param_grad)
-        d_block1_ln2_slice_2 = mem.tensor(176, (1, 64), 'float32')
+        d_block1_ln2_slice_2 = mem.tensor(147, (1, 64), 'float32')
         rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice_2, axis=0, start=1, stop=2)
         # free d_block1_ln2_layer_norm_param_grad
         del d_block1_ln2_layer_norm_param_grad
-        mem.free(172)
+        mem.free(144)
         # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
         d_block1_ln2_W = rt.reshape(d_block1_ln2_slice, shape=(64,))
         # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
@@ -2453,7 +2239,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay))
         # free d_block1_ln2_slice, d_block1_ln2_W
         del d_block1_ln2_slice, d_block1_ln2_W
-        mem.free(175)
+        mem.free(146)
         # d_block1_ln2_B = reshape[64](d_block1_ln2_slice_2)
         d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
         # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
@@ -2467,28 +2253,34 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
         # free d_block1_ln2_slice_2, d_block1_ln2_B
         del d_block1_ln2_slice_2, d_block1_ln2_B
-        mem.free(176)
+        mem.free(147)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
+        d_block1_attn_out_W = mem.tensor(148, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
+        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
+        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
+        rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
+        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W
+        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
+        rt.ew(ew_scale_add, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
+        # free d_block1_attn_out_W
+        del d_block1_attn_out_W
+        mem.free(148)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(177, (1600, 64), 'float32')
+        d_block1_attn_out_reshape = mem.tensor(149, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
         # d_block1_attn_out_transpose = reshape[100x16x4x16](d_block1_attn_out_reshape)
         d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(100, 16, 4, 16))
-        # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
-        d_block1_attn = mem.tensor(178, (100, 4, 16, 16), 'float32')
-        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
-        # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        del d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(177)
 
         # ---- block1_attn (scaled dot-product attention), backward ----
-        # d_block1_attn_attention_grad = attention_grad[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn)
-        d_block1_attn_attention_grad = mem.tensor(179, (307200,), 'float32')
-        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, out=d_block1_attn_attention_grad, scale=0.25, workspace=mem.workspace(870400))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        mem.free(7, 9, 11, 12, 178)
+        # d_block1_attn_attention_grad = attention_grad[heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, block1_attn, d_block1_attn_out_transpose)
+        d_block1_attn_attention_grad = mem.tensor(150, (307200,), 'float32')
+        rt.attention_grad(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, block1_attn, d_block1_attn_out_transpose, out=d_block1_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        mem.free(6, 7, 8, 9, 149)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -2497,22 +2289,14 @@ class Vit(rp.Model):
 
         # ---- block1_attn (scaled dot-product attention), backward ----
         # d_block1_attn_slice = slice[axis=0,start=0,stop=102400](d_block1_attn_attention_grad)
-        d_block1_attn_slice = mem.tensor(180, (102400,), 'float32')
+        d_block1_attn_slice = mem.tensor(151, (102400,), 'float32')
         rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=102400)
-        # d_block1_attn_transpose = reshape[100x4x16x16](d_block1_attn_slice)
-        d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(100, 4, 16, 16))
-        # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
-        d_block1_attn_reshape = mem.tensor(181, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
-        # free d_block1_attn_slice, d_block1_attn_transpose
-        del d_block1_attn_slice, d_block1_attn_transpose
-        mem.free(180)
-        # d_block1_attn_q_add = reshape[1600x64](d_block1_attn_reshape)
-        d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(1600, 64))
+        # d_block1_attn_q_add = reshape[1600x64](d_block1_attn_slice)
+        d_block1_attn_q_add = rt.reshape(d_block1_attn_slice, shape=(1600, 64))
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(182, (64,), 'float32')
+        d_block1_attn_q_B = mem.tensor(152, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
@@ -2525,16 +2309,16 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
         # free d_block1_attn_q_B
         del d_block1_attn_q_B
-        mem.free(182)
+        mem.free(152)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(183, (64, 64), 'float32')
+        d_block1_attn_q_W = mem.tensor(153, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape = mem.tensor(184, (1600, 64), 'float32')
+        d_block1_attn_q_reshape = mem.tensor(154, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
-        # free d_block1_attn_reshape, d_block1_attn_q_add
-        del d_block1_attn_reshape, d_block1_attn_q_add
-        mem.free(181)
+        # free d_block1_attn_slice, d_block1_attn_q_add
+        del d_block1_attn_slice, d_block1_attn_q_add
+        mem.free(151)
         # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
         S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
         rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
@@ -2546,40 +2330,24 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
         # free d_block1_attn_q_W
         del d_block1_attn_q_W
-        mem.free(183)
+        mem.free(153)
 
         # ---- block1_attn (scaled dot-product attention), backward ----
         # d_block1_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block1_attn_attention_grad)
-        d_block1_attn_slice_2 = mem.tensor(185, (102400,), 'float32')
+        d_block1_attn_slice_2 = mem.tensor(155, (102400,), 'float32')
         rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=102400, stop=204800)
         # d_block1_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block1_attn_attention_grad)
-        d_block1_attn_slice_3 = mem.tensor(186, (102400,), 'float32')
+        d_block1_attn_slice_3 = mem.tensor(156, (102400,), 'float32')
         rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=204800, stop=307200)
         # free d_block1_attn_attention_grad
         del d_block1_attn_attention_grad
-        mem.free(179)
-        # d_block1_attn_transpose_2 = reshape[100x4x16x16](d_block1_attn_slice_2)
-        d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(100, 4, 16, 16))
-        # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
-        d_block1_attn_reshape_2 = mem.tensor(187, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
-        # free d_block1_attn_slice_2, d_block1_attn_transpose_2
-        del d_block1_attn_slice_2, d_block1_attn_transpose_2
-        mem.free(185)
-        # d_block1_attn_transpose_3 = reshape[100x4x16x16](d_block1_attn_slice_3)
-        d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(100, 4, 16, 16))
-        # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
-        d_block1_attn_reshape_3 = mem.tensor(188, (100, 16, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
-        # free d_block1_attn_slice_3, d_block1_attn_transpose_3
-        del d_block1_attn_slice_3, d_block1_attn_transpose_3
-        mem.free(186)
-        # d_block1_attn_v_add = reshape[1600x64](d_block1_attn_reshape_3)
-        d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(1600, 64))
+        mem.free(150)
+        # d_block1_attn_v_add = reshape[1600x64](d_block1_attn_slice_3)
+        d_block1_attn_v_add = rt.reshape(d_block1_attn_slice_3, shape=(1600, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(189, (64,), 'float32')
+        d_block1_attn_v_B = mem.tensor(157, (64,), 'float32')
         rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
         # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
         S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
@@ -2592,20 +2360,20 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
         # free d_block1_attn_v_B
         del d_block1_attn_v_B
-        mem.free(189)
+        mem.free(157)
 
         # ---- block1_attn (scaled dot-product attention), backward ----
-        # d_block1_attn_k_matmul = reshape[1600x64](d_block1_attn_reshape_2)
-        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_reshape_2, shape=(1600, 64))
+        # d_block1_attn_k_matmul = reshape[1600x64](d_block1_attn_slice_2)
+        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_slice_2, shape=(1600, 64))
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(190, (64, 64), 'float32')
+        d_block1_attn_k_W = mem.tensor(158, (64, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(191, (64, 64), 'float32')
+        d_block1_attn_v_W = mem.tensor(159, (64, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
@@ -2613,19 +2381,19 @@ class Vit(rp.Model):
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(192, (1600, 64), 'float32')
+        d_block1_attn_q_reshape_2 = mem.tensor(160, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
-        # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        del d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        mem.free(187)
+        # free d_block1_attn_slice_2, d_block1_attn_k_matmul
+        del d_block1_attn_slice_2, d_block1_attn_k_matmul
+        mem.free(155)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(193, (1600, 64), 'float32')
+        d_block1_attn_q_reshape_3 = mem.tensor(161, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
-        # free d_block1_attn_reshape_3, d_block1_attn_v_add
-        del d_block1_attn_reshape_3, d_block1_attn_v_add
-        mem.free(188)
+        # free d_block1_attn_slice_3, d_block1_attn_v_add
+        del d_block1_attn_slice_3, d_block1_attn_v_add
+        mem.free(156)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
@@ -2633,7 +2401,7 @@ class Vit(rp.Model):
         rt.ew(ew_add_3, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
         # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
         del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
-        mem.free(184, 192)
+        mem.free(154, 160)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
@@ -2647,7 +2415,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
         # free d_block1_attn_k_W
         del d_block1_attn_k_W
-        mem.free(190)
+        mem.free(158)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
@@ -2661,7 +2429,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
         # free d_block1_attn_v_W
         del d_block1_attn_v_W
-        mem.free(191)
+        mem.free(159)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_ln1 = reshape[100x16x64](d_block1_attn_q_reshape_4)
@@ -2669,7 +2437,7 @@ class Vit(rp.Model):
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1)
-        d_block1_ln1_layer_norm_param_grad = mem.tensor(194, (2, 64), 'float32')
+        d_block1_ln1_layer_norm_param_grad = mem.tensor(162, (2, 64), 'float32')
         rt.layer_norm_param_grad(block1_ln2_add, d_block1_ln1, out=d_block1_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block1_ln2_add_3 = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1, block1_ln1_W)
         d_block1_ln2_add_3 = d_block1_ln1  # in place: over d_block1_ln1
@@ -2684,18 +2452,18 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_block1_ln2_add_4, d_block1_ln2_add_2, d_block1_ln2_add_3)
         # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
         del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
-        mem.free(193)
+        mem.free(161)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_slice = slice[axis=0,start=0,stop=1](d_block1_ln1_layer_norm_param_grad)
-        d_block1_ln1_slice = mem.tensor(195, (1, 64), 'float32')
+        d_block1_ln1_slice = mem.tensor(163, (1, 64), 'float32')
         rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice, axis=0, start=0, stop=1)
         # d_block1_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln1_layer_norm_param_grad)
-        d_block1_ln1_slice_2 = mem.tensor(196, (1, 64), 'float32')
+        d_block1_ln1_slice_2 = mem.tensor(164, (1, 64), 'float32')
         rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice_2, axis=0, start=1, stop=2)
         # free d_block1_ln1_layer_norm_param_grad
         del d_block1_ln1_layer_norm_param_grad
-        mem.free(194)
+        mem.free(162)
         # d_block1_ln1_W = reshape[64](d_block1_ln1_slice)
         d_block1_ln1_W = rt.reshape(d_block1_ln1_slice, shape=(64,))
         # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
@@ -2709,7 +2477,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay))
         # free d_block1_ln1_slice, d_block1_ln1_W
         del d_block1_ln1_slice, d_block1_ln1_W
-        mem.free(195)
+        mem.free(163)
         # d_block1_ln1_B = reshape[64](d_block1_ln1_slice_2)
         d_block1_ln1_B = rt.reshape(d_block1_ln1_slice_2, shape=(64,))
         # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
@@ -2723,34 +2491,34 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
         # free d_block1_ln1_slice_2, d_block1_ln1_B
         del d_block1_ln1_slice_2, d_block1_ln1_B
-        mem.free(196)
+        mem.free(164)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_pos = sum_to[1x16x64](d_block1_ln2_add_4)
-        d_pos = mem.tensor(197, (1, 16, 64), 'float32')
+        d_pos = mem.tensor(165, (1, 16, 64), 'float32')
         rt.sum_to(d_block1_ln2_add_4, out=d_pos, shape=(1, 16, 64))
         # d_block1_ln2_reshape = transpose[axes=(1,2)](d_block1_ln2_add_4)
-        d_block1_ln2_reshape = mem.tensor(198, (100, 64, 16), 'float32')
+        d_block1_ln2_reshape = mem.tensor(166, (100, 64, 16), 'float32')
         rt.transpose(d_block1_ln2_add_4, out=d_block1_ln2_reshape, axes=(1, 2))
         # free d_ln, d_ln_add, d_block4_fc2_add, d_block4_ln2_add_2, d_block4_attn_out_add, d_block4_ln1_add_2, d_block3_fc2_add, d_block3_ln2_add_2, d_block3_attn_out_add, d_block3_ln1_add_2, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4
         del d_ln, d_ln_add, d_block4_fc2_add, d_block4_ln2_add_2, d_block4_attn_out_add, d_block4_ln1_add_2, d_block3_fc2_add, d_block3_ln2_add_2, d_block3_attn_out_add, d_block3_ln1_add_2, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4
-        mem.free(69)
+        mem.free(53)
         # d_patch = reshape[100x64x4x4](d_block1_ln2_reshape)
         d_patch = rt.reshape(d_block1_ln2_reshape, shape=(100, 64, 4, 4))
 
         # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), backward ----
         # d_patch_W = conv2d_bwd_filter[kernel=(7,7),stride=7](d_patch, x)
-        d_patch_W = mem.tensor(199, (64, 1, 7, 7), 'float32')
+        d_patch_W = mem.tensor(167, (64, 1, 7, 7), 'float32')
         rt.conv2d_bwd_filter(d_patch, x, out=d_patch_W, kernel=(7, 7), pad=0, stride=7, workspace=mem.workspace(723200))
         # free x
         del x
         mem.free(0)
         # d_patch_sum_to = sum_to[1x64x1x1](d_patch)
-        d_patch_sum_to = mem.tensor(200, (1, 64, 1, 1), 'float32')
+        d_patch_sum_to = mem.tensor(168, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_patch, out=d_patch_sum_to, shape=(1, 64, 1, 1))
         # free d_block1_ln2_reshape, d_patch
         del d_block1_ln2_reshape, d_patch
-        mem.free(198)
+        mem.free(166)
         # S_patch_W_new = 0.999*S_patch_W + 0.001*d_patch_W**2
         S_patch_W_new = T['S_patch_W']  # in place: the new S_patch_W
         rt.ew(ew_square_scale_add, S_patch_W_new, T['S_patch_W'], d_patch_W)
@@ -2762,7 +2530,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, patch_W_new, T['patch_W'], lr, bias1, M_patch_W_new, S_patch_W_new, bias2, decay))
         # free d_patch_W
         del d_patch_W
-        mem.free(199)
+        mem.free(167)
         # d_patch_B = reshape[64](d_patch_sum_to)
         d_patch_B = rt.reshape(d_patch_sum_to, shape=(64,))
         # S_patch_B_new = 0.999*S_patch_B + 0.001*d_patch_B**2
@@ -2776,7 +2544,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, patch_B_new, T['patch_B'], lr, bias1, M_patch_B_new, S_patch_B_new, bias2, decay))
         # free d_patch_sum_to, d_patch_B
         del d_patch_sum_to, d_patch_B
-        mem.free(200)
+        mem.free(168)
 
         # ---- pos (parameter 1x16x64), backward ----
         # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
@@ -2790,7 +2558,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         # free d_pos
         del d_pos
-        mem.free(197)
+        mem.free(165)
         loss = rt.scalar(head_cross_entropy)
         mem.end()
         return loss
@@ -2839,34 +2607,14 @@ class Vit(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(6, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(5)
-
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(7, (1600, 64), 'float32')
+        block1_attn_k_matmul = mem.tensor(6, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(8, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
-        # free block1_attn_k_matmul, block1_attn_reshape_2
-        del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(7)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(9, (1600, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(7, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
@@ -2876,36 +2624,28 @@ class Vit(rp.Model):
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
         # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
         # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
         block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(10, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(9)
-        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
-        block1_attn = mem.tensor(11, (100, 4, 16, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        mem.free(6, 8, 10)
+        # block1_attn = attention[heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
+        block1_attn = mem.tensor(8, (100, 16, 4, 16), 'float32')
+        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(5, 6, 7)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(12, (100, 16, 4, 16), 'float32')
-        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn
-        del block1_attn
-        mem.free(11)
-        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
-        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
+        # block1_attn_out_reshape = reshape[1600x64](block1_attn)
+        block1_attn_out_reshape = rt.reshape(block1_attn, shape=(1600, 64))
         # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(13, (1600, 64), 'float32')
+        block1_attn_out_matmul = mem.tensor(9, (1600, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
-        # free block1_attn_out_transpose, block1_attn_out_reshape
-        del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(12)
+        # free block1_attn, block1_attn_out_reshape
+        del block1_attn, block1_attn_out_reshape
+        mem.free(8)
         # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
         rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
@@ -2918,20 +2658,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
         del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(13)
+        mem.free(9)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
-        block1_ln2 = mem.tensor(14, (100, 16, 64), 'float32')
+        block1_ln2 = mem.tensor(10, (100, 16, 64), 'float32')
         rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
 
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(15, (1600, 128), 'float32')
+        block1_fc1_matmul = mem.tensor(11, (1600, 128), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
-        mem.free(14)
+        mem.free(10)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -2947,11 +2687,11 @@ class Vit(rp.Model):
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(16, (1600, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(12, (1600, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(15)
+        mem.free(11)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -2964,9 +2704,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(16)
+        mem.free(12)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
-        block2_ln1 = mem.tensor(17, (100, 16, 64), 'float32')
+        block2_ln1 = mem.tensor(13, (100, 16, 64), 'float32')
         rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
@@ -2975,79 +2715,51 @@ class Vit(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(18, (1600, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(14, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
-        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(19, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(18)
-
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(20, (1600, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(15, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
-        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(21, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
-        # free block2_attn_k_matmul, block2_attn_reshape_2
-        del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(20)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(22, (1600, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(16, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
-        mem.free(17)
+        mem.free(13)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
         # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
-        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(23, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(22)
-        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(24, (100, 4, 16, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        mem.free(19, 21, 23)
+        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_q_add)
+        block2_attn_reshape = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
+        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_v_add)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
+        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block2_attn = attention[heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2)
+        block2_attn = mem.tensor(17, (100, 16, 4, 16), 'float32')
+        rt.attention(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, out=block2_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        mem.free(14, 15, 16)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(25, (100, 16, 4, 16), 'float32')
-        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn
-        del block2_attn
-        mem.free(24)
-        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
-        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
+        # block2_attn_out_reshape = reshape[1600x64](block2_attn)
+        block2_attn_out_reshape = rt.reshape(block2_attn, shape=(1600, 64))
         # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(26, (1600, 64), 'float32')
+        block2_attn_out_matmul = mem.tensor(18, (1600, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
-        # free block2_attn_out_transpose, block2_attn_out_reshape
-        del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(25)
+        # free block2_attn, block2_attn_out_reshape
+        del block2_attn, block2_attn_out_reshape
+        mem.free(17)
         # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
         rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
@@ -3060,20 +2772,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
         del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(26)
+        mem.free(18)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
-        block2_ln2 = mem.tensor(27, (100, 16, 64), 'float32')
+        block2_ln2 = mem.tensor(19, (100, 16, 64), 'float32')
         rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
 
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(28, (1600, 128), 'float32')
+        block2_fc1_matmul = mem.tensor(20, (1600, 128), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
-        mem.free(27)
+        mem.free(19)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -3089,11 +2801,11 @@ class Vit(rp.Model):
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(29, (1600, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(21, (1600, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(28)
+        mem.free(20)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -3106,9 +2818,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(29)
+        mem.free(21)
         # block3_ln1 = layer_norm[axes=1,eps=1e-05](block3_ln1_add, block3_ln1_W, block3_ln1_B)
-        block3_ln1 = mem.tensor(30, (100, 16, 64), 'float32')
+        block3_ln1 = mem.tensor(22, (100, 16, 64), 'float32')
         rt.layer_norm(block3_ln1_add, T['block3_ln1_W'], T['block3_ln1_B'], out=block3_ln1, axes=1, eps=1e-05)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
@@ -3117,79 +2829,51 @@ class Vit(rp.Model):
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
         # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(31, (1600, 64), 'float32')
+        block3_attn_v_matmul = mem.tensor(23, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
         # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
         block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
         rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
 
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
-        block3_attn_transpose = mem.tensor(32, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        mem.free(31)
-
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
-        block3_attn_k_matmul = mem.tensor(33, (1600, 64), 'float32')
+        block3_attn_k_matmul = mem.tensor(24, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
-
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
-        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
-        block3_attn_transpose_2 = mem.tensor(34, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
-        # free block3_attn_k_matmul, block3_attn_reshape_2
-        del block3_attn_k_matmul, block3_attn_reshape_2
-        mem.free(33)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(35, (1600, 64), 'float32')
+        block3_attn_q_matmul = mem.tensor(25, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
         # free block3_ln1, block3_attn_q_reshape
         del block3_ln1, block3_attn_q_reshape
-        mem.free(30)
+        mem.free(22)
         # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
         block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
         rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
 
         # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
-        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
-        block3_attn_transpose_3 = mem.tensor(36, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
-        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        mem.free(35)
-        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
-        block3_attn = mem.tensor(37, (100, 4, 16, 16), 'float32')
-        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
-        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
-        mem.free(32, 34, 36)
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn = attention[heads=True,scale=0.25](block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3)
+        block3_attn = mem.tensor(26, (100, 16, 4, 16), 'float32')
+        rt.attention(block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, out=block3_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2
+        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2
+        mem.free(23, 24, 25)
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
-        block3_attn_out_transpose = mem.tensor(38, (100, 16, 4, 16), 'float32')
-        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
-        # free block3_attn
-        del block3_attn
-        mem.free(37)
-        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
-        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
+        # block3_attn_out_reshape = reshape[1600x64](block3_attn)
+        block3_attn_out_reshape = rt.reshape(block3_attn, shape=(1600, 64))
         # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
-        block3_attn_out_matmul = mem.tensor(39, (1600, 64), 'float32')
+        block3_attn_out_matmul = mem.tensor(27, (1600, 64), 'float32')
         rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
-        # free block3_attn_out_transpose, block3_attn_out_reshape
-        del block3_attn_out_transpose, block3_attn_out_reshape
-        mem.free(38)
+        # free block3_attn, block3_attn_out_reshape
+        del block3_attn, block3_attn_out_reshape
+        mem.free(26)
         # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
         block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
         rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
@@ -3202,20 +2886,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
         # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
         del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
-        mem.free(39)
+        mem.free(27)
         # block3_ln2 = layer_norm[axes=1,eps=1e-05](block3_ln2_add, block3_ln2_W, block3_ln2_B)
-        block3_ln2 = mem.tensor(40, (100, 16, 64), 'float32')
+        block3_ln2 = mem.tensor(28, (100, 16, 64), 'float32')
         rt.layer_norm(block3_ln2_add, T['block3_ln2_W'], T['block3_ln2_B'], out=block3_ln2, axes=1, eps=1e-05)
 
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
         # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(41, (1600, 128), 'float32')
+        block3_fc1_matmul = mem.tensor(29, (1600, 128), 'float32')
         rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
         # free block3_ln2, block3_fc1_reshape
         del block3_ln2, block3_fc1_reshape
-        mem.free(40)
+        mem.free(28)
         # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
         block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
         rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
@@ -3231,11 +2915,11 @@ class Vit(rp.Model):
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
         # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(42, (1600, 64), 'float32')
+        block3_fc2_matmul = mem.tensor(30, (1600, 64), 'float32')
         rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
         # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
-        mem.free(41)
+        mem.free(29)
         # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
         block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
         rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
@@ -3248,9 +2932,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
         # free block3_fc2_matmul, block3_fc2_add, block3_fc2
         del block3_fc2_matmul, block3_fc2_add, block3_fc2
-        mem.free(42)
+        mem.free(30)
         # block4_ln1 = layer_norm[axes=1,eps=1e-05](block4_ln1_add, block4_ln1_W, block4_ln1_B)
-        block4_ln1 = mem.tensor(43, (100, 16, 64), 'float32')
+        block4_ln1 = mem.tensor(31, (100, 16, 64), 'float32')
         rt.layer_norm(block4_ln1_add, T['block4_ln1_W'], T['block4_ln1_B'], out=block4_ln1, axes=1, eps=1e-05)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
@@ -3259,79 +2943,51 @@ class Vit(rp.Model):
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
         # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(44, (1600, 64), 'float32')
+        block4_attn_v_matmul = mem.tensor(32, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
         # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
         block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
         rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
 
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
-        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
-        block4_attn_transpose = mem.tensor(45, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        mem.free(44)
-
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
-        block4_attn_k_matmul = mem.tensor(46, (1600, 64), 'float32')
+        block4_attn_k_matmul = mem.tensor(33, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
-
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
-        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
-        block4_attn_transpose_2 = mem.tensor(47, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
-        # free block4_attn_k_matmul, block4_attn_reshape_2
-        del block4_attn_k_matmul, block4_attn_reshape_2
-        mem.free(46)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(48, (1600, 64), 'float32')
+        block4_attn_q_matmul = mem.tensor(34, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
         # free block4_ln1, block4_attn_q_reshape
         del block4_ln1, block4_attn_q_reshape
-        mem.free(43)
+        mem.free(31)
         # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
         block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
         rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
 
         # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
+        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
+        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
+        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
         # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
         block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
-        block4_attn_transpose_3 = mem.tensor(49, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
-        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        mem.free(48)
-        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
-        block4_attn = mem.tensor(50, (100, 4, 16, 16), 'float32')
-        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
-        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
-        mem.free(45, 47, 49)
+        # block4_attn = attention[heads=True,scale=0.25](block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape)
+        block4_attn = mem.tensor(35, (100, 16, 4, 16), 'float32')
+        rt.attention(block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, out=block4_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        mem.free(32, 33, 34)
 
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
-        block4_attn_out_transpose = mem.tensor(51, (100, 16, 4, 16), 'float32')
-        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
-        # free block4_attn
-        del block4_attn
-        mem.free(50)
-        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
-        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
+        # block4_attn_out_reshape = reshape[1600x64](block4_attn)
+        block4_attn_out_reshape = rt.reshape(block4_attn, shape=(1600, 64))
         # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
-        block4_attn_out_matmul = mem.tensor(52, (1600, 64), 'float32')
+        block4_attn_out_matmul = mem.tensor(36, (1600, 64), 'float32')
         rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
-        # free block4_attn_out_transpose, block4_attn_out_reshape
-        del block4_attn_out_transpose, block4_attn_out_reshape
-        mem.free(51)
+        # free block4_attn, block4_attn_out_reshape
+        del block4_attn, block4_attn_out_reshape
+        mem.free(35)
         # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
         block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
         rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
@@ -3344,20 +3000,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
         # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
         del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
-        mem.free(52)
+        mem.free(36)
         # block4_ln2 = layer_norm[axes=1,eps=1e-05](block4_ln2_add, block4_ln2_W, block4_ln2_B)
-        block4_ln2 = mem.tensor(53, (100, 16, 64), 'float32')
+        block4_ln2 = mem.tensor(37, (100, 16, 64), 'float32')
         rt.layer_norm(block4_ln2_add, T['block4_ln2_W'], T['block4_ln2_B'], out=block4_ln2, axes=1, eps=1e-05)
 
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
         # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(54, (1600, 128), 'float32')
+        block4_fc1_matmul = mem.tensor(38, (1600, 128), 'float32')
         rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
         # free block4_ln2, block4_fc1_reshape
         del block4_ln2, block4_fc1_reshape
-        mem.free(53)
+        mem.free(37)
         # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
         block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
         rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
@@ -3373,11 +3029,11 @@ class Vit(rp.Model):
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
         # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(55, (1600, 64), 'float32')
+        block4_fc2_matmul = mem.tensor(39, (1600, 64), 'float32')
         rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
         # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
         del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
-        mem.free(54)
+        mem.free(38)
         # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
         block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
         rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
@@ -3390,9 +3046,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
         # free block4_fc2_matmul, block4_fc2_add, block4_fc2
         del block4_fc2_matmul, block4_fc2_add, block4_fc2
-        mem.free(55)
+        mem.free(39)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
-        ln = mem.tensor(56, (100, 16, 64), 'float32')
+        ln = mem.tensor(40, (100, 16, 64), 'float32')
         rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
         # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add
         del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add
@@ -3400,34 +3056,34 @@ class Vit(rp.Model):
 
         # ---- head (fully connected, 10 outputs), forward ----
         # head_sum_to = sum_to[100x1x64](ln)
-        head_sum_to = mem.tensor(57, (100, 1, 64), 'float32')
+        head_sum_to = mem.tensor(41, (100, 1, 64), 'float32')
         rt.sum_to(ln, out=head_sum_to, shape=(100, 1, 64))
         # free ln
         del ln
-        mem.free(56)
+        mem.free(40)
         # head_reshape = reshape[100x64](head_sum_to)
         head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
         rt.ew(ew_scale, head_scale, head_reshape)
         # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(58, (100, 10), 'float32')
+        head_matmul = mem.tensor(42, (100, 10), 'float32')
         rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
         # free head_sum_to, head_reshape, head_scale
         del head_sum_to, head_reshape, head_scale
-        mem.free(57)
+        mem.free(41)
         # head = head_matmul + head_B
         head = head_matmul  # in place: over head_matmul
         rt.ew(ew_add, head, head_matmul, T['head_B'])
 
         # ---- head_precision (precision), forward ----
         # head_precision = precision(head, y)
-        head_precision = mem.tensor(59, (), 'float32')
+        head_precision = mem.tensor(43, (), 'float32')
         rt.precision(head, y, out=head_precision)
 
         # ---- label_rank (each row's rank of its label among its scores: top-k accuracy), forward ----
         # label_ranks = label_rank(head, y)
-        label_ranks = mem.tensor(60, (100,), 'float32')
+        label_ranks = mem.tensor(44, (100,), 'float32')
         rt.label_rank(head, y, out=label_ranks)
 
         # ---- head_cross_entropy (cross_entropy), forward ----
@@ -3435,17 +3091,17 @@ class Vit(rp.Model):
         head_cross_entropy_log_softmax = head  # in place: over head
         rt.log_softmax(head, out=head_cross_entropy_log_softmax, workspace=mem.workspace(4000))
         # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
-        head_cross_entropy_pick = mem.tensor(61, (100,), 'float32')
+        head_cross_entropy_pick = mem.tensor(45, (100,), 'float32')
         rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
         # free y, head_matmul, head, head_cross_entropy_log_softmax
         del y, head_matmul, head, head_cross_entropy_log_softmax
-        mem.free(1, 58)
+        mem.free(1, 42)
         # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
-        head_cross_entropy_sum_to = mem.tensor(62, (), 'float32')
+        head_cross_entropy_sum_to = mem.tensor(46, (), 'float32')
         rt.sum_to(head_cross_entropy_pick, out=head_cross_entropy_sum_to, shape=())
         # free head_cross_entropy_pick
         del head_cross_entropy_pick
-        mem.free(61)
+        mem.free(45)
         # head_cross_entropy = -head_cross_entropy_sum_to/100
         head_cross_entropy = head_cross_entropy_sum_to  # in place: over head_cross_entropy_sum_to
         rt.ew(ew_scale_2, head_cross_entropy, head_cross_entropy_sum_to)
@@ -3498,34 +3154,14 @@ class Vit(rp.Model):
         block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
         rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
 
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(5, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        mem.free(4)
-
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(6, (1600, 64), 'float32')
+        block1_attn_k_matmul = mem.tensor(5, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(7, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
-        # free block1_attn_k_matmul, block1_attn_reshape_2
-        del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(6)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(8, (1600, 64), 'float32')
+        block1_attn_q_matmul = mem.tensor(6, (1600, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
@@ -3535,36 +3171,28 @@ class Vit(rp.Model):
         rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
         # ---- block1_attn (scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
         # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
         block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(9, (100, 4, 16, 16), 'float32')
-        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        mem.free(8)
-        # block1_attn = attention[scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose)
-        block1_attn = mem.tensor(10, (100, 4, 16, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, out=block1_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        del block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3
-        mem.free(5, 7, 9)
+        # block1_attn = attention[heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
+        block1_attn = mem.tensor(7, (100, 16, 4, 16), 'float32')
+        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        mem.free(4, 5, 6)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(11, (100, 16, 4, 16), 'float32')
-        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # free block1_attn
-        del block1_attn
-        mem.free(10)
-        # block1_attn_out_reshape = reshape[1600x64](block1_attn_out_transpose)
-        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(1600, 64))
+        # block1_attn_out_reshape = reshape[1600x64](block1_attn)
+        block1_attn_out_reshape = rt.reshape(block1_attn, shape=(1600, 64))
         # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(12, (1600, 64), 'float32')
+        block1_attn_out_matmul = mem.tensor(8, (1600, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
-        # free block1_attn_out_transpose, block1_attn_out_reshape
-        del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(11)
+        # free block1_attn, block1_attn_out_reshape
+        del block1_attn, block1_attn_out_reshape
+        mem.free(7)
         # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
         block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
         rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
@@ -3577,20 +3205,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
         del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        mem.free(12)
+        mem.free(8)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
-        block1_ln2 = mem.tensor(13, (100, 16, 64), 'float32')
+        block1_ln2 = mem.tensor(9, (100, 16, 64), 'float32')
         rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
 
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
         # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(14, (1600, 128), 'float32')
+        block1_fc1_matmul = mem.tensor(10, (1600, 128), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
-        mem.free(13)
+        mem.free(9)
         # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
         block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
         rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
@@ -3606,11 +3234,11 @@ class Vit(rp.Model):
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
         # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(15, (1600, 64), 'float32')
+        block1_fc2_matmul = mem.tensor(11, (1600, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
         # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        mem.free(14)
+        mem.free(10)
         # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
         block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
         rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
@@ -3623,9 +3251,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # free block1_fc2_matmul, block1_fc2_add, block1_fc2
         del block1_fc2_matmul, block1_fc2_add, block1_fc2
-        mem.free(15)
+        mem.free(11)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
-        block2_ln1 = mem.tensor(16, (100, 16, 64), 'float32')
+        block2_ln1 = mem.tensor(12, (100, 16, 64), 'float32')
         rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
@@ -3634,79 +3262,51 @@ class Vit(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(17, (1600, 64), 'float32')
+        block2_attn_v_matmul = mem.tensor(13, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
         # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
         block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
         rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
 
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_v_add)
-        block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(18, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        mem.free(17)
-
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(19, (1600, 64), 'float32')
+        block2_attn_k_matmul = mem.tensor(14, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_k_matmul)
-        block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(20, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
-        # free block2_attn_k_matmul, block2_attn_reshape_2
-        del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(19)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
         # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(21, (1600, 64), 'float32')
+        block2_attn_q_matmul = mem.tensor(15, (1600, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
-        mem.free(16)
+        mem.free(12)
         # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
         block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
         rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
         # ---- block2_attn (scaled dot-product attention), forward ----
-        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_q_add)
-        block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
-        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(22, (100, 4, 16, 16), 'float32')
-        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        mem.free(21)
-        # block2_attn = attention[scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose)
-        block2_attn = mem.tensor(23, (100, 4, 16, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, out=block2_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        del block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3
-        mem.free(18, 20, 22)
+        # block2_attn_reshape = reshape[100x16x4x16](block2_attn_q_add)
+        block2_attn_reshape = rt.reshape(block2_attn_q_add, shape=(100, 16, 4, 16))
+        # block2_attn_reshape_2 = reshape[100x16x4x16](block2_attn_v_add)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_v_add, shape=(100, 16, 4, 16))
+        # block2_attn_reshape_3 = reshape[100x16x4x16](block2_attn_k_matmul)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block2_attn = attention[heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2)
+        block2_attn = mem.tensor(16, (100, 16, 4, 16), 'float32')
+        rt.attention(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, out=block2_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        mem.free(13, 14, 15)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(24, (100, 16, 4, 16), 'float32')
-        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
-        # free block2_attn
-        del block2_attn
-        mem.free(23)
-        # block2_attn_out_reshape = reshape[1600x64](block2_attn_out_transpose)
-        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(1600, 64))
+        # block2_attn_out_reshape = reshape[1600x64](block2_attn)
+        block2_attn_out_reshape = rt.reshape(block2_attn, shape=(1600, 64))
         # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(25, (1600, 64), 'float32')
+        block2_attn_out_matmul = mem.tensor(17, (1600, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
-        # free block2_attn_out_transpose, block2_attn_out_reshape
-        del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(24)
+        # free block2_attn, block2_attn_out_reshape
+        del block2_attn, block2_attn_out_reshape
+        mem.free(16)
         # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
         block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
         rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
@@ -3719,20 +3319,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
         del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        mem.free(25)
+        mem.free(17)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
-        block2_ln2 = mem.tensor(26, (100, 16, 64), 'float32')
+        block2_ln2 = mem.tensor(18, (100, 16, 64), 'float32')
         rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
 
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
         # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(27, (1600, 128), 'float32')
+        block2_fc1_matmul = mem.tensor(19, (1600, 128), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
-        mem.free(26)
+        mem.free(18)
         # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
         block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
         rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
@@ -3748,11 +3348,11 @@ class Vit(rp.Model):
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
         # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(28, (1600, 64), 'float32')
+        block2_fc2_matmul = mem.tensor(20, (1600, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
         # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        mem.free(27)
+        mem.free(19)
         # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
         block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
         rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
@@ -3765,9 +3365,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
         # free block2_fc2_matmul, block2_fc2_add, block2_fc2
         del block2_fc2_matmul, block2_fc2_add, block2_fc2
-        mem.free(28)
+        mem.free(20)
         # block3_ln1 = layer_norm[axes=1,eps=1e-05](block3_ln1_add, block3_ln1_W, block3_ln1_B)
-        block3_ln1 = mem.tensor(29, (100, 16, 64), 'float32')
+        block3_ln1 = mem.tensor(21, (100, 16, 64), 'float32')
         rt.layer_norm(block3_ln1_add, T['block3_ln1_W'], T['block3_ln1_B'], out=block3_ln1, axes=1, eps=1e-05)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
@@ -3776,79 +3376,51 @@ class Vit(rp.Model):
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
         # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(30, (1600, 64), 'float32')
+        block3_attn_v_matmul = mem.tensor(22, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
         # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
         block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
         rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
 
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose = transpose[axes=(1,2)](block3_attn_reshape)
-        block3_attn_transpose = mem.tensor(31, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape, out=block3_attn_transpose, axes=(1, 2))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape
-        mem.free(30)
-
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
-        block3_attn_k_matmul = mem.tensor(32, (1600, 64), 'float32')
+        block3_attn_k_matmul = mem.tensor(23, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
-
-        # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
-        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_2 = transpose[axes=(1,2)](block3_attn_reshape_2)
-        block3_attn_transpose_2 = mem.tensor(33, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_2, out=block3_attn_transpose_2, axes=(1, 2))
-        # free block3_attn_k_matmul, block3_attn_reshape_2
-        del block3_attn_k_matmul, block3_attn_reshape_2
-        mem.free(32)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
         # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(34, (1600, 64), 'float32')
+        block3_attn_q_matmul = mem.tensor(24, (1600, 64), 'float32')
         rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
         # free block3_ln1, block3_attn_q_reshape
         del block3_ln1, block3_attn_q_reshape
-        mem.free(29)
+        mem.free(21)
         # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
         block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
         rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
 
         # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
-        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # block3_attn_transpose_3 = transpose[axes=(1,2)](block3_attn_reshape_3)
-        block3_attn_transpose_3 = mem.tensor(35, (100, 4, 16, 16), 'float32')
-        rt.transpose(block3_attn_reshape_3, out=block3_attn_transpose_3, axes=(1, 2))
-        # free block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        del block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_3
-        mem.free(34)
-        # block3_attn = attention[scale=0.25](block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose)
-        block3_attn = mem.tensor(36, (100, 4, 16, 16), 'float32')
-        rt.attention(block3_attn_transpose_3, block3_attn_transpose_2, block3_attn_transpose, out=block3_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
-        del block3_attn_transpose, block3_attn_transpose_2, block3_attn_transpose_3
-        mem.free(31, 33, 35)
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn = attention[heads=True,scale=0.25](block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3)
+        block3_attn = mem.tensor(25, (100, 16, 4, 16), 'float32')
+        rt.attention(block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, out=block3_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2
+        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2
+        mem.free(22, 23, 24)
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
-        # block3_attn_out_transpose = transpose[axes=(1,2)](block3_attn)
-        block3_attn_out_transpose = mem.tensor(37, (100, 16, 4, 16), 'float32')
-        rt.transpose(block3_attn, out=block3_attn_out_transpose, axes=(1, 2))
-        # free block3_attn
-        del block3_attn
-        mem.free(36)
-        # block3_attn_out_reshape = reshape[1600x64](block3_attn_out_transpose)
-        block3_attn_out_reshape = rt.reshape(block3_attn_out_transpose, shape=(1600, 64))
+        # block3_attn_out_reshape = reshape[1600x64](block3_attn)
+        block3_attn_out_reshape = rt.reshape(block3_attn, shape=(1600, 64))
         # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
-        block3_attn_out_matmul = mem.tensor(38, (1600, 64), 'float32')
+        block3_attn_out_matmul = mem.tensor(26, (1600, 64), 'float32')
         rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
-        # free block3_attn_out_transpose, block3_attn_out_reshape
-        del block3_attn_out_transpose, block3_attn_out_reshape
-        mem.free(37)
+        # free block3_attn, block3_attn_out_reshape
+        del block3_attn, block3_attn_out_reshape
+        mem.free(25)
         # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
         block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
         rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
@@ -3861,20 +3433,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
         # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
         del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
-        mem.free(38)
+        mem.free(26)
         # block3_ln2 = layer_norm[axes=1,eps=1e-05](block3_ln2_add, block3_ln2_W, block3_ln2_B)
-        block3_ln2 = mem.tensor(39, (100, 16, 64), 'float32')
+        block3_ln2 = mem.tensor(27, (100, 16, 64), 'float32')
         rt.layer_norm(block3_ln2_add, T['block3_ln2_W'], T['block3_ln2_B'], out=block3_ln2, axes=1, eps=1e-05)
 
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
         # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(40, (1600, 128), 'float32')
+        block3_fc1_matmul = mem.tensor(28, (1600, 128), 'float32')
         rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
         # free block3_ln2, block3_fc1_reshape
         del block3_ln2, block3_fc1_reshape
-        mem.free(39)
+        mem.free(27)
         # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
         block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
         rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
@@ -3890,11 +3462,11 @@ class Vit(rp.Model):
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
         # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(41, (1600, 64), 'float32')
+        block3_fc2_matmul = mem.tensor(29, (1600, 64), 'float32')
         rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
         # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
-        mem.free(40)
+        mem.free(28)
         # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
         block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
         rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
@@ -3907,9 +3479,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
         # free block3_fc2_matmul, block3_fc2_add, block3_fc2
         del block3_fc2_matmul, block3_fc2_add, block3_fc2
-        mem.free(41)
+        mem.free(29)
         # block4_ln1 = layer_norm[axes=1,eps=1e-05](block4_ln1_add, block4_ln1_W, block4_ln1_B)
-        block4_ln1 = mem.tensor(42, (100, 16, 64), 'float32')
+        block4_ln1 = mem.tensor(30, (100, 16, 64), 'float32')
         rt.layer_norm(block4_ln1_add, T['block4_ln1_W'], T['block4_ln1_B'], out=block4_ln1, axes=1, eps=1e-05)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
@@ -3918,79 +3490,51 @@ class Vit(rp.Model):
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
         # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(43, (1600, 64), 'float32')
+        block4_attn_v_matmul = mem.tensor(31, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
         # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
         block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
         rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
 
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
-        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose = transpose[axes=(1,2)](block4_attn_reshape)
-        block4_attn_transpose = mem.tensor(44, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape, out=block4_attn_transpose, axes=(1, 2))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape
-        mem.free(43)
-
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
-        block4_attn_k_matmul = mem.tensor(45, (1600, 64), 'float32')
+        block4_attn_k_matmul = mem.tensor(32, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
-
-        # ---- block4_attn (scaled dot-product attention), forward ----
-        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
-        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_2 = transpose[axes=(1,2)](block4_attn_reshape_2)
-        block4_attn_transpose_2 = mem.tensor(46, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_2, out=block4_attn_transpose_2, axes=(1, 2))
-        # free block4_attn_k_matmul, block4_attn_reshape_2
-        del block4_attn_k_matmul, block4_attn_reshape_2
-        mem.free(45)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
         # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(47, (1600, 64), 'float32')
+        block4_attn_q_matmul = mem.tensor(33, (1600, 64), 'float32')
         rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
         # free block4_ln1, block4_attn_q_reshape
         del block4_ln1, block4_attn_q_reshape
-        mem.free(42)
+        mem.free(30)
         # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
         block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
         rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
 
         # ---- block4_attn (scaled dot-product attention), forward ----
+        # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
+        block4_attn_reshape = rt.reshape(block4_attn_v_add, shape=(100, 16, 4, 16))
+        # block4_attn_reshape_2 = reshape[100x16x4x16](block4_attn_k_matmul)
+        block4_attn_reshape_2 = rt.reshape(block4_attn_k_matmul, shape=(100, 16, 4, 16))
         # block4_attn_reshape_3 = reshape[100x16x4x16](block4_attn_q_add)
         block4_attn_reshape_3 = rt.reshape(block4_attn_q_add, shape=(100, 16, 4, 16))
-        # block4_attn_transpose_3 = transpose[axes=(1,2)](block4_attn_reshape_3)
-        block4_attn_transpose_3 = mem.tensor(48, (100, 4, 16, 16), 'float32')
-        rt.transpose(block4_attn_reshape_3, out=block4_attn_transpose_3, axes=(1, 2))
-        # free block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        del block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        mem.free(47)
-        # block4_attn = attention[scale=0.25](block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose)
-        block4_attn = mem.tensor(49, (100, 4, 16, 16), 'float32')
-        rt.attention(block4_attn_transpose_3, block4_attn_transpose_2, block4_attn_transpose, out=block4_attn, scale=0.25, workspace=mem.workspace(409600))
-        # free block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
-        del block4_attn_transpose, block4_attn_transpose_2, block4_attn_transpose_3
-        mem.free(44, 46, 48)
+        # block4_attn = attention[heads=True,scale=0.25](block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape)
+        block4_attn = mem.tensor(34, (100, 16, 4, 16), 'float32')
+        rt.attention(block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, out=block4_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        mem.free(31, 32, 33)
 
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
-        # block4_attn_out_transpose = transpose[axes=(1,2)](block4_attn)
-        block4_attn_out_transpose = mem.tensor(50, (100, 16, 4, 16), 'float32')
-        rt.transpose(block4_attn, out=block4_attn_out_transpose, axes=(1, 2))
-        # free block4_attn
-        del block4_attn
-        mem.free(49)
-        # block4_attn_out_reshape = reshape[1600x64](block4_attn_out_transpose)
-        block4_attn_out_reshape = rt.reshape(block4_attn_out_transpose, shape=(1600, 64))
+        # block4_attn_out_reshape = reshape[1600x64](block4_attn)
+        block4_attn_out_reshape = rt.reshape(block4_attn, shape=(1600, 64))
         # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
-        block4_attn_out_matmul = mem.tensor(51, (1600, 64), 'float32')
+        block4_attn_out_matmul = mem.tensor(35, (1600, 64), 'float32')
         rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
-        # free block4_attn_out_transpose, block4_attn_out_reshape
-        del block4_attn_out_transpose, block4_attn_out_reshape
-        mem.free(50)
+        # free block4_attn, block4_attn_out_reshape
+        del block4_attn, block4_attn_out_reshape
+        mem.free(34)
         # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
         block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
         rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
@@ -4003,20 +3547,20 @@ class Vit(rp.Model):
         rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
         # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
         del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
-        mem.free(51)
+        mem.free(35)
         # block4_ln2 = layer_norm[axes=1,eps=1e-05](block4_ln2_add, block4_ln2_W, block4_ln2_B)
-        block4_ln2 = mem.tensor(52, (100, 16, 64), 'float32')
+        block4_ln2 = mem.tensor(36, (100, 16, 64), 'float32')
         rt.layer_norm(block4_ln2_add, T['block4_ln2_W'], T['block4_ln2_B'], out=block4_ln2, axes=1, eps=1e-05)
 
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
         # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(53, (1600, 128), 'float32')
+        block4_fc1_matmul = mem.tensor(37, (1600, 128), 'float32')
         rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
         # free block4_ln2, block4_fc1_reshape
         del block4_ln2, block4_fc1_reshape
-        mem.free(52)
+        mem.free(36)
         # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
         block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
         rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
@@ -4032,11 +3576,11 @@ class Vit(rp.Model):
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
         # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(54, (1600, 64), 'float32')
+        block4_fc2_matmul = mem.tensor(38, (1600, 64), 'float32')
         rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
         # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
         del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
-        mem.free(53)
+        mem.free(37)
         # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
         block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
         rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
@@ -4049,9 +3593,9 @@ class Vit(rp.Model):
         rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
         # free block4_fc2_matmul, block4_fc2_add, block4_fc2
         del block4_fc2_matmul, block4_fc2_add, block4_fc2
-        mem.free(54)
+        mem.free(38)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
-        ln = mem.tensor(55, (100, 16, 64), 'float32')
+        ln = mem.tensor(39, (100, 16, 64), 'float32')
         rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
         # free block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add
         del block1_ln2_transpose, block1_ln2_add, block1_ln2_add_2, block2_ln1_add, block2_ln2_add, block3_ln1_add, block3_ln2_add, block4_ln1_add, block4_ln2_add, ln_add
@@ -4059,22 +3603,22 @@ class Vit(rp.Model):
 
         # ---- head (fully connected, 10 outputs), forward ----
         # head_sum_to = sum_to[100x1x64](ln)
-        head_sum_to = mem.tensor(56, (100, 1, 64), 'float32')
+        head_sum_to = mem.tensor(40, (100, 1, 64), 'float32')
         rt.sum_to(ln, out=head_sum_to, shape=(100, 1, 64))
         # free ln
         del ln
-        mem.free(55)
+        mem.free(39)
         # head_reshape = reshape[100x64](head_sum_to)
         head_reshape = rt.reshape(head_sum_to, shape=(100, 64))
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
         rt.ew(ew_scale, head_scale, head_reshape)
         # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(57, (100, 10), 'float32')
+        head_matmul = mem.tensor(41, (100, 10), 'float32')
         rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
         # free head_sum_to, head_reshape, head_scale
         del head_sum_to, head_reshape, head_scale
-        mem.free(56)
+        mem.free(40)
         # head = head_matmul + head_B
         head = head_matmul  # in place: over head_matmul
         rt.ew(ew_add, head, head_matmul, T['head_B'])
@@ -4096,209 +3640,177 @@ class Vit(rp.Model):
                 (0, 400),  # 0: const 100 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=22462208, peak_bytes=22462208, workspace_bytes=870400, pool_bytes=22462208,
+            arena_bytes=20823808, peak_bytes=20823808, workspace_bytes=870400, pool_bytes=20823808,
             buffers=(
-                (22118400, 313600),  # 0: x 100x1x28x28 float32
-                (22461696, 400),  # 1: y 100 int32
-                (22457600, 4000),  # 2: d_head_cross_entropy_log_softmax 100x10 float32
+                (20480000, 313600),  # 0: x 100x1x28x28 float32
+                (20823296, 400),  # 1: y 100 int32
+                (20819200, 4000),  # 2: d_head_cross_entropy_log_softmax 100x10 float32
                 (0, 409600),  # 3: patch 100x64x4x4 float32
                 (6963200, 409600),  # 4: block1_ln2_transpose 100x16x64 float32
                 (7372800, 409600),  # 5: block1_ln1 100x16x64 float32
-                (0, 409600),  # 6: block1_attn_v_matmul 1600x64 float32
-                (7782400, 409600),  # 7: block1_attn_transpose 100x4x16x16 float32
-                (0, 409600),  # 8: block1_attn_k_matmul 1600x64 float32
-                (8192000, 409600),  # 9: block1_attn_transpose_2 100x4x16x16 float32
-                (0, 409600),  # 10: block1_attn_q_matmul 1600x64 float32
-                (8601600, 409600),  # 11: block1_attn_transpose_3 100x4x16x16 float32
-                (9011200, 409600),  # 12: block1_attn 100x4x16x16 float32
-                (9420800, 409600),  # 13: block1_attn_out_transpose 100x16x4x16 float32
-                (9830400, 409600),  # 14: block1_attn_out_matmul 1600x64 float32
-                (10240000, 409600),  # 15: block1_ln2 100x16x64 float32
-                (1228800, 819200),  # 16: block1_fc1_matmul 1600x128 float32
-                (2048000, 819200),  # 17: block1_fc1_gelu 100x16x128 float32
-                (10649600, 409600),  # 18: block1_fc2_matmul 1600x64 float32
-                (11059200, 409600),  # 19: block2_ln1 100x16x64 float32
-                (0, 409600),  # 20: block2_attn_v_matmul 1600x64 float32
-                (11468800, 409600),  # 21: block2_attn_transpose 100x4x16x16 float32
-                (0, 409600),  # 22: block2_attn_k_matmul 1600x64 float32
-                (11878400, 409600),  # 23: block2_attn_transpose_2 100x4x16x16 float32
-                (0, 409600),  # 24: block2_attn_q_matmul 1600x64 float32
-                (12288000, 409600),  # 25: block2_attn_transpose_3 100x4x16x16 float32
-                (12697600, 409600),  # 26: block2_attn 100x4x16x16 float32
-                (13107200, 409600),  # 27: block2_attn_out_transpose 100x16x4x16 float32
-                (13516800, 409600),  # 28: block2_attn_out_matmul 1600x64 float32
-                (13926400, 409600),  # 29: block2_ln2 100x16x64 float32
-                (2867200, 819200),  # 30: block2_fc1_matmul 1600x128 float32
-                (3686400, 819200),  # 31: block2_fc1_gelu 100x16x128 float32
-                (14336000, 409600),  # 32: block2_fc2_matmul 1600x64 float32
-                (14745600, 409600),  # 33: block3_ln1 100x16x64 float32
-                (0, 409600),  # 34: block3_attn_v_matmul 1600x64 float32
-                (15155200, 409600),  # 35: block3_attn_transpose 100x4x16x16 float32
-                (0, 409600),  # 36: block3_attn_k_matmul 1600x64 float32
-                (15564800, 409600),  # 37: block3_attn_transpose_2 100x4x16x16 float32
-                (0, 409600),  # 38: block3_attn_q_matmul 1600x64 float32
-                (15974400, 409600),  # 39: block3_attn_transpose_3 100x4x16x16 float32
-                (16384000, 409600),  # 40: block3_attn 100x4x16x16 float32
-                (16793600, 409600),  # 41: block3_attn_out_transpose 100x16x4x16 float32
-                (17203200, 409600),  # 42: block3_attn_out_matmul 1600x64 float32
-                (17612800, 409600),  # 43: block3_ln2 100x16x64 float32
-                (4505600, 819200),  # 44: block3_fc1_matmul 1600x128 float32
-                (5324800, 819200),  # 45: block3_fc1_gelu 100x16x128 float32
-                (18022400, 409600),  # 46: block3_fc2_matmul 1600x64 float32
-                (18432000, 409600),  # 47: block4_ln1 100x16x64 float32
-                (0, 409600),  # 48: block4_attn_v_matmul 1600x64 float32
-                (18841600, 409600),  # 49: block4_attn_transpose 100x4x16x16 float32
-                (0, 409600),  # 50: block4_attn_k_matmul 1600x64 float32
-                (19251200, 409600),  # 51: block4_attn_transpose_2 100x4x16x16 float32
-                (0, 409600),  # 52: block4_attn_q_matmul 1600x64 float32
-                (19660800, 409600),  # 53: block4_attn_transpose_3 100x4x16x16 float32
-                (20070400, 409600),  # 54: block4_attn 100x4x16x16 float32
-                (819200, 409600),  # 55: block4_attn_out_transpose 100x16x4x16 float32
-                (20480000, 409600),  # 56: block4_attn_out_matmul 1600x64 float32
-                (20889600, 409600),  # 57: block4_ln2 100x16x64 float32
-                (0, 819200),  # 58: block4_fc1_matmul 1600x128 float32
-                (6144000, 819200),  # 59: block4_fc1_gelu 100x16x128 float32
-                (21299200, 409600),  # 60: block4_fc2_matmul 1600x64 float32
-                (21708800, 409600),  # 61: ln 100x16x64 float32
-                (22432000, 25600),  # 62: head_sum_to 100x1x64 float32
-                (21708800, 4000),  # 63: head_matmul 100x10 float32
-                (21712896, 400),  # 64: head_cross_entropy_pick 100 float32
-                (21708800, 2560),  # 65: d_head_W 10x64 float32
-                (22461696, 4),  # 66: head_cross_entropy_sum_to scalar float32
-                (21708800, 40),  # 67: d_head_B 10 float32
-                (22432000, 25600),  # 68: d_head_scale 100x64 float32
-                (21708800, 409600),  # 69: d_ln 100x16x64 float32
-                (22432000, 512),  # 70: d_ln_layer_norm_param_grad 2x64 float32
-                (21299200, 32768),  # 71: d_block4_fc2_W 64x128 float32
-                (6144000, 256),  # 72: d_block4_fc2_B 64 float32
-                (6144000, 256),  # 73: d_ln_slice 1x64 float32
-                (6144256, 256),  # 74: d_ln_slice_2 1x64 float32
-                (6144000, 819200),  # 75: d_block4_fc2_reshape 1600x128 float32
-                (0, 32768),  # 76: d_block4_fc1_W 128x64 float32
-                (409600, 512),  # 77: d_block4_fc1_B 128 float32
-                (0, 409600),  # 78: d_block4_fc1_reshape 1600x64 float32
-                (409600, 512),  # 79: d_block4_ln2_layer_norm_param_grad 2x64 float32
-                (0, 16384),  # 80: d_block4_attn_out_W 64x64 float32
-                (0, 256),  # 81: d_block4_attn_out_B 64 float32
-                (0, 256),  # 82: d_block4_ln2_slice 1x64 float32
-                (256, 256),  # 83: d_block4_ln2_slice_2 1x64 float32
-                (0, 409600),  # 84: d_block4_attn_out_reshape 1600x64 float32
-                (6144000, 409600),  # 85: d_block4_attn 100x4x16x16 float32
-                (0, 1228800),  # 86: d_block4_attn_attention_grad 307200 float32
-                (6144000, 409600),  # 87: d_block4_attn_slice 102400 float32
-                (6553600, 409600),  # 88: d_block4_attn_reshape 100x16x4x16 float32
-                (6144000, 256),  # 89: d_block4_attn_q_B 64 float32
-                (18841600, 16384),  # 90: d_block4_attn_q_W 64x64 float32
-                (6144000, 409600),  # 91: d_block4_attn_q_reshape 1600x64 float32
-                (6553600, 409600),  # 92: d_block4_attn_slice_2 102400 float32
-                (18841600, 409600),  # 93: d_block4_attn_slice_3 102400 float32
-                (0, 409600),  # 94: d_block4_attn_reshape_2 100x16x4x16 float32
-                (409600, 409600),  # 95: d_block4_attn_reshape_3 100x16x4x16 float32
-                (819200, 256),  # 96: d_block4_attn_v_B 64 float32
-                (6553600, 16384),  # 97: d_block4_attn_k_W 64x64 float32
-                (6569984, 16384),  # 98: d_block4_attn_v_W 64x64 float32
-                (819200, 409600),  # 99: d_block4_attn_q_reshape_2 1600x64 float32
-                (0, 409600),  # 100: d_block4_attn_q_reshape_3 1600x64 float32
-                (409600, 512),  # 101: d_block4_ln1_layer_norm_param_grad 2x64 float32
-                (0, 32768),  # 102: d_block3_fc2_W 64x128 float32
-                (0, 256),  # 103: d_block3_fc2_B 64 float32
-                (0, 256),  # 104: d_block4_ln1_slice 1x64 float32
-                (256, 256),  # 105: d_block4_ln1_slice_2 1x64 float32
-                (0, 819200),  # 106: d_block3_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 107: d_block3_fc1_W 128x64 float32
-                (4505600, 512),  # 108: d_block3_fc1_B 128 float32
-                (819200, 409600),  # 109: d_block3_fc1_reshape 1600x64 float32
-                (16384, 512),  # 110: d_block3_ln2_layer_norm_param_grad 2x64 float32
-                (0, 16384),  # 111: d_block3_attn_out_W 64x64 float32
-                (0, 256),  # 112: d_block3_attn_out_B 64 float32
-                (0, 256),  # 113: d_block3_ln2_slice 1x64 float32
-                (256, 256),  # 114: d_block3_ln2_slice_2 1x64 float32
-                (0, 409600),  # 115: d_block3_attn_out_reshape 1600x64 float32
-                (4505600, 409600),  # 116: d_block3_attn 100x4x16x16 float32
-                (0, 1228800),  # 117: d_block3_attn_attention_grad 307200 float32
-                (4505600, 409600),  # 118: d_block3_attn_slice 102400 float32
-                (4915200, 409600),  # 119: d_block3_attn_reshape 100x16x4x16 float32
-                (4505600, 256),  # 120: d_block3_attn_q_B 64 float32
-                (5324800, 16384),  # 121: d_block3_attn_q_W 64x64 float32
-                (4505600, 409600),  # 122: d_block3_attn_q_reshape 1600x64 float32
-                (4915200, 409600),  # 123: d_block3_attn_slice_2 102400 float32
-                (5324800, 409600),  # 124: d_block3_attn_slice_3 102400 float32
-                (0, 409600),  # 125: d_block3_attn_reshape_2 100x16x4x16 float32
-                (409600, 409600),  # 126: d_block3_attn_reshape_3 100x16x4x16 float32
-                (819200, 256),  # 127: d_block3_attn_v_B 64 float32
-                (4915200, 16384),  # 128: d_block3_attn_k_W 64x64 float32
-                (4931584, 16384),  # 129: d_block3_attn_v_W 64x64 float32
-                (819200, 409600),  # 130: d_block3_attn_q_reshape_2 1600x64 float32
-                (0, 409600),  # 131: d_block3_attn_q_reshape_3 1600x64 float32
-                (409600, 512),  # 132: d_block3_ln1_layer_norm_param_grad 2x64 float32
-                (0, 32768),  # 133: d_block2_fc2_W 64x128 float32
-                (0, 256),  # 134: d_block2_fc2_B 64 float32
-                (0, 256),  # 135: d_block3_ln1_slice 1x64 float32
-                (256, 256),  # 136: d_block3_ln1_slice_2 1x64 float32
-                (0, 819200),  # 137: d_block2_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 138: d_block2_fc1_W 128x64 float32
-                (2867200, 512),  # 139: d_block2_fc1_B 128 float32
-                (819200, 409600),  # 140: d_block2_fc1_reshape 1600x64 float32
-                (16384, 512),  # 141: d_block2_ln2_layer_norm_param_grad 2x64 float32
-                (0, 16384),  # 142: d_block2_attn_out_W 64x64 float32
-                (0, 256),  # 143: d_block2_attn_out_B 64 float32
-                (0, 256),  # 144: d_block2_ln2_slice 1x64 float32
-                (256, 256),  # 145: d_block2_ln2_slice_2 1x64 float32
-                (0, 409600),  # 146: d_block2_attn_out_reshape 1600x64 float32
-                (2867200, 409600),  # 147: d_block2_attn 100x4x16x16 float32
-                (0, 1228800),  # 148: d_block2_attn_attention_grad 307200 float32
-                (2867200, 409600),  # 149: d_block2_attn_slice 102400 float32
-                (3276800, 409600),  # 150: d_block2_attn_reshape 100x16x4x16 float32
-                (2867200, 256),  # 151: d_block2_attn_q_B 64 float32
-                (3686400, 16384),  # 152: d_block2_attn_q_W 64x64 float32
-                (2867200, 409600),  # 153: d_block2_attn_q_reshape 1600x64 float32
-                (3276800, 409600),  # 154: d_block2_attn_slice_2 102400 float32
-                (3686400, 409600),  # 155: d_block2_attn_slice_3 102400 float32
-                (0, 409600),  # 156: d_block2_attn_reshape_2 100x16x4x16 float32
-                (409600, 409600),  # 157: d_block2_attn_reshape_3 100x16x4x16 float32
-                (819200, 256),  # 158: d_block2_attn_v_B 64 float32
-                (3276800, 16384),  # 159: d_block2_attn_k_W 64x64 float32
-                (3293184, 16384),  # 160: d_block2_attn_v_W 64x64 float32
-                (819200, 409600),  # 161: d_block2_attn_q_reshape_2 1600x64 float32
-                (0, 409600),  # 162: d_block2_attn_q_reshape_3 1600x64 float32
-                (409600, 512),  # 163: d_block2_ln1_layer_norm_param_grad 2x64 float32
-                (0, 32768),  # 164: d_block1_fc2_W 64x128 float32
-                (0, 256),  # 165: d_block1_fc2_B 64 float32
-                (0, 256),  # 166: d_block2_ln1_slice 1x64 float32
-                (256, 256),  # 167: d_block2_ln1_slice_2 1x64 float32
-                (0, 819200),  # 168: d_block1_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 169: d_block1_fc1_W 128x64 float32
-                (1228800, 512),  # 170: d_block1_fc1_B 128 float32
-                (819200, 409600),  # 171: d_block1_fc1_reshape 1600x64 float32
-                (16384, 512),  # 172: d_block1_ln2_layer_norm_param_grad 2x64 float32
-                (0, 16384),  # 173: d_block1_attn_out_W 64x64 float32
-                (0, 256),  # 174: d_block1_attn_out_B 64 float32
-                (0, 256),  # 175: d_block1_ln2_slice 1x64 float32
-                (256, 256),  # 176: d_block1_ln2_slice_2 1x64 float32
-                (0, 409600),  # 177: d_block1_attn_out_reshape 1600x64 float32
-                (1228800, 409600),  # 178: d_block1_attn 100x4x16x16 float32
-                (0, 1228800),  # 179: d_block1_attn_attention_grad 307200 float32
-                (1228800, 409600),  # 180: d_block1_attn_slice 102400 float32
-                (1638400, 409600),  # 181: d_block1_attn_reshape 100x16x4x16 float32
-                (1228800, 256),  # 182: d_block1_attn_q_B 64 float32
-                (2048000, 16384),  # 183: d_block1_attn_q_W 64x64 float32
-                (1228800, 409600),  # 184: d_block1_attn_q_reshape 1600x64 float32
-                (1638400, 409600),  # 185: d_block1_attn_slice_2 102400 float32
-                (2048000, 409600),  # 186: d_block1_attn_slice_3 102400 float32
-                (0, 409600),  # 187: d_block1_attn_reshape_2 100x16x4x16 float32
-                (409600, 409600),  # 188: d_block1_attn_reshape_3 100x16x4x16 float32
-                (819200, 256),  # 189: d_block1_attn_v_B 64 float32
-                (1638400, 16384),  # 190: d_block1_attn_k_W 64x64 float32
-                (1654784, 16384),  # 191: d_block1_attn_v_W 64x64 float32
-                (819200, 409600),  # 192: d_block1_attn_q_reshape_2 1600x64 float32
-                (0, 409600),  # 193: d_block1_attn_q_reshape_3 1600x64 float32
-                (409600, 512),  # 194: d_block1_ln1_layer_norm_param_grad 2x64 float32
-                (0, 256),  # 195: d_block1_ln1_slice 1x64 float32
-                (256, 256),  # 196: d_block1_ln1_slice_2 1x64 float32
-                (422144, 4096),  # 197: d_pos 1x16x64 float32
-                (0, 409600),  # 198: d_block1_ln2_reshape 100x64x16 float32
-                (409600, 12544),  # 199: d_patch_W 64x1x7x7 float32
-                (426240, 256),  # 200: d_patch_sum_to 1x64x1x1 float32
+                (7782400, 409600),  # 6: block1_attn_v_matmul 1600x64 float32
+                (8192000, 409600),  # 7: block1_attn_k_matmul 1600x64 float32
+                (8601600, 409600),  # 8: block1_attn_q_matmul 1600x64 float32
+                (9011200, 409600),  # 9: block1_attn 100x16x4x16 float32
+                (9420800, 409600),  # 10: block1_attn_out_matmul 1600x64 float32
+                (9830400, 409600),  # 11: block1_ln2 100x16x64 float32
+                (1228800, 819200),  # 12: block1_fc1_matmul 1600x128 float32
+                (2048000, 819200),  # 13: block1_fc1_gelu 100x16x128 float32
+                (10240000, 409600),  # 14: block1_fc2_matmul 1600x64 float32
+                (10649600, 409600),  # 15: block2_ln1 100x16x64 float32
+                (11059200, 409600),  # 16: block2_attn_v_matmul 1600x64 float32
+                (11468800, 409600),  # 17: block2_attn_k_matmul 1600x64 float32
+                (11878400, 409600),  # 18: block2_attn_q_matmul 1600x64 float32
+                (12288000, 409600),  # 19: block2_attn 100x16x4x16 float32
+                (12697600, 409600),  # 20: block2_attn_out_matmul 1600x64 float32
+                (13107200, 409600),  # 21: block2_ln2 100x16x64 float32
+                (2867200, 819200),  # 22: block2_fc1_matmul 1600x128 float32
+                (3686400, 819200),  # 23: block2_fc1_gelu 100x16x128 float32
+                (13516800, 409600),  # 24: block2_fc2_matmul 1600x64 float32
+                (13926400, 409600),  # 25: block3_ln1 100x16x64 float32
+                (14336000, 409600),  # 26: block3_attn_v_matmul 1600x64 float32
+                (14745600, 409600),  # 27: block3_attn_k_matmul 1600x64 float32
+                (15155200, 409600),  # 28: block3_attn_q_matmul 1600x64 float32
+                (15564800, 409600),  # 29: block3_attn 100x16x4x16 float32
+                (15974400, 409600),  # 30: block3_attn_out_matmul 1600x64 float32
+                (16384000, 409600),  # 31: block3_ln2 100x16x64 float32
+                (4505600, 819200),  # 32: block3_fc1_matmul 1600x128 float32
+                (5324800, 819200),  # 33: block3_fc1_gelu 100x16x128 float32
+                (16793600, 409600),  # 34: block3_fc2_matmul 1600x64 float32
+                (17203200, 409600),  # 35: block4_ln1 100x16x64 float32
+                (17612800, 409600),  # 36: block4_attn_v_matmul 1600x64 float32
+                (18022400, 409600),  # 37: block4_attn_k_matmul 1600x64 float32
+                (18432000, 409600),  # 38: block4_attn_q_matmul 1600x64 float32
+                (18841600, 409600),  # 39: block4_attn 100x16x4x16 float32
+                (819200, 409600),  # 40: block4_attn_out_matmul 1600x64 float32
+                (19251200, 409600),  # 41: block4_ln2 100x16x64 float32
+                (0, 819200),  # 42: block4_fc1_matmul 1600x128 float32
+                (6144000, 819200),  # 43: block4_fc1_gelu 100x16x128 float32
+                (19660800, 409600),  # 44: block4_fc2_matmul 1600x64 float32
+                (20070400, 409600),  # 45: ln 100x16x64 float32
+                (20793600, 25600),  # 46: head_sum_to 100x1x64 float32
+                (20070400, 4000),  # 47: head_matmul 100x10 float32
+                (20074496, 400),  # 48: head_cross_entropy_pick 100 float32
+                (20070400, 2560),  # 49: d_head_W 10x64 float32
+                (20823296, 4),  # 50: head_cross_entropy_sum_to scalar float32
+                (20070400, 40),  # 51: d_head_B 10 float32
+                (20793600, 25600),  # 52: d_head_scale 100x64 float32
+                (20070400, 409600),  # 53: d_ln 100x16x64 float32
+                (20793600, 512),  # 54: d_ln_layer_norm_param_grad 2x64 float32
+                (19660800, 32768),  # 55: d_block4_fc2_W 64x128 float32
+                (6144000, 256),  # 56: d_block4_fc2_B 64 float32
+                (6144000, 256),  # 57: d_ln_slice 1x64 float32
+                (6144256, 256),  # 58: d_ln_slice_2 1x64 float32
+                (6144000, 819200),  # 59: d_block4_fc2_reshape 1600x128 float32
+                (0, 32768),  # 60: d_block4_fc1_W 128x64 float32
+                (409600, 512),  # 61: d_block4_fc1_B 128 float32
+                (0, 409600),  # 62: d_block4_fc1_reshape 1600x64 float32
+                (409600, 512),  # 63: d_block4_ln2_layer_norm_param_grad 2x64 float32
+                (0, 256),  # 64: d_block4_attn_out_B 64 float32
+                (0, 256),  # 65: d_block4_ln2_slice 1x64 float32
+                (256, 256),  # 66: d_block4_ln2_slice_2 1x64 float32
+                (0, 16384),  # 67: d_block4_attn_out_W 64x64 float32
+                (6144000, 409600),  # 68: d_block4_attn_out_reshape 1600x64 float32
+                (0, 1228800),  # 69: d_block4_attn_attention_grad 307200 float32
+                (6144000, 409600),  # 70: d_block4_attn_slice 102400 float32
+                (6553600, 256),  # 71: d_block4_attn_q_B 64 float32
+                (17612800, 16384),  # 72: d_block4_attn_q_W 64x64 float32
+                (6553600, 409600),  # 73: d_block4_attn_q_reshape 1600x64 float32
+                (6144000, 409600),  # 74: d_block4_attn_slice_2 102400 float32
+                (17612800, 409600),  # 75: d_block4_attn_slice_3 102400 float32
+                (0, 256),  # 76: d_block4_attn_v_B 64 float32
+                (819200, 16384),  # 77: d_block4_attn_k_W 64x64 float32
+                (835584, 16384),  # 78: d_block4_attn_v_W 64x64 float32
+                (0, 409600),  # 79: d_block4_attn_q_reshape_2 1600x64 float32
+                (409600, 409600),  # 80: d_block4_attn_q_reshape_3 1600x64 float32
+                (32768, 512),  # 81: d_block4_ln1_layer_norm_param_grad 2x64 float32
+                (0, 32768),  # 82: d_block3_fc2_W 64x128 float32
+                (0, 256),  # 83: d_block3_fc2_B 64 float32
+                (0, 256),  # 84: d_block4_ln1_slice 1x64 float32
+                (256, 256),  # 85: d_block4_ln1_slice_2 1x64 float32
+                (0, 819200),  # 86: d_block3_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 87: d_block3_fc1_W 128x64 float32
+                (4505600, 512),  # 88: d_block3_fc1_B 128 float32
+                (819200, 409600),  # 89: d_block3_fc1_reshape 1600x64 float32
+                (0, 512),  # 90: d_block3_ln2_layer_norm_param_grad 2x64 float32
+                (512, 256),  # 91: d_block3_attn_out_B 64 float32
+                (512, 256),  # 92: d_block3_ln2_slice 1x64 float32
+                (768, 256),  # 93: d_block3_ln2_slice_2 1x64 float32
+                (0, 16384),  # 94: d_block3_attn_out_W 64x64 float32
+                (4505600, 409600),  # 95: d_block3_attn_out_reshape 1600x64 float32
+                (0, 1228800),  # 96: d_block3_attn_attention_grad 307200 float32
+                (4505600, 409600),  # 97: d_block3_attn_slice 102400 float32
+                (4915200, 256),  # 98: d_block3_attn_q_B 64 float32
+                (5324800, 16384),  # 99: d_block3_attn_q_W 64x64 float32
+                (4915200, 409600),  # 100: d_block3_attn_q_reshape 1600x64 float32
+                (4505600, 409600),  # 101: d_block3_attn_slice_2 102400 float32
+                (5324800, 409600),  # 102: d_block3_attn_slice_3 102400 float32
+                (0, 256),  # 103: d_block3_attn_v_B 64 float32
+                (819200, 16384),  # 104: d_block3_attn_k_W 64x64 float32
+                (835584, 16384),  # 105: d_block3_attn_v_W 64x64 float32
+                (0, 409600),  # 106: d_block3_attn_q_reshape_2 1600x64 float32
+                (409600, 409600),  # 107: d_block3_attn_q_reshape_3 1600x64 float32
+                (32768, 512),  # 108: d_block3_ln1_layer_norm_param_grad 2x64 float32
+                (0, 32768),  # 109: d_block2_fc2_W 64x128 float32
+                (0, 256),  # 110: d_block2_fc2_B 64 float32
+                (0, 256),  # 111: d_block3_ln1_slice 1x64 float32
+                (256, 256),  # 112: d_block3_ln1_slice_2 1x64 float32
+                (0, 819200),  # 113: d_block2_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 114: d_block2_fc1_W 128x64 float32
+                (2867200, 512),  # 115: d_block2_fc1_B 128 float32
+                (819200, 409600),  # 116: d_block2_fc1_reshape 1600x64 float32
+                (0, 512),  # 117: d_block2_ln2_layer_norm_param_grad 2x64 float32
+                (512, 256),  # 118: d_block2_attn_out_B 64 float32
+                (512, 256),  # 119: d_block2_ln2_slice 1x64 float32
+                (768, 256),  # 120: d_block2_ln2_slice_2 1x64 float32
+                (0, 16384),  # 121: d_block2_attn_out_W 64x64 float32
+                (2867200, 409600),  # 122: d_block2_attn_out_reshape 1600x64 float32
+                (0, 1228800),  # 123: d_block2_attn_attention_grad 307200 float32
+                (2867200, 409600),  # 124: d_block2_attn_slice 102400 float32
+                (3276800, 256),  # 125: d_block2_attn_q_B 64 float32
+                (3686400, 16384),  # 126: d_block2_attn_q_W 64x64 float32
+                (3276800, 409600),  # 127: d_block2_attn_q_reshape 1600x64 float32
+                (2867200, 409600),  # 128: d_block2_attn_slice_2 102400 float32
+                (3686400, 409600),  # 129: d_block2_attn_slice_3 102400 float32
+                (0, 256),  # 130: d_block2_attn_v_B 64 float32
+                (819200, 16384),  # 131: d_block2_attn_k_W 64x64 float32
+                (835584, 16384),  # 132: d_block2_attn_v_W 64x64 float32
+                (0, 409600),  # 133: d_block2_attn_q_reshape_2 1600x64 float32
+                (409600, 409600),  # 134: d_block2_attn_q_reshape_3 1600x64 float32
+                (32768, 512),  # 135: d_block2_ln1_layer_norm_param_grad 2x64 float32
+                (0, 32768),  # 136: d_block1_fc2_W 64x128 float32
+                (0, 256),  # 137: d_block1_fc2_B 64 float32
+                (0, 256),  # 138: d_block2_ln1_slice 1x64 float32
+                (256, 256),  # 139: d_block2_ln1_slice_2 1x64 float32
+                (0, 819200),  # 140: d_block1_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 141: d_block1_fc1_W 128x64 float32
+                (1228800, 512),  # 142: d_block1_fc1_B 128 float32
+                (819200, 409600),  # 143: d_block1_fc1_reshape 1600x64 float32
+                (0, 512),  # 144: d_block1_ln2_layer_norm_param_grad 2x64 float32
+                (512, 256),  # 145: d_block1_attn_out_B 64 float32
+                (512, 256),  # 146: d_block1_ln2_slice 1x64 float32
+                (768, 256),  # 147: d_block1_ln2_slice_2 1x64 float32
+                (0, 16384),  # 148: d_block1_attn_out_W 64x64 float32
+                (1228800, 409600),  # 149: d_block1_attn_out_reshape 1600x64 float32
+                (0, 1228800),  # 150: d_block1_attn_attention_grad 307200 float32
+                (1228800, 409600),  # 151: d_block1_attn_slice 102400 float32
+                (1638400, 256),  # 152: d_block1_attn_q_B 64 float32
+                (2048000, 16384),  # 153: d_block1_attn_q_W 64x64 float32
+                (1638400, 409600),  # 154: d_block1_attn_q_reshape 1600x64 float32
+                (1228800, 409600),  # 155: d_block1_attn_slice_2 102400 float32
+                (2048000, 409600),  # 156: d_block1_attn_slice_3 102400 float32
+                (0, 256),  # 157: d_block1_attn_v_B 64 float32
+                (819200, 16384),  # 158: d_block1_attn_k_W 64x64 float32
+                (835584, 16384),  # 159: d_block1_attn_v_W 64x64 float32
+                (0, 409600),  # 160: d_block1_attn_q_reshape_2 1600x64 float32
+                (409600, 409600),  # 161: d_block1_attn_q_reshape_3 1600x64 float32
+                (0, 512),  # 162: d_block1_ln1_layer_norm_param_grad 2x64 float32
+                (512, 256),  # 163: d_block1_ln1_slice 1x64 float32
+                (768, 256),  # 164: d_block1_ln1_slice_2 1x64 float32
+                (422144, 4096),  # 165: d_pos 1x16x64 float32
+                (0, 409600),  # 166: d_block1_ln2_reshape 100x64x16 float32
+                (409600, 12544),  # 167: d_patch_W 64x1x7x7 float32
+                (426240, 256),  # 168: d_patch_sum_to 1x64x1x1 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=2048512, peak_bytes=2048512, workspace_bytes=409600, pool_bytes=2362112,
@@ -4309,63 +3821,47 @@ class Vit(rp.Model):
                 (819200, 409600),  # 3: block1_ln2_transpose 100x16x64 float32
                 (0, 409600),  # 4: block1_ln1 100x16x64 float32
                 (409600, 409600),  # 5: block1_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 6: block1_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 7: block1_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 8: block1_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 9: block1_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 10: block1_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 11: block1_attn 100x4x16x16 float32
-                (0, 409600),  # 12: block1_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 13: block1_attn_out_matmul 1600x64 float32
-                (1228800, 409600),  # 14: block1_ln2 100x16x64 float32
-                (0, 819200),  # 15: block1_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 16: block1_fc2_matmul 1600x64 float32
-                (0, 409600),  # 17: block2_ln1 100x16x64 float32
-                (409600, 409600),  # 18: block2_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 19: block2_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 20: block2_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 21: block2_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 22: block2_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 23: block2_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 24: block2_attn 100x4x16x16 float32
-                (0, 409600),  # 25: block2_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 26: block2_attn_out_matmul 1600x64 float32
-                (1228800, 409600),  # 27: block2_ln2 100x16x64 float32
-                (0, 819200),  # 28: block2_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 29: block2_fc2_matmul 1600x64 float32
-                (0, 409600),  # 30: block3_ln1 100x16x64 float32
-                (409600, 409600),  # 31: block3_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 32: block3_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 33: block3_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 34: block3_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 35: block3_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 36: block3_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 37: block3_attn 100x4x16x16 float32
-                (0, 409600),  # 38: block3_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 39: block3_attn_out_matmul 1600x64 float32
-                (1228800, 409600),  # 40: block3_ln2 100x16x64 float32
-                (0, 819200),  # 41: block3_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 42: block3_fc2_matmul 1600x64 float32
-                (0, 409600),  # 43: block4_ln1 100x16x64 float32
-                (409600, 409600),  # 44: block4_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 45: block4_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 46: block4_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 47: block4_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 48: block4_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 49: block4_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 50: block4_attn 100x4x16x16 float32
-                (0, 409600),  # 51: block4_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 52: block4_attn_out_matmul 1600x64 float32
-                (1228800, 409600),  # 53: block4_ln2 100x16x64 float32
-                (0, 819200),  # 54: block4_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 55: block4_fc2_matmul 1600x64 float32
-                (0, 409600),  # 56: ln 100x16x64 float32
-                (409600, 25600),  # 57: head_sum_to 100x1x64 float32
-                (0, 4000),  # 58: head_matmul 100x10 float32
-                (5120, 4),  # 59: head_precision scalar float32
-                (4096, 400),  # 60: label_ranks 100 float32
-                (4608, 400),  # 61: head_cross_entropy_pick 100 float32
-                (0, 4),  # 62: head_cross_entropy_sum_to scalar float32
+                (1228800, 409600),  # 6: block1_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 7: block1_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 8: block1_attn 100x16x4x16 float32
+                (409600, 409600),  # 9: block1_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 10: block1_ln2 100x16x64 float32
+                (0, 819200),  # 11: block1_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 12: block1_fc2_matmul 1600x64 float32
+                (0, 409600),  # 13: block2_ln1 100x16x64 float32
+                (409600, 409600),  # 14: block2_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 15: block2_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 16: block2_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 17: block2_attn 100x16x4x16 float32
+                (409600, 409600),  # 18: block2_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 19: block2_ln2 100x16x64 float32
+                (0, 819200),  # 20: block2_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 21: block2_fc2_matmul 1600x64 float32
+                (0, 409600),  # 22: block3_ln1 100x16x64 float32
+                (409600, 409600),  # 23: block3_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 24: block3_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 25: block3_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 26: block3_attn 100x16x4x16 float32
+                (409600, 409600),  # 27: block3_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 28: block3_ln2 100x16x64 float32
+                (0, 819200),  # 29: block3_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 30: block3_fc2_matmul 1600x64 float32
+                (0, 409600),  # 31: block4_ln1 100x16x64 float32
+                (409600, 409600),  # 32: block4_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 33: block4_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 34: block4_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 35: block4_attn 100x16x4x16 float32
+                (409600, 409600),  # 36: block4_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 37: block4_ln2 100x16x64 float32
+                (0, 819200),  # 38: block4_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 39: block4_fc2_matmul 1600x64 float32
+                (0, 409600),  # 40: ln 100x16x64 float32
+                (409600, 25600),  # 41: head_sum_to 100x1x64 float32
+                (0, 4000),  # 42: head_matmul 100x10 float32
+                (5120, 4),  # 43: head_precision scalar float32
+                (4096, 400),  # 44: label_ranks 100 float32
+                (4608, 400),  # 45: head_cross_entropy_pick 100 float32
+                (0, 4),  # 46: head_cross_entropy_sum_to scalar float32
             )),
         "predict_step": rp.StepPlan(
             arena_bytes=2048000, peak_bytes=2048000, workspace_bytes=409600, pool_bytes=2361600,
@@ -4375,59 +3871,43 @@ class Vit(rp.Model):
                 (819200, 409600),  # 2: block1_ln2_transpose 100x16x64 float32
                 (0, 409600),  # 3: block1_ln1 100x16x64 float32
                 (409600, 409600),  # 4: block1_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 5: block1_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 6: block1_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 7: block1_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 8: block1_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 9: block1_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 10: block1_attn 100x4x16x16 float32
-                (0, 409600),  # 11: block1_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 12: block1_attn_out_matmul 1600x64 float32
-                (1228800, 409600),  # 13: block1_ln2 100x16x64 float32
-                (0, 819200),  # 14: block1_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 15: block1_fc2_matmul 1600x64 float32
-                (0, 409600),  # 16: block2_ln1 100x16x64 float32
-                (409600, 409600),  # 17: block2_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 18: block2_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 19: block2_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 20: block2_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 21: block2_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 22: block2_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 23: block2_attn 100x4x16x16 float32
-                (0, 409600),  # 24: block2_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 25: block2_attn_out_matmul 1600x64 float32
-                (1228800, 409600),  # 26: block2_ln2 100x16x64 float32
-                (0, 819200),  # 27: block2_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 28: block2_fc2_matmul 1600x64 float32
-                (0, 409600),  # 29: block3_ln1 100x16x64 float32
-                (409600, 409600),  # 30: block3_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 31: block3_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 32: block3_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 33: block3_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 34: block3_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 35: block3_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 36: block3_attn 100x4x16x16 float32
-                (0, 409600),  # 37: block3_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 38: block3_attn_out_matmul 1600x64 float32
-                (1228800, 409600),  # 39: block3_ln2 100x16x64 float32
-                (0, 819200),  # 40: block3_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 41: block3_fc2_matmul 1600x64 float32
-                (0, 409600),  # 42: block4_ln1 100x16x64 float32
-                (409600, 409600),  # 43: block4_attn_v_matmul 1600x64 float32
-                (1228800, 409600),  # 44: block4_attn_transpose 100x4x16x16 float32
-                (409600, 409600),  # 45: block4_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 46: block4_attn_transpose_2 100x4x16x16 float32
-                (409600, 409600),  # 47: block4_attn_q_matmul 1600x64 float32
-                (0, 409600),  # 48: block4_attn_transpose_3 100x4x16x16 float32
-                (409600, 409600),  # 49: block4_attn 100x4x16x16 float32
-                (0, 409600),  # 50: block4_attn_out_transpose 100x16x4x16 float32
-                (409600, 409600),  # 51: block4_attn_out_matmul 1600x64 float32
-                (1228800, 409600),  # 52: block4_ln2 100x16x64 float32
-                (0, 819200),  # 53: block4_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 54: block4_fc2_matmul 1600x64 float32
-                (0, 409600),  # 55: ln 100x16x64 float32
-                (409600, 25600),  # 56: head_sum_to 100x1x64 float32
-                (0, 4000),  # 57: head_matmul 100x10 float32
+                (1228800, 409600),  # 5: block1_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 6: block1_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 7: block1_attn 100x16x4x16 float32
+                (409600, 409600),  # 8: block1_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 9: block1_ln2 100x16x64 float32
+                (0, 819200),  # 10: block1_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 11: block1_fc2_matmul 1600x64 float32
+                (0, 409600),  # 12: block2_ln1 100x16x64 float32
+                (409600, 409600),  # 13: block2_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 14: block2_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 15: block2_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 16: block2_attn 100x16x4x16 float32
+                (409600, 409600),  # 17: block2_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 18: block2_ln2 100x16x64 float32
+                (0, 819200),  # 19: block2_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 20: block2_fc2_matmul 1600x64 float32
+                (0, 409600),  # 21: block3_ln1 100x16x64 float32
+                (409600, 409600),  # 22: block3_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 23: block3_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 24: block3_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 25: block3_attn 100x16x4x16 float32
+                (409600, 409600),  # 26: block3_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 27: block3_ln2 100x16x64 float32
+                (0, 819200),  # 28: block3_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 29: block3_fc2_matmul 1600x64 float32
+                (0, 409600),  # 30: block4_ln1 100x16x64 float32
+                (409600, 409600),  # 31: block4_attn_v_matmul 1600x64 float32
+                (1228800, 409600),  # 32: block4_attn_k_matmul 1600x64 float32
+                (1638400, 409600),  # 33: block4_attn_q_matmul 1600x64 float32
+                (0, 409600),  # 34: block4_attn 100x16x4x16 float32
+                (409600, 409600),  # 35: block4_attn_out_matmul 1600x64 float32
+                (1228800, 409600),  # 36: block4_ln2 100x16x64 float32
+                (0, 819200),  # 37: block4_fc1_matmul 1600x128 float32
+                (1228800, 409600),  # 38: block4_fc2_matmul 1600x64 float32
+                (0, 409600),  # 39: ln 100x16x64 float32
+                (409600, 25600),  # 40: head_sum_to 100x1x64 float32
+                (0, 4000),  # 41: head_matmul 100x10 float32
             )),
     }
 

@@ -749,6 +749,72 @@ def test_attention_equals_numpy_at_any_thread_count(lib, case, monkeypatch):
     np.testing.assert_allclose(results[0][1], want_g, rtol=1e-5, atol=1e-5 * np.abs(want_g).max())
 
 
+@needs_cc
+@pytest.mark.parametrize("case", [  # (N, T, S, H, d, e, causal, bias shape or None, dropout's keep or None)
+    (3, 16, 16, 4, 16, 16, False, None, None), (2, 9, 13, 3, 7, 5, False, (2, 3, 9, 1), None),
+    (2, 16, 16, 2, 8, 8, True, None, 0.9), (1, 64, 64, 2, 64, 64, True, (1, 1, 64, 64), None),
+    (2, 5, 5, 1, 3, 3, False, None, None)])
+def test_attention_reads_its_heads_in_place_with_the_units_bits(lib, case, monkeypatch):
+    """Attention and its gradient with `heads` (q, k, v, its output and gradients stored (N, T, H, d)) weighed in
+    place by the compiled kernels: the bits of the same kernels on copies in the units' layout (N, H, T, d), on 1, 2
+    and 3 threads, outputs NaN-filled; numpy's kernels (on such copies) within float32 rounding."""
+    from deepdsl_runtime import cpu
+
+    in_place = []
+    for name in ("attention_units", "attention_units_grad"):
+        def spy(*args, real=getattr(lib, name), **kwargs):
+            done = real(*args, **kwargs)
+            if kwargs.get("heads"):
+                in_place.append(done)
+            return done
+        monkeypatch.setattr(lib, name, spy)
+
+    n, t, s, h, d, e, causal, bias_shape, keep = case
+    rng = np.random.default_rng(t * s + h)
+    q, k = rng.standard_normal((n, t, h, d)).astype(np.float32), rng.standard_normal((n, s, h, d)).astype(np.float32)
+    v, g = rng.standard_normal((n, s, h, e)).astype(np.float32), rng.standard_normal((n, t, h, e)).astype(np.float32)
+    bias = () if bias_shape is None else (rng.standard_normal(bias_shape).astype(np.float32),)
+    attrs = {"scale": 0.25, "causal": causal}
+    if keep is not None:
+        attrs.update(keep=keep, mask=(rng.random((n, h, t, s)) < keep).astype(np.uint8))
+
+    def units(x):
+        return np.ascontiguousarray(x.swapaxes(1, 2))
+
+    def packed_heads(flat):             # the units' packed gradients as `heads` packs them
+        pieces, at = [], 0
+        for x in (q, k, v):
+            pieces.append(flat[at:at + x.size].reshape(units(x).shape).swapaxes(1, 2).ravel())
+            at += x.size
+        return np.concatenate(pieces)
+
+    space = np.full(1 << 16, np.nan, np.float32)
+    want_o = np.empty((n, h, t, e), np.float32)
+    want_g = np.empty(q.size + k.size + v.size, np.float32)
+    cpu.attention(units(q), units(k), units(v), *bias, out=want_o, gemm=lib.gemm, native=lib, workspace=space,
+                  **attrs)
+    cpu.attention_grad(units(q), units(k), units(v), want_o, units(g), *bias, out=want_g, gemm=lib.gemm,
+                       native=lib, workspace=space, **attrs)
+    o_heads = np.ascontiguousarray(want_o.swapaxes(1, 2))
+    before = lib.threads
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            o, grads = np.full_like(o_heads, np.nan), np.full_like(want_g, np.nan)
+            cpu.attention(q, k, v, *bias, out=o, heads=True, gemm=lib.gemm, native=lib, workspace=space, **attrs)
+            cpu.attention_grad(q, k, v, o_heads, g, *bias, out=grads, heads=True, gemm=lib.gemm, native=lib,
+                               workspace=space, **attrs)
+            assert o.tobytes() == o_heads.tobytes() and grads.tobytes() == packed_heads(want_g).tobytes(), threads
+    finally:
+        lib.set_threads(before)
+    assert in_place == [True] * 6
+    o, grads = np.full_like(o_heads, np.nan), np.full_like(want_g, np.nan)
+    cpu.attention(q, k, v, *bias, out=o, heads=True, **attrs)
+    cpu.attention_grad(q, k, v, o_heads, g, *bias, out=grads, heads=True, **attrs)
+    np.testing.assert_allclose(o, o_heads, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grads, packed_heads(want_g), rtol=1e-5, atol=1e-5 * np.abs(want_g).max())
+
+
 DROPOUT_MASKS = [  # (shape, keep, seed, step, key): whole blocks of 16 groups of 8 bytes, partial ones, one byte
     ((32, 4, 64, 64), 0.9, 0, 3, 1), ((7, 13), 0.5, 12345, 0, 2), ((1,), 0.3, 1, 1, 1), ((129,), 0.5, 3, 4, 5),
     ((5, 3, 9), 0.7, 2 ** 40, 17, 5), ((1000, 17), 0.2, 9, 9, 9)]

@@ -19,7 +19,7 @@ from deepdsl.ops.elementwise import Y, broadcast_to, elementwise, reshape, sum_t
 from deepdsl.ops.leaf import const
 from deepdsl.ops.linalg import matmul
 from deepdsl.ops.loss import log_loss
-from deepdsl.ops.shape import concat, slice_axis
+from deepdsl.ops.shape import concat, slice_axis, transpose
 from deepdsl.passes import fuse_elementwise as fusion
 from deepdsl.passes.code_motion import hoist_invariants, sink
 from deepdsl.passes.cse import cse
@@ -178,6 +178,13 @@ def test_slice_of_concat_selects_the_piece():
     assert simplified(slice_axis(c, 1, 4, 6)) is slice_axis(b, 1, 1, 3)
     straddling = slice_axis(c, 1, 2, 5)
     assert simplified(straddling) is straddling
+
+
+def test_a_transpose_of_a_transpose_of_the_same_axes_is_its_input():
+    x = data("x", (2, 3, 4, 5))
+    assert simplified(transpose(transpose(x, 1, 2), 1, 2)) is x
+    other = transpose(transpose(x, 1, 2), 2, 3)
+    assert simplified(other) is other
 
 
 def test_forward_graph_is_simplified_before_differentiation():
@@ -421,6 +428,57 @@ def test_lenet_optimized_equals_unoptimized():
     for name in test_off:
         np.testing.assert_allclose(test_on[name], test_off[name], rtol=1e-10, atol=1e-12, err_msg=name)
     assert len(on.train.statements()) < len(off.train.statements())
+
+
+VIT = str(pathlib.Path(__file__).resolve().parents[1] / "networks" / "vit.py")
+
+
+def test_attention_reads_and_writes_its_heads_in_place():
+    """The ViT's attention and its gradient take the projections' outputs reshaped to (N, T, H, d) (`heads`) and
+    their results go to the output projection and the projections' gradients as they are: no transpose is left
+    next to an attention node. The training and test steps compute what they compute without the folding (fusion
+    switched off), the parameters' new values included."""
+    on = deepdsl.compile(deepdsl.load(VIT, Overrides(batch=2)), deepdsl.CompileOptions(verify=True))
+    statements = on.train.statements()
+    attention = [n for n in statements if n.op in ("attention", "attention_grad")]
+    assert len(attention) == 8 and all(n.attr("heads") for n in attention)
+    for n in statements:
+        if n.op == "transpose":
+            assert not any(i.op in ("attention", "attention_grad") for i in n.inputs)
+    readers = {id(i) for n in attention for i in n.inputs}
+    assert not any(n.op == "transpose" and id(n) in readers for n in statements)
+    off = deepdsl.compile(deepdsl.load(VIT, Overrides(batch=2)), deepdsl.CompileOptions(fuse=False, verify=True))
+    assert not any(n.attr("heads") for n in off.train.statements() if n.op == "attention")
+    feeds = lenet_feeds(off)
+    for program in (off.train, off.test):
+        for leaf in program.inputs:
+            if leaf.attr("role") == "hyper":
+                feeds[leaf.name] = 0.5
+            elif leaf.name.startswith("S_"):            # Adam's second moments
+                feeds[leaf.name] = np.abs(feeds[leaf.name])
+    (train_on, test_on), (train_off, test_off) = run_compiled(on, feeds), run_compiled(off, feeds)
+    for name in train_off:
+        np.testing.assert_allclose(train_on[name], train_off[name], rtol=1e-10, atol=1e-12, err_msg=name)
+    for name in test_off:
+        np.testing.assert_allclose(test_on[name], test_off[name], rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_attention_of_units_the_kernels_do_not_weigh_whole_keeps_its_transposes():
+    """Heads of more than `contract.ATTENTION_UNIT` tokens: the row passes would copy the heads' layout, so the
+    transposes stay."""
+    from deepdsl.passes.fold_transposes import fold_transposes
+
+    def heads(name, tokens):
+        return transpose(reshape(data(name, (2 * tokens, 8)), (2, tokens, 2, 4)), 1, 2)
+
+    for tokens, folded in ((8, True), (80, False)):
+        q, k, v = heads("q", tokens), heads("k", tokens), heads("v", tokens)
+        node = transpose(make("attention", (q, k, v), scale=0.5), 1, 2)
+        before = graph(node)
+        after = simplify(fold_transposes(before))
+        assert_same_values(before, after)
+        kinds = {n.op: n for n in after.nodes()}
+        assert ("transpose" not in kinds) == folded and kinds["attention"].attr("heads", False) == folded
 
 
 def test_lenet_compiles_fast():

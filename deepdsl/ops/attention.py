@@ -14,6 +14,11 @@ the node its mask as a last input, a `bernoulli` 0/1 mask of the scores' shape (
 bytes), and the attribute `keep` (1 - p): the output is (P * mask / keep) v. The mask is the one value of the
 (T, S) shape kept for the backward, and the rematerialization pass can draw it again instead.
 
+With the attribute `heads` (set by `passes.fold_transposes`), q, k, v and the output are stored (..., T, H, d), a
+projection's output reshaped, rather than (..., H, T, d): the units are (..., H) and a unit's rows lie H * d apart,
+which the kernels read and write in place of the transposes around the op; the bias and the mask keep the scores'
+(..., H, T, S) shape, and the gradients come packed in the operands' own layout.
+
 `attention_grad(q, k, v, o, g[, bias][, mask])` is the three gradients at once, packed one after the other in one
 flat tensor (dq, then dk, then dv; the VJP takes them out with `slice`): its kernels recompute each block's weights,
 and use the row sums dO . O (the softmax's backward needs nothing else of the forward; with dropout too, O being
@@ -31,7 +36,7 @@ from deepdsl.ir import FLOAT, UINT8, Node, make
 from deepdsl.ops import Op, dims, register, require, scratch_chunks
 from deepdsl.ops.elementwise import broadcasts_to, elementwise, reshape, sum_to, sym
 from deepdsl.ops.linalg import matmul
-from deepdsl.ops.shape import slice_axis
+from deepdsl.ops.shape import slice_axis, transpose
 from deepdsl_runtime import contract
 
 
@@ -42,15 +47,26 @@ def split(inputs: tuple, keep) -> tuple[tuple, tuple, tuple]:
     return inputs[:3], (rest[:-1] if keep is not None else rest), (rest[-1:] if keep is not None else ())
 
 
-def _check(q: Node, k: Node, v: Node, bias: tuple[Node, ...], causal: bool, mask: tuple[Node, ...] = (),
+def unit_shape(shape: tuple[int, ...], heads: bool) -> tuple[int, ...]:
+    """The (..., T, d) shape of the units' rows of an operand of attention stored as (..., T, H, d) (`heads`: the
+    heads' axis after the tokens', as a projection's output reshaped, before any transpose): the last axes but one
+    swapped; else the shape itself."""
+    if not heads:
+        return tuple(shape)
+    require(len(shape) >= 3, f"attention with its heads after the tokens needs (..., T, H, d), got {dims(shape)}")
+    return (*shape[:-3], shape[-2], shape[-3], shape[-1])
+
+
+def _check(q_shape, k_shape, v_shape, bias: tuple[Node, ...], causal: bool, mask: tuple[Node, ...] = (),
            keep=None, dropout=None, key=None) -> None:
-    require(len(q.shape) >= 2 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == k.shape[-1]
-            and k.shape[-2] == v.shape[-2],
-            f"attention of q {dims(q.shape)}, k {dims(k.shape)}, v {dims(v.shape)}: needs (..., T, d), (..., S, d) "
+    """The operands of attention, given the units' shapes of q, k and v (`unit_shape`)."""
+    require(len(q_shape) >= 2 and q_shape[:-2] == k_shape[:-2] == v_shape[:-2] and q_shape[-1] == k_shape[-1]
+            and k_shape[-2] == v_shape[-2],
+            f"attention of q {dims(q_shape)}, k {dims(k_shape)}, v {dims(v_shape)}: needs (..., T, d), (..., S, d) "
             "and (..., S, e)")
-    require(not causal or q.shape[-2] == k.shape[-2],
-            f"causal attention needs as many queries as keys, got {q.shape[-2]} and {k.shape[-2]}")
-    scores = (*q.shape[:-1], k.shape[-2])
+    require(not causal or q_shape[-2] == k_shape[-2],
+            f"causal attention needs as many queries as keys, got {q_shape[-2]} and {k_shape[-2]}")
+    scores = (*q_shape[:-1], k_shape[-2])
     for b in bias:
         require(len(b.shape) == len(scores) and b.dtype == FLOAT and broadcasts_to(b.shape, scores),
                 f"attention bias of {dims(b.shape)} does not broadcast to the scores' {dims(scores)}")
@@ -68,13 +84,26 @@ def units(q_shape) -> int:
     return math.prod(q_shape[:-2])
 
 
+def _unit_shapes(q: Node, k: Node, v: Node, heads: bool):
+    return unit_shape(q.shape, heads), unit_shape(k.shape, heads), unit_shape(v.shape, heads)
+
+
+def _units_of(x: np.ndarray, heads: bool) -> np.ndarray:
+    """An operand's values as (..., T, d) units (a view)."""
+    return x.swapaxes(-3, -2) if heads else x
+
+
 @register
 class Attention(Op):
+    """With `heads`, q, k and v are stored (..., T, H, d) and the output (..., T, H, e): a projection's output
+    reshaped, read and written in place of the transposes to (..., H, T, d) and back (`passes.fold_transposes`)."""
     name = "attention"
 
-    def infer(self, q: Node, k: Node, v: Node, *rest: Node, causal=False, scale, keep=None, dropout=None, key=None):
+    def infer(self, q: Node, k: Node, v: Node, *rest: Node, causal=False, scale, keep=None, dropout=None, key=None,
+              heads=False):
         _, bias, mask = split((q, k, v, *rest), keep)
-        _check(q, k, v, bias, causal, mask, keep, dropout, key)
+        qs, ks, vs = _unit_shapes(q, k, v, heads)
+        _check(qs, ks, vs, bias, causal, mask, keep, dropout, key)
         return (*q.shape[:-1], v.shape[-1]), FLOAT
 
     def vjp(self, node, g):
@@ -87,53 +116,57 @@ class Attention(Op):
             start += x.size
         return (*grads, *(_bias_grad(node, g) for _ in bias), *(None for _ in mask))
 
-    def evaluate(self, ctx, q, k, v, *rest, causal=False, scale, keep=None):
+    def evaluate(self, ctx, q, k, v, *rest, causal=False, scale, keep=None, heads=False):
         _, bias, mask = split((q, k, v, *rest), keep)
-        return np.asarray(_kept(_weights(q, k, bias, causal, scale), mask, keep) @ v, dtype=ctx.float_dtype)
+        q, k, v = (_units_of(x, heads) for x in (q, k, v))
+        out = _kept(_weights(q, k, bias, causal, scale), mask, keep) @ v
+        return np.ascontiguousarray(_units_of(out, heads), dtype=ctx.float_dtype)
 
     def workspace(self, node, limit=None):
         """The CPU kernels' scratch: the weights of a block of queries per unit (`contract.attention_scratch`), or
         units' chunks' within `limit` (the CUDA kernel needs none)."""
-        q, k = node.inputs[:2]
-        return scratch_chunks(units(q.shape), contract.attention_scratch(q.shape[-2], k.shape[-2]), limit)
+        q, k, _ = _unit_shapes(*node.inputs[:3], node.attr("heads", False))
+        return scratch_chunks(units(q), contract.attention_scratch(q[-2], k[-2]), limit)
 
     def flops(self, node):
-        q, k, v = node.inputs[:3]
-        return 2 * units(q.shape) * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+        q, k, v = _unit_shapes(*node.inputs[:3], node.attr("heads", False))
+        return 2 * units(q) * q[-2] * k[-2] * (q[-1] + v[-1])
 
 
 @register
 class AttentionGrad(Op):
     name = "attention_grad"
 
-    def infer(self, q: Node, k: Node, v: Node, o: Node, g: Node, *rest: Node, causal=False, scale, keep=None):
+    def infer(self, q: Node, k: Node, v: Node, o: Node, g: Node, *rest: Node, causal=False, scale, keep=None,
+              heads=False):
         _, bias, mask = split((q, k, v, *rest), keep)
-        _check(q, k, v, bias, causal, mask, keep)
+        _check(*_unit_shapes(q, k, v, heads), bias, causal, mask, keep)
         out = (*q.shape[:-1], v.shape[-1])
         require(o.shape == out and g.shape == out, f"attention_grad of an output {dims(o.shape)} and its gradient "
                 f"{dims(g.shape)}: both must be {dims(out)}")
         return (q.size + k.size + v.size,), FLOAT
 
-    def evaluate(self, ctx, q, k, v, o, g, *rest, causal=False, scale, keep=None):
+    def evaluate(self, ctx, q, k, v, o, g, *rest, causal=False, scale, keep=None, heads=False):
         _, bias, mask = split((q, k, v, *rest), keep)
+        q, k, v, o, g = (_units_of(x, heads) for x in (q, k, v, o, g))
         p = _weights(q, k, bias, causal, scale)
         dv = _kept(p, mask, keep).swapaxes(-1, -2) @ g
         ds = p * (_kept(g @ v.swapaxes(-1, -2), mask, keep) - (g * o).sum(-1, keepdims=True)) * scale
         dq, dk = ds @ k, ds.swapaxes(-1, -2) @ q
-        return np.concatenate([dq.ravel(), dk.ravel(), dv.ravel()]).astype(ctx.float_dtype)
+        return np.concatenate([np.ascontiguousarray(_units_of(x, heads)).ravel() for x in (dq, dk, dv)]).astype(
+            ctx.float_dtype)
 
     def workspace(self, node, limit=None):
         """The CPU kernels' scratch: a block's weights and their gradient (and the weights kept, with dropout),
         the keys' and values' gradients of a block and the row sums dO . O per unit
         (`contract.attention_grad_scratch`); the CUDA kernels use a unit's row statistics' part."""
-        q, k, v = node.inputs[:3]
-        per_unit = contract.attention_grad_scratch(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1],
-                                                   node.attr("keep") is not None)
-        return scratch_chunks(units(q.shape), per_unit, limit)
+        q, k, v = _unit_shapes(*node.inputs[:3], node.attr("heads", False))
+        per_unit = contract.attention_grad_scratch(q[-2], k[-2], q[-1], v[-1], node.attr("keep") is not None)
+        return scratch_chunks(units(q), per_unit, limit)
 
     def flops(self, node):
-        q, k, v = node.inputs[:3]
-        return 2 * units(q.shape) * q.shape[-2] * k.shape[-2] * (3 * q.shape[-1] + 2 * v.shape[-1])
+        q, k, v = _unit_shapes(*node.inputs[:3], node.attr("heads", False))
+        return 2 * units(q) * q[-2] * k[-2] * (3 * q[-1] + 2 * v[-1])
 
 
 def _weights(q, k, bias, causal, scale) -> np.ndarray:
@@ -160,6 +193,9 @@ def _bias_grad(node: Node, g: Node) -> Node:
     keep = node.attr("keep")
     (q, k, v), (bias,), mask = split(node.inputs, keep)
     scale, causal = node.attr("scale"), node.attr("causal", False)
+    if node.attr("heads", False):               # the units' (..., H, T, d) operands
+        axes = len(q.shape) - 3, len(q.shape) - 2
+        q, k, v, g, node = (transpose(x, *axes) for x in (q, k, v, g, node))
     scores = elementwise(sym(0) * scale + sym(1), [matmul(q, k, tb=True), bias])
     rows = reshape(scores, (math.prod(scores.shape[:-1]), scores.shape[-1]))
     p = reshape(make("softmax", (rows,), **({"causal": True} if causal else {})), scores.shape)

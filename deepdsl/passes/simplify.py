@@ -12,6 +12,7 @@ Rules (a "fill" is a `const` tensor, every element equal):
   (evaluated when the tensors involved are small, else by the specific rules below); otherwise it is kept.
 - **broadcast_to**: to its own shape -> `x`; of a constant -> fill; of a `broadcast_to(a)` -> one `broadcast_to(a)`.
 - **reshape**: to its own shape -> `x`; of a `reshape(a)` -> one reshape of `a` (or `a`); of a fill -> fill.
+- **transpose** of `transpose(a)` with the same two axes -> `a`.
 - **sum_to**: to its own shape -> `x`; of a fill -> fill of value * (elements summed per output);
   of `broadcast_to(a)` where `a` broadcasts to the target -> `count * a` (`a` scalar: the sum of a broadcast
   scalar is the scalar times the count); of `unpick(g, y)` to (N, 1) -> `reshape(g)` (one nonzero per row), to a
@@ -122,6 +123,13 @@ def _reshape_or_broadcast_rule(node: Node) -> Node | None:
         return _fill(_value(x), shape)
     if x.op == node.op:
         return (reshape if node.op == "reshape" else broadcast_to)(x.inputs[0], shape)
+    return None
+
+
+def _transpose_rule(node: Node) -> Node | None:
+    (x,) = node.inputs
+    if x.op == "transpose" and tuple(x.attr("axes")) == tuple(node.attr("axes")):
+        return x.inputs[0]
     return None
 
 
@@ -261,4 +269,5 @@ _RULES: dict[str, tuple[Rule, ...]] = {
     "ew": (_ew_rules,),
     "pick": (_pick_rule, _zero_rule),
     **{op: (_zero_rule,) for op in _LINEAR_IN if op != "pick"},
+    "transpose": (_transpose_rule, _zero_rule),
 }

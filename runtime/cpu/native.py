@@ -310,7 +310,7 @@ class Native:
         self._attention_units = getattr(lib, "deepdsl_attention_units", None)
         self._attention_units_grad = getattr(lib, "deepdsl_attention_units_grad", None)
         if self._attention_units is not None:
-            common = [_L] * 5 + [_F, _P, _P, _L, _L, _I, _P, _L, _F]
+            common = [_L] * 6 + [_F, _P, _P, _L, _L, _I, _P, _L, _F]
             self._attention_units.argtypes = [_P] * 4 + common
             self._attention_units.restype = _I
             self._attention_units_grad.argtypes = [_P] * 8 + common
@@ -667,30 +667,34 @@ class Native:
                                 delta.shape[1], scale, *_mask_args(mask, keep))
         return True
 
-    def attention_units(self, q, k, v, bias, mask, keep: float, out, scale: float, causal: bool) -> bool:
-        """out = attention of each unit (arrays (units, rows, features); `bias` a `cpu.attention.Bias`, `mask` the
-        0/1 uint8 (units, t, s) or None) weighed whole on one thread (`deepdsl_attention_units`), where
-        `contract.attention_in_units` takes the sizes; False otherwise (nothing computed)."""
-        arrays = self._units(q, k, v, mask, out)
+    def attention_units(self, q, k, v, bias, mask, keep: float, out, scale: float, causal: bool,
+                        heads: bool = False) -> bool:
+        """out = attention of each unit (arrays (units, rows, features), or with `heads` (N, rows, H, features):
+        the units (n, h); `bias` a `cpu.attention.Bias`, `mask` the 0/1 uint8 (units, t, s) or None) weighed whole
+        on one thread (`deepdsl_attention_units`), where `contract.attention_in_units` takes the sizes; False
+        otherwise (nothing computed)."""
+        arrays = self._units(q, k, v, mask, heads, out)
         if arrays is None:
             return False
-        return bool(self._attention_units(*arrays, *_unit_sizes(q, k, v), scale, *_bias_args(bias), int(causal),
-                                          *_mask_args(mask, keep)))
+        return bool(self._attention_units(*arrays, *_unit_sizes(q, k, v, heads), scale, *_bias_args(bias),
+                                          int(causal), *_mask_args(mask, keep)))
 
     def attention_units_grad(self, q, k, v, o, g, bias, mask, keep: float, dq, dk, dv, scale: float,
-                             causal: bool) -> bool:
-        """(dq, dk, dv) of `attention_units`, given its output o and o's gradient g (`deepdsl_attention_units_grad`:
-        the weights recomputed with the forward's bits); False as `attention_units`."""
-        arrays = self._units(q, k, v, mask, o, g, dq, dk, dv)
+                             causal: bool, heads: bool = False) -> bool:
+        """(dq, dk, dv) of `attention_units` (laid out as q, k and v), given its output o and o's gradient g
+        (`deepdsl_attention_units_grad`: the weights recomputed with the forward's bits); False as
+        `attention_units`."""
+        arrays = self._units(q, k, v, mask, heads, o, g, dq, dk, dv)
         if arrays is None:
             return False
-        return bool(self._attention_units_grad(*arrays, *_unit_sizes(q, k, v), scale, *_bias_args(bias),
+        return bool(self._attention_units_grad(*arrays, *_unit_sizes(q, k, v, heads), scale, *_bias_args(bias),
                                                int(causal), *_mask_args(mask, keep)))
 
-    def _units(self, q, k, v, mask, *others):
+    def _units(self, q, k, v, mask, heads, *others):
         """The pointers of the units' arrays (q, k, v, *others), or None where the kernels do not take them."""
+        _, t, s, d, e, _ = _unit_sizes(q, k, v, heads)
         if self._attention_units is None or not _contiguous32(q, k, v, *others) or \
-                not contract.attention_in_units(q.shape[1], k.shape[1], q.shape[2], v.shape[2], mask is not None):
+                not contract.attention_in_units(t, s, d, e, mask is not None):
             return None
         if mask is not None and not (mask.dtype == np.uint8 and mask.flags.c_contiguous):
             return None
@@ -1076,9 +1080,12 @@ def _mask_args(mask: np.ndarray | None, keep: float) -> tuple:
     return _address(mask), mask.strides[0], np.float32(1.0 / keep)
 
 
-def _unit_sizes(q, k, v) -> tuple[int, int, int, int, int]:
-    """(units, t, s, d, e) of attention's units q (units, t, d), k (units, s, d), v (units, s, e)."""
-    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+def _unit_sizes(q, k, v, heads: bool = False) -> tuple[int, int, int, int, int, int]:
+    """(units, t, s, d, e, H) of attention's units q (units, t, d), k (units, s, d), v (units, s, e), H 0; or with
+    `heads`, of q (N, t, H, d), k (N, s, H, d), v (N, s, H, e): N * H units."""
+    if heads:
+        return q.shape[0] * q.shape[2], q.shape[1], k.shape[1], q.shape[3], v.shape[3], q.shape[2]
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], 0
 
 
 def _bias_args(bias) -> tuple:

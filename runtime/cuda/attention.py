@@ -1,7 +1,9 @@
 """Attention and its gradient on the CUDA device (`deepdsl.ops.attention`, kernels in ops.cu): one thread per query
 row for the output, the row statistics and the queries' gradient, one per key row for the keys' and values'
-gradients, each recomputing the scores it needs; with dropout they read a weight's 0/1 mask (uint8) as they weigh. The gradient's row statistics (log-sum-exp, dO . O) go into the
-workspace, as many units at a time as it holds (`contract.attention_grad_scratch` per unit)."""
+gradients, each recomputing the scores it needs; with dropout they read a weight's 0/1 mask (uint8) as they
+weigh. The gradient's row statistics (log-sum-exp, dO . O) go into the workspace, as many units at a time as it
+holds (`contract.attention_grad_scratch` per unit). With `heads`, the operands and results are stored (..., T, H, d)
+and a unit's rows read and written in place (`AttShape::base`)."""
 from __future__ import annotations
 
 import math
@@ -11,14 +13,20 @@ import numpy as np
 from deepdsl_runtime import contract
 from deepdsl_runtime.cuda.arrays import launch_items
 
-_SHAPE = "IIIIIIfif"    # AttShape: t, s, d, e, the bias's row and column strides, scale, causal, 1 / keep
+_SHAPE = "IIIIIIfifI"   # AttShape: t, s, d, e, the bias's row and column strides, scale, causal, 1 / keep, heads
 _LEAD = "IIIIIIII"      # AttLead: four leading sizes, then their strides in the bias
 
 
-def _shape(q, k, v, bias, scale, causal, keep) -> tuple:
+def _units(shape, heads: bool) -> tuple[int, ...]:
+    """The units' (..., T, d) shape of an operand, stored (..., T, H, d) where `heads`."""
+    return (*shape[:-3], shape[-2], shape[-3], shape[-1]) if heads else tuple(shape)
+
+
+def _shape(q, k, v, bias, scale, causal, keep, heads=False) -> tuple:
     """(AttShape, AttLead) fields: the bias's element strides as broadcast to the scores (0 where it broadcasts)."""
-    t, d, s, e = *q.shape[-2:], k.shape[-2], v.shape[-1]
-    lead = list(q.shape[:-2])
+    qs, ks, vs = _units(q.shape, heads), _units(k.shape, heads), _units(v.shape, heads)
+    t, d, s, e = *qs[-2:], ks[-2], vs[-1]
+    lead = list(qs[:-2])
     # (a bias has as many axes as the scores: the op's rule)
     steps = [0] * (len(lead) + 2) if bias is None else contract.broadcast_steps(bias.shape)
     sizes, strides = [], []
@@ -33,21 +41,22 @@ def _shape(q, k, v, bias, scale, causal, keep) -> tuple:
         raise ValueError(f"attention bias of shape {bias.shape}: the CUDA kernels take at most four leading axes "
                          f"that broadcast differently, queries {q.shape}")
     sizes, strides = [1] * (4 - len(sizes)) + sizes, [0] * (4 - len(strides)) + strides
-    return (t, s, d, e, steps[-2], steps[-1], np.float32(scale), int(bool(causal)), np.float32(1.0 / keep)), \
-        (*sizes, *strides)
+    return (t, s, d, e, steps[-2], steps[-1], np.float32(scale), int(bool(causal)), np.float32(1.0 / keep),
+            qs[-3] if heads else 0), (*sizes, *strides)
 
 
-def attention(q, k, v, bias=None, mask=None, *, out, scale, causal=False, keep=1.0, workspace=None):
-    shape, lead = _shape(q, k, v, bias, scale, causal, keep)
+def attention(q, k, v, bias=None, mask=None, *, out, scale, causal=False, keep=1.0, workspace=None, heads=False):
+    shape, lead = _shape(q, k, v, bias, scale, causal, keep, heads)
     rows = math.prod(q.shape[:-1])
     launch_items(out.device, "deepdsl_attention", "I" + _SHAPE + _LEAD + "PPPPPP", rows, rows, *shape, *lead, q.ptr,
                  k.ptr, v.ptr, 0 if bias is None else bias.ptr, 0 if mask is None else mask.ptr, out.ptr)
 
 
-def attention_grad(q, k, v, o, g, bias=None, mask=None, *, out, scale, causal=False, keep=1.0, workspace=None):
-    shape, lead = _shape(q, k, v, bias, scale, causal, keep)
+def attention_grad(q, k, v, o, g, bias=None, mask=None, *, out, scale, causal=False, keep=1.0, workspace=None,
+                   heads=False):
+    shape, lead = _shape(q, k, v, bias, scale, causal, keep, heads)
     t, s, d, e = shape[:4]
-    units = math.prod(q.shape[:-2])
+    units = math.prod(_units(q.shape, heads)[:-2])
     per_unit = contract.attention_grad_scratch(t, s, d, e, mask is not None)
     if workspace is None or workspace.size < per_unit:
         raise ValueError(f"attention_grad needs a workspace of at least {per_unit} floats")

@@ -142,42 +142,42 @@ void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, lo
 #define DEEPDSL_ATTENTION_UNIT 64      /* contract.ATTENTION_UNIT */
 #define DEEPDSL_ATTENTION_TILE (DEEPDSL_ATTENTION_UNIT * DEEPDSL_ATTENTION_UNIT)
 
-// a (rows, cols) -> to (cols, rows): blocks of 8 x 8 transposed in registers, the edges one float at a time in
-// order (stores a row apart would fall in few cache sets)
-static inline void deepdsl_att_transpose(const float* a, long rows, long cols, float* to) {
+// a (rows, cols; rows lda apart) -> to (cols, rows): blocks of 8 x 8 transposed in registers, the edges one float
+// at a time in order (stores a row apart would fall in few cache sets)
+static inline void deepdsl_att_transpose(const float* a, long rows, long cols, long lda, float* to) {
     long r8 = 0, c8 = 0;
 #if DEEPDSL_MASKED
     r8 = rows / 8 * 8, c8 = cols / 8 * 8;
     for (long r = 0; r < r8; r += 8)
         for (long c = 0; c < c8; c += 8) {
             deepdsl_v8f v[8];
-            for (int i = 0; i < 8; ++i) memcpy(&v[i], a + (r + i) * cols + c, sizeof v[i]);
+            for (int i = 0; i < 8; ++i) memcpy(&v[i], a + (r + i) * lda + c, sizeof v[i]);
             deepdsl_transpose8(v);
             for (int i = 0; i < 8; ++i) memcpy(to + (c + i) * rows + r, &v[i], sizeof v[i]);
         }
 #endif
     for (long c = 0; c < cols; ++c)
-        for (long r = c < c8 ? r8 : 0; r < rows; ++r) to[c * rows + r] = a[r * cols + c];
+        for (long r = c < c8 ? r8 : 0; r < rows; ++r) to[c * rows + r] = a[r * lda + c];
 }
 
-// out (m, n) = a b, n at most DEEPDSL_ATTENTION_UNIT: out[i, j] = the sum over c < k of a[i * a_row + c * a_col] *
-// b[c * n + j], c in order, by fused multiply-adds from zero. With the matrix products' tiles (deepdsl_sg_tile:
-// AVX2 and fused multiply-adds, or AVX-512), six rows of a at a time against a strip of b's columns, whose sums
-// stay in registers while c runs; b's rows are copied into `pad`'s wider ones (k rows of a whole number of
-// vectors) where they end inside a vector, so that no load reaches past b. Each lane sums alone: the bits are the
-// same with vectors of 16 floats and of 8.
-static void deepdsl_att_product(const float* a, long a_row, long a_col, const float* b, long m, long k, long n,
-                                float* out, float* pad) {
+// out (m, n; rows ldc apart) = a b, n at most DEEPDSL_ATTENTION_UNIT: out[i, j] = the sum over c < k of
+// a[i * a_row + c * a_col] * b[c * ldb + j], c in order, by fused multiply-adds from zero. With the matrix
+// products' tiles (deepdsl_sg_tile: AVX2 and fused multiply-adds, or AVX-512), six rows of a at a time against a
+// strip of b's columns, whose sums stay in registers while c runs; b's rows are copied into `pad`'s wider ones (k
+// rows of a whole number of vectors) where they end inside a vector, so that no load reaches past b. Each lane sums
+// alone: the bits are the same with vectors of 16 floats and of 8.
+static void deepdsl_att_product(const float* a, long a_row, long a_col, const float* b, long ldb, long m, long k,
+                                long n, float* out, long ldc, float* pad) {
 #ifdef DEEPDSL_SG_LANES
     const long vectors = (n + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES;
-    long ldb = n;
     if (n % DEEPDSL_SG_LANES) {
-        ldb = vectors * DEEPDSL_SG_LANES;
+        const long width = vectors * DEEPDSL_SG_LANES;
         for (long c = 0; c < k; ++c) {
-            memcpy(pad + c * ldb, b + c * n, n * sizeof(float));
-            memset(pad + c * ldb + n, 0, (ldb - n) * sizeof(float));
+            memcpy(pad + c * width, b + c * ldb, n * sizeof(float));
+            memset(pad + c * width + n, 0, (width - n) * sizeof(float));
         }
         b = pad;
+        ldb = width;
     }
     for (long j0 = 0; j0 < n; j0 += DEEPDSL_SG_WIDTH) {
         const long columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
@@ -186,18 +186,18 @@ static void deepdsl_att_product(const float* a, long a_row, long a_col, const fl
         const deepdsl_sg_m last = deepdsl_sg_mask(columns - (V - 1) * DEEPDSL_SG_LANES);
         for (long i = 0; i < m; i += DEEPDSL_SG_ROWS) {
             const int R = (int)(m - i < DEEPDSL_SG_ROWS ? m - i : DEEPDSL_SG_ROWS);
-            deepdsl_sg_tile_any(R, V, k, a + i * a_row, a_row, a_col, b + j0, ldb, partial, last, out + i * n + j0,
-                                n, 0);
+            deepdsl_sg_tile_any(R, V, k, a + i * a_row, a_row, a_col, b + j0, ldb, partial, last,
+                                out + i * ldc + j0, ldc, 0);
         }
     }
 #else
     (void)pad;
     for (long i = 0; i < m; ++i) {
-        float* o = out + i * n;
+        float* o = out + i * ldc;
         for (long j = 0; j < n; ++j) o[j] = 0.0f;
         for (long c = 0; c < k; ++c) {
             const float x = a[i * a_row + c * a_col];
-            for (long j = 0; j < n; ++j) o[j] = DEEPDSL_FMAF(o[j], x, b[c * n + j]);
+            for (long j = 0; j < n; ++j) o[j] = DEEPDSL_FMAF(o[j], x, b[c * ldb + j]);
         }
     }
 #endif
@@ -271,13 +271,14 @@ static void deepdsl_att_softmax_columns(float* x, long s, long n) {
 // One unit's weights, transposed: wt (s, t), wt[j, i] the weight of key j for query i: the scores k q^T scaled,
 // the bias added, the keys after a causal query left out, and each query's softmax over its keys; with a mask m:
 // mt = m^T * factor (0 or factor: wt * mt rounds as (wt * m) * factor does) and kept = wt * mt. A query's lanes are
-// its own: its maximum and sum run over the keys in order, whatever the vectors' width. qt: scratch (d, t).
-static void deepdsl_att_unit_weights(const float* q, const float* k, long t, long s, long d, float scale,
+// its own: its maximum and sum run over the keys in order, whatever the vectors' width. qt: scratch (d, t). q's and
+// k's rows ld apart.
+static void deepdsl_att_unit_weights(const float* q, const float* k, long ld, long t, long s, long d, float scale,
                                      const float* b, long bias_row, long bias_col, int causal,
                                      const unsigned char* m, float factor, float* qt, float* wt, float* mt,
                                      float* kept, float* pad) {
-    deepdsl_att_transpose(q, t, d, qt);
-    deepdsl_att_product(k, d, 1, qt, s, d, t, wt, pad);
+    deepdsl_att_transpose(q, t, d, ld, qt);
+    deepdsl_att_product(k, ld, 1, qt, t, s, d, t, wt, t, pad);
     for (long j = 0; j < s; ++j) {
         float* r = wt + j * t;
 #pragma omp simd
@@ -298,53 +299,69 @@ static void deepdsl_att_unit_weights(const float* q, const float* k, long t, lon
     }
 }
 
+// Where a unit's arrays start and how far apart its rows are: units one after the other (heads 0), or the units
+// (n, h) of arrays stored (N, rows, H, width), their rows H * width apart (attention's `heads`: a projection's
+// output reshaped, read and written in place of its transposes).
+static inline long deepdsl_att_base(long u, long heads, long rows, long width) {
+    return heads ? ((u / heads) * rows * heads + u % heads) * width : u * rows * width;
+}
+static inline long deepdsl_att_ld(long heads, long width) { return heads ? heads * width : width; }
+
 // out = (softmax(q k^T * scale + bias) [* mask * factor]) v for each of `units` units (their arrays one after the
-// other). Returns 0, computing nothing, where a size exceeds DEEPDSL_ATTENTION_UNIT.
+// other, or with `heads`, as deepdsl_att_base places them). Returns 0, computing nothing, where a size exceeds
+// DEEPDSL_ATTENTION_UNIT.
 int deepdsl_attention_units(const float* q, const float* k, const float* v, float* out, long units, long t, long s,
-                            long d, long e, float scale, const float* bias, const long* bias_units, long bias_row,
-                            long bias_col, int causal, const unsigned char* mask, long mask_unit, float factor) {
+                            long d, long e, long heads, float scale, const float* bias, const long* bias_units,
+                            long bias_row, long bias_col, int causal, const unsigned char* mask, long mask_unit,
+                            float factor) {
     const long most = DEEPDSL_ATTENTION_UNIT;
     if (t > most || s > most || d > most || e > most) return 0;
+    const long ld = deepdsl_att_ld(heads, d), le = deepdsl_att_ld(heads, e);
 #pragma omp parallel for schedule(static) if (units * t * s * (d + e) >= DEEPDSL_PARALLEL_MIN)
     for (long u = 0; u < units; ++u) {
         float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], mt[DEEPDSL_ATTENTION_TILE];
         float kept[DEEPDSL_ATTENTION_TILE], pad[DEEPDSL_ATTENTION_TILE];
         const unsigned char* m = mask ? mask + u * mask_unit : 0;
-        deepdsl_att_unit_weights(q + u * t * d, k + u * s * d, t, s, d, scale, bias ? bias + bias_units[u] : 0,
-                                 bias_row, bias_col, causal, m, factor, qt, wt, mt, kept, pad);
-        deepdsl_att_product(m ? kept : wt, 1, t, v + u * s * e, t, s, e, out + u * t * e, pad);     // out = w v
+        deepdsl_att_unit_weights(q + deepdsl_att_base(u, heads, t, d), k + deepdsl_att_base(u, heads, s, d), ld, t, s,
+                                 d, scale, bias ? bias + bias_units[u] : 0, bias_row, bias_col, causal, m, factor,
+                                 qt, wt, mt, kept, pad);
+        deepdsl_att_product(m ? kept : wt, 1, t, v + deepdsl_att_base(u, heads, s, e), le, t, s, e,
+                            out + deepdsl_att_base(u, heads, t, e), le, pad);                   // out = w v
     }
     return 1;
 }
 
-// The gradient of deepdsl_attention_units: dq (units, t, d), dk (units, s, d), dv (units, s, e) from its output o
-// and o's gradient g, the weights recomputed as the forward computes them (the same bits). delta, each query's
-// g . o, sums its features in order; then as deepdsl_attention_dscores: ds = w * (g v^T [* mask * factor] -
-// delta) * scale; dq = ds k, dk = ds^T q, dv = (w [* mask * factor])^T g. Returns 0 as deepdsl_attention_units.
+// The gradient of deepdsl_attention_units: dq (units, t, d), dk (units, s, d), dv (units, s, e) (placed as q, k and
+// v are) from its output o and o's gradient g, the weights recomputed as the forward computes them (the same
+// bits). delta, each query's g . o, sums its features in order; then as deepdsl_attention_dscores: ds = w * (g v^T
+// [* mask * factor] - delta) * scale; dq = ds k, dk = ds^T q, dv = (w [* mask * factor])^T g. Returns 0 as
+// deepdsl_attention_units.
 int deepdsl_attention_units_grad(const float* q, const float* k, const float* v, const float* o, const float* g,
                                  float* dq, float* dk, float* dv, long units, long t, long s, long d, long e,
-                                 float scale, const float* bias, const long* bias_units, long bias_row,
+                                 long heads, float scale, const float* bias, const long* bias_units, long bias_row,
                                  long bias_col, int causal, const unsigned char* mask, long mask_unit, float factor) {
     const long most = DEEPDSL_ATTENTION_UNIT;
     if (t > most || s > most || d > most || e > most) return 0;
+    const long ld = deepdsl_att_ld(heads, d), le = deepdsl_att_ld(heads, e);
 #pragma omp parallel for schedule(static) if (units * t * s * (d + e) >= DEEPDSL_PARALLEL_MIN)
     for (long u = 0; u < units; ++u) {
         float qt[DEEPDSL_ATTENTION_TILE], wt[DEEPDSL_ATTENTION_TILE], mt[DEEPDSL_ATTENTION_TILE];
         float kept[DEEPDSL_ATTENTION_TILE], dst[DEEPDSL_ATTENTION_TILE], pad[DEEPDSL_ATTENTION_TILE];
         float delta[DEEPDSL_ATTENTION_UNIT];
-        const float *qu = q + u * t * d, *ku = k + u * s * d, *vu = v + u * s * e, *gu = g + u * t * e;
-        const float* ou = o + u * t * e;
+        const long at_q = deepdsl_att_base(u, heads, t, d), at_k = deepdsl_att_base(u, heads, s, d);
+        const long at_o = deepdsl_att_base(u, heads, t, e), at_v = deepdsl_att_base(u, heads, s, e);
+        const float *qu = q + at_q, *ku = k + at_k, *vu = v + at_v, *gu = g + at_o, *ou = o + at_o;
         const unsigned char* m = mask ? mask + u * mask_unit : 0;
-        deepdsl_att_unit_weights(qu, ku, t, s, d, scale, bias ? bias + bias_units[u] : 0, bias_row, bias_col, causal,
-                                 m, factor, qt, wt, mt, kept, pad);
-        deepdsl_att_product(m ? kept : wt, t, 1, gu, s, t, e, dv + u * s * e, pad);    // dv = w^T g
-        deepdsl_att_transpose(gu, t, e, qt);                                           // (q^T is read no more)
-        deepdsl_att_product(vu, e, 1, qt, s, e, t, dst, pad);                          // (g v^T)^T = v g^T
+        deepdsl_att_unit_weights(qu, ku, ld, t, s, d, scale, bias ? bias + bias_units[u] : 0, bias_row, bias_col,
+                                 causal, m, factor, qt, wt, mt, kept, pad);
+        deepdsl_att_product(m ? kept : wt, t, 1, gu, le, s, t, e, dv + at_v, le, pad);           // dv = w^T g
+        deepdsl_att_transpose(gu, t, e, le, qt);                                             // (q^T is read no more)
+        deepdsl_att_product(vu, le, 1, qt, t, s, e, t, dst, t, pad);                         // (g v^T)^T = v g^T
         for (long i = 0; i < t; ++i) delta[i] = 0.0f;
         for (long c = 0; c < e; ++c) {
-            const float* gc = qt + c * t;                                              // g^T's row c
+            const float* gc = qt + c * t;                                                    // g^T's row c
 #pragma omp simd
-            for (long i = 0; i < t; ++i) delta[i] += gc[i] * ou[i * e + c];
+            for (long i = 0; i < t; ++i) delta[i] += gc[i] * ou[i * le + c];
         }
         for (long j = 0; j < s; ++j) {
             const float* wr = wt + j * t;
@@ -358,8 +375,8 @@ int deepdsl_attention_units_grad(const float* q, const float* k, const float* v,
                 for (long i = 0; i < t; ++i) r[i] = wr[i] * (r[i] - delta[i]) * scale;
             }
         }
-        deepdsl_att_product(dst, 1, t, ku, t, s, d, dq + u * t * d, pad);            // dq = ds k
-        deepdsl_att_product(dst, t, 1, qu, s, t, d, dk + u * s * d, pad);            // dk = ds^T q
+        deepdsl_att_product(dst, 1, t, ku, ld, t, s, d, dq + at_q, ld, pad);                 // dq = ds k
+        deepdsl_att_product(dst, t, 1, qu, ld, s, t, d, dk + at_k, ld, pad);                 // dk = ds^T q
     }
     return 1;
 }

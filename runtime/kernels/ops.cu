@@ -184,6 +184,14 @@ struct AttShape {
     float scale;
     int causal;
     float drop;
+    unsigned heads;
+    // where unit u's rows of `width` floats start, and how far apart they are: units one after the other (heads 0),
+    // or the units (n, h) of an array stored (N, rows, H, width) (attention's `heads`)
+    DEEPDSL_HD size_t base(unsigned u, unsigned rows, unsigned width) const {
+        return heads ? (static_cast<size_t>(u / heads) * rows * heads + u % heads) * width
+                     : static_cast<size_t>(u) * rows * width;
+    }
+    DEEPDSL_HD unsigned ld(unsigned width) const { return heads ? heads * width : width; }
 };
 
 // weight p of (i, j) as dropout keeps it (p itself without a mask; mask: the unit's)
@@ -195,7 +203,8 @@ DEEPDSL_HD float deepdsl_att_score(const AttShape& a, const float* q, const floa
                                    unsigned j) {
     if (a.causal && j > i) return DEEPDSL_NEG_INF;
     float dot = 0.0f;
-    for (unsigned x = 0; x < a.d; ++x) dot += q[i * a.d + x] * k[j * a.d + x];
+    const unsigned ld = a.ld(a.d);
+    for (unsigned x = 0; x < a.d; ++x) dot += q[i * ld + x] * k[j * ld + x];
     dot *= a.scale;
     return bias ? dot + bias[i * a.row + j * a.col] : dot;
 }
@@ -216,17 +225,17 @@ DEEPDSL_HD float deepdsl_att_weight(float score, float lse) { return score == DE
 DEEPDSL_HD void deepdsl_attention_at(unsigned item, const AttShape& a, const AttLead& lead, const float* q,
                                      const float* k, const float* v, const float* bias, const unsigned char* mask,
                                      float* out) {
-    const unsigned u = item / a.t, i = item % a.t;
-    q += static_cast<size_t>(u) * a.t * a.d, k += static_cast<size_t>(u) * a.s * a.d;
-    v += static_cast<size_t>(u) * a.s * a.e, bias = bias ? bias + lead.offset(u) : bias;
+    const unsigned u = item / a.t, i = item % a.t, le = a.ld(a.e);
+    q += a.base(u, a.t, a.d), k += a.base(u, a.s, a.d);
+    v += a.base(u, a.s, a.e), bias = bias ? bias + lead.offset(u) : bias;
     mask = mask ? mask + static_cast<size_t>(u) * a.t * a.s : mask;
-    float* o = out + static_cast<size_t>(item) * a.e;
+    float* o = out + a.base(u, a.t, a.e) + static_cast<size_t>(i) * le;
     const float lse = deepdsl_att_lse(a, q, k, bias, i);
     for (unsigned x = 0; x < a.e; ++x) o[x] = 0.0f;
     for (unsigned j = 0; j < a.s; ++j) {
         const float p = deepdsl_att_kept(a, mask, lse == DEEPDSL_NEG_INF ? nanf("")
                                          : deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, i, j), lse), i, j);
-        for (unsigned x = 0; x < a.e; ++x) o[x] += p * v[j * a.e + x];
+        for (unsigned x = 0; x < a.e; ++x) o[x] += p * v[j * le + x];
     }
 }
 
@@ -235,11 +244,11 @@ DEEPDSL_HD void deepdsl_attention_stats_at(unsigned item, unsigned items, const 
                                            unsigned first, const float* q, const float* k, const float* o,
                                            const float* g, const float* bias, float* stats) {
     const unsigned u = first + item / a.t, i = item % a.t;
-    q += static_cast<size_t>(u) * a.t * a.d, k += static_cast<size_t>(u) * a.s * a.d;
+    q += a.base(u, a.t, a.d), k += a.base(u, a.s, a.d);
     bias = bias ? bias + lead.offset(u) : bias;
     stats[item] = deepdsl_att_lse(a, q, k, bias, i);
     float dot = 0.0f;
-    const size_t row = (static_cast<size_t>(u) * a.t + i) * a.e;
+    const size_t row = a.base(u, a.t, a.e) + static_cast<size_t>(i) * a.ld(a.e);
     for (unsigned x = 0; x < a.e; ++x) dot += g[row + x] * o[row + x];
     stats[items + item] = dot;
 }
@@ -248,7 +257,8 @@ DEEPDSL_HD void deepdsl_attention_stats_at(unsigned item, unsigned items, const 
 DEEPDSL_HD float deepdsl_att_dscore(const AttShape& a, float p, const float* g, const float* v,
                                     const unsigned char* mask, unsigned i, unsigned j, float delta) {
     float dot = 0.0f;
-    for (unsigned x = 0; x < a.e; ++x) dot += g[i * a.e + x] * v[j * a.e + x];
+    const unsigned le = a.ld(a.e);
+    for (unsigned x = 0; x < a.e; ++x) dot += g[i * le + x] * v[j * le + x];
     return p * (deepdsl_att_kept(a, mask, dot, i, j) - delta) * a.scale;
 }
 
@@ -260,31 +270,32 @@ DEEPDSL_HD void deepdsl_attention_grad_at(unsigned item, unsigned items, int key
                                           float* dv) {
     const unsigned rows = keys ? a.s : a.t;
     const unsigned u = first + item / rows, at = item % rows, base = (item / rows) * a.t;
-    q += static_cast<size_t>(u) * a.t * a.d, k += static_cast<size_t>(u) * a.s * a.d;
-    v += static_cast<size_t>(u) * a.s * a.e, g += static_cast<size_t>(u) * a.t * a.e;
+    const unsigned ld = a.ld(a.d), le = a.ld(a.e);
+    q += a.base(u, a.t, a.d), k += a.base(u, a.s, a.d);
+    v += a.base(u, a.s, a.e), g += a.base(u, a.t, a.e);
     bias = bias ? bias + lead.offset(u) : bias;
     mask = mask ? mask + static_cast<size_t>(u) * a.t * a.s : mask;
     const float *lse = stats + base, *delta = stats + items + base;
     if (!keys) {
-        float* out = dq + (static_cast<size_t>(u) * a.t + at) * a.d;
+        float* out = dq + a.base(u, a.t, a.d) + static_cast<size_t>(at) * ld;
         for (unsigned x = 0; x < a.d; ++x) out[x] = 0.0f;
         for (unsigned j = 0; j < a.s; ++j) {
             const float p = deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, at, j), lse[at]);
             const float ds = deepdsl_att_dscore(a, p, g, v, mask, at, j, delta[at]);
-            for (unsigned x = 0; x < a.d; ++x) out[x] += ds * k[j * a.d + x];
+            for (unsigned x = 0; x < a.d; ++x) out[x] += ds * k[j * ld + x];
         }
         return;
     }
-    float* kout = dk + (static_cast<size_t>(u) * a.s + at) * a.d;
-    float* vout = dv + (static_cast<size_t>(u) * a.s + at) * a.e;
+    float* kout = dk + a.base(u, a.s, a.d) + static_cast<size_t>(at) * ld;
+    float* vout = dv + a.base(u, a.s, a.e) + static_cast<size_t>(at) * le;
     for (unsigned x = 0; x < a.d; ++x) kout[x] = 0.0f;
     for (unsigned x = 0; x < a.e; ++x) vout[x] = 0.0f;
     for (unsigned i = 0; i < a.t; ++i) {
         const float p = deepdsl_att_weight(deepdsl_att_score(a, q, k, bias, i, at), lse[i]);
         const float ds = deepdsl_att_dscore(a, p, g, v, mask, i, at, delta[i]);
         const float kept = deepdsl_att_kept(a, mask, p, i, at);
-        for (unsigned x = 0; x < a.e; ++x) vout[x] += kept * g[i * a.e + x];
-        for (unsigned x = 0; x < a.d; ++x) kout[x] += ds * q[i * a.d + x];
+        for (unsigned x = 0; x < a.e; ++x) vout[x] += kept * g[i * le + x];
+        for (unsigned x = 0; x < a.d; ++x) kout[x] += ds * q[i * ld + x];
     }
 }
 

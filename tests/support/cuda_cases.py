@@ -441,8 +441,43 @@ def case_attention(g, rng):
     return result
 
 
+def case_attention_heads(g, rng):
+    """Attention and its gradient with `heads`: operands and results stored (N, T, H, d), rows of a unit H * d
+    apart; causal with a bias per head, and dropout's masks."""
+    from deepdsl_runtime import contract
+
+    result = []
+    for n, t, s, h, d, e, causal, bias_shape, keep in [(2, 5, 7, 3, 4, 6, False, None, None),
+                                                       (2, 6, 6, 2, 4, 3, True, (1, 2, 6, 6), None),
+                                                       (3, 4, 4, 2, 5, 5, False, None, 0.7)]:
+        q, k = rng.standard_normal((n, t, h, d)).astype(F32), rng.standard_normal((n, s, h, d)).astype(F32)
+        v, dout = rng.standard_normal((n, s, h, e)).astype(F32), rng.standard_normal((n, t, h, e)).astype(F32)
+        bias = () if bias_shape is None else (rng.standard_normal(bias_shape).astype(F32),)
+        attrs = {"scale": 0.3, "causal": causal, "heads": True}
+        mask = None
+        if keep is not None:
+            mask = (rng.random((n, h, t, s)) < keep).astype(np.uint8)
+            attrs["keep"] = keep
+        what = f"heads ({n}, {t}, {h}, {d})" + (f", dropout keeping {keep}" if keep else "")
+        ref = np.empty((n, t, h, e), F32)
+        C.attention(q, k, v, *bias, mask=mask, out=ref, **attrs)
+        out = _out(g, ref.shape)
+        device_mask = None if mask is None else _in(g, mask)
+        g.attention(*(_in(g, a) for a in (q, k, v, *bias)), mask=device_mask, out=out, **attrs)
+        result.append((f"attention {what}", out, ref, 1e-5))
+        grads = np.empty(q.size + k.size + v.size, F32)
+        C.attention_grad(q, k, v, ref, dout, *bias, mask=mask, out=grads, **attrs)
+        per_unit = contract.attention_grad_scratch(t, s, d, e, mask is not None)
+        out = _out(g, grads.shape)
+        g.attention_grad(*(_in(g, a) for a in (q, k, v, ref, dout, *bias)), mask=device_mask, out=out,
+                         workspace=_out(g, (per_unit,)), **attrs)
+        result.append((f"attention_grad {what}, workspace of 1 unit", out, grads, 1e-5))
+    return result
+
+
 CASES = [case_conv, case_grouped_conv, case_conv_bwd_data_takes_over, case_pool, case_pool_takes_over, case_lrn,
-         case_layer_norm, case_losses, case_reductions_and_shapes, case_dropout_masks, case_attention]
+         case_layer_norm, case_losses, case_reductions_and_shapes, case_dropout_masks, case_attention,
+         case_attention_heads]
 
 
 def compare(g, label, got, expected, tolerance) -> None:
