@@ -866,8 +866,8 @@ class Native:
             found = self._ew[key] = self._ew_function(key[0], out.shape, args)
         if found is False:
             return False
-        function, pattern, sizes = found
-        self._call(function, pattern, sizes, out, args)
+        function, operands, sizes = found
+        function(*sizes, _address(out), *operands(args))
         return True
 
     def ew_pair(self, first, second) -> bool:
@@ -896,8 +896,8 @@ class Native:
             found = self._ew[key] = self._pair_function(k0.__name__, args0, k1.__name__, args1, out0.shape, sum_shape)
         if found is False:
             return False
-        function, pattern, sizes = found
-        function(*sizes, _address(out0), _address(out1), *_operands(args0 + args1, pattern))
+        function, operands, sizes = found
+        function(*sizes, _address(out0), _address(out1), *operands(args0 + args1))
         return True
 
     def _pair_function(self, first: str, args0, second: str, args1, out_shape, sum_shape):
@@ -914,7 +914,7 @@ class Native:
             return False
         sizes = contract.channel_rows(out_shape, sum_shape) if summed else (math.prod(out_shape),)
         function.argtypes = [_L] * len(sizes) + [_P, _P, _P, _P]
-        return function, first_pattern + second_pattern, sizes
+        return function, _Operands(first_pattern + second_pattern), sizes
 
     def channel_sum(self, x: np.ndarray, out: np.ndarray) -> bool:
         """out (1, C, 1, ...) = x (N, C, ...) summed per channel, or out (D,) = x (..., D) summed over every axis but
@@ -938,8 +938,8 @@ class Native:
             found = self._ew[key] = self._sum_function(kernel.__name__, shape, args)
         if found is False or any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args):
             return False
-        function, pattern, sizes = found
-        self._call(function, pattern, sizes, out, args)
+        function, operands, sizes = found
+        function(*sizes, _address(out), *operands(args))
         return True
 
     def _sum_function(self, name: str, shape, args):
@@ -949,10 +949,7 @@ class Native:
         if function is None:
             return False
         function.argtypes = [_L] * 3 + [_P, _P, _P]
-        return function, pattern, contract.channel_rows(values, shape)
-
-    def _call(self, function, pattern, sizes, out, args) -> None:
-        function(*sizes, _address(out), *_operands(args, pattern))
+        return function, _Operands(pattern), contract.channel_rows(values, shape)
 
     @staticmethod
     def _pattern(args, out_shape) -> str | None:
@@ -979,7 +976,7 @@ class Native:
         rows = "c" in pattern or "r" in pattern or "w" in pattern
         sizes = contract.kernel_rows(pattern, out_shape) if rows else (math.prod(out_shape),)
         function.argtypes = [_L] * len(sizes) + [_P, _P, _P]
-        return function, pattern, sizes
+        return function, _Operands(pattern), sizes
 
 
 def _sum_pattern(args, values_shape, shape) -> str | None:
@@ -991,17 +988,27 @@ def _sum_pattern(args, values_shape, shape) -> str | None:
                                          for a in args], values_shape, shape)
 
 
-def _operands(args, pattern):
-    """A compiled elementwise function's `in` and `value` arrays: each operand's pointer, or for a scalar (`s`)
-    its value as float32."""
-    n = len(args)
-    pointers, values = (_P * n)(), (_F * n)()
-    for i, (a, p) in enumerate(zip(args, pattern)):
-        if p != "s":
-            pointers[i] = _address(a)
-        else:   # (a float, or a size-1 array's element, rounded to float32 by ctypes as by numpy: to nearest, even)
+class _Operands:
+    """A compiled elementwise function's `in` and `value` arrays for the operands of one pattern: made once, filled
+    on each call (`operands(args)`: each operand's pointer, or for a scalar (`s`) its value as float32). The
+    kernels run one call at a time, each reading them before it returns."""
+
+    __slots__ = ("pattern", "pointers", "values", "arrays", "scalars")
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        self.pointers, self.values = (_P * len(pattern))(), (_F * len(pattern))()
+        self.arrays = tuple(i for i, p in enumerate(pattern) if p != "s")
+        self.scalars = tuple(i for i, p in enumerate(pattern) if p == "s")
+
+    def __call__(self, args):
+        pointers, values = self.pointers, self.values
+        for i in self.arrays:
+            pointers[i] = _address(args[i])
+        for i in self.scalars:  # (a float, or a size-1 array's element, rounded to float32 by ctypes as by numpy)
+            a = args[i]
             values[i] = float(a.reshape(-1)[0]) if isinstance(a, np.ndarray) else float(a)
-    return pointers, values
+        return pointers, values
 
 
 def _data_offset() -> int | None:
