@@ -295,52 +295,6 @@ def test_a_product_cut_in_depth_gives_the_same_bits_on_any_threads(lib, m, n, k,
     np.testing.assert_array_equal(small, whole)
 
 
-TILE_DEPTH_CASES = [  # (m, n, k, a transposed, b transposed): the ViT's weight gradients (parts of whole chunks of
-    # the tiles' partial sums), parts of 500 (a chunk and a shorter one), a strip ending inside a vector, neither
-    # operand transposed
-    (64, 64, 1024, True, False), (128, 64, 1024, True, False), (96, 80, 1000, True, False),
-    (50, 100, 1000, True, False), (70, 90, 1000, False, False)]
-
-
-@needs_cc
-@pytest.mark.parametrize("m, n, k, ta, tb", TILE_DEPTH_CASES)
-def test_a_product_in_tiles_cut_in_depth_gives_the_same_bits_on_any_threads(lib, m, n, k, ta, tb):
-    """A single product the kernels compute in their own tiles (`contract.small_product`) whose output is too small
-    to cut, given its planned workspace: its parts of the inner dimension (`contract.product_depth_cut`) each in the
-    tiles on one thread, then summed in their order: the same bits on 1, 2, 3 and 5 threads (NaN-filled output and
-    workspace), numpy's float64 product to float32 rounding. Parts of whole chunks of the tiles' partial sums (256
-    of the inner dimension) give the bits of the whole product in the tiles (which adds its chunks' sums in the same
-    order); other parts round otherwise."""
-    from deepdsl_runtime import cpu
-
-    if not lib.tiles:
-        pytest.skip("this processor has no tiles (AVX2 and fused multiply-adds)")
-    rng = np.random.default_rng(m * n + k)
-    a = _transposed(rng, m, k) if ta else _rand(rng, m, k)
-    b = _transposed(rng, k, n) if tb else _rand(rng, k, n)
-    parts = contract.product_depth_cut(1, m, n, k)
-    size = contract.product_depth_scratch(1, m, n, k)
-    assert contract.small_product(m, n, k, ta, tb) and parts in (2, 4)
-    rt = cpu.backend(lib)
-    results = []
-    for threads in (1, 2, 3, 5):
-        lib.set_threads(threads)
-        out = np.full((m, n), np.nan, np.float32)
-        assert lib.gemm_in_depth(a, b, out, np.full(size, np.nan, np.float32))
-        again = np.full((m, n), np.nan, np.float32)
-        rt.matmul(a.T if ta else a, b.T if tb else b, out=again, ta=ta, tb=tb,
-                  workspace=np.full(size, np.nan, np.float32))
-        np.testing.assert_array_equal(again, out)
-        results.append(out)
-    for got in results[1:]:
-        np.testing.assert_array_equal(got, results[0])
-    want = a.astype(np.float64) @ b.astype(np.float64)
-    np.testing.assert_allclose(results[0], want, rtol=0, atol=np.sqrt(k) * 1e-6 * np.abs(want).max())
-    whole = lib.gemm(a, b, np.full((m, n), np.nan, np.float32))
-    whole_chunks = (k // parts) % 256 == 0
-    assert np.array_equal(whole, results[0]) == whole_chunks
-
-
 SUM_CASES = [  # (batch, m, n, k, b read transposed): pointwise filter gradients by samples, a stack of one, odd sizes
     (8, 256, 64, 196, True), (5, 64, 130, 200, True), (3, 40, 33, 250, False), (1, 128, 96, 300, True)]
 

@@ -291,7 +291,7 @@ class Native:
         # (nor products cut along their inner dimension)
         self._gemm_depth = getattr(lib, "deepdsl_gemm_depth", None)
         if self._gemm_depth is not None:
-            self._gemm_depth.argtypes = [_I, _I, _L, _L, _L, _P, _L, _P, _L, _P, _L, _L, _L, _P, _I]
+            self._gemm_depth.argtypes = [_I, _I, _L, _L, _L, _P, _L, _P, _L, _P, _L, _L, _L, _P]
             self._gemm_depth.restype = _I
         # (a library built from the C file of an older program has no per-channel sum of a tensor)
         self._channel_sum = getattr(self.program, "deepdsl_channel_sum", None)
@@ -447,20 +447,20 @@ class Native:
 
     def gemm_in_depth(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, workspace: np.ndarray) -> bool:
         """out = a @ b of two matrices in the parts of their inner dimension `contract.product_depth_cut` fixes by
-        the shapes, partial products in `workspace` (`deepdsl_gemm_depth`: each part in the kernels' tiles where
-        `gemm` computes the product in them, else by the BLAS's sgemm); False where there is no such cut, the
+        the shapes, partial products in `workspace` (`deepdsl_gemm_depth`); False where there is no such cut, the
         workspace is smaller than `contract.product_depth_scratch`, or `gemm` would not take the operands."""
         layout = self._layout(a, b, out)
         if self._gemm_depth is None or layout is None or a.ndim != 2 or b.ndim != 2 or out.ndim != 2 or \
                 workspace.dtype != np.float32 or not workspace.flags.c_contiguous:
             return False
         m, n, k, ta, tb, to = layout
+        if self._small(m, n, k, ta, tb):
+            return False
         parts = contract.product_depth_cut(1, m, n, k)
         if parts < 2 or workspace.size < contract.product_depth_scratch(1, m, n, k):
             return False
         return bool(self._gemm_depth(ta[0], tb[0], m, n, k, _address(a), ta[1], _address(b), tb[1],
-                                     _address(out), to[1], parts, -(-k // parts), _address(workspace),
-                                     int(self._small(m, n, k, ta, tb))))
+                                     _address(out), to[1], parts, -(-k // parts), _address(workspace)))
 
     def _small(self, m: int, n: int, k: int, ta, tb) -> bool:
         """Whether this library computes the product in its own tiles (`contract.small_product`)."""

@@ -101,6 +101,37 @@ int deepdsl_gemm_sum(long batch, int ta, int tb, long m, long n, long k, const f
     return 1;
 }
 
+// c (m x n) = a (m x k) b (k x n) as `parts` products over consecutive `depth` of the inner dimension (the last one
+// shorter): the first into c, the others into `partial` (m x n each, one after the other), then c += each partial
+// product in their order. A product with too small an output to cut by rows or columns and a long inner dimension
+// (a weight gradient) on several threads: the threads take whole parts, then whole rows of the sum. 0 without an
+// sgemm.
+int deepdsl_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b, long ldb,
+                       float* c, long ldc, long parts, long depth, float* partial) {
+    if (!deepdsl_sgemm_function) return 0;
+#pragma omp parallel if ((double)m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(parts, 1, &begin, &end);
+        for (long part = begin; part < end; ++part) {
+            const long first = part * depth, size = k - first < depth ? k - first : depth;
+            float* into = part ? partial + (part - 1) * m * n : c;
+            deepdsl_sgemm(ta, tb, m, n, size, a + (ta ? first * lda : first), lda, b + (tb ? first : first * ldb),
+                          ldb, into, part ? n : ldc);
+        }
+#pragma omp barrier
+        deepdsl_share(m, 1, &begin, &end);
+        for (long r = begin; r < end; ++r)
+            for (long part = 1; part < parts; ++part) {
+                const float* from = partial + (part - 1) * m * n + r * n;
+                float* row = c + r * ldc;
+#pragma omp simd
+                for (long j = 0; j < n; ++j) row[j] += from[j];
+            }
+    }
+    return 1;
+}
+
 // Products in tiles of the kernels' own, where contract.small_product takes them (a Transformer's projections,
 // 1024 x 64 by 64 x 64, and their weight gradients; most products of the networks' layers): the BLAS's sgemm packs
 // both operands on every call, and a product cut into the parts fixed by its shape calls it once a part. On one
@@ -203,46 +234,6 @@ static void deepdsl_sg_tile_any(int R, int V, long depth, const float* a, long r
                                 int partial, deepdsl_sg_m last, float* c, long ldc, int add) {
     switch (R * 8 + V) { DEEPDSL_SG_TILES(DEEPDSL_SG_CASE) }
 }
-
-// Tiles [t_begin, t_end) of the strip of columns [j0, j0 + WIDTH) of c (m x n) = a b (a, b, c as deepdsl_small_gemm
-// reads a product of its stack), the inner dimension a DEEPDSL_SG_DEPTH at a time, each part's sums added to c in
-// order; `packed`: the thread's buffer of a part of the strip of b, where b is read transposed or the strip ends
-// inside a vector.
-static void deepdsl_sg_strip(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b,
-                             long ldb, float* c, long ldc, long j0, long t_begin, long t_end, float* packed) {
-    const long ra = ta ? 1 : lda, ca = ta ? lda : 1;
-    const long columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
-    const int V = (int)((columns + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES);
-    const int partial = columns % DEEPDSL_SG_LANES != 0, pack = tb || partial;
-    const deepdsl_sg_m last = deepdsl_sg_mask(columns - (V - 1) * DEEPDSL_SG_LANES);
-    for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH) {
-        const long depth = k - p0 < DEEPDSL_SG_DEPTH ? k - p0 : DEEPDSL_SG_DEPTH;
-        const float* bp = b + p0 * ldb + j0;
-        long ldp = ldb;
-        if (pack) {             // the strip's columns by rows, whole vectors (zeros past the last column)
-            if (tb)             // (b's columns are rows of the stored matrix)
-                for (long j = 0; j < columns; ++j) {
-                    const float* from = b + (j0 + j) * ldb + p0;
-                    for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
-                }
-            else
-                for (long p = 0; p < depth; ++p)
-                    memcpy(packed + p * DEEPDSL_SG_WIDTH, b + (p0 + p) * ldb + j0, columns * sizeof(float));
-            if (partial)
-                for (long p = 0; p < depth; ++p)
-                    memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0,
-                           (V * DEEPDSL_SG_LANES - columns) * sizeof(float));
-            bp = packed;
-            ldp = DEEPDSL_SG_WIDTH;
-        }
-        for (long t = t_begin; t < t_end; ++t) {
-            const long r0 = t * DEEPDSL_SG_ROWS;
-            const int R = (int)(m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS);
-            deepdsl_sg_tile_any(R, V, depth, a + r0 * ra + p0 * ca, ra, ca, bp, ldp, partial, last, c + r0 * ldc,
-                                ldc, p0 > 0);
-        }
-    }
-}
 #endif
 
 // Whether this build has the tiles (AVX2 and fused multiply-adds, or AVX-512).
@@ -264,6 +255,7 @@ int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const
     (void)sb; (void)c; (void)ldc; (void)sc;
     return 0;
 #else
+    const long ra = ta ? 1 : lda, ca = ta ? lda : 1;
     const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
     const long strips = (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
 #pragma omp parallel if ((double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
@@ -301,56 +293,42 @@ int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const
                 ++begin;
             }
             t_end = t_end < tiles ? t_end : tiles;
-            deepdsl_sg_strip(ta, tb, m, n, k, a + i * sa, lda, b + i * sb, ldb, c + i * sc + s * DEEPDSL_SG_WIDTH,
-                             ldc, s * DEEPDSL_SG_WIDTH, t_begin, t_end, packed);
+            const long j0 = s * DEEPDSL_SG_WIDTH, columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
+            const int V = (int)((columns + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES);
+            const int partial = columns % DEEPDSL_SG_LANES != 0, pack = tb || partial;
+            const deepdsl_sg_m last = deepdsl_sg_mask(columns - (V - 1) * DEEPDSL_SG_LANES);
+            const float* ai = a + i * sa;
+            const float* bi = b + i * sb;
+            float* ci = c + i * sc + j0;
+            for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH) {
+                const long depth = k - p0 < DEEPDSL_SG_DEPTH ? k - p0 : DEEPDSL_SG_DEPTH;
+                const float* bp = bi + p0 * ldb + j0;
+                long ldp = ldb;
+                if (pack) {             // the strip's columns by rows, whole vectors (zeros past the last column)
+                    if (tb)             // (b's columns are rows of the stored matrix)
+                        for (long j = 0; j < columns; ++j) {
+                            const float* from = bi + (j0 + j) * ldb + p0;
+                            for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
+                        }
+                    else
+                        for (long p = 0; p < depth; ++p)
+                            memcpy(packed + p * DEEPDSL_SG_WIDTH, bi + (p0 + p) * ldb + j0, columns * sizeof(float));
+                    if (partial)
+                        for (long p = 0; p < depth; ++p)
+                            memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0,
+                                   (V * DEEPDSL_SG_LANES - columns) * sizeof(float));
+                    bp = packed;
+                    ldp = DEEPDSL_SG_WIDTH;
+                }
+                for (long t = t_begin; t < t_end; ++t) {
+                    const long r0 = t * DEEPDSL_SG_ROWS;
+                    const int R = (int)(m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS);
+                    deepdsl_sg_tile_any(R, V, depth, ai + r0 * ra + p0 * ca, ra, ca, bp, ldp, partial, last,
+                                        ci + r0 * ldc, ldc, p0 > 0);
+                }
+            }
         }
     }
     return 1;
 #endif
-}
-
-// c (m x n) = a (m x k) b (k x n) as `parts` products over consecutive `depth` of the inner dimension (the last one
-// shorter): the first into c, the others into `partial` (m x n each, one after the other), then c += each partial
-// product in their order; each product by the BLAS's sgemm, or (`tiles`) in the tiles above, on one thread. A
-// product with too small an output to cut by rows or columns and a long inner dimension (a weight gradient) on
-// several threads: the threads take whole parts, consecutive ones, then whole rows of the sum. The rows of a and b a
-// thread reads are then those the thread of the same rank wrote, where the statement before cut its work by rows
-// (an elementwise pass, a product cut by rows): on two threads, the ViT's weight gradients read half of their
-// operands from the other core's cache when cut by the output's tiles, and took as long as on one. The bits depend on
-// the parts, fixed by the shapes (contract.product_depth_cut), not on the threads. 0 without an sgemm (or without
-// tiles, where `tiles`).
-int deepdsl_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b, long ldb,
-                       float* c, long ldc, long parts, long depth, float* partial, int tiles) {
-    if (tiles ? !deepdsl_small_gemm_kernels() : !deepdsl_sgemm_function) return 0;
-#pragma omp parallel if ((double)m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
-    {
-        long begin, end;
-        deepdsl_share(parts, 1, &begin, &end);
-        for (long part = begin; part < end; ++part) {
-            const long first = part * depth, size = k - first < depth ? k - first : depth;
-            const float *ap = a + (ta ? first * lda : first), *bp = b + (tb ? first : first * ldb);
-            float* into = part ? partial + (part - 1) * m * n : c;
-            const long ld = part ? n : ldc;
-#ifdef DEEPDSL_SG_LANES
-            if (tiles) {
-                float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];
-                for (long j0 = 0; j0 < n; j0 += DEEPDSL_SG_WIDTH)
-                    deepdsl_sg_strip(ta, tb, m, n, size, ap, lda, bp, ldb, into + j0, ld, j0, 0,
-                                     (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS, packed);
-                continue;
-            }
-#endif
-            deepdsl_sgemm(ta, tb, m, n, size, ap, lda, bp, ldb, into, ld);
-        }
-#pragma omp barrier
-        deepdsl_share(m, 1, &begin, &end);
-        for (long r = begin; r < end; ++r)
-            for (long part = 1; part < parts; ++part) {
-                const float* from = partial + (part - 1) * m * n + r * n;
-                float* row = c + r * ldc;
-#pragma omp simd
-                for (long j = 0; j < n; ++j) row[j] += from[j];
-            }
-    }
-    return 1;
 }
