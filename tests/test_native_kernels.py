@@ -923,14 +923,22 @@ _MATH_LOOPS = """
 #include "deepdsl_math.h"
 void erf_loop(const float* x, float* out, long n) { for (long i = 0; i < n; ++i) out[i] = deepdsl_erff(x[i]); }
 void exp_loop(const float* x, float* out, long n) { for (long i = 0; i < n; ++i) out[i] = deepdsl_expf_poly(x[i]); }
+int fused(void) {
+#ifdef __FMA__
+    return 1;
+#else
+    return 0;
+#endif
+}
 """
 
 
 @needs_cc
 def test_the_polynomial_erf_and_exp_are_within_a_few_ulp(tmp_path):
-    """deepdsl_erff (what the compiled elementwise kernels call for erf: exact GELU) within 5 ulp of erf and
-    deepdsl_expf_poly (the attention's softmax) within 1 ulp of exp, over their whole ranges (tiny, where erf's
-    rational form gives way to 1 and exp overflows or turns subnormal), built as the kernels are, with signed zeros,
+    """deepdsl_erff (what the compiled elementwise kernels call for erf: exact GELU) within 6 ulp of erf (7 on a
+    processor without fused multiply-adds) and deepdsl_expf_poly (the attention's softmax) within 1 ulp of exp, over
+    their whole ranges (tiny, the largest errors found by scanning every float of [0.5, 3.92), where erf's rational
+    form gives way to 1, and where exp overflows or turns subnormal), built as the kernels are, with signed zeros,
     infinities and NaN as libm gives them."""
     source = tmp_path / "math.c"
     source.write_text(_MATH_LOOPS)
@@ -949,9 +957,10 @@ def test_the_polynomial_erf_and_exp_are_within_a_few_ulp(tmp_path):
         return np.abs(got.astype(np.float64) - want) / np.spacing(np.abs(want32)).astype(np.float64)
 
     x = np.concatenate([np.linspace(-5, 5, 200_001), 2 * rng.standard_normal(50_000), 1e-30 * rng.standard_normal(100),
-                        np.linspace(0.92, 0.924, 1001), np.linspace(3.9, 3.94, 1001)]).astype(np.float32)
+                        np.linspace(0.92, 0.924, 1001), np.linspace(3.9, 3.94, 1001),
+                        [3.653986, 2.9810781, 1.7476387, 3.298341, 2.1586745, 1.759811]]).astype(np.float32)
     want = np.array([math.erf(v) for v in x.astype(np.float64)])
-    assert ulps(run("erf_loop", x), want).max() <= 5.0
+    assert ulps(run("erf_loop", x), want).max() <= (6.0 if lib.fused() else 7.0)
     special = run("erf_loop", np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45], np.float32))
     assert special[:4].tolist() == [0.0, 0.0, 1.0, -1.0] and np.signbit(special[1]) and np.isnan(special[4])
     x = np.concatenate([np.linspace(-87.3, 88.7, 400_001), 5 * rng.standard_normal(50_000)]).astype(np.float32)

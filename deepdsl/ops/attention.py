@@ -219,11 +219,13 @@ def attention(q: Node, k: Node, v: Node, bias: Node | None, *, causal: bool, sca
 def drawn(node: Node, mode: str) -> Node:
     """An attention node written with `dropout` as the step of `mode` computes it: the weights all kept when
     testing; when training, a `bernoulli` mask of the scores' shape as a last input and the attribute `keep`."""
-    attrs = {"scale": node.attr("scale"), **({"causal": True} if node.attr("causal") else {})}
+    heads = node.attr("heads", False)
+    attrs = {"scale": node.attr("scale"), **({"causal": True} if node.attr("causal") else {}),
+             **({"heads": True} if heads else {})}
     ratio = node.attr("dropout")
     if mode == "test" or not ratio:
         return make("attention", node.inputs, **attrs)
     keep = 1.0 - ratio
-    q, k = node.inputs[:2]
-    mask = make("bernoulli", (), shape=(*q.shape[:-1], k.shape[-2]), keep=keep, key=node.attr("key"))
+    q, k = (unit_shape(x.shape, heads) for x in node.inputs[:2])
+    mask = make("bernoulli", (), shape=(*q[:-1], k[-2]), keep=keep, key=node.attr("key"))
     return make("attention", (*node.inputs, mask), **attrs, keep=keep)

@@ -990,8 +990,9 @@ def _sum_pattern(args, values_shape, shape) -> str | None:
 
 class _Operands:
     """A compiled elementwise function's `in` and `value` arrays for the operands of one pattern: made once, filled
-    on each call (`operands(args)`: each operand's pointer, or for a scalar (`s`) its value as float32). The
-    kernels run one call at a time, each reading them before it returns."""
+    on each call (`operands(args)`: each operand's pointer, or for a scalar (`s`) its value as float32). A
+    `Native` serves one program's steps, which call its kernels one at a time from one thread; each call reads the
+    arrays before it returns."""
 
     __slots__ = ("pattern", "pointers", "values", "arrays", "scalars")
 

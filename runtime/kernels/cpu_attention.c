@@ -161,7 +161,7 @@ static inline void deepdsl_att_transpose(const float* a, long rows, long cols, l
 }
 
 // out (m, n; rows ldc apart) = a b, n at most DEEPDSL_ATTENTION_UNIT: out[i, j] = the sum over c < k of
-// a[i * a_row + c * a_col] * b[c * ldb + j], c in order, by fused multiply-adds from zero. With the matrix
+// a[i * a_row + c * a_col] * b[c * ldb + j], c in order, by multiply-adds from zero. With the matrix
 // products' tiles (deepdsl_sg_tile: AVX2 and fused multiply-adds, or AVX-512), six rows of a at a time against a
 // strip of b's columns, whose sums stay in registers while c runs; b's rows are copied into `pad`'s wider ones (k
 // rows of a whole number of vectors) where they end inside a vector, so that no load reaches past b. Each lane sums
@@ -191,7 +191,7 @@ static void deepdsl_att_product(const float* a, long a_row, long a_col, const fl
         }
     }
 #else
-    (void)pad;
+    (void)pad;          // (fused where the processor has fused multiply-adds: DEEPDSL_FMAF)
     for (long i = 0; i < m; ++i) {
         float* o = out + i * ldc;
         for (long j = 0; j < n; ++j) o[j] = 0.0f;

@@ -67,13 +67,13 @@ DEEPDSL_HD float deepdsl_expf(float x) {
 #endif
 }
 
-// erf(x) within 5 ulp, branch-free so that the compiled CPU kernels' loops vectorize (libm's erff is a call per
-// element): x P(x^2) / Q(x^2) below 3.92 in magnitude, P of degree 6 and Q of degree 5 with Q(0) = 1 (a rational
-// fit to erf(x) / x over x^2 in [0, 16], by least squares on the relative error linearized, reweighted towards its
-// maximum: 2e-9 in float64; the rest is float32's rounding of the two polynomials, the product and the quotient),
-// 1 (with the sign of x) from 3.92 on. One quotient and eleven multiply-adds (DEEPDSL_MADD), where a polynomial on
-// each side of a seam, the larger one through exp, took three times as long. The CUDA kernels call the device's
-// erff.
+// erf(x) within 6 ulp (7 without fused multiply-adds), branch-free so that the compiled CPU kernels' loops
+// vectorize (libm's erff is a call per element): x P(x^2) / Q(x^2) below 3.92 in magnitude, P of degree 6 and Q of
+// degree 5 with Q(0) = 1 (a rational fit to erf(x) / x over x^2 in [0, 16], by least squares on the relative error
+// linearized, reweighted towards its maximum: 2e-9 in float64; the rest is float32's rounding of the two
+// polynomials, the product and the quotient), 1 (with the sign of x) from 3.92 on. One quotient and eleven
+// multiply-adds (DEEPDSL_MADD), where a polynomial on each side of a seam, the larger one through exp, took three
+// times as long. The CUDA kernels call the device's erff.
 DEEPDSL_HD float deepdsl_erff(float x) {
 #ifdef __CUDA_ARCH__
     return erff(x);
