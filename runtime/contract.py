@@ -510,6 +510,14 @@ ATTENTION_UNIT = 64     # the most queries, keys and features of a unit the CPU'
 ATTENTION_UNIT_DROPPED = 16
 
 
+def attention_unit_shape(shape, heads: bool) -> tuple[int, ...]:
+    """The (..., T, d) shape of the units' rows of an operand of attention: with `heads`, an operand stored (..., T,
+    H, d) (a projection's output reshaped, `deepdsl.ops.attention`'s attribute) has the units (..., H) of (T, d):
+    its last axes but one swapped; else the shape itself."""
+    shape = tuple(shape)
+    return (*shape[:-3], shape[-2], shape[-3], shape[-1]) if heads else shape
+
+
 def attention_in_units(t: int, s: int, d: int, e: int, dropout: bool = False) -> bool:
     """Whether the compiled CPU kernels weigh each unit of (t, d) queries against (s, d) keys and (s, e) values
     whole, on one thread, with no workspace (`deepdsl_attention_units`): where each is at most ATTENTION_UNIT, and

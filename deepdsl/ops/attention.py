@@ -48,13 +48,16 @@ def split(inputs: tuple, keep) -> tuple[tuple, tuple, tuple]:
 
 
 def unit_shape(shape: tuple[int, ...], heads: bool) -> tuple[int, ...]:
-    """The (..., T, d) shape of the units' rows of an operand of attention stored as (..., T, H, d) (`heads`: the
-    heads' axis after the tokens', as a projection's output reshaped, before any transpose): the last axes but one
-    swapped; else the shape itself."""
-    if not heads:
-        return tuple(shape)
-    require(len(shape) >= 3, f"attention with its heads after the tokens needs (..., T, H, d), got {dims(shape)}")
-    return (*shape[:-3], shape[-2], shape[-3], shape[-1])
+    """The (..., T, d) shape of the units' rows of an operand of attention (`contract.attention_unit_shape`), with
+    `heads` one of at least three axes."""
+    require(not heads or len(shape) >= 3,
+            f"attention with its heads after the tokens needs (..., T, H, d), got {dims(shape)}")
+    return contract.attention_unit_shape(shape, heads)
+
+
+def swap_heads(x: Node) -> Node:
+    """x with its heads' and tokens' axes (the last but one and the one before) swapped."""
+    return transpose(x, len(x.shape) - 3, len(x.shape) - 2)
 
 
 def _check(q_shape, k_shape, v_shape, bias: tuple[Node, ...], causal: bool, mask: tuple[Node, ...] = (),
@@ -194,8 +197,7 @@ def _bias_grad(node: Node, g: Node) -> Node:
     (q, k, v), (bias,), mask = split(node.inputs, keep)
     scale, causal = node.attr("scale"), node.attr("causal", False)
     if node.attr("heads", False):               # the units' (..., H, T, d) operands
-        axes = len(q.shape) - 3, len(q.shape) - 2
-        q, k, v, g, node = (transpose(x, *axes) for x in (q, k, v, g, node))
+        q, k, v, g, node = (swap_heads(x) for x in (q, k, v, g, node))
     scores = elementwise(sym(0) * scale + sym(1), [matmul(q, k, tb=True), bias])
     rows = reshape(scores, (math.prod(scores.shape[:-1]), scores.shape[-1]))
     p = reshape(make("softmax", (rows,), **({"causal": True} if causal else {})), scores.shape)

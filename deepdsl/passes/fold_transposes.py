@@ -21,9 +21,9 @@ Guarantees: same values (the transposes are exact); shapes and dtypes of graph o
 from __future__ import annotations
 
 from deepdsl.ir import Graph, Node, make
-from deepdsl.ops.attention import split
+from deepdsl.ops.attention import split, swap_heads
 from deepdsl.ops.elementwise import reshape
-from deepdsl.ops.shape import concat, slice_axis, transpose
+from deepdsl.ops.shape import concat, slice_axis
 from deepdsl_runtime import contract
 
 
@@ -38,10 +38,6 @@ def _swapped(x: Node) -> Node | None:
     if x.op == "transpose" and n >= 3 and tuple(x.attr("axes")) == (n - 3, n - 2):
         return x.inputs[0]
     return None
-
-
-def _swap(x: Node) -> Node:
-    return transpose(x, len(x.shape) - 3, len(x.shape) - 2)
 
 
 def _rewrite(node: Node) -> Node:
@@ -62,10 +58,10 @@ def _rewrite(node: Node) -> Node:
         return node
     folded = make(node.op, (*inner, *bias, *mask), **node.kwargs, heads=True)
     if node.op == "attention":
-        return _swap(folded)
+        return swap_heads(folded)
     pieces, start = [], 0
     for x, stored in zip(operands[:3], inner[:3]):
         piece = reshape(slice_axis(folded, 0, start, start + x.size), stored.shape)
-        pieces.append(reshape(_swap(piece), (x.size,)))
+        pieces.append(reshape(swap_heads(piece), (x.size,)))
         start += x.size
     return concat(pieces, axis=0)

@@ -83,11 +83,6 @@ def _swapped(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.swapaxes(-3, -2))
 
 
-def _unit_shape(shape) -> tuple[int, ...]:
-    """(..., H, T, d) of (..., T, H, d)."""
-    return (*shape[:-3], shape[-2], shape[-3], shape[-1])
-
-
 def attention(q, k, v, bias=None, mask=None, *, out, scale, causal=False, keep=1.0, workspace=None, gemm=np.matmul,
               native=None, heads=False):
     """out = (softmax(q k^T * scale + bias) * mask / keep) v over the last two axes (`deepdsl.ops.attention`; no
@@ -95,12 +90,12 @@ def attention(q, k, v, bias=None, mask=None, *, out, scale, causal=False, keep=1
     them in place; numpy's kernels compute on copies in the units' layout (..., H, T, d)."""
     attrs = dict(scale=scale, causal=causal, keep=keep, workspace=workspace, gemm=gemm, native=native)
     if heads:
-        bu = None if bias is None else Bias(bias, _unit_shape(q.shape))
+        bu = None if bias is None else Bias(bias, contract.attention_unit_shape(q.shape, True))
         mu = None if mask is None else _units(mask)
         if native is not None and native.attention_units(_heads(q), _heads(k), _heads(v), bu, mu, keep, _heads(out),
                                                          scale, causal, heads=True):
             return
-        o = np.empty(_unit_shape(out.shape), out.dtype)
+        o = np.empty(contract.attention_unit_shape(out.shape, True), out.dtype)
         attention(_swapped(q), _swapped(k), _swapped(v), bias, mask, out=o, **attrs)
         out[...] = o.swapaxes(-3, -2)
         return
@@ -128,7 +123,7 @@ def attention_grad(q, k, v, o, g, bias=None, mask=None, *, out, scale, causal=Fa
     `heads`, all stored (..., T, H, d), as `attention`'s)."""
     attrs = dict(scale=scale, causal=causal, keep=keep, workspace=workspace, gemm=gemm, native=native)
     if heads:
-        bu = None if bias is None else Bias(bias, _unit_shape(q.shape))
+        bu = None if bias is None else Bias(bias, contract.attention_unit_shape(q.shape, True))
         mu = None if mask is None else _units(mask)
         dq, dk, dv = (_heads(out[a:a + x.size].reshape(x.shape))
                       for a, x in ((0, q), (q.size, k), (q.size + k.size, v)))
@@ -138,7 +133,8 @@ def attention_grad(q, k, v, o, g, bias=None, mask=None, *, out, scale, causal=Fa
         packed = np.empty_like(out)
         attention_grad(*(_swapped(x) for x in (q, k, v, o, g)), bias, mask, out=packed, **attrs)
         for a, x, into in ((0, q, dq), (q.size, k, dk), (q.size + k.size, v, dv)):
-            into[...] = packed[a:a + x.size].reshape(_unit_shape(x.shape)).swapaxes(-3, -2).reshape(into.shape)
+            units = contract.attention_unit_shape(x.shape, True)
+            into[...] = packed[a:a + x.size].reshape(units).swapaxes(-3, -2).reshape(into.shape)
         return
     t, s, d, e = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     qu, ku, vu, ou, gu = _units(q), _units(k), _units(v), _units(o), _units(g)

@@ -994,10 +994,9 @@ class _Operands:
     `Native` serves one program's steps, which call its kernels one at a time from one thread; each call reads the
     arrays before it returns."""
 
-    __slots__ = ("pattern", "pointers", "values", "arrays", "scalars")
+    __slots__ = ("pointers", "values", "arrays", "scalars")
 
     def __init__(self, pattern: str):
-        self.pattern = pattern
         self.pointers, self.values = (_P * len(pattern))(), (_F * len(pattern))()
         self.arrays = tuple(i for i, p in enumerate(pattern) if p != "s")
         self.scalars = tuple(i for i, p in enumerate(pattern) if p == "s")

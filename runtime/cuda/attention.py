@@ -17,14 +17,9 @@ _SHAPE = "IIIIIIfifI"   # AttShape: t, s, d, e, the bias's row and column stride
 _LEAD = "IIIIIIII"      # AttLead: four leading sizes, then their strides in the bias
 
 
-def _units(shape, heads: bool) -> tuple[int, ...]:
-    """The units' (..., T, d) shape of an operand, stored (..., T, H, d) where `heads`."""
-    return (*shape[:-3], shape[-2], shape[-3], shape[-1]) if heads else tuple(shape)
-
-
 def _shape(q, k, v, bias, scale, causal, keep, heads=False) -> tuple:
     """(AttShape, AttLead) fields: the bias's element strides as broadcast to the scores (0 where it broadcasts)."""
-    qs, ks, vs = _units(q.shape, heads), _units(k.shape, heads), _units(v.shape, heads)
+    qs, ks, vs = (contract.attention_unit_shape(x.shape, heads) for x in (q, k, v))
     t, d, s, e = *qs[-2:], ks[-2], vs[-1]
     lead = list(qs[:-2])
     # (a bias has as many axes as the scores: the op's rule)
@@ -56,7 +51,7 @@ def attention_grad(q, k, v, o, g, bias=None, mask=None, *, out, scale, causal=Fa
                    heads=False):
     shape, lead = _shape(q, k, v, bias, scale, causal, keep, heads)
     t, s, d, e = shape[:4]
-    units = math.prod(_units(q.shape, heads)[:-2])
+    units = math.prod(contract.attention_unit_shape(q.shape, heads)[:-2])
     per_unit = contract.attention_grad_scratch(t, s, d, e, mask is not None)
     if workspace is None or workspace.size < per_unit:
         raise ValueError(f"attention_grad needs a workspace of at least {per_unit} floats")
