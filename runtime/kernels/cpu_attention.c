@@ -172,10 +172,7 @@ static void deepdsl_att_product(const float* a, long a_row, long a_col, const fl
     const long vectors = (n + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES;
     if (n % DEEPDSL_SG_LANES) {
         const long width = vectors * DEEPDSL_SG_LANES;
-        for (long c = 0; c < k; ++c) {
-            memcpy(pad + c * width, b + c * ldb, n * sizeof(float));
-            memset(pad + c * width + n, 0, (width - n) * sizeof(float));
-        }
+        deepdsl_sg_rows(b, ldb, k, n, width, width, pad);
         b = pad;
         ldb = width;
     }

@@ -228,6 +228,16 @@ static inline __attribute__((always_inline)) void deepdsl_sg_tile(
         }
 }
 
+// to (rows `width` floats apart) = `rows` rows of `columns` floats, `ld` apart from `from`, zeros after each up to
+// `padded` floats: b's rows packed whole vectors wide, so that no load of a tile reaches past them
+static inline void deepdsl_sg_rows(const float* from, long ld, long rows, long columns, long width, long padded,
+                                   float* to) {
+    for (long p = 0; p < rows; ++p) {
+        memcpy(to + p * width, from + p * ld, columns * sizeof(float));
+        memset(to + p * width + columns, 0, (padded - columns) * sizeof(float));
+    }
+}
+
 #define DEEPDSL_SG_CASE(R, V) \
     case R * 8 + V: deepdsl_sg_tile(R, V, depth, a, ra, ca, b, ldb, partial, last, c, ldc, add); break;
 static void deepdsl_sg_tile_any(int R, int V, long depth, const float* a, long ra, long ca, const float* b, long ldb,
@@ -305,18 +315,17 @@ int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const
                 const float* bp = bi + p0 * ldb + j0;
                 long ldp = ldb;
                 if (pack) {             // the strip's columns by rows, whole vectors (zeros past the last column)
-                    if (tb)             // (b's columns are rows of the stored matrix)
+                    const long padded = V * DEEPDSL_SG_LANES;
+                    if (tb) {           // (b's columns are rows of the stored matrix)
                         for (long j = 0; j < columns; ++j) {
                             const float* from = bi + (j0 + j) * ldb + p0;
                             for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
                         }
-                    else
                         for (long p = 0; p < depth; ++p)
-                            memcpy(packed + p * DEEPDSL_SG_WIDTH, bi + (p0 + p) * ldb + j0, columns * sizeof(float));
-                    if (partial)
-                        for (long p = 0; p < depth; ++p)
-                            memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0,
-                                   (V * DEEPDSL_SG_LANES - columns) * sizeof(float));
+                            memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0, (padded - columns) * sizeof(float));
+                    } else {
+                        deepdsl_sg_rows(bi + p0 * ldb + j0, ldb, depth, columns, DEEPDSL_SG_WIDTH, padded, packed);
+                    }
                     bp = packed;
                     ldp = DEEPDSL_SG_WIDTH;
                 }
