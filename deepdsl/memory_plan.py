@@ -85,9 +85,10 @@ class Placement:
 
     value: Node
     buffer: int | None             # index into MemoryPlan.buffers; None when persistent
-    offset: int | None             # byte offset in the arena (the buffer's offset); None when persistent
+    offset: int | None             # byte offset in the arena (the buffer's, or inside it for a slice's view); None
+    #                                when persistent
     leaf: Node | None              # the persistent input holding it; None when in the arena
-    view_of: Node | None = None    # a view (reshape): same bytes as this value, nothing computed
+    view_of: Node | None = None    # a view (reshape, a slice's block): this value's bytes, nothing computed
     in_place_of: Node | None = None  # an in-place statement: overwrote this value's bytes
     takes_over: Node | None = None   # a statement whose buffer starts inside this dying input's (see Buffer)
 
@@ -186,7 +187,11 @@ def plan_memory(program: Program, workspace_limit: int | None = None, takeover: 
             view_of = member.inputs[0] if member is not info.root and into is None and is_view(member) else None
             taken = (buffers[buf.takes_over].value if buf is not None and member is info.root
                      and buf.takes_over is not None else None)
-            placements[id(member)] = Placement(member, buf.index if buf else None, buf.offset if buf else None,
+            offset = buf.offset if buf else None       # a view's or an in-place value's: where its bytes start
+            if buf is not None and (view_of is not None or into is not None):
+                host = view_of if view_of is not None else into
+                offset = placements[id(host)].offset + (get_op(member.op).view_offset(member) if view_of else 0)
+            placements[id(member)] = Placement(member, buf.index if buf else None, offset,
                                                None if buf else info.root, view_of=view_of, in_place_of=into,
                                                takes_over=taken)
 

@@ -5,7 +5,8 @@ Every value lives in one *storage*, named by its root value:
 - a persistent input (parameters, optimizer and running state, hyperparameters, hoisted constants) owns storage
   that outlives the step; the statement computing a program output may write into the input of the same name
   (`Let(node, into=leaf)`), which is how parameter updates happen in place;
-- a view (`reshape`, an op with `view = True`) computes nothing and lives in the storage of its input;
+- a view (`reshape`, a `slice` of a block that starts on the arena's alignment: `Op.aliases`) computes nothing and
+  lives in the storage of its input;
 - an in-place statement `Let(node, into=t)` lives in the storage of `t`.
 
 A statement computed together with the one before it (`Let(node, computes_also=v)`, `passes.fuse_multi_output`)
@@ -40,7 +41,7 @@ def is_persistent(node: Node) -> bool:
 
 
 def is_view(node: Node) -> bool:
-    return bool(node.inputs) and get_op(node.op).view
+    return bool(node.inputs) and get_op(node.op).aliases(node)
 
 
 def nbytes(node: Node) -> int:

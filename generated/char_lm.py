@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
 Memory: peak 24.13 MB of tensors planned for the training step (3.15 MB testing); static arena 24.13 MB, pool 24.14 MB, workspace 6.36 MB
-Structure hash: 3a03edb428a02474
+Structure hash: b196a1fdccc74fd7
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "3a03edb428a02474"
+    structure_hash = "b196a1fdccc74fd7"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -580,6 +580,39 @@ class CharLm(rp.Model):
         # free d_block2_fc2_W
         del d_block2_fc2_W
         mem.free(42)
+
+        # ---- ln (layer norm over the last 1 axes), backward ----
+        # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
+        d_ln_slice = rt.slice(d_ln_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_ln_W = reshape[64](d_ln_slice)
+        d_ln_W = rt.reshape(d_ln_slice, shape=(64,))
+        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
+        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
+        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
+        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the next statement)
+        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
+        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
+        ln_W_new = T['ln_W']  # in place: the new ln_W
+        rt.ew_pair((ew_scale_add, M_ln_W_new, T['M_ln_W'], d_ln_W),
+                   (ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay))
+        # d_ln_slice_2 = slice[axis=0,start=1,stop=2](d_ln_layer_norm_param_grad)
+        d_ln_slice_2 = rt.slice(d_ln_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_ln_B = reshape[64](d_ln_slice_2)
+        d_ln_B = rt.reshape(d_ln_slice_2, shape=(64,))
+        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
+        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
+        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
+        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
+        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
+        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
+        ln_B_new = T['ln_B']  # in place: the new ln_B
+        rt.ew_pair((ew_scale_add, M_ln_B_new, T['M_ln_B'], d_ln_B),
+                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
+        # free d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B
+        del d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B
+        mem.free(41)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
         d_block2_fc2_B = mem.tensor(43, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
@@ -595,49 +628,8 @@ class CharLm(rp.Model):
         # free d_block2_fc2_B
         del d_block2_fc2_B
         mem.free(43)
-
-        # ---- ln (layer norm over the last 1 axes), backward ----
-        # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
-        d_ln_slice = mem.tensor(44, (1, 64), 'float32')
-        rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice, axis=0, start=0, stop=1)
-        # d_ln_slice_2 = slice[axis=0,start=1,stop=2](d_ln_layer_norm_param_grad)
-        d_ln_slice_2 = mem.tensor(45, (1, 64), 'float32')
-        rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice_2, axis=0, start=1, stop=2)
-        # free d_ln_layer_norm_param_grad
-        del d_ln_layer_norm_param_grad
-        mem.free(41)
-        # d_ln_W = reshape[64](d_ln_slice)
-        d_ln_W = rt.reshape(d_ln_slice, shape=(64,))
-        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
-        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
-        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
-        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the next statement)
-        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
-        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
-        ln_W_new = T['ln_W']  # in place: the new ln_W
-        rt.ew_pair((ew_scale_add, M_ln_W_new, T['M_ln_W'], d_ln_W),
-                   (ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay))
-        # free d_ln_slice, d_ln_W
-        del d_ln_slice, d_ln_W
-        mem.free(44)
-        # d_ln_B = reshape[64](d_ln_slice_2)
-        d_ln_B = rt.reshape(d_ln_slice_2, shape=(64,))
-        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
-        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
-        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
-        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
-        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
-        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
-        ln_B_new = T['ln_B']  # in place: the new ln_B
-        rt.ew_pair((ew_scale_add, M_ln_B_new, T['M_ln_B'], d_ln_B),
-                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
-        # free d_ln_slice_2, d_ln_B
-        del d_ln_slice_2, d_ln_B
-        mem.free(45)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(46, (2048, 256), 'float32')
+        d_block2_fc2_reshape = mem.tensor(44, (2048, 256), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
         # d_block2_fc1_gelu = reshape[32x64x256](d_block2_fc2_reshape)
         d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(32, 64, 256))
@@ -654,7 +646,7 @@ class CharLm(rp.Model):
         # d_block2_fc1_add = reshape[2048x256](d_block2_fc1)
         d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(2048, 256))
         # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(47, (256, 64), 'float32')
+        d_block2_fc1_W = mem.tensor(45, (256, 64), 'float32')
         rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
@@ -667,7 +659,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
         # free d_block2_fc1_W
         del d_block2_fc1_W
-        mem.free(47)
+        mem.free(45)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -676,14 +668,14 @@ class CharLm(rp.Model):
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # d_block2_fc1_B = sum_to[256](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(48, (256,), 'float32')
+        d_block2_fc1_B = mem.tensor(46, (256,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(256,))
         # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(49, (2048, 64), 'float32')
+        d_block2_fc1_reshape = mem.tensor(47, (2048, 64), 'float32')
         rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(46)
+        mem.free(44)
         # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay)
@@ -698,13 +690,13 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
         # free d_block2_fc1_B
         del d_block2_fc1_B
-        mem.free(48)
+        mem.free(46)
         # d_block2_ln2 = reshape[32x64x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2)
-        d_block2_ln2_layer_norm_param_grad = mem.tensor(50, (2, 64), 'float32')
+        d_block2_ln2_layer_norm_param_grad = mem.tensor(48, (2, 64), 'float32')
         rt.layer_norm_param_grad(block2_ln2_add, d_block2_ln2, out=d_block2_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
         # d_block2_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2, block2_ln2_W)
         d_block2_ln2_add = d_block2_ln2  # in place: over d_block2_ln2
@@ -717,13 +709,13 @@ class CharLm(rp.Model):
         rt.ew(ew_add, d_block2_ln2_add_2, d_ln_add, d_block2_ln2_add)
         # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
         del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
-        mem.free(49)
+        mem.free(47)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_add = reshape[2048x64](d_block2_ln2_add_2)
         d_block2_attn_out_add = rt.reshape(d_block2_ln2_add_2, shape=(2048, 64))
         # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
-        d_block2_attn_out_W = mem.tensor(51, (64, 64), 'float32')
+        d_block2_attn_out_W = mem.tensor(49, (64, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block2_attn_out_transpose, block2_attn_out_reshape
         del block2_attn_out_transpose, block2_attn_out_reshape
@@ -736,9 +728,42 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
         # free d_block2_attn_out_W
         del d_block2_attn_out_W
-        mem.free(51)
+        mem.free(49)
+
+        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln2_slice = slice[axis=0,start=0,stop=1](d_block2_ln2_layer_norm_param_grad)
+        d_block2_ln2_slice = rt.slice(d_block2_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
+        d_block2_ln2_W = rt.reshape(d_block2_ln2_slice, shape=(64,))
+        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
+        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
+        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
+        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the next statement)
+        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
+        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
+        rt.ew_pair((ew_scale_add, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay))
+        # d_block2_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln2_layer_norm_param_grad)
+        d_block2_ln2_slice_2 = rt.slice(d_block2_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block2_ln2_B = reshape[64](d_block2_ln2_slice_2)
+        d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
+        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
+        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
+        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
+        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
+        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
+        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
+        rt.ew_pair((ew_scale_add, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
+        # free d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B
+        del d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B
+        mem.free(48)
+
+        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(52, (64,), 'float32')
+        d_block2_attn_out_B = mem.tensor(50, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
@@ -751,67 +776,26 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
         # free d_block2_attn_out_B
         del d_block2_attn_out_B
-        mem.free(52)
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln2_slice = slice[axis=0,start=0,stop=1](d_block2_ln2_layer_norm_param_grad)
-        d_block2_ln2_slice = mem.tensor(53, (1, 64), 'float32')
-        rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice, axis=0, start=0, stop=1)
-        # d_block2_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln2_layer_norm_param_grad)
-        d_block2_ln2_slice_2 = mem.tensor(54, (1, 64), 'float32')
-        rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice_2, axis=0, start=1, stop=2)
-        # free d_block2_ln2_layer_norm_param_grad
-        del d_block2_ln2_layer_norm_param_grad
         mem.free(50)
-        # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
-        d_block2_ln2_W = rt.reshape(d_block2_ln2_slice, shape=(64,))
-        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
-        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
-        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
-        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the next statement)
-        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
-        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
-        rt.ew_pair((ew_scale_add, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay))
-        # free d_block2_ln2_slice, d_block2_ln2_W
-        del d_block2_ln2_slice, d_block2_ln2_W
-        mem.free(53)
-        # d_block2_ln2_B = reshape[64](d_block2_ln2_slice_2)
-        d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
-        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
-        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
-        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
-        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
-        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
-        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
-        rt.ew_pair((ew_scale_add, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
-        # free d_block2_ln2_slice_2, d_block2_ln2_B
-        del d_block2_ln2_slice_2, d_block2_ln2_B
-        mem.free(54)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(55, (2048, 64), 'float32')
+        d_block2_attn_out_reshape = mem.tensor(51, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
         # d_block2_attn_out_transpose = reshape[32x64x4x16](d_block2_attn_out_reshape)
         d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(32, 64, 4, 16))
         # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
-        d_block2_attn = mem.tensor(56, (32, 4, 64, 16), 'float32')
+        d_block2_attn = mem.tensor(52, (32, 4, 64, 16), 'float32')
         rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
         # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
         del d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(55)
+        mem.free(51)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, block2_attn_mask)
-        d_block2_attn_attention_grad = mem.tensor(57, (393216,), 'float32')
+        d_block2_attn_attention_grad = mem.tensor(53, (393216,), 'float32')
         rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, mask=block2_attn_mask, out=d_block2_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
         # free block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
         del block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        mem.free(2, 21, 23, 25, 26, 56)
+        mem.free(2, 21, 23, 25, 26, 52)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -820,22 +804,18 @@ class CharLm(rp.Model):
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_slice = slice[axis=0,start=0,stop=131072](d_block2_attn_attention_grad)
-        d_block2_attn_slice = mem.tensor(58, (131072,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=131072)
+        d_block2_attn_slice = rt.slice(d_block2_attn_attention_grad, axis=0, start=0, stop=131072)
         # d_block2_attn_transpose = reshape[32x4x64x16](d_block2_attn_slice)
         d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(32, 4, 64, 16))
         # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
-        d_block2_attn_reshape = mem.tensor(59, (32, 64, 4, 16), 'float32')
+        d_block2_attn_reshape = mem.tensor(54, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
-        # free d_block2_attn_slice, d_block2_attn_transpose
-        del d_block2_attn_slice, d_block2_attn_transpose
-        mem.free(58)
         # d_block2_attn_q_add = reshape[2048x64](d_block2_attn_reshape)
         d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(2048, 64))
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(60, (64,), 'float32')
+        d_block2_attn_q_B = mem.tensor(55, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
@@ -848,16 +828,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
         # free d_block2_attn_q_B
         del d_block2_attn_q_B
-        mem.free(60)
+        mem.free(55)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(61, (64, 64), 'float32')
+        d_block2_attn_q_W = mem.tensor(56, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape = mem.tensor(62, (2048, 64), 'float32')
+        d_block2_attn_q_reshape = mem.tensor(57, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
         # free d_block2_attn_reshape, d_block2_attn_q_add
         del d_block2_attn_reshape, d_block2_attn_q_add
-        mem.free(59)
+        mem.free(54)
         # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
         S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
         rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
@@ -869,40 +849,32 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
         # free d_block2_attn_q_W
         del d_block2_attn_q_W
-        mem.free(61)
+        mem.free(56)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block2_attn_attention_grad)
-        d_block2_attn_slice_2 = mem.tensor(63, (131072,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=131072, stop=262144)
-        # d_block2_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block2_attn_attention_grad)
-        d_block2_attn_slice_3 = mem.tensor(64, (131072,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=262144, stop=393216)
-        # free d_block2_attn_attention_grad
-        del d_block2_attn_attention_grad
-        mem.free(57)
+        d_block2_attn_slice_2 = rt.slice(d_block2_attn_attention_grad, axis=0, start=131072, stop=262144)
         # d_block2_attn_transpose_2 = reshape[32x4x64x16](d_block2_attn_slice_2)
         d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(32, 4, 64, 16))
         # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
-        d_block2_attn_reshape_2 = mem.tensor(65, (32, 64, 4, 16), 'float32')
+        d_block2_attn_reshape_2 = mem.tensor(58, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
-        # free d_block2_attn_slice_2, d_block2_attn_transpose_2
-        del d_block2_attn_slice_2, d_block2_attn_transpose_2
-        mem.free(63)
+        # d_block2_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block2_attn_attention_grad)
+        d_block2_attn_slice_3 = rt.slice(d_block2_attn_attention_grad, axis=0, start=262144, stop=393216)
         # d_block2_attn_transpose_3 = reshape[32x4x64x16](d_block2_attn_slice_3)
         d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(32, 4, 64, 16))
         # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
-        d_block2_attn_reshape_3 = mem.tensor(66, (32, 64, 4, 16), 'float32')
+        d_block2_attn_reshape_3 = mem.tensor(59, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
-        # free d_block2_attn_slice_3, d_block2_attn_transpose_3
-        del d_block2_attn_slice_3, d_block2_attn_transpose_3
-        mem.free(64)
+        # free d_block2_attn_attention_grad, d_block2_attn_slice, d_block2_attn_transpose, d_block2_attn_slice_2, d_block2_attn_transpose_2, d_block2_attn_slice_3, d_block2_attn_transpose_3
+        del d_block2_attn_attention_grad, d_block2_attn_slice, d_block2_attn_transpose, d_block2_attn_slice_2, d_block2_attn_transpose_2, d_block2_attn_slice_3, d_block2_attn_transpose_3
+        mem.free(53)
         # d_block2_attn_v_add = reshape[2048x64](d_block2_attn_reshape_3)
         d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(2048, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(67, (64,), 'float32')
+        d_block2_attn_v_B = mem.tensor(60, (64,), 'float32')
         rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
         # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
         S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
@@ -915,7 +887,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
         # free d_block2_attn_v_B
         del d_block2_attn_v_B
-        mem.free(67)
+        mem.free(60)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_k_matmul = reshape[2048x64](d_block2_attn_reshape_2)
@@ -923,12 +895,12 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(68, (64, 64), 'float32')
+        d_block2_attn_k_W = mem.tensor(61, (64, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(69, (64, 64), 'float32')
+        d_block2_attn_v_W = mem.tensor(62, (64, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
@@ -936,19 +908,19 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(70, (2048, 64), 'float32')
+        d_block2_attn_q_reshape_2 = mem.tensor(63, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
         # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
         del d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        mem.free(65)
+        mem.free(58)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(71, (2048, 64), 'float32')
+        d_block2_attn_q_reshape_3 = mem.tensor(64, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
         # free d_block2_attn_reshape_3, d_block2_attn_v_add
         del d_block2_attn_reshape_3, d_block2_attn_v_add
-        mem.free(66)
+        mem.free(59)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
@@ -956,7 +928,7 @@ class CharLm(rp.Model):
         rt.ew(ew_add_3, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
         # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
         del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
-        mem.free(62, 70)
+        mem.free(57, 63)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
@@ -970,7 +942,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
         # free d_block2_attn_k_W
         del d_block2_attn_k_W
-        mem.free(68)
+        mem.free(61)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
@@ -984,7 +956,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
         # free d_block2_attn_v_W
         del d_block2_attn_v_W
-        mem.free(69)
+        mem.free(62)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_ln1 = reshape[32x64x64](d_block2_attn_q_reshape_4)
@@ -992,7 +964,7 @@ class CharLm(rp.Model):
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1)
-        d_block2_ln1_layer_norm_param_grad = mem.tensor(72, (2, 64), 'float32')
+        d_block2_ln1_layer_norm_param_grad = mem.tensor(65, (2, 64), 'float32')
         rt.layer_norm_param_grad(block2_ln1_add, d_block2_ln1, out=d_block2_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
         # d_block2_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1, block2_ln1_W)
         d_block2_ln1_add = d_block2_ln1  # in place: over d_block2_ln1
@@ -1005,13 +977,13 @@ class CharLm(rp.Model):
         rt.ew(ew_add, d_block2_ln1_add_2, d_block2_ln2_add_2, d_block2_ln1_add)
         # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
         del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
-        mem.free(71)
+        mem.free(64)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_add = reshape[2048x64](d_block2_ln1_add_2)
         d_block1_fc2_add = rt.reshape(d_block2_ln1_add_2, shape=(2048, 64))
         # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(73, (64, 256), 'float32')
+        d_block1_fc2_W = mem.tensor(66, (64, 256), 'float32')
         rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True)
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
@@ -1024,9 +996,42 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
         # free d_block1_fc2_W
         del d_block1_fc2_W
-        mem.free(73)
+        mem.free(66)
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
+        d_block2_ln1_slice = rt.slice(d_block2_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block2_ln1_W = reshape[64](d_block2_ln1_slice)
+        d_block2_ln1_W = rt.reshape(d_block2_ln1_slice, shape=(64,))
+        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
+        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
+        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
+        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the next statement)
+        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
+        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
+        rt.ew_pair((ew_scale_add, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay))
+        # d_block2_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln1_layer_norm_param_grad)
+        d_block2_ln1_slice_2 = rt.slice(d_block2_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block2_ln1_B = reshape[64](d_block2_ln1_slice_2)
+        d_block2_ln1_B = rt.reshape(d_block2_ln1_slice_2, shape=(64,))
+        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
+        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
+        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
+        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
+        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
+        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
+        rt.ew_pair((ew_scale_add, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
+        # free d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B
+        del d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B
+        mem.free(65)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(74, (64,), 'float32')
+        d_block1_fc2_B = mem.tensor(67, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
         # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
         S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
@@ -1039,50 +1044,9 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
         # free d_block1_fc2_B
         del d_block1_fc2_B
-        mem.free(74)
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
-        d_block2_ln1_slice = mem.tensor(75, (1, 64), 'float32')
-        rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice, axis=0, start=0, stop=1)
-        # d_block2_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln1_layer_norm_param_grad)
-        d_block2_ln1_slice_2 = mem.tensor(76, (1, 64), 'float32')
-        rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice_2, axis=0, start=1, stop=2)
-        # free d_block2_ln1_layer_norm_param_grad
-        del d_block2_ln1_layer_norm_param_grad
-        mem.free(72)
-        # d_block2_ln1_W = reshape[64](d_block2_ln1_slice)
-        d_block2_ln1_W = rt.reshape(d_block2_ln1_slice, shape=(64,))
-        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
-        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
-        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
-        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the next statement)
-        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
-        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
-        rt.ew_pair((ew_scale_add, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay))
-        # free d_block2_ln1_slice, d_block2_ln1_W
-        del d_block2_ln1_slice, d_block2_ln1_W
-        mem.free(75)
-        # d_block2_ln1_B = reshape[64](d_block2_ln1_slice_2)
-        d_block2_ln1_B = rt.reshape(d_block2_ln1_slice_2, shape=(64,))
-        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
-        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
-        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
-        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
-        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
-        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
-        rt.ew_pair((ew_scale_add, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
-        # free d_block2_ln1_slice_2, d_block2_ln1_B
-        del d_block2_ln1_slice_2, d_block2_ln1_B
-        mem.free(76)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
+        mem.free(67)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(77, (2048, 256), 'float32')
+        d_block1_fc2_reshape = mem.tensor(68, (2048, 256), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
         # d_block1_fc1_gelu = reshape[32x64x256](d_block1_fc2_reshape)
         d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(32, 64, 256))
@@ -1099,7 +1063,7 @@ class CharLm(rp.Model):
         # d_block1_fc1_add = reshape[2048x256](d_block1_fc1)
         d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(2048, 256))
         # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(78, (256, 64), 'float32')
+        d_block1_fc1_W = mem.tensor(69, (256, 64), 'float32')
         rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
@@ -1112,7 +1076,7 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
         # free d_block1_fc1_W
         del d_block1_fc1_W
-        mem.free(78)
+        mem.free(69)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1121,14 +1085,14 @@ class CharLm(rp.Model):
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # d_block1_fc1_B = sum_to[256](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(79, (256,), 'float32')
+        d_block1_fc1_B = mem.tensor(70, (256,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(256,))
         # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(80, (2048, 64), 'float32')
+        d_block1_fc1_reshape = mem.tensor(71, (2048, 64), 'float32')
         rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(77)
+        mem.free(68)
         # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay)
@@ -1143,13 +1107,13 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
         # free d_block1_fc1_B
         del d_block1_fc1_B
-        mem.free(79)
+        mem.free(70)
         # d_block1_ln2 = reshape[32x64x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2)
-        d_block1_ln2_layer_norm_param_grad = mem.tensor(81, (2, 64), 'float32')
+        d_block1_ln2_layer_norm_param_grad = mem.tensor(72, (2, 64), 'float32')
         rt.layer_norm_param_grad(block1_ln2_add_2, d_block1_ln2, out=d_block1_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
         # d_block1_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2, block1_ln2_W)
         d_block1_ln2_add = d_block1_ln2  # in place: over d_block1_ln2
@@ -1162,13 +1126,13 @@ class CharLm(rp.Model):
         rt.ew(ew_add, d_block1_ln2_add_2, d_block2_ln1_add_2, d_block1_ln2_add)
         # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
         del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
-        mem.free(80)
+        mem.free(71)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_add = reshape[2048x64](d_block1_ln2_add_2)
         d_block1_attn_out_add = rt.reshape(d_block1_ln2_add_2, shape=(2048, 64))
         # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
-        d_block1_attn_out_W = mem.tensor(82, (64, 64), 'float32')
+        d_block1_attn_out_W = mem.tensor(73, (64, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # free block1_attn_out_transpose, block1_attn_out_reshape
         del block1_attn_out_transpose, block1_attn_out_reshape
@@ -1181,9 +1145,42 @@ class CharLm(rp.Model):
         rt.ew(ew_scale_add, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
         # free d_block1_attn_out_W
         del d_block1_attn_out_W
-        mem.free(82)
+        mem.free(73)
+
+        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        # d_block1_ln2_slice = slice[axis=0,start=0,stop=1](d_block1_ln2_layer_norm_param_grad)
+        d_block1_ln2_slice = rt.slice(d_block1_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
+        d_block1_ln2_W = rt.reshape(d_block1_ln2_slice, shape=(64,))
+        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
+        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
+        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
+        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the next statement)
+        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
+        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
+        rt.ew_pair((ew_scale_add, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay))
+        # d_block1_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln2_layer_norm_param_grad)
+        d_block1_ln2_slice_2 = rt.slice(d_block1_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block1_ln2_B = reshape[64](d_block1_ln2_slice_2)
+        d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
+        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
+        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
+        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
+        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
+        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
+        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
+        rt.ew_pair((ew_scale_add, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
+        # free d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B
+        del d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B
+        mem.free(72)
+
+        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(83, (64,), 'float32')
+        d_block1_attn_out_B = mem.tensor(74, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
@@ -1196,67 +1193,26 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
         # free d_block1_attn_out_B
         del d_block1_attn_out_B
-        mem.free(83)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln2_slice = slice[axis=0,start=0,stop=1](d_block1_ln2_layer_norm_param_grad)
-        d_block1_ln2_slice = mem.tensor(84, (1, 64), 'float32')
-        rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice, axis=0, start=0, stop=1)
-        # d_block1_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln2_layer_norm_param_grad)
-        d_block1_ln2_slice_2 = mem.tensor(85, (1, 64), 'float32')
-        rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice_2, axis=0, start=1, stop=2)
-        # free d_block1_ln2_layer_norm_param_grad
-        del d_block1_ln2_layer_norm_param_grad
-        mem.free(81)
-        # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
-        d_block1_ln2_W = rt.reshape(d_block1_ln2_slice, shape=(64,))
-        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
-        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
-        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
-        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the next statement)
-        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
-        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
-        rt.ew_pair((ew_scale_add, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay))
-        # free d_block1_ln2_slice, d_block1_ln2_W
-        del d_block1_ln2_slice, d_block1_ln2_W
-        mem.free(84)
-        # d_block1_ln2_B = reshape[64](d_block1_ln2_slice_2)
-        d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
-        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
-        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
-        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
-        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
-        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
-        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
-        rt.ew_pair((ew_scale_add, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
-        # free d_block1_ln2_slice_2, d_block1_ln2_B
-        del d_block1_ln2_slice_2, d_block1_ln2_B
-        mem.free(85)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        mem.free(74)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(86, (2048, 64), 'float32')
+        d_block1_attn_out_reshape = mem.tensor(75, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
         # d_block1_attn_out_transpose = reshape[32x64x4x16](d_block1_attn_out_reshape)
         d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(32, 64, 4, 16))
         # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
-        d_block1_attn = mem.tensor(87, (32, 4, 64, 16), 'float32')
+        d_block1_attn = mem.tensor(76, (32, 4, 64, 16), 'float32')
         rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
         # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
         del d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(86)
+        mem.free(75)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, block1_attn_mask)
-        d_block1_attn_attention_grad = mem.tensor(88, (393216,), 'float32')
+        d_block1_attn_attention_grad = mem.tensor(77, (393216,), 'float32')
         rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, mask=block1_attn_mask, out=d_block1_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
         # free block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
         del block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        mem.free(3, 7, 9, 11, 12, 87)
+        mem.free(3, 7, 9, 11, 12, 76)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1265,22 +1221,18 @@ class CharLm(rp.Model):
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_slice = slice[axis=0,start=0,stop=131072](d_block1_attn_attention_grad)
-        d_block1_attn_slice = mem.tensor(89, (131072,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=131072)
+        d_block1_attn_slice = rt.slice(d_block1_attn_attention_grad, axis=0, start=0, stop=131072)
         # d_block1_attn_transpose = reshape[32x4x64x16](d_block1_attn_slice)
         d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(32, 4, 64, 16))
         # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
-        d_block1_attn_reshape = mem.tensor(90, (32, 64, 4, 16), 'float32')
+        d_block1_attn_reshape = mem.tensor(78, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
-        # free d_block1_attn_slice, d_block1_attn_transpose
-        del d_block1_attn_slice, d_block1_attn_transpose
-        mem.free(89)
         # d_block1_attn_q_add = reshape[2048x64](d_block1_attn_reshape)
         d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(2048, 64))
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(91, (64,), 'float32')
+        d_block1_attn_q_B = mem.tensor(79, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
@@ -1293,16 +1245,16 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
         # free d_block1_attn_q_B
         del d_block1_attn_q_B
-        mem.free(91)
+        mem.free(79)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(92, (64, 64), 'float32')
+        d_block1_attn_q_W = mem.tensor(80, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
         # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape = mem.tensor(93, (2048, 64), 'float32')
+        d_block1_attn_q_reshape = mem.tensor(81, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
         # free d_block1_attn_reshape, d_block1_attn_q_add
         del d_block1_attn_reshape, d_block1_attn_q_add
-        mem.free(90)
+        mem.free(78)
         # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
         S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
         rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
@@ -1314,40 +1266,32 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
         # free d_block1_attn_q_W
         del d_block1_attn_q_W
-        mem.free(92)
+        mem.free(80)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block1_attn_attention_grad)
-        d_block1_attn_slice_2 = mem.tensor(94, (131072,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=131072, stop=262144)
-        # d_block1_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block1_attn_attention_grad)
-        d_block1_attn_slice_3 = mem.tensor(95, (131072,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=262144, stop=393216)
-        # free d_block1_attn_attention_grad
-        del d_block1_attn_attention_grad
-        mem.free(88)
+        d_block1_attn_slice_2 = rt.slice(d_block1_attn_attention_grad, axis=0, start=131072, stop=262144)
         # d_block1_attn_transpose_2 = reshape[32x4x64x16](d_block1_attn_slice_2)
         d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(32, 4, 64, 16))
         # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
-        d_block1_attn_reshape_2 = mem.tensor(96, (32, 64, 4, 16), 'float32')
+        d_block1_attn_reshape_2 = mem.tensor(82, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
-        # free d_block1_attn_slice_2, d_block1_attn_transpose_2
-        del d_block1_attn_slice_2, d_block1_attn_transpose_2
-        mem.free(94)
+        # d_block1_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block1_attn_attention_grad)
+        d_block1_attn_slice_3 = rt.slice(d_block1_attn_attention_grad, axis=0, start=262144, stop=393216)
         # d_block1_attn_transpose_3 = reshape[32x4x64x16](d_block1_attn_slice_3)
         d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(32, 4, 64, 16))
         # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
-        d_block1_attn_reshape_3 = mem.tensor(97, (32, 64, 4, 16), 'float32')
+        d_block1_attn_reshape_3 = mem.tensor(83, (32, 64, 4, 16), 'float32')
         rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
-        # free d_block1_attn_slice_3, d_block1_attn_transpose_3
-        del d_block1_attn_slice_3, d_block1_attn_transpose_3
-        mem.free(95)
+        # free d_block1_attn_attention_grad, d_block1_attn_slice, d_block1_attn_transpose, d_block1_attn_slice_2, d_block1_attn_transpose_2, d_block1_attn_slice_3, d_block1_attn_transpose_3
+        del d_block1_attn_attention_grad, d_block1_attn_slice, d_block1_attn_transpose, d_block1_attn_slice_2, d_block1_attn_transpose_2, d_block1_attn_slice_3, d_block1_attn_transpose_3
+        mem.free(77)
         # d_block1_attn_v_add = reshape[2048x64](d_block1_attn_reshape_3)
         d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(2048, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(98, (64,), 'float32')
+        d_block1_attn_v_B = mem.tensor(84, (64,), 'float32')
         rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
         # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
         S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
@@ -1360,7 +1304,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
         # free d_block1_attn_v_B
         del d_block1_attn_v_B
-        mem.free(98)
+        mem.free(84)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_k_matmul = reshape[2048x64](d_block1_attn_reshape_2)
@@ -1368,12 +1312,12 @@ class CharLm(rp.Model):
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(99, (64, 64), 'float32')
+        d_block1_attn_k_W = mem.tensor(85, (64, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(100, (64, 64), 'float32')
+        d_block1_attn_v_W = mem.tensor(86, (64, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
@@ -1381,19 +1325,19 @@ class CharLm(rp.Model):
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(101, (2048, 64), 'float32')
+        d_block1_attn_q_reshape_2 = mem.tensor(87, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
         # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
         del d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        mem.free(96)
+        mem.free(82)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(102, (2048, 64), 'float32')
+        d_block1_attn_q_reshape_3 = mem.tensor(88, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
         # free d_block1_attn_reshape_3, d_block1_attn_v_add
         del d_block1_attn_reshape_3, d_block1_attn_v_add
-        mem.free(97)
+        mem.free(83)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
@@ -1401,7 +1345,7 @@ class CharLm(rp.Model):
         rt.ew(ew_add_3, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
         # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
         del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
-        mem.free(93, 101)
+        mem.free(81, 87)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
@@ -1415,7 +1359,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
         # free d_block1_attn_k_W
         del d_block1_attn_k_W
-        mem.free(99)
+        mem.free(85)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
@@ -1429,7 +1373,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
         # free d_block1_attn_v_W
         del d_block1_attn_v_W
-        mem.free(100)
+        mem.free(86)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_ln1 = reshape[32x64x64](d_block1_attn_q_reshape_4)
@@ -1437,7 +1381,7 @@ class CharLm(rp.Model):
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1)
-        d_block1_ln1_layer_norm_param_grad = mem.tensor(103, (2, 64), 'float32')
+        d_block1_ln1_layer_norm_param_grad = mem.tensor(89, (2, 64), 'float32')
         rt.layer_norm_param_grad(block1_ln2_add, d_block1_ln1, out=d_block1_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
         # d_block1_ln2_add_3 = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1, block1_ln1_W)
         d_block1_ln2_add_3 = d_block1_ln1  # in place: over d_block1_ln1
@@ -1452,18 +1396,11 @@ class CharLm(rp.Model):
         rt.ew(ew_add, d_block1_ln2_add_4, d_block1_ln2_add_2, d_block1_ln2_add_3)
         # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
         del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
-        mem.free(102)
+        mem.free(88)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_slice = slice[axis=0,start=0,stop=1](d_block1_ln1_layer_norm_param_grad)
-        d_block1_ln1_slice = mem.tensor(104, (1, 64), 'float32')
-        rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice, axis=0, start=0, stop=1)
-        # d_block1_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln1_layer_norm_param_grad)
-        d_block1_ln1_slice_2 = mem.tensor(105, (1, 64), 'float32')
-        rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice_2, axis=0, start=1, stop=2)
-        # free d_block1_ln1_layer_norm_param_grad
-        del d_block1_ln1_layer_norm_param_grad
-        mem.free(103)
+        d_block1_ln1_slice = rt.slice(d_block1_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block1_ln1_W = reshape[64](d_block1_ln1_slice)
         d_block1_ln1_W = rt.reshape(d_block1_ln1_slice, shape=(64,))
         # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
@@ -1475,9 +1412,8 @@ class CharLm(rp.Model):
         block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
         rt.ew_pair((ew_scale_add, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W),
                    (ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay))
-        # free d_block1_ln1_slice, d_block1_ln1_W
-        del d_block1_ln1_slice, d_block1_ln1_W
-        mem.free(104)
+        # d_block1_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln1_layer_norm_param_grad)
+        d_block1_ln1_slice_2 = rt.slice(d_block1_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block1_ln1_B = reshape[64](d_block1_ln1_slice_2)
         d_block1_ln1_B = rt.reshape(d_block1_ln1_slice_2, shape=(64,))
         # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
@@ -1489,20 +1425,20 @@ class CharLm(rp.Model):
         block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
         rt.ew_pair((ew_scale_add, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
                    (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
-        # free d_block1_ln1_slice_2, d_block1_ln1_B
-        del d_block1_ln1_slice_2, d_block1_ln1_B
-        mem.free(105)
+        # free d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B
+        del d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B
+        mem.free(89)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_pos = sum_to[1x64x64](d_block1_ln2_add_4)
-        d_pos = mem.tensor(106, (1, 64, 64), 'float32')
+        d_pos = mem.tensor(90, (1, 64, 64), 'float32')
         rt.sum_to(d_block1_ln2_add_4, out=d_pos, shape=(1, 64, 64))
 
         # ---- embed (embedding of 256 tokens in 64 features), backward ----
         # d_embed_gather_rows = reshape[2048x64](d_block1_ln2_add_4)
         d_embed_gather_rows = rt.reshape(d_block1_ln2_add_4, shape=(2048, 64))
         # d_embed_W = scatter_rows[rows=256](d_embed_gather_rows, embed_reshape)
-        d_embed_W = mem.tensor(107, (256, 64), 'float32')
+        d_embed_W = mem.tensor(91, (256, 64), 'float32')
         rt.scatter_rows(d_embed_gather_rows, embed_reshape, out=d_embed_W, rows=256)
         # free x, embed_reshape, d_next_reshape, d_ln, d_ln_add, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4, d_embed_gather_rows
         del x, embed_reshape, d_next_reshape, d_ln, d_ln_add, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4, d_embed_gather_rows
@@ -1518,7 +1454,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, embed_W_new, T['embed_W'], lr, bias1, M_embed_W_new, S_embed_W_new, bias2, decay))
         # free d_embed_W
         del d_embed_W
-        mem.free(107)
+        mem.free(91)
 
         # ---- pos (parameter 1x64x64), backward ----
         # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
@@ -1532,7 +1468,7 @@ class CharLm(rp.Model):
                    (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         # free d_pos
         del d_pos
-        mem.free(106)
+        mem.free(90)
         loss = rt.scalar(next_cross_entropy)
         mem.end()
         return loss
@@ -2182,70 +2118,54 @@ class CharLm(rp.Model):
                 (8978432, 512),  # 41: d_ln_layer_norm_param_grad 2x64 float32
                 (8912896, 65536),  # 42: d_block2_fc2_W 64x256 float32
                 (6291456, 256),  # 43: d_block2_fc2_B 64 float32
-                (6291456, 256),  # 44: d_ln_slice 1x64 float32
-                (6291712, 256),  # 45: d_ln_slice_2 1x64 float32
-                (6291456, 2097152),  # 46: d_block2_fc2_reshape 2048x256 float32
-                (4194304, 65536),  # 47: d_block2_fc1_W 256x64 float32
-                (4718592, 1024),  # 48: d_block2_fc1_B 256 float32
-                (4194304, 524288),  # 49: d_block2_fc1_reshape 2048x64 float32
-                (4718592, 512),  # 50: d_block2_ln2_layer_norm_param_grad 2x64 float32
-                (4194304, 16384),  # 51: d_block2_attn_out_W 64x64 float32
-                (4194304, 256),  # 52: d_block2_attn_out_B 64 float32
-                (4194304, 256),  # 53: d_block2_ln2_slice 1x64 float32
-                (4194560, 256),  # 54: d_block2_ln2_slice_2 1x64 float32
-                (4194304, 524288),  # 55: d_block2_attn_out_reshape 2048x64 float32
-                (5767168, 524288),  # 56: d_block2_attn 32x4x64x16 float32
-                (4194304, 1572864),  # 57: d_block2_attn_attention_grad 393216 float32
-                (5767168, 524288),  # 58: d_block2_attn_slice 131072 float32
-                (6291456, 524288),  # 59: d_block2_attn_reshape 32x64x4x16 float32
-                (5767168, 256),  # 60: d_block2_attn_q_B 64 float32
-                (6815744, 16384),  # 61: d_block2_attn_q_W 64x64 float32
-                (5767168, 524288),  # 62: d_block2_attn_q_reshape 2048x64 float32
-                (6291456, 524288),  # 63: d_block2_attn_slice_2 131072 float32
-                (6815744, 524288),  # 64: d_block2_attn_slice_3 131072 float32
-                (4194304, 524288),  # 65: d_block2_attn_reshape_2 32x64x4x16 float32
-                (4718592, 524288),  # 66: d_block2_attn_reshape_3 32x64x4x16 float32
-                (5242880, 256),  # 67: d_block2_attn_v_B 64 float32
-                (6291456, 16384),  # 68: d_block2_attn_k_W 64x64 float32
-                (6307840, 16384),  # 69: d_block2_attn_v_W 64x64 float32
-                (5242880, 524288),  # 70: d_block2_attn_q_reshape_2 2048x64 float32
-                (4194304, 524288),  # 71: d_block2_attn_q_reshape_3 2048x64 float32
-                (4718592, 512),  # 72: d_block2_ln1_layer_norm_param_grad 2x64 float32
-                (4194304, 65536),  # 73: d_block1_fc2_W 64x256 float32
-                (2097152, 256),  # 74: d_block1_fc2_B 64 float32
-                (2097152, 256),  # 75: d_block2_ln1_slice 1x64 float32
-                (2097408, 256),  # 76: d_block2_ln1_slice_2 1x64 float32
-                (2097152, 2097152),  # 77: d_block1_fc2_reshape 2048x256 float32
-                (0, 65536),  # 78: d_block1_fc1_W 256x64 float32
-                (524288, 1024),  # 79: d_block1_fc1_B 256 float32
-                (0, 524288),  # 80: d_block1_fc1_reshape 2048x64 float32
-                (524288, 512),  # 81: d_block1_ln2_layer_norm_param_grad 2x64 float32
-                (0, 16384),  # 82: d_block1_attn_out_W 64x64 float32
-                (0, 256),  # 83: d_block1_attn_out_B 64 float32
-                (0, 256),  # 84: d_block1_ln2_slice 1x64 float32
-                (256, 256),  # 85: d_block1_ln2_slice_2 1x64 float32
-                (0, 524288),  # 86: d_block1_attn_out_reshape 2048x64 float32
-                (1572864, 524288),  # 87: d_block1_attn 32x4x64x16 float32
-                (0, 1572864),  # 88: d_block1_attn_attention_grad 393216 float32
-                (1572864, 524288),  # 89: d_block1_attn_slice 131072 float32
-                (2097152, 524288),  # 90: d_block1_attn_reshape 32x64x4x16 float32
-                (1572864, 256),  # 91: d_block1_attn_q_B 64 float32
-                (2621440, 16384),  # 92: d_block1_attn_q_W 64x64 float32
-                (1572864, 524288),  # 93: d_block1_attn_q_reshape 2048x64 float32
-                (2097152, 524288),  # 94: d_block1_attn_slice_2 131072 float32
-                (2621440, 524288),  # 95: d_block1_attn_slice_3 131072 float32
-                (0, 524288),  # 96: d_block1_attn_reshape_2 32x64x4x16 float32
-                (524288, 524288),  # 97: d_block1_attn_reshape_3 32x64x4x16 float32
-                (1048576, 256),  # 98: d_block1_attn_v_B 64 float32
-                (2097152, 16384),  # 99: d_block1_attn_k_W 64x64 float32
-                (2113536, 16384),  # 100: d_block1_attn_v_W 64x64 float32
-                (1048576, 524288),  # 101: d_block1_attn_q_reshape_2 2048x64 float32
-                (0, 524288),  # 102: d_block1_attn_q_reshape_3 2048x64 float32
-                (524288, 512),  # 103: d_block1_ln1_layer_norm_param_grad 2x64 float32
-                (0, 256),  # 104: d_block1_ln1_slice 1x64 float32
-                (256, 256),  # 105: d_block1_ln1_slice_2 1x64 float32
-                (65536, 16384),  # 106: d_pos 1x64x64 float32
-                (0, 65536),  # 107: d_embed_W 256x64 float32
+                (6291456, 2097152),  # 44: d_block2_fc2_reshape 2048x256 float32
+                (4194304, 65536),  # 45: d_block2_fc1_W 256x64 float32
+                (4718592, 1024),  # 46: d_block2_fc1_B 256 float32
+                (4194304, 524288),  # 47: d_block2_fc1_reshape 2048x64 float32
+                (4718592, 512),  # 48: d_block2_ln2_layer_norm_param_grad 2x64 float32
+                (4194304, 16384),  # 49: d_block2_attn_out_W 64x64 float32
+                (4194304, 256),  # 50: d_block2_attn_out_B 64 float32
+                (4194304, 524288),  # 51: d_block2_attn_out_reshape 2048x64 float32
+                (5767168, 524288),  # 52: d_block2_attn 32x4x64x16 float32
+                (4194304, 1572864),  # 53: d_block2_attn_attention_grad 393216 float32
+                (5767168, 524288),  # 54: d_block2_attn_reshape 32x64x4x16 float32
+                (6291456, 256),  # 55: d_block2_attn_q_B 64 float32
+                (6815744, 16384),  # 56: d_block2_attn_q_W 64x64 float32
+                (6291456, 524288),  # 57: d_block2_attn_q_reshape 2048x64 float32
+                (5767168, 524288),  # 58: d_block2_attn_reshape_2 32x64x4x16 float32
+                (6815744, 524288),  # 59: d_block2_attn_reshape_3 32x64x4x16 float32
+                (4194304, 256),  # 60: d_block2_attn_v_B 64 float32
+                (5242880, 16384),  # 61: d_block2_attn_k_W 64x64 float32
+                (5259264, 16384),  # 62: d_block2_attn_v_W 64x64 float32
+                (4194304, 524288),  # 63: d_block2_attn_q_reshape_2 2048x64 float32
+                (4718592, 524288),  # 64: d_block2_attn_q_reshape_3 2048x64 float32
+                (4259840, 512),  # 65: d_block2_ln1_layer_norm_param_grad 2x64 float32
+                (4194304, 65536),  # 66: d_block1_fc2_W 64x256 float32
+                (2097152, 256),  # 67: d_block1_fc2_B 64 float32
+                (2097152, 2097152),  # 68: d_block1_fc2_reshape 2048x256 float32
+                (0, 65536),  # 69: d_block1_fc1_W 256x64 float32
+                (524288, 1024),  # 70: d_block1_fc1_B 256 float32
+                (0, 524288),  # 71: d_block1_fc1_reshape 2048x64 float32
+                (524288, 512),  # 72: d_block1_ln2_layer_norm_param_grad 2x64 float32
+                (0, 16384),  # 73: d_block1_attn_out_W 64x64 float32
+                (0, 256),  # 74: d_block1_attn_out_B 64 float32
+                (0, 524288),  # 75: d_block1_attn_out_reshape 2048x64 float32
+                (1572864, 524288),  # 76: d_block1_attn 32x4x64x16 float32
+                (0, 1572864),  # 77: d_block1_attn_attention_grad 393216 float32
+                (1572864, 524288),  # 78: d_block1_attn_reshape 32x64x4x16 float32
+                (2097152, 256),  # 79: d_block1_attn_q_B 64 float32
+                (2621440, 16384),  # 80: d_block1_attn_q_W 64x64 float32
+                (2097152, 524288),  # 81: d_block1_attn_q_reshape 2048x64 float32
+                (1572864, 524288),  # 82: d_block1_attn_reshape_2 32x64x4x16 float32
+                (2621440, 524288),  # 83: d_block1_attn_reshape_3 32x64x4x16 float32
+                (0, 256),  # 84: d_block1_attn_v_B 64 float32
+                (1048576, 16384),  # 85: d_block1_attn_k_W 64x64 float32
+                (1064960, 16384),  # 86: d_block1_attn_v_W 64x64 float32
+                (0, 524288),  # 87: d_block1_attn_q_reshape_2 2048x64 float32
+                (524288, 524288),  # 88: d_block1_attn_q_reshape_3 2048x64 float32
+                (0, 512),  # 89: d_block1_ln1_layer_norm_param_grad 2x64 float32
+                (65536, 16384),  # 90: d_pos 1x64x64 float32
+                (0, 65536),  # 91: d_embed_W 256x64 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=3153920, peak_bytes=3153920, workspace_bytes=2097152, pool_bytes=3162112,

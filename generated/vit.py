@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: AdamW, 600 iterations, lr 0.002, betas (0.9, 0.999), eps 1e-08, decay 0.05, lr schedule cosine:0 after 50 iterations of warm-up
 Memory: peak 20.82 MB of tensors planned for the training step (2.05 MB testing); static arena 20.82 MB, pool 20.82 MB, workspace 0.87 MB
-Structure hash: cc89dd56523d768c
+Structure hash: 5e7e934b59edd086
 
 Usage: python vit.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class Vit(rp.Model):
 
     name = "vit"
     source = "networks/vit.py"
-    structure_hash = "cc89dd56523d768c"
+    structure_hash = "5e7e934b59edd086"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -822,6 +822,39 @@ class Vit(rp.Model):
         # free d_block4_fc2_W
         del d_block4_fc2_W
         mem.free(55)
+
+        # ---- ln (layer norm over the last 1 axes), backward ----
+        # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
+        d_ln_slice = rt.slice(d_ln_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_ln_W = reshape[64](d_ln_slice)
+        d_ln_W = rt.reshape(d_ln_slice, shape=(64,))
+        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
+        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
+        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
+        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the next statement)
+        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
+        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
+        ln_W_new = T['ln_W']  # in place: the new ln_W
+        rt.ew_pair((ew_scale_add, M_ln_W_new, T['M_ln_W'], d_ln_W),
+                   (ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay))
+        # d_ln_slice_2 = slice[axis=0,start=1,stop=2](d_ln_layer_norm_param_grad)
+        d_ln_slice_2 = rt.slice(d_ln_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_ln_B = reshape[64](d_ln_slice_2)
+        d_ln_B = rt.reshape(d_ln_slice_2, shape=(64,))
+        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
+        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
+        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
+        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
+        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
+        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
+        ln_B_new = T['ln_B']  # in place: the new ln_B
+        rt.ew_pair((ew_scale_add, M_ln_B_new, T['M_ln_B'], d_ln_B),
+                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
+        # free d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B
+        del d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B
+        mem.free(54)
+
+        # ---- block4_fc2 (fully connected, 64 outputs), backward ----
         # d_block4_fc2_B = sum_to[64](d_block4_fc2_add)
         d_block4_fc2_B = mem.tensor(56, (64,), 'float32')
         rt.sum_to(d_block4_fc2_add, out=d_block4_fc2_B, shape=(64,))
@@ -837,49 +870,8 @@ class Vit(rp.Model):
         # free d_block4_fc2_B
         del d_block4_fc2_B
         mem.free(56)
-
-        # ---- ln (layer norm over the last 1 axes), backward ----
-        # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
-        d_ln_slice = mem.tensor(57, (1, 64), 'float32')
-        rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice, axis=0, start=0, stop=1)
-        # d_ln_slice_2 = slice[axis=0,start=1,stop=2](d_ln_layer_norm_param_grad)
-        d_ln_slice_2 = mem.tensor(58, (1, 64), 'float32')
-        rt.slice(d_ln_layer_norm_param_grad, out=d_ln_slice_2, axis=0, start=1, stop=2)
-        # free d_ln_layer_norm_param_grad
-        del d_ln_layer_norm_param_grad
-        mem.free(54)
-        # d_ln_W = reshape[64](d_ln_slice)
-        d_ln_W = rt.reshape(d_ln_slice, shape=(64,))
-        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
-        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
-        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
-        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the next statement)
-        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
-        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
-        ln_W_new = T['ln_W']  # in place: the new ln_W
-        rt.ew_pair((ew_scale_add, M_ln_W_new, T['M_ln_W'], d_ln_W),
-                   (ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay))
-        # free d_ln_slice, d_ln_W
-        del d_ln_slice, d_ln_W
-        mem.free(57)
-        # d_ln_B = reshape[64](d_ln_slice_2)
-        d_ln_B = rt.reshape(d_ln_slice_2, shape=(64,))
-        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
-        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
-        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
-        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
-        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
-        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
-        ln_B_new = T['ln_B']  # in place: the new ln_B
-        rt.ew_pair((ew_scale_add, M_ln_B_new, T['M_ln_B'], d_ln_B),
-                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
-        # free d_ln_slice_2, d_ln_B
-        del d_ln_slice_2, d_ln_B
-        mem.free(58)
-
-        # ---- block4_fc2 (fully connected, 64 outputs), backward ----
         # d_block4_fc2_reshape = matmul(d_block4_fc2_add, block4_fc2_W)
-        d_block4_fc2_reshape = mem.tensor(59, (1600, 128), 'float32')
+        d_block4_fc2_reshape = mem.tensor(57, (1600, 128), 'float32')
         rt.matmul(d_block4_fc2_add, T['block4_fc2_W'], out=d_block4_fc2_reshape)
         # d_block4_fc1_gelu = reshape[100x16x128](d_block4_fc2_reshape)
         d_block4_fc1_gelu = rt.reshape(d_block4_fc2_reshape, shape=(100, 16, 128))
@@ -896,7 +888,7 @@ class Vit(rp.Model):
         # d_block4_fc1_add = reshape[1600x128](d_block4_fc1)
         d_block4_fc1_add = rt.reshape(d_block4_fc1, shape=(1600, 128))
         # d_block4_fc1_W = matmul[ta](d_block4_fc1_add, block4_fc1_reshape)
-        d_block4_fc1_W = mem.tensor(60, (128, 64), 'float32')
+        d_block4_fc1_W = mem.tensor(58, (128, 64), 'float32')
         rt.matmul(d_block4_fc1_add, block4_fc1_reshape, out=d_block4_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block4_ln2, block4_fc1_reshape
         del block4_ln2, block4_fc1_reshape
@@ -909,7 +901,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block4_fc1_W_new, T['M_block4_fc1_W'], d_block4_fc1_W)
         # free d_block4_fc1_W
         del d_block4_fc1_W
-        mem.free(60)
+        mem.free(58)
 
         # ---- block4_fc2 (fully connected, 64 outputs), backward ----
         # block4_fc2_W_new = block4_fc2_W*(-lr*decay + 1) - lr*M_block4_fc2_W_new/(bias1*(sqrt(S_block4_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -918,14 +910,14 @@ class Vit(rp.Model):
 
         # ---- block4_fc1 (fully connected, 128 outputs), backward ----
         # d_block4_fc1_B = sum_to[128](d_block4_fc1_add)
-        d_block4_fc1_B = mem.tensor(61, (128,), 'float32')
+        d_block4_fc1_B = mem.tensor(59, (128,), 'float32')
         rt.sum_to(d_block4_fc1_add, out=d_block4_fc1_B, shape=(128,))
         # d_block4_fc1_reshape = matmul(d_block4_fc1_add, block4_fc1_W)
-        d_block4_fc1_reshape = mem.tensor(62, (1600, 64), 'float32')
+        d_block4_fc1_reshape = mem.tensor(60, (1600, 64), 'float32')
         rt.matmul(d_block4_fc1_add, T['block4_fc1_W'], out=d_block4_fc1_reshape)
         # free d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
         del d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
-        mem.free(59)
+        mem.free(57)
         # block4_fc1_W_new = block4_fc1_W*(-lr*decay + 1) - lr*M_block4_fc1_W_new/(bias1*(sqrt(S_block4_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block4_fc1_W_new = T['block4_fc1_W']  # in place: the new block4_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block4_fc1_W_new, T['block4_fc1_W'], lr, bias1, M_block4_fc1_W_new, S_block4_fc1_W_new, bias2, decay)
@@ -940,13 +932,13 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_fc1_B_new, T['block4_fc1_B'], lr, bias1, M_block4_fc1_B_new, S_block4_fc1_B_new, bias2, decay))
         # free d_block4_fc1_B
         del d_block4_fc1_B
-        mem.free(61)
+        mem.free(59)
         # d_block4_ln2 = reshape[100x16x64](d_block4_fc1_reshape)
         d_block4_ln2 = rt.reshape(d_block4_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
         # d_block4_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block4_ln2_add, d_block4_ln2)
-        d_block4_ln2_layer_norm_param_grad = mem.tensor(63, (2, 64), 'float32')
+        d_block4_ln2_layer_norm_param_grad = mem.tensor(61, (2, 64), 'float32')
         rt.layer_norm_param_grad(block4_ln2_add, d_block4_ln2, out=d_block4_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block4_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block4_ln2_add, d_block4_ln2, block4_ln2_W)
         d_block4_ln2_add = d_block4_ln2  # in place: over d_block4_ln2
@@ -959,13 +951,42 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_block4_ln2_add_2, d_ln_add, d_block4_ln2_add)
         # free d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_add
         del d_block4_fc1_reshape, d_block4_ln2, d_block4_ln2_add
-        mem.free(62)
+        mem.free(60)
+        # d_block4_ln2_slice = slice[axis=0,start=0,stop=1](d_block4_ln2_layer_norm_param_grad)
+        d_block4_ln2_slice = rt.slice(d_block4_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block4_ln2_W = reshape[64](d_block4_ln2_slice)
+        d_block4_ln2_W = rt.reshape(d_block4_ln2_slice, shape=(64,))
+        # S_block4_ln2_W_new = 0.999*S_block4_ln2_W + 0.001*d_block4_ln2_W**2
+        S_block4_ln2_W_new = T['S_block4_ln2_W']  # in place: the new S_block4_ln2_W
+        rt.ew(ew_square_scale_add, S_block4_ln2_W_new, T['S_block4_ln2_W'], d_block4_ln2_W)
+        # M_block4_ln2_W_new = 0.9*M_block4_ln2_W + 0.1*d_block4_ln2_W   (computed with the next statement)
+        M_block4_ln2_W_new = T['M_block4_ln2_W']  # in place: the new M_block4_ln2_W
+        # block4_ln2_W_new = block4_ln2_W*(-lr*decay + 1) - lr*M_block4_ln2_W_new/(bias1*(sqrt(S_block4_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln2_W_new = T['block4_ln2_W']  # in place: the new block4_ln2_W
+        rt.ew_pair((ew_scale_add, M_block4_ln2_W_new, T['M_block4_ln2_W'], d_block4_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block4_ln2_W_new, T['block4_ln2_W'], lr, bias1, M_block4_ln2_W_new, S_block4_ln2_W_new, bias2, decay))
+        # d_block4_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln2_layer_norm_param_grad)
+        d_block4_ln2_slice_2 = rt.slice(d_block4_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block4_ln2_B = reshape[64](d_block4_ln2_slice_2)
+        d_block4_ln2_B = rt.reshape(d_block4_ln2_slice_2, shape=(64,))
+        # S_block4_ln2_B_new = 0.999*S_block4_ln2_B + 0.001*d_block4_ln2_B**2
+        S_block4_ln2_B_new = T['S_block4_ln2_B']  # in place: the new S_block4_ln2_B
+        rt.ew(ew_square_scale_add, S_block4_ln2_B_new, T['S_block4_ln2_B'], d_block4_ln2_B)
+        # M_block4_ln2_B_new = 0.9*M_block4_ln2_B + 0.1*d_block4_ln2_B   (computed with the next statement)
+        M_block4_ln2_B_new = T['M_block4_ln2_B']  # in place: the new M_block4_ln2_B
+        # block4_ln2_B_new = block4_ln2_B*(-lr*decay + 1) - lr*M_block4_ln2_B_new/(bias1*(sqrt(S_block4_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln2_B_new = T['block4_ln2_B']  # in place: the new block4_ln2_B
+        rt.ew_pair((ew_scale_add, M_block4_ln2_B_new, T['M_block4_ln2_B'], d_block4_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay))
+        # free d_block4_ln2_layer_norm_param_grad, d_block4_ln2_slice, d_block4_ln2_W, d_block4_ln2_slice_2, d_block4_ln2_B
+        del d_block4_ln2_layer_norm_param_grad, d_block4_ln2_slice, d_block4_ln2_W, d_block4_ln2_slice_2, d_block4_ln2_B
+        mem.free(61)
 
         # ---- block4_attn_out (fully connected, 64 outputs), backward ----
         # d_block4_attn_out_add = reshape[1600x64](d_block4_ln2_add_2)
         d_block4_attn_out_add = rt.reshape(d_block4_ln2_add_2, shape=(1600, 64))
         # d_block4_attn_out_B = sum_to[64](d_block4_attn_out_add)
-        d_block4_attn_out_B = mem.tensor(64, (64,), 'float32')
+        d_block4_attn_out_B = mem.tensor(62, (64,), 'float32')
         rt.sum_to(d_block4_attn_out_add, out=d_block4_attn_out_B, shape=(64,))
         # S_block4_attn_out_B_new = 0.999*S_block4_attn_out_B + 0.001*d_block4_attn_out_B**2
         S_block4_attn_out_B_new = T['S_block4_attn_out_B']  # in place: the new S_block4_attn_out_B
@@ -978,50 +999,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_out_B_new, T['block4_attn_out_B'], lr, bias1, M_block4_attn_out_B_new, S_block4_attn_out_B_new, bias2, decay))
         # free d_block4_attn_out_B
         del d_block4_attn_out_B
-        mem.free(64)
-
-        # ---- block4_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block4_ln2_slice = slice[axis=0,start=0,stop=1](d_block4_ln2_layer_norm_param_grad)
-        d_block4_ln2_slice = mem.tensor(65, (1, 64), 'float32')
-        rt.slice(d_block4_ln2_layer_norm_param_grad, out=d_block4_ln2_slice, axis=0, start=0, stop=1)
-        # d_block4_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln2_layer_norm_param_grad)
-        d_block4_ln2_slice_2 = mem.tensor(66, (1, 64), 'float32')
-        rt.slice(d_block4_ln2_layer_norm_param_grad, out=d_block4_ln2_slice_2, axis=0, start=1, stop=2)
-        # free d_block4_ln2_layer_norm_param_grad
-        del d_block4_ln2_layer_norm_param_grad
-        mem.free(63)
-        # d_block4_ln2_W = reshape[64](d_block4_ln2_slice)
-        d_block4_ln2_W = rt.reshape(d_block4_ln2_slice, shape=(64,))
-        # S_block4_ln2_W_new = 0.999*S_block4_ln2_W + 0.001*d_block4_ln2_W**2
-        S_block4_ln2_W_new = T['S_block4_ln2_W']  # in place: the new S_block4_ln2_W
-        rt.ew(ew_square_scale_add, S_block4_ln2_W_new, T['S_block4_ln2_W'], d_block4_ln2_W)
-        # M_block4_ln2_W_new = 0.9*M_block4_ln2_W + 0.1*d_block4_ln2_W   (computed with the next statement)
-        M_block4_ln2_W_new = T['M_block4_ln2_W']  # in place: the new M_block4_ln2_W
-        # block4_ln2_W_new = block4_ln2_W*(-lr*decay + 1) - lr*M_block4_ln2_W_new/(bias1*(sqrt(S_block4_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln2_W_new = T['block4_ln2_W']  # in place: the new block4_ln2_W
-        rt.ew_pair((ew_scale_add, M_block4_ln2_W_new, T['M_block4_ln2_W'], d_block4_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block4_ln2_W_new, T['block4_ln2_W'], lr, bias1, M_block4_ln2_W_new, S_block4_ln2_W_new, bias2, decay))
-        # free d_block4_ln2_slice, d_block4_ln2_W
-        del d_block4_ln2_slice, d_block4_ln2_W
-        mem.free(65)
-        # d_block4_ln2_B = reshape[64](d_block4_ln2_slice_2)
-        d_block4_ln2_B = rt.reshape(d_block4_ln2_slice_2, shape=(64,))
-        # S_block4_ln2_B_new = 0.999*S_block4_ln2_B + 0.001*d_block4_ln2_B**2
-        S_block4_ln2_B_new = T['S_block4_ln2_B']  # in place: the new S_block4_ln2_B
-        rt.ew(ew_square_scale_add, S_block4_ln2_B_new, T['S_block4_ln2_B'], d_block4_ln2_B)
-        # M_block4_ln2_B_new = 0.9*M_block4_ln2_B + 0.1*d_block4_ln2_B   (computed with the next statement)
-        M_block4_ln2_B_new = T['M_block4_ln2_B']  # in place: the new M_block4_ln2_B
-        # block4_ln2_B_new = block4_ln2_B*(-lr*decay + 1) - lr*M_block4_ln2_B_new/(bias1*(sqrt(S_block4_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln2_B_new = T['block4_ln2_B']  # in place: the new block4_ln2_B
-        rt.ew_pair((ew_scale_add, M_block4_ln2_B_new, T['M_block4_ln2_B'], d_block4_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay))
-        # free d_block4_ln2_slice_2, d_block4_ln2_B
-        del d_block4_ln2_slice_2, d_block4_ln2_B
-        mem.free(66)
-
-        # ---- block4_attn_out (fully connected, 64 outputs), backward ----
+        mem.free(62)
         # d_block4_attn_out_W = matmul[ta](d_block4_attn_out_add, block4_attn_out_reshape)
-        d_block4_attn_out_W = mem.tensor(67, (64, 64), 'float32')
+        d_block4_attn_out_W = mem.tensor(63, (64, 64), 'float32')
         rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape, out=d_block4_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # S_block4_attn_out_W_new = 0.999*S_block4_attn_out_W + 0.001*d_block4_attn_out_W**2
         S_block4_attn_out_W_new = T['S_block4_attn_out_W']  # in place: the new S_block4_attn_out_W
@@ -1031,20 +1011,20 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block4_attn_out_W_new, T['M_block4_attn_out_W'], d_block4_attn_out_W)
         # free d_block4_attn_out_W
         del d_block4_attn_out_W
-        mem.free(67)
+        mem.free(63)
         # d_block4_attn_out_reshape = matmul(d_block4_attn_out_add, block4_attn_out_W)
-        d_block4_attn_out_reshape = mem.tensor(68, (1600, 64), 'float32')
+        d_block4_attn_out_reshape = mem.tensor(64, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_out_add, T['block4_attn_out_W'], out=d_block4_attn_out_reshape)
         # d_block4_attn_out_transpose = reshape[100x16x4x16](d_block4_attn_out_reshape)
         d_block4_attn_out_transpose = rt.reshape(d_block4_attn_out_reshape, shape=(100, 16, 4, 16))
 
         # ---- block4_attn (scaled dot-product attention), backward ----
         # d_block4_attn_attention_grad = attention_grad[heads=True,scale=0.25](block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, block4_attn, d_block4_attn_out_transpose)
-        d_block4_attn_attention_grad = mem.tensor(69, (307200,), 'float32')
+        d_block4_attn_attention_grad = mem.tensor(65, (307200,), 'float32')
         rt.attention_grad(block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, block4_attn, d_block4_attn_out_transpose, out=d_block4_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
         # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
         del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
-        mem.free(36, 37, 38, 39, 68)
+        mem.free(36, 37, 38, 39, 64)
 
         # ---- block4_attn_out (fully connected, 64 outputs), backward ----
         # block4_attn_out_W_new = block4_attn_out_W*(-lr*decay + 1) - lr*M_block4_attn_out_W_new/(bias1*(sqrt(S_block4_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1053,14 +1033,13 @@ class Vit(rp.Model):
 
         # ---- block4_attn (scaled dot-product attention), backward ----
         # d_block4_attn_slice = slice[axis=0,start=0,stop=102400](d_block4_attn_attention_grad)
-        d_block4_attn_slice = mem.tensor(70, (102400,), 'float32')
-        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice, axis=0, start=0, stop=102400)
+        d_block4_attn_slice = rt.slice(d_block4_attn_attention_grad, axis=0, start=0, stop=102400)
         # d_block4_attn_q_add = reshape[1600x64](d_block4_attn_slice)
         d_block4_attn_q_add = rt.reshape(d_block4_attn_slice, shape=(1600, 64))
 
         # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_B = sum_to[64](d_block4_attn_q_add)
-        d_block4_attn_q_B = mem.tensor(71, (64,), 'float32')
+        d_block4_attn_q_B = mem.tensor(66, (64,), 'float32')
         rt.sum_to(d_block4_attn_q_add, out=d_block4_attn_q_B, shape=(64,))
         # S_block4_attn_q_B_new = 0.999*S_block4_attn_q_B + 0.001*d_block4_attn_q_B**2
         S_block4_attn_q_B_new = T['S_block4_attn_q_B']  # in place: the new S_block4_attn_q_B
@@ -1073,45 +1052,17 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_q_B_new, T['block4_attn_q_B'], lr, bias1, M_block4_attn_q_B_new, S_block4_attn_q_B_new, bias2, decay))
         # free d_block4_attn_q_B
         del d_block4_attn_q_B
-        mem.free(71)
-        # d_block4_attn_q_W = matmul[ta](d_block4_attn_q_add, block4_attn_q_reshape)
-        d_block4_attn_q_W = mem.tensor(72, (64, 64), 'float32')
-        rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block4_attn_q_reshape = matmul(d_block4_attn_q_add, block4_attn_q_W)
-        d_block4_attn_q_reshape = mem.tensor(73, (1600, 64), 'float32')
-        rt.matmul(d_block4_attn_q_add, T['block4_attn_q_W'], out=d_block4_attn_q_reshape)
-        # free d_block4_attn_slice, d_block4_attn_q_add
-        del d_block4_attn_slice, d_block4_attn_q_add
-        mem.free(70)
-        # S_block4_attn_q_W_new = 0.999*S_block4_attn_q_W + 0.001*d_block4_attn_q_W**2
-        S_block4_attn_q_W_new = T['S_block4_attn_q_W']  # in place: the new S_block4_attn_q_W
-        rt.ew(ew_square_scale_add, S_block4_attn_q_W_new, T['S_block4_attn_q_W'], d_block4_attn_q_W)
-        # M_block4_attn_q_W_new = 0.9*M_block4_attn_q_W + 0.1*d_block4_attn_q_W   (computed with the next statement)
-        M_block4_attn_q_W_new = T['M_block4_attn_q_W']  # in place: the new M_block4_attn_q_W
-        # block4_attn_q_W_new = block4_attn_q_W*(-lr*decay + 1) - lr*M_block4_attn_q_W_new/(bias1*(sqrt(S_block4_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_q_W_new = T['block4_attn_q_W']  # in place: the new block4_attn_q_W
-        rt.ew_pair((ew_scale_add, M_block4_attn_q_W_new, T['M_block4_attn_q_W'], d_block4_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay))
-        # free d_block4_attn_q_W
-        del d_block4_attn_q_W
-        mem.free(72)
+        mem.free(66)
 
         # ---- block4_attn (scaled dot-product attention), backward ----
-        # d_block4_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block4_attn_attention_grad)
-        d_block4_attn_slice_2 = mem.tensor(74, (102400,), 'float32')
-        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_2, axis=0, start=102400, stop=204800)
-        # d_block4_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block4_attn_attention_grad)
-        d_block4_attn_slice_3 = mem.tensor(75, (102400,), 'float32')
-        rt.slice(d_block4_attn_attention_grad, out=d_block4_attn_slice_3, axis=0, start=204800, stop=307200)
-        # free d_block4_attn_attention_grad
-        del d_block4_attn_attention_grad
-        mem.free(69)
-        # d_block4_attn_v_add = reshape[1600x64](d_block4_attn_slice_3)
-        d_block4_attn_v_add = rt.reshape(d_block4_attn_slice_3, shape=(1600, 64))
+        # d_block4_attn_slice_2 = slice[axis=0,start=204800,stop=307200](d_block4_attn_attention_grad)
+        d_block4_attn_slice_2 = rt.slice(d_block4_attn_attention_grad, axis=0, start=204800, stop=307200)
+        # d_block4_attn_v_add = reshape[1600x64](d_block4_attn_slice_2)
+        d_block4_attn_v_add = rt.reshape(d_block4_attn_slice_2, shape=(1600, 64))
 
         # ---- block4_attn_v (fully connected, 64 outputs), backward ----
         # d_block4_attn_v_B = sum_to[64](d_block4_attn_v_add)
-        d_block4_attn_v_B = mem.tensor(76, (64,), 'float32')
+        d_block4_attn_v_B = mem.tensor(67, (64,), 'float32')
         rt.sum_to(d_block4_attn_v_add, out=d_block4_attn_v_B, shape=(64,))
         # S_block4_attn_v_B_new = 0.999*S_block4_attn_v_B + 0.001*d_block4_attn_v_B**2
         S_block4_attn_v_B_new = T['S_block4_attn_v_B']  # in place: the new S_block4_attn_v_B
@@ -1124,40 +1075,83 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay))
         # free d_block4_attn_v_B
         del d_block4_attn_v_B
-        mem.free(76)
+        mem.free(67)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_W = matmul[ta](d_block4_attn_q_add, block4_attn_q_reshape)
+        d_block4_attn_q_W = mem.tensor(68, (64, 64), 'float32')
+        rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # S_block4_attn_q_W_new = 0.999*S_block4_attn_q_W + 0.001*d_block4_attn_q_W**2
+        S_block4_attn_q_W_new = T['S_block4_attn_q_W']  # in place: the new S_block4_attn_q_W
+        rt.ew(ew_square_scale_add, S_block4_attn_q_W_new, T['S_block4_attn_q_W'], d_block4_attn_q_W)
+        # M_block4_attn_q_W_new = 0.9*M_block4_attn_q_W + 0.1*d_block4_attn_q_W
+        M_block4_attn_q_W_new = T['M_block4_attn_q_W']  # in place: the new M_block4_attn_q_W
+        rt.ew(ew_scale_add, M_block4_attn_q_W_new, T['M_block4_attn_q_W'], d_block4_attn_q_W)
+        # free d_block4_attn_q_W
+        del d_block4_attn_q_W
+        mem.free(68)
 
         # ---- block4_attn (scaled dot-product attention), backward ----
-        # d_block4_attn_k_matmul = reshape[1600x64](d_block4_attn_slice_2)
-        d_block4_attn_k_matmul = rt.reshape(d_block4_attn_slice_2, shape=(1600, 64))
+        # d_block4_attn_slice_3 = slice[axis=0,start=102400,stop=204800](d_block4_attn_attention_grad)
+        d_block4_attn_slice_3 = rt.slice(d_block4_attn_attention_grad, axis=0, start=102400, stop=204800)
+        # d_block4_attn_k_matmul = reshape[1600x64](d_block4_attn_slice_3)
+        d_block4_attn_k_matmul = rt.reshape(d_block4_attn_slice_3, shape=(1600, 64))
 
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
         # d_block4_attn_k_W = matmul[ta](d_block4_attn_k_matmul, block4_attn_q_reshape)
-        d_block4_attn_k_W = mem.tensor(77, (64, 64), 'float32')
+        d_block4_attn_k_W = mem.tensor(69, (64, 64), 'float32')
         rt.matmul(d_block4_attn_k_matmul, block4_attn_q_reshape, out=d_block4_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block4_attn_v (fully connected, 64 outputs), backward ----
         # d_block4_attn_v_W = matmul[ta](d_block4_attn_v_add, block4_attn_q_reshape)
-        d_block4_attn_v_W = mem.tensor(78, (64, 64), 'float32')
+        d_block4_attn_v_W = mem.tensor(70, (64, 64), 'float32')
         rt.matmul(d_block4_attn_v_add, block4_attn_q_reshape, out=d_block4_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block4_ln1, block4_attn_q_reshape
         del block4_ln1, block4_attn_q_reshape
         mem.free(35)
 
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
+        # S_block4_attn_k_W_new = 0.999*S_block4_attn_k_W + 0.001*d_block4_attn_k_W**2
+        S_block4_attn_k_W_new = T['S_block4_attn_k_W']  # in place: the new S_block4_attn_k_W
+        rt.ew(ew_square_scale_add, S_block4_attn_k_W_new, T['S_block4_attn_k_W'], d_block4_attn_k_W)
+        # M_block4_attn_k_W_new = 0.9*M_block4_attn_k_W + 0.1*d_block4_attn_k_W
+        M_block4_attn_k_W_new = T['M_block4_attn_k_W']  # in place: the new M_block4_attn_k_W
+        rt.ew(ew_scale_add, M_block4_attn_k_W_new, T['M_block4_attn_k_W'], d_block4_attn_k_W)
+        # free d_block4_attn_k_W
+        del d_block4_attn_k_W
+        mem.free(69)
+
+        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
+        # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2
+        S_block4_attn_v_W_new = T['S_block4_attn_v_W']  # in place: the new S_block4_attn_v_W
+        rt.ew(ew_square_scale_add, S_block4_attn_v_W_new, T['S_block4_attn_v_W'], d_block4_attn_v_W)
+        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W
+        M_block4_attn_v_W_new = T['M_block4_attn_v_W']  # in place: the new M_block4_attn_v_W
+        rt.ew(ew_scale_add, M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W)
+        # free d_block4_attn_v_W
+        del d_block4_attn_v_W
+        mem.free(70)
+
+        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
+        # d_block4_attn_q_reshape = matmul(d_block4_attn_q_add, block4_attn_q_W)
+        d_block4_attn_q_reshape = mem.tensor(71, (1600, 64), 'float32')
+        rt.matmul(d_block4_attn_q_add, T['block4_attn_q_W'], out=d_block4_attn_q_reshape)
+        # block4_attn_q_W_new = block4_attn_q_W*(-lr*decay + 1) - lr*M_block4_attn_q_W_new/(bias1*(sqrt(S_block4_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_attn_q_W_new = T['block4_attn_q_W']  # in place: the new block4_attn_q_W
+        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay)
+
+        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_reshape_2 = matmul(d_block4_attn_k_matmul, block4_attn_k_W)
-        d_block4_attn_q_reshape_2 = mem.tensor(79, (1600, 64), 'float32')
+        d_block4_attn_q_reshape_2 = mem.tensor(72, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_k_matmul, T['block4_attn_k_W'], out=d_block4_attn_q_reshape_2)
-        # free d_block4_attn_slice_2, d_block4_attn_k_matmul
-        del d_block4_attn_slice_2, d_block4_attn_k_matmul
-        mem.free(74)
 
         # ---- block4_attn_v (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_reshape_3 = matmul(d_block4_attn_v_add, block4_attn_v_W)
-        d_block4_attn_q_reshape_3 = mem.tensor(80, (1600, 64), 'float32')
+        d_block4_attn_q_reshape_3 = mem.tensor(73, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_v_add, T['block4_attn_v_W'], out=d_block4_attn_q_reshape_3)
-        # free d_block4_attn_slice_3, d_block4_attn_v_add
-        del d_block4_attn_slice_3, d_block4_attn_v_add
-        mem.free(75)
+        # free d_block4_attn_attention_grad, d_block4_attn_slice, d_block4_attn_q_add, d_block4_attn_slice_2, d_block4_attn_v_add, d_block4_attn_slice_3, d_block4_attn_k_matmul
+        del d_block4_attn_attention_grad, d_block4_attn_slice, d_block4_attn_q_add, d_block4_attn_slice_2, d_block4_attn_v_add, d_block4_attn_slice_3, d_block4_attn_k_matmul
+        mem.free(65)
 
         # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_reshape_4 = d_block4_attn_q_reshape_3 + d_block4_attn_q_reshape_2 + d_block4_attn_q_reshape
@@ -1165,35 +1159,17 @@ class Vit(rp.Model):
         rt.ew(ew_add_3, d_block4_attn_q_reshape_4, d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_2, d_block4_attn_q_reshape)
         # free d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
         del d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
-        mem.free(73, 79)
+        mem.free(71, 72)
 
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
-        # S_block4_attn_k_W_new = 0.999*S_block4_attn_k_W + 0.001*d_block4_attn_k_W**2
-        S_block4_attn_k_W_new = T['S_block4_attn_k_W']  # in place: the new S_block4_attn_k_W
-        rt.ew(ew_square_scale_add, S_block4_attn_k_W_new, T['S_block4_attn_k_W'], d_block4_attn_k_W)
-        # M_block4_attn_k_W_new = 0.9*M_block4_attn_k_W + 0.1*d_block4_attn_k_W   (computed with the next statement)
-        M_block4_attn_k_W_new = T['M_block4_attn_k_W']  # in place: the new M_block4_attn_k_W
         # block4_attn_k_W_new = block4_attn_k_W*(-lr*decay + 1) - lr*M_block4_attn_k_W_new/(bias1*(sqrt(S_block4_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
         block4_attn_k_W_new = T['block4_attn_k_W']  # in place: the new block4_attn_k_W
-        rt.ew_pair((ew_scale_add, M_block4_attn_k_W_new, T['M_block4_attn_k_W'], d_block4_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay))
-        # free d_block4_attn_k_W
-        del d_block4_attn_k_W
-        mem.free(77)
+        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay)
 
         # ---- block4_attn_v (fully connected, 64 outputs), backward ----
-        # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2
-        S_block4_attn_v_W_new = T['S_block4_attn_v_W']  # in place: the new S_block4_attn_v_W
-        rt.ew(ew_square_scale_add, S_block4_attn_v_W_new, T['S_block4_attn_v_W'], d_block4_attn_v_W)
-        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W   (computed with the next statement)
-        M_block4_attn_v_W_new = T['M_block4_attn_v_W']  # in place: the new M_block4_attn_v_W
         # block4_attn_v_W_new = block4_attn_v_W*(-lr*decay + 1) - lr*M_block4_attn_v_W_new/(bias1*(sqrt(S_block4_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
         block4_attn_v_W_new = T['block4_attn_v_W']  # in place: the new block4_attn_v_W
-        rt.ew_pair((ew_scale_add, M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay))
-        # free d_block4_attn_v_W
-        del d_block4_attn_v_W
-        mem.free(78)
+        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay)
 
         # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_ln1 = reshape[100x16x64](d_block4_attn_q_reshape_4)
@@ -1201,7 +1177,7 @@ class Vit(rp.Model):
 
         # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
         # d_block4_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block4_ln1_add, d_block4_ln1)
-        d_block4_ln1_layer_norm_param_grad = mem.tensor(81, (2, 64), 'float32')
+        d_block4_ln1_layer_norm_param_grad = mem.tensor(74, (2, 64), 'float32')
         rt.layer_norm_param_grad(block4_ln1_add, d_block4_ln1, out=d_block4_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block4_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block4_ln1_add, d_block4_ln1, block4_ln1_W)
         d_block4_ln1_add = d_block4_ln1  # in place: over d_block4_ln1
@@ -1214,13 +1190,13 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_block4_ln1_add_2, d_block4_ln2_add_2, d_block4_ln1_add)
         # free d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_add
         del d_block4_attn_q_reshape_3, d_block4_attn_q_reshape_4, d_block4_ln1, d_block4_ln1_add
-        mem.free(80)
+        mem.free(73)
 
         # ---- block3_fc2 (fully connected, 64 outputs), backward ----
         # d_block3_fc2_add = reshape[1600x64](d_block4_ln1_add_2)
         d_block3_fc2_add = rt.reshape(d_block4_ln1_add_2, shape=(1600, 64))
         # d_block3_fc2_W = matmul[ta](d_block3_fc2_add, block3_fc2_reshape)
-        d_block3_fc2_W = mem.tensor(82, (64, 128), 'float32')
+        d_block3_fc2_W = mem.tensor(75, (64, 128), 'float32')
         rt.matmul(d_block3_fc2_add, block3_fc2_reshape, out=d_block3_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_gelu, block3_fc2_reshape
@@ -1233,9 +1209,42 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block3_fc2_W_new, T['M_block3_fc2_W'], d_block3_fc2_W)
         # free d_block3_fc2_W
         del d_block3_fc2_W
-        mem.free(82)
+        mem.free(75)
+
+        # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block4_ln1_slice = slice[axis=0,start=0,stop=1](d_block4_ln1_layer_norm_param_grad)
+        d_block4_ln1_slice = rt.slice(d_block4_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block4_ln1_W = reshape[64](d_block4_ln1_slice)
+        d_block4_ln1_W = rt.reshape(d_block4_ln1_slice, shape=(64,))
+        # S_block4_ln1_W_new = 0.999*S_block4_ln1_W + 0.001*d_block4_ln1_W**2
+        S_block4_ln1_W_new = T['S_block4_ln1_W']  # in place: the new S_block4_ln1_W
+        rt.ew(ew_square_scale_add, S_block4_ln1_W_new, T['S_block4_ln1_W'], d_block4_ln1_W)
+        # M_block4_ln1_W_new = 0.9*M_block4_ln1_W + 0.1*d_block4_ln1_W   (computed with the next statement)
+        M_block4_ln1_W_new = T['M_block4_ln1_W']  # in place: the new M_block4_ln1_W
+        # block4_ln1_W_new = block4_ln1_W*(-lr*decay + 1) - lr*M_block4_ln1_W_new/(bias1*(sqrt(S_block4_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln1_W_new = T['block4_ln1_W']  # in place: the new block4_ln1_W
+        rt.ew_pair((ew_scale_add, M_block4_ln1_W_new, T['M_block4_ln1_W'], d_block4_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block4_ln1_W_new, T['block4_ln1_W'], lr, bias1, M_block4_ln1_W_new, S_block4_ln1_W_new, bias2, decay))
+        # d_block4_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln1_layer_norm_param_grad)
+        d_block4_ln1_slice_2 = rt.slice(d_block4_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block4_ln1_B = reshape[64](d_block4_ln1_slice_2)
+        d_block4_ln1_B = rt.reshape(d_block4_ln1_slice_2, shape=(64,))
+        # S_block4_ln1_B_new = 0.999*S_block4_ln1_B + 0.001*d_block4_ln1_B**2
+        S_block4_ln1_B_new = T['S_block4_ln1_B']  # in place: the new S_block4_ln1_B
+        rt.ew(ew_square_scale_add, S_block4_ln1_B_new, T['S_block4_ln1_B'], d_block4_ln1_B)
+        # M_block4_ln1_B_new = 0.9*M_block4_ln1_B + 0.1*d_block4_ln1_B   (computed with the next statement)
+        M_block4_ln1_B_new = T['M_block4_ln1_B']  # in place: the new M_block4_ln1_B
+        # block4_ln1_B_new = block4_ln1_B*(-lr*decay + 1) - lr*M_block4_ln1_B_new/(bias1*(sqrt(S_block4_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block4_ln1_B_new = T['block4_ln1_B']  # in place: the new block4_ln1_B
+        rt.ew_pair((ew_scale_add, M_block4_ln1_B_new, T['M_block4_ln1_B'], d_block4_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay))
+        # free d_block4_ln1_layer_norm_param_grad, d_block4_ln1_slice, d_block4_ln1_W, d_block4_ln1_slice_2, d_block4_ln1_B
+        del d_block4_ln1_layer_norm_param_grad, d_block4_ln1_slice, d_block4_ln1_W, d_block4_ln1_slice_2, d_block4_ln1_B
+        mem.free(74)
+
+        # ---- block3_fc2 (fully connected, 64 outputs), backward ----
         # d_block3_fc2_B = sum_to[64](d_block3_fc2_add)
-        d_block3_fc2_B = mem.tensor(83, (64,), 'float32')
+        d_block3_fc2_B = mem.tensor(76, (64,), 'float32')
         rt.sum_to(d_block3_fc2_add, out=d_block3_fc2_B, shape=(64,))
         # S_block3_fc2_B_new = 0.999*S_block3_fc2_B + 0.001*d_block3_fc2_B**2
         S_block3_fc2_B_new = T['S_block3_fc2_B']  # in place: the new S_block3_fc2_B
@@ -1248,50 +1257,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_fc2_B_new, T['block3_fc2_B'], lr, bias1, M_block3_fc2_B_new, S_block3_fc2_B_new, bias2, decay))
         # free d_block3_fc2_B
         del d_block3_fc2_B
-        mem.free(83)
-
-        # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block4_ln1_slice = slice[axis=0,start=0,stop=1](d_block4_ln1_layer_norm_param_grad)
-        d_block4_ln1_slice = mem.tensor(84, (1, 64), 'float32')
-        rt.slice(d_block4_ln1_layer_norm_param_grad, out=d_block4_ln1_slice, axis=0, start=0, stop=1)
-        # d_block4_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln1_layer_norm_param_grad)
-        d_block4_ln1_slice_2 = mem.tensor(85, (1, 64), 'float32')
-        rt.slice(d_block4_ln1_layer_norm_param_grad, out=d_block4_ln1_slice_2, axis=0, start=1, stop=2)
-        # free d_block4_ln1_layer_norm_param_grad
-        del d_block4_ln1_layer_norm_param_grad
-        mem.free(81)
-        # d_block4_ln1_W = reshape[64](d_block4_ln1_slice)
-        d_block4_ln1_W = rt.reshape(d_block4_ln1_slice, shape=(64,))
-        # S_block4_ln1_W_new = 0.999*S_block4_ln1_W + 0.001*d_block4_ln1_W**2
-        S_block4_ln1_W_new = T['S_block4_ln1_W']  # in place: the new S_block4_ln1_W
-        rt.ew(ew_square_scale_add, S_block4_ln1_W_new, T['S_block4_ln1_W'], d_block4_ln1_W)
-        # M_block4_ln1_W_new = 0.9*M_block4_ln1_W + 0.1*d_block4_ln1_W   (computed with the next statement)
-        M_block4_ln1_W_new = T['M_block4_ln1_W']  # in place: the new M_block4_ln1_W
-        # block4_ln1_W_new = block4_ln1_W*(-lr*decay + 1) - lr*M_block4_ln1_W_new/(bias1*(sqrt(S_block4_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln1_W_new = T['block4_ln1_W']  # in place: the new block4_ln1_W
-        rt.ew_pair((ew_scale_add, M_block4_ln1_W_new, T['M_block4_ln1_W'], d_block4_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block4_ln1_W_new, T['block4_ln1_W'], lr, bias1, M_block4_ln1_W_new, S_block4_ln1_W_new, bias2, decay))
-        # free d_block4_ln1_slice, d_block4_ln1_W
-        del d_block4_ln1_slice, d_block4_ln1_W
-        mem.free(84)
-        # d_block4_ln1_B = reshape[64](d_block4_ln1_slice_2)
-        d_block4_ln1_B = rt.reshape(d_block4_ln1_slice_2, shape=(64,))
-        # S_block4_ln1_B_new = 0.999*S_block4_ln1_B + 0.001*d_block4_ln1_B**2
-        S_block4_ln1_B_new = T['S_block4_ln1_B']  # in place: the new S_block4_ln1_B
-        rt.ew(ew_square_scale_add, S_block4_ln1_B_new, T['S_block4_ln1_B'], d_block4_ln1_B)
-        # M_block4_ln1_B_new = 0.9*M_block4_ln1_B + 0.1*d_block4_ln1_B   (computed with the next statement)
-        M_block4_ln1_B_new = T['M_block4_ln1_B']  # in place: the new M_block4_ln1_B
-        # block4_ln1_B_new = block4_ln1_B*(-lr*decay + 1) - lr*M_block4_ln1_B_new/(bias1*(sqrt(S_block4_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln1_B_new = T['block4_ln1_B']  # in place: the new block4_ln1_B
-        rt.ew_pair((ew_scale_add, M_block4_ln1_B_new, T['M_block4_ln1_B'], d_block4_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay))
-        # free d_block4_ln1_slice_2, d_block4_ln1_B
-        del d_block4_ln1_slice_2, d_block4_ln1_B
-        mem.free(85)
-
-        # ---- block3_fc2 (fully connected, 64 outputs), backward ----
+        mem.free(76)
         # d_block3_fc2_reshape = matmul(d_block3_fc2_add, block3_fc2_W)
-        d_block3_fc2_reshape = mem.tensor(86, (1600, 128), 'float32')
+        d_block3_fc2_reshape = mem.tensor(77, (1600, 128), 'float32')
         rt.matmul(d_block3_fc2_add, T['block3_fc2_W'], out=d_block3_fc2_reshape)
         # d_block3_fc1_gelu = reshape[100x16x128](d_block3_fc2_reshape)
         d_block3_fc1_gelu = rt.reshape(d_block3_fc2_reshape, shape=(100, 16, 128))
@@ -1308,7 +1276,7 @@ class Vit(rp.Model):
         # d_block3_fc1_add = reshape[1600x128](d_block3_fc1)
         d_block3_fc1_add = rt.reshape(d_block3_fc1, shape=(1600, 128))
         # d_block3_fc1_W = matmul[ta](d_block3_fc1_add, block3_fc1_reshape)
-        d_block3_fc1_W = mem.tensor(87, (128, 64), 'float32')
+        d_block3_fc1_W = mem.tensor(78, (128, 64), 'float32')
         rt.matmul(d_block3_fc1_add, block3_fc1_reshape, out=d_block3_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block3_ln2, block3_fc1_reshape
         del block3_ln2, block3_fc1_reshape
@@ -1321,7 +1289,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block3_fc1_W_new, T['M_block3_fc1_W'], d_block3_fc1_W)
         # free d_block3_fc1_W
         del d_block3_fc1_W
-        mem.free(87)
+        mem.free(78)
 
         # ---- block3_fc2 (fully connected, 64 outputs), backward ----
         # block3_fc2_W_new = block3_fc2_W*(-lr*decay + 1) - lr*M_block3_fc2_W_new/(bias1*(sqrt(S_block3_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1330,14 +1298,14 @@ class Vit(rp.Model):
 
         # ---- block3_fc1 (fully connected, 128 outputs), backward ----
         # d_block3_fc1_B = sum_to[128](d_block3_fc1_add)
-        d_block3_fc1_B = mem.tensor(88, (128,), 'float32')
+        d_block3_fc1_B = mem.tensor(79, (128,), 'float32')
         rt.sum_to(d_block3_fc1_add, out=d_block3_fc1_B, shape=(128,))
         # d_block3_fc1_reshape = matmul(d_block3_fc1_add, block3_fc1_W)
-        d_block3_fc1_reshape = mem.tensor(89, (1600, 64), 'float32')
+        d_block3_fc1_reshape = mem.tensor(80, (1600, 64), 'float32')
         rt.matmul(d_block3_fc1_add, T['block3_fc1_W'], out=d_block3_fc1_reshape)
         # free d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
         del d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
-        mem.free(86)
+        mem.free(77)
         # block3_fc1_W_new = block3_fc1_W*(-lr*decay + 1) - lr*M_block3_fc1_W_new/(bias1*(sqrt(S_block3_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block3_fc1_W_new = T['block3_fc1_W']  # in place: the new block3_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block3_fc1_W_new, T['block3_fc1_W'], lr, bias1, M_block3_fc1_W_new, S_block3_fc1_W_new, bias2, decay)
@@ -1352,13 +1320,13 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_fc1_B_new, T['block3_fc1_B'], lr, bias1, M_block3_fc1_B_new, S_block3_fc1_B_new, bias2, decay))
         # free d_block3_fc1_B
         del d_block3_fc1_B
-        mem.free(88)
+        mem.free(79)
         # d_block3_ln2 = reshape[100x16x64](d_block3_fc1_reshape)
         d_block3_ln2 = rt.reshape(d_block3_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
         # d_block3_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block3_ln2_add, d_block3_ln2)
-        d_block3_ln2_layer_norm_param_grad = mem.tensor(90, (2, 64), 'float32')
+        d_block3_ln2_layer_norm_param_grad = mem.tensor(81, (2, 64), 'float32')
         rt.layer_norm_param_grad(block3_ln2_add, d_block3_ln2, out=d_block3_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block3_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block3_ln2_add, d_block3_ln2, block3_ln2_W)
         d_block3_ln2_add = d_block3_ln2  # in place: over d_block3_ln2
@@ -1371,13 +1339,42 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_block3_ln2_add_2, d_block4_ln1_add_2, d_block3_ln2_add)
         # free d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_add
         del d_block3_fc1_reshape, d_block3_ln2, d_block3_ln2_add
-        mem.free(89)
+        mem.free(80)
+        # d_block3_ln2_slice = slice[axis=0,start=0,stop=1](d_block3_ln2_layer_norm_param_grad)
+        d_block3_ln2_slice = rt.slice(d_block3_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block3_ln2_W = reshape[64](d_block3_ln2_slice)
+        d_block3_ln2_W = rt.reshape(d_block3_ln2_slice, shape=(64,))
+        # S_block3_ln2_W_new = 0.999*S_block3_ln2_W + 0.001*d_block3_ln2_W**2
+        S_block3_ln2_W_new = T['S_block3_ln2_W']  # in place: the new S_block3_ln2_W
+        rt.ew(ew_square_scale_add, S_block3_ln2_W_new, T['S_block3_ln2_W'], d_block3_ln2_W)
+        # M_block3_ln2_W_new = 0.9*M_block3_ln2_W + 0.1*d_block3_ln2_W   (computed with the next statement)
+        M_block3_ln2_W_new = T['M_block3_ln2_W']  # in place: the new M_block3_ln2_W
+        # block3_ln2_W_new = block3_ln2_W*(-lr*decay + 1) - lr*M_block3_ln2_W_new/(bias1*(sqrt(S_block3_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln2_W_new = T['block3_ln2_W']  # in place: the new block3_ln2_W
+        rt.ew_pair((ew_scale_add, M_block3_ln2_W_new, T['M_block3_ln2_W'], d_block3_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block3_ln2_W_new, T['block3_ln2_W'], lr, bias1, M_block3_ln2_W_new, S_block3_ln2_W_new, bias2, decay))
+        # d_block3_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln2_layer_norm_param_grad)
+        d_block3_ln2_slice_2 = rt.slice(d_block3_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block3_ln2_B = reshape[64](d_block3_ln2_slice_2)
+        d_block3_ln2_B = rt.reshape(d_block3_ln2_slice_2, shape=(64,))
+        # S_block3_ln2_B_new = 0.999*S_block3_ln2_B + 0.001*d_block3_ln2_B**2
+        S_block3_ln2_B_new = T['S_block3_ln2_B']  # in place: the new S_block3_ln2_B
+        rt.ew(ew_square_scale_add, S_block3_ln2_B_new, T['S_block3_ln2_B'], d_block3_ln2_B)
+        # M_block3_ln2_B_new = 0.9*M_block3_ln2_B + 0.1*d_block3_ln2_B   (computed with the next statement)
+        M_block3_ln2_B_new = T['M_block3_ln2_B']  # in place: the new M_block3_ln2_B
+        # block3_ln2_B_new = block3_ln2_B*(-lr*decay + 1) - lr*M_block3_ln2_B_new/(bias1*(sqrt(S_block3_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln2_B_new = T['block3_ln2_B']  # in place: the new block3_ln2_B
+        rt.ew_pair((ew_scale_add, M_block3_ln2_B_new, T['M_block3_ln2_B'], d_block3_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay))
+        # free d_block3_ln2_layer_norm_param_grad, d_block3_ln2_slice, d_block3_ln2_W, d_block3_ln2_slice_2, d_block3_ln2_B
+        del d_block3_ln2_layer_norm_param_grad, d_block3_ln2_slice, d_block3_ln2_W, d_block3_ln2_slice_2, d_block3_ln2_B
+        mem.free(81)
 
         # ---- block3_attn_out (fully connected, 64 outputs), backward ----
         # d_block3_attn_out_add = reshape[1600x64](d_block3_ln2_add_2)
         d_block3_attn_out_add = rt.reshape(d_block3_ln2_add_2, shape=(1600, 64))
         # d_block3_attn_out_B = sum_to[64](d_block3_attn_out_add)
-        d_block3_attn_out_B = mem.tensor(91, (64,), 'float32')
+        d_block3_attn_out_B = mem.tensor(82, (64,), 'float32')
         rt.sum_to(d_block3_attn_out_add, out=d_block3_attn_out_B, shape=(64,))
         # S_block3_attn_out_B_new = 0.999*S_block3_attn_out_B + 0.001*d_block3_attn_out_B**2
         S_block3_attn_out_B_new = T['S_block3_attn_out_B']  # in place: the new S_block3_attn_out_B
@@ -1390,50 +1387,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_out_B_new, T['block3_attn_out_B'], lr, bias1, M_block3_attn_out_B_new, S_block3_attn_out_B_new, bias2, decay))
         # free d_block3_attn_out_B
         del d_block3_attn_out_B
-        mem.free(91)
-
-        # ---- block3_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block3_ln2_slice = slice[axis=0,start=0,stop=1](d_block3_ln2_layer_norm_param_grad)
-        d_block3_ln2_slice = mem.tensor(92, (1, 64), 'float32')
-        rt.slice(d_block3_ln2_layer_norm_param_grad, out=d_block3_ln2_slice, axis=0, start=0, stop=1)
-        # d_block3_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln2_layer_norm_param_grad)
-        d_block3_ln2_slice_2 = mem.tensor(93, (1, 64), 'float32')
-        rt.slice(d_block3_ln2_layer_norm_param_grad, out=d_block3_ln2_slice_2, axis=0, start=1, stop=2)
-        # free d_block3_ln2_layer_norm_param_grad
-        del d_block3_ln2_layer_norm_param_grad
-        mem.free(90)
-        # d_block3_ln2_W = reshape[64](d_block3_ln2_slice)
-        d_block3_ln2_W = rt.reshape(d_block3_ln2_slice, shape=(64,))
-        # S_block3_ln2_W_new = 0.999*S_block3_ln2_W + 0.001*d_block3_ln2_W**2
-        S_block3_ln2_W_new = T['S_block3_ln2_W']  # in place: the new S_block3_ln2_W
-        rt.ew(ew_square_scale_add, S_block3_ln2_W_new, T['S_block3_ln2_W'], d_block3_ln2_W)
-        # M_block3_ln2_W_new = 0.9*M_block3_ln2_W + 0.1*d_block3_ln2_W   (computed with the next statement)
-        M_block3_ln2_W_new = T['M_block3_ln2_W']  # in place: the new M_block3_ln2_W
-        # block3_ln2_W_new = block3_ln2_W*(-lr*decay + 1) - lr*M_block3_ln2_W_new/(bias1*(sqrt(S_block3_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln2_W_new = T['block3_ln2_W']  # in place: the new block3_ln2_W
-        rt.ew_pair((ew_scale_add, M_block3_ln2_W_new, T['M_block3_ln2_W'], d_block3_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block3_ln2_W_new, T['block3_ln2_W'], lr, bias1, M_block3_ln2_W_new, S_block3_ln2_W_new, bias2, decay))
-        # free d_block3_ln2_slice, d_block3_ln2_W
-        del d_block3_ln2_slice, d_block3_ln2_W
-        mem.free(92)
-        # d_block3_ln2_B = reshape[64](d_block3_ln2_slice_2)
-        d_block3_ln2_B = rt.reshape(d_block3_ln2_slice_2, shape=(64,))
-        # S_block3_ln2_B_new = 0.999*S_block3_ln2_B + 0.001*d_block3_ln2_B**2
-        S_block3_ln2_B_new = T['S_block3_ln2_B']  # in place: the new S_block3_ln2_B
-        rt.ew(ew_square_scale_add, S_block3_ln2_B_new, T['S_block3_ln2_B'], d_block3_ln2_B)
-        # M_block3_ln2_B_new = 0.9*M_block3_ln2_B + 0.1*d_block3_ln2_B   (computed with the next statement)
-        M_block3_ln2_B_new = T['M_block3_ln2_B']  # in place: the new M_block3_ln2_B
-        # block3_ln2_B_new = block3_ln2_B*(-lr*decay + 1) - lr*M_block3_ln2_B_new/(bias1*(sqrt(S_block3_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln2_B_new = T['block3_ln2_B']  # in place: the new block3_ln2_B
-        rt.ew_pair((ew_scale_add, M_block3_ln2_B_new, T['M_block3_ln2_B'], d_block3_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay))
-        # free d_block3_ln2_slice_2, d_block3_ln2_B
-        del d_block3_ln2_slice_2, d_block3_ln2_B
-        mem.free(93)
-
-        # ---- block3_attn_out (fully connected, 64 outputs), backward ----
+        mem.free(82)
         # d_block3_attn_out_W = matmul[ta](d_block3_attn_out_add, block3_attn_out_reshape)
-        d_block3_attn_out_W = mem.tensor(94, (64, 64), 'float32')
+        d_block3_attn_out_W = mem.tensor(83, (64, 64), 'float32')
         rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape, out=d_block3_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # S_block3_attn_out_W_new = 0.999*S_block3_attn_out_W + 0.001*d_block3_attn_out_W**2
         S_block3_attn_out_W_new = T['S_block3_attn_out_W']  # in place: the new S_block3_attn_out_W
@@ -1443,20 +1399,20 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block3_attn_out_W_new, T['M_block3_attn_out_W'], d_block3_attn_out_W)
         # free d_block3_attn_out_W
         del d_block3_attn_out_W
-        mem.free(94)
+        mem.free(83)
         # d_block3_attn_out_reshape = matmul(d_block3_attn_out_add, block3_attn_out_W)
-        d_block3_attn_out_reshape = mem.tensor(95, (1600, 64), 'float32')
+        d_block3_attn_out_reshape = mem.tensor(84, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_out_add, T['block3_attn_out_W'], out=d_block3_attn_out_reshape)
         # d_block3_attn_out_transpose = reshape[100x16x4x16](d_block3_attn_out_reshape)
         d_block3_attn_out_transpose = rt.reshape(d_block3_attn_out_reshape, shape=(100, 16, 4, 16))
 
         # ---- block3_attn (scaled dot-product attention), backward ----
         # d_block3_attn_attention_grad = attention_grad[heads=True,scale=0.25](block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, block3_attn, d_block3_attn_out_transpose)
-        d_block3_attn_attention_grad = mem.tensor(96, (307200,), 'float32')
+        d_block3_attn_attention_grad = mem.tensor(85, (307200,), 'float32')
         rt.attention_grad(block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, block3_attn, d_block3_attn_out_transpose, out=d_block3_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
         # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
         del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
-        mem.free(26, 27, 28, 29, 95)
+        mem.free(26, 27, 28, 29, 84)
 
         # ---- block3_attn_out (fully connected, 64 outputs), backward ----
         # block3_attn_out_W_new = block3_attn_out_W*(-lr*decay + 1) - lr*M_block3_attn_out_W_new/(bias1*(sqrt(S_block3_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1465,14 +1421,13 @@ class Vit(rp.Model):
 
         # ---- block3_attn (scaled dot-product attention), backward ----
         # d_block3_attn_slice = slice[axis=0,start=0,stop=102400](d_block3_attn_attention_grad)
-        d_block3_attn_slice = mem.tensor(97, (102400,), 'float32')
-        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice, axis=0, start=0, stop=102400)
+        d_block3_attn_slice = rt.slice(d_block3_attn_attention_grad, axis=0, start=0, stop=102400)
         # d_block3_attn_q_add = reshape[1600x64](d_block3_attn_slice)
         d_block3_attn_q_add = rt.reshape(d_block3_attn_slice, shape=(1600, 64))
 
         # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_B = sum_to[64](d_block3_attn_q_add)
-        d_block3_attn_q_B = mem.tensor(98, (64,), 'float32')
+        d_block3_attn_q_B = mem.tensor(86, (64,), 'float32')
         rt.sum_to(d_block3_attn_q_add, out=d_block3_attn_q_B, shape=(64,))
         # S_block3_attn_q_B_new = 0.999*S_block3_attn_q_B + 0.001*d_block3_attn_q_B**2
         S_block3_attn_q_B_new = T['S_block3_attn_q_B']  # in place: the new S_block3_attn_q_B
@@ -1485,45 +1440,17 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_q_B_new, T['block3_attn_q_B'], lr, bias1, M_block3_attn_q_B_new, S_block3_attn_q_B_new, bias2, decay))
         # free d_block3_attn_q_B
         del d_block3_attn_q_B
-        mem.free(98)
-        # d_block3_attn_q_W = matmul[ta](d_block3_attn_q_add, block3_attn_q_reshape)
-        d_block3_attn_q_W = mem.tensor(99, (64, 64), 'float32')
-        rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block3_attn_q_reshape = matmul(d_block3_attn_q_add, block3_attn_q_W)
-        d_block3_attn_q_reshape = mem.tensor(100, (1600, 64), 'float32')
-        rt.matmul(d_block3_attn_q_add, T['block3_attn_q_W'], out=d_block3_attn_q_reshape)
-        # free d_block3_attn_slice, d_block3_attn_q_add
-        del d_block3_attn_slice, d_block3_attn_q_add
-        mem.free(97)
-        # S_block3_attn_q_W_new = 0.999*S_block3_attn_q_W + 0.001*d_block3_attn_q_W**2
-        S_block3_attn_q_W_new = T['S_block3_attn_q_W']  # in place: the new S_block3_attn_q_W
-        rt.ew(ew_square_scale_add, S_block3_attn_q_W_new, T['S_block3_attn_q_W'], d_block3_attn_q_W)
-        # M_block3_attn_q_W_new = 0.9*M_block3_attn_q_W + 0.1*d_block3_attn_q_W   (computed with the next statement)
-        M_block3_attn_q_W_new = T['M_block3_attn_q_W']  # in place: the new M_block3_attn_q_W
-        # block3_attn_q_W_new = block3_attn_q_W*(-lr*decay + 1) - lr*M_block3_attn_q_W_new/(bias1*(sqrt(S_block3_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_q_W_new = T['block3_attn_q_W']  # in place: the new block3_attn_q_W
-        rt.ew_pair((ew_scale_add, M_block3_attn_q_W_new, T['M_block3_attn_q_W'], d_block3_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay))
-        # free d_block3_attn_q_W
-        del d_block3_attn_q_W
-        mem.free(99)
+        mem.free(86)
 
         # ---- block3_attn (scaled dot-product attention), backward ----
-        # d_block3_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block3_attn_attention_grad)
-        d_block3_attn_slice_2 = mem.tensor(101, (102400,), 'float32')
-        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_2, axis=0, start=102400, stop=204800)
-        # d_block3_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block3_attn_attention_grad)
-        d_block3_attn_slice_3 = mem.tensor(102, (102400,), 'float32')
-        rt.slice(d_block3_attn_attention_grad, out=d_block3_attn_slice_3, axis=0, start=204800, stop=307200)
-        # free d_block3_attn_attention_grad
-        del d_block3_attn_attention_grad
-        mem.free(96)
-        # d_block3_attn_v_add = reshape[1600x64](d_block3_attn_slice_3)
-        d_block3_attn_v_add = rt.reshape(d_block3_attn_slice_3, shape=(1600, 64))
+        # d_block3_attn_slice_2 = slice[axis=0,start=204800,stop=307200](d_block3_attn_attention_grad)
+        d_block3_attn_slice_2 = rt.slice(d_block3_attn_attention_grad, axis=0, start=204800, stop=307200)
+        # d_block3_attn_v_add = reshape[1600x64](d_block3_attn_slice_2)
+        d_block3_attn_v_add = rt.reshape(d_block3_attn_slice_2, shape=(1600, 64))
 
         # ---- block3_attn_v (fully connected, 64 outputs), backward ----
         # d_block3_attn_v_B = sum_to[64](d_block3_attn_v_add)
-        d_block3_attn_v_B = mem.tensor(103, (64,), 'float32')
+        d_block3_attn_v_B = mem.tensor(87, (64,), 'float32')
         rt.sum_to(d_block3_attn_v_add, out=d_block3_attn_v_B, shape=(64,))
         # S_block3_attn_v_B_new = 0.999*S_block3_attn_v_B + 0.001*d_block3_attn_v_B**2
         S_block3_attn_v_B_new = T['S_block3_attn_v_B']  # in place: the new S_block3_attn_v_B
@@ -1536,40 +1463,83 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay))
         # free d_block3_attn_v_B
         del d_block3_attn_v_B
-        mem.free(103)
+        mem.free(87)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_W = matmul[ta](d_block3_attn_q_add, block3_attn_q_reshape)
+        d_block3_attn_q_W = mem.tensor(88, (64, 64), 'float32')
+        rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # S_block3_attn_q_W_new = 0.999*S_block3_attn_q_W + 0.001*d_block3_attn_q_W**2
+        S_block3_attn_q_W_new = T['S_block3_attn_q_W']  # in place: the new S_block3_attn_q_W
+        rt.ew(ew_square_scale_add, S_block3_attn_q_W_new, T['S_block3_attn_q_W'], d_block3_attn_q_W)
+        # M_block3_attn_q_W_new = 0.9*M_block3_attn_q_W + 0.1*d_block3_attn_q_W
+        M_block3_attn_q_W_new = T['M_block3_attn_q_W']  # in place: the new M_block3_attn_q_W
+        rt.ew(ew_scale_add, M_block3_attn_q_W_new, T['M_block3_attn_q_W'], d_block3_attn_q_W)
+        # free d_block3_attn_q_W
+        del d_block3_attn_q_W
+        mem.free(88)
 
         # ---- block3_attn (scaled dot-product attention), backward ----
-        # d_block3_attn_k_matmul = reshape[1600x64](d_block3_attn_slice_2)
-        d_block3_attn_k_matmul = rt.reshape(d_block3_attn_slice_2, shape=(1600, 64))
+        # d_block3_attn_slice_3 = slice[axis=0,start=102400,stop=204800](d_block3_attn_attention_grad)
+        d_block3_attn_slice_3 = rt.slice(d_block3_attn_attention_grad, axis=0, start=102400, stop=204800)
+        # d_block3_attn_k_matmul = reshape[1600x64](d_block3_attn_slice_3)
+        d_block3_attn_k_matmul = rt.reshape(d_block3_attn_slice_3, shape=(1600, 64))
 
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
         # d_block3_attn_k_W = matmul[ta](d_block3_attn_k_matmul, block3_attn_q_reshape)
-        d_block3_attn_k_W = mem.tensor(104, (64, 64), 'float32')
+        d_block3_attn_k_W = mem.tensor(89, (64, 64), 'float32')
         rt.matmul(d_block3_attn_k_matmul, block3_attn_q_reshape, out=d_block3_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block3_attn_v (fully connected, 64 outputs), backward ----
         # d_block3_attn_v_W = matmul[ta](d_block3_attn_v_add, block3_attn_q_reshape)
-        d_block3_attn_v_W = mem.tensor(105, (64, 64), 'float32')
+        d_block3_attn_v_W = mem.tensor(90, (64, 64), 'float32')
         rt.matmul(d_block3_attn_v_add, block3_attn_q_reshape, out=d_block3_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block3_ln1, block3_attn_q_reshape
         del block3_ln1, block3_attn_q_reshape
         mem.free(25)
 
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
+        # S_block3_attn_k_W_new = 0.999*S_block3_attn_k_W + 0.001*d_block3_attn_k_W**2
+        S_block3_attn_k_W_new = T['S_block3_attn_k_W']  # in place: the new S_block3_attn_k_W
+        rt.ew(ew_square_scale_add, S_block3_attn_k_W_new, T['S_block3_attn_k_W'], d_block3_attn_k_W)
+        # M_block3_attn_k_W_new = 0.9*M_block3_attn_k_W + 0.1*d_block3_attn_k_W
+        M_block3_attn_k_W_new = T['M_block3_attn_k_W']  # in place: the new M_block3_attn_k_W
+        rt.ew(ew_scale_add, M_block3_attn_k_W_new, T['M_block3_attn_k_W'], d_block3_attn_k_W)
+        # free d_block3_attn_k_W
+        del d_block3_attn_k_W
+        mem.free(89)
+
+        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
+        # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2
+        S_block3_attn_v_W_new = T['S_block3_attn_v_W']  # in place: the new S_block3_attn_v_W
+        rt.ew(ew_square_scale_add, S_block3_attn_v_W_new, T['S_block3_attn_v_W'], d_block3_attn_v_W)
+        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W
+        M_block3_attn_v_W_new = T['M_block3_attn_v_W']  # in place: the new M_block3_attn_v_W
+        rt.ew(ew_scale_add, M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W)
+        # free d_block3_attn_v_W
+        del d_block3_attn_v_W
+        mem.free(90)
+
+        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
+        # d_block3_attn_q_reshape = matmul(d_block3_attn_q_add, block3_attn_q_W)
+        d_block3_attn_q_reshape = mem.tensor(91, (1600, 64), 'float32')
+        rt.matmul(d_block3_attn_q_add, T['block3_attn_q_W'], out=d_block3_attn_q_reshape)
+        # block3_attn_q_W_new = block3_attn_q_W*(-lr*decay + 1) - lr*M_block3_attn_q_W_new/(bias1*(sqrt(S_block3_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_attn_q_W_new = T['block3_attn_q_W']  # in place: the new block3_attn_q_W
+        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay)
+
+        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_reshape_2 = matmul(d_block3_attn_k_matmul, block3_attn_k_W)
-        d_block3_attn_q_reshape_2 = mem.tensor(106, (1600, 64), 'float32')
+        d_block3_attn_q_reshape_2 = mem.tensor(92, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_k_matmul, T['block3_attn_k_W'], out=d_block3_attn_q_reshape_2)
-        # free d_block3_attn_slice_2, d_block3_attn_k_matmul
-        del d_block3_attn_slice_2, d_block3_attn_k_matmul
-        mem.free(101)
 
         # ---- block3_attn_v (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_reshape_3 = matmul(d_block3_attn_v_add, block3_attn_v_W)
-        d_block3_attn_q_reshape_3 = mem.tensor(107, (1600, 64), 'float32')
+        d_block3_attn_q_reshape_3 = mem.tensor(93, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_v_add, T['block3_attn_v_W'], out=d_block3_attn_q_reshape_3)
-        # free d_block3_attn_slice_3, d_block3_attn_v_add
-        del d_block3_attn_slice_3, d_block3_attn_v_add
-        mem.free(102)
+        # free d_block3_attn_attention_grad, d_block3_attn_slice, d_block3_attn_q_add, d_block3_attn_slice_2, d_block3_attn_v_add, d_block3_attn_slice_3, d_block3_attn_k_matmul
+        del d_block3_attn_attention_grad, d_block3_attn_slice, d_block3_attn_q_add, d_block3_attn_slice_2, d_block3_attn_v_add, d_block3_attn_slice_3, d_block3_attn_k_matmul
+        mem.free(85)
 
         # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_reshape_4 = d_block3_attn_q_reshape_3 + d_block3_attn_q_reshape_2 + d_block3_attn_q_reshape
@@ -1577,35 +1547,17 @@ class Vit(rp.Model):
         rt.ew(ew_add_3, d_block3_attn_q_reshape_4, d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_2, d_block3_attn_q_reshape)
         # free d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
         del d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
-        mem.free(100, 106)
+        mem.free(91, 92)
 
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
-        # S_block3_attn_k_W_new = 0.999*S_block3_attn_k_W + 0.001*d_block3_attn_k_W**2
-        S_block3_attn_k_W_new = T['S_block3_attn_k_W']  # in place: the new S_block3_attn_k_W
-        rt.ew(ew_square_scale_add, S_block3_attn_k_W_new, T['S_block3_attn_k_W'], d_block3_attn_k_W)
-        # M_block3_attn_k_W_new = 0.9*M_block3_attn_k_W + 0.1*d_block3_attn_k_W   (computed with the next statement)
-        M_block3_attn_k_W_new = T['M_block3_attn_k_W']  # in place: the new M_block3_attn_k_W
         # block3_attn_k_W_new = block3_attn_k_W*(-lr*decay + 1) - lr*M_block3_attn_k_W_new/(bias1*(sqrt(S_block3_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
         block3_attn_k_W_new = T['block3_attn_k_W']  # in place: the new block3_attn_k_W
-        rt.ew_pair((ew_scale_add, M_block3_attn_k_W_new, T['M_block3_attn_k_W'], d_block3_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay))
-        # free d_block3_attn_k_W
-        del d_block3_attn_k_W
-        mem.free(104)
+        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay)
 
         # ---- block3_attn_v (fully connected, 64 outputs), backward ----
-        # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2
-        S_block3_attn_v_W_new = T['S_block3_attn_v_W']  # in place: the new S_block3_attn_v_W
-        rt.ew(ew_square_scale_add, S_block3_attn_v_W_new, T['S_block3_attn_v_W'], d_block3_attn_v_W)
-        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W   (computed with the next statement)
-        M_block3_attn_v_W_new = T['M_block3_attn_v_W']  # in place: the new M_block3_attn_v_W
         # block3_attn_v_W_new = block3_attn_v_W*(-lr*decay + 1) - lr*M_block3_attn_v_W_new/(bias1*(sqrt(S_block3_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
         block3_attn_v_W_new = T['block3_attn_v_W']  # in place: the new block3_attn_v_W
-        rt.ew_pair((ew_scale_add, M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay))
-        # free d_block3_attn_v_W
-        del d_block3_attn_v_W
-        mem.free(105)
+        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay)
 
         # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_ln1 = reshape[100x16x64](d_block3_attn_q_reshape_4)
@@ -1613,7 +1565,7 @@ class Vit(rp.Model):
 
         # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
         # d_block3_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block3_ln1_add, d_block3_ln1)
-        d_block3_ln1_layer_norm_param_grad = mem.tensor(108, (2, 64), 'float32')
+        d_block3_ln1_layer_norm_param_grad = mem.tensor(94, (2, 64), 'float32')
         rt.layer_norm_param_grad(block3_ln1_add, d_block3_ln1, out=d_block3_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block3_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block3_ln1_add, d_block3_ln1, block3_ln1_W)
         d_block3_ln1_add = d_block3_ln1  # in place: over d_block3_ln1
@@ -1626,13 +1578,13 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_block3_ln1_add_2, d_block3_ln2_add_2, d_block3_ln1_add)
         # free d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_add
         del d_block3_attn_q_reshape_3, d_block3_attn_q_reshape_4, d_block3_ln1, d_block3_ln1_add
-        mem.free(107)
+        mem.free(93)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_add = reshape[1600x64](d_block3_ln1_add_2)
         d_block2_fc2_add = rt.reshape(d_block3_ln1_add_2, shape=(1600, 64))
         # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
-        d_block2_fc2_W = mem.tensor(109, (64, 128), 'float32')
+        d_block2_fc2_W = mem.tensor(95, (64, 128), 'float32')
         rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
@@ -1645,9 +1597,42 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
         # free d_block2_fc2_W
         del d_block2_fc2_W
-        mem.free(109)
+        mem.free(95)
+
+        # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block3_ln1_slice = slice[axis=0,start=0,stop=1](d_block3_ln1_layer_norm_param_grad)
+        d_block3_ln1_slice = rt.slice(d_block3_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block3_ln1_W = reshape[64](d_block3_ln1_slice)
+        d_block3_ln1_W = rt.reshape(d_block3_ln1_slice, shape=(64,))
+        # S_block3_ln1_W_new = 0.999*S_block3_ln1_W + 0.001*d_block3_ln1_W**2
+        S_block3_ln1_W_new = T['S_block3_ln1_W']  # in place: the new S_block3_ln1_W
+        rt.ew(ew_square_scale_add, S_block3_ln1_W_new, T['S_block3_ln1_W'], d_block3_ln1_W)
+        # M_block3_ln1_W_new = 0.9*M_block3_ln1_W + 0.1*d_block3_ln1_W   (computed with the next statement)
+        M_block3_ln1_W_new = T['M_block3_ln1_W']  # in place: the new M_block3_ln1_W
+        # block3_ln1_W_new = block3_ln1_W*(-lr*decay + 1) - lr*M_block3_ln1_W_new/(bias1*(sqrt(S_block3_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln1_W_new = T['block3_ln1_W']  # in place: the new block3_ln1_W
+        rt.ew_pair((ew_scale_add, M_block3_ln1_W_new, T['M_block3_ln1_W'], d_block3_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block3_ln1_W_new, T['block3_ln1_W'], lr, bias1, M_block3_ln1_W_new, S_block3_ln1_W_new, bias2, decay))
+        # d_block3_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln1_layer_norm_param_grad)
+        d_block3_ln1_slice_2 = rt.slice(d_block3_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block3_ln1_B = reshape[64](d_block3_ln1_slice_2)
+        d_block3_ln1_B = rt.reshape(d_block3_ln1_slice_2, shape=(64,))
+        # S_block3_ln1_B_new = 0.999*S_block3_ln1_B + 0.001*d_block3_ln1_B**2
+        S_block3_ln1_B_new = T['S_block3_ln1_B']  # in place: the new S_block3_ln1_B
+        rt.ew(ew_square_scale_add, S_block3_ln1_B_new, T['S_block3_ln1_B'], d_block3_ln1_B)
+        # M_block3_ln1_B_new = 0.9*M_block3_ln1_B + 0.1*d_block3_ln1_B   (computed with the next statement)
+        M_block3_ln1_B_new = T['M_block3_ln1_B']  # in place: the new M_block3_ln1_B
+        # block3_ln1_B_new = block3_ln1_B*(-lr*decay + 1) - lr*M_block3_ln1_B_new/(bias1*(sqrt(S_block3_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block3_ln1_B_new = T['block3_ln1_B']  # in place: the new block3_ln1_B
+        rt.ew_pair((ew_scale_add, M_block3_ln1_B_new, T['M_block3_ln1_B'], d_block3_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay))
+        # free d_block3_ln1_layer_norm_param_grad, d_block3_ln1_slice, d_block3_ln1_W, d_block3_ln1_slice_2, d_block3_ln1_B
+        del d_block3_ln1_layer_norm_param_grad, d_block3_ln1_slice, d_block3_ln1_W, d_block3_ln1_slice_2, d_block3_ln1_B
+        mem.free(94)
+
+        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
-        d_block2_fc2_B = mem.tensor(110, (64,), 'float32')
+        d_block2_fc2_B = mem.tensor(96, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
         # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
         S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
@@ -1660,50 +1645,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
         # free d_block2_fc2_B
         del d_block2_fc2_B
-        mem.free(110)
-
-        # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block3_ln1_slice = slice[axis=0,start=0,stop=1](d_block3_ln1_layer_norm_param_grad)
-        d_block3_ln1_slice = mem.tensor(111, (1, 64), 'float32')
-        rt.slice(d_block3_ln1_layer_norm_param_grad, out=d_block3_ln1_slice, axis=0, start=0, stop=1)
-        # d_block3_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln1_layer_norm_param_grad)
-        d_block3_ln1_slice_2 = mem.tensor(112, (1, 64), 'float32')
-        rt.slice(d_block3_ln1_layer_norm_param_grad, out=d_block3_ln1_slice_2, axis=0, start=1, stop=2)
-        # free d_block3_ln1_layer_norm_param_grad
-        del d_block3_ln1_layer_norm_param_grad
-        mem.free(108)
-        # d_block3_ln1_W = reshape[64](d_block3_ln1_slice)
-        d_block3_ln1_W = rt.reshape(d_block3_ln1_slice, shape=(64,))
-        # S_block3_ln1_W_new = 0.999*S_block3_ln1_W + 0.001*d_block3_ln1_W**2
-        S_block3_ln1_W_new = T['S_block3_ln1_W']  # in place: the new S_block3_ln1_W
-        rt.ew(ew_square_scale_add, S_block3_ln1_W_new, T['S_block3_ln1_W'], d_block3_ln1_W)
-        # M_block3_ln1_W_new = 0.9*M_block3_ln1_W + 0.1*d_block3_ln1_W   (computed with the next statement)
-        M_block3_ln1_W_new = T['M_block3_ln1_W']  # in place: the new M_block3_ln1_W
-        # block3_ln1_W_new = block3_ln1_W*(-lr*decay + 1) - lr*M_block3_ln1_W_new/(bias1*(sqrt(S_block3_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln1_W_new = T['block3_ln1_W']  # in place: the new block3_ln1_W
-        rt.ew_pair((ew_scale_add, M_block3_ln1_W_new, T['M_block3_ln1_W'], d_block3_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block3_ln1_W_new, T['block3_ln1_W'], lr, bias1, M_block3_ln1_W_new, S_block3_ln1_W_new, bias2, decay))
-        # free d_block3_ln1_slice, d_block3_ln1_W
-        del d_block3_ln1_slice, d_block3_ln1_W
-        mem.free(111)
-        # d_block3_ln1_B = reshape[64](d_block3_ln1_slice_2)
-        d_block3_ln1_B = rt.reshape(d_block3_ln1_slice_2, shape=(64,))
-        # S_block3_ln1_B_new = 0.999*S_block3_ln1_B + 0.001*d_block3_ln1_B**2
-        S_block3_ln1_B_new = T['S_block3_ln1_B']  # in place: the new S_block3_ln1_B
-        rt.ew(ew_square_scale_add, S_block3_ln1_B_new, T['S_block3_ln1_B'], d_block3_ln1_B)
-        # M_block3_ln1_B_new = 0.9*M_block3_ln1_B + 0.1*d_block3_ln1_B   (computed with the next statement)
-        M_block3_ln1_B_new = T['M_block3_ln1_B']  # in place: the new M_block3_ln1_B
-        # block3_ln1_B_new = block3_ln1_B*(-lr*decay + 1) - lr*M_block3_ln1_B_new/(bias1*(sqrt(S_block3_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln1_B_new = T['block3_ln1_B']  # in place: the new block3_ln1_B
-        rt.ew_pair((ew_scale_add, M_block3_ln1_B_new, T['M_block3_ln1_B'], d_block3_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay))
-        # free d_block3_ln1_slice_2, d_block3_ln1_B
-        del d_block3_ln1_slice_2, d_block3_ln1_B
-        mem.free(112)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
+        mem.free(96)
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(113, (1600, 128), 'float32')
+        d_block2_fc2_reshape = mem.tensor(97, (1600, 128), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
         # d_block2_fc1_gelu = reshape[100x16x128](d_block2_fc2_reshape)
         d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(100, 16, 128))
@@ -1720,7 +1664,7 @@ class Vit(rp.Model):
         # d_block2_fc1_add = reshape[1600x128](d_block2_fc1)
         d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(1600, 128))
         # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(114, (128, 64), 'float32')
+        d_block2_fc1_W = mem.tensor(98, (128, 64), 'float32')
         rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
@@ -1733,7 +1677,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
         # free d_block2_fc1_W
         del d_block2_fc1_W
-        mem.free(114)
+        mem.free(98)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1742,14 +1686,14 @@ class Vit(rp.Model):
 
         # ---- block2_fc1 (fully connected, 128 outputs), backward ----
         # d_block2_fc1_B = sum_to[128](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(115, (128,), 'float32')
+        d_block2_fc1_B = mem.tensor(99, (128,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(128,))
         # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(116, (1600, 64), 'float32')
+        d_block2_fc1_reshape = mem.tensor(100, (1600, 64), 'float32')
         rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(113)
+        mem.free(97)
         # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay)
@@ -1764,13 +1708,13 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
         # free d_block2_fc1_B
         del d_block2_fc1_B
-        mem.free(115)
+        mem.free(99)
         # d_block2_ln2 = reshape[100x16x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2)
-        d_block2_ln2_layer_norm_param_grad = mem.tensor(117, (2, 64), 'float32')
+        d_block2_ln2_layer_norm_param_grad = mem.tensor(101, (2, 64), 'float32')
         rt.layer_norm_param_grad(block2_ln2_add, d_block2_ln2, out=d_block2_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block2_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2, block2_ln2_W)
         d_block2_ln2_add = d_block2_ln2  # in place: over d_block2_ln2
@@ -1783,13 +1727,42 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_block2_ln2_add_2, d_block3_ln1_add_2, d_block2_ln2_add)
         # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
         del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
-        mem.free(116)
+        mem.free(100)
+        # d_block2_ln2_slice = slice[axis=0,start=0,stop=1](d_block2_ln2_layer_norm_param_grad)
+        d_block2_ln2_slice = rt.slice(d_block2_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
+        d_block2_ln2_W = rt.reshape(d_block2_ln2_slice, shape=(64,))
+        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
+        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
+        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
+        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the next statement)
+        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
+        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
+        rt.ew_pair((ew_scale_add, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay))
+        # d_block2_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln2_layer_norm_param_grad)
+        d_block2_ln2_slice_2 = rt.slice(d_block2_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block2_ln2_B = reshape[64](d_block2_ln2_slice_2)
+        d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
+        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
+        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
+        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
+        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
+        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
+        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
+        rt.ew_pair((ew_scale_add, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
+        # free d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B
+        del d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B
+        mem.free(101)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_add = reshape[1600x64](d_block2_ln2_add_2)
         d_block2_attn_out_add = rt.reshape(d_block2_ln2_add_2, shape=(1600, 64))
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(118, (64,), 'float32')
+        d_block2_attn_out_B = mem.tensor(102, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
@@ -1802,50 +1775,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
         # free d_block2_attn_out_B
         del d_block2_attn_out_B
-        mem.free(118)
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln2_slice = slice[axis=0,start=0,stop=1](d_block2_ln2_layer_norm_param_grad)
-        d_block2_ln2_slice = mem.tensor(119, (1, 64), 'float32')
-        rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice, axis=0, start=0, stop=1)
-        # d_block2_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln2_layer_norm_param_grad)
-        d_block2_ln2_slice_2 = mem.tensor(120, (1, 64), 'float32')
-        rt.slice(d_block2_ln2_layer_norm_param_grad, out=d_block2_ln2_slice_2, axis=0, start=1, stop=2)
-        # free d_block2_ln2_layer_norm_param_grad
-        del d_block2_ln2_layer_norm_param_grad
-        mem.free(117)
-        # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
-        d_block2_ln2_W = rt.reshape(d_block2_ln2_slice, shape=(64,))
-        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
-        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
-        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
-        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the next statement)
-        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
-        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
-        rt.ew_pair((ew_scale_add, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay))
-        # free d_block2_ln2_slice, d_block2_ln2_W
-        del d_block2_ln2_slice, d_block2_ln2_W
-        mem.free(119)
-        # d_block2_ln2_B = reshape[64](d_block2_ln2_slice_2)
-        d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
-        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
-        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
-        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
-        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
-        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
-        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
-        rt.ew_pair((ew_scale_add, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
-        # free d_block2_ln2_slice_2, d_block2_ln2_B
-        del d_block2_ln2_slice_2, d_block2_ln2_B
-        mem.free(120)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
+        mem.free(102)
         # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
-        d_block2_attn_out_W = mem.tensor(121, (64, 64), 'float32')
+        d_block2_attn_out_W = mem.tensor(103, (64, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
         S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
@@ -1855,20 +1787,20 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
         # free d_block2_attn_out_W
         del d_block2_attn_out_W
-        mem.free(121)
+        mem.free(103)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(122, (1600, 64), 'float32')
+        d_block2_attn_out_reshape = mem.tensor(104, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
         # d_block2_attn_out_transpose = reshape[100x16x4x16](d_block2_attn_out_reshape)
         d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(100, 16, 4, 16))
 
         # ---- block2_attn (scaled dot-product attention), backward ----
         # d_block2_attn_attention_grad = attention_grad[heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, block2_attn, d_block2_attn_out_transpose)
-        d_block2_attn_attention_grad = mem.tensor(123, (307200,), 'float32')
+        d_block2_attn_attention_grad = mem.tensor(105, (307200,), 'float32')
         rt.attention_grad(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, block2_attn, d_block2_attn_out_transpose, out=d_block2_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
         # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
         del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(16, 17, 18, 19, 122)
+        mem.free(16, 17, 18, 19, 104)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -1877,14 +1809,13 @@ class Vit(rp.Model):
 
         # ---- block2_attn (scaled dot-product attention), backward ----
         # d_block2_attn_slice = slice[axis=0,start=0,stop=102400](d_block2_attn_attention_grad)
-        d_block2_attn_slice = mem.tensor(124, (102400,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice, axis=0, start=0, stop=102400)
+        d_block2_attn_slice = rt.slice(d_block2_attn_attention_grad, axis=0, start=0, stop=102400)
         # d_block2_attn_q_add = reshape[1600x64](d_block2_attn_slice)
         d_block2_attn_q_add = rt.reshape(d_block2_attn_slice, shape=(1600, 64))
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(125, (64,), 'float32')
+        d_block2_attn_q_B = mem.tensor(106, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
@@ -1897,45 +1828,17 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
         # free d_block2_attn_q_B
         del d_block2_attn_q_B
-        mem.free(125)
-        # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(126, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape = mem.tensor(127, (1600, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
-        # free d_block2_attn_slice, d_block2_attn_q_add
-        del d_block2_attn_slice, d_block2_attn_q_add
-        mem.free(124)
-        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
-        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
-        rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
-        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the next statement)
-        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
-        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
-        rt.ew_pair((ew_scale_add, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
-        # free d_block2_attn_q_W
-        del d_block2_attn_q_W
-        mem.free(126)
+        mem.free(106)
 
         # ---- block2_attn (scaled dot-product attention), backward ----
-        # d_block2_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block2_attn_attention_grad)
-        d_block2_attn_slice_2 = mem.tensor(128, (102400,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_2, axis=0, start=102400, stop=204800)
-        # d_block2_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block2_attn_attention_grad)
-        d_block2_attn_slice_3 = mem.tensor(129, (102400,), 'float32')
-        rt.slice(d_block2_attn_attention_grad, out=d_block2_attn_slice_3, axis=0, start=204800, stop=307200)
-        # free d_block2_attn_attention_grad
-        del d_block2_attn_attention_grad
-        mem.free(123)
-        # d_block2_attn_v_add = reshape[1600x64](d_block2_attn_slice_3)
-        d_block2_attn_v_add = rt.reshape(d_block2_attn_slice_3, shape=(1600, 64))
+        # d_block2_attn_slice_2 = slice[axis=0,start=204800,stop=307200](d_block2_attn_attention_grad)
+        d_block2_attn_slice_2 = rt.slice(d_block2_attn_attention_grad, axis=0, start=204800, stop=307200)
+        # d_block2_attn_v_add = reshape[1600x64](d_block2_attn_slice_2)
+        d_block2_attn_v_add = rt.reshape(d_block2_attn_slice_2, shape=(1600, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(130, (64,), 'float32')
+        d_block2_attn_v_B = mem.tensor(107, (64,), 'float32')
         rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
         # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
         S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
@@ -1948,40 +1851,83 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
         # free d_block2_attn_v_B
         del d_block2_attn_v_B
-        mem.free(130)
+        mem.free(107)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
+        d_block2_attn_q_W = mem.tensor(108, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
+        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
+        rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
+        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W
+        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
+        rt.ew(ew_scale_add, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W)
+        # free d_block2_attn_q_W
+        del d_block2_attn_q_W
+        mem.free(108)
 
         # ---- block2_attn (scaled dot-product attention), backward ----
-        # d_block2_attn_k_matmul = reshape[1600x64](d_block2_attn_slice_2)
-        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_slice_2, shape=(1600, 64))
+        # d_block2_attn_slice_3 = slice[axis=0,start=102400,stop=204800](d_block2_attn_attention_grad)
+        d_block2_attn_slice_3 = rt.slice(d_block2_attn_attention_grad, axis=0, start=102400, stop=204800)
+        # d_block2_attn_k_matmul = reshape[1600x64](d_block2_attn_slice_3)
+        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_slice_3, shape=(1600, 64))
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(131, (64, 64), 'float32')
+        d_block2_attn_k_W = mem.tensor(109, (64, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(132, (64, 64), 'float32')
+        d_block2_attn_v_W = mem.tensor(110, (64, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
         mem.free(15)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
+        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
+        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
+        rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
+        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W
+        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
+        rt.ew(ew_scale_add, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W)
+        # free d_block2_attn_k_W
+        del d_block2_attn_k_W
+        mem.free(109)
+
+        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
+        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
+        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
+        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
+        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W
+        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
+        rt.ew(ew_scale_add, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W)
+        # free d_block2_attn_v_W
+        del d_block2_attn_v_W
+        mem.free(110)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
+        d_block2_attn_q_reshape = mem.tensor(111, (1600, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
+        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
+        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(133, (1600, 64), 'float32')
+        d_block2_attn_q_reshape_2 = mem.tensor(112, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
-        # free d_block2_attn_slice_2, d_block2_attn_k_matmul
-        del d_block2_attn_slice_2, d_block2_attn_k_matmul
-        mem.free(128)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(134, (1600, 64), 'float32')
+        d_block2_attn_q_reshape_3 = mem.tensor(113, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
-        # free d_block2_attn_slice_3, d_block2_attn_v_add
-        del d_block2_attn_slice_3, d_block2_attn_v_add
-        mem.free(129)
+        # free d_block2_attn_attention_grad, d_block2_attn_slice, d_block2_attn_q_add, d_block2_attn_slice_2, d_block2_attn_v_add, d_block2_attn_slice_3, d_block2_attn_k_matmul
+        del d_block2_attn_attention_grad, d_block2_attn_slice, d_block2_attn_q_add, d_block2_attn_slice_2, d_block2_attn_v_add, d_block2_attn_slice_3, d_block2_attn_k_matmul
+        mem.free(105)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
@@ -1989,35 +1935,17 @@ class Vit(rp.Model):
         rt.ew(ew_add_3, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
         # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
         del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
-        mem.free(127, 133)
+        mem.free(111, 112)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
-        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
-        rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
-        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the next statement)
-        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
         # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
         block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
-        rt.ew_pair((ew_scale_add, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
-        # free d_block2_attn_k_W
-        del d_block2_attn_k_W
-        mem.free(131)
+        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
-        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
-        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
-        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
-        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
         # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
         block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
-        rt.ew_pair((ew_scale_add, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
-        # free d_block2_attn_v_W
-        del d_block2_attn_v_W
-        mem.free(132)
+        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_ln1 = reshape[100x16x64](d_block2_attn_q_reshape_4)
@@ -2025,7 +1953,7 @@ class Vit(rp.Model):
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1)
-        d_block2_ln1_layer_norm_param_grad = mem.tensor(135, (2, 64), 'float32')
+        d_block2_ln1_layer_norm_param_grad = mem.tensor(114, (2, 64), 'float32')
         rt.layer_norm_param_grad(block2_ln1_add, d_block2_ln1, out=d_block2_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block2_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1, block2_ln1_W)
         d_block2_ln1_add = d_block2_ln1  # in place: over d_block2_ln1
@@ -2038,13 +1966,13 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_block2_ln1_add_2, d_block2_ln2_add_2, d_block2_ln1_add)
         # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
         del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
-        mem.free(134)
+        mem.free(113)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_add = reshape[1600x64](d_block2_ln1_add_2)
         d_block1_fc2_add = rt.reshape(d_block2_ln1_add_2, shape=(1600, 64))
         # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(136, (64, 128), 'float32')
+        d_block1_fc2_W = mem.tensor(115, (64, 128), 'float32')
         rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True, workspace=mem.workspace(98304))
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
@@ -2057,9 +1985,42 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
         # free d_block1_fc2_W
         del d_block1_fc2_W
-        mem.free(136)
+        mem.free(115)
+
+        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
+        # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
+        d_block2_ln1_slice = rt.slice(d_block2_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block2_ln1_W = reshape[64](d_block2_ln1_slice)
+        d_block2_ln1_W = rt.reshape(d_block2_ln1_slice, shape=(64,))
+        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
+        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
+        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
+        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the next statement)
+        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
+        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
+        rt.ew_pair((ew_scale_add, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay))
+        # d_block2_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln1_layer_norm_param_grad)
+        d_block2_ln1_slice_2 = rt.slice(d_block2_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block2_ln1_B = reshape[64](d_block2_ln1_slice_2)
+        d_block2_ln1_B = rt.reshape(d_block2_ln1_slice_2, shape=(64,))
+        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
+        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
+        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
+        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
+        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
+        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
+        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
+        rt.ew_pair((ew_scale_add, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
+                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
+        # free d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B
+        del d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B
+        mem.free(114)
+
+        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(137, (64,), 'float32')
+        d_block1_fc2_B = mem.tensor(116, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
         # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
         S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
@@ -2072,50 +2033,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
         # free d_block1_fc2_B
         del d_block1_fc2_B
-        mem.free(137)
-
-        # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
-        # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
-        d_block2_ln1_slice = mem.tensor(138, (1, 64), 'float32')
-        rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice, axis=0, start=0, stop=1)
-        # d_block2_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln1_layer_norm_param_grad)
-        d_block2_ln1_slice_2 = mem.tensor(139, (1, 64), 'float32')
-        rt.slice(d_block2_ln1_layer_norm_param_grad, out=d_block2_ln1_slice_2, axis=0, start=1, stop=2)
-        # free d_block2_ln1_layer_norm_param_grad
-        del d_block2_ln1_layer_norm_param_grad
-        mem.free(135)
-        # d_block2_ln1_W = reshape[64](d_block2_ln1_slice)
-        d_block2_ln1_W = rt.reshape(d_block2_ln1_slice, shape=(64,))
-        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
-        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
-        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
-        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the next statement)
-        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
-        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
-        rt.ew_pair((ew_scale_add, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay))
-        # free d_block2_ln1_slice, d_block2_ln1_W
-        del d_block2_ln1_slice, d_block2_ln1_W
-        mem.free(138)
-        # d_block2_ln1_B = reshape[64](d_block2_ln1_slice_2)
-        d_block2_ln1_B = rt.reshape(d_block2_ln1_slice_2, shape=(64,))
-        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
-        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
-        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
-        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
-        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
-        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
-        rt.ew_pair((ew_scale_add, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
-        # free d_block2_ln1_slice_2, d_block2_ln1_B
-        del d_block2_ln1_slice_2, d_block2_ln1_B
-        mem.free(139)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
+        mem.free(116)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(140, (1600, 128), 'float32')
+        d_block1_fc2_reshape = mem.tensor(117, (1600, 128), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
         # d_block1_fc1_gelu = reshape[100x16x128](d_block1_fc2_reshape)
         d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(100, 16, 128))
@@ -2132,7 +2052,7 @@ class Vit(rp.Model):
         # d_block1_fc1_add = reshape[1600x128](d_block1_fc1)
         d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(1600, 128))
         # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(141, (128, 64), 'float32')
+        d_block1_fc1_W = mem.tensor(118, (128, 64), 'float32')
         rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True, workspace=mem.workspace(98304))
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
@@ -2145,7 +2065,7 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
         # free d_block1_fc1_W
         del d_block1_fc1_W
-        mem.free(141)
+        mem.free(118)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
@@ -2154,14 +2074,14 @@ class Vit(rp.Model):
 
         # ---- block1_fc1 (fully connected, 128 outputs), backward ----
         # d_block1_fc1_B = sum_to[128](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(142, (128,), 'float32')
+        d_block1_fc1_B = mem.tensor(119, (128,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(128,))
         # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(143, (1600, 64), 'float32')
+        d_block1_fc1_reshape = mem.tensor(120, (1600, 64), 'float32')
         rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(140)
+        mem.free(117)
         # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
         block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
         rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay)
@@ -2176,13 +2096,13 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
         # free d_block1_fc1_B
         del d_block1_fc1_B
-        mem.free(142)
+        mem.free(119)
         # d_block1_ln2 = reshape[100x16x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(100, 16, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2)
-        d_block1_ln2_layer_norm_param_grad = mem.tensor(144, (2, 64), 'float32')
+        d_block1_ln2_layer_norm_param_grad = mem.tensor(121, (2, 64), 'float32')
         rt.layer_norm_param_grad(block1_ln2_add_2, d_block1_ln2, out=d_block1_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block1_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2, block1_ln2_W)
         d_block1_ln2_add = d_block1_ln2  # in place: over d_block1_ln2
@@ -2195,13 +2115,42 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_block1_ln2_add_2, d_block2_ln1_add_2, d_block1_ln2_add)
         # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
         del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
-        mem.free(143)
+        mem.free(120)
+        # d_block1_ln2_slice = slice[axis=0,start=0,stop=1](d_block1_ln2_layer_norm_param_grad)
+        d_block1_ln2_slice = rt.slice(d_block1_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
+        # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
+        d_block1_ln2_W = rt.reshape(d_block1_ln2_slice, shape=(64,))
+        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
+        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
+        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
+        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the next statement)
+        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
+        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
+        rt.ew_pair((ew_scale_add, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay))
+        # d_block1_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln2_layer_norm_param_grad)
+        d_block1_ln2_slice_2 = rt.slice(d_block1_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
+        # d_block1_ln2_B = reshape[64](d_block1_ln2_slice_2)
+        d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
+        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
+        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
+        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
+        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
+        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
+        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
+        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
+        rt.ew_pair((ew_scale_add, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
+                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
+        # free d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B
+        del d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B
+        mem.free(121)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_add = reshape[1600x64](d_block1_ln2_add_2)
         d_block1_attn_out_add = rt.reshape(d_block1_ln2_add_2, shape=(1600, 64))
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(145, (64,), 'float32')
+        d_block1_attn_out_B = mem.tensor(122, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
@@ -2214,50 +2163,9 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
         # free d_block1_attn_out_B
         del d_block1_attn_out_B
-        mem.free(145)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
-        # d_block1_ln2_slice = slice[axis=0,start=0,stop=1](d_block1_ln2_layer_norm_param_grad)
-        d_block1_ln2_slice = mem.tensor(146, (1, 64), 'float32')
-        rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice, axis=0, start=0, stop=1)
-        # d_block1_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln2_layer_norm_param_grad)
-        d_block1_ln2_slice_2 = mem.tensor(147, (1, 64), 'float32')
-        rt.slice(d_block1_ln2_layer_norm_param_grad, out=d_block1_ln2_slice_2, axis=0, start=1, stop=2)
-        # free d_block1_ln2_layer_norm_param_grad
-        del d_block1_ln2_layer_norm_param_grad
-        mem.free(144)
-        # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
-        d_block1_ln2_W = rt.reshape(d_block1_ln2_slice, shape=(64,))
-        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
-        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
-        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
-        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the next statement)
-        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
-        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
-        rt.ew_pair((ew_scale_add, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay))
-        # free d_block1_ln2_slice, d_block1_ln2_W
-        del d_block1_ln2_slice, d_block1_ln2_W
-        mem.free(146)
-        # d_block1_ln2_B = reshape[64](d_block1_ln2_slice_2)
-        d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
-        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
-        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
-        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
-        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
-        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
-        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
-        rt.ew_pair((ew_scale_add, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
-        # free d_block1_ln2_slice_2, d_block1_ln2_B
-        del d_block1_ln2_slice_2, d_block1_ln2_B
-        mem.free(147)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        mem.free(122)
         # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
-        d_block1_attn_out_W = mem.tensor(148, (64, 64), 'float32')
+        d_block1_attn_out_W = mem.tensor(123, (64, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
         S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
@@ -2267,20 +2175,20 @@ class Vit(rp.Model):
         rt.ew(ew_scale_add, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
         # free d_block1_attn_out_W
         del d_block1_attn_out_W
-        mem.free(148)
+        mem.free(123)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(149, (1600, 64), 'float32')
+        d_block1_attn_out_reshape = mem.tensor(124, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
         # d_block1_attn_out_transpose = reshape[100x16x4x16](d_block1_attn_out_reshape)
         d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(100, 16, 4, 16))
 
         # ---- block1_attn (scaled dot-product attention), backward ----
         # d_block1_attn_attention_grad = attention_grad[heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, block1_attn, d_block1_attn_out_transpose)
-        d_block1_attn_attention_grad = mem.tensor(150, (307200,), 'float32')
+        d_block1_attn_attention_grad = mem.tensor(125, (307200,), 'float32')
         rt.attention_grad(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, block1_attn, d_block1_attn_out_transpose, out=d_block1_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
         # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
         del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(6, 7, 8, 9, 149)
+        mem.free(6, 7, 8, 9, 124)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
@@ -2289,14 +2197,13 @@ class Vit(rp.Model):
 
         # ---- block1_attn (scaled dot-product attention), backward ----
         # d_block1_attn_slice = slice[axis=0,start=0,stop=102400](d_block1_attn_attention_grad)
-        d_block1_attn_slice = mem.tensor(151, (102400,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice, axis=0, start=0, stop=102400)
+        d_block1_attn_slice = rt.slice(d_block1_attn_attention_grad, axis=0, start=0, stop=102400)
         # d_block1_attn_q_add = reshape[1600x64](d_block1_attn_slice)
         d_block1_attn_q_add = rt.reshape(d_block1_attn_slice, shape=(1600, 64))
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(152, (64,), 'float32')
+        d_block1_attn_q_B = mem.tensor(126, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
@@ -2309,45 +2216,17 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
         # free d_block1_attn_q_B
         del d_block1_attn_q_B
-        mem.free(152)
-        # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(153, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape = mem.tensor(154, (1600, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
-        # free d_block1_attn_slice, d_block1_attn_q_add
-        del d_block1_attn_slice, d_block1_attn_q_add
-        mem.free(151)
-        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
-        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
-        rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
-        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the next statement)
-        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
-        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
-        rt.ew_pair((ew_scale_add, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
-        # free d_block1_attn_q_W
-        del d_block1_attn_q_W
-        mem.free(153)
+        mem.free(126)
 
         # ---- block1_attn (scaled dot-product attention), backward ----
-        # d_block1_attn_slice_2 = slice[axis=0,start=102400,stop=204800](d_block1_attn_attention_grad)
-        d_block1_attn_slice_2 = mem.tensor(155, (102400,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_2, axis=0, start=102400, stop=204800)
-        # d_block1_attn_slice_3 = slice[axis=0,start=204800,stop=307200](d_block1_attn_attention_grad)
-        d_block1_attn_slice_3 = mem.tensor(156, (102400,), 'float32')
-        rt.slice(d_block1_attn_attention_grad, out=d_block1_attn_slice_3, axis=0, start=204800, stop=307200)
-        # free d_block1_attn_attention_grad
-        del d_block1_attn_attention_grad
-        mem.free(150)
-        # d_block1_attn_v_add = reshape[1600x64](d_block1_attn_slice_3)
-        d_block1_attn_v_add = rt.reshape(d_block1_attn_slice_3, shape=(1600, 64))
+        # d_block1_attn_slice_2 = slice[axis=0,start=204800,stop=307200](d_block1_attn_attention_grad)
+        d_block1_attn_slice_2 = rt.slice(d_block1_attn_attention_grad, axis=0, start=204800, stop=307200)
+        # d_block1_attn_v_add = reshape[1600x64](d_block1_attn_slice_2)
+        d_block1_attn_v_add = rt.reshape(d_block1_attn_slice_2, shape=(1600, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(157, (64,), 'float32')
+        d_block1_attn_v_B = mem.tensor(127, (64,), 'float32')
         rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
         # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
         S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
@@ -2360,40 +2239,83 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
         # free d_block1_attn_v_B
         del d_block1_attn_v_B
-        mem.free(157)
+        mem.free(127)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
+        d_block1_attn_q_W = mem.tensor(128, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
+        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
+        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
+        rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
+        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W
+        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
+        rt.ew(ew_scale_add, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W)
+        # free d_block1_attn_q_W
+        del d_block1_attn_q_W
+        mem.free(128)
 
         # ---- block1_attn (scaled dot-product attention), backward ----
-        # d_block1_attn_k_matmul = reshape[1600x64](d_block1_attn_slice_2)
-        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_slice_2, shape=(1600, 64))
+        # d_block1_attn_slice_3 = slice[axis=0,start=102400,stop=204800](d_block1_attn_attention_grad)
+        d_block1_attn_slice_3 = rt.slice(d_block1_attn_attention_grad, axis=0, start=102400, stop=204800)
+        # d_block1_attn_k_matmul = reshape[1600x64](d_block1_attn_slice_3)
+        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_slice_3, shape=(1600, 64))
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(158, (64, 64), 'float32')
+        d_block1_attn_k_W = mem.tensor(129, (64, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(159, (64, 64), 'float32')
+        d_block1_attn_v_W = mem.tensor(130, (64, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
         mem.free(5)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
+        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
+        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
+        rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
+        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W
+        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
+        rt.ew(ew_scale_add, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W)
+        # free d_block1_attn_k_W
+        del d_block1_attn_k_W
+        mem.free(129)
+
+        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
+        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
+        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
+        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
+        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W
+        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
+        rt.ew(ew_scale_add, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W)
+        # free d_block1_attn_v_W
+        del d_block1_attn_v_W
+        mem.free(130)
+
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
+        d_block1_attn_q_reshape = mem.tensor(131, (1600, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
+        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
+        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
+        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay)
+
+        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(160, (1600, 64), 'float32')
+        d_block1_attn_q_reshape_2 = mem.tensor(132, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
-        # free d_block1_attn_slice_2, d_block1_attn_k_matmul
-        del d_block1_attn_slice_2, d_block1_attn_k_matmul
-        mem.free(155)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(161, (1600, 64), 'float32')
+        d_block1_attn_q_reshape_3 = mem.tensor(133, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
-        # free d_block1_attn_slice_3, d_block1_attn_v_add
-        del d_block1_attn_slice_3, d_block1_attn_v_add
-        mem.free(156)
+        # free d_block1_attn_attention_grad, d_block1_attn_slice, d_block1_attn_q_add, d_block1_attn_slice_2, d_block1_attn_v_add, d_block1_attn_slice_3, d_block1_attn_k_matmul
+        del d_block1_attn_attention_grad, d_block1_attn_slice, d_block1_attn_q_add, d_block1_attn_slice_2, d_block1_attn_v_add, d_block1_attn_slice_3, d_block1_attn_k_matmul
+        mem.free(125)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
@@ -2401,35 +2323,17 @@ class Vit(rp.Model):
         rt.ew(ew_add_3, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
         # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
         del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
-        mem.free(154, 160)
+        mem.free(131, 132)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
-        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
-        rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
-        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the next statement)
-        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
         # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
         block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
-        rt.ew_pair((ew_scale_add, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
-        # free d_block1_attn_k_W
-        del d_block1_attn_k_W
-        mem.free(158)
+        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
-        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
-        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
-        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
-        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
         # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
         block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
-        rt.ew_pair((ew_scale_add, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
-        # free d_block1_attn_v_W
-        del d_block1_attn_v_W
-        mem.free(159)
+        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_ln1 = reshape[100x16x64](d_block1_attn_q_reshape_4)
@@ -2437,7 +2341,7 @@ class Vit(rp.Model):
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1)
-        d_block1_ln1_layer_norm_param_grad = mem.tensor(162, (2, 64), 'float32')
+        d_block1_ln1_layer_norm_param_grad = mem.tensor(134, (2, 64), 'float32')
         rt.layer_norm_param_grad(block1_ln2_add, d_block1_ln1, out=d_block1_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(25600))
         # d_block1_ln2_add_3 = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1, block1_ln1_W)
         d_block1_ln2_add_3 = d_block1_ln1  # in place: over d_block1_ln1
@@ -2452,18 +2356,11 @@ class Vit(rp.Model):
         rt.ew(ew_add, d_block1_ln2_add_4, d_block1_ln2_add_2, d_block1_ln2_add_3)
         # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
         del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
-        mem.free(161)
+        mem.free(133)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_slice = slice[axis=0,start=0,stop=1](d_block1_ln1_layer_norm_param_grad)
-        d_block1_ln1_slice = mem.tensor(163, (1, 64), 'float32')
-        rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice, axis=0, start=0, stop=1)
-        # d_block1_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln1_layer_norm_param_grad)
-        d_block1_ln1_slice_2 = mem.tensor(164, (1, 64), 'float32')
-        rt.slice(d_block1_ln1_layer_norm_param_grad, out=d_block1_ln1_slice_2, axis=0, start=1, stop=2)
-        # free d_block1_ln1_layer_norm_param_grad
-        del d_block1_ln1_layer_norm_param_grad
-        mem.free(162)
+        d_block1_ln1_slice = rt.slice(d_block1_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block1_ln1_W = reshape[64](d_block1_ln1_slice)
         d_block1_ln1_W = rt.reshape(d_block1_ln1_slice, shape=(64,))
         # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
@@ -2475,9 +2372,8 @@ class Vit(rp.Model):
         block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
         rt.ew_pair((ew_scale_add, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W),
                    (ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay))
-        # free d_block1_ln1_slice, d_block1_ln1_W
-        del d_block1_ln1_slice, d_block1_ln1_W
-        mem.free(163)
+        # d_block1_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln1_layer_norm_param_grad)
+        d_block1_ln1_slice_2 = rt.slice(d_block1_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block1_ln1_B = reshape[64](d_block1_ln1_slice_2)
         d_block1_ln1_B = rt.reshape(d_block1_ln1_slice_2, shape=(64,))
         # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
@@ -2489,16 +2385,16 @@ class Vit(rp.Model):
         block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
         rt.ew_pair((ew_scale_add, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
                    (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
-        # free d_block1_ln1_slice_2, d_block1_ln1_B
-        del d_block1_ln1_slice_2, d_block1_ln1_B
-        mem.free(164)
+        # free d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B
+        del d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B
+        mem.free(134)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_pos = sum_to[1x16x64](d_block1_ln2_add_4)
-        d_pos = mem.tensor(165, (1, 16, 64), 'float32')
+        d_pos = mem.tensor(135, (1, 16, 64), 'float32')
         rt.sum_to(d_block1_ln2_add_4, out=d_pos, shape=(1, 16, 64))
         # d_block1_ln2_reshape = transpose[axes=(1,2)](d_block1_ln2_add_4)
-        d_block1_ln2_reshape = mem.tensor(166, (100, 64, 16), 'float32')
+        d_block1_ln2_reshape = mem.tensor(136, (100, 64, 16), 'float32')
         rt.transpose(d_block1_ln2_add_4, out=d_block1_ln2_reshape, axes=(1, 2))
         # free d_ln, d_ln_add, d_block4_fc2_add, d_block4_ln2_add_2, d_block4_attn_out_add, d_block4_ln1_add_2, d_block3_fc2_add, d_block3_ln2_add_2, d_block3_attn_out_add, d_block3_ln1_add_2, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4
         del d_ln, d_ln_add, d_block4_fc2_add, d_block4_ln2_add_2, d_block4_attn_out_add, d_block4_ln1_add_2, d_block3_fc2_add, d_block3_ln2_add_2, d_block3_attn_out_add, d_block3_ln1_add_2, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4
@@ -2508,17 +2404,17 @@ class Vit(rp.Model):
 
         # ---- patch (conv 7x7, 64 channels, stride 7, padding 0), backward ----
         # d_patch_W = conv2d_bwd_filter[kernel=(7,7),stride=7](d_patch, x)
-        d_patch_W = mem.tensor(167, (64, 1, 7, 7), 'float32')
+        d_patch_W = mem.tensor(137, (64, 1, 7, 7), 'float32')
         rt.conv2d_bwd_filter(d_patch, x, out=d_patch_W, kernel=(7, 7), pad=0, stride=7, workspace=mem.workspace(723200))
         # free x
         del x
         mem.free(0)
         # d_patch_sum_to = sum_to[1x64x1x1](d_patch)
-        d_patch_sum_to = mem.tensor(168, (1, 64, 1, 1), 'float32')
+        d_patch_sum_to = mem.tensor(138, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_patch, out=d_patch_sum_to, shape=(1, 64, 1, 1))
         # free d_block1_ln2_reshape, d_patch
         del d_block1_ln2_reshape, d_patch
-        mem.free(166)
+        mem.free(136)
         # S_patch_W_new = 0.999*S_patch_W + 0.001*d_patch_W**2
         S_patch_W_new = T['S_patch_W']  # in place: the new S_patch_W
         rt.ew(ew_square_scale_add, S_patch_W_new, T['S_patch_W'], d_patch_W)
@@ -2530,7 +2426,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, patch_W_new, T['patch_W'], lr, bias1, M_patch_W_new, S_patch_W_new, bias2, decay))
         # free d_patch_W
         del d_patch_W
-        mem.free(167)
+        mem.free(137)
         # d_patch_B = reshape[64](d_patch_sum_to)
         d_patch_B = rt.reshape(d_patch_sum_to, shape=(64,))
         # S_patch_B_new = 0.999*S_patch_B + 0.001*d_patch_B**2
@@ -2544,7 +2440,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, patch_B_new, T['patch_B'], lr, bias1, M_patch_B_new, S_patch_B_new, bias2, decay))
         # free d_patch_sum_to, d_patch_B
         del d_patch_sum_to, d_patch_B
-        mem.free(168)
+        mem.free(138)
 
         # ---- pos (parameter 1x16x64), backward ----
         # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
@@ -2558,7 +2454,7 @@ class Vit(rp.Model):
                    (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         # free d_pos
         del d_pos
-        mem.free(165)
+        mem.free(135)
         loss = rt.scalar(head_cross_entropy)
         mem.end()
         return loss
@@ -3699,118 +3595,88 @@ class Vit(rp.Model):
                 (20793600, 512),  # 54: d_ln_layer_norm_param_grad 2x64 float32
                 (19660800, 32768),  # 55: d_block4_fc2_W 64x128 float32
                 (6144000, 256),  # 56: d_block4_fc2_B 64 float32
-                (6144000, 256),  # 57: d_ln_slice 1x64 float32
-                (6144256, 256),  # 58: d_ln_slice_2 1x64 float32
-                (6144000, 819200),  # 59: d_block4_fc2_reshape 1600x128 float32
-                (0, 32768),  # 60: d_block4_fc1_W 128x64 float32
-                (409600, 512),  # 61: d_block4_fc1_B 128 float32
-                (0, 409600),  # 62: d_block4_fc1_reshape 1600x64 float32
-                (409600, 512),  # 63: d_block4_ln2_layer_norm_param_grad 2x64 float32
-                (0, 256),  # 64: d_block4_attn_out_B 64 float32
-                (0, 256),  # 65: d_block4_ln2_slice 1x64 float32
-                (256, 256),  # 66: d_block4_ln2_slice_2 1x64 float32
-                (0, 16384),  # 67: d_block4_attn_out_W 64x64 float32
-                (6144000, 409600),  # 68: d_block4_attn_out_reshape 1600x64 float32
-                (0, 1228800),  # 69: d_block4_attn_attention_grad 307200 float32
-                (6144000, 409600),  # 70: d_block4_attn_slice 102400 float32
-                (6553600, 256),  # 71: d_block4_attn_q_B 64 float32
-                (17612800, 16384),  # 72: d_block4_attn_q_W 64x64 float32
-                (6553600, 409600),  # 73: d_block4_attn_q_reshape 1600x64 float32
-                (6144000, 409600),  # 74: d_block4_attn_slice_2 102400 float32
-                (17612800, 409600),  # 75: d_block4_attn_slice_3 102400 float32
-                (0, 256),  # 76: d_block4_attn_v_B 64 float32
-                (819200, 16384),  # 77: d_block4_attn_k_W 64x64 float32
-                (835584, 16384),  # 78: d_block4_attn_v_W 64x64 float32
-                (0, 409600),  # 79: d_block4_attn_q_reshape_2 1600x64 float32
-                (409600, 409600),  # 80: d_block4_attn_q_reshape_3 1600x64 float32
-                (32768, 512),  # 81: d_block4_ln1_layer_norm_param_grad 2x64 float32
-                (0, 32768),  # 82: d_block3_fc2_W 64x128 float32
-                (0, 256),  # 83: d_block3_fc2_B 64 float32
-                (0, 256),  # 84: d_block4_ln1_slice 1x64 float32
-                (256, 256),  # 85: d_block4_ln1_slice_2 1x64 float32
-                (0, 819200),  # 86: d_block3_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 87: d_block3_fc1_W 128x64 float32
-                (4505600, 512),  # 88: d_block3_fc1_B 128 float32
-                (819200, 409600),  # 89: d_block3_fc1_reshape 1600x64 float32
-                (0, 512),  # 90: d_block3_ln2_layer_norm_param_grad 2x64 float32
-                (512, 256),  # 91: d_block3_attn_out_B 64 float32
-                (512, 256),  # 92: d_block3_ln2_slice 1x64 float32
-                (768, 256),  # 93: d_block3_ln2_slice_2 1x64 float32
-                (0, 16384),  # 94: d_block3_attn_out_W 64x64 float32
-                (4505600, 409600),  # 95: d_block3_attn_out_reshape 1600x64 float32
-                (0, 1228800),  # 96: d_block3_attn_attention_grad 307200 float32
-                (4505600, 409600),  # 97: d_block3_attn_slice 102400 float32
-                (4915200, 256),  # 98: d_block3_attn_q_B 64 float32
-                (5324800, 16384),  # 99: d_block3_attn_q_W 64x64 float32
-                (4915200, 409600),  # 100: d_block3_attn_q_reshape 1600x64 float32
-                (4505600, 409600),  # 101: d_block3_attn_slice_2 102400 float32
-                (5324800, 409600),  # 102: d_block3_attn_slice_3 102400 float32
-                (0, 256),  # 103: d_block3_attn_v_B 64 float32
-                (819200, 16384),  # 104: d_block3_attn_k_W 64x64 float32
-                (835584, 16384),  # 105: d_block3_attn_v_W 64x64 float32
-                (0, 409600),  # 106: d_block3_attn_q_reshape_2 1600x64 float32
-                (409600, 409600),  # 107: d_block3_attn_q_reshape_3 1600x64 float32
-                (32768, 512),  # 108: d_block3_ln1_layer_norm_param_grad 2x64 float32
-                (0, 32768),  # 109: d_block2_fc2_W 64x128 float32
-                (0, 256),  # 110: d_block2_fc2_B 64 float32
-                (0, 256),  # 111: d_block3_ln1_slice 1x64 float32
-                (256, 256),  # 112: d_block3_ln1_slice_2 1x64 float32
-                (0, 819200),  # 113: d_block2_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 114: d_block2_fc1_W 128x64 float32
-                (2867200, 512),  # 115: d_block2_fc1_B 128 float32
-                (819200, 409600),  # 116: d_block2_fc1_reshape 1600x64 float32
-                (0, 512),  # 117: d_block2_ln2_layer_norm_param_grad 2x64 float32
-                (512, 256),  # 118: d_block2_attn_out_B 64 float32
-                (512, 256),  # 119: d_block2_ln2_slice 1x64 float32
-                (768, 256),  # 120: d_block2_ln2_slice_2 1x64 float32
-                (0, 16384),  # 121: d_block2_attn_out_W 64x64 float32
-                (2867200, 409600),  # 122: d_block2_attn_out_reshape 1600x64 float32
-                (0, 1228800),  # 123: d_block2_attn_attention_grad 307200 float32
-                (2867200, 409600),  # 124: d_block2_attn_slice 102400 float32
-                (3276800, 256),  # 125: d_block2_attn_q_B 64 float32
-                (3686400, 16384),  # 126: d_block2_attn_q_W 64x64 float32
-                (3276800, 409600),  # 127: d_block2_attn_q_reshape 1600x64 float32
-                (2867200, 409600),  # 128: d_block2_attn_slice_2 102400 float32
-                (3686400, 409600),  # 129: d_block2_attn_slice_3 102400 float32
-                (0, 256),  # 130: d_block2_attn_v_B 64 float32
-                (819200, 16384),  # 131: d_block2_attn_k_W 64x64 float32
-                (835584, 16384),  # 132: d_block2_attn_v_W 64x64 float32
-                (0, 409600),  # 133: d_block2_attn_q_reshape_2 1600x64 float32
-                (409600, 409600),  # 134: d_block2_attn_q_reshape_3 1600x64 float32
-                (32768, 512),  # 135: d_block2_ln1_layer_norm_param_grad 2x64 float32
-                (0, 32768),  # 136: d_block1_fc2_W 64x128 float32
-                (0, 256),  # 137: d_block1_fc2_B 64 float32
-                (0, 256),  # 138: d_block2_ln1_slice 1x64 float32
-                (256, 256),  # 139: d_block2_ln1_slice_2 1x64 float32
-                (0, 819200),  # 140: d_block1_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 141: d_block1_fc1_W 128x64 float32
-                (1228800, 512),  # 142: d_block1_fc1_B 128 float32
-                (819200, 409600),  # 143: d_block1_fc1_reshape 1600x64 float32
-                (0, 512),  # 144: d_block1_ln2_layer_norm_param_grad 2x64 float32
-                (512, 256),  # 145: d_block1_attn_out_B 64 float32
-                (512, 256),  # 146: d_block1_ln2_slice 1x64 float32
-                (768, 256),  # 147: d_block1_ln2_slice_2 1x64 float32
-                (0, 16384),  # 148: d_block1_attn_out_W 64x64 float32
-                (1228800, 409600),  # 149: d_block1_attn_out_reshape 1600x64 float32
-                (0, 1228800),  # 150: d_block1_attn_attention_grad 307200 float32
-                (1228800, 409600),  # 151: d_block1_attn_slice 102400 float32
-                (1638400, 256),  # 152: d_block1_attn_q_B 64 float32
-                (2048000, 16384),  # 153: d_block1_attn_q_W 64x64 float32
-                (1638400, 409600),  # 154: d_block1_attn_q_reshape 1600x64 float32
-                (1228800, 409600),  # 155: d_block1_attn_slice_2 102400 float32
-                (2048000, 409600),  # 156: d_block1_attn_slice_3 102400 float32
-                (0, 256),  # 157: d_block1_attn_v_B 64 float32
-                (819200, 16384),  # 158: d_block1_attn_k_W 64x64 float32
-                (835584, 16384),  # 159: d_block1_attn_v_W 64x64 float32
-                (0, 409600),  # 160: d_block1_attn_q_reshape_2 1600x64 float32
-                (409600, 409600),  # 161: d_block1_attn_q_reshape_3 1600x64 float32
-                (0, 512),  # 162: d_block1_ln1_layer_norm_param_grad 2x64 float32
-                (512, 256),  # 163: d_block1_ln1_slice 1x64 float32
-                (768, 256),  # 164: d_block1_ln1_slice_2 1x64 float32
-                (422144, 4096),  # 165: d_pos 1x16x64 float32
-                (0, 409600),  # 166: d_block1_ln2_reshape 100x64x16 float32
-                (409600, 12544),  # 167: d_patch_W 64x1x7x7 float32
-                (426240, 256),  # 168: d_patch_sum_to 1x64x1x1 float32
+                (6144000, 819200),  # 57: d_block4_fc2_reshape 1600x128 float32
+                (0, 32768),  # 58: d_block4_fc1_W 128x64 float32
+                (409600, 512),  # 59: d_block4_fc1_B 128 float32
+                (0, 409600),  # 60: d_block4_fc1_reshape 1600x64 float32
+                (409600, 512),  # 61: d_block4_ln2_layer_norm_param_grad 2x64 float32
+                (0, 256),  # 62: d_block4_attn_out_B 64 float32
+                (0, 16384),  # 63: d_block4_attn_out_W 64x64 float32
+                (6144000, 409600),  # 64: d_block4_attn_out_reshape 1600x64 float32
+                (0, 1228800),  # 65: d_block4_attn_attention_grad 307200 float32
+                (6144000, 256),  # 66: d_block4_attn_q_B 64 float32
+                (6144000, 256),  # 67: d_block4_attn_v_B 64 float32
+                (6144000, 16384),  # 68: d_block4_attn_q_W 64x64 float32
+                (6144000, 16384),  # 69: d_block4_attn_k_W 64x64 float32
+                (6160384, 16384),  # 70: d_block4_attn_v_W 64x64 float32
+                (6144000, 409600),  # 71: d_block4_attn_q_reshape 1600x64 float32
+                (6553600, 409600),  # 72: d_block4_attn_q_reshape_2 1600x64 float32
+                (17203200, 409600),  # 73: d_block4_attn_q_reshape_3 1600x64 float32
+                (32768, 512),  # 74: d_block4_ln1_layer_norm_param_grad 2x64 float32
+                (0, 32768),  # 75: d_block3_fc2_W 64x128 float32
+                (0, 256),  # 76: d_block3_fc2_B 64 float32
+                (0, 819200),  # 77: d_block3_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 78: d_block3_fc1_W 128x64 float32
+                (4505600, 512),  # 79: d_block3_fc1_B 128 float32
+                (819200, 409600),  # 80: d_block3_fc1_reshape 1600x64 float32
+                (0, 512),  # 81: d_block3_ln2_layer_norm_param_grad 2x64 float32
+                (0, 256),  # 82: d_block3_attn_out_B 64 float32
+                (0, 16384),  # 83: d_block3_attn_out_W 64x64 float32
+                (4505600, 409600),  # 84: d_block3_attn_out_reshape 1600x64 float32
+                (0, 1228800),  # 85: d_block3_attn_attention_grad 307200 float32
+                (4505600, 256),  # 86: d_block3_attn_q_B 64 float32
+                (4505600, 256),  # 87: d_block3_attn_v_B 64 float32
+                (4505600, 16384),  # 88: d_block3_attn_q_W 64x64 float32
+                (4505600, 16384),  # 89: d_block3_attn_k_W 64x64 float32
+                (4521984, 16384),  # 90: d_block3_attn_v_W 64x64 float32
+                (4505600, 409600),  # 91: d_block3_attn_q_reshape 1600x64 float32
+                (4915200, 409600),  # 92: d_block3_attn_q_reshape_2 1600x64 float32
+                (5324800, 409600),  # 93: d_block3_attn_q_reshape_3 1600x64 float32
+                (32768, 512),  # 94: d_block3_ln1_layer_norm_param_grad 2x64 float32
+                (0, 32768),  # 95: d_block2_fc2_W 64x128 float32
+                (0, 256),  # 96: d_block2_fc2_B 64 float32
+                (0, 819200),  # 97: d_block2_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 98: d_block2_fc1_W 128x64 float32
+                (2867200, 512),  # 99: d_block2_fc1_B 128 float32
+                (819200, 409600),  # 100: d_block2_fc1_reshape 1600x64 float32
+                (0, 512),  # 101: d_block2_ln2_layer_norm_param_grad 2x64 float32
+                (0, 256),  # 102: d_block2_attn_out_B 64 float32
+                (0, 16384),  # 103: d_block2_attn_out_W 64x64 float32
+                (2867200, 409600),  # 104: d_block2_attn_out_reshape 1600x64 float32
+                (0, 1228800),  # 105: d_block2_attn_attention_grad 307200 float32
+                (2867200, 256),  # 106: d_block2_attn_q_B 64 float32
+                (2867200, 256),  # 107: d_block2_attn_v_B 64 float32
+                (2867200, 16384),  # 108: d_block2_attn_q_W 64x64 float32
+                (2867200, 16384),  # 109: d_block2_attn_k_W 64x64 float32
+                (2883584, 16384),  # 110: d_block2_attn_v_W 64x64 float32
+                (2867200, 409600),  # 111: d_block2_attn_q_reshape 1600x64 float32
+                (3276800, 409600),  # 112: d_block2_attn_q_reshape_2 1600x64 float32
+                (3686400, 409600),  # 113: d_block2_attn_q_reshape_3 1600x64 float32
+                (32768, 512),  # 114: d_block2_ln1_layer_norm_param_grad 2x64 float32
+                (0, 32768),  # 115: d_block1_fc2_W 64x128 float32
+                (0, 256),  # 116: d_block1_fc2_B 64 float32
+                (0, 819200),  # 117: d_block1_fc2_reshape 1600x128 float32
+                (819200, 32768),  # 118: d_block1_fc1_W 128x64 float32
+                (1228800, 512),  # 119: d_block1_fc1_B 128 float32
+                (819200, 409600),  # 120: d_block1_fc1_reshape 1600x64 float32
+                (0, 512),  # 121: d_block1_ln2_layer_norm_param_grad 2x64 float32
+                (0, 256),  # 122: d_block1_attn_out_B 64 float32
+                (0, 16384),  # 123: d_block1_attn_out_W 64x64 float32
+                (1228800, 409600),  # 124: d_block1_attn_out_reshape 1600x64 float32
+                (0, 1228800),  # 125: d_block1_attn_attention_grad 307200 float32
+                (1228800, 256),  # 126: d_block1_attn_q_B 64 float32
+                (1228800, 256),  # 127: d_block1_attn_v_B 64 float32
+                (1228800, 16384),  # 128: d_block1_attn_q_W 64x64 float32
+                (1228800, 16384),  # 129: d_block1_attn_k_W 64x64 float32
+                (1245184, 16384),  # 130: d_block1_attn_v_W 64x64 float32
+                (1228800, 409600),  # 131: d_block1_attn_q_reshape 1600x64 float32
+                (1638400, 409600),  # 132: d_block1_attn_q_reshape_2 1600x64 float32
+                (2048000, 409600),  # 133: d_block1_attn_q_reshape_3 1600x64 float32
+                (0, 512),  # 134: d_block1_ln1_layer_norm_param_grad 2x64 float32
+                (422144, 4096),  # 135: d_pos 1x16x64 float32
+                (0, 409600),  # 136: d_block1_ln2_reshape 100x64x16 float32
+                (409600, 12544),  # 137: d_patch_W 64x1x7x7 float32
+                (426240, 256),  # 138: d_patch_sum_to 1x64x1x1 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=2048512, peak_bytes=2048512, workspace_bytes=409600, pool_bytes=2362112,

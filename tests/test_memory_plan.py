@@ -106,6 +106,34 @@ def test_an_old_value_kept_as_an_output_beside_an_equal_copy_is_one_statement_ea
     assert_same(run_in_arena(program, plan, values), reference(program, values), rtol=1e-5)
 
 
+def test_a_slice_of_a_block_on_the_alignment_is_a_view_other_slices_copy():
+    """Rows 1..2 of a (3, 64) value start 256 bytes in, on the arena's alignment: the slice is a view of the value
+    (no buffer, nothing copied; the value stays live while the view is read, and the statement writing in place
+    over the view writes the value's bytes). Every row's first half is no block, and a (3, 5) value's row 1
+    starts 20 bytes in: both are copies. Run in the plan's arena, the step computes what the interpreter does."""
+    from deepdsl.ir import Graph, make
+    from deepdsl.ops.elementwise import sym
+    from tests.support.random_programs import feeds
+
+    x = make("input", (), name="x", shape=(3, 64), dtype="float", role="data")
+    z = make("input", (), name="z", shape=(3, 5), dtype="float", role="data")
+    y, zz = make("ew", (x,), expr=sym(0) * 2), make("ew", (z,), expr=sym(0) * 3)
+    rows = make("slice", (y,), axis=0, start=1, stop=3)
+    half = make("slice", (y,), axis=1, start=0, stop=32)
+    odd = make("slice", (zz,), axis=0, start=1, stop=2)
+    assert [get_op("slice").aliases(n) for n in (rows, half, odd)] == [True, False, False]
+    outputs = (("rows", make("ew", (rows,), expr=sym(0) * sym(0) + 1)), ("half", make("ew", (half,), expr=sym(0) - 1)),
+               ("odd", make("ew", (odd,), expr=sym(0) + 5)))
+    program, plan = planned(Graph("step", outputs))
+    plan.check()
+    placed = {id(p.value): p for p in plan.placements.values()}
+    assert placed[id(rows)].view_of is y and placed[id(rows)].buffer == placed[id(y)].buffer
+    assert placed[id(half)].view_of is None and placed[id(half)].buffer != placed[id(y)].buffer
+    assert placed[id(odd)].view_of is None and placed[id(odd)].buffer != placed[id(zz)].buffer
+    values = feeds(program.inputs, 3)
+    assert_same(run_in_arena(program, plan, values), reference(program, values), rtol=1e-6)
+
+
 @SETTINGS
 @given(step_programs())
 def test_live_bytes_are_the_sum_of_live_buffers(graph):

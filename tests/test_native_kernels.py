@@ -692,6 +692,42 @@ def test_label_ranks_and_token_masks_equal_numpy(lib, threads):
 
 
 @needs_cc
+@pytest.mark.parametrize("rows, columns", [(2048, 256), (7, 1), (33, 15), (65, 17), (3, 1000)])
+def test_log_softmax_equals_numpy_at_any_thread_count(lib, rows, columns):
+    """The compiled log-softmax against numpy's kernel within float32 rounding, and the same bits on 1, 2 and 3
+    threads and written over its input; rows of whole vectors and not, a row holding NaN, a row of -inf, a row with
+    -inf among finite scores, a row of large scores (the largest subtracted first); output NaN-filled."""
+    from deepdsl_runtime.cpu import loss
+
+    rng = np.random.default_rng(rows + columns)
+    x = (4 * rng.standard_normal((rows, columns))).astype(np.float32)
+    x[1, 0] = np.nan
+    x[2] = -np.inf
+    x[-1] += 3e4
+    if columns > 1:
+        x[0, -1] = -np.inf
+    want = np.empty_like(x)
+    with np.errstate(invalid="ignore"):                 # the NaN rows
+        loss.log_softmax(x, out=want, workspace=np.empty(x.size, np.float32))
+    before, results = lib.threads, []
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            got = np.full_like(x, np.nan)
+            assert lib.log_softmax(x, got)
+            results.append(got)
+            inplace = x.copy()
+            assert lib.log_softmax(inplace, inplace)
+            np.testing.assert_array_equal(inplace, got)
+    finally:
+        lib.set_threads(before)
+    assert all(r.tobytes() == results[0].tobytes() for r in results)
+    np.testing.assert_allclose(results[0], want, rtol=2e-6, atol=2e-6)
+    assert np.isnan(results[0][1]).all() and np.isnan(results[0][2]).all()
+    assert not lib.log_softmax(x[::2], np.empty_like(x[::2]))           # strided rows: numpy's kernel
+
+
+@needs_cc
 @pytest.mark.parametrize("case", [  # (units, T, S, d, e, causal, bias shape or None, dropout's keep or None)
     ((2, 3), 5, 7, 4, 6, False, None, None), ((2, 3), 6, 6, 4, 3, True, (1, 3, 6, 6), None),
     ((3,), 70, 90, 5, 2, False, (3, 1, 90), None), ((2,), 130, 130, 64, 64, True, None, None),

@@ -2,8 +2,8 @@
 
 The default rule covers most ops: `rt.<op>(<inputs>, out=<value>, <attributes>)`, the runtime function having
 the op's name, its inputs in order and its attributes as keywords; ops with scratch memory also get
-`workspace=`. The table below holds the exceptions: views (no `out`), elementwise kernels and their sums, random
-masks, attention's dropout mask.
+`workspace=`. The table below holds the exceptions: views (no `out`; a slice where it is one), elementwise kernels
+and their sums, random masks, attention's dropout mask.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from deepdsl.ir import HIDDEN, Node
+from deepdsl.ops import get_op
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,11 @@ def default(site: Site) -> str:
 def view(site: Site) -> str:
     """Views alias their input: the statement binds a name, there is no `out`."""
     return f"{site.out} = rt.{site.node.op}({', '.join(site.args)}{_attrs(site.node)})"
+
+
+def slice_of(site: Site) -> str:
+    """A slice: a view where it is one (`ops.shape.Slice.aliases`), else a copy into its buffer."""
+    return (view if get_op("slice").aliases(site.node) else default)(site)
 
 
 def elementwise(site: Site) -> str:
@@ -107,6 +113,7 @@ def all_sum(site: Site) -> str:
 SNIPPETS: dict[str, Callable[[Site], str]] = {
     "all_sum": all_sum,
     "reshape": view,
+    "slice": slice_of,
     "ew": elementwise,
     "ew_sum": elementwise_sum,
     "bernoulli": bernoulli,

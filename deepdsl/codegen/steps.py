@@ -186,7 +186,7 @@ def _role(leaf: Node) -> str:
 
 
 def _is_view(node: Node) -> bool:
-    return get_op(node.op).view
+    return get_op(node.op).aliases(node)
 
 
 class StepBuilder:

@@ -86,6 +86,15 @@ class Op:
     def evaluate(self, ctx: EvalContext, *args: np.ndarray, **attrs: Any) -> np.ndarray:
         raise NotImplementedError(self.name)
 
+    def aliases(self, node: Node) -> bool:
+        """Whether `node`'s output is a view of its input 0 (`view`; an op may decide by its attributes and shapes):
+        it computes nothing, costs no memory and lives in that input's storage (`deepdsl.storage`)."""
+        return self.view
+
+    def view_offset(self, node: Node) -> int:
+        """Where a view's bytes start in its input's (`aliases`): 0 but for a slice's block."""
+        return 0
+
     def overwritable(self, node: Node) -> tuple[int, ...]:
         """Positions of the inputs of `node` its output may be written over (see `in_place`)."""
         return self.in_place

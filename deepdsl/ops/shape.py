@@ -3,9 +3,12 @@ two axes (attention's heads and tokens), and taking rows of a table by index (to
 into them (their gradient)."""
 from __future__ import annotations
 
-import numpy as np
+import math
 
-from deepdsl.ir import INT32, Node, make
+import numpy as np
+from deepdsl_runtime.contract import ALIGNMENT
+
+from deepdsl.ir import INT32, ITEMSIZE, Node, make
 from deepdsl.ops import Op, dims, register, require
 
 
@@ -47,6 +50,17 @@ class Slice(Op):
     def infer(self, x: Node, *, axis, start, stop):
         require(0 <= start < stop <= x.shape[axis], f"slice {start}:{stop} out of axis {axis} of {dims(x.shape)}")
         return x.shape[:axis] + (stop - start,) + x.shape[axis + 1:], x.dtype
+
+    def aliases(self, node: Node) -> bool:
+        """A view where the slice is one block of its input (every axis before `axis` of size 1) starting on the
+        arena's alignment, as every buffer does: a packed gradient's parts (attention's), a row of a layer norm's
+        parameter gradients. Other slices copy."""
+        x, axis = node.inputs[0], node.attr("axis")
+        return math.prod(x.shape[:axis]) == 1 and self.view_offset(node) % ALIGNMENT == 0
+
+    def view_offset(self, node: Node) -> int:
+        x, axis = node.inputs[0], node.attr("axis")
+        return node.attr("start") * math.prod(x.shape[axis + 1:]) * ITEMSIZE[x.dtype]
 
     def vjp(self, node, g):
         x = node.inputs[0]

@@ -10,7 +10,7 @@ The op contract, shared by every backend module (`deepdsl_runtime.cpu` here, a C
   trades speed for memory without changing results. Without a workspace an op allocates its
   own scratch (handy interactively, never done by generated programs).
 - Small per-row temporaries (a max or a sum per example) may be allocated by numpy.
-- `reshape` is a view and has no `out`; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote,
+- `reshape` is a view and has no `out`, and so is a `slice` called without one; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote,
   `ew_pair((kernel, out, *args), (kernel, out, *args))` two of them in one pass (the second reads the first's out),
   `ew_and_sum` the same with the second summed (as `ew_sum`).
 - The ops that multiply matrices (matmul and the three convolutions) take `gemm=`, the function computing each
@@ -65,7 +65,7 @@ _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "layer_norm", "la
              "layer_norm_param_grad", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
              "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to", "gather_rows", "scatter_rows",
              "label_rank", "equal", "attention", "attention_grad", "bernoulli", "matmul",
-             "transpose")
+             "transpose", "log_softmax")
 
 
 def backend(native=None, gemm=None) -> types.SimpleNamespace:

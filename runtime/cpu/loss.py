@@ -19,8 +19,11 @@ def softmax(x, *, out, causal=False):
     np.divide(out, out.sum(axis=1, keepdims=True), out=out)
 
 
-def log_softmax(x, *, out, workspace=None):
-    """Rows' log-softmax, in chunks of rows (scratch: the exponentials)."""
+def log_softmax(x, *, out, workspace=None, native=None):
+    """Rows' log-softmax, in chunks of rows (scratch: the exponentials); with `native`, the program's compiled kernel
+    (`Native.log_softmax`: a row at a time, on their threads, no scratch)."""
+    if native is not None and native.log_softmax(x, out):
+        return
     scratch_floats = contract.log_softmax_scratch(x.shape)
     for a, b in sample_chunks(x.shape[0], workspace, scratch_floats, 3 * scratch_floats):
         xs, outs = x[a:b], out[a:b]

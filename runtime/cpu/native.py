@@ -267,6 +267,7 @@ class Native:
         lib.deepdsl_direct_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_take_rows.argtypes = [_P, _P, _L, _L, _L, _P]
         lib.deepdsl_label_rank.argtypes = [_P, _P, _L, _L, _P]
+        lib.deepdsl_log_softmax.argtypes = [_P, _L, _L, _P]
         lib.deepdsl_equal_tokens.argtypes = [_P, _L, _I, _P]
         lib.deepdsl_add_rows.argtypes = [_P, _P, _L, _L, _L, _P]
         lib.deepdsl_set_threads.argtypes = [_I]
@@ -636,6 +637,14 @@ class Native:
     def scatter_rows(self, g: np.ndarray, ids: np.ndarray, out: np.ndarray) -> bool:
         """out = 0; out[ids[i]] += g[i] in order (`deepdsl_add_rows`); False as `gather_rows`."""
         return self._by_rows(self.lib.deepdsl_add_rows, g, ids, out, g.shape[0], g.shape[1], out.shape[0])
+
+    def log_softmax(self, x: np.ndarray, out: np.ndarray) -> bool:
+        """out = the rows' log-softmax of the matrix x (`deepdsl_log_softmax`; out may be x); False (nothing written)
+        where the arrays are not contiguous float32."""
+        if x.ndim != 2 or not _contiguous32(x, out):
+            return False
+        self.lib.deepdsl_log_softmax(_address(x), x.shape[0], x.shape[1], _address(out))
+        return True
 
     def label_rank(self, x: np.ndarray, labels: np.ndarray, out: np.ndarray) -> bool:
         """Each row's rank of its label (`deepdsl_label_rank`); False as `gather_rows`."""

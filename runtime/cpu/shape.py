@@ -55,8 +55,14 @@ def _axis_index(ndim, axis, start, stop):
     return tuple(index)
 
 
-def slice(x, *, out, axis, start, stop):  # noqa: A001 -- the IR op's name
-    np.copyto(out, x[_axis_index(x.ndim, axis, start, stop)])
+def slice(x, *, out=None, axis, start, stop):  # noqa: A001 -- the IR op's name
+    """x[..., start:stop, ...] along `axis`, copied into `out`; without `out`, the view of that block of x (a
+    program asks for one where the block is contiguous: every axis before `axis` of size 1)."""
+    part = x[_axis_index(x.ndim, axis, start, stop)]
+    if out is None:
+        return part
+    np.copyto(out, part)
+    return None
 
 
 def pad_axis(x, *, out, axis, start, size):

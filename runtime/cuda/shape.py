@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from deepdsl_runtime.cuda.arrays import copy2d, fill, launch_items
+from deepdsl_runtime.cuda.arrays import DeviceArray, copy2d, fill, launch_items
 
 
 def _split(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
@@ -20,8 +20,15 @@ def concat(*xs, out, axis):
         start += a
 
 
-def slice(x, *, out, axis, start, stop):  # noqa: A001 -- the IR op's name
+def slice(x, *, out=None, axis, start, stop):  # noqa: A001 -- the IR op's name
+    """x[..., start:stop, ...] along `axis`, copied into `out`; without `out`, the view of that block of x, which must
+    be contiguous (every axis before `axis` of size 1)."""
     outer, inner = _split(x.shape, axis)
+    if out is None:
+        if outer != 1:
+            raise ValueError(f"a slice of axis {axis} of {x.shape} is no block of it")
+        shape = x.shape[:axis] + (stop - start,) + x.shape[axis + 1:]
+        return DeviceArray(x.ptr + start * inner * x.itemsize, shape, x.dtype, x.owner, x.device)
     copy2d(out.device, outer, (stop - start) * inner, x.ptr + start * inner * x.itemsize, x.shape[axis] * inner,
            out.ptr, (stop - start) * inner, x.itemsize)
 

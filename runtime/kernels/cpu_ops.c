@@ -781,6 +781,31 @@ void deepdsl_label_rank(const float* x, const int* labels, long rows, long class
     }
 }
 
+// out = each row's log-softmax, (x - m) - log(sum_j exp(x_j - m)), m the row's largest score (NaN for a row holding
+// NaN, as numpy's max gives; a row of -inf gives NaN). A thread computes whole rows; a row's exponentials are summed
+// in 16 lanes halved in a fixed order (DEEPDSL_LANE_SUM): the results do not depend on the thread count.
+void deepdsl_log_softmax(const float* x, long rows, long columns, float* out) {
+#pragma omp parallel for schedule(static) if (rows * columns >= DEEPDSL_PARALLEL_MIN)
+    for (long i = 0; i < rows; ++i) {
+        const float* row = x + i * columns;
+        float* o = out + i * columns;
+        float lanes[DEEPDSL_SUM_LANES];
+        for (int l = 0; l < DEEPDSL_SUM_LANES; ++l) lanes[l] = -INFINITY;
+        long j = 0;
+        for (; j + DEEPDSL_SUM_LANES <= columns; j += DEEPDSL_SUM_LANES) {
+#pragma omp simd
+            for (int l = 0; l < DEEPDSL_SUM_LANES; ++l) lanes[l] = deepdsl_maxf(lanes[l], row[j + l]);
+        }
+        for (int l = 0; j + l < columns; ++l) lanes[l] = deepdsl_maxf(lanes[l], row[j + l]);
+        float m = lanes[0];
+        for (int l = 1; l < DEEPDSL_SUM_LANES; ++l) m = deepdsl_maxf(m, lanes[l]);
+        DEEPDSL_LANE_SUM(columns, lanes, k, deepdsl_expf_poly(row[k] - m));
+        const float log_sum = logf(deepdsl_lane_total(lanes));
+#pragma omp simd
+        for (long k = 0; k < columns; ++k) o[k] = (row[k] - m) - log_sum;
+    }
+}
+
 // out[i] = 1 where the token x[i] equals value, else 0
 void deepdsl_equal_tokens(const int* x, long n, int value, uint8_t* out) {
 #pragma omp parallel for schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
