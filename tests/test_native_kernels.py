@@ -889,7 +889,7 @@ def _avx2_library(tmp_path) -> native.Native:
 def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
     """The attention's passes over rows built for a processor with AVX2 but not AVX-512 (masked vectors by AVX's own
     loads and stores) give this build's bits: rows of every length around a vector's, causal, with a bias, with
-    and without dropout's masks; and so do dropout's masks themselves (four 64-bit lanes instead of eight)."""
+    and without dropout's masks; and so do dropout's masks themselves (scalar 128-bit products instead of vectors)."""
     from deepdsl_runtime.cpu.attention import Bias
 
     avx = _avx2_library(tmp_path)

@@ -814,9 +814,9 @@ void deepdsl_equal_tokens(const int* x, long n, int value, uint8_t* out) {
 
 // Dropout's mask: n bytes of the stream keyed by (seed, stream), 1 with probability keep (deepdsl_random.h: the
 // bytes numpy's generator gives, each a function of its index alone).
-// Sixteen groups at a time, lane by lane in each round (vectors of groups: eight 64-bit lanes with AVX-512, four with
-// AVX2), a last partial block of groups alone.
-#define DEEPDSL_BERNOULLI_LANES 16
+// Sixteen groups at a time, lane by lane in each round (vectors of groups: eight 64-bit lanes with AVX-512), or four
+// in scalar registers where the products are scalar (deepdsl_mulhi64: AVX2), a last partial block of groups alone.
+#define DEEPDSL_BERNOULLI_LANES (DEEPDSL_PHILOX_VECTORS ? 16 : 4)
 void deepdsl_bernoulli(uint8_t* out, long n, unsigned long long seed, unsigned long long stream, float keep) {
     const long blocks = n / (8 * DEEPDSL_BERNOULLI_LANES);
 #pragma omp parallel for schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)

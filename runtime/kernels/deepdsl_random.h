@@ -19,11 +19,19 @@ typedef struct {
     deepdsl_u64 v[4];
 } deepdsl_philox4x64;
 
-// the high 64 bits of a * b; on the host from 32-bit halves, which vectorize (a loop over groups of the CPU kernel
-// runs eight at a time with AVX-512, four with AVX2)
+// the high 64 bits of a * b. On a host with AVX-512's 64-bit vector products, from 32-bit halves, which vectorize (a
+// loop over groups of the CPU kernel runs eight at a time); elsewhere one 64 x 64 -> 128-bit product of a scalar
+// register (AVX2's vectors would emulate the low 64 bits of a product too: the scalar products take half the time)
+#if defined(__AVX512DQ__) || !defined(__SIZEOF_INT128__)
+#define DEEPDSL_PHILOX_VECTORS 1
+#else
+#define DEEPDSL_PHILOX_VECTORS 0
+#endif
 DEEPDSL_HD deepdsl_u64 deepdsl_mulhi64(deepdsl_u64 a, deepdsl_u64 b) {
 #ifdef __CUDA_ARCH__
     return __umul64hi(a, b);
+#elif !DEEPDSL_PHILOX_VECTORS
+    return (deepdsl_u64)(((unsigned __int128)a * b) >> 64);
 #else
     const deepdsl_u64 a0 = a & 0xffffffffULL, a1 = a >> 32, b0 = b & 0xffffffffULL, b1 = b >> 32;
     const deepdsl_u64 low = a0 * b0, middle = a1 * b0, other = a0 * b1;
