@@ -2,7 +2,8 @@
 
     Loop ─autodiff→ setup (empty), train, test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→
          ─fuse_elementwise→ ─fuse_reductions→ ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→
-         ─rematerialize→ ─inplace→ ─fuse_multi_output→ ─dealloc→ Programs ─plan_memory→ MemoryPlans
+         ─rematerialize→ ─inplace→ ─fuse_horizontal→ ─fuse_multi_output→ ─dealloc→ Programs
+         ─plan_memory→ MemoryPlans
 
 `STAGES` is the whole pipeline after `autodiff`, one `Stage` record per stage: its name, its function and the
 `CompileOptions` field that switches it on (None: it always runs). `run_stages` runs any slice of it with the
@@ -30,6 +31,7 @@ from deepdsl.passes.cse import cse
 from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.fold_transposes import fold_transposes
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
+from deepdsl.passes.fuse_horizontal import fuse_horizontal
 from deepdsl.passes.fuse_multi_output import fuse_multi_output
 from deepdsl.passes.fuse_reductions import fuse_reductions
 from deepdsl.passes.inplace import compute_in_place
@@ -147,7 +149,8 @@ def _hoist(steps: Mapping[str, Graph]) -> dict[str, Graph]:
 
 
 # CSE runs before fusion too: merging duplicates first gives fusion true reader counts. After `inplace` the
-# programs have their final order and in-place statements; `fuse_multi_output` marks the pairs of statements one
+# programs have their final order and in-place statements; `fuse_horizontal` gathers the small parameters' updates
+# at the end in batches of one kernel; `fuse_multi_output` marks the pairs of statements one
 # call computes together, `dealloc` frees each value after its last read (a pair's call reads the inputs of both);
 # `plan_memory` gives their plans.
 STAGES: tuple[Stage, ...] = (
@@ -165,6 +168,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("rematerialize", rematerialize, "rematerialize"),   # needs the final order; before in-place and frees
     Stage("inplace", compute_in_place, "inplace",
           lambda o: {"activations": o.inplace_activations, "updates": o.inplace_updates}),
+    Stage("fuse_horizontal", fuse_horizontal, "fuse", lambda o: {"takeover": o.takeover}),   # small updates batched
     Stage("fuse_multi_output", fuse_multi_output, None, lambda o: {"takeover": o.takeover}),  # final order, in place
     Stage("dealloc", insert_frees, "dealloc"),            # frees after the reads of both statements of a pair
     Stage("plan_memory", plan_memory, None, lambda o: {"workspace_limit": o.workspace_limit, "takeover": o.takeover}),

@@ -3,9 +3,10 @@
 A `Let` defines its node's value from the node's inputs; `Let(node, into=t)` writes that value over the storage of
 `t` (in-place computation: `t`, and every view of it, is dead from then on); `Free` ends the life of values (added
 by the memory passes); `Let(node, computes_also=v)` computes `v`, defined by the statement before it, in the same
-kernel call. Inputs are the program's leaves (batch, parameters, state, hyperparameters, hoisted
-values); outputs map names to values. Names appear only when printing: leaves by their own names, statement values after
-where they came from (`deepdsl.provenance`: `cv1`, `fc1_relu`, `d_cv1_W`; the new value of a parameter or state
+kernel call, and `Let(node, batch=(v1, ..., vk))` the values of the k statements before it. Inputs are the
+program's leaves (batch, parameters, state, hyperparameters, hoisted values); outputs map names to values. Names
+appear only when printing: leaves by their own names, statement values after where they came from
+(`deepdsl.provenance`: `cv1`, `fc1_relu`, `d_cv1_W`; the new value of a parameter or state
 tensor `fc1_W_new`), made unique in order (`fc1_relu_2`).
 """
 from __future__ import annotations
@@ -34,11 +35,15 @@ class Let:
     computes_also: the value of the `Let` just before this one, computed by this statement's kernel together with
         its own (`passes.fuse_multi_output`); that statement then only binds its buffer. The values are those the
         two statements define one by one, so the text of the program does not show it.
+    batch: the values of the `Let`s just before this one, in order, that this statement's call computes with its
+        own, the same elementwise kernel on each one's operands (`passes.fuse_horizontal`); those statements only
+        bind their buffers. Not shown in the text either.
     """
 
     node: Node
     into: Node | None = None
     computes_also: Node | None = None
+    batch: tuple[Node, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,9 @@ Every value lives in one *storage*, named by its root value:
 - an in-place statement `Let(node, into=t)` lives in the storage of `t`.
 
 A statement computed together with the one before it (`Let(node, computes_also=v)`, `passes.fuse_multi_output`)
-uses the storages of `v` and of the inputs of `v`'s statement as well: the one call that computes both writes `v`
-and reads those inputs there (their values are read by `v`'s statement, as the program says, so `last_read` does
-not move).
+or with the k before it (`Let(node, batch=(v1, ..., vk))`, `passes.fuse_horizontal`) uses the storages of those
+values and of their statements' inputs as well: the one call that computes them writes them and reads those inputs
+there (their values are read by their own statements, as the program says, so `last_read` does not move).
 
 The analysis here is shared by the in-place and dealloc passes, the memory planner, the verifier and the
 interpreter, so all of them agree on what aliases what. When each storage is live, and how many bytes are live at
@@ -108,8 +108,9 @@ def analyze(program: Program) -> Storage:
                 last_read[id(i)] = index
                 info = infos[id(root[id(i)])]
                 info.last_use = max(info.last_use, index)
-        if instr.computes_also is not None:      # the call computing both reads the first's inputs, writes its output
-            for i in (*instr.computes_also.inputs, instr.computes_also):
+        together = (instr.computes_also,) if instr.computes_also is not None else instr.batch
+        for value in together:                   # the call computing them reads their inputs, writes their outputs
+            for i in (*value.inputs, value):
                 if id(i) in root:
                     info = infos[id(root[id(i)])]
                     info.last_use = max(info.last_use, index)

@@ -12,7 +12,10 @@ elementwise (or an op whose kernel may overwrite that input, `Op.overwritable`) 
 afterwards no value stored with `t` is read (they are overwritten).
 A statement computed together with the one before it (`Let(node, computes_also=v)`): `v` is that statement's
 node, which is computed with no other, and one call can compute both (`passes.fuse_multi_output.computed_together`,
-which also says when either may write in place).
+which also says when either may write in place). A batch (`Let(node, batch=(v1, ..., vk))`): the k statements right
+before it define v1, ..., vk, all are `ew` statements of one kernel and operands' pattern
+(`passes.fuse_horizontal.batch_key`) in no pair or other batch, and none reads another's value or a storage another
+one writes over.
 Once a program has Free statements (after the dealloc pass), every arena storage that holds no program output is
 freed exactly once, by the Free right after the last statement that defines or reads a value stored there, naming
 all of its values still alive; persistent values are never freed.
@@ -66,6 +69,8 @@ def verify(program: Program) -> Program:
                 fail(index, f"{names[id(node)]} assigned twice")
             if instr.computes_also is not None:
                 _check_computed_together(program, index, instr, names, fail)
+            if instr.batch:
+                _check_batch(program, index, instr, storage, names, fail)
             if instr.into is not None:
                 _check_in_place(program, index, instr, storage, live, outputs, names, fail)
                 info = storage.of(instr.into)
@@ -111,6 +116,28 @@ def _check_computed_together(program, index, instr, names, fail) -> None:
         fail(index, f"{names[id(instr.node)]} is computed with the statement before it, which is already paired")
     if not computed_together(before, instr):
         fail(index, f"{names[id(instr.node)]} and the statement before it cannot be computed by one call")
+
+
+def _check_batch(program, index, instr, storage, names, fail) -> None:
+    from deepdsl.passes.fuse_horizontal import batch_key
+
+    k = len(instr.batch)
+    before = program.body[index - k:index] if index >= k else ()
+    if len(before) != k or any(not isinstance(b, Let) or b.node is not v for b, v in zip(before, instr.batch)):
+        fail(index, f"{names[id(instr.node)]} computes values that the statements before it do not define")
+    key = batch_key(instr)
+    if key is None or any(batch_key(b) != key or b.computes_also is not None or b.batch for b in before):
+        fail(index, f"{names[id(instr.node)]} and the statements before it are no batch of one kernel")
+    statements = (*before, instr)
+    members = {id(b.node) for b in statements}
+
+    def where(x):       # the storage of a value (itself where no analysis is needed: no statement is in place)
+        return id(storage.root.get(id(x), x)) if storage is not None else id(x)
+
+    for b in statements:
+        others = {where(c.into) for c in statements if c is not b and c.into is not None}
+        if any(id(x) in members or where(x) in others for x in b.node.inputs):
+            fail(index, f"{names[id(instr.node)]}: a statement of its batch reads another one's value or storage")
 
 
 def _check_in_place(program, index, instr, storage, live, outputs, names, fail) -> None:

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x227x227 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 450000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 506.55 MB of tensors planned for the training step (227.83 MB testing); static arena 524.71 MB, pool 642.73 MB, workspace 33.46 MB
-Structure hash: 5a3a5ce14e8a9aa4
+Structure hash: 7500ae93a3e925b6
 
 Usage: python alexnet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Alexnet(rp.Model):
 
     name = "alexnet"
     source = "networks/alexnet.py"
-    structure_hash = "5a3a5ce14e8a9aa4"
+    structure_hash = "7500ae93a3e925b6"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 227, 227)
@@ -448,15 +448,6 @@ class Alexnet(rp.Model):
         rt.sum_to(d_conv4, out=d_conv4_sum_to, shape=(1, 384, 1, 1))
         # d_conv4_B = reshape[384](d_conv4_sum_to)
         d_conv4_B = rt.reshape(d_conv4_sum_to, shape=(384,))
-        # V_conv4_B_new = V_conv4_B*momentum + d_conv4_B   (computed with the next statement)
-        V_conv4_B_new = T['V_conv4_B']  # in place: the new V_conv4_B
-        # conv4_B_new = conv4_B - 2*lr*V_conv4_B_new
-        conv4_B_new = T['conv4_B']  # in place: the new conv4_B
-        rt.ew_pair((ew_mul_add, V_conv4_B_new, T['V_conv4_B'], momentum, d_conv4_B),
-                   (ew_mul_sub, conv4_B_new, T['conv4_B'], lr, V_conv4_B_new))
-        # free d_conv4_sum_to, d_conv4_B
-        del d_conv4_sum_to, d_conv4_B
-        mem.free(36)
         # d_conv4_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4, conv3_relu)
         d_conv4_W = mem.tensor(37, (384, 384, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv4, conv3_relu, out=d_conv4_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31781376))
@@ -467,8 +458,8 @@ class Alexnet(rp.Model):
         del d_conv4_W
         mem.free(37)
         # d_conv3_relu = conv2d_bwd_data[pad=1,size=(13,13)](d_conv4, conv4_W)
-        d_conv3_relu = mem.tensor(38, (128, 384, 13, 13), 'float32')
-        rt.conv2d_bwd_data(d_conv4, T['conv4_W'], out=d_conv3_relu, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(33438720))
+        d_conv3_relu = mem.tensor(38, (128, 384, 13, 13), 'float32', over=35)
+        rt.conv2d_bwd_data(d_conv4, T['conv4_W'], out=d_conv3_relu, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(30354432))
         # free d_conv4_relu, d_conv4
         del d_conv4_relu, d_conv4
         mem.free(35)
@@ -515,15 +506,6 @@ class Alexnet(rp.Model):
         rt.ew(ew_mul_sub_2, conv3_W_new, T['conv3_W'], lr, V_conv3_W_new)
         # d_conv3_B = reshape[384](d_conv3_sum_to)
         d_conv3_B = rt.reshape(d_conv3_sum_to, shape=(384,))
-        # V_conv3_B_new = V_conv3_B*momentum + d_conv3_B   (computed with the next statement)
-        V_conv3_B_new = T['V_conv3_B']  # in place: the new V_conv3_B
-        # conv3_B_new = conv3_B - 2*lr*V_conv3_B_new
-        conv3_B_new = T['conv3_B']  # in place: the new conv3_B
-        rt.ew_pair((ew_mul_add, V_conv3_B_new, T['V_conv3_B'], momentum, d_conv3_B),
-                   (ew_mul_sub, conv3_B_new, T['conv3_B'], lr, V_conv3_B_new))
-        # free d_conv3_sum_to, d_conv3_B
-        del d_conv3_sum_to, d_conv3_B
-        mem.free(40)
 
         # ---- fc7 (fully connected, 4096 outputs), backward ----
         # d_fc7_W = matmul[ta](d_fc7, fc6_dropout)
@@ -590,15 +572,6 @@ class Alexnet(rp.Model):
         rt.ew(ew_mul_sub_2, conv2_W_new, T['conv2_W'], lr, V_conv2_W_new)
         # d_conv2_B = reshape[256](d_conv2_sum_to)
         d_conv2_B = rt.reshape(d_conv2_sum_to, shape=(256,))
-        # V_conv2_B_new = V_conv2_B*momentum + d_conv2_B   (computed with the next statement)
-        V_conv2_B_new = T['V_conv2_B']  # in place: the new V_conv2_B
-        # conv2_B_new = conv2_B - 2*lr*V_conv2_B_new
-        conv2_B_new = T['conv2_B']  # in place: the new conv2_B
-        rt.ew_pair((ew_mul_add, V_conv2_B_new, T['V_conv2_B'], momentum, d_conv2_B),
-                   (ew_mul_sub, conv2_B_new, T['conv2_B'], lr, V_conv2_B_new))
-        # free d_conv2_sum_to, d_conv2_B
-        del d_conv2_sum_to, d_conv2_B
-        mem.free(45)
 
         # ---- conv1_max_pool (max pooling 3x3, stride 2, padding 0), backward ----
         # d_conv1_lrn = max_pool_bwd[ceil=True,kernel=3,size=(55,55),stride=2](d_conv1_max_pool, conv1_max_pool_argmax)
@@ -645,15 +618,6 @@ class Alexnet(rp.Model):
         mem.free(48)
         # d_conv1_B = reshape[96](d_conv1_sum_to)
         d_conv1_B = rt.reshape(d_conv1_sum_to, shape=(96,))
-        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B   (computed with the next statement)
-        V_conv1_B_new = T['V_conv1_B']  # in place: the new V_conv1_B
-        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new
-        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
-        rt.ew_pair((ew_mul_add, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B),
-                   (ew_mul_sub, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new))
-        # free d_conv1_sum_to, d_conv1_B
-        del d_conv1_sum_to, d_conv1_B
-        mem.free(49)
 
         # ---- fc6 (fully connected, 4096 outputs), backward ----
         # d_fc6_W = matmul[ta](d_fc6, conv5_flatten)
@@ -671,6 +635,37 @@ class Alexnet(rp.Model):
         # free d_fc6_W
         del d_fc6_W
         mem.free(50)
+
+        # ---- the small tensors' updates, one call per kernel ----
+        # V_conv4_B_new = V_conv4_B*momentum + d_conv4_B   (computed with the last statement of its batch)
+        V_conv4_B_new = T['V_conv4_B']  # in place: the new V_conv4_B
+        # V_conv3_B_new = V_conv3_B*momentum + d_conv3_B   (computed with the last statement of its batch)
+        V_conv3_B_new = T['V_conv3_B']  # in place: the new V_conv3_B
+        # V_conv2_B_new = V_conv2_B*momentum + d_conv2_B   (computed with the last statement of its batch)
+        V_conv2_B_new = T['V_conv2_B']  # in place: the new V_conv2_B
+        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B   (and the 3 statements before it, in one call)
+        V_conv1_B_new = T['V_conv1_B']  # in place: the new V_conv1_B
+        rt.ew_many(ew_mul_add,
+                   (V_conv4_B_new, T['V_conv4_B'], momentum, d_conv4_B),
+                   (V_conv3_B_new, T['V_conv3_B'], momentum, d_conv3_B),
+                   (V_conv2_B_new, T['V_conv2_B'], momentum, d_conv2_B),
+                   (V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B))
+        # free d_conv4_sum_to, d_conv4_B, d_conv3_sum_to, d_conv3_B, d_conv2_sum_to, d_conv2_B, d_conv1_sum_to, d_conv1_B
+        del d_conv4_sum_to, d_conv4_B, d_conv3_sum_to, d_conv3_B, d_conv2_sum_to, d_conv2_B, d_conv1_sum_to, d_conv1_B
+        mem.free(36, 40, 45, 49)
+        # conv4_B_new = conv4_B - 2*lr*V_conv4_B_new   (computed with the last statement of its batch)
+        conv4_B_new = T['conv4_B']  # in place: the new conv4_B
+        # conv3_B_new = conv3_B - 2*lr*V_conv3_B_new   (computed with the last statement of its batch)
+        conv3_B_new = T['conv3_B']  # in place: the new conv3_B
+        # conv2_B_new = conv2_B - 2*lr*V_conv2_B_new   (computed with the last statement of its batch)
+        conv2_B_new = T['conv2_B']  # in place: the new conv2_B
+        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new   (and the 3 statements before it, in one call)
+        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
+        rt.ew_many(ew_mul_sub,
+                   (conv4_B_new, T['conv4_B'], lr, V_conv4_B_new),
+                   (conv3_B_new, T['conv3_B'], lr, V_conv3_B_new),
+                   (conv2_B_new, T['conv2_B'], lr, V_conv2_B_new),
+                   (conv1_B_new, T['conv1_B'], lr, V_conv1_B_new))
         loss = rt.scalar(fc8_log_loss)
         mem.end()
         return loss
@@ -1034,42 +1029,42 @@ class Alexnet(rp.Model):
                 (121831424, 5537792),  # 11: conv2_max_pool_argmax 128x256x13x13 uint8
                 (99680256, 22151168),  # 12: conv2_max_pool 128x256x13x13 float32
                 (33226752, 33226752),  # 13: conv3 128x384x13x13 float32
-                (0, 33226752),  # 14: conv4 128x384x13x13 float32
-                (66453504, 22151168),  # 15: conv5 128x256x13x13 float32
-                (93323264, 1179648),  # 16: conv5_max_pool_argmax 128x256x6x6 uint8
+                (66453504, 33226752),  # 14: conv4 128x384x13x13 float32
+                (0, 22151168),  # 15: conv5 128x256x13x13 float32
+                (26869760, 1179648),  # 16: conv5_max_pool_argmax 128x256x6x6 uint8
                 (516859392, 4718592),  # 17: conv5_max_pool 128x256x6x6 float32
-                (66453504, 2097152),  # 18: fc6_matmul 128x4096 float32
+                (0, 2097152),  # 18: fc6_matmul 128x4096 float32
                 (127369216, 2097152),  # 19: fc6_dropout 128x4096 float32
-                (68550656, 2097152),  # 20: fc7_matmul 128x4096 float32
-                (82837504, 2097152),  # 21: fc7_dropout 128x4096 float32
-                (70647808, 512000),  # 22: fc8_matmul 128x1000 float32
-                (71159808, 512),  # 23: fc8_log_loss_pick 128 float32
+                (2097152, 2097152),  # 20: fc7_matmul 128x4096 float32
+                (16384000, 2097152),  # 21: fc7_dropout 128x4096 float32
+                (4194304, 512000),  # 22: fc8_matmul 128x1000 float32
+                (4706304, 512),  # 23: fc8_log_loss_pick 128 float32
                 (524711424, 4),  # 24: fc8_log_loss_sum_to scalar float32
-                (70647808, 4000),  # 25: d_fc8_B 1000 float32
+                (4194304, 4000),  # 25: d_fc8_B 1000 float32
                 (129466368, 2097152),  # 26: d_fc7_dropout 128x4096 float32
-                (68550656, 16384),  # 27: d_fc7_B 4096 float32
+                (2097152, 16384),  # 27: d_fc7_B 4096 float32
                 (521577984, 2097152),  # 28: d_fc6_dropout 128x4096 float32
-                (66453504, 16384),  # 29: d_fc6_B 4096 float32
-                (88604672, 4718592),  # 30: d_conv5_flatten 128x9216 float32
-                (66453504, 16384000),  # 31: d_fc8_W 1000x4096 float32
-                (66453504, 22151168),  # 32: d_conv5_relu_max_pool_bwd 128x256x13x13 float32
-                (88604672, 1024),  # 33: d_conv5_sum_to 1x256x1x1 float32
-                (88604672, 3538944),  # 34: d_conv5_W 256x384x3x3 float32
-                (66453504, 33226752),  # 35: d_conv4_relu 128x384x13x13 float32
-                (0, 1536),  # 36: d_conv4_sum_to 1x384x1x1 float32
-                (0, 5308416),  # 37: d_conv4_W 384x384x3x3 float32
+                (0, 16384),  # 29: d_fc6_B 4096 float32
+                (22151168, 4718592),  # 30: d_conv5_flatten 128x9216 float32
+                (0, 16384000),  # 31: d_fc8_W 1000x4096 float32
+                (0, 22151168),  # 32: d_conv5_relu_max_pool_bwd 128x256x13x13 float32
+                (22151168, 1024),  # 33: d_conv5_sum_to 1x256x1x1 float32
+                (22151168, 3538944),  # 34: d_conv5_W 256x384x3x3 float32
+                (0, 33226752),  # 35: d_conv4_relu 128x384x13x13 float32
+                (523675136, 1536),  # 36: d_conv4_sum_to 1x384x1x1 float32
+                (66453504, 5308416),  # 37: d_conv4_W 384x384x3x3 float32
                 (0, 33226752),  # 38: d_conv3_relu 128x384x13x13 float32
                 (33226752, 3538944),  # 39: d_conv3_W 384x256x3x3 float32
-                (33226752, 1536),  # 40: d_conv3_sum_to 1x384x1x1 float32
+                (523676672, 1536),  # 40: d_conv3_sum_to 1x384x1x1 float32
                 (95551488, 22151168),  # 41: d_conv2_max_pool 128x256x13x13 float32
                 (0, 67108864),  # 42: d_fc7_W 4096x4096 float32
                 (0, 95551488),  # 43: d_conv2_lrn 128x256x27x27 float32
                 (95551488, 2457600),  # 44: d_conv2_W 256x96x5x5 float32
-                (95551488, 1024),  # 45: d_conv2_sum_to 1x256x1x1 float32
+                (333201408, 1024),  # 45: d_conv2_sum_to 1x256x1x1 float32
                 (297369600, 35831808),  # 46: d_conv1_max_pool 128x96x27x27 float32
                 (0, 148684800),  # 47: d_conv1_lrn 128x96x55x55 float32
                 (148684800, 139392),  # 48: d_conv1_W 96x3x11x11 float32
-                (148824320, 384),  # 49: d_conv1_sum_to 1x96x1x1 float32
+                (150994944, 384),  # 49: d_conv1_sum_to 1x96x1x1 float32
                 (0, 150994944),  # 50: d_fc6_W 4096x9216 float32
             )),
         "test_step": rp.StepPlan(

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
 Memory: peak 24.13 MB of tensors planned for the training step (3.15 MB testing); static arena 24.13 MB, pool 24.14 MB, workspace 6.36 MB
-Structure hash: b196a1fdccc74fd7
+Structure hash: f7c8b0f9f13784c6
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "b196a1fdccc74fd7"
+    structure_hash = "f7c8b0f9f13784c6"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -515,15 +515,6 @@ class CharLm(rp.Model):
         # free ln, next_reshape
         del ln, next_reshape
         mem.free(33)
-        # S_next_W_new = 0.999*S_next_W + 0.001*d_next_W**2
-        S_next_W_new = T['S_next_W']  # in place: the new S_next_W
-        rt.ew(ew_square_scale_add, S_next_W_new, T['S_next_W'], d_next_W)
-        # M_next_W_new = 0.9*M_next_W + 0.1*d_next_W
-        M_next_W_new = T['M_next_W']  # in place: the new M_next_W
-        rt.ew(ew_scale_add, M_next_W_new, T['M_next_W'], d_next_W)
-        # free d_next_W
-        del d_next_W
-        mem.free(38)
         # d_next_B = sum_to[256](d_next_add)
         d_next_B = mem.tensor(39, (256,), 'float32')
         rt.sum_to(d_next_add, out=d_next_B, shape=(256,))
@@ -533,21 +524,6 @@ class CharLm(rp.Model):
         # free d_next_cross_entropy_log_softmax, d_next_add
         del d_next_cross_entropy_log_softmax, d_next_add
         mem.free(37)
-        # next_W_new = next_W*(-lr*decay + 1) - lr*M_next_W_new/(bias1*(sqrt(S_next_W_new)/sqrt(bias2) + 1.0e-8))
-        next_W_new = T['next_W']  # in place: the new next_W
-        rt.ew(ew_mul_sub_recip_sqrt, next_W_new, T['next_W'], lr, bias1, M_next_W_new, S_next_W_new, bias2, decay)
-        # S_next_B_new = 0.999*S_next_B + 0.001*d_next_B**2
-        S_next_B_new = T['S_next_B']  # in place: the new S_next_B
-        rt.ew(ew_square_scale_add, S_next_B_new, T['S_next_B'], d_next_B)
-        # M_next_B_new = 0.9*M_next_B + 0.1*d_next_B   (computed with the next statement)
-        M_next_B_new = T['M_next_B']  # in place: the new M_next_B
-        # next_B_new = next_B*(-lr*decay + 1) - lr*M_next_B_new/(bias1*(sqrt(S_next_B_new)/sqrt(bias2) + 1.0e-8))
-        next_B_new = T['next_B']  # in place: the new next_B
-        rt.ew_pair((ew_scale_add, M_next_B_new, T['M_next_B'], d_next_B),
-                   (ew_mul_sub_recip_sqrt, next_B_new, T['next_B'], lr, bias1, M_next_B_new, S_next_B_new, bias2, decay))
-        # free d_next_B
-        del d_next_B
-        mem.free(39)
         # d_ln = reshape[32x64x64](d_next_reshape)
         d_ln = rt.reshape(d_next_reshape, shape=(32, 64, 64))
 
@@ -571,63 +547,21 @@ class CharLm(rp.Model):
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
         mem.free(31)
-        # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
-        S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
-        rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
-        # M_block2_fc2_W_new = 0.9*M_block2_fc2_W + 0.1*d_block2_fc2_W
-        M_block2_fc2_W_new = T['M_block2_fc2_W']  # in place: the new M_block2_fc2_W
-        rt.ew(ew_scale_add, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
-        # free d_block2_fc2_W
-        del d_block2_fc2_W
-        mem.free(42)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
         d_ln_slice = rt.slice(d_ln_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_ln_W = reshape[64](d_ln_slice)
         d_ln_W = rt.reshape(d_ln_slice, shape=(64,))
-        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
-        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
-        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
-        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the next statement)
-        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
-        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
-        ln_W_new = T['ln_W']  # in place: the new ln_W
-        rt.ew_pair((ew_scale_add, M_ln_W_new, T['M_ln_W'], d_ln_W),
-                   (ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay))
         # d_ln_slice_2 = slice[axis=0,start=1,stop=2](d_ln_layer_norm_param_grad)
         d_ln_slice_2 = rt.slice(d_ln_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_ln_B = reshape[64](d_ln_slice_2)
         d_ln_B = rt.reshape(d_ln_slice_2, shape=(64,))
-        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
-        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
-        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
-        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
-        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
-        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
-        ln_B_new = T['ln_B']  # in place: the new ln_B
-        rt.ew_pair((ew_scale_add, M_ln_B_new, T['M_ln_B'], d_ln_B),
-                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
-        # free d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B
-        del d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B
-        mem.free(41)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
         d_block2_fc2_B = mem.tensor(43, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
-        # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
-        S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
-        rt.ew(ew_square_scale_add, S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B)
-        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the next statement)
-        M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
-        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
-        rt.ew_pair((ew_scale_add, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
-        # free d_block2_fc2_B
-        del d_block2_fc2_B
-        mem.free(43)
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
         d_block2_fc2_reshape = mem.tensor(44, (2048, 256), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
@@ -651,22 +585,6 @@ class CharLm(rp.Model):
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
         mem.free(29)
-        # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
-        S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
-        rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
-        # M_block2_fc1_W_new = 0.9*M_block2_fc1_W + 0.1*d_block2_fc1_W
-        M_block2_fc1_W_new = T['M_block2_fc1_W']  # in place: the new M_block2_fc1_W
-        rt.ew(ew_scale_add, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
-        # free d_block2_fc1_W
-        del d_block2_fc1_W
-        mem.free(45)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
-        # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_W_new = T['block2_fc2_W']  # in place: the new block2_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc2_W_new, T['block2_fc2_W'], lr, bias1, M_block2_fc2_W_new, S_block2_fc2_W_new, bias2, decay)
-
-        # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # d_block2_fc1_B = sum_to[256](d_block2_fc1_add)
         d_block2_fc1_B = mem.tensor(46, (256,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(256,))
@@ -676,21 +594,6 @@ class CharLm(rp.Model):
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         mem.free(44)
-        # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay)
-        # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2
-        S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
-        rt.ew(ew_square_scale_add, S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B)
-        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the next statement)
-        M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
-        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
-        rt.ew_pair((ew_scale_add, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
-        # free d_block2_fc1_B
-        del d_block2_fc1_B
-        mem.free(46)
         # d_block2_ln2 = reshape[32x64x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(32, 64, 64))
 
@@ -720,63 +623,21 @@ class CharLm(rp.Model):
         # free block2_attn_out_transpose, block2_attn_out_reshape
         del block2_attn_out_transpose, block2_attn_out_reshape
         mem.free(27)
-        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
-        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
-        rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
-        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W
-        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
-        rt.ew(ew_scale_add, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
-        # free d_block2_attn_out_W
-        del d_block2_attn_out_W
-        mem.free(49)
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_slice = slice[axis=0,start=0,stop=1](d_block2_ln2_layer_norm_param_grad)
         d_block2_ln2_slice = rt.slice(d_block2_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
         d_block2_ln2_W = rt.reshape(d_block2_ln2_slice, shape=(64,))
-        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
-        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
-        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
-        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the next statement)
-        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
-        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
-        rt.ew_pair((ew_scale_add, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay))
         # d_block2_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln2_layer_norm_param_grad)
         d_block2_ln2_slice_2 = rt.slice(d_block2_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block2_ln2_B = reshape[64](d_block2_ln2_slice_2)
         d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
-        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
-        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
-        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
-        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
-        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
-        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
-        rt.ew_pair((ew_scale_add, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
-        # free d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B
-        del d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B
-        mem.free(48)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
         d_block2_attn_out_B = mem.tensor(50, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
-        # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
-        S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
-        rt.ew(ew_square_scale_add, S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B)
-        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the next statement)
-        M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
-        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
-        rt.ew_pair((ew_scale_add, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
-        # free d_block2_attn_out_B
-        del d_block2_attn_out_B
-        mem.free(50)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
         d_block2_attn_out_reshape = mem.tensor(51, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
@@ -796,13 +657,6 @@ class CharLm(rp.Model):
         # free block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
         del block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
         mem.free(2, 21, 23, 25, 26, 52)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
-        # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay)
-
-        # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_slice = slice[axis=0,start=0,stop=131072](d_block2_attn_attention_grad)
         d_block2_attn_slice = rt.slice(d_block2_attn_attention_grad, axis=0, start=0, stop=131072)
         # d_block2_attn_transpose = reshape[32x4x64x16](d_block2_attn_slice)
@@ -817,18 +671,6 @@ class CharLm(rp.Model):
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
         d_block2_attn_q_B = mem.tensor(55, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
-        # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
-        S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
-        rt.ew(ew_square_scale_add, S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B)
-        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the next statement)
-        M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
-        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
-        rt.ew_pair((ew_scale_add, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
-        # free d_block2_attn_q_B
-        del d_block2_attn_q_B
-        mem.free(55)
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
         d_block2_attn_q_W = mem.tensor(56, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
@@ -838,18 +680,6 @@ class CharLm(rp.Model):
         # free d_block2_attn_reshape, d_block2_attn_q_add
         del d_block2_attn_reshape, d_block2_attn_q_add
         mem.free(54)
-        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
-        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
-        rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
-        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the next statement)
-        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
-        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
-        rt.ew_pair((ew_scale_add, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay))
-        # free d_block2_attn_q_W
-        del d_block2_attn_q_W
-        mem.free(56)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block2_attn_attention_grad)
@@ -876,18 +706,6 @@ class CharLm(rp.Model):
         # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
         d_block2_attn_v_B = mem.tensor(60, (64,), 'float32')
         rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
-        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
-        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
-        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
-        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
-        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
-        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
-        rt.ew_pair((ew_scale_add, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
-        # free d_block2_attn_v_B
-        del d_block2_attn_v_B
-        mem.free(60)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
         # d_block2_attn_k_matmul = reshape[2048x64](d_block2_attn_reshape_2)
@@ -929,36 +747,6 @@ class CharLm(rp.Model):
         # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
         del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
         mem.free(57, 63)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
-        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
-        rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
-        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the next statement)
-        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
-        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
-        rt.ew_pair((ew_scale_add, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay))
-        # free d_block2_attn_k_W
-        del d_block2_attn_k_W
-        mem.free(61)
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
-        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
-        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
-        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the next statement)
-        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
-        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
-        rt.ew_pair((ew_scale_add, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay))
-        # free d_block2_attn_v_W
-        del d_block2_attn_v_W
-        mem.free(62)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_ln1 = reshape[32x64x64](d_block2_attn_q_reshape_4)
         d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(32, 64, 64))
 
@@ -988,63 +776,21 @@ class CharLm(rp.Model):
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
         mem.free(17)
-        # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
-        S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
-        rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
-        # M_block1_fc2_W_new = 0.9*M_block1_fc2_W + 0.1*d_block1_fc2_W
-        M_block1_fc2_W_new = T['M_block1_fc2_W']  # in place: the new M_block1_fc2_W
-        rt.ew(ew_scale_add, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
-        # free d_block1_fc2_W
-        del d_block1_fc2_W
-        mem.free(66)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
         d_block2_ln1_slice = rt.slice(d_block2_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block2_ln1_W = reshape[64](d_block2_ln1_slice)
         d_block2_ln1_W = rt.reshape(d_block2_ln1_slice, shape=(64,))
-        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
-        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
-        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
-        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the next statement)
-        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
-        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
-        rt.ew_pair((ew_scale_add, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay))
         # d_block2_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln1_layer_norm_param_grad)
         d_block2_ln1_slice_2 = rt.slice(d_block2_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block2_ln1_B = reshape[64](d_block2_ln1_slice_2)
         d_block2_ln1_B = rt.reshape(d_block2_ln1_slice_2, shape=(64,))
-        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
-        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
-        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
-        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
-        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
-        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
-        rt.ew_pair((ew_scale_add, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
-        # free d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B
-        del d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B
-        mem.free(65)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
         d_block1_fc2_B = mem.tensor(67, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
-        # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
-        S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
-        rt.ew(ew_square_scale_add, S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B)
-        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the next statement)
-        M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
-        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
-        rt.ew_pair((ew_scale_add, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
-        # free d_block1_fc2_B
-        del d_block1_fc2_B
-        mem.free(67)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
         d_block1_fc2_reshape = mem.tensor(68, (2048, 256), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
@@ -1068,22 +814,6 @@ class CharLm(rp.Model):
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
         mem.free(15)
-        # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
-        S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
-        rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
-        # M_block1_fc1_W_new = 0.9*M_block1_fc1_W + 0.1*d_block1_fc1_W
-        M_block1_fc1_W_new = T['M_block1_fc1_W']  # in place: the new M_block1_fc1_W
-        rt.ew(ew_scale_add, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
-        # free d_block1_fc1_W
-        del d_block1_fc1_W
-        mem.free(69)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
-        # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_W_new = T['block1_fc2_W']  # in place: the new block1_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc2_W_new, T['block1_fc2_W'], lr, bias1, M_block1_fc2_W_new, S_block1_fc2_W_new, bias2, decay)
-
-        # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # d_block1_fc1_B = sum_to[256](d_block1_fc1_add)
         d_block1_fc1_B = mem.tensor(70, (256,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(256,))
@@ -1093,21 +823,6 @@ class CharLm(rp.Model):
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         mem.free(68)
-        # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay)
-        # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2
-        S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
-        rt.ew(ew_square_scale_add, S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B)
-        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the next statement)
-        M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
-        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
-        rt.ew_pair((ew_scale_add, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
-        # free d_block1_fc1_B
-        del d_block1_fc1_B
-        mem.free(70)
         # d_block1_ln2 = reshape[32x64x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(32, 64, 64))
 
@@ -1137,63 +852,21 @@ class CharLm(rp.Model):
         # free block1_attn_out_transpose, block1_attn_out_reshape
         del block1_attn_out_transpose, block1_attn_out_reshape
         mem.free(13)
-        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
-        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
-        rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
-        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W
-        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
-        rt.ew(ew_scale_add, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
-        # free d_block1_attn_out_W
-        del d_block1_attn_out_W
-        mem.free(73)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_slice = slice[axis=0,start=0,stop=1](d_block1_ln2_layer_norm_param_grad)
         d_block1_ln2_slice = rt.slice(d_block1_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
         d_block1_ln2_W = rt.reshape(d_block1_ln2_slice, shape=(64,))
-        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
-        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
-        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
-        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the next statement)
-        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
-        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
-        rt.ew_pair((ew_scale_add, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay))
         # d_block1_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln2_layer_norm_param_grad)
         d_block1_ln2_slice_2 = rt.slice(d_block1_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block1_ln2_B = reshape[64](d_block1_ln2_slice_2)
         d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
-        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
-        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
-        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
-        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
-        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
-        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
-        rt.ew_pair((ew_scale_add, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
-        # free d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B
-        del d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B
-        mem.free(72)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
         d_block1_attn_out_B = mem.tensor(74, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
-        # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
-        S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
-        rt.ew(ew_square_scale_add, S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B)
-        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the next statement)
-        M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
-        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
-        rt.ew_pair((ew_scale_add, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
-        # free d_block1_attn_out_B
-        del d_block1_attn_out_B
-        mem.free(74)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
         d_block1_attn_out_reshape = mem.tensor(75, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
@@ -1213,13 +886,6 @@ class CharLm(rp.Model):
         # free block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
         del block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
         mem.free(3, 7, 9, 11, 12, 76)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
-        # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay)
-
-        # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_slice = slice[axis=0,start=0,stop=131072](d_block1_attn_attention_grad)
         d_block1_attn_slice = rt.slice(d_block1_attn_attention_grad, axis=0, start=0, stop=131072)
         # d_block1_attn_transpose = reshape[32x4x64x16](d_block1_attn_slice)
@@ -1234,18 +900,6 @@ class CharLm(rp.Model):
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
         d_block1_attn_q_B = mem.tensor(79, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
-        # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
-        S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
-        rt.ew(ew_square_scale_add, S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B)
-        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the next statement)
-        M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
-        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
-        rt.ew_pair((ew_scale_add, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
-        # free d_block1_attn_q_B
-        del d_block1_attn_q_B
-        mem.free(79)
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
         d_block1_attn_q_W = mem.tensor(80, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
@@ -1255,18 +909,6 @@ class CharLm(rp.Model):
         # free d_block1_attn_reshape, d_block1_attn_q_add
         del d_block1_attn_reshape, d_block1_attn_q_add
         mem.free(78)
-        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
-        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
-        rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
-        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the next statement)
-        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
-        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
-        rt.ew_pair((ew_scale_add, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay))
-        # free d_block1_attn_q_W
-        del d_block1_attn_q_W
-        mem.free(80)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block1_attn_attention_grad)
@@ -1293,18 +935,6 @@ class CharLm(rp.Model):
         # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
         d_block1_attn_v_B = mem.tensor(84, (64,), 'float32')
         rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
-        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
-        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
-        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
-        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
-        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
-        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
-        rt.ew_pair((ew_scale_add, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
-        # free d_block1_attn_v_B
-        del d_block1_attn_v_B
-        mem.free(84)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
         # d_block1_attn_k_matmul = reshape[2048x64](d_block1_attn_reshape_2)
@@ -1346,36 +976,6 @@ class CharLm(rp.Model):
         # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
         del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
         mem.free(81, 87)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
-        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
-        rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
-        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the next statement)
-        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
-        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
-        rt.ew_pair((ew_scale_add, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay))
-        # free d_block1_attn_k_W
-        del d_block1_attn_k_W
-        mem.free(85)
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
-        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
-        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
-        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the next statement)
-        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
-        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
-        rt.ew_pair((ew_scale_add, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay))
-        # free d_block1_attn_v_W
-        del d_block1_attn_v_W
-        mem.free(86)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_ln1 = reshape[32x64x64](d_block1_attn_q_reshape_4)
         d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(32, 64, 64))
 
@@ -1403,31 +1003,10 @@ class CharLm(rp.Model):
         d_block1_ln1_slice = rt.slice(d_block1_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block1_ln1_W = reshape[64](d_block1_ln1_slice)
         d_block1_ln1_W = rt.reshape(d_block1_ln1_slice, shape=(64,))
-        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
-        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
-        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
-        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W   (computed with the next statement)
-        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
-        # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
-        rt.ew_pair((ew_scale_add, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay))
         # d_block1_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln1_layer_norm_param_grad)
         d_block1_ln1_slice_2 = rt.slice(d_block1_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block1_ln1_B = reshape[64](d_block1_ln1_slice_2)
         d_block1_ln1_B = rt.reshape(d_block1_ln1_slice_2, shape=(64,))
-        # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
-        S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
-        rt.ew(ew_square_scale_add, S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B)
-        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the next statement)
-        M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
-        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
-        rt.ew_pair((ew_scale_add, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
-        # free d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B
-        del d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B
-        mem.free(89)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_pos = sum_to[1x64x64](d_block1_ln2_add_4)
@@ -1443,32 +1022,338 @@ class CharLm(rp.Model):
         # free x, embed_reshape, d_next_reshape, d_ln, d_ln_add, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4, d_embed_gather_rows
         del x, embed_reshape, d_next_reshape, d_ln, d_ln_add, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4, d_embed_gather_rows
         mem.free(0, 40)
-        # S_embed_W_new = 0.999*S_embed_W + 0.001*d_embed_W**2
-        S_embed_W_new = T['S_embed_W']  # in place: the new S_embed_W
-        rt.ew(ew_square_scale_add, S_embed_W_new, T['S_embed_W'], d_embed_W)
-        # M_embed_W_new = 0.9*M_embed_W + 0.1*d_embed_W   (computed with the next statement)
-        M_embed_W_new = T['M_embed_W']  # in place: the new M_embed_W
-        # embed_W_new = embed_W*(-lr*decay + 1) - lr*M_embed_W_new/(bias1*(sqrt(S_embed_W_new)/sqrt(bias2) + 1.0e-8))
-        embed_W_new = T['embed_W']  # in place: the new embed_W
-        rt.ew_pair((ew_scale_add, M_embed_W_new, T['M_embed_W'], d_embed_W),
-                   (ew_mul_sub_recip_sqrt, embed_W_new, T['embed_W'], lr, bias1, M_embed_W_new, S_embed_W_new, bias2, decay))
-        # free d_embed_W
-        del d_embed_W
-        mem.free(91)
 
-        # ---- pos (parameter 1x64x64), backward ----
-        # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
+        # ---- the small tensors' updates, one call per kernel ----
+        # S_next_W_new = 0.999*S_next_W + 0.001*d_next_W**2   (computed with the last statement of its batch)
+        S_next_W_new = T['S_next_W']  # in place: the new S_next_W
+        # S_next_B_new = 0.999*S_next_B + 0.001*d_next_B**2   (computed with the last statement of its batch)
+        S_next_B_new = T['S_next_B']  # in place: the new S_next_B
+        # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2   (computed with the last statement of its batch)
+        S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
+        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2   (computed with the last statement of its batch)
+        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
+        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2   (computed with the last statement of its batch)
+        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
+        # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2   (computed with the last statement of its batch)
+        S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
+        # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2   (computed with the last statement of its batch)
+        S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
+        # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2   (computed with the last statement of its batch)
+        S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
+        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2   (computed with the last statement of its batch)
+        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
+        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2   (computed with the last statement of its batch)
+        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
+        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2   (computed with the last statement of its batch)
+        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
+        # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2   (computed with the last statement of its batch)
+        S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
+        # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2   (computed with the last statement of its batch)
+        S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
+        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2   (computed with the last statement of its batch)
+        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
+        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2   (computed with the last statement of its batch)
+        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
+        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2   (computed with the last statement of its batch)
+        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
+        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2   (computed with the last statement of its batch)
+        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
+        # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2   (computed with the last statement of its batch)
+        S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
+        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2   (computed with the last statement of its batch)
+        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
+        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2   (computed with the last statement of its batch)
+        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
+        # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2   (computed with the last statement of its batch)
+        S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
+        # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2   (computed with the last statement of its batch)
+        S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
+        # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2   (computed with the last statement of its batch)
+        S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
+        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2   (computed with the last statement of its batch)
+        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
+        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2   (computed with the last statement of its batch)
+        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
+        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2   (computed with the last statement of its batch)
+        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
+        # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2   (computed with the last statement of its batch)
+        S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
+        # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2   (computed with the last statement of its batch)
+        S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
+        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2   (computed with the last statement of its batch)
+        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
+        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2   (computed with the last statement of its batch)
+        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
+        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2   (computed with the last statement of its batch)
+        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
+        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2   (computed with the last statement of its batch)
+        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
+        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2   (computed with the last statement of its batch)
+        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
+        # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2   (computed with the last statement of its batch)
+        S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
+        # S_embed_W_new = 0.999*S_embed_W + 0.001*d_embed_W**2   (computed with the last statement of its batch)
+        S_embed_W_new = T['S_embed_W']  # in place: the new S_embed_W
+        # S_pos_new = 0.999*S_pos + 0.001*d_pos**2   (and the 35 statements before it, in one call)
         S_pos_new = T['S_pos']  # in place: the new S_pos
-        rt.ew(ew_square_scale_add, S_pos_new, T['S_pos'], d_pos)
-        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (computed with the next statement)
+        rt.ew_many(ew_square_scale_add,
+                   (S_next_W_new, T['S_next_W'], d_next_W),
+                   (S_next_B_new, T['S_next_B'], d_next_B),
+                   (S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W),
+                   (S_ln_W_new, T['S_ln_W'], d_ln_W),
+                   (S_ln_B_new, T['S_ln_B'], d_ln_B),
+                   (S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B),
+                   (S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W),
+                   (S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B),
+                   (S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W),
+                   (S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W),
+                   (S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B),
+                   (S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B),
+                   (S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B),
+                   (S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W),
+                   (S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B),
+                   (S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W),
+                   (S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W),
+                   (S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W),
+                   (S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W),
+                   (S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B),
+                   (S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B),
+                   (S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W),
+                   (S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B),
+                   (S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W),
+                   (S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W),
+                   (S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B),
+                   (S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B),
+                   (S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B),
+                   (S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W),
+                   (S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B),
+                   (S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W),
+                   (S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W),
+                   (S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W),
+                   (S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B),
+                   (S_embed_W_new, T['S_embed_W'], d_embed_W),
+                   (S_pos_new, T['S_pos'], d_pos))
+        # M_next_W_new = 0.9*M_next_W + 0.1*d_next_W   (computed with the last statement of its batch)
+        M_next_W_new = T['M_next_W']  # in place: the new M_next_W
+        # M_next_B_new = 0.9*M_next_B + 0.1*d_next_B   (computed with the last statement of its batch)
+        M_next_B_new = T['M_next_B']  # in place: the new M_next_B
+        # M_block2_fc2_W_new = 0.9*M_block2_fc2_W + 0.1*d_block2_fc2_W   (computed with the last statement of its batch)
+        M_block2_fc2_W_new = T['M_block2_fc2_W']  # in place: the new M_block2_fc2_W
+        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the last statement of its batch)
+        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
+        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the last statement of its batch)
+        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
+        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the last statement of its batch)
+        M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
+        # M_block2_fc1_W_new = 0.9*M_block2_fc1_W + 0.1*d_block2_fc1_W   (computed with the last statement of its batch)
+        M_block2_fc1_W_new = T['M_block2_fc1_W']  # in place: the new M_block2_fc1_W
+        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the last statement of its batch)
+        M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
+        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W   (computed with the last statement of its batch)
+        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
+        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the last statement of its batch)
+        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
+        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the last statement of its batch)
+        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
+        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the last statement of its batch)
+        M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
+        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the last statement of its batch)
+        M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
+        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the last statement of its batch)
+        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
+        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the last statement of its batch)
+        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
+        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the last statement of its batch)
+        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
+        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the last statement of its batch)
+        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
+        # M_block1_fc2_W_new = 0.9*M_block1_fc2_W + 0.1*d_block1_fc2_W   (computed with the last statement of its batch)
+        M_block1_fc2_W_new = T['M_block1_fc2_W']  # in place: the new M_block1_fc2_W
+        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the last statement of its batch)
+        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
+        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the last statement of its batch)
+        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
+        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the last statement of its batch)
+        M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
+        # M_block1_fc1_W_new = 0.9*M_block1_fc1_W + 0.1*d_block1_fc1_W   (computed with the last statement of its batch)
+        M_block1_fc1_W_new = T['M_block1_fc1_W']  # in place: the new M_block1_fc1_W
+        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the last statement of its batch)
+        M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
+        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W   (computed with the last statement of its batch)
+        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
+        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the last statement of its batch)
+        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
+        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the last statement of its batch)
+        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
+        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the last statement of its batch)
+        M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
+        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the last statement of its batch)
+        M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
+        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the last statement of its batch)
+        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
+        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the last statement of its batch)
+        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
+        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the last statement of its batch)
+        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
+        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the last statement of its batch)
+        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
+        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W   (computed with the last statement of its batch)
+        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
+        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the last statement of its batch)
+        M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
+        # M_embed_W_new = 0.9*M_embed_W + 0.1*d_embed_W   (computed with the last statement of its batch)
+        M_embed_W_new = T['M_embed_W']  # in place: the new M_embed_W
+        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (and the 35 statements before it, in one call)
         M_pos_new = T['M_pos']  # in place: the new M_pos
-        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
+        rt.ew_many(ew_scale_add,
+                   (M_next_W_new, T['M_next_W'], d_next_W),
+                   (M_next_B_new, T['M_next_B'], d_next_B),
+                   (M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W),
+                   (M_ln_W_new, T['M_ln_W'], d_ln_W),
+                   (M_ln_B_new, T['M_ln_B'], d_ln_B),
+                   (M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
+                   (M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W),
+                   (M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
+                   (M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W),
+                   (M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
+                   (M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
+                   (M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
+                   (M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
+                   (M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
+                   (M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
+                   (M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
+                   (M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
+                   (M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W),
+                   (M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
+                   (M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
+                   (M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
+                   (M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W),
+                   (M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
+                   (M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W),
+                   (M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
+                   (M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
+                   (M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
+                   (M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
+                   (M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
+                   (M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
+                   (M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
+                   (M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
+                   (M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W),
+                   (M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
+                   (M_embed_W_new, T['M_embed_W'], d_embed_W),
+                   (M_pos_new, T['M_pos'], d_pos))
+        # free d_next_W, d_next_B, d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B, d_block2_fc2_W, d_block2_fc2_B, d_block2_fc1_W, d_block2_fc1_B, d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B, d_block2_attn_out_W, d_block2_attn_out_B, d_block2_attn_q_B, d_block2_attn_q_W, d_block2_attn_v_B, d_block2_attn_k_W, d_block2_attn_v_W, d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B, d_block1_fc2_W, d_block1_fc2_B, d_block1_fc1_W, d_block1_fc1_B, d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B, d_block1_attn_out_W, d_block1_attn_out_B, d_block1_attn_q_B, d_block1_attn_q_W, d_block1_attn_v_B, d_block1_attn_k_W, d_block1_attn_v_W, d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B, d_pos, d_embed_W
+        del d_next_W, d_next_B, d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B, d_block2_fc2_W, d_block2_fc2_B, d_block2_fc1_W, d_block2_fc1_B, d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B, d_block2_attn_out_W, d_block2_attn_out_B, d_block2_attn_q_B, d_block2_attn_q_W, d_block2_attn_v_B, d_block2_attn_k_W, d_block2_attn_v_W, d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B, d_block1_fc2_W, d_block1_fc2_B, d_block1_fc1_W, d_block1_fc1_B, d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B, d_block1_attn_out_W, d_block1_attn_out_B, d_block1_attn_q_B, d_block1_attn_q_W, d_block1_attn_v_B, d_block1_attn_k_W, d_block1_attn_v_W, d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B, d_pos, d_embed_W
+        mem.free(38, 39, 41, 42, 43, 45, 46, 48, 49, 50, 55, 56, 60, 61, 62, 65, 66, 67, 69, 70, 72, 73, 74, 79, 80, 84, 85, 86, 89, 90, 91)
+        # next_W_new = next_W*(-lr*decay + 1) - lr*M_next_W_new/(bias1*(sqrt(S_next_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        next_W_new = T['next_W']  # in place: the new next_W
+        # next_B_new = next_B*(-lr*decay + 1) - lr*M_next_B_new/(bias1*(sqrt(S_next_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        next_B_new = T['next_B']  # in place: the new next_B
+        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        ln_W_new = T['ln_W']  # in place: the new ln_W
+        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        ln_B_new = T['ln_B']  # in place: the new ln_B
+        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
+        # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_fc2_W_new = T['block2_fc2_W']  # in place: the new block2_fc2_W
+        # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
+        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
+        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
+        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
+        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
+        # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
+        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
+        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
+        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
+        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
+        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
+        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
+        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
+        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
+        # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_fc2_W_new = T['block1_fc2_W']  # in place: the new block1_fc2_W
+        # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
+        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
+        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
+        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
+        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
+        # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
+        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
+        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
+        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
+        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
+        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
+        # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
+        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
+        # embed_W_new = embed_W*(-lr*decay + 1) - lr*M_embed_W_new/(bias1*(sqrt(S_embed_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        embed_W_new = T['embed_W']  # in place: the new embed_W
+        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))   (and the 35 statements before it, in one call)
         pos_new = T['pos']  # in place: the new pos
-        rt.ew_pair((ew_scale_add, M_pos_new, T['M_pos'], d_pos),
-                   (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
-        # free d_pos
-        del d_pos
-        mem.free(90)
+        rt.ew_many(ew_mul_sub_recip_sqrt,
+                   (next_W_new, T['next_W'], lr, bias1, M_next_W_new, S_next_W_new, bias2, decay),
+                   (next_B_new, T['next_B'], lr, bias1, M_next_B_new, S_next_B_new, bias2, decay),
+                   (ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay),
+                   (ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay),
+                   (block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay),
+                   (block2_fc2_W_new, T['block2_fc2_W'], lr, bias1, M_block2_fc2_W_new, S_block2_fc2_W_new, bias2, decay),
+                   (block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay),
+                   (block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay),
+                   (block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay),
+                   (block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay),
+                   (block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay),
+                   (block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay),
+                   (block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay),
+                   (block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay),
+                   (block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay),
+                   (block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay),
+                   (block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay),
+                   (block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay),
+                   (block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay),
+                   (block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay),
+                   (block1_fc2_W_new, T['block1_fc2_W'], lr, bias1, M_block1_fc2_W_new, S_block1_fc2_W_new, bias2, decay),
+                   (block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay),
+                   (block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay),
+                   (block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay),
+                   (block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay),
+                   (block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay),
+                   (block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay),
+                   (block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay),
+                   (block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay),
+                   (block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay),
+                   (block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay),
+                   (block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay),
+                   (block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay),
+                   (block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay),
+                   (embed_W_new, T['embed_W'], lr, bias1, M_embed_W_new, S_embed_W_new, bias2, decay),
+                   (pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         loss = rt.scalar(next_cross_entropy)
         mem.end()
         return loss
@@ -2112,58 +1997,58 @@ class CharLm(rp.Model):
                 (10485760, 8192),  # 35: next_cross_entropy_pick 2048 float32
                 (24133632, 4),  # 36: next_cross_entropy_sum_to scalar float32
                 (10485760, 2097152),  # 37: d_next_cross_entropy_log_softmax 2048x256 float32
-                (8388608, 65536),  # 38: d_next_W 256x64 float32
-                (8912896, 1024),  # 39: d_next_B 256 float32
+                (8912896, 65536),  # 38: d_next_W 256x64 float32
+                (9109504, 1024),  # 39: d_next_B 256 float32
                 (8388608, 524288),  # 40: d_next_reshape 2048x64 float32
-                (8978432, 512),  # 41: d_ln_layer_norm_param_grad 2x64 float32
-                (8912896, 65536),  # 42: d_block2_fc2_W 64x256 float32
-                (6291456, 256),  # 43: d_block2_fc2_B 64 float32
+                (9111552, 512),  # 41: d_ln_layer_norm_param_grad 2x64 float32
+                (8978432, 65536),  # 42: d_block2_fc2_W 64x256 float32
+                (9112064, 256),  # 43: d_block2_fc2_B 64 float32
                 (6291456, 2097152),  # 44: d_block2_fc2_reshape 2048x256 float32
-                (4194304, 65536),  # 45: d_block2_fc1_W 256x64 float32
-                (4718592, 1024),  # 46: d_block2_fc1_B 256 float32
+                (9043968, 65536),  # 45: d_block2_fc1_W 256x64 float32
+                (9110528, 1024),  # 46: d_block2_fc1_B 256 float32
                 (4194304, 524288),  # 47: d_block2_fc1_reshape 2048x64 float32
-                (4718592, 512),  # 48: d_block2_ln2_layer_norm_param_grad 2x64 float32
-                (4194304, 16384),  # 49: d_block2_attn_out_W 64x64 float32
-                (4194304, 256),  # 50: d_block2_attn_out_B 64 float32
+                (7372800, 512),  # 48: d_block2_ln2_layer_norm_param_grad 2x64 float32
+                (7340032, 16384),  # 49: d_block2_attn_out_W 64x64 float32
+                (7373312, 256),  # 50: d_block2_attn_out_B 64 float32
                 (4194304, 524288),  # 51: d_block2_attn_out_reshape 2048x64 float32
                 (5767168, 524288),  # 52: d_block2_attn 32x4x64x16 float32
                 (4194304, 1572864),  # 53: d_block2_attn_attention_grad 393216 float32
                 (5767168, 524288),  # 54: d_block2_attn_reshape 32x64x4x16 float32
-                (6291456, 256),  # 55: d_block2_attn_q_B 64 float32
-                (6815744, 16384),  # 56: d_block2_attn_q_W 64x64 float32
+                (7373568, 256),  # 55: d_block2_attn_q_B 64 float32
+                (7356416, 16384),  # 56: d_block2_attn_q_W 64x64 float32
                 (6291456, 524288),  # 57: d_block2_attn_q_reshape 2048x64 float32
                 (5767168, 524288),  # 58: d_block2_attn_reshape_2 32x64x4x16 float32
                 (6815744, 524288),  # 59: d_block2_attn_reshape_3 32x64x4x16 float32
-                (4194304, 256),  # 60: d_block2_attn_v_B 64 float32
+                (5275648, 256),  # 60: d_block2_attn_v_B 64 float32
                 (5242880, 16384),  # 61: d_block2_attn_k_W 64x64 float32
                 (5259264, 16384),  # 62: d_block2_attn_v_W 64x64 float32
                 (4194304, 524288),  # 63: d_block2_attn_q_reshape_2 2048x64 float32
                 (4718592, 524288),  # 64: d_block2_attn_q_reshape_3 2048x64 float32
-                (4259840, 512),  # 65: d_block2_ln1_layer_norm_param_grad 2x64 float32
+                (4326400, 512),  # 65: d_block2_ln1_layer_norm_param_grad 2x64 float32
                 (4194304, 65536),  # 66: d_block1_fc2_W 64x256 float32
-                (2097152, 256),  # 67: d_block1_fc2_B 64 float32
+                (4326912, 256),  # 67: d_block1_fc2_B 64 float32
                 (2097152, 2097152),  # 68: d_block1_fc2_reshape 2048x256 float32
-                (0, 65536),  # 69: d_block1_fc1_W 256x64 float32
-                (524288, 1024),  # 70: d_block1_fc1_B 256 float32
+                (4259840, 65536),  # 69: d_block1_fc1_W 256x64 float32
+                (4325376, 1024),  # 70: d_block1_fc1_B 256 float32
                 (0, 524288),  # 71: d_block1_fc1_reshape 2048x64 float32
-                (524288, 512),  # 72: d_block1_ln2_layer_norm_param_grad 2x64 float32
-                (0, 16384),  # 73: d_block1_attn_out_W 64x64 float32
-                (0, 256),  # 74: d_block1_attn_out_B 64 float32
+                (3178496, 512),  # 72: d_block1_ln2_layer_norm_param_grad 2x64 float32
+                (3145728, 16384),  # 73: d_block1_attn_out_W 64x64 float32
+                (3179008, 256),  # 74: d_block1_attn_out_B 64 float32
                 (0, 524288),  # 75: d_block1_attn_out_reshape 2048x64 float32
                 (1572864, 524288),  # 76: d_block1_attn 32x4x64x16 float32
                 (0, 1572864),  # 77: d_block1_attn_attention_grad 393216 float32
                 (1572864, 524288),  # 78: d_block1_attn_reshape 32x64x4x16 float32
-                (2097152, 256),  # 79: d_block1_attn_q_B 64 float32
-                (2621440, 16384),  # 80: d_block1_attn_q_W 64x64 float32
+                (3179264, 256),  # 79: d_block1_attn_q_B 64 float32
+                (3162112, 16384),  # 80: d_block1_attn_q_W 64x64 float32
                 (2097152, 524288),  # 81: d_block1_attn_q_reshape 2048x64 float32
                 (1572864, 524288),  # 82: d_block1_attn_reshape_2 32x64x4x16 float32
                 (2621440, 524288),  # 83: d_block1_attn_reshape_3 32x64x4x16 float32
-                (0, 256),  # 84: d_block1_attn_v_B 64 float32
+                (1081344, 256),  # 84: d_block1_attn_v_B 64 float32
                 (1048576, 16384),  # 85: d_block1_attn_k_W 64x64 float32
                 (1064960, 16384),  # 86: d_block1_attn_v_W 64x64 float32
                 (0, 524288),  # 87: d_block1_attn_q_reshape_2 2048x64 float32
                 (524288, 524288),  # 88: d_block1_attn_q_reshape_3 2048x64 float32
-                (0, 512),  # 89: d_block1_ln1_layer_norm_param_grad 2x64 float32
+                (81920, 512),  # 89: d_block1_ln1_layer_norm_param_grad 2x64 float32
                 (65536, 16384),  # 90: d_pos 1x64x64 float32
                 (0, 65536),  # 91: d_embed_W 256x64 float32
             )),
@@ -2260,6 +2145,17 @@ def ew_exp_scale_add(out, v0, v1):
     np.add(np.exp(v1) * 0.00048828125, v0, out=out)
 
 
+def ew_sqrt_mul_erf_scale(out, v0, v1):
+    """out = v0*(sqrt(2)*v1*exp(-v1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*v1/2)/2 + 1/2)   (out may be v0)"""
+    np.multiply(np.exp(np.square(v1) * (-0.5)) * 1.4142135623730951 * v1 * 0.5 / 1.772453850905516 + erf(1.4142135623730951 * v1 * 0.5) * 0.5 + 0.5, v0, out=out)
+
+
+def ew_add_3(out, v0, v1, v2):
+    """out = v0 + v1 + v2   (out may be v0)"""
+    np.add(v0, v1, out=out)
+    np.add(out, v2, out=out)
+
+
 def ew_square_scale_add(out, v0, v1):
     """out = 0.999*v0 + 0.001*v1**2   (out may be v0)"""
     np.multiply(v0, 0.999, out=out)
@@ -2276,17 +2172,6 @@ def ew_mul_sub_recip_sqrt(out, v0, v1, v2, v3, v4, v5, v6):
     """out = v0*(-v1*v6 + 1) - v1*v3/(v2*(sqrt(v4)/sqrt(v5) + 1.0e-8))   (out may be v0)"""
     np.multiply(1 - v1 * v6, v0, out=out)
     np.subtract(out, v1 * v3 / v2 / (np.sqrt(v4) / np.sqrt(v5) + 1e-08), out=out)
-
-
-def ew_sqrt_mul_erf_scale(out, v0, v1):
-    """out = v0*(sqrt(2)*v1*exp(-v1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*v1/2)/2 + 1/2)   (out may be v0)"""
-    np.multiply(np.exp(np.square(v1) * (-0.5)) * 1.4142135623730951 * v1 * 0.5 / 1.772453850905516 + erf(1.4142135623730951 * v1 * 0.5) * 0.5 + 0.5, v0, out=out)
-
-
-def ew_add_3(out, v0, v1, v2):
-    """out = v0 + v1 + v2   (out may be v0)"""
-    np.add(v0, v1, out=out)
-    np.add(out, v2, out=out)
 
 
 def ew_sqrt_mul_erf_add_2(out, v0):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x224x224 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 2400000 iterations, lr 0.01, momentum 0.9, decay 0.0002
 Memory: peak 2027.34 MB of tensors planned for the training step (488.11 MB testing); static arena 2095.24 MB, pool 2608.19 MB, workspace 33.55 MB
-Structure hash: baefde7dc64726bd
+Structure hash: f8255765192c24a4
 
 Usage: python googlenet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Googlenet(rp.Model):
 
     name = "googlenet"
     source = "networks/googlenet.py"
-    structure_hash = "baefde7dc64726bd"
+    structure_hash = "f8255765192c24a4"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 224, 224)
@@ -3100,15 +3100,6 @@ class Googlenet(rp.Model):
         mem.free(266)
         # d_inception_3b_3x3_B = reshape[192](d_inception_3b_3x3_sum_to)
         d_inception_3b_3x3_B = rt.reshape(d_inception_3b_3x3_sum_to, shape=(192,))
-        # V_inception_3b_3x3_B_new = V_inception_3b_3x3_B*momentum + d_inception_3b_3x3_B   (computed with the next statement)
-        V_inception_3b_3x3_B_new = T['V_inception_3b_3x3_B']  # in place: the new V_inception_3b_3x3_B
-        # inception_3b_3x3_B_new = inception_3b_3x3_B - 2*lr*V_inception_3b_3x3_B_new
-        inception_3b_3x3_B_new = T['inception_3b_3x3_B']  # in place: the new inception_3b_3x3_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3b_3x3_B_new, T['V_inception_3b_3x3_B'], momentum, d_inception_3b_3x3_B),
-                   (ew_mul_sub_2, inception_3b_3x3_B_new, T['inception_3b_3x3_B'], lr, V_inception_3b_3x3_B_new))
-        # free d_inception_3b_3x3_sum_to, d_inception_3b_3x3_B
-        del d_inception_3b_3x3_sum_to, d_inception_3b_3x3_B
-        mem.free(269)
 
         # ---- inception_3b_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_3a_1x1_concat_2 = conv2d_bwd_data[size=(28,28)](d_inception_3b_3x3_reduce, inception_3b_3x3_reduce_W)
@@ -3156,12 +3147,6 @@ class Googlenet(rp.Model):
         # free inception_3a_1x1_max_pool_2
         del inception_3a_1x1_max_pool_2
         mem.free(273)
-        # V_inception_3b_pool_proj_W_new = V_inception_3b_pool_proj_W*momentum + d_inception_3b_pool_proj_W + decay*inception_3b_pool_proj_W
-        V_inception_3b_pool_proj_W_new = T['V_inception_3b_pool_proj_W']  # in place: the new V_inception_3b_pool_proj_W
-        rt.ew(ew_mul_add, V_inception_3b_pool_proj_W_new, T['V_inception_3b_pool_proj_W'], momentum, d_inception_3b_pool_proj_W, decay, T['inception_3b_pool_proj_W'])
-        # free d_inception_3b_pool_proj_W
-        del d_inception_3b_pool_proj_W
-        mem.free(274)
 
         # ---- inception_3b_5x5 (conv 5x5, 96 channels, stride 1, padding 2), backward ----
         # d_inception_3b_5x5_reduce_relu = conv2d_bwd_data[pad=2,size=(28,28)](d_inception_3b_5x5, inception_3b_5x5_W)
@@ -3197,15 +3182,6 @@ class Googlenet(rp.Model):
         mem.free(271)
         # d_inception_3b_5x5_B = reshape[96](d_inception_3b_5x5_sum_to)
         d_inception_3b_5x5_B = rt.reshape(d_inception_3b_5x5_sum_to, shape=(96,))
-        # V_inception_3b_5x5_B_new = V_inception_3b_5x5_B*momentum + d_inception_3b_5x5_B   (computed with the next statement)
-        V_inception_3b_5x5_B_new = T['V_inception_3b_5x5_B']  # in place: the new V_inception_3b_5x5_B
-        # inception_3b_5x5_B_new = inception_3b_5x5_B - 2*lr*V_inception_3b_5x5_B_new
-        inception_3b_5x5_B_new = T['inception_3b_5x5_B']  # in place: the new inception_3b_5x5_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3b_5x5_B_new, T['V_inception_3b_5x5_B'], momentum, d_inception_3b_5x5_B),
-                   (ew_mul_sub_2, inception_3b_5x5_B_new, T['inception_3b_5x5_B'], lr, V_inception_3b_5x5_B_new))
-        # free d_inception_3b_5x5_sum_to, d_inception_3b_5x5_B
-        del d_inception_3b_5x5_sum_to, d_inception_3b_5x5_B
-        mem.free(277)
 
         # ---- inception_3b_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_3a_1x1_concat_3 = conv2d_bwd_data[size=(28,28)](d_inception_3b_5x5_reduce, inception_3b_5x5_reduce_W)
@@ -3234,9 +3210,6 @@ class Googlenet(rp.Model):
         mem.free(265, 270, 278)
 
         # ---- inception_3b_pool_proj (conv 1x1, 64 channels, stride 1, padding 0), backward ----
-        # inception_3b_pool_proj_W_new = inception_3b_pool_proj_W - lr*V_inception_3b_pool_proj_W_new
-        inception_3b_pool_proj_W_new = T['inception_3b_pool_proj_W']  # in place: the new inception_3b_pool_proj_W
-        rt.ew(ew_mul_sub, inception_3b_pool_proj_W_new, T['inception_3b_pool_proj_W'], lr, V_inception_3b_pool_proj_W_new)
         # d_inception_3b_pool_proj_sum_to = sum_to[1x64x1x1](d_inception_3b_pool_proj)
         d_inception_3b_pool_proj_sum_to = mem.tensor(281, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_inception_3b_pool_proj, out=d_inception_3b_pool_proj_sum_to, shape=(1, 64, 1, 1))
@@ -3245,15 +3218,6 @@ class Googlenet(rp.Model):
         mem.free(272)
         # d_inception_3b_pool_proj_B = reshape[64](d_inception_3b_pool_proj_sum_to)
         d_inception_3b_pool_proj_B = rt.reshape(d_inception_3b_pool_proj_sum_to, shape=(64,))
-        # V_inception_3b_pool_proj_B_new = V_inception_3b_pool_proj_B*momentum + d_inception_3b_pool_proj_B   (computed with the next statement)
-        V_inception_3b_pool_proj_B_new = T['V_inception_3b_pool_proj_B']  # in place: the new V_inception_3b_pool_proj_B
-        # inception_3b_pool_proj_B_new = inception_3b_pool_proj_B - 2*lr*V_inception_3b_pool_proj_B_new
-        inception_3b_pool_proj_B_new = T['inception_3b_pool_proj_B']  # in place: the new inception_3b_pool_proj_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3b_pool_proj_B_new, T['V_inception_3b_pool_proj_B'], momentum, d_inception_3b_pool_proj_B),
-                   (ew_mul_sub_2, inception_3b_pool_proj_B_new, T['inception_3b_pool_proj_B'], lr, V_inception_3b_pool_proj_B_new))
-        # free d_inception_3b_pool_proj_sum_to, d_inception_3b_pool_proj_B
-        del d_inception_3b_pool_proj_sum_to, d_inception_3b_pool_proj_B
-        mem.free(281)
 
         # ---- inception_3a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_3a_1x1_relu = slice[axis=1,start=0,stop=64](d_inception_3a_1x1_concat_5)
@@ -3326,15 +3290,6 @@ class Googlenet(rp.Model):
         mem.free(285)
         # d_inception_3a_3x3_B = reshape[128](d_inception_3a_3x3_sum_to)
         d_inception_3a_3x3_B = rt.reshape(d_inception_3a_3x3_sum_to, shape=(128,))
-        # V_inception_3a_3x3_B_new = V_inception_3a_3x3_B*momentum + d_inception_3a_3x3_B   (computed with the next statement)
-        V_inception_3a_3x3_B_new = T['V_inception_3a_3x3_B']  # in place: the new V_inception_3a_3x3_B
-        # inception_3a_3x3_B_new = inception_3a_3x3_B - 2*lr*V_inception_3a_3x3_B_new
-        inception_3a_3x3_B_new = T['inception_3a_3x3_B']  # in place: the new inception_3a_3x3_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3a_3x3_B_new, T['V_inception_3a_3x3_B'], momentum, d_inception_3a_3x3_B),
-                   (ew_mul_sub_2, inception_3a_3x3_B_new, T['inception_3a_3x3_B'], lr, V_inception_3a_3x3_B_new))
-        # free d_inception_3a_3x3_sum_to, d_inception_3a_3x3_B
-        del d_inception_3a_3x3_sum_to, d_inception_3a_3x3_B
-        mem.free(289)
 
         # ---- inception_3a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), backward ----
         # d_conv2_3x3_max_pool_2 = conv2d_bwd_data[size=(28,28)](d_inception_3a_3x3_reduce, inception_3a_3x3_reduce_W)
@@ -3388,12 +3343,6 @@ class Googlenet(rp.Model):
         # free conv2_3x3_max_pool_3
         del conv2_3x3_max_pool_3
         mem.free(295)
-        # V_inception_3a_pool_proj_W_new = V_inception_3a_pool_proj_W*momentum + d_inception_3a_pool_proj_W + decay*inception_3a_pool_proj_W
-        V_inception_3a_pool_proj_W_new = T['V_inception_3a_pool_proj_W']  # in place: the new V_inception_3a_pool_proj_W
-        rt.ew(ew_mul_add, V_inception_3a_pool_proj_W_new, T['V_inception_3a_pool_proj_W'], momentum, d_inception_3a_pool_proj_W, decay, T['inception_3a_pool_proj_W'])
-        # free d_inception_3a_pool_proj_W
-        del d_inception_3a_pool_proj_W
-        mem.free(296)
 
         # ---- inception_3a_5x5 (conv 5x5, 32 channels, stride 1, padding 2), backward ----
         # d_inception_3a_5x5_reduce_relu = conv2d_bwd_data[pad=2,size=(28,28)](d_inception_3a_5x5, inception_3a_5x5_W)
@@ -3412,15 +3361,6 @@ class Googlenet(rp.Model):
         # free inception_3a_5x5_reduce, inception_3a_5x5_reduce_relu
         del inception_3a_5x5_reduce, inception_3a_5x5_reduce_relu
         mem.free(15)
-        # V_inception_3a_5x5_W_new = V_inception_3a_5x5_W*momentum + d_inception_3a_5x5_W + decay*inception_3a_5x5_W   (computed with the next statement)
-        V_inception_3a_5x5_W_new = T['V_inception_3a_5x5_W']  # in place: the new V_inception_3a_5x5_W
-        # inception_3a_5x5_W_new = inception_3a_5x5_W - lr*V_inception_3a_5x5_W_new
-        inception_3a_5x5_W_new = T['inception_3a_5x5_W']  # in place: the new inception_3a_5x5_W
-        rt.ew_pair((ew_mul_add, V_inception_3a_5x5_W_new, T['V_inception_3a_5x5_W'], momentum, d_inception_3a_5x5_W, decay, T['inception_3a_5x5_W']),
-                   (ew_mul_sub, inception_3a_5x5_W_new, T['inception_3a_5x5_W'], lr, V_inception_3a_5x5_W_new))
-        # free d_inception_3a_5x5_W
-        del d_inception_3a_5x5_W
-        mem.free(298)
         # d_inception_3a_5x5_sum_to = sum_to[1x32x1x1](d_inception_3a_5x5)
         d_inception_3a_5x5_sum_to = mem.tensor(299, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_inception_3a_5x5, out=d_inception_3a_5x5_sum_to, shape=(1, 32, 1, 1))
@@ -3429,15 +3369,6 @@ class Googlenet(rp.Model):
         mem.free(291)
         # d_inception_3a_5x5_B = reshape[32](d_inception_3a_5x5_sum_to)
         d_inception_3a_5x5_B = rt.reshape(d_inception_3a_5x5_sum_to, shape=(32,))
-        # V_inception_3a_5x5_B_new = V_inception_3a_5x5_B*momentum + d_inception_3a_5x5_B   (computed with the next statement)
-        V_inception_3a_5x5_B_new = T['V_inception_3a_5x5_B']  # in place: the new V_inception_3a_5x5_B
-        # inception_3a_5x5_B_new = inception_3a_5x5_B - 2*lr*V_inception_3a_5x5_B_new
-        inception_3a_5x5_B_new = T['inception_3a_5x5_B']  # in place: the new inception_3a_5x5_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3a_5x5_B_new, T['V_inception_3a_5x5_B'], momentum, d_inception_3a_5x5_B),
-                   (ew_mul_sub_2, inception_3a_5x5_B_new, T['inception_3a_5x5_B'], lr, V_inception_3a_5x5_B_new))
-        # free d_inception_3a_5x5_sum_to, d_inception_3a_5x5_B
-        del d_inception_3a_5x5_sum_to, d_inception_3a_5x5_B
-        mem.free(299)
 
         # ---- inception_3a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_conv2_3x3_max_pool_3 = conv2d_bwd_data[size=(28,28)](d_inception_3a_5x5_reduce, inception_3a_5x5_reduce_W)
@@ -3464,9 +3395,6 @@ class Googlenet(rp.Model):
         mem.free(284, 290, 300)
 
         # ---- inception_3a_pool_proj (conv 1x1, 32 channels, stride 1, padding 0), backward ----
-        # inception_3a_pool_proj_W_new = inception_3a_pool_proj_W - lr*V_inception_3a_pool_proj_W_new
-        inception_3a_pool_proj_W_new = T['inception_3a_pool_proj_W']  # in place: the new inception_3a_pool_proj_W
-        rt.ew(ew_mul_sub, inception_3a_pool_proj_W_new, T['inception_3a_pool_proj_W'], lr, V_inception_3a_pool_proj_W_new)
         # d_inception_3a_pool_proj_sum_to = sum_to[1x32x1x1](d_inception_3a_pool_proj)
         d_inception_3a_pool_proj_sum_to = mem.tensor(303, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_inception_3a_pool_proj, out=d_inception_3a_pool_proj_sum_to, shape=(1, 32, 1, 1))
@@ -3475,15 +3403,6 @@ class Googlenet(rp.Model):
         mem.free(293)
         # d_inception_3a_pool_proj_B = reshape[32](d_inception_3a_pool_proj_sum_to)
         d_inception_3a_pool_proj_B = rt.reshape(d_inception_3a_pool_proj_sum_to, shape=(32,))
-        # V_inception_3a_pool_proj_B_new = V_inception_3a_pool_proj_B*momentum + d_inception_3a_pool_proj_B   (computed with the next statement)
-        V_inception_3a_pool_proj_B_new = T['V_inception_3a_pool_proj_B']  # in place: the new V_inception_3a_pool_proj_B
-        # inception_3a_pool_proj_B_new = inception_3a_pool_proj_B - 2*lr*V_inception_3a_pool_proj_B_new
-        inception_3a_pool_proj_B_new = T['inception_3a_pool_proj_B']  # in place: the new inception_3a_pool_proj_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3a_pool_proj_B_new, T['V_inception_3a_pool_proj_B'], momentum, d_inception_3a_pool_proj_B),
-                   (ew_mul_sub_2, inception_3a_pool_proj_B_new, T['inception_3a_pool_proj_B'], lr, V_inception_3a_pool_proj_B_new))
-        # free d_inception_3a_pool_proj_sum_to, d_inception_3a_pool_proj_B
-        del d_inception_3a_pool_proj_sum_to, d_inception_3a_pool_proj_B
-        mem.free(303)
 
         # ---- conv2_3x3_max_pool (max pooling 3x3, stride 2, padding 0), backward ----
         # d_conv2_3x3_lrn = max_pool_bwd[ceil=True,kernel=3,size=(56,56),stride=2](d_conv2_3x3_max_pool_6, conv2_3x3_max_pool_argmax)
@@ -3528,12 +3447,6 @@ class Googlenet(rp.Model):
         # free conv1_7x7_s2_lrn_2
         del conv1_7x7_s2_lrn_2
         mem.free(306)
-        # V_conv2_3x3_reduce_W_new = V_conv2_3x3_reduce_W*momentum + d_conv2_3x3_reduce_W + decay*conv2_3x3_reduce_W
-        V_conv2_3x3_reduce_W_new = T['V_conv2_3x3_reduce_W']  # in place: the new V_conv2_3x3_reduce_W
-        rt.ew(ew_mul_add, V_conv2_3x3_reduce_W_new, T['V_conv2_3x3_reduce_W'], momentum, d_conv2_3x3_reduce_W, decay, T['conv2_3x3_reduce_W'])
-        # free d_conv2_3x3_reduce_W
-        del d_conv2_3x3_reduce_W
-        mem.free(307)
 
         # ---- conv2_3x3 (conv 3x3, 192 channels, stride 1, padding 1), backward ----
         # d_conv2_3x3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv2_3x3, conv2_3x3_reduce_relu)
@@ -3559,15 +3472,6 @@ class Googlenet(rp.Model):
         mem.free(304)
         # d_conv2_3x3_B = reshape[192](d_conv2_3x3_sum_to)
         d_conv2_3x3_B = rt.reshape(d_conv2_3x3_sum_to, shape=(192,))
-        # V_conv2_3x3_B_new = V_conv2_3x3_B*momentum + d_conv2_3x3_B   (computed with the next statement)
-        V_conv2_3x3_B_new = T['V_conv2_3x3_B']  # in place: the new V_conv2_3x3_B
-        # conv2_3x3_B_new = conv2_3x3_B - 2*lr*V_conv2_3x3_B_new
-        conv2_3x3_B_new = T['conv2_3x3_B']  # in place: the new conv2_3x3_B
-        rt.ew_pair((ew_mul_add_2, V_conv2_3x3_B_new, T['V_conv2_3x3_B'], momentum, d_conv2_3x3_B),
-                   (ew_mul_sub_2, conv2_3x3_B_new, T['conv2_3x3_B'], lr, V_conv2_3x3_B_new))
-        # free d_conv2_3x3_sum_to, d_conv2_3x3_B
-        del d_conv2_3x3_sum_to, d_conv2_3x3_B
-        mem.free(309)
 
         # ---- conv2_3x3_reduce (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_conv1_7x7_s2_lrn = conv2d_bwd_data[size=(56,56)](d_conv2_3x3_reduce, conv2_3x3_reduce_W)
@@ -3588,9 +3492,6 @@ class Googlenet(rp.Model):
         mem.free(5)
 
         # ---- conv2_3x3_reduce (conv 1x1, 64 channels, stride 1, padding 0), backward ----
-        # conv2_3x3_reduce_W_new = conv2_3x3_reduce_W - lr*V_conv2_3x3_reduce_W_new
-        conv2_3x3_reduce_W_new = T['conv2_3x3_reduce_W']  # in place: the new conv2_3x3_reduce_W
-        rt.ew(ew_mul_sub, conv2_3x3_reduce_W_new, T['conv2_3x3_reduce_W'], lr, V_conv2_3x3_reduce_W_new)
         # d_conv2_3x3_reduce_sum_to = sum_to[1x64x1x1](d_conv2_3x3_reduce)
         d_conv2_3x3_reduce_sum_to = mem.tensor(311, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_conv2_3x3_reduce, out=d_conv2_3x3_reduce_sum_to, shape=(1, 64, 1, 1))
@@ -3599,15 +3500,6 @@ class Googlenet(rp.Model):
         mem.free(305)
         # d_conv2_3x3_reduce_B = reshape[64](d_conv2_3x3_reduce_sum_to)
         d_conv2_3x3_reduce_B = rt.reshape(d_conv2_3x3_reduce_sum_to, shape=(64,))
-        # V_conv2_3x3_reduce_B_new = V_conv2_3x3_reduce_B*momentum + d_conv2_3x3_reduce_B   (computed with the next statement)
-        V_conv2_3x3_reduce_B_new = T['V_conv2_3x3_reduce_B']  # in place: the new V_conv2_3x3_reduce_B
-        # conv2_3x3_reduce_B_new = conv2_3x3_reduce_B - 2*lr*V_conv2_3x3_reduce_B_new
-        conv2_3x3_reduce_B_new = T['conv2_3x3_reduce_B']  # in place: the new conv2_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_conv2_3x3_reduce_B_new, T['V_conv2_3x3_reduce_B'], momentum, d_conv2_3x3_reduce_B),
-                   (ew_mul_sub_2, conv2_3x3_reduce_B_new, T['conv2_3x3_reduce_B'], lr, V_conv2_3x3_reduce_B_new))
-        # free d_conv2_3x3_reduce_sum_to, d_conv2_3x3_reduce_B
-        del d_conv2_3x3_reduce_sum_to, d_conv2_3x3_reduce_B
-        mem.free(311)
 
         # ---- conv1_7x7_s2_relu (relu), backward ----
         # d_conv1_7x7_s2_relu_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_conv1_7x7_s2, conv1_7x7_s2_max_pool_argmax)
@@ -3624,15 +3516,6 @@ class Googlenet(rp.Model):
         # free x
         del x
         mem.free(0)
-        # V_conv1_7x7_s2_W_new = V_conv1_7x7_s2_W*momentum + d_conv1_7x7_s2_W + decay*conv1_7x7_s2_W   (computed with the next statement)
-        V_conv1_7x7_s2_W_new = T['V_conv1_7x7_s2_W']  # in place: the new V_conv1_7x7_s2_W
-        # conv1_7x7_s2_W_new = conv1_7x7_s2_W - lr*V_conv1_7x7_s2_W_new
-        conv1_7x7_s2_W_new = T['conv1_7x7_s2_W']  # in place: the new conv1_7x7_s2_W
-        rt.ew_pair((ew_mul_add, V_conv1_7x7_s2_W_new, T['V_conv1_7x7_s2_W'], momentum, d_conv1_7x7_s2_W, decay, T['conv1_7x7_s2_W']),
-                   (ew_mul_sub, conv1_7x7_s2_W_new, T['conv1_7x7_s2_W'], lr, V_conv1_7x7_s2_W_new))
-        # free d_conv1_7x7_s2_W
-        del d_conv1_7x7_s2_W
-        mem.free(313)
         # d_conv1_7x7_s2_sum_to = sum_to[1x64x1x1](d_conv1_7x7_s2_relu_max_pool_bwd)
         d_conv1_7x7_s2_sum_to = mem.tensor(314, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_conv1_7x7_s2_relu_max_pool_bwd, out=d_conv1_7x7_s2_sum_to, shape=(1, 64, 1, 1))
@@ -3641,29 +3524,11 @@ class Googlenet(rp.Model):
         mem.free(312)
         # d_conv1_7x7_s2_B = reshape[64](d_conv1_7x7_s2_sum_to)
         d_conv1_7x7_s2_B = rt.reshape(d_conv1_7x7_s2_sum_to, shape=(64,))
-        # V_conv1_7x7_s2_B_new = V_conv1_7x7_s2_B*momentum + d_conv1_7x7_s2_B   (computed with the next statement)
-        V_conv1_7x7_s2_B_new = T['V_conv1_7x7_s2_B']  # in place: the new V_conv1_7x7_s2_B
-        # conv1_7x7_s2_B_new = conv1_7x7_s2_B - 2*lr*V_conv1_7x7_s2_B_new
-        conv1_7x7_s2_B_new = T['conv1_7x7_s2_B']  # in place: the new conv1_7x7_s2_B
-        rt.ew_pair((ew_mul_add_2, V_conv1_7x7_s2_B_new, T['V_conv1_7x7_s2_B'], momentum, d_conv1_7x7_s2_B),
-                   (ew_mul_sub_2, conv1_7x7_s2_B_new, T['conv1_7x7_s2_B'], lr, V_conv1_7x7_s2_B_new))
-        # free d_conv1_7x7_s2_sum_to, d_conv1_7x7_s2_B
-        del d_conv1_7x7_s2_sum_to, d_conv1_7x7_s2_B
-        mem.free(314)
 
         # ---- inception_3a_1x1 (conv 1x1, 64 channels, stride 1, padding 0), backward ----
         # d_inception_3a_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3a_1x1, conv2_3x3_max_pool)
         d_inception_3a_1x1_W = mem.tensor(315, (64, 192, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_inception_3a_1x1, conv2_3x3_max_pool, out=d_inception_3a_1x1_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(25739264))
-        # V_inception_3a_1x1_W_new = V_inception_3a_1x1_W*momentum + d_inception_3a_1x1_W + decay*inception_3a_1x1_W   (computed with the next statement)
-        V_inception_3a_1x1_W_new = T['V_inception_3a_1x1_W']  # in place: the new V_inception_3a_1x1_W
-        # inception_3a_1x1_W_new = inception_3a_1x1_W - lr*V_inception_3a_1x1_W_new
-        inception_3a_1x1_W_new = T['inception_3a_1x1_W']  # in place: the new inception_3a_1x1_W
-        rt.ew_pair((ew_mul_add, V_inception_3a_1x1_W_new, T['V_inception_3a_1x1_W'], momentum, d_inception_3a_1x1_W, decay, T['inception_3a_1x1_W']),
-                   (ew_mul_sub, inception_3a_1x1_W_new, T['inception_3a_1x1_W'], lr, V_inception_3a_1x1_W_new))
-        # free d_inception_3a_1x1_W
-        del d_inception_3a_1x1_W
-        mem.free(315)
         # d_inception_3a_1x1_sum_to = sum_to[1x64x1x1](d_inception_3a_1x1)
         d_inception_3a_1x1_sum_to = mem.tensor(316, (1, 64, 1, 1), 'float32')
         rt.sum_to(d_inception_3a_1x1, out=d_inception_3a_1x1_sum_to, shape=(1, 64, 1, 1))
@@ -3672,15 +3537,6 @@ class Googlenet(rp.Model):
         mem.free(282)
         # d_inception_3a_1x1_B = reshape[64](d_inception_3a_1x1_sum_to)
         d_inception_3a_1x1_B = rt.reshape(d_inception_3a_1x1_sum_to, shape=(64,))
-        # V_inception_3a_1x1_B_new = V_inception_3a_1x1_B*momentum + d_inception_3a_1x1_B   (computed with the next statement)
-        V_inception_3a_1x1_B_new = T['V_inception_3a_1x1_B']  # in place: the new V_inception_3a_1x1_B
-        # inception_3a_1x1_B_new = inception_3a_1x1_B - 2*lr*V_inception_3a_1x1_B_new
-        inception_3a_1x1_B_new = T['inception_3a_1x1_B']  # in place: the new inception_3a_1x1_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3a_1x1_B_new, T['V_inception_3a_1x1_B'], momentum, d_inception_3a_1x1_B),
-                   (ew_mul_sub_2, inception_3a_1x1_B_new, T['inception_3a_1x1_B'], lr, V_inception_3a_1x1_B_new))
-        # free d_inception_3a_1x1_sum_to, d_inception_3a_1x1_B
-        del d_inception_3a_1x1_sum_to, d_inception_3a_1x1_B
-        mem.free(316)
 
         # ---- inception_3a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), backward ----
         # d_inception_3a_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3a_3x3_reduce, conv2_3x3_max_pool)
@@ -3703,15 +3559,6 @@ class Googlenet(rp.Model):
         mem.free(287)
         # d_inception_3a_3x3_reduce_B = reshape[96](d_inception_3a_3x3_reduce_sum_to)
         d_inception_3a_3x3_reduce_B = rt.reshape(d_inception_3a_3x3_reduce_sum_to, shape=(96,))
-        # V_inception_3a_3x3_reduce_B_new = V_inception_3a_3x3_reduce_B*momentum + d_inception_3a_3x3_reduce_B   (computed with the next statement)
-        V_inception_3a_3x3_reduce_B_new = T['V_inception_3a_3x3_reduce_B']  # in place: the new V_inception_3a_3x3_reduce_B
-        # inception_3a_3x3_reduce_B_new = inception_3a_3x3_reduce_B - 2*lr*V_inception_3a_3x3_reduce_B_new
-        inception_3a_3x3_reduce_B_new = T['inception_3a_3x3_reduce_B']  # in place: the new inception_3a_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3a_3x3_reduce_B_new, T['V_inception_3a_3x3_reduce_B'], momentum, d_inception_3a_3x3_reduce_B),
-                   (ew_mul_sub_2, inception_3a_3x3_reduce_B_new, T['inception_3a_3x3_reduce_B'], lr, V_inception_3a_3x3_reduce_B_new))
-        # free d_inception_3a_3x3_reduce_sum_to, d_inception_3a_3x3_reduce_B
-        del d_inception_3a_3x3_reduce_sum_to, d_inception_3a_3x3_reduce_B
-        mem.free(318)
 
         # ---- inception_3a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_3a_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3a_5x5_reduce, conv2_3x3_max_pool)
@@ -3720,15 +3567,6 @@ class Googlenet(rp.Model):
         # free conv2_3x3_max_pool
         del conv2_3x3_max_pool
         mem.free(11)
-        # V_inception_3a_5x5_reduce_W_new = V_inception_3a_5x5_reduce_W*momentum + d_inception_3a_5x5_reduce_W + decay*inception_3a_5x5_reduce_W   (computed with the next statement)
-        V_inception_3a_5x5_reduce_W_new = T['V_inception_3a_5x5_reduce_W']  # in place: the new V_inception_3a_5x5_reduce_W
-        # inception_3a_5x5_reduce_W_new = inception_3a_5x5_reduce_W - lr*V_inception_3a_5x5_reduce_W_new
-        inception_3a_5x5_reduce_W_new = T['inception_3a_5x5_reduce_W']  # in place: the new inception_3a_5x5_reduce_W
-        rt.ew_pair((ew_mul_add, V_inception_3a_5x5_reduce_W_new, T['V_inception_3a_5x5_reduce_W'], momentum, d_inception_3a_5x5_reduce_W, decay, T['inception_3a_5x5_reduce_W']),
-                   (ew_mul_sub, inception_3a_5x5_reduce_W_new, T['inception_3a_5x5_reduce_W'], lr, V_inception_3a_5x5_reduce_W_new))
-        # free d_inception_3a_5x5_reduce_W
-        del d_inception_3a_5x5_reduce_W
-        mem.free(319)
         # d_inception_3a_5x5_reduce_sum_to = sum_to[1x16x1x1](d_inception_3a_5x5_reduce)
         d_inception_3a_5x5_reduce_sum_to = mem.tensor(320, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_inception_3a_5x5_reduce, out=d_inception_3a_5x5_reduce_sum_to, shape=(1, 16, 1, 1))
@@ -3737,15 +3575,6 @@ class Googlenet(rp.Model):
         mem.free(297)
         # d_inception_3a_5x5_reduce_B = reshape[16](d_inception_3a_5x5_reduce_sum_to)
         d_inception_3a_5x5_reduce_B = rt.reshape(d_inception_3a_5x5_reduce_sum_to, shape=(16,))
-        # V_inception_3a_5x5_reduce_B_new = V_inception_3a_5x5_reduce_B*momentum + d_inception_3a_5x5_reduce_B   (computed with the next statement)
-        V_inception_3a_5x5_reduce_B_new = T['V_inception_3a_5x5_reduce_B']  # in place: the new V_inception_3a_5x5_reduce_B
-        # inception_3a_5x5_reduce_B_new = inception_3a_5x5_reduce_B - 2*lr*V_inception_3a_5x5_reduce_B_new
-        inception_3a_5x5_reduce_B_new = T['inception_3a_5x5_reduce_B']  # in place: the new inception_3a_5x5_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3a_5x5_reduce_B_new, T['V_inception_3a_5x5_reduce_B'], momentum, d_inception_3a_5x5_reduce_B),
-                   (ew_mul_sub_2, inception_3a_5x5_reduce_B_new, T['inception_3a_5x5_reduce_B'], lr, V_inception_3a_5x5_reduce_B_new))
-        # free d_inception_3a_5x5_reduce_sum_to, d_inception_3a_5x5_reduce_B
-        del d_inception_3a_5x5_reduce_sum_to, d_inception_3a_5x5_reduce_B
-        mem.free(320)
 
         # ---- inception_3b_1x1 (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_3b_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3b_1x1, inception_3a_1x1_concat)
@@ -3768,15 +3597,6 @@ class Googlenet(rp.Model):
         mem.free(264)
         # d_inception_3b_1x1_B = reshape[128](d_inception_3b_1x1_sum_to)
         d_inception_3b_1x1_B = rt.reshape(d_inception_3b_1x1_sum_to, shape=(128,))
-        # V_inception_3b_1x1_B_new = V_inception_3b_1x1_B*momentum + d_inception_3b_1x1_B   (computed with the next statement)
-        V_inception_3b_1x1_B_new = T['V_inception_3b_1x1_B']  # in place: the new V_inception_3b_1x1_B
-        # inception_3b_1x1_B_new = inception_3b_1x1_B - 2*lr*V_inception_3b_1x1_B_new
-        inception_3b_1x1_B_new = T['inception_3b_1x1_B']  # in place: the new inception_3b_1x1_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3b_1x1_B_new, T['V_inception_3b_1x1_B'], momentum, d_inception_3b_1x1_B),
-                   (ew_mul_sub_2, inception_3b_1x1_B_new, T['inception_3b_1x1_B'], lr, V_inception_3b_1x1_B_new))
-        # free d_inception_3b_1x1_sum_to, d_inception_3b_1x1_B
-        del d_inception_3b_1x1_sum_to, d_inception_3b_1x1_B
-        mem.free(322)
 
         # ---- inception_3b_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_3b_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3b_3x3_reduce, inception_3a_1x1_concat)
@@ -3799,15 +3619,6 @@ class Googlenet(rp.Model):
         mem.free(267)
         # d_inception_3b_3x3_reduce_B = reshape[128](d_inception_3b_3x3_reduce_sum_to)
         d_inception_3b_3x3_reduce_B = rt.reshape(d_inception_3b_3x3_reduce_sum_to, shape=(128,))
-        # V_inception_3b_3x3_reduce_B_new = V_inception_3b_3x3_reduce_B*momentum + d_inception_3b_3x3_reduce_B   (computed with the next statement)
-        V_inception_3b_3x3_reduce_B_new = T['V_inception_3b_3x3_reduce_B']  # in place: the new V_inception_3b_3x3_reduce_B
-        # inception_3b_3x3_reduce_B_new = inception_3b_3x3_reduce_B - 2*lr*V_inception_3b_3x3_reduce_B_new
-        inception_3b_3x3_reduce_B_new = T['inception_3b_3x3_reduce_B']  # in place: the new inception_3b_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3b_3x3_reduce_B_new, T['V_inception_3b_3x3_reduce_B'], momentum, d_inception_3b_3x3_reduce_B),
-                   (ew_mul_sub_2, inception_3b_3x3_reduce_B_new, T['inception_3b_3x3_reduce_B'], lr, V_inception_3b_3x3_reduce_B_new))
-        # free d_inception_3b_3x3_reduce_sum_to, d_inception_3b_3x3_reduce_B
-        del d_inception_3b_3x3_reduce_sum_to, d_inception_3b_3x3_reduce_B
-        mem.free(324)
 
         # ---- inception_3b_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_3b_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_3b_5x5_reduce, inception_3a_1x1_concat)
@@ -3816,15 +3627,6 @@ class Googlenet(rp.Model):
         # free inception_3a_1x1_concat
         del inception_3a_1x1_concat
         mem.free(20)
-        # V_inception_3b_5x5_reduce_W_new = V_inception_3b_5x5_reduce_W*momentum + d_inception_3b_5x5_reduce_W + decay*inception_3b_5x5_reduce_W   (computed with the next statement)
-        V_inception_3b_5x5_reduce_W_new = T['V_inception_3b_5x5_reduce_W']  # in place: the new V_inception_3b_5x5_reduce_W
-        # inception_3b_5x5_reduce_W_new = inception_3b_5x5_reduce_W - lr*V_inception_3b_5x5_reduce_W_new
-        inception_3b_5x5_reduce_W_new = T['inception_3b_5x5_reduce_W']  # in place: the new inception_3b_5x5_reduce_W
-        rt.ew_pair((ew_mul_add, V_inception_3b_5x5_reduce_W_new, T['V_inception_3b_5x5_reduce_W'], momentum, d_inception_3b_5x5_reduce_W, decay, T['inception_3b_5x5_reduce_W']),
-                   (ew_mul_sub, inception_3b_5x5_reduce_W_new, T['inception_3b_5x5_reduce_W'], lr, V_inception_3b_5x5_reduce_W_new))
-        # free d_inception_3b_5x5_reduce_W
-        del d_inception_3b_5x5_reduce_W
-        mem.free(325)
         # d_inception_3b_5x5_reduce_sum_to = sum_to[1x32x1x1](d_inception_3b_5x5_reduce)
         d_inception_3b_5x5_reduce_sum_to = mem.tensor(326, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_inception_3b_5x5_reduce, out=d_inception_3b_5x5_reduce_sum_to, shape=(1, 32, 1, 1))
@@ -3833,15 +3635,6 @@ class Googlenet(rp.Model):
         mem.free(275)
         # d_inception_3b_5x5_reduce_B = reshape[32](d_inception_3b_5x5_reduce_sum_to)
         d_inception_3b_5x5_reduce_B = rt.reshape(d_inception_3b_5x5_reduce_sum_to, shape=(32,))
-        # V_inception_3b_5x5_reduce_B_new = V_inception_3b_5x5_reduce_B*momentum + d_inception_3b_5x5_reduce_B   (computed with the next statement)
-        V_inception_3b_5x5_reduce_B_new = T['V_inception_3b_5x5_reduce_B']  # in place: the new V_inception_3b_5x5_reduce_B
-        # inception_3b_5x5_reduce_B_new = inception_3b_5x5_reduce_B - 2*lr*V_inception_3b_5x5_reduce_B_new
-        inception_3b_5x5_reduce_B_new = T['inception_3b_5x5_reduce_B']  # in place: the new inception_3b_5x5_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_3b_5x5_reduce_B_new, T['V_inception_3b_5x5_reduce_B'], momentum, d_inception_3b_5x5_reduce_B),
-                   (ew_mul_sub_2, inception_3b_5x5_reduce_B_new, T['inception_3b_5x5_reduce_B'], lr, V_inception_3b_5x5_reduce_B_new))
-        # free d_inception_3b_5x5_reduce_sum_to, d_inception_3b_5x5_reduce_B
-        del d_inception_3b_5x5_reduce_sum_to, d_inception_3b_5x5_reduce_B
-        mem.free(326)
 
         # ---- inception_4a_1x1 (conv 1x1, 192 channels, stride 1, padding 0), backward ----
         # d_inception_4a_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4a_1x1, inception_3b_1x1_max_pool)
@@ -3864,15 +3657,6 @@ class Googlenet(rp.Model):
         mem.free(243)
         # d_inception_4a_1x1_B = reshape[192](d_inception_4a_1x1_sum_to)
         d_inception_4a_1x1_B = rt.reshape(d_inception_4a_1x1_sum_to, shape=(192,))
-        # V_inception_4a_1x1_B_new = V_inception_4a_1x1_B*momentum + d_inception_4a_1x1_B   (computed with the next statement)
-        V_inception_4a_1x1_B_new = T['V_inception_4a_1x1_B']  # in place: the new V_inception_4a_1x1_B
-        # inception_4a_1x1_B_new = inception_4a_1x1_B - 2*lr*V_inception_4a_1x1_B_new
-        inception_4a_1x1_B_new = T['inception_4a_1x1_B']  # in place: the new inception_4a_1x1_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4a_1x1_B_new, T['V_inception_4a_1x1_B'], momentum, d_inception_4a_1x1_B),
-                   (ew_mul_sub_2, inception_4a_1x1_B_new, T['inception_4a_1x1_B'], lr, V_inception_4a_1x1_B_new))
-        # free d_inception_4a_1x1_sum_to, d_inception_4a_1x1_B
-        del d_inception_4a_1x1_sum_to, d_inception_4a_1x1_B
-        mem.free(328)
 
         # ---- inception_4a_3x3_reduce (conv 1x1, 96 channels, stride 1, padding 0), backward ----
         # d_inception_4a_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4a_3x3_reduce, inception_3b_1x1_max_pool)
@@ -3895,15 +3679,6 @@ class Googlenet(rp.Model):
         mem.free(248)
         # d_inception_4a_3x3_reduce_B = reshape[96](d_inception_4a_3x3_reduce_sum_to)
         d_inception_4a_3x3_reduce_B = rt.reshape(d_inception_4a_3x3_reduce_sum_to, shape=(96,))
-        # V_inception_4a_3x3_reduce_B_new = V_inception_4a_3x3_reduce_B*momentum + d_inception_4a_3x3_reduce_B   (computed with the next statement)
-        V_inception_4a_3x3_reduce_B_new = T['V_inception_4a_3x3_reduce_B']  # in place: the new V_inception_4a_3x3_reduce_B
-        # inception_4a_3x3_reduce_B_new = inception_4a_3x3_reduce_B - 2*lr*V_inception_4a_3x3_reduce_B_new
-        inception_4a_3x3_reduce_B_new = T['inception_4a_3x3_reduce_B']  # in place: the new inception_4a_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4a_3x3_reduce_B_new, T['V_inception_4a_3x3_reduce_B'], momentum, d_inception_4a_3x3_reduce_B),
-                   (ew_mul_sub_2, inception_4a_3x3_reduce_B_new, T['inception_4a_3x3_reduce_B'], lr, V_inception_4a_3x3_reduce_B_new))
-        # free d_inception_4a_3x3_reduce_sum_to, d_inception_4a_3x3_reduce_B
-        del d_inception_4a_3x3_reduce_sum_to, d_inception_4a_3x3_reduce_B
-        mem.free(330)
 
         # ---- inception_4a_5x5_reduce (conv 1x1, 16 channels, stride 1, padding 0), backward ----
         # d_inception_4a_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4a_5x5_reduce, inception_3b_1x1_max_pool)
@@ -3912,15 +3687,6 @@ class Googlenet(rp.Model):
         # free inception_3b_1x1_max_pool
         del inception_3b_1x1_max_pool
         mem.free(31)
-        # V_inception_4a_5x5_reduce_W_new = V_inception_4a_5x5_reduce_W*momentum + d_inception_4a_5x5_reduce_W + decay*inception_4a_5x5_reduce_W   (computed with the next statement)
-        V_inception_4a_5x5_reduce_W_new = T['V_inception_4a_5x5_reduce_W']  # in place: the new V_inception_4a_5x5_reduce_W
-        # inception_4a_5x5_reduce_W_new = inception_4a_5x5_reduce_W - lr*V_inception_4a_5x5_reduce_W_new
-        inception_4a_5x5_reduce_W_new = T['inception_4a_5x5_reduce_W']  # in place: the new inception_4a_5x5_reduce_W
-        rt.ew_pair((ew_mul_add, V_inception_4a_5x5_reduce_W_new, T['V_inception_4a_5x5_reduce_W'], momentum, d_inception_4a_5x5_reduce_W, decay, T['inception_4a_5x5_reduce_W']),
-                   (ew_mul_sub, inception_4a_5x5_reduce_W_new, T['inception_4a_5x5_reduce_W'], lr, V_inception_4a_5x5_reduce_W_new))
-        # free d_inception_4a_5x5_reduce_W
-        del d_inception_4a_5x5_reduce_W
-        mem.free(331)
         # d_inception_4a_5x5_reduce_sum_to = sum_to[1x16x1x1](d_inception_4a_5x5_reduce)
         d_inception_4a_5x5_reduce_sum_to = mem.tensor(332, (1, 16, 1, 1), 'float32')
         rt.sum_to(d_inception_4a_5x5_reduce, out=d_inception_4a_5x5_reduce_sum_to, shape=(1, 16, 1, 1))
@@ -3929,15 +3695,6 @@ class Googlenet(rp.Model):
         mem.free(256)
         # d_inception_4a_5x5_reduce_B = reshape[16](d_inception_4a_5x5_reduce_sum_to)
         d_inception_4a_5x5_reduce_B = rt.reshape(d_inception_4a_5x5_reduce_sum_to, shape=(16,))
-        # V_inception_4a_5x5_reduce_B_new = V_inception_4a_5x5_reduce_B*momentum + d_inception_4a_5x5_reduce_B   (computed with the next statement)
-        V_inception_4a_5x5_reduce_B_new = T['V_inception_4a_5x5_reduce_B']  # in place: the new V_inception_4a_5x5_reduce_B
-        # inception_4a_5x5_reduce_B_new = inception_4a_5x5_reduce_B - 2*lr*V_inception_4a_5x5_reduce_B_new
-        inception_4a_5x5_reduce_B_new = T['inception_4a_5x5_reduce_B']  # in place: the new inception_4a_5x5_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4a_5x5_reduce_B_new, T['V_inception_4a_5x5_reduce_B'], momentum, d_inception_4a_5x5_reduce_B),
-                   (ew_mul_sub_2, inception_4a_5x5_reduce_B_new, T['inception_4a_5x5_reduce_B'], lr, V_inception_4a_5x5_reduce_B_new))
-        # free d_inception_4a_5x5_reduce_sum_to, d_inception_4a_5x5_reduce_B
-        del d_inception_4a_5x5_reduce_sum_to, d_inception_4a_5x5_reduce_B
-        mem.free(332)
 
         # ---- inception_4b_1x1 (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4b_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4b_1x1, inception_4a_1x1_concat)
@@ -3960,15 +3717,6 @@ class Googlenet(rp.Model):
         mem.free(218)
         # d_inception_4b_1x1_B = reshape[160](d_inception_4b_1x1_sum_to)
         d_inception_4b_1x1_B = rt.reshape(d_inception_4b_1x1_sum_to, shape=(160,))
-        # V_inception_4b_1x1_B_new = V_inception_4b_1x1_B*momentum + d_inception_4b_1x1_B   (computed with the next statement)
-        V_inception_4b_1x1_B_new = T['V_inception_4b_1x1_B']  # in place: the new V_inception_4b_1x1_B
-        # inception_4b_1x1_B_new = inception_4b_1x1_B - 2*lr*V_inception_4b_1x1_B_new
-        inception_4b_1x1_B_new = T['inception_4b_1x1_B']  # in place: the new inception_4b_1x1_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4b_1x1_B_new, T['V_inception_4b_1x1_B'], momentum, d_inception_4b_1x1_B),
-                   (ew_mul_sub_2, inception_4b_1x1_B_new, T['inception_4b_1x1_B'], lr, V_inception_4b_1x1_B_new))
-        # free d_inception_4b_1x1_sum_to, d_inception_4b_1x1_B
-        del d_inception_4b_1x1_sum_to, d_inception_4b_1x1_B
-        mem.free(334)
 
         # ---- inception_4b_3x3_reduce (conv 1x1, 112 channels, stride 1, padding 0), backward ----
         # d_inception_4b_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4b_3x3_reduce, inception_4a_1x1_concat)
@@ -3991,15 +3739,6 @@ class Googlenet(rp.Model):
         mem.free(222)
         # d_inception_4b_3x3_reduce_B = reshape[112](d_inception_4b_3x3_reduce_sum_to)
         d_inception_4b_3x3_reduce_B = rt.reshape(d_inception_4b_3x3_reduce_sum_to, shape=(112,))
-        # V_inception_4b_3x3_reduce_B_new = V_inception_4b_3x3_reduce_B*momentum + d_inception_4b_3x3_reduce_B   (computed with the next statement)
-        V_inception_4b_3x3_reduce_B_new = T['V_inception_4b_3x3_reduce_B']  # in place: the new V_inception_4b_3x3_reduce_B
-        # inception_4b_3x3_reduce_B_new = inception_4b_3x3_reduce_B - 2*lr*V_inception_4b_3x3_reduce_B_new
-        inception_4b_3x3_reduce_B_new = T['inception_4b_3x3_reduce_B']  # in place: the new inception_4b_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4b_3x3_reduce_B_new, T['V_inception_4b_3x3_reduce_B'], momentum, d_inception_4b_3x3_reduce_B),
-                   (ew_mul_sub_2, inception_4b_3x3_reduce_B_new, T['inception_4b_3x3_reduce_B'], lr, V_inception_4b_3x3_reduce_B_new))
-        # free d_inception_4b_3x3_reduce_sum_to, d_inception_4b_3x3_reduce_B
-        del d_inception_4b_3x3_reduce_sum_to, d_inception_4b_3x3_reduce_B
-        mem.free(336)
 
         # ---- inception_4b_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4b_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4b_5x5_reduce, inception_4a_1x1_concat)
@@ -4008,15 +3747,6 @@ class Googlenet(rp.Model):
         # free inception_4a_1x1_concat
         del inception_4a_1x1_concat
         mem.free(40)
-        # V_inception_4b_5x5_reduce_W_new = V_inception_4b_5x5_reduce_W*momentum + d_inception_4b_5x5_reduce_W + decay*inception_4b_5x5_reduce_W   (computed with the next statement)
-        V_inception_4b_5x5_reduce_W_new = T['V_inception_4b_5x5_reduce_W']  # in place: the new V_inception_4b_5x5_reduce_W
-        # inception_4b_5x5_reduce_W_new = inception_4b_5x5_reduce_W - lr*V_inception_4b_5x5_reduce_W_new
-        inception_4b_5x5_reduce_W_new = T['inception_4b_5x5_reduce_W']  # in place: the new inception_4b_5x5_reduce_W
-        rt.ew_pair((ew_mul_add, V_inception_4b_5x5_reduce_W_new, T['V_inception_4b_5x5_reduce_W'], momentum, d_inception_4b_5x5_reduce_W, decay, T['inception_4b_5x5_reduce_W']),
-                   (ew_mul_sub, inception_4b_5x5_reduce_W_new, T['inception_4b_5x5_reduce_W'], lr, V_inception_4b_5x5_reduce_W_new))
-        # free d_inception_4b_5x5_reduce_W
-        del d_inception_4b_5x5_reduce_W
-        mem.free(337)
         # d_inception_4b_5x5_reduce_sum_to = sum_to[1x24x1x1](d_inception_4b_5x5_reduce)
         d_inception_4b_5x5_reduce_sum_to = mem.tensor(338, (1, 24, 1, 1), 'float32')
         rt.sum_to(d_inception_4b_5x5_reduce, out=d_inception_4b_5x5_reduce_sum_to, shape=(1, 24, 1, 1))
@@ -4025,15 +3755,6 @@ class Googlenet(rp.Model):
         mem.free(230)
         # d_inception_4b_5x5_reduce_B = reshape[24](d_inception_4b_5x5_reduce_sum_to)
         d_inception_4b_5x5_reduce_B = rt.reshape(d_inception_4b_5x5_reduce_sum_to, shape=(24,))
-        # V_inception_4b_5x5_reduce_B_new = V_inception_4b_5x5_reduce_B*momentum + d_inception_4b_5x5_reduce_B   (computed with the next statement)
-        V_inception_4b_5x5_reduce_B_new = T['V_inception_4b_5x5_reduce_B']  # in place: the new V_inception_4b_5x5_reduce_B
-        # inception_4b_5x5_reduce_B_new = inception_4b_5x5_reduce_B - 2*lr*V_inception_4b_5x5_reduce_B_new
-        inception_4b_5x5_reduce_B_new = T['inception_4b_5x5_reduce_B']  # in place: the new inception_4b_5x5_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4b_5x5_reduce_B_new, T['V_inception_4b_5x5_reduce_B'], momentum, d_inception_4b_5x5_reduce_B),
-                   (ew_mul_sub_2, inception_4b_5x5_reduce_B_new, T['inception_4b_5x5_reduce_B'], lr, V_inception_4b_5x5_reduce_B_new))
-        # free d_inception_4b_5x5_reduce_sum_to, d_inception_4b_5x5_reduce_B
-        del d_inception_4b_5x5_reduce_sum_to, d_inception_4b_5x5_reduce_B
-        mem.free(338)
 
         # ---- inception_4c_1x1 (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4c_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4c_1x1, inception_4b_1x1_concat)
@@ -4056,15 +3777,6 @@ class Googlenet(rp.Model):
         mem.free(199)
         # d_inception_4c_1x1_B = reshape[128](d_inception_4c_1x1_sum_to)
         d_inception_4c_1x1_B = rt.reshape(d_inception_4c_1x1_sum_to, shape=(128,))
-        # V_inception_4c_1x1_B_new = V_inception_4c_1x1_B*momentum + d_inception_4c_1x1_B   (computed with the next statement)
-        V_inception_4c_1x1_B_new = T['V_inception_4c_1x1_B']  # in place: the new V_inception_4c_1x1_B
-        # inception_4c_1x1_B_new = inception_4c_1x1_B - 2*lr*V_inception_4c_1x1_B_new
-        inception_4c_1x1_B_new = T['inception_4c_1x1_B']  # in place: the new inception_4c_1x1_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4c_1x1_B_new, T['V_inception_4c_1x1_B'], momentum, d_inception_4c_1x1_B),
-                   (ew_mul_sub_2, inception_4c_1x1_B_new, T['inception_4c_1x1_B'], lr, V_inception_4c_1x1_B_new))
-        # free d_inception_4c_1x1_sum_to, d_inception_4c_1x1_B
-        del d_inception_4c_1x1_sum_to, d_inception_4c_1x1_B
-        mem.free(340)
 
         # ---- inception_4c_3x3_reduce (conv 1x1, 128 channels, stride 1, padding 0), backward ----
         # d_inception_4c_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4c_3x3_reduce, inception_4b_1x1_concat)
@@ -4087,15 +3799,6 @@ class Googlenet(rp.Model):
         mem.free(203)
         # d_inception_4c_3x3_reduce_B = reshape[128](d_inception_4c_3x3_reduce_sum_to)
         d_inception_4c_3x3_reduce_B = rt.reshape(d_inception_4c_3x3_reduce_sum_to, shape=(128,))
-        # V_inception_4c_3x3_reduce_B_new = V_inception_4c_3x3_reduce_B*momentum + d_inception_4c_3x3_reduce_B   (computed with the next statement)
-        V_inception_4c_3x3_reduce_B_new = T['V_inception_4c_3x3_reduce_B']  # in place: the new V_inception_4c_3x3_reduce_B
-        # inception_4c_3x3_reduce_B_new = inception_4c_3x3_reduce_B - 2*lr*V_inception_4c_3x3_reduce_B_new
-        inception_4c_3x3_reduce_B_new = T['inception_4c_3x3_reduce_B']  # in place: the new inception_4c_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4c_3x3_reduce_B_new, T['V_inception_4c_3x3_reduce_B'], momentum, d_inception_4c_3x3_reduce_B),
-                   (ew_mul_sub_2, inception_4c_3x3_reduce_B_new, T['inception_4c_3x3_reduce_B'], lr, V_inception_4c_3x3_reduce_B_new))
-        # free d_inception_4c_3x3_reduce_sum_to, d_inception_4c_3x3_reduce_B
-        del d_inception_4c_3x3_reduce_sum_to, d_inception_4c_3x3_reduce_B
-        mem.free(342)
 
         # ---- inception_4c_5x5_reduce (conv 1x1, 24 channels, stride 1, padding 0), backward ----
         # d_inception_4c_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4c_5x5_reduce, inception_4b_1x1_concat)
@@ -4104,15 +3807,6 @@ class Googlenet(rp.Model):
         # free inception_4b_1x1_concat
         del inception_4b_1x1_concat
         mem.free(49)
-        # V_inception_4c_5x5_reduce_W_new = V_inception_4c_5x5_reduce_W*momentum + d_inception_4c_5x5_reduce_W + decay*inception_4c_5x5_reduce_W   (computed with the next statement)
-        V_inception_4c_5x5_reduce_W_new = T['V_inception_4c_5x5_reduce_W']  # in place: the new V_inception_4c_5x5_reduce_W
-        # inception_4c_5x5_reduce_W_new = inception_4c_5x5_reduce_W - lr*V_inception_4c_5x5_reduce_W_new
-        inception_4c_5x5_reduce_W_new = T['inception_4c_5x5_reduce_W']  # in place: the new inception_4c_5x5_reduce_W
-        rt.ew_pair((ew_mul_add, V_inception_4c_5x5_reduce_W_new, T['V_inception_4c_5x5_reduce_W'], momentum, d_inception_4c_5x5_reduce_W, decay, T['inception_4c_5x5_reduce_W']),
-                   (ew_mul_sub, inception_4c_5x5_reduce_W_new, T['inception_4c_5x5_reduce_W'], lr, V_inception_4c_5x5_reduce_W_new))
-        # free d_inception_4c_5x5_reduce_W
-        del d_inception_4c_5x5_reduce_W
-        mem.free(343)
         # d_inception_4c_5x5_reduce_sum_to = sum_to[1x24x1x1](d_inception_4c_5x5_reduce)
         d_inception_4c_5x5_reduce_sum_to = mem.tensor(344, (1, 24, 1, 1), 'float32')
         rt.sum_to(d_inception_4c_5x5_reduce, out=d_inception_4c_5x5_reduce_sum_to, shape=(1, 24, 1, 1))
@@ -4121,15 +3815,6 @@ class Googlenet(rp.Model):
         mem.free(211)
         # d_inception_4c_5x5_reduce_B = reshape[24](d_inception_4c_5x5_reduce_sum_to)
         d_inception_4c_5x5_reduce_B = rt.reshape(d_inception_4c_5x5_reduce_sum_to, shape=(24,))
-        # V_inception_4c_5x5_reduce_B_new = V_inception_4c_5x5_reduce_B*momentum + d_inception_4c_5x5_reduce_B   (computed with the next statement)
-        V_inception_4c_5x5_reduce_B_new = T['V_inception_4c_5x5_reduce_B']  # in place: the new V_inception_4c_5x5_reduce_B
-        # inception_4c_5x5_reduce_B_new = inception_4c_5x5_reduce_B - 2*lr*V_inception_4c_5x5_reduce_B_new
-        inception_4c_5x5_reduce_B_new = T['inception_4c_5x5_reduce_B']  # in place: the new inception_4c_5x5_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4c_5x5_reduce_B_new, T['V_inception_4c_5x5_reduce_B'], momentum, d_inception_4c_5x5_reduce_B),
-                   (ew_mul_sub_2, inception_4c_5x5_reduce_B_new, T['inception_4c_5x5_reduce_B'], lr, V_inception_4c_5x5_reduce_B_new))
-        # free d_inception_4c_5x5_reduce_sum_to, d_inception_4c_5x5_reduce_B
-        del d_inception_4c_5x5_reduce_sum_to, d_inception_4c_5x5_reduce_B
-        mem.free(344)
 
         # ---- inception_4d_1x1 (conv 1x1, 112 channels, stride 1, padding 0), backward ----
         # d_inception_4d_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4d_1x1, inception_4c_1x1_concat)
@@ -4152,15 +3837,6 @@ class Googlenet(rp.Model):
         mem.free(180)
         # d_inception_4d_1x1_B = reshape[112](d_inception_4d_1x1_sum_to)
         d_inception_4d_1x1_B = rt.reshape(d_inception_4d_1x1_sum_to, shape=(112,))
-        # V_inception_4d_1x1_B_new = V_inception_4d_1x1_B*momentum + d_inception_4d_1x1_B   (computed with the next statement)
-        V_inception_4d_1x1_B_new = T['V_inception_4d_1x1_B']  # in place: the new V_inception_4d_1x1_B
-        # inception_4d_1x1_B_new = inception_4d_1x1_B - 2*lr*V_inception_4d_1x1_B_new
-        inception_4d_1x1_B_new = T['inception_4d_1x1_B']  # in place: the new inception_4d_1x1_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4d_1x1_B_new, T['V_inception_4d_1x1_B'], momentum, d_inception_4d_1x1_B),
-                   (ew_mul_sub_2, inception_4d_1x1_B_new, T['inception_4d_1x1_B'], lr, V_inception_4d_1x1_B_new))
-        # free d_inception_4d_1x1_sum_to, d_inception_4d_1x1_B
-        del d_inception_4d_1x1_sum_to, d_inception_4d_1x1_B
-        mem.free(346)
 
         # ---- inception_4d_3x3_reduce (conv 1x1, 144 channels, stride 1, padding 0), backward ----
         # d_inception_4d_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4d_3x3_reduce, inception_4c_1x1_concat)
@@ -4183,15 +3859,6 @@ class Googlenet(rp.Model):
         mem.free(184)
         # d_inception_4d_3x3_reduce_B = reshape[144](d_inception_4d_3x3_reduce_sum_to)
         d_inception_4d_3x3_reduce_B = rt.reshape(d_inception_4d_3x3_reduce_sum_to, shape=(144,))
-        # V_inception_4d_3x3_reduce_B_new = V_inception_4d_3x3_reduce_B*momentum + d_inception_4d_3x3_reduce_B   (computed with the next statement)
-        V_inception_4d_3x3_reduce_B_new = T['V_inception_4d_3x3_reduce_B']  # in place: the new V_inception_4d_3x3_reduce_B
-        # inception_4d_3x3_reduce_B_new = inception_4d_3x3_reduce_B - 2*lr*V_inception_4d_3x3_reduce_B_new
-        inception_4d_3x3_reduce_B_new = T['inception_4d_3x3_reduce_B']  # in place: the new inception_4d_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4d_3x3_reduce_B_new, T['V_inception_4d_3x3_reduce_B'], momentum, d_inception_4d_3x3_reduce_B),
-                   (ew_mul_sub_2, inception_4d_3x3_reduce_B_new, T['inception_4d_3x3_reduce_B'], lr, V_inception_4d_3x3_reduce_B_new))
-        # free d_inception_4d_3x3_reduce_sum_to, d_inception_4d_3x3_reduce_B
-        del d_inception_4d_3x3_reduce_sum_to, d_inception_4d_3x3_reduce_B
-        mem.free(348)
 
         # ---- inception_4d_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4d_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4d_5x5_reduce, inception_4c_1x1_concat)
@@ -4200,15 +3867,6 @@ class Googlenet(rp.Model):
         # free inception_4c_1x1_concat
         del inception_4c_1x1_concat
         mem.free(58)
-        # V_inception_4d_5x5_reduce_W_new = V_inception_4d_5x5_reduce_W*momentum + d_inception_4d_5x5_reduce_W + decay*inception_4d_5x5_reduce_W   (computed with the next statement)
-        V_inception_4d_5x5_reduce_W_new = T['V_inception_4d_5x5_reduce_W']  # in place: the new V_inception_4d_5x5_reduce_W
-        # inception_4d_5x5_reduce_W_new = inception_4d_5x5_reduce_W - lr*V_inception_4d_5x5_reduce_W_new
-        inception_4d_5x5_reduce_W_new = T['inception_4d_5x5_reduce_W']  # in place: the new inception_4d_5x5_reduce_W
-        rt.ew_pair((ew_mul_add, V_inception_4d_5x5_reduce_W_new, T['V_inception_4d_5x5_reduce_W'], momentum, d_inception_4d_5x5_reduce_W, decay, T['inception_4d_5x5_reduce_W']),
-                   (ew_mul_sub, inception_4d_5x5_reduce_W_new, T['inception_4d_5x5_reduce_W'], lr, V_inception_4d_5x5_reduce_W_new))
-        # free d_inception_4d_5x5_reduce_W
-        del d_inception_4d_5x5_reduce_W
-        mem.free(349)
         # d_inception_4d_5x5_reduce_sum_to = sum_to[1x32x1x1](d_inception_4d_5x5_reduce)
         d_inception_4d_5x5_reduce_sum_to = mem.tensor(350, (1, 32, 1, 1), 'float32')
         rt.sum_to(d_inception_4d_5x5_reduce, out=d_inception_4d_5x5_reduce_sum_to, shape=(1, 32, 1, 1))
@@ -4217,15 +3875,6 @@ class Googlenet(rp.Model):
         mem.free(192)
         # d_inception_4d_5x5_reduce_B = reshape[32](d_inception_4d_5x5_reduce_sum_to)
         d_inception_4d_5x5_reduce_B = rt.reshape(d_inception_4d_5x5_reduce_sum_to, shape=(32,))
-        # V_inception_4d_5x5_reduce_B_new = V_inception_4d_5x5_reduce_B*momentum + d_inception_4d_5x5_reduce_B   (computed with the next statement)
-        V_inception_4d_5x5_reduce_B_new = T['V_inception_4d_5x5_reduce_B']  # in place: the new V_inception_4d_5x5_reduce_B
-        # inception_4d_5x5_reduce_B_new = inception_4d_5x5_reduce_B - 2*lr*V_inception_4d_5x5_reduce_B_new
-        inception_4d_5x5_reduce_B_new = T['inception_4d_5x5_reduce_B']  # in place: the new inception_4d_5x5_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4d_5x5_reduce_B_new, T['V_inception_4d_5x5_reduce_B'], momentum, d_inception_4d_5x5_reduce_B),
-                   (ew_mul_sub_2, inception_4d_5x5_reduce_B_new, T['inception_4d_5x5_reduce_B'], lr, V_inception_4d_5x5_reduce_B_new))
-        # free d_inception_4d_5x5_reduce_sum_to, d_inception_4d_5x5_reduce_B
-        del d_inception_4d_5x5_reduce_sum_to, d_inception_4d_5x5_reduce_B
-        mem.free(350)
 
         # ---- inception_4e_1x1 (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_inception_4e_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4e_1x1, inception_4d_1x1_concat)
@@ -4248,15 +3897,6 @@ class Googlenet(rp.Model):
         mem.free(155)
         # d_inception_4e_1x1_B = reshape[256](d_inception_4e_1x1_sum_to)
         d_inception_4e_1x1_B = rt.reshape(d_inception_4e_1x1_sum_to, shape=(256,))
-        # V_inception_4e_1x1_B_new = V_inception_4e_1x1_B*momentum + d_inception_4e_1x1_B   (computed with the next statement)
-        V_inception_4e_1x1_B_new = T['V_inception_4e_1x1_B']  # in place: the new V_inception_4e_1x1_B
-        # inception_4e_1x1_B_new = inception_4e_1x1_B - 2*lr*V_inception_4e_1x1_B_new
-        inception_4e_1x1_B_new = T['inception_4e_1x1_B']  # in place: the new inception_4e_1x1_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4e_1x1_B_new, T['V_inception_4e_1x1_B'], momentum, d_inception_4e_1x1_B),
-                   (ew_mul_sub_2, inception_4e_1x1_B_new, T['inception_4e_1x1_B'], lr, V_inception_4e_1x1_B_new))
-        # free d_inception_4e_1x1_sum_to, d_inception_4e_1x1_B
-        del d_inception_4e_1x1_sum_to, d_inception_4e_1x1_B
-        mem.free(352)
 
         # ---- inception_4e_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_4e_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4e_3x3_reduce, inception_4d_1x1_concat)
@@ -4279,15 +3919,6 @@ class Googlenet(rp.Model):
         mem.free(158)
         # d_inception_4e_3x3_reduce_B = reshape[160](d_inception_4e_3x3_reduce_sum_to)
         d_inception_4e_3x3_reduce_B = rt.reshape(d_inception_4e_3x3_reduce_sum_to, shape=(160,))
-        # V_inception_4e_3x3_reduce_B_new = V_inception_4e_3x3_reduce_B*momentum + d_inception_4e_3x3_reduce_B   (computed with the next statement)
-        V_inception_4e_3x3_reduce_B_new = T['V_inception_4e_3x3_reduce_B']  # in place: the new V_inception_4e_3x3_reduce_B
-        # inception_4e_3x3_reduce_B_new = inception_4e_3x3_reduce_B - 2*lr*V_inception_4e_3x3_reduce_B_new
-        inception_4e_3x3_reduce_B_new = T['inception_4e_3x3_reduce_B']  # in place: the new inception_4e_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4e_3x3_reduce_B_new, T['V_inception_4e_3x3_reduce_B'], momentum, d_inception_4e_3x3_reduce_B),
-                   (ew_mul_sub_2, inception_4e_3x3_reduce_B_new, T['inception_4e_3x3_reduce_B'], lr, V_inception_4e_3x3_reduce_B_new))
-        # free d_inception_4e_3x3_reduce_sum_to, d_inception_4e_3x3_reduce_B
-        del d_inception_4e_3x3_reduce_sum_to, d_inception_4e_3x3_reduce_B
-        mem.free(354)
 
         # ---- inception_4e_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_4e_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_4e_5x5_reduce, inception_4d_1x1_concat)
@@ -4313,15 +3944,6 @@ class Googlenet(rp.Model):
         mem.free(166)
         # d_inception_4e_5x5_reduce_B = reshape[32](d_inception_4e_5x5_reduce_sum_to)
         d_inception_4e_5x5_reduce_B = rt.reshape(d_inception_4e_5x5_reduce_sum_to, shape=(32,))
-        # V_inception_4e_5x5_reduce_B_new = V_inception_4e_5x5_reduce_B*momentum + d_inception_4e_5x5_reduce_B   (computed with the next statement)
-        V_inception_4e_5x5_reduce_B_new = T['V_inception_4e_5x5_reduce_B']  # in place: the new V_inception_4e_5x5_reduce_B
-        # inception_4e_5x5_reduce_B_new = inception_4e_5x5_reduce_B - 2*lr*V_inception_4e_5x5_reduce_B_new
-        inception_4e_5x5_reduce_B_new = T['inception_4e_5x5_reduce_B']  # in place: the new inception_4e_5x5_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_4e_5x5_reduce_B_new, T['V_inception_4e_5x5_reduce_B'], momentum, d_inception_4e_5x5_reduce_B),
-                   (ew_mul_sub_2, inception_4e_5x5_reduce_B_new, T['inception_4e_5x5_reduce_B'], lr, V_inception_4e_5x5_reduce_B_new))
-        # free d_inception_4e_5x5_reduce_sum_to, d_inception_4e_5x5_reduce_B
-        del d_inception_4e_5x5_reduce_sum_to, d_inception_4e_5x5_reduce_B
-        mem.free(356)
 
         # ---- inception_5a_1x1 (conv 1x1, 256 channels, stride 1, padding 0), backward ----
         # d_inception_5a_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5a_1x1, inception_4e_1x1_max_pool)
@@ -4344,15 +3966,6 @@ class Googlenet(rp.Model):
         mem.free(137)
         # d_inception_5a_1x1_B = reshape[256](d_inception_5a_1x1_sum_to)
         d_inception_5a_1x1_B = rt.reshape(d_inception_5a_1x1_sum_to, shape=(256,))
-        # V_inception_5a_1x1_B_new = V_inception_5a_1x1_B*momentum + d_inception_5a_1x1_B   (computed with the next statement)
-        V_inception_5a_1x1_B_new = T['V_inception_5a_1x1_B']  # in place: the new V_inception_5a_1x1_B
-        # inception_5a_1x1_B_new = inception_5a_1x1_B - 2*lr*V_inception_5a_1x1_B_new
-        inception_5a_1x1_B_new = T['inception_5a_1x1_B']  # in place: the new inception_5a_1x1_B
-        rt.ew_pair((ew_mul_add_2, V_inception_5a_1x1_B_new, T['V_inception_5a_1x1_B'], momentum, d_inception_5a_1x1_B),
-                   (ew_mul_sub_2, inception_5a_1x1_B_new, T['inception_5a_1x1_B'], lr, V_inception_5a_1x1_B_new))
-        # free d_inception_5a_1x1_sum_to, d_inception_5a_1x1_B
-        del d_inception_5a_1x1_sum_to, d_inception_5a_1x1_B
-        mem.free(358)
 
         # ---- inception_5a_3x3_reduce (conv 1x1, 160 channels, stride 1, padding 0), backward ----
         # d_inception_5a_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5a_3x3_reduce, inception_4e_1x1_max_pool)
@@ -4375,15 +3988,6 @@ class Googlenet(rp.Model):
         mem.free(140)
         # d_inception_5a_3x3_reduce_B = reshape[160](d_inception_5a_3x3_reduce_sum_to)
         d_inception_5a_3x3_reduce_B = rt.reshape(d_inception_5a_3x3_reduce_sum_to, shape=(160,))
-        # V_inception_5a_3x3_reduce_B_new = V_inception_5a_3x3_reduce_B*momentum + d_inception_5a_3x3_reduce_B   (computed with the next statement)
-        V_inception_5a_3x3_reduce_B_new = T['V_inception_5a_3x3_reduce_B']  # in place: the new V_inception_5a_3x3_reduce_B
-        # inception_5a_3x3_reduce_B_new = inception_5a_3x3_reduce_B - 2*lr*V_inception_5a_3x3_reduce_B_new
-        inception_5a_3x3_reduce_B_new = T['inception_5a_3x3_reduce_B']  # in place: the new inception_5a_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_5a_3x3_reduce_B_new, T['V_inception_5a_3x3_reduce_B'], momentum, d_inception_5a_3x3_reduce_B),
-                   (ew_mul_sub_2, inception_5a_3x3_reduce_B_new, T['inception_5a_3x3_reduce_B'], lr, V_inception_5a_3x3_reduce_B_new))
-        # free d_inception_5a_3x3_reduce_sum_to, d_inception_5a_3x3_reduce_B
-        del d_inception_5a_3x3_reduce_sum_to, d_inception_5a_3x3_reduce_B
-        mem.free(360)
 
         # ---- inception_5a_5x5_reduce (conv 1x1, 32 channels, stride 1, padding 0), backward ----
         # d_inception_5a_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5a_5x5_reduce, inception_4e_1x1_max_pool)
@@ -4409,15 +4013,6 @@ class Googlenet(rp.Model):
         mem.free(147)
         # d_inception_5a_5x5_reduce_B = reshape[32](d_inception_5a_5x5_reduce_sum_to)
         d_inception_5a_5x5_reduce_B = rt.reshape(d_inception_5a_5x5_reduce_sum_to, shape=(32,))
-        # V_inception_5a_5x5_reduce_B_new = V_inception_5a_5x5_reduce_B*momentum + d_inception_5a_5x5_reduce_B   (computed with the next statement)
-        V_inception_5a_5x5_reduce_B_new = T['V_inception_5a_5x5_reduce_B']  # in place: the new V_inception_5a_5x5_reduce_B
-        # inception_5a_5x5_reduce_B_new = inception_5a_5x5_reduce_B - 2*lr*V_inception_5a_5x5_reduce_B_new
-        inception_5a_5x5_reduce_B_new = T['inception_5a_5x5_reduce_B']  # in place: the new inception_5a_5x5_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_5a_5x5_reduce_B_new, T['V_inception_5a_5x5_reduce_B'], momentum, d_inception_5a_5x5_reduce_B),
-                   (ew_mul_sub_2, inception_5a_5x5_reduce_B_new, T['inception_5a_5x5_reduce_B'], lr, V_inception_5a_5x5_reduce_B_new))
-        # free d_inception_5a_5x5_reduce_sum_to, d_inception_5a_5x5_reduce_B
-        del d_inception_5a_5x5_reduce_sum_to, d_inception_5a_5x5_reduce_B
-        mem.free(362)
 
         # ---- inception_5b_1x1 (conv 1x1, 384 channels, stride 1, padding 0), backward ----
         # d_inception_5b_1x1_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5b_1x1, inception_5a_1x1_concat)
@@ -4440,15 +4035,6 @@ class Googlenet(rp.Model):
         mem.free(120)
         # d_inception_5b_1x1_B = reshape[384](d_inception_5b_1x1_sum_to)
         d_inception_5b_1x1_B = rt.reshape(d_inception_5b_1x1_sum_to, shape=(384,))
-        # V_inception_5b_1x1_B_new = V_inception_5b_1x1_B*momentum + d_inception_5b_1x1_B   (computed with the next statement)
-        V_inception_5b_1x1_B_new = T['V_inception_5b_1x1_B']  # in place: the new V_inception_5b_1x1_B
-        # inception_5b_1x1_B_new = inception_5b_1x1_B - 2*lr*V_inception_5b_1x1_B_new
-        inception_5b_1x1_B_new = T['inception_5b_1x1_B']  # in place: the new inception_5b_1x1_B
-        rt.ew_pair((ew_mul_add_2, V_inception_5b_1x1_B_new, T['V_inception_5b_1x1_B'], momentum, d_inception_5b_1x1_B),
-                   (ew_mul_sub_2, inception_5b_1x1_B_new, T['inception_5b_1x1_B'], lr, V_inception_5b_1x1_B_new))
-        # free d_inception_5b_1x1_sum_to, d_inception_5b_1x1_B
-        del d_inception_5b_1x1_sum_to, d_inception_5b_1x1_B
-        mem.free(364)
 
         # ---- inception_5b_3x3_reduce (conv 1x1, 192 channels, stride 1, padding 0), backward ----
         # d_inception_5b_3x3_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5b_3x3_reduce, inception_5a_1x1_concat)
@@ -4471,15 +4057,6 @@ class Googlenet(rp.Model):
         mem.free(123)
         # d_inception_5b_3x3_reduce_B = reshape[192](d_inception_5b_3x3_reduce_sum_to)
         d_inception_5b_3x3_reduce_B = rt.reshape(d_inception_5b_3x3_reduce_sum_to, shape=(192,))
-        # V_inception_5b_3x3_reduce_B_new = V_inception_5b_3x3_reduce_B*momentum + d_inception_5b_3x3_reduce_B   (computed with the next statement)
-        V_inception_5b_3x3_reduce_B_new = T['V_inception_5b_3x3_reduce_B']  # in place: the new V_inception_5b_3x3_reduce_B
-        # inception_5b_3x3_reduce_B_new = inception_5b_3x3_reduce_B - 2*lr*V_inception_5b_3x3_reduce_B_new
-        inception_5b_3x3_reduce_B_new = T['inception_5b_3x3_reduce_B']  # in place: the new inception_5b_3x3_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_5b_3x3_reduce_B_new, T['V_inception_5b_3x3_reduce_B'], momentum, d_inception_5b_3x3_reduce_B),
-                   (ew_mul_sub_2, inception_5b_3x3_reduce_B_new, T['inception_5b_3x3_reduce_B'], lr, V_inception_5b_3x3_reduce_B_new))
-        # free d_inception_5b_3x3_reduce_sum_to, d_inception_5b_3x3_reduce_B
-        del d_inception_5b_3x3_reduce_sum_to, d_inception_5b_3x3_reduce_B
-        mem.free(366)
 
         # ---- inception_5b_5x5_reduce (conv 1x1, 48 channels, stride 1, padding 0), backward ----
         # d_inception_5b_5x5_reduce_W = conv2d_bwd_filter[kernel=(1,1)](d_inception_5b_5x5_reduce, inception_5a_1x1_concat)
@@ -4505,15 +4082,6 @@ class Googlenet(rp.Model):
         mem.free(130)
         # d_inception_5b_5x5_reduce_B = reshape[48](d_inception_5b_5x5_reduce_sum_to)
         d_inception_5b_5x5_reduce_B = rt.reshape(d_inception_5b_5x5_reduce_sum_to, shape=(48,))
-        # V_inception_5b_5x5_reduce_B_new = V_inception_5b_5x5_reduce_B*momentum + d_inception_5b_5x5_reduce_B   (computed with the next statement)
-        V_inception_5b_5x5_reduce_B_new = T['V_inception_5b_5x5_reduce_B']  # in place: the new V_inception_5b_5x5_reduce_B
-        # inception_5b_5x5_reduce_B_new = inception_5b_5x5_reduce_B - 2*lr*V_inception_5b_5x5_reduce_B_new
-        inception_5b_5x5_reduce_B_new = T['inception_5b_5x5_reduce_B']  # in place: the new inception_5b_5x5_reduce_B
-        rt.ew_pair((ew_mul_add_2, V_inception_5b_5x5_reduce_B_new, T['V_inception_5b_5x5_reduce_B'], momentum, d_inception_5b_5x5_reduce_B),
-                   (ew_mul_sub_2, inception_5b_5x5_reduce_B_new, T['inception_5b_5x5_reduce_B'], lr, V_inception_5b_5x5_reduce_B_new))
-        # free d_inception_5b_5x5_reduce_sum_to, d_inception_5b_5x5_reduce_B
-        del d_inception_5b_5x5_reduce_sum_to, d_inception_5b_5x5_reduce_B
-        mem.free(368)
 
         # ---- loss3_classifier (fully connected, 1000 outputs), backward ----
         # d_loss3_classifier_W = matmul[ta](d_loss3_classifier, inception_5b_1x1_dropout)
@@ -4537,15 +4105,6 @@ class Googlenet(rp.Model):
         # free d_loss3_classifier_cross_entropy_log_softmax, d_loss3_classifier
         del d_loss3_classifier_cross_entropy_log_softmax, d_loss3_classifier
         mem.free(117)
-        # V_loss3_classifier_B_new = V_loss3_classifier_B*momentum + d_loss3_classifier_B   (computed with the next statement)
-        V_loss3_classifier_B_new = T['V_loss3_classifier_B']  # in place: the new V_loss3_classifier_B
-        # loss3_classifier_B_new = loss3_classifier_B - 2*lr*V_loss3_classifier_B_new
-        loss3_classifier_B_new = T['loss3_classifier_B']  # in place: the new loss3_classifier_B
-        rt.ew_pair((ew_mul_add_2, V_loss3_classifier_B_new, T['V_loss3_classifier_B'], momentum, d_loss3_classifier_B),
-                   (ew_mul_sub_2, loss3_classifier_B_new, T['loss3_classifier_B'], lr, V_loss3_classifier_B_new))
-        # free d_loss3_classifier_B
-        del d_loss3_classifier_B
-        mem.free(370)
 
         # ---- loss1_fc (fully connected, 1024 outputs), backward ----
         # d_loss1_fc_W = matmul[ta](d_loss1_fc, loss1_conv_flatten)
@@ -4569,15 +4128,6 @@ class Googlenet(rp.Model):
         # free d_loss1_fc_dropout, d_loss1_fc
         del d_loss1_fc_dropout, d_loss1_fc
         mem.free(237)
-        # V_loss1_fc_B_new = V_loss1_fc_B*momentum + d_loss1_fc_B   (computed with the next statement)
-        V_loss1_fc_B_new = T['V_loss1_fc_B']  # in place: the new V_loss1_fc_B
-        # loss1_fc_B_new = loss1_fc_B - 2*lr*V_loss1_fc_B_new
-        loss1_fc_B_new = T['loss1_fc_B']  # in place: the new loss1_fc_B
-        rt.ew_pair((ew_mul_add_2, V_loss1_fc_B_new, T['V_loss1_fc_B'], momentum, d_loss1_fc_B),
-                   (ew_mul_sub_2, loss1_fc_B_new, T['loss1_fc_B'], lr, V_loss1_fc_B_new))
-        # free d_loss1_fc_B
-        del d_loss1_fc_B
-        mem.free(372)
 
         # ---- loss1_classifier (fully connected, 1000 outputs), backward ----
         # d_loss1_classifier_W = matmul[ta](d_loss1_classifier, loss1_fc_dropout)
@@ -4601,15 +4151,6 @@ class Googlenet(rp.Model):
         # free d_loss2_classifier_cross_entropy_log_softmax, d_loss1_classifier
         del d_loss2_classifier_cross_entropy_log_softmax, d_loss1_classifier
         mem.free(173)
-        # V_loss1_classifier_B_new = V_loss1_classifier_B*momentum + d_loss1_classifier_B   (computed with the next statement)
-        V_loss1_classifier_B_new = T['V_loss1_classifier_B']  # in place: the new V_loss1_classifier_B
-        # loss1_classifier_B_new = loss1_classifier_B - 2*lr*V_loss1_classifier_B_new
-        loss1_classifier_B_new = T['loss1_classifier_B']  # in place: the new loss1_classifier_B
-        rt.ew_pair((ew_mul_add_2, V_loss1_classifier_B_new, T['V_loss1_classifier_B'], momentum, d_loss1_classifier_B),
-                   (ew_mul_sub_2, loss1_classifier_B_new, T['loss1_classifier_B'], lr, V_loss1_classifier_B_new))
-        # free d_loss1_classifier_B
-        del d_loss1_classifier_B
-        mem.free(374)
 
         # ---- loss2_fc (fully connected, 1024 outputs), backward ----
         # d_loss2_fc_W = matmul[ta](d_loss2_fc, loss2_conv_flatten)
@@ -4633,15 +4174,6 @@ class Googlenet(rp.Model):
         # free d_loss2_fc_dropout, d_loss2_fc
         del d_loss2_fc_dropout, d_loss2_fc
         mem.free(174)
-        # V_loss2_fc_B_new = V_loss2_fc_B*momentum + d_loss2_fc_B   (computed with the next statement)
-        V_loss2_fc_B_new = T['V_loss2_fc_B']  # in place: the new V_loss2_fc_B
-        # loss2_fc_B_new = loss2_fc_B - 2*lr*V_loss2_fc_B_new
-        loss2_fc_B_new = T['loss2_fc_B']  # in place: the new loss2_fc_B
-        rt.ew_pair((ew_mul_add_2, V_loss2_fc_B_new, T['V_loss2_fc_B'], momentum, d_loss2_fc_B),
-                   (ew_mul_sub_2, loss2_fc_B_new, T['loss2_fc_B'], lr, V_loss2_fc_B_new))
-        # free d_loss2_fc_B
-        del d_loss2_fc_B
-        mem.free(376)
 
         # ---- loss2_classifier (fully connected, 1000 outputs), backward ----
         # d_loss2_classifier_W = matmul[ta](d_loss2_classifier, loss2_fc_dropout)
@@ -4665,15 +4197,336 @@ class Googlenet(rp.Model):
         # free loss2_classifier_matmul, loss2_classifier, loss2_classifier_cross_entropy_log_softmax, d_loss2_classifier
         del loss2_classifier_matmul, loss2_classifier, loss2_classifier_cross_entropy_log_softmax, d_loss2_classifier
         mem.free(72)
-        # V_loss2_classifier_B_new = V_loss2_classifier_B*momentum + d_loss2_classifier_B   (computed with the next statement)
+
+        # ---- the small tensors' updates, one call per kernel ----
+        # V_inception_3b_3x3_B_new = V_inception_3b_3x3_B*momentum + d_inception_3b_3x3_B   (computed with the last statement of its batch)
+        V_inception_3b_3x3_B_new = T['V_inception_3b_3x3_B']  # in place: the new V_inception_3b_3x3_B
+        # V_inception_3b_5x5_B_new = V_inception_3b_5x5_B*momentum + d_inception_3b_5x5_B   (computed with the last statement of its batch)
+        V_inception_3b_5x5_B_new = T['V_inception_3b_5x5_B']  # in place: the new V_inception_3b_5x5_B
+        # V_inception_3b_pool_proj_B_new = V_inception_3b_pool_proj_B*momentum + d_inception_3b_pool_proj_B   (computed with the last statement of its batch)
+        V_inception_3b_pool_proj_B_new = T['V_inception_3b_pool_proj_B']  # in place: the new V_inception_3b_pool_proj_B
+        # V_inception_3a_3x3_B_new = V_inception_3a_3x3_B*momentum + d_inception_3a_3x3_B   (computed with the last statement of its batch)
+        V_inception_3a_3x3_B_new = T['V_inception_3a_3x3_B']  # in place: the new V_inception_3a_3x3_B
+        # V_inception_3a_5x5_B_new = V_inception_3a_5x5_B*momentum + d_inception_3a_5x5_B   (computed with the last statement of its batch)
+        V_inception_3a_5x5_B_new = T['V_inception_3a_5x5_B']  # in place: the new V_inception_3a_5x5_B
+        # V_inception_3a_pool_proj_B_new = V_inception_3a_pool_proj_B*momentum + d_inception_3a_pool_proj_B   (computed with the last statement of its batch)
+        V_inception_3a_pool_proj_B_new = T['V_inception_3a_pool_proj_B']  # in place: the new V_inception_3a_pool_proj_B
+        # V_conv2_3x3_B_new = V_conv2_3x3_B*momentum + d_conv2_3x3_B   (computed with the last statement of its batch)
+        V_conv2_3x3_B_new = T['V_conv2_3x3_B']  # in place: the new V_conv2_3x3_B
+        # V_conv2_3x3_reduce_B_new = V_conv2_3x3_reduce_B*momentum + d_conv2_3x3_reduce_B   (computed with the last statement of its batch)
+        V_conv2_3x3_reduce_B_new = T['V_conv2_3x3_reduce_B']  # in place: the new V_conv2_3x3_reduce_B
+        # V_conv1_7x7_s2_B_new = V_conv1_7x7_s2_B*momentum + d_conv1_7x7_s2_B   (computed with the last statement of its batch)
+        V_conv1_7x7_s2_B_new = T['V_conv1_7x7_s2_B']  # in place: the new V_conv1_7x7_s2_B
+        # V_inception_3a_1x1_B_new = V_inception_3a_1x1_B*momentum + d_inception_3a_1x1_B   (computed with the last statement of its batch)
+        V_inception_3a_1x1_B_new = T['V_inception_3a_1x1_B']  # in place: the new V_inception_3a_1x1_B
+        # V_inception_3a_3x3_reduce_B_new = V_inception_3a_3x3_reduce_B*momentum + d_inception_3a_3x3_reduce_B   (computed with the last statement of its batch)
+        V_inception_3a_3x3_reduce_B_new = T['V_inception_3a_3x3_reduce_B']  # in place: the new V_inception_3a_3x3_reduce_B
+        # V_inception_3a_5x5_reduce_B_new = V_inception_3a_5x5_reduce_B*momentum + d_inception_3a_5x5_reduce_B   (computed with the last statement of its batch)
+        V_inception_3a_5x5_reduce_B_new = T['V_inception_3a_5x5_reduce_B']  # in place: the new V_inception_3a_5x5_reduce_B
+        # V_inception_3b_1x1_B_new = V_inception_3b_1x1_B*momentum + d_inception_3b_1x1_B   (computed with the last statement of its batch)
+        V_inception_3b_1x1_B_new = T['V_inception_3b_1x1_B']  # in place: the new V_inception_3b_1x1_B
+        # V_inception_3b_3x3_reduce_B_new = V_inception_3b_3x3_reduce_B*momentum + d_inception_3b_3x3_reduce_B   (computed with the last statement of its batch)
+        V_inception_3b_3x3_reduce_B_new = T['V_inception_3b_3x3_reduce_B']  # in place: the new V_inception_3b_3x3_reduce_B
+        # V_inception_3b_5x5_reduce_B_new = V_inception_3b_5x5_reduce_B*momentum + d_inception_3b_5x5_reduce_B   (computed with the last statement of its batch)
+        V_inception_3b_5x5_reduce_B_new = T['V_inception_3b_5x5_reduce_B']  # in place: the new V_inception_3b_5x5_reduce_B
+        # V_inception_4a_1x1_B_new = V_inception_4a_1x1_B*momentum + d_inception_4a_1x1_B   (computed with the last statement of its batch)
+        V_inception_4a_1x1_B_new = T['V_inception_4a_1x1_B']  # in place: the new V_inception_4a_1x1_B
+        # V_inception_4a_3x3_reduce_B_new = V_inception_4a_3x3_reduce_B*momentum + d_inception_4a_3x3_reduce_B   (computed with the last statement of its batch)
+        V_inception_4a_3x3_reduce_B_new = T['V_inception_4a_3x3_reduce_B']  # in place: the new V_inception_4a_3x3_reduce_B
+        # V_inception_4a_5x5_reduce_B_new = V_inception_4a_5x5_reduce_B*momentum + d_inception_4a_5x5_reduce_B   (computed with the last statement of its batch)
+        V_inception_4a_5x5_reduce_B_new = T['V_inception_4a_5x5_reduce_B']  # in place: the new V_inception_4a_5x5_reduce_B
+        # V_inception_4b_1x1_B_new = V_inception_4b_1x1_B*momentum + d_inception_4b_1x1_B   (computed with the last statement of its batch)
+        V_inception_4b_1x1_B_new = T['V_inception_4b_1x1_B']  # in place: the new V_inception_4b_1x1_B
+        # V_inception_4b_3x3_reduce_B_new = V_inception_4b_3x3_reduce_B*momentum + d_inception_4b_3x3_reduce_B   (computed with the last statement of its batch)
+        V_inception_4b_3x3_reduce_B_new = T['V_inception_4b_3x3_reduce_B']  # in place: the new V_inception_4b_3x3_reduce_B
+        # V_inception_4b_5x5_reduce_B_new = V_inception_4b_5x5_reduce_B*momentum + d_inception_4b_5x5_reduce_B   (computed with the last statement of its batch)
+        V_inception_4b_5x5_reduce_B_new = T['V_inception_4b_5x5_reduce_B']  # in place: the new V_inception_4b_5x5_reduce_B
+        # V_inception_4c_1x1_B_new = V_inception_4c_1x1_B*momentum + d_inception_4c_1x1_B   (computed with the last statement of its batch)
+        V_inception_4c_1x1_B_new = T['V_inception_4c_1x1_B']  # in place: the new V_inception_4c_1x1_B
+        # V_inception_4c_3x3_reduce_B_new = V_inception_4c_3x3_reduce_B*momentum + d_inception_4c_3x3_reduce_B   (computed with the last statement of its batch)
+        V_inception_4c_3x3_reduce_B_new = T['V_inception_4c_3x3_reduce_B']  # in place: the new V_inception_4c_3x3_reduce_B
+        # V_inception_4c_5x5_reduce_B_new = V_inception_4c_5x5_reduce_B*momentum + d_inception_4c_5x5_reduce_B   (computed with the last statement of its batch)
+        V_inception_4c_5x5_reduce_B_new = T['V_inception_4c_5x5_reduce_B']  # in place: the new V_inception_4c_5x5_reduce_B
+        # V_inception_4d_1x1_B_new = V_inception_4d_1x1_B*momentum + d_inception_4d_1x1_B   (computed with the last statement of its batch)
+        V_inception_4d_1x1_B_new = T['V_inception_4d_1x1_B']  # in place: the new V_inception_4d_1x1_B
+        # V_inception_4d_3x3_reduce_B_new = V_inception_4d_3x3_reduce_B*momentum + d_inception_4d_3x3_reduce_B   (computed with the last statement of its batch)
+        V_inception_4d_3x3_reduce_B_new = T['V_inception_4d_3x3_reduce_B']  # in place: the new V_inception_4d_3x3_reduce_B
+        # V_inception_4d_5x5_reduce_B_new = V_inception_4d_5x5_reduce_B*momentum + d_inception_4d_5x5_reduce_B   (computed with the last statement of its batch)
+        V_inception_4d_5x5_reduce_B_new = T['V_inception_4d_5x5_reduce_B']  # in place: the new V_inception_4d_5x5_reduce_B
+        # V_inception_4e_1x1_B_new = V_inception_4e_1x1_B*momentum + d_inception_4e_1x1_B   (computed with the last statement of its batch)
+        V_inception_4e_1x1_B_new = T['V_inception_4e_1x1_B']  # in place: the new V_inception_4e_1x1_B
+        # V_inception_4e_3x3_reduce_B_new = V_inception_4e_3x3_reduce_B*momentum + d_inception_4e_3x3_reduce_B   (computed with the last statement of its batch)
+        V_inception_4e_3x3_reduce_B_new = T['V_inception_4e_3x3_reduce_B']  # in place: the new V_inception_4e_3x3_reduce_B
+        # V_inception_4e_5x5_reduce_B_new = V_inception_4e_5x5_reduce_B*momentum + d_inception_4e_5x5_reduce_B   (computed with the last statement of its batch)
+        V_inception_4e_5x5_reduce_B_new = T['V_inception_4e_5x5_reduce_B']  # in place: the new V_inception_4e_5x5_reduce_B
+        # V_inception_5a_1x1_B_new = V_inception_5a_1x1_B*momentum + d_inception_5a_1x1_B   (computed with the last statement of its batch)
+        V_inception_5a_1x1_B_new = T['V_inception_5a_1x1_B']  # in place: the new V_inception_5a_1x1_B
+        # V_inception_5a_3x3_reduce_B_new = V_inception_5a_3x3_reduce_B*momentum + d_inception_5a_3x3_reduce_B   (computed with the last statement of its batch)
+        V_inception_5a_3x3_reduce_B_new = T['V_inception_5a_3x3_reduce_B']  # in place: the new V_inception_5a_3x3_reduce_B
+        # V_inception_5a_5x5_reduce_B_new = V_inception_5a_5x5_reduce_B*momentum + d_inception_5a_5x5_reduce_B   (computed with the last statement of its batch)
+        V_inception_5a_5x5_reduce_B_new = T['V_inception_5a_5x5_reduce_B']  # in place: the new V_inception_5a_5x5_reduce_B
+        # V_inception_5b_1x1_B_new = V_inception_5b_1x1_B*momentum + d_inception_5b_1x1_B   (computed with the last statement of its batch)
+        V_inception_5b_1x1_B_new = T['V_inception_5b_1x1_B']  # in place: the new V_inception_5b_1x1_B
+        # V_inception_5b_3x3_reduce_B_new = V_inception_5b_3x3_reduce_B*momentum + d_inception_5b_3x3_reduce_B   (computed with the last statement of its batch)
+        V_inception_5b_3x3_reduce_B_new = T['V_inception_5b_3x3_reduce_B']  # in place: the new V_inception_5b_3x3_reduce_B
+        # V_inception_5b_5x5_reduce_B_new = V_inception_5b_5x5_reduce_B*momentum + d_inception_5b_5x5_reduce_B   (computed with the last statement of its batch)
+        V_inception_5b_5x5_reduce_B_new = T['V_inception_5b_5x5_reduce_B']  # in place: the new V_inception_5b_5x5_reduce_B
+        # V_loss3_classifier_B_new = V_loss3_classifier_B*momentum + d_loss3_classifier_B   (computed with the last statement of its batch)
+        V_loss3_classifier_B_new = T['V_loss3_classifier_B']  # in place: the new V_loss3_classifier_B
+        # V_loss1_fc_B_new = V_loss1_fc_B*momentum + d_loss1_fc_B   (computed with the last statement of its batch)
+        V_loss1_fc_B_new = T['V_loss1_fc_B']  # in place: the new V_loss1_fc_B
+        # V_loss1_classifier_B_new = V_loss1_classifier_B*momentum + d_loss1_classifier_B   (computed with the last statement of its batch)
+        V_loss1_classifier_B_new = T['V_loss1_classifier_B']  # in place: the new V_loss1_classifier_B
+        # V_loss2_fc_B_new = V_loss2_fc_B*momentum + d_loss2_fc_B   (computed with the last statement of its batch)
+        V_loss2_fc_B_new = T['V_loss2_fc_B']  # in place: the new V_loss2_fc_B
+        # V_loss2_classifier_B_new = V_loss2_classifier_B*momentum + d_loss2_classifier_B   (and the 40 statements before it, in one call)
         V_loss2_classifier_B_new = T['V_loss2_classifier_B']  # in place: the new V_loss2_classifier_B
-        # loss2_classifier_B_new = loss2_classifier_B - 2*lr*V_loss2_classifier_B_new
+        rt.ew_many(ew_mul_add_2,
+                   (V_inception_3b_3x3_B_new, T['V_inception_3b_3x3_B'], momentum, d_inception_3b_3x3_B),
+                   (V_inception_3b_5x5_B_new, T['V_inception_3b_5x5_B'], momentum, d_inception_3b_5x5_B),
+                   (V_inception_3b_pool_proj_B_new, T['V_inception_3b_pool_proj_B'], momentum, d_inception_3b_pool_proj_B),
+                   (V_inception_3a_3x3_B_new, T['V_inception_3a_3x3_B'], momentum, d_inception_3a_3x3_B),
+                   (V_inception_3a_5x5_B_new, T['V_inception_3a_5x5_B'], momentum, d_inception_3a_5x5_B),
+                   (V_inception_3a_pool_proj_B_new, T['V_inception_3a_pool_proj_B'], momentum, d_inception_3a_pool_proj_B),
+                   (V_conv2_3x3_B_new, T['V_conv2_3x3_B'], momentum, d_conv2_3x3_B),
+                   (V_conv2_3x3_reduce_B_new, T['V_conv2_3x3_reduce_B'], momentum, d_conv2_3x3_reduce_B),
+                   (V_conv1_7x7_s2_B_new, T['V_conv1_7x7_s2_B'], momentum, d_conv1_7x7_s2_B),
+                   (V_inception_3a_1x1_B_new, T['V_inception_3a_1x1_B'], momentum, d_inception_3a_1x1_B),
+                   (V_inception_3a_3x3_reduce_B_new, T['V_inception_3a_3x3_reduce_B'], momentum, d_inception_3a_3x3_reduce_B),
+                   (V_inception_3a_5x5_reduce_B_new, T['V_inception_3a_5x5_reduce_B'], momentum, d_inception_3a_5x5_reduce_B),
+                   (V_inception_3b_1x1_B_new, T['V_inception_3b_1x1_B'], momentum, d_inception_3b_1x1_B),
+                   (V_inception_3b_3x3_reduce_B_new, T['V_inception_3b_3x3_reduce_B'], momentum, d_inception_3b_3x3_reduce_B),
+                   (V_inception_3b_5x5_reduce_B_new, T['V_inception_3b_5x5_reduce_B'], momentum, d_inception_3b_5x5_reduce_B),
+                   (V_inception_4a_1x1_B_new, T['V_inception_4a_1x1_B'], momentum, d_inception_4a_1x1_B),
+                   (V_inception_4a_3x3_reduce_B_new, T['V_inception_4a_3x3_reduce_B'], momentum, d_inception_4a_3x3_reduce_B),
+                   (V_inception_4a_5x5_reduce_B_new, T['V_inception_4a_5x5_reduce_B'], momentum, d_inception_4a_5x5_reduce_B),
+                   (V_inception_4b_1x1_B_new, T['V_inception_4b_1x1_B'], momentum, d_inception_4b_1x1_B),
+                   (V_inception_4b_3x3_reduce_B_new, T['V_inception_4b_3x3_reduce_B'], momentum, d_inception_4b_3x3_reduce_B),
+                   (V_inception_4b_5x5_reduce_B_new, T['V_inception_4b_5x5_reduce_B'], momentum, d_inception_4b_5x5_reduce_B),
+                   (V_inception_4c_1x1_B_new, T['V_inception_4c_1x1_B'], momentum, d_inception_4c_1x1_B),
+                   (V_inception_4c_3x3_reduce_B_new, T['V_inception_4c_3x3_reduce_B'], momentum, d_inception_4c_3x3_reduce_B),
+                   (V_inception_4c_5x5_reduce_B_new, T['V_inception_4c_5x5_reduce_B'], momentum, d_inception_4c_5x5_reduce_B),
+                   (V_inception_4d_1x1_B_new, T['V_inception_4d_1x1_B'], momentum, d_inception_4d_1x1_B),
+                   (V_inception_4d_3x3_reduce_B_new, T['V_inception_4d_3x3_reduce_B'], momentum, d_inception_4d_3x3_reduce_B),
+                   (V_inception_4d_5x5_reduce_B_new, T['V_inception_4d_5x5_reduce_B'], momentum, d_inception_4d_5x5_reduce_B),
+                   (V_inception_4e_1x1_B_new, T['V_inception_4e_1x1_B'], momentum, d_inception_4e_1x1_B),
+                   (V_inception_4e_3x3_reduce_B_new, T['V_inception_4e_3x3_reduce_B'], momentum, d_inception_4e_3x3_reduce_B),
+                   (V_inception_4e_5x5_reduce_B_new, T['V_inception_4e_5x5_reduce_B'], momentum, d_inception_4e_5x5_reduce_B),
+                   (V_inception_5a_1x1_B_new, T['V_inception_5a_1x1_B'], momentum, d_inception_5a_1x1_B),
+                   (V_inception_5a_3x3_reduce_B_new, T['V_inception_5a_3x3_reduce_B'], momentum, d_inception_5a_3x3_reduce_B),
+                   (V_inception_5a_5x5_reduce_B_new, T['V_inception_5a_5x5_reduce_B'], momentum, d_inception_5a_5x5_reduce_B),
+                   (V_inception_5b_1x1_B_new, T['V_inception_5b_1x1_B'], momentum, d_inception_5b_1x1_B),
+                   (V_inception_5b_3x3_reduce_B_new, T['V_inception_5b_3x3_reduce_B'], momentum, d_inception_5b_3x3_reduce_B),
+                   (V_inception_5b_5x5_reduce_B_new, T['V_inception_5b_5x5_reduce_B'], momentum, d_inception_5b_5x5_reduce_B),
+                   (V_loss3_classifier_B_new, T['V_loss3_classifier_B'], momentum, d_loss3_classifier_B),
+                   (V_loss1_fc_B_new, T['V_loss1_fc_B'], momentum, d_loss1_fc_B),
+                   (V_loss1_classifier_B_new, T['V_loss1_classifier_B'], momentum, d_loss1_classifier_B),
+                   (V_loss2_fc_B_new, T['V_loss2_fc_B'], momentum, d_loss2_fc_B),
+                   (V_loss2_classifier_B_new, T['V_loss2_classifier_B'], momentum, d_loss2_classifier_B))
+        # free d_inception_3b_3x3_sum_to, d_inception_3b_3x3_B, d_inception_3b_5x5_sum_to, d_inception_3b_5x5_B, d_inception_3b_pool_proj_sum_to, d_inception_3b_pool_proj_B, d_inception_3a_3x3_sum_to, d_inception_3a_3x3_B, d_inception_3a_5x5_sum_to, d_inception_3a_5x5_B, d_inception_3a_pool_proj_sum_to, d_inception_3a_pool_proj_B, d_conv2_3x3_sum_to, d_conv2_3x3_B, d_conv2_3x3_reduce_sum_to, d_conv2_3x3_reduce_B, d_conv1_7x7_s2_sum_to, d_conv1_7x7_s2_B, d_inception_3a_1x1_sum_to, d_inception_3a_1x1_B, d_inception_3a_3x3_reduce_sum_to, d_inception_3a_3x3_reduce_B, d_inception_3a_5x5_reduce_sum_to, d_inception_3a_5x5_reduce_B, d_inception_3b_1x1_sum_to, d_inception_3b_1x1_B, d_inception_3b_3x3_reduce_sum_to, d_inception_3b_3x3_reduce_B, d_inception_3b_5x5_reduce_sum_to, d_inception_3b_5x5_reduce_B, d_inception_4a_1x1_sum_to, d_inception_4a_1x1_B, d_inception_4a_3x3_reduce_sum_to, d_inception_4a_3x3_reduce_B, d_inception_4a_5x5_reduce_sum_to, d_inception_4a_5x5_reduce_B, d_inception_4b_1x1_sum_to, d_inception_4b_1x1_B, d_inception_4b_3x3_reduce_sum_to, d_inception_4b_3x3_reduce_B, d_inception_4b_5x5_reduce_sum_to, d_inception_4b_5x5_reduce_B, d_inception_4c_1x1_sum_to, d_inception_4c_1x1_B, d_inception_4c_3x3_reduce_sum_to, d_inception_4c_3x3_reduce_B, d_inception_4c_5x5_reduce_sum_to, d_inception_4c_5x5_reduce_B, d_inception_4d_1x1_sum_to, d_inception_4d_1x1_B, d_inception_4d_3x3_reduce_sum_to, d_inception_4d_3x3_reduce_B, d_inception_4d_5x5_reduce_sum_to, d_inception_4d_5x5_reduce_B, d_inception_4e_1x1_sum_to, d_inception_4e_1x1_B, d_inception_4e_3x3_reduce_sum_to, d_inception_4e_3x3_reduce_B, d_inception_4e_5x5_reduce_sum_to, d_inception_4e_5x5_reduce_B, d_inception_5a_1x1_sum_to, d_inception_5a_1x1_B, d_inception_5a_3x3_reduce_sum_to, d_inception_5a_3x3_reduce_B, d_inception_5a_5x5_reduce_sum_to, d_inception_5a_5x5_reduce_B, d_inception_5b_1x1_sum_to, d_inception_5b_1x1_B, d_inception_5b_3x3_reduce_sum_to, d_inception_5b_3x3_reduce_B, d_inception_5b_5x5_reduce_sum_to, d_inception_5b_5x5_reduce_B, d_loss3_classifier_B, d_loss1_fc_B, d_loss1_classifier_B, d_loss2_fc_B, d_loss2_classifier_B
+        del d_inception_3b_3x3_sum_to, d_inception_3b_3x3_B, d_inception_3b_5x5_sum_to, d_inception_3b_5x5_B, d_inception_3b_pool_proj_sum_to, d_inception_3b_pool_proj_B, d_inception_3a_3x3_sum_to, d_inception_3a_3x3_B, d_inception_3a_5x5_sum_to, d_inception_3a_5x5_B, d_inception_3a_pool_proj_sum_to, d_inception_3a_pool_proj_B, d_conv2_3x3_sum_to, d_conv2_3x3_B, d_conv2_3x3_reduce_sum_to, d_conv2_3x3_reduce_B, d_conv1_7x7_s2_sum_to, d_conv1_7x7_s2_B, d_inception_3a_1x1_sum_to, d_inception_3a_1x1_B, d_inception_3a_3x3_reduce_sum_to, d_inception_3a_3x3_reduce_B, d_inception_3a_5x5_reduce_sum_to, d_inception_3a_5x5_reduce_B, d_inception_3b_1x1_sum_to, d_inception_3b_1x1_B, d_inception_3b_3x3_reduce_sum_to, d_inception_3b_3x3_reduce_B, d_inception_3b_5x5_reduce_sum_to, d_inception_3b_5x5_reduce_B, d_inception_4a_1x1_sum_to, d_inception_4a_1x1_B, d_inception_4a_3x3_reduce_sum_to, d_inception_4a_3x3_reduce_B, d_inception_4a_5x5_reduce_sum_to, d_inception_4a_5x5_reduce_B, d_inception_4b_1x1_sum_to, d_inception_4b_1x1_B, d_inception_4b_3x3_reduce_sum_to, d_inception_4b_3x3_reduce_B, d_inception_4b_5x5_reduce_sum_to, d_inception_4b_5x5_reduce_B, d_inception_4c_1x1_sum_to, d_inception_4c_1x1_B, d_inception_4c_3x3_reduce_sum_to, d_inception_4c_3x3_reduce_B, d_inception_4c_5x5_reduce_sum_to, d_inception_4c_5x5_reduce_B, d_inception_4d_1x1_sum_to, d_inception_4d_1x1_B, d_inception_4d_3x3_reduce_sum_to, d_inception_4d_3x3_reduce_B, d_inception_4d_5x5_reduce_sum_to, d_inception_4d_5x5_reduce_B, d_inception_4e_1x1_sum_to, d_inception_4e_1x1_B, d_inception_4e_3x3_reduce_sum_to, d_inception_4e_3x3_reduce_B, d_inception_4e_5x5_reduce_sum_to, d_inception_4e_5x5_reduce_B, d_inception_5a_1x1_sum_to, d_inception_5a_1x1_B, d_inception_5a_3x3_reduce_sum_to, d_inception_5a_3x3_reduce_B, d_inception_5a_5x5_reduce_sum_to, d_inception_5a_5x5_reduce_B, d_inception_5b_1x1_sum_to, d_inception_5b_1x1_B, d_inception_5b_3x3_reduce_sum_to, d_inception_5b_3x3_reduce_B, d_inception_5b_5x5_reduce_sum_to, d_inception_5b_5x5_reduce_B, d_loss3_classifier_B, d_loss1_fc_B, d_loss1_classifier_B, d_loss2_fc_B, d_loss2_classifier_B
+        mem.free(269, 277, 281, 289, 299, 303, 309, 311, 314, 316, 318, 320, 322, 324, 326, 328, 330, 332, 334, 336, 338, 340, 342, 344, 346, 348, 350, 352, 354, 356, 358, 360, 362, 364, 366, 368, 370, 372, 374, 376, 378)
+        # V_inception_3b_pool_proj_W_new = V_inception_3b_pool_proj_W*momentum + d_inception_3b_pool_proj_W + decay*inception_3b_pool_proj_W   (computed with the last statement of its batch)
+        V_inception_3b_pool_proj_W_new = T['V_inception_3b_pool_proj_W']  # in place: the new V_inception_3b_pool_proj_W
+        # V_inception_3a_pool_proj_W_new = V_inception_3a_pool_proj_W*momentum + d_inception_3a_pool_proj_W + decay*inception_3a_pool_proj_W   (computed with the last statement of its batch)
+        V_inception_3a_pool_proj_W_new = T['V_inception_3a_pool_proj_W']  # in place: the new V_inception_3a_pool_proj_W
+        # V_inception_3a_5x5_W_new = V_inception_3a_5x5_W*momentum + d_inception_3a_5x5_W + decay*inception_3a_5x5_W   (computed with the last statement of its batch)
+        V_inception_3a_5x5_W_new = T['V_inception_3a_5x5_W']  # in place: the new V_inception_3a_5x5_W
+        # V_conv2_3x3_reduce_W_new = V_conv2_3x3_reduce_W*momentum + d_conv2_3x3_reduce_W + decay*conv2_3x3_reduce_W   (computed with the last statement of its batch)
+        V_conv2_3x3_reduce_W_new = T['V_conv2_3x3_reduce_W']  # in place: the new V_conv2_3x3_reduce_W
+        # V_conv1_7x7_s2_W_new = V_conv1_7x7_s2_W*momentum + d_conv1_7x7_s2_W + decay*conv1_7x7_s2_W   (computed with the last statement of its batch)
+        V_conv1_7x7_s2_W_new = T['V_conv1_7x7_s2_W']  # in place: the new V_conv1_7x7_s2_W
+        # V_inception_3a_1x1_W_new = V_inception_3a_1x1_W*momentum + d_inception_3a_1x1_W + decay*inception_3a_1x1_W   (computed with the last statement of its batch)
+        V_inception_3a_1x1_W_new = T['V_inception_3a_1x1_W']  # in place: the new V_inception_3a_1x1_W
+        # V_inception_3a_5x5_reduce_W_new = V_inception_3a_5x5_reduce_W*momentum + d_inception_3a_5x5_reduce_W + decay*inception_3a_5x5_reduce_W   (computed with the last statement of its batch)
+        V_inception_3a_5x5_reduce_W_new = T['V_inception_3a_5x5_reduce_W']  # in place: the new V_inception_3a_5x5_reduce_W
+        # V_inception_3b_5x5_reduce_W_new = V_inception_3b_5x5_reduce_W*momentum + d_inception_3b_5x5_reduce_W + decay*inception_3b_5x5_reduce_W   (computed with the last statement of its batch)
+        V_inception_3b_5x5_reduce_W_new = T['V_inception_3b_5x5_reduce_W']  # in place: the new V_inception_3b_5x5_reduce_W
+        # V_inception_4a_5x5_reduce_W_new = V_inception_4a_5x5_reduce_W*momentum + d_inception_4a_5x5_reduce_W + decay*inception_4a_5x5_reduce_W   (computed with the last statement of its batch)
+        V_inception_4a_5x5_reduce_W_new = T['V_inception_4a_5x5_reduce_W']  # in place: the new V_inception_4a_5x5_reduce_W
+        # V_inception_4b_5x5_reduce_W_new = V_inception_4b_5x5_reduce_W*momentum + d_inception_4b_5x5_reduce_W + decay*inception_4b_5x5_reduce_W   (computed with the last statement of its batch)
+        V_inception_4b_5x5_reduce_W_new = T['V_inception_4b_5x5_reduce_W']  # in place: the new V_inception_4b_5x5_reduce_W
+        # V_inception_4c_5x5_reduce_W_new = V_inception_4c_5x5_reduce_W*momentum + d_inception_4c_5x5_reduce_W + decay*inception_4c_5x5_reduce_W   (computed with the last statement of its batch)
+        V_inception_4c_5x5_reduce_W_new = T['V_inception_4c_5x5_reduce_W']  # in place: the new V_inception_4c_5x5_reduce_W
+        # V_inception_4d_5x5_reduce_W_new = V_inception_4d_5x5_reduce_W*momentum + d_inception_4d_5x5_reduce_W + decay*inception_4d_5x5_reduce_W   (and the 11 statements before it, in one call)
+        V_inception_4d_5x5_reduce_W_new = T['V_inception_4d_5x5_reduce_W']  # in place: the new V_inception_4d_5x5_reduce_W
+        rt.ew_many(ew_mul_add,
+                   (V_inception_3b_pool_proj_W_new, T['V_inception_3b_pool_proj_W'], momentum, d_inception_3b_pool_proj_W, decay, T['inception_3b_pool_proj_W']),
+                   (V_inception_3a_pool_proj_W_new, T['V_inception_3a_pool_proj_W'], momentum, d_inception_3a_pool_proj_W, decay, T['inception_3a_pool_proj_W']),
+                   (V_inception_3a_5x5_W_new, T['V_inception_3a_5x5_W'], momentum, d_inception_3a_5x5_W, decay, T['inception_3a_5x5_W']),
+                   (V_conv2_3x3_reduce_W_new, T['V_conv2_3x3_reduce_W'], momentum, d_conv2_3x3_reduce_W, decay, T['conv2_3x3_reduce_W']),
+                   (V_conv1_7x7_s2_W_new, T['V_conv1_7x7_s2_W'], momentum, d_conv1_7x7_s2_W, decay, T['conv1_7x7_s2_W']),
+                   (V_inception_3a_1x1_W_new, T['V_inception_3a_1x1_W'], momentum, d_inception_3a_1x1_W, decay, T['inception_3a_1x1_W']),
+                   (V_inception_3a_5x5_reduce_W_new, T['V_inception_3a_5x5_reduce_W'], momentum, d_inception_3a_5x5_reduce_W, decay, T['inception_3a_5x5_reduce_W']),
+                   (V_inception_3b_5x5_reduce_W_new, T['V_inception_3b_5x5_reduce_W'], momentum, d_inception_3b_5x5_reduce_W, decay, T['inception_3b_5x5_reduce_W']),
+                   (V_inception_4a_5x5_reduce_W_new, T['V_inception_4a_5x5_reduce_W'], momentum, d_inception_4a_5x5_reduce_W, decay, T['inception_4a_5x5_reduce_W']),
+                   (V_inception_4b_5x5_reduce_W_new, T['V_inception_4b_5x5_reduce_W'], momentum, d_inception_4b_5x5_reduce_W, decay, T['inception_4b_5x5_reduce_W']),
+                   (V_inception_4c_5x5_reduce_W_new, T['V_inception_4c_5x5_reduce_W'], momentum, d_inception_4c_5x5_reduce_W, decay, T['inception_4c_5x5_reduce_W']),
+                   (V_inception_4d_5x5_reduce_W_new, T['V_inception_4d_5x5_reduce_W'], momentum, d_inception_4d_5x5_reduce_W, decay, T['inception_4d_5x5_reduce_W']))
+        # free d_inception_3b_pool_proj_W, d_inception_3a_pool_proj_W, d_inception_3a_5x5_W, d_conv2_3x3_reduce_W, d_conv1_7x7_s2_W, d_inception_3a_1x1_W, d_inception_3a_5x5_reduce_W, d_inception_3b_5x5_reduce_W, d_inception_4a_5x5_reduce_W, d_inception_4b_5x5_reduce_W, d_inception_4c_5x5_reduce_W, d_inception_4d_5x5_reduce_W
+        del d_inception_3b_pool_proj_W, d_inception_3a_pool_proj_W, d_inception_3a_5x5_W, d_conv2_3x3_reduce_W, d_conv1_7x7_s2_W, d_inception_3a_1x1_W, d_inception_3a_5x5_reduce_W, d_inception_3b_5x5_reduce_W, d_inception_4a_5x5_reduce_W, d_inception_4b_5x5_reduce_W, d_inception_4c_5x5_reduce_W, d_inception_4d_5x5_reduce_W
+        mem.free(274, 296, 298, 307, 313, 315, 319, 325, 331, 337, 343, 349)
+        # inception_3b_3x3_B_new = inception_3b_3x3_B - 2*lr*V_inception_3b_3x3_B_new   (computed with the last statement of its batch)
+        inception_3b_3x3_B_new = T['inception_3b_3x3_B']  # in place: the new inception_3b_3x3_B
+        # inception_3b_5x5_B_new = inception_3b_5x5_B - 2*lr*V_inception_3b_5x5_B_new   (computed with the last statement of its batch)
+        inception_3b_5x5_B_new = T['inception_3b_5x5_B']  # in place: the new inception_3b_5x5_B
+        # inception_3b_pool_proj_B_new = inception_3b_pool_proj_B - 2*lr*V_inception_3b_pool_proj_B_new   (computed with the last statement of its batch)
+        inception_3b_pool_proj_B_new = T['inception_3b_pool_proj_B']  # in place: the new inception_3b_pool_proj_B
+        # inception_3a_3x3_B_new = inception_3a_3x3_B - 2*lr*V_inception_3a_3x3_B_new   (computed with the last statement of its batch)
+        inception_3a_3x3_B_new = T['inception_3a_3x3_B']  # in place: the new inception_3a_3x3_B
+        # inception_3a_5x5_B_new = inception_3a_5x5_B - 2*lr*V_inception_3a_5x5_B_new   (computed with the last statement of its batch)
+        inception_3a_5x5_B_new = T['inception_3a_5x5_B']  # in place: the new inception_3a_5x5_B
+        # inception_3a_pool_proj_B_new = inception_3a_pool_proj_B - 2*lr*V_inception_3a_pool_proj_B_new   (computed with the last statement of its batch)
+        inception_3a_pool_proj_B_new = T['inception_3a_pool_proj_B']  # in place: the new inception_3a_pool_proj_B
+        # conv2_3x3_B_new = conv2_3x3_B - 2*lr*V_conv2_3x3_B_new   (computed with the last statement of its batch)
+        conv2_3x3_B_new = T['conv2_3x3_B']  # in place: the new conv2_3x3_B
+        # conv2_3x3_reduce_B_new = conv2_3x3_reduce_B - 2*lr*V_conv2_3x3_reduce_B_new   (computed with the last statement of its batch)
+        conv2_3x3_reduce_B_new = T['conv2_3x3_reduce_B']  # in place: the new conv2_3x3_reduce_B
+        # conv1_7x7_s2_B_new = conv1_7x7_s2_B - 2*lr*V_conv1_7x7_s2_B_new   (computed with the last statement of its batch)
+        conv1_7x7_s2_B_new = T['conv1_7x7_s2_B']  # in place: the new conv1_7x7_s2_B
+        # inception_3a_1x1_B_new = inception_3a_1x1_B - 2*lr*V_inception_3a_1x1_B_new   (computed with the last statement of its batch)
+        inception_3a_1x1_B_new = T['inception_3a_1x1_B']  # in place: the new inception_3a_1x1_B
+        # inception_3a_3x3_reduce_B_new = inception_3a_3x3_reduce_B - 2*lr*V_inception_3a_3x3_reduce_B_new   (computed with the last statement of its batch)
+        inception_3a_3x3_reduce_B_new = T['inception_3a_3x3_reduce_B']  # in place: the new inception_3a_3x3_reduce_B
+        # inception_3a_5x5_reduce_B_new = inception_3a_5x5_reduce_B - 2*lr*V_inception_3a_5x5_reduce_B_new   (computed with the last statement of its batch)
+        inception_3a_5x5_reduce_B_new = T['inception_3a_5x5_reduce_B']  # in place: the new inception_3a_5x5_reduce_B
+        # inception_3b_1x1_B_new = inception_3b_1x1_B - 2*lr*V_inception_3b_1x1_B_new   (computed with the last statement of its batch)
+        inception_3b_1x1_B_new = T['inception_3b_1x1_B']  # in place: the new inception_3b_1x1_B
+        # inception_3b_3x3_reduce_B_new = inception_3b_3x3_reduce_B - 2*lr*V_inception_3b_3x3_reduce_B_new   (computed with the last statement of its batch)
+        inception_3b_3x3_reduce_B_new = T['inception_3b_3x3_reduce_B']  # in place: the new inception_3b_3x3_reduce_B
+        # inception_3b_5x5_reduce_B_new = inception_3b_5x5_reduce_B - 2*lr*V_inception_3b_5x5_reduce_B_new   (computed with the last statement of its batch)
+        inception_3b_5x5_reduce_B_new = T['inception_3b_5x5_reduce_B']  # in place: the new inception_3b_5x5_reduce_B
+        # inception_4a_1x1_B_new = inception_4a_1x1_B - 2*lr*V_inception_4a_1x1_B_new   (computed with the last statement of its batch)
+        inception_4a_1x1_B_new = T['inception_4a_1x1_B']  # in place: the new inception_4a_1x1_B
+        # inception_4a_3x3_reduce_B_new = inception_4a_3x3_reduce_B - 2*lr*V_inception_4a_3x3_reduce_B_new   (computed with the last statement of its batch)
+        inception_4a_3x3_reduce_B_new = T['inception_4a_3x3_reduce_B']  # in place: the new inception_4a_3x3_reduce_B
+        # inception_4a_5x5_reduce_B_new = inception_4a_5x5_reduce_B - 2*lr*V_inception_4a_5x5_reduce_B_new   (computed with the last statement of its batch)
+        inception_4a_5x5_reduce_B_new = T['inception_4a_5x5_reduce_B']  # in place: the new inception_4a_5x5_reduce_B
+        # inception_4b_1x1_B_new = inception_4b_1x1_B - 2*lr*V_inception_4b_1x1_B_new   (computed with the last statement of its batch)
+        inception_4b_1x1_B_new = T['inception_4b_1x1_B']  # in place: the new inception_4b_1x1_B
+        # inception_4b_3x3_reduce_B_new = inception_4b_3x3_reduce_B - 2*lr*V_inception_4b_3x3_reduce_B_new   (computed with the last statement of its batch)
+        inception_4b_3x3_reduce_B_new = T['inception_4b_3x3_reduce_B']  # in place: the new inception_4b_3x3_reduce_B
+        # inception_4b_5x5_reduce_B_new = inception_4b_5x5_reduce_B - 2*lr*V_inception_4b_5x5_reduce_B_new   (computed with the last statement of its batch)
+        inception_4b_5x5_reduce_B_new = T['inception_4b_5x5_reduce_B']  # in place: the new inception_4b_5x5_reduce_B
+        # inception_4c_1x1_B_new = inception_4c_1x1_B - 2*lr*V_inception_4c_1x1_B_new   (computed with the last statement of its batch)
+        inception_4c_1x1_B_new = T['inception_4c_1x1_B']  # in place: the new inception_4c_1x1_B
+        # inception_4c_3x3_reduce_B_new = inception_4c_3x3_reduce_B - 2*lr*V_inception_4c_3x3_reduce_B_new   (computed with the last statement of its batch)
+        inception_4c_3x3_reduce_B_new = T['inception_4c_3x3_reduce_B']  # in place: the new inception_4c_3x3_reduce_B
+        # inception_4c_5x5_reduce_B_new = inception_4c_5x5_reduce_B - 2*lr*V_inception_4c_5x5_reduce_B_new   (computed with the last statement of its batch)
+        inception_4c_5x5_reduce_B_new = T['inception_4c_5x5_reduce_B']  # in place: the new inception_4c_5x5_reduce_B
+        # inception_4d_1x1_B_new = inception_4d_1x1_B - 2*lr*V_inception_4d_1x1_B_new   (computed with the last statement of its batch)
+        inception_4d_1x1_B_new = T['inception_4d_1x1_B']  # in place: the new inception_4d_1x1_B
+        # inception_4d_3x3_reduce_B_new = inception_4d_3x3_reduce_B - 2*lr*V_inception_4d_3x3_reduce_B_new   (computed with the last statement of its batch)
+        inception_4d_3x3_reduce_B_new = T['inception_4d_3x3_reduce_B']  # in place: the new inception_4d_3x3_reduce_B
+        # inception_4d_5x5_reduce_B_new = inception_4d_5x5_reduce_B - 2*lr*V_inception_4d_5x5_reduce_B_new   (computed with the last statement of its batch)
+        inception_4d_5x5_reduce_B_new = T['inception_4d_5x5_reduce_B']  # in place: the new inception_4d_5x5_reduce_B
+        # inception_4e_1x1_B_new = inception_4e_1x1_B - 2*lr*V_inception_4e_1x1_B_new   (computed with the last statement of its batch)
+        inception_4e_1x1_B_new = T['inception_4e_1x1_B']  # in place: the new inception_4e_1x1_B
+        # inception_4e_3x3_reduce_B_new = inception_4e_3x3_reduce_B - 2*lr*V_inception_4e_3x3_reduce_B_new   (computed with the last statement of its batch)
+        inception_4e_3x3_reduce_B_new = T['inception_4e_3x3_reduce_B']  # in place: the new inception_4e_3x3_reduce_B
+        # inception_4e_5x5_reduce_B_new = inception_4e_5x5_reduce_B - 2*lr*V_inception_4e_5x5_reduce_B_new   (computed with the last statement of its batch)
+        inception_4e_5x5_reduce_B_new = T['inception_4e_5x5_reduce_B']  # in place: the new inception_4e_5x5_reduce_B
+        # inception_5a_1x1_B_new = inception_5a_1x1_B - 2*lr*V_inception_5a_1x1_B_new   (computed with the last statement of its batch)
+        inception_5a_1x1_B_new = T['inception_5a_1x1_B']  # in place: the new inception_5a_1x1_B
+        # inception_5a_3x3_reduce_B_new = inception_5a_3x3_reduce_B - 2*lr*V_inception_5a_3x3_reduce_B_new   (computed with the last statement of its batch)
+        inception_5a_3x3_reduce_B_new = T['inception_5a_3x3_reduce_B']  # in place: the new inception_5a_3x3_reduce_B
+        # inception_5a_5x5_reduce_B_new = inception_5a_5x5_reduce_B - 2*lr*V_inception_5a_5x5_reduce_B_new   (computed with the last statement of its batch)
+        inception_5a_5x5_reduce_B_new = T['inception_5a_5x5_reduce_B']  # in place: the new inception_5a_5x5_reduce_B
+        # inception_5b_1x1_B_new = inception_5b_1x1_B - 2*lr*V_inception_5b_1x1_B_new   (computed with the last statement of its batch)
+        inception_5b_1x1_B_new = T['inception_5b_1x1_B']  # in place: the new inception_5b_1x1_B
+        # inception_5b_3x3_reduce_B_new = inception_5b_3x3_reduce_B - 2*lr*V_inception_5b_3x3_reduce_B_new   (computed with the last statement of its batch)
+        inception_5b_3x3_reduce_B_new = T['inception_5b_3x3_reduce_B']  # in place: the new inception_5b_3x3_reduce_B
+        # inception_5b_5x5_reduce_B_new = inception_5b_5x5_reduce_B - 2*lr*V_inception_5b_5x5_reduce_B_new   (computed with the last statement of its batch)
+        inception_5b_5x5_reduce_B_new = T['inception_5b_5x5_reduce_B']  # in place: the new inception_5b_5x5_reduce_B
+        # loss3_classifier_B_new = loss3_classifier_B - 2*lr*V_loss3_classifier_B_new   (computed with the last statement of its batch)
+        loss3_classifier_B_new = T['loss3_classifier_B']  # in place: the new loss3_classifier_B
+        # loss1_fc_B_new = loss1_fc_B - 2*lr*V_loss1_fc_B_new   (computed with the last statement of its batch)
+        loss1_fc_B_new = T['loss1_fc_B']  # in place: the new loss1_fc_B
+        # loss1_classifier_B_new = loss1_classifier_B - 2*lr*V_loss1_classifier_B_new   (computed with the last statement of its batch)
+        loss1_classifier_B_new = T['loss1_classifier_B']  # in place: the new loss1_classifier_B
+        # loss2_fc_B_new = loss2_fc_B - 2*lr*V_loss2_fc_B_new   (computed with the last statement of its batch)
+        loss2_fc_B_new = T['loss2_fc_B']  # in place: the new loss2_fc_B
+        # loss2_classifier_B_new = loss2_classifier_B - 2*lr*V_loss2_classifier_B_new   (and the 40 statements before it, in one call)
         loss2_classifier_B_new = T['loss2_classifier_B']  # in place: the new loss2_classifier_B
-        rt.ew_pair((ew_mul_add_2, V_loss2_classifier_B_new, T['V_loss2_classifier_B'], momentum, d_loss2_classifier_B),
-                   (ew_mul_sub_2, loss2_classifier_B_new, T['loss2_classifier_B'], lr, V_loss2_classifier_B_new))
-        # free d_loss2_classifier_B
-        del d_loss2_classifier_B
-        mem.free(378)
+        rt.ew_many(ew_mul_sub_2,
+                   (inception_3b_3x3_B_new, T['inception_3b_3x3_B'], lr, V_inception_3b_3x3_B_new),
+                   (inception_3b_5x5_B_new, T['inception_3b_5x5_B'], lr, V_inception_3b_5x5_B_new),
+                   (inception_3b_pool_proj_B_new, T['inception_3b_pool_proj_B'], lr, V_inception_3b_pool_proj_B_new),
+                   (inception_3a_3x3_B_new, T['inception_3a_3x3_B'], lr, V_inception_3a_3x3_B_new),
+                   (inception_3a_5x5_B_new, T['inception_3a_5x5_B'], lr, V_inception_3a_5x5_B_new),
+                   (inception_3a_pool_proj_B_new, T['inception_3a_pool_proj_B'], lr, V_inception_3a_pool_proj_B_new),
+                   (conv2_3x3_B_new, T['conv2_3x3_B'], lr, V_conv2_3x3_B_new),
+                   (conv2_3x3_reduce_B_new, T['conv2_3x3_reduce_B'], lr, V_conv2_3x3_reduce_B_new),
+                   (conv1_7x7_s2_B_new, T['conv1_7x7_s2_B'], lr, V_conv1_7x7_s2_B_new),
+                   (inception_3a_1x1_B_new, T['inception_3a_1x1_B'], lr, V_inception_3a_1x1_B_new),
+                   (inception_3a_3x3_reduce_B_new, T['inception_3a_3x3_reduce_B'], lr, V_inception_3a_3x3_reduce_B_new),
+                   (inception_3a_5x5_reduce_B_new, T['inception_3a_5x5_reduce_B'], lr, V_inception_3a_5x5_reduce_B_new),
+                   (inception_3b_1x1_B_new, T['inception_3b_1x1_B'], lr, V_inception_3b_1x1_B_new),
+                   (inception_3b_3x3_reduce_B_new, T['inception_3b_3x3_reduce_B'], lr, V_inception_3b_3x3_reduce_B_new),
+                   (inception_3b_5x5_reduce_B_new, T['inception_3b_5x5_reduce_B'], lr, V_inception_3b_5x5_reduce_B_new),
+                   (inception_4a_1x1_B_new, T['inception_4a_1x1_B'], lr, V_inception_4a_1x1_B_new),
+                   (inception_4a_3x3_reduce_B_new, T['inception_4a_3x3_reduce_B'], lr, V_inception_4a_3x3_reduce_B_new),
+                   (inception_4a_5x5_reduce_B_new, T['inception_4a_5x5_reduce_B'], lr, V_inception_4a_5x5_reduce_B_new),
+                   (inception_4b_1x1_B_new, T['inception_4b_1x1_B'], lr, V_inception_4b_1x1_B_new),
+                   (inception_4b_3x3_reduce_B_new, T['inception_4b_3x3_reduce_B'], lr, V_inception_4b_3x3_reduce_B_new),
+                   (inception_4b_5x5_reduce_B_new, T['inception_4b_5x5_reduce_B'], lr, V_inception_4b_5x5_reduce_B_new),
+                   (inception_4c_1x1_B_new, T['inception_4c_1x1_B'], lr, V_inception_4c_1x1_B_new),
+                   (inception_4c_3x3_reduce_B_new, T['inception_4c_3x3_reduce_B'], lr, V_inception_4c_3x3_reduce_B_new),
+                   (inception_4c_5x5_reduce_B_new, T['inception_4c_5x5_reduce_B'], lr, V_inception_4c_5x5_reduce_B_new),
+                   (inception_4d_1x1_B_new, T['inception_4d_1x1_B'], lr, V_inception_4d_1x1_B_new),
+                   (inception_4d_3x3_reduce_B_new, T['inception_4d_3x3_reduce_B'], lr, V_inception_4d_3x3_reduce_B_new),
+                   (inception_4d_5x5_reduce_B_new, T['inception_4d_5x5_reduce_B'], lr, V_inception_4d_5x5_reduce_B_new),
+                   (inception_4e_1x1_B_new, T['inception_4e_1x1_B'], lr, V_inception_4e_1x1_B_new),
+                   (inception_4e_3x3_reduce_B_new, T['inception_4e_3x3_reduce_B'], lr, V_inception_4e_3x3_reduce_B_new),
+                   (inception_4e_5x5_reduce_B_new, T['inception_4e_5x5_reduce_B'], lr, V_inception_4e_5x5_reduce_B_new),
+                   (inception_5a_1x1_B_new, T['inception_5a_1x1_B'], lr, V_inception_5a_1x1_B_new),
+                   (inception_5a_3x3_reduce_B_new, T['inception_5a_3x3_reduce_B'], lr, V_inception_5a_3x3_reduce_B_new),
+                   (inception_5a_5x5_reduce_B_new, T['inception_5a_5x5_reduce_B'], lr, V_inception_5a_5x5_reduce_B_new),
+                   (inception_5b_1x1_B_new, T['inception_5b_1x1_B'], lr, V_inception_5b_1x1_B_new),
+                   (inception_5b_3x3_reduce_B_new, T['inception_5b_3x3_reduce_B'], lr, V_inception_5b_3x3_reduce_B_new),
+                   (inception_5b_5x5_reduce_B_new, T['inception_5b_5x5_reduce_B'], lr, V_inception_5b_5x5_reduce_B_new),
+                   (loss3_classifier_B_new, T['loss3_classifier_B'], lr, V_loss3_classifier_B_new),
+                   (loss1_fc_B_new, T['loss1_fc_B'], lr, V_loss1_fc_B_new),
+                   (loss1_classifier_B_new, T['loss1_classifier_B'], lr, V_loss1_classifier_B_new),
+                   (loss2_fc_B_new, T['loss2_fc_B'], lr, V_loss2_fc_B_new),
+                   (loss2_classifier_B_new, T['loss2_classifier_B'], lr, V_loss2_classifier_B_new))
+        # inception_3b_pool_proj_W_new = inception_3b_pool_proj_W - lr*V_inception_3b_pool_proj_W_new   (computed with the last statement of its batch)
+        inception_3b_pool_proj_W_new = T['inception_3b_pool_proj_W']  # in place: the new inception_3b_pool_proj_W
+        # inception_3a_5x5_W_new = inception_3a_5x5_W - lr*V_inception_3a_5x5_W_new   (computed with the last statement of its batch)
+        inception_3a_5x5_W_new = T['inception_3a_5x5_W']  # in place: the new inception_3a_5x5_W
+        # inception_3a_pool_proj_W_new = inception_3a_pool_proj_W - lr*V_inception_3a_pool_proj_W_new   (computed with the last statement of its batch)
+        inception_3a_pool_proj_W_new = T['inception_3a_pool_proj_W']  # in place: the new inception_3a_pool_proj_W
+        # conv2_3x3_reduce_W_new = conv2_3x3_reduce_W - lr*V_conv2_3x3_reduce_W_new   (computed with the last statement of its batch)
+        conv2_3x3_reduce_W_new = T['conv2_3x3_reduce_W']  # in place: the new conv2_3x3_reduce_W
+        # conv1_7x7_s2_W_new = conv1_7x7_s2_W - lr*V_conv1_7x7_s2_W_new   (computed with the last statement of its batch)
+        conv1_7x7_s2_W_new = T['conv1_7x7_s2_W']  # in place: the new conv1_7x7_s2_W
+        # inception_3a_1x1_W_new = inception_3a_1x1_W - lr*V_inception_3a_1x1_W_new   (computed with the last statement of its batch)
+        inception_3a_1x1_W_new = T['inception_3a_1x1_W']  # in place: the new inception_3a_1x1_W
+        # inception_3a_5x5_reduce_W_new = inception_3a_5x5_reduce_W - lr*V_inception_3a_5x5_reduce_W_new   (computed with the last statement of its batch)
+        inception_3a_5x5_reduce_W_new = T['inception_3a_5x5_reduce_W']  # in place: the new inception_3a_5x5_reduce_W
+        # inception_3b_5x5_reduce_W_new = inception_3b_5x5_reduce_W - lr*V_inception_3b_5x5_reduce_W_new   (computed with the last statement of its batch)
+        inception_3b_5x5_reduce_W_new = T['inception_3b_5x5_reduce_W']  # in place: the new inception_3b_5x5_reduce_W
+        # inception_4a_5x5_reduce_W_new = inception_4a_5x5_reduce_W - lr*V_inception_4a_5x5_reduce_W_new   (computed with the last statement of its batch)
+        inception_4a_5x5_reduce_W_new = T['inception_4a_5x5_reduce_W']  # in place: the new inception_4a_5x5_reduce_W
+        # inception_4b_5x5_reduce_W_new = inception_4b_5x5_reduce_W - lr*V_inception_4b_5x5_reduce_W_new   (computed with the last statement of its batch)
+        inception_4b_5x5_reduce_W_new = T['inception_4b_5x5_reduce_W']  # in place: the new inception_4b_5x5_reduce_W
+        # inception_4c_5x5_reduce_W_new = inception_4c_5x5_reduce_W - lr*V_inception_4c_5x5_reduce_W_new   (computed with the last statement of its batch)
+        inception_4c_5x5_reduce_W_new = T['inception_4c_5x5_reduce_W']  # in place: the new inception_4c_5x5_reduce_W
+        # inception_4d_5x5_reduce_W_new = inception_4d_5x5_reduce_W - lr*V_inception_4d_5x5_reduce_W_new   (and the 11 statements before it, in one call)
+        inception_4d_5x5_reduce_W_new = T['inception_4d_5x5_reduce_W']  # in place: the new inception_4d_5x5_reduce_W
+        rt.ew_many(ew_mul_sub,
+                   (inception_3b_pool_proj_W_new, T['inception_3b_pool_proj_W'], lr, V_inception_3b_pool_proj_W_new),
+                   (inception_3a_5x5_W_new, T['inception_3a_5x5_W'], lr, V_inception_3a_5x5_W_new),
+                   (inception_3a_pool_proj_W_new, T['inception_3a_pool_proj_W'], lr, V_inception_3a_pool_proj_W_new),
+                   (conv2_3x3_reduce_W_new, T['conv2_3x3_reduce_W'], lr, V_conv2_3x3_reduce_W_new),
+                   (conv1_7x7_s2_W_new, T['conv1_7x7_s2_W'], lr, V_conv1_7x7_s2_W_new),
+                   (inception_3a_1x1_W_new, T['inception_3a_1x1_W'], lr, V_inception_3a_1x1_W_new),
+                   (inception_3a_5x5_reduce_W_new, T['inception_3a_5x5_reduce_W'], lr, V_inception_3a_5x5_reduce_W_new),
+                   (inception_3b_5x5_reduce_W_new, T['inception_3b_5x5_reduce_W'], lr, V_inception_3b_5x5_reduce_W_new),
+                   (inception_4a_5x5_reduce_W_new, T['inception_4a_5x5_reduce_W'], lr, V_inception_4a_5x5_reduce_W_new),
+                   (inception_4b_5x5_reduce_W_new, T['inception_4b_5x5_reduce_W'], lr, V_inception_4b_5x5_reduce_W_new),
+                   (inception_4c_5x5_reduce_W_new, T['inception_4c_5x5_reduce_W'], lr, V_inception_4c_5x5_reduce_W_new),
+                   (inception_4d_5x5_reduce_W_new, T['inception_4d_5x5_reduce_W'], lr, V_inception_4d_5x5_reduce_W_new))
         loss = rt.scalar(total_loss)
         mem.end()
         return loss
@@ -6611,7 +6464,7 @@ class Googlenet(rp.Model):
                 (512, 512),  # 1: const_2 128 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=2095239424, peak_bytes=2027344128, workspace_bytes=33554432, pool_bytes=2608189952, pool_peak_bytes=2053034240,
+            arena_bytes=2095239424, peak_bytes=2027344128, workspace_bytes=33554432, pool_bytes=2608189952, pool_peak_bytes=2053101056,
             buffers=(
                 (1130364928, 77070336),  # 0: x 128x3x224x224 float32
                 (1921896448, 512),  # 1: y 128 int32
@@ -6882,19 +6735,19 @@ class Googlenet(rp.Model):
                 (1001914368, 77070336),  # 266: d_inception_3b_3x3_relu 128x192x28x28 float32
                 (1543012352, 51380224),  # 267: d_inception_3b_3x3_reduce_relu 128x128x28x28 float32
                 (924844032, 884736),  # 268: d_inception_3b_3x3_W 192x128x3x3 float32
-                (924844032, 768),  # 269: d_inception_3b_3x3_sum_to 1x192x1x1 float32
+                (2043969536, 768),  # 269: d_inception_3b_3x3_sum_to 1x192x1x1 float32
                 (924844032, 102760448),  # 270: d_inception_3a_1x1_concat_2 128x256x28x28 float32
                 (1027604480, 38535168),  # 271: d_inception_3b_5x5_relu 128x96x28x28 float32
                 (1681096704, 25690112),  # 272: d_inception_3b_pool_proj_relu 128x64x28x28 float32
                 (308281344, 102760448),  # 273: inception_3a_1x1_max_pool_2 128x256x28x28 float32
-                (411041792, 65536),  # 274: d_inception_3b_pool_proj_W 64x256x1x1 float32
+                (1783857152, 65536),  # 274: d_inception_3b_pool_proj_W 64x256x1x1 float32
                 (1771012096, 12845056),  # 275: d_inception_3b_5x5_reduce_relu 128x32x28x28 float32
                 (308281344, 307200),  # 276: d_inception_3b_5x5_W 96x32x5x5 float32
-                (308281344, 384),  # 277: d_inception_3b_5x5_sum_to 1x96x1x1 float32
+                (1783922688, 384),  # 277: d_inception_3b_5x5_sum_to 1x96x1x1 float32
                 (308281344, 102760448),  # 278: d_inception_3a_1x1_concat_3 128x256x28x28 float32
                 (1027604480, 102760448),  # 279: d_inception_3a_1x1_max_pool 128x256x28x28 float32
                 (1027604480, 102760448),  # 280: d_inception_3a_1x1_concat_4 128x256x28x28 float32
-                (308281344, 256),  # 281: d_inception_3b_pool_proj_sum_to 1x64x1x1 float32
+                (1745321984, 256),  # 281: d_inception_3b_pool_proj_sum_to 1x64x1x1 float32
                 (1001914368, 25690112),  # 282: d_inception_3a_1x1_relu 128x64x28x28 float32
                 (308281344, 25690112),  # 283: d_inception_3a_1x1_relu_slice 128x64x28x28 float32
                 (308281344, 77070336),  # 284: d_conv2_3x3_max_pool 128x192x28x28 float32
@@ -6902,94 +6755,94 @@ class Googlenet(rp.Model):
                 (436731904, 51380224),  # 286: d_inception_3a_3x3_relu_slice 128x128x28x28 float32
                 (1681096704, 38535168),  # 287: d_inception_3a_3x3_reduce_relu 128x96x28x28 float32
                 (436731904, 442368),  # 288: d_inception_3a_3x3_W 128x96x3x3 float32
-                (436731904, 512),  # 289: d_inception_3a_3x3_sum_to 1x128x1x1 float32
+                (1655406592, 512),  # 289: d_inception_3a_3x3_sum_to 1x128x1x1 float32
                 (385351680, 77070336),  # 290: d_conv2_3x3_max_pool_2 128x192x28x28 float32
                 (539492352, 12845056),  # 291: d_inception_3a_5x5_relu 128x32x28x28 float32
                 (462422016, 12845056),  # 292: d_inception_3a_5x5_relu_slice 128x32x28x28 float32
                 (1642561536, 12845056),  # 293: d_inception_3a_pool_proj_relu 128x32x28x28 float32
                 (462422016, 12845056),  # 294: d_inception_3a_pool_proj_relu_slice 128x32x28x28 float32
                 (462422016, 77070336),  # 295: conv2_3x3_max_pool_3 128x192x28x28 float32
-                (552337408, 24576),  # 296: d_inception_3a_pool_proj_W 32x192x1x1 float32
+                (1034078208, 24576),  # 296: d_inception_3a_pool_proj_W 32x192x1x1 float32
                 (1027604480, 6422528),  # 297: d_inception_3a_5x5_reduce_relu 128x16x28x28 float32
-                (462422016, 51200),  # 298: d_inception_3a_5x5_W 32x16x5x5 float32
-                (462422016, 128),  # 299: d_inception_3a_5x5_sum_to 1x32x1x1 float32
+                (1034027008, 51200),  # 298: d_inception_3a_5x5_W 32x16x5x5 float32
+                (1034102784, 128),  # 299: d_inception_3a_5x5_sum_to 1x32x1x1 float32
                 (462422016, 77070336),  # 300: d_conv2_3x3_max_pool_3 128x192x28x28 float32
                 (539492352, 77070336),  # 301: d_conv2_3x3_max_pool_4 128x192x28x28 float32
                 (924844032, 77070336),  # 302: d_conv2_3x3_max_pool_5 128x192x28x28 float32
-                (308281344, 128),  # 303: d_inception_3a_pool_proj_sum_to 1x32x1x1 float32
+                (1034103040, 128),  # 303: d_inception_3a_pool_proj_sum_to 1x32x1x1 float32
                 (308281344, 308281344),  # 304: d_conv2_3x3_lrn 128x192x56x56 float32
                 (0, 102760448),  # 305: d_conv2_3x3_reduce_relu 128x64x56x56 float32
                 (102760448, 102760448),  # 306: conv1_7x7_s2_lrn_2 128x64x56x56 float32
-                (205520896, 16384),  # 307: d_conv2_3x3_reduce_W 64x64x1x1 float32
+                (924844032, 16384),  # 307: d_conv2_3x3_reduce_W 64x64x1x1 float32
                 (102760448, 442368),  # 308: d_conv2_3x3_W 192x64x3x3 float32
-                (102760448, 768),  # 309: d_conv2_3x3_sum_to 1x192x1x1 float32
+                (719323136, 768),  # 309: d_conv2_3x3_sum_to 1x192x1x1 float32
                 (411041792, 102760448),  # 310: d_conv1_7x7_s2_lrn 128x64x56x56 float32
-                (102760448, 256),  # 311: d_conv2_3x3_reduce_sum_to 1x64x1x1 float32
+                (513802240, 256),  # 311: d_conv2_3x3_reduce_sum_to 1x64x1x1 float32
                 (0, 411041792),  # 312: d_conv1_7x7_s2_relu_max_pool_bwd 128x64x112x112 float32
                 (411041792, 37632),  # 313: d_conv1_7x7_s2_W 64x3x7x7 float32
-                (411041792, 256),  # 314: d_conv1_7x7_s2_sum_to 1x64x1x1 float32
-                (0, 49152),  # 315: d_inception_3a_1x1_W 64x192x1x1 float32
-                (0, 256),  # 316: d_inception_3a_1x1_sum_to 1x64x1x1 float32
+                (411079424, 256),  # 314: d_conv1_7x7_s2_sum_to 1x64x1x1 float32
+                (8454144, 49152),  # 315: d_inception_3a_1x1_W 64x192x1x1 float32
+                (8701952, 256),  # 316: d_inception_3a_1x1_sum_to 1x64x1x1 float32
                 (0, 73728),  # 317: d_inception_3a_3x3_reduce_W 96x192x1x1 float32
-                (0, 384),  # 318: d_inception_3a_3x3_reduce_sum_to 1x96x1x1 float32
-                (0, 12288),  # 319: d_inception_3a_5x5_reduce_W 16x192x1x1 float32
-                (0, 64),  # 320: d_inception_3a_5x5_reduce_sum_to 1x16x1x1 float32
+                (8697856, 384),  # 318: d_inception_3a_3x3_reduce_sum_to 1x96x1x1 float32
+                (8665088, 12288),  # 319: d_inception_3a_5x5_reduce_W 16x192x1x1 float32
+                (8702208, 64),  # 320: d_inception_3a_5x5_reduce_sum_to 1x16x1x1 float32
                 (0, 131072),  # 321: d_inception_3b_1x1_W 128x256x1x1 float32
-                (0, 512),  # 322: d_inception_3b_1x1_sum_to 1x128x1x1 float32
+                (8698368, 512),  # 322: d_inception_3b_1x1_sum_to 1x128x1x1 float32
                 (0, 131072),  # 323: d_inception_3b_3x3_reduce_W 128x256x1x1 float32
-                (0, 512),  # 324: d_inception_3b_3x3_reduce_sum_to 1x128x1x1 float32
-                (0, 32768),  # 325: d_inception_3b_5x5_reduce_W 32x256x1x1 float32
-                (0, 128),  # 326: d_inception_3b_5x5_reduce_sum_to 1x32x1x1 float32
+                (8698880, 512),  # 324: d_inception_3b_3x3_reduce_sum_to 1x128x1x1 float32
+                (8601600, 32768),  # 325: d_inception_3b_5x5_reduce_W 32x256x1x1 float32
+                (8702464, 128),  # 326: d_inception_3b_5x5_reduce_sum_to 1x32x1x1 float32
                 (0, 368640),  # 327: d_inception_4a_1x1_W 192x480x1x1 float32
-                (0, 768),  # 328: d_inception_4a_1x1_sum_to 1x192x1x1 float32
+                (8693248, 768),  # 328: d_inception_4a_1x1_sum_to 1x192x1x1 float32
                 (0, 184320),  # 329: d_inception_4a_3x3_reduce_W 96x480x1x1 float32
-                (0, 384),  # 330: d_inception_4a_3x3_reduce_sum_to 1x96x1x1 float32
-                (0, 30720),  # 331: d_inception_4a_5x5_reduce_W 16x480x1x1 float32
-                (0, 64),  # 332: d_inception_4a_5x5_reduce_sum_to 1x16x1x1 float32
+                (8699392, 384),  # 330: d_inception_4a_3x3_reduce_sum_to 1x96x1x1 float32
+                (8634368, 30720),  # 331: d_inception_4a_5x5_reduce_W 16x480x1x1 float32
+                (8702720, 64),  # 332: d_inception_4a_5x5_reduce_sum_to 1x16x1x1 float32
                 (0, 327680),  # 333: d_inception_4b_1x1_W 160x512x1x1 float32
-                (0, 640),  # 334: d_inception_4b_1x1_sum_to 1x160x1x1 float32
+                (8694016, 640),  # 334: d_inception_4b_1x1_sum_to 1x160x1x1 float32
                 (0, 229376),  # 335: d_inception_4b_3x3_reduce_W 112x512x1x1 float32
-                (0, 448),  # 336: d_inception_4b_3x3_reduce_sum_to 1x112x1x1 float32
-                (0, 49152),  # 337: d_inception_4b_5x5_reduce_W 24x512x1x1 float32
-                (0, 96),  # 338: d_inception_4b_5x5_reduce_sum_to 1x24x1x1 float32
+                (8699904, 448),  # 336: d_inception_4b_3x3_reduce_sum_to 1x112x1x1 float32
+                (8503296, 49152),  # 337: d_inception_4b_5x5_reduce_W 24x512x1x1 float32
+                (8702976, 96),  # 338: d_inception_4b_5x5_reduce_sum_to 1x24x1x1 float32
                 (0, 262144),  # 339: d_inception_4c_1x1_W 128x512x1x1 float32
-                (0, 512),  # 340: d_inception_4c_1x1_sum_to 1x128x1x1 float32
+                (8700416, 512),  # 340: d_inception_4c_1x1_sum_to 1x128x1x1 float32
                 (0, 262144),  # 341: d_inception_4c_3x3_reduce_W 128x512x1x1 float32
-                (0, 512),  # 342: d_inception_4c_3x3_reduce_sum_to 1x128x1x1 float32
-                (0, 49152),  # 343: d_inception_4c_5x5_reduce_W 24x512x1x1 float32
-                (0, 96),  # 344: d_inception_4c_5x5_reduce_sum_to 1x24x1x1 float32
+                (8700928, 512),  # 342: d_inception_4c_3x3_reduce_sum_to 1x128x1x1 float32
+                (8552448, 49152),  # 343: d_inception_4c_5x5_reduce_W 24x512x1x1 float32
+                (8703232, 96),  # 344: d_inception_4c_5x5_reduce_sum_to 1x24x1x1 float32
                 (0, 229376),  # 345: d_inception_4d_1x1_W 112x512x1x1 float32
-                (0, 448),  # 346: d_inception_4d_1x1_sum_to 1x112x1x1 float32
+                (8701440, 448),  # 346: d_inception_4d_1x1_sum_to 1x112x1x1 float32
                 (0, 294912),  # 347: d_inception_4d_3x3_reduce_W 144x512x1x1 float32
-                (0, 576),  # 348: d_inception_4d_3x3_reduce_sum_to 1x144x1x1 float32
-                (0, 65536),  # 349: d_inception_4d_5x5_reduce_W 32x512x1x1 float32
-                (0, 128),  # 350: d_inception_4d_5x5_reduce_sum_to 1x32x1x1 float32
+                (8694784, 576),  # 348: d_inception_4d_3x3_reduce_sum_to 1x144x1x1 float32
+                (8388608, 65536),  # 349: d_inception_4d_5x5_reduce_W 32x512x1x1 float32
+                (8703488, 128),  # 350: d_inception_4d_5x5_reduce_sum_to 1x32x1x1 float32
                 (0, 540672),  # 351: d_inception_4e_1x1_W 256x528x1x1 float32
-                (0, 1024),  # 352: d_inception_4e_1x1_sum_to 1x256x1x1 float32
+                (8691200, 1024),  # 352: d_inception_4e_1x1_sum_to 1x256x1x1 float32
                 (0, 337920),  # 353: d_inception_4e_3x3_reduce_W 160x528x1x1 float32
-                (0, 640),  # 354: d_inception_4e_3x3_reduce_sum_to 1x160x1x1 float32
+                (8695552, 640),  # 354: d_inception_4e_3x3_reduce_sum_to 1x160x1x1 float32
                 (0, 67584),  # 355: d_inception_4e_5x5_reduce_W 32x528x1x1 float32
-                (0, 128),  # 356: d_inception_4e_5x5_reduce_sum_to 1x32x1x1 float32
+                (8703744, 128),  # 356: d_inception_4e_5x5_reduce_sum_to 1x32x1x1 float32
                 (0, 851968),  # 357: d_inception_5a_1x1_W 256x832x1x1 float32
-                (0, 1024),  # 358: d_inception_5a_1x1_sum_to 1x256x1x1 float32
+                (8692224, 1024),  # 358: d_inception_5a_1x1_sum_to 1x256x1x1 float32
                 (0, 532480),  # 359: d_inception_5a_3x3_reduce_W 160x832x1x1 float32
-                (0, 640),  # 360: d_inception_5a_3x3_reduce_sum_to 1x160x1x1 float32
+                (8696320, 640),  # 360: d_inception_5a_3x3_reduce_sum_to 1x160x1x1 float32
                 (0, 106496),  # 361: d_inception_5a_5x5_reduce_W 32x832x1x1 float32
-                (0, 128),  # 362: d_inception_5a_5x5_reduce_sum_to 1x32x1x1 float32
+                (8704000, 128),  # 362: d_inception_5a_5x5_reduce_sum_to 1x32x1x1 float32
                 (0, 1277952),  # 363: d_inception_5b_1x1_W 384x832x1x1 float32
-                (0, 1536),  # 364: d_inception_5b_1x1_sum_to 1x384x1x1 float32
+                (8689664, 1536),  # 364: d_inception_5b_1x1_sum_to 1x384x1x1 float32
                 (0, 638976),  # 365: d_inception_5b_3x3_reduce_W 192x832x1x1 float32
-                (0, 768),  # 366: d_inception_5b_3x3_reduce_sum_to 1x192x1x1 float32
+                (8697088, 768),  # 366: d_inception_5b_3x3_reduce_sum_to 1x192x1x1 float32
                 (0, 159744),  # 367: d_inception_5b_5x5_reduce_W 48x832x1x1 float32
-                (0, 192),  # 368: d_inception_5b_5x5_reduce_sum_to 1x48x1x1 float32
+                (8704256, 192),  # 368: d_inception_5b_5x5_reduce_sum_to 1x48x1x1 float32
                 (0, 4096000),  # 369: d_loss3_classifier_W 1000x1024 float32
-                (0, 4000),  # 370: d_loss3_classifier_B 1000 float32
+                (8677376, 4000),  # 370: d_loss3_classifier_B 1000 float32
                 (0, 8388608),  # 371: d_loss1_fc_W 1024x2048 float32
-                (0, 4096),  # 372: d_loss1_fc_B 1024 float32
+                (8681472, 4096),  # 372: d_loss1_fc_B 1024 float32
                 (0, 4096000),  # 373: d_loss1_classifier_W 1000x1024 float32
-                (0, 4000),  # 374: d_loss1_classifier_B 1000 float32
+                (8685568, 4000),  # 374: d_loss1_classifier_B 1000 float32
                 (0, 8388608),  # 375: d_loss2_fc_W 1024x2048 float32
-                (0, 4096),  # 376: d_loss2_fc_B 1024 float32
+                (4096000, 4096),  # 376: d_loss2_fc_B 1024 float32
                 (0, 4096000),  # 377: d_loss2_classifier_W 1000x1024 float32
                 (0, 4000),  # 378: d_loss2_classifier_B 1000 float32
             )),

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 19.44 MB of tensors planned for the training step (10.35 MB testing); static arena 19.44 MB, pool 22.28 MB, workspace 16.70 MB
-Structure hash: 2dd221ff22d027ef
+Structure hash: 696e57f4e11508b1
 
 Usage: python inception_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class InceptionMini(rp.Model):
 
     name = "inception_mini"
     source = "networks/inception_mini.py"
-    structure_hash = "2dd221ff22d027ef"
+    structure_hash = "696e57f4e11508b1"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -1108,26 +1108,26 @@ class InceptionMini(rp.Model):
         # free d_conv1_relu_max_pool_bwd
         del d_conv1_relu_max_pool_bwd
         mem.free(83)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
+        # d_conv1_B = reshape[32](d_conv1_sum_to)
+        d_conv1_B = rt.reshape(d_conv1_sum_to, shape=(32,))
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
-        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew_pair((ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
-                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
+        rt.ew(ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W'])
         # free d_conv1_W
         del d_conv1_W
         mem.free(84)
-        # d_conv1_B = reshape[32](d_conv1_sum_to)
-        d_conv1_B = rt.reshape(d_conv1_sum_to, shape=(32,))
-        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B   (computed with the next statement)
+        # V_conv1_B_new = V_conv1_B*momentum + d_conv1_B
         V_conv1_B_new = T['V_conv1_B']  # in place: the new V_conv1_B
-        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new
-        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
-        rt.ew_pair((ew_mul_add_2, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B),
-                   (ew_mul_sub_2, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new))
+        rt.ew(ew_mul_add_2, V_conv1_B_new, T['V_conv1_B'], momentum, d_conv1_B)
         # free d_conv1_sum_to, d_conv1_B
         del d_conv1_sum_to, d_conv1_B
         mem.free(85)
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        conv1_W_new = T['conv1_W']  # in place: the new conv1_W
+        rt.ew(ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new)
+        # conv1_B_new = conv1_B - 2*lr*V_conv1_B_new
+        conv1_B_new = T['conv1_B']  # in place: the new conv1_B
+        rt.ew(ew_mul_sub_2, conv1_B_new, T['conv1_B'], lr, V_conv1_B_new)
         loss = rt.scalar(classifier_cross_entropy)
         mem.end()
         return loss

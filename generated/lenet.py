@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 500x1x28x28 float32 images, 500 int32 labels (10 classes); default data: digits
 Solver: SGD, 1000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 26.05 MB of tensors planned for the training step (24.61 MB testing); static arena 26.05 MB, pool 49.09 MB, workspace 32.00 MB
-Structure hash: 557b0f63206ed3e9
+Structure hash: 361d95d0a4984329
 
 Usage: python lenet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Lenet(rp.Model):
 
     name = "lenet"
     source = "networks/lenet.py"
-    structure_hash = "557b0f63206ed3e9"
+    structure_hash = "361d95d0a4984329"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (500, 1, 28, 28)
@@ -305,15 +305,6 @@ class Lenet(rp.Model):
         mem.free(19)
         # d_cv2_B = reshape[50](d_cv2_sum_to)
         d_cv2_B = rt.reshape(d_cv2_sum_to, shape=(50,))
-        # V_cv2_B_new = V_cv2_B*momentum + d_cv2_B + decay*cv2_B   (computed with the next statement)
-        V_cv2_B_new = T['V_cv2_B']  # in place: the new V_cv2_B
-        # cv2_B_new = cv2_B - lr*V_cv2_B_new
-        cv2_B_new = T['cv2_B']  # in place: the new cv2_B
-        rt.ew_pair((ew_mul_add, V_cv2_B_new, T['V_cv2_B'], momentum, d_cv2_B, decay, T['cv2_B']),
-                   (ew_mul_sub, cv2_B_new, T['cv2_B'], lr, V_cv2_B_new))
-        # free d_cv2_sum_to, d_cv2_B
-        del d_cv2_sum_to, d_cv2_B
-        mem.free(22)
 
         # ---- cv1_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
         # d_cv1 = max_pool_bwd[kernel=2,size=(24,24),stride=2](d_cv1_max_pool, cv1_max_pool_argmax)
@@ -330,15 +321,6 @@ class Lenet(rp.Model):
         # free x
         del x
         mem.free(0)
-        # V_cv1_W_new = V_cv1_W*momentum + d_cv1_W + decay*cv1_W   (computed with the next statement)
-        V_cv1_W_new = T['V_cv1_W']  # in place: the new V_cv1_W
-        # cv1_W_new = cv1_W - lr*V_cv1_W_new
-        cv1_W_new = T['cv1_W']  # in place: the new cv1_W
-        rt.ew_pair((ew_mul_add, V_cv1_W_new, T['V_cv1_W'], momentum, d_cv1_W, decay, T['cv1_W']),
-                   (ew_mul_sub, cv1_W_new, T['cv1_W'], lr, V_cv1_W_new))
-        # free d_cv1_W
-        del d_cv1_W
-        mem.free(24)
         # d_cv1_sum_to = sum_to[1x20x1x1](d_cv1)
         d_cv1_sum_to = mem.tensor(25, (1, 20, 1, 1), 'float32')
         rt.sum_to(d_cv1, out=d_cv1_sum_to, shape=(1, 20, 1, 1))
@@ -347,15 +329,31 @@ class Lenet(rp.Model):
         mem.free(23)
         # d_cv1_B = reshape[20](d_cv1_sum_to)
         d_cv1_B = rt.reshape(d_cv1_sum_to, shape=(20,))
-        # V_cv1_B_new = V_cv1_B*momentum + d_cv1_B + decay*cv1_B   (computed with the next statement)
+
+        # ---- the small tensors' updates, one call per kernel ----
+        # V_cv2_B_new = V_cv2_B*momentum + d_cv2_B + decay*cv2_B   (computed with the last statement of its batch)
+        V_cv2_B_new = T['V_cv2_B']  # in place: the new V_cv2_B
+        # V_cv1_W_new = V_cv1_W*momentum + d_cv1_W + decay*cv1_W   (computed with the last statement of its batch)
+        V_cv1_W_new = T['V_cv1_W']  # in place: the new V_cv1_W
+        # V_cv1_B_new = V_cv1_B*momentum + d_cv1_B + decay*cv1_B   (and the 2 statements before it, in one call)
         V_cv1_B_new = T['V_cv1_B']  # in place: the new V_cv1_B
-        # cv1_B_new = cv1_B - lr*V_cv1_B_new
+        rt.ew_many(ew_mul_add,
+                   (V_cv2_B_new, T['V_cv2_B'], momentum, d_cv2_B, decay, T['cv2_B']),
+                   (V_cv1_W_new, T['V_cv1_W'], momentum, d_cv1_W, decay, T['cv1_W']),
+                   (V_cv1_B_new, T['V_cv1_B'], momentum, d_cv1_B, decay, T['cv1_B']))
+        # free d_cv2_sum_to, d_cv2_B, d_cv1_W, d_cv1_sum_to, d_cv1_B
+        del d_cv2_sum_to, d_cv2_B, d_cv1_W, d_cv1_sum_to, d_cv1_B
+        mem.free(22, 24, 25)
+        # cv2_B_new = cv2_B - lr*V_cv2_B_new   (computed with the last statement of its batch)
+        cv2_B_new = T['cv2_B']  # in place: the new cv2_B
+        # cv1_W_new = cv1_W - lr*V_cv1_W_new   (computed with the last statement of its batch)
+        cv1_W_new = T['cv1_W']  # in place: the new cv1_W
+        # cv1_B_new = cv1_B - lr*V_cv1_B_new   (and the 2 statements before it, in one call)
         cv1_B_new = T['cv1_B']  # in place: the new cv1_B
-        rt.ew_pair((ew_mul_add, V_cv1_B_new, T['V_cv1_B'], momentum, d_cv1_B, decay, T['cv1_B']),
-                   (ew_mul_sub, cv1_B_new, T['cv1_B'], lr, V_cv1_B_new))
-        # free d_cv1_sum_to, d_cv1_B
-        del d_cv1_sum_to, d_cv1_B
-        mem.free(25)
+        rt.ew_many(ew_mul_sub,
+                   (cv2_B_new, T['cv2_B'], lr, V_cv2_B_new),
+                   (cv1_W_new, T['cv1_W'], lr, V_cv1_W_new),
+                   (cv1_B_new, T['cv1_B'], lr, V_cv1_B_new))
         loss = rt.scalar(fc2_log_loss)
         mem.end()
         return loss
@@ -567,7 +565,7 @@ class Lenet(rp.Model):
                 (5760000, 6400000),  # 19: d_cv2 500x50x8x8 float32
                 (12160000, 100000),  # 20: d_cv2_W 50x20x5x5 float32
                 (0, 5760000),  # 21: d_cv1_max_pool 500x20x12x12 float32
-                (12160000, 200),  # 22: d_cv2_sum_to 1x50x1x1 float32
+                (26048000, 200),  # 22: d_cv2_sum_to 1x50x1x1 float32
                 (0, 23040000),  # 23: d_cv1 500x20x24x24 float32
                 (24608000, 2000),  # 24: d_cv1_W 20x1x5x5 float32
                 (23040000, 80),  # 25: d_cv1_sum_to 1x20x1x1 float32

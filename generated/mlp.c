@@ -13,8 +13,9 @@
 // share (`_range`: a function of its own, so that its loop reads its operands from locals and vectorizes); with c,
 // r or w operands, over rows of the output. A kernel whose
 // values a statement sums per channel (`ew_sum`) also has a `_csum` function per pattern, summing without storing.
-// Last, a function for each pair of kernels two statements compute in one pass (`_then_`: the second reads the
-// first's output; deepdsl.passes.fuse_multi_output).
+// A kernel that statements of a batch call (deepdsl.passes.fuse_horizontal) has a `_many` function per pattern,
+// computing several sets of operands in one call. Last, a function for each pair of kernels two statements compute
+// in one pass (`_then_`: the second reads the first's output; deepdsl.passes.fuse_multi_output).
 #include "cpu_common.h"
 // A tensor summed per channel (sum_to (1, C, 1, ...) of (N, C, ...): batch norm's mean, bias and batch-norm
 // gradients; deepdsl_runtime.cpu.shape.sum_to): out[c] = the sum over the rows r of channel c and their elements of
@@ -204,22 +205,21 @@ void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, cons
 }
 
 // ew_scale: out = -v0/100
-static __attribute__((noinline)) void deepdsl_ew_scale_f_range(long begin, long end, float* out,
+static __attribute__((noinline)) void deepdsl_ew_scale_s_range(long begin, long end, float* out,
                                                                  const void* const* in, const float* value) {
-    const float* p0 = (const float*)in[0];
+    const float v0 = value[0];
 #pragma omp simd
     for (long i = begin; i < end; ++i) {
-        const float v0 = (float)p0[i];
         out[i] = -1.0F/100.0F*v0;
     }
 }
 
-void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
+void deepdsl_ew_scale_s(long n, float* out, const void* const* in, const float* value) {
 #pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
-        deepdsl_ew_scale_f_range(begin, end, out, in, value);
+        deepdsl_ew_scale_s_range(begin, end, out, in, value);
     }
 }
 

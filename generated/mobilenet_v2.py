@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 1000 iterations, lr 0.045, momentum 0.9, decay 4e-05
 Memory: peak 909.73 MB of tensors planned for the training step (192.68 MB testing); static arena 909.73 MB, pool 918.19 MB, workspace 32.74 MB
-Structure hash: 183bd8ec7c105b3b
+Structure hash: 96895c372241f004
 
 Usage: python mobilenet_v2.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class MobilenetV2(rp.Model):
 
     name = "mobilenet_v2"
     source = "networks/mobilenet_v2.py"
-    structure_hash = "183bd8ec7c105b3b"
+    structure_hash = "96895c372241f004"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -3276,26 +3276,8 @@ class MobilenetV2(rp.Model):
         mem.free(267)
         # d_conv_last_bn_W = reshape[1280](d_conv_last_bn_weight)
         d_conv_last_bn_W = rt.reshape(d_conv_last_bn_weight, shape=(1280,))
-        # V_conv_last_bn_W_new = V_conv_last_bn_W*momentum + d_conv_last_bn_W + decay*conv_last_bn_W   (computed with the next statement)
-        V_conv_last_bn_W_new = T['V_conv_last_bn_W']  # in place: the new V_conv_last_bn_W
-        # conv_last_bn_W_new = conv_last_bn_W - lr*V_conv_last_bn_W_new
-        conv_last_bn_W_new = T['conv_last_bn_W']  # in place: the new conv_last_bn_W
-        rt.ew_pair((ew_mul_add_4, V_conv_last_bn_W_new, T['V_conv_last_bn_W'], momentum, d_conv_last_bn_W, decay, T['conv_last_bn_W']),
-                   (ew_mul_sub, conv_last_bn_W_new, T['conv_last_bn_W'], lr, V_conv_last_bn_W_new))
-        # free conv_last_bn_inv_std, d_conv_last_bn_weight, d_conv_last_bn_W
-        del conv_last_bn_inv_std, d_conv_last_bn_weight, d_conv_last_bn_W
-        mem.free(256)
         # d_conv_last_bn_B = reshape[1280](d_conv_last_bn_bias)
         d_conv_last_bn_B = rt.reshape(d_conv_last_bn_bias, shape=(1280,))
-        # V_conv_last_bn_B_new = V_conv_last_bn_B*momentum + d_conv_last_bn_B + decay*conv_last_bn_B   (computed with the next statement)
-        V_conv_last_bn_B_new = T['V_conv_last_bn_B']  # in place: the new V_conv_last_bn_B
-        # conv_last_bn_B_new = conv_last_bn_B - lr*V_conv_last_bn_B_new
-        conv_last_bn_B_new = T['conv_last_bn_B']  # in place: the new conv_last_bn_B
-        rt.ew_pair((ew_mul_add_4, V_conv_last_bn_B_new, T['V_conv_last_bn_B'], momentum, d_conv_last_bn_B, decay, T['conv_last_bn_B']),
-                   (ew_mul_sub, conv_last_bn_B_new, T['conv_last_bn_B'], lr, V_conv_last_bn_B_new))
-        # free d_conv_last_bn_bias, d_conv_last_bn_B
-        del d_conv_last_bn_bias, d_conv_last_bn_B
-        mem.free(270)
         # d_conv_last_bn_sum = d_conv_last_bn_batch_mean/1568
         d_conv_last_bn_sum = d_conv_last_bn_batch_mean  # in place: over d_conv_last_bn_batch_mean
         rt.ew(ew_scale_5, d_conv_last_bn_sum, d_conv_last_bn_batch_mean)
@@ -3373,26 +3355,8 @@ class MobilenetV2(rp.Model):
         mem.free(274)
         # d_block17_project_bn_W = reshape[320](d_block17_project_bn_weight)
         d_block17_project_bn_W = rt.reshape(d_block17_project_bn_weight, shape=(320,))
-        # V_block17_project_bn_W_new = V_block17_project_bn_W*momentum + d_block17_project_bn_W + decay*block17_project_bn_W   (computed with the next statement)
-        V_block17_project_bn_W_new = T['V_block17_project_bn_W']  # in place: the new V_block17_project_bn_W
-        # block17_project_bn_W_new = block17_project_bn_W - lr*V_block17_project_bn_W_new
-        block17_project_bn_W_new = T['block17_project_bn_W']  # in place: the new block17_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block17_project_bn_W_new, T['V_block17_project_bn_W'], momentum, d_block17_project_bn_W, decay, T['block17_project_bn_W']),
-                   (ew_mul_sub, block17_project_bn_W_new, T['block17_project_bn_W'], lr, V_block17_project_bn_W_new))
-        # free block17_project_bn_inv_std, d_block17_project_bn_weight, d_block17_project_bn_W
-        del block17_project_bn_inv_std, d_block17_project_bn_weight, d_block17_project_bn_W
-        mem.free(251)
         # d_block17_project_bn_B = reshape[320](d_block17_project_bn_bias)
         d_block17_project_bn_B = rt.reshape(d_block17_project_bn_bias, shape=(320,))
-        # V_block17_project_bn_B_new = V_block17_project_bn_B*momentum + d_block17_project_bn_B + decay*block17_project_bn_B   (computed with the next statement)
-        V_block17_project_bn_B_new = T['V_block17_project_bn_B']  # in place: the new V_block17_project_bn_B
-        # block17_project_bn_B_new = block17_project_bn_B - lr*V_block17_project_bn_B_new
-        block17_project_bn_B_new = T['block17_project_bn_B']  # in place: the new block17_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block17_project_bn_B_new, T['V_block17_project_bn_B'], momentum, d_block17_project_bn_B, decay, T['block17_project_bn_B']),
-                   (ew_mul_sub, block17_project_bn_B_new, T['block17_project_bn_B'], lr, V_block17_project_bn_B_new))
-        # free d_block17_project_bn_bias, d_block17_project_bn_B
-        del d_block17_project_bn_bias, d_block17_project_bn_B
-        mem.free(277)
         # d_block17_project_bn_sum = d_block17_project_bn_batch_mean/1568
         d_block17_project_bn_sum = d_block17_project_bn_batch_mean  # in place: over d_block17_project_bn_batch_mean
         rt.ew(ew_scale_5, d_block17_project_bn_sum, d_block17_project_bn_batch_mean)
@@ -3480,26 +3444,8 @@ class MobilenetV2(rp.Model):
         mem.free(281)
         # d_block17_dw_bn_W = reshape[960](d_block17_dw_bn_weight)
         d_block17_dw_bn_W = rt.reshape(d_block17_dw_bn_weight, shape=(960,))
-        # V_block17_dw_bn_W_new = V_block17_dw_bn_W*momentum + d_block17_dw_bn_W + decay*block17_dw_bn_W   (computed with the next statement)
-        V_block17_dw_bn_W_new = T['V_block17_dw_bn_W']  # in place: the new V_block17_dw_bn_W
-        # block17_dw_bn_W_new = block17_dw_bn_W - lr*V_block17_dw_bn_W_new
-        block17_dw_bn_W_new = T['block17_dw_bn_W']  # in place: the new block17_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block17_dw_bn_W_new, T['V_block17_dw_bn_W'], momentum, d_block17_dw_bn_W, decay, T['block17_dw_bn_W']),
-                   (ew_mul_sub, block17_dw_bn_W_new, T['block17_dw_bn_W'], lr, V_block17_dw_bn_W_new))
-        # free block17_dw_bn_inv_std, d_block17_dw_bn_weight, d_block17_dw_bn_W
-        del block17_dw_bn_inv_std, d_block17_dw_bn_weight, d_block17_dw_bn_W
-        mem.free(246)
         # d_block17_dw_bn_B = reshape[960](d_block17_dw_bn_bias)
         d_block17_dw_bn_B = rt.reshape(d_block17_dw_bn_bias, shape=(960,))
-        # V_block17_dw_bn_B_new = V_block17_dw_bn_B*momentum + d_block17_dw_bn_B + decay*block17_dw_bn_B   (computed with the next statement)
-        V_block17_dw_bn_B_new = T['V_block17_dw_bn_B']  # in place: the new V_block17_dw_bn_B
-        # block17_dw_bn_B_new = block17_dw_bn_B - lr*V_block17_dw_bn_B_new
-        block17_dw_bn_B_new = T['block17_dw_bn_B']  # in place: the new block17_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block17_dw_bn_B_new, T['V_block17_dw_bn_B'], momentum, d_block17_dw_bn_B, decay, T['block17_dw_bn_B']),
-                   (ew_mul_sub, block17_dw_bn_B_new, T['block17_dw_bn_B'], lr, V_block17_dw_bn_B_new))
-        # free d_block17_dw_bn_bias, d_block17_dw_bn_B
-        del d_block17_dw_bn_bias, d_block17_dw_bn_B
-        mem.free(284)
         # d_block17_dw_bn_sum = d_block17_dw_bn_batch_mean/1568
         d_block17_dw_bn_sum = d_block17_dw_bn_batch_mean  # in place: over d_block17_dw_bn_batch_mean
         rt.ew(ew_scale_5, d_block17_dw_bn_sum, d_block17_dw_bn_batch_mean)
@@ -3521,12 +3467,6 @@ class MobilenetV2(rp.Model):
         # d_block17_dw_W = conv2d_bwd_filter[groups=960,kernel=(3,3),pad=1](d_block17_dw, block17_expand_bn_clipped_relu_2)
         d_block17_dw_W = mem.tensor(286, (960, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block17_dw, block17_expand_bn_clipped_relu_2, out=d_block17_dw_W, groups=960, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(24153600))
-        # V_block17_dw_W_new = V_block17_dw_W*momentum + d_block17_dw_W + decay*block17_dw_W
-        V_block17_dw_W_new = T['V_block17_dw_W']  # in place: the new V_block17_dw_W
-        rt.ew(ew_mul_add_4, V_block17_dw_W_new, T['V_block17_dw_W'], momentum, d_block17_dw_W, decay, T['block17_dw_W'])
-        # free d_block17_dw_W
-        del d_block17_dw_W
-        mem.free(286)
         # d_block17_expand_bn_clipped_relu = conv2d_bwd_data[groups=960,pad=1,size=(7,7)](d_block17_dw, block17_dw_W)
         d_block17_expand_bn_clipped_relu = mem.tensor(287, (32, 960, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_block17_dw, T['block17_dw_W'], out=d_block17_expand_bn_clipped_relu, groups=960, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(27095040))
@@ -3547,13 +3487,6 @@ class MobilenetV2(rp.Model):
         # free block17_expand_bn_clipped_relu_2
         del block17_expand_bn_clipped_relu_2
         mem.free(285)
-
-        # ---- block17_dw (conv 3x3, 960 channels, stride 1, padding 1, 960 groups), backward ----
-        # block17_dw_W_new = block17_dw_W - lr*V_block17_dw_W_new
-        block17_dw_W_new = T['block17_dw_W']  # in place: the new block17_dw_W
-        rt.ew(ew_mul_sub, block17_dw_W_new, T['block17_dw_W'], lr, V_block17_dw_W_new)
-
-        # ---- block17_expand_bn (batch norm), backward ----
         # d_block17_expand_bn_inv_std = block17_expand_bn_weight*d_block17_expand_bn_ew_sum   (computed with the next statement)
         d_block17_expand_bn_inv_std = mem.tensor(289, (1, 960, 1, 1), 'float32')
         # d_block17_expand_bn_sum_of_squares = -d_block17_expand_bn_inv_std/(3136*(block17_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -3587,26 +3520,8 @@ class MobilenetV2(rp.Model):
         mem.free(288)
         # d_block17_expand_bn_W = reshape[960](d_block17_expand_bn_weight)
         d_block17_expand_bn_W = rt.reshape(d_block17_expand_bn_weight, shape=(960,))
-        # V_block17_expand_bn_W_new = V_block17_expand_bn_W*momentum + d_block17_expand_bn_W + decay*block17_expand_bn_W   (computed with the next statement)
-        V_block17_expand_bn_W_new = T['V_block17_expand_bn_W']  # in place: the new V_block17_expand_bn_W
-        # block17_expand_bn_W_new = block17_expand_bn_W - lr*V_block17_expand_bn_W_new
-        block17_expand_bn_W_new = T['block17_expand_bn_W']  # in place: the new block17_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block17_expand_bn_W_new, T['V_block17_expand_bn_W'], momentum, d_block17_expand_bn_W, decay, T['block17_expand_bn_W']),
-                   (ew_mul_sub, block17_expand_bn_W_new, T['block17_expand_bn_W'], lr, V_block17_expand_bn_W_new))
-        # free block17_expand_bn_inv_std, d_block17_expand_bn_weight, d_block17_expand_bn_W
-        del block17_expand_bn_inv_std, d_block17_expand_bn_weight, d_block17_expand_bn_W
-        mem.free(241)
         # d_block17_expand_bn_B = reshape[960](d_block17_expand_bn_bias)
         d_block17_expand_bn_B = rt.reshape(d_block17_expand_bn_bias, shape=(960,))
-        # V_block17_expand_bn_B_new = V_block17_expand_bn_B*momentum + d_block17_expand_bn_B + decay*block17_expand_bn_B   (computed with the next statement)
-        V_block17_expand_bn_B_new = T['V_block17_expand_bn_B']  # in place: the new V_block17_expand_bn_B
-        # block17_expand_bn_B_new = block17_expand_bn_B - lr*V_block17_expand_bn_B_new
-        block17_expand_bn_B_new = T['block17_expand_bn_B']  # in place: the new block17_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block17_expand_bn_B_new, T['V_block17_expand_bn_B'], momentum, d_block17_expand_bn_B, decay, T['block17_expand_bn_B']),
-                   (ew_mul_sub, block17_expand_bn_B_new, T['block17_expand_bn_B'], lr, V_block17_expand_bn_B_new))
-        # free d_block17_expand_bn_bias, d_block17_expand_bn_B
-        del d_block17_expand_bn_bias, d_block17_expand_bn_B
-        mem.free(291)
         # d_block17_expand_bn_sum = d_block17_expand_bn_batch_mean/1568
         d_block17_expand_bn_sum = d_block17_expand_bn_batch_mean  # in place: over d_block17_expand_bn_batch_mean
         rt.ew(ew_scale_5, d_block17_expand_bn_sum, d_block17_expand_bn_batch_mean)
@@ -3678,15 +3593,6 @@ class MobilenetV2(rp.Model):
         mem.free(295)
         # d_block16_project_bn_W = reshape[160](d_block16_project_bn_weight)
         d_block16_project_bn_W = rt.reshape(d_block16_project_bn_weight, shape=(160,))
-        # V_block16_project_bn_W_new = V_block16_project_bn_W*momentum + d_block16_project_bn_W + decay*block16_project_bn_W   (computed with the next statement)
-        V_block16_project_bn_W_new = T['V_block16_project_bn_W']  # in place: the new V_block16_project_bn_W
-        # block16_project_bn_W_new = block16_project_bn_W - lr*V_block16_project_bn_W_new
-        block16_project_bn_W_new = T['block16_project_bn_W']  # in place: the new block16_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block16_project_bn_W_new, T['V_block16_project_bn_W'], momentum, d_block16_project_bn_W, decay, T['block16_project_bn_W']),
-                   (ew_mul_sub, block16_project_bn_W_new, T['block16_project_bn_W'], lr, V_block16_project_bn_W_new))
-        # free block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W
-        del block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W
-        mem.free(236)
         # d_block16_project_bn_sum = d_block16_project_bn_batch_mean/1568
         d_block16_project_bn_sum = d_block16_project_bn_batch_mean  # in place: over d_block16_project_bn_batch_mean
         rt.ew(ew_scale_5, d_block16_project_bn_sum, d_block16_project_bn_batch_mean)
@@ -3705,15 +3611,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block16_project_bn_add, out=d_block16_project_bn_bias, shape=(1, 160, 1, 1))
         # d_block16_project_bn_B = reshape[160](d_block16_project_bn_bias)
         d_block16_project_bn_B = rt.reshape(d_block16_project_bn_bias, shape=(160,))
-        # V_block16_project_bn_B_new = V_block16_project_bn_B*momentum + d_block16_project_bn_B + decay*block16_project_bn_B   (computed with the next statement)
-        V_block16_project_bn_B_new = T['V_block16_project_bn_B']  # in place: the new V_block16_project_bn_B
-        # block16_project_bn_B_new = block16_project_bn_B - lr*V_block16_project_bn_B_new
-        block16_project_bn_B_new = T['block16_project_bn_B']  # in place: the new block16_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block16_project_bn_B_new, T['V_block16_project_bn_B'], momentum, d_block16_project_bn_B, decay, T['block16_project_bn_B']),
-                   (ew_mul_sub, block16_project_bn_B_new, T['block16_project_bn_B'], lr, V_block16_project_bn_B_new))
-        # free d_block16_project_bn_bias, d_block16_project_bn_B
-        del d_block16_project_bn_bias, d_block16_project_bn_B
-        mem.free(298)
 
         # ---- block16_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block16_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block16_dw_bn_centered*block16_dw_bn_inv_std*block16_dw_bn_weight + block16_dw_bn_bias))
@@ -3790,26 +3687,8 @@ class MobilenetV2(rp.Model):
         mem.free(302)
         # d_block16_dw_bn_W = reshape[960](d_block16_dw_bn_weight)
         d_block16_dw_bn_W = rt.reshape(d_block16_dw_bn_weight, shape=(960,))
-        # V_block16_dw_bn_W_new = V_block16_dw_bn_W*momentum + d_block16_dw_bn_W + decay*block16_dw_bn_W   (computed with the next statement)
-        V_block16_dw_bn_W_new = T['V_block16_dw_bn_W']  # in place: the new V_block16_dw_bn_W
-        # block16_dw_bn_W_new = block16_dw_bn_W - lr*V_block16_dw_bn_W_new
-        block16_dw_bn_W_new = T['block16_dw_bn_W']  # in place: the new block16_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block16_dw_bn_W_new, T['V_block16_dw_bn_W'], momentum, d_block16_dw_bn_W, decay, T['block16_dw_bn_W']),
-                   (ew_mul_sub, block16_dw_bn_W_new, T['block16_dw_bn_W'], lr, V_block16_dw_bn_W_new))
-        # free block16_dw_bn_inv_std, d_block16_dw_bn_weight, d_block16_dw_bn_W
-        del block16_dw_bn_inv_std, d_block16_dw_bn_weight, d_block16_dw_bn_W
-        mem.free(231)
         # d_block16_dw_bn_B = reshape[960](d_block16_dw_bn_bias)
         d_block16_dw_bn_B = rt.reshape(d_block16_dw_bn_bias, shape=(960,))
-        # V_block16_dw_bn_B_new = V_block16_dw_bn_B*momentum + d_block16_dw_bn_B + decay*block16_dw_bn_B   (computed with the next statement)
-        V_block16_dw_bn_B_new = T['V_block16_dw_bn_B']  # in place: the new V_block16_dw_bn_B
-        # block16_dw_bn_B_new = block16_dw_bn_B - lr*V_block16_dw_bn_B_new
-        block16_dw_bn_B_new = T['block16_dw_bn_B']  # in place: the new block16_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block16_dw_bn_B_new, T['V_block16_dw_bn_B'], momentum, d_block16_dw_bn_B, decay, T['block16_dw_bn_B']),
-                   (ew_mul_sub, block16_dw_bn_B_new, T['block16_dw_bn_B'], lr, V_block16_dw_bn_B_new))
-        # free d_block16_dw_bn_bias, d_block16_dw_bn_B
-        del d_block16_dw_bn_bias, d_block16_dw_bn_B
-        mem.free(305)
         # d_block16_dw_bn_sum = d_block16_dw_bn_batch_mean/1568
         d_block16_dw_bn_sum = d_block16_dw_bn_batch_mean  # in place: over d_block16_dw_bn_batch_mean
         rt.ew(ew_scale_5, d_block16_dw_bn_sum, d_block16_dw_bn_batch_mean)
@@ -3831,12 +3710,6 @@ class MobilenetV2(rp.Model):
         # d_block16_dw_W = conv2d_bwd_filter[groups=960,kernel=(3,3),pad=1](d_block16_dw, block16_expand_bn_clipped_relu_2)
         d_block16_dw_W = mem.tensor(307, (960, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block16_dw, block16_expand_bn_clipped_relu_2, out=d_block16_dw_W, groups=960, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(24153600))
-        # V_block16_dw_W_new = V_block16_dw_W*momentum + d_block16_dw_W + decay*block16_dw_W
-        V_block16_dw_W_new = T['V_block16_dw_W']  # in place: the new V_block16_dw_W
-        rt.ew(ew_mul_add_4, V_block16_dw_W_new, T['V_block16_dw_W'], momentum, d_block16_dw_W, decay, T['block16_dw_W'])
-        # free d_block16_dw_W
-        del d_block16_dw_W
-        mem.free(307)
         # d_block16_expand_bn_clipped_relu = conv2d_bwd_data[groups=960,pad=1,size=(7,7)](d_block16_dw, block16_dw_W)
         d_block16_expand_bn_clipped_relu = mem.tensor(308, (32, 960, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_block16_dw, T['block16_dw_W'], out=d_block16_expand_bn_clipped_relu, groups=960, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(27095040))
@@ -3857,13 +3730,6 @@ class MobilenetV2(rp.Model):
         # free block16_expand_bn_clipped_relu_2
         del block16_expand_bn_clipped_relu_2
         mem.free(306)
-
-        # ---- block16_dw (conv 3x3, 960 channels, stride 1, padding 1, 960 groups), backward ----
-        # block16_dw_W_new = block16_dw_W - lr*V_block16_dw_W_new
-        block16_dw_W_new = T['block16_dw_W']  # in place: the new block16_dw_W
-        rt.ew(ew_mul_sub, block16_dw_W_new, T['block16_dw_W'], lr, V_block16_dw_W_new)
-
-        # ---- block16_expand_bn (batch norm), backward ----
         # d_block16_expand_bn_inv_std = block16_expand_bn_weight*d_block16_expand_bn_ew_sum   (computed with the next statement)
         d_block16_expand_bn_inv_std = mem.tensor(310, (1, 960, 1, 1), 'float32')
         # d_block16_expand_bn_sum_of_squares = -d_block16_expand_bn_inv_std/(3136*(block16_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -3897,26 +3763,8 @@ class MobilenetV2(rp.Model):
         mem.free(309)
         # d_block16_expand_bn_W = reshape[960](d_block16_expand_bn_weight)
         d_block16_expand_bn_W = rt.reshape(d_block16_expand_bn_weight, shape=(960,))
-        # V_block16_expand_bn_W_new = V_block16_expand_bn_W*momentum + d_block16_expand_bn_W + decay*block16_expand_bn_W   (computed with the next statement)
-        V_block16_expand_bn_W_new = T['V_block16_expand_bn_W']  # in place: the new V_block16_expand_bn_W
-        # block16_expand_bn_W_new = block16_expand_bn_W - lr*V_block16_expand_bn_W_new
-        block16_expand_bn_W_new = T['block16_expand_bn_W']  # in place: the new block16_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block16_expand_bn_W_new, T['V_block16_expand_bn_W'], momentum, d_block16_expand_bn_W, decay, T['block16_expand_bn_W']),
-                   (ew_mul_sub, block16_expand_bn_W_new, T['block16_expand_bn_W'], lr, V_block16_expand_bn_W_new))
-        # free block16_expand_bn_inv_std, d_block16_expand_bn_weight, d_block16_expand_bn_W
-        del block16_expand_bn_inv_std, d_block16_expand_bn_weight, d_block16_expand_bn_W
-        mem.free(226)
         # d_block16_expand_bn_B = reshape[960](d_block16_expand_bn_bias)
         d_block16_expand_bn_B = rt.reshape(d_block16_expand_bn_bias, shape=(960,))
-        # V_block16_expand_bn_B_new = V_block16_expand_bn_B*momentum + d_block16_expand_bn_B + decay*block16_expand_bn_B   (computed with the next statement)
-        V_block16_expand_bn_B_new = T['V_block16_expand_bn_B']  # in place: the new V_block16_expand_bn_B
-        # block16_expand_bn_B_new = block16_expand_bn_B - lr*V_block16_expand_bn_B_new
-        block16_expand_bn_B_new = T['block16_expand_bn_B']  # in place: the new block16_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block16_expand_bn_B_new, T['V_block16_expand_bn_B'], momentum, d_block16_expand_bn_B, decay, T['block16_expand_bn_B']),
-                   (ew_mul_sub, block16_expand_bn_B_new, T['block16_expand_bn_B'], lr, V_block16_expand_bn_B_new))
-        # free d_block16_expand_bn_bias, d_block16_expand_bn_B
-        del d_block16_expand_bn_bias, d_block16_expand_bn_B
-        mem.free(312)
         # d_block16_expand_bn_sum = d_block16_expand_bn_batch_mean/1568
         d_block16_expand_bn_sum = d_block16_expand_bn_batch_mean  # in place: over d_block16_expand_bn_batch_mean
         rt.ew(ew_scale_5, d_block16_expand_bn_sum, d_block16_expand_bn_batch_mean)
@@ -3994,15 +3842,6 @@ class MobilenetV2(rp.Model):
         mem.free(315)
         # d_block15_project_bn_W = reshape[160](d_block15_project_bn_weight)
         d_block15_project_bn_W = rt.reshape(d_block15_project_bn_weight, shape=(160,))
-        # V_block15_project_bn_W_new = V_block15_project_bn_W*momentum + d_block15_project_bn_W + decay*block15_project_bn_W   (computed with the next statement)
-        V_block15_project_bn_W_new = T['V_block15_project_bn_W']  # in place: the new V_block15_project_bn_W
-        # block15_project_bn_W_new = block15_project_bn_W - lr*V_block15_project_bn_W_new
-        block15_project_bn_W_new = T['block15_project_bn_W']  # in place: the new block15_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block15_project_bn_W_new, T['V_block15_project_bn_W'], momentum, d_block15_project_bn_W, decay, T['block15_project_bn_W']),
-                   (ew_mul_sub, block15_project_bn_W_new, T['block15_project_bn_W'], lr, V_block15_project_bn_W_new))
-        # free block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W
-        del block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W
-        mem.free(222)
         # d_block15_project_bn_sum = d_block15_project_bn_batch_mean/1568
         d_block15_project_bn_sum = d_block15_project_bn_batch_mean  # in place: over d_block15_project_bn_batch_mean
         rt.ew(ew_scale_5, d_block15_project_bn_sum, d_block15_project_bn_batch_mean)
@@ -4021,15 +3860,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block15_project_bn_add_2, out=d_block15_project_bn_bias, shape=(1, 160, 1, 1))
         # d_block15_project_bn_B = reshape[160](d_block15_project_bn_bias)
         d_block15_project_bn_B = rt.reshape(d_block15_project_bn_bias, shape=(160,))
-        # V_block15_project_bn_B_new = V_block15_project_bn_B*momentum + d_block15_project_bn_B + decay*block15_project_bn_B   (computed with the next statement)
-        V_block15_project_bn_B_new = T['V_block15_project_bn_B']  # in place: the new V_block15_project_bn_B
-        # block15_project_bn_B_new = block15_project_bn_B - lr*V_block15_project_bn_B_new
-        block15_project_bn_B_new = T['block15_project_bn_B']  # in place: the new block15_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block15_project_bn_B_new, T['V_block15_project_bn_B'], momentum, d_block15_project_bn_B, decay, T['block15_project_bn_B']),
-                   (ew_mul_sub, block15_project_bn_B_new, T['block15_project_bn_B'], lr, V_block15_project_bn_B_new))
-        # free d_block15_project_bn_bias, d_block15_project_bn_B
-        del d_block15_project_bn_bias, d_block15_project_bn_B
-        mem.free(318)
 
         # ---- block15_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block15_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block15_dw_bn_centered*block15_dw_bn_inv_std*block15_dw_bn_weight + block15_dw_bn_bias))
@@ -4106,26 +3936,8 @@ class MobilenetV2(rp.Model):
         mem.free(322)
         # d_block15_dw_bn_W = reshape[960](d_block15_dw_bn_weight)
         d_block15_dw_bn_W = rt.reshape(d_block15_dw_bn_weight, shape=(960,))
-        # V_block15_dw_bn_W_new = V_block15_dw_bn_W*momentum + d_block15_dw_bn_W + decay*block15_dw_bn_W   (computed with the next statement)
-        V_block15_dw_bn_W_new = T['V_block15_dw_bn_W']  # in place: the new V_block15_dw_bn_W
-        # block15_dw_bn_W_new = block15_dw_bn_W - lr*V_block15_dw_bn_W_new
-        block15_dw_bn_W_new = T['block15_dw_bn_W']  # in place: the new block15_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block15_dw_bn_W_new, T['V_block15_dw_bn_W'], momentum, d_block15_dw_bn_W, decay, T['block15_dw_bn_W']),
-                   (ew_mul_sub, block15_dw_bn_W_new, T['block15_dw_bn_W'], lr, V_block15_dw_bn_W_new))
-        # free block15_dw_bn_inv_std, d_block15_dw_bn_weight, d_block15_dw_bn_W
-        del block15_dw_bn_inv_std, d_block15_dw_bn_weight, d_block15_dw_bn_W
-        mem.free(217)
         # d_block15_dw_bn_B = reshape[960](d_block15_dw_bn_bias)
         d_block15_dw_bn_B = rt.reshape(d_block15_dw_bn_bias, shape=(960,))
-        # V_block15_dw_bn_B_new = V_block15_dw_bn_B*momentum + d_block15_dw_bn_B + decay*block15_dw_bn_B   (computed with the next statement)
-        V_block15_dw_bn_B_new = T['V_block15_dw_bn_B']  # in place: the new V_block15_dw_bn_B
-        # block15_dw_bn_B_new = block15_dw_bn_B - lr*V_block15_dw_bn_B_new
-        block15_dw_bn_B_new = T['block15_dw_bn_B']  # in place: the new block15_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block15_dw_bn_B_new, T['V_block15_dw_bn_B'], momentum, d_block15_dw_bn_B, decay, T['block15_dw_bn_B']),
-                   (ew_mul_sub, block15_dw_bn_B_new, T['block15_dw_bn_B'], lr, V_block15_dw_bn_B_new))
-        # free d_block15_dw_bn_bias, d_block15_dw_bn_B
-        del d_block15_dw_bn_bias, d_block15_dw_bn_B
-        mem.free(325)
         # d_block15_dw_bn_sum = d_block15_dw_bn_batch_mean/1568
         d_block15_dw_bn_sum = d_block15_dw_bn_batch_mean  # in place: over d_block15_dw_bn_batch_mean
         rt.ew(ew_scale_5, d_block15_dw_bn_sum, d_block15_dw_bn_batch_mean)
@@ -4147,12 +3959,6 @@ class MobilenetV2(rp.Model):
         # d_block15_dw_W = conv2d_bwd_filter[groups=960,kernel=(3,3),pad=1](d_block15_dw, block15_expand_bn_clipped_relu_2)
         d_block15_dw_W = mem.tensor(327, (960, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block15_dw, block15_expand_bn_clipped_relu_2, out=d_block15_dw_W, groups=960, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(24153600))
-        # V_block15_dw_W_new = V_block15_dw_W*momentum + d_block15_dw_W + decay*block15_dw_W
-        V_block15_dw_W_new = T['V_block15_dw_W']  # in place: the new V_block15_dw_W
-        rt.ew(ew_mul_add_4, V_block15_dw_W_new, T['V_block15_dw_W'], momentum, d_block15_dw_W, decay, T['block15_dw_W'])
-        # free d_block15_dw_W
-        del d_block15_dw_W
-        mem.free(327)
         # d_block15_expand_bn_clipped_relu = conv2d_bwd_data[groups=960,pad=1,size=(7,7)](d_block15_dw, block15_dw_W)
         d_block15_expand_bn_clipped_relu = mem.tensor(328, (32, 960, 7, 7), 'float32')
         rt.conv2d_bwd_data(d_block15_dw, T['block15_dw_W'], out=d_block15_expand_bn_clipped_relu, groups=960, pad=1, size=(7, 7), stride=1, workspace=mem.workspace(27095040))
@@ -4173,13 +3979,6 @@ class MobilenetV2(rp.Model):
         # free block15_expand_bn_clipped_relu_2
         del block15_expand_bn_clipped_relu_2
         mem.free(326)
-
-        # ---- block15_dw (conv 3x3, 960 channels, stride 1, padding 1, 960 groups), backward ----
-        # block15_dw_W_new = block15_dw_W - lr*V_block15_dw_W_new
-        block15_dw_W_new = T['block15_dw_W']  # in place: the new block15_dw_W
-        rt.ew(ew_mul_sub, block15_dw_W_new, T['block15_dw_W'], lr, V_block15_dw_W_new)
-
-        # ---- block15_expand_bn (batch norm), backward ----
         # d_block15_expand_bn_inv_std = block15_expand_bn_weight*d_block15_expand_bn_ew_sum   (computed with the next statement)
         d_block15_expand_bn_inv_std = mem.tensor(330, (1, 960, 1, 1), 'float32')
         # d_block15_expand_bn_sum_of_squares = -d_block15_expand_bn_inv_std/(3136*(block15_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -4213,26 +4012,8 @@ class MobilenetV2(rp.Model):
         mem.free(329)
         # d_block15_expand_bn_W = reshape[960](d_block15_expand_bn_weight)
         d_block15_expand_bn_W = rt.reshape(d_block15_expand_bn_weight, shape=(960,))
-        # V_block15_expand_bn_W_new = V_block15_expand_bn_W*momentum + d_block15_expand_bn_W + decay*block15_expand_bn_W   (computed with the next statement)
-        V_block15_expand_bn_W_new = T['V_block15_expand_bn_W']  # in place: the new V_block15_expand_bn_W
-        # block15_expand_bn_W_new = block15_expand_bn_W - lr*V_block15_expand_bn_W_new
-        block15_expand_bn_W_new = T['block15_expand_bn_W']  # in place: the new block15_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block15_expand_bn_W_new, T['V_block15_expand_bn_W'], momentum, d_block15_expand_bn_W, decay, T['block15_expand_bn_W']),
-                   (ew_mul_sub, block15_expand_bn_W_new, T['block15_expand_bn_W'], lr, V_block15_expand_bn_W_new))
-        # free block15_expand_bn_inv_std, d_block15_expand_bn_weight, d_block15_expand_bn_W
-        del block15_expand_bn_inv_std, d_block15_expand_bn_weight, d_block15_expand_bn_W
-        mem.free(212)
         # d_block15_expand_bn_B = reshape[960](d_block15_expand_bn_bias)
         d_block15_expand_bn_B = rt.reshape(d_block15_expand_bn_bias, shape=(960,))
-        # V_block15_expand_bn_B_new = V_block15_expand_bn_B*momentum + d_block15_expand_bn_B + decay*block15_expand_bn_B   (computed with the next statement)
-        V_block15_expand_bn_B_new = T['V_block15_expand_bn_B']  # in place: the new V_block15_expand_bn_B
-        # block15_expand_bn_B_new = block15_expand_bn_B - lr*V_block15_expand_bn_B_new
-        block15_expand_bn_B_new = T['block15_expand_bn_B']  # in place: the new block15_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block15_expand_bn_B_new, T['V_block15_expand_bn_B'], momentum, d_block15_expand_bn_B, decay, T['block15_expand_bn_B']),
-                   (ew_mul_sub, block15_expand_bn_B_new, T['block15_expand_bn_B'], lr, V_block15_expand_bn_B_new))
-        # free d_block15_expand_bn_bias, d_block15_expand_bn_B
-        del d_block15_expand_bn_bias, d_block15_expand_bn_B
-        mem.free(332)
         # d_block15_expand_bn_sum = d_block15_expand_bn_batch_mean/1568
         d_block15_expand_bn_sum = d_block15_expand_bn_batch_mean  # in place: over d_block15_expand_bn_batch_mean
         rt.ew(ew_scale_5, d_block15_expand_bn_sum, d_block15_expand_bn_batch_mean)
@@ -4321,26 +4102,8 @@ class MobilenetV2(rp.Model):
         mem.free(336)
         # d_block14_project_bn_W = reshape[160](d_block14_project_bn_weight)
         d_block14_project_bn_W = rt.reshape(d_block14_project_bn_weight, shape=(160,))
-        # V_block14_project_bn_W_new = V_block14_project_bn_W*momentum + d_block14_project_bn_W + decay*block14_project_bn_W   (computed with the next statement)
-        V_block14_project_bn_W_new = T['V_block14_project_bn_W']  # in place: the new V_block14_project_bn_W
-        # block14_project_bn_W_new = block14_project_bn_W - lr*V_block14_project_bn_W_new
-        block14_project_bn_W_new = T['block14_project_bn_W']  # in place: the new block14_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block14_project_bn_W_new, T['V_block14_project_bn_W'], momentum, d_block14_project_bn_W, decay, T['block14_project_bn_W']),
-                   (ew_mul_sub, block14_project_bn_W_new, T['block14_project_bn_W'], lr, V_block14_project_bn_W_new))
-        # free block14_project_bn_inv_std, d_block14_project_bn_weight, d_block14_project_bn_W
-        del block14_project_bn_inv_std, d_block14_project_bn_weight, d_block14_project_bn_W
-        mem.free(207)
         # d_block14_project_bn_B = reshape[160](d_block14_project_bn_bias)
         d_block14_project_bn_B = rt.reshape(d_block14_project_bn_bias, shape=(160,))
-        # V_block14_project_bn_B_new = V_block14_project_bn_B*momentum + d_block14_project_bn_B + decay*block14_project_bn_B   (computed with the next statement)
-        V_block14_project_bn_B_new = T['V_block14_project_bn_B']  # in place: the new V_block14_project_bn_B
-        # block14_project_bn_B_new = block14_project_bn_B - lr*V_block14_project_bn_B_new
-        block14_project_bn_B_new = T['block14_project_bn_B']  # in place: the new block14_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block14_project_bn_B_new, T['V_block14_project_bn_B'], momentum, d_block14_project_bn_B, decay, T['block14_project_bn_B']),
-                   (ew_mul_sub, block14_project_bn_B_new, T['block14_project_bn_B'], lr, V_block14_project_bn_B_new))
-        # free d_block14_project_bn_bias, d_block14_project_bn_B
-        del d_block14_project_bn_bias, d_block14_project_bn_B
-        mem.free(339)
         # d_block14_project_bn_sum = d_block14_project_bn_batch_mean/1568
         d_block14_project_bn_sum = d_block14_project_bn_batch_mean  # in place: over d_block14_project_bn_batch_mean
         rt.ew(ew_scale_5, d_block14_project_bn_sum, d_block14_project_bn_batch_mean)
@@ -4428,26 +4191,8 @@ class MobilenetV2(rp.Model):
         mem.free(343)
         # d_block14_dw_bn_W = reshape[576](d_block14_dw_bn_weight)
         d_block14_dw_bn_W = rt.reshape(d_block14_dw_bn_weight, shape=(576,))
-        # V_block14_dw_bn_W_new = V_block14_dw_bn_W*momentum + d_block14_dw_bn_W + decay*block14_dw_bn_W   (computed with the next statement)
-        V_block14_dw_bn_W_new = T['V_block14_dw_bn_W']  # in place: the new V_block14_dw_bn_W
-        # block14_dw_bn_W_new = block14_dw_bn_W - lr*V_block14_dw_bn_W_new
-        block14_dw_bn_W_new = T['block14_dw_bn_W']  # in place: the new block14_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block14_dw_bn_W_new, T['V_block14_dw_bn_W'], momentum, d_block14_dw_bn_W, decay, T['block14_dw_bn_W']),
-                   (ew_mul_sub, block14_dw_bn_W_new, T['block14_dw_bn_W'], lr, V_block14_dw_bn_W_new))
-        # free block14_dw_bn_inv_std, d_block14_dw_bn_weight, d_block14_dw_bn_W
-        del block14_dw_bn_inv_std, d_block14_dw_bn_weight, d_block14_dw_bn_W
-        mem.free(202)
         # d_block14_dw_bn_B = reshape[576](d_block14_dw_bn_bias)
         d_block14_dw_bn_B = rt.reshape(d_block14_dw_bn_bias, shape=(576,))
-        # V_block14_dw_bn_B_new = V_block14_dw_bn_B*momentum + d_block14_dw_bn_B + decay*block14_dw_bn_B   (computed with the next statement)
-        V_block14_dw_bn_B_new = T['V_block14_dw_bn_B']  # in place: the new V_block14_dw_bn_B
-        # block14_dw_bn_B_new = block14_dw_bn_B - lr*V_block14_dw_bn_B_new
-        block14_dw_bn_B_new = T['block14_dw_bn_B']  # in place: the new block14_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block14_dw_bn_B_new, T['V_block14_dw_bn_B'], momentum, d_block14_dw_bn_B, decay, T['block14_dw_bn_B']),
-                   (ew_mul_sub, block14_dw_bn_B_new, T['block14_dw_bn_B'], lr, V_block14_dw_bn_B_new))
-        # free d_block14_dw_bn_bias, d_block14_dw_bn_B
-        del d_block14_dw_bn_bias, d_block14_dw_bn_B
-        mem.free(346)
         # d_block14_dw_bn_sum = d_block14_dw_bn_batch_mean/1568
         d_block14_dw_bn_sum = d_block14_dw_bn_batch_mean  # in place: over d_block14_dw_bn_batch_mean
         rt.ew(ew_scale_5, d_block14_dw_bn_sum, d_block14_dw_bn_batch_mean)
@@ -4469,12 +4214,6 @@ class MobilenetV2(rp.Model):
         # d_block14_dw_W = conv2d_bwd_filter[groups=576,kernel=(3,3),pad=1,stride=2](d_block14_dw, block14_expand_bn_clipped_relu_2)
         d_block14_dw_W = mem.tensor(348, (576, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block14_dw, block14_expand_bn_clipped_relu_2, out=d_block14_dw_W, groups=576, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(27521280))
-        # V_block14_dw_W_new = V_block14_dw_W*momentum + d_block14_dw_W + decay*block14_dw_W
-        V_block14_dw_W_new = T['V_block14_dw_W']  # in place: the new V_block14_dw_W
-        rt.ew(ew_mul_add_4, V_block14_dw_W_new, T['V_block14_dw_W'], momentum, d_block14_dw_W, decay, T['block14_dw_W'])
-        # free d_block14_dw_W
-        del d_block14_dw_W
-        mem.free(348)
         # d_block14_expand_bn_clipped_relu = conv2d_bwd_data[groups=576,pad=1,size=(14,14),stride=2](d_block14_dw, block14_dw_W)
         d_block14_expand_bn_clipped_relu = mem.tensor(349, (32, 576, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_block14_dw, T['block14_dw_W'], out=d_block14_expand_bn_clipped_relu, groups=576, pad=1, size=(14, 14), stride=2, workspace=mem.workspace(32514048))
@@ -4495,13 +4234,6 @@ class MobilenetV2(rp.Model):
         # free block14_expand_bn_clipped_relu_2
         del block14_expand_bn_clipped_relu_2
         mem.free(347)
-
-        # ---- block14_dw (conv 3x3, 576 channels, stride 2, padding 1, 576 groups), backward ----
-        # block14_dw_W_new = block14_dw_W - lr*V_block14_dw_W_new
-        block14_dw_W_new = T['block14_dw_W']  # in place: the new block14_dw_W
-        rt.ew(ew_mul_sub, block14_dw_W_new, T['block14_dw_W'], lr, V_block14_dw_W_new)
-
-        # ---- block14_expand_bn (batch norm), backward ----
         # d_block14_expand_bn_inv_std = block14_expand_bn_weight*d_block14_expand_bn_ew_sum   (computed with the next statement)
         d_block14_expand_bn_inv_std = mem.tensor(351, (1, 576, 1, 1), 'float32')
         # d_block14_expand_bn_sum_of_squares = -d_block14_expand_bn_inv_std/(12544*(block14_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -4535,26 +4267,8 @@ class MobilenetV2(rp.Model):
         mem.free(350)
         # d_block14_expand_bn_W = reshape[576](d_block14_expand_bn_weight)
         d_block14_expand_bn_W = rt.reshape(d_block14_expand_bn_weight, shape=(576,))
-        # V_block14_expand_bn_W_new = V_block14_expand_bn_W*momentum + d_block14_expand_bn_W + decay*block14_expand_bn_W   (computed with the next statement)
-        V_block14_expand_bn_W_new = T['V_block14_expand_bn_W']  # in place: the new V_block14_expand_bn_W
-        # block14_expand_bn_W_new = block14_expand_bn_W - lr*V_block14_expand_bn_W_new
-        block14_expand_bn_W_new = T['block14_expand_bn_W']  # in place: the new block14_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block14_expand_bn_W_new, T['V_block14_expand_bn_W'], momentum, d_block14_expand_bn_W, decay, T['block14_expand_bn_W']),
-                   (ew_mul_sub, block14_expand_bn_W_new, T['block14_expand_bn_W'], lr, V_block14_expand_bn_W_new))
-        # free block14_expand_bn_inv_std, d_block14_expand_bn_weight, d_block14_expand_bn_W
-        del block14_expand_bn_inv_std, d_block14_expand_bn_weight, d_block14_expand_bn_W
-        mem.free(197)
         # d_block14_expand_bn_B = reshape[576](d_block14_expand_bn_bias)
         d_block14_expand_bn_B = rt.reshape(d_block14_expand_bn_bias, shape=(576,))
-        # V_block14_expand_bn_B_new = V_block14_expand_bn_B*momentum + d_block14_expand_bn_B + decay*block14_expand_bn_B   (computed with the next statement)
-        V_block14_expand_bn_B_new = T['V_block14_expand_bn_B']  # in place: the new V_block14_expand_bn_B
-        # block14_expand_bn_B_new = block14_expand_bn_B - lr*V_block14_expand_bn_B_new
-        block14_expand_bn_B_new = T['block14_expand_bn_B']  # in place: the new block14_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block14_expand_bn_B_new, T['V_block14_expand_bn_B'], momentum, d_block14_expand_bn_B, decay, T['block14_expand_bn_B']),
-                   (ew_mul_sub, block14_expand_bn_B_new, T['block14_expand_bn_B'], lr, V_block14_expand_bn_B_new))
-        # free d_block14_expand_bn_bias, d_block14_expand_bn_B
-        del d_block14_expand_bn_bias, d_block14_expand_bn_B
-        mem.free(353)
         # d_block14_expand_bn_sum = d_block14_expand_bn_batch_mean/6272
         d_block14_expand_bn_sum = d_block14_expand_bn_batch_mean  # in place: over d_block14_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block14_expand_bn_sum, d_block14_expand_bn_batch_mean)
@@ -4626,15 +4340,6 @@ class MobilenetV2(rp.Model):
         mem.free(357)
         # d_block13_project_bn_W = reshape[96](d_block13_project_bn_weight)
         d_block13_project_bn_W = rt.reshape(d_block13_project_bn_weight, shape=(96,))
-        # V_block13_project_bn_W_new = V_block13_project_bn_W*momentum + d_block13_project_bn_W + decay*block13_project_bn_W   (computed with the next statement)
-        V_block13_project_bn_W_new = T['V_block13_project_bn_W']  # in place: the new V_block13_project_bn_W
-        # block13_project_bn_W_new = block13_project_bn_W - lr*V_block13_project_bn_W_new
-        block13_project_bn_W_new = T['block13_project_bn_W']  # in place: the new block13_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block13_project_bn_W_new, T['V_block13_project_bn_W'], momentum, d_block13_project_bn_W, decay, T['block13_project_bn_W']),
-                   (ew_mul_sub, block13_project_bn_W_new, T['block13_project_bn_W'], lr, V_block13_project_bn_W_new))
-        # free block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W
-        del block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W
-        mem.free(192)
         # d_block13_project_bn_sum = d_block13_project_bn_batch_mean/6272
         d_block13_project_bn_sum = d_block13_project_bn_batch_mean  # in place: over d_block13_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block13_project_bn_sum, d_block13_project_bn_batch_mean)
@@ -4653,15 +4358,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block13_project_bn_add, out=d_block13_project_bn_bias, shape=(1, 96, 1, 1))
         # d_block13_project_bn_B = reshape[96](d_block13_project_bn_bias)
         d_block13_project_bn_B = rt.reshape(d_block13_project_bn_bias, shape=(96,))
-        # V_block13_project_bn_B_new = V_block13_project_bn_B*momentum + d_block13_project_bn_B + decay*block13_project_bn_B   (computed with the next statement)
-        V_block13_project_bn_B_new = T['V_block13_project_bn_B']  # in place: the new V_block13_project_bn_B
-        # block13_project_bn_B_new = block13_project_bn_B - lr*V_block13_project_bn_B_new
-        block13_project_bn_B_new = T['block13_project_bn_B']  # in place: the new block13_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block13_project_bn_B_new, T['V_block13_project_bn_B'], momentum, d_block13_project_bn_B, decay, T['block13_project_bn_B']),
-                   (ew_mul_sub, block13_project_bn_B_new, T['block13_project_bn_B'], lr, V_block13_project_bn_B_new))
-        # free d_block13_project_bn_bias, d_block13_project_bn_B
-        del d_block13_project_bn_bias, d_block13_project_bn_B
-        mem.free(360)
 
         # ---- block13_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block13_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block13_dw_bn_centered*block13_dw_bn_inv_std*block13_dw_bn_weight + block13_dw_bn_bias))
@@ -4738,26 +4434,8 @@ class MobilenetV2(rp.Model):
         mem.free(364)
         # d_block13_dw_bn_W = reshape[576](d_block13_dw_bn_weight)
         d_block13_dw_bn_W = rt.reshape(d_block13_dw_bn_weight, shape=(576,))
-        # V_block13_dw_bn_W_new = V_block13_dw_bn_W*momentum + d_block13_dw_bn_W + decay*block13_dw_bn_W   (computed with the next statement)
-        V_block13_dw_bn_W_new = T['V_block13_dw_bn_W']  # in place: the new V_block13_dw_bn_W
-        # block13_dw_bn_W_new = block13_dw_bn_W - lr*V_block13_dw_bn_W_new
-        block13_dw_bn_W_new = T['block13_dw_bn_W']  # in place: the new block13_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block13_dw_bn_W_new, T['V_block13_dw_bn_W'], momentum, d_block13_dw_bn_W, decay, T['block13_dw_bn_W']),
-                   (ew_mul_sub, block13_dw_bn_W_new, T['block13_dw_bn_W'], lr, V_block13_dw_bn_W_new))
-        # free block13_dw_bn_inv_std, d_block13_dw_bn_weight, d_block13_dw_bn_W
-        del block13_dw_bn_inv_std, d_block13_dw_bn_weight, d_block13_dw_bn_W
-        mem.free(187)
         # d_block13_dw_bn_B = reshape[576](d_block13_dw_bn_bias)
         d_block13_dw_bn_B = rt.reshape(d_block13_dw_bn_bias, shape=(576,))
-        # V_block13_dw_bn_B_new = V_block13_dw_bn_B*momentum + d_block13_dw_bn_B + decay*block13_dw_bn_B   (computed with the next statement)
-        V_block13_dw_bn_B_new = T['V_block13_dw_bn_B']  # in place: the new V_block13_dw_bn_B
-        # block13_dw_bn_B_new = block13_dw_bn_B - lr*V_block13_dw_bn_B_new
-        block13_dw_bn_B_new = T['block13_dw_bn_B']  # in place: the new block13_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block13_dw_bn_B_new, T['V_block13_dw_bn_B'], momentum, d_block13_dw_bn_B, decay, T['block13_dw_bn_B']),
-                   (ew_mul_sub, block13_dw_bn_B_new, T['block13_dw_bn_B'], lr, V_block13_dw_bn_B_new))
-        # free d_block13_dw_bn_bias, d_block13_dw_bn_B
-        del d_block13_dw_bn_bias, d_block13_dw_bn_B
-        mem.free(367)
         # d_block13_dw_bn_sum = d_block13_dw_bn_batch_mean/6272
         d_block13_dw_bn_sum = d_block13_dw_bn_batch_mean  # in place: over d_block13_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block13_dw_bn_sum, d_block13_dw_bn_batch_mean)
@@ -4779,12 +4457,6 @@ class MobilenetV2(rp.Model):
         # d_block13_dw_W = conv2d_bwd_filter[groups=576,kernel=(3,3),pad=1](d_block13_dw, block13_expand_bn_clipped_relu_2)
         d_block13_dw_W = mem.tensor(369, (576, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block13_dw, block13_expand_bn_clipped_relu_2, out=d_block13_dw_W, groups=576, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(30654720))
-        # V_block13_dw_W_new = V_block13_dw_W*momentum + d_block13_dw_W + decay*block13_dw_W
-        V_block13_dw_W_new = T['V_block13_dw_W']  # in place: the new V_block13_dw_W
-        rt.ew(ew_mul_add_4, V_block13_dw_W_new, T['V_block13_dw_W'], momentum, d_block13_dw_W, decay, T['block13_dw_W'])
-        # free d_block13_dw_W
-        del d_block13_dw_W
-        mem.free(369)
         # d_block13_expand_bn_clipped_relu = conv2d_bwd_data[groups=576,pad=1,size=(14,14)](d_block13_dw, block13_dw_W)
         d_block13_expand_bn_clipped_relu = mem.tensor(370, (32, 576, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_block13_dw, T['block13_dw_W'], out=d_block13_expand_bn_clipped_relu, groups=576, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(32514048))
@@ -4805,13 +4477,6 @@ class MobilenetV2(rp.Model):
         # free block13_expand_bn_clipped_relu_2
         del block13_expand_bn_clipped_relu_2
         mem.free(368)
-
-        # ---- block13_dw (conv 3x3, 576 channels, stride 1, padding 1, 576 groups), backward ----
-        # block13_dw_W_new = block13_dw_W - lr*V_block13_dw_W_new
-        block13_dw_W_new = T['block13_dw_W']  # in place: the new block13_dw_W
-        rt.ew(ew_mul_sub, block13_dw_W_new, T['block13_dw_W'], lr, V_block13_dw_W_new)
-
-        # ---- block13_expand_bn (batch norm), backward ----
         # d_block13_expand_bn_inv_std = block13_expand_bn_weight*d_block13_expand_bn_ew_sum   (computed with the next statement)
         d_block13_expand_bn_inv_std = mem.tensor(372, (1, 576, 1, 1), 'float32')
         # d_block13_expand_bn_sum_of_squares = -d_block13_expand_bn_inv_std/(12544*(block13_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -4845,26 +4510,8 @@ class MobilenetV2(rp.Model):
         mem.free(371)
         # d_block13_expand_bn_W = reshape[576](d_block13_expand_bn_weight)
         d_block13_expand_bn_W = rt.reshape(d_block13_expand_bn_weight, shape=(576,))
-        # V_block13_expand_bn_W_new = V_block13_expand_bn_W*momentum + d_block13_expand_bn_W + decay*block13_expand_bn_W   (computed with the next statement)
-        V_block13_expand_bn_W_new = T['V_block13_expand_bn_W']  # in place: the new V_block13_expand_bn_W
-        # block13_expand_bn_W_new = block13_expand_bn_W - lr*V_block13_expand_bn_W_new
-        block13_expand_bn_W_new = T['block13_expand_bn_W']  # in place: the new block13_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block13_expand_bn_W_new, T['V_block13_expand_bn_W'], momentum, d_block13_expand_bn_W, decay, T['block13_expand_bn_W']),
-                   (ew_mul_sub, block13_expand_bn_W_new, T['block13_expand_bn_W'], lr, V_block13_expand_bn_W_new))
-        # free block13_expand_bn_inv_std, d_block13_expand_bn_weight, d_block13_expand_bn_W
-        del block13_expand_bn_inv_std, d_block13_expand_bn_weight, d_block13_expand_bn_W
-        mem.free(182)
         # d_block13_expand_bn_B = reshape[576](d_block13_expand_bn_bias)
         d_block13_expand_bn_B = rt.reshape(d_block13_expand_bn_bias, shape=(576,))
-        # V_block13_expand_bn_B_new = V_block13_expand_bn_B*momentum + d_block13_expand_bn_B + decay*block13_expand_bn_B   (computed with the next statement)
-        V_block13_expand_bn_B_new = T['V_block13_expand_bn_B']  # in place: the new V_block13_expand_bn_B
-        # block13_expand_bn_B_new = block13_expand_bn_B - lr*V_block13_expand_bn_B_new
-        block13_expand_bn_B_new = T['block13_expand_bn_B']  # in place: the new block13_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block13_expand_bn_B_new, T['V_block13_expand_bn_B'], momentum, d_block13_expand_bn_B, decay, T['block13_expand_bn_B']),
-                   (ew_mul_sub, block13_expand_bn_B_new, T['block13_expand_bn_B'], lr, V_block13_expand_bn_B_new))
-        # free d_block13_expand_bn_bias, d_block13_expand_bn_B
-        del d_block13_expand_bn_bias, d_block13_expand_bn_B
-        mem.free(374)
         # d_block13_expand_bn_sum = d_block13_expand_bn_batch_mean/6272
         d_block13_expand_bn_sum = d_block13_expand_bn_batch_mean  # in place: over d_block13_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block13_expand_bn_sum, d_block13_expand_bn_batch_mean)
@@ -4942,15 +4589,6 @@ class MobilenetV2(rp.Model):
         mem.free(377)
         # d_block12_project_bn_W = reshape[96](d_block12_project_bn_weight)
         d_block12_project_bn_W = rt.reshape(d_block12_project_bn_weight, shape=(96,))
-        # V_block12_project_bn_W_new = V_block12_project_bn_W*momentum + d_block12_project_bn_W + decay*block12_project_bn_W   (computed with the next statement)
-        V_block12_project_bn_W_new = T['V_block12_project_bn_W']  # in place: the new V_block12_project_bn_W
-        # block12_project_bn_W_new = block12_project_bn_W - lr*V_block12_project_bn_W_new
-        block12_project_bn_W_new = T['block12_project_bn_W']  # in place: the new block12_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block12_project_bn_W_new, T['V_block12_project_bn_W'], momentum, d_block12_project_bn_W, decay, T['block12_project_bn_W']),
-                   (ew_mul_sub, block12_project_bn_W_new, T['block12_project_bn_W'], lr, V_block12_project_bn_W_new))
-        # free block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W
-        del block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W
-        mem.free(178)
         # d_block12_project_bn_sum = d_block12_project_bn_batch_mean/6272
         d_block12_project_bn_sum = d_block12_project_bn_batch_mean  # in place: over d_block12_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block12_project_bn_sum, d_block12_project_bn_batch_mean)
@@ -4969,15 +4607,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block12_project_bn_add_2, out=d_block12_project_bn_bias, shape=(1, 96, 1, 1))
         # d_block12_project_bn_B = reshape[96](d_block12_project_bn_bias)
         d_block12_project_bn_B = rt.reshape(d_block12_project_bn_bias, shape=(96,))
-        # V_block12_project_bn_B_new = V_block12_project_bn_B*momentum + d_block12_project_bn_B + decay*block12_project_bn_B   (computed with the next statement)
-        V_block12_project_bn_B_new = T['V_block12_project_bn_B']  # in place: the new V_block12_project_bn_B
-        # block12_project_bn_B_new = block12_project_bn_B - lr*V_block12_project_bn_B_new
-        block12_project_bn_B_new = T['block12_project_bn_B']  # in place: the new block12_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block12_project_bn_B_new, T['V_block12_project_bn_B'], momentum, d_block12_project_bn_B, decay, T['block12_project_bn_B']),
-                   (ew_mul_sub, block12_project_bn_B_new, T['block12_project_bn_B'], lr, V_block12_project_bn_B_new))
-        # free d_block12_project_bn_bias, d_block12_project_bn_B
-        del d_block12_project_bn_bias, d_block12_project_bn_B
-        mem.free(380)
 
         # ---- block12_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block12_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block12_dw_bn_centered*block12_dw_bn_inv_std*block12_dw_bn_weight + block12_dw_bn_bias))
@@ -5054,26 +4683,8 @@ class MobilenetV2(rp.Model):
         mem.free(384)
         # d_block12_dw_bn_W = reshape[576](d_block12_dw_bn_weight)
         d_block12_dw_bn_W = rt.reshape(d_block12_dw_bn_weight, shape=(576,))
-        # V_block12_dw_bn_W_new = V_block12_dw_bn_W*momentum + d_block12_dw_bn_W + decay*block12_dw_bn_W   (computed with the next statement)
-        V_block12_dw_bn_W_new = T['V_block12_dw_bn_W']  # in place: the new V_block12_dw_bn_W
-        # block12_dw_bn_W_new = block12_dw_bn_W - lr*V_block12_dw_bn_W_new
-        block12_dw_bn_W_new = T['block12_dw_bn_W']  # in place: the new block12_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block12_dw_bn_W_new, T['V_block12_dw_bn_W'], momentum, d_block12_dw_bn_W, decay, T['block12_dw_bn_W']),
-                   (ew_mul_sub, block12_dw_bn_W_new, T['block12_dw_bn_W'], lr, V_block12_dw_bn_W_new))
-        # free block12_dw_bn_inv_std, d_block12_dw_bn_weight, d_block12_dw_bn_W
-        del block12_dw_bn_inv_std, d_block12_dw_bn_weight, d_block12_dw_bn_W
-        mem.free(173)
         # d_block12_dw_bn_B = reshape[576](d_block12_dw_bn_bias)
         d_block12_dw_bn_B = rt.reshape(d_block12_dw_bn_bias, shape=(576,))
-        # V_block12_dw_bn_B_new = V_block12_dw_bn_B*momentum + d_block12_dw_bn_B + decay*block12_dw_bn_B   (computed with the next statement)
-        V_block12_dw_bn_B_new = T['V_block12_dw_bn_B']  # in place: the new V_block12_dw_bn_B
-        # block12_dw_bn_B_new = block12_dw_bn_B - lr*V_block12_dw_bn_B_new
-        block12_dw_bn_B_new = T['block12_dw_bn_B']  # in place: the new block12_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block12_dw_bn_B_new, T['V_block12_dw_bn_B'], momentum, d_block12_dw_bn_B, decay, T['block12_dw_bn_B']),
-                   (ew_mul_sub, block12_dw_bn_B_new, T['block12_dw_bn_B'], lr, V_block12_dw_bn_B_new))
-        # free d_block12_dw_bn_bias, d_block12_dw_bn_B
-        del d_block12_dw_bn_bias, d_block12_dw_bn_B
-        mem.free(387)
         # d_block12_dw_bn_sum = d_block12_dw_bn_batch_mean/6272
         d_block12_dw_bn_sum = d_block12_dw_bn_batch_mean  # in place: over d_block12_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block12_dw_bn_sum, d_block12_dw_bn_batch_mean)
@@ -5095,12 +4706,6 @@ class MobilenetV2(rp.Model):
         # d_block12_dw_W = conv2d_bwd_filter[groups=576,kernel=(3,3),pad=1](d_block12_dw, block12_expand_bn_clipped_relu_2)
         d_block12_dw_W = mem.tensor(389, (576, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block12_dw, block12_expand_bn_clipped_relu_2, out=d_block12_dw_W, groups=576, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(30654720))
-        # V_block12_dw_W_new = V_block12_dw_W*momentum + d_block12_dw_W + decay*block12_dw_W
-        V_block12_dw_W_new = T['V_block12_dw_W']  # in place: the new V_block12_dw_W
-        rt.ew(ew_mul_add_4, V_block12_dw_W_new, T['V_block12_dw_W'], momentum, d_block12_dw_W, decay, T['block12_dw_W'])
-        # free d_block12_dw_W
-        del d_block12_dw_W
-        mem.free(389)
         # d_block12_expand_bn_clipped_relu = conv2d_bwd_data[groups=576,pad=1,size=(14,14)](d_block12_dw, block12_dw_W)
         d_block12_expand_bn_clipped_relu = mem.tensor(390, (32, 576, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_block12_dw, T['block12_dw_W'], out=d_block12_expand_bn_clipped_relu, groups=576, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(32514048))
@@ -5121,13 +4726,6 @@ class MobilenetV2(rp.Model):
         # free block12_expand_bn_clipped_relu_2
         del block12_expand_bn_clipped_relu_2
         mem.free(388)
-
-        # ---- block12_dw (conv 3x3, 576 channels, stride 1, padding 1, 576 groups), backward ----
-        # block12_dw_W_new = block12_dw_W - lr*V_block12_dw_W_new
-        block12_dw_W_new = T['block12_dw_W']  # in place: the new block12_dw_W
-        rt.ew(ew_mul_sub, block12_dw_W_new, T['block12_dw_W'], lr, V_block12_dw_W_new)
-
-        # ---- block12_expand_bn (batch norm), backward ----
         # d_block12_expand_bn_inv_std = block12_expand_bn_weight*d_block12_expand_bn_ew_sum   (computed with the next statement)
         d_block12_expand_bn_inv_std = mem.tensor(392, (1, 576, 1, 1), 'float32')
         # d_block12_expand_bn_sum_of_squares = -d_block12_expand_bn_inv_std/(12544*(block12_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -5161,26 +4759,8 @@ class MobilenetV2(rp.Model):
         mem.free(391)
         # d_block12_expand_bn_W = reshape[576](d_block12_expand_bn_weight)
         d_block12_expand_bn_W = rt.reshape(d_block12_expand_bn_weight, shape=(576,))
-        # V_block12_expand_bn_W_new = V_block12_expand_bn_W*momentum + d_block12_expand_bn_W + decay*block12_expand_bn_W   (computed with the next statement)
-        V_block12_expand_bn_W_new = T['V_block12_expand_bn_W']  # in place: the new V_block12_expand_bn_W
-        # block12_expand_bn_W_new = block12_expand_bn_W - lr*V_block12_expand_bn_W_new
-        block12_expand_bn_W_new = T['block12_expand_bn_W']  # in place: the new block12_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block12_expand_bn_W_new, T['V_block12_expand_bn_W'], momentum, d_block12_expand_bn_W, decay, T['block12_expand_bn_W']),
-                   (ew_mul_sub, block12_expand_bn_W_new, T['block12_expand_bn_W'], lr, V_block12_expand_bn_W_new))
-        # free block12_expand_bn_inv_std, d_block12_expand_bn_weight, d_block12_expand_bn_W
-        del block12_expand_bn_inv_std, d_block12_expand_bn_weight, d_block12_expand_bn_W
-        mem.free(168)
         # d_block12_expand_bn_B = reshape[576](d_block12_expand_bn_bias)
         d_block12_expand_bn_B = rt.reshape(d_block12_expand_bn_bias, shape=(576,))
-        # V_block12_expand_bn_B_new = V_block12_expand_bn_B*momentum + d_block12_expand_bn_B + decay*block12_expand_bn_B   (computed with the next statement)
-        V_block12_expand_bn_B_new = T['V_block12_expand_bn_B']  # in place: the new V_block12_expand_bn_B
-        # block12_expand_bn_B_new = block12_expand_bn_B - lr*V_block12_expand_bn_B_new
-        block12_expand_bn_B_new = T['block12_expand_bn_B']  # in place: the new block12_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block12_expand_bn_B_new, T['V_block12_expand_bn_B'], momentum, d_block12_expand_bn_B, decay, T['block12_expand_bn_B']),
-                   (ew_mul_sub, block12_expand_bn_B_new, T['block12_expand_bn_B'], lr, V_block12_expand_bn_B_new))
-        # free d_block12_expand_bn_bias, d_block12_expand_bn_B
-        del d_block12_expand_bn_bias, d_block12_expand_bn_B
-        mem.free(394)
         # d_block12_expand_bn_sum = d_block12_expand_bn_batch_mean/6272
         d_block12_expand_bn_sum = d_block12_expand_bn_batch_mean  # in place: over d_block12_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block12_expand_bn_sum, d_block12_expand_bn_batch_mean)
@@ -5269,26 +4849,8 @@ class MobilenetV2(rp.Model):
         mem.free(398)
         # d_block11_project_bn_W = reshape[96](d_block11_project_bn_weight)
         d_block11_project_bn_W = rt.reshape(d_block11_project_bn_weight, shape=(96,))
-        # V_block11_project_bn_W_new = V_block11_project_bn_W*momentum + d_block11_project_bn_W + decay*block11_project_bn_W   (computed with the next statement)
-        V_block11_project_bn_W_new = T['V_block11_project_bn_W']  # in place: the new V_block11_project_bn_W
-        # block11_project_bn_W_new = block11_project_bn_W - lr*V_block11_project_bn_W_new
-        block11_project_bn_W_new = T['block11_project_bn_W']  # in place: the new block11_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block11_project_bn_W_new, T['V_block11_project_bn_W'], momentum, d_block11_project_bn_W, decay, T['block11_project_bn_W']),
-                   (ew_mul_sub, block11_project_bn_W_new, T['block11_project_bn_W'], lr, V_block11_project_bn_W_new))
-        # free block11_project_bn_inv_std, d_block11_project_bn_weight, d_block11_project_bn_W
-        del block11_project_bn_inv_std, d_block11_project_bn_weight, d_block11_project_bn_W
-        mem.free(163)
         # d_block11_project_bn_B = reshape[96](d_block11_project_bn_bias)
         d_block11_project_bn_B = rt.reshape(d_block11_project_bn_bias, shape=(96,))
-        # V_block11_project_bn_B_new = V_block11_project_bn_B*momentum + d_block11_project_bn_B + decay*block11_project_bn_B   (computed with the next statement)
-        V_block11_project_bn_B_new = T['V_block11_project_bn_B']  # in place: the new V_block11_project_bn_B
-        # block11_project_bn_B_new = block11_project_bn_B - lr*V_block11_project_bn_B_new
-        block11_project_bn_B_new = T['block11_project_bn_B']  # in place: the new block11_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block11_project_bn_B_new, T['V_block11_project_bn_B'], momentum, d_block11_project_bn_B, decay, T['block11_project_bn_B']),
-                   (ew_mul_sub, block11_project_bn_B_new, T['block11_project_bn_B'], lr, V_block11_project_bn_B_new))
-        # free d_block11_project_bn_bias, d_block11_project_bn_B
-        del d_block11_project_bn_bias, d_block11_project_bn_B
-        mem.free(401)
         # d_block11_project_bn_sum = d_block11_project_bn_batch_mean/6272
         d_block11_project_bn_sum = d_block11_project_bn_batch_mean  # in place: over d_block11_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block11_project_bn_sum, d_block11_project_bn_batch_mean)
@@ -5376,26 +4938,8 @@ class MobilenetV2(rp.Model):
         mem.free(405)
         # d_block11_dw_bn_W = reshape[384](d_block11_dw_bn_weight)
         d_block11_dw_bn_W = rt.reshape(d_block11_dw_bn_weight, shape=(384,))
-        # V_block11_dw_bn_W_new = V_block11_dw_bn_W*momentum + d_block11_dw_bn_W + decay*block11_dw_bn_W   (computed with the next statement)
-        V_block11_dw_bn_W_new = T['V_block11_dw_bn_W']  # in place: the new V_block11_dw_bn_W
-        # block11_dw_bn_W_new = block11_dw_bn_W - lr*V_block11_dw_bn_W_new
-        block11_dw_bn_W_new = T['block11_dw_bn_W']  # in place: the new block11_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block11_dw_bn_W_new, T['V_block11_dw_bn_W'], momentum, d_block11_dw_bn_W, decay, T['block11_dw_bn_W']),
-                   (ew_mul_sub, block11_dw_bn_W_new, T['block11_dw_bn_W'], lr, V_block11_dw_bn_W_new))
-        # free block11_dw_bn_inv_std, d_block11_dw_bn_weight, d_block11_dw_bn_W
-        del block11_dw_bn_inv_std, d_block11_dw_bn_weight, d_block11_dw_bn_W
-        mem.free(158)
         # d_block11_dw_bn_B = reshape[384](d_block11_dw_bn_bias)
         d_block11_dw_bn_B = rt.reshape(d_block11_dw_bn_bias, shape=(384,))
-        # V_block11_dw_bn_B_new = V_block11_dw_bn_B*momentum + d_block11_dw_bn_B + decay*block11_dw_bn_B   (computed with the next statement)
-        V_block11_dw_bn_B_new = T['V_block11_dw_bn_B']  # in place: the new V_block11_dw_bn_B
-        # block11_dw_bn_B_new = block11_dw_bn_B - lr*V_block11_dw_bn_B_new
-        block11_dw_bn_B_new = T['block11_dw_bn_B']  # in place: the new block11_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block11_dw_bn_B_new, T['V_block11_dw_bn_B'], momentum, d_block11_dw_bn_B, decay, T['block11_dw_bn_B']),
-                   (ew_mul_sub, block11_dw_bn_B_new, T['block11_dw_bn_B'], lr, V_block11_dw_bn_B_new))
-        # free d_block11_dw_bn_bias, d_block11_dw_bn_B
-        del d_block11_dw_bn_bias, d_block11_dw_bn_B
-        mem.free(408)
         # d_block11_dw_bn_sum = d_block11_dw_bn_batch_mean/6272
         d_block11_dw_bn_sum = d_block11_dw_bn_batch_mean  # in place: over d_block11_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block11_dw_bn_sum, d_block11_dw_bn_batch_mean)
@@ -5417,12 +4961,6 @@ class MobilenetV2(rp.Model):
         # d_block11_dw_W = conv2d_bwd_filter[groups=384,kernel=(3,3),pad=1](d_block11_dw, block11_expand_bn_clipped_relu_2)
         d_block11_dw_W = mem.tensor(410, (384, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block11_dw, block11_expand_bn_clipped_relu_2, out=d_block11_dw_W, groups=384, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27244032))
-        # V_block11_dw_W_new = V_block11_dw_W*momentum + d_block11_dw_W + decay*block11_dw_W
-        V_block11_dw_W_new = T['V_block11_dw_W']  # in place: the new V_block11_dw_W
-        rt.ew(ew_mul_add_4, V_block11_dw_W_new, T['V_block11_dw_W'], momentum, d_block11_dw_W, decay, T['block11_dw_W'])
-        # free d_block11_dw_W
-        del d_block11_dw_W
-        mem.free(410)
         # d_block11_expand_bn_clipped_relu = conv2d_bwd_data[groups=384,pad=1,size=(14,14)](d_block11_dw, block11_dw_W)
         d_block11_expand_bn_clipped_relu = mem.tensor(411, (32, 384, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_block11_dw, T['block11_dw_W'], out=d_block11_expand_bn_clipped_relu, groups=384, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(29804544))
@@ -5443,13 +4981,6 @@ class MobilenetV2(rp.Model):
         # free block11_expand_bn_clipped_relu_2
         del block11_expand_bn_clipped_relu_2
         mem.free(409)
-
-        # ---- block11_dw (conv 3x3, 384 channels, stride 1, padding 1, 384 groups), backward ----
-        # block11_dw_W_new = block11_dw_W - lr*V_block11_dw_W_new
-        block11_dw_W_new = T['block11_dw_W']  # in place: the new block11_dw_W
-        rt.ew(ew_mul_sub, block11_dw_W_new, T['block11_dw_W'], lr, V_block11_dw_W_new)
-
-        # ---- block11_expand_bn (batch norm), backward ----
         # d_block11_expand_bn_inv_std = block11_expand_bn_weight*d_block11_expand_bn_ew_sum   (computed with the next statement)
         d_block11_expand_bn_inv_std = mem.tensor(413, (1, 384, 1, 1), 'float32')
         # d_block11_expand_bn_sum_of_squares = -d_block11_expand_bn_inv_std/(12544*(block11_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -5483,26 +5014,8 @@ class MobilenetV2(rp.Model):
         mem.free(412)
         # d_block11_expand_bn_W = reshape[384](d_block11_expand_bn_weight)
         d_block11_expand_bn_W = rt.reshape(d_block11_expand_bn_weight, shape=(384,))
-        # V_block11_expand_bn_W_new = V_block11_expand_bn_W*momentum + d_block11_expand_bn_W + decay*block11_expand_bn_W   (computed with the next statement)
-        V_block11_expand_bn_W_new = T['V_block11_expand_bn_W']  # in place: the new V_block11_expand_bn_W
-        # block11_expand_bn_W_new = block11_expand_bn_W - lr*V_block11_expand_bn_W_new
-        block11_expand_bn_W_new = T['block11_expand_bn_W']  # in place: the new block11_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block11_expand_bn_W_new, T['V_block11_expand_bn_W'], momentum, d_block11_expand_bn_W, decay, T['block11_expand_bn_W']),
-                   (ew_mul_sub, block11_expand_bn_W_new, T['block11_expand_bn_W'], lr, V_block11_expand_bn_W_new))
-        # free block11_expand_bn_inv_std, d_block11_expand_bn_weight, d_block11_expand_bn_W
-        del block11_expand_bn_inv_std, d_block11_expand_bn_weight, d_block11_expand_bn_W
-        mem.free(153)
         # d_block11_expand_bn_B = reshape[384](d_block11_expand_bn_bias)
         d_block11_expand_bn_B = rt.reshape(d_block11_expand_bn_bias, shape=(384,))
-        # V_block11_expand_bn_B_new = V_block11_expand_bn_B*momentum + d_block11_expand_bn_B + decay*block11_expand_bn_B   (computed with the next statement)
-        V_block11_expand_bn_B_new = T['V_block11_expand_bn_B']  # in place: the new V_block11_expand_bn_B
-        # block11_expand_bn_B_new = block11_expand_bn_B - lr*V_block11_expand_bn_B_new
-        block11_expand_bn_B_new = T['block11_expand_bn_B']  # in place: the new block11_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block11_expand_bn_B_new, T['V_block11_expand_bn_B'], momentum, d_block11_expand_bn_B, decay, T['block11_expand_bn_B']),
-                   (ew_mul_sub, block11_expand_bn_B_new, T['block11_expand_bn_B'], lr, V_block11_expand_bn_B_new))
-        # free d_block11_expand_bn_bias, d_block11_expand_bn_B
-        del d_block11_expand_bn_bias, d_block11_expand_bn_B
-        mem.free(415)
         # d_block11_expand_bn_sum = d_block11_expand_bn_batch_mean/6272
         d_block11_expand_bn_sum = d_block11_expand_bn_batch_mean  # in place: over d_block11_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block11_expand_bn_sum, d_block11_expand_bn_batch_mean)
@@ -5567,15 +5080,6 @@ class MobilenetV2(rp.Model):
         mem.free(418)
         # d_block10_project_bn_W = reshape[64](d_block10_project_bn_weight)
         d_block10_project_bn_W = rt.reshape(d_block10_project_bn_weight, shape=(64,))
-        # V_block10_project_bn_W_new = V_block10_project_bn_W*momentum + d_block10_project_bn_W + decay*block10_project_bn_W   (computed with the next statement)
-        V_block10_project_bn_W_new = T['V_block10_project_bn_W']  # in place: the new V_block10_project_bn_W
-        # block10_project_bn_W_new = block10_project_bn_W - lr*V_block10_project_bn_W_new
-        block10_project_bn_W_new = T['block10_project_bn_W']  # in place: the new block10_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block10_project_bn_W_new, T['V_block10_project_bn_W'], momentum, d_block10_project_bn_W, decay, T['block10_project_bn_W']),
-                   (ew_mul_sub, block10_project_bn_W_new, T['block10_project_bn_W'], lr, V_block10_project_bn_W_new))
-        # free block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W
-        del block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W
-        mem.free(149)
         # d_block10_project_bn_sum = d_block10_project_bn_batch_mean/6272
         d_block10_project_bn_sum = d_block10_project_bn_batch_mean  # in place: over d_block10_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block10_project_bn_sum, d_block10_project_bn_batch_mean)
@@ -5594,15 +5098,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block10_project_bn_add, out=d_block10_project_bn_bias, shape=(1, 64, 1, 1))
         # d_block10_project_bn_B = reshape[64](d_block10_project_bn_bias)
         d_block10_project_bn_B = rt.reshape(d_block10_project_bn_bias, shape=(64,))
-        # V_block10_project_bn_B_new = V_block10_project_bn_B*momentum + d_block10_project_bn_B + decay*block10_project_bn_B   (computed with the next statement)
-        V_block10_project_bn_B_new = T['V_block10_project_bn_B']  # in place: the new V_block10_project_bn_B
-        # block10_project_bn_B_new = block10_project_bn_B - lr*V_block10_project_bn_B_new
-        block10_project_bn_B_new = T['block10_project_bn_B']  # in place: the new block10_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block10_project_bn_B_new, T['V_block10_project_bn_B'], momentum, d_block10_project_bn_B, decay, T['block10_project_bn_B']),
-                   (ew_mul_sub, block10_project_bn_B_new, T['block10_project_bn_B'], lr, V_block10_project_bn_B_new))
-        # free d_block10_project_bn_bias, d_block10_project_bn_B
-        del d_block10_project_bn_bias, d_block10_project_bn_B
-        mem.free(421)
 
         # ---- block10_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block10_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block10_dw_bn_centered*block10_dw_bn_inv_std*block10_dw_bn_weight + block10_dw_bn_bias))
@@ -5679,26 +5174,8 @@ class MobilenetV2(rp.Model):
         mem.free(425)
         # d_block10_dw_bn_W = reshape[384](d_block10_dw_bn_weight)
         d_block10_dw_bn_W = rt.reshape(d_block10_dw_bn_weight, shape=(384,))
-        # V_block10_dw_bn_W_new = V_block10_dw_bn_W*momentum + d_block10_dw_bn_W + decay*block10_dw_bn_W   (computed with the next statement)
-        V_block10_dw_bn_W_new = T['V_block10_dw_bn_W']  # in place: the new V_block10_dw_bn_W
-        # block10_dw_bn_W_new = block10_dw_bn_W - lr*V_block10_dw_bn_W_new
-        block10_dw_bn_W_new = T['block10_dw_bn_W']  # in place: the new block10_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block10_dw_bn_W_new, T['V_block10_dw_bn_W'], momentum, d_block10_dw_bn_W, decay, T['block10_dw_bn_W']),
-                   (ew_mul_sub, block10_dw_bn_W_new, T['block10_dw_bn_W'], lr, V_block10_dw_bn_W_new))
-        # free block10_dw_bn_inv_std, d_block10_dw_bn_weight, d_block10_dw_bn_W
-        del block10_dw_bn_inv_std, d_block10_dw_bn_weight, d_block10_dw_bn_W
-        mem.free(144)
         # d_block10_dw_bn_B = reshape[384](d_block10_dw_bn_bias)
         d_block10_dw_bn_B = rt.reshape(d_block10_dw_bn_bias, shape=(384,))
-        # V_block10_dw_bn_B_new = V_block10_dw_bn_B*momentum + d_block10_dw_bn_B + decay*block10_dw_bn_B   (computed with the next statement)
-        V_block10_dw_bn_B_new = T['V_block10_dw_bn_B']  # in place: the new V_block10_dw_bn_B
-        # block10_dw_bn_B_new = block10_dw_bn_B - lr*V_block10_dw_bn_B_new
-        block10_dw_bn_B_new = T['block10_dw_bn_B']  # in place: the new block10_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block10_dw_bn_B_new, T['V_block10_dw_bn_B'], momentum, d_block10_dw_bn_B, decay, T['block10_dw_bn_B']),
-                   (ew_mul_sub, block10_dw_bn_B_new, T['block10_dw_bn_B'], lr, V_block10_dw_bn_B_new))
-        # free d_block10_dw_bn_bias, d_block10_dw_bn_B
-        del d_block10_dw_bn_bias, d_block10_dw_bn_B
-        mem.free(428)
         # d_block10_dw_bn_sum = d_block10_dw_bn_batch_mean/6272
         d_block10_dw_bn_sum = d_block10_dw_bn_batch_mean  # in place: over d_block10_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block10_dw_bn_sum, d_block10_dw_bn_batch_mean)
@@ -5720,12 +5197,6 @@ class MobilenetV2(rp.Model):
         # d_block10_dw_W = conv2d_bwd_filter[groups=384,kernel=(3,3),pad=1](d_block10_dw, block10_expand_bn_clipped_relu_2)
         d_block10_dw_W = mem.tensor(430, (384, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block10_dw, block10_expand_bn_clipped_relu_2, out=d_block10_dw_W, groups=384, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27244032))
-        # V_block10_dw_W_new = V_block10_dw_W*momentum + d_block10_dw_W + decay*block10_dw_W
-        V_block10_dw_W_new = T['V_block10_dw_W']  # in place: the new V_block10_dw_W
-        rt.ew(ew_mul_add_4, V_block10_dw_W_new, T['V_block10_dw_W'], momentum, d_block10_dw_W, decay, T['block10_dw_W'])
-        # free d_block10_dw_W
-        del d_block10_dw_W
-        mem.free(430)
         # d_block10_expand_bn_clipped_relu = conv2d_bwd_data[groups=384,pad=1,size=(14,14)](d_block10_dw, block10_dw_W)
         d_block10_expand_bn_clipped_relu = mem.tensor(431, (32, 384, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_block10_dw, T['block10_dw_W'], out=d_block10_expand_bn_clipped_relu, groups=384, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(29804544))
@@ -5746,13 +5217,6 @@ class MobilenetV2(rp.Model):
         # free block10_expand_bn_clipped_relu_2
         del block10_expand_bn_clipped_relu_2
         mem.free(429)
-
-        # ---- block10_dw (conv 3x3, 384 channels, stride 1, padding 1, 384 groups), backward ----
-        # block10_dw_W_new = block10_dw_W - lr*V_block10_dw_W_new
-        block10_dw_W_new = T['block10_dw_W']  # in place: the new block10_dw_W
-        rt.ew(ew_mul_sub, block10_dw_W_new, T['block10_dw_W'], lr, V_block10_dw_W_new)
-
-        # ---- block10_expand_bn (batch norm), backward ----
         # d_block10_expand_bn_inv_std = block10_expand_bn_weight*d_block10_expand_bn_ew_sum   (computed with the next statement)
         d_block10_expand_bn_inv_std = mem.tensor(433, (1, 384, 1, 1), 'float32')
         # d_block10_expand_bn_sum_of_squares = -d_block10_expand_bn_inv_std/(12544*(block10_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -5786,26 +5250,8 @@ class MobilenetV2(rp.Model):
         mem.free(432)
         # d_block10_expand_bn_W = reshape[384](d_block10_expand_bn_weight)
         d_block10_expand_bn_W = rt.reshape(d_block10_expand_bn_weight, shape=(384,))
-        # V_block10_expand_bn_W_new = V_block10_expand_bn_W*momentum + d_block10_expand_bn_W + decay*block10_expand_bn_W   (computed with the next statement)
-        V_block10_expand_bn_W_new = T['V_block10_expand_bn_W']  # in place: the new V_block10_expand_bn_W
-        # block10_expand_bn_W_new = block10_expand_bn_W - lr*V_block10_expand_bn_W_new
-        block10_expand_bn_W_new = T['block10_expand_bn_W']  # in place: the new block10_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block10_expand_bn_W_new, T['V_block10_expand_bn_W'], momentum, d_block10_expand_bn_W, decay, T['block10_expand_bn_W']),
-                   (ew_mul_sub, block10_expand_bn_W_new, T['block10_expand_bn_W'], lr, V_block10_expand_bn_W_new))
-        # free block10_expand_bn_inv_std, d_block10_expand_bn_weight, d_block10_expand_bn_W
-        del block10_expand_bn_inv_std, d_block10_expand_bn_weight, d_block10_expand_bn_W
-        mem.free(139)
         # d_block10_expand_bn_B = reshape[384](d_block10_expand_bn_bias)
         d_block10_expand_bn_B = rt.reshape(d_block10_expand_bn_bias, shape=(384,))
-        # V_block10_expand_bn_B_new = V_block10_expand_bn_B*momentum + d_block10_expand_bn_B + decay*block10_expand_bn_B   (computed with the next statement)
-        V_block10_expand_bn_B_new = T['V_block10_expand_bn_B']  # in place: the new V_block10_expand_bn_B
-        # block10_expand_bn_B_new = block10_expand_bn_B - lr*V_block10_expand_bn_B_new
-        block10_expand_bn_B_new = T['block10_expand_bn_B']  # in place: the new block10_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block10_expand_bn_B_new, T['V_block10_expand_bn_B'], momentum, d_block10_expand_bn_B, decay, T['block10_expand_bn_B']),
-                   (ew_mul_sub, block10_expand_bn_B_new, T['block10_expand_bn_B'], lr, V_block10_expand_bn_B_new))
-        # free d_block10_expand_bn_bias, d_block10_expand_bn_B
-        del d_block10_expand_bn_bias, d_block10_expand_bn_B
-        mem.free(435)
         # d_block10_expand_bn_sum = d_block10_expand_bn_batch_mean/6272
         d_block10_expand_bn_sum = d_block10_expand_bn_batch_mean  # in place: over d_block10_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block10_expand_bn_sum, d_block10_expand_bn_batch_mean)
@@ -5890,15 +5336,6 @@ class MobilenetV2(rp.Model):
         mem.free(439)
         # d_block9_project_bn_W = reshape[64](d_block9_project_bn_weight)
         d_block9_project_bn_W = rt.reshape(d_block9_project_bn_weight, shape=(64,))
-        # V_block9_project_bn_W_new = V_block9_project_bn_W*momentum + d_block9_project_bn_W + decay*block9_project_bn_W   (computed with the next statement)
-        V_block9_project_bn_W_new = T['V_block9_project_bn_W']  # in place: the new V_block9_project_bn_W
-        # block9_project_bn_W_new = block9_project_bn_W - lr*V_block9_project_bn_W_new
-        block9_project_bn_W_new = T['block9_project_bn_W']  # in place: the new block9_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block9_project_bn_W_new, T['V_block9_project_bn_W'], momentum, d_block9_project_bn_W, decay, T['block9_project_bn_W']),
-                   (ew_mul_sub, block9_project_bn_W_new, T['block9_project_bn_W'], lr, V_block9_project_bn_W_new))
-        # free block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W
-        del block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W
-        mem.free(134)
         # d_block9_project_bn_sum = d_block9_project_bn_batch_mean/6272
         d_block9_project_bn_sum = d_block9_project_bn_batch_mean  # in place: over d_block9_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block9_project_bn_sum, d_block9_project_bn_batch_mean)
@@ -5917,15 +5354,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block9_project_bn_add_2, out=d_block9_project_bn_bias, shape=(1, 64, 1, 1))
         # d_block9_project_bn_B = reshape[64](d_block9_project_bn_bias)
         d_block9_project_bn_B = rt.reshape(d_block9_project_bn_bias, shape=(64,))
-        # V_block9_project_bn_B_new = V_block9_project_bn_B*momentum + d_block9_project_bn_B + decay*block9_project_bn_B   (computed with the next statement)
-        V_block9_project_bn_B_new = T['V_block9_project_bn_B']  # in place: the new V_block9_project_bn_B
-        # block9_project_bn_B_new = block9_project_bn_B - lr*V_block9_project_bn_B_new
-        block9_project_bn_B_new = T['block9_project_bn_B']  # in place: the new block9_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block9_project_bn_B_new, T['V_block9_project_bn_B'], momentum, d_block9_project_bn_B, decay, T['block9_project_bn_B']),
-                   (ew_mul_sub, block9_project_bn_B_new, T['block9_project_bn_B'], lr, V_block9_project_bn_B_new))
-        # free d_block9_project_bn_bias, d_block9_project_bn_B
-        del d_block9_project_bn_bias, d_block9_project_bn_B
-        mem.free(442)
 
         # ---- block9_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block9_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block9_dw_bn_centered*block9_dw_bn_inv_std*block9_dw_bn_weight + block9_dw_bn_bias))
@@ -6002,26 +5430,8 @@ class MobilenetV2(rp.Model):
         mem.free(446)
         # d_block9_dw_bn_W = reshape[384](d_block9_dw_bn_weight)
         d_block9_dw_bn_W = rt.reshape(d_block9_dw_bn_weight, shape=(384,))
-        # V_block9_dw_bn_W_new = V_block9_dw_bn_W*momentum + d_block9_dw_bn_W + decay*block9_dw_bn_W   (computed with the next statement)
-        V_block9_dw_bn_W_new = T['V_block9_dw_bn_W']  # in place: the new V_block9_dw_bn_W
-        # block9_dw_bn_W_new = block9_dw_bn_W - lr*V_block9_dw_bn_W_new
-        block9_dw_bn_W_new = T['block9_dw_bn_W']  # in place: the new block9_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block9_dw_bn_W_new, T['V_block9_dw_bn_W'], momentum, d_block9_dw_bn_W, decay, T['block9_dw_bn_W']),
-                   (ew_mul_sub, block9_dw_bn_W_new, T['block9_dw_bn_W'], lr, V_block9_dw_bn_W_new))
-        # free block9_dw_bn_inv_std, d_block9_dw_bn_weight, d_block9_dw_bn_W
-        del block9_dw_bn_inv_std, d_block9_dw_bn_weight, d_block9_dw_bn_W
-        mem.free(129)
         # d_block9_dw_bn_B = reshape[384](d_block9_dw_bn_bias)
         d_block9_dw_bn_B = rt.reshape(d_block9_dw_bn_bias, shape=(384,))
-        # V_block9_dw_bn_B_new = V_block9_dw_bn_B*momentum + d_block9_dw_bn_B + decay*block9_dw_bn_B   (computed with the next statement)
-        V_block9_dw_bn_B_new = T['V_block9_dw_bn_B']  # in place: the new V_block9_dw_bn_B
-        # block9_dw_bn_B_new = block9_dw_bn_B - lr*V_block9_dw_bn_B_new
-        block9_dw_bn_B_new = T['block9_dw_bn_B']  # in place: the new block9_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block9_dw_bn_B_new, T['V_block9_dw_bn_B'], momentum, d_block9_dw_bn_B, decay, T['block9_dw_bn_B']),
-                   (ew_mul_sub, block9_dw_bn_B_new, T['block9_dw_bn_B'], lr, V_block9_dw_bn_B_new))
-        # free d_block9_dw_bn_bias, d_block9_dw_bn_B
-        del d_block9_dw_bn_bias, d_block9_dw_bn_B
-        mem.free(449)
         # d_block9_dw_bn_sum = d_block9_dw_bn_batch_mean/6272
         d_block9_dw_bn_sum = d_block9_dw_bn_batch_mean  # in place: over d_block9_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block9_dw_bn_sum, d_block9_dw_bn_batch_mean)
@@ -6043,12 +5453,6 @@ class MobilenetV2(rp.Model):
         # d_block9_dw_W = conv2d_bwd_filter[groups=384,kernel=(3,3),pad=1](d_block9_dw, block9_expand_bn_clipped_relu_2)
         d_block9_dw_W = mem.tensor(451, (384, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block9_dw, block9_expand_bn_clipped_relu_2, out=d_block9_dw_W, groups=384, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27244032))
-        # V_block9_dw_W_new = V_block9_dw_W*momentum + d_block9_dw_W + decay*block9_dw_W
-        V_block9_dw_W_new = T['V_block9_dw_W']  # in place: the new V_block9_dw_W
-        rt.ew(ew_mul_add_4, V_block9_dw_W_new, T['V_block9_dw_W'], momentum, d_block9_dw_W, decay, T['block9_dw_W'])
-        # free d_block9_dw_W
-        del d_block9_dw_W
-        mem.free(451)
         # d_block9_expand_bn_clipped_relu = conv2d_bwd_data[groups=384,pad=1,size=(14,14)](d_block9_dw, block9_dw_W)
         d_block9_expand_bn_clipped_relu = mem.tensor(452, (32, 384, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_block9_dw, T['block9_dw_W'], out=d_block9_expand_bn_clipped_relu, groups=384, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(29804544))
@@ -6069,13 +5473,6 @@ class MobilenetV2(rp.Model):
         # free block9_expand_bn_clipped_relu_2
         del block9_expand_bn_clipped_relu_2
         mem.free(450)
-
-        # ---- block9_dw (conv 3x3, 384 channels, stride 1, padding 1, 384 groups), backward ----
-        # block9_dw_W_new = block9_dw_W - lr*V_block9_dw_W_new
-        block9_dw_W_new = T['block9_dw_W']  # in place: the new block9_dw_W
-        rt.ew(ew_mul_sub, block9_dw_W_new, T['block9_dw_W'], lr, V_block9_dw_W_new)
-
-        # ---- block9_expand_bn (batch norm), backward ----
         # d_block9_expand_bn_inv_std = block9_expand_bn_weight*d_block9_expand_bn_ew_sum   (computed with the next statement)
         d_block9_expand_bn_inv_std = mem.tensor(454, (1, 384, 1, 1), 'float32')
         # d_block9_expand_bn_sum_of_squares = -d_block9_expand_bn_inv_std/(12544*(block9_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -6109,26 +5506,8 @@ class MobilenetV2(rp.Model):
         mem.free(453)
         # d_block9_expand_bn_W = reshape[384](d_block9_expand_bn_weight)
         d_block9_expand_bn_W = rt.reshape(d_block9_expand_bn_weight, shape=(384,))
-        # V_block9_expand_bn_W_new = V_block9_expand_bn_W*momentum + d_block9_expand_bn_W + decay*block9_expand_bn_W   (computed with the next statement)
-        V_block9_expand_bn_W_new = T['V_block9_expand_bn_W']  # in place: the new V_block9_expand_bn_W
-        # block9_expand_bn_W_new = block9_expand_bn_W - lr*V_block9_expand_bn_W_new
-        block9_expand_bn_W_new = T['block9_expand_bn_W']  # in place: the new block9_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block9_expand_bn_W_new, T['V_block9_expand_bn_W'], momentum, d_block9_expand_bn_W, decay, T['block9_expand_bn_W']),
-                   (ew_mul_sub, block9_expand_bn_W_new, T['block9_expand_bn_W'], lr, V_block9_expand_bn_W_new))
-        # free block9_expand_bn_inv_std, d_block9_expand_bn_weight, d_block9_expand_bn_W
-        del block9_expand_bn_inv_std, d_block9_expand_bn_weight, d_block9_expand_bn_W
-        mem.free(124)
         # d_block9_expand_bn_B = reshape[384](d_block9_expand_bn_bias)
         d_block9_expand_bn_B = rt.reshape(d_block9_expand_bn_bias, shape=(384,))
-        # V_block9_expand_bn_B_new = V_block9_expand_bn_B*momentum + d_block9_expand_bn_B + decay*block9_expand_bn_B   (computed with the next statement)
-        V_block9_expand_bn_B_new = T['V_block9_expand_bn_B']  # in place: the new V_block9_expand_bn_B
-        # block9_expand_bn_B_new = block9_expand_bn_B - lr*V_block9_expand_bn_B_new
-        block9_expand_bn_B_new = T['block9_expand_bn_B']  # in place: the new block9_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block9_expand_bn_B_new, T['V_block9_expand_bn_B'], momentum, d_block9_expand_bn_B, decay, T['block9_expand_bn_B']),
-                   (ew_mul_sub, block9_expand_bn_B_new, T['block9_expand_bn_B'], lr, V_block9_expand_bn_B_new))
-        # free d_block9_expand_bn_bias, d_block9_expand_bn_B
-        del d_block9_expand_bn_bias, d_block9_expand_bn_B
-        mem.free(456)
         # d_block9_expand_bn_sum = d_block9_expand_bn_batch_mean/6272
         d_block9_expand_bn_sum = d_block9_expand_bn_batch_mean  # in place: over d_block9_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block9_expand_bn_sum, d_block9_expand_bn_batch_mean)
@@ -6206,15 +5585,6 @@ class MobilenetV2(rp.Model):
         mem.free(459)
         # d_block8_project_bn_W = reshape[64](d_block8_project_bn_weight)
         d_block8_project_bn_W = rt.reshape(d_block8_project_bn_weight, shape=(64,))
-        # V_block8_project_bn_W_new = V_block8_project_bn_W*momentum + d_block8_project_bn_W + decay*block8_project_bn_W   (computed with the next statement)
-        V_block8_project_bn_W_new = T['V_block8_project_bn_W']  # in place: the new V_block8_project_bn_W
-        # block8_project_bn_W_new = block8_project_bn_W - lr*V_block8_project_bn_W_new
-        block8_project_bn_W_new = T['block8_project_bn_W']  # in place: the new block8_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block8_project_bn_W_new, T['V_block8_project_bn_W'], momentum, d_block8_project_bn_W, decay, T['block8_project_bn_W']),
-                   (ew_mul_sub, block8_project_bn_W_new, T['block8_project_bn_W'], lr, V_block8_project_bn_W_new))
-        # free block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W
-        del block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W
-        mem.free(120)
         # d_block8_project_bn_sum = d_block8_project_bn_batch_mean/6272
         d_block8_project_bn_sum = d_block8_project_bn_batch_mean  # in place: over d_block8_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block8_project_bn_sum, d_block8_project_bn_batch_mean)
@@ -6233,15 +5603,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block8_project_bn_add_2, out=d_block8_project_bn_bias, shape=(1, 64, 1, 1))
         # d_block8_project_bn_B = reshape[64](d_block8_project_bn_bias)
         d_block8_project_bn_B = rt.reshape(d_block8_project_bn_bias, shape=(64,))
-        # V_block8_project_bn_B_new = V_block8_project_bn_B*momentum + d_block8_project_bn_B + decay*block8_project_bn_B   (computed with the next statement)
-        V_block8_project_bn_B_new = T['V_block8_project_bn_B']  # in place: the new V_block8_project_bn_B
-        # block8_project_bn_B_new = block8_project_bn_B - lr*V_block8_project_bn_B_new
-        block8_project_bn_B_new = T['block8_project_bn_B']  # in place: the new block8_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block8_project_bn_B_new, T['V_block8_project_bn_B'], momentum, d_block8_project_bn_B, decay, T['block8_project_bn_B']),
-                   (ew_mul_sub, block8_project_bn_B_new, T['block8_project_bn_B'], lr, V_block8_project_bn_B_new))
-        # free d_block8_project_bn_bias, d_block8_project_bn_B
-        del d_block8_project_bn_bias, d_block8_project_bn_B
-        mem.free(462)
 
         # ---- block8_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block8_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block8_dw_bn_centered*block8_dw_bn_inv_std*block8_dw_bn_weight + block8_dw_bn_bias))
@@ -6318,26 +5679,8 @@ class MobilenetV2(rp.Model):
         mem.free(466)
         # d_block8_dw_bn_W = reshape[384](d_block8_dw_bn_weight)
         d_block8_dw_bn_W = rt.reshape(d_block8_dw_bn_weight, shape=(384,))
-        # V_block8_dw_bn_W_new = V_block8_dw_bn_W*momentum + d_block8_dw_bn_W + decay*block8_dw_bn_W   (computed with the next statement)
-        V_block8_dw_bn_W_new = T['V_block8_dw_bn_W']  # in place: the new V_block8_dw_bn_W
-        # block8_dw_bn_W_new = block8_dw_bn_W - lr*V_block8_dw_bn_W_new
-        block8_dw_bn_W_new = T['block8_dw_bn_W']  # in place: the new block8_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block8_dw_bn_W_new, T['V_block8_dw_bn_W'], momentum, d_block8_dw_bn_W, decay, T['block8_dw_bn_W']),
-                   (ew_mul_sub, block8_dw_bn_W_new, T['block8_dw_bn_W'], lr, V_block8_dw_bn_W_new))
-        # free block8_dw_bn_inv_std, d_block8_dw_bn_weight, d_block8_dw_bn_W
-        del block8_dw_bn_inv_std, d_block8_dw_bn_weight, d_block8_dw_bn_W
-        mem.free(115)
         # d_block8_dw_bn_B = reshape[384](d_block8_dw_bn_bias)
         d_block8_dw_bn_B = rt.reshape(d_block8_dw_bn_bias, shape=(384,))
-        # V_block8_dw_bn_B_new = V_block8_dw_bn_B*momentum + d_block8_dw_bn_B + decay*block8_dw_bn_B   (computed with the next statement)
-        V_block8_dw_bn_B_new = T['V_block8_dw_bn_B']  # in place: the new V_block8_dw_bn_B
-        # block8_dw_bn_B_new = block8_dw_bn_B - lr*V_block8_dw_bn_B_new
-        block8_dw_bn_B_new = T['block8_dw_bn_B']  # in place: the new block8_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block8_dw_bn_B_new, T['V_block8_dw_bn_B'], momentum, d_block8_dw_bn_B, decay, T['block8_dw_bn_B']),
-                   (ew_mul_sub, block8_dw_bn_B_new, T['block8_dw_bn_B'], lr, V_block8_dw_bn_B_new))
-        # free d_block8_dw_bn_bias, d_block8_dw_bn_B
-        del d_block8_dw_bn_bias, d_block8_dw_bn_B
-        mem.free(469)
         # d_block8_dw_bn_sum = d_block8_dw_bn_batch_mean/6272
         d_block8_dw_bn_sum = d_block8_dw_bn_batch_mean  # in place: over d_block8_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block8_dw_bn_sum, d_block8_dw_bn_batch_mean)
@@ -6359,12 +5702,6 @@ class MobilenetV2(rp.Model):
         # d_block8_dw_W = conv2d_bwd_filter[groups=384,kernel=(3,3),pad=1](d_block8_dw, block8_expand_bn_clipped_relu_2)
         d_block8_dw_W = mem.tensor(471, (384, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block8_dw, block8_expand_bn_clipped_relu_2, out=d_block8_dw_W, groups=384, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27244032))
-        # V_block8_dw_W_new = V_block8_dw_W*momentum + d_block8_dw_W + decay*block8_dw_W
-        V_block8_dw_W_new = T['V_block8_dw_W']  # in place: the new V_block8_dw_W
-        rt.ew(ew_mul_add_4, V_block8_dw_W_new, T['V_block8_dw_W'], momentum, d_block8_dw_W, decay, T['block8_dw_W'])
-        # free d_block8_dw_W
-        del d_block8_dw_W
-        mem.free(471)
         # d_block8_expand_bn_clipped_relu = conv2d_bwd_data[groups=384,pad=1,size=(14,14)](d_block8_dw, block8_dw_W)
         d_block8_expand_bn_clipped_relu = mem.tensor(472, (32, 384, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_block8_dw, T['block8_dw_W'], out=d_block8_expand_bn_clipped_relu, groups=384, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(29804544))
@@ -6385,13 +5722,6 @@ class MobilenetV2(rp.Model):
         # free block8_expand_bn_clipped_relu_2
         del block8_expand_bn_clipped_relu_2
         mem.free(470)
-
-        # ---- block8_dw (conv 3x3, 384 channels, stride 1, padding 1, 384 groups), backward ----
-        # block8_dw_W_new = block8_dw_W - lr*V_block8_dw_W_new
-        block8_dw_W_new = T['block8_dw_W']  # in place: the new block8_dw_W
-        rt.ew(ew_mul_sub, block8_dw_W_new, T['block8_dw_W'], lr, V_block8_dw_W_new)
-
-        # ---- block8_expand_bn (batch norm), backward ----
         # d_block8_expand_bn_inv_std = block8_expand_bn_weight*d_block8_expand_bn_ew_sum   (computed with the next statement)
         d_block8_expand_bn_inv_std = mem.tensor(474, (1, 384, 1, 1), 'float32')
         # d_block8_expand_bn_sum_of_squares = -d_block8_expand_bn_inv_std/(12544*(block8_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -6425,26 +5755,8 @@ class MobilenetV2(rp.Model):
         mem.free(473)
         # d_block8_expand_bn_W = reshape[384](d_block8_expand_bn_weight)
         d_block8_expand_bn_W = rt.reshape(d_block8_expand_bn_weight, shape=(384,))
-        # V_block8_expand_bn_W_new = V_block8_expand_bn_W*momentum + d_block8_expand_bn_W + decay*block8_expand_bn_W   (computed with the next statement)
-        V_block8_expand_bn_W_new = T['V_block8_expand_bn_W']  # in place: the new V_block8_expand_bn_W
-        # block8_expand_bn_W_new = block8_expand_bn_W - lr*V_block8_expand_bn_W_new
-        block8_expand_bn_W_new = T['block8_expand_bn_W']  # in place: the new block8_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block8_expand_bn_W_new, T['V_block8_expand_bn_W'], momentum, d_block8_expand_bn_W, decay, T['block8_expand_bn_W']),
-                   (ew_mul_sub, block8_expand_bn_W_new, T['block8_expand_bn_W'], lr, V_block8_expand_bn_W_new))
-        # free block8_expand_bn_inv_std, d_block8_expand_bn_weight, d_block8_expand_bn_W
-        del block8_expand_bn_inv_std, d_block8_expand_bn_weight, d_block8_expand_bn_W
-        mem.free(110)
         # d_block8_expand_bn_B = reshape[384](d_block8_expand_bn_bias)
         d_block8_expand_bn_B = rt.reshape(d_block8_expand_bn_bias, shape=(384,))
-        # V_block8_expand_bn_B_new = V_block8_expand_bn_B*momentum + d_block8_expand_bn_B + decay*block8_expand_bn_B   (computed with the next statement)
-        V_block8_expand_bn_B_new = T['V_block8_expand_bn_B']  # in place: the new V_block8_expand_bn_B
-        # block8_expand_bn_B_new = block8_expand_bn_B - lr*V_block8_expand_bn_B_new
-        block8_expand_bn_B_new = T['block8_expand_bn_B']  # in place: the new block8_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block8_expand_bn_B_new, T['V_block8_expand_bn_B'], momentum, d_block8_expand_bn_B, decay, T['block8_expand_bn_B']),
-                   (ew_mul_sub, block8_expand_bn_B_new, T['block8_expand_bn_B'], lr, V_block8_expand_bn_B_new))
-        # free d_block8_expand_bn_bias, d_block8_expand_bn_B
-        del d_block8_expand_bn_bias, d_block8_expand_bn_B
-        mem.free(476)
         # d_block8_expand_bn_sum = d_block8_expand_bn_batch_mean/6272
         d_block8_expand_bn_sum = d_block8_expand_bn_batch_mean  # in place: over d_block8_expand_bn_batch_mean
         rt.ew(ew_scale_4, d_block8_expand_bn_sum, d_block8_expand_bn_batch_mean)
@@ -6533,26 +5845,8 @@ class MobilenetV2(rp.Model):
         mem.free(480)
         # d_block7_project_bn_W = reshape[64](d_block7_project_bn_weight)
         d_block7_project_bn_W = rt.reshape(d_block7_project_bn_weight, shape=(64,))
-        # V_block7_project_bn_W_new = V_block7_project_bn_W*momentum + d_block7_project_bn_W + decay*block7_project_bn_W   (computed with the next statement)
-        V_block7_project_bn_W_new = T['V_block7_project_bn_W']  # in place: the new V_block7_project_bn_W
-        # block7_project_bn_W_new = block7_project_bn_W - lr*V_block7_project_bn_W_new
-        block7_project_bn_W_new = T['block7_project_bn_W']  # in place: the new block7_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block7_project_bn_W_new, T['V_block7_project_bn_W'], momentum, d_block7_project_bn_W, decay, T['block7_project_bn_W']),
-                   (ew_mul_sub, block7_project_bn_W_new, T['block7_project_bn_W'], lr, V_block7_project_bn_W_new))
-        # free block7_project_bn_inv_std, d_block7_project_bn_weight, d_block7_project_bn_W
-        del block7_project_bn_inv_std, d_block7_project_bn_weight, d_block7_project_bn_W
-        mem.free(105)
         # d_block7_project_bn_B = reshape[64](d_block7_project_bn_bias)
         d_block7_project_bn_B = rt.reshape(d_block7_project_bn_bias, shape=(64,))
-        # V_block7_project_bn_B_new = V_block7_project_bn_B*momentum + d_block7_project_bn_B + decay*block7_project_bn_B   (computed with the next statement)
-        V_block7_project_bn_B_new = T['V_block7_project_bn_B']  # in place: the new V_block7_project_bn_B
-        # block7_project_bn_B_new = block7_project_bn_B - lr*V_block7_project_bn_B_new
-        block7_project_bn_B_new = T['block7_project_bn_B']  # in place: the new block7_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block7_project_bn_B_new, T['V_block7_project_bn_B'], momentum, d_block7_project_bn_B, decay, T['block7_project_bn_B']),
-                   (ew_mul_sub, block7_project_bn_B_new, T['block7_project_bn_B'], lr, V_block7_project_bn_B_new))
-        # free d_block7_project_bn_bias, d_block7_project_bn_B
-        del d_block7_project_bn_bias, d_block7_project_bn_B
-        mem.free(483)
         # d_block7_project_bn_sum = d_block7_project_bn_batch_mean/6272
         d_block7_project_bn_sum = d_block7_project_bn_batch_mean  # in place: over d_block7_project_bn_batch_mean
         rt.ew(ew_scale_4, d_block7_project_bn_sum, d_block7_project_bn_batch_mean)
@@ -6574,12 +5868,6 @@ class MobilenetV2(rp.Model):
         # d_block7_project_W = conv2d_bwd_filter[kernel=(1,1)](d_block7_project, block7_dw_bn_clipped_relu_2)
         d_block7_project_W = mem.tensor(485, (64, 192, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block7_project, block7_dw_bn_clipped_relu_2, out=d_block7_project_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(6422528))
-        # V_block7_project_W_new = V_block7_project_W*momentum + d_block7_project_W + decay*block7_project_W
-        V_block7_project_W_new = T['V_block7_project_W']  # in place: the new V_block7_project_W
-        rt.ew(ew_mul_add_4, V_block7_project_W_new, T['V_block7_project_W'], momentum, d_block7_project_W, decay, T['block7_project_W'])
-        # free d_block7_project_W
-        del d_block7_project_W
-        mem.free(485)
         # d_block7_dw_bn_clipped_relu = conv2d_bwd_data[size=(14,14)](d_block7_project, block7_project_W)
         d_block7_dw_bn_clipped_relu = mem.tensor(486, (32, 192, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_block7_project, T['block7_project_W'], out=d_block7_dw_bn_clipped_relu, pad=0, size=(14, 14), stride=1)
@@ -6600,13 +5888,6 @@ class MobilenetV2(rp.Model):
         # free block7_dw_bn_clipped_relu_2
         del block7_dw_bn_clipped_relu_2
         mem.free(484)
-
-        # ---- block7_project (conv 1x1, 64 channels, stride 1, padding 0), backward ----
-        # block7_project_W_new = block7_project_W - lr*V_block7_project_W_new
-        block7_project_W_new = T['block7_project_W']  # in place: the new block7_project_W
-        rt.ew(ew_mul_sub, block7_project_W_new, T['block7_project_W'], lr, V_block7_project_W_new)
-
-        # ---- block7_dw_bn (batch norm), backward ----
         # d_block7_dw_bn_inv_std = block7_dw_bn_weight*d_block7_dw_bn_ew_sum   (computed with the next statement)
         d_block7_dw_bn_inv_std = mem.tensor(488, (1, 192, 1, 1), 'float32')
         # d_block7_dw_bn_sum_of_squares = -d_block7_dw_bn_inv_std/(12544*(block7_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -6640,26 +5921,8 @@ class MobilenetV2(rp.Model):
         mem.free(487)
         # d_block7_dw_bn_W = reshape[192](d_block7_dw_bn_weight)
         d_block7_dw_bn_W = rt.reshape(d_block7_dw_bn_weight, shape=(192,))
-        # V_block7_dw_bn_W_new = V_block7_dw_bn_W*momentum + d_block7_dw_bn_W + decay*block7_dw_bn_W   (computed with the next statement)
-        V_block7_dw_bn_W_new = T['V_block7_dw_bn_W']  # in place: the new V_block7_dw_bn_W
-        # block7_dw_bn_W_new = block7_dw_bn_W - lr*V_block7_dw_bn_W_new
-        block7_dw_bn_W_new = T['block7_dw_bn_W']  # in place: the new block7_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block7_dw_bn_W_new, T['V_block7_dw_bn_W'], momentum, d_block7_dw_bn_W, decay, T['block7_dw_bn_W']),
-                   (ew_mul_sub, block7_dw_bn_W_new, T['block7_dw_bn_W'], lr, V_block7_dw_bn_W_new))
-        # free block7_dw_bn_inv_std, d_block7_dw_bn_weight, d_block7_dw_bn_W
-        del block7_dw_bn_inv_std, d_block7_dw_bn_weight, d_block7_dw_bn_W
-        mem.free(100)
         # d_block7_dw_bn_B = reshape[192](d_block7_dw_bn_bias)
         d_block7_dw_bn_B = rt.reshape(d_block7_dw_bn_bias, shape=(192,))
-        # V_block7_dw_bn_B_new = V_block7_dw_bn_B*momentum + d_block7_dw_bn_B + decay*block7_dw_bn_B   (computed with the next statement)
-        V_block7_dw_bn_B_new = T['V_block7_dw_bn_B']  # in place: the new V_block7_dw_bn_B
-        # block7_dw_bn_B_new = block7_dw_bn_B - lr*V_block7_dw_bn_B_new
-        block7_dw_bn_B_new = T['block7_dw_bn_B']  # in place: the new block7_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block7_dw_bn_B_new, T['V_block7_dw_bn_B'], momentum, d_block7_dw_bn_B, decay, T['block7_dw_bn_B']),
-                   (ew_mul_sub, block7_dw_bn_B_new, T['block7_dw_bn_B'], lr, V_block7_dw_bn_B_new))
-        # free d_block7_dw_bn_bias, d_block7_dw_bn_B
-        del d_block7_dw_bn_bias, d_block7_dw_bn_B
-        mem.free(490)
         # d_block7_dw_bn_sum = d_block7_dw_bn_batch_mean/6272
         d_block7_dw_bn_sum = d_block7_dw_bn_batch_mean  # in place: over d_block7_dw_bn_batch_mean
         rt.ew(ew_scale_4, d_block7_dw_bn_sum, d_block7_dw_bn_batch_mean)
@@ -6681,12 +5944,6 @@ class MobilenetV2(rp.Model):
         # d_block7_dw_W = conv2d_bwd_filter[groups=192,kernel=(3,3),pad=1,stride=2](d_block7_dw, block7_expand_bn_clipped_relu_2)
         d_block7_dw_W = mem.tensor(492, (192, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block7_dw, block7_expand_bn_clipped_relu_2, out=d_block7_dw_W, groups=192, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(24168192))
-        # V_block7_dw_W_new = V_block7_dw_W*momentum + d_block7_dw_W + decay*block7_dw_W
-        V_block7_dw_W_new = T['V_block7_dw_W']  # in place: the new V_block7_dw_W
-        rt.ew(ew_mul_add_4, V_block7_dw_W_new, T['V_block7_dw_W'], momentum, d_block7_dw_W, decay, T['block7_dw_W'])
-        # free d_block7_dw_W
-        del d_block7_dw_W
-        mem.free(492)
         # d_block7_expand_bn_clipped_relu = conv2d_bwd_data[groups=192,pad=1,size=(28,28),stride=2](d_block7_dw, block7_dw_W)
         d_block7_expand_bn_clipped_relu = mem.tensor(493, (32, 192, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_block7_dw, T['block7_dw_W'], out=d_block7_expand_bn_clipped_relu, groups=192, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(21676032))
@@ -6707,13 +5964,6 @@ class MobilenetV2(rp.Model):
         # free block7_expand_bn_clipped_relu_2
         del block7_expand_bn_clipped_relu_2
         mem.free(491)
-
-        # ---- block7_dw (conv 3x3, 192 channels, stride 2, padding 1, 192 groups), backward ----
-        # block7_dw_W_new = block7_dw_W - lr*V_block7_dw_W_new
-        block7_dw_W_new = T['block7_dw_W']  # in place: the new block7_dw_W
-        rt.ew(ew_mul_sub, block7_dw_W_new, T['block7_dw_W'], lr, V_block7_dw_W_new)
-
-        # ---- block7_expand_bn (batch norm), backward ----
         # d_block7_expand_bn_inv_std = block7_expand_bn_weight*d_block7_expand_bn_ew_sum   (computed with the next statement)
         d_block7_expand_bn_inv_std = mem.tensor(495, (1, 192, 1, 1), 'float32')
         # d_block7_expand_bn_sum_of_squares = -d_block7_expand_bn_inv_std/(50176*(block7_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -6747,26 +5997,8 @@ class MobilenetV2(rp.Model):
         mem.free(494)
         # d_block7_expand_bn_W = reshape[192](d_block7_expand_bn_weight)
         d_block7_expand_bn_W = rt.reshape(d_block7_expand_bn_weight, shape=(192,))
-        # V_block7_expand_bn_W_new = V_block7_expand_bn_W*momentum + d_block7_expand_bn_W + decay*block7_expand_bn_W   (computed with the next statement)
-        V_block7_expand_bn_W_new = T['V_block7_expand_bn_W']  # in place: the new V_block7_expand_bn_W
-        # block7_expand_bn_W_new = block7_expand_bn_W - lr*V_block7_expand_bn_W_new
-        block7_expand_bn_W_new = T['block7_expand_bn_W']  # in place: the new block7_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block7_expand_bn_W_new, T['V_block7_expand_bn_W'], momentum, d_block7_expand_bn_W, decay, T['block7_expand_bn_W']),
-                   (ew_mul_sub, block7_expand_bn_W_new, T['block7_expand_bn_W'], lr, V_block7_expand_bn_W_new))
-        # free block7_expand_bn_inv_std, d_block7_expand_bn_weight, d_block7_expand_bn_W
-        del block7_expand_bn_inv_std, d_block7_expand_bn_weight, d_block7_expand_bn_W
-        mem.free(95)
         # d_block7_expand_bn_B = reshape[192](d_block7_expand_bn_bias)
         d_block7_expand_bn_B = rt.reshape(d_block7_expand_bn_bias, shape=(192,))
-        # V_block7_expand_bn_B_new = V_block7_expand_bn_B*momentum + d_block7_expand_bn_B + decay*block7_expand_bn_B   (computed with the next statement)
-        V_block7_expand_bn_B_new = T['V_block7_expand_bn_B']  # in place: the new V_block7_expand_bn_B
-        # block7_expand_bn_B_new = block7_expand_bn_B - lr*V_block7_expand_bn_B_new
-        block7_expand_bn_B_new = T['block7_expand_bn_B']  # in place: the new block7_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block7_expand_bn_B_new, T['V_block7_expand_bn_B'], momentum, d_block7_expand_bn_B, decay, T['block7_expand_bn_B']),
-                   (ew_mul_sub, block7_expand_bn_B_new, T['block7_expand_bn_B'], lr, V_block7_expand_bn_B_new))
-        # free d_block7_expand_bn_bias, d_block7_expand_bn_B
-        del d_block7_expand_bn_bias, d_block7_expand_bn_B
-        mem.free(497)
         # d_block7_expand_bn_sum = d_block7_expand_bn_batch_mean/25088
         d_block7_expand_bn_sum = d_block7_expand_bn_batch_mean  # in place: over d_block7_expand_bn_batch_mean
         rt.ew(ew_scale_3, d_block7_expand_bn_sum, d_block7_expand_bn_batch_mean)
@@ -6797,15 +6029,6 @@ class MobilenetV2(rp.Model):
         # free block7_expand, block7_expand_bn_centered, d_block7_expand_bn_centered, d_block7_expand
         del block7_expand, block7_expand_bn_centered, d_block7_expand_bn_centered, d_block7_expand
         mem.free(92)
-        # V_block7_expand_W_new = V_block7_expand_W*momentum + d_block7_expand_W + decay*block7_expand_W   (computed with the next statement)
-        V_block7_expand_W_new = T['V_block7_expand_W']  # in place: the new V_block7_expand_W
-        # block7_expand_W_new = block7_expand_W - lr*V_block7_expand_W_new
-        block7_expand_W_new = T['block7_expand_W']  # in place: the new block7_expand_W
-        rt.ew_pair((ew_mul_add_4, V_block7_expand_W_new, T['V_block7_expand_W'], momentum, d_block7_expand_W, decay, T['block7_expand_W']),
-                   (ew_mul_sub, block7_expand_W_new, T['block7_expand_W'], lr, V_block7_expand_W_new))
-        # free d_block7_expand_W
-        del d_block7_expand_W
-        mem.free(499)
 
         # ---- block6_project_bn (batch norm), backward ----
         # d_block6_project_bn_ew_sum = sum_to[1x32x1x1](d_block6_project_bn_add*block6_project_bn_centered)
@@ -6838,15 +6061,6 @@ class MobilenetV2(rp.Model):
         mem.free(501)
         # d_block6_project_bn_W = reshape[32](d_block6_project_bn_weight)
         d_block6_project_bn_W = rt.reshape(d_block6_project_bn_weight, shape=(32,))
-        # V_block6_project_bn_W_new = V_block6_project_bn_W*momentum + d_block6_project_bn_W + decay*block6_project_bn_W   (computed with the next statement)
-        V_block6_project_bn_W_new = T['V_block6_project_bn_W']  # in place: the new V_block6_project_bn_W
-        # block6_project_bn_W_new = block6_project_bn_W - lr*V_block6_project_bn_W_new
-        block6_project_bn_W_new = T['block6_project_bn_W']  # in place: the new block6_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block6_project_bn_W_new, T['V_block6_project_bn_W'], momentum, d_block6_project_bn_W, decay, T['block6_project_bn_W']),
-                   (ew_mul_sub, block6_project_bn_W_new, T['block6_project_bn_W'], lr, V_block6_project_bn_W_new))
-        # free block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W
-        del block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W
-        mem.free(90)
         # d_block6_project_bn_sum = d_block6_project_bn_batch_mean/25088
         d_block6_project_bn_sum = d_block6_project_bn_batch_mean  # in place: over d_block6_project_bn_batch_mean
         rt.ew(ew_scale_3, d_block6_project_bn_sum, d_block6_project_bn_batch_mean)
@@ -6865,15 +6079,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block6_project_bn_add, out=d_block6_project_bn_bias, shape=(1, 32, 1, 1))
         # d_block6_project_bn_B = reshape[32](d_block6_project_bn_bias)
         d_block6_project_bn_B = rt.reshape(d_block6_project_bn_bias, shape=(32,))
-        # V_block6_project_bn_B_new = V_block6_project_bn_B*momentum + d_block6_project_bn_B + decay*block6_project_bn_B   (computed with the next statement)
-        V_block6_project_bn_B_new = T['V_block6_project_bn_B']  # in place: the new V_block6_project_bn_B
-        # block6_project_bn_B_new = block6_project_bn_B - lr*V_block6_project_bn_B_new
-        block6_project_bn_B_new = T['block6_project_bn_B']  # in place: the new block6_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block6_project_bn_B_new, T['V_block6_project_bn_B'], momentum, d_block6_project_bn_B, decay, T['block6_project_bn_B']),
-                   (ew_mul_sub, block6_project_bn_B_new, T['block6_project_bn_B'], lr, V_block6_project_bn_B_new))
-        # free d_block6_project_bn_bias, d_block6_project_bn_B
-        del d_block6_project_bn_bias, d_block6_project_bn_B
-        mem.free(504)
 
         # ---- block6_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block6_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block6_dw_bn_centered*block6_dw_bn_inv_std*block6_dw_bn_weight + block6_dw_bn_bias))
@@ -6884,12 +6089,6 @@ class MobilenetV2(rp.Model):
         # d_block6_project_W = conv2d_bwd_filter[kernel=(1,1)](d_block6_project, block6_dw_bn_clipped_relu_2)
         d_block6_project_W = mem.tensor(506, (32, 192, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block6_project, block6_dw_bn_clipped_relu_2, out=d_block6_project_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(22478848))
-        # V_block6_project_W_new = V_block6_project_W*momentum + d_block6_project_W + decay*block6_project_W
-        V_block6_project_W_new = T['V_block6_project_W']  # in place: the new V_block6_project_W
-        rt.ew(ew_mul_add_4, V_block6_project_W_new, T['V_block6_project_W'], momentum, d_block6_project_W, decay, T['block6_project_W'])
-        # free d_block6_project_W
-        del d_block6_project_W
-        mem.free(506)
         # d_block6_dw_bn_clipped_relu = conv2d_bwd_data[size=(28,28)](d_block6_project, block6_project_W)
         d_block6_dw_bn_clipped_relu = mem.tensor(507, (32, 192, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_block6_project, T['block6_project_W'], out=d_block6_dw_bn_clipped_relu, pad=0, size=(28, 28), stride=1)
@@ -6910,13 +6109,6 @@ class MobilenetV2(rp.Model):
         # free block6_dw_bn_clipped_relu_2
         del block6_dw_bn_clipped_relu_2
         mem.free(505)
-
-        # ---- block6_project (conv 1x1, 32 channels, stride 1, padding 0), backward ----
-        # block6_project_W_new = block6_project_W - lr*V_block6_project_W_new
-        block6_project_W_new = T['block6_project_W']  # in place: the new block6_project_W
-        rt.ew(ew_mul_sub, block6_project_W_new, T['block6_project_W'], lr, V_block6_project_W_new)
-
-        # ---- block6_dw_bn (batch norm), backward ----
         # d_block6_dw_bn_inv_std = block6_dw_bn_weight*d_block6_dw_bn_ew_sum   (computed with the next statement)
         d_block6_dw_bn_inv_std = mem.tensor(509, (1, 192, 1, 1), 'float32')
         # d_block6_dw_bn_sum_of_squares = -d_block6_dw_bn_inv_std/(50176*(block6_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -6950,26 +6142,8 @@ class MobilenetV2(rp.Model):
         mem.free(508)
         # d_block6_dw_bn_W = reshape[192](d_block6_dw_bn_weight)
         d_block6_dw_bn_W = rt.reshape(d_block6_dw_bn_weight, shape=(192,))
-        # V_block6_dw_bn_W_new = V_block6_dw_bn_W*momentum + d_block6_dw_bn_W + decay*block6_dw_bn_W   (computed with the next statement)
-        V_block6_dw_bn_W_new = T['V_block6_dw_bn_W']  # in place: the new V_block6_dw_bn_W
-        # block6_dw_bn_W_new = block6_dw_bn_W - lr*V_block6_dw_bn_W_new
-        block6_dw_bn_W_new = T['block6_dw_bn_W']  # in place: the new block6_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block6_dw_bn_W_new, T['V_block6_dw_bn_W'], momentum, d_block6_dw_bn_W, decay, T['block6_dw_bn_W']),
-                   (ew_mul_sub, block6_dw_bn_W_new, T['block6_dw_bn_W'], lr, V_block6_dw_bn_W_new))
-        # free block6_dw_bn_inv_std, d_block6_dw_bn_weight, d_block6_dw_bn_W
-        del block6_dw_bn_inv_std, d_block6_dw_bn_weight, d_block6_dw_bn_W
-        mem.free(85)
         # d_block6_dw_bn_B = reshape[192](d_block6_dw_bn_bias)
         d_block6_dw_bn_B = rt.reshape(d_block6_dw_bn_bias, shape=(192,))
-        # V_block6_dw_bn_B_new = V_block6_dw_bn_B*momentum + d_block6_dw_bn_B + decay*block6_dw_bn_B   (computed with the next statement)
-        V_block6_dw_bn_B_new = T['V_block6_dw_bn_B']  # in place: the new V_block6_dw_bn_B
-        # block6_dw_bn_B_new = block6_dw_bn_B - lr*V_block6_dw_bn_B_new
-        block6_dw_bn_B_new = T['block6_dw_bn_B']  # in place: the new block6_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block6_dw_bn_B_new, T['V_block6_dw_bn_B'], momentum, d_block6_dw_bn_B, decay, T['block6_dw_bn_B']),
-                   (ew_mul_sub, block6_dw_bn_B_new, T['block6_dw_bn_B'], lr, V_block6_dw_bn_B_new))
-        # free d_block6_dw_bn_bias, d_block6_dw_bn_B
-        del d_block6_dw_bn_bias, d_block6_dw_bn_B
-        mem.free(511)
         # d_block6_dw_bn_sum = d_block6_dw_bn_batch_mean/25088
         d_block6_dw_bn_sum = d_block6_dw_bn_batch_mean  # in place: over d_block6_dw_bn_batch_mean
         rt.ew(ew_scale_3, d_block6_dw_bn_sum, d_block6_dw_bn_batch_mean)
@@ -6991,12 +6165,6 @@ class MobilenetV2(rp.Model):
         # d_block6_dw_W = conv2d_bwd_filter[groups=192,kernel=(3,3),pad=1](d_block6_dw, block6_expand_bn_clipped_relu_2)
         d_block6_dw_W = mem.tensor(513, (192, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block6_dw, block6_expand_bn_clipped_relu_2, out=d_block6_dw_W, groups=192, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(26856192))
-        # V_block6_dw_W_new = V_block6_dw_W*momentum + d_block6_dw_W + decay*block6_dw_W
-        V_block6_dw_W_new = T['V_block6_dw_W']  # in place: the new V_block6_dw_W
-        rt.ew(ew_mul_add_4, V_block6_dw_W_new, T['V_block6_dw_W'], momentum, d_block6_dw_W, decay, T['block6_dw_W'])
-        # free d_block6_dw_W
-        del d_block6_dw_W
-        mem.free(513)
         # d_block6_expand_bn_clipped_relu = conv2d_bwd_data[groups=192,pad=1,size=(28,28)](d_block6_dw, block6_dw_W)
         d_block6_expand_bn_clipped_relu = mem.tensor(514, (32, 192, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_block6_dw, T['block6_dw_W'], out=d_block6_expand_bn_clipped_relu, groups=192, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(32514048))
@@ -7017,13 +6185,6 @@ class MobilenetV2(rp.Model):
         # free block6_expand_bn_clipped_relu_2
         del block6_expand_bn_clipped_relu_2
         mem.free(512)
-
-        # ---- block6_dw (conv 3x3, 192 channels, stride 1, padding 1, 192 groups), backward ----
-        # block6_dw_W_new = block6_dw_W - lr*V_block6_dw_W_new
-        block6_dw_W_new = T['block6_dw_W']  # in place: the new block6_dw_W
-        rt.ew(ew_mul_sub, block6_dw_W_new, T['block6_dw_W'], lr, V_block6_dw_W_new)
-
-        # ---- block6_expand_bn (batch norm), backward ----
         # d_block6_expand_bn_inv_std = block6_expand_bn_weight*d_block6_expand_bn_ew_sum   (computed with the next statement)
         d_block6_expand_bn_inv_std = mem.tensor(516, (1, 192, 1, 1), 'float32')
         # d_block6_expand_bn_sum_of_squares = -d_block6_expand_bn_inv_std/(50176*(block6_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -7057,26 +6218,8 @@ class MobilenetV2(rp.Model):
         mem.free(515)
         # d_block6_expand_bn_W = reshape[192](d_block6_expand_bn_weight)
         d_block6_expand_bn_W = rt.reshape(d_block6_expand_bn_weight, shape=(192,))
-        # V_block6_expand_bn_W_new = V_block6_expand_bn_W*momentum + d_block6_expand_bn_W + decay*block6_expand_bn_W   (computed with the next statement)
-        V_block6_expand_bn_W_new = T['V_block6_expand_bn_W']  # in place: the new V_block6_expand_bn_W
-        # block6_expand_bn_W_new = block6_expand_bn_W - lr*V_block6_expand_bn_W_new
-        block6_expand_bn_W_new = T['block6_expand_bn_W']  # in place: the new block6_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block6_expand_bn_W_new, T['V_block6_expand_bn_W'], momentum, d_block6_expand_bn_W, decay, T['block6_expand_bn_W']),
-                   (ew_mul_sub, block6_expand_bn_W_new, T['block6_expand_bn_W'], lr, V_block6_expand_bn_W_new))
-        # free block6_expand_bn_inv_std, d_block6_expand_bn_weight, d_block6_expand_bn_W
-        del block6_expand_bn_inv_std, d_block6_expand_bn_weight, d_block6_expand_bn_W
-        mem.free(80)
         # d_block6_expand_bn_B = reshape[192](d_block6_expand_bn_bias)
         d_block6_expand_bn_B = rt.reshape(d_block6_expand_bn_bias, shape=(192,))
-        # V_block6_expand_bn_B_new = V_block6_expand_bn_B*momentum + d_block6_expand_bn_B + decay*block6_expand_bn_B   (computed with the next statement)
-        V_block6_expand_bn_B_new = T['V_block6_expand_bn_B']  # in place: the new V_block6_expand_bn_B
-        # block6_expand_bn_B_new = block6_expand_bn_B - lr*V_block6_expand_bn_B_new
-        block6_expand_bn_B_new = T['block6_expand_bn_B']  # in place: the new block6_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block6_expand_bn_B_new, T['V_block6_expand_bn_B'], momentum, d_block6_expand_bn_B, decay, T['block6_expand_bn_B']),
-                   (ew_mul_sub, block6_expand_bn_B_new, T['block6_expand_bn_B'], lr, V_block6_expand_bn_B_new))
-        # free d_block6_expand_bn_bias, d_block6_expand_bn_B
-        del d_block6_expand_bn_bias, d_block6_expand_bn_B
-        mem.free(518)
         # d_block6_expand_bn_sum = d_block6_expand_bn_batch_mean/25088
         d_block6_expand_bn_sum = d_block6_expand_bn_batch_mean  # in place: over d_block6_expand_bn_batch_mean
         rt.ew(ew_scale_3, d_block6_expand_bn_sum, d_block6_expand_bn_batch_mean)
@@ -7114,19 +6257,6 @@ class MobilenetV2(rp.Model):
         # free d_block5_project_bn_add
         del d_block5_project_bn_add
         mem.free(520)
-
-        # ---- block6_expand (conv 1x1, 192 channels, stride 1, padding 0), backward ----
-        # V_block6_expand_W_new = V_block6_expand_W*momentum + d_block6_expand_W + decay*block6_expand_W   (computed with the next statement)
-        V_block6_expand_W_new = T['V_block6_expand_W']  # in place: the new V_block6_expand_W
-        # block6_expand_W_new = block6_expand_W - lr*V_block6_expand_W_new
-        block6_expand_W_new = T['block6_expand_W']  # in place: the new block6_expand_W
-        rt.ew_pair((ew_mul_add_4, V_block6_expand_W_new, T['V_block6_expand_W'], momentum, d_block6_expand_W, decay, T['block6_expand_W']),
-                   (ew_mul_sub, block6_expand_W_new, T['block6_expand_W'], lr, V_block6_expand_W_new))
-        # free d_block6_expand_W
-        del d_block6_expand_W
-        mem.free(519)
-
-        # ---- block5_project_bn (batch norm), backward ----
         # d_block5_project_bn_inv_std = block5_project_bn_weight*d_block5_project_bn_ew_sum   (computed with the next statement)
         d_block5_project_bn_inv_std = mem.tensor(522, (1, 32, 1, 1), 'float32')
         # d_block5_project_bn_sum_of_squares = -d_block5_project_bn_inv_std/(50176*(block5_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -7154,15 +6284,6 @@ class MobilenetV2(rp.Model):
         mem.free(521)
         # d_block5_project_bn_W = reshape[32](d_block5_project_bn_weight)
         d_block5_project_bn_W = rt.reshape(d_block5_project_bn_weight, shape=(32,))
-        # V_block5_project_bn_W_new = V_block5_project_bn_W*momentum + d_block5_project_bn_W + decay*block5_project_bn_W   (computed with the next statement)
-        V_block5_project_bn_W_new = T['V_block5_project_bn_W']  # in place: the new V_block5_project_bn_W
-        # block5_project_bn_W_new = block5_project_bn_W - lr*V_block5_project_bn_W_new
-        block5_project_bn_W_new = T['block5_project_bn_W']  # in place: the new block5_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block5_project_bn_W_new, T['V_block5_project_bn_W'], momentum, d_block5_project_bn_W, decay, T['block5_project_bn_W']),
-                   (ew_mul_sub, block5_project_bn_W_new, T['block5_project_bn_W'], lr, V_block5_project_bn_W_new))
-        # free block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W
-        del block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W
-        mem.free(76)
         # d_block5_project_bn_sum = d_block5_project_bn_batch_mean/25088
         d_block5_project_bn_sum = d_block5_project_bn_batch_mean  # in place: over d_block5_project_bn_batch_mean
         rt.ew(ew_scale_3, d_block5_project_bn_sum, d_block5_project_bn_batch_mean)
@@ -7181,15 +6302,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block5_project_bn_add_2, out=d_block5_project_bn_bias, shape=(1, 32, 1, 1))
         # d_block5_project_bn_B = reshape[32](d_block5_project_bn_bias)
         d_block5_project_bn_B = rt.reshape(d_block5_project_bn_bias, shape=(32,))
-        # V_block5_project_bn_B_new = V_block5_project_bn_B*momentum + d_block5_project_bn_B + decay*block5_project_bn_B   (computed with the next statement)
-        V_block5_project_bn_B_new = T['V_block5_project_bn_B']  # in place: the new V_block5_project_bn_B
-        # block5_project_bn_B_new = block5_project_bn_B - lr*V_block5_project_bn_B_new
-        block5_project_bn_B_new = T['block5_project_bn_B']  # in place: the new block5_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block5_project_bn_B_new, T['V_block5_project_bn_B'], momentum, d_block5_project_bn_B, decay, T['block5_project_bn_B']),
-                   (ew_mul_sub, block5_project_bn_B_new, T['block5_project_bn_B'], lr, V_block5_project_bn_B_new))
-        # free d_block5_project_bn_bias, d_block5_project_bn_B
-        del d_block5_project_bn_bias, d_block5_project_bn_B
-        mem.free(524)
 
         # ---- block5_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block5_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block5_dw_bn_centered*block5_dw_bn_inv_std*block5_dw_bn_weight + block5_dw_bn_bias))
@@ -7200,12 +6312,6 @@ class MobilenetV2(rp.Model):
         # d_block5_project_W = conv2d_bwd_filter[kernel=(1,1)](d_block5_project, block5_dw_bn_clipped_relu_2)
         d_block5_project_W = mem.tensor(526, (32, 192, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block5_project, block5_dw_bn_clipped_relu_2, out=d_block5_project_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(22478848))
-        # V_block5_project_W_new = V_block5_project_W*momentum + d_block5_project_W + decay*block5_project_W
-        V_block5_project_W_new = T['V_block5_project_W']  # in place: the new V_block5_project_W
-        rt.ew(ew_mul_add_4, V_block5_project_W_new, T['V_block5_project_W'], momentum, d_block5_project_W, decay, T['block5_project_W'])
-        # free d_block5_project_W
-        del d_block5_project_W
-        mem.free(526)
         # d_block5_dw_bn_clipped_relu = conv2d_bwd_data[size=(28,28)](d_block5_project, block5_project_W)
         d_block5_dw_bn_clipped_relu = mem.tensor(527, (32, 192, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_block5_project, T['block5_project_W'], out=d_block5_dw_bn_clipped_relu, pad=0, size=(28, 28), stride=1)
@@ -7226,13 +6332,6 @@ class MobilenetV2(rp.Model):
         # free block5_dw_bn_clipped_relu_2
         del block5_dw_bn_clipped_relu_2
         mem.free(525)
-
-        # ---- block5_project (conv 1x1, 32 channels, stride 1, padding 0), backward ----
-        # block5_project_W_new = block5_project_W - lr*V_block5_project_W_new
-        block5_project_W_new = T['block5_project_W']  # in place: the new block5_project_W
-        rt.ew(ew_mul_sub, block5_project_W_new, T['block5_project_W'], lr, V_block5_project_W_new)
-
-        # ---- block5_dw_bn (batch norm), backward ----
         # d_block5_dw_bn_inv_std = block5_dw_bn_weight*d_block5_dw_bn_ew_sum   (computed with the next statement)
         d_block5_dw_bn_inv_std = mem.tensor(529, (1, 192, 1, 1), 'float32')
         # d_block5_dw_bn_sum_of_squares = -d_block5_dw_bn_inv_std/(50176*(block5_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -7266,26 +6365,8 @@ class MobilenetV2(rp.Model):
         mem.free(528)
         # d_block5_dw_bn_W = reshape[192](d_block5_dw_bn_weight)
         d_block5_dw_bn_W = rt.reshape(d_block5_dw_bn_weight, shape=(192,))
-        # V_block5_dw_bn_W_new = V_block5_dw_bn_W*momentum + d_block5_dw_bn_W + decay*block5_dw_bn_W   (computed with the next statement)
-        V_block5_dw_bn_W_new = T['V_block5_dw_bn_W']  # in place: the new V_block5_dw_bn_W
-        # block5_dw_bn_W_new = block5_dw_bn_W - lr*V_block5_dw_bn_W_new
-        block5_dw_bn_W_new = T['block5_dw_bn_W']  # in place: the new block5_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block5_dw_bn_W_new, T['V_block5_dw_bn_W'], momentum, d_block5_dw_bn_W, decay, T['block5_dw_bn_W']),
-                   (ew_mul_sub, block5_dw_bn_W_new, T['block5_dw_bn_W'], lr, V_block5_dw_bn_W_new))
-        # free block5_dw_bn_inv_std, d_block5_dw_bn_weight, d_block5_dw_bn_W
-        del block5_dw_bn_inv_std, d_block5_dw_bn_weight, d_block5_dw_bn_W
-        mem.free(71)
         # d_block5_dw_bn_B = reshape[192](d_block5_dw_bn_bias)
         d_block5_dw_bn_B = rt.reshape(d_block5_dw_bn_bias, shape=(192,))
-        # V_block5_dw_bn_B_new = V_block5_dw_bn_B*momentum + d_block5_dw_bn_B + decay*block5_dw_bn_B   (computed with the next statement)
-        V_block5_dw_bn_B_new = T['V_block5_dw_bn_B']  # in place: the new V_block5_dw_bn_B
-        # block5_dw_bn_B_new = block5_dw_bn_B - lr*V_block5_dw_bn_B_new
-        block5_dw_bn_B_new = T['block5_dw_bn_B']  # in place: the new block5_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block5_dw_bn_B_new, T['V_block5_dw_bn_B'], momentum, d_block5_dw_bn_B, decay, T['block5_dw_bn_B']),
-                   (ew_mul_sub, block5_dw_bn_B_new, T['block5_dw_bn_B'], lr, V_block5_dw_bn_B_new))
-        # free d_block5_dw_bn_bias, d_block5_dw_bn_B
-        del d_block5_dw_bn_bias, d_block5_dw_bn_B
-        mem.free(531)
         # d_block5_dw_bn_sum = d_block5_dw_bn_batch_mean/25088
         d_block5_dw_bn_sum = d_block5_dw_bn_batch_mean  # in place: over d_block5_dw_bn_batch_mean
         rt.ew(ew_scale_3, d_block5_dw_bn_sum, d_block5_dw_bn_batch_mean)
@@ -7307,12 +6388,6 @@ class MobilenetV2(rp.Model):
         # d_block5_dw_W = conv2d_bwd_filter[groups=192,kernel=(3,3),pad=1](d_block5_dw, block5_expand_bn_clipped_relu_2)
         d_block5_dw_W = mem.tensor(533, (192, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block5_dw, block5_expand_bn_clipped_relu_2, out=d_block5_dw_W, groups=192, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(26856192))
-        # V_block5_dw_W_new = V_block5_dw_W*momentum + d_block5_dw_W + decay*block5_dw_W
-        V_block5_dw_W_new = T['V_block5_dw_W']  # in place: the new V_block5_dw_W
-        rt.ew(ew_mul_add_4, V_block5_dw_W_new, T['V_block5_dw_W'], momentum, d_block5_dw_W, decay, T['block5_dw_W'])
-        # free d_block5_dw_W
-        del d_block5_dw_W
-        mem.free(533)
         # d_block5_expand_bn_clipped_relu = conv2d_bwd_data[groups=192,pad=1,size=(28,28)](d_block5_dw, block5_dw_W)
         d_block5_expand_bn_clipped_relu = mem.tensor(534, (32, 192, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_block5_dw, T['block5_dw_W'], out=d_block5_expand_bn_clipped_relu, groups=192, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(32514048))
@@ -7333,13 +6408,6 @@ class MobilenetV2(rp.Model):
         # free block5_expand_bn_clipped_relu_2
         del block5_expand_bn_clipped_relu_2
         mem.free(532)
-
-        # ---- block5_dw (conv 3x3, 192 channels, stride 1, padding 1, 192 groups), backward ----
-        # block5_dw_W_new = block5_dw_W - lr*V_block5_dw_W_new
-        block5_dw_W_new = T['block5_dw_W']  # in place: the new block5_dw_W
-        rt.ew(ew_mul_sub, block5_dw_W_new, T['block5_dw_W'], lr, V_block5_dw_W_new)
-
-        # ---- block5_expand_bn (batch norm), backward ----
         # d_block5_expand_bn_inv_std = block5_expand_bn_weight*d_block5_expand_bn_ew_sum   (computed with the next statement)
         d_block5_expand_bn_inv_std = mem.tensor(536, (1, 192, 1, 1), 'float32')
         # d_block5_expand_bn_sum_of_squares = -d_block5_expand_bn_inv_std/(50176*(block5_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -7373,26 +6441,8 @@ class MobilenetV2(rp.Model):
         mem.free(535)
         # d_block5_expand_bn_W = reshape[192](d_block5_expand_bn_weight)
         d_block5_expand_bn_W = rt.reshape(d_block5_expand_bn_weight, shape=(192,))
-        # V_block5_expand_bn_W_new = V_block5_expand_bn_W*momentum + d_block5_expand_bn_W + decay*block5_expand_bn_W   (computed with the next statement)
-        V_block5_expand_bn_W_new = T['V_block5_expand_bn_W']  # in place: the new V_block5_expand_bn_W
-        # block5_expand_bn_W_new = block5_expand_bn_W - lr*V_block5_expand_bn_W_new
-        block5_expand_bn_W_new = T['block5_expand_bn_W']  # in place: the new block5_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block5_expand_bn_W_new, T['V_block5_expand_bn_W'], momentum, d_block5_expand_bn_W, decay, T['block5_expand_bn_W']),
-                   (ew_mul_sub, block5_expand_bn_W_new, T['block5_expand_bn_W'], lr, V_block5_expand_bn_W_new))
-        # free block5_expand_bn_inv_std, d_block5_expand_bn_weight, d_block5_expand_bn_W
-        del block5_expand_bn_inv_std, d_block5_expand_bn_weight, d_block5_expand_bn_W
-        mem.free(66)
         # d_block5_expand_bn_B = reshape[192](d_block5_expand_bn_bias)
         d_block5_expand_bn_B = rt.reshape(d_block5_expand_bn_bias, shape=(192,))
-        # V_block5_expand_bn_B_new = V_block5_expand_bn_B*momentum + d_block5_expand_bn_B + decay*block5_expand_bn_B   (computed with the next statement)
-        V_block5_expand_bn_B_new = T['V_block5_expand_bn_B']  # in place: the new V_block5_expand_bn_B
-        # block5_expand_bn_B_new = block5_expand_bn_B - lr*V_block5_expand_bn_B_new
-        block5_expand_bn_B_new = T['block5_expand_bn_B']  # in place: the new block5_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block5_expand_bn_B_new, T['V_block5_expand_bn_B'], momentum, d_block5_expand_bn_B, decay, T['block5_expand_bn_B']),
-                   (ew_mul_sub, block5_expand_bn_B_new, T['block5_expand_bn_B'], lr, V_block5_expand_bn_B_new))
-        # free d_block5_expand_bn_bias, d_block5_expand_bn_B
-        del d_block5_expand_bn_bias, d_block5_expand_bn_B
-        mem.free(538)
         # d_block5_expand_bn_sum = d_block5_expand_bn_batch_mean/25088
         d_block5_expand_bn_sum = d_block5_expand_bn_batch_mean  # in place: over d_block5_expand_bn_batch_mean
         rt.ew(ew_scale_3, d_block5_expand_bn_sum, d_block5_expand_bn_batch_mean)
@@ -7435,19 +6485,6 @@ class MobilenetV2(rp.Model):
         # free d_block4_project_bn
         del d_block4_project_bn
         mem.free(541)
-
-        # ---- block5_expand (conv 1x1, 192 channels, stride 1, padding 0), backward ----
-        # V_block5_expand_W_new = V_block5_expand_W*momentum + d_block5_expand_W + decay*block5_expand_W   (computed with the next statement)
-        V_block5_expand_W_new = T['V_block5_expand_W']  # in place: the new V_block5_expand_W
-        # block5_expand_W_new = block5_expand_W - lr*V_block5_expand_W_new
-        block5_expand_W_new = T['block5_expand_W']  # in place: the new block5_expand_W
-        rt.ew_pair((ew_mul_add_4, V_block5_expand_W_new, T['V_block5_expand_W'], momentum, d_block5_expand_W, decay, T['block5_expand_W']),
-                   (ew_mul_sub, block5_expand_W_new, T['block5_expand_W'], lr, V_block5_expand_W_new))
-        # free d_block5_expand_W
-        del d_block5_expand_W
-        mem.free(540)
-
-        # ---- block4_project_bn (batch norm), backward ----
         # d_block4_project_bn_inv_std = block4_project_bn_weight*d_block4_project_bn_ew_sum   (computed with the next statement)
         d_block4_project_bn_inv_std = mem.tensor(543, (1, 32, 1, 1), 'float32')
         # d_block4_project_bn_sum_of_squares = -d_block4_project_bn_inv_std/(50176*(block4_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -7481,26 +6518,8 @@ class MobilenetV2(rp.Model):
         mem.free(542)
         # d_block4_project_bn_W = reshape[32](d_block4_project_bn_weight)
         d_block4_project_bn_W = rt.reshape(d_block4_project_bn_weight, shape=(32,))
-        # V_block4_project_bn_W_new = V_block4_project_bn_W*momentum + d_block4_project_bn_W + decay*block4_project_bn_W   (computed with the next statement)
-        V_block4_project_bn_W_new = T['V_block4_project_bn_W']  # in place: the new V_block4_project_bn_W
-        # block4_project_bn_W_new = block4_project_bn_W - lr*V_block4_project_bn_W_new
-        block4_project_bn_W_new = T['block4_project_bn_W']  # in place: the new block4_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block4_project_bn_W_new, T['V_block4_project_bn_W'], momentum, d_block4_project_bn_W, decay, T['block4_project_bn_W']),
-                   (ew_mul_sub, block4_project_bn_W_new, T['block4_project_bn_W'], lr, V_block4_project_bn_W_new))
-        # free block4_project_bn_inv_std, d_block4_project_bn_weight, d_block4_project_bn_W
-        del block4_project_bn_inv_std, d_block4_project_bn_weight, d_block4_project_bn_W
-        mem.free(61)
         # d_block4_project_bn_B = reshape[32](d_block4_project_bn_bias)
         d_block4_project_bn_B = rt.reshape(d_block4_project_bn_bias, shape=(32,))
-        # V_block4_project_bn_B_new = V_block4_project_bn_B*momentum + d_block4_project_bn_B + decay*block4_project_bn_B   (computed with the next statement)
-        V_block4_project_bn_B_new = T['V_block4_project_bn_B']  # in place: the new V_block4_project_bn_B
-        # block4_project_bn_B_new = block4_project_bn_B - lr*V_block4_project_bn_B_new
-        block4_project_bn_B_new = T['block4_project_bn_B']  # in place: the new block4_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block4_project_bn_B_new, T['V_block4_project_bn_B'], momentum, d_block4_project_bn_B, decay, T['block4_project_bn_B']),
-                   (ew_mul_sub, block4_project_bn_B_new, T['block4_project_bn_B'], lr, V_block4_project_bn_B_new))
-        # free d_block4_project_bn_bias, d_block4_project_bn_B
-        del d_block4_project_bn_bias, d_block4_project_bn_B
-        mem.free(545)
         # d_block4_project_bn_sum = d_block4_project_bn_batch_mean/25088
         d_block4_project_bn_sum = d_block4_project_bn_batch_mean  # in place: over d_block4_project_bn_batch_mean
         rt.ew(ew_scale_3, d_block4_project_bn_sum, d_block4_project_bn_batch_mean)
@@ -7522,12 +6541,6 @@ class MobilenetV2(rp.Model):
         # d_block4_project_W = conv2d_bwd_filter[kernel=(1,1)](d_block4_project, block4_dw_bn_clipped_relu_2)
         d_block4_project_W = mem.tensor(547, (32, 144, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block4_project, block4_dw_bn_clipped_relu_2, out=d_block4_project_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(17661952))
-        # V_block4_project_W_new = V_block4_project_W*momentum + d_block4_project_W + decay*block4_project_W
-        V_block4_project_W_new = T['V_block4_project_W']  # in place: the new V_block4_project_W
-        rt.ew(ew_mul_add_4, V_block4_project_W_new, T['V_block4_project_W'], momentum, d_block4_project_W, decay, T['block4_project_W'])
-        # free d_block4_project_W
-        del d_block4_project_W
-        mem.free(547)
         # d_block4_dw_bn_clipped_relu = conv2d_bwd_data[size=(28,28)](d_block4_project, block4_project_W)
         d_block4_dw_bn_clipped_relu = mem.tensor(548, (32, 144, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_block4_project, T['block4_project_W'], out=d_block4_dw_bn_clipped_relu, pad=0, size=(28, 28), stride=1)
@@ -7548,13 +6561,6 @@ class MobilenetV2(rp.Model):
         # free block4_dw_bn_clipped_relu_2
         del block4_dw_bn_clipped_relu_2
         mem.free(546)
-
-        # ---- block4_project (conv 1x1, 32 channels, stride 1, padding 0), backward ----
-        # block4_project_W_new = block4_project_W - lr*V_block4_project_W_new
-        block4_project_W_new = T['block4_project_W']  # in place: the new block4_project_W
-        rt.ew(ew_mul_sub, block4_project_W_new, T['block4_project_W'], lr, V_block4_project_W_new)
-
-        # ---- block4_dw_bn (batch norm), backward ----
         # d_block4_dw_bn_inv_std = block4_dw_bn_weight*d_block4_dw_bn_ew_sum   (computed with the next statement)
         d_block4_dw_bn_inv_std = mem.tensor(550, (1, 144, 1, 1), 'float32')
         # d_block4_dw_bn_sum_of_squares = -d_block4_dw_bn_inv_std/(50176*(block4_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -7588,26 +6594,8 @@ class MobilenetV2(rp.Model):
         mem.free(549)
         # d_block4_dw_bn_W = reshape[144](d_block4_dw_bn_weight)
         d_block4_dw_bn_W = rt.reshape(d_block4_dw_bn_weight, shape=(144,))
-        # V_block4_dw_bn_W_new = V_block4_dw_bn_W*momentum + d_block4_dw_bn_W + decay*block4_dw_bn_W   (computed with the next statement)
-        V_block4_dw_bn_W_new = T['V_block4_dw_bn_W']  # in place: the new V_block4_dw_bn_W
-        # block4_dw_bn_W_new = block4_dw_bn_W - lr*V_block4_dw_bn_W_new
-        block4_dw_bn_W_new = T['block4_dw_bn_W']  # in place: the new block4_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block4_dw_bn_W_new, T['V_block4_dw_bn_W'], momentum, d_block4_dw_bn_W, decay, T['block4_dw_bn_W']),
-                   (ew_mul_sub, block4_dw_bn_W_new, T['block4_dw_bn_W'], lr, V_block4_dw_bn_W_new))
-        # free block4_dw_bn_inv_std, d_block4_dw_bn_weight, d_block4_dw_bn_W
-        del block4_dw_bn_inv_std, d_block4_dw_bn_weight, d_block4_dw_bn_W
-        mem.free(56)
         # d_block4_dw_bn_B = reshape[144](d_block4_dw_bn_bias)
         d_block4_dw_bn_B = rt.reshape(d_block4_dw_bn_bias, shape=(144,))
-        # V_block4_dw_bn_B_new = V_block4_dw_bn_B*momentum + d_block4_dw_bn_B + decay*block4_dw_bn_B   (computed with the next statement)
-        V_block4_dw_bn_B_new = T['V_block4_dw_bn_B']  # in place: the new V_block4_dw_bn_B
-        # block4_dw_bn_B_new = block4_dw_bn_B - lr*V_block4_dw_bn_B_new
-        block4_dw_bn_B_new = T['block4_dw_bn_B']  # in place: the new block4_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block4_dw_bn_B_new, T['V_block4_dw_bn_B'], momentum, d_block4_dw_bn_B, decay, T['block4_dw_bn_B']),
-                   (ew_mul_sub, block4_dw_bn_B_new, T['block4_dw_bn_B'], lr, V_block4_dw_bn_B_new))
-        # free d_block4_dw_bn_bias, d_block4_dw_bn_B
-        del d_block4_dw_bn_bias, d_block4_dw_bn_B
-        mem.free(552)
         # d_block4_dw_bn_sum = d_block4_dw_bn_batch_mean/25088
         d_block4_dw_bn_sum = d_block4_dw_bn_batch_mean  # in place: over d_block4_dw_bn_batch_mean
         rt.ew(ew_scale_3, d_block4_dw_bn_sum, d_block4_dw_bn_batch_mean)
@@ -7629,12 +6617,6 @@ class MobilenetV2(rp.Model):
         # d_block4_dw_W = conv2d_bwd_filter[groups=144,kernel=(3,3),pad=1,stride=2](d_block4_dw, block4_expand_bn_clipped_relu_2)
         d_block4_dw_W = mem.tensor(554, (144, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block4_dw, block4_expand_bn_clipped_relu_2, out=d_block4_dw_W, groups=144, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(32272704))
-        # V_block4_dw_W_new = V_block4_dw_W*momentum + d_block4_dw_W + decay*block4_dw_W
-        V_block4_dw_W_new = T['V_block4_dw_W']  # in place: the new V_block4_dw_W
-        rt.ew(ew_mul_add_4, V_block4_dw_W_new, T['V_block4_dw_W'], momentum, d_block4_dw_W, decay, T['block4_dw_W'])
-        # free d_block4_dw_W
-        del d_block4_dw_W
-        mem.free(554)
         # d_block4_expand_bn_clipped_relu = conv2d_bwd_data[groups=144,pad=1,size=(56,56),stride=2](d_block4_dw, block4_dw_W)
         d_block4_expand_bn_clipped_relu = mem.tensor(555, (32, 144, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_block4_dw, T['block4_dw_W'], out=d_block4_expand_bn_clipped_relu, groups=144, pad=1, size=(56, 56), stride=2, workspace=mem.workspace(32514048))
@@ -7655,13 +6637,6 @@ class MobilenetV2(rp.Model):
         # free block4_expand_bn_clipped_relu_2
         del block4_expand_bn_clipped_relu_2
         mem.free(553)
-
-        # ---- block4_dw (conv 3x3, 144 channels, stride 2, padding 1, 144 groups), backward ----
-        # block4_dw_W_new = block4_dw_W - lr*V_block4_dw_W_new
-        block4_dw_W_new = T['block4_dw_W']  # in place: the new block4_dw_W
-        rt.ew(ew_mul_sub, block4_dw_W_new, T['block4_dw_W'], lr, V_block4_dw_W_new)
-
-        # ---- block4_expand_bn (batch norm), backward ----
         # d_block4_expand_bn_inv_std = block4_expand_bn_weight*d_block4_expand_bn_ew_sum   (computed with the next statement)
         d_block4_expand_bn_inv_std = mem.tensor(557, (1, 144, 1, 1), 'float32')
         # d_block4_expand_bn_sum_of_squares = -d_block4_expand_bn_inv_std/(200704*(block4_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -7695,26 +6670,8 @@ class MobilenetV2(rp.Model):
         mem.free(556)
         # d_block4_expand_bn_W = reshape[144](d_block4_expand_bn_weight)
         d_block4_expand_bn_W = rt.reshape(d_block4_expand_bn_weight, shape=(144,))
-        # V_block4_expand_bn_W_new = V_block4_expand_bn_W*momentum + d_block4_expand_bn_W + decay*block4_expand_bn_W   (computed with the next statement)
-        V_block4_expand_bn_W_new = T['V_block4_expand_bn_W']  # in place: the new V_block4_expand_bn_W
-        # block4_expand_bn_W_new = block4_expand_bn_W - lr*V_block4_expand_bn_W_new
-        block4_expand_bn_W_new = T['block4_expand_bn_W']  # in place: the new block4_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block4_expand_bn_W_new, T['V_block4_expand_bn_W'], momentum, d_block4_expand_bn_W, decay, T['block4_expand_bn_W']),
-                   (ew_mul_sub, block4_expand_bn_W_new, T['block4_expand_bn_W'], lr, V_block4_expand_bn_W_new))
-        # free block4_expand_bn_inv_std, d_block4_expand_bn_weight, d_block4_expand_bn_W
-        del block4_expand_bn_inv_std, d_block4_expand_bn_weight, d_block4_expand_bn_W
-        mem.free(51)
         # d_block4_expand_bn_B = reshape[144](d_block4_expand_bn_bias)
         d_block4_expand_bn_B = rt.reshape(d_block4_expand_bn_bias, shape=(144,))
-        # V_block4_expand_bn_B_new = V_block4_expand_bn_B*momentum + d_block4_expand_bn_B + decay*block4_expand_bn_B   (computed with the next statement)
-        V_block4_expand_bn_B_new = T['V_block4_expand_bn_B']  # in place: the new V_block4_expand_bn_B
-        # block4_expand_bn_B_new = block4_expand_bn_B - lr*V_block4_expand_bn_B_new
-        block4_expand_bn_B_new = T['block4_expand_bn_B']  # in place: the new block4_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block4_expand_bn_B_new, T['V_block4_expand_bn_B'], momentum, d_block4_expand_bn_B, decay, T['block4_expand_bn_B']),
-                   (ew_mul_sub, block4_expand_bn_B_new, T['block4_expand_bn_B'], lr, V_block4_expand_bn_B_new))
-        # free d_block4_expand_bn_bias, d_block4_expand_bn_B
-        del d_block4_expand_bn_bias, d_block4_expand_bn_B
-        mem.free(559)
         # d_block4_expand_bn_sum = d_block4_expand_bn_batch_mean/100352
         d_block4_expand_bn_sum = d_block4_expand_bn_batch_mean  # in place: over d_block4_expand_bn_batch_mean
         rt.ew(ew_scale_2, d_block4_expand_bn_sum, d_block4_expand_bn_batch_mean)
@@ -7738,15 +6695,6 @@ class MobilenetV2(rp.Model):
         # free block4_expand, block4_expand_bn_centered, d_block4_expand_bn_centered, d_block4_expand
         del block4_expand, block4_expand_bn_centered, d_block4_expand_bn_centered, d_block4_expand
         mem.free(48)
-        # V_block4_expand_W_new = V_block4_expand_W*momentum + d_block4_expand_W + decay*block4_expand_W   (computed with the next statement)
-        V_block4_expand_W_new = T['V_block4_expand_W']  # in place: the new V_block4_expand_W
-        # block4_expand_W_new = block4_expand_W - lr*V_block4_expand_W_new
-        block4_expand_W_new = T['block4_expand_W']  # in place: the new block4_expand_W
-        rt.ew_pair((ew_mul_add_4, V_block4_expand_W_new, T['V_block4_expand_W'], momentum, d_block4_expand_W, decay, T['block4_expand_W']),
-                   (ew_mul_sub, block4_expand_W_new, T['block4_expand_W'], lr, V_block4_expand_W_new))
-        # free d_block4_expand_W
-        del d_block4_expand_W
-        mem.free(560)
 
         # ---- block3_project_bn (batch norm), backward ----
         # d_block3_project_bn_ew_sum = sum_to[1x24x1x1](d_block3_project_bn_add*block3_project_bn_centered)
@@ -7779,15 +6727,6 @@ class MobilenetV2(rp.Model):
         mem.free(562)
         # d_block3_project_bn_W = reshape[24](d_block3_project_bn_weight)
         d_block3_project_bn_W = rt.reshape(d_block3_project_bn_weight, shape=(24,))
-        # V_block3_project_bn_W_new = V_block3_project_bn_W*momentum + d_block3_project_bn_W + decay*block3_project_bn_W   (computed with the next statement)
-        V_block3_project_bn_W_new = T['V_block3_project_bn_W']  # in place: the new V_block3_project_bn_W
-        # block3_project_bn_W_new = block3_project_bn_W - lr*V_block3_project_bn_W_new
-        block3_project_bn_W_new = T['block3_project_bn_W']  # in place: the new block3_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block3_project_bn_W_new, T['V_block3_project_bn_W'], momentum, d_block3_project_bn_W, decay, T['block3_project_bn_W']),
-                   (ew_mul_sub, block3_project_bn_W_new, T['block3_project_bn_W'], lr, V_block3_project_bn_W_new))
-        # free block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W
-        del block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W
-        mem.free(47)
         # d_block3_project_bn_sum = d_block3_project_bn_batch_mean/100352
         d_block3_project_bn_sum = d_block3_project_bn_batch_mean  # in place: over d_block3_project_bn_batch_mean
         rt.ew(ew_scale_2, d_block3_project_bn_sum, d_block3_project_bn_batch_mean)
@@ -7806,15 +6745,6 @@ class MobilenetV2(rp.Model):
         rt.sum_to(d_block3_project_bn_add, out=d_block3_project_bn_bias, shape=(1, 24, 1, 1))
         # d_block3_project_bn_B = reshape[24](d_block3_project_bn_bias)
         d_block3_project_bn_B = rt.reshape(d_block3_project_bn_bias, shape=(24,))
-        # V_block3_project_bn_B_new = V_block3_project_bn_B*momentum + d_block3_project_bn_B + decay*block3_project_bn_B   (computed with the next statement)
-        V_block3_project_bn_B_new = T['V_block3_project_bn_B']  # in place: the new V_block3_project_bn_B
-        # block3_project_bn_B_new = block3_project_bn_B - lr*V_block3_project_bn_B_new
-        block3_project_bn_B_new = T['block3_project_bn_B']  # in place: the new block3_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block3_project_bn_B_new, T['V_block3_project_bn_B'], momentum, d_block3_project_bn_B, decay, T['block3_project_bn_B']),
-                   (ew_mul_sub, block3_project_bn_B_new, T['block3_project_bn_B'], lr, V_block3_project_bn_B_new))
-        # free d_block3_project_bn_bias, d_block3_project_bn_B
-        del d_block3_project_bn_bias, d_block3_project_bn_B
-        mem.free(565)
 
         # ---- block3_dw_bn_clipped_relu (clipped_relu(6)), forward ----
         # block3_dw_bn_clipped_relu_2 = Min(6.0, Max(0, block3_dw_bn_centered*block3_dw_bn_inv_std*block3_dw_bn_weight + block3_dw_bn_bias))
@@ -7825,12 +6755,6 @@ class MobilenetV2(rp.Model):
         # d_block3_project_W = conv2d_bwd_filter[kernel=(1,1)](d_block3_project, block3_dw_bn_clipped_relu_2)
         d_block3_project_W = mem.tensor(567, (24, 144, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block3_project, block3_dw_bn_clipped_relu_2, out=d_block3_project_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(23195136))
-        # V_block3_project_W_new = V_block3_project_W*momentum + d_block3_project_W + decay*block3_project_W
-        V_block3_project_W_new = T['V_block3_project_W']  # in place: the new V_block3_project_W
-        rt.ew(ew_mul_add_4, V_block3_project_W_new, T['V_block3_project_W'], momentum, d_block3_project_W, decay, T['block3_project_W'])
-        # free d_block3_project_W
-        del d_block3_project_W
-        mem.free(567)
         # d_block3_dw_bn_clipped_relu = conv2d_bwd_data[size=(56,56)](d_block3_project, block3_project_W)
         d_block3_dw_bn_clipped_relu = mem.tensor(568, (32, 144, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_block3_project, T['block3_project_W'], out=d_block3_dw_bn_clipped_relu, pad=0, size=(56, 56), stride=1)
@@ -7851,13 +6775,6 @@ class MobilenetV2(rp.Model):
         # free block3_dw_bn_clipped_relu_2
         del block3_dw_bn_clipped_relu_2
         mem.free(566)
-
-        # ---- block3_project (conv 1x1, 24 channels, stride 1, padding 0), backward ----
-        # block3_project_W_new = block3_project_W - lr*V_block3_project_W_new
-        block3_project_W_new = T['block3_project_W']  # in place: the new block3_project_W
-        rt.ew(ew_mul_sub, block3_project_W_new, T['block3_project_W'], lr, V_block3_project_W_new)
-
-        # ---- block3_dw_bn (batch norm), backward ----
         # d_block3_dw_bn_inv_std = block3_dw_bn_weight*d_block3_dw_bn_ew_sum   (computed with the next statement)
         d_block3_dw_bn_inv_std = mem.tensor(570, (1, 144, 1, 1), 'float32')
         # d_block3_dw_bn_sum_of_squares = -d_block3_dw_bn_inv_std/(200704*(block3_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -7891,26 +6808,8 @@ class MobilenetV2(rp.Model):
         mem.free(569)
         # d_block3_dw_bn_W = reshape[144](d_block3_dw_bn_weight)
         d_block3_dw_bn_W = rt.reshape(d_block3_dw_bn_weight, shape=(144,))
-        # V_block3_dw_bn_W_new = V_block3_dw_bn_W*momentum + d_block3_dw_bn_W + decay*block3_dw_bn_W   (computed with the next statement)
-        V_block3_dw_bn_W_new = T['V_block3_dw_bn_W']  # in place: the new V_block3_dw_bn_W
-        # block3_dw_bn_W_new = block3_dw_bn_W - lr*V_block3_dw_bn_W_new
-        block3_dw_bn_W_new = T['block3_dw_bn_W']  # in place: the new block3_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block3_dw_bn_W_new, T['V_block3_dw_bn_W'], momentum, d_block3_dw_bn_W, decay, T['block3_dw_bn_W']),
-                   (ew_mul_sub, block3_dw_bn_W_new, T['block3_dw_bn_W'], lr, V_block3_dw_bn_W_new))
-        # free block3_dw_bn_inv_std, d_block3_dw_bn_weight, d_block3_dw_bn_W
-        del block3_dw_bn_inv_std, d_block3_dw_bn_weight, d_block3_dw_bn_W
-        mem.free(42)
         # d_block3_dw_bn_B = reshape[144](d_block3_dw_bn_bias)
         d_block3_dw_bn_B = rt.reshape(d_block3_dw_bn_bias, shape=(144,))
-        # V_block3_dw_bn_B_new = V_block3_dw_bn_B*momentum + d_block3_dw_bn_B + decay*block3_dw_bn_B   (computed with the next statement)
-        V_block3_dw_bn_B_new = T['V_block3_dw_bn_B']  # in place: the new V_block3_dw_bn_B
-        # block3_dw_bn_B_new = block3_dw_bn_B - lr*V_block3_dw_bn_B_new
-        block3_dw_bn_B_new = T['block3_dw_bn_B']  # in place: the new block3_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block3_dw_bn_B_new, T['V_block3_dw_bn_B'], momentum, d_block3_dw_bn_B, decay, T['block3_dw_bn_B']),
-                   (ew_mul_sub, block3_dw_bn_B_new, T['block3_dw_bn_B'], lr, V_block3_dw_bn_B_new))
-        # free d_block3_dw_bn_bias, d_block3_dw_bn_B
-        del d_block3_dw_bn_bias, d_block3_dw_bn_B
-        mem.free(572)
         # d_block3_dw_bn_sum = d_block3_dw_bn_batch_mean/100352
         d_block3_dw_bn_sum = d_block3_dw_bn_batch_mean  # in place: over d_block3_dw_bn_batch_mean
         rt.ew(ew_scale_2, d_block3_dw_bn_sum, d_block3_dw_bn_batch_mean)
@@ -7932,12 +6831,6 @@ class MobilenetV2(rp.Model):
         # d_block3_dw_W = conv2d_bwd_filter[groups=144,kernel=(3,3),pad=1](d_block3_dw, block3_expand_bn_clipped_relu_2)
         d_block3_dw_W = mem.tensor(574, (144, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block3_dw, block3_expand_bn_clipped_relu_2, out=d_block3_dw_W, groups=144, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(20006208))
-        # V_block3_dw_W_new = V_block3_dw_W*momentum + d_block3_dw_W + decay*block3_dw_W
-        V_block3_dw_W_new = T['V_block3_dw_W']  # in place: the new V_block3_dw_W
-        rt.ew(ew_mul_add_4, V_block3_dw_W_new, T['V_block3_dw_W'], momentum, d_block3_dw_W, decay, T['block3_dw_W'])
-        # free d_block3_dw_W
-        del d_block3_dw_W
-        mem.free(574)
         # d_block3_expand_bn_clipped_relu = conv2d_bwd_data[groups=144,pad=1,size=(56,56)](d_block3_dw, block3_dw_W)
         d_block3_expand_bn_clipped_relu = mem.tensor(575, (32, 144, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_block3_dw, T['block3_dw_W'], out=d_block3_expand_bn_clipped_relu, groups=144, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(32514048))
@@ -7958,13 +6851,6 @@ class MobilenetV2(rp.Model):
         # free block3_expand_bn_clipped_relu_2
         del block3_expand_bn_clipped_relu_2
         mem.free(573)
-
-        # ---- block3_dw (conv 3x3, 144 channels, stride 1, padding 1, 144 groups), backward ----
-        # block3_dw_W_new = block3_dw_W - lr*V_block3_dw_W_new
-        block3_dw_W_new = T['block3_dw_W']  # in place: the new block3_dw_W
-        rt.ew(ew_mul_sub, block3_dw_W_new, T['block3_dw_W'], lr, V_block3_dw_W_new)
-
-        # ---- block3_expand_bn (batch norm), backward ----
         # d_block3_expand_bn_inv_std = block3_expand_bn_weight*d_block3_expand_bn_ew_sum   (computed with the next statement)
         d_block3_expand_bn_inv_std = mem.tensor(577, (1, 144, 1, 1), 'float32')
         # d_block3_expand_bn_sum_of_squares = -d_block3_expand_bn_inv_std/(200704*(block3_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -7998,26 +6884,8 @@ class MobilenetV2(rp.Model):
         mem.free(576)
         # d_block3_expand_bn_W = reshape[144](d_block3_expand_bn_weight)
         d_block3_expand_bn_W = rt.reshape(d_block3_expand_bn_weight, shape=(144,))
-        # V_block3_expand_bn_W_new = V_block3_expand_bn_W*momentum + d_block3_expand_bn_W + decay*block3_expand_bn_W   (computed with the next statement)
-        V_block3_expand_bn_W_new = T['V_block3_expand_bn_W']  # in place: the new V_block3_expand_bn_W
-        # block3_expand_bn_W_new = block3_expand_bn_W - lr*V_block3_expand_bn_W_new
-        block3_expand_bn_W_new = T['block3_expand_bn_W']  # in place: the new block3_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block3_expand_bn_W_new, T['V_block3_expand_bn_W'], momentum, d_block3_expand_bn_W, decay, T['block3_expand_bn_W']),
-                   (ew_mul_sub, block3_expand_bn_W_new, T['block3_expand_bn_W'], lr, V_block3_expand_bn_W_new))
-        # free block3_expand_bn_inv_std, d_block3_expand_bn_weight, d_block3_expand_bn_W
-        del block3_expand_bn_inv_std, d_block3_expand_bn_weight, d_block3_expand_bn_W
-        mem.free(37)
         # d_block3_expand_bn_B = reshape[144](d_block3_expand_bn_bias)
         d_block3_expand_bn_B = rt.reshape(d_block3_expand_bn_bias, shape=(144,))
-        # V_block3_expand_bn_B_new = V_block3_expand_bn_B*momentum + d_block3_expand_bn_B + decay*block3_expand_bn_B   (computed with the next statement)
-        V_block3_expand_bn_B_new = T['V_block3_expand_bn_B']  # in place: the new V_block3_expand_bn_B
-        # block3_expand_bn_B_new = block3_expand_bn_B - lr*V_block3_expand_bn_B_new
-        block3_expand_bn_B_new = T['block3_expand_bn_B']  # in place: the new block3_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block3_expand_bn_B_new, T['V_block3_expand_bn_B'], momentum, d_block3_expand_bn_B, decay, T['block3_expand_bn_B']),
-                   (ew_mul_sub, block3_expand_bn_B_new, T['block3_expand_bn_B'], lr, V_block3_expand_bn_B_new))
-        # free d_block3_expand_bn_bias, d_block3_expand_bn_B
-        del d_block3_expand_bn_bias, d_block3_expand_bn_B
-        mem.free(579)
         # d_block3_expand_bn_sum = d_block3_expand_bn_batch_mean/100352
         d_block3_expand_bn_sum = d_block3_expand_bn_batch_mean  # in place: over d_block3_expand_bn_batch_mean
         rt.ew(ew_scale_2, d_block3_expand_bn_sum, d_block3_expand_bn_batch_mean)
@@ -8060,19 +6928,6 @@ class MobilenetV2(rp.Model):
         # free d_block2_project_bn
         del d_block2_project_bn
         mem.free(582)
-
-        # ---- block3_expand (conv 1x1, 144 channels, stride 1, padding 0), backward ----
-        # V_block3_expand_W_new = V_block3_expand_W*momentum + d_block3_expand_W + decay*block3_expand_W   (computed with the next statement)
-        V_block3_expand_W_new = T['V_block3_expand_W']  # in place: the new V_block3_expand_W
-        # block3_expand_W_new = block3_expand_W - lr*V_block3_expand_W_new
-        block3_expand_W_new = T['block3_expand_W']  # in place: the new block3_expand_W
-        rt.ew_pair((ew_mul_add_4, V_block3_expand_W_new, T['V_block3_expand_W'], momentum, d_block3_expand_W, decay, T['block3_expand_W']),
-                   (ew_mul_sub, block3_expand_W_new, T['block3_expand_W'], lr, V_block3_expand_W_new))
-        # free d_block3_expand_W
-        del d_block3_expand_W
-        mem.free(581)
-
-        # ---- block2_project_bn (batch norm), backward ----
         # d_block2_project_bn_inv_std = block2_project_bn_weight*d_block2_project_bn_ew_sum   (computed with the next statement)
         d_block2_project_bn_inv_std = mem.tensor(584, (1, 24, 1, 1), 'float32')
         # d_block2_project_bn_sum_of_squares = -d_block2_project_bn_inv_std/(200704*(block2_project_bn_batch_var + 1.0e-5)**(3/2))
@@ -8106,26 +6961,8 @@ class MobilenetV2(rp.Model):
         mem.free(583)
         # d_block2_project_bn_W = reshape[24](d_block2_project_bn_weight)
         d_block2_project_bn_W = rt.reshape(d_block2_project_bn_weight, shape=(24,))
-        # V_block2_project_bn_W_new = V_block2_project_bn_W*momentum + d_block2_project_bn_W + decay*block2_project_bn_W   (computed with the next statement)
-        V_block2_project_bn_W_new = T['V_block2_project_bn_W']  # in place: the new V_block2_project_bn_W
-        # block2_project_bn_W_new = block2_project_bn_W - lr*V_block2_project_bn_W_new
-        block2_project_bn_W_new = T['block2_project_bn_W']  # in place: the new block2_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block2_project_bn_W_new, T['V_block2_project_bn_W'], momentum, d_block2_project_bn_W, decay, T['block2_project_bn_W']),
-                   (ew_mul_sub, block2_project_bn_W_new, T['block2_project_bn_W'], lr, V_block2_project_bn_W_new))
-        # free block2_project_bn_inv_std, d_block2_project_bn_weight, d_block2_project_bn_W
-        del block2_project_bn_inv_std, d_block2_project_bn_weight, d_block2_project_bn_W
-        mem.free(32)
         # d_block2_project_bn_B = reshape[24](d_block2_project_bn_bias)
         d_block2_project_bn_B = rt.reshape(d_block2_project_bn_bias, shape=(24,))
-        # V_block2_project_bn_B_new = V_block2_project_bn_B*momentum + d_block2_project_bn_B + decay*block2_project_bn_B   (computed with the next statement)
-        V_block2_project_bn_B_new = T['V_block2_project_bn_B']  # in place: the new V_block2_project_bn_B
-        # block2_project_bn_B_new = block2_project_bn_B - lr*V_block2_project_bn_B_new
-        block2_project_bn_B_new = T['block2_project_bn_B']  # in place: the new block2_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block2_project_bn_B_new, T['V_block2_project_bn_B'], momentum, d_block2_project_bn_B, decay, T['block2_project_bn_B']),
-                   (ew_mul_sub, block2_project_bn_B_new, T['block2_project_bn_B'], lr, V_block2_project_bn_B_new))
-        # free d_block2_project_bn_bias, d_block2_project_bn_B
-        del d_block2_project_bn_bias, d_block2_project_bn_B
-        mem.free(586)
         # d_block2_project_bn_sum = d_block2_project_bn_batch_mean/100352
         d_block2_project_bn_sum = d_block2_project_bn_batch_mean  # in place: over d_block2_project_bn_batch_mean
         rt.ew(ew_scale_2, d_block2_project_bn_sum, d_block2_project_bn_batch_mean)
@@ -8147,12 +6984,6 @@ class MobilenetV2(rp.Model):
         # d_block2_project_W = conv2d_bwd_filter[kernel=(1,1)](d_block2_project, block2_dw_bn_clipped_relu_2)
         d_block2_project_W = mem.tensor(588, (24, 96, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block2_project, block2_dw_bn_clipped_relu_2, out=d_block2_project_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(24093696))
-        # V_block2_project_W_new = V_block2_project_W*momentum + d_block2_project_W + decay*block2_project_W
-        V_block2_project_W_new = T['V_block2_project_W']  # in place: the new V_block2_project_W
-        rt.ew(ew_mul_add_4, V_block2_project_W_new, T['V_block2_project_W'], momentum, d_block2_project_W, decay, T['block2_project_W'])
-        # free d_block2_project_W
-        del d_block2_project_W
-        mem.free(588)
         # d_block2_dw_bn_clipped_relu = conv2d_bwd_data[size=(56,56)](d_block2_project, block2_project_W)
         d_block2_dw_bn_clipped_relu = mem.tensor(589, (32, 96, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_block2_project, T['block2_project_W'], out=d_block2_dw_bn_clipped_relu, pad=0, size=(56, 56), stride=1)
@@ -8173,13 +7004,6 @@ class MobilenetV2(rp.Model):
         # free block2_dw_bn_clipped_relu_2
         del block2_dw_bn_clipped_relu_2
         mem.free(587)
-
-        # ---- block2_project (conv 1x1, 24 channels, stride 1, padding 0), backward ----
-        # block2_project_W_new = block2_project_W - lr*V_block2_project_W_new
-        block2_project_W_new = T['block2_project_W']  # in place: the new block2_project_W
-        rt.ew(ew_mul_sub, block2_project_W_new, T['block2_project_W'], lr, V_block2_project_W_new)
-
-        # ---- block2_dw_bn (batch norm), backward ----
         # d_block2_dw_bn_inv_std = block2_dw_bn_weight*d_block2_dw_bn_ew_sum   (computed with the next statement)
         d_block2_dw_bn_inv_std = mem.tensor(591, (1, 96, 1, 1), 'float32')
         # d_block2_dw_bn_sum_of_squares = -d_block2_dw_bn_inv_std/(200704*(block2_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -8213,26 +7037,8 @@ class MobilenetV2(rp.Model):
         mem.free(590)
         # d_block2_dw_bn_W = reshape[96](d_block2_dw_bn_weight)
         d_block2_dw_bn_W = rt.reshape(d_block2_dw_bn_weight, shape=(96,))
-        # V_block2_dw_bn_W_new = V_block2_dw_bn_W*momentum + d_block2_dw_bn_W + decay*block2_dw_bn_W   (computed with the next statement)
-        V_block2_dw_bn_W_new = T['V_block2_dw_bn_W']  # in place: the new V_block2_dw_bn_W
-        # block2_dw_bn_W_new = block2_dw_bn_W - lr*V_block2_dw_bn_W_new
-        block2_dw_bn_W_new = T['block2_dw_bn_W']  # in place: the new block2_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block2_dw_bn_W_new, T['V_block2_dw_bn_W'], momentum, d_block2_dw_bn_W, decay, T['block2_dw_bn_W']),
-                   (ew_mul_sub, block2_dw_bn_W_new, T['block2_dw_bn_W'], lr, V_block2_dw_bn_W_new))
-        # free block2_dw_bn_inv_std, d_block2_dw_bn_weight, d_block2_dw_bn_W
-        del block2_dw_bn_inv_std, d_block2_dw_bn_weight, d_block2_dw_bn_W
-        mem.free(27)
         # d_block2_dw_bn_B = reshape[96](d_block2_dw_bn_bias)
         d_block2_dw_bn_B = rt.reshape(d_block2_dw_bn_bias, shape=(96,))
-        # V_block2_dw_bn_B_new = V_block2_dw_bn_B*momentum + d_block2_dw_bn_B + decay*block2_dw_bn_B   (computed with the next statement)
-        V_block2_dw_bn_B_new = T['V_block2_dw_bn_B']  # in place: the new V_block2_dw_bn_B
-        # block2_dw_bn_B_new = block2_dw_bn_B - lr*V_block2_dw_bn_B_new
-        block2_dw_bn_B_new = T['block2_dw_bn_B']  # in place: the new block2_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block2_dw_bn_B_new, T['V_block2_dw_bn_B'], momentum, d_block2_dw_bn_B, decay, T['block2_dw_bn_B']),
-                   (ew_mul_sub, block2_dw_bn_B_new, T['block2_dw_bn_B'], lr, V_block2_dw_bn_B_new))
-        # free d_block2_dw_bn_bias, d_block2_dw_bn_B
-        del d_block2_dw_bn_bias, d_block2_dw_bn_B
-        mem.free(593)
         # d_block2_dw_bn_sum = d_block2_dw_bn_batch_mean/100352
         d_block2_dw_bn_sum = d_block2_dw_bn_batch_mean  # in place: over d_block2_dw_bn_batch_mean
         rt.ew(ew_scale_2, d_block2_dw_bn_sum, d_block2_dw_bn_batch_mean)
@@ -8254,12 +7060,6 @@ class MobilenetV2(rp.Model):
         # d_block2_dw_W = conv2d_bwd_filter[groups=96,kernel=(3,3),pad=1,stride=2](d_block2_dw, block2_expand_bn_clipped_relu_2)
         d_block2_dw_W = mem.tensor(595, (96, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block2_dw, block2_expand_bn_clipped_relu_2, out=d_block2_dw_W, groups=96, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(17036160))
-        # V_block2_dw_W_new = V_block2_dw_W*momentum + d_block2_dw_W + decay*block2_dw_W
-        V_block2_dw_W_new = T['V_block2_dw_W']  # in place: the new V_block2_dw_W
-        rt.ew(ew_mul_add_4, V_block2_dw_W_new, T['V_block2_dw_W'], momentum, d_block2_dw_W, decay, T['block2_dw_W'])
-        # free d_block2_dw_W
-        del d_block2_dw_W
-        mem.free(595)
         # d_block2_expand_bn_clipped_relu = conv2d_bwd_data[groups=96,pad=1,size=(112,112),stride=2](d_block2_dw, block2_dw_W)
         d_block2_expand_bn_clipped_relu = mem.tensor(596, (32, 96, 112, 112), 'float32')
         rt.conv2d_bwd_data(d_block2_dw, T['block2_dw_W'], out=d_block2_expand_bn_clipped_relu, groups=96, pad=1, size=(112, 112), stride=2, workspace=mem.workspace(32514048))
@@ -8280,13 +7080,6 @@ class MobilenetV2(rp.Model):
         # free block2_expand_bn_clipped_relu_2
         del block2_expand_bn_clipped_relu_2
         mem.free(594)
-
-        # ---- block2_dw (conv 3x3, 96 channels, stride 2, padding 1, 96 groups), backward ----
-        # block2_dw_W_new = block2_dw_W - lr*V_block2_dw_W_new
-        block2_dw_W_new = T['block2_dw_W']  # in place: the new block2_dw_W
-        rt.ew(ew_mul_sub, block2_dw_W_new, T['block2_dw_W'], lr, V_block2_dw_W_new)
-
-        # ---- block2_expand_bn (batch norm), backward ----
         # d_block2_expand_bn_inv_std = block2_expand_bn_weight*d_block2_expand_bn_ew_sum   (computed with the next statement)
         d_block2_expand_bn_inv_std = mem.tensor(598, (1, 96, 1, 1), 'float32')
         # d_block2_expand_bn_sum_of_squares = -d_block2_expand_bn_inv_std/(802816*(block2_expand_bn_batch_var + 1.0e-5)**(3/2))
@@ -8320,26 +7113,8 @@ class MobilenetV2(rp.Model):
         mem.free(597)
         # d_block2_expand_bn_W = reshape[96](d_block2_expand_bn_weight)
         d_block2_expand_bn_W = rt.reshape(d_block2_expand_bn_weight, shape=(96,))
-        # V_block2_expand_bn_W_new = V_block2_expand_bn_W*momentum + d_block2_expand_bn_W + decay*block2_expand_bn_W   (computed with the next statement)
-        V_block2_expand_bn_W_new = T['V_block2_expand_bn_W']  # in place: the new V_block2_expand_bn_W
-        # block2_expand_bn_W_new = block2_expand_bn_W - lr*V_block2_expand_bn_W_new
-        block2_expand_bn_W_new = T['block2_expand_bn_W']  # in place: the new block2_expand_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block2_expand_bn_W_new, T['V_block2_expand_bn_W'], momentum, d_block2_expand_bn_W, decay, T['block2_expand_bn_W']),
-                   (ew_mul_sub, block2_expand_bn_W_new, T['block2_expand_bn_W'], lr, V_block2_expand_bn_W_new))
-        # free block2_expand_bn_inv_std, d_block2_expand_bn_weight, d_block2_expand_bn_W
-        del block2_expand_bn_inv_std, d_block2_expand_bn_weight, d_block2_expand_bn_W
-        mem.free(22)
         # d_block2_expand_bn_B = reshape[96](d_block2_expand_bn_bias)
         d_block2_expand_bn_B = rt.reshape(d_block2_expand_bn_bias, shape=(96,))
-        # V_block2_expand_bn_B_new = V_block2_expand_bn_B*momentum + d_block2_expand_bn_B + decay*block2_expand_bn_B   (computed with the next statement)
-        V_block2_expand_bn_B_new = T['V_block2_expand_bn_B']  # in place: the new V_block2_expand_bn_B
-        # block2_expand_bn_B_new = block2_expand_bn_B - lr*V_block2_expand_bn_B_new
-        block2_expand_bn_B_new = T['block2_expand_bn_B']  # in place: the new block2_expand_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block2_expand_bn_B_new, T['V_block2_expand_bn_B'], momentum, d_block2_expand_bn_B, decay, T['block2_expand_bn_B']),
-                   (ew_mul_sub, block2_expand_bn_B_new, T['block2_expand_bn_B'], lr, V_block2_expand_bn_B_new))
-        # free d_block2_expand_bn_bias, d_block2_expand_bn_B
-        del d_block2_expand_bn_bias, d_block2_expand_bn_B
-        mem.free(600)
         # d_block2_expand_bn_sum = d_block2_expand_bn_batch_mean/401408
         d_block2_expand_bn_sum = d_block2_expand_bn_batch_mean  # in place: over d_block2_expand_bn_batch_mean
         rt.ew(ew_scale, d_block2_expand_bn_sum, d_block2_expand_bn_batch_mean)
@@ -8370,15 +7145,6 @@ class MobilenetV2(rp.Model):
         # free block2_expand, block2_expand_bn_centered, d_block2_expand_bn_centered, d_block2_expand
         del block2_expand, block2_expand_bn_centered, d_block2_expand_bn_centered, d_block2_expand
         mem.free(19)
-        # V_block2_expand_W_new = V_block2_expand_W*momentum + d_block2_expand_W + decay*block2_expand_W   (computed with the next statement)
-        V_block2_expand_W_new = T['V_block2_expand_W']  # in place: the new V_block2_expand_W
-        # block2_expand_W_new = block2_expand_W - lr*V_block2_expand_W_new
-        block2_expand_W_new = T['block2_expand_W']  # in place: the new block2_expand_W
-        rt.ew_pair((ew_mul_add_4, V_block2_expand_W_new, T['V_block2_expand_W'], momentum, d_block2_expand_W, decay, T['block2_expand_W']),
-                   (ew_mul_sub, block2_expand_W_new, T['block2_expand_W'], lr, V_block2_expand_W_new))
-        # free d_block2_expand_W
-        del d_block2_expand_W
-        mem.free(602)
 
         # ---- block1_project_bn (batch norm), backward ----
         # d_block1_project_bn_ew_sum = sum_to[1x16x1x1](d_block1_project_bn*block1_project_bn_centered)
@@ -8417,26 +7183,8 @@ class MobilenetV2(rp.Model):
         mem.free(604)
         # d_block1_project_bn_W = reshape[16](d_block1_project_bn_weight)
         d_block1_project_bn_W = rt.reshape(d_block1_project_bn_weight, shape=(16,))
-        # V_block1_project_bn_W_new = V_block1_project_bn_W*momentum + d_block1_project_bn_W + decay*block1_project_bn_W   (computed with the next statement)
-        V_block1_project_bn_W_new = T['V_block1_project_bn_W']  # in place: the new V_block1_project_bn_W
-        # block1_project_bn_W_new = block1_project_bn_W - lr*V_block1_project_bn_W_new
-        block1_project_bn_W_new = T['block1_project_bn_W']  # in place: the new block1_project_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block1_project_bn_W_new, T['V_block1_project_bn_W'], momentum, d_block1_project_bn_W, decay, T['block1_project_bn_W']),
-                   (ew_mul_sub, block1_project_bn_W_new, T['block1_project_bn_W'], lr, V_block1_project_bn_W_new))
-        # free block1_project_bn_inv_std, d_block1_project_bn_weight, d_block1_project_bn_W
-        del block1_project_bn_inv_std, d_block1_project_bn_weight, d_block1_project_bn_W
-        mem.free(17)
         # d_block1_project_bn_B = reshape[16](d_block1_project_bn_bias)
         d_block1_project_bn_B = rt.reshape(d_block1_project_bn_bias, shape=(16,))
-        # V_block1_project_bn_B_new = V_block1_project_bn_B*momentum + d_block1_project_bn_B + decay*block1_project_bn_B   (computed with the next statement)
-        V_block1_project_bn_B_new = T['V_block1_project_bn_B']  # in place: the new V_block1_project_bn_B
-        # block1_project_bn_B_new = block1_project_bn_B - lr*V_block1_project_bn_B_new
-        block1_project_bn_B_new = T['block1_project_bn_B']  # in place: the new block1_project_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block1_project_bn_B_new, T['V_block1_project_bn_B'], momentum, d_block1_project_bn_B, decay, T['block1_project_bn_B']),
-                   (ew_mul_sub, block1_project_bn_B_new, T['block1_project_bn_B'], lr, V_block1_project_bn_B_new))
-        # free d_block1_project_bn_bias, d_block1_project_bn_B
-        del d_block1_project_bn_bias, d_block1_project_bn_B
-        mem.free(607)
         # d_block1_project_bn_sum = d_block1_project_bn_batch_mean/401408
         d_block1_project_bn_sum = d_block1_project_bn_batch_mean  # in place: over d_block1_project_bn_batch_mean
         rt.ew(ew_scale, d_block1_project_bn_sum, d_block1_project_bn_batch_mean)
@@ -8458,12 +7206,6 @@ class MobilenetV2(rp.Model):
         # d_block1_project_W = conv2d_bwd_filter[kernel=(1,1)](d_block1_project, block1_dw_bn_clipped_relu_2)
         d_block1_project_W = mem.tensor(609, (16, 32, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_block1_project, block1_dw_bn_clipped_relu_2, out=d_block1_project_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(26494976))
-        # V_block1_project_W_new = V_block1_project_W*momentum + d_block1_project_W + decay*block1_project_W
-        V_block1_project_W_new = T['V_block1_project_W']  # in place: the new V_block1_project_W
-        rt.ew(ew_mul_add_4, V_block1_project_W_new, T['V_block1_project_W'], momentum, d_block1_project_W, decay, T['block1_project_W'])
-        # free d_block1_project_W
-        del d_block1_project_W
-        mem.free(609)
         # d_block1_dw_bn_clipped_relu = conv2d_bwd_data[size=(112,112)](d_block1_project, block1_project_W)
         d_block1_dw_bn_clipped_relu = mem.tensor(610, (32, 32, 112, 112), 'float32')
         rt.conv2d_bwd_data(d_block1_project, T['block1_project_W'], out=d_block1_dw_bn_clipped_relu, pad=0, size=(112, 112), stride=1)
@@ -8484,13 +7226,6 @@ class MobilenetV2(rp.Model):
         # free block1_dw_bn_clipped_relu_2
         del block1_dw_bn_clipped_relu_2
         mem.free(608)
-
-        # ---- block1_project (conv 1x1, 16 channels, stride 1, padding 0), backward ----
-        # block1_project_W_new = block1_project_W - lr*V_block1_project_W_new
-        block1_project_W_new = T['block1_project_W']  # in place: the new block1_project_W
-        rt.ew(ew_mul_sub, block1_project_W_new, T['block1_project_W'], lr, V_block1_project_W_new)
-
-        # ---- block1_dw_bn (batch norm), backward ----
         # d_block1_dw_bn_inv_std = block1_dw_bn_weight*d_block1_dw_bn_ew_sum   (computed with the next statement)
         d_block1_dw_bn_inv_std = mem.tensor(612, (1, 32, 1, 1), 'float32')
         # d_block1_dw_bn_sum_of_squares = -d_block1_dw_bn_inv_std/(802816*(block1_dw_bn_batch_var + 1.0e-5)**(3/2))
@@ -8524,26 +7259,8 @@ class MobilenetV2(rp.Model):
         mem.free(611)
         # d_block1_dw_bn_W = reshape[32](d_block1_dw_bn_weight)
         d_block1_dw_bn_W = rt.reshape(d_block1_dw_bn_weight, shape=(32,))
-        # V_block1_dw_bn_W_new = V_block1_dw_bn_W*momentum + d_block1_dw_bn_W + decay*block1_dw_bn_W   (computed with the next statement)
-        V_block1_dw_bn_W_new = T['V_block1_dw_bn_W']  # in place: the new V_block1_dw_bn_W
-        # block1_dw_bn_W_new = block1_dw_bn_W - lr*V_block1_dw_bn_W_new
-        block1_dw_bn_W_new = T['block1_dw_bn_W']  # in place: the new block1_dw_bn_W
-        rt.ew_pair((ew_mul_add_4, V_block1_dw_bn_W_new, T['V_block1_dw_bn_W'], momentum, d_block1_dw_bn_W, decay, T['block1_dw_bn_W']),
-                   (ew_mul_sub, block1_dw_bn_W_new, T['block1_dw_bn_W'], lr, V_block1_dw_bn_W_new))
-        # free block1_dw_bn_inv_std, d_block1_dw_bn_weight, d_block1_dw_bn_W
-        del block1_dw_bn_inv_std, d_block1_dw_bn_weight, d_block1_dw_bn_W
-        mem.free(12)
         # d_block1_dw_bn_B = reshape[32](d_block1_dw_bn_bias)
         d_block1_dw_bn_B = rt.reshape(d_block1_dw_bn_bias, shape=(32,))
-        # V_block1_dw_bn_B_new = V_block1_dw_bn_B*momentum + d_block1_dw_bn_B + decay*block1_dw_bn_B   (computed with the next statement)
-        V_block1_dw_bn_B_new = T['V_block1_dw_bn_B']  # in place: the new V_block1_dw_bn_B
-        # block1_dw_bn_B_new = block1_dw_bn_B - lr*V_block1_dw_bn_B_new
-        block1_dw_bn_B_new = T['block1_dw_bn_B']  # in place: the new block1_dw_bn_B
-        rt.ew_pair((ew_mul_add_4, V_block1_dw_bn_B_new, T['V_block1_dw_bn_B'], momentum, d_block1_dw_bn_B, decay, T['block1_dw_bn_B']),
-                   (ew_mul_sub, block1_dw_bn_B_new, T['block1_dw_bn_B'], lr, V_block1_dw_bn_B_new))
-        # free d_block1_dw_bn_bias, d_block1_dw_bn_B
-        del d_block1_dw_bn_bias, d_block1_dw_bn_B
-        mem.free(614)
         # d_block1_dw_bn_sum = d_block1_dw_bn_batch_mean/401408
         d_block1_dw_bn_sum = d_block1_dw_bn_batch_mean  # in place: over d_block1_dw_bn_batch_mean
         rt.ew(ew_scale, d_block1_dw_bn_sum, d_block1_dw_bn_batch_mean)
@@ -8565,12 +7282,6 @@ class MobilenetV2(rp.Model):
         # d_block1_dw_W = conv2d_bwd_filter[groups=32,kernel=(3,3),pad=1](d_block1_dw, conv1_bn_clipped_relu_2)
         d_block1_dw_W = mem.tensor(616, (32, 1, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_block1_dw, conv1_bn_clipped_relu_2, out=d_block1_dw_W, groups=32, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(17720960))
-        # V_block1_dw_W_new = V_block1_dw_W*momentum + d_block1_dw_W + decay*block1_dw_W
-        V_block1_dw_W_new = T['V_block1_dw_W']  # in place: the new V_block1_dw_W
-        rt.ew(ew_mul_add_4, V_block1_dw_W_new, T['V_block1_dw_W'], momentum, d_block1_dw_W, decay, T['block1_dw_W'])
-        # free d_block1_dw_W
-        del d_block1_dw_W
-        mem.free(616)
         # d_conv1_bn_clipped_relu = conv2d_bwd_data[groups=32,pad=1,size=(112,112)](d_block1_dw, block1_dw_W)
         d_conv1_bn_clipped_relu = mem.tensor(617, (32, 32, 112, 112), 'float32')
         rt.conv2d_bwd_data(d_block1_dw, T['block1_dw_W'], out=d_conv1_bn_clipped_relu, groups=32, pad=1, size=(112, 112), stride=1, workspace=mem.workspace(28901376))
@@ -8591,13 +7302,6 @@ class MobilenetV2(rp.Model):
         # free conv1_bn_clipped_relu_2
         del conv1_bn_clipped_relu_2
         mem.free(615)
-
-        # ---- block1_dw (conv 3x3, 32 channels, stride 1, padding 1, 32 groups), backward ----
-        # block1_dw_W_new = block1_dw_W - lr*V_block1_dw_W_new
-        block1_dw_W_new = T['block1_dw_W']  # in place: the new block1_dw_W
-        rt.ew(ew_mul_sub, block1_dw_W_new, T['block1_dw_W'], lr, V_block1_dw_W_new)
-
-        # ---- conv1_bn (batch norm), backward ----
         # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum   (computed with the next statement)
         d_conv1_bn_inv_std = mem.tensor(619, (1, 32, 1, 1), 'float32')
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(802816*(conv1_bn_batch_var + 1.0e-5)**(3/2))
@@ -8631,26 +7335,8 @@ class MobilenetV2(rp.Model):
         mem.free(618)
         # d_conv1_bn_W = reshape[32](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(32,))
-        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W   (computed with the next statement)
-        V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
-        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
-        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
-        rt.ew_pair((ew_mul_add_4, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W']),
-                   (ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new))
-        # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
-        del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
-        mem.free(7)
         # d_conv1_bn_B = reshape[32](d_conv1_bn_bias)
         d_conv1_bn_B = rt.reshape(d_conv1_bn_bias, shape=(32,))
-        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B   (computed with the next statement)
-        V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
-        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
-        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
-        rt.ew_pair((ew_mul_add_4, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B']),
-                   (ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new))
-        # free d_conv1_bn_bias, d_conv1_bn_B
-        del d_conv1_bn_bias, d_conv1_bn_B
-        mem.free(621)
         # d_conv1_bn_sum = d_conv1_bn_batch_mean/401408
         d_conv1_bn_sum = d_conv1_bn_batch_mean  # in place: over d_conv1_bn_batch_mean
         rt.ew(ew_scale, d_conv1_bn_sum, d_conv1_bn_batch_mean)
@@ -8668,15 +7354,823 @@ class MobilenetV2(rp.Model):
         # free x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         del x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         mem.free(0, 4)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
+
+        # ---- the small tensors' updates, one call per kernel ----
+        # V_conv_last_bn_W_new = V_conv_last_bn_W*momentum + d_conv_last_bn_W + decay*conv_last_bn_W   (computed with the last statement of its batch)
+        V_conv_last_bn_W_new = T['V_conv_last_bn_W']  # in place: the new V_conv_last_bn_W
+        # V_conv_last_bn_B_new = V_conv_last_bn_B*momentum + d_conv_last_bn_B + decay*conv_last_bn_B   (computed with the last statement of its batch)
+        V_conv_last_bn_B_new = T['V_conv_last_bn_B']  # in place: the new V_conv_last_bn_B
+        # V_block17_project_bn_W_new = V_block17_project_bn_W*momentum + d_block17_project_bn_W + decay*block17_project_bn_W   (computed with the last statement of its batch)
+        V_block17_project_bn_W_new = T['V_block17_project_bn_W']  # in place: the new V_block17_project_bn_W
+        # V_block17_project_bn_B_new = V_block17_project_bn_B*momentum + d_block17_project_bn_B + decay*block17_project_bn_B   (computed with the last statement of its batch)
+        V_block17_project_bn_B_new = T['V_block17_project_bn_B']  # in place: the new V_block17_project_bn_B
+        # V_block17_dw_bn_W_new = V_block17_dw_bn_W*momentum + d_block17_dw_bn_W + decay*block17_dw_bn_W   (computed with the last statement of its batch)
+        V_block17_dw_bn_W_new = T['V_block17_dw_bn_W']  # in place: the new V_block17_dw_bn_W
+        # V_block17_dw_bn_B_new = V_block17_dw_bn_B*momentum + d_block17_dw_bn_B + decay*block17_dw_bn_B   (computed with the last statement of its batch)
+        V_block17_dw_bn_B_new = T['V_block17_dw_bn_B']  # in place: the new V_block17_dw_bn_B
+        # V_block17_dw_W_new = V_block17_dw_W*momentum + d_block17_dw_W + decay*block17_dw_W   (computed with the last statement of its batch)
+        V_block17_dw_W_new = T['V_block17_dw_W']  # in place: the new V_block17_dw_W
+        # V_block17_expand_bn_W_new = V_block17_expand_bn_W*momentum + d_block17_expand_bn_W + decay*block17_expand_bn_W   (computed with the last statement of its batch)
+        V_block17_expand_bn_W_new = T['V_block17_expand_bn_W']  # in place: the new V_block17_expand_bn_W
+        # V_block17_expand_bn_B_new = V_block17_expand_bn_B*momentum + d_block17_expand_bn_B + decay*block17_expand_bn_B   (computed with the last statement of its batch)
+        V_block17_expand_bn_B_new = T['V_block17_expand_bn_B']  # in place: the new V_block17_expand_bn_B
+        # V_block16_project_bn_W_new = V_block16_project_bn_W*momentum + d_block16_project_bn_W + decay*block16_project_bn_W   (computed with the last statement of its batch)
+        V_block16_project_bn_W_new = T['V_block16_project_bn_W']  # in place: the new V_block16_project_bn_W
+        # V_block16_project_bn_B_new = V_block16_project_bn_B*momentum + d_block16_project_bn_B + decay*block16_project_bn_B   (computed with the last statement of its batch)
+        V_block16_project_bn_B_new = T['V_block16_project_bn_B']  # in place: the new V_block16_project_bn_B
+        # V_block16_dw_bn_W_new = V_block16_dw_bn_W*momentum + d_block16_dw_bn_W + decay*block16_dw_bn_W   (computed with the last statement of its batch)
+        V_block16_dw_bn_W_new = T['V_block16_dw_bn_W']  # in place: the new V_block16_dw_bn_W
+        # V_block16_dw_bn_B_new = V_block16_dw_bn_B*momentum + d_block16_dw_bn_B + decay*block16_dw_bn_B   (computed with the last statement of its batch)
+        V_block16_dw_bn_B_new = T['V_block16_dw_bn_B']  # in place: the new V_block16_dw_bn_B
+        # V_block16_dw_W_new = V_block16_dw_W*momentum + d_block16_dw_W + decay*block16_dw_W   (computed with the last statement of its batch)
+        V_block16_dw_W_new = T['V_block16_dw_W']  # in place: the new V_block16_dw_W
+        # V_block16_expand_bn_W_new = V_block16_expand_bn_W*momentum + d_block16_expand_bn_W + decay*block16_expand_bn_W   (computed with the last statement of its batch)
+        V_block16_expand_bn_W_new = T['V_block16_expand_bn_W']  # in place: the new V_block16_expand_bn_W
+        # V_block16_expand_bn_B_new = V_block16_expand_bn_B*momentum + d_block16_expand_bn_B + decay*block16_expand_bn_B   (computed with the last statement of its batch)
+        V_block16_expand_bn_B_new = T['V_block16_expand_bn_B']  # in place: the new V_block16_expand_bn_B
+        # V_block15_project_bn_W_new = V_block15_project_bn_W*momentum + d_block15_project_bn_W + decay*block15_project_bn_W   (computed with the last statement of its batch)
+        V_block15_project_bn_W_new = T['V_block15_project_bn_W']  # in place: the new V_block15_project_bn_W
+        # V_block15_project_bn_B_new = V_block15_project_bn_B*momentum + d_block15_project_bn_B + decay*block15_project_bn_B   (computed with the last statement of its batch)
+        V_block15_project_bn_B_new = T['V_block15_project_bn_B']  # in place: the new V_block15_project_bn_B
+        # V_block15_dw_bn_W_new = V_block15_dw_bn_W*momentum + d_block15_dw_bn_W + decay*block15_dw_bn_W   (computed with the last statement of its batch)
+        V_block15_dw_bn_W_new = T['V_block15_dw_bn_W']  # in place: the new V_block15_dw_bn_W
+        # V_block15_dw_bn_B_new = V_block15_dw_bn_B*momentum + d_block15_dw_bn_B + decay*block15_dw_bn_B   (computed with the last statement of its batch)
+        V_block15_dw_bn_B_new = T['V_block15_dw_bn_B']  # in place: the new V_block15_dw_bn_B
+        # V_block15_dw_W_new = V_block15_dw_W*momentum + d_block15_dw_W + decay*block15_dw_W   (computed with the last statement of its batch)
+        V_block15_dw_W_new = T['V_block15_dw_W']  # in place: the new V_block15_dw_W
+        # V_block15_expand_bn_W_new = V_block15_expand_bn_W*momentum + d_block15_expand_bn_W + decay*block15_expand_bn_W   (computed with the last statement of its batch)
+        V_block15_expand_bn_W_new = T['V_block15_expand_bn_W']  # in place: the new V_block15_expand_bn_W
+        # V_block15_expand_bn_B_new = V_block15_expand_bn_B*momentum + d_block15_expand_bn_B + decay*block15_expand_bn_B   (computed with the last statement of its batch)
+        V_block15_expand_bn_B_new = T['V_block15_expand_bn_B']  # in place: the new V_block15_expand_bn_B
+        # V_block14_project_bn_W_new = V_block14_project_bn_W*momentum + d_block14_project_bn_W + decay*block14_project_bn_W   (computed with the last statement of its batch)
+        V_block14_project_bn_W_new = T['V_block14_project_bn_W']  # in place: the new V_block14_project_bn_W
+        # V_block14_project_bn_B_new = V_block14_project_bn_B*momentum + d_block14_project_bn_B + decay*block14_project_bn_B   (computed with the last statement of its batch)
+        V_block14_project_bn_B_new = T['V_block14_project_bn_B']  # in place: the new V_block14_project_bn_B
+        # V_block14_dw_bn_W_new = V_block14_dw_bn_W*momentum + d_block14_dw_bn_W + decay*block14_dw_bn_W   (computed with the last statement of its batch)
+        V_block14_dw_bn_W_new = T['V_block14_dw_bn_W']  # in place: the new V_block14_dw_bn_W
+        # V_block14_dw_bn_B_new = V_block14_dw_bn_B*momentum + d_block14_dw_bn_B + decay*block14_dw_bn_B   (computed with the last statement of its batch)
+        V_block14_dw_bn_B_new = T['V_block14_dw_bn_B']  # in place: the new V_block14_dw_bn_B
+        # V_block14_dw_W_new = V_block14_dw_W*momentum + d_block14_dw_W + decay*block14_dw_W   (computed with the last statement of its batch)
+        V_block14_dw_W_new = T['V_block14_dw_W']  # in place: the new V_block14_dw_W
+        # V_block14_expand_bn_W_new = V_block14_expand_bn_W*momentum + d_block14_expand_bn_W + decay*block14_expand_bn_W   (computed with the last statement of its batch)
+        V_block14_expand_bn_W_new = T['V_block14_expand_bn_W']  # in place: the new V_block14_expand_bn_W
+        # V_block14_expand_bn_B_new = V_block14_expand_bn_B*momentum + d_block14_expand_bn_B + decay*block14_expand_bn_B   (computed with the last statement of its batch)
+        V_block14_expand_bn_B_new = T['V_block14_expand_bn_B']  # in place: the new V_block14_expand_bn_B
+        # V_block13_project_bn_W_new = V_block13_project_bn_W*momentum + d_block13_project_bn_W + decay*block13_project_bn_W   (computed with the last statement of its batch)
+        V_block13_project_bn_W_new = T['V_block13_project_bn_W']  # in place: the new V_block13_project_bn_W
+        # V_block13_project_bn_B_new = V_block13_project_bn_B*momentum + d_block13_project_bn_B + decay*block13_project_bn_B   (computed with the last statement of its batch)
+        V_block13_project_bn_B_new = T['V_block13_project_bn_B']  # in place: the new V_block13_project_bn_B
+        # V_block13_dw_bn_W_new = V_block13_dw_bn_W*momentum + d_block13_dw_bn_W + decay*block13_dw_bn_W   (computed with the last statement of its batch)
+        V_block13_dw_bn_W_new = T['V_block13_dw_bn_W']  # in place: the new V_block13_dw_bn_W
+        # V_block13_dw_bn_B_new = V_block13_dw_bn_B*momentum + d_block13_dw_bn_B + decay*block13_dw_bn_B   (computed with the last statement of its batch)
+        V_block13_dw_bn_B_new = T['V_block13_dw_bn_B']  # in place: the new V_block13_dw_bn_B
+        # V_block13_dw_W_new = V_block13_dw_W*momentum + d_block13_dw_W + decay*block13_dw_W   (computed with the last statement of its batch)
+        V_block13_dw_W_new = T['V_block13_dw_W']  # in place: the new V_block13_dw_W
+        # V_block13_expand_bn_W_new = V_block13_expand_bn_W*momentum + d_block13_expand_bn_W + decay*block13_expand_bn_W   (computed with the last statement of its batch)
+        V_block13_expand_bn_W_new = T['V_block13_expand_bn_W']  # in place: the new V_block13_expand_bn_W
+        # V_block13_expand_bn_B_new = V_block13_expand_bn_B*momentum + d_block13_expand_bn_B + decay*block13_expand_bn_B   (computed with the last statement of its batch)
+        V_block13_expand_bn_B_new = T['V_block13_expand_bn_B']  # in place: the new V_block13_expand_bn_B
+        # V_block12_project_bn_W_new = V_block12_project_bn_W*momentum + d_block12_project_bn_W + decay*block12_project_bn_W   (computed with the last statement of its batch)
+        V_block12_project_bn_W_new = T['V_block12_project_bn_W']  # in place: the new V_block12_project_bn_W
+        # V_block12_project_bn_B_new = V_block12_project_bn_B*momentum + d_block12_project_bn_B + decay*block12_project_bn_B   (computed with the last statement of its batch)
+        V_block12_project_bn_B_new = T['V_block12_project_bn_B']  # in place: the new V_block12_project_bn_B
+        # V_block12_dw_bn_W_new = V_block12_dw_bn_W*momentum + d_block12_dw_bn_W + decay*block12_dw_bn_W   (computed with the last statement of its batch)
+        V_block12_dw_bn_W_new = T['V_block12_dw_bn_W']  # in place: the new V_block12_dw_bn_W
+        # V_block12_dw_bn_B_new = V_block12_dw_bn_B*momentum + d_block12_dw_bn_B + decay*block12_dw_bn_B   (computed with the last statement of its batch)
+        V_block12_dw_bn_B_new = T['V_block12_dw_bn_B']  # in place: the new V_block12_dw_bn_B
+        # V_block12_dw_W_new = V_block12_dw_W*momentum + d_block12_dw_W + decay*block12_dw_W   (computed with the last statement of its batch)
+        V_block12_dw_W_new = T['V_block12_dw_W']  # in place: the new V_block12_dw_W
+        # V_block12_expand_bn_W_new = V_block12_expand_bn_W*momentum + d_block12_expand_bn_W + decay*block12_expand_bn_W   (computed with the last statement of its batch)
+        V_block12_expand_bn_W_new = T['V_block12_expand_bn_W']  # in place: the new V_block12_expand_bn_W
+        # V_block12_expand_bn_B_new = V_block12_expand_bn_B*momentum + d_block12_expand_bn_B + decay*block12_expand_bn_B   (computed with the last statement of its batch)
+        V_block12_expand_bn_B_new = T['V_block12_expand_bn_B']  # in place: the new V_block12_expand_bn_B
+        # V_block11_project_bn_W_new = V_block11_project_bn_W*momentum + d_block11_project_bn_W + decay*block11_project_bn_W   (computed with the last statement of its batch)
+        V_block11_project_bn_W_new = T['V_block11_project_bn_W']  # in place: the new V_block11_project_bn_W
+        # V_block11_project_bn_B_new = V_block11_project_bn_B*momentum + d_block11_project_bn_B + decay*block11_project_bn_B   (computed with the last statement of its batch)
+        V_block11_project_bn_B_new = T['V_block11_project_bn_B']  # in place: the new V_block11_project_bn_B
+        # V_block11_dw_bn_W_new = V_block11_dw_bn_W*momentum + d_block11_dw_bn_W + decay*block11_dw_bn_W   (computed with the last statement of its batch)
+        V_block11_dw_bn_W_new = T['V_block11_dw_bn_W']  # in place: the new V_block11_dw_bn_W
+        # V_block11_dw_bn_B_new = V_block11_dw_bn_B*momentum + d_block11_dw_bn_B + decay*block11_dw_bn_B   (computed with the last statement of its batch)
+        V_block11_dw_bn_B_new = T['V_block11_dw_bn_B']  # in place: the new V_block11_dw_bn_B
+        # V_block11_dw_W_new = V_block11_dw_W*momentum + d_block11_dw_W + decay*block11_dw_W   (computed with the last statement of its batch)
+        V_block11_dw_W_new = T['V_block11_dw_W']  # in place: the new V_block11_dw_W
+        # V_block11_expand_bn_W_new = V_block11_expand_bn_W*momentum + d_block11_expand_bn_W + decay*block11_expand_bn_W   (computed with the last statement of its batch)
+        V_block11_expand_bn_W_new = T['V_block11_expand_bn_W']  # in place: the new V_block11_expand_bn_W
+        # V_block11_expand_bn_B_new = V_block11_expand_bn_B*momentum + d_block11_expand_bn_B + decay*block11_expand_bn_B   (computed with the last statement of its batch)
+        V_block11_expand_bn_B_new = T['V_block11_expand_bn_B']  # in place: the new V_block11_expand_bn_B
+        # V_block10_project_bn_W_new = V_block10_project_bn_W*momentum + d_block10_project_bn_W + decay*block10_project_bn_W   (computed with the last statement of its batch)
+        V_block10_project_bn_W_new = T['V_block10_project_bn_W']  # in place: the new V_block10_project_bn_W
+        # V_block10_project_bn_B_new = V_block10_project_bn_B*momentum + d_block10_project_bn_B + decay*block10_project_bn_B   (computed with the last statement of its batch)
+        V_block10_project_bn_B_new = T['V_block10_project_bn_B']  # in place: the new V_block10_project_bn_B
+        # V_block10_dw_bn_W_new = V_block10_dw_bn_W*momentum + d_block10_dw_bn_W + decay*block10_dw_bn_W   (computed with the last statement of its batch)
+        V_block10_dw_bn_W_new = T['V_block10_dw_bn_W']  # in place: the new V_block10_dw_bn_W
+        # V_block10_dw_bn_B_new = V_block10_dw_bn_B*momentum + d_block10_dw_bn_B + decay*block10_dw_bn_B   (computed with the last statement of its batch)
+        V_block10_dw_bn_B_new = T['V_block10_dw_bn_B']  # in place: the new V_block10_dw_bn_B
+        # V_block10_dw_W_new = V_block10_dw_W*momentum + d_block10_dw_W + decay*block10_dw_W   (computed with the last statement of its batch)
+        V_block10_dw_W_new = T['V_block10_dw_W']  # in place: the new V_block10_dw_W
+        # V_block10_expand_bn_W_new = V_block10_expand_bn_W*momentum + d_block10_expand_bn_W + decay*block10_expand_bn_W   (computed with the last statement of its batch)
+        V_block10_expand_bn_W_new = T['V_block10_expand_bn_W']  # in place: the new V_block10_expand_bn_W
+        # V_block10_expand_bn_B_new = V_block10_expand_bn_B*momentum + d_block10_expand_bn_B + decay*block10_expand_bn_B   (computed with the last statement of its batch)
+        V_block10_expand_bn_B_new = T['V_block10_expand_bn_B']  # in place: the new V_block10_expand_bn_B
+        # V_block9_project_bn_W_new = V_block9_project_bn_W*momentum + d_block9_project_bn_W + decay*block9_project_bn_W   (computed with the last statement of its batch)
+        V_block9_project_bn_W_new = T['V_block9_project_bn_W']  # in place: the new V_block9_project_bn_W
+        # V_block9_project_bn_B_new = V_block9_project_bn_B*momentum + d_block9_project_bn_B + decay*block9_project_bn_B   (computed with the last statement of its batch)
+        V_block9_project_bn_B_new = T['V_block9_project_bn_B']  # in place: the new V_block9_project_bn_B
+        # V_block9_dw_bn_W_new = V_block9_dw_bn_W*momentum + d_block9_dw_bn_W + decay*block9_dw_bn_W   (computed with the last statement of its batch)
+        V_block9_dw_bn_W_new = T['V_block9_dw_bn_W']  # in place: the new V_block9_dw_bn_W
+        # V_block9_dw_bn_B_new = V_block9_dw_bn_B*momentum + d_block9_dw_bn_B + decay*block9_dw_bn_B   (computed with the last statement of its batch)
+        V_block9_dw_bn_B_new = T['V_block9_dw_bn_B']  # in place: the new V_block9_dw_bn_B
+        # V_block9_dw_W_new = V_block9_dw_W*momentum + d_block9_dw_W + decay*block9_dw_W   (computed with the last statement of its batch)
+        V_block9_dw_W_new = T['V_block9_dw_W']  # in place: the new V_block9_dw_W
+        # V_block9_expand_bn_W_new = V_block9_expand_bn_W*momentum + d_block9_expand_bn_W + decay*block9_expand_bn_W   (computed with the last statement of its batch)
+        V_block9_expand_bn_W_new = T['V_block9_expand_bn_W']  # in place: the new V_block9_expand_bn_W
+        # V_block9_expand_bn_B_new = V_block9_expand_bn_B*momentum + d_block9_expand_bn_B + decay*block9_expand_bn_B   (computed with the last statement of its batch)
+        V_block9_expand_bn_B_new = T['V_block9_expand_bn_B']  # in place: the new V_block9_expand_bn_B
+        # V_block8_project_bn_W_new = V_block8_project_bn_W*momentum + d_block8_project_bn_W + decay*block8_project_bn_W   (computed with the last statement of its batch)
+        V_block8_project_bn_W_new = T['V_block8_project_bn_W']  # in place: the new V_block8_project_bn_W
+        # V_block8_project_bn_B_new = V_block8_project_bn_B*momentum + d_block8_project_bn_B + decay*block8_project_bn_B   (computed with the last statement of its batch)
+        V_block8_project_bn_B_new = T['V_block8_project_bn_B']  # in place: the new V_block8_project_bn_B
+        # V_block8_dw_bn_W_new = V_block8_dw_bn_W*momentum + d_block8_dw_bn_W + decay*block8_dw_bn_W   (computed with the last statement of its batch)
+        V_block8_dw_bn_W_new = T['V_block8_dw_bn_W']  # in place: the new V_block8_dw_bn_W
+        # V_block8_dw_bn_B_new = V_block8_dw_bn_B*momentum + d_block8_dw_bn_B + decay*block8_dw_bn_B   (computed with the last statement of its batch)
+        V_block8_dw_bn_B_new = T['V_block8_dw_bn_B']  # in place: the new V_block8_dw_bn_B
+        # V_block8_dw_W_new = V_block8_dw_W*momentum + d_block8_dw_W + decay*block8_dw_W   (computed with the last statement of its batch)
+        V_block8_dw_W_new = T['V_block8_dw_W']  # in place: the new V_block8_dw_W
+        # V_block8_expand_bn_W_new = V_block8_expand_bn_W*momentum + d_block8_expand_bn_W + decay*block8_expand_bn_W   (computed with the last statement of its batch)
+        V_block8_expand_bn_W_new = T['V_block8_expand_bn_W']  # in place: the new V_block8_expand_bn_W
+        # V_block8_expand_bn_B_new = V_block8_expand_bn_B*momentum + d_block8_expand_bn_B + decay*block8_expand_bn_B   (computed with the last statement of its batch)
+        V_block8_expand_bn_B_new = T['V_block8_expand_bn_B']  # in place: the new V_block8_expand_bn_B
+        # V_block7_project_bn_W_new = V_block7_project_bn_W*momentum + d_block7_project_bn_W + decay*block7_project_bn_W   (computed with the last statement of its batch)
+        V_block7_project_bn_W_new = T['V_block7_project_bn_W']  # in place: the new V_block7_project_bn_W
+        # V_block7_project_bn_B_new = V_block7_project_bn_B*momentum + d_block7_project_bn_B + decay*block7_project_bn_B   (computed with the last statement of its batch)
+        V_block7_project_bn_B_new = T['V_block7_project_bn_B']  # in place: the new V_block7_project_bn_B
+        # V_block7_project_W_new = V_block7_project_W*momentum + d_block7_project_W + decay*block7_project_W   (computed with the last statement of its batch)
+        V_block7_project_W_new = T['V_block7_project_W']  # in place: the new V_block7_project_W
+        # V_block7_dw_bn_W_new = V_block7_dw_bn_W*momentum + d_block7_dw_bn_W + decay*block7_dw_bn_W   (computed with the last statement of its batch)
+        V_block7_dw_bn_W_new = T['V_block7_dw_bn_W']  # in place: the new V_block7_dw_bn_W
+        # V_block7_dw_bn_B_new = V_block7_dw_bn_B*momentum + d_block7_dw_bn_B + decay*block7_dw_bn_B   (computed with the last statement of its batch)
+        V_block7_dw_bn_B_new = T['V_block7_dw_bn_B']  # in place: the new V_block7_dw_bn_B
+        # V_block7_dw_W_new = V_block7_dw_W*momentum + d_block7_dw_W + decay*block7_dw_W   (computed with the last statement of its batch)
+        V_block7_dw_W_new = T['V_block7_dw_W']  # in place: the new V_block7_dw_W
+        # V_block7_expand_bn_W_new = V_block7_expand_bn_W*momentum + d_block7_expand_bn_W + decay*block7_expand_bn_W   (computed with the last statement of its batch)
+        V_block7_expand_bn_W_new = T['V_block7_expand_bn_W']  # in place: the new V_block7_expand_bn_W
+        # V_block7_expand_bn_B_new = V_block7_expand_bn_B*momentum + d_block7_expand_bn_B + decay*block7_expand_bn_B   (computed with the last statement of its batch)
+        V_block7_expand_bn_B_new = T['V_block7_expand_bn_B']  # in place: the new V_block7_expand_bn_B
+        # V_block7_expand_W_new = V_block7_expand_W*momentum + d_block7_expand_W + decay*block7_expand_W   (computed with the last statement of its batch)
+        V_block7_expand_W_new = T['V_block7_expand_W']  # in place: the new V_block7_expand_W
+        # V_block6_project_bn_W_new = V_block6_project_bn_W*momentum + d_block6_project_bn_W + decay*block6_project_bn_W   (computed with the last statement of its batch)
+        V_block6_project_bn_W_new = T['V_block6_project_bn_W']  # in place: the new V_block6_project_bn_W
+        # V_block6_project_bn_B_new = V_block6_project_bn_B*momentum + d_block6_project_bn_B + decay*block6_project_bn_B   (computed with the last statement of its batch)
+        V_block6_project_bn_B_new = T['V_block6_project_bn_B']  # in place: the new V_block6_project_bn_B
+        # V_block6_project_W_new = V_block6_project_W*momentum + d_block6_project_W + decay*block6_project_W   (computed with the last statement of its batch)
+        V_block6_project_W_new = T['V_block6_project_W']  # in place: the new V_block6_project_W
+        # V_block6_dw_bn_W_new = V_block6_dw_bn_W*momentum + d_block6_dw_bn_W + decay*block6_dw_bn_W   (computed with the last statement of its batch)
+        V_block6_dw_bn_W_new = T['V_block6_dw_bn_W']  # in place: the new V_block6_dw_bn_W
+        # V_block6_dw_bn_B_new = V_block6_dw_bn_B*momentum + d_block6_dw_bn_B + decay*block6_dw_bn_B   (computed with the last statement of its batch)
+        V_block6_dw_bn_B_new = T['V_block6_dw_bn_B']  # in place: the new V_block6_dw_bn_B
+        # V_block6_dw_W_new = V_block6_dw_W*momentum + d_block6_dw_W + decay*block6_dw_W   (computed with the last statement of its batch)
+        V_block6_dw_W_new = T['V_block6_dw_W']  # in place: the new V_block6_dw_W
+        # V_block6_expand_bn_W_new = V_block6_expand_bn_W*momentum + d_block6_expand_bn_W + decay*block6_expand_bn_W   (computed with the last statement of its batch)
+        V_block6_expand_bn_W_new = T['V_block6_expand_bn_W']  # in place: the new V_block6_expand_bn_W
+        # V_block6_expand_bn_B_new = V_block6_expand_bn_B*momentum + d_block6_expand_bn_B + decay*block6_expand_bn_B   (computed with the last statement of its batch)
+        V_block6_expand_bn_B_new = T['V_block6_expand_bn_B']  # in place: the new V_block6_expand_bn_B
+        # V_block6_expand_W_new = V_block6_expand_W*momentum + d_block6_expand_W + decay*block6_expand_W   (computed with the last statement of its batch)
+        V_block6_expand_W_new = T['V_block6_expand_W']  # in place: the new V_block6_expand_W
+        # V_block5_project_bn_W_new = V_block5_project_bn_W*momentum + d_block5_project_bn_W + decay*block5_project_bn_W   (computed with the last statement of its batch)
+        V_block5_project_bn_W_new = T['V_block5_project_bn_W']  # in place: the new V_block5_project_bn_W
+        # V_block5_project_bn_B_new = V_block5_project_bn_B*momentum + d_block5_project_bn_B + decay*block5_project_bn_B   (computed with the last statement of its batch)
+        V_block5_project_bn_B_new = T['V_block5_project_bn_B']  # in place: the new V_block5_project_bn_B
+        # V_block5_project_W_new = V_block5_project_W*momentum + d_block5_project_W + decay*block5_project_W   (computed with the last statement of its batch)
+        V_block5_project_W_new = T['V_block5_project_W']  # in place: the new V_block5_project_W
+        # V_block5_dw_bn_W_new = V_block5_dw_bn_W*momentum + d_block5_dw_bn_W + decay*block5_dw_bn_W   (computed with the last statement of its batch)
+        V_block5_dw_bn_W_new = T['V_block5_dw_bn_W']  # in place: the new V_block5_dw_bn_W
+        # V_block5_dw_bn_B_new = V_block5_dw_bn_B*momentum + d_block5_dw_bn_B + decay*block5_dw_bn_B   (computed with the last statement of its batch)
+        V_block5_dw_bn_B_new = T['V_block5_dw_bn_B']  # in place: the new V_block5_dw_bn_B
+        # V_block5_dw_W_new = V_block5_dw_W*momentum + d_block5_dw_W + decay*block5_dw_W   (computed with the last statement of its batch)
+        V_block5_dw_W_new = T['V_block5_dw_W']  # in place: the new V_block5_dw_W
+        # V_block5_expand_bn_W_new = V_block5_expand_bn_W*momentum + d_block5_expand_bn_W + decay*block5_expand_bn_W   (computed with the last statement of its batch)
+        V_block5_expand_bn_W_new = T['V_block5_expand_bn_W']  # in place: the new V_block5_expand_bn_W
+        # V_block5_expand_bn_B_new = V_block5_expand_bn_B*momentum + d_block5_expand_bn_B + decay*block5_expand_bn_B   (computed with the last statement of its batch)
+        V_block5_expand_bn_B_new = T['V_block5_expand_bn_B']  # in place: the new V_block5_expand_bn_B
+        # V_block5_expand_W_new = V_block5_expand_W*momentum + d_block5_expand_W + decay*block5_expand_W   (computed with the last statement of its batch)
+        V_block5_expand_W_new = T['V_block5_expand_W']  # in place: the new V_block5_expand_W
+        # V_block4_project_bn_W_new = V_block4_project_bn_W*momentum + d_block4_project_bn_W + decay*block4_project_bn_W   (computed with the last statement of its batch)
+        V_block4_project_bn_W_new = T['V_block4_project_bn_W']  # in place: the new V_block4_project_bn_W
+        # V_block4_project_bn_B_new = V_block4_project_bn_B*momentum + d_block4_project_bn_B + decay*block4_project_bn_B   (computed with the last statement of its batch)
+        V_block4_project_bn_B_new = T['V_block4_project_bn_B']  # in place: the new V_block4_project_bn_B
+        # V_block4_project_W_new = V_block4_project_W*momentum + d_block4_project_W + decay*block4_project_W   (computed with the last statement of its batch)
+        V_block4_project_W_new = T['V_block4_project_W']  # in place: the new V_block4_project_W
+        # V_block4_dw_bn_W_new = V_block4_dw_bn_W*momentum + d_block4_dw_bn_W + decay*block4_dw_bn_W   (computed with the last statement of its batch)
+        V_block4_dw_bn_W_new = T['V_block4_dw_bn_W']  # in place: the new V_block4_dw_bn_W
+        # V_block4_dw_bn_B_new = V_block4_dw_bn_B*momentum + d_block4_dw_bn_B + decay*block4_dw_bn_B   (computed with the last statement of its batch)
+        V_block4_dw_bn_B_new = T['V_block4_dw_bn_B']  # in place: the new V_block4_dw_bn_B
+        # V_block4_dw_W_new = V_block4_dw_W*momentum + d_block4_dw_W + decay*block4_dw_W   (computed with the last statement of its batch)
+        V_block4_dw_W_new = T['V_block4_dw_W']  # in place: the new V_block4_dw_W
+        # V_block4_expand_bn_W_new = V_block4_expand_bn_W*momentum + d_block4_expand_bn_W + decay*block4_expand_bn_W   (computed with the last statement of its batch)
+        V_block4_expand_bn_W_new = T['V_block4_expand_bn_W']  # in place: the new V_block4_expand_bn_W
+        # V_block4_expand_bn_B_new = V_block4_expand_bn_B*momentum + d_block4_expand_bn_B + decay*block4_expand_bn_B   (computed with the last statement of its batch)
+        V_block4_expand_bn_B_new = T['V_block4_expand_bn_B']  # in place: the new V_block4_expand_bn_B
+        # V_block4_expand_W_new = V_block4_expand_W*momentum + d_block4_expand_W + decay*block4_expand_W   (computed with the last statement of its batch)
+        V_block4_expand_W_new = T['V_block4_expand_W']  # in place: the new V_block4_expand_W
+        # V_block3_project_bn_W_new = V_block3_project_bn_W*momentum + d_block3_project_bn_W + decay*block3_project_bn_W   (computed with the last statement of its batch)
+        V_block3_project_bn_W_new = T['V_block3_project_bn_W']  # in place: the new V_block3_project_bn_W
+        # V_block3_project_bn_B_new = V_block3_project_bn_B*momentum + d_block3_project_bn_B + decay*block3_project_bn_B   (computed with the last statement of its batch)
+        V_block3_project_bn_B_new = T['V_block3_project_bn_B']  # in place: the new V_block3_project_bn_B
+        # V_block3_project_W_new = V_block3_project_W*momentum + d_block3_project_W + decay*block3_project_W   (computed with the last statement of its batch)
+        V_block3_project_W_new = T['V_block3_project_W']  # in place: the new V_block3_project_W
+        # V_block3_dw_bn_W_new = V_block3_dw_bn_W*momentum + d_block3_dw_bn_W + decay*block3_dw_bn_W   (computed with the last statement of its batch)
+        V_block3_dw_bn_W_new = T['V_block3_dw_bn_W']  # in place: the new V_block3_dw_bn_W
+        # V_block3_dw_bn_B_new = V_block3_dw_bn_B*momentum + d_block3_dw_bn_B + decay*block3_dw_bn_B   (computed with the last statement of its batch)
+        V_block3_dw_bn_B_new = T['V_block3_dw_bn_B']  # in place: the new V_block3_dw_bn_B
+        # V_block3_dw_W_new = V_block3_dw_W*momentum + d_block3_dw_W + decay*block3_dw_W   (computed with the last statement of its batch)
+        V_block3_dw_W_new = T['V_block3_dw_W']  # in place: the new V_block3_dw_W
+        # V_block3_expand_bn_W_new = V_block3_expand_bn_W*momentum + d_block3_expand_bn_W + decay*block3_expand_bn_W   (computed with the last statement of its batch)
+        V_block3_expand_bn_W_new = T['V_block3_expand_bn_W']  # in place: the new V_block3_expand_bn_W
+        # V_block3_expand_bn_B_new = V_block3_expand_bn_B*momentum + d_block3_expand_bn_B + decay*block3_expand_bn_B   (computed with the last statement of its batch)
+        V_block3_expand_bn_B_new = T['V_block3_expand_bn_B']  # in place: the new V_block3_expand_bn_B
+        # V_block3_expand_W_new = V_block3_expand_W*momentum + d_block3_expand_W + decay*block3_expand_W   (computed with the last statement of its batch)
+        V_block3_expand_W_new = T['V_block3_expand_W']  # in place: the new V_block3_expand_W
+        # V_block2_project_bn_W_new = V_block2_project_bn_W*momentum + d_block2_project_bn_W + decay*block2_project_bn_W   (computed with the last statement of its batch)
+        V_block2_project_bn_W_new = T['V_block2_project_bn_W']  # in place: the new V_block2_project_bn_W
+        # V_block2_project_bn_B_new = V_block2_project_bn_B*momentum + d_block2_project_bn_B + decay*block2_project_bn_B   (computed with the last statement of its batch)
+        V_block2_project_bn_B_new = T['V_block2_project_bn_B']  # in place: the new V_block2_project_bn_B
+        # V_block2_project_W_new = V_block2_project_W*momentum + d_block2_project_W + decay*block2_project_W   (computed with the last statement of its batch)
+        V_block2_project_W_new = T['V_block2_project_W']  # in place: the new V_block2_project_W
+        # V_block2_dw_bn_W_new = V_block2_dw_bn_W*momentum + d_block2_dw_bn_W + decay*block2_dw_bn_W   (computed with the last statement of its batch)
+        V_block2_dw_bn_W_new = T['V_block2_dw_bn_W']  # in place: the new V_block2_dw_bn_W
+        # V_block2_dw_bn_B_new = V_block2_dw_bn_B*momentum + d_block2_dw_bn_B + decay*block2_dw_bn_B   (computed with the last statement of its batch)
+        V_block2_dw_bn_B_new = T['V_block2_dw_bn_B']  # in place: the new V_block2_dw_bn_B
+        # V_block2_dw_W_new = V_block2_dw_W*momentum + d_block2_dw_W + decay*block2_dw_W   (computed with the last statement of its batch)
+        V_block2_dw_W_new = T['V_block2_dw_W']  # in place: the new V_block2_dw_W
+        # V_block2_expand_bn_W_new = V_block2_expand_bn_W*momentum + d_block2_expand_bn_W + decay*block2_expand_bn_W   (computed with the last statement of its batch)
+        V_block2_expand_bn_W_new = T['V_block2_expand_bn_W']  # in place: the new V_block2_expand_bn_W
+        # V_block2_expand_bn_B_new = V_block2_expand_bn_B*momentum + d_block2_expand_bn_B + decay*block2_expand_bn_B   (computed with the last statement of its batch)
+        V_block2_expand_bn_B_new = T['V_block2_expand_bn_B']  # in place: the new V_block2_expand_bn_B
+        # V_block2_expand_W_new = V_block2_expand_W*momentum + d_block2_expand_W + decay*block2_expand_W   (computed with the last statement of its batch)
+        V_block2_expand_W_new = T['V_block2_expand_W']  # in place: the new V_block2_expand_W
+        # V_block1_project_bn_W_new = V_block1_project_bn_W*momentum + d_block1_project_bn_W + decay*block1_project_bn_W   (computed with the last statement of its batch)
+        V_block1_project_bn_W_new = T['V_block1_project_bn_W']  # in place: the new V_block1_project_bn_W
+        # V_block1_project_bn_B_new = V_block1_project_bn_B*momentum + d_block1_project_bn_B + decay*block1_project_bn_B   (computed with the last statement of its batch)
+        V_block1_project_bn_B_new = T['V_block1_project_bn_B']  # in place: the new V_block1_project_bn_B
+        # V_block1_project_W_new = V_block1_project_W*momentum + d_block1_project_W + decay*block1_project_W   (computed with the last statement of its batch)
+        V_block1_project_W_new = T['V_block1_project_W']  # in place: the new V_block1_project_W
+        # V_block1_dw_bn_W_new = V_block1_dw_bn_W*momentum + d_block1_dw_bn_W + decay*block1_dw_bn_W   (computed with the last statement of its batch)
+        V_block1_dw_bn_W_new = T['V_block1_dw_bn_W']  # in place: the new V_block1_dw_bn_W
+        # V_block1_dw_bn_B_new = V_block1_dw_bn_B*momentum + d_block1_dw_bn_B + decay*block1_dw_bn_B   (computed with the last statement of its batch)
+        V_block1_dw_bn_B_new = T['V_block1_dw_bn_B']  # in place: the new V_block1_dw_bn_B
+        # V_block1_dw_W_new = V_block1_dw_W*momentum + d_block1_dw_W + decay*block1_dw_W   (computed with the last statement of its batch)
+        V_block1_dw_W_new = T['V_block1_dw_W']  # in place: the new V_block1_dw_W
+        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W   (computed with the last statement of its batch)
+        V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
+        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B   (computed with the last statement of its batch)
+        V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (and the 134 statements before it, in one call)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        rt.ew_many(ew_mul_add_4,
+                   (V_conv_last_bn_W_new, T['V_conv_last_bn_W'], momentum, d_conv_last_bn_W, decay, T['conv_last_bn_W']),
+                   (V_conv_last_bn_B_new, T['V_conv_last_bn_B'], momentum, d_conv_last_bn_B, decay, T['conv_last_bn_B']),
+                   (V_block17_project_bn_W_new, T['V_block17_project_bn_W'], momentum, d_block17_project_bn_W, decay, T['block17_project_bn_W']),
+                   (V_block17_project_bn_B_new, T['V_block17_project_bn_B'], momentum, d_block17_project_bn_B, decay, T['block17_project_bn_B']),
+                   (V_block17_dw_bn_W_new, T['V_block17_dw_bn_W'], momentum, d_block17_dw_bn_W, decay, T['block17_dw_bn_W']),
+                   (V_block17_dw_bn_B_new, T['V_block17_dw_bn_B'], momentum, d_block17_dw_bn_B, decay, T['block17_dw_bn_B']),
+                   (V_block17_dw_W_new, T['V_block17_dw_W'], momentum, d_block17_dw_W, decay, T['block17_dw_W']),
+                   (V_block17_expand_bn_W_new, T['V_block17_expand_bn_W'], momentum, d_block17_expand_bn_W, decay, T['block17_expand_bn_W']),
+                   (V_block17_expand_bn_B_new, T['V_block17_expand_bn_B'], momentum, d_block17_expand_bn_B, decay, T['block17_expand_bn_B']),
+                   (V_block16_project_bn_W_new, T['V_block16_project_bn_W'], momentum, d_block16_project_bn_W, decay, T['block16_project_bn_W']),
+                   (V_block16_project_bn_B_new, T['V_block16_project_bn_B'], momentum, d_block16_project_bn_B, decay, T['block16_project_bn_B']),
+                   (V_block16_dw_bn_W_new, T['V_block16_dw_bn_W'], momentum, d_block16_dw_bn_W, decay, T['block16_dw_bn_W']),
+                   (V_block16_dw_bn_B_new, T['V_block16_dw_bn_B'], momentum, d_block16_dw_bn_B, decay, T['block16_dw_bn_B']),
+                   (V_block16_dw_W_new, T['V_block16_dw_W'], momentum, d_block16_dw_W, decay, T['block16_dw_W']),
+                   (V_block16_expand_bn_W_new, T['V_block16_expand_bn_W'], momentum, d_block16_expand_bn_W, decay, T['block16_expand_bn_W']),
+                   (V_block16_expand_bn_B_new, T['V_block16_expand_bn_B'], momentum, d_block16_expand_bn_B, decay, T['block16_expand_bn_B']),
+                   (V_block15_project_bn_W_new, T['V_block15_project_bn_W'], momentum, d_block15_project_bn_W, decay, T['block15_project_bn_W']),
+                   (V_block15_project_bn_B_new, T['V_block15_project_bn_B'], momentum, d_block15_project_bn_B, decay, T['block15_project_bn_B']),
+                   (V_block15_dw_bn_W_new, T['V_block15_dw_bn_W'], momentum, d_block15_dw_bn_W, decay, T['block15_dw_bn_W']),
+                   (V_block15_dw_bn_B_new, T['V_block15_dw_bn_B'], momentum, d_block15_dw_bn_B, decay, T['block15_dw_bn_B']),
+                   (V_block15_dw_W_new, T['V_block15_dw_W'], momentum, d_block15_dw_W, decay, T['block15_dw_W']),
+                   (V_block15_expand_bn_W_new, T['V_block15_expand_bn_W'], momentum, d_block15_expand_bn_W, decay, T['block15_expand_bn_W']),
+                   (V_block15_expand_bn_B_new, T['V_block15_expand_bn_B'], momentum, d_block15_expand_bn_B, decay, T['block15_expand_bn_B']),
+                   (V_block14_project_bn_W_new, T['V_block14_project_bn_W'], momentum, d_block14_project_bn_W, decay, T['block14_project_bn_W']),
+                   (V_block14_project_bn_B_new, T['V_block14_project_bn_B'], momentum, d_block14_project_bn_B, decay, T['block14_project_bn_B']),
+                   (V_block14_dw_bn_W_new, T['V_block14_dw_bn_W'], momentum, d_block14_dw_bn_W, decay, T['block14_dw_bn_W']),
+                   (V_block14_dw_bn_B_new, T['V_block14_dw_bn_B'], momentum, d_block14_dw_bn_B, decay, T['block14_dw_bn_B']),
+                   (V_block14_dw_W_new, T['V_block14_dw_W'], momentum, d_block14_dw_W, decay, T['block14_dw_W']),
+                   (V_block14_expand_bn_W_new, T['V_block14_expand_bn_W'], momentum, d_block14_expand_bn_W, decay, T['block14_expand_bn_W']),
+                   (V_block14_expand_bn_B_new, T['V_block14_expand_bn_B'], momentum, d_block14_expand_bn_B, decay, T['block14_expand_bn_B']),
+                   (V_block13_project_bn_W_new, T['V_block13_project_bn_W'], momentum, d_block13_project_bn_W, decay, T['block13_project_bn_W']),
+                   (V_block13_project_bn_B_new, T['V_block13_project_bn_B'], momentum, d_block13_project_bn_B, decay, T['block13_project_bn_B']),
+                   (V_block13_dw_bn_W_new, T['V_block13_dw_bn_W'], momentum, d_block13_dw_bn_W, decay, T['block13_dw_bn_W']),
+                   (V_block13_dw_bn_B_new, T['V_block13_dw_bn_B'], momentum, d_block13_dw_bn_B, decay, T['block13_dw_bn_B']),
+                   (V_block13_dw_W_new, T['V_block13_dw_W'], momentum, d_block13_dw_W, decay, T['block13_dw_W']),
+                   (V_block13_expand_bn_W_new, T['V_block13_expand_bn_W'], momentum, d_block13_expand_bn_W, decay, T['block13_expand_bn_W']),
+                   (V_block13_expand_bn_B_new, T['V_block13_expand_bn_B'], momentum, d_block13_expand_bn_B, decay, T['block13_expand_bn_B']),
+                   (V_block12_project_bn_W_new, T['V_block12_project_bn_W'], momentum, d_block12_project_bn_W, decay, T['block12_project_bn_W']),
+                   (V_block12_project_bn_B_new, T['V_block12_project_bn_B'], momentum, d_block12_project_bn_B, decay, T['block12_project_bn_B']),
+                   (V_block12_dw_bn_W_new, T['V_block12_dw_bn_W'], momentum, d_block12_dw_bn_W, decay, T['block12_dw_bn_W']),
+                   (V_block12_dw_bn_B_new, T['V_block12_dw_bn_B'], momentum, d_block12_dw_bn_B, decay, T['block12_dw_bn_B']),
+                   (V_block12_dw_W_new, T['V_block12_dw_W'], momentum, d_block12_dw_W, decay, T['block12_dw_W']),
+                   (V_block12_expand_bn_W_new, T['V_block12_expand_bn_W'], momentum, d_block12_expand_bn_W, decay, T['block12_expand_bn_W']),
+                   (V_block12_expand_bn_B_new, T['V_block12_expand_bn_B'], momentum, d_block12_expand_bn_B, decay, T['block12_expand_bn_B']),
+                   (V_block11_project_bn_W_new, T['V_block11_project_bn_W'], momentum, d_block11_project_bn_W, decay, T['block11_project_bn_W']),
+                   (V_block11_project_bn_B_new, T['V_block11_project_bn_B'], momentum, d_block11_project_bn_B, decay, T['block11_project_bn_B']),
+                   (V_block11_dw_bn_W_new, T['V_block11_dw_bn_W'], momentum, d_block11_dw_bn_W, decay, T['block11_dw_bn_W']),
+                   (V_block11_dw_bn_B_new, T['V_block11_dw_bn_B'], momentum, d_block11_dw_bn_B, decay, T['block11_dw_bn_B']),
+                   (V_block11_dw_W_new, T['V_block11_dw_W'], momentum, d_block11_dw_W, decay, T['block11_dw_W']),
+                   (V_block11_expand_bn_W_new, T['V_block11_expand_bn_W'], momentum, d_block11_expand_bn_W, decay, T['block11_expand_bn_W']),
+                   (V_block11_expand_bn_B_new, T['V_block11_expand_bn_B'], momentum, d_block11_expand_bn_B, decay, T['block11_expand_bn_B']),
+                   (V_block10_project_bn_W_new, T['V_block10_project_bn_W'], momentum, d_block10_project_bn_W, decay, T['block10_project_bn_W']),
+                   (V_block10_project_bn_B_new, T['V_block10_project_bn_B'], momentum, d_block10_project_bn_B, decay, T['block10_project_bn_B']),
+                   (V_block10_dw_bn_W_new, T['V_block10_dw_bn_W'], momentum, d_block10_dw_bn_W, decay, T['block10_dw_bn_W']),
+                   (V_block10_dw_bn_B_new, T['V_block10_dw_bn_B'], momentum, d_block10_dw_bn_B, decay, T['block10_dw_bn_B']),
+                   (V_block10_dw_W_new, T['V_block10_dw_W'], momentum, d_block10_dw_W, decay, T['block10_dw_W']),
+                   (V_block10_expand_bn_W_new, T['V_block10_expand_bn_W'], momentum, d_block10_expand_bn_W, decay, T['block10_expand_bn_W']),
+                   (V_block10_expand_bn_B_new, T['V_block10_expand_bn_B'], momentum, d_block10_expand_bn_B, decay, T['block10_expand_bn_B']),
+                   (V_block9_project_bn_W_new, T['V_block9_project_bn_W'], momentum, d_block9_project_bn_W, decay, T['block9_project_bn_W']),
+                   (V_block9_project_bn_B_new, T['V_block9_project_bn_B'], momentum, d_block9_project_bn_B, decay, T['block9_project_bn_B']),
+                   (V_block9_dw_bn_W_new, T['V_block9_dw_bn_W'], momentum, d_block9_dw_bn_W, decay, T['block9_dw_bn_W']),
+                   (V_block9_dw_bn_B_new, T['V_block9_dw_bn_B'], momentum, d_block9_dw_bn_B, decay, T['block9_dw_bn_B']),
+                   (V_block9_dw_W_new, T['V_block9_dw_W'], momentum, d_block9_dw_W, decay, T['block9_dw_W']),
+                   (V_block9_expand_bn_W_new, T['V_block9_expand_bn_W'], momentum, d_block9_expand_bn_W, decay, T['block9_expand_bn_W']),
+                   (V_block9_expand_bn_B_new, T['V_block9_expand_bn_B'], momentum, d_block9_expand_bn_B, decay, T['block9_expand_bn_B']),
+                   (V_block8_project_bn_W_new, T['V_block8_project_bn_W'], momentum, d_block8_project_bn_W, decay, T['block8_project_bn_W']),
+                   (V_block8_project_bn_B_new, T['V_block8_project_bn_B'], momentum, d_block8_project_bn_B, decay, T['block8_project_bn_B']),
+                   (V_block8_dw_bn_W_new, T['V_block8_dw_bn_W'], momentum, d_block8_dw_bn_W, decay, T['block8_dw_bn_W']),
+                   (V_block8_dw_bn_B_new, T['V_block8_dw_bn_B'], momentum, d_block8_dw_bn_B, decay, T['block8_dw_bn_B']),
+                   (V_block8_dw_W_new, T['V_block8_dw_W'], momentum, d_block8_dw_W, decay, T['block8_dw_W']),
+                   (V_block8_expand_bn_W_new, T['V_block8_expand_bn_W'], momentum, d_block8_expand_bn_W, decay, T['block8_expand_bn_W']),
+                   (V_block8_expand_bn_B_new, T['V_block8_expand_bn_B'], momentum, d_block8_expand_bn_B, decay, T['block8_expand_bn_B']),
+                   (V_block7_project_bn_W_new, T['V_block7_project_bn_W'], momentum, d_block7_project_bn_W, decay, T['block7_project_bn_W']),
+                   (V_block7_project_bn_B_new, T['V_block7_project_bn_B'], momentum, d_block7_project_bn_B, decay, T['block7_project_bn_B']),
+                   (V_block7_project_W_new, T['V_block7_project_W'], momentum, d_block7_project_W, decay, T['block7_project_W']),
+                   (V_block7_dw_bn_W_new, T['V_block7_dw_bn_W'], momentum, d_block7_dw_bn_W, decay, T['block7_dw_bn_W']),
+                   (V_block7_dw_bn_B_new, T['V_block7_dw_bn_B'], momentum, d_block7_dw_bn_B, decay, T['block7_dw_bn_B']),
+                   (V_block7_dw_W_new, T['V_block7_dw_W'], momentum, d_block7_dw_W, decay, T['block7_dw_W']),
+                   (V_block7_expand_bn_W_new, T['V_block7_expand_bn_W'], momentum, d_block7_expand_bn_W, decay, T['block7_expand_bn_W']),
+                   (V_block7_expand_bn_B_new, T['V_block7_expand_bn_B'], momentum, d_block7_expand_bn_B, decay, T['block7_expand_bn_B']),
+                   (V_block7_expand_W_new, T['V_block7_expand_W'], momentum, d_block7_expand_W, decay, T['block7_expand_W']),
+                   (V_block6_project_bn_W_new, T['V_block6_project_bn_W'], momentum, d_block6_project_bn_W, decay, T['block6_project_bn_W']),
+                   (V_block6_project_bn_B_new, T['V_block6_project_bn_B'], momentum, d_block6_project_bn_B, decay, T['block6_project_bn_B']),
+                   (V_block6_project_W_new, T['V_block6_project_W'], momentum, d_block6_project_W, decay, T['block6_project_W']),
+                   (V_block6_dw_bn_W_new, T['V_block6_dw_bn_W'], momentum, d_block6_dw_bn_W, decay, T['block6_dw_bn_W']),
+                   (V_block6_dw_bn_B_new, T['V_block6_dw_bn_B'], momentum, d_block6_dw_bn_B, decay, T['block6_dw_bn_B']),
+                   (V_block6_dw_W_new, T['V_block6_dw_W'], momentum, d_block6_dw_W, decay, T['block6_dw_W']),
+                   (V_block6_expand_bn_W_new, T['V_block6_expand_bn_W'], momentum, d_block6_expand_bn_W, decay, T['block6_expand_bn_W']),
+                   (V_block6_expand_bn_B_new, T['V_block6_expand_bn_B'], momentum, d_block6_expand_bn_B, decay, T['block6_expand_bn_B']),
+                   (V_block6_expand_W_new, T['V_block6_expand_W'], momentum, d_block6_expand_W, decay, T['block6_expand_W']),
+                   (V_block5_project_bn_W_new, T['V_block5_project_bn_W'], momentum, d_block5_project_bn_W, decay, T['block5_project_bn_W']),
+                   (V_block5_project_bn_B_new, T['V_block5_project_bn_B'], momentum, d_block5_project_bn_B, decay, T['block5_project_bn_B']),
+                   (V_block5_project_W_new, T['V_block5_project_W'], momentum, d_block5_project_W, decay, T['block5_project_W']),
+                   (V_block5_dw_bn_W_new, T['V_block5_dw_bn_W'], momentum, d_block5_dw_bn_W, decay, T['block5_dw_bn_W']),
+                   (V_block5_dw_bn_B_new, T['V_block5_dw_bn_B'], momentum, d_block5_dw_bn_B, decay, T['block5_dw_bn_B']),
+                   (V_block5_dw_W_new, T['V_block5_dw_W'], momentum, d_block5_dw_W, decay, T['block5_dw_W']),
+                   (V_block5_expand_bn_W_new, T['V_block5_expand_bn_W'], momentum, d_block5_expand_bn_W, decay, T['block5_expand_bn_W']),
+                   (V_block5_expand_bn_B_new, T['V_block5_expand_bn_B'], momentum, d_block5_expand_bn_B, decay, T['block5_expand_bn_B']),
+                   (V_block5_expand_W_new, T['V_block5_expand_W'], momentum, d_block5_expand_W, decay, T['block5_expand_W']),
+                   (V_block4_project_bn_W_new, T['V_block4_project_bn_W'], momentum, d_block4_project_bn_W, decay, T['block4_project_bn_W']),
+                   (V_block4_project_bn_B_new, T['V_block4_project_bn_B'], momentum, d_block4_project_bn_B, decay, T['block4_project_bn_B']),
+                   (V_block4_project_W_new, T['V_block4_project_W'], momentum, d_block4_project_W, decay, T['block4_project_W']),
+                   (V_block4_dw_bn_W_new, T['V_block4_dw_bn_W'], momentum, d_block4_dw_bn_W, decay, T['block4_dw_bn_W']),
+                   (V_block4_dw_bn_B_new, T['V_block4_dw_bn_B'], momentum, d_block4_dw_bn_B, decay, T['block4_dw_bn_B']),
+                   (V_block4_dw_W_new, T['V_block4_dw_W'], momentum, d_block4_dw_W, decay, T['block4_dw_W']),
+                   (V_block4_expand_bn_W_new, T['V_block4_expand_bn_W'], momentum, d_block4_expand_bn_W, decay, T['block4_expand_bn_W']),
+                   (V_block4_expand_bn_B_new, T['V_block4_expand_bn_B'], momentum, d_block4_expand_bn_B, decay, T['block4_expand_bn_B']),
+                   (V_block4_expand_W_new, T['V_block4_expand_W'], momentum, d_block4_expand_W, decay, T['block4_expand_W']),
+                   (V_block3_project_bn_W_new, T['V_block3_project_bn_W'], momentum, d_block3_project_bn_W, decay, T['block3_project_bn_W']),
+                   (V_block3_project_bn_B_new, T['V_block3_project_bn_B'], momentum, d_block3_project_bn_B, decay, T['block3_project_bn_B']),
+                   (V_block3_project_W_new, T['V_block3_project_W'], momentum, d_block3_project_W, decay, T['block3_project_W']),
+                   (V_block3_dw_bn_W_new, T['V_block3_dw_bn_W'], momentum, d_block3_dw_bn_W, decay, T['block3_dw_bn_W']),
+                   (V_block3_dw_bn_B_new, T['V_block3_dw_bn_B'], momentum, d_block3_dw_bn_B, decay, T['block3_dw_bn_B']),
+                   (V_block3_dw_W_new, T['V_block3_dw_W'], momentum, d_block3_dw_W, decay, T['block3_dw_W']),
+                   (V_block3_expand_bn_W_new, T['V_block3_expand_bn_W'], momentum, d_block3_expand_bn_W, decay, T['block3_expand_bn_W']),
+                   (V_block3_expand_bn_B_new, T['V_block3_expand_bn_B'], momentum, d_block3_expand_bn_B, decay, T['block3_expand_bn_B']),
+                   (V_block3_expand_W_new, T['V_block3_expand_W'], momentum, d_block3_expand_W, decay, T['block3_expand_W']),
+                   (V_block2_project_bn_W_new, T['V_block2_project_bn_W'], momentum, d_block2_project_bn_W, decay, T['block2_project_bn_W']),
+                   (V_block2_project_bn_B_new, T['V_block2_project_bn_B'], momentum, d_block2_project_bn_B, decay, T['block2_project_bn_B']),
+                   (V_block2_project_W_new, T['V_block2_project_W'], momentum, d_block2_project_W, decay, T['block2_project_W']),
+                   (V_block2_dw_bn_W_new, T['V_block2_dw_bn_W'], momentum, d_block2_dw_bn_W, decay, T['block2_dw_bn_W']),
+                   (V_block2_dw_bn_B_new, T['V_block2_dw_bn_B'], momentum, d_block2_dw_bn_B, decay, T['block2_dw_bn_B']),
+                   (V_block2_dw_W_new, T['V_block2_dw_W'], momentum, d_block2_dw_W, decay, T['block2_dw_W']),
+                   (V_block2_expand_bn_W_new, T['V_block2_expand_bn_W'], momentum, d_block2_expand_bn_W, decay, T['block2_expand_bn_W']),
+                   (V_block2_expand_bn_B_new, T['V_block2_expand_bn_B'], momentum, d_block2_expand_bn_B, decay, T['block2_expand_bn_B']),
+                   (V_block2_expand_W_new, T['V_block2_expand_W'], momentum, d_block2_expand_W, decay, T['block2_expand_W']),
+                   (V_block1_project_bn_W_new, T['V_block1_project_bn_W'], momentum, d_block1_project_bn_W, decay, T['block1_project_bn_W']),
+                   (V_block1_project_bn_B_new, T['V_block1_project_bn_B'], momentum, d_block1_project_bn_B, decay, T['block1_project_bn_B']),
+                   (V_block1_project_W_new, T['V_block1_project_W'], momentum, d_block1_project_W, decay, T['block1_project_W']),
+                   (V_block1_dw_bn_W_new, T['V_block1_dw_bn_W'], momentum, d_block1_dw_bn_W, decay, T['block1_dw_bn_W']),
+                   (V_block1_dw_bn_B_new, T['V_block1_dw_bn_B'], momentum, d_block1_dw_bn_B, decay, T['block1_dw_bn_B']),
+                   (V_block1_dw_W_new, T['V_block1_dw_W'], momentum, d_block1_dw_W, decay, T['block1_dw_W']),
+                   (V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W']),
+                   (V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B']),
+                   (V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']))
+        # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W, block1_dw_bn_inv_std, d_block1_dw_bn_weight, d_block1_dw_bn_W, block1_project_bn_inv_std, d_block1_project_bn_weight, d_block1_project_bn_W, block2_expand_bn_inv_std, d_block2_expand_bn_weight, d_block2_expand_bn_W, block2_dw_bn_inv_std, d_block2_dw_bn_weight, d_block2_dw_bn_W, block2_project_bn_inv_std, d_block2_project_bn_weight, d_block2_project_bn_W, block3_expand_bn_inv_std, d_block3_expand_bn_weight, d_block3_expand_bn_W, block3_dw_bn_inv_std, d_block3_dw_bn_weight, d_block3_dw_bn_W, block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W, block4_expand_bn_inv_std, d_block4_expand_bn_weight, d_block4_expand_bn_W, block4_dw_bn_inv_std, d_block4_dw_bn_weight, d_block4_dw_bn_W, block4_project_bn_inv_std, d_block4_project_bn_weight, d_block4_project_bn_W, block5_expand_bn_inv_std, d_block5_expand_bn_weight, d_block5_expand_bn_W, block5_dw_bn_inv_std, d_block5_dw_bn_weight, d_block5_dw_bn_W, block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W, block6_expand_bn_inv_std, d_block6_expand_bn_weight, d_block6_expand_bn_W, block6_dw_bn_inv_std, d_block6_dw_bn_weight, d_block6_dw_bn_W, block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W, block7_expand_bn_inv_std, d_block7_expand_bn_weight, d_block7_expand_bn_W, block7_dw_bn_inv_std, d_block7_dw_bn_weight, d_block7_dw_bn_W, block7_project_bn_inv_std, d_block7_project_bn_weight, d_block7_project_bn_W, block8_expand_bn_inv_std, d_block8_expand_bn_weight, d_block8_expand_bn_W, block8_dw_bn_inv_std, d_block8_dw_bn_weight, d_block8_dw_bn_W, block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W, block9_expand_bn_inv_std, d_block9_expand_bn_weight, d_block9_expand_bn_W, block9_dw_bn_inv_std, d_block9_dw_bn_weight, d_block9_dw_bn_W, block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W, block10_expand_bn_inv_std, d_block10_expand_bn_weight, d_block10_expand_bn_W, block10_dw_bn_inv_std, d_block10_dw_bn_weight, d_block10_dw_bn_W, block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W, block11_expand_bn_inv_std, d_block11_expand_bn_weight, d_block11_expand_bn_W, block11_dw_bn_inv_std, d_block11_dw_bn_weight, d_block11_dw_bn_W, block11_project_bn_inv_std, d_block11_project_bn_weight, d_block11_project_bn_W, block12_expand_bn_inv_std, d_block12_expand_bn_weight, d_block12_expand_bn_W, block12_dw_bn_inv_std, d_block12_dw_bn_weight, d_block12_dw_bn_W, block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W, block13_expand_bn_inv_std, d_block13_expand_bn_weight, d_block13_expand_bn_W, block13_dw_bn_inv_std, d_block13_dw_bn_weight, d_block13_dw_bn_W, block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W, block14_expand_bn_inv_std, d_block14_expand_bn_weight, d_block14_expand_bn_W, block14_dw_bn_inv_std, d_block14_dw_bn_weight, d_block14_dw_bn_W, block14_project_bn_inv_std, d_block14_project_bn_weight, d_block14_project_bn_W, block15_expand_bn_inv_std, d_block15_expand_bn_weight, d_block15_expand_bn_W, block15_dw_bn_inv_std, d_block15_dw_bn_weight, d_block15_dw_bn_W, block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W, block16_expand_bn_inv_std, d_block16_expand_bn_weight, d_block16_expand_bn_W, block16_dw_bn_inv_std, d_block16_dw_bn_weight, d_block16_dw_bn_W, block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W, block17_expand_bn_inv_std, d_block17_expand_bn_weight, d_block17_expand_bn_W, block17_dw_bn_inv_std, d_block17_dw_bn_weight, d_block17_dw_bn_W, block17_project_bn_inv_std, d_block17_project_bn_weight, d_block17_project_bn_W, conv_last_bn_inv_std, d_conv_last_bn_weight, d_conv_last_bn_W, d_conv_last_bn_bias, d_conv_last_bn_B, d_block17_project_bn_bias, d_block17_project_bn_B, d_block17_dw_bn_bias, d_block17_dw_bn_B, d_block17_dw_W, d_block17_expand_bn_bias, d_block17_expand_bn_B, d_block16_project_bn_bias, d_block16_project_bn_B, d_block16_dw_bn_bias, d_block16_dw_bn_B, d_block16_dw_W, d_block16_expand_bn_bias, d_block16_expand_bn_B, d_block15_project_bn_bias, d_block15_project_bn_B, d_block15_dw_bn_bias, d_block15_dw_bn_B, d_block15_dw_W, d_block15_expand_bn_bias, d_block15_expand_bn_B, d_block14_project_bn_bias, d_block14_project_bn_B, d_block14_dw_bn_bias, d_block14_dw_bn_B, d_block14_dw_W, d_block14_expand_bn_bias, d_block14_expand_bn_B, d_block13_project_bn_bias, d_block13_project_bn_B, d_block13_dw_bn_bias, d_block13_dw_bn_B, d_block13_dw_W, d_block13_expand_bn_bias, d_block13_expand_bn_B, d_block12_project_bn_bias, d_block12_project_bn_B, d_block12_dw_bn_bias, d_block12_dw_bn_B, d_block12_dw_W, d_block12_expand_bn_bias, d_block12_expand_bn_B, d_block11_project_bn_bias, d_block11_project_bn_B, d_block11_dw_bn_bias, d_block11_dw_bn_B, d_block11_dw_W, d_block11_expand_bn_bias, d_block11_expand_bn_B, d_block10_project_bn_bias, d_block10_project_bn_B, d_block10_dw_bn_bias, d_block10_dw_bn_B, d_block10_dw_W, d_block10_expand_bn_bias, d_block10_expand_bn_B, d_block9_project_bn_bias, d_block9_project_bn_B, d_block9_dw_bn_bias, d_block9_dw_bn_B, d_block9_dw_W, d_block9_expand_bn_bias, d_block9_expand_bn_B, d_block8_project_bn_bias, d_block8_project_bn_B, d_block8_dw_bn_bias, d_block8_dw_bn_B, d_block8_dw_W, d_block8_expand_bn_bias, d_block8_expand_bn_B, d_block7_project_bn_bias, d_block7_project_bn_B, d_block7_project_W, d_block7_dw_bn_bias, d_block7_dw_bn_B, d_block7_dw_W, d_block7_expand_bn_bias, d_block7_expand_bn_B, d_block7_expand_W, d_block6_project_bn_bias, d_block6_project_bn_B, d_block6_project_W, d_block6_dw_bn_bias, d_block6_dw_bn_B, d_block6_dw_W, d_block6_expand_bn_bias, d_block6_expand_bn_B, d_block6_expand_W, d_block5_project_bn_bias, d_block5_project_bn_B, d_block5_project_W, d_block5_dw_bn_bias, d_block5_dw_bn_B, d_block5_dw_W, d_block5_expand_bn_bias, d_block5_expand_bn_B, d_block5_expand_W, d_block4_project_bn_bias, d_block4_project_bn_B, d_block4_project_W, d_block4_dw_bn_bias, d_block4_dw_bn_B, d_block4_dw_W, d_block4_expand_bn_bias, d_block4_expand_bn_B, d_block4_expand_W, d_block3_project_bn_bias, d_block3_project_bn_B, d_block3_project_W, d_block3_dw_bn_bias, d_block3_dw_bn_B, d_block3_dw_W, d_block3_expand_bn_bias, d_block3_expand_bn_B, d_block3_expand_W, d_block2_project_bn_bias, d_block2_project_bn_B, d_block2_project_W, d_block2_dw_bn_bias, d_block2_dw_bn_B, d_block2_dw_W, d_block2_expand_bn_bias, d_block2_expand_bn_B, d_block2_expand_W, d_block1_project_bn_bias, d_block1_project_bn_B, d_block1_project_W, d_block1_dw_bn_bias, d_block1_dw_bn_B, d_block1_dw_W, d_conv1_bn_bias, d_conv1_bn_B, d_conv1_W
+        del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W, block1_dw_bn_inv_std, d_block1_dw_bn_weight, d_block1_dw_bn_W, block1_project_bn_inv_std, d_block1_project_bn_weight, d_block1_project_bn_W, block2_expand_bn_inv_std, d_block2_expand_bn_weight, d_block2_expand_bn_W, block2_dw_bn_inv_std, d_block2_dw_bn_weight, d_block2_dw_bn_W, block2_project_bn_inv_std, d_block2_project_bn_weight, d_block2_project_bn_W, block3_expand_bn_inv_std, d_block3_expand_bn_weight, d_block3_expand_bn_W, block3_dw_bn_inv_std, d_block3_dw_bn_weight, d_block3_dw_bn_W, block3_project_bn_inv_std, d_block3_project_bn_weight, d_block3_project_bn_W, block4_expand_bn_inv_std, d_block4_expand_bn_weight, d_block4_expand_bn_W, block4_dw_bn_inv_std, d_block4_dw_bn_weight, d_block4_dw_bn_W, block4_project_bn_inv_std, d_block4_project_bn_weight, d_block4_project_bn_W, block5_expand_bn_inv_std, d_block5_expand_bn_weight, d_block5_expand_bn_W, block5_dw_bn_inv_std, d_block5_dw_bn_weight, d_block5_dw_bn_W, block5_project_bn_inv_std, d_block5_project_bn_weight, d_block5_project_bn_W, block6_expand_bn_inv_std, d_block6_expand_bn_weight, d_block6_expand_bn_W, block6_dw_bn_inv_std, d_block6_dw_bn_weight, d_block6_dw_bn_W, block6_project_bn_inv_std, d_block6_project_bn_weight, d_block6_project_bn_W, block7_expand_bn_inv_std, d_block7_expand_bn_weight, d_block7_expand_bn_W, block7_dw_bn_inv_std, d_block7_dw_bn_weight, d_block7_dw_bn_W, block7_project_bn_inv_std, d_block7_project_bn_weight, d_block7_project_bn_W, block8_expand_bn_inv_std, d_block8_expand_bn_weight, d_block8_expand_bn_W, block8_dw_bn_inv_std, d_block8_dw_bn_weight, d_block8_dw_bn_W, block8_project_bn_inv_std, d_block8_project_bn_weight, d_block8_project_bn_W, block9_expand_bn_inv_std, d_block9_expand_bn_weight, d_block9_expand_bn_W, block9_dw_bn_inv_std, d_block9_dw_bn_weight, d_block9_dw_bn_W, block9_project_bn_inv_std, d_block9_project_bn_weight, d_block9_project_bn_W, block10_expand_bn_inv_std, d_block10_expand_bn_weight, d_block10_expand_bn_W, block10_dw_bn_inv_std, d_block10_dw_bn_weight, d_block10_dw_bn_W, block10_project_bn_inv_std, d_block10_project_bn_weight, d_block10_project_bn_W, block11_expand_bn_inv_std, d_block11_expand_bn_weight, d_block11_expand_bn_W, block11_dw_bn_inv_std, d_block11_dw_bn_weight, d_block11_dw_bn_W, block11_project_bn_inv_std, d_block11_project_bn_weight, d_block11_project_bn_W, block12_expand_bn_inv_std, d_block12_expand_bn_weight, d_block12_expand_bn_W, block12_dw_bn_inv_std, d_block12_dw_bn_weight, d_block12_dw_bn_W, block12_project_bn_inv_std, d_block12_project_bn_weight, d_block12_project_bn_W, block13_expand_bn_inv_std, d_block13_expand_bn_weight, d_block13_expand_bn_W, block13_dw_bn_inv_std, d_block13_dw_bn_weight, d_block13_dw_bn_W, block13_project_bn_inv_std, d_block13_project_bn_weight, d_block13_project_bn_W, block14_expand_bn_inv_std, d_block14_expand_bn_weight, d_block14_expand_bn_W, block14_dw_bn_inv_std, d_block14_dw_bn_weight, d_block14_dw_bn_W, block14_project_bn_inv_std, d_block14_project_bn_weight, d_block14_project_bn_W, block15_expand_bn_inv_std, d_block15_expand_bn_weight, d_block15_expand_bn_W, block15_dw_bn_inv_std, d_block15_dw_bn_weight, d_block15_dw_bn_W, block15_project_bn_inv_std, d_block15_project_bn_weight, d_block15_project_bn_W, block16_expand_bn_inv_std, d_block16_expand_bn_weight, d_block16_expand_bn_W, block16_dw_bn_inv_std, d_block16_dw_bn_weight, d_block16_dw_bn_W, block16_project_bn_inv_std, d_block16_project_bn_weight, d_block16_project_bn_W, block17_expand_bn_inv_std, d_block17_expand_bn_weight, d_block17_expand_bn_W, block17_dw_bn_inv_std, d_block17_dw_bn_weight, d_block17_dw_bn_W, block17_project_bn_inv_std, d_block17_project_bn_weight, d_block17_project_bn_W, conv_last_bn_inv_std, d_conv_last_bn_weight, d_conv_last_bn_W, d_conv_last_bn_bias, d_conv_last_bn_B, d_block17_project_bn_bias, d_block17_project_bn_B, d_block17_dw_bn_bias, d_block17_dw_bn_B, d_block17_dw_W, d_block17_expand_bn_bias, d_block17_expand_bn_B, d_block16_project_bn_bias, d_block16_project_bn_B, d_block16_dw_bn_bias, d_block16_dw_bn_B, d_block16_dw_W, d_block16_expand_bn_bias, d_block16_expand_bn_B, d_block15_project_bn_bias, d_block15_project_bn_B, d_block15_dw_bn_bias, d_block15_dw_bn_B, d_block15_dw_W, d_block15_expand_bn_bias, d_block15_expand_bn_B, d_block14_project_bn_bias, d_block14_project_bn_B, d_block14_dw_bn_bias, d_block14_dw_bn_B, d_block14_dw_W, d_block14_expand_bn_bias, d_block14_expand_bn_B, d_block13_project_bn_bias, d_block13_project_bn_B, d_block13_dw_bn_bias, d_block13_dw_bn_B, d_block13_dw_W, d_block13_expand_bn_bias, d_block13_expand_bn_B, d_block12_project_bn_bias, d_block12_project_bn_B, d_block12_dw_bn_bias, d_block12_dw_bn_B, d_block12_dw_W, d_block12_expand_bn_bias, d_block12_expand_bn_B, d_block11_project_bn_bias, d_block11_project_bn_B, d_block11_dw_bn_bias, d_block11_dw_bn_B, d_block11_dw_W, d_block11_expand_bn_bias, d_block11_expand_bn_B, d_block10_project_bn_bias, d_block10_project_bn_B, d_block10_dw_bn_bias, d_block10_dw_bn_B, d_block10_dw_W, d_block10_expand_bn_bias, d_block10_expand_bn_B, d_block9_project_bn_bias, d_block9_project_bn_B, d_block9_dw_bn_bias, d_block9_dw_bn_B, d_block9_dw_W, d_block9_expand_bn_bias, d_block9_expand_bn_B, d_block8_project_bn_bias, d_block8_project_bn_B, d_block8_dw_bn_bias, d_block8_dw_bn_B, d_block8_dw_W, d_block8_expand_bn_bias, d_block8_expand_bn_B, d_block7_project_bn_bias, d_block7_project_bn_B, d_block7_project_W, d_block7_dw_bn_bias, d_block7_dw_bn_B, d_block7_dw_W, d_block7_expand_bn_bias, d_block7_expand_bn_B, d_block7_expand_W, d_block6_project_bn_bias, d_block6_project_bn_B, d_block6_project_W, d_block6_dw_bn_bias, d_block6_dw_bn_B, d_block6_dw_W, d_block6_expand_bn_bias, d_block6_expand_bn_B, d_block6_expand_W, d_block5_project_bn_bias, d_block5_project_bn_B, d_block5_project_W, d_block5_dw_bn_bias, d_block5_dw_bn_B, d_block5_dw_W, d_block5_expand_bn_bias, d_block5_expand_bn_B, d_block5_expand_W, d_block4_project_bn_bias, d_block4_project_bn_B, d_block4_project_W, d_block4_dw_bn_bias, d_block4_dw_bn_B, d_block4_dw_W, d_block4_expand_bn_bias, d_block4_expand_bn_B, d_block4_expand_W, d_block3_project_bn_bias, d_block3_project_bn_B, d_block3_project_W, d_block3_dw_bn_bias, d_block3_dw_bn_B, d_block3_dw_W, d_block3_expand_bn_bias, d_block3_expand_bn_B, d_block3_expand_W, d_block2_project_bn_bias, d_block2_project_bn_B, d_block2_project_W, d_block2_dw_bn_bias, d_block2_dw_bn_B, d_block2_dw_W, d_block2_expand_bn_bias, d_block2_expand_bn_B, d_block2_expand_W, d_block1_project_bn_bias, d_block1_project_bn_B, d_block1_project_W, d_block1_dw_bn_bias, d_block1_dw_bn_B, d_block1_dw_W, d_conv1_bn_bias, d_conv1_bn_B, d_conv1_W
+        mem.free(7, 12, 17, 22, 27, 32, 37, 42, 47, 51, 56, 61, 66, 71, 76, 80, 85, 90, 95, 100, 105, 110, 115, 120, 124, 129, 134, 139, 144, 149, 153, 158, 163, 168, 173, 178, 182, 187, 192, 197, 202, 207, 212, 217, 222, 226, 231, 236, 241, 246, 251, 256, 270, 277, 284, 286, 291, 298, 305, 307, 312, 318, 325, 327, 332, 339, 346, 348, 353, 360, 367, 369, 374, 380, 387, 389, 394, 401, 408, 410, 415, 421, 428, 430, 435, 442, 449, 451, 456, 462, 469, 471, 476, 483, 485, 490, 492, 497, 499, 504, 506, 511, 513, 518, 519, 524, 526, 531, 533, 538, 540, 545, 547, 552, 554, 559, 560, 565, 567, 572, 574, 579, 581, 586, 588, 593, 595, 600, 602, 607, 609, 614, 616, 621, 622)
+        # conv_last_bn_W_new = conv_last_bn_W - lr*V_conv_last_bn_W_new   (computed with the last statement of its batch)
+        conv_last_bn_W_new = T['conv_last_bn_W']  # in place: the new conv_last_bn_W
+        # conv_last_bn_B_new = conv_last_bn_B - lr*V_conv_last_bn_B_new   (computed with the last statement of its batch)
+        conv_last_bn_B_new = T['conv_last_bn_B']  # in place: the new conv_last_bn_B
+        # block17_project_bn_W_new = block17_project_bn_W - lr*V_block17_project_bn_W_new   (computed with the last statement of its batch)
+        block17_project_bn_W_new = T['block17_project_bn_W']  # in place: the new block17_project_bn_W
+        # block17_project_bn_B_new = block17_project_bn_B - lr*V_block17_project_bn_B_new   (computed with the last statement of its batch)
+        block17_project_bn_B_new = T['block17_project_bn_B']  # in place: the new block17_project_bn_B
+        # block17_dw_bn_W_new = block17_dw_bn_W - lr*V_block17_dw_bn_W_new   (computed with the last statement of its batch)
+        block17_dw_bn_W_new = T['block17_dw_bn_W']  # in place: the new block17_dw_bn_W
+        # block17_dw_bn_B_new = block17_dw_bn_B - lr*V_block17_dw_bn_B_new   (computed with the last statement of its batch)
+        block17_dw_bn_B_new = T['block17_dw_bn_B']  # in place: the new block17_dw_bn_B
+        # block17_dw_W_new = block17_dw_W - lr*V_block17_dw_W_new   (computed with the last statement of its batch)
+        block17_dw_W_new = T['block17_dw_W']  # in place: the new block17_dw_W
+        # block17_expand_bn_W_new = block17_expand_bn_W - lr*V_block17_expand_bn_W_new   (computed with the last statement of its batch)
+        block17_expand_bn_W_new = T['block17_expand_bn_W']  # in place: the new block17_expand_bn_W
+        # block17_expand_bn_B_new = block17_expand_bn_B - lr*V_block17_expand_bn_B_new   (computed with the last statement of its batch)
+        block17_expand_bn_B_new = T['block17_expand_bn_B']  # in place: the new block17_expand_bn_B
+        # block16_project_bn_W_new = block16_project_bn_W - lr*V_block16_project_bn_W_new   (computed with the last statement of its batch)
+        block16_project_bn_W_new = T['block16_project_bn_W']  # in place: the new block16_project_bn_W
+        # block16_project_bn_B_new = block16_project_bn_B - lr*V_block16_project_bn_B_new   (computed with the last statement of its batch)
+        block16_project_bn_B_new = T['block16_project_bn_B']  # in place: the new block16_project_bn_B
+        # block16_dw_bn_W_new = block16_dw_bn_W - lr*V_block16_dw_bn_W_new   (computed with the last statement of its batch)
+        block16_dw_bn_W_new = T['block16_dw_bn_W']  # in place: the new block16_dw_bn_W
+        # block16_dw_bn_B_new = block16_dw_bn_B - lr*V_block16_dw_bn_B_new   (computed with the last statement of its batch)
+        block16_dw_bn_B_new = T['block16_dw_bn_B']  # in place: the new block16_dw_bn_B
+        # block16_dw_W_new = block16_dw_W - lr*V_block16_dw_W_new   (computed with the last statement of its batch)
+        block16_dw_W_new = T['block16_dw_W']  # in place: the new block16_dw_W
+        # block16_expand_bn_W_new = block16_expand_bn_W - lr*V_block16_expand_bn_W_new   (computed with the last statement of its batch)
+        block16_expand_bn_W_new = T['block16_expand_bn_W']  # in place: the new block16_expand_bn_W
+        # block16_expand_bn_B_new = block16_expand_bn_B - lr*V_block16_expand_bn_B_new   (computed with the last statement of its batch)
+        block16_expand_bn_B_new = T['block16_expand_bn_B']  # in place: the new block16_expand_bn_B
+        # block15_project_bn_W_new = block15_project_bn_W - lr*V_block15_project_bn_W_new   (computed with the last statement of its batch)
+        block15_project_bn_W_new = T['block15_project_bn_W']  # in place: the new block15_project_bn_W
+        # block15_project_bn_B_new = block15_project_bn_B - lr*V_block15_project_bn_B_new   (computed with the last statement of its batch)
+        block15_project_bn_B_new = T['block15_project_bn_B']  # in place: the new block15_project_bn_B
+        # block15_dw_bn_W_new = block15_dw_bn_W - lr*V_block15_dw_bn_W_new   (computed with the last statement of its batch)
+        block15_dw_bn_W_new = T['block15_dw_bn_W']  # in place: the new block15_dw_bn_W
+        # block15_dw_bn_B_new = block15_dw_bn_B - lr*V_block15_dw_bn_B_new   (computed with the last statement of its batch)
+        block15_dw_bn_B_new = T['block15_dw_bn_B']  # in place: the new block15_dw_bn_B
+        # block15_dw_W_new = block15_dw_W - lr*V_block15_dw_W_new   (computed with the last statement of its batch)
+        block15_dw_W_new = T['block15_dw_W']  # in place: the new block15_dw_W
+        # block15_expand_bn_W_new = block15_expand_bn_W - lr*V_block15_expand_bn_W_new   (computed with the last statement of its batch)
+        block15_expand_bn_W_new = T['block15_expand_bn_W']  # in place: the new block15_expand_bn_W
+        # block15_expand_bn_B_new = block15_expand_bn_B - lr*V_block15_expand_bn_B_new   (computed with the last statement of its batch)
+        block15_expand_bn_B_new = T['block15_expand_bn_B']  # in place: the new block15_expand_bn_B
+        # block14_project_bn_W_new = block14_project_bn_W - lr*V_block14_project_bn_W_new   (computed with the last statement of its batch)
+        block14_project_bn_W_new = T['block14_project_bn_W']  # in place: the new block14_project_bn_W
+        # block14_project_bn_B_new = block14_project_bn_B - lr*V_block14_project_bn_B_new   (computed with the last statement of its batch)
+        block14_project_bn_B_new = T['block14_project_bn_B']  # in place: the new block14_project_bn_B
+        # block14_dw_bn_W_new = block14_dw_bn_W - lr*V_block14_dw_bn_W_new   (computed with the last statement of its batch)
+        block14_dw_bn_W_new = T['block14_dw_bn_W']  # in place: the new block14_dw_bn_W
+        # block14_dw_bn_B_new = block14_dw_bn_B - lr*V_block14_dw_bn_B_new   (computed with the last statement of its batch)
+        block14_dw_bn_B_new = T['block14_dw_bn_B']  # in place: the new block14_dw_bn_B
+        # block14_dw_W_new = block14_dw_W - lr*V_block14_dw_W_new   (computed with the last statement of its batch)
+        block14_dw_W_new = T['block14_dw_W']  # in place: the new block14_dw_W
+        # block14_expand_bn_W_new = block14_expand_bn_W - lr*V_block14_expand_bn_W_new   (computed with the last statement of its batch)
+        block14_expand_bn_W_new = T['block14_expand_bn_W']  # in place: the new block14_expand_bn_W
+        # block14_expand_bn_B_new = block14_expand_bn_B - lr*V_block14_expand_bn_B_new   (computed with the last statement of its batch)
+        block14_expand_bn_B_new = T['block14_expand_bn_B']  # in place: the new block14_expand_bn_B
+        # block13_project_bn_W_new = block13_project_bn_W - lr*V_block13_project_bn_W_new   (computed with the last statement of its batch)
+        block13_project_bn_W_new = T['block13_project_bn_W']  # in place: the new block13_project_bn_W
+        # block13_project_bn_B_new = block13_project_bn_B - lr*V_block13_project_bn_B_new   (computed with the last statement of its batch)
+        block13_project_bn_B_new = T['block13_project_bn_B']  # in place: the new block13_project_bn_B
+        # block13_dw_bn_W_new = block13_dw_bn_W - lr*V_block13_dw_bn_W_new   (computed with the last statement of its batch)
+        block13_dw_bn_W_new = T['block13_dw_bn_W']  # in place: the new block13_dw_bn_W
+        # block13_dw_bn_B_new = block13_dw_bn_B - lr*V_block13_dw_bn_B_new   (computed with the last statement of its batch)
+        block13_dw_bn_B_new = T['block13_dw_bn_B']  # in place: the new block13_dw_bn_B
+        # block13_dw_W_new = block13_dw_W - lr*V_block13_dw_W_new   (computed with the last statement of its batch)
+        block13_dw_W_new = T['block13_dw_W']  # in place: the new block13_dw_W
+        # block13_expand_bn_W_new = block13_expand_bn_W - lr*V_block13_expand_bn_W_new   (computed with the last statement of its batch)
+        block13_expand_bn_W_new = T['block13_expand_bn_W']  # in place: the new block13_expand_bn_W
+        # block13_expand_bn_B_new = block13_expand_bn_B - lr*V_block13_expand_bn_B_new   (computed with the last statement of its batch)
+        block13_expand_bn_B_new = T['block13_expand_bn_B']  # in place: the new block13_expand_bn_B
+        # block12_project_bn_W_new = block12_project_bn_W - lr*V_block12_project_bn_W_new   (computed with the last statement of its batch)
+        block12_project_bn_W_new = T['block12_project_bn_W']  # in place: the new block12_project_bn_W
+        # block12_project_bn_B_new = block12_project_bn_B - lr*V_block12_project_bn_B_new   (computed with the last statement of its batch)
+        block12_project_bn_B_new = T['block12_project_bn_B']  # in place: the new block12_project_bn_B
+        # block12_dw_bn_W_new = block12_dw_bn_W - lr*V_block12_dw_bn_W_new   (computed with the last statement of its batch)
+        block12_dw_bn_W_new = T['block12_dw_bn_W']  # in place: the new block12_dw_bn_W
+        # block12_dw_bn_B_new = block12_dw_bn_B - lr*V_block12_dw_bn_B_new   (computed with the last statement of its batch)
+        block12_dw_bn_B_new = T['block12_dw_bn_B']  # in place: the new block12_dw_bn_B
+        # block12_dw_W_new = block12_dw_W - lr*V_block12_dw_W_new   (computed with the last statement of its batch)
+        block12_dw_W_new = T['block12_dw_W']  # in place: the new block12_dw_W
+        # block12_expand_bn_W_new = block12_expand_bn_W - lr*V_block12_expand_bn_W_new   (computed with the last statement of its batch)
+        block12_expand_bn_W_new = T['block12_expand_bn_W']  # in place: the new block12_expand_bn_W
+        # block12_expand_bn_B_new = block12_expand_bn_B - lr*V_block12_expand_bn_B_new   (computed with the last statement of its batch)
+        block12_expand_bn_B_new = T['block12_expand_bn_B']  # in place: the new block12_expand_bn_B
+        # block11_project_bn_W_new = block11_project_bn_W - lr*V_block11_project_bn_W_new   (computed with the last statement of its batch)
+        block11_project_bn_W_new = T['block11_project_bn_W']  # in place: the new block11_project_bn_W
+        # block11_project_bn_B_new = block11_project_bn_B - lr*V_block11_project_bn_B_new   (computed with the last statement of its batch)
+        block11_project_bn_B_new = T['block11_project_bn_B']  # in place: the new block11_project_bn_B
+        # block11_dw_bn_W_new = block11_dw_bn_W - lr*V_block11_dw_bn_W_new   (computed with the last statement of its batch)
+        block11_dw_bn_W_new = T['block11_dw_bn_W']  # in place: the new block11_dw_bn_W
+        # block11_dw_bn_B_new = block11_dw_bn_B - lr*V_block11_dw_bn_B_new   (computed with the last statement of its batch)
+        block11_dw_bn_B_new = T['block11_dw_bn_B']  # in place: the new block11_dw_bn_B
+        # block11_dw_W_new = block11_dw_W - lr*V_block11_dw_W_new   (computed with the last statement of its batch)
+        block11_dw_W_new = T['block11_dw_W']  # in place: the new block11_dw_W
+        # block11_expand_bn_W_new = block11_expand_bn_W - lr*V_block11_expand_bn_W_new   (computed with the last statement of its batch)
+        block11_expand_bn_W_new = T['block11_expand_bn_W']  # in place: the new block11_expand_bn_W
+        # block11_expand_bn_B_new = block11_expand_bn_B - lr*V_block11_expand_bn_B_new   (computed with the last statement of its batch)
+        block11_expand_bn_B_new = T['block11_expand_bn_B']  # in place: the new block11_expand_bn_B
+        # block10_project_bn_W_new = block10_project_bn_W - lr*V_block10_project_bn_W_new   (computed with the last statement of its batch)
+        block10_project_bn_W_new = T['block10_project_bn_W']  # in place: the new block10_project_bn_W
+        # block10_project_bn_B_new = block10_project_bn_B - lr*V_block10_project_bn_B_new   (computed with the last statement of its batch)
+        block10_project_bn_B_new = T['block10_project_bn_B']  # in place: the new block10_project_bn_B
+        # block10_dw_bn_W_new = block10_dw_bn_W - lr*V_block10_dw_bn_W_new   (computed with the last statement of its batch)
+        block10_dw_bn_W_new = T['block10_dw_bn_W']  # in place: the new block10_dw_bn_W
+        # block10_dw_bn_B_new = block10_dw_bn_B - lr*V_block10_dw_bn_B_new   (computed with the last statement of its batch)
+        block10_dw_bn_B_new = T['block10_dw_bn_B']  # in place: the new block10_dw_bn_B
+        # block10_dw_W_new = block10_dw_W - lr*V_block10_dw_W_new   (computed with the last statement of its batch)
+        block10_dw_W_new = T['block10_dw_W']  # in place: the new block10_dw_W
+        # block10_expand_bn_W_new = block10_expand_bn_W - lr*V_block10_expand_bn_W_new   (computed with the last statement of its batch)
+        block10_expand_bn_W_new = T['block10_expand_bn_W']  # in place: the new block10_expand_bn_W
+        # block10_expand_bn_B_new = block10_expand_bn_B - lr*V_block10_expand_bn_B_new   (computed with the last statement of its batch)
+        block10_expand_bn_B_new = T['block10_expand_bn_B']  # in place: the new block10_expand_bn_B
+        # block9_project_bn_W_new = block9_project_bn_W - lr*V_block9_project_bn_W_new   (computed with the last statement of its batch)
+        block9_project_bn_W_new = T['block9_project_bn_W']  # in place: the new block9_project_bn_W
+        # block9_project_bn_B_new = block9_project_bn_B - lr*V_block9_project_bn_B_new   (computed with the last statement of its batch)
+        block9_project_bn_B_new = T['block9_project_bn_B']  # in place: the new block9_project_bn_B
+        # block9_dw_bn_W_new = block9_dw_bn_W - lr*V_block9_dw_bn_W_new   (computed with the last statement of its batch)
+        block9_dw_bn_W_new = T['block9_dw_bn_W']  # in place: the new block9_dw_bn_W
+        # block9_dw_bn_B_new = block9_dw_bn_B - lr*V_block9_dw_bn_B_new   (computed with the last statement of its batch)
+        block9_dw_bn_B_new = T['block9_dw_bn_B']  # in place: the new block9_dw_bn_B
+        # block9_dw_W_new = block9_dw_W - lr*V_block9_dw_W_new   (computed with the last statement of its batch)
+        block9_dw_W_new = T['block9_dw_W']  # in place: the new block9_dw_W
+        # block9_expand_bn_W_new = block9_expand_bn_W - lr*V_block9_expand_bn_W_new   (computed with the last statement of its batch)
+        block9_expand_bn_W_new = T['block9_expand_bn_W']  # in place: the new block9_expand_bn_W
+        # block9_expand_bn_B_new = block9_expand_bn_B - lr*V_block9_expand_bn_B_new   (computed with the last statement of its batch)
+        block9_expand_bn_B_new = T['block9_expand_bn_B']  # in place: the new block9_expand_bn_B
+        # block8_project_bn_W_new = block8_project_bn_W - lr*V_block8_project_bn_W_new   (computed with the last statement of its batch)
+        block8_project_bn_W_new = T['block8_project_bn_W']  # in place: the new block8_project_bn_W
+        # block8_project_bn_B_new = block8_project_bn_B - lr*V_block8_project_bn_B_new   (computed with the last statement of its batch)
+        block8_project_bn_B_new = T['block8_project_bn_B']  # in place: the new block8_project_bn_B
+        # block8_dw_bn_W_new = block8_dw_bn_W - lr*V_block8_dw_bn_W_new   (computed with the last statement of its batch)
+        block8_dw_bn_W_new = T['block8_dw_bn_W']  # in place: the new block8_dw_bn_W
+        # block8_dw_bn_B_new = block8_dw_bn_B - lr*V_block8_dw_bn_B_new   (computed with the last statement of its batch)
+        block8_dw_bn_B_new = T['block8_dw_bn_B']  # in place: the new block8_dw_bn_B
+        # block8_dw_W_new = block8_dw_W - lr*V_block8_dw_W_new   (computed with the last statement of its batch)
+        block8_dw_W_new = T['block8_dw_W']  # in place: the new block8_dw_W
+        # block8_expand_bn_W_new = block8_expand_bn_W - lr*V_block8_expand_bn_W_new   (computed with the last statement of its batch)
+        block8_expand_bn_W_new = T['block8_expand_bn_W']  # in place: the new block8_expand_bn_W
+        # block8_expand_bn_B_new = block8_expand_bn_B - lr*V_block8_expand_bn_B_new   (computed with the last statement of its batch)
+        block8_expand_bn_B_new = T['block8_expand_bn_B']  # in place: the new block8_expand_bn_B
+        # block7_project_bn_W_new = block7_project_bn_W - lr*V_block7_project_bn_W_new   (computed with the last statement of its batch)
+        block7_project_bn_W_new = T['block7_project_bn_W']  # in place: the new block7_project_bn_W
+        # block7_project_bn_B_new = block7_project_bn_B - lr*V_block7_project_bn_B_new   (computed with the last statement of its batch)
+        block7_project_bn_B_new = T['block7_project_bn_B']  # in place: the new block7_project_bn_B
+        # block7_project_W_new = block7_project_W - lr*V_block7_project_W_new   (computed with the last statement of its batch)
+        block7_project_W_new = T['block7_project_W']  # in place: the new block7_project_W
+        # block7_dw_bn_W_new = block7_dw_bn_W - lr*V_block7_dw_bn_W_new   (computed with the last statement of its batch)
+        block7_dw_bn_W_new = T['block7_dw_bn_W']  # in place: the new block7_dw_bn_W
+        # block7_dw_bn_B_new = block7_dw_bn_B - lr*V_block7_dw_bn_B_new   (computed with the last statement of its batch)
+        block7_dw_bn_B_new = T['block7_dw_bn_B']  # in place: the new block7_dw_bn_B
+        # block7_dw_W_new = block7_dw_W - lr*V_block7_dw_W_new   (computed with the last statement of its batch)
+        block7_dw_W_new = T['block7_dw_W']  # in place: the new block7_dw_W
+        # block7_expand_bn_W_new = block7_expand_bn_W - lr*V_block7_expand_bn_W_new   (computed with the last statement of its batch)
+        block7_expand_bn_W_new = T['block7_expand_bn_W']  # in place: the new block7_expand_bn_W
+        # block7_expand_bn_B_new = block7_expand_bn_B - lr*V_block7_expand_bn_B_new   (computed with the last statement of its batch)
+        block7_expand_bn_B_new = T['block7_expand_bn_B']  # in place: the new block7_expand_bn_B
+        # block7_expand_W_new = block7_expand_W - lr*V_block7_expand_W_new   (computed with the last statement of its batch)
+        block7_expand_W_new = T['block7_expand_W']  # in place: the new block7_expand_W
+        # block6_project_bn_W_new = block6_project_bn_W - lr*V_block6_project_bn_W_new   (computed with the last statement of its batch)
+        block6_project_bn_W_new = T['block6_project_bn_W']  # in place: the new block6_project_bn_W
+        # block6_project_bn_B_new = block6_project_bn_B - lr*V_block6_project_bn_B_new   (computed with the last statement of its batch)
+        block6_project_bn_B_new = T['block6_project_bn_B']  # in place: the new block6_project_bn_B
+        # block6_project_W_new = block6_project_W - lr*V_block6_project_W_new   (computed with the last statement of its batch)
+        block6_project_W_new = T['block6_project_W']  # in place: the new block6_project_W
+        # block6_dw_bn_W_new = block6_dw_bn_W - lr*V_block6_dw_bn_W_new   (computed with the last statement of its batch)
+        block6_dw_bn_W_new = T['block6_dw_bn_W']  # in place: the new block6_dw_bn_W
+        # block6_dw_bn_B_new = block6_dw_bn_B - lr*V_block6_dw_bn_B_new   (computed with the last statement of its batch)
+        block6_dw_bn_B_new = T['block6_dw_bn_B']  # in place: the new block6_dw_bn_B
+        # block6_dw_W_new = block6_dw_W - lr*V_block6_dw_W_new   (computed with the last statement of its batch)
+        block6_dw_W_new = T['block6_dw_W']  # in place: the new block6_dw_W
+        # block6_expand_bn_W_new = block6_expand_bn_W - lr*V_block6_expand_bn_W_new   (computed with the last statement of its batch)
+        block6_expand_bn_W_new = T['block6_expand_bn_W']  # in place: the new block6_expand_bn_W
+        # block6_expand_bn_B_new = block6_expand_bn_B - lr*V_block6_expand_bn_B_new   (computed with the last statement of its batch)
+        block6_expand_bn_B_new = T['block6_expand_bn_B']  # in place: the new block6_expand_bn_B
+        # block6_expand_W_new = block6_expand_W - lr*V_block6_expand_W_new   (computed with the last statement of its batch)
+        block6_expand_W_new = T['block6_expand_W']  # in place: the new block6_expand_W
+        # block5_project_bn_W_new = block5_project_bn_W - lr*V_block5_project_bn_W_new   (computed with the last statement of its batch)
+        block5_project_bn_W_new = T['block5_project_bn_W']  # in place: the new block5_project_bn_W
+        # block5_project_bn_B_new = block5_project_bn_B - lr*V_block5_project_bn_B_new   (computed with the last statement of its batch)
+        block5_project_bn_B_new = T['block5_project_bn_B']  # in place: the new block5_project_bn_B
+        # block5_project_W_new = block5_project_W - lr*V_block5_project_W_new   (computed with the last statement of its batch)
+        block5_project_W_new = T['block5_project_W']  # in place: the new block5_project_W
+        # block5_dw_bn_W_new = block5_dw_bn_W - lr*V_block5_dw_bn_W_new   (computed with the last statement of its batch)
+        block5_dw_bn_W_new = T['block5_dw_bn_W']  # in place: the new block5_dw_bn_W
+        # block5_dw_bn_B_new = block5_dw_bn_B - lr*V_block5_dw_bn_B_new   (computed with the last statement of its batch)
+        block5_dw_bn_B_new = T['block5_dw_bn_B']  # in place: the new block5_dw_bn_B
+        # block5_dw_W_new = block5_dw_W - lr*V_block5_dw_W_new   (computed with the last statement of its batch)
+        block5_dw_W_new = T['block5_dw_W']  # in place: the new block5_dw_W
+        # block5_expand_bn_W_new = block5_expand_bn_W - lr*V_block5_expand_bn_W_new   (computed with the last statement of its batch)
+        block5_expand_bn_W_new = T['block5_expand_bn_W']  # in place: the new block5_expand_bn_W
+        # block5_expand_bn_B_new = block5_expand_bn_B - lr*V_block5_expand_bn_B_new   (computed with the last statement of its batch)
+        block5_expand_bn_B_new = T['block5_expand_bn_B']  # in place: the new block5_expand_bn_B
+        # block5_expand_W_new = block5_expand_W - lr*V_block5_expand_W_new   (computed with the last statement of its batch)
+        block5_expand_W_new = T['block5_expand_W']  # in place: the new block5_expand_W
+        # block4_project_bn_W_new = block4_project_bn_W - lr*V_block4_project_bn_W_new   (computed with the last statement of its batch)
+        block4_project_bn_W_new = T['block4_project_bn_W']  # in place: the new block4_project_bn_W
+        # block4_project_bn_B_new = block4_project_bn_B - lr*V_block4_project_bn_B_new   (computed with the last statement of its batch)
+        block4_project_bn_B_new = T['block4_project_bn_B']  # in place: the new block4_project_bn_B
+        # block4_project_W_new = block4_project_W - lr*V_block4_project_W_new   (computed with the last statement of its batch)
+        block4_project_W_new = T['block4_project_W']  # in place: the new block4_project_W
+        # block4_dw_bn_W_new = block4_dw_bn_W - lr*V_block4_dw_bn_W_new   (computed with the last statement of its batch)
+        block4_dw_bn_W_new = T['block4_dw_bn_W']  # in place: the new block4_dw_bn_W
+        # block4_dw_bn_B_new = block4_dw_bn_B - lr*V_block4_dw_bn_B_new   (computed with the last statement of its batch)
+        block4_dw_bn_B_new = T['block4_dw_bn_B']  # in place: the new block4_dw_bn_B
+        # block4_dw_W_new = block4_dw_W - lr*V_block4_dw_W_new   (computed with the last statement of its batch)
+        block4_dw_W_new = T['block4_dw_W']  # in place: the new block4_dw_W
+        # block4_expand_bn_W_new = block4_expand_bn_W - lr*V_block4_expand_bn_W_new   (computed with the last statement of its batch)
+        block4_expand_bn_W_new = T['block4_expand_bn_W']  # in place: the new block4_expand_bn_W
+        # block4_expand_bn_B_new = block4_expand_bn_B - lr*V_block4_expand_bn_B_new   (computed with the last statement of its batch)
+        block4_expand_bn_B_new = T['block4_expand_bn_B']  # in place: the new block4_expand_bn_B
+        # block4_expand_W_new = block4_expand_W - lr*V_block4_expand_W_new   (computed with the last statement of its batch)
+        block4_expand_W_new = T['block4_expand_W']  # in place: the new block4_expand_W
+        # block3_project_bn_W_new = block3_project_bn_W - lr*V_block3_project_bn_W_new   (computed with the last statement of its batch)
+        block3_project_bn_W_new = T['block3_project_bn_W']  # in place: the new block3_project_bn_W
+        # block3_project_bn_B_new = block3_project_bn_B - lr*V_block3_project_bn_B_new   (computed with the last statement of its batch)
+        block3_project_bn_B_new = T['block3_project_bn_B']  # in place: the new block3_project_bn_B
+        # block3_project_W_new = block3_project_W - lr*V_block3_project_W_new   (computed with the last statement of its batch)
+        block3_project_W_new = T['block3_project_W']  # in place: the new block3_project_W
+        # block3_dw_bn_W_new = block3_dw_bn_W - lr*V_block3_dw_bn_W_new   (computed with the last statement of its batch)
+        block3_dw_bn_W_new = T['block3_dw_bn_W']  # in place: the new block3_dw_bn_W
+        # block3_dw_bn_B_new = block3_dw_bn_B - lr*V_block3_dw_bn_B_new   (computed with the last statement of its batch)
+        block3_dw_bn_B_new = T['block3_dw_bn_B']  # in place: the new block3_dw_bn_B
+        # block3_dw_W_new = block3_dw_W - lr*V_block3_dw_W_new   (computed with the last statement of its batch)
+        block3_dw_W_new = T['block3_dw_W']  # in place: the new block3_dw_W
+        # block3_expand_bn_W_new = block3_expand_bn_W - lr*V_block3_expand_bn_W_new   (computed with the last statement of its batch)
+        block3_expand_bn_W_new = T['block3_expand_bn_W']  # in place: the new block3_expand_bn_W
+        # block3_expand_bn_B_new = block3_expand_bn_B - lr*V_block3_expand_bn_B_new   (computed with the last statement of its batch)
+        block3_expand_bn_B_new = T['block3_expand_bn_B']  # in place: the new block3_expand_bn_B
+        # block3_expand_W_new = block3_expand_W - lr*V_block3_expand_W_new   (computed with the last statement of its batch)
+        block3_expand_W_new = T['block3_expand_W']  # in place: the new block3_expand_W
+        # block2_project_bn_W_new = block2_project_bn_W - lr*V_block2_project_bn_W_new   (computed with the last statement of its batch)
+        block2_project_bn_W_new = T['block2_project_bn_W']  # in place: the new block2_project_bn_W
+        # block2_project_bn_B_new = block2_project_bn_B - lr*V_block2_project_bn_B_new   (computed with the last statement of its batch)
+        block2_project_bn_B_new = T['block2_project_bn_B']  # in place: the new block2_project_bn_B
+        # block2_project_W_new = block2_project_W - lr*V_block2_project_W_new   (computed with the last statement of its batch)
+        block2_project_W_new = T['block2_project_W']  # in place: the new block2_project_W
+        # block2_dw_bn_W_new = block2_dw_bn_W - lr*V_block2_dw_bn_W_new   (computed with the last statement of its batch)
+        block2_dw_bn_W_new = T['block2_dw_bn_W']  # in place: the new block2_dw_bn_W
+        # block2_dw_bn_B_new = block2_dw_bn_B - lr*V_block2_dw_bn_B_new   (computed with the last statement of its batch)
+        block2_dw_bn_B_new = T['block2_dw_bn_B']  # in place: the new block2_dw_bn_B
+        # block2_dw_W_new = block2_dw_W - lr*V_block2_dw_W_new   (computed with the last statement of its batch)
+        block2_dw_W_new = T['block2_dw_W']  # in place: the new block2_dw_W
+        # block2_expand_bn_W_new = block2_expand_bn_W - lr*V_block2_expand_bn_W_new   (computed with the last statement of its batch)
+        block2_expand_bn_W_new = T['block2_expand_bn_W']  # in place: the new block2_expand_bn_W
+        # block2_expand_bn_B_new = block2_expand_bn_B - lr*V_block2_expand_bn_B_new   (computed with the last statement of its batch)
+        block2_expand_bn_B_new = T['block2_expand_bn_B']  # in place: the new block2_expand_bn_B
+        # block2_expand_W_new = block2_expand_W - lr*V_block2_expand_W_new   (computed with the last statement of its batch)
+        block2_expand_W_new = T['block2_expand_W']  # in place: the new block2_expand_W
+        # block1_project_bn_W_new = block1_project_bn_W - lr*V_block1_project_bn_W_new   (computed with the last statement of its batch)
+        block1_project_bn_W_new = T['block1_project_bn_W']  # in place: the new block1_project_bn_W
+        # block1_project_bn_B_new = block1_project_bn_B - lr*V_block1_project_bn_B_new   (computed with the last statement of its batch)
+        block1_project_bn_B_new = T['block1_project_bn_B']  # in place: the new block1_project_bn_B
+        # block1_project_W_new = block1_project_W - lr*V_block1_project_W_new   (computed with the last statement of its batch)
+        block1_project_W_new = T['block1_project_W']  # in place: the new block1_project_W
+        # block1_dw_bn_W_new = block1_dw_bn_W - lr*V_block1_dw_bn_W_new   (computed with the last statement of its batch)
+        block1_dw_bn_W_new = T['block1_dw_bn_W']  # in place: the new block1_dw_bn_W
+        # block1_dw_bn_B_new = block1_dw_bn_B - lr*V_block1_dw_bn_B_new   (computed with the last statement of its batch)
+        block1_dw_bn_B_new = T['block1_dw_bn_B']  # in place: the new block1_dw_bn_B
+        # block1_dw_W_new = block1_dw_W - lr*V_block1_dw_W_new   (computed with the last statement of its batch)
+        block1_dw_W_new = T['block1_dw_W']  # in place: the new block1_dw_W
+        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new   (computed with the last statement of its batch)
+        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
+        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new   (computed with the last statement of its batch)
+        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new   (and the 134 statements before it, in one call)
         conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew_pair((ew_mul_add_4, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
-                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
-        # free d_conv1_W
-        del d_conv1_W
-        mem.free(622)
+        rt.ew_many(ew_mul_sub,
+                   (conv_last_bn_W_new, T['conv_last_bn_W'], lr, V_conv_last_bn_W_new),
+                   (conv_last_bn_B_new, T['conv_last_bn_B'], lr, V_conv_last_bn_B_new),
+                   (block17_project_bn_W_new, T['block17_project_bn_W'], lr, V_block17_project_bn_W_new),
+                   (block17_project_bn_B_new, T['block17_project_bn_B'], lr, V_block17_project_bn_B_new),
+                   (block17_dw_bn_W_new, T['block17_dw_bn_W'], lr, V_block17_dw_bn_W_new),
+                   (block17_dw_bn_B_new, T['block17_dw_bn_B'], lr, V_block17_dw_bn_B_new),
+                   (block17_dw_W_new, T['block17_dw_W'], lr, V_block17_dw_W_new),
+                   (block17_expand_bn_W_new, T['block17_expand_bn_W'], lr, V_block17_expand_bn_W_new),
+                   (block17_expand_bn_B_new, T['block17_expand_bn_B'], lr, V_block17_expand_bn_B_new),
+                   (block16_project_bn_W_new, T['block16_project_bn_W'], lr, V_block16_project_bn_W_new),
+                   (block16_project_bn_B_new, T['block16_project_bn_B'], lr, V_block16_project_bn_B_new),
+                   (block16_dw_bn_W_new, T['block16_dw_bn_W'], lr, V_block16_dw_bn_W_new),
+                   (block16_dw_bn_B_new, T['block16_dw_bn_B'], lr, V_block16_dw_bn_B_new),
+                   (block16_dw_W_new, T['block16_dw_W'], lr, V_block16_dw_W_new),
+                   (block16_expand_bn_W_new, T['block16_expand_bn_W'], lr, V_block16_expand_bn_W_new),
+                   (block16_expand_bn_B_new, T['block16_expand_bn_B'], lr, V_block16_expand_bn_B_new),
+                   (block15_project_bn_W_new, T['block15_project_bn_W'], lr, V_block15_project_bn_W_new),
+                   (block15_project_bn_B_new, T['block15_project_bn_B'], lr, V_block15_project_bn_B_new),
+                   (block15_dw_bn_W_new, T['block15_dw_bn_W'], lr, V_block15_dw_bn_W_new),
+                   (block15_dw_bn_B_new, T['block15_dw_bn_B'], lr, V_block15_dw_bn_B_new),
+                   (block15_dw_W_new, T['block15_dw_W'], lr, V_block15_dw_W_new),
+                   (block15_expand_bn_W_new, T['block15_expand_bn_W'], lr, V_block15_expand_bn_W_new),
+                   (block15_expand_bn_B_new, T['block15_expand_bn_B'], lr, V_block15_expand_bn_B_new),
+                   (block14_project_bn_W_new, T['block14_project_bn_W'], lr, V_block14_project_bn_W_new),
+                   (block14_project_bn_B_new, T['block14_project_bn_B'], lr, V_block14_project_bn_B_new),
+                   (block14_dw_bn_W_new, T['block14_dw_bn_W'], lr, V_block14_dw_bn_W_new),
+                   (block14_dw_bn_B_new, T['block14_dw_bn_B'], lr, V_block14_dw_bn_B_new),
+                   (block14_dw_W_new, T['block14_dw_W'], lr, V_block14_dw_W_new),
+                   (block14_expand_bn_W_new, T['block14_expand_bn_W'], lr, V_block14_expand_bn_W_new),
+                   (block14_expand_bn_B_new, T['block14_expand_bn_B'], lr, V_block14_expand_bn_B_new),
+                   (block13_project_bn_W_new, T['block13_project_bn_W'], lr, V_block13_project_bn_W_new),
+                   (block13_project_bn_B_new, T['block13_project_bn_B'], lr, V_block13_project_bn_B_new),
+                   (block13_dw_bn_W_new, T['block13_dw_bn_W'], lr, V_block13_dw_bn_W_new),
+                   (block13_dw_bn_B_new, T['block13_dw_bn_B'], lr, V_block13_dw_bn_B_new),
+                   (block13_dw_W_new, T['block13_dw_W'], lr, V_block13_dw_W_new),
+                   (block13_expand_bn_W_new, T['block13_expand_bn_W'], lr, V_block13_expand_bn_W_new),
+                   (block13_expand_bn_B_new, T['block13_expand_bn_B'], lr, V_block13_expand_bn_B_new),
+                   (block12_project_bn_W_new, T['block12_project_bn_W'], lr, V_block12_project_bn_W_new),
+                   (block12_project_bn_B_new, T['block12_project_bn_B'], lr, V_block12_project_bn_B_new),
+                   (block12_dw_bn_W_new, T['block12_dw_bn_W'], lr, V_block12_dw_bn_W_new),
+                   (block12_dw_bn_B_new, T['block12_dw_bn_B'], lr, V_block12_dw_bn_B_new),
+                   (block12_dw_W_new, T['block12_dw_W'], lr, V_block12_dw_W_new),
+                   (block12_expand_bn_W_new, T['block12_expand_bn_W'], lr, V_block12_expand_bn_W_new),
+                   (block12_expand_bn_B_new, T['block12_expand_bn_B'], lr, V_block12_expand_bn_B_new),
+                   (block11_project_bn_W_new, T['block11_project_bn_W'], lr, V_block11_project_bn_W_new),
+                   (block11_project_bn_B_new, T['block11_project_bn_B'], lr, V_block11_project_bn_B_new),
+                   (block11_dw_bn_W_new, T['block11_dw_bn_W'], lr, V_block11_dw_bn_W_new),
+                   (block11_dw_bn_B_new, T['block11_dw_bn_B'], lr, V_block11_dw_bn_B_new),
+                   (block11_dw_W_new, T['block11_dw_W'], lr, V_block11_dw_W_new),
+                   (block11_expand_bn_W_new, T['block11_expand_bn_W'], lr, V_block11_expand_bn_W_new),
+                   (block11_expand_bn_B_new, T['block11_expand_bn_B'], lr, V_block11_expand_bn_B_new),
+                   (block10_project_bn_W_new, T['block10_project_bn_W'], lr, V_block10_project_bn_W_new),
+                   (block10_project_bn_B_new, T['block10_project_bn_B'], lr, V_block10_project_bn_B_new),
+                   (block10_dw_bn_W_new, T['block10_dw_bn_W'], lr, V_block10_dw_bn_W_new),
+                   (block10_dw_bn_B_new, T['block10_dw_bn_B'], lr, V_block10_dw_bn_B_new),
+                   (block10_dw_W_new, T['block10_dw_W'], lr, V_block10_dw_W_new),
+                   (block10_expand_bn_W_new, T['block10_expand_bn_W'], lr, V_block10_expand_bn_W_new),
+                   (block10_expand_bn_B_new, T['block10_expand_bn_B'], lr, V_block10_expand_bn_B_new),
+                   (block9_project_bn_W_new, T['block9_project_bn_W'], lr, V_block9_project_bn_W_new),
+                   (block9_project_bn_B_new, T['block9_project_bn_B'], lr, V_block9_project_bn_B_new),
+                   (block9_dw_bn_W_new, T['block9_dw_bn_W'], lr, V_block9_dw_bn_W_new),
+                   (block9_dw_bn_B_new, T['block9_dw_bn_B'], lr, V_block9_dw_bn_B_new),
+                   (block9_dw_W_new, T['block9_dw_W'], lr, V_block9_dw_W_new),
+                   (block9_expand_bn_W_new, T['block9_expand_bn_W'], lr, V_block9_expand_bn_W_new),
+                   (block9_expand_bn_B_new, T['block9_expand_bn_B'], lr, V_block9_expand_bn_B_new),
+                   (block8_project_bn_W_new, T['block8_project_bn_W'], lr, V_block8_project_bn_W_new),
+                   (block8_project_bn_B_new, T['block8_project_bn_B'], lr, V_block8_project_bn_B_new),
+                   (block8_dw_bn_W_new, T['block8_dw_bn_W'], lr, V_block8_dw_bn_W_new),
+                   (block8_dw_bn_B_new, T['block8_dw_bn_B'], lr, V_block8_dw_bn_B_new),
+                   (block8_dw_W_new, T['block8_dw_W'], lr, V_block8_dw_W_new),
+                   (block8_expand_bn_W_new, T['block8_expand_bn_W'], lr, V_block8_expand_bn_W_new),
+                   (block8_expand_bn_B_new, T['block8_expand_bn_B'], lr, V_block8_expand_bn_B_new),
+                   (block7_project_bn_W_new, T['block7_project_bn_W'], lr, V_block7_project_bn_W_new),
+                   (block7_project_bn_B_new, T['block7_project_bn_B'], lr, V_block7_project_bn_B_new),
+                   (block7_project_W_new, T['block7_project_W'], lr, V_block7_project_W_new),
+                   (block7_dw_bn_W_new, T['block7_dw_bn_W'], lr, V_block7_dw_bn_W_new),
+                   (block7_dw_bn_B_new, T['block7_dw_bn_B'], lr, V_block7_dw_bn_B_new),
+                   (block7_dw_W_new, T['block7_dw_W'], lr, V_block7_dw_W_new),
+                   (block7_expand_bn_W_new, T['block7_expand_bn_W'], lr, V_block7_expand_bn_W_new),
+                   (block7_expand_bn_B_new, T['block7_expand_bn_B'], lr, V_block7_expand_bn_B_new),
+                   (block7_expand_W_new, T['block7_expand_W'], lr, V_block7_expand_W_new),
+                   (block6_project_bn_W_new, T['block6_project_bn_W'], lr, V_block6_project_bn_W_new),
+                   (block6_project_bn_B_new, T['block6_project_bn_B'], lr, V_block6_project_bn_B_new),
+                   (block6_project_W_new, T['block6_project_W'], lr, V_block6_project_W_new),
+                   (block6_dw_bn_W_new, T['block6_dw_bn_W'], lr, V_block6_dw_bn_W_new),
+                   (block6_dw_bn_B_new, T['block6_dw_bn_B'], lr, V_block6_dw_bn_B_new),
+                   (block6_dw_W_new, T['block6_dw_W'], lr, V_block6_dw_W_new),
+                   (block6_expand_bn_W_new, T['block6_expand_bn_W'], lr, V_block6_expand_bn_W_new),
+                   (block6_expand_bn_B_new, T['block6_expand_bn_B'], lr, V_block6_expand_bn_B_new),
+                   (block6_expand_W_new, T['block6_expand_W'], lr, V_block6_expand_W_new),
+                   (block5_project_bn_W_new, T['block5_project_bn_W'], lr, V_block5_project_bn_W_new),
+                   (block5_project_bn_B_new, T['block5_project_bn_B'], lr, V_block5_project_bn_B_new),
+                   (block5_project_W_new, T['block5_project_W'], lr, V_block5_project_W_new),
+                   (block5_dw_bn_W_new, T['block5_dw_bn_W'], lr, V_block5_dw_bn_W_new),
+                   (block5_dw_bn_B_new, T['block5_dw_bn_B'], lr, V_block5_dw_bn_B_new),
+                   (block5_dw_W_new, T['block5_dw_W'], lr, V_block5_dw_W_new),
+                   (block5_expand_bn_W_new, T['block5_expand_bn_W'], lr, V_block5_expand_bn_W_new),
+                   (block5_expand_bn_B_new, T['block5_expand_bn_B'], lr, V_block5_expand_bn_B_new),
+                   (block5_expand_W_new, T['block5_expand_W'], lr, V_block5_expand_W_new),
+                   (block4_project_bn_W_new, T['block4_project_bn_W'], lr, V_block4_project_bn_W_new),
+                   (block4_project_bn_B_new, T['block4_project_bn_B'], lr, V_block4_project_bn_B_new),
+                   (block4_project_W_new, T['block4_project_W'], lr, V_block4_project_W_new),
+                   (block4_dw_bn_W_new, T['block4_dw_bn_W'], lr, V_block4_dw_bn_W_new),
+                   (block4_dw_bn_B_new, T['block4_dw_bn_B'], lr, V_block4_dw_bn_B_new),
+                   (block4_dw_W_new, T['block4_dw_W'], lr, V_block4_dw_W_new),
+                   (block4_expand_bn_W_new, T['block4_expand_bn_W'], lr, V_block4_expand_bn_W_new),
+                   (block4_expand_bn_B_new, T['block4_expand_bn_B'], lr, V_block4_expand_bn_B_new),
+                   (block4_expand_W_new, T['block4_expand_W'], lr, V_block4_expand_W_new),
+                   (block3_project_bn_W_new, T['block3_project_bn_W'], lr, V_block3_project_bn_W_new),
+                   (block3_project_bn_B_new, T['block3_project_bn_B'], lr, V_block3_project_bn_B_new),
+                   (block3_project_W_new, T['block3_project_W'], lr, V_block3_project_W_new),
+                   (block3_dw_bn_W_new, T['block3_dw_bn_W'], lr, V_block3_dw_bn_W_new),
+                   (block3_dw_bn_B_new, T['block3_dw_bn_B'], lr, V_block3_dw_bn_B_new),
+                   (block3_dw_W_new, T['block3_dw_W'], lr, V_block3_dw_W_new),
+                   (block3_expand_bn_W_new, T['block3_expand_bn_W'], lr, V_block3_expand_bn_W_new),
+                   (block3_expand_bn_B_new, T['block3_expand_bn_B'], lr, V_block3_expand_bn_B_new),
+                   (block3_expand_W_new, T['block3_expand_W'], lr, V_block3_expand_W_new),
+                   (block2_project_bn_W_new, T['block2_project_bn_W'], lr, V_block2_project_bn_W_new),
+                   (block2_project_bn_B_new, T['block2_project_bn_B'], lr, V_block2_project_bn_B_new),
+                   (block2_project_W_new, T['block2_project_W'], lr, V_block2_project_W_new),
+                   (block2_dw_bn_W_new, T['block2_dw_bn_W'], lr, V_block2_dw_bn_W_new),
+                   (block2_dw_bn_B_new, T['block2_dw_bn_B'], lr, V_block2_dw_bn_B_new),
+                   (block2_dw_W_new, T['block2_dw_W'], lr, V_block2_dw_W_new),
+                   (block2_expand_bn_W_new, T['block2_expand_bn_W'], lr, V_block2_expand_bn_W_new),
+                   (block2_expand_bn_B_new, T['block2_expand_bn_B'], lr, V_block2_expand_bn_B_new),
+                   (block2_expand_W_new, T['block2_expand_W'], lr, V_block2_expand_W_new),
+                   (block1_project_bn_W_new, T['block1_project_bn_W'], lr, V_block1_project_bn_W_new),
+                   (block1_project_bn_B_new, T['block1_project_bn_B'], lr, V_block1_project_bn_B_new),
+                   (block1_project_W_new, T['block1_project_W'], lr, V_block1_project_W_new),
+                   (block1_dw_bn_W_new, T['block1_dw_bn_W'], lr, V_block1_dw_bn_W_new),
+                   (block1_dw_bn_B_new, T['block1_dw_bn_B'], lr, V_block1_dw_bn_B_new),
+                   (block1_dw_W_new, T['block1_dw_W'], lr, V_block1_dw_W_new),
+                   (conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new),
+                   (conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new),
+                   (conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         loss = rt.scalar(fc_cross_entropy)
         mem.end()
         return loss
@@ -11160,624 +10654,624 @@ class MobilenetV2(rp.Model):
                 (901895168, 128),  # 1: y 32 int32
                 (893662208, 40960),  # 2: conv_last_bn_dropout_mask 32x1280 uint8
                 (893534208, 128000),  # 3: d_fc_cross_entropy_log_softmax 32x1000 float32
-                (154140672, 51380224),  # 4: conv1 32x32x112x112 float32
+                (211943424, 51380224),  # 4: conv1 32x32x112x112 float32
                 (0, 128),  # 5: conv1_bn_sum 1x32x1x1 float32
-                (909698816, 128),  # 6: conv1_bn_sum_of_squares 1x32x1x1 float32
-                (909698560, 128),  # 7: conv1_bn_inv_std 1x32x1x1 float32
+                (909713920, 128),  # 6: conv1_bn_sum_of_squares 1x32x1x1 float32
+                (909712640, 128),  # 7: conv1_bn_inv_std 1x32x1x1 float32
                 (0, 51380224),  # 8: conv1_bn_clipped_relu 32x32x112x112 float32
                 (263323648, 51380224),  # 9: block1_dw 32x32x112x112 float32
                 (0, 128),  # 10: block1_dw_bn_sum 1x32x1x1 float32
-                (909699328, 128),  # 11: block1_dw_bn_sum_of_squares 1x32x1x1 float32
-                (909699072, 128),  # 12: block1_dw_bn_inv_std 1x32x1x1 float32
+                (909714432, 128),  # 11: block1_dw_bn_sum_of_squares 1x32x1x1 float32
+                (909712896, 128),  # 12: block1_dw_bn_inv_std 1x32x1x1 float32
                 (0, 51380224),  # 13: block1_dw_bn_clipped_relu 32x32x112x112 float32
                 (468844544, 25690112),  # 14: block1_project 32x16x112x112 float32
                 (0, 64),  # 15: block1_project_bn_sum 1x16x1x1 float32
-                (909699840, 64),  # 16: block1_project_bn_sum_of_squares 1x16x1x1 float32
-                (909699584, 64),  # 17: block1_project_bn_inv_std 1x16x1x1 float32
-                (205520896, 25690112),  # 18: block1_project_bn 32x16x112x112 float32
+                (909714688, 64),  # 16: block1_project_bn_sum_of_squares 1x16x1x1 float32
+                (909713152, 64),  # 17: block1_project_bn_inv_std 1x16x1x1 float32
+                (154140672, 25690112),  # 18: block1_project_bn 32x16x112x112 float32
                 (0, 154140672),  # 19: block2_expand 32x96x112x112 float32
-                (205520896, 384),  # 20: block2_expand_bn_sum 1x96x1x1 float32
-                (909681664, 384),  # 21: block2_expand_bn_sum_of_squares 1x96x1x1 float32
-                (909681152, 384),  # 22: block2_expand_bn_inv_std 1x96x1x1 float32
+                (154140672, 384),  # 20: block2_expand_bn_sum 1x96x1x1 float32
+                (909702400, 384),  # 21: block2_expand_bn_sum_of_squares 1x96x1x1 float32
+                (909699840, 384),  # 22: block2_expand_bn_inv_std 1x96x1x1 float32
                 (513802240, 154140672),  # 23: block2_expand_bn_clipped_relu 32x96x112x112 float32
                 (430309376, 38535168),  # 24: block2_dw 32x96x56x56 float32
-                (205520896, 384),  # 25: block2_dw_bn_sum 1x96x1x1 float32
-                (909682688, 384),  # 26: block2_dw_bn_sum_of_squares 1x96x1x1 float32
-                (909682176, 384),  # 27: block2_dw_bn_inv_std 1x96x1x1 float32
-                (205520896, 38535168),  # 28: block2_dw_bn_clipped_relu 32x96x56x56 float32
+                (154140672, 384),  # 25: block2_dw_bn_sum 1x96x1x1 float32
+                (909702912, 384),  # 26: block2_dw_bn_sum_of_squares 1x96x1x1 float32
+                (909700352, 384),  # 27: block2_dw_bn_inv_std 1x96x1x1 float32
+                (154140672, 38535168),  # 28: block2_dw_bn_clipped_relu 32x96x56x56 float32
                 (624590848, 9633792),  # 29: block2_project 32x24x56x56 float32
-                (205520896, 96),  # 30: block2_project_bn_sum 1x24x1x1 float32
-                (909700352, 96),  # 31: block2_project_bn_sum_of_squares 1x24x1x1 float32
-                (909700096, 96),  # 32: block2_project_bn_inv_std 1x24x1x1 float32
+                (154140672, 96),  # 30: block2_project_bn_sum 1x24x1x1 float32
+                (909719552, 96),  # 31: block2_project_bn_sum_of_squares 1x24x1x1 float32
+                (909713408, 96),  # 32: block2_project_bn_inv_std 1x24x1x1 float32
                 (634224640, 9633792),  # 33: block2_project_bn 32x24x56x56 float32
-                (205520896, 57802752),  # 34: block3_expand 32x144x56x56 float32
+                (154140672, 57802752),  # 34: block3_expand 32x144x56x56 float32
                 (314703872, 576),  # 35: block3_expand_bn_sum 1x144x1x1 float32
-                (909631232, 576),  # 36: block3_expand_bn_sum_of_squares 1x144x1x1 float32
-                (909630464, 576),  # 37: block3_expand_bn_inv_std 1x144x1x1 float32
+                (909679872, 576),  # 36: block3_expand_bn_sum_of_squares 1x144x1x1 float32
+                (909656832, 576),  # 37: block3_expand_bn_inv_std 1x144x1x1 float32
                 (372506624, 57802752),  # 38: block3_expand_bn_clipped_relu 32x144x56x56 float32
                 (314703872, 57802752),  # 39: block3_dw 32x144x56x56 float32
                 (372506624, 576),  # 40: block3_dw_bn_sum 1x144x1x1 float32
-                (909641216, 576),  # 41: block3_dw_bn_sum_of_squares 1x144x1x1 float32
-                (909638144, 576),  # 42: block3_dw_bn_inv_std 1x144x1x1 float32
+                (909680640, 576),  # 41: block3_dw_bn_sum_of_squares 1x144x1x1 float32
+                (909657600, 576),  # 42: block3_dw_bn_inv_std 1x144x1x1 float32
                 (372506624, 57802752),  # 43: block3_dw_bn_clipped_relu 32x144x56x56 float32
                 (643858432, 9633792),  # 44: block3_project 32x24x56x56 float32
                 (372506624, 96),  # 45: block3_project_bn_sum 1x24x1x1 float32
-                (909708544, 96),  # 46: block3_project_bn_sum_of_squares 1x24x1x1 float32
-                (909708288, 96),  # 47: block3_project_bn_inv_std 1x24x1x1 float32
+                (909720320, 96),  # 46: block3_project_bn_sum_of_squares 1x24x1x1 float32
+                (909713664, 96),  # 47: block3_project_bn_inv_std 1x24x1x1 float32
                 (372506624, 57802752),  # 48: block4_expand 32x144x56x56 float32
                 (513802240, 576),  # 49: block4_expand_bn_sum 1x144x1x1 float32
-                (909649664, 576),  # 50: block4_expand_bn_sum_of_squares 1x144x1x1 float32
-                (909648896, 576),  # 51: block4_expand_bn_inv_std 1x144x1x1 float32
+                (909682944, 576),  # 50: block4_expand_bn_sum_of_squares 1x144x1x1 float32
+                (909658368, 576),  # 51: block4_expand_bn_inv_std 1x144x1x1 float32
                 (513802240, 57802752),  # 52: block4_expand_bn_clipped_relu 32x144x56x56 float32
                 (610140160, 14450688),  # 53: block4_dw 32x144x28x28 float32
                 (513802240, 576),  # 54: block4_dw_bn_sum 1x144x1x1 float32
-                (909654272, 576),  # 55: block4_dw_bn_sum_of_squares 1x144x1x1 float32
-                (909651968, 576),  # 56: block4_dw_bn_inv_std 1x144x1x1 float32
+                (909685248, 576),  # 55: block4_dw_bn_sum_of_squares 1x144x1x1 float32
+                (909659136, 576),  # 56: block4_dw_bn_inv_std 1x144x1x1 float32
                 (513802240, 14450688),  # 57: block4_dw_bn_clipped_relu 32x144x28x28 float32
                 (807632896, 3211264),  # 58: block4_project 32x32x28x28 float32
                 (513802240, 128),  # 59: block4_project_bn_sum 1x32x1x1 float32
-                (909709056, 128),  # 60: block4_project_bn_sum_of_squares 1x32x1x1 float32
-                (909708800, 128),  # 61: block4_project_bn_inv_std 1x32x1x1 float32
-                (814055424, 3211264),  # 62: block4_project_bn 32x32x28x28 float32
+                (909720832, 128),  # 60: block4_project_bn_sum_of_squares 1x32x1x1 float32
+                (909714176, 128),  # 61: block4_project_bn_inv_std 1x32x1x1 float32
+                (810844160, 3211264),  # 62: block4_project_bn 32x32x28x28 float32
                 (513802240, 19267584),  # 63: block5_expand 32x192x28x28 float32
                 (533069824, 768),  # 64: block5_expand_bn_sum 1x192x1x1 float32
-                (909655808, 768),  # 65: block5_expand_bn_sum_of_squares 1x192x1x1 float32
-                (909655040, 768),  # 66: block5_expand_bn_inv_std 1x192x1x1 float32
+                (909686016, 768),  # 65: block5_expand_bn_sum_of_squares 1x192x1x1 float32
+                (909665280, 768),  # 66: block5_expand_bn_inv_std 1x192x1x1 float32
                 (552337408, 19267584),  # 67: block5_expand_bn_clipped_relu 32x192x28x28 float32
                 (533069824, 19267584),  # 68: block5_dw 32x192x28x28 float32
                 (552337408, 768),  # 69: block5_dw_bn_sum 1x192x1x1 float32
-                (909661952, 768),  # 70: block5_dw_bn_sum_of_squares 1x192x1x1 float32
-                (909658880, 768),  # 71: block5_dw_bn_inv_std 1x192x1x1 float32
+                (909689088, 768),  # 70: block5_dw_bn_sum_of_squares 1x192x1x1 float32
+                (909666048, 768),  # 71: block5_dw_bn_inv_std 1x192x1x1 float32
                 (552337408, 19267584),  # 72: block5_dw_bn_clipped_relu 32x192x28x28 float32
-                (810844160, 3211264),  # 73: block5_project 32x32x28x28 float32
+                (814055424, 3211264),  # 73: block5_project 32x32x28x28 float32
                 (552337408, 128),  # 74: block5_project_bn_sum 1x32x1x1 float32
-                (909710592, 128),  # 75: block5_project_bn_sum_of_squares 1x32x1x1 float32
-                (909710336, 128),  # 76: block5_project_bn_inv_std 1x32x1x1 float32
+                (909721600, 128),  # 75: block5_project_bn_sum_of_squares 1x32x1x1 float32
+                (909714944, 128),  # 76: block5_project_bn_inv_std 1x32x1x1 float32
                 (552337408, 19267584),  # 77: block6_expand 32x192x28x28 float32
                 (571604992, 768),  # 78: block6_expand_bn_sum 1x192x1x1 float32
-                (909663488, 768),  # 79: block6_expand_bn_sum_of_squares 1x192x1x1 float32
-                (909662720, 768),  # 80: block6_expand_bn_inv_std 1x192x1x1 float32
+                (909691392, 768),  # 79: block6_expand_bn_sum_of_squares 1x192x1x1 float32
+                (909666816, 768),  # 80: block6_expand_bn_inv_std 1x192x1x1 float32
                 (590872576, 19267584),  # 81: block6_expand_bn_clipped_relu 32x192x28x28 float32
                 (571604992, 19267584),  # 82: block6_dw 32x192x28x28 float32
                 (590872576, 768),  # 83: block6_dw_bn_sum 1x192x1x1 float32
-                (909669632, 768),  # 84: block6_dw_bn_sum_of_squares 1x192x1x1 float32
-                (909666560, 768),  # 85: block6_dw_bn_inv_std 1x192x1x1 float32
+                (909695232, 768),  # 84: block6_dw_bn_sum_of_squares 1x192x1x1 float32
+                (909669888, 768),  # 85: block6_dw_bn_inv_std 1x192x1x1 float32
                 (590872576, 19267584),  # 86: block6_dw_bn_clipped_relu 32x192x28x28 float32
                 (817266688, 3211264),  # 87: block6_project 32x32x28x28 float32
                 (590872576, 128),  # 88: block6_project_bn_sum 1x32x1x1 float32
-                (909711104, 128),  # 89: block6_project_bn_sum_of_squares 1x32x1x1 float32
-                (909710848, 128),  # 90: block6_project_bn_inv_std 1x32x1x1 float32
+                (909722112, 128),  # 89: block6_project_bn_sum_of_squares 1x32x1x1 float32
+                (909719040, 128),  # 90: block6_project_bn_inv_std 1x32x1x1 float32
                 (653492224, 3211264),  # 91: block6_project_bn_add 32x32x28x28 float32
                 (590872576, 19267584),  # 92: block7_expand 32x192x28x28 float32
                 (653492224, 768),  # 93: block7_expand_bn_sum 1x192x1x1 float32
-                (909678848, 768),  # 94: block7_expand_bn_sum_of_squares 1x192x1x1 float32
-                (909678080, 768),  # 95: block7_expand_bn_inv_std 1x192x1x1 float32
+                (909700864, 768),  # 94: block7_expand_bn_sum_of_squares 1x192x1x1 float32
+                (909672192, 768),  # 95: block7_expand_bn_inv_std 1x192x1x1 float32
                 (653492224, 19267584),  # 96: block7_expand_bn_clipped_relu 32x192x28x28 float32
                 (802816000, 4816896),  # 97: block7_dw 32x192x14x14 float32
                 (653492224, 768),  # 98: block7_dw_bn_sum 1x192x1x1 float32
-                (909680384, 768),  # 99: block7_dw_bn_sum_of_squares 1x192x1x1 float32
-                (909679616, 768),  # 100: block7_dw_bn_inv_std 1x192x1x1 float32
+                (909701632, 768),  # 99: block7_dw_bn_sum_of_squares 1x192x1x1 float32
+                (909672960, 768),  # 100: block7_dw_bn_inv_std 1x192x1x1 float32
                 (653492224, 4816896),  # 101: block7_dw_bn_clipped_relu 32x192x14x14 float32
                 (832520192, 1605632),  # 102: block7_project 32x64x14x14 float32
                 (653492224, 256),  # 103: block7_project_bn_sum 1x64x1x1 float32
-                (909714432, 256),  # 104: block7_project_bn_sum_of_squares 1x64x1x1 float32
-                (909714176, 256),  # 105: block7_project_bn_inv_std 1x64x1x1 float32
-                (838139904, 1605632),  # 106: block7_project_bn 32x64x14x14 float32
+                (909723648, 256),  # 104: block7_project_bn_sum_of_squares 1x64x1x1 float32
+                (909719296, 256),  # 105: block7_project_bn_inv_std 1x64x1x1 float32
+                (836534272, 1605632),  # 106: block7_project_bn 32x64x14x14 float32
                 (653492224, 9633792),  # 107: block8_expand 32x384x14x14 float32
                 (663126016, 1536),  # 108: block8_expand_bn_sum 1x384x1x1 float32
-                (909592064, 1536),  # 109: block8_expand_bn_sum_of_squares 1x384x1x1 float32
-                (909590528, 1536),  # 110: block8_expand_bn_inv_std 1x384x1x1 float32
+                (909644800, 1536),  # 109: block8_expand_bn_sum_of_squares 1x384x1x1 float32
+                (909632512, 1536),  # 110: block8_expand_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 111: block8_expand_bn_clipped_relu 32x384x14x14 float32
                 (663126016, 9633792),  # 112: block8_dw 32x384x14x14 float32
                 (672759808, 1536),  # 113: block8_dw_bn_sum 1x384x1x1 float32
-                (909595136, 1536),  # 114: block8_dw_bn_sum_of_squares 1x384x1x1 float32
-                (909593600, 1536),  # 115: block8_dw_bn_inv_std 1x384x1x1 float32
+                (909646336, 1536),  # 114: block8_dw_bn_sum_of_squares 1x384x1x1 float32
+                (909634048, 1536),  # 115: block8_dw_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 116: block8_dw_bn_clipped_relu 32x384x14x14 float32
-                (836534272, 1605632),  # 117: block8_project 32x64x14x14 float32
+                (838139904, 1605632),  # 117: block8_project 32x64x14x14 float32
                 (672759808, 256),  # 118: block8_project_bn_sum 1x64x1x1 float32
-                (909714944, 256),  # 119: block8_project_bn_sum_of_squares 1x64x1x1 float32
-                (909714688, 256),  # 120: block8_project_bn_inv_std 1x64x1x1 float32
+                (909723904, 256),  # 119: block8_project_bn_sum_of_squares 1x64x1x1 float32
+                (909719808, 256),  # 120: block8_project_bn_inv_std 1x64x1x1 float32
                 (687210496, 9633792),  # 121: block9_expand 32x384x14x14 float32
                 (672759808, 1536),  # 122: block9_expand_bn_sum 1x384x1x1 float32
-                (909602816, 1536),  # 123: block9_expand_bn_sum_of_squares 1x384x1x1 float32
-                (909601280, 1536),  # 124: block9_expand_bn_inv_std 1x384x1x1 float32
+                (909651456, 1536),  # 123: block9_expand_bn_sum_of_squares 1x384x1x1 float32
+                (909635584, 1536),  # 124: block9_expand_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 125: block9_expand_bn_clipped_relu 32x384x14x14 float32
                 (711294976, 9633792),  # 126: block9_dw 32x384x14x14 float32
                 (672759808, 1536),  # 127: block9_dw_bn_sum 1x384x1x1 float32
-                (909608192, 1536),  # 128: block9_dw_bn_sum_of_squares 1x384x1x1 float32
-                (909606656, 1536),  # 129: block9_dw_bn_inv_std 1x384x1x1 float32
+                (909655296, 1536),  # 128: block9_dw_bn_sum_of_squares 1x384x1x1 float32
+                (909637120, 1536),  # 129: block9_dw_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 130: block9_dw_bn_clipped_relu 32x384x14x14 float32
-                (849379328, 1605632),  # 131: block9_project 32x64x14x14 float32
+                (851787776, 1605632),  # 131: block9_project 32x64x14x14 float32
                 (672759808, 256),  # 132: block9_project_bn_sum 1x64x1x1 float32
-                (909716480, 256),  # 133: block9_project_bn_sum_of_squares 1x64x1x1 float32
-                (909716224, 256),  # 134: block9_project_bn_inv_std 1x64x1x1 float32
+                (909724672, 256),  # 133: block9_project_bn_sum_of_squares 1x64x1x1 float32
+                (909720064, 256),  # 134: block9_project_bn_inv_std 1x64x1x1 float32
                 (861822976, 1605632),  # 135: block9_project_bn_add 32x64x14x14 float32
                 (720928768, 9633792),  # 136: block10_expand 32x384x14x14 float32
                 (672759808, 1536),  # 137: block10_expand_bn_sum 1x384x1x1 float32
-                (909617408, 1536),  # 138: block10_expand_bn_sum_of_squares 1x384x1x1 float32
-                (909615872, 1536),  # 139: block10_expand_bn_inv_std 1x384x1x1 float32
+                (909663744, 1536),  # 138: block10_expand_bn_sum_of_squares 1x384x1x1 float32
+                (909638656, 1536),  # 139: block10_expand_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 140: block10_expand_bn_clipped_relu 32x384x14x14 float32
                 (745013248, 9633792),  # 141: block10_dw 32x384x14x14 float32
                 (672759808, 1536),  # 142: block10_dw_bn_sum 1x384x1x1 float32
-                (909628928, 1536),  # 143: block10_dw_bn_sum_of_squares 1x384x1x1 float32
-                (909625088, 1536),  # 144: block10_dw_bn_inv_std 1x384x1x1 float32
+                (909670656, 1536),  # 143: block10_dw_bn_sum_of_squares 1x384x1x1 float32
+                (909640192, 1536),  # 144: block10_dw_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 145: block10_dw_bn_clipped_relu 32x384x14x14 float32
                 (863428608, 1605632),  # 146: block10_project 32x64x14x14 float32
                 (672759808, 256),  # 147: block10_project_bn_sum 1x64x1x1 float32
-                (909718528, 256),  # 148: block10_project_bn_sum_of_squares 1x64x1x1 float32
-                (909718272, 256),  # 149: block10_project_bn_inv_std 1x64x1x1 float32
+                (909730816, 256),  # 148: block10_project_bn_sum_of_squares 1x64x1x1 float32
+                (909720576, 256),  # 149: block10_project_bn_inv_std 1x64x1x1 float32
                 (769097728, 9633792),  # 150: block11_expand 32x384x14x14 float32
                 (672759808, 1536),  # 151: block11_expand_bn_sum 1x384x1x1 float32
-                (909647360, 1536),  # 152: block11_expand_bn_sum_of_squares 1x384x1x1 float32
-                (909645824, 1536),  # 153: block11_expand_bn_inv_std 1x384x1x1 float32
+                (909681408, 1536),  # 152: block11_expand_bn_sum_of_squares 1x384x1x1 float32
+                (909641728, 1536),  # 153: block11_expand_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 154: block11_expand_bn_clipped_relu 32x384x14x14 float32
                 (778731520, 9633792),  # 155: block11_dw 32x384x14x14 float32
                 (672759808, 1536),  # 156: block11_dw_bn_sum 1x384x1x1 float32
-                (909652736, 1536),  # 157: block11_dw_bn_sum_of_squares 1x384x1x1 float32
-                (909650432, 1536),  # 158: block11_dw_bn_inv_std 1x384x1x1 float32
+                (909683712, 1536),  # 157: block11_dw_bn_sum_of_squares 1x384x1x1 float32
+                (909643264, 1536),  # 158: block11_dw_bn_inv_std 1x384x1x1 float32
                 (672759808, 9633792),  # 159: block11_dw_bn_clipped_relu 32x384x14x14 float32
                 (834125824, 2408448),  # 160: block11_project 32x96x14x14 float32
                 (672759808, 384),  # 161: block11_project_bn_sum 1x96x1x1 float32
-                (909709824, 384),  # 162: block11_project_bn_sum_of_squares 1x96x1x1 float32
-                (909709312, 384),  # 163: block11_project_bn_inv_std 1x96x1x1 float32
-                (853393408, 2408448),  # 164: block11_project_bn 32x96x14x14 float32
+                (909721088, 384),  # 162: block11_project_bn_sum_of_squares 1x96x1x1 float32
+                (909707264, 384),  # 163: block11_project_bn_inv_std 1x96x1x1 float32
+                (849379328, 2408448),  # 164: block11_project_bn 32x96x14x14 float32
                 (672759808, 14450688),  # 165: block12_expand 32x576x14x14 float32
                 (696844288, 2304),  # 166: block12_expand_bn_sum 1x576x1x1 float32
-                (909598976, 2304),  # 167: block12_expand_bn_sum_of_squares 1x576x1x1 float32
-                (909596672, 2304),  # 168: block12_expand_bn_inv_std 1x576x1x1 float32
+                (909649152, 2304),  # 167: block12_expand_bn_sum_of_squares 1x576x1x1 float32
+                (909618688, 2304),  # 168: block12_expand_bn_inv_std 1x576x1x1 float32
                 (730562560, 14450688),  # 169: block12_expand_bn_clipped_relu 32x576x14x14 float32
                 (696844288, 14450688),  # 170: block12_dw 32x576x14x14 float32
                 (730562560, 2304),  # 171: block12_dw_bn_sum 1x576x1x1 float32
-                (909609728, 2304),  # 172: block12_dw_bn_sum_of_squares 1x576x1x1 float32
-                (909604352, 2304),  # 173: block12_dw_bn_inv_std 1x576x1x1 float32
+                (909652992, 2304),  # 172: block12_dw_bn_sum_of_squares 1x576x1x1 float32
+                (909620992, 2304),  # 173: block12_dw_bn_inv_std 1x576x1x1 float32
                 (730562560, 14450688),  # 174: block12_dw_bn_clipped_relu 32x576x14x14 float32
-                (850984960, 2408448),  # 175: block12_project 32x96x14x14 float32
+                (853393408, 2408448),  # 175: block12_project 32x96x14x14 float32
                 (730562560, 384),  # 176: block12_project_bn_sum 1x96x1x1 float32
-                (909712128, 384),  # 177: block12_project_bn_sum_of_squares 1x96x1x1 float32
-                (909711616, 384),  # 178: block12_project_bn_inv_std 1x96x1x1 float32
+                (909722368, 384),  # 177: block12_project_bn_sum_of_squares 1x96x1x1 float32
+                (909707776, 384),  # 178: block12_project_bn_inv_std 1x96x1x1 float32
                 (730562560, 14450688),  # 179: block13_expand 32x576x14x14 float32
                 (754647040, 2304),  # 180: block13_expand_bn_sum 1x576x1x1 float32
-                (909626624, 2304),  # 181: block13_expand_bn_sum_of_squares 1x576x1x1 float32
-                (909622784, 2304),  # 182: block13_expand_bn_inv_std 1x576x1x1 float32
+                (909667584, 2304),  # 181: block13_expand_bn_sum_of_squares 1x576x1x1 float32
+                (909623296, 2304),  # 182: block13_expand_bn_inv_std 1x576x1x1 float32
                 (788365312, 14450688),  # 183: block13_expand_bn_clipped_relu 32x576x14x14 float32
                 (754647040, 14450688),  # 184: block13_dw 32x576x14x14 float32
                 (788365312, 2304),  # 185: block13_dw_bn_sum 1x576x1x1 float32
-                (909638912, 2304),  # 186: block13_dw_bn_sum_of_squares 1x576x1x1 float32
-                (909635840, 2304),  # 187: block13_dw_bn_inv_std 1x576x1x1 float32
+                (909677568, 2304),  # 186: block13_dw_bn_sum_of_squares 1x576x1x1 float32
+                (909625600, 2304),  # 187: block13_dw_bn_inv_std 1x576x1x1 float32
                 (788365312, 14450688),  # 188: block13_dw_bn_clipped_relu 32x576x14x14 float32
                 (865034240, 2408448),  # 189: block13_project 32x96x14x14 float32
                 (788365312, 384),  # 190: block13_project_bn_sum 1x96x1x1 float32
-                (909715712, 384),  # 191: block13_project_bn_sum_of_squares 1x96x1x1 float32
-                (909715200, 384),  # 192: block13_project_bn_inv_std 1x96x1x1 float32
+                (909724160, 384),  # 191: block13_project_bn_sum_of_squares 1x96x1x1 float32
+                (909708288, 384),  # 192: block13_project_bn_inv_std 1x96x1x1 float32
                 (820477952, 2408448),  # 193: block13_project_bn_add 32x96x14x14 float32
                 (788365312, 14450688),  # 194: block14_expand 32x576x14x14 float32
                 (820477952, 2304),  # 195: block14_expand_bn_sum 1x576x1x1 float32
-                (909659648, 2304),  # 196: block14_expand_bn_sum_of_squares 1x576x1x1 float32
-                (909656576, 2304),  # 197: block14_expand_bn_inv_std 1x576x1x1 float32
+                (909686784, 2304),  # 196: block14_expand_bn_sum_of_squares 1x576x1x1 float32
+                (909627904, 2304),  # 197: block14_expand_bn_inv_std 1x576x1x1 float32
                 (867442688, 14450688),  # 198: block14_expand_bn_clipped_relu 32x576x14x14 float32
-                (839745536, 3612672),  # 199: block14_dw 32x576x7x7 float32
+                (845766656, 3612672),  # 199: block14_dw 32x576x7x7 float32
                 (820477952, 2304),  # 200: block14_dw_bn_sum 1x576x1x1 float32
-                (909667328, 2304),  # 201: block14_dw_bn_sum_of_squares 1x576x1x1 float32
-                (909664256, 2304),  # 202: block14_dw_bn_inv_std 1x576x1x1 float32
+                (909692160, 2304),  # 201: block14_dw_bn_sum_of_squares 1x576x1x1 float32
+                (909630208, 2304),  # 202: block14_dw_bn_inv_std 1x576x1x1 float32
                 (820477952, 3612672),  # 203: block14_dw_bn_clipped_relu 32x576x7x7 float32
                 (887513088, 1003520),  # 204: block14_project 32x160x7x7 float32
                 (820477952, 640),  # 205: block14_project_bn_sum 1x160x1x1 float32
-                (909713408, 640),  # 206: block14_project_bn_sum_of_squares 1x160x1x1 float32
-                (909712640, 640),  # 207: block14_project_bn_inv_std 1x160x1x1 float32
-                (889520128, 1003520),  # 208: block14_project_bn 32x160x7x7 float32
+                (909722880, 640),  # 206: block14_project_bn_sum_of_squares 1x160x1x1 float32
+                (909689856, 640),  # 207: block14_project_bn_inv_std 1x160x1x1 float32
+                (888516608, 1003520),  # 208: block14_project_bn 32x160x7x7 float32
                 (820477952, 6021120),  # 209: block15_expand 32x960x7x7 float32
                 (826499072, 3840),  # 210: block15_expand_bn_sum 1x960x1x1 float32
-                (909618944, 3840),  # 211: block15_expand_bn_sum_of_squares 1x960x1x1 float32
-                (909612032, 3840),  # 212: block15_expand_bn_inv_std 1x960x1x1 float32
-                (843358208, 6021120),  # 213: block15_expand_bn_clipped_relu 32x960x7x7 float32
+                (909659904, 3840),  # 211: block15_expand_bn_sum_of_squares 1x960x1x1 float32
+                (909595648, 3840),  # 212: block15_expand_bn_inv_std 1x960x1x1 float32
+                (839745536, 6021120),  # 213: block15_expand_bn_clipped_relu 32x960x7x7 float32
                 (826499072, 6021120),  # 214: block15_dw 32x960x7x7 float32
-                (843358208, 3840),  # 215: block15_dw_bn_sum 1x960x1x1 float32
-                (909641984, 3840),  # 216: block15_dw_bn_sum_of_squares 1x960x1x1 float32
-                (909632000, 3840),  # 217: block15_dw_bn_inv_std 1x960x1x1 float32
-                (843358208, 6021120),  # 218: block15_dw_bn_clipped_relu 32x960x7x7 float32
-                (888516608, 1003520),  # 219: block15_project 32x160x7x7 float32
-                (843358208, 640),  # 220: block15_project_bn_sum 1x160x1x1 float32
-                (909717504, 640),  # 221: block15_project_bn_sum_of_squares 1x160x1x1 float32
-                (909716736, 640),  # 222: block15_project_bn_inv_std 1x160x1x1 float32
-                (843358208, 6021120),  # 223: block16_expand 32x960x7x7 float32
+                (839745536, 3840),  # 215: block15_dw_bn_sum 1x960x1x1 float32
+                (909673728, 3840),  # 216: block15_dw_bn_sum_of_squares 1x960x1x1 float32
+                (909599488, 3840),  # 217: block15_dw_bn_inv_std 1x960x1x1 float32
+                (839745536, 6021120),  # 218: block15_dw_bn_clipped_relu 32x960x7x7 float32
+                (889520128, 1003520),  # 219: block15_project 32x160x7x7 float32
+                (839745536, 640),  # 220: block15_project_bn_sum 1x160x1x1 float32
+                (909724928, 640),  # 221: block15_project_bn_sum_of_squares 1x160x1x1 float32
+                (909690624, 640),  # 222: block15_project_bn_inv_std 1x160x1x1 float32
+                (839745536, 6021120),  # 223: block16_expand 32x960x7x7 float32
                 (855801856, 3840),  # 224: block16_expand_bn_sum 1x960x1x1 float32
-                (909674240, 3840),  # 225: block16_expand_bn_sum_of_squares 1x960x1x1 float32
-                (909670400, 3840),  # 226: block16_expand_bn_inv_std 1x960x1x1 float32
+                (909696000, 3840),  # 225: block16_expand_bn_sum_of_squares 1x960x1x1 float32
+                (909603328, 3840),  # 226: block16_expand_bn_inv_std 1x960x1x1 float32
                 (867442688, 6021120),  # 227: block16_expand_bn_clipped_relu 32x960x7x7 float32
                 (855801856, 6021120),  # 228: block16_dw 32x960x7x7 float32
                 (867442688, 3840),  # 229: block16_dw_bn_sum 1x960x1x1 float32
-                (909687040, 3840),  # 230: block16_dw_bn_sum_of_squares 1x960x1x1 float32
-                (909683200, 3840),  # 231: block16_dw_bn_inv_std 1x960x1x1 float32
+                (909703424, 3840),  # 230: block16_dw_bn_sum_of_squares 1x960x1x1 float32
+                (909607168, 3840),  # 231: block16_dw_bn_inv_std 1x960x1x1 float32
                 (867442688, 6021120),  # 232: block16_dw_bn_clipped_relu 32x960x7x7 float32
                 (890523648, 1003520),  # 233: block16_project 32x160x7x7 float32
                 (867442688, 640),  # 234: block16_project_bn_sum 1x160x1x1 float32
-                (909729792, 640),  # 235: block16_project_bn_sum_of_squares 1x160x1x1 float32
-                (909729024, 640),  # 236: block16_project_bn_inv_std 1x160x1x1 float32
+                (909731072, 640),  # 235: block16_project_bn_sum_of_squares 1x160x1x1 float32
+                (909694464, 640),  # 236: block16_project_bn_inv_std 1x160x1x1 float32
                 (873463808, 1003520),  # 237: block16_project_bn_add 32x160x7x7 float32
                 (867442688, 6021120),  # 238: block17_expand 32x960x7x7 float32
                 (873463808, 3840),  # 239: block17_expand_bn_sum 1x960x1x1 float32
-                (909694720, 3840),  # 240: block17_expand_bn_sum_of_squares 1x960x1x1 float32
-                (909690880, 3840),  # 241: block17_expand_bn_inv_std 1x960x1x1 float32
+                (909708800, 3840),  # 240: block17_expand_bn_sum_of_squares 1x960x1x1 float32
+                (909611008, 3840),  # 241: block17_expand_bn_inv_std 1x960x1x1 float32
                 (879484928, 6021120),  # 242: block17_expand_bn_clipped_relu 32x960x7x7 float32
                 (873463808, 6021120),  # 243: block17_dw 32x960x7x7 float32
                 (879484928, 3840),  # 244: block17_dw_bn_sum 1x960x1x1 float32
-                (909704448, 3840),  # 245: block17_dw_bn_sum_of_squares 1x960x1x1 float32
-                (909700608, 3840),  # 246: block17_dw_bn_inv_std 1x960x1x1 float32
+                (909715200, 3840),  # 245: block17_dw_bn_sum_of_squares 1x960x1x1 float32
+                (909614848, 3840),  # 246: block17_dw_bn_inv_std 1x960x1x1 float32
                 (879484928, 6021120),  # 247: block17_dw_bn_clipped_relu 32x960x7x7 float32
                 (891527168, 2007040),  # 248: block17_project 32x320x7x7 float32
                 (879484928, 1280),  # 249: block17_project_bn_sum 1x320x1x1 float32
                 (909731840, 1280),  # 250: block17_project_bn_sum_of_squares 1x320x1x1 float32
-                (909730560, 1280),  # 251: block17_project_bn_inv_std 1x320x1x1 float32
+                (909647872, 1280),  # 251: block17_project_bn_inv_std 1x320x1x1 float32
                 (893703168, 2007040),  # 252: block17_project_bn 32x320x7x7 float32
                 (879484928, 8028160),  # 253: conv_last 32x1280x7x7 float32
                 (893703168, 5120),  # 254: conv_last_bn_sum 1x1280x1x1 float32
-                (909723904, 5120),  # 255: conv_last_bn_sum_of_squares 1x1280x1x1 float32
-                (909718784, 5120),  # 256: conv_last_bn_inv_std 1x1280x1x1 float32
+                (909725696, 5120),  # 255: conv_last_bn_sum_of_squares 1x1280x1x1 float32
+                (909590528, 5120),  # 256: conv_last_bn_inv_std 1x1280x1x1 float32
                 (893703168, 8028160),  # 257: conv_last_bn_clipped_relu 32x1280x7x7 float32
                 (901731328, 163840),  # 258: conv_last_bn_avg_pool 32x1280x1x1 float32
                 (893703168, 128000),  # 259: fc_matmul 32x1000 float32
                 (893831168, 128),  # 260: fc_cross_entropy_pick 32 float32
-                (909711360, 4),  # 261: fc_cross_entropy_sum_to scalar float32
+                (909721856, 4),  # 261: fc_cross_entropy_sum_to scalar float32
                 (893703168, 4000),  # 262: d_fc_B 1000 float32
                 (901562368, 163840),  # 263: d_conv_last_bn_dropout 32x1280 float32
                 (893662208, 5120000),  # 264: d_fc_W 1000x1280 float32
                 (893534208, 8028160),  # 265: d_conv_last_bn_clipped_relu 32x1280x7x7 float32
                 (901562368, 8028160),  # 266: conv_last_bn_clipped_relu_2 32x1280x7x7 float32
-                (901572608, 5120),  # 267: d_conv_last_bn_ew_sum 1x1280x1x1 float32
-                (901567488, 5120),  # 268: d_conv_last_bn_inv_std 1x1280x1x1 float32
-                (901562368, 5120),  # 269: d_conv_last_bn_batch_mean 1x1280x1x1 float32
-                (901567488, 5120),  # 270: d_conv_last_bn_bias 1x1280x1x1 float32
+                (901562368, 5120),  # 267: d_conv_last_bn_ew_sum 1x1280x1x1 float32
+                (901572608, 5120),  # 268: d_conv_last_bn_inv_std 1x1280x1x1 float32
+                (901567488, 5120),  # 269: d_conv_last_bn_batch_mean 1x1280x1x1 float32
+                (902399744, 5120),  # 270: d_conv_last_bn_bias 1x1280x1x1 float32
                 (893534208, 2007040),  # 271: block17_project_bn_2 32x320x7x7 float32
                 (895541248, 1638400),  # 272: d_conv_last_W 1280x320x1x1 float32
                 (893534208, 2007040),  # 273: d_block17_project_bn 32x320x7x7 float32
-                (879487488, 1280),  # 274: d_block17_project_bn_ew_sum 1x320x1x1 float32
-                (879486208, 1280),  # 275: d_block17_project_bn_inv_std 1x320x1x1 float32
-                (879484928, 1280),  # 276: d_block17_project_bn_batch_mean 1x320x1x1 float32
-                (879486208, 1280),  # 277: d_block17_project_bn_bias 1x320x1x1 float32
+                (879484928, 1280),  # 274: d_block17_project_bn_ew_sum 1x320x1x1 float32
+                (879487488, 1280),  # 275: d_block17_project_bn_inv_std 1x320x1x1 float32
+                (879486208, 1280),  # 276: d_block17_project_bn_batch_mean 1x320x1x1 float32
+                (902408704, 1280),  # 277: d_block17_project_bn_bias 1x320x1x1 float32
                 (893534208, 6021120),  # 278: block17_dw_bn_clipped_relu_2 32x960x7x7 float32
                 (879484928, 1228800),  # 279: d_block17_project_W 320x960x1x1 float32
                 (879484928, 6021120),  # 280: d_block17_dw_bn_clipped_relu 32x960x7x7 float32
-                (885509888, 3840),  # 281: d_block17_dw_bn_ew_sum 1x960x1x1 float32
+                (885506048, 3840),  # 281: d_block17_dw_bn_ew_sum 1x960x1x1 float32
                 (885513728, 3840),  # 282: d_block17_dw_bn_inv_std 1x960x1x1 float32
-                (885506048, 3840),  # 283: d_block17_dw_bn_batch_mean 1x960x1x1 float32
-                (885513728, 3840),  # 284: d_block17_dw_bn_bias 1x960x1x1 float32
-                (891527168, 6021120),  # 285: block17_expand_bn_clipped_relu_2 32x960x7x7 float32
-                (879484928, 34560),  # 286: d_block17_dw_W 960x1x3x3 float32
+                (885509888, 3840),  # 283: d_block17_dw_bn_batch_mean 1x960x1x1 float32
+                (902404864, 3840),  # 284: d_block17_dw_bn_bias 1x960x1x1 float32
+                (896378624, 6021120),  # 285: block17_expand_bn_clipped_relu_2 32x960x7x7 float32
+                (896344064, 34560),  # 286: d_block17_dw_W 960x1x3x3 float32
                 (879484928, 6021120),  # 287: d_block17_expand_bn_clipped_relu 32x960x7x7 float32
-                (873467648, 3840),  # 288: d_block17_expand_bn_ew_sum 1x960x1x1 float32
+                (873463808, 3840),  # 288: d_block17_expand_bn_ew_sum 1x960x1x1 float32
                 (873471488, 3840),  # 289: d_block17_expand_bn_inv_std 1x960x1x1 float32
-                (873463808, 3840),  # 290: d_block17_expand_bn_batch_mean 1x960x1x1 float32
-                (873471488, 3840),  # 291: d_block17_expand_bn_bias 1x960x1x1 float32
+                (873467648, 3840),  # 290: d_block17_expand_bn_batch_mean 1x960x1x1 float32
+                (896413184, 3840),  # 291: d_block17_expand_bn_bias 1x960x1x1 float32
                 (873463808, 1003520),  # 292: block16_project_bn_add_2 32x160x7x7 float32
                 (874467328, 614400),  # 293: d_block17_expand_W 960x160x1x1 float32
                 (873463808, 1003520),  # 294: d_block16_project_bn_add 32x160x7x7 float32
-                (867443456, 640),  # 295: d_block16_project_bn_ew_sum 1x160x1x1 float32
+                (867442688, 640),  # 295: d_block16_project_bn_ew_sum 1x160x1x1 float32
                 (867444224, 640),  # 296: d_block16_project_bn_inv_std 1x160x1x1 float32
-                (867442688, 640),  # 297: d_block16_project_bn_batch_mean 1x160x1x1 float32
-                (867442688, 640),  # 298: d_block16_project_bn_bias 1x160x1x1 float32
+                (867443456, 640),  # 297: d_block16_project_bn_batch_mean 1x160x1x1 float32
+                (896424704, 640),  # 298: d_block16_project_bn_bias 1x160x1x1 float32
                 (874467328, 6021120),  # 299: block16_dw_bn_clipped_relu_2 32x960x7x7 float32
                 (867442688, 614400),  # 300: d_block16_project_W 160x960x1x1 float32
                 (867442688, 6021120),  # 301: d_block16_dw_bn_clipped_relu 32x960x7x7 float32
                 (880488448, 3840),  # 302: d_block16_dw_bn_ew_sum 1x960x1x1 float32
                 (874471168, 3840),  # 303: d_block16_dw_bn_inv_std 1x960x1x1 float32
                 (874467328, 3840),  # 304: d_block16_dw_bn_batch_mean 1x960x1x1 float32
-                (874471168, 3840),  # 305: d_block16_dw_bn_bias 1x960x1x1 float32
+                (896417024, 3840),  # 305: d_block16_dw_bn_bias 1x960x1x1 float32
                 (874467328, 6021120),  # 306: block16_expand_bn_clipped_relu_2 32x960x7x7 float32
-                (867442688, 34560),  # 307: d_block16_dw_W 960x1x3x3 float32
+                (896378624, 34560),  # 307: d_block16_dw_W 960x1x3x3 float32
                 (867442688, 6021120),  # 308: d_block16_expand_bn_clipped_relu 32x960x7x7 float32
-                (855805696, 3840),  # 309: d_block16_expand_bn_ew_sum 1x960x1x1 float32
+                (855801856, 3840),  # 309: d_block16_expand_bn_ew_sum 1x960x1x1 float32
                 (855809536, 3840),  # 310: d_block16_expand_bn_inv_std 1x960x1x1 float32
-                (855801856, 3840),  # 311: d_block16_expand_bn_batch_mean 1x960x1x1 float32
-                (855809536, 3840),  # 312: d_block16_expand_bn_bias 1x960x1x1 float32
+                (855805696, 3840),  # 311: d_block16_expand_bn_batch_mean 1x960x1x1 float32
+                (896420864, 3840),  # 312: d_block16_expand_bn_bias 1x960x1x1 float32
                 (855801856, 614400),  # 313: d_block16_expand_W 960x160x1x1 float32
                 (856416256, 1003520),  # 314: d_block15_project_bn_add 32x160x7x7 float32
-                (843358208, 640),  # 315: d_block15_project_bn_ew_sum 1x160x1x1 float32
-                (843359744, 640),  # 316: d_block15_project_bn_inv_std 1x160x1x1 float32
-                (843358976, 640),  # 317: d_block15_project_bn_batch_mean 1x160x1x1 float32
-                (843358208, 640),  # 318: d_block15_project_bn_bias 1x160x1x1 float32
+                (839745536, 640),  # 315: d_block15_project_bn_ew_sum 1x160x1x1 float32
+                (839747072, 640),  # 316: d_block15_project_bn_inv_std 1x160x1x1 float32
+                (839746304, 640),  # 317: d_block15_project_bn_batch_mean 1x160x1x1 float32
+                (896425472, 640),  # 318: d_block15_project_bn_bias 1x160x1x1 float32
                 (855801856, 6021120),  # 319: block15_dw_bn_clipped_relu_2 32x960x7x7 float32
-                (843358208, 614400),  # 320: d_block15_project_W 160x960x1x1 float32
-                (843358208, 6021120),  # 321: d_block15_dw_bn_clipped_relu 32x960x7x7 float32
+                (839745536, 614400),  # 320: d_block15_project_W 160x960x1x1 float32
+                (839745536, 6021120),  # 321: d_block15_dw_bn_clipped_relu 32x960x7x7 float32
                 (867442688, 3840),  # 322: d_block15_dw_bn_ew_sum 1x960x1x1 float32
                 (855805696, 3840),  # 323: d_block15_dw_bn_inv_std 1x960x1x1 float32
                 (855801856, 3840),  # 324: d_block15_dw_bn_batch_mean 1x960x1x1 float32
-                (855805696, 3840),  # 325: d_block15_dw_bn_bias 1x960x1x1 float32
-                (855801856, 6021120),  # 326: block15_expand_bn_clipped_relu_2 32x960x7x7 float32
-                (843358208, 34560),  # 327: d_block15_dw_W 960x1x3x3 float32
-                (843358208, 6021120),  # 328: d_block15_expand_bn_clipped_relu 32x960x7x7 float32
-                (826502912, 3840),  # 329: d_block15_expand_bn_ew_sum 1x960x1x1 float32
+                (855836416, 3840),  # 325: d_block15_dw_bn_bias 1x960x1x1 float32
+                (867442688, 6021120),  # 326: block15_expand_bn_clipped_relu_2 32x960x7x7 float32
+                (855801856, 34560),  # 327: d_block15_dw_W 960x1x3x3 float32
+                (839745536, 6021120),  # 328: d_block15_expand_bn_clipped_relu 32x960x7x7 float32
+                (826499072, 3840),  # 329: d_block15_expand_bn_ew_sum 1x960x1x1 float32
                 (826506752, 3840),  # 330: d_block15_expand_bn_inv_std 1x960x1x1 float32
-                (826499072, 3840),  # 331: d_block15_expand_bn_batch_mean 1x960x1x1 float32
-                (826506752, 3840),  # 332: d_block15_expand_bn_bias 1x960x1x1 float32
-                (827113472, 1003520),  # 333: block14_project_bn_2 32x160x7x7 float32
+                (826502912, 3840),  # 331: d_block15_expand_bn_batch_mean 1x960x1x1 float32
+                (827703296, 3840),  # 332: d_block15_expand_bn_bias 1x960x1x1 float32
+                (827707136, 1003520),  # 333: block14_project_bn_2 32x160x7x7 float32
                 (826499072, 614400),  # 334: d_block15_expand_W 960x160x1x1 float32
-                (827113472, 1003520),  # 335: d_block14_project_bn 32x160x7x7 float32
-                (820478720, 640),  # 336: d_block14_project_bn_ew_sum 1x160x1x1 float32
+                (827707136, 1003520),  # 335: d_block14_project_bn 32x160x7x7 float32
+                (820477952, 640),  # 336: d_block14_project_bn_ew_sum 1x160x1x1 float32
                 (820479488, 640),  # 337: d_block14_project_bn_inv_std 1x160x1x1 float32
-                (820477952, 640),  # 338: d_block14_project_bn_batch_mean 1x160x1x1 float32
-                (820479488, 640),  # 339: d_block14_project_bn_bias 1x160x1x1 float32
+                (820478720, 640),  # 338: d_block14_project_bn_batch_mean 1x160x1x1 float32
+                (827707136, 640),  # 339: d_block14_project_bn_bias 1x160x1x1 float32
                 (824090624, 3612672),  # 340: block14_dw_bn_clipped_relu_2 32x576x7x7 float32
                 (820477952, 368640),  # 341: d_block14_project_W 160x576x1x1 float32
                 (820477952, 3612672),  # 342: d_block14_dw_bn_clipped_relu 32x576x7x7 float32
-                (827703296, 2304),  # 343: d_block14_dw_bn_ew_sum 1x576x1x1 float32
-                (824092928, 2304),  # 344: d_block14_dw_bn_inv_std 1x576x1x1 float32
-                (824090624, 2304),  # 345: d_block14_dw_bn_batch_mean 1x576x1x1 float32
-                (824092928, 2304),  # 346: d_block14_dw_bn_bias 1x576x1x1 float32
+                (827707904, 2304),  # 343: d_block14_dw_bn_ew_sum 1x576x1x1 float32
+                (824090624, 2304),  # 344: d_block14_dw_bn_inv_std 1x576x1x1 float32
+                (824092928, 2304),  # 345: d_block14_dw_bn_batch_mean 1x576x1x1 float32
+                (824090624, 2304),  # 346: d_block14_dw_bn_bias 1x576x1x1 float32
                 (881893376, 14450688),  # 347: block14_expand_bn_clipped_relu_2 32x576x14x14 float32
-                (820477952, 20736),  # 348: d_block14_dw_W 576x1x3x3 float32
+                (822886400, 20736),  # 348: d_block14_dw_W 576x1x3x3 float32
                 (867442688, 14450688),  # 349: d_block14_expand_bn_clipped_relu 32x576x14x14 float32
-                (820480256, 2304),  # 350: d_block14_expand_bn_ew_sum 1x576x1x1 float32
+                (820477952, 2304),  # 350: d_block14_expand_bn_ew_sum 1x576x1x1 float32
                 (820482560, 2304),  # 351: d_block14_expand_bn_inv_std 1x576x1x1 float32
-                (820477952, 2304),  # 352: d_block14_expand_bn_batch_mean 1x576x1x1 float32
-                (820482560, 2304),  # 353: d_block14_expand_bn_bias 1x576x1x1 float32
+                (820480256, 2304),  # 352: d_block14_expand_bn_batch_mean 1x576x1x1 float32
+                (822948608, 2304),  # 353: d_block14_expand_bn_bias 1x576x1x1 float32
                 (820477952, 2408448),  # 354: block13_project_bn_add_2 32x96x14x14 float32
-                (822886400, 221184),  # 355: d_block14_expand_W 576x96x1x1 float32
+                (822950912, 221184),  # 355: d_block14_expand_W 576x96x1x1 float32
                 (820477952, 2408448),  # 356: d_block13_project_bn_add 32x96x14x14 float32
-                (788365824, 384),  # 357: d_block13_project_bn_ew_sum 1x96x1x1 float32
+                (788365312, 384),  # 357: d_block13_project_bn_ew_sum 1x96x1x1 float32
                 (788366336, 384),  # 358: d_block13_project_bn_inv_std 1x96x1x1 float32
-                (788365312, 384),  # 359: d_block13_project_bn_batch_mean 1x96x1x1 float32
-                (788365312, 384),  # 360: d_block13_project_bn_bias 1x96x1x1 float32
+                (788365824, 384),  # 359: d_block13_project_bn_batch_mean 1x96x1x1 float32
+                (822960128, 384),  # 360: d_block13_project_bn_bias 1x96x1x1 float32
                 (867442688, 14450688),  # 361: block13_dw_bn_clipped_relu_2 32x576x14x14 float32
                 (788365312, 221184),  # 362: d_block13_project_W 96x576x1x1 float32
                 (788365312, 14450688),  # 363: d_block13_dw_bn_clipped_relu 32x576x14x14 float32
-                (822888704, 2304),  # 364: d_block13_dw_bn_ew_sum 1x576x1x1 float32
-                (822891008, 2304),  # 365: d_block13_dw_bn_inv_std 1x576x1x1 float32
-                (822886400, 2304),  # 366: d_block13_dw_bn_batch_mean 1x576x1x1 float32
-                (822891008, 2304),  # 367: d_block13_dw_bn_bias 1x576x1x1 float32
+                (822907136, 2304),  # 364: d_block13_dw_bn_ew_sum 1x576x1x1 float32
+                (822911744, 2304),  # 365: d_block13_dw_bn_inv_std 1x576x1x1 float32
+                (822909440, 2304),  # 366: d_block13_dw_bn_batch_mean 1x576x1x1 float32
+                (822950912, 2304),  # 367: d_block13_dw_bn_bias 1x576x1x1 float32
                 (865034240, 14450688),  # 368: block13_expand_bn_clipped_relu_2 32x576x14x14 float32
-                (788365312, 20736),  # 369: d_block13_dw_W 576x1x3x3 float32
+                (822907136, 20736),  # 369: d_block13_dw_W 576x1x3x3 float32
                 (788365312, 14450688),  # 370: d_block13_expand_bn_clipped_relu 32x576x14x14 float32
-                (754649344, 2304),  # 371: d_block13_expand_bn_ew_sum 1x576x1x1 float32
+                (754647040, 2304),  # 371: d_block13_expand_bn_ew_sum 1x576x1x1 float32
                 (754651648, 2304),  # 372: d_block13_expand_bn_inv_std 1x576x1x1 float32
-                (754647040, 2304),  # 373: d_block13_expand_bn_batch_mean 1x576x1x1 float32
-                (754651648, 2304),  # 374: d_block13_expand_bn_bias 1x576x1x1 float32
+                (754649344, 2304),  # 373: d_block13_expand_bn_batch_mean 1x576x1x1 float32
+                (822953216, 2304),  # 374: d_block13_expand_bn_bias 1x576x1x1 float32
                 (757055488, 221184),  # 375: d_block13_expand_W 576x96x1x1 float32
                 (754647040, 2408448),  # 376: d_block12_project_bn_add 32x96x14x14 float32
                 (730562560, 384),  # 377: d_block12_project_bn_ew_sum 1x96x1x1 float32
                 (730563584, 384),  # 378: d_block12_project_bn_inv_std 1x96x1x1 float32
                 (730563072, 384),  # 379: d_block12_project_bn_batch_mean 1x96x1x1 float32
-                (730562560, 384),  # 380: d_block12_project_bn_bias 1x96x1x1 float32
+                (822960640, 384),  # 380: d_block12_project_bn_bias 1x96x1x1 float32
                 (754647040, 14450688),  # 381: block12_dw_bn_clipped_relu_2 32x576x14x14 float32
                 (730562560, 221184),  # 382: d_block12_project_W 96x576x1x1 float32
                 (730562560, 14450688),  # 383: d_block12_dw_bn_clipped_relu 32x576x14x14 float32
                 (788365312, 2304),  # 384: d_block12_dw_bn_ew_sum 1x576x1x1 float32
                 (754649344, 2304),  # 385: d_block12_dw_bn_inv_std 1x576x1x1 float32
                 (754647040, 2304),  # 386: d_block12_dw_bn_batch_mean 1x576x1x1 float32
-                (754649344, 2304),  # 387: d_block12_dw_bn_bias 1x576x1x1 float32
+                (822955520, 2304),  # 387: d_block12_dw_bn_bias 1x576x1x1 float32
                 (754647040, 14450688),  # 388: block12_expand_bn_clipped_relu_2 32x576x14x14 float32
-                (730562560, 20736),  # 389: d_block12_dw_W 576x1x3x3 float32
+                (822927872, 20736),  # 389: d_block12_dw_W 576x1x3x3 float32
                 (730562560, 14450688),  # 390: d_block12_expand_bn_clipped_relu 32x576x14x14 float32
-                (696846592, 2304),  # 391: d_block12_expand_bn_ew_sum 1x576x1x1 float32
+                (696844288, 2304),  # 391: d_block12_expand_bn_ew_sum 1x576x1x1 float32
                 (696848896, 2304),  # 392: d_block12_expand_bn_inv_std 1x576x1x1 float32
-                (696844288, 2304),  # 393: d_block12_expand_bn_batch_mean 1x576x1x1 float32
-                (696848896, 2304),  # 394: d_block12_expand_bn_bias 1x576x1x1 float32
+                (696846592, 2304),  # 393: d_block12_expand_bn_batch_mean 1x576x1x1 float32
+                (822957824, 2304),  # 394: d_block12_expand_bn_bias 1x576x1x1 float32
                 (696844288, 2408448),  # 395: block11_project_bn_2 32x96x14x14 float32
                 (699252736, 221184),  # 396: d_block12_expand_W 576x96x1x1 float32
                 (696844288, 2408448),  # 397: d_block11_project_bn 32x96x14x14 float32
-                (672760320, 384),  # 398: d_block11_project_bn_ew_sum 1x96x1x1 float32
+                (672759808, 384),  # 398: d_block11_project_bn_ew_sum 1x96x1x1 float32
                 (672760832, 384),  # 399: d_block11_project_bn_inv_std 1x96x1x1 float32
-                (672759808, 384),  # 400: d_block11_project_bn_batch_mean 1x96x1x1 float32
-                (672760832, 384),  # 401: d_block11_project_bn_bias 1x96x1x1 float32
+                (672760320, 384),  # 400: d_block11_project_bn_batch_mean 1x96x1x1 float32
+                (822961152, 384),  # 401: d_block11_project_bn_bias 1x96x1x1 float32
                 (696844288, 9633792),  # 402: block11_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (672759808, 147456),  # 403: d_block11_project_W 96x384x1x1 float32
                 (672759808, 9633792),  # 404: d_block11_dw_bn_clipped_relu 32x384x14x14 float32
-                (682395136, 1536),  # 405: d_block11_dw_bn_ew_sum 1x384x1x1 float32
+                (682393600, 1536),  # 405: d_block11_dw_bn_ew_sum 1x384x1x1 float32
                 (682396672, 1536),  # 406: d_block11_dw_bn_inv_std 1x384x1x1 float32
-                (682393600, 1536),  # 407: d_block11_dw_bn_batch_mean 1x384x1x1 float32
-                (682396672, 1536),  # 408: d_block11_dw_bn_bias 1x384x1x1 float32
+                (682395136, 1536),  # 407: d_block11_dw_bn_batch_mean 1x384x1x1 float32
+                (822388480, 1536),  # 408: d_block11_dw_bn_bias 1x384x1x1 float32
                 (696844288, 9633792),  # 409: block11_expand_bn_clipped_relu_2 32x384x14x14 float32
-                (672759808, 13824),  # 410: d_block11_dw_W 384x1x3x3 float32
+                (822181888, 13824),  # 410: d_block11_dw_W 384x1x3x3 float32
                 (672759808, 9633792),  # 411: d_block11_expand_bn_clipped_relu 32x384x14x14 float32
-                (682395136, 1536),  # 412: d_block11_expand_bn_ew_sum 1x384x1x1 float32
+                (682393600, 1536),  # 412: d_block11_expand_bn_ew_sum 1x384x1x1 float32
                 (682396672, 1536),  # 413: d_block11_expand_bn_inv_std 1x384x1x1 float32
-                (682393600, 1536),  # 414: d_block11_expand_bn_batch_mean 1x384x1x1 float32
-                (682396672, 1536),  # 415: d_block11_expand_bn_bias 1x384x1x1 float32
+                (682395136, 1536),  # 414: d_block11_expand_bn_batch_mean 1x384x1x1 float32
+                (822390016, 1536),  # 415: d_block11_expand_bn_bias 1x384x1x1 float32
                 (674365440, 98304),  # 416: d_block11_expand_W 384x64x1x1 float32
                 (672759808, 1605632),  # 417: d_block10_project_bn_add 32x64x14x14 float32
-                (674365696, 256),  # 418: d_block10_project_bn_ew_sum 1x64x1x1 float32
+                (674365440, 256),  # 418: d_block10_project_bn_ew_sum 1x64x1x1 float32
                 (674365952, 256),  # 419: d_block10_project_bn_inv_std 1x64x1x1 float32
-                (674365440, 256),  # 420: d_block10_project_bn_batch_mean 1x64x1x1 float32
-                (674365440, 256),  # 421: d_block10_project_bn_bias 1x64x1x1 float32
+                (674365696, 256),  # 420: d_block10_project_bn_batch_mean 1x64x1x1 float32
+                (822407680, 256),  # 421: d_block10_project_bn_bias 1x64x1x1 float32
                 (696844288, 9633792),  # 422: block10_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 98304),  # 423: d_block10_project_W 64x384x1x1 float32
                 (674365440, 9633792),  # 424: d_block10_dw_bn_clipped_relu 32x384x14x14 float32
-                (684000768, 1536),  # 425: d_block10_dw_bn_ew_sum 1x384x1x1 float32
+                (683999232, 1536),  # 425: d_block10_dw_bn_ew_sum 1x384x1x1 float32
                 (684002304, 1536),  # 426: d_block10_dw_bn_inv_std 1x384x1x1 float32
-                (683999232, 1536),  # 427: d_block10_dw_bn_batch_mean 1x384x1x1 float32
-                (684002304, 1536),  # 428: d_block10_dw_bn_bias 1x384x1x1 float32
+                (684000768, 1536),  # 427: d_block10_dw_bn_batch_mean 1x384x1x1 float32
+                (822391552, 1536),  # 428: d_block10_dw_bn_bias 1x384x1x1 float32
                 (696844288, 9633792),  # 429: block10_expand_bn_clipped_relu_2 32x384x14x14 float32
-                (674365440, 13824),  # 430: d_block10_dw_W 384x1x3x3 float32
+                (822244864, 13824),  # 430: d_block10_dw_W 384x1x3x3 float32
                 (674365440, 9633792),  # 431: d_block10_expand_bn_clipped_relu 32x384x14x14 float32
-                (684000768, 1536),  # 432: d_block10_expand_bn_ew_sum 1x384x1x1 float32
+                (683999232, 1536),  # 432: d_block10_expand_bn_ew_sum 1x384x1x1 float32
                 (684002304, 1536),  # 433: d_block10_expand_bn_inv_std 1x384x1x1 float32
-                (683999232, 1536),  # 434: d_block10_expand_bn_batch_mean 1x384x1x1 float32
-                (684002304, 1536),  # 435: d_block10_expand_bn_bias 1x384x1x1 float32
+                (684000768, 1536),  # 434: d_block10_expand_bn_batch_mean 1x384x1x1 float32
+                (822393088, 1536),  # 435: d_block10_expand_bn_bias 1x384x1x1 float32
                 (674365440, 1605632),  # 436: block9_project_bn_add_2 32x64x14x14 float32
                 (675971072, 98304),  # 437: d_block10_expand_W 384x64x1x1 float32
                 (674365440, 1605632),  # 438: d_block9_project_bn_add 32x64x14x14 float32
                 (676069376, 256),  # 439: d_block9_project_bn_ew_sum 1x64x1x1 float32
                 (674365696, 256),  # 440: d_block9_project_bn_inv_std 1x64x1x1 float32
                 (674365440, 256),  # 441: d_block9_project_bn_batch_mean 1x64x1x1 float32
-                (674365440, 256),  # 442: d_block9_project_bn_bias 1x64x1x1 float32
+                (822407936, 256),  # 442: d_block9_project_bn_bias 1x64x1x1 float32
                 (696844288, 9633792),  # 443: block9_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 98304),  # 444: d_block9_project_W 64x384x1x1 float32
                 (674365440, 9633792),  # 445: d_block9_dw_bn_clipped_relu 32x384x14x14 float32
-                (684000768, 1536),  # 446: d_block9_dw_bn_ew_sum 1x384x1x1 float32
+                (683999232, 1536),  # 446: d_block9_dw_bn_ew_sum 1x384x1x1 float32
                 (684002304, 1536),  # 447: d_block9_dw_bn_inv_std 1x384x1x1 float32
-                (683999232, 1536),  # 448: d_block9_dw_bn_batch_mean 1x384x1x1 float32
-                (684002304, 1536),  # 449: d_block9_dw_bn_bias 1x384x1x1 float32
+                (684000768, 1536),  # 448: d_block9_dw_bn_batch_mean 1x384x1x1 float32
+                (822394624, 1536),  # 449: d_block9_dw_bn_bias 1x384x1x1 float32
                 (696844288, 9633792),  # 450: block9_expand_bn_clipped_relu_2 32x384x14x14 float32
-                (674365440, 13824),  # 451: d_block9_dw_W 384x1x3x3 float32
+                (822283264, 13824),  # 451: d_block9_dw_W 384x1x3x3 float32
                 (674365440, 9633792),  # 452: d_block9_expand_bn_clipped_relu 32x384x14x14 float32
-                (684000768, 1536),  # 453: d_block9_expand_bn_ew_sum 1x384x1x1 float32
+                (683999232, 1536),  # 453: d_block9_expand_bn_ew_sum 1x384x1x1 float32
                 (684002304, 1536),  # 454: d_block9_expand_bn_inv_std 1x384x1x1 float32
-                (683999232, 1536),  # 455: d_block9_expand_bn_batch_mean 1x384x1x1 float32
-                (684002304, 1536),  # 456: d_block9_expand_bn_bias 1x384x1x1 float32
+                (684000768, 1536),  # 455: d_block9_expand_bn_batch_mean 1x384x1x1 float32
+                (822396160, 1536),  # 456: d_block9_expand_bn_bias 1x384x1x1 float32
                 (675971072, 98304),  # 457: d_block9_expand_W 384x64x1x1 float32
                 (674365440, 1605632),  # 458: d_block8_project_bn_add 32x64x14x14 float32
                 (676069376, 256),  # 459: d_block8_project_bn_ew_sum 1x64x1x1 float32
                 (674365696, 256),  # 460: d_block8_project_bn_inv_std 1x64x1x1 float32
                 (674365440, 256),  # 461: d_block8_project_bn_batch_mean 1x64x1x1 float32
-                (674365440, 256),  # 462: d_block8_project_bn_bias 1x64x1x1 float32
+                (822408192, 256),  # 462: d_block8_project_bn_bias 1x64x1x1 float32
                 (683999232, 9633792),  # 463: block8_dw_bn_clipped_relu_2 32x384x14x14 float32
                 (674365440, 98304),  # 464: d_block8_project_W 64x384x1x1 float32
                 (674365440, 9633792),  # 465: d_block8_dw_bn_clipped_relu 32x384x14x14 float32
                 (693633024, 1536),  # 466: d_block8_dw_bn_ew_sum 1x384x1x1 float32
                 (684000768, 1536),  # 467: d_block8_dw_bn_inv_std 1x384x1x1 float32
                 (683999232, 1536),  # 468: d_block8_dw_bn_batch_mean 1x384x1x1 float32
-                (684000768, 1536),  # 469: d_block8_dw_bn_bias 1x384x1x1 float32
+                (822397696, 1536),  # 469: d_block8_dw_bn_bias 1x384x1x1 float32
                 (683999232, 9633792),  # 470: block8_expand_bn_clipped_relu_2 32x384x14x14 float32
-                (674365440, 13824),  # 471: d_block8_dw_W 384x1x3x3 float32
+                (822297088, 13824),  # 471: d_block8_dw_W 384x1x3x3 float32
                 (674365440, 9633792),  # 472: d_block8_expand_bn_clipped_relu 32x384x14x14 float32
-                (663127552, 1536),  # 473: d_block8_expand_bn_ew_sum 1x384x1x1 float32
+                (663126016, 1536),  # 473: d_block8_expand_bn_ew_sum 1x384x1x1 float32
                 (663129088, 1536),  # 474: d_block8_expand_bn_inv_std 1x384x1x1 float32
-                (663126016, 1536),  # 475: d_block8_expand_bn_batch_mean 1x384x1x1 float32
-                (663129088, 1536),  # 476: d_block8_expand_bn_bias 1x384x1x1 float32
+                (663127552, 1536),  # 475: d_block8_expand_bn_batch_mean 1x384x1x1 float32
+                (822399232, 1536),  # 476: d_block8_expand_bn_bias 1x384x1x1 float32
                 (663126016, 1605632),  # 477: block7_project_bn_2 32x64x14x14 float32
                 (664731648, 98304),  # 478: d_block8_expand_W 384x64x1x1 float32
                 (663126016, 1605632),  # 479: d_block7_project_bn 32x64x14x14 float32
-                (653492480, 256),  # 480: d_block7_project_bn_ew_sum 1x64x1x1 float32
+                (653492224, 256),  # 480: d_block7_project_bn_ew_sum 1x64x1x1 float32
                 (653492736, 256),  # 481: d_block7_project_bn_inv_std 1x64x1x1 float32
-                (653492224, 256),  # 482: d_block7_project_bn_batch_mean 1x64x1x1 float32
-                (653492736, 256),  # 483: d_block7_project_bn_bias 1x64x1x1 float32
+                (653492480, 256),  # 482: d_block7_project_bn_batch_mean 1x64x1x1 float32
+                (822408448, 256),  # 483: d_block7_project_bn_bias 1x64x1x1 float32
                 (658309120, 4816896),  # 484: block7_dw_bn_clipped_relu_2 32x192x14x14 float32
-                (653492224, 49152),  # 485: d_block7_project_W 64x192x1x1 float32
+                (822083584, 49152),  # 485: d_block7_project_W 64x192x1x1 float32
                 (653492224, 4816896),  # 486: d_block7_dw_bn_clipped_relu 32x192x14x14 float32
                 (663126016, 768),  # 487: d_block7_dw_bn_ew_sum 1x192x1x1 float32
                 (658309888, 768),  # 488: d_block7_dw_bn_inv_std 1x192x1x1 float32
                 (658309120, 768),  # 489: d_block7_dw_bn_batch_mean 1x192x1x1 float32
-                (658309888, 768),  # 490: d_block7_dw_bn_bias 1x192x1x1 float32
+                (822400768, 768),  # 490: d_block7_dw_bn_bias 1x192x1x1 float32
                 (672759808, 19267584),  # 491: block7_expand_bn_clipped_relu_2 32x192x28x28 float32
-                (653492224, 6912),  # 492: d_block7_dw_W 192x1x3x3 float32
+                (822356992, 6912),  # 492: d_block7_dw_W 192x1x3x3 float32
                 (653492224, 19267584),  # 493: d_block7_expand_bn_clipped_relu 32x192x28x28 float32
                 (692027392, 768),  # 494: d_block7_expand_bn_ew_sum 1x192x1x1 float32
                 (672760576, 768),  # 495: d_block7_expand_bn_inv_std 1x192x1x1 float32
                 (672759808, 768),  # 496: d_block7_expand_bn_batch_mean 1x192x1x1 float32
-                (672760576, 768),  # 497: d_block7_expand_bn_bias 1x192x1x1 float32
+                (822401536, 768),  # 497: d_block7_expand_bn_bias 1x192x1x1 float32
                 (653492224, 3211264),  # 498: block6_project_bn_add_2 32x32x28x28 float32
-                (656703488, 24576),  # 499: d_block7_expand_W 192x32x1x1 float32
+                (822132736, 24576),  # 499: d_block7_expand_W 192x32x1x1 float32
                 (653492224, 3211264),  # 500: d_block6_project_bn_add 32x32x28x28 float32
-                (590872832, 128),  # 501: d_block6_project_bn_ew_sum 1x32x1x1 float32
+                (590872576, 128),  # 501: d_block6_project_bn_ew_sum 1x32x1x1 float32
                 (590873088, 128),  # 502: d_block6_project_bn_inv_std 1x32x1x1 float32
-                (590872576, 128),  # 503: d_block6_project_bn_batch_mean 1x32x1x1 float32
-                (590872576, 128),  # 504: d_block6_project_bn_bias 1x32x1x1 float32
+                (590872832, 128),  # 503: d_block6_project_bn_batch_mean 1x32x1x1 float32
+                (822408704, 128),  # 504: d_block6_project_bn_bias 1x32x1x1 float32
                 (656703488, 19267584),  # 505: block6_dw_bn_clipped_relu_2 32x192x28x28 float32
-                (590872576, 24576),  # 506: d_block6_project_W 32x192x1x1 float32
+                (822157312, 24576),  # 506: d_block6_project_W 32x192x1x1 float32
                 (590872576, 19267584),  # 507: d_block6_dw_bn_clipped_relu 32x192x28x28 float32
                 (675971072, 768),  # 508: d_block6_dw_bn_ew_sum 1x192x1x1 float32
                 (656704256, 768),  # 509: d_block6_dw_bn_inv_std 1x192x1x1 float32
                 (656703488, 768),  # 510: d_block6_dw_bn_batch_mean 1x192x1x1 float32
-                (656704256, 768),  # 511: d_block6_dw_bn_bias 1x192x1x1 float32
+                (822402304, 768),  # 511: d_block6_dw_bn_bias 1x192x1x1 float32
                 (656703488, 19267584),  # 512: block6_expand_bn_clipped_relu_2 32x192x28x28 float32
-                (590872576, 6912),  # 513: d_block6_dw_W 192x1x3x3 float32
+                (822363904, 6912),  # 513: d_block6_dw_W 192x1x3x3 float32
                 (590872576, 19267584),  # 514: d_block6_expand_bn_clipped_relu 32x192x28x28 float32
-                (571605760, 768),  # 515: d_block6_expand_bn_ew_sum 1x192x1x1 float32
+                (571604992, 768),  # 515: d_block6_expand_bn_ew_sum 1x192x1x1 float32
                 (571606528, 768),  # 516: d_block6_expand_bn_inv_std 1x192x1x1 float32
-                (571604992, 768),  # 517: d_block6_expand_bn_batch_mean 1x192x1x1 float32
-                (571606528, 768),  # 518: d_block6_expand_bn_bias 1x192x1x1 float32
-                (574816256, 24576),  # 519: d_block6_expand_W 192x32x1x1 float32
+                (571605760, 768),  # 517: d_block6_expand_bn_batch_mean 1x192x1x1 float32
+                (822403072, 768),  # 518: d_block6_expand_bn_bias 1x192x1x1 float32
+                (822195712, 24576),  # 519: d_block6_expand_W 192x32x1x1 float32
                 (571604992, 3211264),  # 520: d_block5_project_bn_add 32x32x28x28 float32
                 (552337408, 128),  # 521: d_block5_project_bn_ew_sum 1x32x1x1 float32
                 (552337920, 128),  # 522: d_block5_project_bn_inv_std 1x32x1x1 float32
                 (552337664, 128),  # 523: d_block5_project_bn_batch_mean 1x32x1x1 float32
-                (552337408, 128),  # 524: d_block5_project_bn_bias 1x32x1x1 float32
+                (822408960, 128),  # 524: d_block5_project_bn_bias 1x32x1x1 float32
                 (571604992, 19267584),  # 525: block5_dw_bn_clipped_relu_2 32x192x28x28 float32
-                (552337408, 24576),  # 526: d_block5_project_W 32x192x1x1 float32
+                (822220288, 24576),  # 526: d_block5_project_W 32x192x1x1 float32
                 (552337408, 19267584),  # 527: d_block5_dw_bn_clipped_relu 32x192x28x28 float32
                 (590872576, 768),  # 528: d_block5_dw_bn_ew_sum 1x192x1x1 float32
                 (571605760, 768),  # 529: d_block5_dw_bn_inv_std 1x192x1x1 float32
                 (571604992, 768),  # 530: d_block5_dw_bn_batch_mean 1x192x1x1 float32
-                (571605760, 768),  # 531: d_block5_dw_bn_bias 1x192x1x1 float32
+                (822403840, 768),  # 531: d_block5_dw_bn_bias 1x192x1x1 float32
                 (571604992, 19267584),  # 532: block5_expand_bn_clipped_relu_2 32x192x28x28 float32
-                (552337408, 6912),  # 533: d_block5_dw_W 192x1x3x3 float32
+                (822370816, 6912),  # 533: d_block5_dw_W 192x1x3x3 float32
                 (552337408, 19267584),  # 534: d_block5_expand_bn_clipped_relu 32x192x28x28 float32
-                (533070592, 768),  # 535: d_block5_expand_bn_ew_sum 1x192x1x1 float32
+                (533069824, 768),  # 535: d_block5_expand_bn_ew_sum 1x192x1x1 float32
                 (533071360, 768),  # 536: d_block5_expand_bn_inv_std 1x192x1x1 float32
-                (533069824, 768),  # 537: d_block5_expand_bn_batch_mean 1x192x1x1 float32
-                (533071360, 768),  # 538: d_block5_expand_bn_bias 1x192x1x1 float32
+                (533070592, 768),  # 537: d_block5_expand_bn_batch_mean 1x192x1x1 float32
+                (822404608, 768),  # 538: d_block5_expand_bn_bias 1x192x1x1 float32
                 (533069824, 3211264),  # 539: block4_project_bn_2 32x32x28x28 float32
-                (536281088, 24576),  # 540: d_block5_expand_W 192x32x1x1 float32
+                (822258688, 24576),  # 540: d_block5_expand_W 192x32x1x1 float32
                 (533069824, 3211264),  # 541: d_block4_project_bn 32x32x28x28 float32
-                (513802496, 128),  # 542: d_block4_project_bn_ew_sum 1x32x1x1 float32
+                (513802240, 128),  # 542: d_block4_project_bn_ew_sum 1x32x1x1 float32
                 (513802752, 128),  # 543: d_block4_project_bn_inv_std 1x32x1x1 float32
-                (513802240, 128),  # 544: d_block4_project_bn_batch_mean 1x32x1x1 float32
-                (513802752, 128),  # 545: d_block4_project_bn_bias 1x32x1x1 float32
+                (513802496, 128),  # 544: d_block4_project_bn_batch_mean 1x32x1x1 float32
+                (822409216, 128),  # 545: d_block4_project_bn_bias 1x32x1x1 float32
                 (528252928, 14450688),  # 546: block4_dw_bn_clipped_relu_2 32x144x28x28 float32
-                (513802240, 18432),  # 547: d_block4_project_W 32x144x1x1 float32
+                (822310912, 18432),  # 547: d_block4_project_W 32x144x1x1 float32
                 (513802240, 14450688),  # 548: d_block4_dw_bn_clipped_relu 32x144x28x28 float32
                 (542703616, 576),  # 549: d_block4_dw_bn_ew_sum 1x144x1x1 float32
                 (528253696, 576),  # 550: d_block4_dw_bn_inv_std 1x144x1x1 float32
                 (528252928, 576),  # 551: d_block4_dw_bn_batch_mean 1x144x1x1 float32
-                (528253696, 576),  # 552: d_block4_dw_bn_bias 1x144x1x1 float32
+                (822405376, 576),  # 552: d_block4_dw_bn_bias 1x144x1x1 float32
                 (653492224, 57802752),  # 553: block4_expand_bn_clipped_relu_2 32x144x56x56 float32
-                (513802240, 5184),  # 554: d_block4_dw_W 144x1x3x3 float32
+                (822377728, 5184),  # 554: d_block4_dw_W 144x1x3x3 float32
                 (513802240, 57802752),  # 555: d_block4_expand_bn_clipped_relu 32x144x56x56 float32
-                (571605760, 576),  # 556: d_block4_expand_bn_ew_sum 1x144x1x1 float32
+                (571604992, 576),  # 556: d_block4_expand_bn_ew_sum 1x144x1x1 float32
                 (571606528, 576),  # 557: d_block4_expand_bn_inv_std 1x144x1x1 float32
-                (571604992, 576),  # 558: d_block4_expand_bn_batch_mean 1x144x1x1 float32
-                (571606528, 576),  # 559: d_block4_expand_bn_bias 1x144x1x1 float32
-                (523436032, 13824),  # 560: d_block4_expand_W 144x24x1x1 float32
+                (571605760, 576),  # 558: d_block4_expand_bn_batch_mean 1x144x1x1 float32
+                (822406144, 576),  # 559: d_block4_expand_bn_bias 1x144x1x1 float32
+                (822329344, 13824),  # 560: d_block4_expand_W 144x24x1x1 float32
                 (513802240, 9633792),  # 561: d_block3_project_bn_add 32x24x56x56 float32
-                (372506880, 96),  # 562: d_block3_project_bn_ew_sum 1x24x1x1 float32
+                (372506624, 96),  # 562: d_block3_project_bn_ew_sum 1x24x1x1 float32
                 (372507136, 96),  # 563: d_block3_project_bn_inv_std 1x24x1x1 float32
-                (372506624, 96),  # 564: d_block3_project_bn_batch_mean 1x24x1x1 float32
-                (372506624, 96),  # 565: d_block3_project_bn_bias 1x24x1x1 float32
+                (372506880, 96),  # 564: d_block3_project_bn_batch_mean 1x24x1x1 float32
+                (822409472, 96),  # 565: d_block3_project_bn_bias 1x24x1x1 float32
                 (523436032, 57802752),  # 566: block3_dw_bn_clipped_relu_2 32x144x56x56 float32
-                (372506624, 13824),  # 567: d_block3_project_W 24x144x1x1 float32
+                (822343168, 13824),  # 567: d_block3_project_W 24x144x1x1 float32
                 (372506624, 57802752),  # 568: d_block3_dw_bn_clipped_relu 32x144x56x56 float32
                 (581238784, 576),  # 569: d_block3_dw_bn_ew_sum 1x144x1x1 float32
                 (523436800, 576),  # 570: d_block3_dw_bn_inv_std 1x144x1x1 float32
                 (523436032, 576),  # 571: d_block3_dw_bn_batch_mean 1x144x1x1 float32
-                (523436800, 576),  # 572: d_block3_dw_bn_bias 1x144x1x1 float32
+                (822406912, 576),  # 572: d_block3_dw_bn_bias 1x144x1x1 float32
                 (523436032, 57802752),  # 573: block3_expand_bn_clipped_relu_2 32x144x56x56 float32
-                (372506624, 5184),  # 574: d_block3_dw_W 144x1x3x3 float32
+                (822383104, 5184),  # 574: d_block3_dw_W 144x1x3x3 float32
                 (372506624, 57802752),  # 575: d_block3_expand_bn_clipped_relu 32x144x56x56 float32
-                (314704640, 576),  # 576: d_block3_expand_bn_ew_sum 1x144x1x1 float32
+                (314703872, 576),  # 576: d_block3_expand_bn_ew_sum 1x144x1x1 float32
                 (314705408, 576),  # 577: d_block3_expand_bn_inv_std 1x144x1x1 float32
-                (314703872, 576),  # 578: d_block3_expand_bn_batch_mean 1x144x1x1 float32
-                (314705408, 576),  # 579: d_block3_expand_bn_bias 1x144x1x1 float32
+                (314704640, 576),  # 578: d_block3_expand_bn_batch_mean 1x144x1x1 float32
+                (353252864, 576),  # 579: d_block3_expand_bn_bias 1x144x1x1 float32
                 (314703872, 9633792),  # 580: block2_project_bn_2 32x24x56x56 float32
-                (324337664, 13824),  # 581: d_block3_expand_W 144x24x1x1 float32
+                (353239040, 13824),  # 581: d_block3_expand_W 144x24x1x1 float32
                 (314703872, 9633792),  # 582: d_block2_project_bn 32x24x56x56 float32
-                (205521152, 96),  # 583: d_block2_project_bn_ew_sum 1x24x1x1 float32
-                (205521408, 96),  # 584: d_block2_project_bn_inv_std 1x24x1x1 float32
-                (205520896, 96),  # 585: d_block2_project_bn_batch_mean 1x24x1x1 float32
-                (205521408, 96),  # 586: d_block2_project_bn_bias 1x24x1x1 float32
+                (154140672, 96),  # 583: d_block2_project_bn_ew_sum 1x24x1x1 float32
+                (154141184, 96),  # 584: d_block2_project_bn_inv_std 1x24x1x1 float32
+                (154140928, 96),  # 585: d_block2_project_bn_batch_mean 1x24x1x1 float32
+                (192685568, 96),  # 586: d_block2_project_bn_bias 1x24x1x1 float32
                 (314703872, 38535168),  # 587: block2_dw_bn_clipped_relu_2 32x96x56x56 float32
-                (205520896, 9216),  # 588: d_block2_project_W 24x96x1x1 float32
-                (205520896, 38535168),  # 589: d_block2_dw_bn_clipped_relu 32x96x56x56 float32
-                (244056576, 384),  # 590: d_block2_dw_bn_ew_sum 1x96x1x1 float32
-                (244057088, 384),  # 591: d_block2_dw_bn_inv_std 1x96x1x1 float32
-                (244056064, 384),  # 592: d_block2_dw_bn_batch_mean 1x96x1x1 float32
-                (244057088, 384),  # 593: d_block2_dw_bn_bias 1x96x1x1 float32
+                (192675840, 9216),  # 588: d_block2_project_W 24x96x1x1 float32
+                (154140672, 38535168),  # 589: d_block2_dw_bn_clipped_relu 32x96x56x56 float32
+                (192685824, 384),  # 590: d_block2_dw_bn_ew_sum 1x96x1x1 float32
+                (192685056, 384),  # 591: d_block2_dw_bn_inv_std 1x96x1x1 float32
+                (192686336, 384),  # 592: d_block2_dw_bn_batch_mean 1x96x1x1 float32
+                (192685056, 384),  # 593: d_block2_dw_bn_bias 1x96x1x1 float32
                 (667942912, 154140672),  # 594: block2_expand_bn_clipped_relu_2 32x96x112x112 float32
-                (205520896, 3456),  # 595: d_block2_dw_W 96x1x3x3 float32
+                (179836928, 3456),  # 595: d_block2_dw_W 96x1x3x3 float32
                 (513802240, 154140672),  # 596: d_block2_expand_bn_clipped_relu 32x96x112x112 float32
-                (205521408, 384),  # 597: d_block2_expand_bn_ew_sum 1x96x1x1 float32
-                (205521920, 384),  # 598: d_block2_expand_bn_inv_std 1x96x1x1 float32
-                (205520896, 384),  # 599: d_block2_expand_bn_batch_mean 1x96x1x1 float32
-                (205521920, 384),  # 600: d_block2_expand_bn_bias 1x96x1x1 float32
-                (205520896, 25690112),  # 601: block1_project_bn_2 32x16x112x112 float32
-                (231211008, 6144),  # 602: d_block2_expand_W 96x16x1x1 float32
-                (205520896, 25690112),  # 603: d_block1_project_bn 32x16x112x112 float32
-                (512, 64),  # 604: d_block1_project_bn_ew_sum 1x16x1x1 float32
-                (256, 64),  # 605: d_block1_project_bn_inv_std 1x16x1x1 float32
-                (0, 64),  # 606: d_block1_project_bn_batch_mean 1x16x1x1 float32
-                (256, 64),  # 607: d_block1_project_bn_bias 1x16x1x1 float32
+                (154140672, 384),  # 597: d_block2_expand_bn_ew_sum 1x96x1x1 float32
+                (154141696, 384),  # 598: d_block2_expand_bn_inv_std 1x96x1x1 float32
+                (154141184, 384),  # 599: d_block2_expand_bn_batch_mean 1x96x1x1 float32
+                (179840512, 384),  # 600: d_block2_expand_bn_bias 1x96x1x1 float32
+                (154140672, 25690112),  # 601: block1_project_bn_2 32x16x112x112 float32
+                (179830784, 6144),  # 602: d_block2_expand_W 96x16x1x1 float32
+                (154140672, 25690112),  # 603: d_block1_project_bn 32x16x112x112 float32
+                (0, 64),  # 604: d_block1_project_bn_ew_sum 1x16x1x1 float32
+                (512, 64),  # 605: d_block1_project_bn_inv_std 1x16x1x1 float32
+                (256, 64),  # 606: d_block1_project_bn_batch_mean 1x16x1x1 float32
+                (102763776, 64),  # 607: d_block1_project_bn_bias 1x16x1x1 float32
                 (51380224, 51380224),  # 608: block1_dw_bn_clipped_relu_2 32x32x112x112 float32
-                (0, 2048),  # 609: d_block1_project_W 16x32x1x1 float32
+                (102760448, 2048),  # 609: d_block1_project_W 16x32x1x1 float32
                 (0, 51380224),  # 610: d_block1_dw_bn_clipped_relu 32x32x112x112 float32
-                (102760448, 128),  # 611: d_block1_dw_bn_ew_sum 1x32x1x1 float32
+                (102762496, 128),  # 611: d_block1_dw_bn_ew_sum 1x32x1x1 float32
                 (51380480, 128),  # 612: d_block1_dw_bn_inv_std 1x32x1x1 float32
                 (51380224, 128),  # 613: d_block1_dw_bn_batch_mean 1x32x1x1 float32
-                (51380480, 128),  # 614: d_block1_dw_bn_bias 1x32x1x1 float32
+                (102764032, 128),  # 614: d_block1_dw_bn_bias 1x32x1x1 float32
                 (51380224, 51380224),  # 615: conv1_bn_clipped_relu_2 32x32x112x112 float32
-                (0, 1152),  # 616: d_block1_dw_W 32x1x3x3 float32
+                (102762496, 1152),  # 616: d_block1_dw_W 32x1x3x3 float32
                 (0, 51380224),  # 617: d_conv1_bn_clipped_relu 32x32x112x112 float32
-                (102760448, 128),  # 618: d_conv1_bn_ew_sum 1x32x1x1 float32
-                (51380480, 128),  # 619: d_conv1_bn_inv_std 1x32x1x1 float32
-                (51380224, 128),  # 620: d_conv1_bn_batch_mean 1x32x1x1 float32
-                (51380480, 128),  # 621: d_conv1_bn_bias 1x32x1x1 float32
+                (102764288, 128),  # 618: d_conv1_bn_ew_sum 1x32x1x1 float32
+                (51380224, 128),  # 619: d_conv1_bn_inv_std 1x32x1x1 float32
+                (51380480, 128),  # 620: d_conv1_bn_batch_mean 1x32x1x1 float32
+                (51380224, 128),  # 621: d_conv1_bn_bias 1x32x1x1 float32
                 (0, 3456),  # 622: d_conv1_W 32x3x3x3 float32
             )),
         "test_step": rp.StepPlan(

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 600000 iterations, lr 0.1, momentum 0.9, decay 0.0001
 Memory: peak 1727.87 MB of tensors planned for the training step (231.21 MB testing); static arena 1727.87 MB, pool 1737.42 MB, workspace 33.34 MB
-Structure hash: 678c10fa9204463b
+Structure hash: d522d28644c3064b
 
 Usage: python resnet50.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Resnet50(rp.Model):
 
     name = "resnet50"
     source = "networks/resnet50.py"
-    structure_hash = "678c10fa9204463b"
+    structure_hash = "d522d28644c3064b"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -3302,15 +3302,6 @@ class Resnet50(rp.Model):
         mem.free(268)
         # d_bn5c_branch2c_W = reshape[2048](d_bn5c_branch2c_weight)
         d_bn5c_branch2c_W = rt.reshape(d_bn5c_branch2c_weight, shape=(2048,))
-        # V_bn5c_branch2c_W_new = V_bn5c_branch2c_W*momentum + d_bn5c_branch2c_W + decay*bn5c_branch2c_W   (computed with the next statement)
-        V_bn5c_branch2c_W_new = T['V_bn5c_branch2c_W']  # in place: the new V_bn5c_branch2c_W
-        # bn5c_branch2c_W_new = bn5c_branch2c_W - lr*V_bn5c_branch2c_W_new
-        bn5c_branch2c_W_new = T['bn5c_branch2c_W']  # in place: the new bn5c_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn5c_branch2c_W_new, T['V_bn5c_branch2c_W'], momentum, d_bn5c_branch2c_W, decay, T['bn5c_branch2c_W']),
-                   (ew_mul_sub, bn5c_branch2c_W_new, T['bn5c_branch2c_W'], lr, V_bn5c_branch2c_W_new))
-        # free bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W
-        del bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W
-        mem.free(257)
         # d_bn5c_branch2c_sum = d_bn5c_branch2c_batch_mean/1568
         d_bn5c_branch2c_sum = d_bn5c_branch2c_batch_mean  # in place: over d_bn5c_branch2c_batch_mean
         rt.ew(ew_scale_5, d_bn5c_branch2c_sum, d_bn5c_branch2c_batch_mean)
@@ -3329,15 +3320,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn5c_branch2c_add, out=d_bn5c_branch2c_bias, shape=(1, 2048, 1, 1))
         # d_bn5c_branch2c_B = reshape[2048](d_bn5c_branch2c_bias)
         d_bn5c_branch2c_B = rt.reshape(d_bn5c_branch2c_bias, shape=(2048,))
-        # V_bn5c_branch2c_B_new = V_bn5c_branch2c_B*momentum + d_bn5c_branch2c_B + decay*bn5c_branch2c_B   (computed with the next statement)
-        V_bn5c_branch2c_B_new = T['V_bn5c_branch2c_B']  # in place: the new V_bn5c_branch2c_B
-        # bn5c_branch2c_B_new = bn5c_branch2c_B - lr*V_bn5c_branch2c_B_new
-        bn5c_branch2c_B_new = T['bn5c_branch2c_B']  # in place: the new bn5c_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn5c_branch2c_B_new, T['V_bn5c_branch2c_B'], momentum, d_bn5c_branch2c_B, decay, T['bn5c_branch2c_B']),
-                   (ew_mul_sub, bn5c_branch2c_B_new, T['bn5c_branch2c_B'], lr, V_bn5c_branch2c_B_new))
-        # free d_bn5c_branch2c_bias, d_bn5c_branch2c_B
-        del d_bn5c_branch2c_bias, d_bn5c_branch2c_B
-        mem.free(271)
 
         # ---- res5c_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5c_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5c_branch2c, res5c_branch2c_W)
@@ -3416,26 +3398,8 @@ class Resnet50(rp.Model):
         mem.free(275)
         # d_bn5c_branch2b_W = reshape[512](d_bn5c_branch2b_weight)
         d_bn5c_branch2b_W = rt.reshape(d_bn5c_branch2b_weight, shape=(512,))
-        # V_bn5c_branch2b_W_new = V_bn5c_branch2b_W*momentum + d_bn5c_branch2b_W + decay*bn5c_branch2b_W   (computed with the next statement)
-        V_bn5c_branch2b_W_new = T['V_bn5c_branch2b_W']  # in place: the new V_bn5c_branch2b_W
-        # bn5c_branch2b_W_new = bn5c_branch2b_W - lr*V_bn5c_branch2b_W_new
-        bn5c_branch2b_W_new = T['bn5c_branch2b_W']  # in place: the new bn5c_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn5c_branch2b_W_new, T['V_bn5c_branch2b_W'], momentum, d_bn5c_branch2b_W, decay, T['bn5c_branch2b_W']),
-                   (ew_mul_sub, bn5c_branch2b_W_new, T['bn5c_branch2b_W'], lr, V_bn5c_branch2b_W_new))
-        # free bn5c_branch2b_inv_std, d_bn5c_branch2b_weight, d_bn5c_branch2b_W
-        del bn5c_branch2b_inv_std, d_bn5c_branch2b_weight, d_bn5c_branch2b_W
-        mem.free(252)
         # d_bn5c_branch2b_B = reshape[512](d_bn5c_branch2b_bias)
         d_bn5c_branch2b_B = rt.reshape(d_bn5c_branch2b_bias, shape=(512,))
-        # V_bn5c_branch2b_B_new = V_bn5c_branch2b_B*momentum + d_bn5c_branch2b_B + decay*bn5c_branch2b_B   (computed with the next statement)
-        V_bn5c_branch2b_B_new = T['V_bn5c_branch2b_B']  # in place: the new V_bn5c_branch2b_B
-        # bn5c_branch2b_B_new = bn5c_branch2b_B - lr*V_bn5c_branch2b_B_new
-        bn5c_branch2b_B_new = T['bn5c_branch2b_B']  # in place: the new bn5c_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn5c_branch2b_B_new, T['V_bn5c_branch2b_B'], momentum, d_bn5c_branch2b_B, decay, T['bn5c_branch2b_B']),
-                   (ew_mul_sub, bn5c_branch2b_B_new, T['bn5c_branch2b_B'], lr, V_bn5c_branch2b_B_new))
-        # free d_bn5c_branch2b_bias, d_bn5c_branch2b_B
-        del d_bn5c_branch2b_bias, d_bn5c_branch2b_B
-        mem.free(278)
         # d_bn5c_branch2b_sum = d_bn5c_branch2b_batch_mean/1568
         d_bn5c_branch2b_sum = d_bn5c_branch2b_batch_mean  # in place: over d_bn5c_branch2b_batch_mean
         rt.ew(ew_scale_5, d_bn5c_branch2b_sum, d_bn5c_branch2b_batch_mean)
@@ -3498,26 +3462,8 @@ class Resnet50(rp.Model):
         mem.free(281)
         # d_bn5c_branch2a_W = reshape[512](d_bn5c_branch2a_weight)
         d_bn5c_branch2a_W = rt.reshape(d_bn5c_branch2a_weight, shape=(512,))
-        # V_bn5c_branch2a_W_new = V_bn5c_branch2a_W*momentum + d_bn5c_branch2a_W + decay*bn5c_branch2a_W   (computed with the next statement)
-        V_bn5c_branch2a_W_new = T['V_bn5c_branch2a_W']  # in place: the new V_bn5c_branch2a_W
-        # bn5c_branch2a_W_new = bn5c_branch2a_W - lr*V_bn5c_branch2a_W_new
-        bn5c_branch2a_W_new = T['bn5c_branch2a_W']  # in place: the new bn5c_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn5c_branch2a_W_new, T['V_bn5c_branch2a_W'], momentum, d_bn5c_branch2a_W, decay, T['bn5c_branch2a_W']),
-                   (ew_mul_sub, bn5c_branch2a_W_new, T['bn5c_branch2a_W'], lr, V_bn5c_branch2a_W_new))
-        # free bn5c_branch2a_inv_std, d_bn5c_branch2a_weight, d_bn5c_branch2a_W
-        del bn5c_branch2a_inv_std, d_bn5c_branch2a_weight, d_bn5c_branch2a_W
-        mem.free(247)
         # d_bn5c_branch2a_B = reshape[512](d_bn5c_branch2a_bias)
         d_bn5c_branch2a_B = rt.reshape(d_bn5c_branch2a_bias, shape=(512,))
-        # V_bn5c_branch2a_B_new = V_bn5c_branch2a_B*momentum + d_bn5c_branch2a_B + decay*bn5c_branch2a_B   (computed with the next statement)
-        V_bn5c_branch2a_B_new = T['V_bn5c_branch2a_B']  # in place: the new V_bn5c_branch2a_B
-        # bn5c_branch2a_B_new = bn5c_branch2a_B - lr*V_bn5c_branch2a_B_new
-        bn5c_branch2a_B_new = T['bn5c_branch2a_B']  # in place: the new bn5c_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn5c_branch2a_B_new, T['V_bn5c_branch2a_B'], momentum, d_bn5c_branch2a_B, decay, T['bn5c_branch2a_B']),
-                   (ew_mul_sub, bn5c_branch2a_B_new, T['bn5c_branch2a_B'], lr, V_bn5c_branch2a_B_new))
-        # free d_bn5c_branch2a_bias, d_bn5c_branch2a_B
-        del d_bn5c_branch2a_bias, d_bn5c_branch2a_B
-        mem.free(284)
         # d_bn5c_branch2a_sum = d_bn5c_branch2a_batch_mean/1568
         d_bn5c_branch2a_sum = d_bn5c_branch2a_batch_mean  # in place: over d_bn5c_branch2a_batch_mean
         rt.ew(ew_scale_5, d_bn5c_branch2a_sum, d_bn5c_branch2a_batch_mean)
@@ -3611,15 +3557,6 @@ class Resnet50(rp.Model):
         mem.free(288)
         # d_bn5b_branch2c_W = reshape[2048](d_bn5b_branch2c_weight)
         d_bn5b_branch2c_W = rt.reshape(d_bn5b_branch2c_weight, shape=(2048,))
-        # V_bn5b_branch2c_W_new = V_bn5b_branch2c_W*momentum + d_bn5b_branch2c_W + decay*bn5b_branch2c_W   (computed with the next statement)
-        V_bn5b_branch2c_W_new = T['V_bn5b_branch2c_W']  # in place: the new V_bn5b_branch2c_W
-        # bn5b_branch2c_W_new = bn5b_branch2c_W - lr*V_bn5b_branch2c_W_new
-        bn5b_branch2c_W_new = T['bn5b_branch2c_W']  # in place: the new bn5b_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn5b_branch2c_W_new, T['V_bn5b_branch2c_W'], momentum, d_bn5b_branch2c_W, decay, T['bn5b_branch2c_W']),
-                   (ew_mul_sub, bn5b_branch2c_W_new, T['bn5b_branch2c_W'], lr, V_bn5b_branch2c_W_new))
-        # free bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W
-        del bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W
-        mem.free(243)
         # d_bn5b_branch2c_sum = d_bn5b_branch2c_batch_mean/1568
         d_bn5b_branch2c_sum = d_bn5b_branch2c_batch_mean  # in place: over d_bn5b_branch2c_batch_mean
         rt.ew(ew_scale_5, d_bn5b_branch2c_sum, d_bn5b_branch2c_batch_mean)
@@ -3638,15 +3575,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn5b_branch2c_add, out=d_bn5b_branch2c_bias, shape=(1, 2048, 1, 1))
         # d_bn5b_branch2c_B = reshape[2048](d_bn5b_branch2c_bias)
         d_bn5b_branch2c_B = rt.reshape(d_bn5b_branch2c_bias, shape=(2048,))
-        # V_bn5b_branch2c_B_new = V_bn5b_branch2c_B*momentum + d_bn5b_branch2c_B + decay*bn5b_branch2c_B   (computed with the next statement)
-        V_bn5b_branch2c_B_new = T['V_bn5b_branch2c_B']  # in place: the new V_bn5b_branch2c_B
-        # bn5b_branch2c_B_new = bn5b_branch2c_B - lr*V_bn5b_branch2c_B_new
-        bn5b_branch2c_B_new = T['bn5b_branch2c_B']  # in place: the new bn5b_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn5b_branch2c_B_new, T['V_bn5b_branch2c_B'], momentum, d_bn5b_branch2c_B, decay, T['bn5b_branch2c_B']),
-                   (ew_mul_sub, bn5b_branch2c_B_new, T['bn5b_branch2c_B'], lr, V_bn5b_branch2c_B_new))
-        # free d_bn5b_branch2c_bias, d_bn5b_branch2c_B
-        del d_bn5b_branch2c_bias, d_bn5b_branch2c_B
-        mem.free(291)
 
         # ---- res5b_branch2c (conv 1x1, 2048 channels, stride 1, padding 0), backward ----
         # d_bn5b_branch2b_relu = conv2d_bwd_data[size=(7,7)](d_res5b_branch2c, res5b_branch2c_W)
@@ -3725,26 +3653,8 @@ class Resnet50(rp.Model):
         mem.free(295)
         # d_bn5b_branch2b_W = reshape[512](d_bn5b_branch2b_weight)
         d_bn5b_branch2b_W = rt.reshape(d_bn5b_branch2b_weight, shape=(512,))
-        # V_bn5b_branch2b_W_new = V_bn5b_branch2b_W*momentum + d_bn5b_branch2b_W + decay*bn5b_branch2b_W   (computed with the next statement)
-        V_bn5b_branch2b_W_new = T['V_bn5b_branch2b_W']  # in place: the new V_bn5b_branch2b_W
-        # bn5b_branch2b_W_new = bn5b_branch2b_W - lr*V_bn5b_branch2b_W_new
-        bn5b_branch2b_W_new = T['bn5b_branch2b_W']  # in place: the new bn5b_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn5b_branch2b_W_new, T['V_bn5b_branch2b_W'], momentum, d_bn5b_branch2b_W, decay, T['bn5b_branch2b_W']),
-                   (ew_mul_sub, bn5b_branch2b_W_new, T['bn5b_branch2b_W'], lr, V_bn5b_branch2b_W_new))
-        # free bn5b_branch2b_inv_std, d_bn5b_branch2b_weight, d_bn5b_branch2b_W
-        del bn5b_branch2b_inv_std, d_bn5b_branch2b_weight, d_bn5b_branch2b_W
-        mem.free(238)
         # d_bn5b_branch2b_B = reshape[512](d_bn5b_branch2b_bias)
         d_bn5b_branch2b_B = rt.reshape(d_bn5b_branch2b_bias, shape=(512,))
-        # V_bn5b_branch2b_B_new = V_bn5b_branch2b_B*momentum + d_bn5b_branch2b_B + decay*bn5b_branch2b_B   (computed with the next statement)
-        V_bn5b_branch2b_B_new = T['V_bn5b_branch2b_B']  # in place: the new V_bn5b_branch2b_B
-        # bn5b_branch2b_B_new = bn5b_branch2b_B - lr*V_bn5b_branch2b_B_new
-        bn5b_branch2b_B_new = T['bn5b_branch2b_B']  # in place: the new bn5b_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn5b_branch2b_B_new, T['V_bn5b_branch2b_B'], momentum, d_bn5b_branch2b_B, decay, T['bn5b_branch2b_B']),
-                   (ew_mul_sub, bn5b_branch2b_B_new, T['bn5b_branch2b_B'], lr, V_bn5b_branch2b_B_new))
-        # free d_bn5b_branch2b_bias, d_bn5b_branch2b_B
-        del d_bn5b_branch2b_bias, d_bn5b_branch2b_B
-        mem.free(298)
         # d_bn5b_branch2b_sum = d_bn5b_branch2b_batch_mean/1568
         d_bn5b_branch2b_sum = d_bn5b_branch2b_batch_mean  # in place: over d_bn5b_branch2b_batch_mean
         rt.ew(ew_scale_5, d_bn5b_branch2b_sum, d_bn5b_branch2b_batch_mean)
@@ -3807,26 +3717,8 @@ class Resnet50(rp.Model):
         mem.free(301)
         # d_bn5b_branch2a_W = reshape[512](d_bn5b_branch2a_weight)
         d_bn5b_branch2a_W = rt.reshape(d_bn5b_branch2a_weight, shape=(512,))
-        # V_bn5b_branch2a_W_new = V_bn5b_branch2a_W*momentum + d_bn5b_branch2a_W + decay*bn5b_branch2a_W   (computed with the next statement)
-        V_bn5b_branch2a_W_new = T['V_bn5b_branch2a_W']  # in place: the new V_bn5b_branch2a_W
-        # bn5b_branch2a_W_new = bn5b_branch2a_W - lr*V_bn5b_branch2a_W_new
-        bn5b_branch2a_W_new = T['bn5b_branch2a_W']  # in place: the new bn5b_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn5b_branch2a_W_new, T['V_bn5b_branch2a_W'], momentum, d_bn5b_branch2a_W, decay, T['bn5b_branch2a_W']),
-                   (ew_mul_sub, bn5b_branch2a_W_new, T['bn5b_branch2a_W'], lr, V_bn5b_branch2a_W_new))
-        # free bn5b_branch2a_inv_std, d_bn5b_branch2a_weight, d_bn5b_branch2a_W
-        del bn5b_branch2a_inv_std, d_bn5b_branch2a_weight, d_bn5b_branch2a_W
-        mem.free(233)
         # d_bn5b_branch2a_B = reshape[512](d_bn5b_branch2a_bias)
         d_bn5b_branch2a_B = rt.reshape(d_bn5b_branch2a_bias, shape=(512,))
-        # V_bn5b_branch2a_B_new = V_bn5b_branch2a_B*momentum + d_bn5b_branch2a_B + decay*bn5b_branch2a_B   (computed with the next statement)
-        V_bn5b_branch2a_B_new = T['V_bn5b_branch2a_B']  # in place: the new V_bn5b_branch2a_B
-        # bn5b_branch2a_B_new = bn5b_branch2a_B - lr*V_bn5b_branch2a_B_new
-        bn5b_branch2a_B_new = T['bn5b_branch2a_B']  # in place: the new bn5b_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn5b_branch2a_B_new, T['V_bn5b_branch2a_B'], momentum, d_bn5b_branch2a_B, decay, T['bn5b_branch2a_B']),
-                   (ew_mul_sub, bn5b_branch2a_B_new, T['bn5b_branch2a_B'], lr, V_bn5b_branch2a_B_new))
-        # free d_bn5b_branch2a_bias, d_bn5b_branch2a_B
-        del d_bn5b_branch2a_bias, d_bn5b_branch2a_B
-        mem.free(304)
         # d_bn5b_branch2a_sum = d_bn5b_branch2a_batch_mean/1568
         d_bn5b_branch2a_sum = d_bn5b_branch2a_batch_mean  # in place: over d_bn5b_branch2a_batch_mean
         rt.ew(ew_scale_5, d_bn5b_branch2a_sum, d_bn5b_branch2a_batch_mean)
@@ -3925,15 +3817,6 @@ class Resnet50(rp.Model):
         mem.free(309)
         # d_bn5a_branch2c_W = reshape[2048](d_bn5a_branch2c_weight)
         d_bn5a_branch2c_W = rt.reshape(d_bn5a_branch2c_weight, shape=(2048,))
-        # V_bn5a_branch2c_W_new = V_bn5a_branch2c_W*momentum + d_bn5a_branch2c_W + decay*bn5a_branch2c_W   (computed with the next statement)
-        V_bn5a_branch2c_W_new = T['V_bn5a_branch2c_W']  # in place: the new V_bn5a_branch2c_W
-        # bn5a_branch2c_W_new = bn5a_branch2c_W - lr*V_bn5a_branch2c_W_new
-        bn5a_branch2c_W_new = T['bn5a_branch2c_W']  # in place: the new bn5a_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn5a_branch2c_W_new, T['V_bn5a_branch2c_W'], momentum, d_bn5a_branch2c_W, decay, T['bn5a_branch2c_W']),
-                   (ew_mul_sub, bn5a_branch2c_W_new, T['bn5a_branch2c_W'], lr, V_bn5a_branch2c_W_new))
-        # free bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W
-        del bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W
-        mem.free(228)
         # d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean/1568
         d_bn5a_branch2c_sum = d_bn5a_branch2c_batch_mean  # in place: over d_bn5a_branch2c_batch_mean
         rt.ew(ew_scale_5, d_bn5a_branch2c_sum, d_bn5a_branch2c_batch_mean)
@@ -3983,40 +3866,8 @@ class Resnet50(rp.Model):
         mem.free(312)
         # d_bn5a_branch1_B = reshape[2048](d_bn5a_branch1_bias)
         d_bn5a_branch1_B = rt.reshape(d_bn5a_branch1_bias, shape=(2048,))
-
-        # ---- bn5a_branch2c (batch norm), backward ----
-        # V_bn5a_branch2c_B_new = V_bn5a_branch2c_B*momentum + d_bn5a_branch1_B + decay*bn5a_branch2c_B
-        V_bn5a_branch2c_B_new = T['V_bn5a_branch2c_B']  # in place: the new V_bn5a_branch2c_B
-        rt.ew(ew_mul_add, V_bn5a_branch2c_B_new, T['V_bn5a_branch2c_B'], momentum, d_bn5a_branch1_B, decay, T['bn5a_branch2c_B'])
-
-        # ---- bn5a_branch1 (batch norm), backward ----
-        # V_bn5a_branch1_B_new = V_bn5a_branch1_B*momentum + d_bn5a_branch1_B + decay*bn5a_branch1_B
-        V_bn5a_branch1_B_new = T['V_bn5a_branch1_B']  # in place: the new V_bn5a_branch1_B
-        rt.ew(ew_mul_add, V_bn5a_branch1_B_new, T['V_bn5a_branch1_B'], momentum, d_bn5a_branch1_B, decay, T['bn5a_branch1_B'])
-        # free d_bn5a_branch1_bias, d_bn5a_branch1_B
-        del d_bn5a_branch1_bias, d_bn5a_branch1_B
-        mem.free(315)
-
-        # ---- bn5a_branch2c (batch norm), backward ----
-        # bn5a_branch2c_B_new = bn5a_branch2c_B - lr*V_bn5a_branch2c_B_new
-        bn5a_branch2c_B_new = T['bn5a_branch2c_B']  # in place: the new bn5a_branch2c_B
-        rt.ew(ew_mul_sub, bn5a_branch2c_B_new, T['bn5a_branch2c_B'], lr, V_bn5a_branch2c_B_new)
-
-        # ---- bn5a_branch1 (batch norm), backward ----
         # d_bn5a_branch1_W = reshape[2048](d_bn5a_branch1_weight)
         d_bn5a_branch1_W = rt.reshape(d_bn5a_branch1_weight, shape=(2048,))
-        # V_bn5a_branch1_W_new = V_bn5a_branch1_W*momentum + d_bn5a_branch1_W + decay*bn5a_branch1_W   (computed with the next statement)
-        V_bn5a_branch1_W_new = T['V_bn5a_branch1_W']  # in place: the new V_bn5a_branch1_W
-        # bn5a_branch1_W_new = bn5a_branch1_W - lr*V_bn5a_branch1_W_new
-        bn5a_branch1_W_new = T['bn5a_branch1_W']  # in place: the new bn5a_branch1_W
-        rt.ew_pair((ew_mul_add, V_bn5a_branch1_W_new, T['V_bn5a_branch1_W'], momentum, d_bn5a_branch1_W, decay, T['bn5a_branch1_W']),
-                   (ew_mul_sub, bn5a_branch1_W_new, T['bn5a_branch1_W'], lr, V_bn5a_branch1_W_new))
-        # free bn5a_branch1_inv_std, d_bn5a_branch1_weight, d_bn5a_branch1_W
-        del bn5a_branch1_inv_std, d_bn5a_branch1_weight, d_bn5a_branch1_W
-        mem.free(224)
-        # bn5a_branch1_B_new = bn5a_branch1_B - lr*V_bn5a_branch1_B_new
-        bn5a_branch1_B_new = T['bn5a_branch1_B']  # in place: the new bn5a_branch1_B
-        rt.ew(ew_mul_sub, bn5a_branch1_B_new, T['bn5a_branch1_B'], lr, V_bn5a_branch1_B_new)
         # d_bn5a_branch1_sum = d_bn5a_branch1_batch_mean/1568
         d_bn5a_branch1_sum = d_bn5a_branch1_batch_mean  # in place: over d_bn5a_branch1_batch_mean
         rt.ew(ew_scale_5, d_bn5a_branch1_sum, d_bn5a_branch1_batch_mean)
@@ -4106,26 +3957,8 @@ class Resnet50(rp.Model):
         mem.free(319)
         # d_bn5a_branch2b_W = reshape[512](d_bn5a_branch2b_weight)
         d_bn5a_branch2b_W = rt.reshape(d_bn5a_branch2b_weight, shape=(512,))
-        # V_bn5a_branch2b_W_new = V_bn5a_branch2b_W*momentum + d_bn5a_branch2b_W + decay*bn5a_branch2b_W   (computed with the next statement)
-        V_bn5a_branch2b_W_new = T['V_bn5a_branch2b_W']  # in place: the new V_bn5a_branch2b_W
-        # bn5a_branch2b_W_new = bn5a_branch2b_W - lr*V_bn5a_branch2b_W_new
-        bn5a_branch2b_W_new = T['bn5a_branch2b_W']  # in place: the new bn5a_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn5a_branch2b_W_new, T['V_bn5a_branch2b_W'], momentum, d_bn5a_branch2b_W, decay, T['bn5a_branch2b_W']),
-                   (ew_mul_sub, bn5a_branch2b_W_new, T['bn5a_branch2b_W'], lr, V_bn5a_branch2b_W_new))
-        # free bn5a_branch2b_inv_std, d_bn5a_branch2b_weight, d_bn5a_branch2b_W
-        del bn5a_branch2b_inv_std, d_bn5a_branch2b_weight, d_bn5a_branch2b_W
-        mem.free(219)
         # d_bn5a_branch2b_B = reshape[512](d_bn5a_branch2b_bias)
         d_bn5a_branch2b_B = rt.reshape(d_bn5a_branch2b_bias, shape=(512,))
-        # V_bn5a_branch2b_B_new = V_bn5a_branch2b_B*momentum + d_bn5a_branch2b_B + decay*bn5a_branch2b_B   (computed with the next statement)
-        V_bn5a_branch2b_B_new = T['V_bn5a_branch2b_B']  # in place: the new V_bn5a_branch2b_B
-        # bn5a_branch2b_B_new = bn5a_branch2b_B - lr*V_bn5a_branch2b_B_new
-        bn5a_branch2b_B_new = T['bn5a_branch2b_B']  # in place: the new bn5a_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn5a_branch2b_B_new, T['V_bn5a_branch2b_B'], momentum, d_bn5a_branch2b_B, decay, T['bn5a_branch2b_B']),
-                   (ew_mul_sub, bn5a_branch2b_B_new, T['bn5a_branch2b_B'], lr, V_bn5a_branch2b_B_new))
-        # free d_bn5a_branch2b_bias, d_bn5a_branch2b_B
-        del d_bn5a_branch2b_bias, d_bn5a_branch2b_B
-        mem.free(322)
         # d_bn5a_branch2b_sum = d_bn5a_branch2b_batch_mean/1568
         d_bn5a_branch2b_sum = d_bn5a_branch2b_batch_mean  # in place: over d_bn5a_branch2b_batch_mean
         rt.ew(ew_scale_5, d_bn5a_branch2b_sum, d_bn5a_branch2b_batch_mean)
@@ -4188,26 +4021,8 @@ class Resnet50(rp.Model):
         mem.free(325)
         # d_bn5a_branch2a_W = reshape[512](d_bn5a_branch2a_weight)
         d_bn5a_branch2a_W = rt.reshape(d_bn5a_branch2a_weight, shape=(512,))
-        # V_bn5a_branch2a_W_new = V_bn5a_branch2a_W*momentum + d_bn5a_branch2a_W + decay*bn5a_branch2a_W   (computed with the next statement)
-        V_bn5a_branch2a_W_new = T['V_bn5a_branch2a_W']  # in place: the new V_bn5a_branch2a_W
-        # bn5a_branch2a_W_new = bn5a_branch2a_W - lr*V_bn5a_branch2a_W_new
-        bn5a_branch2a_W_new = T['bn5a_branch2a_W']  # in place: the new bn5a_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn5a_branch2a_W_new, T['V_bn5a_branch2a_W'], momentum, d_bn5a_branch2a_W, decay, T['bn5a_branch2a_W']),
-                   (ew_mul_sub, bn5a_branch2a_W_new, T['bn5a_branch2a_W'], lr, V_bn5a_branch2a_W_new))
-        # free bn5a_branch2a_inv_std, d_bn5a_branch2a_weight, d_bn5a_branch2a_W
-        del bn5a_branch2a_inv_std, d_bn5a_branch2a_weight, d_bn5a_branch2a_W
-        mem.free(214)
         # d_bn5a_branch2a_B = reshape[512](d_bn5a_branch2a_bias)
         d_bn5a_branch2a_B = rt.reshape(d_bn5a_branch2a_bias, shape=(512,))
-        # V_bn5a_branch2a_B_new = V_bn5a_branch2a_B*momentum + d_bn5a_branch2a_B + decay*bn5a_branch2a_B   (computed with the next statement)
-        V_bn5a_branch2a_B_new = T['V_bn5a_branch2a_B']  # in place: the new V_bn5a_branch2a_B
-        # bn5a_branch2a_B_new = bn5a_branch2a_B - lr*V_bn5a_branch2a_B_new
-        bn5a_branch2a_B_new = T['bn5a_branch2a_B']  # in place: the new bn5a_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn5a_branch2a_B_new, T['V_bn5a_branch2a_B'], momentum, d_bn5a_branch2a_B, decay, T['bn5a_branch2a_B']),
-                   (ew_mul_sub, bn5a_branch2a_B_new, T['bn5a_branch2a_B'], lr, V_bn5a_branch2a_B_new))
-        # free d_bn5a_branch2a_bias, d_bn5a_branch2a_B
-        del d_bn5a_branch2a_bias, d_bn5a_branch2a_B
-        mem.free(328)
         # d_bn5a_branch2a_sum = d_bn5a_branch2a_batch_mean/1568
         d_bn5a_branch2a_sum = d_bn5a_branch2a_batch_mean  # in place: over d_bn5a_branch2a_batch_mean
         rt.ew(ew_scale_5, d_bn5a_branch2a_sum, d_bn5a_branch2a_batch_mean)
@@ -4321,15 +4136,6 @@ class Resnet50(rp.Model):
         mem.free(334)
         # d_bn4f_branch2c_W = reshape[1024](d_bn4f_branch2c_weight)
         d_bn4f_branch2c_W = rt.reshape(d_bn4f_branch2c_weight, shape=(1024,))
-        # V_bn4f_branch2c_W_new = V_bn4f_branch2c_W*momentum + d_bn4f_branch2c_W + decay*bn4f_branch2c_W   (computed with the next statement)
-        V_bn4f_branch2c_W_new = T['V_bn4f_branch2c_W']  # in place: the new V_bn4f_branch2c_W
-        # bn4f_branch2c_W_new = bn4f_branch2c_W - lr*V_bn4f_branch2c_W_new
-        bn4f_branch2c_W_new = T['bn4f_branch2c_W']  # in place: the new bn4f_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn4f_branch2c_W_new, T['V_bn4f_branch2c_W'], momentum, d_bn4f_branch2c_W, decay, T['bn4f_branch2c_W']),
-                   (ew_mul_sub, bn4f_branch2c_W_new, T['bn4f_branch2c_W'], lr, V_bn4f_branch2c_W_new))
-        # free bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W
-        del bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W
-        mem.free(210)
         # d_bn4f_branch2c_sum = d_bn4f_branch2c_batch_mean/6272
         d_bn4f_branch2c_sum = d_bn4f_branch2c_batch_mean  # in place: over d_bn4f_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4f_branch2c_sum, d_bn4f_branch2c_batch_mean)
@@ -4348,15 +4154,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4f_branch2c_add, out=d_bn4f_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4f_branch2c_B = reshape[1024](d_bn4f_branch2c_bias)
         d_bn4f_branch2c_B = rt.reshape(d_bn4f_branch2c_bias, shape=(1024,))
-        # V_bn4f_branch2c_B_new = V_bn4f_branch2c_B*momentum + d_bn4f_branch2c_B + decay*bn4f_branch2c_B   (computed with the next statement)
-        V_bn4f_branch2c_B_new = T['V_bn4f_branch2c_B']  # in place: the new V_bn4f_branch2c_B
-        # bn4f_branch2c_B_new = bn4f_branch2c_B - lr*V_bn4f_branch2c_B_new
-        bn4f_branch2c_B_new = T['bn4f_branch2c_B']  # in place: the new bn4f_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn4f_branch2c_B_new, T['V_bn4f_branch2c_B'], momentum, d_bn4f_branch2c_B, decay, T['bn4f_branch2c_B']),
-                   (ew_mul_sub, bn4f_branch2c_B_new, T['bn4f_branch2c_B'], lr, V_bn4f_branch2c_B_new))
-        # free d_bn4f_branch2c_bias, d_bn4f_branch2c_B
-        del d_bn4f_branch2c_bias, d_bn4f_branch2c_B
-        mem.free(337)
 
         # ---- bn4f_branch2b_relu (relu), forward ----
         # bn4f_branch2b_relu_2 = Max(0, bn4f_branch2b_centered*bn4f_branch2b_inv_std*bn4f_branch2b_weight + bn4f_branch2b_bias)
@@ -4433,26 +4230,8 @@ class Resnet50(rp.Model):
         mem.free(341)
         # d_bn4f_branch2b_W = reshape[256](d_bn4f_branch2b_weight)
         d_bn4f_branch2b_W = rt.reshape(d_bn4f_branch2b_weight, shape=(256,))
-        # V_bn4f_branch2b_W_new = V_bn4f_branch2b_W*momentum + d_bn4f_branch2b_W + decay*bn4f_branch2b_W   (computed with the next statement)
-        V_bn4f_branch2b_W_new = T['V_bn4f_branch2b_W']  # in place: the new V_bn4f_branch2b_W
-        # bn4f_branch2b_W_new = bn4f_branch2b_W - lr*V_bn4f_branch2b_W_new
-        bn4f_branch2b_W_new = T['bn4f_branch2b_W']  # in place: the new bn4f_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn4f_branch2b_W_new, T['V_bn4f_branch2b_W'], momentum, d_bn4f_branch2b_W, decay, T['bn4f_branch2b_W']),
-                   (ew_mul_sub, bn4f_branch2b_W_new, T['bn4f_branch2b_W'], lr, V_bn4f_branch2b_W_new))
-        # free bn4f_branch2b_inv_std, d_bn4f_branch2b_weight, d_bn4f_branch2b_W
-        del bn4f_branch2b_inv_std, d_bn4f_branch2b_weight, d_bn4f_branch2b_W
-        mem.free(205)
         # d_bn4f_branch2b_B = reshape[256](d_bn4f_branch2b_bias)
         d_bn4f_branch2b_B = rt.reshape(d_bn4f_branch2b_bias, shape=(256,))
-        # V_bn4f_branch2b_B_new = V_bn4f_branch2b_B*momentum + d_bn4f_branch2b_B + decay*bn4f_branch2b_B   (computed with the next statement)
-        V_bn4f_branch2b_B_new = T['V_bn4f_branch2b_B']  # in place: the new V_bn4f_branch2b_B
-        # bn4f_branch2b_B_new = bn4f_branch2b_B - lr*V_bn4f_branch2b_B_new
-        bn4f_branch2b_B_new = T['bn4f_branch2b_B']  # in place: the new bn4f_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn4f_branch2b_B_new, T['V_bn4f_branch2b_B'], momentum, d_bn4f_branch2b_B, decay, T['bn4f_branch2b_B']),
-                   (ew_mul_sub, bn4f_branch2b_B_new, T['bn4f_branch2b_B'], lr, V_bn4f_branch2b_B_new))
-        # free d_bn4f_branch2b_bias, d_bn4f_branch2b_B
-        del d_bn4f_branch2b_bias, d_bn4f_branch2b_B
-        mem.free(344)
         # d_bn4f_branch2b_sum = d_bn4f_branch2b_batch_mean/6272
         d_bn4f_branch2b_sum = d_bn4f_branch2b_batch_mean  # in place: over d_bn4f_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4f_branch2b_sum, d_bn4f_branch2b_batch_mean)
@@ -4540,26 +4319,8 @@ class Resnet50(rp.Model):
         mem.free(348)
         # d_bn4f_branch2a_W = reshape[256](d_bn4f_branch2a_weight)
         d_bn4f_branch2a_W = rt.reshape(d_bn4f_branch2a_weight, shape=(256,))
-        # V_bn4f_branch2a_W_new = V_bn4f_branch2a_W*momentum + d_bn4f_branch2a_W + decay*bn4f_branch2a_W   (computed with the next statement)
-        V_bn4f_branch2a_W_new = T['V_bn4f_branch2a_W']  # in place: the new V_bn4f_branch2a_W
-        # bn4f_branch2a_W_new = bn4f_branch2a_W - lr*V_bn4f_branch2a_W_new
-        bn4f_branch2a_W_new = T['bn4f_branch2a_W']  # in place: the new bn4f_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn4f_branch2a_W_new, T['V_bn4f_branch2a_W'], momentum, d_bn4f_branch2a_W, decay, T['bn4f_branch2a_W']),
-                   (ew_mul_sub, bn4f_branch2a_W_new, T['bn4f_branch2a_W'], lr, V_bn4f_branch2a_W_new))
-        # free bn4f_branch2a_inv_std, d_bn4f_branch2a_weight, d_bn4f_branch2a_W
-        del bn4f_branch2a_inv_std, d_bn4f_branch2a_weight, d_bn4f_branch2a_W
-        mem.free(200)
         # d_bn4f_branch2a_B = reshape[256](d_bn4f_branch2a_bias)
         d_bn4f_branch2a_B = rt.reshape(d_bn4f_branch2a_bias, shape=(256,))
-        # V_bn4f_branch2a_B_new = V_bn4f_branch2a_B*momentum + d_bn4f_branch2a_B + decay*bn4f_branch2a_B   (computed with the next statement)
-        V_bn4f_branch2a_B_new = T['V_bn4f_branch2a_B']  # in place: the new V_bn4f_branch2a_B
-        # bn4f_branch2a_B_new = bn4f_branch2a_B - lr*V_bn4f_branch2a_B_new
-        bn4f_branch2a_B_new = T['bn4f_branch2a_B']  # in place: the new bn4f_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn4f_branch2a_B_new, T['V_bn4f_branch2a_B'], momentum, d_bn4f_branch2a_B, decay, T['bn4f_branch2a_B']),
-                   (ew_mul_sub, bn4f_branch2a_B_new, T['bn4f_branch2a_B'], lr, V_bn4f_branch2a_B_new))
-        # free d_bn4f_branch2a_bias, d_bn4f_branch2a_B
-        del d_bn4f_branch2a_bias, d_bn4f_branch2a_B
-        mem.free(351)
         # d_bn4f_branch2a_sum = d_bn4f_branch2a_batch_mean/6272
         d_bn4f_branch2a_sum = d_bn4f_branch2a_batch_mean  # in place: over d_bn4f_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4f_branch2a_sum, d_bn4f_branch2a_batch_mean)
@@ -4641,15 +4402,6 @@ class Resnet50(rp.Model):
         mem.free(355)
         # d_bn4e_branch2c_W = reshape[1024](d_bn4e_branch2c_weight)
         d_bn4e_branch2c_W = rt.reshape(d_bn4e_branch2c_weight, shape=(1024,))
-        # V_bn4e_branch2c_W_new = V_bn4e_branch2c_W*momentum + d_bn4e_branch2c_W + decay*bn4e_branch2c_W   (computed with the next statement)
-        V_bn4e_branch2c_W_new = T['V_bn4e_branch2c_W']  # in place: the new V_bn4e_branch2c_W
-        # bn4e_branch2c_W_new = bn4e_branch2c_W - lr*V_bn4e_branch2c_W_new
-        bn4e_branch2c_W_new = T['bn4e_branch2c_W']  # in place: the new bn4e_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn4e_branch2c_W_new, T['V_bn4e_branch2c_W'], momentum, d_bn4e_branch2c_W, decay, T['bn4e_branch2c_W']),
-                   (ew_mul_sub, bn4e_branch2c_W_new, T['bn4e_branch2c_W'], lr, V_bn4e_branch2c_W_new))
-        # free bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W
-        del bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W
-        mem.free(195)
         # d_bn4e_branch2c_sum = d_bn4e_branch2c_batch_mean/6272
         d_bn4e_branch2c_sum = d_bn4e_branch2c_batch_mean  # in place: over d_bn4e_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4e_branch2c_sum, d_bn4e_branch2c_batch_mean)
@@ -4668,15 +4420,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4e_branch2c_add, out=d_bn4e_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4e_branch2c_B = reshape[1024](d_bn4e_branch2c_bias)
         d_bn4e_branch2c_B = rt.reshape(d_bn4e_branch2c_bias, shape=(1024,))
-        # V_bn4e_branch2c_B_new = V_bn4e_branch2c_B*momentum + d_bn4e_branch2c_B + decay*bn4e_branch2c_B   (computed with the next statement)
-        V_bn4e_branch2c_B_new = T['V_bn4e_branch2c_B']  # in place: the new V_bn4e_branch2c_B
-        # bn4e_branch2c_B_new = bn4e_branch2c_B - lr*V_bn4e_branch2c_B_new
-        bn4e_branch2c_B_new = T['bn4e_branch2c_B']  # in place: the new bn4e_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn4e_branch2c_B_new, T['V_bn4e_branch2c_B'], momentum, d_bn4e_branch2c_B, decay, T['bn4e_branch2c_B']),
-                   (ew_mul_sub, bn4e_branch2c_B_new, T['bn4e_branch2c_B'], lr, V_bn4e_branch2c_B_new))
-        # free d_bn4e_branch2c_bias, d_bn4e_branch2c_B
-        del d_bn4e_branch2c_bias, d_bn4e_branch2c_B
-        mem.free(358)
 
         # ---- bn4e_branch2b_relu (relu), forward ----
         # bn4e_branch2b_relu_2 = Max(0, bn4e_branch2b_centered*bn4e_branch2b_inv_std*bn4e_branch2b_weight + bn4e_branch2b_bias)
@@ -4753,26 +4496,8 @@ class Resnet50(rp.Model):
         mem.free(362)
         # d_bn4e_branch2b_W = reshape[256](d_bn4e_branch2b_weight)
         d_bn4e_branch2b_W = rt.reshape(d_bn4e_branch2b_weight, shape=(256,))
-        # V_bn4e_branch2b_W_new = V_bn4e_branch2b_W*momentum + d_bn4e_branch2b_W + decay*bn4e_branch2b_W   (computed with the next statement)
-        V_bn4e_branch2b_W_new = T['V_bn4e_branch2b_W']  # in place: the new V_bn4e_branch2b_W
-        # bn4e_branch2b_W_new = bn4e_branch2b_W - lr*V_bn4e_branch2b_W_new
-        bn4e_branch2b_W_new = T['bn4e_branch2b_W']  # in place: the new bn4e_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn4e_branch2b_W_new, T['V_bn4e_branch2b_W'], momentum, d_bn4e_branch2b_W, decay, T['bn4e_branch2b_W']),
-                   (ew_mul_sub, bn4e_branch2b_W_new, T['bn4e_branch2b_W'], lr, V_bn4e_branch2b_W_new))
-        # free bn4e_branch2b_inv_std, d_bn4e_branch2b_weight, d_bn4e_branch2b_W
-        del bn4e_branch2b_inv_std, d_bn4e_branch2b_weight, d_bn4e_branch2b_W
-        mem.free(190)
         # d_bn4e_branch2b_B = reshape[256](d_bn4e_branch2b_bias)
         d_bn4e_branch2b_B = rt.reshape(d_bn4e_branch2b_bias, shape=(256,))
-        # V_bn4e_branch2b_B_new = V_bn4e_branch2b_B*momentum + d_bn4e_branch2b_B + decay*bn4e_branch2b_B   (computed with the next statement)
-        V_bn4e_branch2b_B_new = T['V_bn4e_branch2b_B']  # in place: the new V_bn4e_branch2b_B
-        # bn4e_branch2b_B_new = bn4e_branch2b_B - lr*V_bn4e_branch2b_B_new
-        bn4e_branch2b_B_new = T['bn4e_branch2b_B']  # in place: the new bn4e_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn4e_branch2b_B_new, T['V_bn4e_branch2b_B'], momentum, d_bn4e_branch2b_B, decay, T['bn4e_branch2b_B']),
-                   (ew_mul_sub, bn4e_branch2b_B_new, T['bn4e_branch2b_B'], lr, V_bn4e_branch2b_B_new))
-        # free d_bn4e_branch2b_bias, d_bn4e_branch2b_B
-        del d_bn4e_branch2b_bias, d_bn4e_branch2b_B
-        mem.free(365)
         # d_bn4e_branch2b_sum = d_bn4e_branch2b_batch_mean/6272
         d_bn4e_branch2b_sum = d_bn4e_branch2b_batch_mean  # in place: over d_bn4e_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4e_branch2b_sum, d_bn4e_branch2b_batch_mean)
@@ -4860,26 +4585,8 @@ class Resnet50(rp.Model):
         mem.free(369)
         # d_bn4e_branch2a_W = reshape[256](d_bn4e_branch2a_weight)
         d_bn4e_branch2a_W = rt.reshape(d_bn4e_branch2a_weight, shape=(256,))
-        # V_bn4e_branch2a_W_new = V_bn4e_branch2a_W*momentum + d_bn4e_branch2a_W + decay*bn4e_branch2a_W   (computed with the next statement)
-        V_bn4e_branch2a_W_new = T['V_bn4e_branch2a_W']  # in place: the new V_bn4e_branch2a_W
-        # bn4e_branch2a_W_new = bn4e_branch2a_W - lr*V_bn4e_branch2a_W_new
-        bn4e_branch2a_W_new = T['bn4e_branch2a_W']  # in place: the new bn4e_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn4e_branch2a_W_new, T['V_bn4e_branch2a_W'], momentum, d_bn4e_branch2a_W, decay, T['bn4e_branch2a_W']),
-                   (ew_mul_sub, bn4e_branch2a_W_new, T['bn4e_branch2a_W'], lr, V_bn4e_branch2a_W_new))
-        # free bn4e_branch2a_inv_std, d_bn4e_branch2a_weight, d_bn4e_branch2a_W
-        del bn4e_branch2a_inv_std, d_bn4e_branch2a_weight, d_bn4e_branch2a_W
-        mem.free(185)
         # d_bn4e_branch2a_B = reshape[256](d_bn4e_branch2a_bias)
         d_bn4e_branch2a_B = rt.reshape(d_bn4e_branch2a_bias, shape=(256,))
-        # V_bn4e_branch2a_B_new = V_bn4e_branch2a_B*momentum + d_bn4e_branch2a_B + decay*bn4e_branch2a_B   (computed with the next statement)
-        V_bn4e_branch2a_B_new = T['V_bn4e_branch2a_B']  # in place: the new V_bn4e_branch2a_B
-        # bn4e_branch2a_B_new = bn4e_branch2a_B - lr*V_bn4e_branch2a_B_new
-        bn4e_branch2a_B_new = T['bn4e_branch2a_B']  # in place: the new bn4e_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn4e_branch2a_B_new, T['V_bn4e_branch2a_B'], momentum, d_bn4e_branch2a_B, decay, T['bn4e_branch2a_B']),
-                   (ew_mul_sub, bn4e_branch2a_B_new, T['bn4e_branch2a_B'], lr, V_bn4e_branch2a_B_new))
-        # free d_bn4e_branch2a_bias, d_bn4e_branch2a_B
-        del d_bn4e_branch2a_bias, d_bn4e_branch2a_B
-        mem.free(372)
         # d_bn4e_branch2a_sum = d_bn4e_branch2a_batch_mean/6272
         d_bn4e_branch2a_sum = d_bn4e_branch2a_batch_mean  # in place: over d_bn4e_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4e_branch2a_sum, d_bn4e_branch2a_batch_mean)
@@ -4954,15 +4661,6 @@ class Resnet50(rp.Model):
         mem.free(375)
         # d_bn4d_branch2c_W = reshape[1024](d_bn4d_branch2c_weight)
         d_bn4d_branch2c_W = rt.reshape(d_bn4d_branch2c_weight, shape=(1024,))
-        # V_bn4d_branch2c_W_new = V_bn4d_branch2c_W*momentum + d_bn4d_branch2c_W + decay*bn4d_branch2c_W   (computed with the next statement)
-        V_bn4d_branch2c_W_new = T['V_bn4d_branch2c_W']  # in place: the new V_bn4d_branch2c_W
-        # bn4d_branch2c_W_new = bn4d_branch2c_W - lr*V_bn4d_branch2c_W_new
-        bn4d_branch2c_W_new = T['bn4d_branch2c_W']  # in place: the new bn4d_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn4d_branch2c_W_new, T['V_bn4d_branch2c_W'], momentum, d_bn4d_branch2c_W, decay, T['bn4d_branch2c_W']),
-                   (ew_mul_sub, bn4d_branch2c_W_new, T['bn4d_branch2c_W'], lr, V_bn4d_branch2c_W_new))
-        # free bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W
-        del bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W
-        mem.free(181)
         # d_bn4d_branch2c_sum = d_bn4d_branch2c_batch_mean/6272
         d_bn4d_branch2c_sum = d_bn4d_branch2c_batch_mean  # in place: over d_bn4d_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4d_branch2c_sum, d_bn4d_branch2c_batch_mean)
@@ -4981,15 +4679,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4d_branch2c_add, out=d_bn4d_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4d_branch2c_B = reshape[1024](d_bn4d_branch2c_bias)
         d_bn4d_branch2c_B = rt.reshape(d_bn4d_branch2c_bias, shape=(1024,))
-        # V_bn4d_branch2c_B_new = V_bn4d_branch2c_B*momentum + d_bn4d_branch2c_B + decay*bn4d_branch2c_B   (computed with the next statement)
-        V_bn4d_branch2c_B_new = T['V_bn4d_branch2c_B']  # in place: the new V_bn4d_branch2c_B
-        # bn4d_branch2c_B_new = bn4d_branch2c_B - lr*V_bn4d_branch2c_B_new
-        bn4d_branch2c_B_new = T['bn4d_branch2c_B']  # in place: the new bn4d_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn4d_branch2c_B_new, T['V_bn4d_branch2c_B'], momentum, d_bn4d_branch2c_B, decay, T['bn4d_branch2c_B']),
-                   (ew_mul_sub, bn4d_branch2c_B_new, T['bn4d_branch2c_B'], lr, V_bn4d_branch2c_B_new))
-        # free d_bn4d_branch2c_bias, d_bn4d_branch2c_B
-        del d_bn4d_branch2c_bias, d_bn4d_branch2c_B
-        mem.free(378)
 
         # ---- bn4d_branch2b_relu (relu), forward ----
         # bn4d_branch2b_relu_2 = Max(0, bn4d_branch2b_centered*bn4d_branch2b_inv_std*bn4d_branch2b_weight + bn4d_branch2b_bias)
@@ -5066,26 +4755,8 @@ class Resnet50(rp.Model):
         mem.free(382)
         # d_bn4d_branch2b_W = reshape[256](d_bn4d_branch2b_weight)
         d_bn4d_branch2b_W = rt.reshape(d_bn4d_branch2b_weight, shape=(256,))
-        # V_bn4d_branch2b_W_new = V_bn4d_branch2b_W*momentum + d_bn4d_branch2b_W + decay*bn4d_branch2b_W   (computed with the next statement)
-        V_bn4d_branch2b_W_new = T['V_bn4d_branch2b_W']  # in place: the new V_bn4d_branch2b_W
-        # bn4d_branch2b_W_new = bn4d_branch2b_W - lr*V_bn4d_branch2b_W_new
-        bn4d_branch2b_W_new = T['bn4d_branch2b_W']  # in place: the new bn4d_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn4d_branch2b_W_new, T['V_bn4d_branch2b_W'], momentum, d_bn4d_branch2b_W, decay, T['bn4d_branch2b_W']),
-                   (ew_mul_sub, bn4d_branch2b_W_new, T['bn4d_branch2b_W'], lr, V_bn4d_branch2b_W_new))
-        # free bn4d_branch2b_inv_std, d_bn4d_branch2b_weight, d_bn4d_branch2b_W
-        del bn4d_branch2b_inv_std, d_bn4d_branch2b_weight, d_bn4d_branch2b_W
-        mem.free(176)
         # d_bn4d_branch2b_B = reshape[256](d_bn4d_branch2b_bias)
         d_bn4d_branch2b_B = rt.reshape(d_bn4d_branch2b_bias, shape=(256,))
-        # V_bn4d_branch2b_B_new = V_bn4d_branch2b_B*momentum + d_bn4d_branch2b_B + decay*bn4d_branch2b_B   (computed with the next statement)
-        V_bn4d_branch2b_B_new = T['V_bn4d_branch2b_B']  # in place: the new V_bn4d_branch2b_B
-        # bn4d_branch2b_B_new = bn4d_branch2b_B - lr*V_bn4d_branch2b_B_new
-        bn4d_branch2b_B_new = T['bn4d_branch2b_B']  # in place: the new bn4d_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn4d_branch2b_B_new, T['V_bn4d_branch2b_B'], momentum, d_bn4d_branch2b_B, decay, T['bn4d_branch2b_B']),
-                   (ew_mul_sub, bn4d_branch2b_B_new, T['bn4d_branch2b_B'], lr, V_bn4d_branch2b_B_new))
-        # free d_bn4d_branch2b_bias, d_bn4d_branch2b_B
-        del d_bn4d_branch2b_bias, d_bn4d_branch2b_B
-        mem.free(385)
         # d_bn4d_branch2b_sum = d_bn4d_branch2b_batch_mean/6272
         d_bn4d_branch2b_sum = d_bn4d_branch2b_batch_mean  # in place: over d_bn4d_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4d_branch2b_sum, d_bn4d_branch2b_batch_mean)
@@ -5173,26 +4844,8 @@ class Resnet50(rp.Model):
         mem.free(389)
         # d_bn4d_branch2a_W = reshape[256](d_bn4d_branch2a_weight)
         d_bn4d_branch2a_W = rt.reshape(d_bn4d_branch2a_weight, shape=(256,))
-        # V_bn4d_branch2a_W_new = V_bn4d_branch2a_W*momentum + d_bn4d_branch2a_W + decay*bn4d_branch2a_W   (computed with the next statement)
-        V_bn4d_branch2a_W_new = T['V_bn4d_branch2a_W']  # in place: the new V_bn4d_branch2a_W
-        # bn4d_branch2a_W_new = bn4d_branch2a_W - lr*V_bn4d_branch2a_W_new
-        bn4d_branch2a_W_new = T['bn4d_branch2a_W']  # in place: the new bn4d_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn4d_branch2a_W_new, T['V_bn4d_branch2a_W'], momentum, d_bn4d_branch2a_W, decay, T['bn4d_branch2a_W']),
-                   (ew_mul_sub, bn4d_branch2a_W_new, T['bn4d_branch2a_W'], lr, V_bn4d_branch2a_W_new))
-        # free bn4d_branch2a_inv_std, d_bn4d_branch2a_weight, d_bn4d_branch2a_W
-        del bn4d_branch2a_inv_std, d_bn4d_branch2a_weight, d_bn4d_branch2a_W
-        mem.free(171)
         # d_bn4d_branch2a_B = reshape[256](d_bn4d_branch2a_bias)
         d_bn4d_branch2a_B = rt.reshape(d_bn4d_branch2a_bias, shape=(256,))
-        # V_bn4d_branch2a_B_new = V_bn4d_branch2a_B*momentum + d_bn4d_branch2a_B + decay*bn4d_branch2a_B   (computed with the next statement)
-        V_bn4d_branch2a_B_new = T['V_bn4d_branch2a_B']  # in place: the new V_bn4d_branch2a_B
-        # bn4d_branch2a_B_new = bn4d_branch2a_B - lr*V_bn4d_branch2a_B_new
-        bn4d_branch2a_B_new = T['bn4d_branch2a_B']  # in place: the new bn4d_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn4d_branch2a_B_new, T['V_bn4d_branch2a_B'], momentum, d_bn4d_branch2a_B, decay, T['bn4d_branch2a_B']),
-                   (ew_mul_sub, bn4d_branch2a_B_new, T['bn4d_branch2a_B'], lr, V_bn4d_branch2a_B_new))
-        # free d_bn4d_branch2a_bias, d_bn4d_branch2a_B
-        del d_bn4d_branch2a_bias, d_bn4d_branch2a_B
-        mem.free(392)
         # d_bn4d_branch2a_sum = d_bn4d_branch2a_batch_mean/6272
         d_bn4d_branch2a_sum = d_bn4d_branch2a_batch_mean  # in place: over d_bn4d_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4d_branch2a_sum, d_bn4d_branch2a_batch_mean)
@@ -5274,15 +4927,6 @@ class Resnet50(rp.Model):
         mem.free(396)
         # d_bn4c_branch2c_W = reshape[1024](d_bn4c_branch2c_weight)
         d_bn4c_branch2c_W = rt.reshape(d_bn4c_branch2c_weight, shape=(1024,))
-        # V_bn4c_branch2c_W_new = V_bn4c_branch2c_W*momentum + d_bn4c_branch2c_W + decay*bn4c_branch2c_W   (computed with the next statement)
-        V_bn4c_branch2c_W_new = T['V_bn4c_branch2c_W']  # in place: the new V_bn4c_branch2c_W
-        # bn4c_branch2c_W_new = bn4c_branch2c_W - lr*V_bn4c_branch2c_W_new
-        bn4c_branch2c_W_new = T['bn4c_branch2c_W']  # in place: the new bn4c_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn4c_branch2c_W_new, T['V_bn4c_branch2c_W'], momentum, d_bn4c_branch2c_W, decay, T['bn4c_branch2c_W']),
-                   (ew_mul_sub, bn4c_branch2c_W_new, T['bn4c_branch2c_W'], lr, V_bn4c_branch2c_W_new))
-        # free bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W
-        del bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W
-        mem.free(166)
         # d_bn4c_branch2c_sum = d_bn4c_branch2c_batch_mean/6272
         d_bn4c_branch2c_sum = d_bn4c_branch2c_batch_mean  # in place: over d_bn4c_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4c_branch2c_sum, d_bn4c_branch2c_batch_mean)
@@ -5301,15 +4945,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4c_branch2c_add, out=d_bn4c_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4c_branch2c_B = reshape[1024](d_bn4c_branch2c_bias)
         d_bn4c_branch2c_B = rt.reshape(d_bn4c_branch2c_bias, shape=(1024,))
-        # V_bn4c_branch2c_B_new = V_bn4c_branch2c_B*momentum + d_bn4c_branch2c_B + decay*bn4c_branch2c_B   (computed with the next statement)
-        V_bn4c_branch2c_B_new = T['V_bn4c_branch2c_B']  # in place: the new V_bn4c_branch2c_B
-        # bn4c_branch2c_B_new = bn4c_branch2c_B - lr*V_bn4c_branch2c_B_new
-        bn4c_branch2c_B_new = T['bn4c_branch2c_B']  # in place: the new bn4c_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn4c_branch2c_B_new, T['V_bn4c_branch2c_B'], momentum, d_bn4c_branch2c_B, decay, T['bn4c_branch2c_B']),
-                   (ew_mul_sub, bn4c_branch2c_B_new, T['bn4c_branch2c_B'], lr, V_bn4c_branch2c_B_new))
-        # free d_bn4c_branch2c_bias, d_bn4c_branch2c_B
-        del d_bn4c_branch2c_bias, d_bn4c_branch2c_B
-        mem.free(399)
 
         # ---- bn4c_branch2b_relu (relu), forward ----
         # bn4c_branch2b_relu_2 = Max(0, bn4c_branch2b_centered*bn4c_branch2b_inv_std*bn4c_branch2b_weight + bn4c_branch2b_bias)
@@ -5386,26 +5021,8 @@ class Resnet50(rp.Model):
         mem.free(403)
         # d_bn4c_branch2b_W = reshape[256](d_bn4c_branch2b_weight)
         d_bn4c_branch2b_W = rt.reshape(d_bn4c_branch2b_weight, shape=(256,))
-        # V_bn4c_branch2b_W_new = V_bn4c_branch2b_W*momentum + d_bn4c_branch2b_W + decay*bn4c_branch2b_W   (computed with the next statement)
-        V_bn4c_branch2b_W_new = T['V_bn4c_branch2b_W']  # in place: the new V_bn4c_branch2b_W
-        # bn4c_branch2b_W_new = bn4c_branch2b_W - lr*V_bn4c_branch2b_W_new
-        bn4c_branch2b_W_new = T['bn4c_branch2b_W']  # in place: the new bn4c_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn4c_branch2b_W_new, T['V_bn4c_branch2b_W'], momentum, d_bn4c_branch2b_W, decay, T['bn4c_branch2b_W']),
-                   (ew_mul_sub, bn4c_branch2b_W_new, T['bn4c_branch2b_W'], lr, V_bn4c_branch2b_W_new))
-        # free bn4c_branch2b_inv_std, d_bn4c_branch2b_weight, d_bn4c_branch2b_W
-        del bn4c_branch2b_inv_std, d_bn4c_branch2b_weight, d_bn4c_branch2b_W
-        mem.free(161)
         # d_bn4c_branch2b_B = reshape[256](d_bn4c_branch2b_bias)
         d_bn4c_branch2b_B = rt.reshape(d_bn4c_branch2b_bias, shape=(256,))
-        # V_bn4c_branch2b_B_new = V_bn4c_branch2b_B*momentum + d_bn4c_branch2b_B + decay*bn4c_branch2b_B   (computed with the next statement)
-        V_bn4c_branch2b_B_new = T['V_bn4c_branch2b_B']  # in place: the new V_bn4c_branch2b_B
-        # bn4c_branch2b_B_new = bn4c_branch2b_B - lr*V_bn4c_branch2b_B_new
-        bn4c_branch2b_B_new = T['bn4c_branch2b_B']  # in place: the new bn4c_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn4c_branch2b_B_new, T['V_bn4c_branch2b_B'], momentum, d_bn4c_branch2b_B, decay, T['bn4c_branch2b_B']),
-                   (ew_mul_sub, bn4c_branch2b_B_new, T['bn4c_branch2b_B'], lr, V_bn4c_branch2b_B_new))
-        # free d_bn4c_branch2b_bias, d_bn4c_branch2b_B
-        del d_bn4c_branch2b_bias, d_bn4c_branch2b_B
-        mem.free(406)
         # d_bn4c_branch2b_sum = d_bn4c_branch2b_batch_mean/6272
         d_bn4c_branch2b_sum = d_bn4c_branch2b_batch_mean  # in place: over d_bn4c_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4c_branch2b_sum, d_bn4c_branch2b_batch_mean)
@@ -5493,26 +5110,8 @@ class Resnet50(rp.Model):
         mem.free(410)
         # d_bn4c_branch2a_W = reshape[256](d_bn4c_branch2a_weight)
         d_bn4c_branch2a_W = rt.reshape(d_bn4c_branch2a_weight, shape=(256,))
-        # V_bn4c_branch2a_W_new = V_bn4c_branch2a_W*momentum + d_bn4c_branch2a_W + decay*bn4c_branch2a_W   (computed with the next statement)
-        V_bn4c_branch2a_W_new = T['V_bn4c_branch2a_W']  # in place: the new V_bn4c_branch2a_W
-        # bn4c_branch2a_W_new = bn4c_branch2a_W - lr*V_bn4c_branch2a_W_new
-        bn4c_branch2a_W_new = T['bn4c_branch2a_W']  # in place: the new bn4c_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn4c_branch2a_W_new, T['V_bn4c_branch2a_W'], momentum, d_bn4c_branch2a_W, decay, T['bn4c_branch2a_W']),
-                   (ew_mul_sub, bn4c_branch2a_W_new, T['bn4c_branch2a_W'], lr, V_bn4c_branch2a_W_new))
-        # free bn4c_branch2a_inv_std, d_bn4c_branch2a_weight, d_bn4c_branch2a_W
-        del bn4c_branch2a_inv_std, d_bn4c_branch2a_weight, d_bn4c_branch2a_W
-        mem.free(156)
         # d_bn4c_branch2a_B = reshape[256](d_bn4c_branch2a_bias)
         d_bn4c_branch2a_B = rt.reshape(d_bn4c_branch2a_bias, shape=(256,))
-        # V_bn4c_branch2a_B_new = V_bn4c_branch2a_B*momentum + d_bn4c_branch2a_B + decay*bn4c_branch2a_B   (computed with the next statement)
-        V_bn4c_branch2a_B_new = T['V_bn4c_branch2a_B']  # in place: the new V_bn4c_branch2a_B
-        # bn4c_branch2a_B_new = bn4c_branch2a_B - lr*V_bn4c_branch2a_B_new
-        bn4c_branch2a_B_new = T['bn4c_branch2a_B']  # in place: the new bn4c_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn4c_branch2a_B_new, T['V_bn4c_branch2a_B'], momentum, d_bn4c_branch2a_B, decay, T['bn4c_branch2a_B']),
-                   (ew_mul_sub, bn4c_branch2a_B_new, T['bn4c_branch2a_B'], lr, V_bn4c_branch2a_B_new))
-        # free d_bn4c_branch2a_bias, d_bn4c_branch2a_B
-        del d_bn4c_branch2a_bias, d_bn4c_branch2a_B
-        mem.free(413)
         # d_bn4c_branch2a_sum = d_bn4c_branch2a_batch_mean/6272
         d_bn4c_branch2a_sum = d_bn4c_branch2a_batch_mean  # in place: over d_bn4c_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4c_branch2a_sum, d_bn4c_branch2a_batch_mean)
@@ -5587,15 +5186,6 @@ class Resnet50(rp.Model):
         mem.free(416)
         # d_bn4b_branch2c_W = reshape[1024](d_bn4b_branch2c_weight)
         d_bn4b_branch2c_W = rt.reshape(d_bn4b_branch2c_weight, shape=(1024,))
-        # V_bn4b_branch2c_W_new = V_bn4b_branch2c_W*momentum + d_bn4b_branch2c_W + decay*bn4b_branch2c_W   (computed with the next statement)
-        V_bn4b_branch2c_W_new = T['V_bn4b_branch2c_W']  # in place: the new V_bn4b_branch2c_W
-        # bn4b_branch2c_W_new = bn4b_branch2c_W - lr*V_bn4b_branch2c_W_new
-        bn4b_branch2c_W_new = T['bn4b_branch2c_W']  # in place: the new bn4b_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn4b_branch2c_W_new, T['V_bn4b_branch2c_W'], momentum, d_bn4b_branch2c_W, decay, T['bn4b_branch2c_W']),
-                   (ew_mul_sub, bn4b_branch2c_W_new, T['bn4b_branch2c_W'], lr, V_bn4b_branch2c_W_new))
-        # free bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W
-        del bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W
-        mem.free(152)
         # d_bn4b_branch2c_sum = d_bn4b_branch2c_batch_mean/6272
         d_bn4b_branch2c_sum = d_bn4b_branch2c_batch_mean  # in place: over d_bn4b_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4b_branch2c_sum, d_bn4b_branch2c_batch_mean)
@@ -5614,15 +5204,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn4b_branch2c_add, out=d_bn4b_branch2c_bias, shape=(1, 1024, 1, 1))
         # d_bn4b_branch2c_B = reshape[1024](d_bn4b_branch2c_bias)
         d_bn4b_branch2c_B = rt.reshape(d_bn4b_branch2c_bias, shape=(1024,))
-        # V_bn4b_branch2c_B_new = V_bn4b_branch2c_B*momentum + d_bn4b_branch2c_B + decay*bn4b_branch2c_B   (computed with the next statement)
-        V_bn4b_branch2c_B_new = T['V_bn4b_branch2c_B']  # in place: the new V_bn4b_branch2c_B
-        # bn4b_branch2c_B_new = bn4b_branch2c_B - lr*V_bn4b_branch2c_B_new
-        bn4b_branch2c_B_new = T['bn4b_branch2c_B']  # in place: the new bn4b_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn4b_branch2c_B_new, T['V_bn4b_branch2c_B'], momentum, d_bn4b_branch2c_B, decay, T['bn4b_branch2c_B']),
-                   (ew_mul_sub, bn4b_branch2c_B_new, T['bn4b_branch2c_B'], lr, V_bn4b_branch2c_B_new))
-        # free d_bn4b_branch2c_bias, d_bn4b_branch2c_B
-        del d_bn4b_branch2c_bias, d_bn4b_branch2c_B
-        mem.free(419)
 
         # ---- bn4b_branch2b_relu (relu), forward ----
         # bn4b_branch2b_relu_2 = Max(0, bn4b_branch2b_centered*bn4b_branch2b_inv_std*bn4b_branch2b_weight + bn4b_branch2b_bias)
@@ -5699,26 +5280,8 @@ class Resnet50(rp.Model):
         mem.free(423)
         # d_bn4b_branch2b_W = reshape[256](d_bn4b_branch2b_weight)
         d_bn4b_branch2b_W = rt.reshape(d_bn4b_branch2b_weight, shape=(256,))
-        # V_bn4b_branch2b_W_new = V_bn4b_branch2b_W*momentum + d_bn4b_branch2b_W + decay*bn4b_branch2b_W   (computed with the next statement)
-        V_bn4b_branch2b_W_new = T['V_bn4b_branch2b_W']  # in place: the new V_bn4b_branch2b_W
-        # bn4b_branch2b_W_new = bn4b_branch2b_W - lr*V_bn4b_branch2b_W_new
-        bn4b_branch2b_W_new = T['bn4b_branch2b_W']  # in place: the new bn4b_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn4b_branch2b_W_new, T['V_bn4b_branch2b_W'], momentum, d_bn4b_branch2b_W, decay, T['bn4b_branch2b_W']),
-                   (ew_mul_sub, bn4b_branch2b_W_new, T['bn4b_branch2b_W'], lr, V_bn4b_branch2b_W_new))
-        # free bn4b_branch2b_inv_std, d_bn4b_branch2b_weight, d_bn4b_branch2b_W
-        del bn4b_branch2b_inv_std, d_bn4b_branch2b_weight, d_bn4b_branch2b_W
-        mem.free(147)
         # d_bn4b_branch2b_B = reshape[256](d_bn4b_branch2b_bias)
         d_bn4b_branch2b_B = rt.reshape(d_bn4b_branch2b_bias, shape=(256,))
-        # V_bn4b_branch2b_B_new = V_bn4b_branch2b_B*momentum + d_bn4b_branch2b_B + decay*bn4b_branch2b_B   (computed with the next statement)
-        V_bn4b_branch2b_B_new = T['V_bn4b_branch2b_B']  # in place: the new V_bn4b_branch2b_B
-        # bn4b_branch2b_B_new = bn4b_branch2b_B - lr*V_bn4b_branch2b_B_new
-        bn4b_branch2b_B_new = T['bn4b_branch2b_B']  # in place: the new bn4b_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn4b_branch2b_B_new, T['V_bn4b_branch2b_B'], momentum, d_bn4b_branch2b_B, decay, T['bn4b_branch2b_B']),
-                   (ew_mul_sub, bn4b_branch2b_B_new, T['bn4b_branch2b_B'], lr, V_bn4b_branch2b_B_new))
-        # free d_bn4b_branch2b_bias, d_bn4b_branch2b_B
-        del d_bn4b_branch2b_bias, d_bn4b_branch2b_B
-        mem.free(426)
         # d_bn4b_branch2b_sum = d_bn4b_branch2b_batch_mean/6272
         d_bn4b_branch2b_sum = d_bn4b_branch2b_batch_mean  # in place: over d_bn4b_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4b_branch2b_sum, d_bn4b_branch2b_batch_mean)
@@ -5806,26 +5369,8 @@ class Resnet50(rp.Model):
         mem.free(430)
         # d_bn4b_branch2a_W = reshape[256](d_bn4b_branch2a_weight)
         d_bn4b_branch2a_W = rt.reshape(d_bn4b_branch2a_weight, shape=(256,))
-        # V_bn4b_branch2a_W_new = V_bn4b_branch2a_W*momentum + d_bn4b_branch2a_W + decay*bn4b_branch2a_W   (computed with the next statement)
-        V_bn4b_branch2a_W_new = T['V_bn4b_branch2a_W']  # in place: the new V_bn4b_branch2a_W
-        # bn4b_branch2a_W_new = bn4b_branch2a_W - lr*V_bn4b_branch2a_W_new
-        bn4b_branch2a_W_new = T['bn4b_branch2a_W']  # in place: the new bn4b_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn4b_branch2a_W_new, T['V_bn4b_branch2a_W'], momentum, d_bn4b_branch2a_W, decay, T['bn4b_branch2a_W']),
-                   (ew_mul_sub, bn4b_branch2a_W_new, T['bn4b_branch2a_W'], lr, V_bn4b_branch2a_W_new))
-        # free bn4b_branch2a_inv_std, d_bn4b_branch2a_weight, d_bn4b_branch2a_W
-        del bn4b_branch2a_inv_std, d_bn4b_branch2a_weight, d_bn4b_branch2a_W
-        mem.free(142)
         # d_bn4b_branch2a_B = reshape[256](d_bn4b_branch2a_bias)
         d_bn4b_branch2a_B = rt.reshape(d_bn4b_branch2a_bias, shape=(256,))
-        # V_bn4b_branch2a_B_new = V_bn4b_branch2a_B*momentum + d_bn4b_branch2a_B + decay*bn4b_branch2a_B   (computed with the next statement)
-        V_bn4b_branch2a_B_new = T['V_bn4b_branch2a_B']  # in place: the new V_bn4b_branch2a_B
-        # bn4b_branch2a_B_new = bn4b_branch2a_B - lr*V_bn4b_branch2a_B_new
-        bn4b_branch2a_B_new = T['bn4b_branch2a_B']  # in place: the new bn4b_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn4b_branch2a_B_new, T['V_bn4b_branch2a_B'], momentum, d_bn4b_branch2a_B, decay, T['bn4b_branch2a_B']),
-                   (ew_mul_sub, bn4b_branch2a_B_new, T['bn4b_branch2a_B'], lr, V_bn4b_branch2a_B_new))
-        # free d_bn4b_branch2a_bias, d_bn4b_branch2a_B
-        del d_bn4b_branch2a_bias, d_bn4b_branch2a_B
-        mem.free(433)
         # d_bn4b_branch2a_sum = d_bn4b_branch2a_batch_mean/6272
         d_bn4b_branch2a_sum = d_bn4b_branch2a_batch_mean  # in place: over d_bn4b_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4b_branch2a_sum, d_bn4b_branch2a_batch_mean)
@@ -5907,15 +5452,6 @@ class Resnet50(rp.Model):
         mem.free(437)
         # d_bn4a_branch2c_W = reshape[1024](d_bn4a_branch2c_weight)
         d_bn4a_branch2c_W = rt.reshape(d_bn4a_branch2c_weight, shape=(1024,))
-        # V_bn4a_branch2c_W_new = V_bn4a_branch2c_W*momentum + d_bn4a_branch2c_W + decay*bn4a_branch2c_W   (computed with the next statement)
-        V_bn4a_branch2c_W_new = T['V_bn4a_branch2c_W']  # in place: the new V_bn4a_branch2c_W
-        # bn4a_branch2c_W_new = bn4a_branch2c_W - lr*V_bn4a_branch2c_W_new
-        bn4a_branch2c_W_new = T['bn4a_branch2c_W']  # in place: the new bn4a_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn4a_branch2c_W_new, T['V_bn4a_branch2c_W'], momentum, d_bn4a_branch2c_W, decay, T['bn4a_branch2c_W']),
-                   (ew_mul_sub, bn4a_branch2c_W_new, T['bn4a_branch2c_W'], lr, V_bn4a_branch2c_W_new))
-        # free bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W
-        del bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W
-        mem.free(137)
         # d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean/6272
         d_bn4a_branch2c_sum = d_bn4a_branch2c_batch_mean  # in place: over d_bn4a_branch2c_batch_mean
         rt.ew(ew_scale_4, d_bn4a_branch2c_sum, d_bn4a_branch2c_batch_mean)
@@ -5965,40 +5501,8 @@ class Resnet50(rp.Model):
         mem.free(440)
         # d_bn4a_branch1_B = reshape[1024](d_bn4a_branch1_bias)
         d_bn4a_branch1_B = rt.reshape(d_bn4a_branch1_bias, shape=(1024,))
-
-        # ---- bn4a_branch2c (batch norm), backward ----
-        # V_bn4a_branch2c_B_new = V_bn4a_branch2c_B*momentum + d_bn4a_branch1_B + decay*bn4a_branch2c_B
-        V_bn4a_branch2c_B_new = T['V_bn4a_branch2c_B']  # in place: the new V_bn4a_branch2c_B
-        rt.ew(ew_mul_add, V_bn4a_branch2c_B_new, T['V_bn4a_branch2c_B'], momentum, d_bn4a_branch1_B, decay, T['bn4a_branch2c_B'])
-
-        # ---- bn4a_branch1 (batch norm), backward ----
-        # V_bn4a_branch1_B_new = V_bn4a_branch1_B*momentum + d_bn4a_branch1_B + decay*bn4a_branch1_B
-        V_bn4a_branch1_B_new = T['V_bn4a_branch1_B']  # in place: the new V_bn4a_branch1_B
-        rt.ew(ew_mul_add, V_bn4a_branch1_B_new, T['V_bn4a_branch1_B'], momentum, d_bn4a_branch1_B, decay, T['bn4a_branch1_B'])
-        # free d_bn4a_branch1_bias, d_bn4a_branch1_B
-        del d_bn4a_branch1_bias, d_bn4a_branch1_B
-        mem.free(443)
-
-        # ---- bn4a_branch2c (batch norm), backward ----
-        # bn4a_branch2c_B_new = bn4a_branch2c_B - lr*V_bn4a_branch2c_B_new
-        bn4a_branch2c_B_new = T['bn4a_branch2c_B']  # in place: the new bn4a_branch2c_B
-        rt.ew(ew_mul_sub, bn4a_branch2c_B_new, T['bn4a_branch2c_B'], lr, V_bn4a_branch2c_B_new)
-
-        # ---- bn4a_branch1 (batch norm), backward ----
         # d_bn4a_branch1_W = reshape[1024](d_bn4a_branch1_weight)
         d_bn4a_branch1_W = rt.reshape(d_bn4a_branch1_weight, shape=(1024,))
-        # V_bn4a_branch1_W_new = V_bn4a_branch1_W*momentum + d_bn4a_branch1_W + decay*bn4a_branch1_W   (computed with the next statement)
-        V_bn4a_branch1_W_new = T['V_bn4a_branch1_W']  # in place: the new V_bn4a_branch1_W
-        # bn4a_branch1_W_new = bn4a_branch1_W - lr*V_bn4a_branch1_W_new
-        bn4a_branch1_W_new = T['bn4a_branch1_W']  # in place: the new bn4a_branch1_W
-        rt.ew_pair((ew_mul_add, V_bn4a_branch1_W_new, T['V_bn4a_branch1_W'], momentum, d_bn4a_branch1_W, decay, T['bn4a_branch1_W']),
-                   (ew_mul_sub, bn4a_branch1_W_new, T['bn4a_branch1_W'], lr, V_bn4a_branch1_W_new))
-        # free bn4a_branch1_inv_std, d_bn4a_branch1_weight, d_bn4a_branch1_W
-        del bn4a_branch1_inv_std, d_bn4a_branch1_weight, d_bn4a_branch1_W
-        mem.free(133)
-        # bn4a_branch1_B_new = bn4a_branch1_B - lr*V_bn4a_branch1_B_new
-        bn4a_branch1_B_new = T['bn4a_branch1_B']  # in place: the new bn4a_branch1_B
-        rt.ew(ew_mul_sub, bn4a_branch1_B_new, T['bn4a_branch1_B'], lr, V_bn4a_branch1_B_new)
         # d_bn4a_branch1_sum = d_bn4a_branch1_batch_mean/6272
         d_bn4a_branch1_sum = d_bn4a_branch1_batch_mean  # in place: over d_bn4a_branch1_batch_mean
         rt.ew(ew_scale_4, d_bn4a_branch1_sum, d_bn4a_branch1_batch_mean)
@@ -6086,26 +5590,8 @@ class Resnet50(rp.Model):
         mem.free(447)
         # d_bn4a_branch2b_W = reshape[256](d_bn4a_branch2b_weight)
         d_bn4a_branch2b_W = rt.reshape(d_bn4a_branch2b_weight, shape=(256,))
-        # V_bn4a_branch2b_W_new = V_bn4a_branch2b_W*momentum + d_bn4a_branch2b_W + decay*bn4a_branch2b_W   (computed with the next statement)
-        V_bn4a_branch2b_W_new = T['V_bn4a_branch2b_W']  # in place: the new V_bn4a_branch2b_W
-        # bn4a_branch2b_W_new = bn4a_branch2b_W - lr*V_bn4a_branch2b_W_new
-        bn4a_branch2b_W_new = T['bn4a_branch2b_W']  # in place: the new bn4a_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn4a_branch2b_W_new, T['V_bn4a_branch2b_W'], momentum, d_bn4a_branch2b_W, decay, T['bn4a_branch2b_W']),
-                   (ew_mul_sub, bn4a_branch2b_W_new, T['bn4a_branch2b_W'], lr, V_bn4a_branch2b_W_new))
-        # free bn4a_branch2b_inv_std, d_bn4a_branch2b_weight, d_bn4a_branch2b_W
-        del bn4a_branch2b_inv_std, d_bn4a_branch2b_weight, d_bn4a_branch2b_W
-        mem.free(128)
         # d_bn4a_branch2b_B = reshape[256](d_bn4a_branch2b_bias)
         d_bn4a_branch2b_B = rt.reshape(d_bn4a_branch2b_bias, shape=(256,))
-        # V_bn4a_branch2b_B_new = V_bn4a_branch2b_B*momentum + d_bn4a_branch2b_B + decay*bn4a_branch2b_B   (computed with the next statement)
-        V_bn4a_branch2b_B_new = T['V_bn4a_branch2b_B']  # in place: the new V_bn4a_branch2b_B
-        # bn4a_branch2b_B_new = bn4a_branch2b_B - lr*V_bn4a_branch2b_B_new
-        bn4a_branch2b_B_new = T['bn4a_branch2b_B']  # in place: the new bn4a_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn4a_branch2b_B_new, T['V_bn4a_branch2b_B'], momentum, d_bn4a_branch2b_B, decay, T['bn4a_branch2b_B']),
-                   (ew_mul_sub, bn4a_branch2b_B_new, T['bn4a_branch2b_B'], lr, V_bn4a_branch2b_B_new))
-        # free d_bn4a_branch2b_bias, d_bn4a_branch2b_B
-        del d_bn4a_branch2b_bias, d_bn4a_branch2b_B
-        mem.free(450)
         # d_bn4a_branch2b_sum = d_bn4a_branch2b_batch_mean/6272
         d_bn4a_branch2b_sum = d_bn4a_branch2b_batch_mean  # in place: over d_bn4a_branch2b_batch_mean
         rt.ew(ew_scale_4, d_bn4a_branch2b_sum, d_bn4a_branch2b_batch_mean)
@@ -6204,26 +5690,8 @@ class Resnet50(rp.Model):
         mem.free(455)
         # d_bn4a_branch2a_W = reshape[256](d_bn4a_branch2a_weight)
         d_bn4a_branch2a_W = rt.reshape(d_bn4a_branch2a_weight, shape=(256,))
-        # V_bn4a_branch2a_W_new = V_bn4a_branch2a_W*momentum + d_bn4a_branch2a_W + decay*bn4a_branch2a_W   (computed with the next statement)
-        V_bn4a_branch2a_W_new = T['V_bn4a_branch2a_W']  # in place: the new V_bn4a_branch2a_W
-        # bn4a_branch2a_W_new = bn4a_branch2a_W - lr*V_bn4a_branch2a_W_new
-        bn4a_branch2a_W_new = T['bn4a_branch2a_W']  # in place: the new bn4a_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn4a_branch2a_W_new, T['V_bn4a_branch2a_W'], momentum, d_bn4a_branch2a_W, decay, T['bn4a_branch2a_W']),
-                   (ew_mul_sub, bn4a_branch2a_W_new, T['bn4a_branch2a_W'], lr, V_bn4a_branch2a_W_new))
-        # free bn4a_branch2a_inv_std, d_bn4a_branch2a_weight, d_bn4a_branch2a_W
-        del bn4a_branch2a_inv_std, d_bn4a_branch2a_weight, d_bn4a_branch2a_W
-        mem.free(123)
         # d_bn4a_branch2a_B = reshape[256](d_bn4a_branch2a_bias)
         d_bn4a_branch2a_B = rt.reshape(d_bn4a_branch2a_bias, shape=(256,))
-        # V_bn4a_branch2a_B_new = V_bn4a_branch2a_B*momentum + d_bn4a_branch2a_B + decay*bn4a_branch2a_B   (computed with the next statement)
-        V_bn4a_branch2a_B_new = T['V_bn4a_branch2a_B']  # in place: the new V_bn4a_branch2a_B
-        # bn4a_branch2a_B_new = bn4a_branch2a_B - lr*V_bn4a_branch2a_B_new
-        bn4a_branch2a_B_new = T['bn4a_branch2a_B']  # in place: the new bn4a_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn4a_branch2a_B_new, T['V_bn4a_branch2a_B'], momentum, d_bn4a_branch2a_B, decay, T['bn4a_branch2a_B']),
-                   (ew_mul_sub, bn4a_branch2a_B_new, T['bn4a_branch2a_B'], lr, V_bn4a_branch2a_B_new))
-        # free d_bn4a_branch2a_bias, d_bn4a_branch2a_B
-        del d_bn4a_branch2a_bias, d_bn4a_branch2a_B
-        mem.free(458)
         # d_bn4a_branch2a_sum = d_bn4a_branch2a_batch_mean/6272
         d_bn4a_branch2a_sum = d_bn4a_branch2a_batch_mean  # in place: over d_bn4a_branch2a_batch_mean
         rt.ew(ew_scale_4, d_bn4a_branch2a_sum, d_bn4a_branch2a_batch_mean)
@@ -6311,15 +5779,6 @@ class Resnet50(rp.Model):
         mem.free(462)
         # d_bn3d_branch2c_W = reshape[512](d_bn3d_branch2c_weight)
         d_bn3d_branch2c_W = rt.reshape(d_bn3d_branch2c_weight, shape=(512,))
-        # V_bn3d_branch2c_W_new = V_bn3d_branch2c_W*momentum + d_bn3d_branch2c_W + decay*bn3d_branch2c_W   (computed with the next statement)
-        V_bn3d_branch2c_W_new = T['V_bn3d_branch2c_W']  # in place: the new V_bn3d_branch2c_W
-        # bn3d_branch2c_W_new = bn3d_branch2c_W - lr*V_bn3d_branch2c_W_new
-        bn3d_branch2c_W_new = T['bn3d_branch2c_W']  # in place: the new bn3d_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn3d_branch2c_W_new, T['V_bn3d_branch2c_W'], momentum, d_bn3d_branch2c_W, decay, T['bn3d_branch2c_W']),
-                   (ew_mul_sub, bn3d_branch2c_W_new, T['bn3d_branch2c_W'], lr, V_bn3d_branch2c_W_new))
-        # free bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W
-        del bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W
-        mem.free(119)
         # d_bn3d_branch2c_sum = d_bn3d_branch2c_batch_mean/25088
         d_bn3d_branch2c_sum = d_bn3d_branch2c_batch_mean  # in place: over d_bn3d_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3d_branch2c_sum, d_bn3d_branch2c_batch_mean)
@@ -6338,15 +5797,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn3d_branch2c_add, out=d_bn3d_branch2c_bias, shape=(1, 512, 1, 1))
         # d_bn3d_branch2c_B = reshape[512](d_bn3d_branch2c_bias)
         d_bn3d_branch2c_B = rt.reshape(d_bn3d_branch2c_bias, shape=(512,))
-        # V_bn3d_branch2c_B_new = V_bn3d_branch2c_B*momentum + d_bn3d_branch2c_B + decay*bn3d_branch2c_B   (computed with the next statement)
-        V_bn3d_branch2c_B_new = T['V_bn3d_branch2c_B']  # in place: the new V_bn3d_branch2c_B
-        # bn3d_branch2c_B_new = bn3d_branch2c_B - lr*V_bn3d_branch2c_B_new
-        bn3d_branch2c_B_new = T['bn3d_branch2c_B']  # in place: the new bn3d_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn3d_branch2c_B_new, T['V_bn3d_branch2c_B'], momentum, d_bn3d_branch2c_B, decay, T['bn3d_branch2c_B']),
-                   (ew_mul_sub, bn3d_branch2c_B_new, T['bn3d_branch2c_B'], lr, V_bn3d_branch2c_B_new))
-        # free d_bn3d_branch2c_bias, d_bn3d_branch2c_B
-        del d_bn3d_branch2c_bias, d_bn3d_branch2c_B
-        mem.free(465)
 
         # ---- bn3d_branch2b_relu (relu), forward ----
         # bn3d_branch2b_relu_2 = Max(0, bn3d_branch2b_centered*bn3d_branch2b_inv_std*bn3d_branch2b_weight + bn3d_branch2b_bias)
@@ -6423,26 +5873,8 @@ class Resnet50(rp.Model):
         mem.free(469)
         # d_bn3d_branch2b_W = reshape[128](d_bn3d_branch2b_weight)
         d_bn3d_branch2b_W = rt.reshape(d_bn3d_branch2b_weight, shape=(128,))
-        # V_bn3d_branch2b_W_new = V_bn3d_branch2b_W*momentum + d_bn3d_branch2b_W + decay*bn3d_branch2b_W   (computed with the next statement)
-        V_bn3d_branch2b_W_new = T['V_bn3d_branch2b_W']  # in place: the new V_bn3d_branch2b_W
-        # bn3d_branch2b_W_new = bn3d_branch2b_W - lr*V_bn3d_branch2b_W_new
-        bn3d_branch2b_W_new = T['bn3d_branch2b_W']  # in place: the new bn3d_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn3d_branch2b_W_new, T['V_bn3d_branch2b_W'], momentum, d_bn3d_branch2b_W, decay, T['bn3d_branch2b_W']),
-                   (ew_mul_sub, bn3d_branch2b_W_new, T['bn3d_branch2b_W'], lr, V_bn3d_branch2b_W_new))
-        # free bn3d_branch2b_inv_std, d_bn3d_branch2b_weight, d_bn3d_branch2b_W
-        del bn3d_branch2b_inv_std, d_bn3d_branch2b_weight, d_bn3d_branch2b_W
-        mem.free(114)
         # d_bn3d_branch2b_B = reshape[128](d_bn3d_branch2b_bias)
         d_bn3d_branch2b_B = rt.reshape(d_bn3d_branch2b_bias, shape=(128,))
-        # V_bn3d_branch2b_B_new = V_bn3d_branch2b_B*momentum + d_bn3d_branch2b_B + decay*bn3d_branch2b_B   (computed with the next statement)
-        V_bn3d_branch2b_B_new = T['V_bn3d_branch2b_B']  # in place: the new V_bn3d_branch2b_B
-        # bn3d_branch2b_B_new = bn3d_branch2b_B - lr*V_bn3d_branch2b_B_new
-        bn3d_branch2b_B_new = T['bn3d_branch2b_B']  # in place: the new bn3d_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn3d_branch2b_B_new, T['V_bn3d_branch2b_B'], momentum, d_bn3d_branch2b_B, decay, T['bn3d_branch2b_B']),
-                   (ew_mul_sub, bn3d_branch2b_B_new, T['bn3d_branch2b_B'], lr, V_bn3d_branch2b_B_new))
-        # free d_bn3d_branch2b_bias, d_bn3d_branch2b_B
-        del d_bn3d_branch2b_bias, d_bn3d_branch2b_B
-        mem.free(472)
         # d_bn3d_branch2b_sum = d_bn3d_branch2b_batch_mean/25088
         d_bn3d_branch2b_sum = d_bn3d_branch2b_batch_mean  # in place: over d_bn3d_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3d_branch2b_sum, d_bn3d_branch2b_batch_mean)
@@ -6530,26 +5962,8 @@ class Resnet50(rp.Model):
         mem.free(476)
         # d_bn3d_branch2a_W = reshape[128](d_bn3d_branch2a_weight)
         d_bn3d_branch2a_W = rt.reshape(d_bn3d_branch2a_weight, shape=(128,))
-        # V_bn3d_branch2a_W_new = V_bn3d_branch2a_W*momentum + d_bn3d_branch2a_W + decay*bn3d_branch2a_W   (computed with the next statement)
-        V_bn3d_branch2a_W_new = T['V_bn3d_branch2a_W']  # in place: the new V_bn3d_branch2a_W
-        # bn3d_branch2a_W_new = bn3d_branch2a_W - lr*V_bn3d_branch2a_W_new
-        bn3d_branch2a_W_new = T['bn3d_branch2a_W']  # in place: the new bn3d_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn3d_branch2a_W_new, T['V_bn3d_branch2a_W'], momentum, d_bn3d_branch2a_W, decay, T['bn3d_branch2a_W']),
-                   (ew_mul_sub, bn3d_branch2a_W_new, T['bn3d_branch2a_W'], lr, V_bn3d_branch2a_W_new))
-        # free bn3d_branch2a_inv_std, d_bn3d_branch2a_weight, d_bn3d_branch2a_W
-        del bn3d_branch2a_inv_std, d_bn3d_branch2a_weight, d_bn3d_branch2a_W
-        mem.free(109)
         # d_bn3d_branch2a_B = reshape[128](d_bn3d_branch2a_bias)
         d_bn3d_branch2a_B = rt.reshape(d_bn3d_branch2a_bias, shape=(128,))
-        # V_bn3d_branch2a_B_new = V_bn3d_branch2a_B*momentum + d_bn3d_branch2a_B + decay*bn3d_branch2a_B   (computed with the next statement)
-        V_bn3d_branch2a_B_new = T['V_bn3d_branch2a_B']  # in place: the new V_bn3d_branch2a_B
-        # bn3d_branch2a_B_new = bn3d_branch2a_B - lr*V_bn3d_branch2a_B_new
-        bn3d_branch2a_B_new = T['bn3d_branch2a_B']  # in place: the new bn3d_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn3d_branch2a_B_new, T['V_bn3d_branch2a_B'], momentum, d_bn3d_branch2a_B, decay, T['bn3d_branch2a_B']),
-                   (ew_mul_sub, bn3d_branch2a_B_new, T['bn3d_branch2a_B'], lr, V_bn3d_branch2a_B_new))
-        # free d_bn3d_branch2a_bias, d_bn3d_branch2a_B
-        del d_bn3d_branch2a_bias, d_bn3d_branch2a_B
-        mem.free(479)
         # d_bn3d_branch2a_sum = d_bn3d_branch2a_batch_mean/25088
         d_bn3d_branch2a_sum = d_bn3d_branch2a_batch_mean  # in place: over d_bn3d_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3d_branch2a_sum, d_bn3d_branch2a_batch_mean)
@@ -6631,15 +6045,6 @@ class Resnet50(rp.Model):
         mem.free(483)
         # d_bn3c_branch2c_W = reshape[512](d_bn3c_branch2c_weight)
         d_bn3c_branch2c_W = rt.reshape(d_bn3c_branch2c_weight, shape=(512,))
-        # V_bn3c_branch2c_W_new = V_bn3c_branch2c_W*momentum + d_bn3c_branch2c_W + decay*bn3c_branch2c_W   (computed with the next statement)
-        V_bn3c_branch2c_W_new = T['V_bn3c_branch2c_W']  # in place: the new V_bn3c_branch2c_W
-        # bn3c_branch2c_W_new = bn3c_branch2c_W - lr*V_bn3c_branch2c_W_new
-        bn3c_branch2c_W_new = T['bn3c_branch2c_W']  # in place: the new bn3c_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn3c_branch2c_W_new, T['V_bn3c_branch2c_W'], momentum, d_bn3c_branch2c_W, decay, T['bn3c_branch2c_W']),
-                   (ew_mul_sub, bn3c_branch2c_W_new, T['bn3c_branch2c_W'], lr, V_bn3c_branch2c_W_new))
-        # free bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W
-        del bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W
-        mem.free(104)
         # d_bn3c_branch2c_sum = d_bn3c_branch2c_batch_mean/25088
         d_bn3c_branch2c_sum = d_bn3c_branch2c_batch_mean  # in place: over d_bn3c_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3c_branch2c_sum, d_bn3c_branch2c_batch_mean)
@@ -6658,15 +6063,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn3c_branch2c_add, out=d_bn3c_branch2c_bias, shape=(1, 512, 1, 1))
         # d_bn3c_branch2c_B = reshape[512](d_bn3c_branch2c_bias)
         d_bn3c_branch2c_B = rt.reshape(d_bn3c_branch2c_bias, shape=(512,))
-        # V_bn3c_branch2c_B_new = V_bn3c_branch2c_B*momentum + d_bn3c_branch2c_B + decay*bn3c_branch2c_B   (computed with the next statement)
-        V_bn3c_branch2c_B_new = T['V_bn3c_branch2c_B']  # in place: the new V_bn3c_branch2c_B
-        # bn3c_branch2c_B_new = bn3c_branch2c_B - lr*V_bn3c_branch2c_B_new
-        bn3c_branch2c_B_new = T['bn3c_branch2c_B']  # in place: the new bn3c_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn3c_branch2c_B_new, T['V_bn3c_branch2c_B'], momentum, d_bn3c_branch2c_B, decay, T['bn3c_branch2c_B']),
-                   (ew_mul_sub, bn3c_branch2c_B_new, T['bn3c_branch2c_B'], lr, V_bn3c_branch2c_B_new))
-        # free d_bn3c_branch2c_bias, d_bn3c_branch2c_B
-        del d_bn3c_branch2c_bias, d_bn3c_branch2c_B
-        mem.free(486)
 
         # ---- bn3c_branch2b_relu (relu), forward ----
         # bn3c_branch2b_relu_2 = Max(0, bn3c_branch2b_centered*bn3c_branch2b_inv_std*bn3c_branch2b_weight + bn3c_branch2b_bias)
@@ -6743,26 +6139,8 @@ class Resnet50(rp.Model):
         mem.free(490)
         # d_bn3c_branch2b_W = reshape[128](d_bn3c_branch2b_weight)
         d_bn3c_branch2b_W = rt.reshape(d_bn3c_branch2b_weight, shape=(128,))
-        # V_bn3c_branch2b_W_new = V_bn3c_branch2b_W*momentum + d_bn3c_branch2b_W + decay*bn3c_branch2b_W   (computed with the next statement)
-        V_bn3c_branch2b_W_new = T['V_bn3c_branch2b_W']  # in place: the new V_bn3c_branch2b_W
-        # bn3c_branch2b_W_new = bn3c_branch2b_W - lr*V_bn3c_branch2b_W_new
-        bn3c_branch2b_W_new = T['bn3c_branch2b_W']  # in place: the new bn3c_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn3c_branch2b_W_new, T['V_bn3c_branch2b_W'], momentum, d_bn3c_branch2b_W, decay, T['bn3c_branch2b_W']),
-                   (ew_mul_sub, bn3c_branch2b_W_new, T['bn3c_branch2b_W'], lr, V_bn3c_branch2b_W_new))
-        # free bn3c_branch2b_inv_std, d_bn3c_branch2b_weight, d_bn3c_branch2b_W
-        del bn3c_branch2b_inv_std, d_bn3c_branch2b_weight, d_bn3c_branch2b_W
-        mem.free(99)
         # d_bn3c_branch2b_B = reshape[128](d_bn3c_branch2b_bias)
         d_bn3c_branch2b_B = rt.reshape(d_bn3c_branch2b_bias, shape=(128,))
-        # V_bn3c_branch2b_B_new = V_bn3c_branch2b_B*momentum + d_bn3c_branch2b_B + decay*bn3c_branch2b_B   (computed with the next statement)
-        V_bn3c_branch2b_B_new = T['V_bn3c_branch2b_B']  # in place: the new V_bn3c_branch2b_B
-        # bn3c_branch2b_B_new = bn3c_branch2b_B - lr*V_bn3c_branch2b_B_new
-        bn3c_branch2b_B_new = T['bn3c_branch2b_B']  # in place: the new bn3c_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn3c_branch2b_B_new, T['V_bn3c_branch2b_B'], momentum, d_bn3c_branch2b_B, decay, T['bn3c_branch2b_B']),
-                   (ew_mul_sub, bn3c_branch2b_B_new, T['bn3c_branch2b_B'], lr, V_bn3c_branch2b_B_new))
-        # free d_bn3c_branch2b_bias, d_bn3c_branch2b_B
-        del d_bn3c_branch2b_bias, d_bn3c_branch2b_B
-        mem.free(493)
         # d_bn3c_branch2b_sum = d_bn3c_branch2b_batch_mean/25088
         d_bn3c_branch2b_sum = d_bn3c_branch2b_batch_mean  # in place: over d_bn3c_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3c_branch2b_sum, d_bn3c_branch2b_batch_mean)
@@ -6850,26 +6228,8 @@ class Resnet50(rp.Model):
         mem.free(497)
         # d_bn3c_branch2a_W = reshape[128](d_bn3c_branch2a_weight)
         d_bn3c_branch2a_W = rt.reshape(d_bn3c_branch2a_weight, shape=(128,))
-        # V_bn3c_branch2a_W_new = V_bn3c_branch2a_W*momentum + d_bn3c_branch2a_W + decay*bn3c_branch2a_W   (computed with the next statement)
-        V_bn3c_branch2a_W_new = T['V_bn3c_branch2a_W']  # in place: the new V_bn3c_branch2a_W
-        # bn3c_branch2a_W_new = bn3c_branch2a_W - lr*V_bn3c_branch2a_W_new
-        bn3c_branch2a_W_new = T['bn3c_branch2a_W']  # in place: the new bn3c_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn3c_branch2a_W_new, T['V_bn3c_branch2a_W'], momentum, d_bn3c_branch2a_W, decay, T['bn3c_branch2a_W']),
-                   (ew_mul_sub, bn3c_branch2a_W_new, T['bn3c_branch2a_W'], lr, V_bn3c_branch2a_W_new))
-        # free bn3c_branch2a_inv_std, d_bn3c_branch2a_weight, d_bn3c_branch2a_W
-        del bn3c_branch2a_inv_std, d_bn3c_branch2a_weight, d_bn3c_branch2a_W
-        mem.free(94)
         # d_bn3c_branch2a_B = reshape[128](d_bn3c_branch2a_bias)
         d_bn3c_branch2a_B = rt.reshape(d_bn3c_branch2a_bias, shape=(128,))
-        # V_bn3c_branch2a_B_new = V_bn3c_branch2a_B*momentum + d_bn3c_branch2a_B + decay*bn3c_branch2a_B   (computed with the next statement)
-        V_bn3c_branch2a_B_new = T['V_bn3c_branch2a_B']  # in place: the new V_bn3c_branch2a_B
-        # bn3c_branch2a_B_new = bn3c_branch2a_B - lr*V_bn3c_branch2a_B_new
-        bn3c_branch2a_B_new = T['bn3c_branch2a_B']  # in place: the new bn3c_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn3c_branch2a_B_new, T['V_bn3c_branch2a_B'], momentum, d_bn3c_branch2a_B, decay, T['bn3c_branch2a_B']),
-                   (ew_mul_sub, bn3c_branch2a_B_new, T['bn3c_branch2a_B'], lr, V_bn3c_branch2a_B_new))
-        # free d_bn3c_branch2a_bias, d_bn3c_branch2a_B
-        del d_bn3c_branch2a_bias, d_bn3c_branch2a_B
-        mem.free(500)
         # d_bn3c_branch2a_sum = d_bn3c_branch2a_batch_mean/25088
         d_bn3c_branch2a_sum = d_bn3c_branch2a_batch_mean  # in place: over d_bn3c_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3c_branch2a_sum, d_bn3c_branch2a_batch_mean)
@@ -6944,15 +6304,6 @@ class Resnet50(rp.Model):
         mem.free(503)
         # d_bn3b_branch2c_W = reshape[512](d_bn3b_branch2c_weight)
         d_bn3b_branch2c_W = rt.reshape(d_bn3b_branch2c_weight, shape=(512,))
-        # V_bn3b_branch2c_W_new = V_bn3b_branch2c_W*momentum + d_bn3b_branch2c_W + decay*bn3b_branch2c_W   (computed with the next statement)
-        V_bn3b_branch2c_W_new = T['V_bn3b_branch2c_W']  # in place: the new V_bn3b_branch2c_W
-        # bn3b_branch2c_W_new = bn3b_branch2c_W - lr*V_bn3b_branch2c_W_new
-        bn3b_branch2c_W_new = T['bn3b_branch2c_W']  # in place: the new bn3b_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn3b_branch2c_W_new, T['V_bn3b_branch2c_W'], momentum, d_bn3b_branch2c_W, decay, T['bn3b_branch2c_W']),
-                   (ew_mul_sub, bn3b_branch2c_W_new, T['bn3b_branch2c_W'], lr, V_bn3b_branch2c_W_new))
-        # free bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W
-        del bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W
-        mem.free(90)
         # d_bn3b_branch2c_sum = d_bn3b_branch2c_batch_mean/25088
         d_bn3b_branch2c_sum = d_bn3b_branch2c_batch_mean  # in place: over d_bn3b_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3b_branch2c_sum, d_bn3b_branch2c_batch_mean)
@@ -6971,15 +6322,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn3b_branch2c_add, out=d_bn3b_branch2c_bias, shape=(1, 512, 1, 1))
         # d_bn3b_branch2c_B = reshape[512](d_bn3b_branch2c_bias)
         d_bn3b_branch2c_B = rt.reshape(d_bn3b_branch2c_bias, shape=(512,))
-        # V_bn3b_branch2c_B_new = V_bn3b_branch2c_B*momentum + d_bn3b_branch2c_B + decay*bn3b_branch2c_B   (computed with the next statement)
-        V_bn3b_branch2c_B_new = T['V_bn3b_branch2c_B']  # in place: the new V_bn3b_branch2c_B
-        # bn3b_branch2c_B_new = bn3b_branch2c_B - lr*V_bn3b_branch2c_B_new
-        bn3b_branch2c_B_new = T['bn3b_branch2c_B']  # in place: the new bn3b_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn3b_branch2c_B_new, T['V_bn3b_branch2c_B'], momentum, d_bn3b_branch2c_B, decay, T['bn3b_branch2c_B']),
-                   (ew_mul_sub, bn3b_branch2c_B_new, T['bn3b_branch2c_B'], lr, V_bn3b_branch2c_B_new))
-        # free d_bn3b_branch2c_bias, d_bn3b_branch2c_B
-        del d_bn3b_branch2c_bias, d_bn3b_branch2c_B
-        mem.free(506)
 
         # ---- bn3b_branch2b_relu (relu), forward ----
         # bn3b_branch2b_relu_2 = Max(0, bn3b_branch2b_centered*bn3b_branch2b_inv_std*bn3b_branch2b_weight + bn3b_branch2b_bias)
@@ -7056,26 +6398,8 @@ class Resnet50(rp.Model):
         mem.free(510)
         # d_bn3b_branch2b_W = reshape[128](d_bn3b_branch2b_weight)
         d_bn3b_branch2b_W = rt.reshape(d_bn3b_branch2b_weight, shape=(128,))
-        # V_bn3b_branch2b_W_new = V_bn3b_branch2b_W*momentum + d_bn3b_branch2b_W + decay*bn3b_branch2b_W   (computed with the next statement)
-        V_bn3b_branch2b_W_new = T['V_bn3b_branch2b_W']  # in place: the new V_bn3b_branch2b_W
-        # bn3b_branch2b_W_new = bn3b_branch2b_W - lr*V_bn3b_branch2b_W_new
-        bn3b_branch2b_W_new = T['bn3b_branch2b_W']  # in place: the new bn3b_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn3b_branch2b_W_new, T['V_bn3b_branch2b_W'], momentum, d_bn3b_branch2b_W, decay, T['bn3b_branch2b_W']),
-                   (ew_mul_sub, bn3b_branch2b_W_new, T['bn3b_branch2b_W'], lr, V_bn3b_branch2b_W_new))
-        # free bn3b_branch2b_inv_std, d_bn3b_branch2b_weight, d_bn3b_branch2b_W
-        del bn3b_branch2b_inv_std, d_bn3b_branch2b_weight, d_bn3b_branch2b_W
-        mem.free(85)
         # d_bn3b_branch2b_B = reshape[128](d_bn3b_branch2b_bias)
         d_bn3b_branch2b_B = rt.reshape(d_bn3b_branch2b_bias, shape=(128,))
-        # V_bn3b_branch2b_B_new = V_bn3b_branch2b_B*momentum + d_bn3b_branch2b_B + decay*bn3b_branch2b_B   (computed with the next statement)
-        V_bn3b_branch2b_B_new = T['V_bn3b_branch2b_B']  # in place: the new V_bn3b_branch2b_B
-        # bn3b_branch2b_B_new = bn3b_branch2b_B - lr*V_bn3b_branch2b_B_new
-        bn3b_branch2b_B_new = T['bn3b_branch2b_B']  # in place: the new bn3b_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn3b_branch2b_B_new, T['V_bn3b_branch2b_B'], momentum, d_bn3b_branch2b_B, decay, T['bn3b_branch2b_B']),
-                   (ew_mul_sub, bn3b_branch2b_B_new, T['bn3b_branch2b_B'], lr, V_bn3b_branch2b_B_new))
-        # free d_bn3b_branch2b_bias, d_bn3b_branch2b_B
-        del d_bn3b_branch2b_bias, d_bn3b_branch2b_B
-        mem.free(513)
         # d_bn3b_branch2b_sum = d_bn3b_branch2b_batch_mean/25088
         d_bn3b_branch2b_sum = d_bn3b_branch2b_batch_mean  # in place: over d_bn3b_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3b_branch2b_sum, d_bn3b_branch2b_batch_mean)
@@ -7163,26 +6487,8 @@ class Resnet50(rp.Model):
         mem.free(517)
         # d_bn3b_branch2a_W = reshape[128](d_bn3b_branch2a_weight)
         d_bn3b_branch2a_W = rt.reshape(d_bn3b_branch2a_weight, shape=(128,))
-        # V_bn3b_branch2a_W_new = V_bn3b_branch2a_W*momentum + d_bn3b_branch2a_W + decay*bn3b_branch2a_W   (computed with the next statement)
-        V_bn3b_branch2a_W_new = T['V_bn3b_branch2a_W']  # in place: the new V_bn3b_branch2a_W
-        # bn3b_branch2a_W_new = bn3b_branch2a_W - lr*V_bn3b_branch2a_W_new
-        bn3b_branch2a_W_new = T['bn3b_branch2a_W']  # in place: the new bn3b_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn3b_branch2a_W_new, T['V_bn3b_branch2a_W'], momentum, d_bn3b_branch2a_W, decay, T['bn3b_branch2a_W']),
-                   (ew_mul_sub, bn3b_branch2a_W_new, T['bn3b_branch2a_W'], lr, V_bn3b_branch2a_W_new))
-        # free bn3b_branch2a_inv_std, d_bn3b_branch2a_weight, d_bn3b_branch2a_W
-        del bn3b_branch2a_inv_std, d_bn3b_branch2a_weight, d_bn3b_branch2a_W
-        mem.free(80)
         # d_bn3b_branch2a_B = reshape[128](d_bn3b_branch2a_bias)
         d_bn3b_branch2a_B = rt.reshape(d_bn3b_branch2a_bias, shape=(128,))
-        # V_bn3b_branch2a_B_new = V_bn3b_branch2a_B*momentum + d_bn3b_branch2a_B + decay*bn3b_branch2a_B   (computed with the next statement)
-        V_bn3b_branch2a_B_new = T['V_bn3b_branch2a_B']  # in place: the new V_bn3b_branch2a_B
-        # bn3b_branch2a_B_new = bn3b_branch2a_B - lr*V_bn3b_branch2a_B_new
-        bn3b_branch2a_B_new = T['bn3b_branch2a_B']  # in place: the new bn3b_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn3b_branch2a_B_new, T['V_bn3b_branch2a_B'], momentum, d_bn3b_branch2a_B, decay, T['bn3b_branch2a_B']),
-                   (ew_mul_sub, bn3b_branch2a_B_new, T['bn3b_branch2a_B'], lr, V_bn3b_branch2a_B_new))
-        # free d_bn3b_branch2a_bias, d_bn3b_branch2a_B
-        del d_bn3b_branch2a_bias, d_bn3b_branch2a_B
-        mem.free(520)
         # d_bn3b_branch2a_sum = d_bn3b_branch2a_batch_mean/25088
         d_bn3b_branch2a_sum = d_bn3b_branch2a_batch_mean  # in place: over d_bn3b_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3b_branch2a_sum, d_bn3b_branch2a_batch_mean)
@@ -7264,15 +6570,6 @@ class Resnet50(rp.Model):
         mem.free(524)
         # d_bn3a_branch2c_W = reshape[512](d_bn3a_branch2c_weight)
         d_bn3a_branch2c_W = rt.reshape(d_bn3a_branch2c_weight, shape=(512,))
-        # V_bn3a_branch2c_W_new = V_bn3a_branch2c_W*momentum + d_bn3a_branch2c_W + decay*bn3a_branch2c_W   (computed with the next statement)
-        V_bn3a_branch2c_W_new = T['V_bn3a_branch2c_W']  # in place: the new V_bn3a_branch2c_W
-        # bn3a_branch2c_W_new = bn3a_branch2c_W - lr*V_bn3a_branch2c_W_new
-        bn3a_branch2c_W_new = T['bn3a_branch2c_W']  # in place: the new bn3a_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn3a_branch2c_W_new, T['V_bn3a_branch2c_W'], momentum, d_bn3a_branch2c_W, decay, T['bn3a_branch2c_W']),
-                   (ew_mul_sub, bn3a_branch2c_W_new, T['bn3a_branch2c_W'], lr, V_bn3a_branch2c_W_new))
-        # free bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W
-        del bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W
-        mem.free(75)
         # d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean/25088
         d_bn3a_branch2c_sum = d_bn3a_branch2c_batch_mean  # in place: over d_bn3a_branch2c_batch_mean
         rt.ew(ew_scale_3, d_bn3a_branch2c_sum, d_bn3a_branch2c_batch_mean)
@@ -7322,40 +6619,8 @@ class Resnet50(rp.Model):
         mem.free(527)
         # d_bn3a_branch1_B = reshape[512](d_bn3a_branch1_bias)
         d_bn3a_branch1_B = rt.reshape(d_bn3a_branch1_bias, shape=(512,))
-
-        # ---- bn3a_branch2c (batch norm), backward ----
-        # V_bn3a_branch2c_B_new = V_bn3a_branch2c_B*momentum + d_bn3a_branch1_B + decay*bn3a_branch2c_B
-        V_bn3a_branch2c_B_new = T['V_bn3a_branch2c_B']  # in place: the new V_bn3a_branch2c_B
-        rt.ew(ew_mul_add, V_bn3a_branch2c_B_new, T['V_bn3a_branch2c_B'], momentum, d_bn3a_branch1_B, decay, T['bn3a_branch2c_B'])
-
-        # ---- bn3a_branch1 (batch norm), backward ----
-        # V_bn3a_branch1_B_new = V_bn3a_branch1_B*momentum + d_bn3a_branch1_B + decay*bn3a_branch1_B
-        V_bn3a_branch1_B_new = T['V_bn3a_branch1_B']  # in place: the new V_bn3a_branch1_B
-        rt.ew(ew_mul_add, V_bn3a_branch1_B_new, T['V_bn3a_branch1_B'], momentum, d_bn3a_branch1_B, decay, T['bn3a_branch1_B'])
-        # free d_bn3a_branch1_bias, d_bn3a_branch1_B
-        del d_bn3a_branch1_bias, d_bn3a_branch1_B
-        mem.free(530)
-
-        # ---- bn3a_branch2c (batch norm), backward ----
-        # bn3a_branch2c_B_new = bn3a_branch2c_B - lr*V_bn3a_branch2c_B_new
-        bn3a_branch2c_B_new = T['bn3a_branch2c_B']  # in place: the new bn3a_branch2c_B
-        rt.ew(ew_mul_sub, bn3a_branch2c_B_new, T['bn3a_branch2c_B'], lr, V_bn3a_branch2c_B_new)
-
-        # ---- bn3a_branch1 (batch norm), backward ----
         # d_bn3a_branch1_W = reshape[512](d_bn3a_branch1_weight)
         d_bn3a_branch1_W = rt.reshape(d_bn3a_branch1_weight, shape=(512,))
-        # V_bn3a_branch1_W_new = V_bn3a_branch1_W*momentum + d_bn3a_branch1_W + decay*bn3a_branch1_W   (computed with the next statement)
-        V_bn3a_branch1_W_new = T['V_bn3a_branch1_W']  # in place: the new V_bn3a_branch1_W
-        # bn3a_branch1_W_new = bn3a_branch1_W - lr*V_bn3a_branch1_W_new
-        bn3a_branch1_W_new = T['bn3a_branch1_W']  # in place: the new bn3a_branch1_W
-        rt.ew_pair((ew_mul_add, V_bn3a_branch1_W_new, T['V_bn3a_branch1_W'], momentum, d_bn3a_branch1_W, decay, T['bn3a_branch1_W']),
-                   (ew_mul_sub, bn3a_branch1_W_new, T['bn3a_branch1_W'], lr, V_bn3a_branch1_W_new))
-        # free bn3a_branch1_inv_std, d_bn3a_branch1_weight, d_bn3a_branch1_W
-        del bn3a_branch1_inv_std, d_bn3a_branch1_weight, d_bn3a_branch1_W
-        mem.free(71)
-        # bn3a_branch1_B_new = bn3a_branch1_B - lr*V_bn3a_branch1_B_new
-        bn3a_branch1_B_new = T['bn3a_branch1_B']  # in place: the new bn3a_branch1_B
-        rt.ew(ew_mul_sub, bn3a_branch1_B_new, T['bn3a_branch1_B'], lr, V_bn3a_branch1_B_new)
         # d_bn3a_branch1_sum = d_bn3a_branch1_batch_mean/25088
         d_bn3a_branch1_sum = d_bn3a_branch1_batch_mean  # in place: over d_bn3a_branch1_batch_mean
         rt.ew(ew_scale_3, d_bn3a_branch1_sum, d_bn3a_branch1_batch_mean)
@@ -7443,26 +6708,8 @@ class Resnet50(rp.Model):
         mem.free(534)
         # d_bn3a_branch2b_W = reshape[128](d_bn3a_branch2b_weight)
         d_bn3a_branch2b_W = rt.reshape(d_bn3a_branch2b_weight, shape=(128,))
-        # V_bn3a_branch2b_W_new = V_bn3a_branch2b_W*momentum + d_bn3a_branch2b_W + decay*bn3a_branch2b_W   (computed with the next statement)
-        V_bn3a_branch2b_W_new = T['V_bn3a_branch2b_W']  # in place: the new V_bn3a_branch2b_W
-        # bn3a_branch2b_W_new = bn3a_branch2b_W - lr*V_bn3a_branch2b_W_new
-        bn3a_branch2b_W_new = T['bn3a_branch2b_W']  # in place: the new bn3a_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn3a_branch2b_W_new, T['V_bn3a_branch2b_W'], momentum, d_bn3a_branch2b_W, decay, T['bn3a_branch2b_W']),
-                   (ew_mul_sub, bn3a_branch2b_W_new, T['bn3a_branch2b_W'], lr, V_bn3a_branch2b_W_new))
-        # free bn3a_branch2b_inv_std, d_bn3a_branch2b_weight, d_bn3a_branch2b_W
-        del bn3a_branch2b_inv_std, d_bn3a_branch2b_weight, d_bn3a_branch2b_W
-        mem.free(66)
         # d_bn3a_branch2b_B = reshape[128](d_bn3a_branch2b_bias)
         d_bn3a_branch2b_B = rt.reshape(d_bn3a_branch2b_bias, shape=(128,))
-        # V_bn3a_branch2b_B_new = V_bn3a_branch2b_B*momentum + d_bn3a_branch2b_B + decay*bn3a_branch2b_B   (computed with the next statement)
-        V_bn3a_branch2b_B_new = T['V_bn3a_branch2b_B']  # in place: the new V_bn3a_branch2b_B
-        # bn3a_branch2b_B_new = bn3a_branch2b_B - lr*V_bn3a_branch2b_B_new
-        bn3a_branch2b_B_new = T['bn3a_branch2b_B']  # in place: the new bn3a_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn3a_branch2b_B_new, T['V_bn3a_branch2b_B'], momentum, d_bn3a_branch2b_B, decay, T['bn3a_branch2b_B']),
-                   (ew_mul_sub, bn3a_branch2b_B_new, T['bn3a_branch2b_B'], lr, V_bn3a_branch2b_B_new))
-        # free d_bn3a_branch2b_bias, d_bn3a_branch2b_B
-        del d_bn3a_branch2b_bias, d_bn3a_branch2b_B
-        mem.free(537)
         # d_bn3a_branch2b_sum = d_bn3a_branch2b_batch_mean/25088
         d_bn3a_branch2b_sum = d_bn3a_branch2b_batch_mean  # in place: over d_bn3a_branch2b_batch_mean
         rt.ew(ew_scale_3, d_bn3a_branch2b_sum, d_bn3a_branch2b_batch_mean)
@@ -7566,26 +6813,8 @@ class Resnet50(rp.Model):
         mem.free(543)
         # d_bn3a_branch2a_W = reshape[128](d_bn3a_branch2a_weight)
         d_bn3a_branch2a_W = rt.reshape(d_bn3a_branch2a_weight, shape=(128,))
-        # V_bn3a_branch2a_W_new = V_bn3a_branch2a_W*momentum + d_bn3a_branch2a_W + decay*bn3a_branch2a_W   (computed with the next statement)
-        V_bn3a_branch2a_W_new = T['V_bn3a_branch2a_W']  # in place: the new V_bn3a_branch2a_W
-        # bn3a_branch2a_W_new = bn3a_branch2a_W - lr*V_bn3a_branch2a_W_new
-        bn3a_branch2a_W_new = T['bn3a_branch2a_W']  # in place: the new bn3a_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn3a_branch2a_W_new, T['V_bn3a_branch2a_W'], momentum, d_bn3a_branch2a_W, decay, T['bn3a_branch2a_W']),
-                   (ew_mul_sub, bn3a_branch2a_W_new, T['bn3a_branch2a_W'], lr, V_bn3a_branch2a_W_new))
-        # free bn3a_branch2a_inv_std, d_bn3a_branch2a_weight, d_bn3a_branch2a_W
-        del bn3a_branch2a_inv_std, d_bn3a_branch2a_weight, d_bn3a_branch2a_W
-        mem.free(61)
         # d_bn3a_branch2a_B = reshape[128](d_bn3a_branch2a_bias)
         d_bn3a_branch2a_B = rt.reshape(d_bn3a_branch2a_bias, shape=(128,))
-        # V_bn3a_branch2a_B_new = V_bn3a_branch2a_B*momentum + d_bn3a_branch2a_B + decay*bn3a_branch2a_B   (computed with the next statement)
-        V_bn3a_branch2a_B_new = T['V_bn3a_branch2a_B']  # in place: the new V_bn3a_branch2a_B
-        # bn3a_branch2a_B_new = bn3a_branch2a_B - lr*V_bn3a_branch2a_B_new
-        bn3a_branch2a_B_new = T['bn3a_branch2a_B']  # in place: the new bn3a_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn3a_branch2a_B_new, T['V_bn3a_branch2a_B'], momentum, d_bn3a_branch2a_B, decay, T['bn3a_branch2a_B']),
-                   (ew_mul_sub, bn3a_branch2a_B_new, T['bn3a_branch2a_B'], lr, V_bn3a_branch2a_B_new))
-        # free d_bn3a_branch2a_bias, d_bn3a_branch2a_B
-        del d_bn3a_branch2a_bias, d_bn3a_branch2a_B
-        mem.free(546)
         # d_bn3a_branch2a_sum = d_bn3a_branch2a_batch_mean/25088
         d_bn3a_branch2a_sum = d_bn3a_branch2a_batch_mean  # in place: over d_bn3a_branch2a_batch_mean
         rt.ew(ew_scale_3, d_bn3a_branch2a_sum, d_bn3a_branch2a_batch_mean)
@@ -7673,15 +6902,6 @@ class Resnet50(rp.Model):
         mem.free(550)
         # d_bn2c_branch2c_W = reshape[256](d_bn2c_branch2c_weight)
         d_bn2c_branch2c_W = rt.reshape(d_bn2c_branch2c_weight, shape=(256,))
-        # V_bn2c_branch2c_W_new = V_bn2c_branch2c_W*momentum + d_bn2c_branch2c_W + decay*bn2c_branch2c_W   (computed with the next statement)
-        V_bn2c_branch2c_W_new = T['V_bn2c_branch2c_W']  # in place: the new V_bn2c_branch2c_W
-        # bn2c_branch2c_W_new = bn2c_branch2c_W - lr*V_bn2c_branch2c_W_new
-        bn2c_branch2c_W_new = T['bn2c_branch2c_W']  # in place: the new bn2c_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn2c_branch2c_W_new, T['V_bn2c_branch2c_W'], momentum, d_bn2c_branch2c_W, decay, T['bn2c_branch2c_W']),
-                   (ew_mul_sub, bn2c_branch2c_W_new, T['bn2c_branch2c_W'], lr, V_bn2c_branch2c_W_new))
-        # free bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W
-        del bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W
-        mem.free(56)
         # d_bn2c_branch2c_sum = d_bn2c_branch2c_batch_mean/100352
         d_bn2c_branch2c_sum = d_bn2c_branch2c_batch_mean  # in place: over d_bn2c_branch2c_batch_mean
         rt.ew(ew_scale_2, d_bn2c_branch2c_sum, d_bn2c_branch2c_batch_mean)
@@ -7700,15 +6920,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn2c_branch2c_add, out=d_bn2c_branch2c_bias, shape=(1, 256, 1, 1))
         # d_bn2c_branch2c_B = reshape[256](d_bn2c_branch2c_bias)
         d_bn2c_branch2c_B = rt.reshape(d_bn2c_branch2c_bias, shape=(256,))
-        # V_bn2c_branch2c_B_new = V_bn2c_branch2c_B*momentum + d_bn2c_branch2c_B + decay*bn2c_branch2c_B   (computed with the next statement)
-        V_bn2c_branch2c_B_new = T['V_bn2c_branch2c_B']  # in place: the new V_bn2c_branch2c_B
-        # bn2c_branch2c_B_new = bn2c_branch2c_B - lr*V_bn2c_branch2c_B_new
-        bn2c_branch2c_B_new = T['bn2c_branch2c_B']  # in place: the new bn2c_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn2c_branch2c_B_new, T['V_bn2c_branch2c_B'], momentum, d_bn2c_branch2c_B, decay, T['bn2c_branch2c_B']),
-                   (ew_mul_sub, bn2c_branch2c_B_new, T['bn2c_branch2c_B'], lr, V_bn2c_branch2c_B_new))
-        # free d_bn2c_branch2c_bias, d_bn2c_branch2c_B
-        del d_bn2c_branch2c_bias, d_bn2c_branch2c_B
-        mem.free(553)
 
         # ---- bn2c_branch2b_relu (relu), forward ----
         # bn2c_branch2b_relu_2 = Max(0, bn2c_branch2b_centered*bn2c_branch2b_inv_std*bn2c_branch2b_weight + bn2c_branch2b_bias)
@@ -7739,19 +6950,6 @@ class Resnet50(rp.Model):
         # free bn2c_branch2b_relu_2
         del bn2c_branch2b_relu_2
         mem.free(554)
-
-        # ---- res2c_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
-        # V_res2c_branch2c_W_new = V_res2c_branch2c_W*momentum + d_res2c_branch2c_W + decay*res2c_branch2c_W   (computed with the next statement)
-        V_res2c_branch2c_W_new = T['V_res2c_branch2c_W']  # in place: the new V_res2c_branch2c_W
-        # res2c_branch2c_W_new = res2c_branch2c_W - lr*V_res2c_branch2c_W_new
-        res2c_branch2c_W_new = T['res2c_branch2c_W']  # in place: the new res2c_branch2c_W
-        rt.ew_pair((ew_mul_add, V_res2c_branch2c_W_new, T['V_res2c_branch2c_W'], momentum, d_res2c_branch2c_W, decay, T['res2c_branch2c_W']),
-                   (ew_mul_sub, res2c_branch2c_W_new, T['res2c_branch2c_W'], lr, V_res2c_branch2c_W_new))
-        # free d_res2c_branch2c_W
-        del d_res2c_branch2c_W
-        mem.free(555)
-
-        # ---- bn2c_branch2b (batch norm), backward ----
         # d_bn2c_branch2b_inv_std = bn2c_branch2b_weight*d_bn2c_branch2b_ew_sum   (computed with the next statement)
         d_bn2c_branch2b_inv_std = mem.tensor(558, (1, 64, 1, 1), 'float32')
         # d_bn2c_branch2b_sum_of_squares = -d_bn2c_branch2b_inv_std/(200704*(bn2c_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -7785,26 +6983,8 @@ class Resnet50(rp.Model):
         mem.free(557)
         # d_bn2c_branch2b_W = reshape[64](d_bn2c_branch2b_weight)
         d_bn2c_branch2b_W = rt.reshape(d_bn2c_branch2b_weight, shape=(64,))
-        # V_bn2c_branch2b_W_new = V_bn2c_branch2b_W*momentum + d_bn2c_branch2b_W + decay*bn2c_branch2b_W   (computed with the next statement)
-        V_bn2c_branch2b_W_new = T['V_bn2c_branch2b_W']  # in place: the new V_bn2c_branch2b_W
-        # bn2c_branch2b_W_new = bn2c_branch2b_W - lr*V_bn2c_branch2b_W_new
-        bn2c_branch2b_W_new = T['bn2c_branch2b_W']  # in place: the new bn2c_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn2c_branch2b_W_new, T['V_bn2c_branch2b_W'], momentum, d_bn2c_branch2b_W, decay, T['bn2c_branch2b_W']),
-                   (ew_mul_sub, bn2c_branch2b_W_new, T['bn2c_branch2b_W'], lr, V_bn2c_branch2b_W_new))
-        # free bn2c_branch2b_inv_std, d_bn2c_branch2b_weight, d_bn2c_branch2b_W
-        del bn2c_branch2b_inv_std, d_bn2c_branch2b_weight, d_bn2c_branch2b_W
-        mem.free(51)
         # d_bn2c_branch2b_B = reshape[64](d_bn2c_branch2b_bias)
         d_bn2c_branch2b_B = rt.reshape(d_bn2c_branch2b_bias, shape=(64,))
-        # V_bn2c_branch2b_B_new = V_bn2c_branch2b_B*momentum + d_bn2c_branch2b_B + decay*bn2c_branch2b_B   (computed with the next statement)
-        V_bn2c_branch2b_B_new = T['V_bn2c_branch2b_B']  # in place: the new V_bn2c_branch2b_B
-        # bn2c_branch2b_B_new = bn2c_branch2b_B - lr*V_bn2c_branch2b_B_new
-        bn2c_branch2b_B_new = T['bn2c_branch2b_B']  # in place: the new bn2c_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn2c_branch2b_B_new, T['V_bn2c_branch2b_B'], momentum, d_bn2c_branch2b_B, decay, T['bn2c_branch2b_B']),
-                   (ew_mul_sub, bn2c_branch2b_B_new, T['bn2c_branch2b_B'], lr, V_bn2c_branch2b_B_new))
-        # free d_bn2c_branch2b_bias, d_bn2c_branch2b_B
-        del d_bn2c_branch2b_bias, d_bn2c_branch2b_B
-        mem.free(560)
         # d_bn2c_branch2b_sum = d_bn2c_branch2b_batch_mean/100352
         d_bn2c_branch2b_sum = d_bn2c_branch2b_batch_mean  # in place: over d_bn2c_branch2b_batch_mean
         rt.ew(ew_scale_2, d_bn2c_branch2b_sum, d_bn2c_branch2b_batch_mean)
@@ -7892,26 +7072,8 @@ class Resnet50(rp.Model):
         mem.free(564)
         # d_bn2c_branch2a_W = reshape[64](d_bn2c_branch2a_weight)
         d_bn2c_branch2a_W = rt.reshape(d_bn2c_branch2a_weight, shape=(64,))
-        # V_bn2c_branch2a_W_new = V_bn2c_branch2a_W*momentum + d_bn2c_branch2a_W + decay*bn2c_branch2a_W   (computed with the next statement)
-        V_bn2c_branch2a_W_new = T['V_bn2c_branch2a_W']  # in place: the new V_bn2c_branch2a_W
-        # bn2c_branch2a_W_new = bn2c_branch2a_W - lr*V_bn2c_branch2a_W_new
-        bn2c_branch2a_W_new = T['bn2c_branch2a_W']  # in place: the new bn2c_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn2c_branch2a_W_new, T['V_bn2c_branch2a_W'], momentum, d_bn2c_branch2a_W, decay, T['bn2c_branch2a_W']),
-                   (ew_mul_sub, bn2c_branch2a_W_new, T['bn2c_branch2a_W'], lr, V_bn2c_branch2a_W_new))
-        # free bn2c_branch2a_inv_std, d_bn2c_branch2a_weight, d_bn2c_branch2a_W
-        del bn2c_branch2a_inv_std, d_bn2c_branch2a_weight, d_bn2c_branch2a_W
-        mem.free(46)
         # d_bn2c_branch2a_B = reshape[64](d_bn2c_branch2a_bias)
         d_bn2c_branch2a_B = rt.reshape(d_bn2c_branch2a_bias, shape=(64,))
-        # V_bn2c_branch2a_B_new = V_bn2c_branch2a_B*momentum + d_bn2c_branch2a_B + decay*bn2c_branch2a_B   (computed with the next statement)
-        V_bn2c_branch2a_B_new = T['V_bn2c_branch2a_B']  # in place: the new V_bn2c_branch2a_B
-        # bn2c_branch2a_B_new = bn2c_branch2a_B - lr*V_bn2c_branch2a_B_new
-        bn2c_branch2a_B_new = T['bn2c_branch2a_B']  # in place: the new bn2c_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn2c_branch2a_B_new, T['V_bn2c_branch2a_B'], momentum, d_bn2c_branch2a_B, decay, T['bn2c_branch2a_B']),
-                   (ew_mul_sub, bn2c_branch2a_B_new, T['bn2c_branch2a_B'], lr, V_bn2c_branch2a_B_new))
-        # free d_bn2c_branch2a_bias, d_bn2c_branch2a_B
-        del d_bn2c_branch2a_bias, d_bn2c_branch2a_B
-        mem.free(567)
         # d_bn2c_branch2a_sum = d_bn2c_branch2a_batch_mean/100352
         d_bn2c_branch2a_sum = d_bn2c_branch2a_batch_mean  # in place: over d_bn2c_branch2a_batch_mean
         rt.ew(ew_scale_2, d_bn2c_branch2a_sum, d_bn2c_branch2a_batch_mean)
@@ -7926,12 +7088,6 @@ class Resnet50(rp.Model):
         # d_res2c_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res2c_branch2a, bn2b_branch2c_relu)
         d_res2c_branch2a_W = mem.tensor(568, (64, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res2c_branch2a, bn2b_branch2c_relu, out=d_res2c_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
-        # V_res2c_branch2a_W_new = V_res2c_branch2a_W*momentum + d_res2c_branch2a_W + decay*res2c_branch2a_W
-        V_res2c_branch2a_W_new = T['V_res2c_branch2a_W']  # in place: the new V_res2c_branch2a_W
-        rt.ew(ew_mul_add, V_res2c_branch2a_W_new, T['V_res2c_branch2a_W'], momentum, d_res2c_branch2a_W, decay, T['res2c_branch2a_W'])
-        # free d_res2c_branch2a_W
-        del d_res2c_branch2a_W
-        mem.free(568)
         # d_bn2b_branch2c_relu = conv2d_bwd_data[size=(56,56)](d_res2c_branch2a, res2c_branch2a_W)
         d_bn2b_branch2c_relu = mem.tensor(569, (32, 256, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2c_branch2a, T['res2c_branch2a_W'], out=d_bn2b_branch2c_relu, pad=0, size=(56, 56), stride=1)
@@ -7952,13 +7108,6 @@ class Resnet50(rp.Model):
         # free bn2a_branch2c_relu, bn2b_branch2c_relu, d_bn2b_branch2c_relu
         del bn2a_branch2c_relu, bn2b_branch2c_relu, d_bn2b_branch2c_relu
         mem.free(28, 569)
-
-        # ---- res2c_branch2a (conv 1x1, 64 channels, stride 1, padding 0), backward ----
-        # res2c_branch2a_W_new = res2c_branch2a_W - lr*V_res2c_branch2a_W_new
-        res2c_branch2a_W_new = T['res2c_branch2a_W']  # in place: the new res2c_branch2a_W
-        rt.ew(ew_mul_sub, res2c_branch2a_W_new, T['res2c_branch2a_W'], lr, V_res2c_branch2a_W_new)
-
-        # ---- bn2b_branch2c (batch norm), backward ----
         # d_bn2b_branch2c_inv_std = bn2b_branch2c_weight*d_bn2b_branch2c_ew_sum   (computed with the next statement)
         d_bn2b_branch2c_inv_std = mem.tensor(571, (1, 256, 1, 1), 'float32')
         # d_bn2b_branch2c_sum_of_squares = -d_bn2b_branch2c_inv_std/(200704*(bn2b_branch2c_batch_var + 1.0e-5)**(3/2))
@@ -7986,15 +7135,6 @@ class Resnet50(rp.Model):
         mem.free(570)
         # d_bn2b_branch2c_W = reshape[256](d_bn2b_branch2c_weight)
         d_bn2b_branch2c_W = rt.reshape(d_bn2b_branch2c_weight, shape=(256,))
-        # V_bn2b_branch2c_W_new = V_bn2b_branch2c_W*momentum + d_bn2b_branch2c_W + decay*bn2b_branch2c_W   (computed with the next statement)
-        V_bn2b_branch2c_W_new = T['V_bn2b_branch2c_W']  # in place: the new V_bn2b_branch2c_W
-        # bn2b_branch2c_W_new = bn2b_branch2c_W - lr*V_bn2b_branch2c_W_new
-        bn2b_branch2c_W_new = T['bn2b_branch2c_W']  # in place: the new bn2b_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn2b_branch2c_W_new, T['V_bn2b_branch2c_W'], momentum, d_bn2b_branch2c_W, decay, T['bn2b_branch2c_W']),
-                   (ew_mul_sub, bn2b_branch2c_W_new, T['bn2b_branch2c_W'], lr, V_bn2b_branch2c_W_new))
-        # free bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W
-        del bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W
-        mem.free(42)
         # d_bn2b_branch2c_sum = d_bn2b_branch2c_batch_mean/100352
         d_bn2b_branch2c_sum = d_bn2b_branch2c_batch_mean  # in place: over d_bn2b_branch2c_batch_mean
         rt.ew(ew_scale_2, d_bn2b_branch2c_sum, d_bn2b_branch2c_batch_mean)
@@ -8013,15 +7153,6 @@ class Resnet50(rp.Model):
         rt.sum_to(d_bn2b_branch2c_add, out=d_bn2b_branch2c_bias, shape=(1, 256, 1, 1))
         # d_bn2b_branch2c_B = reshape[256](d_bn2b_branch2c_bias)
         d_bn2b_branch2c_B = rt.reshape(d_bn2b_branch2c_bias, shape=(256,))
-        # V_bn2b_branch2c_B_new = V_bn2b_branch2c_B*momentum + d_bn2b_branch2c_B + decay*bn2b_branch2c_B   (computed with the next statement)
-        V_bn2b_branch2c_B_new = T['V_bn2b_branch2c_B']  # in place: the new V_bn2b_branch2c_B
-        # bn2b_branch2c_B_new = bn2b_branch2c_B - lr*V_bn2b_branch2c_B_new
-        bn2b_branch2c_B_new = T['bn2b_branch2c_B']  # in place: the new bn2b_branch2c_B
-        rt.ew_pair((ew_mul_add, V_bn2b_branch2c_B_new, T['V_bn2b_branch2c_B'], momentum, d_bn2b_branch2c_B, decay, T['bn2b_branch2c_B']),
-                   (ew_mul_sub, bn2b_branch2c_B_new, T['bn2b_branch2c_B'], lr, V_bn2b_branch2c_B_new))
-        # free d_bn2b_branch2c_bias, d_bn2b_branch2c_B
-        del d_bn2b_branch2c_bias, d_bn2b_branch2c_B
-        mem.free(573)
 
         # ---- bn2b_branch2b_relu (relu), forward ----
         # bn2b_branch2b_relu_2 = Max(0, bn2b_branch2b_centered*bn2b_branch2b_inv_std*bn2b_branch2b_weight + bn2b_branch2b_bias)
@@ -8052,19 +7183,6 @@ class Resnet50(rp.Model):
         # free bn2b_branch2b_relu_2
         del bn2b_branch2b_relu_2
         mem.free(574)
-
-        # ---- res2b_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
-        # V_res2b_branch2c_W_new = V_res2b_branch2c_W*momentum + d_res2b_branch2c_W + decay*res2b_branch2c_W   (computed with the next statement)
-        V_res2b_branch2c_W_new = T['V_res2b_branch2c_W']  # in place: the new V_res2b_branch2c_W
-        # res2b_branch2c_W_new = res2b_branch2c_W - lr*V_res2b_branch2c_W_new
-        res2b_branch2c_W_new = T['res2b_branch2c_W']  # in place: the new res2b_branch2c_W
-        rt.ew_pair((ew_mul_add, V_res2b_branch2c_W_new, T['V_res2b_branch2c_W'], momentum, d_res2b_branch2c_W, decay, T['res2b_branch2c_W']),
-                   (ew_mul_sub, res2b_branch2c_W_new, T['res2b_branch2c_W'], lr, V_res2b_branch2c_W_new))
-        # free d_res2b_branch2c_W
-        del d_res2b_branch2c_W
-        mem.free(575)
-
-        # ---- bn2b_branch2b (batch norm), backward ----
         # d_bn2b_branch2b_inv_std = bn2b_branch2b_weight*d_bn2b_branch2b_ew_sum   (computed with the next statement)
         d_bn2b_branch2b_inv_std = mem.tensor(578, (1, 64, 1, 1), 'float32')
         # d_bn2b_branch2b_sum_of_squares = -d_bn2b_branch2b_inv_std/(200704*(bn2b_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -8098,26 +7216,8 @@ class Resnet50(rp.Model):
         mem.free(577)
         # d_bn2b_branch2b_W = reshape[64](d_bn2b_branch2b_weight)
         d_bn2b_branch2b_W = rt.reshape(d_bn2b_branch2b_weight, shape=(64,))
-        # V_bn2b_branch2b_W_new = V_bn2b_branch2b_W*momentum + d_bn2b_branch2b_W + decay*bn2b_branch2b_W   (computed with the next statement)
-        V_bn2b_branch2b_W_new = T['V_bn2b_branch2b_W']  # in place: the new V_bn2b_branch2b_W
-        # bn2b_branch2b_W_new = bn2b_branch2b_W - lr*V_bn2b_branch2b_W_new
-        bn2b_branch2b_W_new = T['bn2b_branch2b_W']  # in place: the new bn2b_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn2b_branch2b_W_new, T['V_bn2b_branch2b_W'], momentum, d_bn2b_branch2b_W, decay, T['bn2b_branch2b_W']),
-                   (ew_mul_sub, bn2b_branch2b_W_new, T['bn2b_branch2b_W'], lr, V_bn2b_branch2b_W_new))
-        # free bn2b_branch2b_inv_std, d_bn2b_branch2b_weight, d_bn2b_branch2b_W
-        del bn2b_branch2b_inv_std, d_bn2b_branch2b_weight, d_bn2b_branch2b_W
-        mem.free(37)
         # d_bn2b_branch2b_B = reshape[64](d_bn2b_branch2b_bias)
         d_bn2b_branch2b_B = rt.reshape(d_bn2b_branch2b_bias, shape=(64,))
-        # V_bn2b_branch2b_B_new = V_bn2b_branch2b_B*momentum + d_bn2b_branch2b_B + decay*bn2b_branch2b_B   (computed with the next statement)
-        V_bn2b_branch2b_B_new = T['V_bn2b_branch2b_B']  # in place: the new V_bn2b_branch2b_B
-        # bn2b_branch2b_B_new = bn2b_branch2b_B - lr*V_bn2b_branch2b_B_new
-        bn2b_branch2b_B_new = T['bn2b_branch2b_B']  # in place: the new bn2b_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn2b_branch2b_B_new, T['V_bn2b_branch2b_B'], momentum, d_bn2b_branch2b_B, decay, T['bn2b_branch2b_B']),
-                   (ew_mul_sub, bn2b_branch2b_B_new, T['bn2b_branch2b_B'], lr, V_bn2b_branch2b_B_new))
-        # free d_bn2b_branch2b_bias, d_bn2b_branch2b_B
-        del d_bn2b_branch2b_bias, d_bn2b_branch2b_B
-        mem.free(580)
         # d_bn2b_branch2b_sum = d_bn2b_branch2b_batch_mean/100352
         d_bn2b_branch2b_sum = d_bn2b_branch2b_batch_mean  # in place: over d_bn2b_branch2b_batch_mean
         rt.ew(ew_scale_2, d_bn2b_branch2b_sum, d_bn2b_branch2b_batch_mean)
@@ -8205,26 +7305,8 @@ class Resnet50(rp.Model):
         mem.free(584)
         # d_bn2b_branch2a_W = reshape[64](d_bn2b_branch2a_weight)
         d_bn2b_branch2a_W = rt.reshape(d_bn2b_branch2a_weight, shape=(64,))
-        # V_bn2b_branch2a_W_new = V_bn2b_branch2a_W*momentum + d_bn2b_branch2a_W + decay*bn2b_branch2a_W   (computed with the next statement)
-        V_bn2b_branch2a_W_new = T['V_bn2b_branch2a_W']  # in place: the new V_bn2b_branch2a_W
-        # bn2b_branch2a_W_new = bn2b_branch2a_W - lr*V_bn2b_branch2a_W_new
-        bn2b_branch2a_W_new = T['bn2b_branch2a_W']  # in place: the new bn2b_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn2b_branch2a_W_new, T['V_bn2b_branch2a_W'], momentum, d_bn2b_branch2a_W, decay, T['bn2b_branch2a_W']),
-                   (ew_mul_sub, bn2b_branch2a_W_new, T['bn2b_branch2a_W'], lr, V_bn2b_branch2a_W_new))
-        # free bn2b_branch2a_inv_std, d_bn2b_branch2a_weight, d_bn2b_branch2a_W
-        del bn2b_branch2a_inv_std, d_bn2b_branch2a_weight, d_bn2b_branch2a_W
-        mem.free(32)
         # d_bn2b_branch2a_B = reshape[64](d_bn2b_branch2a_bias)
         d_bn2b_branch2a_B = rt.reshape(d_bn2b_branch2a_bias, shape=(64,))
-        # V_bn2b_branch2a_B_new = V_bn2b_branch2a_B*momentum + d_bn2b_branch2a_B + decay*bn2b_branch2a_B   (computed with the next statement)
-        V_bn2b_branch2a_B_new = T['V_bn2b_branch2a_B']  # in place: the new V_bn2b_branch2a_B
-        # bn2b_branch2a_B_new = bn2b_branch2a_B - lr*V_bn2b_branch2a_B_new
-        bn2b_branch2a_B_new = T['bn2b_branch2a_B']  # in place: the new bn2b_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn2b_branch2a_B_new, T['V_bn2b_branch2a_B'], momentum, d_bn2b_branch2a_B, decay, T['bn2b_branch2a_B']),
-                   (ew_mul_sub, bn2b_branch2a_B_new, T['bn2b_branch2a_B'], lr, V_bn2b_branch2a_B_new))
-        # free d_bn2b_branch2a_bias, d_bn2b_branch2a_B
-        del d_bn2b_branch2a_bias, d_bn2b_branch2a_B
-        mem.free(587)
         # d_bn2b_branch2a_sum = d_bn2b_branch2a_batch_mean/100352
         d_bn2b_branch2a_sum = d_bn2b_branch2a_batch_mean  # in place: over d_bn2b_branch2a_batch_mean
         rt.ew(ew_scale_2, d_bn2b_branch2a_sum, d_bn2b_branch2a_batch_mean)
@@ -8246,12 +7328,6 @@ class Resnet50(rp.Model):
         # d_res2b_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res2b_branch2a, bn2a_branch2c_relu_2)
         d_res2b_branch2a_W = mem.tensor(589, (64, 256, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res2b_branch2a, bn2a_branch2c_relu_2, out=d_res2b_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(32178176))
-        # V_res2b_branch2a_W_new = V_res2b_branch2a_W*momentum + d_res2b_branch2a_W + decay*res2b_branch2a_W
-        V_res2b_branch2a_W_new = T['V_res2b_branch2a_W']  # in place: the new V_res2b_branch2a_W
-        rt.ew(ew_mul_add, V_res2b_branch2a_W_new, T['V_res2b_branch2a_W'], momentum, d_res2b_branch2a_W, decay, T['res2b_branch2a_W'])
-        # free d_res2b_branch2a_W
-        del d_res2b_branch2a_W
-        mem.free(589)
         # d_bn2a_branch2c_relu = conv2d_bwd_data[size=(56,56)](d_res2b_branch2a, res2b_branch2a_W)
         d_bn2a_branch2c_relu = mem.tensor(590, (32, 256, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2b_branch2a, T['res2b_branch2a_W'], out=d_bn2a_branch2c_relu, pad=0, size=(56, 56), stride=1)
@@ -8263,24 +7339,22 @@ class Resnet50(rp.Model):
         # d_bn2a_branch2c_add = (d_bn2b_branch2c_add + d_bn2a_branch2c_relu)*Heaviside(bn2a_branch2c_relu_2, 0)   (computed with the next statement)
         d_bn2a_branch2c_add = d_bn2b_branch2c_add  # in place: over d_bn2b_branch2c_add
 
-        # ---- bn2a_branch2c (batch norm), backward ----
-        # d_bn2a_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered)
-        d_bn2a_branch2c_ew_sum = mem.tensor(591, (1, 256, 1, 1), 'float32')
+        # ---- bn2a_branch1 (batch norm), backward ----
+        # d_bn2a_branch1_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch1_centered)
+        d_bn2a_branch1_ew_sum = mem.tensor(591, (1, 256, 1, 1), 'float32')
         rt.ew_and_sum((ew_add_step_mul, d_bn2a_branch2c_add, d_bn2b_branch2c_add, d_bn2a_branch2c_relu, bn2a_branch2c_relu_2),
-                      (ew_mul, d_bn2a_branch2c_ew_sum, d_bn2a_branch2c_add, bn2a_branch2c_centered),
+                      (ew_mul, d_bn2a_branch1_ew_sum, d_bn2a_branch2c_add, bn2a_branch1_centered),
                       shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # free bn2a_branch2c_relu_2, d_bn2a_branch2c_relu
         del bn2a_branch2c_relu_2, d_bn2a_branch2c_relu
         mem.free(588, 590)
 
-        # ---- res2b_branch2a (conv 1x1, 64 channels, stride 1, padding 0), backward ----
-        # res2b_branch2a_W_new = res2b_branch2a_W - lr*V_res2b_branch2a_W_new
-        res2b_branch2a_W_new = T['res2b_branch2a_W']  # in place: the new res2b_branch2a_W
-        rt.ew(ew_mul_sub, res2b_branch2a_W_new, T['res2b_branch2a_W'], lr, V_res2b_branch2a_W_new)
-
         # ---- bn2a_branch2c (batch norm), backward ----
+        # d_bn2a_branch2c_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch2c_centered)
+        d_bn2a_branch2c_ew_sum = mem.tensor(592, (1, 256, 1, 1), 'float32')
+        rt.ew_sum(ew_mul, d_bn2a_branch2c_ew_sum, d_bn2a_branch2c_add, bn2a_branch2c_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2a_branch2c_inv_std = bn2a_branch2c_weight*d_bn2a_branch2c_ew_sum   (computed with the next statement)
-        d_bn2a_branch2c_inv_std = mem.tensor(592, (1, 256, 1, 1), 'float32')
+        d_bn2a_branch2c_inv_std = mem.tensor(593, (1, 256, 1, 1), 'float32')
         # d_bn2a_branch2c_sum_of_squares = -d_bn2a_branch2c_inv_std/(200704*(bn2a_branch2c_batch_var + 1.0e-5)**(3/2))
         d_bn2a_branch2c_sum_of_squares = d_bn2a_branch2c_inv_std  # in place: over d_bn2a_branch2c_inv_std
         rt.ew_pair((ew_mul, d_bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_ew_sum),
@@ -8291,30 +7365,21 @@ class Resnet50(rp.Model):
         # d_bn2a_branch2c_centered = d_bn2a_branch2c_add*bn2a_branch2c_inv_std*bn2a_branch2c_weight + 2*d_bn2a_branch2c_sum_of_squares*bn2a_branch2c_centered   (computed with the next statement)
         d_bn2a_branch2c_centered = bn2a_branch2c_centered  # in place: over bn2a_branch2c_centered
         # d_bn2a_branch2c_batch_mean = sum_to[1x256x1x1](-d_bn2a_branch2c_centered)
-        d_bn2a_branch2c_batch_mean = mem.tensor(593, (1, 256, 1, 1), 'float32')
+        d_bn2a_branch2c_batch_mean = mem.tensor(594, (1, 256, 1, 1), 'float32')
         rt.ew_and_sum((ew_mul_add_2, d_bn2a_branch2c_centered, d_bn2a_branch2c_add, bn2a_branch2c_inv_std, bn2a_branch2c_weight, d_bn2a_branch2c_sum_of_squares, bn2a_branch2c_centered),
                       (ew_neg, d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_centered),
                       shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # free d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
         del d_bn2a_branch2c_inv_std, d_bn2a_branch2c_sum_of_squares
-        mem.free(592)
+        mem.free(593)
         # d_bn2a_branch2c_weight = bn2a_branch2c_inv_std*d_bn2a_branch2c_ew_sum
         d_bn2a_branch2c_weight = bn2a_branch2c_inv_std  # in place: over bn2a_branch2c_inv_std
         rt.ew(ew_mul_2, d_bn2a_branch2c_weight, bn2a_branch2c_inv_std, d_bn2a_branch2c_ew_sum)
         # free d_bn2a_branch2c_ew_sum
         del d_bn2a_branch2c_ew_sum
-        mem.free(591)
+        mem.free(592)
         # d_bn2a_branch2c_W = reshape[256](d_bn2a_branch2c_weight)
         d_bn2a_branch2c_W = rt.reshape(d_bn2a_branch2c_weight, shape=(256,))
-        # V_bn2a_branch2c_W_new = V_bn2a_branch2c_W*momentum + d_bn2a_branch2c_W + decay*bn2a_branch2c_W   (computed with the next statement)
-        V_bn2a_branch2c_W_new = T['V_bn2a_branch2c_W']  # in place: the new V_bn2a_branch2c_W
-        # bn2a_branch2c_W_new = bn2a_branch2c_W - lr*V_bn2a_branch2c_W_new
-        bn2a_branch2c_W_new = T['bn2a_branch2c_W']  # in place: the new bn2a_branch2c_W
-        rt.ew_pair((ew_mul_add, V_bn2a_branch2c_W_new, T['V_bn2a_branch2c_W'], momentum, d_bn2a_branch2c_W, decay, T['bn2a_branch2c_W']),
-                   (ew_mul_sub, bn2a_branch2c_W_new, T['bn2a_branch2c_W'], lr, V_bn2a_branch2c_W_new))
-        # free bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W
-        del bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W
-        mem.free(27)
         # d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean/100352
         d_bn2a_branch2c_sum = d_bn2a_branch2c_batch_mean  # in place: over d_bn2a_branch2c_batch_mean
         rt.ew(ew_scale_2, d_bn2a_branch2c_sum, d_bn2a_branch2c_batch_mean)
@@ -8325,12 +7390,9 @@ class Resnet50(rp.Model):
         rt.ew(ew_add, d_res2a_branch2c, d_bn2a_branch2c_centered, d_bn2a_branch2c_sum)
         # free d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_sum
         del d_bn2a_branch2c_batch_mean, d_bn2a_branch2c_sum
-        mem.free(593)
+        mem.free(594)
 
         # ---- bn2a_branch1 (batch norm), backward ----
-        # d_bn2a_branch1_ew_sum = sum_to[1x256x1x1](d_bn2a_branch2c_add*bn2a_branch1_centered)
-        d_bn2a_branch1_ew_sum = mem.tensor(594, (1, 256, 1, 1), 'float32')
-        rt.ew_sum(ew_mul, d_bn2a_branch1_ew_sum, d_bn2a_branch2c_add, bn2a_branch1_centered, shape=(1, 256, 1, 1), workspace=mem.workspace(6423552))
         # d_bn2a_branch1_inv_std = bn2a_branch1_weight*d_bn2a_branch1_ew_sum   (computed with the next statement)
         d_bn2a_branch1_inv_std = mem.tensor(595, (1, 256, 1, 1), 'float32')
         # d_bn2a_branch1_sum_of_squares = -d_bn2a_branch1_inv_std/(200704*(bn2a_branch1_batch_var + 1.0e-5)**(3/2))
@@ -8361,43 +7423,11 @@ class Resnet50(rp.Model):
         rt.ew(ew_mul_2, d_bn2a_branch1_weight, bn2a_branch1_inv_std, d_bn2a_branch1_ew_sum)
         # free d_bn2a_branch1_ew_sum
         del d_bn2a_branch1_ew_sum
-        mem.free(594)
+        mem.free(591)
         # d_bn2a_branch1_B = reshape[256](d_bn2a_branch1_bias)
         d_bn2a_branch1_B = rt.reshape(d_bn2a_branch1_bias, shape=(256,))
-
-        # ---- bn2a_branch2c (batch norm), backward ----
-        # V_bn2a_branch2c_B_new = V_bn2a_branch2c_B*momentum + d_bn2a_branch1_B + decay*bn2a_branch2c_B
-        V_bn2a_branch2c_B_new = T['V_bn2a_branch2c_B']  # in place: the new V_bn2a_branch2c_B
-        rt.ew(ew_mul_add, V_bn2a_branch2c_B_new, T['V_bn2a_branch2c_B'], momentum, d_bn2a_branch1_B, decay, T['bn2a_branch2c_B'])
-
-        # ---- bn2a_branch1 (batch norm), backward ----
-        # V_bn2a_branch1_B_new = V_bn2a_branch1_B*momentum + d_bn2a_branch1_B + decay*bn2a_branch1_B
-        V_bn2a_branch1_B_new = T['V_bn2a_branch1_B']  # in place: the new V_bn2a_branch1_B
-        rt.ew(ew_mul_add, V_bn2a_branch1_B_new, T['V_bn2a_branch1_B'], momentum, d_bn2a_branch1_B, decay, T['bn2a_branch1_B'])
-        # free d_bn2a_branch1_bias, d_bn2a_branch1_B
-        del d_bn2a_branch1_bias, d_bn2a_branch1_B
-        mem.free(597)
-
-        # ---- bn2a_branch2c (batch norm), backward ----
-        # bn2a_branch2c_B_new = bn2a_branch2c_B - lr*V_bn2a_branch2c_B_new
-        bn2a_branch2c_B_new = T['bn2a_branch2c_B']  # in place: the new bn2a_branch2c_B
-        rt.ew(ew_mul_sub, bn2a_branch2c_B_new, T['bn2a_branch2c_B'], lr, V_bn2a_branch2c_B_new)
-
-        # ---- bn2a_branch1 (batch norm), backward ----
         # d_bn2a_branch1_W = reshape[256](d_bn2a_branch1_weight)
         d_bn2a_branch1_W = rt.reshape(d_bn2a_branch1_weight, shape=(256,))
-        # V_bn2a_branch1_W_new = V_bn2a_branch1_W*momentum + d_bn2a_branch1_W + decay*bn2a_branch1_W   (computed with the next statement)
-        V_bn2a_branch1_W_new = T['V_bn2a_branch1_W']  # in place: the new V_bn2a_branch1_W
-        # bn2a_branch1_W_new = bn2a_branch1_W - lr*V_bn2a_branch1_W_new
-        bn2a_branch1_W_new = T['bn2a_branch1_W']  # in place: the new bn2a_branch1_W
-        rt.ew_pair((ew_mul_add, V_bn2a_branch1_W_new, T['V_bn2a_branch1_W'], momentum, d_bn2a_branch1_W, decay, T['bn2a_branch1_W']),
-                   (ew_mul_sub, bn2a_branch1_W_new, T['bn2a_branch1_W'], lr, V_bn2a_branch1_W_new))
-        # free bn2a_branch1_inv_std, d_bn2a_branch1_weight, d_bn2a_branch1_W
-        del bn2a_branch1_inv_std, d_bn2a_branch1_weight, d_bn2a_branch1_W
-        mem.free(23)
-        # bn2a_branch1_B_new = bn2a_branch1_B - lr*V_bn2a_branch1_B_new
-        bn2a_branch1_B_new = T['bn2a_branch1_B']  # in place: the new bn2a_branch1_B
-        rt.ew(ew_mul_sub, bn2a_branch1_B_new, T['bn2a_branch1_B'], lr, V_bn2a_branch1_B_new)
         # d_bn2a_branch1_sum = d_bn2a_branch1_batch_mean/100352
         d_bn2a_branch1_sum = d_bn2a_branch1_batch_mean  # in place: over d_bn2a_branch1_batch_mean
         rt.ew(ew_scale_2, d_bn2a_branch1_sum, d_bn2a_branch1_batch_mean)
@@ -8439,19 +7469,6 @@ class Resnet50(rp.Model):
         # free bn2a_branch2b_relu_2
         del bn2a_branch2b_relu_2
         mem.free(598)
-
-        # ---- res2a_branch2c (conv 1x1, 256 channels, stride 1, padding 0), backward ----
-        # V_res2a_branch2c_W_new = V_res2a_branch2c_W*momentum + d_res2a_branch2c_W + decay*res2a_branch2c_W   (computed with the next statement)
-        V_res2a_branch2c_W_new = T['V_res2a_branch2c_W']  # in place: the new V_res2a_branch2c_W
-        # res2a_branch2c_W_new = res2a_branch2c_W - lr*V_res2a_branch2c_W_new
-        res2a_branch2c_W_new = T['res2a_branch2c_W']  # in place: the new res2a_branch2c_W
-        rt.ew_pair((ew_mul_add, V_res2a_branch2c_W_new, T['V_res2a_branch2c_W'], momentum, d_res2a_branch2c_W, decay, T['res2a_branch2c_W']),
-                   (ew_mul_sub, res2a_branch2c_W_new, T['res2a_branch2c_W'], lr, V_res2a_branch2c_W_new))
-        # free d_res2a_branch2c_W
-        del d_res2a_branch2c_W
-        mem.free(599)
-
-        # ---- bn2a_branch2b (batch norm), backward ----
         # d_bn2a_branch2b_inv_std = bn2a_branch2b_weight*d_bn2a_branch2b_ew_sum   (computed with the next statement)
         d_bn2a_branch2b_inv_std = mem.tensor(602, (1, 64, 1, 1), 'float32')
         # d_bn2a_branch2b_sum_of_squares = -d_bn2a_branch2b_inv_std/(200704*(bn2a_branch2b_batch_var + 1.0e-5)**(3/2))
@@ -8485,26 +7502,8 @@ class Resnet50(rp.Model):
         mem.free(601)
         # d_bn2a_branch2b_W = reshape[64](d_bn2a_branch2b_weight)
         d_bn2a_branch2b_W = rt.reshape(d_bn2a_branch2b_weight, shape=(64,))
-        # V_bn2a_branch2b_W_new = V_bn2a_branch2b_W*momentum + d_bn2a_branch2b_W + decay*bn2a_branch2b_W   (computed with the next statement)
-        V_bn2a_branch2b_W_new = T['V_bn2a_branch2b_W']  # in place: the new V_bn2a_branch2b_W
-        # bn2a_branch2b_W_new = bn2a_branch2b_W - lr*V_bn2a_branch2b_W_new
-        bn2a_branch2b_W_new = T['bn2a_branch2b_W']  # in place: the new bn2a_branch2b_W
-        rt.ew_pair((ew_mul_add, V_bn2a_branch2b_W_new, T['V_bn2a_branch2b_W'], momentum, d_bn2a_branch2b_W, decay, T['bn2a_branch2b_W']),
-                   (ew_mul_sub, bn2a_branch2b_W_new, T['bn2a_branch2b_W'], lr, V_bn2a_branch2b_W_new))
-        # free bn2a_branch2b_inv_std, d_bn2a_branch2b_weight, d_bn2a_branch2b_W
-        del bn2a_branch2b_inv_std, d_bn2a_branch2b_weight, d_bn2a_branch2b_W
-        mem.free(18)
         # d_bn2a_branch2b_B = reshape[64](d_bn2a_branch2b_bias)
         d_bn2a_branch2b_B = rt.reshape(d_bn2a_branch2b_bias, shape=(64,))
-        # V_bn2a_branch2b_B_new = V_bn2a_branch2b_B*momentum + d_bn2a_branch2b_B + decay*bn2a_branch2b_B   (computed with the next statement)
-        V_bn2a_branch2b_B_new = T['V_bn2a_branch2b_B']  # in place: the new V_bn2a_branch2b_B
-        # bn2a_branch2b_B_new = bn2a_branch2b_B - lr*V_bn2a_branch2b_B_new
-        bn2a_branch2b_B_new = T['bn2a_branch2b_B']  # in place: the new bn2a_branch2b_B
-        rt.ew_pair((ew_mul_add, V_bn2a_branch2b_B_new, T['V_bn2a_branch2b_B'], momentum, d_bn2a_branch2b_B, decay, T['bn2a_branch2b_B']),
-                   (ew_mul_sub, bn2a_branch2b_B_new, T['bn2a_branch2b_B'], lr, V_bn2a_branch2b_B_new))
-        # free d_bn2a_branch2b_bias, d_bn2a_branch2b_B
-        del d_bn2a_branch2b_bias, d_bn2a_branch2b_B
-        mem.free(604)
         # d_bn2a_branch2b_sum = d_bn2a_branch2b_batch_mean/100352
         d_bn2a_branch2b_sum = d_bn2a_branch2b_batch_mean  # in place: over d_bn2a_branch2b_batch_mean
         rt.ew(ew_scale_2, d_bn2a_branch2b_sum, d_bn2a_branch2b_batch_mean)
@@ -8527,15 +7526,6 @@ class Resnet50(rp.Model):
         # free res2a_branch1, bn2a_branch1_centered, d_bn2a_branch1_centered, d_res2a_branch1
         del res2a_branch1, bn2a_branch1_centered, d_bn2a_branch1_centered, d_res2a_branch1
         mem.free(20)
-        # V_res2a_branch1_W_new = V_res2a_branch1_W*momentum + d_res2a_branch1_W + decay*res2a_branch1_W   (computed with the next statement)
-        V_res2a_branch1_W_new = T['V_res2a_branch1_W']  # in place: the new V_res2a_branch1_W
-        # res2a_branch1_W_new = res2a_branch1_W - lr*V_res2a_branch1_W_new
-        res2a_branch1_W_new = T['res2a_branch1_W']  # in place: the new res2a_branch1_W
-        rt.ew_pair((ew_mul_add, V_res2a_branch1_W_new, T['V_res2a_branch1_W'], momentum, d_res2a_branch1_W, decay, T['res2a_branch1_W']),
-                   (ew_mul_sub, res2a_branch1_W_new, T['res2a_branch1_W'], lr, V_res2a_branch1_W_new))
-        # free d_res2a_branch1_W
-        del d_res2a_branch1_W
-        mem.free(605)
 
         # ---- bn2a_branch2a_relu (relu), forward ----
         # bn2a_branch2a_relu_2 = Max(0, bn2a_branch2a_centered*bn2a_branch2a_inv_std*bn2a_branch2a_weight + bn2a_branch2a_bias)
@@ -8612,26 +7602,8 @@ class Resnet50(rp.Model):
         mem.free(610)
         # d_bn2a_branch2a_W = reshape[64](d_bn2a_branch2a_weight)
         d_bn2a_branch2a_W = rt.reshape(d_bn2a_branch2a_weight, shape=(64,))
-        # V_bn2a_branch2a_W_new = V_bn2a_branch2a_W*momentum + d_bn2a_branch2a_W + decay*bn2a_branch2a_W   (computed with the next statement)
-        V_bn2a_branch2a_W_new = T['V_bn2a_branch2a_W']  # in place: the new V_bn2a_branch2a_W
-        # bn2a_branch2a_W_new = bn2a_branch2a_W - lr*V_bn2a_branch2a_W_new
-        bn2a_branch2a_W_new = T['bn2a_branch2a_W']  # in place: the new bn2a_branch2a_W
-        rt.ew_pair((ew_mul_add, V_bn2a_branch2a_W_new, T['V_bn2a_branch2a_W'], momentum, d_bn2a_branch2a_W, decay, T['bn2a_branch2a_W']),
-                   (ew_mul_sub, bn2a_branch2a_W_new, T['bn2a_branch2a_W'], lr, V_bn2a_branch2a_W_new))
-        # free bn2a_branch2a_inv_std, d_bn2a_branch2a_weight, d_bn2a_branch2a_W
-        del bn2a_branch2a_inv_std, d_bn2a_branch2a_weight, d_bn2a_branch2a_W
-        mem.free(13)
         # d_bn2a_branch2a_B = reshape[64](d_bn2a_branch2a_bias)
         d_bn2a_branch2a_B = rt.reshape(d_bn2a_branch2a_bias, shape=(64,))
-        # V_bn2a_branch2a_B_new = V_bn2a_branch2a_B*momentum + d_bn2a_branch2a_B + decay*bn2a_branch2a_B   (computed with the next statement)
-        V_bn2a_branch2a_B_new = T['V_bn2a_branch2a_B']  # in place: the new V_bn2a_branch2a_B
-        # bn2a_branch2a_B_new = bn2a_branch2a_B - lr*V_bn2a_branch2a_B_new
-        bn2a_branch2a_B_new = T['bn2a_branch2a_B']  # in place: the new bn2a_branch2a_B
-        rt.ew_pair((ew_mul_add, V_bn2a_branch2a_B_new, T['V_bn2a_branch2a_B'], momentum, d_bn2a_branch2a_B, decay, T['bn2a_branch2a_B']),
-                   (ew_mul_sub, bn2a_branch2a_B_new, T['bn2a_branch2a_B'], lr, V_bn2a_branch2a_B_new))
-        # free d_bn2a_branch2a_bias, d_bn2a_branch2a_B
-        del d_bn2a_branch2a_bias, d_bn2a_branch2a_B
-        mem.free(613)
         # d_bn2a_branch2a_sum = d_bn2a_branch2a_batch_mean/100352
         d_bn2a_branch2a_sum = d_bn2a_branch2a_batch_mean  # in place: over d_bn2a_branch2a_batch_mean
         rt.ew(ew_scale_2, d_bn2a_branch2a_sum, d_bn2a_branch2a_batch_mean)
@@ -8646,12 +7618,6 @@ class Resnet50(rp.Model):
         # d_res2a_branch2a_W = conv2d_bwd_filter[kernel=(1,1)](d_res2a_branch2a, bn_conv1_max_pool)
         d_res2a_branch2a_W = mem.tensor(614, (64, 64, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res2a_branch2a, bn_conv1_max_pool, out=d_res2a_branch2a_W, kernel=(1, 1), pad=0, stride=1, workspace=mem.workspace(25706496))
-        # V_res2a_branch2a_W_new = V_res2a_branch2a_W*momentum + d_res2a_branch2a_W + decay*res2a_branch2a_W
-        V_res2a_branch2a_W_new = T['V_res2a_branch2a_W']  # in place: the new V_res2a_branch2a_W
-        rt.ew(ew_mul_add, V_res2a_branch2a_W_new, T['V_res2a_branch2a_W'], momentum, d_res2a_branch2a_W, decay, T['res2a_branch2a_W'])
-        # free d_res2a_branch2a_W
-        del d_res2a_branch2a_W
-        mem.free(614)
         # d_bn_conv1_max_pool_2 = conv2d_bwd_data[size=(56,56)](d_res2a_branch2a, res2a_branch2a_W)
         d_bn_conv1_max_pool_2 = mem.tensor(615, (32, 64, 56, 56), 'float32')
         rt.conv2d_bwd_data(d_res2a_branch2a, T['res2a_branch2a_W'], out=d_bn_conv1_max_pool_2, pad=0, size=(56, 56), stride=1)
@@ -8660,22 +7626,17 @@ class Resnet50(rp.Model):
         mem.free(10)
 
         # ---- bn_conv1_relu (relu), backward ----
-        # d_bn_conv1 = (d_bn_conv1_max_pool + d_bn_conv1_max_pool_2)*Heaviside(bn_conv1_max_pool, 0)
+        # d_bn_conv1 = (d_bn_conv1_max_pool + d_bn_conv1_max_pool_2)*Heaviside(bn_conv1_max_pool, 0)   (computed with the next statement)
         d_bn_conv1 = d_bn_conv1_max_pool  # in place: over d_bn_conv1_max_pool
-        rt.ew(ew_add_step_mul, d_bn_conv1, d_bn_conv1_max_pool, d_bn_conv1_max_pool_2, bn_conv1_max_pool)
-        # free bn_conv1_max_pool, d_bn_conv1_max_pool_2
-        del bn_conv1_max_pool, d_bn_conv1_max_pool_2
-        mem.free(9, 615)
-
-        # ---- res2a_branch2a (conv 1x1, 64 channels, stride 1, padding 0), backward ----
-        # res2a_branch2a_W_new = res2a_branch2a_W - lr*V_res2a_branch2a_W_new
-        res2a_branch2a_W_new = T['res2a_branch2a_W']  # in place: the new res2a_branch2a_W
-        rt.ew(ew_mul_sub, res2a_branch2a_W_new, T['res2a_branch2a_W'], lr, V_res2a_branch2a_W_new)
 
         # ---- bn_conv1 (batch norm), backward ----
         # d_bn_conv1_centered = d_bn_conv1*bn_conv1_inv_std*bn_conv1_weight
         d_bn_conv1_centered = mem.tensor(616, (32, 64, 56, 56), 'float32')
-        rt.ew(ew_mul_3, d_bn_conv1_centered, d_bn_conv1, bn_conv1_inv_std, bn_conv1_weight)
+        rt.ew_pair((ew_add_step_mul, d_bn_conv1, d_bn_conv1_max_pool, d_bn_conv1_max_pool_2, bn_conv1_max_pool),
+                   (ew_mul_3, d_bn_conv1_centered, d_bn_conv1, bn_conv1_inv_std, bn_conv1_weight))
+        # free bn_conv1_max_pool, d_bn_conv1_max_pool_2
+        del bn_conv1_max_pool, d_bn_conv1_max_pool_2
+        mem.free(9, 615)
 
         # ---- bn_conv1_relu (relu), backward ----
         # d_bn_conv1_relu_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_bn_conv1, bn_conv1_max_pool_argmax)
@@ -8709,26 +7670,8 @@ class Resnet50(rp.Model):
         mem.free(5)
         # d_bn_conv1_W = reshape[64](d_bn_conv1_weight)
         d_bn_conv1_W = rt.reshape(d_bn_conv1_weight, shape=(64,))
-        # V_bn_conv1_W_new = V_bn_conv1_W*momentum + d_bn_conv1_W + decay*bn_conv1_W   (computed with the next statement)
-        V_bn_conv1_W_new = T['V_bn_conv1_W']  # in place: the new V_bn_conv1_W
-        # bn_conv1_W_new = bn_conv1_W - lr*V_bn_conv1_W_new
-        bn_conv1_W_new = T['bn_conv1_W']  # in place: the new bn_conv1_W
-        rt.ew_pair((ew_mul_add, V_bn_conv1_W_new, T['V_bn_conv1_W'], momentum, d_bn_conv1_W, decay, T['bn_conv1_W']),
-                   (ew_mul_sub, bn_conv1_W_new, T['bn_conv1_W'], lr, V_bn_conv1_W_new))
-        # free bn_conv1_inv_std, d_bn_conv1_weight, d_bn_conv1_W
-        del bn_conv1_inv_std, d_bn_conv1_weight, d_bn_conv1_W
-        mem.free(6)
         # d_bn_conv1_B = reshape[64](d_bn_conv1_bias)
         d_bn_conv1_B = rt.reshape(d_bn_conv1_bias, shape=(64,))
-        # V_bn_conv1_B_new = V_bn_conv1_B*momentum + d_bn_conv1_B + decay*bn_conv1_B   (computed with the next statement)
-        V_bn_conv1_B_new = T['V_bn_conv1_B']  # in place: the new V_bn_conv1_B
-        # bn_conv1_B_new = bn_conv1_B - lr*V_bn_conv1_B_new
-        bn_conv1_B_new = T['bn_conv1_B']  # in place: the new bn_conv1_B
-        rt.ew_pair((ew_mul_add, V_bn_conv1_B_new, T['V_bn_conv1_B'], momentum, d_bn_conv1_B, decay, T['bn_conv1_B']),
-                   (ew_mul_sub, bn_conv1_B_new, T['bn_conv1_B'], lr, V_bn_conv1_B_new))
-        # free d_bn_conv1_bias, d_bn_conv1_B
-        del d_bn_conv1_bias, d_bn_conv1_B
-        mem.free(619)
         # d_bn_conv1_max_pool_bwd = max_pool_bwd[ceil=True,kernel=3,size=(112,112),stride=2](d_bn_conv1_centered, bn_conv1_max_pool_argmax)
         d_bn_conv1_max_pool_bwd = mem.tensor(620, (32, 64, 112, 112), 'float32')
         rt.max_pool_bwd(d_bn_conv1_centered, bn_conv1_max_pool_argmax, out=d_bn_conv1_max_pool_bwd, ceil=True, kernel=3, pad=0, size=(112, 112), stride=2, workspace=mem.workspace(29906688))
@@ -8762,15 +7705,697 @@ class Resnet50(rp.Model):
         # free x, d_bn_conv1_max_pool_bwd, d_bn_conv1_centered_2, d_conv1
         del x, d_bn_conv1_max_pool_bwd, d_bn_conv1_centered_2, d_conv1
         mem.free(0, 620)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
+
+        # ---- the small tensors' updates, one call per kernel ----
+        # V_bn5c_branch2c_W_new = V_bn5c_branch2c_W*momentum + d_bn5c_branch2c_W + decay*bn5c_branch2c_W   (computed with the last statement of its batch)
+        V_bn5c_branch2c_W_new = T['V_bn5c_branch2c_W']  # in place: the new V_bn5c_branch2c_W
+        # V_bn5c_branch2c_B_new = V_bn5c_branch2c_B*momentum + d_bn5c_branch2c_B + decay*bn5c_branch2c_B   (computed with the last statement of its batch)
+        V_bn5c_branch2c_B_new = T['V_bn5c_branch2c_B']  # in place: the new V_bn5c_branch2c_B
+        # V_bn5c_branch2b_W_new = V_bn5c_branch2b_W*momentum + d_bn5c_branch2b_W + decay*bn5c_branch2b_W   (computed with the last statement of its batch)
+        V_bn5c_branch2b_W_new = T['V_bn5c_branch2b_W']  # in place: the new V_bn5c_branch2b_W
+        # V_bn5c_branch2b_B_new = V_bn5c_branch2b_B*momentum + d_bn5c_branch2b_B + decay*bn5c_branch2b_B   (computed with the last statement of its batch)
+        V_bn5c_branch2b_B_new = T['V_bn5c_branch2b_B']  # in place: the new V_bn5c_branch2b_B
+        # V_bn5c_branch2a_W_new = V_bn5c_branch2a_W*momentum + d_bn5c_branch2a_W + decay*bn5c_branch2a_W   (computed with the last statement of its batch)
+        V_bn5c_branch2a_W_new = T['V_bn5c_branch2a_W']  # in place: the new V_bn5c_branch2a_W
+        # V_bn5c_branch2a_B_new = V_bn5c_branch2a_B*momentum + d_bn5c_branch2a_B + decay*bn5c_branch2a_B   (computed with the last statement of its batch)
+        V_bn5c_branch2a_B_new = T['V_bn5c_branch2a_B']  # in place: the new V_bn5c_branch2a_B
+        # V_bn5b_branch2c_W_new = V_bn5b_branch2c_W*momentum + d_bn5b_branch2c_W + decay*bn5b_branch2c_W   (computed with the last statement of its batch)
+        V_bn5b_branch2c_W_new = T['V_bn5b_branch2c_W']  # in place: the new V_bn5b_branch2c_W
+        # V_bn5b_branch2c_B_new = V_bn5b_branch2c_B*momentum + d_bn5b_branch2c_B + decay*bn5b_branch2c_B   (computed with the last statement of its batch)
+        V_bn5b_branch2c_B_new = T['V_bn5b_branch2c_B']  # in place: the new V_bn5b_branch2c_B
+        # V_bn5b_branch2b_W_new = V_bn5b_branch2b_W*momentum + d_bn5b_branch2b_W + decay*bn5b_branch2b_W   (computed with the last statement of its batch)
+        V_bn5b_branch2b_W_new = T['V_bn5b_branch2b_W']  # in place: the new V_bn5b_branch2b_W
+        # V_bn5b_branch2b_B_new = V_bn5b_branch2b_B*momentum + d_bn5b_branch2b_B + decay*bn5b_branch2b_B   (computed with the last statement of its batch)
+        V_bn5b_branch2b_B_new = T['V_bn5b_branch2b_B']  # in place: the new V_bn5b_branch2b_B
+        # V_bn5b_branch2a_W_new = V_bn5b_branch2a_W*momentum + d_bn5b_branch2a_W + decay*bn5b_branch2a_W   (computed with the last statement of its batch)
+        V_bn5b_branch2a_W_new = T['V_bn5b_branch2a_W']  # in place: the new V_bn5b_branch2a_W
+        # V_bn5b_branch2a_B_new = V_bn5b_branch2a_B*momentum + d_bn5b_branch2a_B + decay*bn5b_branch2a_B   (computed with the last statement of its batch)
+        V_bn5b_branch2a_B_new = T['V_bn5b_branch2a_B']  # in place: the new V_bn5b_branch2a_B
+        # V_bn5a_branch2c_W_new = V_bn5a_branch2c_W*momentum + d_bn5a_branch2c_W + decay*bn5a_branch2c_W   (computed with the last statement of its batch)
+        V_bn5a_branch2c_W_new = T['V_bn5a_branch2c_W']  # in place: the new V_bn5a_branch2c_W
+        # V_bn5a_branch2c_B_new = V_bn5a_branch2c_B*momentum + d_bn5a_branch1_B + decay*bn5a_branch2c_B   (computed with the last statement of its batch)
+        V_bn5a_branch2c_B_new = T['V_bn5a_branch2c_B']  # in place: the new V_bn5a_branch2c_B
+        # V_bn5a_branch1_B_new = V_bn5a_branch1_B*momentum + d_bn5a_branch1_B + decay*bn5a_branch1_B   (computed with the last statement of its batch)
+        V_bn5a_branch1_B_new = T['V_bn5a_branch1_B']  # in place: the new V_bn5a_branch1_B
+        # V_bn5a_branch1_W_new = V_bn5a_branch1_W*momentum + d_bn5a_branch1_W + decay*bn5a_branch1_W   (computed with the last statement of its batch)
+        V_bn5a_branch1_W_new = T['V_bn5a_branch1_W']  # in place: the new V_bn5a_branch1_W
+        # V_bn5a_branch2b_W_new = V_bn5a_branch2b_W*momentum + d_bn5a_branch2b_W + decay*bn5a_branch2b_W   (computed with the last statement of its batch)
+        V_bn5a_branch2b_W_new = T['V_bn5a_branch2b_W']  # in place: the new V_bn5a_branch2b_W
+        # V_bn5a_branch2b_B_new = V_bn5a_branch2b_B*momentum + d_bn5a_branch2b_B + decay*bn5a_branch2b_B   (computed with the last statement of its batch)
+        V_bn5a_branch2b_B_new = T['V_bn5a_branch2b_B']  # in place: the new V_bn5a_branch2b_B
+        # V_bn5a_branch2a_W_new = V_bn5a_branch2a_W*momentum + d_bn5a_branch2a_W + decay*bn5a_branch2a_W   (computed with the last statement of its batch)
+        V_bn5a_branch2a_W_new = T['V_bn5a_branch2a_W']  # in place: the new V_bn5a_branch2a_W
+        # V_bn5a_branch2a_B_new = V_bn5a_branch2a_B*momentum + d_bn5a_branch2a_B + decay*bn5a_branch2a_B   (computed with the last statement of its batch)
+        V_bn5a_branch2a_B_new = T['V_bn5a_branch2a_B']  # in place: the new V_bn5a_branch2a_B
+        # V_bn4f_branch2c_W_new = V_bn4f_branch2c_W*momentum + d_bn4f_branch2c_W + decay*bn4f_branch2c_W   (computed with the last statement of its batch)
+        V_bn4f_branch2c_W_new = T['V_bn4f_branch2c_W']  # in place: the new V_bn4f_branch2c_W
+        # V_bn4f_branch2c_B_new = V_bn4f_branch2c_B*momentum + d_bn4f_branch2c_B + decay*bn4f_branch2c_B   (computed with the last statement of its batch)
+        V_bn4f_branch2c_B_new = T['V_bn4f_branch2c_B']  # in place: the new V_bn4f_branch2c_B
+        # V_bn4f_branch2b_W_new = V_bn4f_branch2b_W*momentum + d_bn4f_branch2b_W + decay*bn4f_branch2b_W   (computed with the last statement of its batch)
+        V_bn4f_branch2b_W_new = T['V_bn4f_branch2b_W']  # in place: the new V_bn4f_branch2b_W
+        # V_bn4f_branch2b_B_new = V_bn4f_branch2b_B*momentum + d_bn4f_branch2b_B + decay*bn4f_branch2b_B   (computed with the last statement of its batch)
+        V_bn4f_branch2b_B_new = T['V_bn4f_branch2b_B']  # in place: the new V_bn4f_branch2b_B
+        # V_bn4f_branch2a_W_new = V_bn4f_branch2a_W*momentum + d_bn4f_branch2a_W + decay*bn4f_branch2a_W   (computed with the last statement of its batch)
+        V_bn4f_branch2a_W_new = T['V_bn4f_branch2a_W']  # in place: the new V_bn4f_branch2a_W
+        # V_bn4f_branch2a_B_new = V_bn4f_branch2a_B*momentum + d_bn4f_branch2a_B + decay*bn4f_branch2a_B   (computed with the last statement of its batch)
+        V_bn4f_branch2a_B_new = T['V_bn4f_branch2a_B']  # in place: the new V_bn4f_branch2a_B
+        # V_bn4e_branch2c_W_new = V_bn4e_branch2c_W*momentum + d_bn4e_branch2c_W + decay*bn4e_branch2c_W   (computed with the last statement of its batch)
+        V_bn4e_branch2c_W_new = T['V_bn4e_branch2c_W']  # in place: the new V_bn4e_branch2c_W
+        # V_bn4e_branch2c_B_new = V_bn4e_branch2c_B*momentum + d_bn4e_branch2c_B + decay*bn4e_branch2c_B   (computed with the last statement of its batch)
+        V_bn4e_branch2c_B_new = T['V_bn4e_branch2c_B']  # in place: the new V_bn4e_branch2c_B
+        # V_bn4e_branch2b_W_new = V_bn4e_branch2b_W*momentum + d_bn4e_branch2b_W + decay*bn4e_branch2b_W   (computed with the last statement of its batch)
+        V_bn4e_branch2b_W_new = T['V_bn4e_branch2b_W']  # in place: the new V_bn4e_branch2b_W
+        # V_bn4e_branch2b_B_new = V_bn4e_branch2b_B*momentum + d_bn4e_branch2b_B + decay*bn4e_branch2b_B   (computed with the last statement of its batch)
+        V_bn4e_branch2b_B_new = T['V_bn4e_branch2b_B']  # in place: the new V_bn4e_branch2b_B
+        # V_bn4e_branch2a_W_new = V_bn4e_branch2a_W*momentum + d_bn4e_branch2a_W + decay*bn4e_branch2a_W   (computed with the last statement of its batch)
+        V_bn4e_branch2a_W_new = T['V_bn4e_branch2a_W']  # in place: the new V_bn4e_branch2a_W
+        # V_bn4e_branch2a_B_new = V_bn4e_branch2a_B*momentum + d_bn4e_branch2a_B + decay*bn4e_branch2a_B   (computed with the last statement of its batch)
+        V_bn4e_branch2a_B_new = T['V_bn4e_branch2a_B']  # in place: the new V_bn4e_branch2a_B
+        # V_bn4d_branch2c_W_new = V_bn4d_branch2c_W*momentum + d_bn4d_branch2c_W + decay*bn4d_branch2c_W   (computed with the last statement of its batch)
+        V_bn4d_branch2c_W_new = T['V_bn4d_branch2c_W']  # in place: the new V_bn4d_branch2c_W
+        # V_bn4d_branch2c_B_new = V_bn4d_branch2c_B*momentum + d_bn4d_branch2c_B + decay*bn4d_branch2c_B   (computed with the last statement of its batch)
+        V_bn4d_branch2c_B_new = T['V_bn4d_branch2c_B']  # in place: the new V_bn4d_branch2c_B
+        # V_bn4d_branch2b_W_new = V_bn4d_branch2b_W*momentum + d_bn4d_branch2b_W + decay*bn4d_branch2b_W   (computed with the last statement of its batch)
+        V_bn4d_branch2b_W_new = T['V_bn4d_branch2b_W']  # in place: the new V_bn4d_branch2b_W
+        # V_bn4d_branch2b_B_new = V_bn4d_branch2b_B*momentum + d_bn4d_branch2b_B + decay*bn4d_branch2b_B   (computed with the last statement of its batch)
+        V_bn4d_branch2b_B_new = T['V_bn4d_branch2b_B']  # in place: the new V_bn4d_branch2b_B
+        # V_bn4d_branch2a_W_new = V_bn4d_branch2a_W*momentum + d_bn4d_branch2a_W + decay*bn4d_branch2a_W   (computed with the last statement of its batch)
+        V_bn4d_branch2a_W_new = T['V_bn4d_branch2a_W']  # in place: the new V_bn4d_branch2a_W
+        # V_bn4d_branch2a_B_new = V_bn4d_branch2a_B*momentum + d_bn4d_branch2a_B + decay*bn4d_branch2a_B   (computed with the last statement of its batch)
+        V_bn4d_branch2a_B_new = T['V_bn4d_branch2a_B']  # in place: the new V_bn4d_branch2a_B
+        # V_bn4c_branch2c_W_new = V_bn4c_branch2c_W*momentum + d_bn4c_branch2c_W + decay*bn4c_branch2c_W   (computed with the last statement of its batch)
+        V_bn4c_branch2c_W_new = T['V_bn4c_branch2c_W']  # in place: the new V_bn4c_branch2c_W
+        # V_bn4c_branch2c_B_new = V_bn4c_branch2c_B*momentum + d_bn4c_branch2c_B + decay*bn4c_branch2c_B   (computed with the last statement of its batch)
+        V_bn4c_branch2c_B_new = T['V_bn4c_branch2c_B']  # in place: the new V_bn4c_branch2c_B
+        # V_bn4c_branch2b_W_new = V_bn4c_branch2b_W*momentum + d_bn4c_branch2b_W + decay*bn4c_branch2b_W   (computed with the last statement of its batch)
+        V_bn4c_branch2b_W_new = T['V_bn4c_branch2b_W']  # in place: the new V_bn4c_branch2b_W
+        # V_bn4c_branch2b_B_new = V_bn4c_branch2b_B*momentum + d_bn4c_branch2b_B + decay*bn4c_branch2b_B   (computed with the last statement of its batch)
+        V_bn4c_branch2b_B_new = T['V_bn4c_branch2b_B']  # in place: the new V_bn4c_branch2b_B
+        # V_bn4c_branch2a_W_new = V_bn4c_branch2a_W*momentum + d_bn4c_branch2a_W + decay*bn4c_branch2a_W   (computed with the last statement of its batch)
+        V_bn4c_branch2a_W_new = T['V_bn4c_branch2a_W']  # in place: the new V_bn4c_branch2a_W
+        # V_bn4c_branch2a_B_new = V_bn4c_branch2a_B*momentum + d_bn4c_branch2a_B + decay*bn4c_branch2a_B   (computed with the last statement of its batch)
+        V_bn4c_branch2a_B_new = T['V_bn4c_branch2a_B']  # in place: the new V_bn4c_branch2a_B
+        # V_bn4b_branch2c_W_new = V_bn4b_branch2c_W*momentum + d_bn4b_branch2c_W + decay*bn4b_branch2c_W   (computed with the last statement of its batch)
+        V_bn4b_branch2c_W_new = T['V_bn4b_branch2c_W']  # in place: the new V_bn4b_branch2c_W
+        # V_bn4b_branch2c_B_new = V_bn4b_branch2c_B*momentum + d_bn4b_branch2c_B + decay*bn4b_branch2c_B   (computed with the last statement of its batch)
+        V_bn4b_branch2c_B_new = T['V_bn4b_branch2c_B']  # in place: the new V_bn4b_branch2c_B
+        # V_bn4b_branch2b_W_new = V_bn4b_branch2b_W*momentum + d_bn4b_branch2b_W + decay*bn4b_branch2b_W   (computed with the last statement of its batch)
+        V_bn4b_branch2b_W_new = T['V_bn4b_branch2b_W']  # in place: the new V_bn4b_branch2b_W
+        # V_bn4b_branch2b_B_new = V_bn4b_branch2b_B*momentum + d_bn4b_branch2b_B + decay*bn4b_branch2b_B   (computed with the last statement of its batch)
+        V_bn4b_branch2b_B_new = T['V_bn4b_branch2b_B']  # in place: the new V_bn4b_branch2b_B
+        # V_bn4b_branch2a_W_new = V_bn4b_branch2a_W*momentum + d_bn4b_branch2a_W + decay*bn4b_branch2a_W   (computed with the last statement of its batch)
+        V_bn4b_branch2a_W_new = T['V_bn4b_branch2a_W']  # in place: the new V_bn4b_branch2a_W
+        # V_bn4b_branch2a_B_new = V_bn4b_branch2a_B*momentum + d_bn4b_branch2a_B + decay*bn4b_branch2a_B   (computed with the last statement of its batch)
+        V_bn4b_branch2a_B_new = T['V_bn4b_branch2a_B']  # in place: the new V_bn4b_branch2a_B
+        # V_bn4a_branch2c_W_new = V_bn4a_branch2c_W*momentum + d_bn4a_branch2c_W + decay*bn4a_branch2c_W   (computed with the last statement of its batch)
+        V_bn4a_branch2c_W_new = T['V_bn4a_branch2c_W']  # in place: the new V_bn4a_branch2c_W
+        # V_bn4a_branch2c_B_new = V_bn4a_branch2c_B*momentum + d_bn4a_branch1_B + decay*bn4a_branch2c_B   (computed with the last statement of its batch)
+        V_bn4a_branch2c_B_new = T['V_bn4a_branch2c_B']  # in place: the new V_bn4a_branch2c_B
+        # V_bn4a_branch1_B_new = V_bn4a_branch1_B*momentum + d_bn4a_branch1_B + decay*bn4a_branch1_B   (computed with the last statement of its batch)
+        V_bn4a_branch1_B_new = T['V_bn4a_branch1_B']  # in place: the new V_bn4a_branch1_B
+        # V_bn4a_branch1_W_new = V_bn4a_branch1_W*momentum + d_bn4a_branch1_W + decay*bn4a_branch1_W   (computed with the last statement of its batch)
+        V_bn4a_branch1_W_new = T['V_bn4a_branch1_W']  # in place: the new V_bn4a_branch1_W
+        # V_bn4a_branch2b_W_new = V_bn4a_branch2b_W*momentum + d_bn4a_branch2b_W + decay*bn4a_branch2b_W   (computed with the last statement of its batch)
+        V_bn4a_branch2b_W_new = T['V_bn4a_branch2b_W']  # in place: the new V_bn4a_branch2b_W
+        # V_bn4a_branch2b_B_new = V_bn4a_branch2b_B*momentum + d_bn4a_branch2b_B + decay*bn4a_branch2b_B   (computed with the last statement of its batch)
+        V_bn4a_branch2b_B_new = T['V_bn4a_branch2b_B']  # in place: the new V_bn4a_branch2b_B
+        # V_bn4a_branch2a_W_new = V_bn4a_branch2a_W*momentum + d_bn4a_branch2a_W + decay*bn4a_branch2a_W   (computed with the last statement of its batch)
+        V_bn4a_branch2a_W_new = T['V_bn4a_branch2a_W']  # in place: the new V_bn4a_branch2a_W
+        # V_bn4a_branch2a_B_new = V_bn4a_branch2a_B*momentum + d_bn4a_branch2a_B + decay*bn4a_branch2a_B   (computed with the last statement of its batch)
+        V_bn4a_branch2a_B_new = T['V_bn4a_branch2a_B']  # in place: the new V_bn4a_branch2a_B
+        # V_bn3d_branch2c_W_new = V_bn3d_branch2c_W*momentum + d_bn3d_branch2c_W + decay*bn3d_branch2c_W   (computed with the last statement of its batch)
+        V_bn3d_branch2c_W_new = T['V_bn3d_branch2c_W']  # in place: the new V_bn3d_branch2c_W
+        # V_bn3d_branch2c_B_new = V_bn3d_branch2c_B*momentum + d_bn3d_branch2c_B + decay*bn3d_branch2c_B   (computed with the last statement of its batch)
+        V_bn3d_branch2c_B_new = T['V_bn3d_branch2c_B']  # in place: the new V_bn3d_branch2c_B
+        # V_bn3d_branch2b_W_new = V_bn3d_branch2b_W*momentum + d_bn3d_branch2b_W + decay*bn3d_branch2b_W   (computed with the last statement of its batch)
+        V_bn3d_branch2b_W_new = T['V_bn3d_branch2b_W']  # in place: the new V_bn3d_branch2b_W
+        # V_bn3d_branch2b_B_new = V_bn3d_branch2b_B*momentum + d_bn3d_branch2b_B + decay*bn3d_branch2b_B   (computed with the last statement of its batch)
+        V_bn3d_branch2b_B_new = T['V_bn3d_branch2b_B']  # in place: the new V_bn3d_branch2b_B
+        # V_bn3d_branch2a_W_new = V_bn3d_branch2a_W*momentum + d_bn3d_branch2a_W + decay*bn3d_branch2a_W   (computed with the last statement of its batch)
+        V_bn3d_branch2a_W_new = T['V_bn3d_branch2a_W']  # in place: the new V_bn3d_branch2a_W
+        # V_bn3d_branch2a_B_new = V_bn3d_branch2a_B*momentum + d_bn3d_branch2a_B + decay*bn3d_branch2a_B   (computed with the last statement of its batch)
+        V_bn3d_branch2a_B_new = T['V_bn3d_branch2a_B']  # in place: the new V_bn3d_branch2a_B
+        # V_bn3c_branch2c_W_new = V_bn3c_branch2c_W*momentum + d_bn3c_branch2c_W + decay*bn3c_branch2c_W   (computed with the last statement of its batch)
+        V_bn3c_branch2c_W_new = T['V_bn3c_branch2c_W']  # in place: the new V_bn3c_branch2c_W
+        # V_bn3c_branch2c_B_new = V_bn3c_branch2c_B*momentum + d_bn3c_branch2c_B + decay*bn3c_branch2c_B   (computed with the last statement of its batch)
+        V_bn3c_branch2c_B_new = T['V_bn3c_branch2c_B']  # in place: the new V_bn3c_branch2c_B
+        # V_bn3c_branch2b_W_new = V_bn3c_branch2b_W*momentum + d_bn3c_branch2b_W + decay*bn3c_branch2b_W   (computed with the last statement of its batch)
+        V_bn3c_branch2b_W_new = T['V_bn3c_branch2b_W']  # in place: the new V_bn3c_branch2b_W
+        # V_bn3c_branch2b_B_new = V_bn3c_branch2b_B*momentum + d_bn3c_branch2b_B + decay*bn3c_branch2b_B   (computed with the last statement of its batch)
+        V_bn3c_branch2b_B_new = T['V_bn3c_branch2b_B']  # in place: the new V_bn3c_branch2b_B
+        # V_bn3c_branch2a_W_new = V_bn3c_branch2a_W*momentum + d_bn3c_branch2a_W + decay*bn3c_branch2a_W   (computed with the last statement of its batch)
+        V_bn3c_branch2a_W_new = T['V_bn3c_branch2a_W']  # in place: the new V_bn3c_branch2a_W
+        # V_bn3c_branch2a_B_new = V_bn3c_branch2a_B*momentum + d_bn3c_branch2a_B + decay*bn3c_branch2a_B   (computed with the last statement of its batch)
+        V_bn3c_branch2a_B_new = T['V_bn3c_branch2a_B']  # in place: the new V_bn3c_branch2a_B
+        # V_bn3b_branch2c_W_new = V_bn3b_branch2c_W*momentum + d_bn3b_branch2c_W + decay*bn3b_branch2c_W   (computed with the last statement of its batch)
+        V_bn3b_branch2c_W_new = T['V_bn3b_branch2c_W']  # in place: the new V_bn3b_branch2c_W
+        # V_bn3b_branch2c_B_new = V_bn3b_branch2c_B*momentum + d_bn3b_branch2c_B + decay*bn3b_branch2c_B   (computed with the last statement of its batch)
+        V_bn3b_branch2c_B_new = T['V_bn3b_branch2c_B']  # in place: the new V_bn3b_branch2c_B
+        # V_bn3b_branch2b_W_new = V_bn3b_branch2b_W*momentum + d_bn3b_branch2b_W + decay*bn3b_branch2b_W   (computed with the last statement of its batch)
+        V_bn3b_branch2b_W_new = T['V_bn3b_branch2b_W']  # in place: the new V_bn3b_branch2b_W
+        # V_bn3b_branch2b_B_new = V_bn3b_branch2b_B*momentum + d_bn3b_branch2b_B + decay*bn3b_branch2b_B   (computed with the last statement of its batch)
+        V_bn3b_branch2b_B_new = T['V_bn3b_branch2b_B']  # in place: the new V_bn3b_branch2b_B
+        # V_bn3b_branch2a_W_new = V_bn3b_branch2a_W*momentum + d_bn3b_branch2a_W + decay*bn3b_branch2a_W   (computed with the last statement of its batch)
+        V_bn3b_branch2a_W_new = T['V_bn3b_branch2a_W']  # in place: the new V_bn3b_branch2a_W
+        # V_bn3b_branch2a_B_new = V_bn3b_branch2a_B*momentum + d_bn3b_branch2a_B + decay*bn3b_branch2a_B   (computed with the last statement of its batch)
+        V_bn3b_branch2a_B_new = T['V_bn3b_branch2a_B']  # in place: the new V_bn3b_branch2a_B
+        # V_bn3a_branch2c_W_new = V_bn3a_branch2c_W*momentum + d_bn3a_branch2c_W + decay*bn3a_branch2c_W   (computed with the last statement of its batch)
+        V_bn3a_branch2c_W_new = T['V_bn3a_branch2c_W']  # in place: the new V_bn3a_branch2c_W
+        # V_bn3a_branch2c_B_new = V_bn3a_branch2c_B*momentum + d_bn3a_branch1_B + decay*bn3a_branch2c_B   (computed with the last statement of its batch)
+        V_bn3a_branch2c_B_new = T['V_bn3a_branch2c_B']  # in place: the new V_bn3a_branch2c_B
+        # V_bn3a_branch1_B_new = V_bn3a_branch1_B*momentum + d_bn3a_branch1_B + decay*bn3a_branch1_B   (computed with the last statement of its batch)
+        V_bn3a_branch1_B_new = T['V_bn3a_branch1_B']  # in place: the new V_bn3a_branch1_B
+        # V_bn3a_branch1_W_new = V_bn3a_branch1_W*momentum + d_bn3a_branch1_W + decay*bn3a_branch1_W   (computed with the last statement of its batch)
+        V_bn3a_branch1_W_new = T['V_bn3a_branch1_W']  # in place: the new V_bn3a_branch1_W
+        # V_bn3a_branch2b_W_new = V_bn3a_branch2b_W*momentum + d_bn3a_branch2b_W + decay*bn3a_branch2b_W   (computed with the last statement of its batch)
+        V_bn3a_branch2b_W_new = T['V_bn3a_branch2b_W']  # in place: the new V_bn3a_branch2b_W
+        # V_bn3a_branch2b_B_new = V_bn3a_branch2b_B*momentum + d_bn3a_branch2b_B + decay*bn3a_branch2b_B   (computed with the last statement of its batch)
+        V_bn3a_branch2b_B_new = T['V_bn3a_branch2b_B']  # in place: the new V_bn3a_branch2b_B
+        # V_bn3a_branch2a_W_new = V_bn3a_branch2a_W*momentum + d_bn3a_branch2a_W + decay*bn3a_branch2a_W   (computed with the last statement of its batch)
+        V_bn3a_branch2a_W_new = T['V_bn3a_branch2a_W']  # in place: the new V_bn3a_branch2a_W
+        # V_bn3a_branch2a_B_new = V_bn3a_branch2a_B*momentum + d_bn3a_branch2a_B + decay*bn3a_branch2a_B   (computed with the last statement of its batch)
+        V_bn3a_branch2a_B_new = T['V_bn3a_branch2a_B']  # in place: the new V_bn3a_branch2a_B
+        # V_bn2c_branch2c_W_new = V_bn2c_branch2c_W*momentum + d_bn2c_branch2c_W + decay*bn2c_branch2c_W   (computed with the last statement of its batch)
+        V_bn2c_branch2c_W_new = T['V_bn2c_branch2c_W']  # in place: the new V_bn2c_branch2c_W
+        # V_bn2c_branch2c_B_new = V_bn2c_branch2c_B*momentum + d_bn2c_branch2c_B + decay*bn2c_branch2c_B   (computed with the last statement of its batch)
+        V_bn2c_branch2c_B_new = T['V_bn2c_branch2c_B']  # in place: the new V_bn2c_branch2c_B
+        # V_res2c_branch2c_W_new = V_res2c_branch2c_W*momentum + d_res2c_branch2c_W + decay*res2c_branch2c_W   (computed with the last statement of its batch)
+        V_res2c_branch2c_W_new = T['V_res2c_branch2c_W']  # in place: the new V_res2c_branch2c_W
+        # V_bn2c_branch2b_W_new = V_bn2c_branch2b_W*momentum + d_bn2c_branch2b_W + decay*bn2c_branch2b_W   (computed with the last statement of its batch)
+        V_bn2c_branch2b_W_new = T['V_bn2c_branch2b_W']  # in place: the new V_bn2c_branch2b_W
+        # V_bn2c_branch2b_B_new = V_bn2c_branch2b_B*momentum + d_bn2c_branch2b_B + decay*bn2c_branch2b_B   (computed with the last statement of its batch)
+        V_bn2c_branch2b_B_new = T['V_bn2c_branch2b_B']  # in place: the new V_bn2c_branch2b_B
+        # V_bn2c_branch2a_W_new = V_bn2c_branch2a_W*momentum + d_bn2c_branch2a_W + decay*bn2c_branch2a_W   (computed with the last statement of its batch)
+        V_bn2c_branch2a_W_new = T['V_bn2c_branch2a_W']  # in place: the new V_bn2c_branch2a_W
+        # V_bn2c_branch2a_B_new = V_bn2c_branch2a_B*momentum + d_bn2c_branch2a_B + decay*bn2c_branch2a_B   (computed with the last statement of its batch)
+        V_bn2c_branch2a_B_new = T['V_bn2c_branch2a_B']  # in place: the new V_bn2c_branch2a_B
+        # V_res2c_branch2a_W_new = V_res2c_branch2a_W*momentum + d_res2c_branch2a_W + decay*res2c_branch2a_W   (computed with the last statement of its batch)
+        V_res2c_branch2a_W_new = T['V_res2c_branch2a_W']  # in place: the new V_res2c_branch2a_W
+        # V_bn2b_branch2c_W_new = V_bn2b_branch2c_W*momentum + d_bn2b_branch2c_W + decay*bn2b_branch2c_W   (computed with the last statement of its batch)
+        V_bn2b_branch2c_W_new = T['V_bn2b_branch2c_W']  # in place: the new V_bn2b_branch2c_W
+        # V_bn2b_branch2c_B_new = V_bn2b_branch2c_B*momentum + d_bn2b_branch2c_B + decay*bn2b_branch2c_B   (computed with the last statement of its batch)
+        V_bn2b_branch2c_B_new = T['V_bn2b_branch2c_B']  # in place: the new V_bn2b_branch2c_B
+        # V_res2b_branch2c_W_new = V_res2b_branch2c_W*momentum + d_res2b_branch2c_W + decay*res2b_branch2c_W   (computed with the last statement of its batch)
+        V_res2b_branch2c_W_new = T['V_res2b_branch2c_W']  # in place: the new V_res2b_branch2c_W
+        # V_bn2b_branch2b_W_new = V_bn2b_branch2b_W*momentum + d_bn2b_branch2b_W + decay*bn2b_branch2b_W   (computed with the last statement of its batch)
+        V_bn2b_branch2b_W_new = T['V_bn2b_branch2b_W']  # in place: the new V_bn2b_branch2b_W
+        # V_bn2b_branch2b_B_new = V_bn2b_branch2b_B*momentum + d_bn2b_branch2b_B + decay*bn2b_branch2b_B   (computed with the last statement of its batch)
+        V_bn2b_branch2b_B_new = T['V_bn2b_branch2b_B']  # in place: the new V_bn2b_branch2b_B
+        # V_bn2b_branch2a_W_new = V_bn2b_branch2a_W*momentum + d_bn2b_branch2a_W + decay*bn2b_branch2a_W   (computed with the last statement of its batch)
+        V_bn2b_branch2a_W_new = T['V_bn2b_branch2a_W']  # in place: the new V_bn2b_branch2a_W
+        # V_bn2b_branch2a_B_new = V_bn2b_branch2a_B*momentum + d_bn2b_branch2a_B + decay*bn2b_branch2a_B   (computed with the last statement of its batch)
+        V_bn2b_branch2a_B_new = T['V_bn2b_branch2a_B']  # in place: the new V_bn2b_branch2a_B
+        # V_res2b_branch2a_W_new = V_res2b_branch2a_W*momentum + d_res2b_branch2a_W + decay*res2b_branch2a_W   (computed with the last statement of its batch)
+        V_res2b_branch2a_W_new = T['V_res2b_branch2a_W']  # in place: the new V_res2b_branch2a_W
+        # V_bn2a_branch2c_W_new = V_bn2a_branch2c_W*momentum + d_bn2a_branch2c_W + decay*bn2a_branch2c_W   (computed with the last statement of its batch)
+        V_bn2a_branch2c_W_new = T['V_bn2a_branch2c_W']  # in place: the new V_bn2a_branch2c_W
+        # V_bn2a_branch2c_B_new = V_bn2a_branch2c_B*momentum + d_bn2a_branch1_B + decay*bn2a_branch2c_B   (computed with the last statement of its batch)
+        V_bn2a_branch2c_B_new = T['V_bn2a_branch2c_B']  # in place: the new V_bn2a_branch2c_B
+        # V_bn2a_branch1_B_new = V_bn2a_branch1_B*momentum + d_bn2a_branch1_B + decay*bn2a_branch1_B   (computed with the last statement of its batch)
+        V_bn2a_branch1_B_new = T['V_bn2a_branch1_B']  # in place: the new V_bn2a_branch1_B
+        # V_bn2a_branch1_W_new = V_bn2a_branch1_W*momentum + d_bn2a_branch1_W + decay*bn2a_branch1_W   (computed with the last statement of its batch)
+        V_bn2a_branch1_W_new = T['V_bn2a_branch1_W']  # in place: the new V_bn2a_branch1_W
+        # V_res2a_branch2c_W_new = V_res2a_branch2c_W*momentum + d_res2a_branch2c_W + decay*res2a_branch2c_W   (computed with the last statement of its batch)
+        V_res2a_branch2c_W_new = T['V_res2a_branch2c_W']  # in place: the new V_res2a_branch2c_W
+        # V_bn2a_branch2b_W_new = V_bn2a_branch2b_W*momentum + d_bn2a_branch2b_W + decay*bn2a_branch2b_W   (computed with the last statement of its batch)
+        V_bn2a_branch2b_W_new = T['V_bn2a_branch2b_W']  # in place: the new V_bn2a_branch2b_W
+        # V_bn2a_branch2b_B_new = V_bn2a_branch2b_B*momentum + d_bn2a_branch2b_B + decay*bn2a_branch2b_B   (computed with the last statement of its batch)
+        V_bn2a_branch2b_B_new = T['V_bn2a_branch2b_B']  # in place: the new V_bn2a_branch2b_B
+        # V_res2a_branch1_W_new = V_res2a_branch1_W*momentum + d_res2a_branch1_W + decay*res2a_branch1_W   (computed with the last statement of its batch)
+        V_res2a_branch1_W_new = T['V_res2a_branch1_W']  # in place: the new V_res2a_branch1_W
+        # V_bn2a_branch2a_W_new = V_bn2a_branch2a_W*momentum + d_bn2a_branch2a_W + decay*bn2a_branch2a_W   (computed with the last statement of its batch)
+        V_bn2a_branch2a_W_new = T['V_bn2a_branch2a_W']  # in place: the new V_bn2a_branch2a_W
+        # V_bn2a_branch2a_B_new = V_bn2a_branch2a_B*momentum + d_bn2a_branch2a_B + decay*bn2a_branch2a_B   (computed with the last statement of its batch)
+        V_bn2a_branch2a_B_new = T['V_bn2a_branch2a_B']  # in place: the new V_bn2a_branch2a_B
+        # V_res2a_branch2a_W_new = V_res2a_branch2a_W*momentum + d_res2a_branch2a_W + decay*res2a_branch2a_W   (computed with the last statement of its batch)
+        V_res2a_branch2a_W_new = T['V_res2a_branch2a_W']  # in place: the new V_res2a_branch2a_W
+        # V_bn_conv1_W_new = V_bn_conv1_W*momentum + d_bn_conv1_W + decay*bn_conv1_W   (computed with the last statement of its batch)
+        V_bn_conv1_W_new = T['V_bn_conv1_W']  # in place: the new V_bn_conv1_W
+        # V_bn_conv1_B_new = V_bn_conv1_B*momentum + d_bn_conv1_B + decay*bn_conv1_B   (computed with the last statement of its batch)
+        V_bn_conv1_B_new = T['V_bn_conv1_B']  # in place: the new V_bn_conv1_B
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (and the 113 statements before it, in one call)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        rt.ew_many(ew_mul_add,
+                   (V_bn5c_branch2c_W_new, T['V_bn5c_branch2c_W'], momentum, d_bn5c_branch2c_W, decay, T['bn5c_branch2c_W']),
+                   (V_bn5c_branch2c_B_new, T['V_bn5c_branch2c_B'], momentum, d_bn5c_branch2c_B, decay, T['bn5c_branch2c_B']),
+                   (V_bn5c_branch2b_W_new, T['V_bn5c_branch2b_W'], momentum, d_bn5c_branch2b_W, decay, T['bn5c_branch2b_W']),
+                   (V_bn5c_branch2b_B_new, T['V_bn5c_branch2b_B'], momentum, d_bn5c_branch2b_B, decay, T['bn5c_branch2b_B']),
+                   (V_bn5c_branch2a_W_new, T['V_bn5c_branch2a_W'], momentum, d_bn5c_branch2a_W, decay, T['bn5c_branch2a_W']),
+                   (V_bn5c_branch2a_B_new, T['V_bn5c_branch2a_B'], momentum, d_bn5c_branch2a_B, decay, T['bn5c_branch2a_B']),
+                   (V_bn5b_branch2c_W_new, T['V_bn5b_branch2c_W'], momentum, d_bn5b_branch2c_W, decay, T['bn5b_branch2c_W']),
+                   (V_bn5b_branch2c_B_new, T['V_bn5b_branch2c_B'], momentum, d_bn5b_branch2c_B, decay, T['bn5b_branch2c_B']),
+                   (V_bn5b_branch2b_W_new, T['V_bn5b_branch2b_W'], momentum, d_bn5b_branch2b_W, decay, T['bn5b_branch2b_W']),
+                   (V_bn5b_branch2b_B_new, T['V_bn5b_branch2b_B'], momentum, d_bn5b_branch2b_B, decay, T['bn5b_branch2b_B']),
+                   (V_bn5b_branch2a_W_new, T['V_bn5b_branch2a_W'], momentum, d_bn5b_branch2a_W, decay, T['bn5b_branch2a_W']),
+                   (V_bn5b_branch2a_B_new, T['V_bn5b_branch2a_B'], momentum, d_bn5b_branch2a_B, decay, T['bn5b_branch2a_B']),
+                   (V_bn5a_branch2c_W_new, T['V_bn5a_branch2c_W'], momentum, d_bn5a_branch2c_W, decay, T['bn5a_branch2c_W']),
+                   (V_bn5a_branch2c_B_new, T['V_bn5a_branch2c_B'], momentum, d_bn5a_branch1_B, decay, T['bn5a_branch2c_B']),
+                   (V_bn5a_branch1_B_new, T['V_bn5a_branch1_B'], momentum, d_bn5a_branch1_B, decay, T['bn5a_branch1_B']),
+                   (V_bn5a_branch1_W_new, T['V_bn5a_branch1_W'], momentum, d_bn5a_branch1_W, decay, T['bn5a_branch1_W']),
+                   (V_bn5a_branch2b_W_new, T['V_bn5a_branch2b_W'], momentum, d_bn5a_branch2b_W, decay, T['bn5a_branch2b_W']),
+                   (V_bn5a_branch2b_B_new, T['V_bn5a_branch2b_B'], momentum, d_bn5a_branch2b_B, decay, T['bn5a_branch2b_B']),
+                   (V_bn5a_branch2a_W_new, T['V_bn5a_branch2a_W'], momentum, d_bn5a_branch2a_W, decay, T['bn5a_branch2a_W']),
+                   (V_bn5a_branch2a_B_new, T['V_bn5a_branch2a_B'], momentum, d_bn5a_branch2a_B, decay, T['bn5a_branch2a_B']),
+                   (V_bn4f_branch2c_W_new, T['V_bn4f_branch2c_W'], momentum, d_bn4f_branch2c_W, decay, T['bn4f_branch2c_W']),
+                   (V_bn4f_branch2c_B_new, T['V_bn4f_branch2c_B'], momentum, d_bn4f_branch2c_B, decay, T['bn4f_branch2c_B']),
+                   (V_bn4f_branch2b_W_new, T['V_bn4f_branch2b_W'], momentum, d_bn4f_branch2b_W, decay, T['bn4f_branch2b_W']),
+                   (V_bn4f_branch2b_B_new, T['V_bn4f_branch2b_B'], momentum, d_bn4f_branch2b_B, decay, T['bn4f_branch2b_B']),
+                   (V_bn4f_branch2a_W_new, T['V_bn4f_branch2a_W'], momentum, d_bn4f_branch2a_W, decay, T['bn4f_branch2a_W']),
+                   (V_bn4f_branch2a_B_new, T['V_bn4f_branch2a_B'], momentum, d_bn4f_branch2a_B, decay, T['bn4f_branch2a_B']),
+                   (V_bn4e_branch2c_W_new, T['V_bn4e_branch2c_W'], momentum, d_bn4e_branch2c_W, decay, T['bn4e_branch2c_W']),
+                   (V_bn4e_branch2c_B_new, T['V_bn4e_branch2c_B'], momentum, d_bn4e_branch2c_B, decay, T['bn4e_branch2c_B']),
+                   (V_bn4e_branch2b_W_new, T['V_bn4e_branch2b_W'], momentum, d_bn4e_branch2b_W, decay, T['bn4e_branch2b_W']),
+                   (V_bn4e_branch2b_B_new, T['V_bn4e_branch2b_B'], momentum, d_bn4e_branch2b_B, decay, T['bn4e_branch2b_B']),
+                   (V_bn4e_branch2a_W_new, T['V_bn4e_branch2a_W'], momentum, d_bn4e_branch2a_W, decay, T['bn4e_branch2a_W']),
+                   (V_bn4e_branch2a_B_new, T['V_bn4e_branch2a_B'], momentum, d_bn4e_branch2a_B, decay, T['bn4e_branch2a_B']),
+                   (V_bn4d_branch2c_W_new, T['V_bn4d_branch2c_W'], momentum, d_bn4d_branch2c_W, decay, T['bn4d_branch2c_W']),
+                   (V_bn4d_branch2c_B_new, T['V_bn4d_branch2c_B'], momentum, d_bn4d_branch2c_B, decay, T['bn4d_branch2c_B']),
+                   (V_bn4d_branch2b_W_new, T['V_bn4d_branch2b_W'], momentum, d_bn4d_branch2b_W, decay, T['bn4d_branch2b_W']),
+                   (V_bn4d_branch2b_B_new, T['V_bn4d_branch2b_B'], momentum, d_bn4d_branch2b_B, decay, T['bn4d_branch2b_B']),
+                   (V_bn4d_branch2a_W_new, T['V_bn4d_branch2a_W'], momentum, d_bn4d_branch2a_W, decay, T['bn4d_branch2a_W']),
+                   (V_bn4d_branch2a_B_new, T['V_bn4d_branch2a_B'], momentum, d_bn4d_branch2a_B, decay, T['bn4d_branch2a_B']),
+                   (V_bn4c_branch2c_W_new, T['V_bn4c_branch2c_W'], momentum, d_bn4c_branch2c_W, decay, T['bn4c_branch2c_W']),
+                   (V_bn4c_branch2c_B_new, T['V_bn4c_branch2c_B'], momentum, d_bn4c_branch2c_B, decay, T['bn4c_branch2c_B']),
+                   (V_bn4c_branch2b_W_new, T['V_bn4c_branch2b_W'], momentum, d_bn4c_branch2b_W, decay, T['bn4c_branch2b_W']),
+                   (V_bn4c_branch2b_B_new, T['V_bn4c_branch2b_B'], momentum, d_bn4c_branch2b_B, decay, T['bn4c_branch2b_B']),
+                   (V_bn4c_branch2a_W_new, T['V_bn4c_branch2a_W'], momentum, d_bn4c_branch2a_W, decay, T['bn4c_branch2a_W']),
+                   (V_bn4c_branch2a_B_new, T['V_bn4c_branch2a_B'], momentum, d_bn4c_branch2a_B, decay, T['bn4c_branch2a_B']),
+                   (V_bn4b_branch2c_W_new, T['V_bn4b_branch2c_W'], momentum, d_bn4b_branch2c_W, decay, T['bn4b_branch2c_W']),
+                   (V_bn4b_branch2c_B_new, T['V_bn4b_branch2c_B'], momentum, d_bn4b_branch2c_B, decay, T['bn4b_branch2c_B']),
+                   (V_bn4b_branch2b_W_new, T['V_bn4b_branch2b_W'], momentum, d_bn4b_branch2b_W, decay, T['bn4b_branch2b_W']),
+                   (V_bn4b_branch2b_B_new, T['V_bn4b_branch2b_B'], momentum, d_bn4b_branch2b_B, decay, T['bn4b_branch2b_B']),
+                   (V_bn4b_branch2a_W_new, T['V_bn4b_branch2a_W'], momentum, d_bn4b_branch2a_W, decay, T['bn4b_branch2a_W']),
+                   (V_bn4b_branch2a_B_new, T['V_bn4b_branch2a_B'], momentum, d_bn4b_branch2a_B, decay, T['bn4b_branch2a_B']),
+                   (V_bn4a_branch2c_W_new, T['V_bn4a_branch2c_W'], momentum, d_bn4a_branch2c_W, decay, T['bn4a_branch2c_W']),
+                   (V_bn4a_branch2c_B_new, T['V_bn4a_branch2c_B'], momentum, d_bn4a_branch1_B, decay, T['bn4a_branch2c_B']),
+                   (V_bn4a_branch1_B_new, T['V_bn4a_branch1_B'], momentum, d_bn4a_branch1_B, decay, T['bn4a_branch1_B']),
+                   (V_bn4a_branch1_W_new, T['V_bn4a_branch1_W'], momentum, d_bn4a_branch1_W, decay, T['bn4a_branch1_W']),
+                   (V_bn4a_branch2b_W_new, T['V_bn4a_branch2b_W'], momentum, d_bn4a_branch2b_W, decay, T['bn4a_branch2b_W']),
+                   (V_bn4a_branch2b_B_new, T['V_bn4a_branch2b_B'], momentum, d_bn4a_branch2b_B, decay, T['bn4a_branch2b_B']),
+                   (V_bn4a_branch2a_W_new, T['V_bn4a_branch2a_W'], momentum, d_bn4a_branch2a_W, decay, T['bn4a_branch2a_W']),
+                   (V_bn4a_branch2a_B_new, T['V_bn4a_branch2a_B'], momentum, d_bn4a_branch2a_B, decay, T['bn4a_branch2a_B']),
+                   (V_bn3d_branch2c_W_new, T['V_bn3d_branch2c_W'], momentum, d_bn3d_branch2c_W, decay, T['bn3d_branch2c_W']),
+                   (V_bn3d_branch2c_B_new, T['V_bn3d_branch2c_B'], momentum, d_bn3d_branch2c_B, decay, T['bn3d_branch2c_B']),
+                   (V_bn3d_branch2b_W_new, T['V_bn3d_branch2b_W'], momentum, d_bn3d_branch2b_W, decay, T['bn3d_branch2b_W']),
+                   (V_bn3d_branch2b_B_new, T['V_bn3d_branch2b_B'], momentum, d_bn3d_branch2b_B, decay, T['bn3d_branch2b_B']),
+                   (V_bn3d_branch2a_W_new, T['V_bn3d_branch2a_W'], momentum, d_bn3d_branch2a_W, decay, T['bn3d_branch2a_W']),
+                   (V_bn3d_branch2a_B_new, T['V_bn3d_branch2a_B'], momentum, d_bn3d_branch2a_B, decay, T['bn3d_branch2a_B']),
+                   (V_bn3c_branch2c_W_new, T['V_bn3c_branch2c_W'], momentum, d_bn3c_branch2c_W, decay, T['bn3c_branch2c_W']),
+                   (V_bn3c_branch2c_B_new, T['V_bn3c_branch2c_B'], momentum, d_bn3c_branch2c_B, decay, T['bn3c_branch2c_B']),
+                   (V_bn3c_branch2b_W_new, T['V_bn3c_branch2b_W'], momentum, d_bn3c_branch2b_W, decay, T['bn3c_branch2b_W']),
+                   (V_bn3c_branch2b_B_new, T['V_bn3c_branch2b_B'], momentum, d_bn3c_branch2b_B, decay, T['bn3c_branch2b_B']),
+                   (V_bn3c_branch2a_W_new, T['V_bn3c_branch2a_W'], momentum, d_bn3c_branch2a_W, decay, T['bn3c_branch2a_W']),
+                   (V_bn3c_branch2a_B_new, T['V_bn3c_branch2a_B'], momentum, d_bn3c_branch2a_B, decay, T['bn3c_branch2a_B']),
+                   (V_bn3b_branch2c_W_new, T['V_bn3b_branch2c_W'], momentum, d_bn3b_branch2c_W, decay, T['bn3b_branch2c_W']),
+                   (V_bn3b_branch2c_B_new, T['V_bn3b_branch2c_B'], momentum, d_bn3b_branch2c_B, decay, T['bn3b_branch2c_B']),
+                   (V_bn3b_branch2b_W_new, T['V_bn3b_branch2b_W'], momentum, d_bn3b_branch2b_W, decay, T['bn3b_branch2b_W']),
+                   (V_bn3b_branch2b_B_new, T['V_bn3b_branch2b_B'], momentum, d_bn3b_branch2b_B, decay, T['bn3b_branch2b_B']),
+                   (V_bn3b_branch2a_W_new, T['V_bn3b_branch2a_W'], momentum, d_bn3b_branch2a_W, decay, T['bn3b_branch2a_W']),
+                   (V_bn3b_branch2a_B_new, T['V_bn3b_branch2a_B'], momentum, d_bn3b_branch2a_B, decay, T['bn3b_branch2a_B']),
+                   (V_bn3a_branch2c_W_new, T['V_bn3a_branch2c_W'], momentum, d_bn3a_branch2c_W, decay, T['bn3a_branch2c_W']),
+                   (V_bn3a_branch2c_B_new, T['V_bn3a_branch2c_B'], momentum, d_bn3a_branch1_B, decay, T['bn3a_branch2c_B']),
+                   (V_bn3a_branch1_B_new, T['V_bn3a_branch1_B'], momentum, d_bn3a_branch1_B, decay, T['bn3a_branch1_B']),
+                   (V_bn3a_branch1_W_new, T['V_bn3a_branch1_W'], momentum, d_bn3a_branch1_W, decay, T['bn3a_branch1_W']),
+                   (V_bn3a_branch2b_W_new, T['V_bn3a_branch2b_W'], momentum, d_bn3a_branch2b_W, decay, T['bn3a_branch2b_W']),
+                   (V_bn3a_branch2b_B_new, T['V_bn3a_branch2b_B'], momentum, d_bn3a_branch2b_B, decay, T['bn3a_branch2b_B']),
+                   (V_bn3a_branch2a_W_new, T['V_bn3a_branch2a_W'], momentum, d_bn3a_branch2a_W, decay, T['bn3a_branch2a_W']),
+                   (V_bn3a_branch2a_B_new, T['V_bn3a_branch2a_B'], momentum, d_bn3a_branch2a_B, decay, T['bn3a_branch2a_B']),
+                   (V_bn2c_branch2c_W_new, T['V_bn2c_branch2c_W'], momentum, d_bn2c_branch2c_W, decay, T['bn2c_branch2c_W']),
+                   (V_bn2c_branch2c_B_new, T['V_bn2c_branch2c_B'], momentum, d_bn2c_branch2c_B, decay, T['bn2c_branch2c_B']),
+                   (V_res2c_branch2c_W_new, T['V_res2c_branch2c_W'], momentum, d_res2c_branch2c_W, decay, T['res2c_branch2c_W']),
+                   (V_bn2c_branch2b_W_new, T['V_bn2c_branch2b_W'], momentum, d_bn2c_branch2b_W, decay, T['bn2c_branch2b_W']),
+                   (V_bn2c_branch2b_B_new, T['V_bn2c_branch2b_B'], momentum, d_bn2c_branch2b_B, decay, T['bn2c_branch2b_B']),
+                   (V_bn2c_branch2a_W_new, T['V_bn2c_branch2a_W'], momentum, d_bn2c_branch2a_W, decay, T['bn2c_branch2a_W']),
+                   (V_bn2c_branch2a_B_new, T['V_bn2c_branch2a_B'], momentum, d_bn2c_branch2a_B, decay, T['bn2c_branch2a_B']),
+                   (V_res2c_branch2a_W_new, T['V_res2c_branch2a_W'], momentum, d_res2c_branch2a_W, decay, T['res2c_branch2a_W']),
+                   (V_bn2b_branch2c_W_new, T['V_bn2b_branch2c_W'], momentum, d_bn2b_branch2c_W, decay, T['bn2b_branch2c_W']),
+                   (V_bn2b_branch2c_B_new, T['V_bn2b_branch2c_B'], momentum, d_bn2b_branch2c_B, decay, T['bn2b_branch2c_B']),
+                   (V_res2b_branch2c_W_new, T['V_res2b_branch2c_W'], momentum, d_res2b_branch2c_W, decay, T['res2b_branch2c_W']),
+                   (V_bn2b_branch2b_W_new, T['V_bn2b_branch2b_W'], momentum, d_bn2b_branch2b_W, decay, T['bn2b_branch2b_W']),
+                   (V_bn2b_branch2b_B_new, T['V_bn2b_branch2b_B'], momentum, d_bn2b_branch2b_B, decay, T['bn2b_branch2b_B']),
+                   (V_bn2b_branch2a_W_new, T['V_bn2b_branch2a_W'], momentum, d_bn2b_branch2a_W, decay, T['bn2b_branch2a_W']),
+                   (V_bn2b_branch2a_B_new, T['V_bn2b_branch2a_B'], momentum, d_bn2b_branch2a_B, decay, T['bn2b_branch2a_B']),
+                   (V_res2b_branch2a_W_new, T['V_res2b_branch2a_W'], momentum, d_res2b_branch2a_W, decay, T['res2b_branch2a_W']),
+                   (V_bn2a_branch2c_W_new, T['V_bn2a_branch2c_W'], momentum, d_bn2a_branch2c_W, decay, T['bn2a_branch2c_W']),
+                   (V_bn2a_branch2c_B_new, T['V_bn2a_branch2c_B'], momentum, d_bn2a_branch1_B, decay, T['bn2a_branch2c_B']),
+                   (V_bn2a_branch1_B_new, T['V_bn2a_branch1_B'], momentum, d_bn2a_branch1_B, decay, T['bn2a_branch1_B']),
+                   (V_bn2a_branch1_W_new, T['V_bn2a_branch1_W'], momentum, d_bn2a_branch1_W, decay, T['bn2a_branch1_W']),
+                   (V_res2a_branch2c_W_new, T['V_res2a_branch2c_W'], momentum, d_res2a_branch2c_W, decay, T['res2a_branch2c_W']),
+                   (V_bn2a_branch2b_W_new, T['V_bn2a_branch2b_W'], momentum, d_bn2a_branch2b_W, decay, T['bn2a_branch2b_W']),
+                   (V_bn2a_branch2b_B_new, T['V_bn2a_branch2b_B'], momentum, d_bn2a_branch2b_B, decay, T['bn2a_branch2b_B']),
+                   (V_res2a_branch1_W_new, T['V_res2a_branch1_W'], momentum, d_res2a_branch1_W, decay, T['res2a_branch1_W']),
+                   (V_bn2a_branch2a_W_new, T['V_bn2a_branch2a_W'], momentum, d_bn2a_branch2a_W, decay, T['bn2a_branch2a_W']),
+                   (V_bn2a_branch2a_B_new, T['V_bn2a_branch2a_B'], momentum, d_bn2a_branch2a_B, decay, T['bn2a_branch2a_B']),
+                   (V_res2a_branch2a_W_new, T['V_res2a_branch2a_W'], momentum, d_res2a_branch2a_W, decay, T['res2a_branch2a_W']),
+                   (V_bn_conv1_W_new, T['V_bn_conv1_W'], momentum, d_bn_conv1_W, decay, T['bn_conv1_W']),
+                   (V_bn_conv1_B_new, T['V_bn_conv1_B'], momentum, d_bn_conv1_B, decay, T['bn_conv1_B']),
+                   (V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']))
+        # free bn_conv1_inv_std, d_bn_conv1_weight, d_bn_conv1_W, bn2a_branch2a_inv_std, d_bn2a_branch2a_weight, d_bn2a_branch2a_W, bn2a_branch2b_inv_std, d_bn2a_branch2b_weight, d_bn2a_branch2b_W, bn2a_branch1_inv_std, d_bn2a_branch1_weight, d_bn2a_branch1_W, bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W, bn2b_branch2a_inv_std, d_bn2b_branch2a_weight, d_bn2b_branch2a_W, bn2b_branch2b_inv_std, d_bn2b_branch2b_weight, d_bn2b_branch2b_W, bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W, bn2c_branch2a_inv_std, d_bn2c_branch2a_weight, d_bn2c_branch2a_W, bn2c_branch2b_inv_std, d_bn2c_branch2b_weight, d_bn2c_branch2b_W, bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W, bn3a_branch2a_inv_std, d_bn3a_branch2a_weight, d_bn3a_branch2a_W, bn3a_branch2b_inv_std, d_bn3a_branch2b_weight, d_bn3a_branch2b_W, bn3a_branch1_inv_std, d_bn3a_branch1_weight, d_bn3a_branch1_W, bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W, bn3b_branch2a_inv_std, d_bn3b_branch2a_weight, d_bn3b_branch2a_W, bn3b_branch2b_inv_std, d_bn3b_branch2b_weight, d_bn3b_branch2b_W, bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W, bn3c_branch2a_inv_std, d_bn3c_branch2a_weight, d_bn3c_branch2a_W, bn3c_branch2b_inv_std, d_bn3c_branch2b_weight, d_bn3c_branch2b_W, bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W, bn3d_branch2a_inv_std, d_bn3d_branch2a_weight, d_bn3d_branch2a_W, bn3d_branch2b_inv_std, d_bn3d_branch2b_weight, d_bn3d_branch2b_W, bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W, bn4a_branch2a_inv_std, d_bn4a_branch2a_weight, d_bn4a_branch2a_W, bn4a_branch2b_inv_std, d_bn4a_branch2b_weight, d_bn4a_branch2b_W, bn4a_branch1_inv_std, d_bn4a_branch1_weight, d_bn4a_branch1_W, bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W, bn4b_branch2a_inv_std, d_bn4b_branch2a_weight, d_bn4b_branch2a_W, bn4b_branch2b_inv_std, d_bn4b_branch2b_weight, d_bn4b_branch2b_W, bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W, bn4c_branch2a_inv_std, d_bn4c_branch2a_weight, d_bn4c_branch2a_W, bn4c_branch2b_inv_std, d_bn4c_branch2b_weight, d_bn4c_branch2b_W, bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W, bn4d_branch2a_inv_std, d_bn4d_branch2a_weight, d_bn4d_branch2a_W, bn4d_branch2b_inv_std, d_bn4d_branch2b_weight, d_bn4d_branch2b_W, bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W, bn4e_branch2a_inv_std, d_bn4e_branch2a_weight, d_bn4e_branch2a_W, bn4e_branch2b_inv_std, d_bn4e_branch2b_weight, d_bn4e_branch2b_W, bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W, bn4f_branch2a_inv_std, d_bn4f_branch2a_weight, d_bn4f_branch2a_W, bn4f_branch2b_inv_std, d_bn4f_branch2b_weight, d_bn4f_branch2b_W, bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W, bn5a_branch2a_inv_std, d_bn5a_branch2a_weight, d_bn5a_branch2a_W, bn5a_branch2b_inv_std, d_bn5a_branch2b_weight, d_bn5a_branch2b_W, bn5a_branch1_inv_std, d_bn5a_branch1_weight, d_bn5a_branch1_W, bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W, bn5b_branch2a_inv_std, d_bn5b_branch2a_weight, d_bn5b_branch2a_W, bn5b_branch2b_inv_std, d_bn5b_branch2b_weight, d_bn5b_branch2b_W, bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W, bn5c_branch2a_inv_std, d_bn5c_branch2a_weight, d_bn5c_branch2a_W, bn5c_branch2b_inv_std, d_bn5c_branch2b_weight, d_bn5c_branch2b_W, bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W, d_bn5c_branch2c_bias, d_bn5c_branch2c_B, d_bn5c_branch2b_bias, d_bn5c_branch2b_B, d_bn5c_branch2a_bias, d_bn5c_branch2a_B, d_bn5b_branch2c_bias, d_bn5b_branch2c_B, d_bn5b_branch2b_bias, d_bn5b_branch2b_B, d_bn5b_branch2a_bias, d_bn5b_branch2a_B, d_bn5a_branch1_bias, d_bn5a_branch1_B, d_bn5a_branch2b_bias, d_bn5a_branch2b_B, d_bn5a_branch2a_bias, d_bn5a_branch2a_B, d_bn4f_branch2c_bias, d_bn4f_branch2c_B, d_bn4f_branch2b_bias, d_bn4f_branch2b_B, d_bn4f_branch2a_bias, d_bn4f_branch2a_B, d_bn4e_branch2c_bias, d_bn4e_branch2c_B, d_bn4e_branch2b_bias, d_bn4e_branch2b_B, d_bn4e_branch2a_bias, d_bn4e_branch2a_B, d_bn4d_branch2c_bias, d_bn4d_branch2c_B, d_bn4d_branch2b_bias, d_bn4d_branch2b_B, d_bn4d_branch2a_bias, d_bn4d_branch2a_B, d_bn4c_branch2c_bias, d_bn4c_branch2c_B, d_bn4c_branch2b_bias, d_bn4c_branch2b_B, d_bn4c_branch2a_bias, d_bn4c_branch2a_B, d_bn4b_branch2c_bias, d_bn4b_branch2c_B, d_bn4b_branch2b_bias, d_bn4b_branch2b_B, d_bn4b_branch2a_bias, d_bn4b_branch2a_B, d_bn4a_branch1_bias, d_bn4a_branch1_B, d_bn4a_branch2b_bias, d_bn4a_branch2b_B, d_bn4a_branch2a_bias, d_bn4a_branch2a_B, d_bn3d_branch2c_bias, d_bn3d_branch2c_B, d_bn3d_branch2b_bias, d_bn3d_branch2b_B, d_bn3d_branch2a_bias, d_bn3d_branch2a_B, d_bn3c_branch2c_bias, d_bn3c_branch2c_B, d_bn3c_branch2b_bias, d_bn3c_branch2b_B, d_bn3c_branch2a_bias, d_bn3c_branch2a_B, d_bn3b_branch2c_bias, d_bn3b_branch2c_B, d_bn3b_branch2b_bias, d_bn3b_branch2b_B, d_bn3b_branch2a_bias, d_bn3b_branch2a_B, d_bn3a_branch1_bias, d_bn3a_branch1_B, d_bn3a_branch2b_bias, d_bn3a_branch2b_B, d_bn3a_branch2a_bias, d_bn3a_branch2a_B, d_bn2c_branch2c_bias, d_bn2c_branch2c_B, d_res2c_branch2c_W, d_bn2c_branch2b_bias, d_bn2c_branch2b_B, d_bn2c_branch2a_bias, d_bn2c_branch2a_B, d_res2c_branch2a_W, d_bn2b_branch2c_bias, d_bn2b_branch2c_B, d_res2b_branch2c_W, d_bn2b_branch2b_bias, d_bn2b_branch2b_B, d_bn2b_branch2a_bias, d_bn2b_branch2a_B, d_res2b_branch2a_W, d_bn2a_branch1_bias, d_bn2a_branch1_B, d_res2a_branch2c_W, d_bn2a_branch2b_bias, d_bn2a_branch2b_B, d_res2a_branch1_W, d_bn2a_branch2a_bias, d_bn2a_branch2a_B, d_res2a_branch2a_W, d_bn_conv1_bias, d_bn_conv1_B, d_conv1_W
+        del bn_conv1_inv_std, d_bn_conv1_weight, d_bn_conv1_W, bn2a_branch2a_inv_std, d_bn2a_branch2a_weight, d_bn2a_branch2a_W, bn2a_branch2b_inv_std, d_bn2a_branch2b_weight, d_bn2a_branch2b_W, bn2a_branch1_inv_std, d_bn2a_branch1_weight, d_bn2a_branch1_W, bn2a_branch2c_inv_std, d_bn2a_branch2c_weight, d_bn2a_branch2c_W, bn2b_branch2a_inv_std, d_bn2b_branch2a_weight, d_bn2b_branch2a_W, bn2b_branch2b_inv_std, d_bn2b_branch2b_weight, d_bn2b_branch2b_W, bn2b_branch2c_inv_std, d_bn2b_branch2c_weight, d_bn2b_branch2c_W, bn2c_branch2a_inv_std, d_bn2c_branch2a_weight, d_bn2c_branch2a_W, bn2c_branch2b_inv_std, d_bn2c_branch2b_weight, d_bn2c_branch2b_W, bn2c_branch2c_inv_std, d_bn2c_branch2c_weight, d_bn2c_branch2c_W, bn3a_branch2a_inv_std, d_bn3a_branch2a_weight, d_bn3a_branch2a_W, bn3a_branch2b_inv_std, d_bn3a_branch2b_weight, d_bn3a_branch2b_W, bn3a_branch1_inv_std, d_bn3a_branch1_weight, d_bn3a_branch1_W, bn3a_branch2c_inv_std, d_bn3a_branch2c_weight, d_bn3a_branch2c_W, bn3b_branch2a_inv_std, d_bn3b_branch2a_weight, d_bn3b_branch2a_W, bn3b_branch2b_inv_std, d_bn3b_branch2b_weight, d_bn3b_branch2b_W, bn3b_branch2c_inv_std, d_bn3b_branch2c_weight, d_bn3b_branch2c_W, bn3c_branch2a_inv_std, d_bn3c_branch2a_weight, d_bn3c_branch2a_W, bn3c_branch2b_inv_std, d_bn3c_branch2b_weight, d_bn3c_branch2b_W, bn3c_branch2c_inv_std, d_bn3c_branch2c_weight, d_bn3c_branch2c_W, bn3d_branch2a_inv_std, d_bn3d_branch2a_weight, d_bn3d_branch2a_W, bn3d_branch2b_inv_std, d_bn3d_branch2b_weight, d_bn3d_branch2b_W, bn3d_branch2c_inv_std, d_bn3d_branch2c_weight, d_bn3d_branch2c_W, bn4a_branch2a_inv_std, d_bn4a_branch2a_weight, d_bn4a_branch2a_W, bn4a_branch2b_inv_std, d_bn4a_branch2b_weight, d_bn4a_branch2b_W, bn4a_branch1_inv_std, d_bn4a_branch1_weight, d_bn4a_branch1_W, bn4a_branch2c_inv_std, d_bn4a_branch2c_weight, d_bn4a_branch2c_W, bn4b_branch2a_inv_std, d_bn4b_branch2a_weight, d_bn4b_branch2a_W, bn4b_branch2b_inv_std, d_bn4b_branch2b_weight, d_bn4b_branch2b_W, bn4b_branch2c_inv_std, d_bn4b_branch2c_weight, d_bn4b_branch2c_W, bn4c_branch2a_inv_std, d_bn4c_branch2a_weight, d_bn4c_branch2a_W, bn4c_branch2b_inv_std, d_bn4c_branch2b_weight, d_bn4c_branch2b_W, bn4c_branch2c_inv_std, d_bn4c_branch2c_weight, d_bn4c_branch2c_W, bn4d_branch2a_inv_std, d_bn4d_branch2a_weight, d_bn4d_branch2a_W, bn4d_branch2b_inv_std, d_bn4d_branch2b_weight, d_bn4d_branch2b_W, bn4d_branch2c_inv_std, d_bn4d_branch2c_weight, d_bn4d_branch2c_W, bn4e_branch2a_inv_std, d_bn4e_branch2a_weight, d_bn4e_branch2a_W, bn4e_branch2b_inv_std, d_bn4e_branch2b_weight, d_bn4e_branch2b_W, bn4e_branch2c_inv_std, d_bn4e_branch2c_weight, d_bn4e_branch2c_W, bn4f_branch2a_inv_std, d_bn4f_branch2a_weight, d_bn4f_branch2a_W, bn4f_branch2b_inv_std, d_bn4f_branch2b_weight, d_bn4f_branch2b_W, bn4f_branch2c_inv_std, d_bn4f_branch2c_weight, d_bn4f_branch2c_W, bn5a_branch2a_inv_std, d_bn5a_branch2a_weight, d_bn5a_branch2a_W, bn5a_branch2b_inv_std, d_bn5a_branch2b_weight, d_bn5a_branch2b_W, bn5a_branch1_inv_std, d_bn5a_branch1_weight, d_bn5a_branch1_W, bn5a_branch2c_inv_std, d_bn5a_branch2c_weight, d_bn5a_branch2c_W, bn5b_branch2a_inv_std, d_bn5b_branch2a_weight, d_bn5b_branch2a_W, bn5b_branch2b_inv_std, d_bn5b_branch2b_weight, d_bn5b_branch2b_W, bn5b_branch2c_inv_std, d_bn5b_branch2c_weight, d_bn5b_branch2c_W, bn5c_branch2a_inv_std, d_bn5c_branch2a_weight, d_bn5c_branch2a_W, bn5c_branch2b_inv_std, d_bn5c_branch2b_weight, d_bn5c_branch2b_W, bn5c_branch2c_inv_std, d_bn5c_branch2c_weight, d_bn5c_branch2c_W, d_bn5c_branch2c_bias, d_bn5c_branch2c_B, d_bn5c_branch2b_bias, d_bn5c_branch2b_B, d_bn5c_branch2a_bias, d_bn5c_branch2a_B, d_bn5b_branch2c_bias, d_bn5b_branch2c_B, d_bn5b_branch2b_bias, d_bn5b_branch2b_B, d_bn5b_branch2a_bias, d_bn5b_branch2a_B, d_bn5a_branch1_bias, d_bn5a_branch1_B, d_bn5a_branch2b_bias, d_bn5a_branch2b_B, d_bn5a_branch2a_bias, d_bn5a_branch2a_B, d_bn4f_branch2c_bias, d_bn4f_branch2c_B, d_bn4f_branch2b_bias, d_bn4f_branch2b_B, d_bn4f_branch2a_bias, d_bn4f_branch2a_B, d_bn4e_branch2c_bias, d_bn4e_branch2c_B, d_bn4e_branch2b_bias, d_bn4e_branch2b_B, d_bn4e_branch2a_bias, d_bn4e_branch2a_B, d_bn4d_branch2c_bias, d_bn4d_branch2c_B, d_bn4d_branch2b_bias, d_bn4d_branch2b_B, d_bn4d_branch2a_bias, d_bn4d_branch2a_B, d_bn4c_branch2c_bias, d_bn4c_branch2c_B, d_bn4c_branch2b_bias, d_bn4c_branch2b_B, d_bn4c_branch2a_bias, d_bn4c_branch2a_B, d_bn4b_branch2c_bias, d_bn4b_branch2c_B, d_bn4b_branch2b_bias, d_bn4b_branch2b_B, d_bn4b_branch2a_bias, d_bn4b_branch2a_B, d_bn4a_branch1_bias, d_bn4a_branch1_B, d_bn4a_branch2b_bias, d_bn4a_branch2b_B, d_bn4a_branch2a_bias, d_bn4a_branch2a_B, d_bn3d_branch2c_bias, d_bn3d_branch2c_B, d_bn3d_branch2b_bias, d_bn3d_branch2b_B, d_bn3d_branch2a_bias, d_bn3d_branch2a_B, d_bn3c_branch2c_bias, d_bn3c_branch2c_B, d_bn3c_branch2b_bias, d_bn3c_branch2b_B, d_bn3c_branch2a_bias, d_bn3c_branch2a_B, d_bn3b_branch2c_bias, d_bn3b_branch2c_B, d_bn3b_branch2b_bias, d_bn3b_branch2b_B, d_bn3b_branch2a_bias, d_bn3b_branch2a_B, d_bn3a_branch1_bias, d_bn3a_branch1_B, d_bn3a_branch2b_bias, d_bn3a_branch2b_B, d_bn3a_branch2a_bias, d_bn3a_branch2a_B, d_bn2c_branch2c_bias, d_bn2c_branch2c_B, d_res2c_branch2c_W, d_bn2c_branch2b_bias, d_bn2c_branch2b_B, d_bn2c_branch2a_bias, d_bn2c_branch2a_B, d_res2c_branch2a_W, d_bn2b_branch2c_bias, d_bn2b_branch2c_B, d_res2b_branch2c_W, d_bn2b_branch2b_bias, d_bn2b_branch2b_B, d_bn2b_branch2a_bias, d_bn2b_branch2a_B, d_res2b_branch2a_W, d_bn2a_branch1_bias, d_bn2a_branch1_B, d_res2a_branch2c_W, d_bn2a_branch2b_bias, d_bn2a_branch2b_B, d_res2a_branch1_W, d_bn2a_branch2a_bias, d_bn2a_branch2a_B, d_res2a_branch2a_W, d_bn_conv1_bias, d_bn_conv1_B, d_conv1_W
+        mem.free(6, 13, 18, 23, 27, 32, 37, 42, 46, 51, 56, 61, 66, 71, 75, 80, 85, 90, 94, 99, 104, 109, 114, 119, 123, 128, 133, 137, 142, 147, 152, 156, 161, 166, 171, 176, 181, 185, 190, 195, 200, 205, 210, 214, 219, 224, 228, 233, 238, 243, 247, 252, 257, 271, 278, 284, 291, 298, 304, 315, 322, 328, 337, 344, 351, 358, 365, 372, 378, 385, 392, 399, 406, 413, 419, 426, 433, 443, 450, 458, 465, 472, 479, 486, 493, 500, 506, 513, 520, 530, 537, 546, 553, 555, 560, 567, 568, 573, 575, 580, 587, 589, 597, 599, 604, 605, 613, 614, 619, 622)
+        # bn5c_branch2c_W_new = bn5c_branch2c_W - lr*V_bn5c_branch2c_W_new   (computed with the last statement of its batch)
+        bn5c_branch2c_W_new = T['bn5c_branch2c_W']  # in place: the new bn5c_branch2c_W
+        # bn5c_branch2c_B_new = bn5c_branch2c_B - lr*V_bn5c_branch2c_B_new   (computed with the last statement of its batch)
+        bn5c_branch2c_B_new = T['bn5c_branch2c_B']  # in place: the new bn5c_branch2c_B
+        # bn5c_branch2b_W_new = bn5c_branch2b_W - lr*V_bn5c_branch2b_W_new   (computed with the last statement of its batch)
+        bn5c_branch2b_W_new = T['bn5c_branch2b_W']  # in place: the new bn5c_branch2b_W
+        # bn5c_branch2b_B_new = bn5c_branch2b_B - lr*V_bn5c_branch2b_B_new   (computed with the last statement of its batch)
+        bn5c_branch2b_B_new = T['bn5c_branch2b_B']  # in place: the new bn5c_branch2b_B
+        # bn5c_branch2a_W_new = bn5c_branch2a_W - lr*V_bn5c_branch2a_W_new   (computed with the last statement of its batch)
+        bn5c_branch2a_W_new = T['bn5c_branch2a_W']  # in place: the new bn5c_branch2a_W
+        # bn5c_branch2a_B_new = bn5c_branch2a_B - lr*V_bn5c_branch2a_B_new   (computed with the last statement of its batch)
+        bn5c_branch2a_B_new = T['bn5c_branch2a_B']  # in place: the new bn5c_branch2a_B
+        # bn5b_branch2c_W_new = bn5b_branch2c_W - lr*V_bn5b_branch2c_W_new   (computed with the last statement of its batch)
+        bn5b_branch2c_W_new = T['bn5b_branch2c_W']  # in place: the new bn5b_branch2c_W
+        # bn5b_branch2c_B_new = bn5b_branch2c_B - lr*V_bn5b_branch2c_B_new   (computed with the last statement of its batch)
+        bn5b_branch2c_B_new = T['bn5b_branch2c_B']  # in place: the new bn5b_branch2c_B
+        # bn5b_branch2b_W_new = bn5b_branch2b_W - lr*V_bn5b_branch2b_W_new   (computed with the last statement of its batch)
+        bn5b_branch2b_W_new = T['bn5b_branch2b_W']  # in place: the new bn5b_branch2b_W
+        # bn5b_branch2b_B_new = bn5b_branch2b_B - lr*V_bn5b_branch2b_B_new   (computed with the last statement of its batch)
+        bn5b_branch2b_B_new = T['bn5b_branch2b_B']  # in place: the new bn5b_branch2b_B
+        # bn5b_branch2a_W_new = bn5b_branch2a_W - lr*V_bn5b_branch2a_W_new   (computed with the last statement of its batch)
+        bn5b_branch2a_W_new = T['bn5b_branch2a_W']  # in place: the new bn5b_branch2a_W
+        # bn5b_branch2a_B_new = bn5b_branch2a_B - lr*V_bn5b_branch2a_B_new   (computed with the last statement of its batch)
+        bn5b_branch2a_B_new = T['bn5b_branch2a_B']  # in place: the new bn5b_branch2a_B
+        # bn5a_branch2c_W_new = bn5a_branch2c_W - lr*V_bn5a_branch2c_W_new   (computed with the last statement of its batch)
+        bn5a_branch2c_W_new = T['bn5a_branch2c_W']  # in place: the new bn5a_branch2c_W
+        # bn5a_branch2c_B_new = bn5a_branch2c_B - lr*V_bn5a_branch2c_B_new   (computed with the last statement of its batch)
+        bn5a_branch2c_B_new = T['bn5a_branch2c_B']  # in place: the new bn5a_branch2c_B
+        # bn5a_branch1_W_new = bn5a_branch1_W - lr*V_bn5a_branch1_W_new   (computed with the last statement of its batch)
+        bn5a_branch1_W_new = T['bn5a_branch1_W']  # in place: the new bn5a_branch1_W
+        # bn5a_branch1_B_new = bn5a_branch1_B - lr*V_bn5a_branch1_B_new   (computed with the last statement of its batch)
+        bn5a_branch1_B_new = T['bn5a_branch1_B']  # in place: the new bn5a_branch1_B
+        # bn5a_branch2b_W_new = bn5a_branch2b_W - lr*V_bn5a_branch2b_W_new   (computed with the last statement of its batch)
+        bn5a_branch2b_W_new = T['bn5a_branch2b_W']  # in place: the new bn5a_branch2b_W
+        # bn5a_branch2b_B_new = bn5a_branch2b_B - lr*V_bn5a_branch2b_B_new   (computed with the last statement of its batch)
+        bn5a_branch2b_B_new = T['bn5a_branch2b_B']  # in place: the new bn5a_branch2b_B
+        # bn5a_branch2a_W_new = bn5a_branch2a_W - lr*V_bn5a_branch2a_W_new   (computed with the last statement of its batch)
+        bn5a_branch2a_W_new = T['bn5a_branch2a_W']  # in place: the new bn5a_branch2a_W
+        # bn5a_branch2a_B_new = bn5a_branch2a_B - lr*V_bn5a_branch2a_B_new   (computed with the last statement of its batch)
+        bn5a_branch2a_B_new = T['bn5a_branch2a_B']  # in place: the new bn5a_branch2a_B
+        # bn4f_branch2c_W_new = bn4f_branch2c_W - lr*V_bn4f_branch2c_W_new   (computed with the last statement of its batch)
+        bn4f_branch2c_W_new = T['bn4f_branch2c_W']  # in place: the new bn4f_branch2c_W
+        # bn4f_branch2c_B_new = bn4f_branch2c_B - lr*V_bn4f_branch2c_B_new   (computed with the last statement of its batch)
+        bn4f_branch2c_B_new = T['bn4f_branch2c_B']  # in place: the new bn4f_branch2c_B
+        # bn4f_branch2b_W_new = bn4f_branch2b_W - lr*V_bn4f_branch2b_W_new   (computed with the last statement of its batch)
+        bn4f_branch2b_W_new = T['bn4f_branch2b_W']  # in place: the new bn4f_branch2b_W
+        # bn4f_branch2b_B_new = bn4f_branch2b_B - lr*V_bn4f_branch2b_B_new   (computed with the last statement of its batch)
+        bn4f_branch2b_B_new = T['bn4f_branch2b_B']  # in place: the new bn4f_branch2b_B
+        # bn4f_branch2a_W_new = bn4f_branch2a_W - lr*V_bn4f_branch2a_W_new   (computed with the last statement of its batch)
+        bn4f_branch2a_W_new = T['bn4f_branch2a_W']  # in place: the new bn4f_branch2a_W
+        # bn4f_branch2a_B_new = bn4f_branch2a_B - lr*V_bn4f_branch2a_B_new   (computed with the last statement of its batch)
+        bn4f_branch2a_B_new = T['bn4f_branch2a_B']  # in place: the new bn4f_branch2a_B
+        # bn4e_branch2c_W_new = bn4e_branch2c_W - lr*V_bn4e_branch2c_W_new   (computed with the last statement of its batch)
+        bn4e_branch2c_W_new = T['bn4e_branch2c_W']  # in place: the new bn4e_branch2c_W
+        # bn4e_branch2c_B_new = bn4e_branch2c_B - lr*V_bn4e_branch2c_B_new   (computed with the last statement of its batch)
+        bn4e_branch2c_B_new = T['bn4e_branch2c_B']  # in place: the new bn4e_branch2c_B
+        # bn4e_branch2b_W_new = bn4e_branch2b_W - lr*V_bn4e_branch2b_W_new   (computed with the last statement of its batch)
+        bn4e_branch2b_W_new = T['bn4e_branch2b_W']  # in place: the new bn4e_branch2b_W
+        # bn4e_branch2b_B_new = bn4e_branch2b_B - lr*V_bn4e_branch2b_B_new   (computed with the last statement of its batch)
+        bn4e_branch2b_B_new = T['bn4e_branch2b_B']  # in place: the new bn4e_branch2b_B
+        # bn4e_branch2a_W_new = bn4e_branch2a_W - lr*V_bn4e_branch2a_W_new   (computed with the last statement of its batch)
+        bn4e_branch2a_W_new = T['bn4e_branch2a_W']  # in place: the new bn4e_branch2a_W
+        # bn4e_branch2a_B_new = bn4e_branch2a_B - lr*V_bn4e_branch2a_B_new   (computed with the last statement of its batch)
+        bn4e_branch2a_B_new = T['bn4e_branch2a_B']  # in place: the new bn4e_branch2a_B
+        # bn4d_branch2c_W_new = bn4d_branch2c_W - lr*V_bn4d_branch2c_W_new   (computed with the last statement of its batch)
+        bn4d_branch2c_W_new = T['bn4d_branch2c_W']  # in place: the new bn4d_branch2c_W
+        # bn4d_branch2c_B_new = bn4d_branch2c_B - lr*V_bn4d_branch2c_B_new   (computed with the last statement of its batch)
+        bn4d_branch2c_B_new = T['bn4d_branch2c_B']  # in place: the new bn4d_branch2c_B
+        # bn4d_branch2b_W_new = bn4d_branch2b_W - lr*V_bn4d_branch2b_W_new   (computed with the last statement of its batch)
+        bn4d_branch2b_W_new = T['bn4d_branch2b_W']  # in place: the new bn4d_branch2b_W
+        # bn4d_branch2b_B_new = bn4d_branch2b_B - lr*V_bn4d_branch2b_B_new   (computed with the last statement of its batch)
+        bn4d_branch2b_B_new = T['bn4d_branch2b_B']  # in place: the new bn4d_branch2b_B
+        # bn4d_branch2a_W_new = bn4d_branch2a_W - lr*V_bn4d_branch2a_W_new   (computed with the last statement of its batch)
+        bn4d_branch2a_W_new = T['bn4d_branch2a_W']  # in place: the new bn4d_branch2a_W
+        # bn4d_branch2a_B_new = bn4d_branch2a_B - lr*V_bn4d_branch2a_B_new   (computed with the last statement of its batch)
+        bn4d_branch2a_B_new = T['bn4d_branch2a_B']  # in place: the new bn4d_branch2a_B
+        # bn4c_branch2c_W_new = bn4c_branch2c_W - lr*V_bn4c_branch2c_W_new   (computed with the last statement of its batch)
+        bn4c_branch2c_W_new = T['bn4c_branch2c_W']  # in place: the new bn4c_branch2c_W
+        # bn4c_branch2c_B_new = bn4c_branch2c_B - lr*V_bn4c_branch2c_B_new   (computed with the last statement of its batch)
+        bn4c_branch2c_B_new = T['bn4c_branch2c_B']  # in place: the new bn4c_branch2c_B
+        # bn4c_branch2b_W_new = bn4c_branch2b_W - lr*V_bn4c_branch2b_W_new   (computed with the last statement of its batch)
+        bn4c_branch2b_W_new = T['bn4c_branch2b_W']  # in place: the new bn4c_branch2b_W
+        # bn4c_branch2b_B_new = bn4c_branch2b_B - lr*V_bn4c_branch2b_B_new   (computed with the last statement of its batch)
+        bn4c_branch2b_B_new = T['bn4c_branch2b_B']  # in place: the new bn4c_branch2b_B
+        # bn4c_branch2a_W_new = bn4c_branch2a_W - lr*V_bn4c_branch2a_W_new   (computed with the last statement of its batch)
+        bn4c_branch2a_W_new = T['bn4c_branch2a_W']  # in place: the new bn4c_branch2a_W
+        # bn4c_branch2a_B_new = bn4c_branch2a_B - lr*V_bn4c_branch2a_B_new   (computed with the last statement of its batch)
+        bn4c_branch2a_B_new = T['bn4c_branch2a_B']  # in place: the new bn4c_branch2a_B
+        # bn4b_branch2c_W_new = bn4b_branch2c_W - lr*V_bn4b_branch2c_W_new   (computed with the last statement of its batch)
+        bn4b_branch2c_W_new = T['bn4b_branch2c_W']  # in place: the new bn4b_branch2c_W
+        # bn4b_branch2c_B_new = bn4b_branch2c_B - lr*V_bn4b_branch2c_B_new   (computed with the last statement of its batch)
+        bn4b_branch2c_B_new = T['bn4b_branch2c_B']  # in place: the new bn4b_branch2c_B
+        # bn4b_branch2b_W_new = bn4b_branch2b_W - lr*V_bn4b_branch2b_W_new   (computed with the last statement of its batch)
+        bn4b_branch2b_W_new = T['bn4b_branch2b_W']  # in place: the new bn4b_branch2b_W
+        # bn4b_branch2b_B_new = bn4b_branch2b_B - lr*V_bn4b_branch2b_B_new   (computed with the last statement of its batch)
+        bn4b_branch2b_B_new = T['bn4b_branch2b_B']  # in place: the new bn4b_branch2b_B
+        # bn4b_branch2a_W_new = bn4b_branch2a_W - lr*V_bn4b_branch2a_W_new   (computed with the last statement of its batch)
+        bn4b_branch2a_W_new = T['bn4b_branch2a_W']  # in place: the new bn4b_branch2a_W
+        # bn4b_branch2a_B_new = bn4b_branch2a_B - lr*V_bn4b_branch2a_B_new   (computed with the last statement of its batch)
+        bn4b_branch2a_B_new = T['bn4b_branch2a_B']  # in place: the new bn4b_branch2a_B
+        # bn4a_branch2c_W_new = bn4a_branch2c_W - lr*V_bn4a_branch2c_W_new   (computed with the last statement of its batch)
+        bn4a_branch2c_W_new = T['bn4a_branch2c_W']  # in place: the new bn4a_branch2c_W
+        # bn4a_branch2c_B_new = bn4a_branch2c_B - lr*V_bn4a_branch2c_B_new   (computed with the last statement of its batch)
+        bn4a_branch2c_B_new = T['bn4a_branch2c_B']  # in place: the new bn4a_branch2c_B
+        # bn4a_branch1_W_new = bn4a_branch1_W - lr*V_bn4a_branch1_W_new   (computed with the last statement of its batch)
+        bn4a_branch1_W_new = T['bn4a_branch1_W']  # in place: the new bn4a_branch1_W
+        # bn4a_branch1_B_new = bn4a_branch1_B - lr*V_bn4a_branch1_B_new   (computed with the last statement of its batch)
+        bn4a_branch1_B_new = T['bn4a_branch1_B']  # in place: the new bn4a_branch1_B
+        # bn4a_branch2b_W_new = bn4a_branch2b_W - lr*V_bn4a_branch2b_W_new   (computed with the last statement of its batch)
+        bn4a_branch2b_W_new = T['bn4a_branch2b_W']  # in place: the new bn4a_branch2b_W
+        # bn4a_branch2b_B_new = bn4a_branch2b_B - lr*V_bn4a_branch2b_B_new   (computed with the last statement of its batch)
+        bn4a_branch2b_B_new = T['bn4a_branch2b_B']  # in place: the new bn4a_branch2b_B
+        # bn4a_branch2a_W_new = bn4a_branch2a_W - lr*V_bn4a_branch2a_W_new   (computed with the last statement of its batch)
+        bn4a_branch2a_W_new = T['bn4a_branch2a_W']  # in place: the new bn4a_branch2a_W
+        # bn4a_branch2a_B_new = bn4a_branch2a_B - lr*V_bn4a_branch2a_B_new   (computed with the last statement of its batch)
+        bn4a_branch2a_B_new = T['bn4a_branch2a_B']  # in place: the new bn4a_branch2a_B
+        # bn3d_branch2c_W_new = bn3d_branch2c_W - lr*V_bn3d_branch2c_W_new   (computed with the last statement of its batch)
+        bn3d_branch2c_W_new = T['bn3d_branch2c_W']  # in place: the new bn3d_branch2c_W
+        # bn3d_branch2c_B_new = bn3d_branch2c_B - lr*V_bn3d_branch2c_B_new   (computed with the last statement of its batch)
+        bn3d_branch2c_B_new = T['bn3d_branch2c_B']  # in place: the new bn3d_branch2c_B
+        # bn3d_branch2b_W_new = bn3d_branch2b_W - lr*V_bn3d_branch2b_W_new   (computed with the last statement of its batch)
+        bn3d_branch2b_W_new = T['bn3d_branch2b_W']  # in place: the new bn3d_branch2b_W
+        # bn3d_branch2b_B_new = bn3d_branch2b_B - lr*V_bn3d_branch2b_B_new   (computed with the last statement of its batch)
+        bn3d_branch2b_B_new = T['bn3d_branch2b_B']  # in place: the new bn3d_branch2b_B
+        # bn3d_branch2a_W_new = bn3d_branch2a_W - lr*V_bn3d_branch2a_W_new   (computed with the last statement of its batch)
+        bn3d_branch2a_W_new = T['bn3d_branch2a_W']  # in place: the new bn3d_branch2a_W
+        # bn3d_branch2a_B_new = bn3d_branch2a_B - lr*V_bn3d_branch2a_B_new   (computed with the last statement of its batch)
+        bn3d_branch2a_B_new = T['bn3d_branch2a_B']  # in place: the new bn3d_branch2a_B
+        # bn3c_branch2c_W_new = bn3c_branch2c_W - lr*V_bn3c_branch2c_W_new   (computed with the last statement of its batch)
+        bn3c_branch2c_W_new = T['bn3c_branch2c_W']  # in place: the new bn3c_branch2c_W
+        # bn3c_branch2c_B_new = bn3c_branch2c_B - lr*V_bn3c_branch2c_B_new   (computed with the last statement of its batch)
+        bn3c_branch2c_B_new = T['bn3c_branch2c_B']  # in place: the new bn3c_branch2c_B
+        # bn3c_branch2b_W_new = bn3c_branch2b_W - lr*V_bn3c_branch2b_W_new   (computed with the last statement of its batch)
+        bn3c_branch2b_W_new = T['bn3c_branch2b_W']  # in place: the new bn3c_branch2b_W
+        # bn3c_branch2b_B_new = bn3c_branch2b_B - lr*V_bn3c_branch2b_B_new   (computed with the last statement of its batch)
+        bn3c_branch2b_B_new = T['bn3c_branch2b_B']  # in place: the new bn3c_branch2b_B
+        # bn3c_branch2a_W_new = bn3c_branch2a_W - lr*V_bn3c_branch2a_W_new   (computed with the last statement of its batch)
+        bn3c_branch2a_W_new = T['bn3c_branch2a_W']  # in place: the new bn3c_branch2a_W
+        # bn3c_branch2a_B_new = bn3c_branch2a_B - lr*V_bn3c_branch2a_B_new   (computed with the last statement of its batch)
+        bn3c_branch2a_B_new = T['bn3c_branch2a_B']  # in place: the new bn3c_branch2a_B
+        # bn3b_branch2c_W_new = bn3b_branch2c_W - lr*V_bn3b_branch2c_W_new   (computed with the last statement of its batch)
+        bn3b_branch2c_W_new = T['bn3b_branch2c_W']  # in place: the new bn3b_branch2c_W
+        # bn3b_branch2c_B_new = bn3b_branch2c_B - lr*V_bn3b_branch2c_B_new   (computed with the last statement of its batch)
+        bn3b_branch2c_B_new = T['bn3b_branch2c_B']  # in place: the new bn3b_branch2c_B
+        # bn3b_branch2b_W_new = bn3b_branch2b_W - lr*V_bn3b_branch2b_W_new   (computed with the last statement of its batch)
+        bn3b_branch2b_W_new = T['bn3b_branch2b_W']  # in place: the new bn3b_branch2b_W
+        # bn3b_branch2b_B_new = bn3b_branch2b_B - lr*V_bn3b_branch2b_B_new   (computed with the last statement of its batch)
+        bn3b_branch2b_B_new = T['bn3b_branch2b_B']  # in place: the new bn3b_branch2b_B
+        # bn3b_branch2a_W_new = bn3b_branch2a_W - lr*V_bn3b_branch2a_W_new   (computed with the last statement of its batch)
+        bn3b_branch2a_W_new = T['bn3b_branch2a_W']  # in place: the new bn3b_branch2a_W
+        # bn3b_branch2a_B_new = bn3b_branch2a_B - lr*V_bn3b_branch2a_B_new   (computed with the last statement of its batch)
+        bn3b_branch2a_B_new = T['bn3b_branch2a_B']  # in place: the new bn3b_branch2a_B
+        # bn3a_branch2c_W_new = bn3a_branch2c_W - lr*V_bn3a_branch2c_W_new   (computed with the last statement of its batch)
+        bn3a_branch2c_W_new = T['bn3a_branch2c_W']  # in place: the new bn3a_branch2c_W
+        # bn3a_branch2c_B_new = bn3a_branch2c_B - lr*V_bn3a_branch2c_B_new   (computed with the last statement of its batch)
+        bn3a_branch2c_B_new = T['bn3a_branch2c_B']  # in place: the new bn3a_branch2c_B
+        # bn3a_branch1_W_new = bn3a_branch1_W - lr*V_bn3a_branch1_W_new   (computed with the last statement of its batch)
+        bn3a_branch1_W_new = T['bn3a_branch1_W']  # in place: the new bn3a_branch1_W
+        # bn3a_branch1_B_new = bn3a_branch1_B - lr*V_bn3a_branch1_B_new   (computed with the last statement of its batch)
+        bn3a_branch1_B_new = T['bn3a_branch1_B']  # in place: the new bn3a_branch1_B
+        # bn3a_branch2b_W_new = bn3a_branch2b_W - lr*V_bn3a_branch2b_W_new   (computed with the last statement of its batch)
+        bn3a_branch2b_W_new = T['bn3a_branch2b_W']  # in place: the new bn3a_branch2b_W
+        # bn3a_branch2b_B_new = bn3a_branch2b_B - lr*V_bn3a_branch2b_B_new   (computed with the last statement of its batch)
+        bn3a_branch2b_B_new = T['bn3a_branch2b_B']  # in place: the new bn3a_branch2b_B
+        # bn3a_branch2a_W_new = bn3a_branch2a_W - lr*V_bn3a_branch2a_W_new   (computed with the last statement of its batch)
+        bn3a_branch2a_W_new = T['bn3a_branch2a_W']  # in place: the new bn3a_branch2a_W
+        # bn3a_branch2a_B_new = bn3a_branch2a_B - lr*V_bn3a_branch2a_B_new   (computed with the last statement of its batch)
+        bn3a_branch2a_B_new = T['bn3a_branch2a_B']  # in place: the new bn3a_branch2a_B
+        # bn2c_branch2c_W_new = bn2c_branch2c_W - lr*V_bn2c_branch2c_W_new   (computed with the last statement of its batch)
+        bn2c_branch2c_W_new = T['bn2c_branch2c_W']  # in place: the new bn2c_branch2c_W
+        # bn2c_branch2c_B_new = bn2c_branch2c_B - lr*V_bn2c_branch2c_B_new   (computed with the last statement of its batch)
+        bn2c_branch2c_B_new = T['bn2c_branch2c_B']  # in place: the new bn2c_branch2c_B
+        # res2c_branch2c_W_new = res2c_branch2c_W - lr*V_res2c_branch2c_W_new   (computed with the last statement of its batch)
+        res2c_branch2c_W_new = T['res2c_branch2c_W']  # in place: the new res2c_branch2c_W
+        # bn2c_branch2b_W_new = bn2c_branch2b_W - lr*V_bn2c_branch2b_W_new   (computed with the last statement of its batch)
+        bn2c_branch2b_W_new = T['bn2c_branch2b_W']  # in place: the new bn2c_branch2b_W
+        # bn2c_branch2b_B_new = bn2c_branch2b_B - lr*V_bn2c_branch2b_B_new   (computed with the last statement of its batch)
+        bn2c_branch2b_B_new = T['bn2c_branch2b_B']  # in place: the new bn2c_branch2b_B
+        # bn2c_branch2a_W_new = bn2c_branch2a_W - lr*V_bn2c_branch2a_W_new   (computed with the last statement of its batch)
+        bn2c_branch2a_W_new = T['bn2c_branch2a_W']  # in place: the new bn2c_branch2a_W
+        # bn2c_branch2a_B_new = bn2c_branch2a_B - lr*V_bn2c_branch2a_B_new   (computed with the last statement of its batch)
+        bn2c_branch2a_B_new = T['bn2c_branch2a_B']  # in place: the new bn2c_branch2a_B
+        # res2c_branch2a_W_new = res2c_branch2a_W - lr*V_res2c_branch2a_W_new   (computed with the last statement of its batch)
+        res2c_branch2a_W_new = T['res2c_branch2a_W']  # in place: the new res2c_branch2a_W
+        # bn2b_branch2c_W_new = bn2b_branch2c_W - lr*V_bn2b_branch2c_W_new   (computed with the last statement of its batch)
+        bn2b_branch2c_W_new = T['bn2b_branch2c_W']  # in place: the new bn2b_branch2c_W
+        # bn2b_branch2c_B_new = bn2b_branch2c_B - lr*V_bn2b_branch2c_B_new   (computed with the last statement of its batch)
+        bn2b_branch2c_B_new = T['bn2b_branch2c_B']  # in place: the new bn2b_branch2c_B
+        # res2b_branch2c_W_new = res2b_branch2c_W - lr*V_res2b_branch2c_W_new   (computed with the last statement of its batch)
+        res2b_branch2c_W_new = T['res2b_branch2c_W']  # in place: the new res2b_branch2c_W
+        # bn2b_branch2b_W_new = bn2b_branch2b_W - lr*V_bn2b_branch2b_W_new   (computed with the last statement of its batch)
+        bn2b_branch2b_W_new = T['bn2b_branch2b_W']  # in place: the new bn2b_branch2b_W
+        # bn2b_branch2b_B_new = bn2b_branch2b_B - lr*V_bn2b_branch2b_B_new   (computed with the last statement of its batch)
+        bn2b_branch2b_B_new = T['bn2b_branch2b_B']  # in place: the new bn2b_branch2b_B
+        # bn2b_branch2a_W_new = bn2b_branch2a_W - lr*V_bn2b_branch2a_W_new   (computed with the last statement of its batch)
+        bn2b_branch2a_W_new = T['bn2b_branch2a_W']  # in place: the new bn2b_branch2a_W
+        # bn2b_branch2a_B_new = bn2b_branch2a_B - lr*V_bn2b_branch2a_B_new   (computed with the last statement of its batch)
+        bn2b_branch2a_B_new = T['bn2b_branch2a_B']  # in place: the new bn2b_branch2a_B
+        # res2b_branch2a_W_new = res2b_branch2a_W - lr*V_res2b_branch2a_W_new   (computed with the last statement of its batch)
+        res2b_branch2a_W_new = T['res2b_branch2a_W']  # in place: the new res2b_branch2a_W
+        # bn2a_branch2c_W_new = bn2a_branch2c_W - lr*V_bn2a_branch2c_W_new   (computed with the last statement of its batch)
+        bn2a_branch2c_W_new = T['bn2a_branch2c_W']  # in place: the new bn2a_branch2c_W
+        # bn2a_branch2c_B_new = bn2a_branch2c_B - lr*V_bn2a_branch2c_B_new   (computed with the last statement of its batch)
+        bn2a_branch2c_B_new = T['bn2a_branch2c_B']  # in place: the new bn2a_branch2c_B
+        # bn2a_branch1_W_new = bn2a_branch1_W - lr*V_bn2a_branch1_W_new   (computed with the last statement of its batch)
+        bn2a_branch1_W_new = T['bn2a_branch1_W']  # in place: the new bn2a_branch1_W
+        # bn2a_branch1_B_new = bn2a_branch1_B - lr*V_bn2a_branch1_B_new   (computed with the last statement of its batch)
+        bn2a_branch1_B_new = T['bn2a_branch1_B']  # in place: the new bn2a_branch1_B
+        # res2a_branch2c_W_new = res2a_branch2c_W - lr*V_res2a_branch2c_W_new   (computed with the last statement of its batch)
+        res2a_branch2c_W_new = T['res2a_branch2c_W']  # in place: the new res2a_branch2c_W
+        # bn2a_branch2b_W_new = bn2a_branch2b_W - lr*V_bn2a_branch2b_W_new   (computed with the last statement of its batch)
+        bn2a_branch2b_W_new = T['bn2a_branch2b_W']  # in place: the new bn2a_branch2b_W
+        # bn2a_branch2b_B_new = bn2a_branch2b_B - lr*V_bn2a_branch2b_B_new   (computed with the last statement of its batch)
+        bn2a_branch2b_B_new = T['bn2a_branch2b_B']  # in place: the new bn2a_branch2b_B
+        # res2a_branch1_W_new = res2a_branch1_W - lr*V_res2a_branch1_W_new   (computed with the last statement of its batch)
+        res2a_branch1_W_new = T['res2a_branch1_W']  # in place: the new res2a_branch1_W
+        # bn2a_branch2a_W_new = bn2a_branch2a_W - lr*V_bn2a_branch2a_W_new   (computed with the last statement of its batch)
+        bn2a_branch2a_W_new = T['bn2a_branch2a_W']  # in place: the new bn2a_branch2a_W
+        # bn2a_branch2a_B_new = bn2a_branch2a_B - lr*V_bn2a_branch2a_B_new   (computed with the last statement of its batch)
+        bn2a_branch2a_B_new = T['bn2a_branch2a_B']  # in place: the new bn2a_branch2a_B
+        # res2a_branch2a_W_new = res2a_branch2a_W - lr*V_res2a_branch2a_W_new   (computed with the last statement of its batch)
+        res2a_branch2a_W_new = T['res2a_branch2a_W']  # in place: the new res2a_branch2a_W
+        # bn_conv1_W_new = bn_conv1_W - lr*V_bn_conv1_W_new   (computed with the last statement of its batch)
+        bn_conv1_W_new = T['bn_conv1_W']  # in place: the new bn_conv1_W
+        # bn_conv1_B_new = bn_conv1_B - lr*V_bn_conv1_B_new   (computed with the last statement of its batch)
+        bn_conv1_B_new = T['bn_conv1_B']  # in place: the new bn_conv1_B
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new   (and the 113 statements before it, in one call)
         conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew_pair((ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
-                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
-        # free d_conv1_W
-        del d_conv1_W
-        mem.free(622)
+        rt.ew_many(ew_mul_sub,
+                   (bn5c_branch2c_W_new, T['bn5c_branch2c_W'], lr, V_bn5c_branch2c_W_new),
+                   (bn5c_branch2c_B_new, T['bn5c_branch2c_B'], lr, V_bn5c_branch2c_B_new),
+                   (bn5c_branch2b_W_new, T['bn5c_branch2b_W'], lr, V_bn5c_branch2b_W_new),
+                   (bn5c_branch2b_B_new, T['bn5c_branch2b_B'], lr, V_bn5c_branch2b_B_new),
+                   (bn5c_branch2a_W_new, T['bn5c_branch2a_W'], lr, V_bn5c_branch2a_W_new),
+                   (bn5c_branch2a_B_new, T['bn5c_branch2a_B'], lr, V_bn5c_branch2a_B_new),
+                   (bn5b_branch2c_W_new, T['bn5b_branch2c_W'], lr, V_bn5b_branch2c_W_new),
+                   (bn5b_branch2c_B_new, T['bn5b_branch2c_B'], lr, V_bn5b_branch2c_B_new),
+                   (bn5b_branch2b_W_new, T['bn5b_branch2b_W'], lr, V_bn5b_branch2b_W_new),
+                   (bn5b_branch2b_B_new, T['bn5b_branch2b_B'], lr, V_bn5b_branch2b_B_new),
+                   (bn5b_branch2a_W_new, T['bn5b_branch2a_W'], lr, V_bn5b_branch2a_W_new),
+                   (bn5b_branch2a_B_new, T['bn5b_branch2a_B'], lr, V_bn5b_branch2a_B_new),
+                   (bn5a_branch2c_W_new, T['bn5a_branch2c_W'], lr, V_bn5a_branch2c_W_new),
+                   (bn5a_branch2c_B_new, T['bn5a_branch2c_B'], lr, V_bn5a_branch2c_B_new),
+                   (bn5a_branch1_W_new, T['bn5a_branch1_W'], lr, V_bn5a_branch1_W_new),
+                   (bn5a_branch1_B_new, T['bn5a_branch1_B'], lr, V_bn5a_branch1_B_new),
+                   (bn5a_branch2b_W_new, T['bn5a_branch2b_W'], lr, V_bn5a_branch2b_W_new),
+                   (bn5a_branch2b_B_new, T['bn5a_branch2b_B'], lr, V_bn5a_branch2b_B_new),
+                   (bn5a_branch2a_W_new, T['bn5a_branch2a_W'], lr, V_bn5a_branch2a_W_new),
+                   (bn5a_branch2a_B_new, T['bn5a_branch2a_B'], lr, V_bn5a_branch2a_B_new),
+                   (bn4f_branch2c_W_new, T['bn4f_branch2c_W'], lr, V_bn4f_branch2c_W_new),
+                   (bn4f_branch2c_B_new, T['bn4f_branch2c_B'], lr, V_bn4f_branch2c_B_new),
+                   (bn4f_branch2b_W_new, T['bn4f_branch2b_W'], lr, V_bn4f_branch2b_W_new),
+                   (bn4f_branch2b_B_new, T['bn4f_branch2b_B'], lr, V_bn4f_branch2b_B_new),
+                   (bn4f_branch2a_W_new, T['bn4f_branch2a_W'], lr, V_bn4f_branch2a_W_new),
+                   (bn4f_branch2a_B_new, T['bn4f_branch2a_B'], lr, V_bn4f_branch2a_B_new),
+                   (bn4e_branch2c_W_new, T['bn4e_branch2c_W'], lr, V_bn4e_branch2c_W_new),
+                   (bn4e_branch2c_B_new, T['bn4e_branch2c_B'], lr, V_bn4e_branch2c_B_new),
+                   (bn4e_branch2b_W_new, T['bn4e_branch2b_W'], lr, V_bn4e_branch2b_W_new),
+                   (bn4e_branch2b_B_new, T['bn4e_branch2b_B'], lr, V_bn4e_branch2b_B_new),
+                   (bn4e_branch2a_W_new, T['bn4e_branch2a_W'], lr, V_bn4e_branch2a_W_new),
+                   (bn4e_branch2a_B_new, T['bn4e_branch2a_B'], lr, V_bn4e_branch2a_B_new),
+                   (bn4d_branch2c_W_new, T['bn4d_branch2c_W'], lr, V_bn4d_branch2c_W_new),
+                   (bn4d_branch2c_B_new, T['bn4d_branch2c_B'], lr, V_bn4d_branch2c_B_new),
+                   (bn4d_branch2b_W_new, T['bn4d_branch2b_W'], lr, V_bn4d_branch2b_W_new),
+                   (bn4d_branch2b_B_new, T['bn4d_branch2b_B'], lr, V_bn4d_branch2b_B_new),
+                   (bn4d_branch2a_W_new, T['bn4d_branch2a_W'], lr, V_bn4d_branch2a_W_new),
+                   (bn4d_branch2a_B_new, T['bn4d_branch2a_B'], lr, V_bn4d_branch2a_B_new),
+                   (bn4c_branch2c_W_new, T['bn4c_branch2c_W'], lr, V_bn4c_branch2c_W_new),
+                   (bn4c_branch2c_B_new, T['bn4c_branch2c_B'], lr, V_bn4c_branch2c_B_new),
+                   (bn4c_branch2b_W_new, T['bn4c_branch2b_W'], lr, V_bn4c_branch2b_W_new),
+                   (bn4c_branch2b_B_new, T['bn4c_branch2b_B'], lr, V_bn4c_branch2b_B_new),
+                   (bn4c_branch2a_W_new, T['bn4c_branch2a_W'], lr, V_bn4c_branch2a_W_new),
+                   (bn4c_branch2a_B_new, T['bn4c_branch2a_B'], lr, V_bn4c_branch2a_B_new),
+                   (bn4b_branch2c_W_new, T['bn4b_branch2c_W'], lr, V_bn4b_branch2c_W_new),
+                   (bn4b_branch2c_B_new, T['bn4b_branch2c_B'], lr, V_bn4b_branch2c_B_new),
+                   (bn4b_branch2b_W_new, T['bn4b_branch2b_W'], lr, V_bn4b_branch2b_W_new),
+                   (bn4b_branch2b_B_new, T['bn4b_branch2b_B'], lr, V_bn4b_branch2b_B_new),
+                   (bn4b_branch2a_W_new, T['bn4b_branch2a_W'], lr, V_bn4b_branch2a_W_new),
+                   (bn4b_branch2a_B_new, T['bn4b_branch2a_B'], lr, V_bn4b_branch2a_B_new),
+                   (bn4a_branch2c_W_new, T['bn4a_branch2c_W'], lr, V_bn4a_branch2c_W_new),
+                   (bn4a_branch2c_B_new, T['bn4a_branch2c_B'], lr, V_bn4a_branch2c_B_new),
+                   (bn4a_branch1_W_new, T['bn4a_branch1_W'], lr, V_bn4a_branch1_W_new),
+                   (bn4a_branch1_B_new, T['bn4a_branch1_B'], lr, V_bn4a_branch1_B_new),
+                   (bn4a_branch2b_W_new, T['bn4a_branch2b_W'], lr, V_bn4a_branch2b_W_new),
+                   (bn4a_branch2b_B_new, T['bn4a_branch2b_B'], lr, V_bn4a_branch2b_B_new),
+                   (bn4a_branch2a_W_new, T['bn4a_branch2a_W'], lr, V_bn4a_branch2a_W_new),
+                   (bn4a_branch2a_B_new, T['bn4a_branch2a_B'], lr, V_bn4a_branch2a_B_new),
+                   (bn3d_branch2c_W_new, T['bn3d_branch2c_W'], lr, V_bn3d_branch2c_W_new),
+                   (bn3d_branch2c_B_new, T['bn3d_branch2c_B'], lr, V_bn3d_branch2c_B_new),
+                   (bn3d_branch2b_W_new, T['bn3d_branch2b_W'], lr, V_bn3d_branch2b_W_new),
+                   (bn3d_branch2b_B_new, T['bn3d_branch2b_B'], lr, V_bn3d_branch2b_B_new),
+                   (bn3d_branch2a_W_new, T['bn3d_branch2a_W'], lr, V_bn3d_branch2a_W_new),
+                   (bn3d_branch2a_B_new, T['bn3d_branch2a_B'], lr, V_bn3d_branch2a_B_new),
+                   (bn3c_branch2c_W_new, T['bn3c_branch2c_W'], lr, V_bn3c_branch2c_W_new),
+                   (bn3c_branch2c_B_new, T['bn3c_branch2c_B'], lr, V_bn3c_branch2c_B_new),
+                   (bn3c_branch2b_W_new, T['bn3c_branch2b_W'], lr, V_bn3c_branch2b_W_new),
+                   (bn3c_branch2b_B_new, T['bn3c_branch2b_B'], lr, V_bn3c_branch2b_B_new),
+                   (bn3c_branch2a_W_new, T['bn3c_branch2a_W'], lr, V_bn3c_branch2a_W_new),
+                   (bn3c_branch2a_B_new, T['bn3c_branch2a_B'], lr, V_bn3c_branch2a_B_new),
+                   (bn3b_branch2c_W_new, T['bn3b_branch2c_W'], lr, V_bn3b_branch2c_W_new),
+                   (bn3b_branch2c_B_new, T['bn3b_branch2c_B'], lr, V_bn3b_branch2c_B_new),
+                   (bn3b_branch2b_W_new, T['bn3b_branch2b_W'], lr, V_bn3b_branch2b_W_new),
+                   (bn3b_branch2b_B_new, T['bn3b_branch2b_B'], lr, V_bn3b_branch2b_B_new),
+                   (bn3b_branch2a_W_new, T['bn3b_branch2a_W'], lr, V_bn3b_branch2a_W_new),
+                   (bn3b_branch2a_B_new, T['bn3b_branch2a_B'], lr, V_bn3b_branch2a_B_new),
+                   (bn3a_branch2c_W_new, T['bn3a_branch2c_W'], lr, V_bn3a_branch2c_W_new),
+                   (bn3a_branch2c_B_new, T['bn3a_branch2c_B'], lr, V_bn3a_branch2c_B_new),
+                   (bn3a_branch1_W_new, T['bn3a_branch1_W'], lr, V_bn3a_branch1_W_new),
+                   (bn3a_branch1_B_new, T['bn3a_branch1_B'], lr, V_bn3a_branch1_B_new),
+                   (bn3a_branch2b_W_new, T['bn3a_branch2b_W'], lr, V_bn3a_branch2b_W_new),
+                   (bn3a_branch2b_B_new, T['bn3a_branch2b_B'], lr, V_bn3a_branch2b_B_new),
+                   (bn3a_branch2a_W_new, T['bn3a_branch2a_W'], lr, V_bn3a_branch2a_W_new),
+                   (bn3a_branch2a_B_new, T['bn3a_branch2a_B'], lr, V_bn3a_branch2a_B_new),
+                   (bn2c_branch2c_W_new, T['bn2c_branch2c_W'], lr, V_bn2c_branch2c_W_new),
+                   (bn2c_branch2c_B_new, T['bn2c_branch2c_B'], lr, V_bn2c_branch2c_B_new),
+                   (res2c_branch2c_W_new, T['res2c_branch2c_W'], lr, V_res2c_branch2c_W_new),
+                   (bn2c_branch2b_W_new, T['bn2c_branch2b_W'], lr, V_bn2c_branch2b_W_new),
+                   (bn2c_branch2b_B_new, T['bn2c_branch2b_B'], lr, V_bn2c_branch2b_B_new),
+                   (bn2c_branch2a_W_new, T['bn2c_branch2a_W'], lr, V_bn2c_branch2a_W_new),
+                   (bn2c_branch2a_B_new, T['bn2c_branch2a_B'], lr, V_bn2c_branch2a_B_new),
+                   (res2c_branch2a_W_new, T['res2c_branch2a_W'], lr, V_res2c_branch2a_W_new),
+                   (bn2b_branch2c_W_new, T['bn2b_branch2c_W'], lr, V_bn2b_branch2c_W_new),
+                   (bn2b_branch2c_B_new, T['bn2b_branch2c_B'], lr, V_bn2b_branch2c_B_new),
+                   (res2b_branch2c_W_new, T['res2b_branch2c_W'], lr, V_res2b_branch2c_W_new),
+                   (bn2b_branch2b_W_new, T['bn2b_branch2b_W'], lr, V_bn2b_branch2b_W_new),
+                   (bn2b_branch2b_B_new, T['bn2b_branch2b_B'], lr, V_bn2b_branch2b_B_new),
+                   (bn2b_branch2a_W_new, T['bn2b_branch2a_W'], lr, V_bn2b_branch2a_W_new),
+                   (bn2b_branch2a_B_new, T['bn2b_branch2a_B'], lr, V_bn2b_branch2a_B_new),
+                   (res2b_branch2a_W_new, T['res2b_branch2a_W'], lr, V_res2b_branch2a_W_new),
+                   (bn2a_branch2c_W_new, T['bn2a_branch2c_W'], lr, V_bn2a_branch2c_W_new),
+                   (bn2a_branch2c_B_new, T['bn2a_branch2c_B'], lr, V_bn2a_branch2c_B_new),
+                   (bn2a_branch1_W_new, T['bn2a_branch1_W'], lr, V_bn2a_branch1_W_new),
+                   (bn2a_branch1_B_new, T['bn2a_branch1_B'], lr, V_bn2a_branch1_B_new),
+                   (res2a_branch2c_W_new, T['res2a_branch2c_W'], lr, V_res2a_branch2c_W_new),
+                   (bn2a_branch2b_W_new, T['bn2a_branch2b_W'], lr, V_bn2a_branch2b_W_new),
+                   (bn2a_branch2b_B_new, T['bn2a_branch2b_B'], lr, V_bn2a_branch2b_B_new),
+                   (res2a_branch1_W_new, T['res2a_branch1_W'], lr, V_res2a_branch1_W_new),
+                   (bn2a_branch2a_W_new, T['bn2a_branch2a_W'], lr, V_bn2a_branch2a_W_new),
+                   (bn2a_branch2a_B_new, T['bn2a_branch2a_B'], lr, V_bn2a_branch2a_B_new),
+                   (res2a_branch2a_W_new, T['res2a_branch2a_W'], lr, V_res2a_branch2a_W_new),
+                   (bn_conv1_W_new, T['bn_conv1_W'], lr, V_bn_conv1_W_new),
+                   (bn_conv1_B_new, T['bn_conv1_B'], lr, V_bn_conv1_B_new),
+                   (conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         loss = rt.scalar(fc1000_cross_entropy)
         mem.end()
         return loss
@@ -11595,186 +11220,186 @@ class Resnet50(rp.Model):
                 (1612054528, 8192),  # 268: d_bn5c_branch2c_ew_sum 1x2048x1x1 float32
                 (1612062720, 8192),  # 269: d_bn5c_branch2c_inv_std 1x2048x1x1 float32
                 (1612070912, 8192),  # 270: d_bn5c_branch2c_batch_mean 1x2048x1x1 float32
-                (1612054528, 8192),  # 271: d_bn5c_branch2c_bias 1x2048x1x1 float32
+                (1622671360, 8192),  # 271: d_bn5c_branch2c_bias 1x2048x1x1 float32
                 (1616248832, 3211264),  # 272: d_bn5c_branch2b_relu 32x512x7x7 float32
                 (1619460096, 3211264),  # 273: bn5c_branch2b_relu_2 32x512x7x7 float32
                 (1612054528, 4194304),  # 274: d_res5c_branch2c_W 2048x512x1x1 float32
                 (1586364416, 2048),  # 275: d_bn5c_branch2b_ew_sum 1x512x1x1 float32
                 (1586366464, 2048),  # 276: d_bn5c_branch2b_inv_std 1x512x1x1 float32
                 (1586368512, 2048),  # 277: d_bn5c_branch2b_batch_mean 1x512x1x1 float32
-                (1586366464, 2048),  # 278: d_bn5c_branch2b_bias 1x512x1x1 float32
+                (1612062720, 2048),  # 278: d_bn5c_branch2b_bias 1x512x1x1 float32
                 (1586364416, 3211264),  # 279: d_bn5c_branch2a_relu 32x512x7x7 float32
                 (1595801600, 3211264),  # 280: bn5c_branch2a_relu_2 32x512x7x7 float32
                 (1589575680, 2048),  # 281: d_bn5c_branch2a_ew_sum 1x512x1x1 float32
                 (1589577728, 2048),  # 282: d_bn5c_branch2a_inv_std 1x512x1x1 float32
                 (1589579776, 2048),  # 283: d_bn5c_branch2a_batch_mean 1x512x1x1 float32
-                (1589577728, 2048),  # 284: d_bn5c_branch2a_bias 1x512x1x1 float32
+                (1612064768, 2048),  # 284: d_bn5c_branch2a_bias 1x512x1x1 float32
                 (1586364416, 9437184),  # 285: d_res5c_branch2b_W 512x512x3x3 float32
                 (1586364416, 4194304),  # 286: d_res5c_branch2a_W 512x2048x1x1 float32
                 (1586364416, 12845056),  # 287: d_bn5b_branch2c_relu 32x2048x7x7 float32
                 (1612054528, 8192),  # 288: d_bn5b_branch2c_ew_sum 1x2048x1x1 float32
                 (1425801216, 8192),  # 289: d_bn5b_branch2c_inv_std 1x2048x1x1 float32
                 (1425809408, 8192),  # 290: d_bn5b_branch2c_batch_mean 1x2048x1x1 float32
-                (1425801216, 8192),  # 291: d_bn5b_branch2c_bias 1x2048x1x1 float32
+                (1586364416, 8192),  # 291: d_bn5b_branch2c_bias 1x2048x1x1 float32
                 (1429995520, 3211264),  # 292: d_bn5b_branch2b_relu 32x512x7x7 float32
                 (1433206784, 3211264),  # 293: bn5b_branch2b_relu_2 32x512x7x7 float32
                 (1425801216, 4194304),  # 294: d_res5b_branch2c_W 2048x512x1x1 float32
                 (1425801216, 2048),  # 295: d_bn5b_branch2b_ew_sum 1x512x1x1 float32
                 (1425803264, 2048),  # 296: d_bn5b_branch2b_inv_std 1x512x1x1 float32
                 (1425805312, 2048),  # 297: d_bn5b_branch2b_batch_mean 1x512x1x1 float32
-                (1425803264, 2048),  # 298: d_bn5b_branch2b_bias 1x512x1x1 float32
+                (1586384896, 2048),  # 298: d_bn5b_branch2b_bias 1x512x1x1 float32
                 (1425801216, 3211264),  # 299: d_bn5b_branch2a_relu 32x512x7x7 float32
                 (1435238400, 3211264),  # 300: bn5b_branch2a_relu_2 32x512x7x7 float32
                 (1429012480, 2048),  # 301: d_bn5b_branch2a_ew_sum 1x512x1x1 float32
                 (1429014528, 2048),  # 302: d_bn5b_branch2a_inv_std 1x512x1x1 float32
                 (1429016576, 2048),  # 303: d_bn5b_branch2a_batch_mean 1x512x1x1 float32
-                (1429014528, 2048),  # 304: d_bn5b_branch2a_bias 1x512x1x1 float32
+                (1586386944, 2048),  # 304: d_bn5b_branch2a_bias 1x512x1x1 float32
                 (1425801216, 9437184),  # 305: d_res5b_branch2b_W 512x512x3x3 float32
                 (1425801216, 12845056),  # 306: bn5a_branch2c_relu_2 32x2048x7x7 float32
                 (1451491328, 4194304),  # 307: d_res5b_branch2a_W 512x2048x1x1 float32
                 (1451491328, 12845056),  # 308: d_bn5a_branch2c_relu 32x2048x7x7 float32
-                (1586364416, 8192),  # 309: d_bn5a_branch2c_ew_sum 1x2048x1x1 float32
+                (1586372608, 8192),  # 309: d_bn5a_branch2c_ew_sum 1x2048x1x1 float32
                 (1425801216, 8192),  # 310: d_bn5a_branch2c_inv_std 1x2048x1x1 float32
                 (1425809408, 8192),  # 311: d_bn5a_branch2c_batch_mean 1x2048x1x1 float32
                 (1425801216, 8192),  # 312: d_bn5a_branch1_ew_sum 1x2048x1x1 float32
                 (1425809408, 8192),  # 313: d_bn5a_branch1_inv_std 1x2048x1x1 float32
                 (1425817600, 8192),  # 314: d_bn5a_branch1_batch_mean 1x2048x1x1 float32
-                (1425809408, 8192),  # 315: d_bn5a_branch1_bias 1x2048x1x1 float32
+                (1586372608, 8192),  # 315: d_bn5a_branch1_bias 1x2048x1x1 float32
                 (1429995520, 3211264),  # 316: d_bn5a_branch2b_relu 32x512x7x7 float32
                 (1433206784, 3211264),  # 317: bn5a_branch2b_relu_2 32x512x7x7 float32
                 (1425801216, 4194304),  # 318: d_res5a_branch2c_W 2048x512x1x1 float32
                 (1412956160, 2048),  # 319: d_bn5a_branch2b_ew_sum 1x512x1x1 float32
                 (1412958208, 2048),  # 320: d_bn5a_branch2b_inv_std 1x512x1x1 float32
                 (1412960256, 2048),  # 321: d_bn5a_branch2b_batch_mean 1x512x1x1 float32
-                (1412958208, 2048),  # 322: d_bn5a_branch2b_bias 1x512x1x1 float32
+                (1586388992, 2048),  # 322: d_bn5a_branch2b_bias 1x512x1x1 float32
                 (1412956160, 3211264),  # 323: d_bn5a_branch2a_relu 32x512x7x7 float32
                 (1422393344, 3211264),  # 324: bn5a_branch2a_relu_2 32x512x7x7 float32
                 (1416167424, 2048),  # 325: d_bn5a_branch2a_ew_sum 1x512x1x1 float32
                 (1416169472, 2048),  # 326: d_bn5a_branch2a_inv_std 1x512x1x1 float32
                 (1416171520, 2048),  # 327: d_bn5a_branch2a_batch_mean 1x512x1x1 float32
-                (1416169472, 2048),  # 328: d_bn5a_branch2a_bias 1x512x1x1 float32
+                (1586391040, 2048),  # 328: d_bn5a_branch2a_bias 1x512x1x1 float32
                 (1412956160, 2097152),  # 329: d_res5a_branch2a_W 512x1024x1x1 float32
                 (1412956160, 9437184),  # 330: d_res5a_branch2b_W 512x512x3x3 float32
                 (1412956160, 8388608),  # 331: d_res5a_branch1_W 2048x1024x1x1 float32
                 (1412956160, 25690112),  # 332: d_bn4f_branch2c_relu 32x1024x14x14 float32
                 (1438646272, 25690112),  # 333: d_bn4f_branch2c_relu_2 32x1024x14x14 float32
-                (1586364416, 4096),  # 334: d_bn4f_branch2c_ew_sum 1x1024x1x1 float32
+                (1586380800, 4096),  # 334: d_bn4f_branch2c_ew_sum 1x1024x1x1 float32
                 (1361575936, 4096),  # 335: d_bn4f_branch2c_inv_std 1x1024x1x1 float32
                 (1361580032, 4096),  # 336: d_bn4f_branch2c_batch_mean 1x1024x1x1 float32
-                (1361575936, 4096),  # 337: d_bn4f_branch2c_bias 1x1024x1x1 float32
+                (1438646272, 4096),  # 337: d_bn4f_branch2c_bias 1x1024x1x1 float32
                 (1361575936, 6422528),  # 338: bn4f_branch2b_relu_2 32x256x14x14 float32
                 (1374420992, 1048576),  # 339: d_res4f_branch2c_W 1024x256x1x1 float32
                 (1367998464, 6422528),  # 340: d_bn4f_branch2b_relu 32x256x14x14 float32
                 (1375469568, 1024),  # 341: d_bn4f_branch2b_ew_sum 1x256x1x1 float32
                 (1361575936, 1024),  # 342: d_bn4f_branch2b_inv_std 1x256x1x1 float32
                 (1361576960, 1024),  # 343: d_bn4f_branch2b_batch_mean 1x256x1x1 float32
-                (1361575936, 1024),  # 344: d_bn4f_branch2b_bias 1x256x1x1 float32
+                (1438654464, 1024),  # 344: d_bn4f_branch2b_bias 1x256x1x1 float32
                 (1361575936, 6422528),  # 345: bn4f_branch2a_relu_2 32x256x14x14 float32
                 (1367998464, 2359296),  # 346: d_res4f_branch2b_W 256x256x3x3 float32
                 (1367998464, 6422528),  # 347: d_bn4f_branch2a_relu 32x256x14x14 float32
                 (1374420992, 1024),  # 348: d_bn4f_branch2a_ew_sum 1x256x1x1 float32
                 (1361575936, 1024),  # 349: d_bn4f_branch2a_inv_std 1x256x1x1 float32
                 (1361576960, 1024),  # 350: d_bn4f_branch2a_batch_mean 1x256x1x1 float32
-                (1361575936, 1024),  # 351: d_bn4f_branch2a_bias 1x256x1x1 float32
+                (1438655488, 1024),  # 351: d_bn4f_branch2a_bias 1x256x1x1 float32
                 (1361575936, 25690112),  # 352: bn4e_branch2c_relu_2 32x1024x14x14 float32
                 (1387266048, 1048576),  # 353: d_res4f_branch2a_W 256x1024x1x1 float32
                 (1387266048, 25690112),  # 354: d_bn4e_branch2c_relu 32x1024x14x14 float32
-                (1438646272, 4096),  # 355: d_bn4e_branch2c_ew_sum 1x1024x1x1 float32
+                (1438650368, 4096),  # 355: d_bn4e_branch2c_ew_sum 1x1024x1x1 float32
                 (1361575936, 4096),  # 356: d_bn4e_branch2c_inv_std 1x1024x1x1 float32
                 (1361580032, 4096),  # 357: d_bn4e_branch2c_batch_mean 1x1024x1x1 float32
-                (1361575936, 4096),  # 358: d_bn4e_branch2c_bias 1x1024x1x1 float32
+                (1375469568, 4096),  # 358: d_bn4e_branch2c_bias 1x1024x1x1 float32
                 (1361575936, 6422528),  # 359: bn4e_branch2b_relu_2 32x256x14x14 float32
                 (1374420992, 1048576),  # 360: d_res4e_branch2c_W 1024x256x1x1 float32
                 (1367998464, 6422528),  # 361: d_bn4e_branch2b_relu 32x256x14x14 float32
                 (1335885824, 1024),  # 362: d_bn4e_branch2b_ew_sum 1x256x1x1 float32
                 (1335886848, 1024),  # 363: d_bn4e_branch2b_inv_std 1x256x1x1 float32
                 (1335887872, 1024),  # 364: d_bn4e_branch2b_batch_mean 1x256x1x1 float32
-                (1335886848, 1024),  # 365: d_bn4e_branch2b_bias 1x256x1x1 float32
+                (1361580032, 1024),  # 365: d_bn4e_branch2b_bias 1x256x1x1 float32
                 (1335885824, 6422528),  # 366: bn4e_branch2a_relu_2 32x256x14x14 float32
                 (1342308352, 2359296),  # 367: d_res4e_branch2b_W 256x256x3x3 float32
                 (1342308352, 6422528),  # 368: d_bn4e_branch2a_relu 32x256x14x14 float32
                 (1348730880, 1024),  # 369: d_bn4e_branch2a_ew_sum 1x256x1x1 float32
                 (1335885824, 1024),  # 370: d_bn4e_branch2a_inv_std 1x256x1x1 float32
                 (1335886848, 1024),  # 371: d_bn4e_branch2a_batch_mean 1x256x1x1 float32
-                (1335885824, 1024),  # 372: d_bn4e_branch2a_bias 1x256x1x1 float32
+                (1361581056, 1024),  # 372: d_bn4e_branch2a_bias 1x256x1x1 float32
                 (1335885824, 1048576),  # 373: d_res4e_branch2a_W 256x1024x1x1 float32
                 (1335885824, 25690112),  # 374: d_bn4d_branch2c_relu 32x1024x14x14 float32
                 (1361575936, 4096),  # 375: d_bn4d_branch2c_ew_sum 1x1024x1x1 float32
                 (1284505600, 4096),  # 376: d_bn4d_branch2c_inv_std 1x1024x1x1 float32
                 (1284509696, 4096),  # 377: d_bn4d_branch2c_batch_mean 1x1024x1x1 float32
-                (1284505600, 4096),  # 378: d_bn4d_branch2c_bias 1x1024x1x1 float32
+                (1335885824, 4096),  # 378: d_bn4d_branch2c_bias 1x1024x1x1 float32
                 (1284505600, 6422528),  # 379: bn4d_branch2b_relu_2 32x256x14x14 float32
                 (1297350656, 1048576),  # 380: d_res4d_branch2c_W 1024x256x1x1 float32
                 (1290928128, 6422528),  # 381: d_bn4d_branch2b_relu 32x256x14x14 float32
                 (1298399232, 1024),  # 382: d_bn4d_branch2b_ew_sum 1x256x1x1 float32
                 (1284505600, 1024),  # 383: d_bn4d_branch2b_inv_std 1x256x1x1 float32
                 (1284506624, 1024),  # 384: d_bn4d_branch2b_batch_mean 1x256x1x1 float32
-                (1284505600, 1024),  # 385: d_bn4d_branch2b_bias 1x256x1x1 float32
+                (1335894016, 1024),  # 385: d_bn4d_branch2b_bias 1x256x1x1 float32
                 (1284505600, 6422528),  # 386: bn4d_branch2a_relu_2 32x256x14x14 float32
                 (1290928128, 2359296),  # 387: d_res4d_branch2b_W 256x256x3x3 float32
                 (1290928128, 6422528),  # 388: d_bn4d_branch2a_relu 32x256x14x14 float32
                 (1297350656, 1024),  # 389: d_bn4d_branch2a_ew_sum 1x256x1x1 float32
                 (1284505600, 1024),  # 390: d_bn4d_branch2a_inv_std 1x256x1x1 float32
                 (1284506624, 1024),  # 391: d_bn4d_branch2a_batch_mean 1x256x1x1 float32
-                (1284505600, 1024),  # 392: d_bn4d_branch2a_bias 1x256x1x1 float32
+                (1335895040, 1024),  # 392: d_bn4d_branch2a_bias 1x256x1x1 float32
                 (1284505600, 25690112),  # 393: bn4c_branch2c_relu_2 32x1024x14x14 float32
                 (1310195712, 1048576),  # 394: d_res4d_branch2a_W 256x1024x1x1 float32
                 (1310195712, 25690112),  # 395: d_bn4c_branch2c_relu 32x1024x14x14 float32
-                (1335885824, 4096),  # 396: d_bn4c_branch2c_ew_sum 1x1024x1x1 float32
+                (1335889920, 4096),  # 396: d_bn4c_branch2c_ew_sum 1x1024x1x1 float32
                 (1284505600, 4096),  # 397: d_bn4c_branch2c_inv_std 1x1024x1x1 float32
                 (1284509696, 4096),  # 398: d_bn4c_branch2c_batch_mean 1x1024x1x1 float32
-                (1284505600, 4096),  # 399: d_bn4c_branch2c_bias 1x1024x1x1 float32
+                (1298399232, 4096),  # 399: d_bn4c_branch2c_bias 1x1024x1x1 float32
                 (1284505600, 6422528),  # 400: bn4c_branch2b_relu_2 32x256x14x14 float32
                 (1297350656, 1048576),  # 401: d_res4c_branch2c_W 1024x256x1x1 float32
                 (1290928128, 6422528),  # 402: d_bn4c_branch2b_relu 32x256x14x14 float32
                 (1258815488, 1024),  # 403: d_bn4c_branch2b_ew_sum 1x256x1x1 float32
                 (1258816512, 1024),  # 404: d_bn4c_branch2b_inv_std 1x256x1x1 float32
                 (1258817536, 1024),  # 405: d_bn4c_branch2b_batch_mean 1x256x1x1 float32
-                (1258816512, 1024),  # 406: d_bn4c_branch2b_bias 1x256x1x1 float32
+                (1284509696, 1024),  # 406: d_bn4c_branch2b_bias 1x256x1x1 float32
                 (1258815488, 6422528),  # 407: bn4c_branch2a_relu_2 32x256x14x14 float32
                 (1265238016, 2359296),  # 408: d_res4c_branch2b_W 256x256x3x3 float32
                 (1265238016, 6422528),  # 409: d_bn4c_branch2a_relu 32x256x14x14 float32
                 (1271660544, 1024),  # 410: d_bn4c_branch2a_ew_sum 1x256x1x1 float32
                 (1258815488, 1024),  # 411: d_bn4c_branch2a_inv_std 1x256x1x1 float32
                 (1258816512, 1024),  # 412: d_bn4c_branch2a_batch_mean 1x256x1x1 float32
-                (1258815488, 1024),  # 413: d_bn4c_branch2a_bias 1x256x1x1 float32
+                (1284510720, 1024),  # 413: d_bn4c_branch2a_bias 1x256x1x1 float32
                 (1258815488, 1048576),  # 414: d_res4c_branch2a_W 256x1024x1x1 float32
                 (1258815488, 25690112),  # 415: d_bn4b_branch2c_relu 32x1024x14x14 float32
                 (1284505600, 4096),  # 416: d_bn4b_branch2c_ew_sum 1x1024x1x1 float32
                 (1001914368, 4096),  # 417: d_bn4b_branch2c_inv_std 1x1024x1x1 float32
                 (1001918464, 4096),  # 418: d_bn4b_branch2c_batch_mean 1x1024x1x1 float32
-                (1001914368, 4096),  # 419: d_bn4b_branch2c_bias 1x1024x1x1 float32
+                (1258815488, 4096),  # 419: d_bn4b_branch2c_bias 1x1024x1x1 float32
                 (1001914368, 6422528),  # 420: bn4b_branch2b_relu_2 32x256x14x14 float32
                 (1014759424, 1048576),  # 421: d_res4b_branch2c_W 1024x256x1x1 float32
                 (1008336896, 6422528),  # 422: d_bn4b_branch2b_relu 32x256x14x14 float32
                 (1015808000, 1024),  # 423: d_bn4b_branch2b_ew_sum 1x256x1x1 float32
                 (1001914368, 1024),  # 424: d_bn4b_branch2b_inv_std 1x256x1x1 float32
                 (1001915392, 1024),  # 425: d_bn4b_branch2b_batch_mean 1x256x1x1 float32
-                (1001914368, 1024),  # 426: d_bn4b_branch2b_bias 1x256x1x1 float32
+                (1258825728, 1024),  # 426: d_bn4b_branch2b_bias 1x256x1x1 float32
                 (1001914368, 6422528),  # 427: bn4b_branch2a_relu_2 32x256x14x14 float32
                 (1008336896, 2359296),  # 428: d_res4b_branch2b_W 256x256x3x3 float32
                 (1008336896, 6422528),  # 429: d_bn4b_branch2a_relu 32x256x14x14 float32
                 (1014759424, 1024),  # 430: d_bn4b_branch2a_ew_sum 1x256x1x1 float32
                 (1001914368, 1024),  # 431: d_bn4b_branch2a_inv_std 1x256x1x1 float32
                 (1001915392, 1024),  # 432: d_bn4b_branch2a_batch_mean 1x256x1x1 float32
-                (1001914368, 1024),  # 433: d_bn4b_branch2a_bias 1x256x1x1 float32
+                (1258826752, 1024),  # 433: d_bn4b_branch2a_bias 1x256x1x1 float32
                 (1001914368, 25690112),  # 434: bn4a_branch2c_relu_2 32x1024x14x14 float32
                 (1053294592, 1048576),  # 435: d_res4b_branch2a_W 256x1024x1x1 float32
                 (1053294592, 25690112),  # 436: d_bn4a_branch2c_relu 32x1024x14x14 float32
-                (1258815488, 4096),  # 437: d_bn4a_branch2c_ew_sum 1x1024x1x1 float32
+                (1258819584, 4096),  # 437: d_bn4a_branch2c_ew_sum 1x1024x1x1 float32
                 (1001914368, 4096),  # 438: d_bn4a_branch2c_inv_std 1x1024x1x1 float32
                 (1001918464, 4096),  # 439: d_bn4a_branch2c_batch_mean 1x1024x1x1 float32
                 (1001914368, 4096),  # 440: d_bn4a_branch1_ew_sum 1x1024x1x1 float32
                 (1001918464, 4096),  # 441: d_bn4a_branch1_inv_std 1x1024x1x1 float32
                 (1001922560, 4096),  # 442: d_bn4a_branch1_batch_mean 1x1024x1x1 float32
-                (1001918464, 4096),  # 443: d_bn4a_branch1_bias 1x1024x1x1 float32
+                (1258819584, 4096),  # 443: d_bn4a_branch1_bias 1x1024x1x1 float32
                 (1001914368, 6422528),  # 444: bn4a_branch2b_relu_2 32x256x14x14 float32
                 (1014759424, 1048576),  # 445: d_res4a_branch2c_W 1024x256x1x1 float32
                 (1008336896, 6422528),  # 446: d_bn4a_branch2b_relu 32x256x14x14 float32
                 (976224256, 1024),  # 447: d_bn4a_branch2b_ew_sum 1x256x1x1 float32
                 (976225280, 1024),  # 448: d_bn4a_branch2b_inv_std 1x256x1x1 float32
                 (976226304, 1024),  # 449: d_bn4a_branch2b_batch_mean 1x256x1x1 float32
-                (976225280, 1024),  # 450: d_bn4a_branch2b_bias 1x256x1x1 float32
+                (1258827776, 1024),  # 450: d_bn4a_branch2b_bias 1x256x1x1 float32
                 (976224256, 2097152),  # 451: d_res4a_branch1_W 1024x512x1x1 float32
                 (976224256, 6422528),  # 452: bn4a_branch2a_relu_2 32x256x14x14 float32
                 (982646784, 2359296),  # 453: d_res4a_branch2b_W 256x256x3x3 float32
@@ -11782,69 +11407,69 @@ class Resnet50(rp.Model):
                 (989069312, 1024),  # 455: d_bn4a_branch2a_ew_sum 1x256x1x1 float32
                 (976224256, 1024),  # 456: d_bn4a_branch2a_inv_std 1x256x1x1 float32
                 (976225280, 1024),  # 457: d_bn4a_branch2a_batch_mean 1x256x1x1 float32
-                (976224256, 1024),  # 458: d_bn4a_branch2a_bias 1x256x1x1 float32
+                (1258828800, 1024),  # 458: d_bn4a_branch2a_bias 1x256x1x1 float32
                 (976224256, 524288),  # 459: d_res4a_branch2a_W 256x512x1x1 float32
                 (976224256, 51380224),  # 460: d_bn3d_branch2c_relu 32x512x28x28 float32
                 (1027604480, 51380224),  # 461: d_bn3d_branch2c_relu_2 32x512x28x28 float32
-                (1258815488, 2048),  # 462: d_bn3d_branch2c_ew_sum 1x512x1x1 float32
+                (1258823680, 2048),  # 462: d_bn3d_branch2c_ew_sum 1x512x1x1 float32
                 (873463808, 2048),  # 463: d_bn3d_branch2c_inv_std 1x512x1x1 float32
                 (873465856, 2048),  # 464: d_bn3d_branch2c_batch_mean 1x512x1x1 float32
-                (873463808, 2048),  # 465: d_bn3d_branch2c_bias 1x512x1x1 float32
+                (1027604480, 2048),  # 465: d_bn3d_branch2c_bias 1x512x1x1 float32
                 (873463808, 12845056),  # 466: bn3d_branch2b_relu_2 32x128x28x28 float32
                 (899153920, 262144),  # 467: d_res3d_branch2c_W 512x128x1x1 float32
                 (886308864, 12845056),  # 468: d_bn3d_branch2b_relu 32x128x28x28 float32
                 (899416064, 512),  # 469: d_bn3d_branch2b_ew_sum 1x128x1x1 float32
                 (873463808, 512),  # 470: d_bn3d_branch2b_inv_std 1x128x1x1 float32
                 (873464320, 512),  # 471: d_bn3d_branch2b_batch_mean 1x128x1x1 float32
-                (873463808, 512),  # 472: d_bn3d_branch2b_bias 1x128x1x1 float32
+                (1027608576, 512),  # 472: d_bn3d_branch2b_bias 1x128x1x1 float32
                 (873463808, 12845056),  # 473: bn3d_branch2a_relu_2 32x128x28x28 float32
                 (886308864, 589824),  # 474: d_res3d_branch2b_W 128x128x3x3 float32
                 (886308864, 12845056),  # 475: d_bn3d_branch2a_relu 32x128x28x28 float32
                 (899153920, 512),  # 476: d_bn3d_branch2a_ew_sum 1x128x1x1 float32
                 (873463808, 512),  # 477: d_bn3d_branch2a_inv_std 1x128x1x1 float32
                 (873464320, 512),  # 478: d_bn3d_branch2a_batch_mean 1x128x1x1 float32
-                (873463808, 512),  # 479: d_bn3d_branch2a_bias 1x128x1x1 float32
+                (1027609088, 512),  # 479: d_bn3d_branch2a_bias 1x128x1x1 float32
                 (873463808, 51380224),  # 480: bn3c_branch2c_relu_2 32x512x28x28 float32
                 (924844032, 262144),  # 481: d_res3d_branch2a_W 128x512x1x1 float32
                 (924844032, 51380224),  # 482: d_bn3c_branch2c_relu 32x512x28x28 float32
-                (1027604480, 2048),  # 483: d_bn3c_branch2c_ew_sum 1x512x1x1 float32
+                (1027606528, 2048),  # 483: d_bn3c_branch2c_ew_sum 1x512x1x1 float32
                 (873463808, 2048),  # 484: d_bn3c_branch2c_inv_std 1x512x1x1 float32
                 (873465856, 2048),  # 485: d_bn3c_branch2c_batch_mean 1x512x1x1 float32
-                (873463808, 2048),  # 486: d_bn3c_branch2c_bias 1x512x1x1 float32
+                (924844032, 2048),  # 486: d_bn3c_branch2c_bias 1x512x1x1 float32
                 (873463808, 12845056),  # 487: bn3c_branch2b_relu_2 32x128x28x28 float32
                 (899153920, 262144),  # 488: d_res3c_branch2c_W 512x128x1x1 float32
                 (886308864, 12845056),  # 489: d_bn3c_branch2b_relu 32x128x28x28 float32
                 (770703360, 512),  # 490: d_bn3c_branch2b_ew_sum 1x128x1x1 float32
                 (770703872, 512),  # 491: d_bn3c_branch2b_inv_std 1x128x1x1 float32
                 (770704384, 512),  # 492: d_bn3c_branch2b_batch_mean 1x128x1x1 float32
-                (770703872, 512),  # 493: d_bn3c_branch2b_bias 1x128x1x1 float32
+                (924851200, 512),  # 493: d_bn3c_branch2b_bias 1x128x1x1 float32
                 (770703360, 12845056),  # 494: bn3c_branch2a_relu_2 32x128x28x28 float32
                 (783548416, 589824),  # 495: d_res3c_branch2b_W 128x128x3x3 float32
                 (783548416, 12845056),  # 496: d_bn3c_branch2a_relu 32x128x28x28 float32
                 (796393472, 512),  # 497: d_bn3c_branch2a_ew_sum 1x128x1x1 float32
                 (770703360, 512),  # 498: d_bn3c_branch2a_inv_std 1x128x1x1 float32
                 (770703872, 512),  # 499: d_bn3c_branch2a_batch_mean 1x128x1x1 float32
-                (770703360, 512),  # 500: d_bn3c_branch2a_bias 1x128x1x1 float32
+                (924851712, 512),  # 500: d_bn3c_branch2a_bias 1x128x1x1 float32
                 (770703360, 262144),  # 501: d_res3c_branch2a_W 128x512x1x1 float32
                 (770703360, 51380224),  # 502: d_bn3b_branch2c_relu 32x512x28x28 float32
                 (873463808, 2048),  # 503: d_bn3b_branch2c_ew_sum 1x512x1x1 float32
                 (667942912, 2048),  # 504: d_bn3b_branch2c_inv_std 1x512x1x1 float32
                 (667944960, 2048),  # 505: d_bn3b_branch2c_batch_mean 1x512x1x1 float32
-                (667942912, 2048),  # 506: d_bn3b_branch2c_bias 1x512x1x1 float32
+                (924846080, 2048),  # 506: d_bn3b_branch2c_bias 1x512x1x1 float32
                 (667942912, 12845056),  # 507: bn3b_branch2b_relu_2 32x128x28x28 float32
                 (693633024, 262144),  # 508: d_res3b_branch2c_W 512x128x1x1 float32
                 (680787968, 12845056),  # 509: d_bn3b_branch2b_relu 32x128x28x28 float32
                 (693895168, 512),  # 510: d_bn3b_branch2b_ew_sum 1x128x1x1 float32
                 (667942912, 512),  # 511: d_bn3b_branch2b_inv_std 1x128x1x1 float32
                 (667943424, 512),  # 512: d_bn3b_branch2b_batch_mean 1x128x1x1 float32
-                (667942912, 512),  # 513: d_bn3b_branch2b_bias 1x128x1x1 float32
+                (924852224, 512),  # 513: d_bn3b_branch2b_bias 1x128x1x1 float32
                 (667942912, 12845056),  # 514: bn3b_branch2a_relu_2 32x128x28x28 float32
                 (680787968, 589824),  # 515: d_res3b_branch2b_W 128x128x3x3 float32
                 (680787968, 12845056),  # 516: d_bn3b_branch2a_relu 32x128x28x28 float32
                 (693633024, 512),  # 517: d_bn3b_branch2a_ew_sum 1x128x1x1 float32
                 (667942912, 512),  # 518: d_bn3b_branch2a_inv_std 1x128x1x1 float32
                 (667943424, 512),  # 519: d_bn3b_branch2a_batch_mean 1x128x1x1 float32
-                (667942912, 512),  # 520: d_bn3b_branch2a_bias 1x128x1x1 float32
+                (924852736, 512),  # 520: d_bn3b_branch2a_bias 1x128x1x1 float32
                 (667942912, 51380224),  # 521: bn3a_branch2c_relu_2 32x512x28x28 float32
                 (719323136, 262144),  # 522: d_res3b_branch2a_W 128x512x1x1 float32
                 (719323136, 51380224),  # 523: d_bn3a_branch2c_relu 32x512x28x28 float32
@@ -11854,14 +11479,14 @@ class Resnet50(rp.Model):
                 (667942912, 2048),  # 527: d_bn3a_branch1_ew_sum 1x512x1x1 float32
                 (667944960, 2048),  # 528: d_bn3a_branch1_inv_std 1x512x1x1 float32
                 (667947008, 2048),  # 529: d_bn3a_branch1_batch_mean 1x512x1x1 float32
-                (667944960, 2048),  # 530: d_bn3a_branch1_bias 1x512x1x1 float32
+                (924848128, 2048),  # 530: d_bn3a_branch1_bias 1x512x1x1 float32
                 (667942912, 12845056),  # 531: bn3a_branch2b_relu_2 32x128x28x28 float32
                 (693633024, 262144),  # 532: d_res3a_branch2c_W 512x128x1x1 float32
                 (680787968, 12845056),  # 533: d_bn3a_branch2b_relu 32x128x28x28 float32
                 (616562688, 512),  # 534: d_bn3a_branch2b_ew_sum 1x128x1x1 float32
                 (616563200, 512),  # 535: d_bn3a_branch2b_inv_std 1x128x1x1 float32
                 (616563712, 512),  # 536: d_bn3a_branch2b_batch_mean 1x128x1x1 float32
-                (616563200, 512),  # 537: d_bn3a_branch2b_bias 1x128x1x1 float32
+                (924853248, 512),  # 537: d_bn3a_branch2b_bias 1x128x1x1 float32
                 (616562688, 102760448),  # 538: bn2c_branch2c_relu_2 32x256x56x56 float32
                 (719323136, 524288),  # 539: d_res3a_branch1_W 512x256x1x1 float32
                 (719323136, 12845056),  # 540: bn3a_branch2a_relu_2 32x128x28x28 float32
@@ -11870,66 +11495,66 @@ class Resnet50(rp.Model):
                 (745013248, 512),  # 543: d_bn3a_branch2a_ew_sum 1x128x1x1 float32
                 (719323136, 512),  # 544: d_bn3a_branch2a_inv_std 1x128x1x1 float32
                 (719323648, 512),  # 545: d_bn3a_branch2a_batch_mean 1x128x1x1 float32
-                (719323136, 512),  # 546: d_bn3a_branch2a_bias 1x128x1x1 float32
+                (924853760, 512),  # 546: d_bn3a_branch2a_bias 1x128x1x1 float32
                 (719323136, 131072),  # 547: d_res3a_branch2a_W 128x256x1x1 float32
                 (719323136, 102760448),  # 548: d_bn2c_branch2c_relu 32x256x56x56 float32
                 (822083584, 102760448),  # 549: d_bn2c_branch2c_relu_2 32x256x56x56 float32
-                (924844032, 1024),  # 550: d_bn2c_branch2c_ew_sum 1x256x1x1 float32
+                (924850176, 1024),  # 550: d_bn2c_branch2c_ew_sum 1x256x1x1 float32
                 (616562688, 1024),  # 551: d_bn2c_branch2c_inv_std 1x256x1x1 float32
                 (616563712, 1024),  # 552: d_bn2c_branch2c_batch_mean 1x256x1x1 float32
-                (616562688, 1024),  # 553: d_bn2c_branch2c_bias 1x256x1x1 float32
+                (668008448, 1024),  # 553: d_bn2c_branch2c_bias 1x256x1x1 float32
                 (616562688, 25690112),  # 554: bn2c_branch2b_relu_2 32x64x56x56 float32
                 (667942912, 65536),  # 555: d_res2c_branch2c_W 256x64x1x1 float32
                 (642252800, 25690112),  # 556: d_bn2c_branch2b_relu 32x64x56x56 float32
                 (513802240, 256),  # 557: d_bn2c_branch2b_ew_sum 1x64x1x1 float32
                 (513802496, 256),  # 558: d_bn2c_branch2b_inv_std 1x64x1x1 float32
                 (513802752, 256),  # 559: d_bn2c_branch2b_batch_mean 1x64x1x1 float32
-                (513802496, 256),  # 560: d_bn2c_branch2b_bias 1x64x1x1 float32
+                (616629248, 256),  # 560: d_bn2c_branch2b_bias 1x64x1x1 float32
                 (513802240, 25690112),  # 561: bn2c_branch2a_relu_2 32x64x56x56 float32
                 (539492352, 147456),  # 562: d_res2c_branch2b_W 64x64x3x3 float32
                 (539492352, 25690112),  # 563: d_bn2c_branch2a_relu 32x64x56x56 float32
                 (565182464, 256),  # 564: d_bn2c_branch2a_ew_sum 1x64x1x1 float32
                 (513802240, 256),  # 565: d_bn2c_branch2a_inv_std 1x64x1x1 float32
                 (513802496, 256),  # 566: d_bn2c_branch2a_batch_mean 1x64x1x1 float32
-                (513802240, 256),  # 567: d_bn2c_branch2a_bias 1x64x1x1 float32
-                (513802240, 65536),  # 568: d_res2c_branch2a_W 64x256x1x1 float32
+                (616629504, 256),  # 567: d_bn2c_branch2a_bias 1x64x1x1 float32
+                (616562688, 65536),  # 568: d_res2c_branch2a_W 64x256x1x1 float32
                 (513802240, 102760448),  # 569: d_bn2b_branch2c_relu 32x256x56x56 float32
-                (616562688, 1024),  # 570: d_bn2b_branch2c_ew_sum 1x256x1x1 float32
+                (616628224, 1024),  # 570: d_bn2b_branch2c_ew_sum 1x256x1x1 float32
                 (308281344, 1024),  # 571: d_bn2b_branch2c_inv_std 1x256x1x1 float32
                 (308282368, 1024),  # 572: d_bn2b_branch2c_batch_mean 1x256x1x1 float32
-                (308281344, 1024),  # 573: d_bn2b_branch2c_bias 1x256x1x1 float32
+                (513933312, 1024),  # 573: d_bn2b_branch2c_bias 1x256x1x1 float32
                 (308281344, 25690112),  # 574: bn2b_branch2b_relu_2 32x64x56x56 float32
-                (359661568, 65536),  # 575: d_res2b_branch2c_W 256x64x1x1 float32
+                (513802240, 65536),  # 575: d_res2b_branch2c_W 256x64x1x1 float32
                 (333971456, 25690112),  # 576: d_bn2b_branch2b_relu 32x64x56x56 float32
-                (359727104, 256),  # 577: d_bn2b_branch2b_ew_sum 1x64x1x1 float32
+                (359661568, 256),  # 577: d_bn2b_branch2b_ew_sum 1x64x1x1 float32
                 (308281344, 256),  # 578: d_bn2b_branch2b_inv_std 1x64x1x1 float32
                 (308281600, 256),  # 579: d_bn2b_branch2b_batch_mean 1x64x1x1 float32
-                (308281344, 256),  # 580: d_bn2b_branch2b_bias 1x64x1x1 float32
+                (513935360, 256),  # 580: d_bn2b_branch2b_bias 1x64x1x1 float32
                 (308281344, 25690112),  # 581: bn2b_branch2a_relu_2 32x64x56x56 float32
                 (333971456, 147456),  # 582: d_res2b_branch2b_W 64x64x3x3 float32
                 (333971456, 25690112),  # 583: d_bn2b_branch2a_relu 32x64x56x56 float32
                 (359661568, 256),  # 584: d_bn2b_branch2a_ew_sum 1x64x1x1 float32
                 (308281344, 256),  # 585: d_bn2b_branch2a_inv_std 1x64x1x1 float32
                 (308281600, 256),  # 586: d_bn2b_branch2a_batch_mean 1x64x1x1 float32
-                (308281344, 256),  # 587: d_bn2b_branch2a_bias 1x64x1x1 float32
+                (513935616, 256),  # 587: d_bn2b_branch2a_bias 1x64x1x1 float32
                 (308281344, 102760448),  # 588: bn2a_branch2c_relu_2 32x256x56x56 float32
-                (411041792, 65536),  # 589: d_res2b_branch2a_W 64x256x1x1 float32
+                (513867776, 65536),  # 589: d_res2b_branch2a_W 64x256x1x1 float32
                 (411041792, 102760448),  # 590: d_bn2a_branch2c_relu 32x256x56x56 float32
-                (513802240, 1024),  # 591: d_bn2a_branch2c_ew_sum 1x256x1x1 float32
-                (308281344, 1024),  # 592: d_bn2a_branch2c_inv_std 1x256x1x1 float32
-                (308282368, 1024),  # 593: d_bn2a_branch2c_batch_mean 1x256x1x1 float32
-                (308281344, 1024),  # 594: d_bn2a_branch1_ew_sum 1x256x1x1 float32
-                (308282368, 1024),  # 595: d_bn2a_branch1_inv_std 1x256x1x1 float32
-                (308283392, 1024),  # 596: d_bn2a_branch1_batch_mean 1x256x1x1 float32
-                (308282368, 1024),  # 597: d_bn2a_branch1_bias 1x256x1x1 float32
+                (513934336, 1024),  # 591: d_bn2a_branch1_ew_sum 1x256x1x1 float32
+                (308281344, 1024),  # 592: d_bn2a_branch2c_ew_sum 1x256x1x1 float32
+                (308282368, 1024),  # 593: d_bn2a_branch2c_inv_std 1x256x1x1 float32
+                (308283392, 1024),  # 594: d_bn2a_branch2c_batch_mean 1x256x1x1 float32
+                (308281344, 1024),  # 595: d_bn2a_branch1_inv_std 1x256x1x1 float32
+                (308282368, 1024),  # 596: d_bn2a_branch1_batch_mean 1x256x1x1 float32
+                (359727104, 1024),  # 597: d_bn2a_branch1_bias 1x256x1x1 float32
                 (308281344, 25690112),  # 598: bn2a_branch2b_relu_2 32x64x56x56 float32
                 (359661568, 65536),  # 599: d_res2a_branch2c_W 256x64x1x1 float32
                 (333971456, 25690112),  # 600: d_bn2a_branch2b_relu 32x64x56x56 float32
                 (205520896, 256),  # 601: d_bn2a_branch2b_ew_sum 1x64x1x1 float32
                 (205521152, 256),  # 602: d_bn2a_branch2b_inv_std 1x64x1x1 float32
                 (205521408, 256),  # 603: d_bn2a_branch2b_batch_mean 1x64x1x1 float32
-                (205521152, 256),  # 604: d_bn2a_branch2b_bias 1x64x1x1 float32
-                (231211008, 65536),  # 605: d_res2a_branch1_W 256x64x1x1 float32
+                (256983040, 256),  # 604: d_bn2a_branch2b_bias 1x64x1x1 float32
+                (256901120, 65536),  # 605: d_res2a_branch1_W 256x64x1x1 float32
                 (205520896, 25690112),  # 606: d_bn_conv1_max_pool 32x64x56x56 float32
                 (102760448, 25690112),  # 607: bn2a_branch2a_relu_2 32x64x56x56 float32
                 (128450560, 147456),  # 608: d_res2a_branch2b_W 64x64x3x3 float32
@@ -11937,15 +11562,15 @@ class Resnet50(rp.Model):
                 (154140672, 256),  # 610: d_bn2a_branch2a_ew_sum 1x64x1x1 float32
                 (102760448, 256),  # 611: d_bn2a_branch2a_inv_std 1x64x1x1 float32
                 (102760704, 256),  # 612: d_bn2a_branch2a_batch_mean 1x64x1x1 float32
-                (102760448, 256),  # 613: d_bn2a_branch2a_bias 1x64x1x1 float32
-                (102760448, 16384),  # 614: d_res2a_branch2a_W 64x64x1x1 float32
+                (256983296, 256),  # 613: d_bn2a_branch2a_bias 1x64x1x1 float32
+                (256966656, 16384),  # 614: d_res2a_branch2a_W 64x64x1x1 float32
                 (102760448, 25690112),  # 615: d_bn_conv1_max_pool_2 32x64x56x56 float32
                 (231211008, 25690112),  # 616: d_bn_conv1_centered 32x64x56x56 float32
                 (102760448, 102760448),  # 617: d_bn_conv1_relu_max_pool_bwd 32x64x112x112 float32
                 (205520896, 256),  # 618: d_bn_conv1_ew_sum 1x64x1x1 float32
                 (205521152, 256),  # 619: d_bn_conv1_bias 1x64x1x1 float32
                 (102760448, 102760448),  # 620: d_bn_conv1_max_pool_bwd 32x64x112x112 float32
-                (205521152, 256),  # 621: d_bn_conv1_batch_mean 1x64x1x1 float32
+                (205521408, 256),  # 621: d_bn_conv1_batch_mean 1x64x1x1 float32
                 (0, 37632),  # 622: d_conv1_W 64x3x7x7 float32
             )),
         "test_step": rp.StepPlan(

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 35.59 MB of tensors planned for the training step (15.05 MB testing); static arena 35.59 MB, pool 39.21 MB, workspace 31.97 MB
-Structure hash: a92e26cf920c052e
+Structure hash: 8598e65a1cb2b9d0
 
 Usage: python resnet_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class ResnetMini(rp.Model):
 
     name = "resnet_mini"
     source = "networks/resnet_mini.py"
-    structure_hash = "a92e26cf920c052e"
+    structure_hash = "8598e65a1cb2b9d0"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -1041,15 +1041,6 @@ class ResnetMini(rp.Model):
         mem.free(71)
         # d_res3_b_bn_W = reshape[32](d_res3_b_bn_weight)
         d_res3_b_bn_W = rt.reshape(d_res3_b_bn_weight, shape=(32,))
-        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W   (computed with the next statement)
-        V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
-        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
-        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
-        rt.ew_pair((ew_mul_add, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W']),
-                   (ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new))
-        # free res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
-        del res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
-        mem.free(29)
         # d_res3_b_bn_sum = d_res3_b_bn_batch_mean/19600
         d_res3_b_bn_sum = d_res3_b_bn_batch_mean  # in place: over d_res3_b_bn_batch_mean
         rt.ew(ew_scale_2, d_res3_b_bn_sum, d_res3_b_bn_batch_mean)
@@ -1099,40 +1090,8 @@ class ResnetMini(rp.Model):
         mem.free(74)
         # d_res3_proj_bn_B = reshape[32](d_res3_proj_bn_bias)
         d_res3_proj_bn_B = rt.reshape(d_res3_proj_bn_bias, shape=(32,))
-
-        # ---- res3_b_bn (batch norm), backward ----
-        # V_res3_b_bn_B_new = V_res3_b_bn_B*momentum + d_res3_proj_bn_B + decay*res3_b_bn_B
-        V_res3_b_bn_B_new = T['V_res3_b_bn_B']  # in place: the new V_res3_b_bn_B
-        rt.ew(ew_mul_add, V_res3_b_bn_B_new, T['V_res3_b_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_b_bn_B'])
-
-        # ---- res3_proj_bn (batch norm), backward ----
-        # V_res3_proj_bn_B_new = V_res3_proj_bn_B*momentum + d_res3_proj_bn_B + decay*res3_proj_bn_B
-        V_res3_proj_bn_B_new = T['V_res3_proj_bn_B']  # in place: the new V_res3_proj_bn_B
-        rt.ew(ew_mul_add, V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B'])
-        # free d_res3_proj_bn_bias, d_res3_proj_bn_B
-        del d_res3_proj_bn_bias, d_res3_proj_bn_B
-        mem.free(77)
-
-        # ---- res3_b_bn (batch norm), backward ----
-        # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new
-        res3_b_bn_B_new = T['res3_b_bn_B']  # in place: the new res3_b_bn_B
-        rt.ew(ew_mul_sub, res3_b_bn_B_new, T['res3_b_bn_B'], lr, V_res3_b_bn_B_new)
-
-        # ---- res3_proj_bn (batch norm), backward ----
         # d_res3_proj_bn_W = reshape[32](d_res3_proj_bn_weight)
         d_res3_proj_bn_W = rt.reshape(d_res3_proj_bn_weight, shape=(32,))
-        # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W   (computed with the next statement)
-        V_res3_proj_bn_W_new = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
-        # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
-        res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
-        rt.ew_pair((ew_mul_add, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W']),
-                   (ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new))
-        # free res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
-        del res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
-        mem.free(20)
-        # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
-        res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
-        rt.ew(ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new)
         # d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean/19600
         d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean  # in place: over d_res3_proj_bn_batch_mean
         rt.ew(ew_scale_2, d_res3_proj_bn_sum, d_res3_proj_bn_batch_mean)
@@ -1147,12 +1106,6 @@ class ResnetMini(rp.Model):
         # d_res3_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3_proj, res2_b_bn_relu)
         d_res3_proj_W = mem.tensor(78, (32, 16, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3_proj, res2_b_bn_relu, out=d_res3_proj_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(3763200))
-        # V_res3_proj_W_new = V_res3_proj_W*momentum + d_res3_proj_W + decay*res3_proj_W
-        V_res3_proj_W_new = T['V_res3_proj_W']  # in place: the new V_res3_proj_W
-        rt.ew(ew_mul_add, V_res3_proj_W_new, T['V_res3_proj_W'], momentum, d_res3_proj_W, decay, T['res3_proj_W'])
-        # free d_res3_proj_W
-        del d_res3_proj_W
-        mem.free(78)
 
         # ---- res3_a_bn_relu (relu), forward ----
         # res3_a_bn_relu_2 = Max(0, res3_a_bn_centered*res3_a_bn_inv_std*res3_a_bn_weight + res3_a_bn_bias)
@@ -1163,12 +1116,6 @@ class ResnetMini(rp.Model):
         # d_res3_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3_b, res3_a_bn_relu_2)
         d_res3_b_W = mem.tensor(80, (32, 32, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res3_b, res3_a_bn_relu_2, out=d_res3_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28364800))
-        # V_res3_b_W_new = V_res3_b_W*momentum + d_res3_b_W + decay*res3_b_W
-        V_res3_b_W_new = T['V_res3_b_W']  # in place: the new V_res3_b_W
-        rt.ew(ew_mul_add, V_res3_b_W_new, T['V_res3_b_W'], momentum, d_res3_b_W, decay, T['res3_b_W'])
-        # free d_res3_b_W
-        del d_res3_b_W
-        mem.free(80)
         # d_res3_a_bn_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res3_b, res3_b_W)
         d_res3_a_bn_relu = mem.tensor(81, (100, 32, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res3_b, T['res3_b_W'], out=d_res3_a_bn_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31974400))
@@ -1189,13 +1136,6 @@ class ResnetMini(rp.Model):
         # free res3_a_bn_relu_2
         del res3_a_bn_relu_2
         mem.free(79)
-
-        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
-        # res3_b_W_new = res3_b_W - lr*V_res3_b_W_new
-        res3_b_W_new = T['res3_b_W']  # in place: the new res3_b_W
-        rt.ew(ew_mul_sub, res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new)
-
-        # ---- res3_a_bn (batch norm), backward ----
         # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum   (computed with the next statement)
         d_res3_a_bn_inv_std = mem.tensor(83, (1, 32, 1, 1), 'float32')
         # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1229,26 +1169,8 @@ class ResnetMini(rp.Model):
         mem.free(82)
         # d_res3_a_bn_W = reshape[32](d_res3_a_bn_weight)
         d_res3_a_bn_W = rt.reshape(d_res3_a_bn_weight, shape=(32,))
-        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W   (computed with the next statement)
-        V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
-        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
-        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
-        rt.ew_pair((ew_mul_add, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W']),
-                   (ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new))
-        # free res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
-        del res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
-        mem.free(24)
         # d_res3_a_bn_B = reshape[32](d_res3_a_bn_bias)
         d_res3_a_bn_B = rt.reshape(d_res3_a_bn_bias, shape=(32,))
-        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B   (computed with the next statement)
-        V_res3_a_bn_B_new = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
-        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new
-        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
-        rt.ew_pair((ew_mul_add, V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B']),
-                   (ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new))
-        # free d_res3_a_bn_bias, d_res3_a_bn_B
-        del d_res3_a_bn_bias, d_res3_a_bn_B
-        mem.free(85)
         # d_res3_a_bn_sum = d_res3_a_bn_batch_mean/19600
         d_res3_a_bn_sum = d_res3_a_bn_batch_mean  # in place: over d_res3_a_bn_batch_mean
         rt.ew(ew_scale_2, d_res3_a_bn_sum, d_res3_a_bn_batch_mean)
@@ -1263,21 +1185,12 @@ class ResnetMini(rp.Model):
         # d_res3_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res3_a, res2_b_bn_relu)
         d_res3_a_W = mem.tensor(86, (32, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res3_a, res2_b_bn_relu, out=d_res3_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(19558400))
-        # V_res3_a_W_new = V_res3_a_W*momentum + d_res3_a_W + decay*res3_a_W
-        V_res3_a_W_new = T['V_res3_a_W']  # in place: the new V_res3_a_W
-        rt.ew(ew_mul_add, V_res3_a_W_new, T['V_res3_a_W'], momentum, d_res3_a_W, decay, T['res3_a_W'])
-        # free d_res3_a_W
-        del d_res3_a_W
-        mem.free(86)
         # d_res2_b_bn_relu = conv2d_bwd_data[pad=1,size=(28,28),stride=2](d_res3_a, res3_a_W)
         d_res2_b_bn_relu = mem.tensor(87, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3_a, T['res3_a_W'], out=d_res2_b_bn_relu, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(13798400))
         # free res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
         del res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
         mem.free(21)
-        # res3_a_W_new = res3_a_W - lr*V_res3_a_W_new
-        res3_a_W_new = T['res3_a_W']  # in place: the new res3_a_W
-        rt.ew(ew_mul_sub, res3_a_W_new, T['res3_a_W'], lr, V_res3_a_W_new)
 
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
         # d_res2_b_bn_relu_2 = conv2d_bwd_data[size=(28,28),stride=2](d_res3_proj, res3_proj_W)
@@ -1300,13 +1213,6 @@ class ResnetMini(rp.Model):
         # free conv1_bn_relu, res2_b_bn_relu, d_res2_b_bn_relu
         del conv1_bn_relu, res2_b_bn_relu, d_res2_b_bn_relu
         mem.free(7, 87)
-
-        # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
-        # res3_proj_W_new = res3_proj_W - lr*V_res3_proj_W_new
-        res3_proj_W_new = T['res3_proj_W']  # in place: the new res3_proj_W
-        rt.ew(ew_mul_sub, res3_proj_W_new, T['res3_proj_W'], lr, V_res3_proj_W_new)
-
-        # ---- res2_b_bn (batch norm), backward ----
         # d_res2_b_bn_inv_std = res2_b_bn_weight*d_res2_b_bn_ew_sum   (computed with the next statement)
         d_res2_b_bn_inv_std = mem.tensor(90, (1, 16, 1, 1), 'float32')
         # d_res2_b_bn_sum_of_squares = -d_res2_b_bn_inv_std/(156800*(res2_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1334,15 +1240,6 @@ class ResnetMini(rp.Model):
         mem.free(89)
         # d_res2_b_bn_W = reshape[16](d_res2_b_bn_weight)
         d_res2_b_bn_W = rt.reshape(d_res2_b_bn_weight, shape=(16,))
-        # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W   (computed with the next statement)
-        V_res2_b_bn_W_new = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
-        # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
-        res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
-        rt.ew_pair((ew_mul_add, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W']),
-                   (ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new))
-        # free res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
-        del res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
-        mem.free(16)
         # d_res2_b_bn_sum = d_res2_b_bn_batch_mean/78400
         d_res2_b_bn_sum = d_res2_b_bn_batch_mean  # in place: over d_res2_b_bn_batch_mean
         rt.ew(ew_scale, d_res2_b_bn_sum, d_res2_b_bn_batch_mean)
@@ -1361,15 +1258,6 @@ class ResnetMini(rp.Model):
         rt.sum_to(d_res2_b_bn_add, out=d_res2_b_bn_bias, shape=(1, 16, 1, 1))
         # d_res2_b_bn_B = reshape[16](d_res2_b_bn_bias)
         d_res2_b_bn_B = rt.reshape(d_res2_b_bn_bias, shape=(16,))
-        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B   (computed with the next statement)
-        V_res2_b_bn_B_new = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
-        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new
-        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
-        rt.ew_pair((ew_mul_add, V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B']),
-                   (ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new))
-        # free d_res2_b_bn_bias, d_res2_b_bn_B
-        del d_res2_b_bn_bias, d_res2_b_bn_B
-        mem.free(92)
 
         # ---- res2_a_bn_relu (relu), forward ----
         # res2_a_bn_relu_2 = Max(0, res2_a_bn_centered*res2_a_bn_inv_std*res2_a_bn_weight + res2_a_bn_bias)
@@ -1380,12 +1268,6 @@ class ResnetMini(rp.Model):
         # d_res2_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2_b, res2_a_bn_relu_2)
         d_res2_b_W = mem.tensor(94, (16, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res2_b, res2_a_bn_relu_2, out=d_res2_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
-        # V_res2_b_W_new = V_res2_b_W*momentum + d_res2_b_W + decay*res2_b_W
-        V_res2_b_W_new = T['V_res2_b_W']  # in place: the new V_res2_b_W
-        rt.ew(ew_mul_add, V_res2_b_W_new, T['V_res2_b_W'], momentum, d_res2_b_W, decay, T['res2_b_W'])
-        # free d_res2_b_W
-        del d_res2_b_W
-        mem.free(94)
         # d_res2_a_bn_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res2_b, res2_b_W)
         d_res2_a_bn_relu = mem.tensor(95, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res2_b, T['res2_b_W'], out=d_res2_a_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
@@ -1406,13 +1288,6 @@ class ResnetMini(rp.Model):
         # free res2_a_bn_relu_2
         del res2_a_bn_relu_2
         mem.free(93)
-
-        # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), backward ----
-        # res2_b_W_new = res2_b_W - lr*V_res2_b_W_new
-        res2_b_W_new = T['res2_b_W']  # in place: the new res2_b_W
-        rt.ew(ew_mul_sub, res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new)
-
-        # ---- res2_a_bn (batch norm), backward ----
         # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum   (computed with the next statement)
         d_res2_a_bn_inv_std = mem.tensor(97, (1, 16, 1, 1), 'float32')
         # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1446,26 +1321,8 @@ class ResnetMini(rp.Model):
         mem.free(96)
         # d_res2_a_bn_W = reshape[16](d_res2_a_bn_weight)
         d_res2_a_bn_W = rt.reshape(d_res2_a_bn_weight, shape=(16,))
-        # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W   (computed with the next statement)
-        V_res2_a_bn_W_new = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
-        # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
-        res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
-        rt.ew_pair((ew_mul_add, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W']),
-                   (ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new))
-        # free res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
-        del res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
-        mem.free(11)
         # d_res2_a_bn_B = reshape[16](d_res2_a_bn_bias)
         d_res2_a_bn_B = rt.reshape(d_res2_a_bn_bias, shape=(16,))
-        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B   (computed with the next statement)
-        V_res2_a_bn_B_new = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
-        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new
-        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
-        rt.ew_pair((ew_mul_add, V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B']),
-                   (ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new))
-        # free d_res2_a_bn_bias, d_res2_a_bn_B
-        del d_res2_a_bn_bias, d_res2_a_bn_B
-        mem.free(99)
         # d_res2_a_bn_sum = d_res2_a_bn_batch_mean/78400
         d_res2_a_bn_sum = d_res2_a_bn_batch_mean  # in place: over d_res2_a_bn_batch_mean
         rt.ew(ew_scale, d_res2_a_bn_sum, d_res2_a_bn_batch_mean)
@@ -1487,12 +1344,6 @@ class ResnetMini(rp.Model):
         # d_res2_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2_a, conv1_bn_relu_2)
         d_res2_a_W = mem.tensor(101, (16, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res2_a, conv1_bn_relu_2, out=d_res2_a_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
-        # V_res2_a_W_new = V_res2_a_W*momentum + d_res2_a_W + decay*res2_a_W
-        V_res2_a_W_new = T['V_res2_a_W']  # in place: the new V_res2_a_W
-        rt.ew(ew_mul_add, V_res2_a_W_new, T['V_res2_a_W'], momentum, d_res2_a_W, decay, T['res2_a_W'])
-        # free d_res2_a_W
-        del d_res2_a_W
-        mem.free(101)
         # d_conv1_bn_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res2_a, res2_a_W)
         d_conv1_bn_relu = mem.tensor(102, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res2_a, T['res2_a_W'], out=d_conv1_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
@@ -1513,13 +1364,6 @@ class ResnetMini(rp.Model):
         # free conv1_bn_relu_2, d_conv1_bn_relu
         del conv1_bn_relu_2, d_conv1_bn_relu
         mem.free(100, 102)
-
-        # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), backward ----
-        # res2_a_W_new = res2_a_W - lr*V_res2_a_W_new
-        res2_a_W_new = T['res2_a_W']  # in place: the new res2_a_W
-        rt.ew(ew_mul_sub, res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new)
-
-        # ---- conv1_bn (batch norm), backward ----
         # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum   (computed with the next statement)
         d_conv1_bn_inv_std = mem.tensor(104, (1, 16, 1, 1), 'float32')
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
@@ -1553,26 +1397,8 @@ class ResnetMini(rp.Model):
         mem.free(103)
         # d_conv1_bn_W = reshape[16](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(16,))
-        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W   (computed with the next statement)
-        V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
-        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
-        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
-        rt.ew_pair((ew_mul_add, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W']),
-                   (ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new))
-        # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
-        del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
-        mem.free(6)
         # d_conv1_bn_B = reshape[16](d_conv1_bn_bias)
         d_conv1_bn_B = rt.reshape(d_conv1_bn_bias, shape=(16,))
-        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B   (computed with the next statement)
-        V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
-        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
-        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
-        rt.ew_pair((ew_mul_add, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B']),
-                   (ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new))
-        # free d_conv1_bn_bias, d_conv1_bn_B
-        del d_conv1_bn_bias, d_conv1_bn_B
-        mem.free(106)
         # d_conv1_bn_sum = d_conv1_bn_batch_mean/78400
         d_conv1_bn_sum = d_conv1_bn_batch_mean  # in place: over d_conv1_bn_batch_mean
         rt.ew(ew_scale, d_conv1_bn_sum, d_conv1_bn_batch_mean)
@@ -1590,15 +1416,121 @@ class ResnetMini(rp.Model):
         # free x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         del x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         mem.free(0, 3)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
+
+        # ---- the small tensors' updates, one call per kernel ----
+        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W   (computed with the last statement of its batch)
+        V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
+        # V_res3_b_bn_B_new = V_res3_b_bn_B*momentum + d_res3_proj_bn_B + decay*res3_b_bn_B   (computed with the last statement of its batch)
+        V_res3_b_bn_B_new = T['V_res3_b_bn_B']  # in place: the new V_res3_b_bn_B
+        # V_res3_proj_bn_B_new = V_res3_proj_bn_B*momentum + d_res3_proj_bn_B + decay*res3_proj_bn_B   (computed with the last statement of its batch)
+        V_res3_proj_bn_B_new = T['V_res3_proj_bn_B']  # in place: the new V_res3_proj_bn_B
+        # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W   (computed with the last statement of its batch)
+        V_res3_proj_bn_W_new = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
+        # V_res3_proj_W_new = V_res3_proj_W*momentum + d_res3_proj_W + decay*res3_proj_W   (computed with the last statement of its batch)
+        V_res3_proj_W_new = T['V_res3_proj_W']  # in place: the new V_res3_proj_W
+        # V_res3_b_W_new = V_res3_b_W*momentum + d_res3_b_W + decay*res3_b_W   (computed with the last statement of its batch)
+        V_res3_b_W_new = T['V_res3_b_W']  # in place: the new V_res3_b_W
+        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W   (computed with the last statement of its batch)
+        V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
+        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B   (computed with the last statement of its batch)
+        V_res3_a_bn_B_new = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
+        # V_res3_a_W_new = V_res3_a_W*momentum + d_res3_a_W + decay*res3_a_W   (computed with the last statement of its batch)
+        V_res3_a_W_new = T['V_res3_a_W']  # in place: the new V_res3_a_W
+        # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W   (computed with the last statement of its batch)
+        V_res2_b_bn_W_new = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
+        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B   (computed with the last statement of its batch)
+        V_res2_b_bn_B_new = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
+        # V_res2_b_W_new = V_res2_b_W*momentum + d_res2_b_W + decay*res2_b_W   (computed with the last statement of its batch)
+        V_res2_b_W_new = T['V_res2_b_W']  # in place: the new V_res2_b_W
+        # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W   (computed with the last statement of its batch)
+        V_res2_a_bn_W_new = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
+        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B   (computed with the last statement of its batch)
+        V_res2_a_bn_B_new = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
+        # V_res2_a_W_new = V_res2_a_W*momentum + d_res2_a_W + decay*res2_a_W   (computed with the last statement of its batch)
+        V_res2_a_W_new = T['V_res2_a_W']  # in place: the new V_res2_a_W
+        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W   (computed with the last statement of its batch)
+        V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
+        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B   (computed with the last statement of its batch)
+        V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (and the 17 statements before it, in one call)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        rt.ew_many(ew_mul_add,
+                   (V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W']),
+                   (V_res3_b_bn_B_new, T['V_res3_b_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_b_bn_B']),
+                   (V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B']),
+                   (V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W']),
+                   (V_res3_proj_W_new, T['V_res3_proj_W'], momentum, d_res3_proj_W, decay, T['res3_proj_W']),
+                   (V_res3_b_W_new, T['V_res3_b_W'], momentum, d_res3_b_W, decay, T['res3_b_W']),
+                   (V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W']),
+                   (V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B']),
+                   (V_res3_a_W_new, T['V_res3_a_W'], momentum, d_res3_a_W, decay, T['res3_a_W']),
+                   (V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W']),
+                   (V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B']),
+                   (V_res2_b_W_new, T['V_res2_b_W'], momentum, d_res2_b_W, decay, T['res2_b_W']),
+                   (V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W']),
+                   (V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B']),
+                   (V_res2_a_W_new, T['V_res2_a_W'], momentum, d_res2_a_W, decay, T['res2_a_W']),
+                   (V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W']),
+                   (V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B']),
+                   (V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']))
+        # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W, res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W, res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W, res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W, res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W, res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W, d_res3_proj_bn_bias, d_res3_proj_bn_B, d_res3_proj_W, d_res3_b_W, d_res3_a_bn_bias, d_res3_a_bn_B, d_res3_a_W, d_res2_b_bn_bias, d_res2_b_bn_B, d_res2_b_W, d_res2_a_bn_bias, d_res2_a_bn_B, d_res2_a_W, d_conv1_bn_bias, d_conv1_bn_B, d_conv1_W
+        del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W, res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W, res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W, res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W, res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W, res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W, d_res3_proj_bn_bias, d_res3_proj_bn_B, d_res3_proj_W, d_res3_b_W, d_res3_a_bn_bias, d_res3_a_bn_B, d_res3_a_W, d_res2_b_bn_bias, d_res2_b_bn_B, d_res2_b_W, d_res2_a_bn_bias, d_res2_a_bn_B, d_res2_a_W, d_conv1_bn_bias, d_conv1_bn_B, d_conv1_W
+        mem.free(6, 11, 16, 20, 24, 29, 77, 78, 80, 85, 86, 92, 94, 99, 101, 106, 107)
+        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new   (computed with the last statement of its batch)
+        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
+        # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new   (computed with the last statement of its batch)
+        res3_b_bn_B_new = T['res3_b_bn_B']  # in place: the new res3_b_bn_B
+        # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new   (computed with the last statement of its batch)
+        res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
+        # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new   (computed with the last statement of its batch)
+        res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
+        # res3_b_W_new = res3_b_W - lr*V_res3_b_W_new   (computed with the last statement of its batch)
+        res3_b_W_new = T['res3_b_W']  # in place: the new res3_b_W
+        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new   (computed with the last statement of its batch)
+        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
+        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new   (computed with the last statement of its batch)
+        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
+        # res3_a_W_new = res3_a_W - lr*V_res3_a_W_new   (computed with the last statement of its batch)
+        res3_a_W_new = T['res3_a_W']  # in place: the new res3_a_W
+        # res3_proj_W_new = res3_proj_W - lr*V_res3_proj_W_new   (computed with the last statement of its batch)
+        res3_proj_W_new = T['res3_proj_W']  # in place: the new res3_proj_W
+        # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new   (computed with the last statement of its batch)
+        res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
+        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new   (computed with the last statement of its batch)
+        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
+        # res2_b_W_new = res2_b_W - lr*V_res2_b_W_new   (computed with the last statement of its batch)
+        res2_b_W_new = T['res2_b_W']  # in place: the new res2_b_W
+        # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new   (computed with the last statement of its batch)
+        res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
+        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new   (computed with the last statement of its batch)
+        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
+        # res2_a_W_new = res2_a_W - lr*V_res2_a_W_new   (computed with the last statement of its batch)
+        res2_a_W_new = T['res2_a_W']  # in place: the new res2_a_W
+        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new   (computed with the last statement of its batch)
+        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
+        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new   (computed with the last statement of its batch)
+        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new   (and the 17 statements before it, in one call)
         conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew_pair((ew_mul_add, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
-                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
-        # free d_conv1_W
-        del d_conv1_W
-        mem.free(107)
+        rt.ew_many(ew_mul_sub,
+                   (res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new),
+                   (res3_b_bn_B_new, T['res3_b_bn_B'], lr, V_res3_b_bn_B_new),
+                   (res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new),
+                   (res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new),
+                   (res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new),
+                   (res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new),
+                   (res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new),
+                   (res3_a_W_new, T['res3_a_W'], lr, V_res3_a_W_new),
+                   (res3_proj_W_new, T['res3_proj_W'], lr, V_res3_proj_W_new),
+                   (res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new),
+                   (res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new),
+                   (res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new),
+                   (res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new),
+                   (res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new),
+                   (res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new),
+                   (conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new),
+                   (conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new),
+                   (conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         loss = rt.scalar(fc_cross_entropy)
         mem.end()
         return loss
@@ -2197,36 +2129,36 @@ class ResnetMini(rp.Model):
                 (15052800, 128),  # 74: d_res3_proj_bn_ew_sum 1x32x1x1 float32
                 (15053056, 128),  # 75: d_res3_proj_bn_inv_std 1x32x1x1 float32
                 (15053312, 128),  # 76: d_res3_proj_bn_batch_mean 1x32x1x1 float32
-                (15053056, 128),  # 77: d_res3_proj_bn_bias 1x32x1x1 float32
-                (15052800, 2048),  # 78: d_res3_proj_W 32x16x1x1 float32
+                (35436800, 128),  # 77: d_res3_proj_bn_bias 1x32x1x1 float32
+                (32669696, 2048),  # 78: d_res3_proj_W 32x16x1x1 float32
                 (15052800, 2508800),  # 79: res3_a_bn_relu_2 100x32x14x14 float32
-                (27596800, 36864),  # 80: d_res3_b_W 32x32x3x3 float32
+                (32614400, 36864),  # 80: d_res3_b_W 32x32x3x3 float32
                 (27596800, 2508800),  # 81: d_res3_a_bn_relu 100x32x14x14 float32
                 (17561600, 128),  # 82: d_res3_a_bn_ew_sum 1x32x1x1 float32
                 (15052800, 128),  # 83: d_res3_a_bn_inv_std 1x32x1x1 float32
                 (15053056, 128),  # 84: d_res3_a_bn_batch_mean 1x32x1x1 float32
-                (15052800, 128),  # 85: d_res3_a_bn_bias 1x32x1x1 float32
-                (15052800, 18432),  # 86: d_res3_a_W 32x16x3x3 float32
+                (32671744, 128),  # 85: d_res3_a_bn_bias 1x32x1x1 float32
+                (32651264, 18432),  # 86: d_res3_a_W 32x16x3x3 float32
                 (15052800, 5017600),  # 87: d_res2_b_bn_relu 100x16x28x28 float32
                 (25088000, 5017600),  # 88: d_res2_b_bn_relu_2 100x16x28x28 float32
                 (30105600, 64),  # 89: d_res2_b_bn_ew_sum 1x16x1x1 float32
                 (5017600, 64),  # 90: d_res2_b_bn_inv_std 1x16x1x1 float32
                 (5017856, 64),  # 91: d_res2_b_bn_batch_mean 1x16x1x1 float32
-                (5017600, 64),  # 92: d_res2_b_bn_bias 1x16x1x1 float32
+                (30114816, 64),  # 92: d_res2_b_bn_bias 1x16x1x1 float32
                 (5017600, 5017600),  # 93: res2_a_bn_relu_2 100x16x28x28 float32
-                (15052800, 9216),  # 94: d_res2_b_W 16x16x3x3 float32
+                (30105600, 9216),  # 94: d_res2_b_W 16x16x3x3 float32
                 (15052800, 5017600),  # 95: d_res2_a_bn_relu 100x16x28x28 float32
                 (20070400, 64),  # 96: d_res2_a_bn_ew_sum 1x16x1x1 float32
                 (5017600, 64),  # 97: d_res2_a_bn_inv_std 1x16x1x1 float32
                 (5017856, 64),  # 98: d_res2_a_bn_batch_mean 1x16x1x1 float32
-                (5017600, 64),  # 99: d_res2_a_bn_bias 1x16x1x1 float32
+                (20079616, 64),  # 99: d_res2_a_bn_bias 1x16x1x1 float32
                 (5017600, 5017600),  # 100: conv1_bn_relu_2 100x16x28x28 float32
-                (15052800, 9216),  # 101: d_res2_a_W 16x16x3x3 float32
+                (20070400, 9216),  # 101: d_res2_a_W 16x16x3x3 float32
                 (15052800, 5017600),  # 102: d_conv1_bn_relu 100x16x28x28 float32
                 (10035200, 64),  # 103: d_conv1_bn_ew_sum 1x16x1x1 float32
                 (5017600, 64),  # 104: d_conv1_bn_inv_std 1x16x1x1 float32
                 (5017856, 64),  # 105: d_conv1_bn_batch_mean 1x16x1x1 float32
-                (5017600, 64),  # 106: d_conv1_bn_bias 1x16x1x1 float32
+                (5018368, 64),  # 106: d_conv1_bn_bias 1x16x1x1 float32
                 (5017600, 576),  # 107: d_conv1_W 16x1x3x3 float32
             )),
         "test_step": rp.StepPlan(

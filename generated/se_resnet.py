@@ -4,8 +4,8 @@ Source network: networks/se_resnet.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
-Memory: peak 36.82 MB of tensors planned for the training step (15.05 MB testing); static arena 36.82 MB, pool 40.46 MB, workspace 31.97 MB
-Structure hash: 9af5c00f4161e4c1
+Memory: peak 36.82 MB of tensors planned for the training step (15.05 MB testing); static arena 36.83 MB, pool 40.46 MB, workspace 31.97 MB
+Structure hash: 85afc94e986631ae
 
 Usage: python se_resnet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class SeResnet(rp.Model):
 
     name = "se_resnet"
     source = "networks/se_resnet.py"
-    structure_hash = "9af5c00f4161e4c1"
+    structure_hash = "85afc94e986631ae"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -892,15 +892,6 @@ class SeResnet(rp.Model):
         mem.free(65)
         # d_res4_proj_bn_W = reshape[64](d_res4_proj_bn_weight)
         d_res4_proj_bn_W = rt.reshape(d_res4_proj_bn_weight, shape=(64,))
-        # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W   (computed with the next statement)
-        V_res4_proj_bn_W_new = T['V_res4_proj_bn_W']  # in place: the new V_res4_proj_bn_W
-        # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new
-        res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
-        rt.ew_pair((ew_mul_add_2, V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W']),
-                   (ew_mul_sub, res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new))
-        # free res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
-        del res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W
-        mem.free(41)
         # d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean/4900
         d_res4_proj_bn_sum = d_res4_proj_bn_batch_mean  # in place: over d_res4_proj_bn_batch_mean
         rt.ew(ew_scale_5, d_res4_proj_bn_sum, d_res4_proj_bn_batch_mean)
@@ -917,15 +908,6 @@ class SeResnet(rp.Model):
         # d_res4_se_up_B = sum_to[64](d_res4_se_up)
         d_res4_se_up_B = mem.tensor(68, (64,), 'float32')
         rt.sum_to(d_res4_se_up, out=d_res4_se_up_B, shape=(64,))
-        # V_res4_se_up_B_new = V_res4_se_up_B*momentum + d_res4_se_up_B + decay*res4_se_up_B   (computed with the next statement)
-        V_res4_se_up_B_new = T['V_res4_se_up_B']  # in place: the new V_res4_se_up_B
-        # res4_se_up_B_new = res4_se_up_B - lr*V_res4_se_up_B_new
-        res4_se_up_B_new = T['res4_se_up_B']  # in place: the new res4_se_up_B
-        rt.ew_pair((ew_mul_add_2, V_res4_se_up_B_new, T['V_res4_se_up_B'], momentum, d_res4_se_up_B, decay, T['res4_se_up_B']),
-                   (ew_mul_sub, res4_se_up_B_new, T['res4_se_up_B'], lr, V_res4_se_up_B_new))
-        # free d_res4_se_up_B
-        del d_res4_se_up_B
-        mem.free(68)
 
         # ---- res4_proj_bn (batch norm), backward ----
         # d_res4_proj_bn_bias = sum_to[1x64x1x1](d_res4_proj_bn_add)
@@ -933,15 +915,6 @@ class SeResnet(rp.Model):
         rt.sum_to(d_res4_proj_bn_add, out=d_res4_proj_bn_bias, shape=(1, 64, 1, 1))
         # d_res4_proj_bn_B = reshape[64](d_res4_proj_bn_bias)
         d_res4_proj_bn_B = rt.reshape(d_res4_proj_bn_bias, shape=(64,))
-        # V_res4_proj_bn_B_new = V_res4_proj_bn_B*momentum + d_res4_proj_bn_B + decay*res4_proj_bn_B   (computed with the next statement)
-        V_res4_proj_bn_B_new = T['V_res4_proj_bn_B']  # in place: the new V_res4_proj_bn_B
-        # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new
-        res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
-        rt.ew_pair((ew_mul_add_2, V_res4_proj_bn_B_new, T['V_res4_proj_bn_B'], momentum, d_res4_proj_bn_B, decay, T['res4_proj_bn_B']),
-                   (ew_mul_sub, res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new))
-        # free d_res4_proj_bn_bias, d_res4_proj_bn_B
-        del d_res4_proj_bn_bias, d_res4_proj_bn_B
-        mem.free(69)
 
         # ---- res4_se_up (fully connected, 64 outputs), backward ----
         # d_res4_se_up_W = matmul[ta](d_res4_se_up, res4_se_down_relu)
@@ -969,48 +942,14 @@ class SeResnet(rp.Model):
         # free res4_se_down_sum_to, res4_se_down_reshape, res4_se_down_scale
         del res4_se_down_sum_to, res4_se_down_reshape, res4_se_down_scale
         mem.free(52)
-        # V_res4_se_down_W_new = V_res4_se_down_W*momentum + d_res4_se_down_W + decay*res4_se_down_W
-        V_res4_se_down_W_new = T['V_res4_se_down_W']  # in place: the new V_res4_se_down_W
-        rt.ew(ew_mul_add_2, V_res4_se_down_W_new, T['V_res4_se_down_W'], momentum, d_res4_se_down_W, decay, T['res4_se_down_W'])
-        # free d_res4_se_down_W
-        del d_res4_se_down_W
-        mem.free(72)
-
-        # ---- res4_se_up (fully connected, 64 outputs), backward ----
-        # V_res4_se_up_W_new = V_res4_se_up_W*momentum + d_res4_se_up_W + decay*res4_se_up_W   (computed with the next statement)
-        V_res4_se_up_W_new = T['V_res4_se_up_W']  # in place: the new V_res4_se_up_W
-        # res4_se_up_W_new = res4_se_up_W - lr*V_res4_se_up_W_new
-        res4_se_up_W_new = T['res4_se_up_W']  # in place: the new res4_se_up_W
-        rt.ew_pair((ew_mul_add_2, V_res4_se_up_W_new, T['V_res4_se_up_W'], momentum, d_res4_se_up_W, decay, T['res4_se_up_W']),
-                   (ew_mul_sub, res4_se_up_W_new, T['res4_se_up_W'], lr, V_res4_se_up_W_new))
-        # free d_res4_se_up_W
-        del d_res4_se_up_W
-        mem.free(70)
-
-        # ---- res4_se_down (fully connected, 16 outputs), backward ----
         # d_res4_se_down_B = sum_to[16](d_res4_se_down)
         d_res4_se_down_B = mem.tensor(73, (16,), 'float32')
         rt.sum_to(d_res4_se_down, out=d_res4_se_down_B, shape=(16,))
-        # V_res4_se_down_B_new = V_res4_se_down_B*momentum + d_res4_se_down_B + decay*res4_se_down_B   (computed with the next statement)
-        V_res4_se_down_B_new = T['V_res4_se_down_B']  # in place: the new V_res4_se_down_B
-        # res4_se_down_B_new = res4_se_down_B - lr*V_res4_se_down_B_new
-        res4_se_down_B_new = T['res4_se_down_B']  # in place: the new res4_se_down_B
-        rt.ew_pair((ew_mul_add_2, V_res4_se_down_B_new, T['V_res4_se_down_B'], momentum, d_res4_se_down_B, decay, T['res4_se_down_B']),
-                   (ew_mul_sub, res4_se_down_B_new, T['res4_se_down_B'], lr, V_res4_se_down_B_new))
-        # free d_res4_se_down_B
-        del d_res4_se_down_B
-        mem.free(73)
 
         # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
         # d_res4_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res4_proj, res3_proj_bn_relu)
         d_res4_proj_W = mem.tensor(74, (64, 32, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res4_proj, res3_proj_bn_relu, out=d_res4_proj_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(1881600))
-        # V_res4_proj_W_new = V_res4_proj_W*momentum + d_res4_proj_W + decay*res4_proj_W
-        V_res4_proj_W_new = T['V_res4_proj_W']  # in place: the new V_res4_proj_W
-        rt.ew(ew_mul_add_2, V_res4_proj_W_new, T['V_res4_proj_W'], momentum, d_res4_proj_W, decay, T['res4_proj_W'])
-        # free d_res4_proj_W
-        del d_res4_proj_W
-        mem.free(74)
 
         # ---- res4_se_down (fully connected, 16 outputs), backward ----
         # d_res4_se_down_scale = matmul(d_res4_se_down, res4_se_down_W)
@@ -1036,13 +975,6 @@ class SeResnet(rp.Model):
         # free res4_se_up_matmul, res4_se_up_sigmoid, res4_proj_bn_add_reshape, d_res4_se_down_scale, d_res4_se_down_reshape, d_res4_se_down_sum_to
         del res4_se_up_matmul, res4_se_up_sigmoid, res4_proj_bn_add_reshape, d_res4_se_down_scale, d_res4_se_down_reshape, d_res4_se_down_sum_to
         mem.free(54, 75)
-
-        # ---- res4_se_down (fully connected, 16 outputs), backward ----
-        # res4_se_down_W_new = res4_se_down_W - lr*V_res4_se_down_W_new
-        res4_se_down_W_new = T['res4_se_down_W']  # in place: the new res4_se_down_W
-        rt.ew(ew_mul_sub, res4_se_down_W_new, T['res4_se_down_W'], lr, V_res4_se_down_W_new)
-
-        # ---- res4_b_bn (batch norm), backward ----
         # d_res4_b_bn_inv_std = res4_b_bn_weight*d_res4_b_bn_ew_sum   (computed with the next statement)
         d_res4_b_bn_inv_std = mem.tensor(77, (1, 64, 1, 1), 'float32')
         # d_res4_b_bn_sum_of_squares = -d_res4_b_bn_inv_std/(9800*(res4_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1076,26 +1008,8 @@ class SeResnet(rp.Model):
         mem.free(76)
         # d_res4_b_bn_W = reshape[64](d_res4_b_bn_weight)
         d_res4_b_bn_W = rt.reshape(d_res4_b_bn_weight, shape=(64,))
-        # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W   (computed with the next statement)
-        V_res4_b_bn_W_new = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
-        # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new
-        res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
-        rt.ew_pair((ew_mul_add_2, V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W']),
-                   (ew_mul_sub, res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new))
-        # free res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
-        del res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W
-        mem.free(50)
         # d_res4_b_bn_B = reshape[64](d_res4_b_bn_bias)
         d_res4_b_bn_B = rt.reshape(d_res4_b_bn_bias, shape=(64,))
-        # V_res4_b_bn_B_new = V_res4_b_bn_B*momentum + d_res4_b_bn_B + decay*res4_b_bn_B   (computed with the next statement)
-        V_res4_b_bn_B_new = T['V_res4_b_bn_B']  # in place: the new V_res4_b_bn_B
-        # res4_b_bn_B_new = res4_b_bn_B - lr*V_res4_b_bn_B_new
-        res4_b_bn_B_new = T['res4_b_bn_B']  # in place: the new res4_b_bn_B
-        rt.ew_pair((ew_mul_add_2, V_res4_b_bn_B_new, T['V_res4_b_bn_B'], momentum, d_res4_b_bn_B, decay, T['res4_b_bn_B']),
-                   (ew_mul_sub, res4_b_bn_B_new, T['res4_b_bn_B'], lr, V_res4_b_bn_B_new))
-        # free d_res4_b_bn_bias, d_res4_b_bn_B
-        del d_res4_b_bn_bias, d_res4_b_bn_B
-        mem.free(79)
         # d_res4_b_bn_sum = d_res4_b_bn_batch_mean/4900
         d_res4_b_bn_sum = d_res4_b_bn_batch_mean  # in place: over d_res4_b_bn_batch_mean
         rt.ew(ew_scale_5, d_res4_b_bn_sum, d_res4_b_bn_batch_mean)
@@ -1183,26 +1097,8 @@ class SeResnet(rp.Model):
         mem.free(83)
         # d_res4_a_bn_W = reshape[64](d_res4_a_bn_weight)
         d_res4_a_bn_W = rt.reshape(d_res4_a_bn_weight, shape=(64,))
-        # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W   (computed with the next statement)
-        V_res4_a_bn_W_new = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
-        # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new
-        res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
-        rt.ew_pair((ew_mul_add_2, V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W']),
-                   (ew_mul_sub, res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new))
-        # free res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
-        del res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W
-        mem.free(45)
         # d_res4_a_bn_B = reshape[64](d_res4_a_bn_bias)
         d_res4_a_bn_B = rt.reshape(d_res4_a_bn_bias, shape=(64,))
-        # V_res4_a_bn_B_new = V_res4_a_bn_B*momentum + d_res4_a_bn_B + decay*res4_a_bn_B   (computed with the next statement)
-        V_res4_a_bn_B_new = T['V_res4_a_bn_B']  # in place: the new V_res4_a_bn_B
-        # res4_a_bn_B_new = res4_a_bn_B - lr*V_res4_a_bn_B_new
-        res4_a_bn_B_new = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
-        rt.ew_pair((ew_mul_add_2, V_res4_a_bn_B_new, T['V_res4_a_bn_B'], momentum, d_res4_a_bn_B, decay, T['res4_a_bn_B']),
-                   (ew_mul_sub, res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new))
-        # free d_res4_a_bn_bias, d_res4_a_bn_B
-        del d_res4_a_bn_bias, d_res4_a_bn_B
-        mem.free(86)
         # d_res4_a_bn_sum = d_res4_a_bn_batch_mean/4900
         d_res4_a_bn_sum = d_res4_a_bn_batch_mean  # in place: over d_res4_a_bn_batch_mean
         rt.ew(ew_scale_5, d_res4_a_bn_sum, d_res4_a_bn_batch_mean)
@@ -1276,11 +1172,6 @@ class SeResnet(rp.Model):
         d_res3_se_up = d_res3_se_up_sigmoid  # in place: over d_res3_se_up_sigmoid
         rt.ew(ew_sub_mul, d_res3_se_up, d_res3_se_up_sigmoid, res3_se_up_sigmoid)
 
-        # ---- res4_proj (conv 1x1, 64 channels, stride 2, padding 0), backward ----
-        # res4_proj_W_new = res4_proj_W - lr*V_res4_proj_W_new
-        res4_proj_W_new = T['res4_proj_W']  # in place: the new res4_proj_W
-        rt.ew(ew_mul_sub, res4_proj_W_new, T['res4_proj_W'], lr, V_res4_proj_W_new)
-
         # ---- res3_proj_bn (batch norm), backward ----
         # d_res3_proj_bn_inv_std = res3_proj_bn_weight*d_res3_proj_bn_ew_sum   (computed with the next statement)
         d_res3_proj_bn_inv_std = mem.tensor(93, (1, 32, 1, 1), 'float32')
@@ -1309,15 +1200,6 @@ class SeResnet(rp.Model):
         mem.free(90)
         # d_res3_proj_bn_W = reshape[32](d_res3_proj_bn_weight)
         d_res3_proj_bn_W = rt.reshape(d_res3_proj_bn_weight, shape=(32,))
-        # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W   (computed with the next statement)
-        V_res3_proj_bn_W_new = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
-        # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new
-        res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
-        rt.ew_pair((ew_mul_add_2, V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W']),
-                   (ew_mul_sub, res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new))
-        # free res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
-        del res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W
-        mem.free(24)
         # d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean/19600
         d_res3_proj_bn_sum = d_res3_proj_bn_batch_mean  # in place: over d_res3_proj_bn_batch_mean
         rt.ew(ew_scale_3, d_res3_proj_bn_sum, d_res3_proj_bn_batch_mean)
@@ -1334,15 +1216,6 @@ class SeResnet(rp.Model):
         # d_res3_se_up_B = sum_to[32](d_res3_se_up)
         d_res3_se_up_B = mem.tensor(95, (32,), 'float32')
         rt.sum_to(d_res3_se_up, out=d_res3_se_up_B, shape=(32,))
-        # V_res3_se_up_B_new = V_res3_se_up_B*momentum + d_res3_se_up_B + decay*res3_se_up_B   (computed with the next statement)
-        V_res3_se_up_B_new = T['V_res3_se_up_B']  # in place: the new V_res3_se_up_B
-        # res3_se_up_B_new = res3_se_up_B - lr*V_res3_se_up_B_new
-        res3_se_up_B_new = T['res3_se_up_B']  # in place: the new res3_se_up_B
-        rt.ew_pair((ew_mul_add_2, V_res3_se_up_B_new, T['V_res3_se_up_B'], momentum, d_res3_se_up_B, decay, T['res3_se_up_B']),
-                   (ew_mul_sub, res3_se_up_B_new, T['res3_se_up_B'], lr, V_res3_se_up_B_new))
-        # free d_res3_se_up_B
-        del d_res3_se_up_B
-        mem.free(95)
 
         # ---- res3_proj_bn (batch norm), backward ----
         # d_res3_proj_bn_bias = sum_to[1x32x1x1](d_res3_proj_bn_add)
@@ -1350,15 +1223,6 @@ class SeResnet(rp.Model):
         rt.sum_to(d_res3_proj_bn_add, out=d_res3_proj_bn_bias, shape=(1, 32, 1, 1))
         # d_res3_proj_bn_B = reshape[32](d_res3_proj_bn_bias)
         d_res3_proj_bn_B = rt.reshape(d_res3_proj_bn_bias, shape=(32,))
-        # V_res3_proj_bn_B_new = V_res3_proj_bn_B*momentum + d_res3_proj_bn_B + decay*res3_proj_bn_B   (computed with the next statement)
-        V_res3_proj_bn_B_new = T['V_res3_proj_bn_B']  # in place: the new V_res3_proj_bn_B
-        # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new
-        res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
-        rt.ew_pair((ew_mul_add_2, V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B']),
-                   (ew_mul_sub, res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new))
-        # free d_res3_proj_bn_bias, d_res3_proj_bn_B
-        del d_res3_proj_bn_bias, d_res3_proj_bn_B
-        mem.free(96)
 
         # ---- res3_se_up (fully connected, 32 outputs), backward ----
         # d_res3_se_up_W = matmul[ta](d_res3_se_up, res3_se_down_relu)
@@ -1386,48 +1250,14 @@ class SeResnet(rp.Model):
         # free res3_se_down_sum_to, res3_se_down_reshape, res3_se_down_scale
         del res3_se_down_sum_to, res3_se_down_reshape, res3_se_down_scale
         mem.free(35)
-        # V_res3_se_down_W_new = V_res3_se_down_W*momentum + d_res3_se_down_W + decay*res3_se_down_W
-        V_res3_se_down_W_new = T['V_res3_se_down_W']  # in place: the new V_res3_se_down_W
-        rt.ew(ew_mul_add_2, V_res3_se_down_W_new, T['V_res3_se_down_W'], momentum, d_res3_se_down_W, decay, T['res3_se_down_W'])
-        # free d_res3_se_down_W
-        del d_res3_se_down_W
-        mem.free(99)
-
-        # ---- res3_se_up (fully connected, 32 outputs), backward ----
-        # V_res3_se_up_W_new = V_res3_se_up_W*momentum + d_res3_se_up_W + decay*res3_se_up_W   (computed with the next statement)
-        V_res3_se_up_W_new = T['V_res3_se_up_W']  # in place: the new V_res3_se_up_W
-        # res3_se_up_W_new = res3_se_up_W - lr*V_res3_se_up_W_new
-        res3_se_up_W_new = T['res3_se_up_W']  # in place: the new res3_se_up_W
-        rt.ew_pair((ew_mul_add_2, V_res3_se_up_W_new, T['V_res3_se_up_W'], momentum, d_res3_se_up_W, decay, T['res3_se_up_W']),
-                   (ew_mul_sub, res3_se_up_W_new, T['res3_se_up_W'], lr, V_res3_se_up_W_new))
-        # free d_res3_se_up_W
-        del d_res3_se_up_W
-        mem.free(97)
-
-        # ---- res3_se_down (fully connected, 8 outputs), backward ----
         # d_res3_se_down_B = sum_to[8](d_res3_se_down)
         d_res3_se_down_B = mem.tensor(100, (8,), 'float32')
         rt.sum_to(d_res3_se_down, out=d_res3_se_down_B, shape=(8,))
-        # V_res3_se_down_B_new = V_res3_se_down_B*momentum + d_res3_se_down_B + decay*res3_se_down_B   (computed with the next statement)
-        V_res3_se_down_B_new = T['V_res3_se_down_B']  # in place: the new V_res3_se_down_B
-        # res3_se_down_B_new = res3_se_down_B - lr*V_res3_se_down_B_new
-        res3_se_down_B_new = T['res3_se_down_B']  # in place: the new res3_se_down_B
-        rt.ew_pair((ew_mul_add_2, V_res3_se_down_B_new, T['V_res3_se_down_B'], momentum, d_res3_se_down_B, decay, T['res3_se_down_B']),
-                   (ew_mul_sub, res3_se_down_B_new, T['res3_se_down_B'], lr, V_res3_se_down_B_new))
-        # free d_res3_se_down_B
-        del d_res3_se_down_B
-        mem.free(100)
 
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
         # d_res3_proj_W = conv2d_bwd_filter[kernel=(1,1),stride=2](d_res3_proj, conv1_bn_relu_2)
         d_res3_proj_W = mem.tensor(101, (32, 16, 1, 1), 'float32')
         rt.conv2d_bwd_filter(d_res3_proj, conv1_bn_relu_2, out=d_res3_proj_W, kernel=(1, 1), pad=0, stride=2, workspace=mem.workspace(3763200))
-        # V_res3_proj_W_new = V_res3_proj_W*momentum + d_res3_proj_W + decay*res3_proj_W
-        V_res3_proj_W_new = T['V_res3_proj_W']  # in place: the new V_res3_proj_W
-        rt.ew(ew_mul_add_2, V_res3_proj_W_new, T['V_res3_proj_W'], momentum, d_res3_proj_W, decay, T['res3_proj_W'])
-        # free d_res3_proj_W
-        del d_res3_proj_W
-        mem.free(101)
 
         # ---- res3_se_down (fully connected, 8 outputs), backward ----
         # d_res3_se_down_scale = matmul(d_res3_se_down, res3_se_down_W)
@@ -1453,13 +1283,6 @@ class SeResnet(rp.Model):
         # free res3_se_up_matmul, res3_se_up_sigmoid, res3_proj_bn_add_reshape, d_res3_se_down_scale, d_res3_se_down_reshape, d_res3_se_down_sum_to
         del res3_se_up_matmul, res3_se_up_sigmoid, res3_proj_bn_add_reshape, d_res3_se_down_scale, d_res3_se_down_reshape, d_res3_se_down_sum_to
         mem.free(37, 102)
-
-        # ---- res3_se_down (fully connected, 8 outputs), backward ----
-        # res3_se_down_W_new = res3_se_down_W - lr*V_res3_se_down_W_new
-        res3_se_down_W_new = T['res3_se_down_W']  # in place: the new res3_se_down_W
-        rt.ew(ew_mul_sub, res3_se_down_W_new, T['res3_se_down_W'], lr, V_res3_se_down_W_new)
-
-        # ---- res3_b_bn (batch norm), backward ----
         # d_res3_b_bn_inv_std = res3_b_bn_weight*d_res3_b_bn_ew_sum   (computed with the next statement)
         d_res3_b_bn_inv_std = mem.tensor(104, (1, 32, 1, 1), 'float32')
         # d_res3_b_bn_sum_of_squares = -d_res3_b_bn_inv_std/(39200*(res3_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1493,26 +1316,8 @@ class SeResnet(rp.Model):
         mem.free(103)
         # d_res3_b_bn_W = reshape[32](d_res3_b_bn_weight)
         d_res3_b_bn_W = rt.reshape(d_res3_b_bn_weight, shape=(32,))
-        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W   (computed with the next statement)
-        V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
-        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new
-        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
-        rt.ew_pair((ew_mul_add_2, V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W']),
-                   (ew_mul_sub, res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new))
-        # free res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
-        del res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W
-        mem.free(33)
         # d_res3_b_bn_B = reshape[32](d_res3_b_bn_bias)
         d_res3_b_bn_B = rt.reshape(d_res3_b_bn_bias, shape=(32,))
-        # V_res3_b_bn_B_new = V_res3_b_bn_B*momentum + d_res3_b_bn_B + decay*res3_b_bn_B   (computed with the next statement)
-        V_res3_b_bn_B_new = T['V_res3_b_bn_B']  # in place: the new V_res3_b_bn_B
-        # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new
-        res3_b_bn_B_new = T['res3_b_bn_B']  # in place: the new res3_b_bn_B
-        rt.ew_pair((ew_mul_add_2, V_res3_b_bn_B_new, T['V_res3_b_bn_B'], momentum, d_res3_b_bn_B, decay, T['res3_b_bn_B']),
-                   (ew_mul_sub, res3_b_bn_B_new, T['res3_b_bn_B'], lr, V_res3_b_bn_B_new))
-        # free d_res3_b_bn_bias, d_res3_b_bn_B
-        del d_res3_b_bn_bias, d_res3_b_bn_B
-        mem.free(106)
         # d_res3_b_bn_sum = d_res3_b_bn_batch_mean/19600
         d_res3_b_bn_sum = d_res3_b_bn_batch_mean  # in place: over d_res3_b_bn_batch_mean
         rt.ew(ew_scale_3, d_res3_b_bn_sum, d_res3_b_bn_batch_mean)
@@ -1534,12 +1339,6 @@ class SeResnet(rp.Model):
         # d_res3_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res3_b, res3_a_bn_relu_2)
         d_res3_b_W = mem.tensor(108, (32, 32, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res3_b, res3_a_bn_relu_2, out=d_res3_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28364800))
-        # V_res3_b_W_new = V_res3_b_W*momentum + d_res3_b_W + decay*res3_b_W
-        V_res3_b_W_new = T['V_res3_b_W']  # in place: the new V_res3_b_W
-        rt.ew(ew_mul_add_2, V_res3_b_W_new, T['V_res3_b_W'], momentum, d_res3_b_W, decay, T['res3_b_W'])
-        # free d_res3_b_W
-        del d_res3_b_W
-        mem.free(108)
         # d_res3_a_bn_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_res3_b, res3_b_W)
         d_res3_a_bn_relu = mem.tensor(109, (100, 32, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_res3_b, T['res3_b_W'], out=d_res3_a_bn_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31974400))
@@ -1560,13 +1359,6 @@ class SeResnet(rp.Model):
         # free res3_a_bn_relu_2
         del res3_a_bn_relu_2
         mem.free(107)
-
-        # ---- res3_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
-        # res3_b_W_new = res3_b_W - lr*V_res3_b_W_new
-        res3_b_W_new = T['res3_b_W']  # in place: the new res3_b_W
-        rt.ew(ew_mul_sub, res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new)
-
-        # ---- res3_a_bn (batch norm), backward ----
         # d_res3_a_bn_inv_std = res3_a_bn_weight*d_res3_a_bn_ew_sum   (computed with the next statement)
         d_res3_a_bn_inv_std = mem.tensor(111, (1, 32, 1, 1), 'float32')
         # d_res3_a_bn_sum_of_squares = -d_res3_a_bn_inv_std/(39200*(res3_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1600,26 +1392,8 @@ class SeResnet(rp.Model):
         mem.free(110)
         # d_res3_a_bn_W = reshape[32](d_res3_a_bn_weight)
         d_res3_a_bn_W = rt.reshape(d_res3_a_bn_weight, shape=(32,))
-        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W   (computed with the next statement)
-        V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
-        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new
-        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
-        rt.ew_pair((ew_mul_add_2, V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W']),
-                   (ew_mul_sub, res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new))
-        # free res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
-        del res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W
-        mem.free(28)
         # d_res3_a_bn_B = reshape[32](d_res3_a_bn_bias)
         d_res3_a_bn_B = rt.reshape(d_res3_a_bn_bias, shape=(32,))
-        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B   (computed with the next statement)
-        V_res3_a_bn_B_new = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
-        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new
-        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
-        rt.ew_pair((ew_mul_add_2, V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B']),
-                   (ew_mul_sub, res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new))
-        # free d_res3_a_bn_bias, d_res3_a_bn_B
-        del d_res3_a_bn_bias, d_res3_a_bn_B
-        mem.free(113)
         # d_res3_a_bn_sum = d_res3_a_bn_batch_mean/19600
         d_res3_a_bn_sum = d_res3_a_bn_batch_mean  # in place: over d_res3_a_bn_batch_mean
         rt.ew(ew_scale_3, d_res3_a_bn_sum, d_res3_a_bn_batch_mean)
@@ -1634,21 +1408,12 @@ class SeResnet(rp.Model):
         # d_res3_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1,stride=2](d_res3_a, conv1_bn_relu_2)
         d_res3_a_W = mem.tensor(114, (32, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res3_a, conv1_bn_relu_2, out=d_res3_a_W, kernel=(3, 3), pad=1, stride=2, workspace=mem.workspace(19558400))
-        # V_res3_a_W_new = V_res3_a_W*momentum + d_res3_a_W + decay*res3_a_W
-        V_res3_a_W_new = T['V_res3_a_W']  # in place: the new V_res3_a_W
-        rt.ew(ew_mul_add_2, V_res3_a_W_new, T['V_res3_a_W'], momentum, d_res3_a_W, decay, T['res3_a_W'])
-        # free d_res3_a_W
-        del d_res3_a_W
-        mem.free(114)
         # d_conv1_bn_relu = conv2d_bwd_data[pad=1,size=(28,28),stride=2](d_res3_a, res3_a_W)
         d_conv1_bn_relu = mem.tensor(115, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res3_a, T['res3_a_W'], out=d_conv1_bn_relu, pad=1, size=(28, 28), stride=2, workspace=mem.workspace(13798400))
         # free res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
         del res3_a, res3_a_bn_centered, d_res3_a_bn_centered, d_res3_a
         mem.free(25)
-        # res3_a_W_new = res3_a_W - lr*V_res3_a_W_new
-        res3_a_W_new = T['res3_a_W']  # in place: the new res3_a_W
-        rt.ew(ew_mul_sub, res3_a_W_new, T['res3_a_W'], lr, V_res3_a_W_new)
 
         # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
         # d_conv1_bn_relu_2 = conv2d_bwd_data[size=(28,28),stride=2](d_res3_proj, res3_proj_W)
@@ -1687,21 +1452,10 @@ class SeResnet(rp.Model):
         d_res2_se_up = d_res2_se_up_sigmoid  # in place: over d_res2_se_up_sigmoid
         rt.ew(ew_sub_mul, d_res2_se_up, d_res2_se_up_sigmoid, res2_se_up_sigmoid)
 
-        # ---- res3_proj (conv 1x1, 32 channels, stride 2, padding 0), backward ----
-        # res3_proj_W_new = res3_proj_W - lr*V_res3_proj_W_new
-        res3_proj_W_new = T['res3_proj_W']  # in place: the new res3_proj_W
-        rt.ew(ew_mul_sub, res3_proj_W_new, T['res3_proj_W'], lr, V_res3_proj_W_new)
-
         # ---- res2_se_up (fully connected, 16 outputs), backward ----
         # d_res2_se_up_W = matmul[ta](d_res2_se_up, res2_se_down_relu)
         d_res2_se_up_W = mem.tensor(119, (16, 4), 'float32')
         rt.matmul(d_res2_se_up, res2_se_down_relu, out=d_res2_se_up_W, ta=True)
-        # V_res2_se_up_W_new = V_res2_se_up_W*momentum + d_res2_se_up_W + decay*res2_se_up_W
-        V_res2_se_up_W_new = T['V_res2_se_up_W']  # in place: the new V_res2_se_up_W
-        rt.ew(ew_mul_add_2, V_res2_se_up_W_new, T['V_res2_se_up_W'], momentum, d_res2_se_up_W, decay, T['res2_se_up_W'])
-        # free d_res2_se_up_W
-        del d_res2_se_up_W
-        mem.free(119)
         # d_res2_se_up_B = sum_to[16](d_res2_se_up)
         d_res2_se_up_B = mem.tensor(120, (16,), 'float32')
         rt.sum_to(d_res2_se_up, out=d_res2_se_up_B, shape=(16,))
@@ -1727,40 +1481,9 @@ class SeResnet(rp.Model):
         # free res2_se_down_sum_to, res2_se_down_reshape, res2_se_down_scale
         del res2_se_down_sum_to, res2_se_down_reshape, res2_se_down_scale
         mem.free(18)
-        # V_res2_se_down_W_new = V_res2_se_down_W*momentum + d_res2_se_down_W + decay*res2_se_down_W
-        V_res2_se_down_W_new = T['V_res2_se_down_W']  # in place: the new V_res2_se_down_W
-        rt.ew(ew_mul_add_2, V_res2_se_down_W_new, T['V_res2_se_down_W'], momentum, d_res2_se_down_W, decay, T['res2_se_down_W'])
-        # free d_res2_se_down_W
-        del d_res2_se_down_W
-        mem.free(122)
-
-        # ---- res2_se_up (fully connected, 16 outputs), backward ----
-        # V_res2_se_up_B_new = V_res2_se_up_B*momentum + d_res2_se_up_B + decay*res2_se_up_B
-        V_res2_se_up_B_new = T['V_res2_se_up_B']  # in place: the new V_res2_se_up_B
-        rt.ew(ew_mul_add_2, V_res2_se_up_B_new, T['V_res2_se_up_B'], momentum, d_res2_se_up_B, decay, T['res2_se_up_B'])
-        # free d_res2_se_up_B
-        del d_res2_se_up_B
-        mem.free(120)
-        # res2_se_up_W_new = res2_se_up_W - lr*V_res2_se_up_W_new
-        res2_se_up_W_new = T['res2_se_up_W']  # in place: the new res2_se_up_W
-        rt.ew(ew_mul_sub, res2_se_up_W_new, T['res2_se_up_W'], lr, V_res2_se_up_W_new)
-        # res2_se_up_B_new = res2_se_up_B - lr*V_res2_se_up_B_new
-        res2_se_up_B_new = T['res2_se_up_B']  # in place: the new res2_se_up_B
-        rt.ew(ew_mul_sub, res2_se_up_B_new, T['res2_se_up_B'], lr, V_res2_se_up_B_new)
-
-        # ---- res2_se_down (fully connected, 4 outputs), backward ----
         # d_res2_se_down_B = sum_to[4](d_res2_se_down)
         d_res2_se_down_B = mem.tensor(123, (4,), 'float32')
         rt.sum_to(d_res2_se_down, out=d_res2_se_down_B, shape=(4,))
-        # V_res2_se_down_B_new = V_res2_se_down_B*momentum + d_res2_se_down_B + decay*res2_se_down_B   (computed with the next statement)
-        V_res2_se_down_B_new = T['V_res2_se_down_B']  # in place: the new V_res2_se_down_B
-        # res2_se_down_B_new = res2_se_down_B - lr*V_res2_se_down_B_new
-        res2_se_down_B_new = T['res2_se_down_B']  # in place: the new res2_se_down_B
-        rt.ew_pair((ew_mul_add_2, V_res2_se_down_B_new, T['V_res2_se_down_B'], momentum, d_res2_se_down_B, decay, T['res2_se_down_B']),
-                   (ew_mul_sub, res2_se_down_B_new, T['res2_se_down_B'], lr, V_res2_se_down_B_new))
-        # free d_res2_se_down_B
-        del d_res2_se_down_B
-        mem.free(123)
         # d_res2_se_down_scale = matmul(d_res2_se_down, res2_se_down_W)
         d_res2_se_down_scale = mem.tensor(124, (100, 16), 'float32')
         rt.matmul(d_res2_se_down, T['res2_se_down_W'], out=d_res2_se_down_scale)
@@ -1770,9 +1493,6 @@ class SeResnet(rp.Model):
         # d_res2_se_down_reshape = 0.00127551020408163*d_res2_se_down_scale
         d_res2_se_down_reshape = d_res2_se_down_scale  # in place: over d_res2_se_down_scale
         rt.ew(ew_scale_2, d_res2_se_down_reshape, d_res2_se_down_scale)
-        # res2_se_down_W_new = res2_se_down_W - lr*V_res2_se_down_W_new
-        res2_se_down_W_new = T['res2_se_down_W']  # in place: the new res2_se_down_W
-        rt.ew(ew_mul_sub, res2_se_down_W_new, T['res2_se_down_W'], lr, V_res2_se_down_W_new)
         # d_res2_se_down_sum_to = reshape[100x16x1x1](d_res2_se_down_reshape)
         d_res2_se_down_sum_to = rt.reshape(d_res2_se_down_reshape, shape=(100, 16, 1, 1))
 
@@ -1820,26 +1540,8 @@ class SeResnet(rp.Model):
         mem.free(126)
         # d_res2_b_bn_W = reshape[16](d_res2_b_bn_weight)
         d_res2_b_bn_W = rt.reshape(d_res2_b_bn_weight, shape=(16,))
-        # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W   (computed with the next statement)
-        V_res2_b_bn_W_new = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
-        # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new
-        res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
-        rt.ew_pair((ew_mul_add_2, V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W']),
-                   (ew_mul_sub, res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new))
-        # free res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
-        del res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W
-        mem.free(16)
         # d_res2_b_bn_B = reshape[16](d_res2_b_bn_bias)
         d_res2_b_bn_B = rt.reshape(d_res2_b_bn_bias, shape=(16,))
-        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B   (computed with the next statement)
-        V_res2_b_bn_B_new = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
-        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new
-        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
-        rt.ew_pair((ew_mul_add_2, V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B']),
-                   (ew_mul_sub, res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new))
-        # free d_res2_b_bn_bias, d_res2_b_bn_B
-        del d_res2_b_bn_bias, d_res2_b_bn_B
-        mem.free(129)
         # d_res2_b_bn_sum = d_res2_b_bn_batch_mean/78400
         d_res2_b_bn_sum = d_res2_b_bn_batch_mean  # in place: over d_res2_b_bn_batch_mean
         rt.ew(ew_scale, d_res2_b_bn_sum, d_res2_b_bn_batch_mean)
@@ -1861,12 +1563,6 @@ class SeResnet(rp.Model):
         # d_res2_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2_b, res2_a_bn_relu_2)
         d_res2_b_W = mem.tensor(131, (16, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res2_b, res2_a_bn_relu_2, out=d_res2_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
-        # V_res2_b_W_new = V_res2_b_W*momentum + d_res2_b_W + decay*res2_b_W
-        V_res2_b_W_new = T['V_res2_b_W']  # in place: the new V_res2_b_W
-        rt.ew(ew_mul_add_2, V_res2_b_W_new, T['V_res2_b_W'], momentum, d_res2_b_W, decay, T['res2_b_W'])
-        # free d_res2_b_W
-        del d_res2_b_W
-        mem.free(131)
         # d_res2_a_bn_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_res2_b, res2_b_W)
         d_res2_a_bn_relu = mem.tensor(132, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res2_b, T['res2_b_W'], out=d_res2_a_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
@@ -1887,13 +1583,6 @@ class SeResnet(rp.Model):
         # free res2_a_bn_relu_2
         del res2_a_bn_relu_2
         mem.free(130)
-
-        # ---- res2_b (conv 3x3, 16 channels, stride 1, padding 1), backward ----
-        # res2_b_W_new = res2_b_W - lr*V_res2_b_W_new
-        res2_b_W_new = T['res2_b_W']  # in place: the new res2_b_W
-        rt.ew(ew_mul_sub, res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new)
-
-        # ---- res2_a_bn (batch norm), backward ----
         # d_res2_a_bn_inv_std = res2_a_bn_weight*d_res2_a_bn_ew_sum   (computed with the next statement)
         d_res2_a_bn_inv_std = mem.tensor(134, (1, 16, 1, 1), 'float32')
         # d_res2_a_bn_sum_of_squares = -d_res2_a_bn_inv_std/(156800*(res2_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1927,26 +1616,8 @@ class SeResnet(rp.Model):
         mem.free(133)
         # d_res2_a_bn_W = reshape[16](d_res2_a_bn_weight)
         d_res2_a_bn_W = rt.reshape(d_res2_a_bn_weight, shape=(16,))
-        # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W   (computed with the next statement)
-        V_res2_a_bn_W_new = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
-        # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new
-        res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
-        rt.ew_pair((ew_mul_add_2, V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W']),
-                   (ew_mul_sub, res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new))
-        # free res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
-        del res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W
-        mem.free(11)
         # d_res2_a_bn_B = reshape[16](d_res2_a_bn_bias)
         d_res2_a_bn_B = rt.reshape(d_res2_a_bn_bias, shape=(16,))
-        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B   (computed with the next statement)
-        V_res2_a_bn_B_new = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
-        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new
-        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
-        rt.ew_pair((ew_mul_add_2, V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B']),
-                   (ew_mul_sub, res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new))
-        # free d_res2_a_bn_bias, d_res2_a_bn_B
-        del d_res2_a_bn_bias, d_res2_a_bn_B
-        mem.free(136)
         # d_res2_a_bn_sum = d_res2_a_bn_batch_mean/78400
         d_res2_a_bn_sum = d_res2_a_bn_batch_mean  # in place: over d_res2_a_bn_batch_mean
         rt.ew(ew_scale, d_res2_a_bn_sum, d_res2_a_bn_batch_mean)
@@ -1968,12 +1639,6 @@ class SeResnet(rp.Model):
         # d_res2_a_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res2_a, conv1_bn_relu_3)
         d_res2_a_W = mem.tensor(138, (16, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_res2_a, conv1_bn_relu_3, out=d_res2_a_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
-        # V_res2_a_W_new = V_res2_a_W*momentum + d_res2_a_W + decay*res2_a_W
-        V_res2_a_W_new = T['V_res2_a_W']  # in place: the new V_res2_a_W
-        rt.ew(ew_mul_add_2, V_res2_a_W_new, T['V_res2_a_W'], momentum, d_res2_a_W, decay, T['res2_a_W'])
-        # free d_res2_a_W
-        del d_res2_a_W
-        mem.free(138)
         # d_conv1_bn_relu_3 = conv2d_bwd_data[pad=1,size=(28,28)](d_res2_a, res2_a_W)
         d_conv1_bn_relu_3 = mem.tensor(139, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_res2_a, T['res2_a_W'], out=d_conv1_bn_relu_3, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
@@ -1994,13 +1659,6 @@ class SeResnet(rp.Model):
         # free conv1_bn_relu_3, d_conv1_bn_relu_3
         del conv1_bn_relu_3, d_conv1_bn_relu_3
         mem.free(137, 139)
-
-        # ---- res2_a (conv 3x3, 16 channels, stride 1, padding 1), backward ----
-        # res2_a_W_new = res2_a_W - lr*V_res2_a_W_new
-        res2_a_W_new = T['res2_a_W']  # in place: the new res2_a_W
-        rt.ew(ew_mul_sub, res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new)
-
-        # ---- conv1_bn (batch norm), backward ----
         # d_conv1_bn_inv_std = conv1_bn_weight*d_conv1_bn_ew_sum   (computed with the next statement)
         d_conv1_bn_inv_std = mem.tensor(141, (1, 16, 1, 1), 'float32')
         # d_conv1_bn_sum_of_squares = -d_conv1_bn_inv_std/(156800*(conv1_bn_batch_var + 1.0e-5)**(3/2))
@@ -2034,26 +1692,8 @@ class SeResnet(rp.Model):
         mem.free(140)
         # d_conv1_bn_W = reshape[16](d_conv1_bn_weight)
         d_conv1_bn_W = rt.reshape(d_conv1_bn_weight, shape=(16,))
-        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W   (computed with the next statement)
-        V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
-        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new
-        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
-        rt.ew_pair((ew_mul_add_2, V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W']),
-                   (ew_mul_sub, conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new))
-        # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
-        del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W
-        mem.free(6)
         # d_conv1_bn_B = reshape[16](d_conv1_bn_bias)
         d_conv1_bn_B = rt.reshape(d_conv1_bn_bias, shape=(16,))
-        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B   (computed with the next statement)
-        V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
-        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new
-        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
-        rt.ew_pair((ew_mul_add_2, V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B']),
-                   (ew_mul_sub, conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new))
-        # free d_conv1_bn_bias, d_conv1_bn_B
-        del d_conv1_bn_bias, d_conv1_bn_B
-        mem.free(143)
         # d_conv1_bn_sum = d_conv1_bn_batch_mean/78400
         d_conv1_bn_sum = d_conv1_bn_batch_mean  # in place: over d_conv1_bn_batch_mean
         rt.ew(ew_scale, d_conv1_bn_sum, d_conv1_bn_batch_mean)
@@ -2071,15 +1711,235 @@ class SeResnet(rp.Model):
         # free x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         del x, conv1, conv1_bn_centered, d_conv1_bn_centered, d_conv1
         mem.free(0, 3)
-        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (computed with the next statement)
+
+        # ---- the small tensors' updates, one call per kernel ----
+        # V_res4_proj_bn_W_new = V_res4_proj_bn_W*momentum + d_res4_proj_bn_W + decay*res4_proj_bn_W   (computed with the last statement of its batch)
+        V_res4_proj_bn_W_new = T['V_res4_proj_bn_W']  # in place: the new V_res4_proj_bn_W
+        # V_res4_se_up_B_new = V_res4_se_up_B*momentum + d_res4_se_up_B + decay*res4_se_up_B   (computed with the last statement of its batch)
+        V_res4_se_up_B_new = T['V_res4_se_up_B']  # in place: the new V_res4_se_up_B
+        # V_res4_proj_bn_B_new = V_res4_proj_bn_B*momentum + d_res4_proj_bn_B + decay*res4_proj_bn_B   (computed with the last statement of its batch)
+        V_res4_proj_bn_B_new = T['V_res4_proj_bn_B']  # in place: the new V_res4_proj_bn_B
+        # V_res4_se_down_W_new = V_res4_se_down_W*momentum + d_res4_se_down_W + decay*res4_se_down_W   (computed with the last statement of its batch)
+        V_res4_se_down_W_new = T['V_res4_se_down_W']  # in place: the new V_res4_se_down_W
+        # V_res4_se_up_W_new = V_res4_se_up_W*momentum + d_res4_se_up_W + decay*res4_se_up_W   (computed with the last statement of its batch)
+        V_res4_se_up_W_new = T['V_res4_se_up_W']  # in place: the new V_res4_se_up_W
+        # V_res4_se_down_B_new = V_res4_se_down_B*momentum + d_res4_se_down_B + decay*res4_se_down_B   (computed with the last statement of its batch)
+        V_res4_se_down_B_new = T['V_res4_se_down_B']  # in place: the new V_res4_se_down_B
+        # V_res4_proj_W_new = V_res4_proj_W*momentum + d_res4_proj_W + decay*res4_proj_W   (computed with the last statement of its batch)
+        V_res4_proj_W_new = T['V_res4_proj_W']  # in place: the new V_res4_proj_W
+        # V_res4_b_bn_W_new = V_res4_b_bn_W*momentum + d_res4_b_bn_W + decay*res4_b_bn_W   (computed with the last statement of its batch)
+        V_res4_b_bn_W_new = T['V_res4_b_bn_W']  # in place: the new V_res4_b_bn_W
+        # V_res4_b_bn_B_new = V_res4_b_bn_B*momentum + d_res4_b_bn_B + decay*res4_b_bn_B   (computed with the last statement of its batch)
+        V_res4_b_bn_B_new = T['V_res4_b_bn_B']  # in place: the new V_res4_b_bn_B
+        # V_res4_a_bn_W_new = V_res4_a_bn_W*momentum + d_res4_a_bn_W + decay*res4_a_bn_W   (computed with the last statement of its batch)
+        V_res4_a_bn_W_new = T['V_res4_a_bn_W']  # in place: the new V_res4_a_bn_W
+        # V_res4_a_bn_B_new = V_res4_a_bn_B*momentum + d_res4_a_bn_B + decay*res4_a_bn_B   (computed with the last statement of its batch)
+        V_res4_a_bn_B_new = T['V_res4_a_bn_B']  # in place: the new V_res4_a_bn_B
+        # V_res3_proj_bn_W_new = V_res3_proj_bn_W*momentum + d_res3_proj_bn_W + decay*res3_proj_bn_W   (computed with the last statement of its batch)
+        V_res3_proj_bn_W_new = T['V_res3_proj_bn_W']  # in place: the new V_res3_proj_bn_W
+        # V_res3_se_up_B_new = V_res3_se_up_B*momentum + d_res3_se_up_B + decay*res3_se_up_B   (computed with the last statement of its batch)
+        V_res3_se_up_B_new = T['V_res3_se_up_B']  # in place: the new V_res3_se_up_B
+        # V_res3_proj_bn_B_new = V_res3_proj_bn_B*momentum + d_res3_proj_bn_B + decay*res3_proj_bn_B   (computed with the last statement of its batch)
+        V_res3_proj_bn_B_new = T['V_res3_proj_bn_B']  # in place: the new V_res3_proj_bn_B
+        # V_res3_se_down_W_new = V_res3_se_down_W*momentum + d_res3_se_down_W + decay*res3_se_down_W   (computed with the last statement of its batch)
+        V_res3_se_down_W_new = T['V_res3_se_down_W']  # in place: the new V_res3_se_down_W
+        # V_res3_se_up_W_new = V_res3_se_up_W*momentum + d_res3_se_up_W + decay*res3_se_up_W   (computed with the last statement of its batch)
+        V_res3_se_up_W_new = T['V_res3_se_up_W']  # in place: the new V_res3_se_up_W
+        # V_res3_se_down_B_new = V_res3_se_down_B*momentum + d_res3_se_down_B + decay*res3_se_down_B   (computed with the last statement of its batch)
+        V_res3_se_down_B_new = T['V_res3_se_down_B']  # in place: the new V_res3_se_down_B
+        # V_res3_proj_W_new = V_res3_proj_W*momentum + d_res3_proj_W + decay*res3_proj_W   (computed with the last statement of its batch)
+        V_res3_proj_W_new = T['V_res3_proj_W']  # in place: the new V_res3_proj_W
+        # V_res3_b_bn_W_new = V_res3_b_bn_W*momentum + d_res3_b_bn_W + decay*res3_b_bn_W   (computed with the last statement of its batch)
+        V_res3_b_bn_W_new = T['V_res3_b_bn_W']  # in place: the new V_res3_b_bn_W
+        # V_res3_b_bn_B_new = V_res3_b_bn_B*momentum + d_res3_b_bn_B + decay*res3_b_bn_B   (computed with the last statement of its batch)
+        V_res3_b_bn_B_new = T['V_res3_b_bn_B']  # in place: the new V_res3_b_bn_B
+        # V_res3_b_W_new = V_res3_b_W*momentum + d_res3_b_W + decay*res3_b_W   (computed with the last statement of its batch)
+        V_res3_b_W_new = T['V_res3_b_W']  # in place: the new V_res3_b_W
+        # V_res3_a_bn_W_new = V_res3_a_bn_W*momentum + d_res3_a_bn_W + decay*res3_a_bn_W   (computed with the last statement of its batch)
+        V_res3_a_bn_W_new = T['V_res3_a_bn_W']  # in place: the new V_res3_a_bn_W
+        # V_res3_a_bn_B_new = V_res3_a_bn_B*momentum + d_res3_a_bn_B + decay*res3_a_bn_B   (computed with the last statement of its batch)
+        V_res3_a_bn_B_new = T['V_res3_a_bn_B']  # in place: the new V_res3_a_bn_B
+        # V_res3_a_W_new = V_res3_a_W*momentum + d_res3_a_W + decay*res3_a_W   (computed with the last statement of its batch)
+        V_res3_a_W_new = T['V_res3_a_W']  # in place: the new V_res3_a_W
+        # V_res2_se_up_W_new = V_res2_se_up_W*momentum + d_res2_se_up_W + decay*res2_se_up_W   (computed with the last statement of its batch)
+        V_res2_se_up_W_new = T['V_res2_se_up_W']  # in place: the new V_res2_se_up_W
+        # V_res2_se_down_W_new = V_res2_se_down_W*momentum + d_res2_se_down_W + decay*res2_se_down_W   (computed with the last statement of its batch)
+        V_res2_se_down_W_new = T['V_res2_se_down_W']  # in place: the new V_res2_se_down_W
+        # V_res2_se_up_B_new = V_res2_se_up_B*momentum + d_res2_se_up_B + decay*res2_se_up_B   (computed with the last statement of its batch)
+        V_res2_se_up_B_new = T['V_res2_se_up_B']  # in place: the new V_res2_se_up_B
+        # V_res2_se_down_B_new = V_res2_se_down_B*momentum + d_res2_se_down_B + decay*res2_se_down_B   (computed with the last statement of its batch)
+        V_res2_se_down_B_new = T['V_res2_se_down_B']  # in place: the new V_res2_se_down_B
+        # V_res2_b_bn_W_new = V_res2_b_bn_W*momentum + d_res2_b_bn_W + decay*res2_b_bn_W   (computed with the last statement of its batch)
+        V_res2_b_bn_W_new = T['V_res2_b_bn_W']  # in place: the new V_res2_b_bn_W
+        # V_res2_b_bn_B_new = V_res2_b_bn_B*momentum + d_res2_b_bn_B + decay*res2_b_bn_B   (computed with the last statement of its batch)
+        V_res2_b_bn_B_new = T['V_res2_b_bn_B']  # in place: the new V_res2_b_bn_B
+        # V_res2_b_W_new = V_res2_b_W*momentum + d_res2_b_W + decay*res2_b_W   (computed with the last statement of its batch)
+        V_res2_b_W_new = T['V_res2_b_W']  # in place: the new V_res2_b_W
+        # V_res2_a_bn_W_new = V_res2_a_bn_W*momentum + d_res2_a_bn_W + decay*res2_a_bn_W   (computed with the last statement of its batch)
+        V_res2_a_bn_W_new = T['V_res2_a_bn_W']  # in place: the new V_res2_a_bn_W
+        # V_res2_a_bn_B_new = V_res2_a_bn_B*momentum + d_res2_a_bn_B + decay*res2_a_bn_B   (computed with the last statement of its batch)
+        V_res2_a_bn_B_new = T['V_res2_a_bn_B']  # in place: the new V_res2_a_bn_B
+        # V_res2_a_W_new = V_res2_a_W*momentum + d_res2_a_W + decay*res2_a_W   (computed with the last statement of its batch)
+        V_res2_a_W_new = T['V_res2_a_W']  # in place: the new V_res2_a_W
+        # V_conv1_bn_W_new = V_conv1_bn_W*momentum + d_conv1_bn_W + decay*conv1_bn_W   (computed with the last statement of its batch)
+        V_conv1_bn_W_new = T['V_conv1_bn_W']  # in place: the new V_conv1_bn_W
+        # V_conv1_bn_B_new = V_conv1_bn_B*momentum + d_conv1_bn_B + decay*conv1_bn_B   (computed with the last statement of its batch)
+        V_conv1_bn_B_new = T['V_conv1_bn_B']  # in place: the new V_conv1_bn_B
+        # V_conv1_W_new = V_conv1_W*momentum + d_conv1_W + decay*conv1_W   (and the 36 statements before it, in one call)
         V_conv1_W_new = T['V_conv1_W']  # in place: the new V_conv1_W
-        # conv1_W_new = conv1_W - lr*V_conv1_W_new
+        rt.ew_many(ew_mul_add_2,
+                   (V_res4_proj_bn_W_new, T['V_res4_proj_bn_W'], momentum, d_res4_proj_bn_W, decay, T['res4_proj_bn_W']),
+                   (V_res4_se_up_B_new, T['V_res4_se_up_B'], momentum, d_res4_se_up_B, decay, T['res4_se_up_B']),
+                   (V_res4_proj_bn_B_new, T['V_res4_proj_bn_B'], momentum, d_res4_proj_bn_B, decay, T['res4_proj_bn_B']),
+                   (V_res4_se_down_W_new, T['V_res4_se_down_W'], momentum, d_res4_se_down_W, decay, T['res4_se_down_W']),
+                   (V_res4_se_up_W_new, T['V_res4_se_up_W'], momentum, d_res4_se_up_W, decay, T['res4_se_up_W']),
+                   (V_res4_se_down_B_new, T['V_res4_se_down_B'], momentum, d_res4_se_down_B, decay, T['res4_se_down_B']),
+                   (V_res4_proj_W_new, T['V_res4_proj_W'], momentum, d_res4_proj_W, decay, T['res4_proj_W']),
+                   (V_res4_b_bn_W_new, T['V_res4_b_bn_W'], momentum, d_res4_b_bn_W, decay, T['res4_b_bn_W']),
+                   (V_res4_b_bn_B_new, T['V_res4_b_bn_B'], momentum, d_res4_b_bn_B, decay, T['res4_b_bn_B']),
+                   (V_res4_a_bn_W_new, T['V_res4_a_bn_W'], momentum, d_res4_a_bn_W, decay, T['res4_a_bn_W']),
+                   (V_res4_a_bn_B_new, T['V_res4_a_bn_B'], momentum, d_res4_a_bn_B, decay, T['res4_a_bn_B']),
+                   (V_res3_proj_bn_W_new, T['V_res3_proj_bn_W'], momentum, d_res3_proj_bn_W, decay, T['res3_proj_bn_W']),
+                   (V_res3_se_up_B_new, T['V_res3_se_up_B'], momentum, d_res3_se_up_B, decay, T['res3_se_up_B']),
+                   (V_res3_proj_bn_B_new, T['V_res3_proj_bn_B'], momentum, d_res3_proj_bn_B, decay, T['res3_proj_bn_B']),
+                   (V_res3_se_down_W_new, T['V_res3_se_down_W'], momentum, d_res3_se_down_W, decay, T['res3_se_down_W']),
+                   (V_res3_se_up_W_new, T['V_res3_se_up_W'], momentum, d_res3_se_up_W, decay, T['res3_se_up_W']),
+                   (V_res3_se_down_B_new, T['V_res3_se_down_B'], momentum, d_res3_se_down_B, decay, T['res3_se_down_B']),
+                   (V_res3_proj_W_new, T['V_res3_proj_W'], momentum, d_res3_proj_W, decay, T['res3_proj_W']),
+                   (V_res3_b_bn_W_new, T['V_res3_b_bn_W'], momentum, d_res3_b_bn_W, decay, T['res3_b_bn_W']),
+                   (V_res3_b_bn_B_new, T['V_res3_b_bn_B'], momentum, d_res3_b_bn_B, decay, T['res3_b_bn_B']),
+                   (V_res3_b_W_new, T['V_res3_b_W'], momentum, d_res3_b_W, decay, T['res3_b_W']),
+                   (V_res3_a_bn_W_new, T['V_res3_a_bn_W'], momentum, d_res3_a_bn_W, decay, T['res3_a_bn_W']),
+                   (V_res3_a_bn_B_new, T['V_res3_a_bn_B'], momentum, d_res3_a_bn_B, decay, T['res3_a_bn_B']),
+                   (V_res3_a_W_new, T['V_res3_a_W'], momentum, d_res3_a_W, decay, T['res3_a_W']),
+                   (V_res2_se_up_W_new, T['V_res2_se_up_W'], momentum, d_res2_se_up_W, decay, T['res2_se_up_W']),
+                   (V_res2_se_down_W_new, T['V_res2_se_down_W'], momentum, d_res2_se_down_W, decay, T['res2_se_down_W']),
+                   (V_res2_se_up_B_new, T['V_res2_se_up_B'], momentum, d_res2_se_up_B, decay, T['res2_se_up_B']),
+                   (V_res2_se_down_B_new, T['V_res2_se_down_B'], momentum, d_res2_se_down_B, decay, T['res2_se_down_B']),
+                   (V_res2_b_bn_W_new, T['V_res2_b_bn_W'], momentum, d_res2_b_bn_W, decay, T['res2_b_bn_W']),
+                   (V_res2_b_bn_B_new, T['V_res2_b_bn_B'], momentum, d_res2_b_bn_B, decay, T['res2_b_bn_B']),
+                   (V_res2_b_W_new, T['V_res2_b_W'], momentum, d_res2_b_W, decay, T['res2_b_W']),
+                   (V_res2_a_bn_W_new, T['V_res2_a_bn_W'], momentum, d_res2_a_bn_W, decay, T['res2_a_bn_W']),
+                   (V_res2_a_bn_B_new, T['V_res2_a_bn_B'], momentum, d_res2_a_bn_B, decay, T['res2_a_bn_B']),
+                   (V_res2_a_W_new, T['V_res2_a_W'], momentum, d_res2_a_W, decay, T['res2_a_W']),
+                   (V_conv1_bn_W_new, T['V_conv1_bn_W'], momentum, d_conv1_bn_W, decay, T['conv1_bn_W']),
+                   (V_conv1_bn_B_new, T['V_conv1_bn_B'], momentum, d_conv1_bn_B, decay, T['conv1_bn_B']),
+                   (V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']))
+        # free conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W, res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W, res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W, res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W, res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W, res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W, res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W, res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W, res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W, d_res4_se_up_B, d_res4_proj_bn_bias, d_res4_proj_bn_B, d_res4_se_up_W, d_res4_se_down_W, d_res4_se_down_B, d_res4_proj_W, d_res4_b_bn_bias, d_res4_b_bn_B, d_res4_a_bn_bias, d_res4_a_bn_B, d_res3_se_up_B, d_res3_proj_bn_bias, d_res3_proj_bn_B, d_res3_se_up_W, d_res3_se_down_W, d_res3_se_down_B, d_res3_proj_W, d_res3_b_bn_bias, d_res3_b_bn_B, d_res3_b_W, d_res3_a_bn_bias, d_res3_a_bn_B, d_res3_a_W, d_res2_se_up_W, d_res2_se_up_B, d_res2_se_down_W, d_res2_se_down_B, d_res2_b_bn_bias, d_res2_b_bn_B, d_res2_b_W, d_res2_a_bn_bias, d_res2_a_bn_B, d_res2_a_W, d_conv1_bn_bias, d_conv1_bn_B, d_conv1_W
+        del conv1_bn_inv_std, d_conv1_bn_weight, d_conv1_bn_W, res2_a_bn_inv_std, d_res2_a_bn_weight, d_res2_a_bn_W, res2_b_bn_inv_std, d_res2_b_bn_weight, d_res2_b_bn_W, res3_proj_bn_inv_std, d_res3_proj_bn_weight, d_res3_proj_bn_W, res3_a_bn_inv_std, d_res3_a_bn_weight, d_res3_a_bn_W, res3_b_bn_inv_std, d_res3_b_bn_weight, d_res3_b_bn_W, res4_proj_bn_inv_std, d_res4_proj_bn_weight, d_res4_proj_bn_W, res4_a_bn_inv_std, d_res4_a_bn_weight, d_res4_a_bn_W, res4_b_bn_inv_std, d_res4_b_bn_weight, d_res4_b_bn_W, d_res4_se_up_B, d_res4_proj_bn_bias, d_res4_proj_bn_B, d_res4_se_up_W, d_res4_se_down_W, d_res4_se_down_B, d_res4_proj_W, d_res4_b_bn_bias, d_res4_b_bn_B, d_res4_a_bn_bias, d_res4_a_bn_B, d_res3_se_up_B, d_res3_proj_bn_bias, d_res3_proj_bn_B, d_res3_se_up_W, d_res3_se_down_W, d_res3_se_down_B, d_res3_proj_W, d_res3_b_bn_bias, d_res3_b_bn_B, d_res3_b_W, d_res3_a_bn_bias, d_res3_a_bn_B, d_res3_a_W, d_res2_se_up_W, d_res2_se_up_B, d_res2_se_down_W, d_res2_se_down_B, d_res2_b_bn_bias, d_res2_b_bn_B, d_res2_b_W, d_res2_a_bn_bias, d_res2_a_bn_B, d_res2_a_W, d_conv1_bn_bias, d_conv1_bn_B, d_conv1_W
+        mem.free(6, 11, 16, 24, 28, 33, 41, 45, 50, 68, 69, 70, 72, 73, 74, 79, 86, 95, 96, 97, 99, 100, 101, 106, 108, 113, 114, 119, 120, 122, 123, 129, 131, 136, 138, 143, 144)
+        # res4_proj_bn_W_new = res4_proj_bn_W - lr*V_res4_proj_bn_W_new   (computed with the last statement of its batch)
+        res4_proj_bn_W_new = T['res4_proj_bn_W']  # in place: the new res4_proj_bn_W
+        # res4_se_up_B_new = res4_se_up_B - lr*V_res4_se_up_B_new   (computed with the last statement of its batch)
+        res4_se_up_B_new = T['res4_se_up_B']  # in place: the new res4_se_up_B
+        # res4_proj_bn_B_new = res4_proj_bn_B - lr*V_res4_proj_bn_B_new   (computed with the last statement of its batch)
+        res4_proj_bn_B_new = T['res4_proj_bn_B']  # in place: the new res4_proj_bn_B
+        # res4_se_up_W_new = res4_se_up_W - lr*V_res4_se_up_W_new   (computed with the last statement of its batch)
+        res4_se_up_W_new = T['res4_se_up_W']  # in place: the new res4_se_up_W
+        # res4_se_down_B_new = res4_se_down_B - lr*V_res4_se_down_B_new   (computed with the last statement of its batch)
+        res4_se_down_B_new = T['res4_se_down_B']  # in place: the new res4_se_down_B
+        # res4_se_down_W_new = res4_se_down_W - lr*V_res4_se_down_W_new   (computed with the last statement of its batch)
+        res4_se_down_W_new = T['res4_se_down_W']  # in place: the new res4_se_down_W
+        # res4_b_bn_W_new = res4_b_bn_W - lr*V_res4_b_bn_W_new   (computed with the last statement of its batch)
+        res4_b_bn_W_new = T['res4_b_bn_W']  # in place: the new res4_b_bn_W
+        # res4_b_bn_B_new = res4_b_bn_B - lr*V_res4_b_bn_B_new   (computed with the last statement of its batch)
+        res4_b_bn_B_new = T['res4_b_bn_B']  # in place: the new res4_b_bn_B
+        # res4_a_bn_W_new = res4_a_bn_W - lr*V_res4_a_bn_W_new   (computed with the last statement of its batch)
+        res4_a_bn_W_new = T['res4_a_bn_W']  # in place: the new res4_a_bn_W
+        # res4_a_bn_B_new = res4_a_bn_B - lr*V_res4_a_bn_B_new   (computed with the last statement of its batch)
+        res4_a_bn_B_new = T['res4_a_bn_B']  # in place: the new res4_a_bn_B
+        # res4_proj_W_new = res4_proj_W - lr*V_res4_proj_W_new   (computed with the last statement of its batch)
+        res4_proj_W_new = T['res4_proj_W']  # in place: the new res4_proj_W
+        # res3_proj_bn_W_new = res3_proj_bn_W - lr*V_res3_proj_bn_W_new   (computed with the last statement of its batch)
+        res3_proj_bn_W_new = T['res3_proj_bn_W']  # in place: the new res3_proj_bn_W
+        # res3_se_up_B_new = res3_se_up_B - lr*V_res3_se_up_B_new   (computed with the last statement of its batch)
+        res3_se_up_B_new = T['res3_se_up_B']  # in place: the new res3_se_up_B
+        # res3_proj_bn_B_new = res3_proj_bn_B - lr*V_res3_proj_bn_B_new   (computed with the last statement of its batch)
+        res3_proj_bn_B_new = T['res3_proj_bn_B']  # in place: the new res3_proj_bn_B
+        # res3_se_up_W_new = res3_se_up_W - lr*V_res3_se_up_W_new   (computed with the last statement of its batch)
+        res3_se_up_W_new = T['res3_se_up_W']  # in place: the new res3_se_up_W
+        # res3_se_down_B_new = res3_se_down_B - lr*V_res3_se_down_B_new   (computed with the last statement of its batch)
+        res3_se_down_B_new = T['res3_se_down_B']  # in place: the new res3_se_down_B
+        # res3_se_down_W_new = res3_se_down_W - lr*V_res3_se_down_W_new   (computed with the last statement of its batch)
+        res3_se_down_W_new = T['res3_se_down_W']  # in place: the new res3_se_down_W
+        # res3_b_bn_W_new = res3_b_bn_W - lr*V_res3_b_bn_W_new   (computed with the last statement of its batch)
+        res3_b_bn_W_new = T['res3_b_bn_W']  # in place: the new res3_b_bn_W
+        # res3_b_bn_B_new = res3_b_bn_B - lr*V_res3_b_bn_B_new   (computed with the last statement of its batch)
+        res3_b_bn_B_new = T['res3_b_bn_B']  # in place: the new res3_b_bn_B
+        # res3_b_W_new = res3_b_W - lr*V_res3_b_W_new   (computed with the last statement of its batch)
+        res3_b_W_new = T['res3_b_W']  # in place: the new res3_b_W
+        # res3_a_bn_W_new = res3_a_bn_W - lr*V_res3_a_bn_W_new   (computed with the last statement of its batch)
+        res3_a_bn_W_new = T['res3_a_bn_W']  # in place: the new res3_a_bn_W
+        # res3_a_bn_B_new = res3_a_bn_B - lr*V_res3_a_bn_B_new   (computed with the last statement of its batch)
+        res3_a_bn_B_new = T['res3_a_bn_B']  # in place: the new res3_a_bn_B
+        # res3_a_W_new = res3_a_W - lr*V_res3_a_W_new   (computed with the last statement of its batch)
+        res3_a_W_new = T['res3_a_W']  # in place: the new res3_a_W
+        # res3_proj_W_new = res3_proj_W - lr*V_res3_proj_W_new   (computed with the last statement of its batch)
+        res3_proj_W_new = T['res3_proj_W']  # in place: the new res3_proj_W
+        # res2_se_up_W_new = res2_se_up_W - lr*V_res2_se_up_W_new   (computed with the last statement of its batch)
+        res2_se_up_W_new = T['res2_se_up_W']  # in place: the new res2_se_up_W
+        # res2_se_up_B_new = res2_se_up_B - lr*V_res2_se_up_B_new   (computed with the last statement of its batch)
+        res2_se_up_B_new = T['res2_se_up_B']  # in place: the new res2_se_up_B
+        # res2_se_down_B_new = res2_se_down_B - lr*V_res2_se_down_B_new   (computed with the last statement of its batch)
+        res2_se_down_B_new = T['res2_se_down_B']  # in place: the new res2_se_down_B
+        # res2_se_down_W_new = res2_se_down_W - lr*V_res2_se_down_W_new   (computed with the last statement of its batch)
+        res2_se_down_W_new = T['res2_se_down_W']  # in place: the new res2_se_down_W
+        # res2_b_bn_W_new = res2_b_bn_W - lr*V_res2_b_bn_W_new   (computed with the last statement of its batch)
+        res2_b_bn_W_new = T['res2_b_bn_W']  # in place: the new res2_b_bn_W
+        # res2_b_bn_B_new = res2_b_bn_B - lr*V_res2_b_bn_B_new   (computed with the last statement of its batch)
+        res2_b_bn_B_new = T['res2_b_bn_B']  # in place: the new res2_b_bn_B
+        # res2_b_W_new = res2_b_W - lr*V_res2_b_W_new   (computed with the last statement of its batch)
+        res2_b_W_new = T['res2_b_W']  # in place: the new res2_b_W
+        # res2_a_bn_W_new = res2_a_bn_W - lr*V_res2_a_bn_W_new   (computed with the last statement of its batch)
+        res2_a_bn_W_new = T['res2_a_bn_W']  # in place: the new res2_a_bn_W
+        # res2_a_bn_B_new = res2_a_bn_B - lr*V_res2_a_bn_B_new   (computed with the last statement of its batch)
+        res2_a_bn_B_new = T['res2_a_bn_B']  # in place: the new res2_a_bn_B
+        # res2_a_W_new = res2_a_W - lr*V_res2_a_W_new   (computed with the last statement of its batch)
+        res2_a_W_new = T['res2_a_W']  # in place: the new res2_a_W
+        # conv1_bn_W_new = conv1_bn_W - lr*V_conv1_bn_W_new   (computed with the last statement of its batch)
+        conv1_bn_W_new = T['conv1_bn_W']  # in place: the new conv1_bn_W
+        # conv1_bn_B_new = conv1_bn_B - lr*V_conv1_bn_B_new   (computed with the last statement of its batch)
+        conv1_bn_B_new = T['conv1_bn_B']  # in place: the new conv1_bn_B
+        # conv1_W_new = conv1_W - lr*V_conv1_W_new   (and the 36 statements before it, in one call)
         conv1_W_new = T['conv1_W']  # in place: the new conv1_W
-        rt.ew_pair((ew_mul_add_2, V_conv1_W_new, T['V_conv1_W'], momentum, d_conv1_W, decay, T['conv1_W']),
-                   (ew_mul_sub, conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
-        # free d_conv1_W
-        del d_conv1_W
-        mem.free(144)
+        rt.ew_many(ew_mul_sub,
+                   (res4_proj_bn_W_new, T['res4_proj_bn_W'], lr, V_res4_proj_bn_W_new),
+                   (res4_se_up_B_new, T['res4_se_up_B'], lr, V_res4_se_up_B_new),
+                   (res4_proj_bn_B_new, T['res4_proj_bn_B'], lr, V_res4_proj_bn_B_new),
+                   (res4_se_up_W_new, T['res4_se_up_W'], lr, V_res4_se_up_W_new),
+                   (res4_se_down_B_new, T['res4_se_down_B'], lr, V_res4_se_down_B_new),
+                   (res4_se_down_W_new, T['res4_se_down_W'], lr, V_res4_se_down_W_new),
+                   (res4_b_bn_W_new, T['res4_b_bn_W'], lr, V_res4_b_bn_W_new),
+                   (res4_b_bn_B_new, T['res4_b_bn_B'], lr, V_res4_b_bn_B_new),
+                   (res4_a_bn_W_new, T['res4_a_bn_W'], lr, V_res4_a_bn_W_new),
+                   (res4_a_bn_B_new, T['res4_a_bn_B'], lr, V_res4_a_bn_B_new),
+                   (res4_proj_W_new, T['res4_proj_W'], lr, V_res4_proj_W_new),
+                   (res3_proj_bn_W_new, T['res3_proj_bn_W'], lr, V_res3_proj_bn_W_new),
+                   (res3_se_up_B_new, T['res3_se_up_B'], lr, V_res3_se_up_B_new),
+                   (res3_proj_bn_B_new, T['res3_proj_bn_B'], lr, V_res3_proj_bn_B_new),
+                   (res3_se_up_W_new, T['res3_se_up_W'], lr, V_res3_se_up_W_new),
+                   (res3_se_down_B_new, T['res3_se_down_B'], lr, V_res3_se_down_B_new),
+                   (res3_se_down_W_new, T['res3_se_down_W'], lr, V_res3_se_down_W_new),
+                   (res3_b_bn_W_new, T['res3_b_bn_W'], lr, V_res3_b_bn_W_new),
+                   (res3_b_bn_B_new, T['res3_b_bn_B'], lr, V_res3_b_bn_B_new),
+                   (res3_b_W_new, T['res3_b_W'], lr, V_res3_b_W_new),
+                   (res3_a_bn_W_new, T['res3_a_bn_W'], lr, V_res3_a_bn_W_new),
+                   (res3_a_bn_B_new, T['res3_a_bn_B'], lr, V_res3_a_bn_B_new),
+                   (res3_a_W_new, T['res3_a_W'], lr, V_res3_a_W_new),
+                   (res3_proj_W_new, T['res3_proj_W'], lr, V_res3_proj_W_new),
+                   (res2_se_up_W_new, T['res2_se_up_W'], lr, V_res2_se_up_W_new),
+                   (res2_se_up_B_new, T['res2_se_up_B'], lr, V_res2_se_up_B_new),
+                   (res2_se_down_B_new, T['res2_se_down_B'], lr, V_res2_se_down_B_new),
+                   (res2_se_down_W_new, T['res2_se_down_W'], lr, V_res2_se_down_W_new),
+                   (res2_b_bn_W_new, T['res2_b_bn_W'], lr, V_res2_b_bn_W_new),
+                   (res2_b_bn_B_new, T['res2_b_bn_B'], lr, V_res2_b_bn_B_new),
+                   (res2_b_W_new, T['res2_b_W'], lr, V_res2_b_W_new),
+                   (res2_a_bn_W_new, T['res2_a_bn_W'], lr, V_res2_a_bn_W_new),
+                   (res2_a_bn_B_new, T['res2_a_bn_B'], lr, V_res2_a_bn_B_new),
+                   (res2_a_W_new, T['res2_a_W'], lr, V_res2_a_W_new),
+                   (conv1_bn_W_new, T['conv1_bn_W'], lr, V_conv1_bn_W_new),
+                   (conv1_bn_B_new, T['conv1_bn_B'], lr, V_conv1_bn_B_new),
+                   (conv1_W_new, T['conv1_W'], lr, V_conv1_W_new))
         loss = rt.scalar(fc_cross_entropy)
         mem.end()
         return loss
@@ -2833,59 +2693,59 @@ class SeResnet(rp.Model):
                 (0, 400),  # 0: const 100 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=36822784, peak_bytes=36822784, workspace_bytes=31974400, pool_bytes=40460032,
+            arena_bytes=36827136, peak_bytes=36822784, workspace_bytes=31974400, pool_bytes=40460032,
             buffers=(
                 (36377600, 313600),  # 0: x 100x1x28x28 float32
                 (33902592, 400),  # 1: y 100 int32
                 (33894400, 4000),  # 2: d_fc_cross_entropy_log_softmax 100x10 float32
                 (0, 5017600),  # 3: conv1 100x16x28x28 float32
                 (5017600, 64),  # 4: conv1_bn_sum 1x16x1x1 float32
-                (36817920, 64),  # 5: conv1_bn_sum_of_squares 1x16x1x1 float32
-                (36818176, 64),  # 6: conv1_bn_inv_std 1x16x1x1 float32
+                (36822016, 64),  # 5: conv1_bn_sum_of_squares 1x16x1x1 float32
+                (36822272, 64),  # 6: conv1_bn_inv_std 1x16x1x1 float32
                 (5017600, 5017600),  # 7: conv1_bn_relu 100x16x28x28 float32
                 (10035200, 5017600),  # 8: res2_a 100x16x28x28 float32
                 (15052800, 64),  # 9: res2_a_bn_sum 1x16x1x1 float32
-                (36818432, 64),  # 10: res2_a_bn_sum_of_squares 1x16x1x1 float32
-                (36818688, 64),  # 11: res2_a_bn_inv_std 1x16x1x1 float32
+                (36822528, 64),  # 10: res2_a_bn_sum_of_squares 1x16x1x1 float32
+                (36822784, 64),  # 11: res2_a_bn_inv_std 1x16x1x1 float32
                 (15052800, 5017600),  # 12: res2_a_bn_relu 100x16x28x28 float32
                 (20070400, 5017600),  # 13: res2_b 100x16x28x28 float32
                 (15052800, 64),  # 14: res2_b_bn_sum 1x16x1x1 float32
-                (36818944, 64),  # 15: res2_b_bn_sum_of_squares 1x16x1x1 float32
-                (36819200, 64),  # 16: res2_b_bn_inv_std 1x16x1x1 float32
+                (36823040, 64),  # 15: res2_b_bn_sum_of_squares 1x16x1x1 float32
+                (36823296, 64),  # 16: res2_b_bn_inv_std 1x16x1x1 float32
                 (15052800, 5017600),  # 17: res2_b_bn 100x16x28x28 float32
                 (36793600, 6400),  # 18: res2_se_down_sum_to 100x16x1x1 float32
-                (36816128, 1600),  # 19: res2_se_down_matmul 100x4 float32
+                (36820224, 1600),  # 19: res2_se_down_matmul 100x4 float32
                 (36800000, 6400),  # 20: res2_se_up_matmul 100x16 float32
                 (30105600, 2508800),  # 21: res3_proj 100x32x14x14 float32
                 (5017600, 128),  # 22: res3_proj_bn_sum 1x32x1x1 float32
-                (36819456, 128),  # 23: res3_proj_bn_sum_of_squares 1x32x1x1 float32
-                (36819712, 128),  # 24: res3_proj_bn_inv_std 1x32x1x1 float32
+                (36823552, 128),  # 23: res3_proj_bn_sum_of_squares 1x32x1x1 float32
+                (36823808, 128),  # 24: res3_proj_bn_inv_std 1x32x1x1 float32
                 (25088000, 2508800),  # 25: res3_a 100x32x14x14 float32
                 (5017600, 128),  # 26: res3_a_bn_sum 1x32x1x1 float32
-                (36819968, 128),  # 27: res3_a_bn_sum_of_squares 1x32x1x1 float32
-                (36820224, 128),  # 28: res3_a_bn_inv_std 1x32x1x1 float32
+                (36824064, 128),  # 27: res3_a_bn_sum_of_squares 1x32x1x1 float32
+                (36824320, 128),  # 28: res3_a_bn_inv_std 1x32x1x1 float32
                 (5017600, 2508800),  # 29: res3_a_bn_relu 100x32x14x14 float32
                 (7526400, 2508800),  # 30: res3_b 100x32x14x14 float32
                 (5017600, 128),  # 31: res3_b_bn_sum 1x32x1x1 float32
-                (36820480, 128),  # 32: res3_b_bn_sum_of_squares 1x32x1x1 float32
-                (36820736, 128),  # 33: res3_b_bn_inv_std 1x32x1x1 float32
+                (36824576, 128),  # 32: res3_b_bn_sum_of_squares 1x32x1x1 float32
+                (36824832, 128),  # 33: res3_b_bn_inv_std 1x32x1x1 float32
                 (5017600, 2508800),  # 34: res3_b_bn 100x32x14x14 float32
                 (36768000, 12800),  # 35: res3_se_down_sum_to 100x32x1x1 float32
-                (36812800, 3200),  # 36: res3_se_down_matmul 100x8 float32
+                (36816896, 3200),  # 36: res3_se_down_matmul 100x8 float32
                 (36780800, 12800),  # 37: res3_se_up_matmul 100x32 float32
                 (35123200, 1254400),  # 38: res4_proj 100x64x7x7 float32
                 (27596800, 256),  # 39: res4_proj_bn_sum 1x64x1x1 float32
-                (36820992, 256),  # 40: res4_proj_bn_sum_of_squares 1x64x1x1 float32
-                (36821248, 256),  # 41: res4_proj_bn_inv_std 1x64x1x1 float32
+                (36812800, 256),  # 40: res4_proj_bn_sum_of_squares 1x64x1x1 float32
+                (36825088, 256),  # 41: res4_proj_bn_inv_std 1x64x1x1 float32
                 (32614400, 1254400),  # 42: res4_a 100x64x7x7 float32
                 (27596800, 256),  # 43: res4_a_bn_sum 1x64x1x1 float32
-                (36821504, 256),  # 44: res4_a_bn_sum_of_squares 1x64x1x1 float32
-                (36821760, 256),  # 45: res4_a_bn_inv_std 1x64x1x1 float32
+                (36825344, 256),  # 44: res4_a_bn_sum_of_squares 1x64x1x1 float32
+                (36825600, 256),  # 45: res4_a_bn_inv_std 1x64x1x1 float32
                 (27596800, 1254400),  # 46: res4_a_bn_relu 100x64x7x7 float32
                 (28851200, 1254400),  # 47: res4_b 100x64x7x7 float32
                 (27596800, 256),  # 48: res4_b_bn_sum 1x64x1x1 float32
-                (36822016, 256),  # 49: res4_b_bn_sum_of_squares 1x64x1x1 float32
-                (36822272, 256),  # 50: res4_b_bn_inv_std 1x64x1x1 float32
+                (36825856, 256),  # 49: res4_b_bn_sum_of_squares 1x64x1x1 float32
+                (36826112, 256),  # 50: res4_b_bn_inv_std 1x64x1x1 float32
                 (27596800, 1254400),  # 51: res4_b_bn 100x64x7x7 float32
                 (36691200, 25600),  # 52: res4_se_down_sum_to 100x64x1x1 float32
                 (36806400, 6400),  # 53: res4_se_down_matmul 100x16 float32
@@ -2894,7 +2754,7 @@ class SeResnet(rp.Model):
                 (33898496, 4000),  # 56: fc_matmul 100x10 float32
                 (33903104, 400),  # 57: fc_cross_entropy_pick 100 float32
                 (33898496, 2560),  # 58: d_fc_W 10x64 float32
-                (36822528, 4),  # 59: fc_cross_entropy_sum_to scalar float32
+                (36826368, 4),  # 59: fc_cross_entropy_sum_to scalar float32
                 (33868800, 40),  # 60: d_fc_B 10 float32
                 (36742400, 25600),  # 61: d_res4_proj_bn_flatten 100x64 float32
                 (33868800, 1254400),  # 62: d_res4_proj_bn_relu 100x64x7x7 float32
@@ -2903,25 +2763,25 @@ class SeResnet(rp.Model):
                 (27596800, 256),  # 65: d_res4_proj_bn_ew_sum 1x64x1x1 float32
                 (27597056, 256),  # 66: d_res4_proj_bn_inv_std 1x64x1x1 float32
                 (27597312, 256),  # 67: d_res4_proj_bn_batch_mean 1x64x1x1 float32
-                (27596800, 256),  # 68: d_res4_se_up_B 64 float32
-                (27596800, 256),  # 69: d_res4_proj_bn_bias 1x64x1x1 float32
-                (27596800, 4096),  # 70: d_res4_se_up_W 64x16 float32
+                (36826624, 256),  # 68: d_res4_se_up_B 64 float32
+                (36826880, 256),  # 69: d_res4_proj_bn_bias 1x64x1x1 float32
+                (36812800, 4096),  # 70: d_res4_se_up_W 64x16 float32
                 (27622400, 6400),  # 71: d_res4_se_down_relu 100x16 float32
-                (27600896, 4096),  # 72: d_res4_se_down_W 16x64 float32
-                (27596800, 64),  # 73: d_res4_se_down_B 16 float32
-                (27596800, 8192),  # 74: d_res4_proj_W 64x32x1x1 float32
+                (36742400, 4096),  # 72: d_res4_se_down_W 16x64 float32
+                (36699392, 64),  # 73: d_res4_se_down_B 16 float32
+                (36691200, 8192),  # 74: d_res4_proj_W 64x32x1x1 float32
                 (27596800, 25600),  # 75: d_res4_se_down_scale 100x64 float32
                 (27622400, 256),  # 76: d_res4_b_bn_ew_sum 1x64x1x1 float32
                 (27596800, 256),  # 77: d_res4_b_bn_inv_std 1x64x1x1 float32
                 (27597056, 256),  # 78: d_res4_b_bn_batch_mean 1x64x1x1 float32
-                (27596800, 256),  # 79: d_res4_b_bn_bias 1x64x1x1 float32
+                (36699648, 256),  # 79: d_res4_b_bn_bias 1x64x1x1 float32
                 (27596800, 1254400),  # 80: res4_a_bn_relu_2 100x64x7x7 float32
                 (33868800, 147456),  # 81: d_res4_b_W 64x64x3x3 float32
                 (33868800, 1254400),  # 82: d_res4_a_bn_relu 100x64x7x7 float32
                 (28851200, 256),  # 83: d_res4_a_bn_ew_sum 1x64x1x1 float32
                 (27596800, 256),  # 84: d_res4_a_bn_inv_std 1x64x1x1 float32
                 (27597056, 256),  # 85: d_res4_a_bn_batch_mean 1x64x1x1 float32
-                (27596800, 256),  # 86: d_res4_a_bn_bias 1x64x1x1 float32
+                (36699904, 256),  # 86: d_res4_a_bn_bias 1x64x1x1 float32
                 (27596800, 73728),  # 87: d_res4_a_W 64x32x3x3 float32
                 (27596800, 2508800),  # 88: d_res3_proj_bn_relu 100x32x14x14 float32
                 (32614400, 2508800),  # 89: d_res3_proj_bn_relu_2 100x32x14x14 float32
@@ -2930,55 +2790,55 @@ class SeResnet(rp.Model):
                 (27596800, 12800),  # 92: d_res3_proj_bn_add_reshape 100x32x1x1 float32
                 (5017600, 128),  # 93: d_res3_proj_bn_inv_std 1x32x1x1 float32
                 (5017856, 128),  # 94: d_res3_proj_bn_batch_mean 1x32x1x1 float32
-                (5017600, 128),  # 95: d_res3_se_up_B 32 float32
-                (5017600, 128),  # 96: d_res3_proj_bn_bias 1x32x1x1 float32
-                (5017600, 1024),  # 97: d_res3_se_up_W 32x8 float32
+                (35127296, 128),  # 95: d_res3_se_up_B 32 float32
+                (35127552, 128),  # 96: d_res3_proj_bn_bias 1x32x1x1 float32
+                (35125248, 1024),  # 97: d_res3_se_up_W 32x8 float32
                 (5030400, 3200),  # 98: d_res3_se_down_relu 100x8 float32
-                (5018624, 1024),  # 99: d_res3_se_down_W 8x32 float32
-                (5017600, 32),  # 100: d_res3_se_down_B 8 float32
-                (5017600, 2048),  # 101: d_res3_proj_W 32x16x1x1 float32
+                (35126272, 1024),  # 99: d_res3_se_down_W 8x32 float32
+                (35127808, 32),  # 100: d_res3_se_down_B 8 float32
+                (35123200, 2048),  # 101: d_res3_proj_W 32x16x1x1 float32
                 (5017600, 12800),  # 102: d_res3_se_down_scale 100x32 float32
                 (5030400, 128),  # 103: d_res3_b_bn_ew_sum 1x32x1x1 float32
                 (5017600, 128),  # 104: d_res3_b_bn_inv_std 1x32x1x1 float32
                 (5017856, 128),  # 105: d_res3_b_bn_batch_mean 1x32x1x1 float32
-                (5017600, 128),  # 106: d_res3_b_bn_bias 1x32x1x1 float32
+                (35128064, 128),  # 106: d_res3_b_bn_bias 1x32x1x1 float32
                 (5017600, 2508800),  # 107: res3_a_bn_relu_2 100x32x14x14 float32
-                (27596800, 36864),  # 108: d_res3_b_W 32x32x3x3 float32
+                (32614400, 36864),  # 108: d_res3_b_W 32x32x3x3 float32
                 (27596800, 2508800),  # 109: d_res3_a_bn_relu 100x32x14x14 float32
                 (7526400, 128),  # 110: d_res3_a_bn_ew_sum 1x32x1x1 float32
                 (5017600, 128),  # 111: d_res3_a_bn_inv_std 1x32x1x1 float32
                 (5017856, 128),  # 112: d_res3_a_bn_batch_mean 1x32x1x1 float32
-                (5017600, 128),  # 113: d_res3_a_bn_bias 1x32x1x1 float32
-                (5017600, 18432),  # 114: d_res3_a_W 32x16x3x3 float32
+                (32669696, 128),  # 113: d_res3_a_bn_bias 1x32x1x1 float32
+                (32651264, 18432),  # 114: d_res3_a_W 32x16x3x3 float32
                 (5017600, 5017600),  # 115: d_conv1_bn_relu 100x16x28x28 float32
                 (25088000, 5017600),  # 116: d_conv1_bn_relu_2 100x16x28x28 float32
                 (5017600, 5017600),  # 117: res2_b_bn_2 100x16x28x28 float32
                 (15052800, 6400),  # 118: d_conv1_bn_add_reshape 100x16x1x1 float32
-                (5017600, 256),  # 119: d_res2_se_up_W 16x4 float32
-                (5019392, 64),  # 120: d_res2_se_up_B 16 float32
+                (30114816, 256),  # 119: d_res2_se_up_W 16x4 float32
+                (30115072, 64),  # 120: d_res2_se_up_B 16 float32
                 (5017600, 1600),  # 121: d_res2_se_down_relu 100x4 float32
-                (5019648, 256),  # 122: d_res2_se_down_W 4x16 float32
-                (5019392, 16),  # 123: d_res2_se_down_B 4 float32
+                (30115328, 256),  # 122: d_res2_se_down_W 4x16 float32
+                (30115584, 16),  # 123: d_res2_se_down_B 4 float32
                 (15052800, 6400),  # 124: d_res2_se_down_scale 100x16 float32
                 (5017600, 5017600),  # 125: d_res2_b_bn 100x16x28x28 float32
                 (15059200, 64),  # 126: d_res2_b_bn_ew_sum 1x16x1x1 float32
                 (15052800, 64),  # 127: d_res2_b_bn_inv_std 1x16x1x1 float32
                 (15053056, 64),  # 128: d_res2_b_bn_batch_mean 1x16x1x1 float32
-                (15052800, 64),  # 129: d_res2_b_bn_bias 1x16x1x1 float32
+                (30115840, 64),  # 129: d_res2_b_bn_bias 1x16x1x1 float32
                 (5017600, 5017600),  # 130: res2_a_bn_relu_2 100x16x28x28 float32
-                (15052800, 9216),  # 131: d_res2_b_W 16x16x3x3 float32
+                (30105600, 9216),  # 131: d_res2_b_W 16x16x3x3 float32
                 (15052800, 5017600),  # 132: d_res2_a_bn_relu 100x16x28x28 float32
                 (20070400, 64),  # 133: d_res2_a_bn_ew_sum 1x16x1x1 float32
                 (5017600, 64),  # 134: d_res2_a_bn_inv_std 1x16x1x1 float32
                 (5017856, 64),  # 135: d_res2_a_bn_batch_mean 1x16x1x1 float32
-                (5017600, 64),  # 136: d_res2_a_bn_bias 1x16x1x1 float32
+                (20079616, 64),  # 136: d_res2_a_bn_bias 1x16x1x1 float32
                 (5017600, 5017600),  # 137: conv1_bn_relu_3 100x16x28x28 float32
-                (15052800, 9216),  # 138: d_res2_a_W 16x16x3x3 float32
+                (20070400, 9216),  # 138: d_res2_a_W 16x16x3x3 float32
                 (15052800, 5017600),  # 139: d_conv1_bn_relu_3 100x16x28x28 float32
                 (10035200, 64),  # 140: d_conv1_bn_ew_sum 1x16x1x1 float32
                 (5017600, 64),  # 141: d_conv1_bn_inv_std 1x16x1x1 float32
                 (5017856, 64),  # 142: d_conv1_bn_batch_mean 1x16x1x1 float32
-                (5017600, 64),  # 143: d_conv1_bn_bias 1x16x1x1 float32
+                (5018368, 64),  # 143: d_conv1_bn_bias 1x16x1x1 float32
                 (5017600, 576),  # 144: d_conv1_W 16x1x3x3 float32
             )),
         "test_step": rp.StepPlan(

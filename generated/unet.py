@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 60.37 MB of tensors planned for the training step (20.07 MB testing); static arena 60.37 MB, pool 64.29 MB, workspace 31.97 MB
-Structure hash: 1df837e8839247f1
+Structure hash: 057cd0de7f4afe08
 
 Usage: python unet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Unet(rp.Model):
 
     name = "unet"
     source = "networks/unet.py"
-    structure_hash = "1df837e8839247f1"
+    structure_hash = "057cd0de7f4afe08"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -886,26 +886,8 @@ class Unet(rp.Model):
         mem.free(70)
         # d_merge1_b_bn_W = reshape[16](d_merge1_b_bn_weight)
         d_merge1_b_bn_W = rt.reshape(d_merge1_b_bn_weight, shape=(16,))
-        # V_merge1_b_bn_W_new = V_merge1_b_bn_W*momentum + d_merge1_b_bn_W + decay*merge1_b_bn_W   (computed with the next statement)
-        V_merge1_b_bn_W_new = T['V_merge1_b_bn_W']  # in place: the new V_merge1_b_bn_W
-        # merge1_b_bn_W_new = merge1_b_bn_W - lr*V_merge1_b_bn_W_new
-        merge1_b_bn_W_new = T['merge1_b_bn_W']  # in place: the new merge1_b_bn_W
-        rt.ew_pair((ew_mul_add, V_merge1_b_bn_W_new, T['V_merge1_b_bn_W'], momentum, d_merge1_b_bn_W, decay, T['merge1_b_bn_W']),
-                   (ew_mul_sub, merge1_b_bn_W_new, T['merge1_b_bn_W'], lr, V_merge1_b_bn_W_new))
-        # free merge1_b_bn_inv_std, d_merge1_b_bn_weight, d_merge1_b_bn_W
-        del merge1_b_bn_inv_std, d_merge1_b_bn_weight, d_merge1_b_bn_W
-        mem.free(59)
         # d_merge1_b_bn_B = reshape[16](d_merge1_b_bn_bias)
         d_merge1_b_bn_B = rt.reshape(d_merge1_b_bn_bias, shape=(16,))
-        # V_merge1_b_bn_B_new = V_merge1_b_bn_B*momentum + d_merge1_b_bn_B + decay*merge1_b_bn_B   (computed with the next statement)
-        V_merge1_b_bn_B_new = T['V_merge1_b_bn_B']  # in place: the new V_merge1_b_bn_B
-        # merge1_b_bn_B_new = merge1_b_bn_B - lr*V_merge1_b_bn_B_new
-        merge1_b_bn_B_new = T['merge1_b_bn_B']  # in place: the new merge1_b_bn_B
-        rt.ew_pair((ew_mul_add, V_merge1_b_bn_B_new, T['V_merge1_b_bn_B'], momentum, d_merge1_b_bn_B, decay, T['merge1_b_bn_B']),
-                   (ew_mul_sub, merge1_b_bn_B_new, T['merge1_b_bn_B'], lr, V_merge1_b_bn_B_new))
-        # free d_merge1_b_bn_bias, d_merge1_b_bn_B
-        del d_merge1_b_bn_bias, d_merge1_b_bn_B
-        mem.free(73)
         # d_merge1_b_bn_sum = d_merge1_b_bn_batch_mean/78400
         d_merge1_b_bn_sum = d_merge1_b_bn_batch_mean  # in place: over d_merge1_b_bn_batch_mean
         rt.ew(ew_scale, d_merge1_b_bn_sum, d_merge1_b_bn_batch_mean)
@@ -927,15 +909,9 @@ class Unet(rp.Model):
         # d_merge1_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_merge1_b, merge1_a_bn_relu_2)
         d_merge1_b_W = mem.tensor(75, (16, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_merge1_b, merge1_a_bn_relu_2, out=d_merge1_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
-        # V_merge1_b_W_new = V_merge1_b_W*momentum + d_merge1_b_W + decay*merge1_b_W
-        V_merge1_b_W_new = T['V_merge1_b_W']  # in place: the new V_merge1_b_W
-        rt.ew(ew_mul_add, V_merge1_b_W_new, T['V_merge1_b_W'], momentum, d_merge1_b_W, decay, T['merge1_b_W'])
-        # free d_merge1_b_W
-        del d_merge1_b_W
-        mem.free(75)
         # d_merge1_a_bn_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_merge1_b, merge1_b_W)
-        d_merge1_a_bn_relu = mem.tensor(76, (100, 16, 28, 28), 'float32')
-        rt.conv2d_bwd_data(d_merge1_b, T['merge1_b_W'], out=d_merge1_a_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
+        d_merge1_a_bn_relu = mem.tensor(76, (100, 16, 28, 28), 'float32', over=56)
+        rt.conv2d_bwd_data(d_merge1_b, T['merge1_b_W'], out=d_merge1_a_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29816576))
         # free merge1_b, merge1_b_bn_centered, d_merge1_b_bn_centered, d_merge1_b
         del merge1_b, merge1_b_bn_centered, d_merge1_b_bn_centered, d_merge1_b
         mem.free(56)
@@ -953,13 +929,6 @@ class Unet(rp.Model):
         # free merge1_a_bn_relu_2
         del merge1_a_bn_relu_2
         mem.free(74)
-
-        # ---- merge1_b (conv 3x3, 16 channels, stride 1, padding 1), backward ----
-        # merge1_b_W_new = merge1_b_W - lr*V_merge1_b_W_new
-        merge1_b_W_new = T['merge1_b_W']  # in place: the new merge1_b_W
-        rt.ew(ew_mul_sub, merge1_b_W_new, T['merge1_b_W'], lr, V_merge1_b_W_new)
-
-        # ---- merge1_a_bn (batch norm), backward ----
         # d_merge1_a_bn_inv_std = merge1_a_bn_weight*d_merge1_a_bn_ew_sum   (computed with the next statement)
         d_merge1_a_bn_inv_std = mem.tensor(78, (1, 16, 1, 1), 'float32')
         # d_merge1_a_bn_sum_of_squares = -d_merge1_a_bn_inv_std/(156800*(merge1_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -993,26 +962,8 @@ class Unet(rp.Model):
         mem.free(77)
         # d_merge1_a_bn_W = reshape[16](d_merge1_a_bn_weight)
         d_merge1_a_bn_W = rt.reshape(d_merge1_a_bn_weight, shape=(16,))
-        # V_merge1_a_bn_W_new = V_merge1_a_bn_W*momentum + d_merge1_a_bn_W + decay*merge1_a_bn_W   (computed with the next statement)
-        V_merge1_a_bn_W_new = T['V_merge1_a_bn_W']  # in place: the new V_merge1_a_bn_W
-        # merge1_a_bn_W_new = merge1_a_bn_W - lr*V_merge1_a_bn_W_new
-        merge1_a_bn_W_new = T['merge1_a_bn_W']  # in place: the new merge1_a_bn_W
-        rt.ew_pair((ew_mul_add, V_merge1_a_bn_W_new, T['V_merge1_a_bn_W'], momentum, d_merge1_a_bn_W, decay, T['merge1_a_bn_W']),
-                   (ew_mul_sub, merge1_a_bn_W_new, T['merge1_a_bn_W'], lr, V_merge1_a_bn_W_new))
-        # free merge1_a_bn_inv_std, d_merge1_a_bn_weight, d_merge1_a_bn_W
-        del merge1_a_bn_inv_std, d_merge1_a_bn_weight, d_merge1_a_bn_W
-        mem.free(54)
         # d_merge1_a_bn_B = reshape[16](d_merge1_a_bn_bias)
         d_merge1_a_bn_B = rt.reshape(d_merge1_a_bn_bias, shape=(16,))
-        # V_merge1_a_bn_B_new = V_merge1_a_bn_B*momentum + d_merge1_a_bn_B + decay*merge1_a_bn_B   (computed with the next statement)
-        V_merge1_a_bn_B_new = T['V_merge1_a_bn_B']  # in place: the new V_merge1_a_bn_B
-        # merge1_a_bn_B_new = merge1_a_bn_B - lr*V_merge1_a_bn_B_new
-        merge1_a_bn_B_new = T['merge1_a_bn_B']  # in place: the new merge1_a_bn_B
-        rt.ew_pair((ew_mul_add, V_merge1_a_bn_B_new, T['V_merge1_a_bn_B'], momentum, d_merge1_a_bn_B, decay, T['merge1_a_bn_B']),
-                   (ew_mul_sub, merge1_a_bn_B_new, T['merge1_a_bn_B'], lr, V_merge1_a_bn_B_new))
-        # free d_merge1_a_bn_bias, d_merge1_a_bn_B
-        del d_merge1_a_bn_bias, d_merge1_a_bn_B
-        mem.free(80)
         # d_merge1_a_bn_sum = d_merge1_a_bn_batch_mean/78400
         d_merge1_a_bn_sum = d_merge1_a_bn_batch_mean  # in place: over d_merge1_a_bn_batch_mean
         rt.ew(ew_scale, d_merge1_a_bn_sum, d_merge1_a_bn_batch_mean)
@@ -1030,21 +981,12 @@ class Unet(rp.Model):
         # free down1_b_bn_concat
         del down1_b_bn_concat
         mem.free(50)
-        # V_merge1_a_W_new = V_merge1_a_W*momentum + d_merge1_a_W + decay*merge1_a_W
-        V_merge1_a_W_new = T['V_merge1_a_W']  # in place: the new V_merge1_a_W
-        rt.ew(ew_mul_add, V_merge1_a_W_new, T['V_merge1_a_W'], momentum, d_merge1_a_W, decay, T['merge1_a_W'])
-        # free d_merge1_a_W
-        del d_merge1_a_W
-        mem.free(81)
         # d_down1_b_bn_concat = conv2d_bwd_data[pad=1,size=(28,28)](d_merge1_a, merge1_a_W)
         d_down1_b_bn_concat = mem.tensor(82, (100, 32, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_merge1_a, T['merge1_a_W'], out=d_down1_b_bn_concat, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(28422400))
         # free merge1_a, merge1_a_bn_centered, d_merge1_a_bn_centered, d_merge1_a
         del merge1_a, merge1_a_bn_centered, d_merge1_a_bn_centered, d_merge1_a
         mem.free(51)
-        # merge1_a_W_new = merge1_a_W - lr*V_merge1_a_W_new
-        merge1_a_W_new = T['merge1_a_W']  # in place: the new merge1_a_W
-        rt.ew(ew_mul_sub, merge1_a_W_new, T['merge1_a_W'], lr, V_merge1_a_W_new)
 
         # ---- down1_b_bn_concat (concatenation of 2 branches), backward ----
         # d_up1 = slice[axis=1,start=16,stop=32](d_down1_b_bn_concat)
@@ -1063,15 +1005,6 @@ class Unet(rp.Model):
         rt.sum_to(d_up1, out=d_up1_reshape, shape=(1, 16, 1, 1))
         # d_up1_B = reshape[16](d_up1_reshape)
         d_up1_B = rt.reshape(d_up1_reshape, shape=(16,))
-        # V_up1_B_new = V_up1_B*momentum + d_up1_B + decay*up1_B   (computed with the next statement)
-        V_up1_B_new = T['V_up1_B']  # in place: the new V_up1_B
-        # up1_B_new = up1_B - lr*V_up1_B_new
-        up1_B_new = T['up1_B']  # in place: the new up1_B
-        rt.ew_pair((ew_mul_add, V_up1_B_new, T['V_up1_B'], momentum, d_up1_B, decay, T['up1_B']),
-                   (ew_mul_sub, up1_B_new, T['up1_B'], lr, V_up1_B_new))
-        # free d_up1_reshape, d_up1_B
-        del d_up1_reshape, d_up1_B
-        mem.free(85)
 
         # ---- merge2_b_bn_relu (relu), forward ----
         # merge2_b_bn_relu_2 = Max(0, merge2_b_bn_centered*merge2_b_bn_inv_std*merge2_b_bn_weight + merge2_b_bn_bias)
@@ -1102,19 +1035,6 @@ class Unet(rp.Model):
         # free merge2_b_bn_relu_2
         del merge2_b_bn_relu_2
         mem.free(86)
-
-        # ---- up1 (transposed conv 2x2, 16 channels, stride 2, padding 0), backward ----
-        # V_up1_W_new = V_up1_W*momentum + d_up1_W + decay*up1_W   (computed with the next statement)
-        V_up1_W_new = T['V_up1_W']  # in place: the new V_up1_W
-        # up1_W_new = up1_W - lr*V_up1_W_new
-        up1_W_new = T['up1_W']  # in place: the new up1_W
-        rt.ew_pair((ew_mul_add, V_up1_W_new, T['V_up1_W'], momentum, d_up1_W, decay, T['up1_W']),
-                   (ew_mul_sub, up1_W_new, T['up1_W'], lr, V_up1_W_new))
-        # free d_up1_W
-        del d_up1_W
-        mem.free(87)
-
-        # ---- merge2_b_bn (batch norm), backward ----
         # d_merge2_b_bn_inv_std = merge2_b_bn_weight*d_merge2_b_bn_ew_sum   (computed with the next statement)
         d_merge2_b_bn_inv_std = mem.tensor(90, (1, 32, 1, 1), 'float32')
         # d_merge2_b_bn_sum_of_squares = -d_merge2_b_bn_inv_std/(39200*(merge2_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1148,26 +1068,8 @@ class Unet(rp.Model):
         mem.free(89)
         # d_merge2_b_bn_W = reshape[32](d_merge2_b_bn_weight)
         d_merge2_b_bn_W = rt.reshape(d_merge2_b_bn_weight, shape=(32,))
-        # V_merge2_b_bn_W_new = V_merge2_b_bn_W*momentum + d_merge2_b_bn_W + decay*merge2_b_bn_W   (computed with the next statement)
-        V_merge2_b_bn_W_new = T['V_merge2_b_bn_W']  # in place: the new V_merge2_b_bn_W
-        # merge2_b_bn_W_new = merge2_b_bn_W - lr*V_merge2_b_bn_W_new
-        merge2_b_bn_W_new = T['merge2_b_bn_W']  # in place: the new merge2_b_bn_W
-        rt.ew_pair((ew_mul_add, V_merge2_b_bn_W_new, T['V_merge2_b_bn_W'], momentum, d_merge2_b_bn_W, decay, T['merge2_b_bn_W']),
-                   (ew_mul_sub, merge2_b_bn_W_new, T['merge2_b_bn_W'], lr, V_merge2_b_bn_W_new))
-        # free merge2_b_bn_inv_std, d_merge2_b_bn_weight, d_merge2_b_bn_W
-        del merge2_b_bn_inv_std, d_merge2_b_bn_weight, d_merge2_b_bn_W
-        mem.free(47)
         # d_merge2_b_bn_B = reshape[32](d_merge2_b_bn_bias)
         d_merge2_b_bn_B = rt.reshape(d_merge2_b_bn_bias, shape=(32,))
-        # V_merge2_b_bn_B_new = V_merge2_b_bn_B*momentum + d_merge2_b_bn_B + decay*merge2_b_bn_B   (computed with the next statement)
-        V_merge2_b_bn_B_new = T['V_merge2_b_bn_B']  # in place: the new V_merge2_b_bn_B
-        # merge2_b_bn_B_new = merge2_b_bn_B - lr*V_merge2_b_bn_B_new
-        merge2_b_bn_B_new = T['merge2_b_bn_B']  # in place: the new merge2_b_bn_B
-        rt.ew_pair((ew_mul_add, V_merge2_b_bn_B_new, T['V_merge2_b_bn_B'], momentum, d_merge2_b_bn_B, decay, T['merge2_b_bn_B']),
-                   (ew_mul_sub, merge2_b_bn_B_new, T['merge2_b_bn_B'], lr, V_merge2_b_bn_B_new))
-        # free d_merge2_b_bn_bias, d_merge2_b_bn_B
-        del d_merge2_b_bn_bias, d_merge2_b_bn_B
-        mem.free(92)
         # d_merge2_b_bn_sum = d_merge2_b_bn_batch_mean/19600
         d_merge2_b_bn_sum = d_merge2_b_bn_batch_mean  # in place: over d_merge2_b_bn_batch_mean
         rt.ew(ew_scale_2, d_merge2_b_bn_sum, d_merge2_b_bn_batch_mean)
@@ -1189,12 +1091,6 @@ class Unet(rp.Model):
         # d_merge2_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_merge2_b, merge2_a_bn_relu_2)
         d_merge2_b_W = mem.tensor(94, (32, 32, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_merge2_b, merge2_a_bn_relu_2, out=d_merge2_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28364800))
-        # V_merge2_b_W_new = V_merge2_b_W*momentum + d_merge2_b_W + decay*merge2_b_W
-        V_merge2_b_W_new = T['V_merge2_b_W']  # in place: the new V_merge2_b_W
-        rt.ew(ew_mul_add, V_merge2_b_W_new, T['V_merge2_b_W'], momentum, d_merge2_b_W, decay, T['merge2_b_W'])
-        # free d_merge2_b_W
-        del d_merge2_b_W
-        mem.free(94)
         # d_merge2_a_bn_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_merge2_b, merge2_b_W)
         d_merge2_a_bn_relu = mem.tensor(95, (100, 32, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_merge2_b, T['merge2_b_W'], out=d_merge2_a_bn_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31974400))
@@ -1215,13 +1111,6 @@ class Unet(rp.Model):
         # free merge2_a_bn_relu_2
         del merge2_a_bn_relu_2
         mem.free(93)
-
-        # ---- merge2_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
-        # merge2_b_W_new = merge2_b_W - lr*V_merge2_b_W_new
-        merge2_b_W_new = T['merge2_b_W']  # in place: the new merge2_b_W
-        rt.ew(ew_mul_sub, merge2_b_W_new, T['merge2_b_W'], lr, V_merge2_b_W_new)
-
-        # ---- merge2_a_bn (batch norm), backward ----
         # d_merge2_a_bn_inv_std = merge2_a_bn_weight*d_merge2_a_bn_ew_sum   (computed with the next statement)
         d_merge2_a_bn_inv_std = mem.tensor(97, (1, 32, 1, 1), 'float32')
         # d_merge2_a_bn_sum_of_squares = -d_merge2_a_bn_inv_std/(39200*(merge2_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1255,26 +1144,8 @@ class Unet(rp.Model):
         mem.free(96)
         # d_merge2_a_bn_W = reshape[32](d_merge2_a_bn_weight)
         d_merge2_a_bn_W = rt.reshape(d_merge2_a_bn_weight, shape=(32,))
-        # V_merge2_a_bn_W_new = V_merge2_a_bn_W*momentum + d_merge2_a_bn_W + decay*merge2_a_bn_W   (computed with the next statement)
-        V_merge2_a_bn_W_new = T['V_merge2_a_bn_W']  # in place: the new V_merge2_a_bn_W
-        # merge2_a_bn_W_new = merge2_a_bn_W - lr*V_merge2_a_bn_W_new
-        merge2_a_bn_W_new = T['merge2_a_bn_W']  # in place: the new merge2_a_bn_W
-        rt.ew_pair((ew_mul_add, V_merge2_a_bn_W_new, T['V_merge2_a_bn_W'], momentum, d_merge2_a_bn_W, decay, T['merge2_a_bn_W']),
-                   (ew_mul_sub, merge2_a_bn_W_new, T['merge2_a_bn_W'], lr, V_merge2_a_bn_W_new))
-        # free merge2_a_bn_inv_std, d_merge2_a_bn_weight, d_merge2_a_bn_W
-        del merge2_a_bn_inv_std, d_merge2_a_bn_weight, d_merge2_a_bn_W
-        mem.free(42)
         # d_merge2_a_bn_B = reshape[32](d_merge2_a_bn_bias)
         d_merge2_a_bn_B = rt.reshape(d_merge2_a_bn_bias, shape=(32,))
-        # V_merge2_a_bn_B_new = V_merge2_a_bn_B*momentum + d_merge2_a_bn_B + decay*merge2_a_bn_B   (computed with the next statement)
-        V_merge2_a_bn_B_new = T['V_merge2_a_bn_B']  # in place: the new V_merge2_a_bn_B
-        # merge2_a_bn_B_new = merge2_a_bn_B - lr*V_merge2_a_bn_B_new
-        merge2_a_bn_B_new = T['merge2_a_bn_B']  # in place: the new merge2_a_bn_B
-        rt.ew_pair((ew_mul_add, V_merge2_a_bn_B_new, T['V_merge2_a_bn_B'], momentum, d_merge2_a_bn_B, decay, T['merge2_a_bn_B']),
-                   (ew_mul_sub, merge2_a_bn_B_new, T['merge2_a_bn_B'], lr, V_merge2_a_bn_B_new))
-        # free d_merge2_a_bn_bias, d_merge2_a_bn_B
-        del d_merge2_a_bn_bias, d_merge2_a_bn_B
-        mem.free(99)
         # d_merge2_a_bn_sum = d_merge2_a_bn_batch_mean/19600
         d_merge2_a_bn_sum = d_merge2_a_bn_batch_mean  # in place: over d_merge2_a_bn_batch_mean
         rt.ew(ew_scale_2, d_merge2_a_bn_sum, d_merge2_a_bn_batch_mean)
@@ -1325,15 +1196,6 @@ class Unet(rp.Model):
         rt.sum_to(d_up2, out=d_up2_reshape, shape=(1, 32, 1, 1))
         # d_up2_B = reshape[32](d_up2_reshape)
         d_up2_B = rt.reshape(d_up2_reshape, shape=(32,))
-        # V_up2_B_new = V_up2_B*momentum + d_up2_B + decay*up2_B   (computed with the next statement)
-        V_up2_B_new = T['V_up2_B']  # in place: the new V_up2_B
-        # up2_B_new = up2_B - lr*V_up2_B_new
-        up2_B_new = T['up2_B']  # in place: the new up2_B
-        rt.ew_pair((ew_mul_add, V_up2_B_new, T['V_up2_B'], momentum, d_up2_B, decay, T['up2_B']),
-                   (ew_mul_sub, up2_B_new, T['up2_B'], lr, V_up2_B_new))
-        # free d_up2_reshape, d_up2_B
-        del d_up2_reshape, d_up2_B
-        mem.free(104)
 
         # ---- bottom_b_bn_relu (relu), forward ----
         # bottom_b_bn_relu_2 = Max(0, bottom_b_bn_centered*bottom_b_bn_inv_std*bottom_b_bn_weight + bottom_b_bn_bias)
@@ -1364,19 +1226,6 @@ class Unet(rp.Model):
         # free bottom_b_bn_relu_2
         del bottom_b_bn_relu_2
         mem.free(105)
-
-        # ---- up2 (transposed conv 2x2, 32 channels, stride 2, padding 0), backward ----
-        # V_up2_W_new = V_up2_W*momentum + d_up2_W + decay*up2_W   (computed with the next statement)
-        V_up2_W_new = T['V_up2_W']  # in place: the new V_up2_W
-        # up2_W_new = up2_W - lr*V_up2_W_new
-        up2_W_new = T['up2_W']  # in place: the new up2_W
-        rt.ew_pair((ew_mul_add, V_up2_W_new, T['V_up2_W'], momentum, d_up2_W, decay, T['up2_W']),
-                   (ew_mul_sub, up2_W_new, T['up2_W'], lr, V_up2_W_new))
-        # free d_up2_W
-        del d_up2_W
-        mem.free(106)
-
-        # ---- bottom_b_bn (batch norm), backward ----
         # d_bottom_b_bn_inv_std = bottom_b_bn_weight*d_bottom_b_bn_ew_sum   (computed with the next statement)
         d_bottom_b_bn_inv_std = mem.tensor(109, (1, 64, 1, 1), 'float32')
         # d_bottom_b_bn_sum_of_squares = -d_bottom_b_bn_inv_std/(9800*(bottom_b_bn_batch_var + 1.0e-5)**(3/2))
@@ -1410,26 +1259,8 @@ class Unet(rp.Model):
         mem.free(108)
         # d_bottom_b_bn_W = reshape[64](d_bottom_b_bn_weight)
         d_bottom_b_bn_W = rt.reshape(d_bottom_b_bn_weight, shape=(64,))
-        # V_bottom_b_bn_W_new = V_bottom_b_bn_W*momentum + d_bottom_b_bn_W + decay*bottom_b_bn_W   (computed with the next statement)
-        V_bottom_b_bn_W_new = T['V_bottom_b_bn_W']  # in place: the new V_bottom_b_bn_W
-        # bottom_b_bn_W_new = bottom_b_bn_W - lr*V_bottom_b_bn_W_new
-        bottom_b_bn_W_new = T['bottom_b_bn_W']  # in place: the new bottom_b_bn_W
-        rt.ew_pair((ew_mul_add, V_bottom_b_bn_W_new, T['V_bottom_b_bn_W'], momentum, d_bottom_b_bn_W, decay, T['bottom_b_bn_W']),
-                   (ew_mul_sub, bottom_b_bn_W_new, T['bottom_b_bn_W'], lr, V_bottom_b_bn_W_new))
-        # free bottom_b_bn_inv_std, d_bottom_b_bn_weight, d_bottom_b_bn_W
-        del bottom_b_bn_inv_std, d_bottom_b_bn_weight, d_bottom_b_bn_W
-        mem.free(35)
         # d_bottom_b_bn_B = reshape[64](d_bottom_b_bn_bias)
         d_bottom_b_bn_B = rt.reshape(d_bottom_b_bn_bias, shape=(64,))
-        # V_bottom_b_bn_B_new = V_bottom_b_bn_B*momentum + d_bottom_b_bn_B + decay*bottom_b_bn_B   (computed with the next statement)
-        V_bottom_b_bn_B_new = T['V_bottom_b_bn_B']  # in place: the new V_bottom_b_bn_B
-        # bottom_b_bn_B_new = bottom_b_bn_B - lr*V_bottom_b_bn_B_new
-        bottom_b_bn_B_new = T['bottom_b_bn_B']  # in place: the new bottom_b_bn_B
-        rt.ew_pair((ew_mul_add, V_bottom_b_bn_B_new, T['V_bottom_b_bn_B'], momentum, d_bottom_b_bn_B, decay, T['bottom_b_bn_B']),
-                   (ew_mul_sub, bottom_b_bn_B_new, T['bottom_b_bn_B'], lr, V_bottom_b_bn_B_new))
-        # free d_bottom_b_bn_bias, d_bottom_b_bn_B
-        del d_bottom_b_bn_bias, d_bottom_b_bn_B
-        mem.free(111)
         # d_bottom_b_bn_sum = d_bottom_b_bn_batch_mean/4900
         d_bottom_b_bn_sum = d_bottom_b_bn_batch_mean  # in place: over d_bottom_b_bn_batch_mean
         rt.ew(ew_scale_3, d_bottom_b_bn_sum, d_bottom_b_bn_batch_mean)
@@ -1517,26 +1348,8 @@ class Unet(rp.Model):
         mem.free(115)
         # d_bottom_a_bn_W = reshape[64](d_bottom_a_bn_weight)
         d_bottom_a_bn_W = rt.reshape(d_bottom_a_bn_weight, shape=(64,))
-        # V_bottom_a_bn_W_new = V_bottom_a_bn_W*momentum + d_bottom_a_bn_W + decay*bottom_a_bn_W   (computed with the next statement)
-        V_bottom_a_bn_W_new = T['V_bottom_a_bn_W']  # in place: the new V_bottom_a_bn_W
-        # bottom_a_bn_W_new = bottom_a_bn_W - lr*V_bottom_a_bn_W_new
-        bottom_a_bn_W_new = T['bottom_a_bn_W']  # in place: the new bottom_a_bn_W
-        rt.ew_pair((ew_mul_add, V_bottom_a_bn_W_new, T['V_bottom_a_bn_W'], momentum, d_bottom_a_bn_W, decay, T['bottom_a_bn_W']),
-                   (ew_mul_sub, bottom_a_bn_W_new, T['bottom_a_bn_W'], lr, V_bottom_a_bn_W_new))
-        # free bottom_a_bn_inv_std, d_bottom_a_bn_weight, d_bottom_a_bn_W
-        del bottom_a_bn_inv_std, d_bottom_a_bn_weight, d_bottom_a_bn_W
-        mem.free(30)
         # d_bottom_a_bn_B = reshape[64](d_bottom_a_bn_bias)
         d_bottom_a_bn_B = rt.reshape(d_bottom_a_bn_bias, shape=(64,))
-        # V_bottom_a_bn_B_new = V_bottom_a_bn_B*momentum + d_bottom_a_bn_B + decay*bottom_a_bn_B   (computed with the next statement)
-        V_bottom_a_bn_B_new = T['V_bottom_a_bn_B']  # in place: the new V_bottom_a_bn_B
-        # bottom_a_bn_B_new = bottom_a_bn_B - lr*V_bottom_a_bn_B_new
-        bottom_a_bn_B_new = T['bottom_a_bn_B']  # in place: the new bottom_a_bn_B
-        rt.ew_pair((ew_mul_add, V_bottom_a_bn_B_new, T['V_bottom_a_bn_B'], momentum, d_bottom_a_bn_B, decay, T['bottom_a_bn_B']),
-                   (ew_mul_sub, bottom_a_bn_B_new, T['bottom_a_bn_B'], lr, V_bottom_a_bn_B_new))
-        # free d_bottom_a_bn_bias, d_bottom_a_bn_B
-        del d_bottom_a_bn_bias, d_bottom_a_bn_B
-        mem.free(118)
         # d_bottom_a_bn_sum = d_bottom_a_bn_batch_mean/4900
         d_bottom_a_bn_sum = d_bottom_a_bn_batch_mean  # in place: over d_bottom_a_bn_batch_mean
         rt.ew(ew_scale_3, d_bottom_a_bn_sum, d_bottom_a_bn_batch_mean)
@@ -1628,26 +1441,8 @@ class Unet(rp.Model):
         mem.free(123)
         # d_down2_b_bn_W = reshape[32](d_down2_b_bn_weight)
         d_down2_b_bn_W = rt.reshape(d_down2_b_bn_weight, shape=(32,))
-        # V_down2_b_bn_W_new = V_down2_b_bn_W*momentum + d_down2_b_bn_W + decay*down2_b_bn_W   (computed with the next statement)
-        V_down2_b_bn_W_new = T['V_down2_b_bn_W']  # in place: the new V_down2_b_bn_W
-        # down2_b_bn_W_new = down2_b_bn_W - lr*V_down2_b_bn_W_new
-        down2_b_bn_W_new = T['down2_b_bn_W']  # in place: the new down2_b_bn_W
-        rt.ew_pair((ew_mul_add, V_down2_b_bn_W_new, T['V_down2_b_bn_W'], momentum, d_down2_b_bn_W, decay, T['down2_b_bn_W']),
-                   (ew_mul_sub, down2_b_bn_W_new, T['down2_b_bn_W'], lr, V_down2_b_bn_W_new))
-        # free down2_b_bn_inv_std, d_down2_b_bn_weight, d_down2_b_bn_W
-        del down2_b_bn_inv_std, d_down2_b_bn_weight, d_down2_b_bn_W
-        mem.free(23)
         # d_down2_b_bn_B = reshape[32](d_down2_b_bn_bias)
         d_down2_b_bn_B = rt.reshape(d_down2_b_bn_bias, shape=(32,))
-        # V_down2_b_bn_B_new = V_down2_b_bn_B*momentum + d_down2_b_bn_B + decay*down2_b_bn_B   (computed with the next statement)
-        V_down2_b_bn_B_new = T['V_down2_b_bn_B']  # in place: the new V_down2_b_bn_B
-        # down2_b_bn_B_new = down2_b_bn_B - lr*V_down2_b_bn_B_new
-        down2_b_bn_B_new = T['down2_b_bn_B']  # in place: the new down2_b_bn_B
-        rt.ew_pair((ew_mul_add, V_down2_b_bn_B_new, T['V_down2_b_bn_B'], momentum, d_down2_b_bn_B, decay, T['down2_b_bn_B']),
-                   (ew_mul_sub, down2_b_bn_B_new, T['down2_b_bn_B'], lr, V_down2_b_bn_B_new))
-        # free d_down2_b_bn_bias, d_down2_b_bn_B
-        del d_down2_b_bn_bias, d_down2_b_bn_B
-        mem.free(126)
         # d_down2_b_bn_sum = d_down2_b_bn_batch_mean/19600
         d_down2_b_bn_sum = d_down2_b_bn_batch_mean  # in place: over d_down2_b_bn_batch_mean
         rt.ew(ew_scale_2, d_down2_b_bn_sum, d_down2_b_bn_batch_mean)
@@ -1669,12 +1464,6 @@ class Unet(rp.Model):
         # d_down2_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_down2_b, down2_a_bn_relu_2)
         d_down2_b_W = mem.tensor(128, (32, 32, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_down2_b, down2_a_bn_relu_2, out=d_down2_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28364800))
-        # V_down2_b_W_new = V_down2_b_W*momentum + d_down2_b_W + decay*down2_b_W
-        V_down2_b_W_new = T['V_down2_b_W']  # in place: the new V_down2_b_W
-        rt.ew(ew_mul_add, V_down2_b_W_new, T['V_down2_b_W'], momentum, d_down2_b_W, decay, T['down2_b_W'])
-        # free d_down2_b_W
-        del d_down2_b_W
-        mem.free(128)
         # d_down2_a_bn_relu = conv2d_bwd_data[pad=1,size=(14,14)](d_down2_b, down2_b_W)
         d_down2_a_bn_relu = mem.tensor(129, (100, 32, 14, 14), 'float32')
         rt.conv2d_bwd_data(d_down2_b, T['down2_b_W'], out=d_down2_a_bn_relu, pad=1, size=(14, 14), stride=1, workspace=mem.workspace(31974400))
@@ -1695,13 +1484,6 @@ class Unet(rp.Model):
         # free down2_a_bn_relu_2
         del down2_a_bn_relu_2
         mem.free(127)
-
-        # ---- down2_b (conv 3x3, 32 channels, stride 1, padding 1), backward ----
-        # down2_b_W_new = down2_b_W - lr*V_down2_b_W_new
-        down2_b_W_new = T['down2_b_W']  # in place: the new down2_b_W
-        rt.ew(ew_mul_sub, down2_b_W_new, T['down2_b_W'], lr, V_down2_b_W_new)
-
-        # ---- down2_a_bn (batch norm), backward ----
         # d_down2_a_bn_inv_std = down2_a_bn_weight*d_down2_a_bn_ew_sum   (computed with the next statement)
         d_down2_a_bn_inv_std = mem.tensor(131, (1, 32, 1, 1), 'float32')
         # d_down2_a_bn_sum_of_squares = -d_down2_a_bn_inv_std/(39200*(down2_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1735,26 +1517,8 @@ class Unet(rp.Model):
         mem.free(130)
         # d_down2_a_bn_W = reshape[32](d_down2_a_bn_weight)
         d_down2_a_bn_W = rt.reshape(d_down2_a_bn_weight, shape=(32,))
-        # V_down2_a_bn_W_new = V_down2_a_bn_W*momentum + d_down2_a_bn_W + decay*down2_a_bn_W   (computed with the next statement)
-        V_down2_a_bn_W_new = T['V_down2_a_bn_W']  # in place: the new V_down2_a_bn_W
-        # down2_a_bn_W_new = down2_a_bn_W - lr*V_down2_a_bn_W_new
-        down2_a_bn_W_new = T['down2_a_bn_W']  # in place: the new down2_a_bn_W
-        rt.ew_pair((ew_mul_add, V_down2_a_bn_W_new, T['V_down2_a_bn_W'], momentum, d_down2_a_bn_W, decay, T['down2_a_bn_W']),
-                   (ew_mul_sub, down2_a_bn_W_new, T['down2_a_bn_W'], lr, V_down2_a_bn_W_new))
-        # free down2_a_bn_inv_std, d_down2_a_bn_weight, d_down2_a_bn_W
-        del down2_a_bn_inv_std, d_down2_a_bn_weight, d_down2_a_bn_W
-        mem.free(18)
         # d_down2_a_bn_B = reshape[32](d_down2_a_bn_bias)
         d_down2_a_bn_B = rt.reshape(d_down2_a_bn_bias, shape=(32,))
-        # V_down2_a_bn_B_new = V_down2_a_bn_B*momentum + d_down2_a_bn_B + decay*down2_a_bn_B   (computed with the next statement)
-        V_down2_a_bn_B_new = T['V_down2_a_bn_B']  # in place: the new V_down2_a_bn_B
-        # down2_a_bn_B_new = down2_a_bn_B - lr*V_down2_a_bn_B_new
-        down2_a_bn_B_new = T['down2_a_bn_B']  # in place: the new down2_a_bn_B
-        rt.ew_pair((ew_mul_add, V_down2_a_bn_B_new, T['V_down2_a_bn_B'], momentum, d_down2_a_bn_B, decay, T['down2_a_bn_B']),
-                   (ew_mul_sub, down2_a_bn_B_new, T['down2_a_bn_B'], lr, V_down2_a_bn_B_new))
-        # free d_down2_a_bn_bias, d_down2_a_bn_B
-        del d_down2_a_bn_bias, d_down2_a_bn_B
-        mem.free(133)
         # d_down2_a_bn_sum = d_down2_a_bn_batch_mean/19600
         d_down2_a_bn_sum = d_down2_a_bn_batch_mean  # in place: over d_down2_a_bn_batch_mean
         rt.ew(ew_scale_2, d_down2_a_bn_sum, d_down2_a_bn_batch_mean)
@@ -1778,15 +1542,6 @@ class Unet(rp.Model):
         # free down2_a, down2_a_bn_centered, d_down2_a_bn_centered, d_down2_a
         del down2_a, down2_a_bn_centered, d_down2_a_bn_centered, d_down2_a
         mem.free(15)
-        # V_down2_a_W_new = V_down2_a_W*momentum + d_down2_a_W + decay*down2_a_W   (computed with the next statement)
-        V_down2_a_W_new = T['V_down2_a_W']  # in place: the new V_down2_a_W
-        # down2_a_W_new = down2_a_W - lr*V_down2_a_W_new
-        down2_a_W_new = T['down2_a_W']  # in place: the new down2_a_W
-        rt.ew_pair((ew_mul_add, V_down2_a_W_new, T['V_down2_a_W'], momentum, d_down2_a_W, decay, T['down2_a_W']),
-                   (ew_mul_sub, down2_a_W_new, T['down2_a_W'], lr, V_down2_a_W_new))
-        # free d_down2_a_W
-        del d_down2_a_W
-        mem.free(134)
 
         # ---- down1_b_bn_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
         # d_down1_b_bn_relu_2 = max_pool_bwd[kernel=2,size=(28,28),stride=2](d_down1_b_bn_max_pool, down1_b_bn_max_pool_argmax)
@@ -1846,26 +1601,8 @@ class Unet(rp.Model):
         mem.free(138)
         # d_down1_b_bn_W = reshape[16](d_down1_b_bn_weight)
         d_down1_b_bn_W = rt.reshape(d_down1_b_bn_weight, shape=(16,))
-        # V_down1_b_bn_W_new = V_down1_b_bn_W*momentum + d_down1_b_bn_W + decay*down1_b_bn_W   (computed with the next statement)
-        V_down1_b_bn_W_new = T['V_down1_b_bn_W']  # in place: the new V_down1_b_bn_W
-        # down1_b_bn_W_new = down1_b_bn_W - lr*V_down1_b_bn_W_new
-        down1_b_bn_W_new = T['down1_b_bn_W']  # in place: the new down1_b_bn_W
-        rt.ew_pair((ew_mul_add, V_down1_b_bn_W_new, T['V_down1_b_bn_W'], momentum, d_down1_b_bn_W, decay, T['down1_b_bn_W']),
-                   (ew_mul_sub, down1_b_bn_W_new, T['down1_b_bn_W'], lr, V_down1_b_bn_W_new))
-        # free down1_b_bn_inv_std, d_down1_b_bn_weight, d_down1_b_bn_W
-        del down1_b_bn_inv_std, d_down1_b_bn_weight, d_down1_b_bn_W
-        mem.free(11)
         # d_down1_b_bn_B = reshape[16](d_down1_b_bn_bias)
         d_down1_b_bn_B = rt.reshape(d_down1_b_bn_bias, shape=(16,))
-        # V_down1_b_bn_B_new = V_down1_b_bn_B*momentum + d_down1_b_bn_B + decay*down1_b_bn_B   (computed with the next statement)
-        V_down1_b_bn_B_new = T['V_down1_b_bn_B']  # in place: the new V_down1_b_bn_B
-        # down1_b_bn_B_new = down1_b_bn_B - lr*V_down1_b_bn_B_new
-        down1_b_bn_B_new = T['down1_b_bn_B']  # in place: the new down1_b_bn_B
-        rt.ew_pair((ew_mul_add, V_down1_b_bn_B_new, T['V_down1_b_bn_B'], momentum, d_down1_b_bn_B, decay, T['down1_b_bn_B']),
-                   (ew_mul_sub, down1_b_bn_B_new, T['down1_b_bn_B'], lr, V_down1_b_bn_B_new))
-        # free d_down1_b_bn_bias, d_down1_b_bn_B
-        del d_down1_b_bn_bias, d_down1_b_bn_B
-        mem.free(141)
         # d_down1_b_bn_sum = d_down1_b_bn_batch_mean/78400
         d_down1_b_bn_sum = d_down1_b_bn_batch_mean  # in place: over d_down1_b_bn_batch_mean
         rt.ew(ew_scale, d_down1_b_bn_sum, d_down1_b_bn_batch_mean)
@@ -1887,12 +1624,6 @@ class Unet(rp.Model):
         # d_down1_b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_down1_b, down1_a_bn_relu_2)
         d_down1_b_W = mem.tensor(143, (16, 16, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_down1_b, down1_a_bn_relu_2, out=d_down1_b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27977216))
-        # V_down1_b_W_new = V_down1_b_W*momentum + d_down1_b_W + decay*down1_b_W
-        V_down1_b_W_new = T['V_down1_b_W']  # in place: the new V_down1_b_W
-        rt.ew(ew_mul_add, V_down1_b_W_new, T['V_down1_b_W'], momentum, d_down1_b_W, decay, T['down1_b_W'])
-        # free d_down1_b_W
-        del d_down1_b_W
-        mem.free(143)
         # d_down1_a_bn_relu = conv2d_bwd_data[pad=1,size=(28,28)](d_down1_b, down1_b_W)
         d_down1_a_bn_relu = mem.tensor(144, (100, 16, 28, 28), 'float32')
         rt.conv2d_bwd_data(d_down1_b, T['down1_b_W'], out=d_down1_a_bn_relu, pad=1, size=(28, 28), stride=1, workspace=mem.workspace(29766400))
@@ -1913,13 +1644,6 @@ class Unet(rp.Model):
         # free down1_a_bn_relu_2
         del down1_a_bn_relu_2
         mem.free(142)
-
-        # ---- down1_b (conv 3x3, 16 channels, stride 1, padding 1), backward ----
-        # down1_b_W_new = down1_b_W - lr*V_down1_b_W_new
-        down1_b_W_new = T['down1_b_W']  # in place: the new down1_b_W
-        rt.ew(ew_mul_sub, down1_b_W_new, T['down1_b_W'], lr, V_down1_b_W_new)
-
-        # ---- down1_a_bn (batch norm), backward ----
         # d_down1_a_bn_inv_std = down1_a_bn_weight*d_down1_a_bn_ew_sum   (computed with the next statement)
         d_down1_a_bn_inv_std = mem.tensor(146, (1, 16, 1, 1), 'float32')
         # d_down1_a_bn_sum_of_squares = -d_down1_a_bn_inv_std/(156800*(down1_a_bn_batch_var + 1.0e-5)**(3/2))
@@ -1953,26 +1677,8 @@ class Unet(rp.Model):
         mem.free(145)
         # d_down1_a_bn_W = reshape[16](d_down1_a_bn_weight)
         d_down1_a_bn_W = rt.reshape(d_down1_a_bn_weight, shape=(16,))
-        # V_down1_a_bn_W_new = V_down1_a_bn_W*momentum + d_down1_a_bn_W + decay*down1_a_bn_W   (computed with the next statement)
-        V_down1_a_bn_W_new = T['V_down1_a_bn_W']  # in place: the new V_down1_a_bn_W
-        # down1_a_bn_W_new = down1_a_bn_W - lr*V_down1_a_bn_W_new
-        down1_a_bn_W_new = T['down1_a_bn_W']  # in place: the new down1_a_bn_W
-        rt.ew_pair((ew_mul_add, V_down1_a_bn_W_new, T['V_down1_a_bn_W'], momentum, d_down1_a_bn_W, decay, T['down1_a_bn_W']),
-                   (ew_mul_sub, down1_a_bn_W_new, T['down1_a_bn_W'], lr, V_down1_a_bn_W_new))
-        # free down1_a_bn_inv_std, d_down1_a_bn_weight, d_down1_a_bn_W
-        del down1_a_bn_inv_std, d_down1_a_bn_weight, d_down1_a_bn_W
-        mem.free(6)
         # d_down1_a_bn_B = reshape[16](d_down1_a_bn_bias)
         d_down1_a_bn_B = rt.reshape(d_down1_a_bn_bias, shape=(16,))
-        # V_down1_a_bn_B_new = V_down1_a_bn_B*momentum + d_down1_a_bn_B + decay*down1_a_bn_B   (computed with the next statement)
-        V_down1_a_bn_B_new = T['V_down1_a_bn_B']  # in place: the new V_down1_a_bn_B
-        # down1_a_bn_B_new = down1_a_bn_B - lr*V_down1_a_bn_B_new
-        down1_a_bn_B_new = T['down1_a_bn_B']  # in place: the new down1_a_bn_B
-        rt.ew_pair((ew_mul_add, V_down1_a_bn_B_new, T['V_down1_a_bn_B'], momentum, d_down1_a_bn_B, decay, T['down1_a_bn_B']),
-                   (ew_mul_sub, down1_a_bn_B_new, T['down1_a_bn_B'], lr, V_down1_a_bn_B_new))
-        # free d_down1_a_bn_bias, d_down1_a_bn_B
-        del d_down1_a_bn_bias, d_down1_a_bn_B
-        mem.free(148)
         # d_down1_a_bn_sum = d_down1_a_bn_batch_mean/78400
         d_down1_a_bn_sum = d_down1_a_bn_batch_mean  # in place: over d_down1_a_bn_batch_mean
         rt.ew(ew_scale, d_down1_a_bn_sum, d_down1_a_bn_batch_mean)
@@ -1990,15 +1696,199 @@ class Unet(rp.Model):
         # free x, down1_a, down1_a_bn_centered, d_down1_a_bn_centered, d_down1_a
         del x, down1_a, down1_a_bn_centered, d_down1_a_bn_centered, d_down1_a
         mem.free(0, 3)
-        # V_down1_a_W_new = V_down1_a_W*momentum + d_down1_a_W + decay*down1_a_W   (computed with the next statement)
+
+        # ---- the small tensors' updates, one call per kernel ----
+        # V_merge1_b_bn_W_new = V_merge1_b_bn_W*momentum + d_merge1_b_bn_W + decay*merge1_b_bn_W   (computed with the last statement of its batch)
+        V_merge1_b_bn_W_new = T['V_merge1_b_bn_W']  # in place: the new V_merge1_b_bn_W
+        # V_merge1_b_bn_B_new = V_merge1_b_bn_B*momentum + d_merge1_b_bn_B + decay*merge1_b_bn_B   (computed with the last statement of its batch)
+        V_merge1_b_bn_B_new = T['V_merge1_b_bn_B']  # in place: the new V_merge1_b_bn_B
+        # V_merge1_b_W_new = V_merge1_b_W*momentum + d_merge1_b_W + decay*merge1_b_W   (computed with the last statement of its batch)
+        V_merge1_b_W_new = T['V_merge1_b_W']  # in place: the new V_merge1_b_W
+        # V_merge1_a_bn_W_new = V_merge1_a_bn_W*momentum + d_merge1_a_bn_W + decay*merge1_a_bn_W   (computed with the last statement of its batch)
+        V_merge1_a_bn_W_new = T['V_merge1_a_bn_W']  # in place: the new V_merge1_a_bn_W
+        # V_merge1_a_bn_B_new = V_merge1_a_bn_B*momentum + d_merge1_a_bn_B + decay*merge1_a_bn_B   (computed with the last statement of its batch)
+        V_merge1_a_bn_B_new = T['V_merge1_a_bn_B']  # in place: the new V_merge1_a_bn_B
+        # V_merge1_a_W_new = V_merge1_a_W*momentum + d_merge1_a_W + decay*merge1_a_W   (computed with the last statement of its batch)
+        V_merge1_a_W_new = T['V_merge1_a_W']  # in place: the new V_merge1_a_W
+        # V_up1_B_new = V_up1_B*momentum + d_up1_B + decay*up1_B   (computed with the last statement of its batch)
+        V_up1_B_new = T['V_up1_B']  # in place: the new V_up1_B
+        # V_up1_W_new = V_up1_W*momentum + d_up1_W + decay*up1_W   (computed with the last statement of its batch)
+        V_up1_W_new = T['V_up1_W']  # in place: the new V_up1_W
+        # V_merge2_b_bn_W_new = V_merge2_b_bn_W*momentum + d_merge2_b_bn_W + decay*merge2_b_bn_W   (computed with the last statement of its batch)
+        V_merge2_b_bn_W_new = T['V_merge2_b_bn_W']  # in place: the new V_merge2_b_bn_W
+        # V_merge2_b_bn_B_new = V_merge2_b_bn_B*momentum + d_merge2_b_bn_B + decay*merge2_b_bn_B   (computed with the last statement of its batch)
+        V_merge2_b_bn_B_new = T['V_merge2_b_bn_B']  # in place: the new V_merge2_b_bn_B
+        # V_merge2_b_W_new = V_merge2_b_W*momentum + d_merge2_b_W + decay*merge2_b_W   (computed with the last statement of its batch)
+        V_merge2_b_W_new = T['V_merge2_b_W']  # in place: the new V_merge2_b_W
+        # V_merge2_a_bn_W_new = V_merge2_a_bn_W*momentum + d_merge2_a_bn_W + decay*merge2_a_bn_W   (computed with the last statement of its batch)
+        V_merge2_a_bn_W_new = T['V_merge2_a_bn_W']  # in place: the new V_merge2_a_bn_W
+        # V_merge2_a_bn_B_new = V_merge2_a_bn_B*momentum + d_merge2_a_bn_B + decay*merge2_a_bn_B   (computed with the last statement of its batch)
+        V_merge2_a_bn_B_new = T['V_merge2_a_bn_B']  # in place: the new V_merge2_a_bn_B
+        # V_up2_B_new = V_up2_B*momentum + d_up2_B + decay*up2_B   (computed with the last statement of its batch)
+        V_up2_B_new = T['V_up2_B']  # in place: the new V_up2_B
+        # V_up2_W_new = V_up2_W*momentum + d_up2_W + decay*up2_W   (computed with the last statement of its batch)
+        V_up2_W_new = T['V_up2_W']  # in place: the new V_up2_W
+        # V_bottom_b_bn_W_new = V_bottom_b_bn_W*momentum + d_bottom_b_bn_W + decay*bottom_b_bn_W   (computed with the last statement of its batch)
+        V_bottom_b_bn_W_new = T['V_bottom_b_bn_W']  # in place: the new V_bottom_b_bn_W
+        # V_bottom_b_bn_B_new = V_bottom_b_bn_B*momentum + d_bottom_b_bn_B + decay*bottom_b_bn_B   (computed with the last statement of its batch)
+        V_bottom_b_bn_B_new = T['V_bottom_b_bn_B']  # in place: the new V_bottom_b_bn_B
+        # V_bottom_a_bn_W_new = V_bottom_a_bn_W*momentum + d_bottom_a_bn_W + decay*bottom_a_bn_W   (computed with the last statement of its batch)
+        V_bottom_a_bn_W_new = T['V_bottom_a_bn_W']  # in place: the new V_bottom_a_bn_W
+        # V_bottom_a_bn_B_new = V_bottom_a_bn_B*momentum + d_bottom_a_bn_B + decay*bottom_a_bn_B   (computed with the last statement of its batch)
+        V_bottom_a_bn_B_new = T['V_bottom_a_bn_B']  # in place: the new V_bottom_a_bn_B
+        # V_down2_b_bn_W_new = V_down2_b_bn_W*momentum + d_down2_b_bn_W + decay*down2_b_bn_W   (computed with the last statement of its batch)
+        V_down2_b_bn_W_new = T['V_down2_b_bn_W']  # in place: the new V_down2_b_bn_W
+        # V_down2_b_bn_B_new = V_down2_b_bn_B*momentum + d_down2_b_bn_B + decay*down2_b_bn_B   (computed with the last statement of its batch)
+        V_down2_b_bn_B_new = T['V_down2_b_bn_B']  # in place: the new V_down2_b_bn_B
+        # V_down2_b_W_new = V_down2_b_W*momentum + d_down2_b_W + decay*down2_b_W   (computed with the last statement of its batch)
+        V_down2_b_W_new = T['V_down2_b_W']  # in place: the new V_down2_b_W
+        # V_down2_a_bn_W_new = V_down2_a_bn_W*momentum + d_down2_a_bn_W + decay*down2_a_bn_W   (computed with the last statement of its batch)
+        V_down2_a_bn_W_new = T['V_down2_a_bn_W']  # in place: the new V_down2_a_bn_W
+        # V_down2_a_bn_B_new = V_down2_a_bn_B*momentum + d_down2_a_bn_B + decay*down2_a_bn_B   (computed with the last statement of its batch)
+        V_down2_a_bn_B_new = T['V_down2_a_bn_B']  # in place: the new V_down2_a_bn_B
+        # V_down2_a_W_new = V_down2_a_W*momentum + d_down2_a_W + decay*down2_a_W   (computed with the last statement of its batch)
+        V_down2_a_W_new = T['V_down2_a_W']  # in place: the new V_down2_a_W
+        # V_down1_b_bn_W_new = V_down1_b_bn_W*momentum + d_down1_b_bn_W + decay*down1_b_bn_W   (computed with the last statement of its batch)
+        V_down1_b_bn_W_new = T['V_down1_b_bn_W']  # in place: the new V_down1_b_bn_W
+        # V_down1_b_bn_B_new = V_down1_b_bn_B*momentum + d_down1_b_bn_B + decay*down1_b_bn_B   (computed with the last statement of its batch)
+        V_down1_b_bn_B_new = T['V_down1_b_bn_B']  # in place: the new V_down1_b_bn_B
+        # V_down1_b_W_new = V_down1_b_W*momentum + d_down1_b_W + decay*down1_b_W   (computed with the last statement of its batch)
+        V_down1_b_W_new = T['V_down1_b_W']  # in place: the new V_down1_b_W
+        # V_down1_a_bn_W_new = V_down1_a_bn_W*momentum + d_down1_a_bn_W + decay*down1_a_bn_W   (computed with the last statement of its batch)
+        V_down1_a_bn_W_new = T['V_down1_a_bn_W']  # in place: the new V_down1_a_bn_W
+        # V_down1_a_bn_B_new = V_down1_a_bn_B*momentum + d_down1_a_bn_B + decay*down1_a_bn_B   (computed with the last statement of its batch)
+        V_down1_a_bn_B_new = T['V_down1_a_bn_B']  # in place: the new V_down1_a_bn_B
+        # V_down1_a_W_new = V_down1_a_W*momentum + d_down1_a_W + decay*down1_a_W   (and the 30 statements before it, in one call)
         V_down1_a_W_new = T['V_down1_a_W']  # in place: the new V_down1_a_W
-        # down1_a_W_new = down1_a_W - lr*V_down1_a_W_new
+        rt.ew_many(ew_mul_add,
+                   (V_merge1_b_bn_W_new, T['V_merge1_b_bn_W'], momentum, d_merge1_b_bn_W, decay, T['merge1_b_bn_W']),
+                   (V_merge1_b_bn_B_new, T['V_merge1_b_bn_B'], momentum, d_merge1_b_bn_B, decay, T['merge1_b_bn_B']),
+                   (V_merge1_b_W_new, T['V_merge1_b_W'], momentum, d_merge1_b_W, decay, T['merge1_b_W']),
+                   (V_merge1_a_bn_W_new, T['V_merge1_a_bn_W'], momentum, d_merge1_a_bn_W, decay, T['merge1_a_bn_W']),
+                   (V_merge1_a_bn_B_new, T['V_merge1_a_bn_B'], momentum, d_merge1_a_bn_B, decay, T['merge1_a_bn_B']),
+                   (V_merge1_a_W_new, T['V_merge1_a_W'], momentum, d_merge1_a_W, decay, T['merge1_a_W']),
+                   (V_up1_B_new, T['V_up1_B'], momentum, d_up1_B, decay, T['up1_B']),
+                   (V_up1_W_new, T['V_up1_W'], momentum, d_up1_W, decay, T['up1_W']),
+                   (V_merge2_b_bn_W_new, T['V_merge2_b_bn_W'], momentum, d_merge2_b_bn_W, decay, T['merge2_b_bn_W']),
+                   (V_merge2_b_bn_B_new, T['V_merge2_b_bn_B'], momentum, d_merge2_b_bn_B, decay, T['merge2_b_bn_B']),
+                   (V_merge2_b_W_new, T['V_merge2_b_W'], momentum, d_merge2_b_W, decay, T['merge2_b_W']),
+                   (V_merge2_a_bn_W_new, T['V_merge2_a_bn_W'], momentum, d_merge2_a_bn_W, decay, T['merge2_a_bn_W']),
+                   (V_merge2_a_bn_B_new, T['V_merge2_a_bn_B'], momentum, d_merge2_a_bn_B, decay, T['merge2_a_bn_B']),
+                   (V_up2_B_new, T['V_up2_B'], momentum, d_up2_B, decay, T['up2_B']),
+                   (V_up2_W_new, T['V_up2_W'], momentum, d_up2_W, decay, T['up2_W']),
+                   (V_bottom_b_bn_W_new, T['V_bottom_b_bn_W'], momentum, d_bottom_b_bn_W, decay, T['bottom_b_bn_W']),
+                   (V_bottom_b_bn_B_new, T['V_bottom_b_bn_B'], momentum, d_bottom_b_bn_B, decay, T['bottom_b_bn_B']),
+                   (V_bottom_a_bn_W_new, T['V_bottom_a_bn_W'], momentum, d_bottom_a_bn_W, decay, T['bottom_a_bn_W']),
+                   (V_bottom_a_bn_B_new, T['V_bottom_a_bn_B'], momentum, d_bottom_a_bn_B, decay, T['bottom_a_bn_B']),
+                   (V_down2_b_bn_W_new, T['V_down2_b_bn_W'], momentum, d_down2_b_bn_W, decay, T['down2_b_bn_W']),
+                   (V_down2_b_bn_B_new, T['V_down2_b_bn_B'], momentum, d_down2_b_bn_B, decay, T['down2_b_bn_B']),
+                   (V_down2_b_W_new, T['V_down2_b_W'], momentum, d_down2_b_W, decay, T['down2_b_W']),
+                   (V_down2_a_bn_W_new, T['V_down2_a_bn_W'], momentum, d_down2_a_bn_W, decay, T['down2_a_bn_W']),
+                   (V_down2_a_bn_B_new, T['V_down2_a_bn_B'], momentum, d_down2_a_bn_B, decay, T['down2_a_bn_B']),
+                   (V_down2_a_W_new, T['V_down2_a_W'], momentum, d_down2_a_W, decay, T['down2_a_W']),
+                   (V_down1_b_bn_W_new, T['V_down1_b_bn_W'], momentum, d_down1_b_bn_W, decay, T['down1_b_bn_W']),
+                   (V_down1_b_bn_B_new, T['V_down1_b_bn_B'], momentum, d_down1_b_bn_B, decay, T['down1_b_bn_B']),
+                   (V_down1_b_W_new, T['V_down1_b_W'], momentum, d_down1_b_W, decay, T['down1_b_W']),
+                   (V_down1_a_bn_W_new, T['V_down1_a_bn_W'], momentum, d_down1_a_bn_W, decay, T['down1_a_bn_W']),
+                   (V_down1_a_bn_B_new, T['V_down1_a_bn_B'], momentum, d_down1_a_bn_B, decay, T['down1_a_bn_B']),
+                   (V_down1_a_W_new, T['V_down1_a_W'], momentum, d_down1_a_W, decay, T['down1_a_W']))
+        # free down1_a_bn_inv_std, d_down1_a_bn_weight, d_down1_a_bn_W, down1_b_bn_inv_std, d_down1_b_bn_weight, d_down1_b_bn_W, down2_a_bn_inv_std, d_down2_a_bn_weight, d_down2_a_bn_W, down2_b_bn_inv_std, d_down2_b_bn_weight, d_down2_b_bn_W, bottom_a_bn_inv_std, d_bottom_a_bn_weight, d_bottom_a_bn_W, bottom_b_bn_inv_std, d_bottom_b_bn_weight, d_bottom_b_bn_W, merge2_a_bn_inv_std, d_merge2_a_bn_weight, d_merge2_a_bn_W, merge2_b_bn_inv_std, d_merge2_b_bn_weight, d_merge2_b_bn_W, merge1_a_bn_inv_std, d_merge1_a_bn_weight, d_merge1_a_bn_W, merge1_b_bn_inv_std, d_merge1_b_bn_weight, d_merge1_b_bn_W, d_merge1_b_bn_bias, d_merge1_b_bn_B, d_merge1_b_W, d_merge1_a_bn_bias, d_merge1_a_bn_B, d_merge1_a_W, d_up1_reshape, d_up1_B, d_up1_W, d_merge2_b_bn_bias, d_merge2_b_bn_B, d_merge2_b_W, d_merge2_a_bn_bias, d_merge2_a_bn_B, d_up2_reshape, d_up2_B, d_up2_W, d_bottom_b_bn_bias, d_bottom_b_bn_B, d_bottom_a_bn_bias, d_bottom_a_bn_B, d_down2_b_bn_bias, d_down2_b_bn_B, d_down2_b_W, d_down2_a_bn_bias, d_down2_a_bn_B, d_down2_a_W, d_down1_b_bn_bias, d_down1_b_bn_B, d_down1_b_W, d_down1_a_bn_bias, d_down1_a_bn_B, d_down1_a_W
+        del down1_a_bn_inv_std, d_down1_a_bn_weight, d_down1_a_bn_W, down1_b_bn_inv_std, d_down1_b_bn_weight, d_down1_b_bn_W, down2_a_bn_inv_std, d_down2_a_bn_weight, d_down2_a_bn_W, down2_b_bn_inv_std, d_down2_b_bn_weight, d_down2_b_bn_W, bottom_a_bn_inv_std, d_bottom_a_bn_weight, d_bottom_a_bn_W, bottom_b_bn_inv_std, d_bottom_b_bn_weight, d_bottom_b_bn_W, merge2_a_bn_inv_std, d_merge2_a_bn_weight, d_merge2_a_bn_W, merge2_b_bn_inv_std, d_merge2_b_bn_weight, d_merge2_b_bn_W, merge1_a_bn_inv_std, d_merge1_a_bn_weight, d_merge1_a_bn_W, merge1_b_bn_inv_std, d_merge1_b_bn_weight, d_merge1_b_bn_W, d_merge1_b_bn_bias, d_merge1_b_bn_B, d_merge1_b_W, d_merge1_a_bn_bias, d_merge1_a_bn_B, d_merge1_a_W, d_up1_reshape, d_up1_B, d_up1_W, d_merge2_b_bn_bias, d_merge2_b_bn_B, d_merge2_b_W, d_merge2_a_bn_bias, d_merge2_a_bn_B, d_up2_reshape, d_up2_B, d_up2_W, d_bottom_b_bn_bias, d_bottom_b_bn_B, d_bottom_a_bn_bias, d_bottom_a_bn_B, d_down2_b_bn_bias, d_down2_b_bn_B, d_down2_b_W, d_down2_a_bn_bias, d_down2_a_bn_B, d_down2_a_W, d_down1_b_bn_bias, d_down1_b_bn_B, d_down1_b_W, d_down1_a_bn_bias, d_down1_a_bn_B, d_down1_a_W
+        mem.free(6, 11, 18, 23, 30, 35, 42, 47, 54, 59, 73, 75, 80, 81, 85, 87, 92, 94, 99, 104, 106, 111, 118, 126, 128, 133, 134, 141, 143, 148, 149)
+        # merge1_b_bn_W_new = merge1_b_bn_W - lr*V_merge1_b_bn_W_new   (computed with the last statement of its batch)
+        merge1_b_bn_W_new = T['merge1_b_bn_W']  # in place: the new merge1_b_bn_W
+        # merge1_b_bn_B_new = merge1_b_bn_B - lr*V_merge1_b_bn_B_new   (computed with the last statement of its batch)
+        merge1_b_bn_B_new = T['merge1_b_bn_B']  # in place: the new merge1_b_bn_B
+        # merge1_b_W_new = merge1_b_W - lr*V_merge1_b_W_new   (computed with the last statement of its batch)
+        merge1_b_W_new = T['merge1_b_W']  # in place: the new merge1_b_W
+        # merge1_a_bn_W_new = merge1_a_bn_W - lr*V_merge1_a_bn_W_new   (computed with the last statement of its batch)
+        merge1_a_bn_W_new = T['merge1_a_bn_W']  # in place: the new merge1_a_bn_W
+        # merge1_a_bn_B_new = merge1_a_bn_B - lr*V_merge1_a_bn_B_new   (computed with the last statement of its batch)
+        merge1_a_bn_B_new = T['merge1_a_bn_B']  # in place: the new merge1_a_bn_B
+        # merge1_a_W_new = merge1_a_W - lr*V_merge1_a_W_new   (computed with the last statement of its batch)
+        merge1_a_W_new = T['merge1_a_W']  # in place: the new merge1_a_W
+        # up1_B_new = up1_B - lr*V_up1_B_new   (computed with the last statement of its batch)
+        up1_B_new = T['up1_B']  # in place: the new up1_B
+        # up1_W_new = up1_W - lr*V_up1_W_new   (computed with the last statement of its batch)
+        up1_W_new = T['up1_W']  # in place: the new up1_W
+        # merge2_b_bn_W_new = merge2_b_bn_W - lr*V_merge2_b_bn_W_new   (computed with the last statement of its batch)
+        merge2_b_bn_W_new = T['merge2_b_bn_W']  # in place: the new merge2_b_bn_W
+        # merge2_b_bn_B_new = merge2_b_bn_B - lr*V_merge2_b_bn_B_new   (computed with the last statement of its batch)
+        merge2_b_bn_B_new = T['merge2_b_bn_B']  # in place: the new merge2_b_bn_B
+        # merge2_b_W_new = merge2_b_W - lr*V_merge2_b_W_new   (computed with the last statement of its batch)
+        merge2_b_W_new = T['merge2_b_W']  # in place: the new merge2_b_W
+        # merge2_a_bn_W_new = merge2_a_bn_W - lr*V_merge2_a_bn_W_new   (computed with the last statement of its batch)
+        merge2_a_bn_W_new = T['merge2_a_bn_W']  # in place: the new merge2_a_bn_W
+        # merge2_a_bn_B_new = merge2_a_bn_B - lr*V_merge2_a_bn_B_new   (computed with the last statement of its batch)
+        merge2_a_bn_B_new = T['merge2_a_bn_B']  # in place: the new merge2_a_bn_B
+        # up2_B_new = up2_B - lr*V_up2_B_new   (computed with the last statement of its batch)
+        up2_B_new = T['up2_B']  # in place: the new up2_B
+        # up2_W_new = up2_W - lr*V_up2_W_new   (computed with the last statement of its batch)
+        up2_W_new = T['up2_W']  # in place: the new up2_W
+        # bottom_b_bn_W_new = bottom_b_bn_W - lr*V_bottom_b_bn_W_new   (computed with the last statement of its batch)
+        bottom_b_bn_W_new = T['bottom_b_bn_W']  # in place: the new bottom_b_bn_W
+        # bottom_b_bn_B_new = bottom_b_bn_B - lr*V_bottom_b_bn_B_new   (computed with the last statement of its batch)
+        bottom_b_bn_B_new = T['bottom_b_bn_B']  # in place: the new bottom_b_bn_B
+        # bottom_a_bn_W_new = bottom_a_bn_W - lr*V_bottom_a_bn_W_new   (computed with the last statement of its batch)
+        bottom_a_bn_W_new = T['bottom_a_bn_W']  # in place: the new bottom_a_bn_W
+        # bottom_a_bn_B_new = bottom_a_bn_B - lr*V_bottom_a_bn_B_new   (computed with the last statement of its batch)
+        bottom_a_bn_B_new = T['bottom_a_bn_B']  # in place: the new bottom_a_bn_B
+        # down2_b_bn_W_new = down2_b_bn_W - lr*V_down2_b_bn_W_new   (computed with the last statement of its batch)
+        down2_b_bn_W_new = T['down2_b_bn_W']  # in place: the new down2_b_bn_W
+        # down2_b_bn_B_new = down2_b_bn_B - lr*V_down2_b_bn_B_new   (computed with the last statement of its batch)
+        down2_b_bn_B_new = T['down2_b_bn_B']  # in place: the new down2_b_bn_B
+        # down2_b_W_new = down2_b_W - lr*V_down2_b_W_new   (computed with the last statement of its batch)
+        down2_b_W_new = T['down2_b_W']  # in place: the new down2_b_W
+        # down2_a_bn_W_new = down2_a_bn_W - lr*V_down2_a_bn_W_new   (computed with the last statement of its batch)
+        down2_a_bn_W_new = T['down2_a_bn_W']  # in place: the new down2_a_bn_W
+        # down2_a_bn_B_new = down2_a_bn_B - lr*V_down2_a_bn_B_new   (computed with the last statement of its batch)
+        down2_a_bn_B_new = T['down2_a_bn_B']  # in place: the new down2_a_bn_B
+        # down2_a_W_new = down2_a_W - lr*V_down2_a_W_new   (computed with the last statement of its batch)
+        down2_a_W_new = T['down2_a_W']  # in place: the new down2_a_W
+        # down1_b_bn_W_new = down1_b_bn_W - lr*V_down1_b_bn_W_new   (computed with the last statement of its batch)
+        down1_b_bn_W_new = T['down1_b_bn_W']  # in place: the new down1_b_bn_W
+        # down1_b_bn_B_new = down1_b_bn_B - lr*V_down1_b_bn_B_new   (computed with the last statement of its batch)
+        down1_b_bn_B_new = T['down1_b_bn_B']  # in place: the new down1_b_bn_B
+        # down1_b_W_new = down1_b_W - lr*V_down1_b_W_new   (computed with the last statement of its batch)
+        down1_b_W_new = T['down1_b_W']  # in place: the new down1_b_W
+        # down1_a_bn_W_new = down1_a_bn_W - lr*V_down1_a_bn_W_new   (computed with the last statement of its batch)
+        down1_a_bn_W_new = T['down1_a_bn_W']  # in place: the new down1_a_bn_W
+        # down1_a_bn_B_new = down1_a_bn_B - lr*V_down1_a_bn_B_new   (computed with the last statement of its batch)
+        down1_a_bn_B_new = T['down1_a_bn_B']  # in place: the new down1_a_bn_B
+        # down1_a_W_new = down1_a_W - lr*V_down1_a_W_new   (and the 30 statements before it, in one call)
         down1_a_W_new = T['down1_a_W']  # in place: the new down1_a_W
-        rt.ew_pair((ew_mul_add, V_down1_a_W_new, T['V_down1_a_W'], momentum, d_down1_a_W, decay, T['down1_a_W']),
-                   (ew_mul_sub, down1_a_W_new, T['down1_a_W'], lr, V_down1_a_W_new))
-        # free d_down1_a_W
-        del d_down1_a_W
-        mem.free(149)
+        rt.ew_many(ew_mul_sub,
+                   (merge1_b_bn_W_new, T['merge1_b_bn_W'], lr, V_merge1_b_bn_W_new),
+                   (merge1_b_bn_B_new, T['merge1_b_bn_B'], lr, V_merge1_b_bn_B_new),
+                   (merge1_b_W_new, T['merge1_b_W'], lr, V_merge1_b_W_new),
+                   (merge1_a_bn_W_new, T['merge1_a_bn_W'], lr, V_merge1_a_bn_W_new),
+                   (merge1_a_bn_B_new, T['merge1_a_bn_B'], lr, V_merge1_a_bn_B_new),
+                   (merge1_a_W_new, T['merge1_a_W'], lr, V_merge1_a_W_new),
+                   (up1_B_new, T['up1_B'], lr, V_up1_B_new),
+                   (up1_W_new, T['up1_W'], lr, V_up1_W_new),
+                   (merge2_b_bn_W_new, T['merge2_b_bn_W'], lr, V_merge2_b_bn_W_new),
+                   (merge2_b_bn_B_new, T['merge2_b_bn_B'], lr, V_merge2_b_bn_B_new),
+                   (merge2_b_W_new, T['merge2_b_W'], lr, V_merge2_b_W_new),
+                   (merge2_a_bn_W_new, T['merge2_a_bn_W'], lr, V_merge2_a_bn_W_new),
+                   (merge2_a_bn_B_new, T['merge2_a_bn_B'], lr, V_merge2_a_bn_B_new),
+                   (up2_B_new, T['up2_B'], lr, V_up2_B_new),
+                   (up2_W_new, T['up2_W'], lr, V_up2_W_new),
+                   (bottom_b_bn_W_new, T['bottom_b_bn_W'], lr, V_bottom_b_bn_W_new),
+                   (bottom_b_bn_B_new, T['bottom_b_bn_B'], lr, V_bottom_b_bn_B_new),
+                   (bottom_a_bn_W_new, T['bottom_a_bn_W'], lr, V_bottom_a_bn_W_new),
+                   (bottom_a_bn_B_new, T['bottom_a_bn_B'], lr, V_bottom_a_bn_B_new),
+                   (down2_b_bn_W_new, T['down2_b_bn_W'], lr, V_down2_b_bn_W_new),
+                   (down2_b_bn_B_new, T['down2_b_bn_B'], lr, V_down2_b_bn_B_new),
+                   (down2_b_W_new, T['down2_b_W'], lr, V_down2_b_W_new),
+                   (down2_a_bn_W_new, T['down2_a_bn_W'], lr, V_down2_a_bn_W_new),
+                   (down2_a_bn_B_new, T['down2_a_bn_B'], lr, V_down2_a_bn_B_new),
+                   (down2_a_W_new, T['down2_a_W'], lr, V_down2_a_W_new),
+                   (down1_b_bn_W_new, T['down1_b_bn_W'], lr, V_down1_b_bn_W_new),
+                   (down1_b_bn_B_new, T['down1_b_bn_B'], lr, V_down1_b_bn_B_new),
+                   (down1_b_W_new, T['down1_b_W'], lr, V_down1_b_W_new),
+                   (down1_a_bn_W_new, T['down1_a_bn_W'], lr, V_down1_a_bn_W_new),
+                   (down1_a_bn_B_new, T['down1_a_bn_B'], lr, V_down1_a_bn_B_new),
+                   (down1_a_W_new, T['down1_a_W'], lr, V_down1_a_W_new))
         loss = rt.scalar(classes_cross_entropy)
         mem.end()
         return loss
@@ -2670,7 +2560,7 @@ class Unet(rp.Model):
                 (0, 400),  # 0: const 100 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=60373504, peak_bytes=60373504, workspace_bytes=31974400, pool_bytes=64293120,
+            arena_bytes=60373504, peak_bytes=60373504, workspace_bytes=31974400, pool_bytes=64293120, pool_peak_bytes=60382720,
             buffers=(
                 (59584000, 313600),  # 0: x 100x1x28x28 float32
                 (43284992, 400),  # 1: y 100 int32
@@ -2745,52 +2635,52 @@ class Unet(rp.Model):
                 (40140800, 64),  # 70: d_merge1_b_bn_ew_sum 1x16x1x1 float32
                 (40141056, 64),  # 71: d_merge1_b_bn_inv_std 1x16x1x1 float32
                 (40141312, 64),  # 72: d_merge1_b_bn_batch_mean 1x16x1x1 float32
-                (40141056, 64),  # 73: d_merge1_b_bn_bias 1x16x1x1 float32
+                (40150016, 64),  # 73: d_merge1_b_bn_bias 1x16x1x1 float32
                 (30105600, 5017600),  # 74: merge1_a_bn_relu_2 100x16x28x28 float32
                 (40140800, 9216),  # 75: d_merge1_b_W 16x16x3x3 float32
-                (40140800, 5017600),  # 76: d_merge1_a_bn_relu 100x16x28x28 float32
-                (35123200, 64),  # 77: d_merge1_a_bn_ew_sum 1x16x1x1 float32
+                (35123200, 5017600),  # 76: d_merge1_a_bn_relu 100x16x28x28 float32
+                (40150272, 64),  # 77: d_merge1_a_bn_ew_sum 1x16x1x1 float32
                 (30105600, 64),  # 78: d_merge1_a_bn_inv_std 1x16x1x1 float32
                 (30105856, 64),  # 79: d_merge1_a_bn_batch_mean 1x16x1x1 float32
-                (30105600, 64),  # 80: d_merge1_a_bn_bias 1x16x1x1 float32
-                (30105600, 18432),  # 81: d_merge1_a_W 16x32x3x3 float32
+                (40150528, 64),  # 80: d_merge1_a_bn_bias 1x16x1x1 float32
+                (35123200, 18432),  # 81: d_merge1_a_W 16x32x3x3 float32
                 (0, 10035200),  # 82: d_down1_b_bn_concat 100x32x28x28 float32
                 (20070400, 5017600),  # 83: d_up1 100x16x28x28 float32
                 (30105600, 5017600),  # 84: d_down1_b_bn_relu 100x16x28x28 float32
-                (0, 64),  # 85: d_up1_reshape 1x16x1x1 float32
+                (35149824, 64),  # 85: d_up1_reshape 1x16x1x1 float32
                 (0, 2508800),  # 86: merge2_b_bn_relu_2 100x32x14x14 float32
-                (5017600, 8192),  # 87: d_up1_W 32x16x2x2 float32
+                (35141632, 8192),  # 87: d_up1_W 32x16x2x2 float32
                 (2508800, 2508800),  # 88: d_merge2_b_bn_relu 100x32x14x14 float32
-                (5025792, 128),  # 89: d_merge2_b_bn_ew_sum 1x32x1x1 float32
+                (5017600, 128),  # 89: d_merge2_b_bn_ew_sum 1x32x1x1 float32
                 (0, 128),  # 90: d_merge2_b_bn_inv_std 1x32x1x1 float32
                 (256, 128),  # 91: d_merge2_b_bn_batch_mean 1x32x1x1 float32
-                (0, 128),  # 92: d_merge2_b_bn_bias 1x32x1x1 float32
+                (20204544, 128),  # 92: d_merge2_b_bn_bias 1x32x1x1 float32
                 (0, 2508800),  # 93: merge2_a_bn_relu_2 100x32x14x14 float32
-                (2508800, 36864),  # 94: d_merge2_b_W 32x32x3x3 float32
+                (20070400, 36864),  # 94: d_merge2_b_W 32x32x3x3 float32
                 (2508800, 2508800),  # 95: d_merge2_a_bn_relu 100x32x14x14 float32
                 (5017600, 128),  # 96: d_merge2_a_bn_ew_sum 1x32x1x1 float32
                 (0, 128),  # 97: d_merge2_a_bn_inv_std 1x32x1x1 float32
                 (256, 128),  # 98: d_merge2_a_bn_batch_mean 1x32x1x1 float32
-                (0, 128),  # 99: d_merge2_a_bn_bias 1x32x1x1 float32
+                (20204800, 128),  # 99: d_merge2_a_bn_bias 1x32x1x1 float32
                 (0, 73728),  # 100: d_merge2_a_W 32x64x3x3 float32
                 (0, 5017600),  # 101: d_down2_b_bn_concat 100x64x14x14 float32
                 (5017600, 2508800),  # 102: d_up2 100x32x14x14 float32
                 (7526400, 2508800),  # 103: d_down2_b_bn_relu 100x32x14x14 float32
-                (0, 128),  # 104: d_up2_reshape 1x32x1x1 float32
+                (20205056, 128),  # 104: d_up2_reshape 1x32x1x1 float32
                 (0, 1254400),  # 105: bottom_b_bn_relu_2 100x64x7x7 float32
-                (2508800, 32768),  # 106: d_up2_W 64x32x2x2 float32
+                (20144128, 32768),  # 106: d_up2_W 64x32x2x2 float32
                 (1254400, 1254400),  # 107: d_bottom_b_bn_relu 100x64x7x7 float32
-                (2541568, 256),  # 108: d_bottom_b_bn_ew_sum 1x64x1x1 float32
+                (2508800, 256),  # 108: d_bottom_b_bn_ew_sum 1x64x1x1 float32
                 (0, 256),  # 109: d_bottom_b_bn_inv_std 1x64x1x1 float32
                 (256, 256),  # 110: d_bottom_b_bn_batch_mean 1x64x1x1 float32
-                (0, 256),  # 111: d_bottom_b_bn_bias 1x64x1x1 float32
+                (20205312, 256),  # 111: d_bottom_b_bn_bias 1x64x1x1 float32
                 (0, 1254400),  # 112: bottom_a_bn_relu_2 100x64x7x7 float32
                 (1254400, 147456),  # 113: d_bottom_b_W 64x64x3x3 float32
                 (1254400, 1254400),  # 114: d_bottom_a_bn_relu 100x64x7x7 float32
                 (2508800, 256),  # 115: d_bottom_a_bn_ew_sum 1x64x1x1 float32
                 (0, 256),  # 116: d_bottom_a_bn_inv_std 1x64x1x1 float32
                 (256, 256),  # 117: d_bottom_a_bn_batch_mean 1x64x1x1 float32
-                (0, 256),  # 118: d_bottom_a_bn_bias 1x64x1x1 float32
+                (20205568, 256),  # 118: d_bottom_a_bn_bias 1x64x1x1 float32
                 (0, 73728),  # 119: d_bottom_a_W 64x32x3x3 float32
                 (2508800, 627200),  # 120: d_down2_b_bn_max_pool 100x32x7x7 float32
                 (0, 2508800),  # 121: d_down2_b_bn_relu_2 100x32x14x14 float32
@@ -2798,29 +2688,29 @@ class Unet(rp.Model):
                 (0, 128),  # 123: d_down2_b_bn_ew_sum 1x32x1x1 float32
                 (256, 128),  # 124: d_down2_b_bn_inv_std 1x32x1x1 float32
                 (512, 128),  # 125: d_down2_b_bn_batch_mean 1x32x1x1 float32
-                (256, 128),  # 126: d_down2_b_bn_bias 1x32x1x1 float32
+                (20205824, 128),  # 126: d_down2_b_bn_bias 1x32x1x1 float32
                 (0, 2508800),  # 127: down2_a_bn_relu_2 100x32x14x14 float32
-                (2508800, 36864),  # 128: d_down2_b_W 32x32x3x3 float32
+                (20107264, 36864),  # 128: d_down2_b_W 32x32x3x3 float32
                 (2508800, 2508800),  # 129: d_down2_a_bn_relu 100x32x14x14 float32
                 (5017600, 128),  # 130: d_down2_a_bn_ew_sum 1x32x1x1 float32
                 (0, 128),  # 131: d_down2_a_bn_inv_std 1x32x1x1 float32
                 (256, 128),  # 132: d_down2_a_bn_batch_mean 1x32x1x1 float32
-                (0, 128),  # 133: d_down2_a_bn_bias 1x32x1x1 float32
-                (0, 18432),  # 134: d_down2_a_W 32x16x3x3 float32
+                (20206080, 128),  # 133: d_down2_a_bn_bias 1x32x1x1 float32
+                (20176896, 18432),  # 134: d_down2_a_W 32x16x3x3 float32
                 (5017600, 1254400),  # 135: d_down1_b_bn_max_pool 100x16x14x14 float32
                 (0, 5017600),  # 136: d_down1_b_bn_relu_2 100x16x28x28 float32
                 (5017600, 5017600),  # 137: down1_b_bn_relu_2 100x16x28x28 float32
                 (0, 64),  # 138: d_down1_b_bn_ew_sum 1x16x1x1 float32
                 (256, 64),  # 139: d_down1_b_bn_inv_std 1x16x1x1 float32
                 (512, 64),  # 140: d_down1_b_bn_batch_mean 1x16x1x1 float32
-                (256, 64),  # 141: d_down1_b_bn_bias 1x16x1x1 float32
+                (20206336, 64),  # 141: d_down1_b_bn_bias 1x16x1x1 float32
                 (0, 5017600),  # 142: down1_a_bn_relu_2 100x16x28x28 float32
-                (5017600, 9216),  # 143: d_down1_b_W 16x16x3x3 float32
+                (20195328, 9216),  # 143: d_down1_b_W 16x16x3x3 float32
                 (5017600, 5017600),  # 144: d_down1_a_bn_relu 100x16x28x28 float32
                 (15052800, 64),  # 145: d_down1_a_bn_ew_sum 1x16x1x1 float32
                 (0, 64),  # 146: d_down1_a_bn_inv_std 1x16x1x1 float32
                 (256, 64),  # 147: d_down1_a_bn_batch_mean 1x16x1x1 float32
-                (0, 64),  # 148: d_down1_a_bn_bias 1x16x1x1 float32
+                (768, 64),  # 148: d_down1_a_bn_bias 1x16x1x1 float32
                 (0, 576),  # 149: d_down1_a_W 16x1x3x3 float32
             )),
         "test_step": rp.StepPlan(

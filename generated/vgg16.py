@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 64x3x224x224 float32 images, 64 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 370000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 2465.99 MB of tensors planned for the training step (1644.17 MB testing); static arena 2549.74 MB, pool 2653.28 MB, workspace 155.52 MB
-Structure hash: da078beb2fb92c77
+Structure hash: d34addeec9bd20b1
 
 Usage: python vgg16.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Vgg16(rp.Model):
 
     name = "vgg16"
     source = "networks/vgg16.py"
-    structure_hash = "da078beb2fb92c77"
+    structure_hash = "d34addeec9bd20b1"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (64, 3, 224, 224)
@@ -570,15 +570,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv5_2, out=d_conv5_2_sum_to, shape=(1, 512, 1, 1))
         # d_conv5_2_B = reshape[512](d_conv5_2_sum_to)
         d_conv5_2_B = rt.reshape(d_conv5_2_sum_to, shape=(512,))
-        # V_conv5_2_B_new = V_conv5_2_B*momentum + d_conv5_2_B + decay*conv5_2_B   (computed with the next statement)
-        V_conv5_2_B_new = T['V_conv5_2_B']  # in place: the new V_conv5_2_B
-        # conv5_2_B_new = conv5_2_B - lr*V_conv5_2_B_new
-        conv5_2_B_new = T['conv5_2_B']  # in place: the new conv5_2_B
-        rt.ew_pair((ew_mul_add, V_conv5_2_B_new, T['V_conv5_2_B'], momentum, d_conv5_2_B, decay, T['conv5_2_B']),
-                   (ew_mul_sub, conv5_2_B_new, T['conv5_2_B'], lr, V_conv5_2_B_new))
-        # free d_conv5_2_sum_to, d_conv5_2_B
-        del d_conv5_2_sum_to, d_conv5_2_B
-        mem.free(46)
         # d_conv5_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_2, conv5_1_relu)
         d_conv5_2_W = mem.tensor(47, (512, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv5_2, conv5_1_relu, out=d_conv5_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
@@ -614,15 +605,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv5_1, out=d_conv5_1_sum_to, shape=(1, 512, 1, 1))
         # d_conv5_1_B = reshape[512](d_conv5_1_sum_to)
         d_conv5_1_B = rt.reshape(d_conv5_1_sum_to, shape=(512,))
-        # V_conv5_1_B_new = V_conv5_1_B*momentum + d_conv5_1_B + decay*conv5_1_B   (computed with the next statement)
-        V_conv5_1_B_new = T['V_conv5_1_B']  # in place: the new V_conv5_1_B
-        # conv5_1_B_new = conv5_1_B - lr*V_conv5_1_B_new
-        conv5_1_B_new = T['conv5_1_B']  # in place: the new conv5_1_B
-        rt.ew_pair((ew_mul_add, V_conv5_1_B_new, T['V_conv5_1_B'], momentum, d_conv5_1_B, decay, T['conv5_1_B']),
-                   (ew_mul_sub, conv5_1_B_new, T['conv5_1_B'], lr, V_conv5_1_B_new))
-        # free d_conv5_1_sum_to, d_conv5_1_B
-        del d_conv5_1_sum_to, d_conv5_1_B
-        mem.free(49)
         # d_conv5_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv5_1, conv4_3_max_pool)
         d_conv5_1_W = mem.tensor(50, (512, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv5_1, conv4_3_max_pool, out=d_conv5_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(32129024))
@@ -683,15 +665,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv4_3_relu_max_pool_bwd, out=d_conv4_3_sum_to, shape=(1, 512, 1, 1))
         # d_conv4_3_B = reshape[512](d_conv4_3_sum_to)
         d_conv4_3_B = rt.reshape(d_conv4_3_sum_to, shape=(512,))
-        # V_conv4_3_B_new = V_conv4_3_B*momentum + d_conv4_3_B + decay*conv4_3_B   (computed with the next statement)
-        V_conv4_3_B_new = T['V_conv4_3_B']  # in place: the new V_conv4_3_B
-        # conv4_3_B_new = conv4_3_B - lr*V_conv4_3_B_new
-        conv4_3_B_new = T['conv4_3_B']  # in place: the new conv4_3_B
-        rt.ew_pair((ew_mul_add, V_conv4_3_B_new, T['V_conv4_3_B'], momentum, d_conv4_3_B, decay, T['conv4_3_B']),
-                   (ew_mul_sub, conv4_3_B_new, T['conv4_3_B'], lr, V_conv4_3_B_new))
-        # free d_conv4_3_sum_to, d_conv4_3_B
-        del d_conv4_3_sum_to, d_conv4_3_B
-        mem.free(54)
         # d_conv4_3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4_3_relu_max_pool_bwd, conv4_2_relu)
         d_conv4_3_W = mem.tensor(55, (512, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv4_3_relu_max_pool_bwd, conv4_2_relu, out=d_conv4_3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27336704))
@@ -727,15 +700,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv4_2, out=d_conv4_2_sum_to, shape=(1, 512, 1, 1))
         # d_conv4_2_B = reshape[512](d_conv4_2_sum_to)
         d_conv4_2_B = rt.reshape(d_conv4_2_sum_to, shape=(512,))
-        # V_conv4_2_B_new = V_conv4_2_B*momentum + d_conv4_2_B + decay*conv4_2_B   (computed with the next statement)
-        V_conv4_2_B_new = T['V_conv4_2_B']  # in place: the new V_conv4_2_B
-        # conv4_2_B_new = conv4_2_B - lr*V_conv4_2_B_new
-        conv4_2_B_new = T['conv4_2_B']  # in place: the new conv4_2_B
-        rt.ew_pair((ew_mul_add, V_conv4_2_B_new, T['V_conv4_2_B'], momentum, d_conv4_2_B, decay, T['conv4_2_B']),
-                   (ew_mul_sub, conv4_2_B_new, T['conv4_2_B'], lr, V_conv4_2_B_new))
-        # free d_conv4_2_sum_to, d_conv4_2_B
-        del d_conv4_2_sum_to, d_conv4_2_B
-        mem.free(57)
         # d_conv4_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4_2, conv4_1_relu)
         d_conv4_2_W = mem.tensor(58, (512, 512, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv4_2, conv4_1_relu, out=d_conv4_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(27336704))
@@ -771,15 +735,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv4_1, out=d_conv4_1_sum_to, shape=(1, 512, 1, 1))
         # d_conv4_1_B = reshape[512](d_conv4_1_sum_to)
         d_conv4_1_B = rt.reshape(d_conv4_1_sum_to, shape=(512,))
-        # V_conv4_1_B_new = V_conv4_1_B*momentum + d_conv4_1_B + decay*conv4_1_B   (computed with the next statement)
-        V_conv4_1_B_new = T['V_conv4_1_B']  # in place: the new V_conv4_1_B
-        # conv4_1_B_new = conv4_1_B - lr*V_conv4_1_B_new
-        conv4_1_B_new = T['conv4_1_B']  # in place: the new conv4_1_B
-        rt.ew_pair((ew_mul_add, V_conv4_1_B_new, T['V_conv4_1_B'], momentum, d_conv4_1_B, decay, T['conv4_1_B']),
-                   (ew_mul_sub, conv4_1_B_new, T['conv4_1_B'], lr, V_conv4_1_B_new))
-        # free d_conv4_1_sum_to, d_conv4_1_B
-        del d_conv4_1_sum_to, d_conv4_1_B
-        mem.free(60)
         # d_conv4_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv4_1, conv3_3_max_pool)
         d_conv4_1_W = mem.tensor(61, (512, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv4_1, conv3_3_max_pool, out=d_conv4_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(24223744))
@@ -823,15 +778,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv3_3_relu_max_pool_bwd, out=d_conv3_3_sum_to, shape=(1, 256, 1, 1))
         # d_conv3_3_B = reshape[256](d_conv3_3_sum_to)
         d_conv3_3_B = rt.reshape(d_conv3_3_sum_to, shape=(256,))
-        # V_conv3_3_B_new = V_conv3_3_B*momentum + d_conv3_3_B + decay*conv3_3_B   (computed with the next statement)
-        V_conv3_3_B_new = T['V_conv3_3_B']  # in place: the new V_conv3_3_B
-        # conv3_3_B_new = conv3_3_B - lr*V_conv3_3_B_new
-        conv3_3_B_new = T['conv3_3_B']  # in place: the new conv3_3_B
-        rt.ew_pair((ew_mul_add, V_conv3_3_B_new, T['V_conv3_3_B'], momentum, d_conv3_3_B, decay, T['conv3_3_B']),
-                   (ew_mul_sub, conv3_3_B_new, T['conv3_3_B'], lr, V_conv3_3_B_new))
-        # free d_conv3_3_sum_to, d_conv3_3_B
-        del d_conv3_3_sum_to, d_conv3_3_B
-        mem.free(64)
         # d_conv3_3_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3_3_relu_max_pool_bwd, conv3_2_relu)
         d_conv3_3_W = mem.tensor(65, (256, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv3_3_relu_max_pool_bwd, conv3_2_relu, out=d_conv3_3_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(37916672))
@@ -867,15 +813,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv3_2, out=d_conv3_2_sum_to, shape=(1, 256, 1, 1))
         # d_conv3_2_B = reshape[256](d_conv3_2_sum_to)
         d_conv3_2_B = rt.reshape(d_conv3_2_sum_to, shape=(256,))
-        # V_conv3_2_B_new = V_conv3_2_B*momentum + d_conv3_2_B + decay*conv3_2_B   (computed with the next statement)
-        V_conv3_2_B_new = T['V_conv3_2_B']  # in place: the new V_conv3_2_B
-        # conv3_2_B_new = conv3_2_B - lr*V_conv3_2_B_new
-        conv3_2_B_new = T['conv3_2_B']  # in place: the new conv3_2_B
-        rt.ew_pair((ew_mul_add, V_conv3_2_B_new, T['V_conv3_2_B'], momentum, d_conv3_2_B, decay, T['conv3_2_B']),
-                   (ew_mul_sub, conv3_2_B_new, T['conv3_2_B'], lr, V_conv3_2_B_new))
-        # free d_conv3_2_sum_to, d_conv3_2_B
-        del d_conv3_2_sum_to, d_conv3_2_B
-        mem.free(67)
         # d_conv3_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3_2, conv3_1_relu)
         d_conv3_2_W = mem.tensor(68, (256, 256, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv3_2, conv3_1_relu, out=d_conv3_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(37916672))
@@ -911,15 +848,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv3_1, out=d_conv3_1_sum_to, shape=(1, 256, 1, 1))
         # d_conv3_1_B = reshape[256](d_conv3_1_sum_to)
         d_conv3_1_B = rt.reshape(d_conv3_1_sum_to, shape=(256,))
-        # V_conv3_1_B_new = V_conv3_1_B*momentum + d_conv3_1_B + decay*conv3_1_B   (computed with the next statement)
-        V_conv3_1_B_new = T['V_conv3_1_B']  # in place: the new V_conv3_1_B
-        # conv3_1_B_new = conv3_1_B - lr*V_conv3_1_B_new
-        conv3_1_B_new = T['conv3_1_B']  # in place: the new conv3_1_B
-        rt.ew_pair((ew_mul_add, V_conv3_1_B_new, T['V_conv3_1_B'], momentum, d_conv3_1_B, decay, T['conv3_1_B']),
-                   (ew_mul_sub, conv3_1_B_new, T['conv3_1_B'], lr, V_conv3_1_B_new))
-        # free d_conv3_1_sum_to, d_conv3_1_B
-        del d_conv3_1_sum_to, d_conv3_1_B
-        mem.free(70)
         # d_conv3_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv3_1, conv2_2_max_pool)
         d_conv3_1_W = mem.tensor(71, (256, 128, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv3_1, conv2_2_max_pool, out=d_conv3_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(20563968))
@@ -963,15 +891,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv2_2_relu_max_pool_bwd, out=d_conv2_2_sum_to, shape=(1, 128, 1, 1))
         # d_conv2_2_B = reshape[128](d_conv2_2_sum_to)
         d_conv2_2_B = rt.reshape(d_conv2_2_sum_to, shape=(128,))
-        # V_conv2_2_B_new = V_conv2_2_B*momentum + d_conv2_2_B + decay*conv2_2_B   (computed with the next statement)
-        V_conv2_2_B_new = T['V_conv2_2_B']  # in place: the new V_conv2_2_B
-        # conv2_2_B_new = conv2_2_B - lr*V_conv2_2_B_new
-        conv2_2_B_new = T['conv2_2_B']  # in place: the new conv2_2_B
-        rt.ew_pair((ew_mul_add, V_conv2_2_B_new, T['V_conv2_2_B'], momentum, d_conv2_2_B, decay, T['conv2_2_B']),
-                   (ew_mul_sub, conv2_2_B_new, T['conv2_2_B'], lr, V_conv2_2_B_new))
-        # free d_conv2_2_sum_to, d_conv2_2_B
-        del d_conv2_2_sum_to, d_conv2_2_B
-        mem.free(74)
         # d_conv2_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv2_2_relu_max_pool_bwd, conv2_1_relu)
         d_conv2_2_W = mem.tensor(75, (128, 128, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv2_2_relu_max_pool_bwd, conv2_1_relu, out=d_conv2_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(71469056))
@@ -1007,15 +926,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv2_1, out=d_conv2_1_sum_to, shape=(1, 128, 1, 1))
         # d_conv2_1_B = reshape[128](d_conv2_1_sum_to)
         d_conv2_1_B = rt.reshape(d_conv2_1_sum_to, shape=(128,))
-        # V_conv2_1_B_new = V_conv2_1_B*momentum + d_conv2_1_B + decay*conv2_1_B   (computed with the next statement)
-        V_conv2_1_B_new = T['V_conv2_1_B']  # in place: the new V_conv2_1_B
-        # conv2_1_B_new = conv2_1_B - lr*V_conv2_1_B_new
-        conv2_1_B_new = T['conv2_1_B']  # in place: the new conv2_1_B
-        rt.ew_pair((ew_mul_add, V_conv2_1_B_new, T['V_conv2_1_B'], momentum, d_conv2_1_B, decay, T['conv2_1_B']),
-                   (ew_mul_sub, conv2_1_B_new, T['conv2_1_B'], lr, V_conv2_1_B_new))
-        # free d_conv2_1_sum_to, d_conv2_1_B
-        del d_conv2_1_sum_to, d_conv2_1_B
-        mem.free(77)
         # d_conv2_1_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv2_1, conv1_2_max_pool)
         d_conv2_1_W = mem.tensor(78, (128, 64, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv2_1, conv1_2_max_pool, out=d_conv2_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(38945792))
@@ -1076,15 +986,6 @@ class Vgg16(rp.Model):
         rt.sum_to(d_conv1_2_relu_max_pool_bwd, out=d_conv1_2_sum_to, shape=(1, 64, 1, 1))
         # d_conv1_2_B = reshape[64](d_conv1_2_sum_to)
         d_conv1_2_B = rt.reshape(d_conv1_2_sum_to, shape=(64,))
-        # V_conv1_2_B_new = V_conv1_2_B*momentum + d_conv1_2_B + decay*conv1_2_B   (computed with the next statement)
-        V_conv1_2_B_new = T['V_conv1_2_B']  # in place: the new V_conv1_2_B
-        # conv1_2_B_new = conv1_2_B - lr*V_conv1_2_B_new
-        conv1_2_B_new = T['conv1_2_B']  # in place: the new conv1_2_B
-        rt.ew_pair((ew_mul_add, V_conv1_2_B_new, T['V_conv1_2_B'], momentum, d_conv1_2_B, decay, T['conv1_2_B']),
-                   (ew_mul_sub, conv1_2_B_new, T['conv1_2_B'], lr, V_conv1_2_B_new))
-        # free d_conv1_2_sum_to, d_conv1_2_B
-        del d_conv1_2_sum_to, d_conv1_2_B
-        mem.free(82)
         # d_conv1_2_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_conv1_2_relu_max_pool_bwd, conv1_1_relu)
         d_conv1_2_W = mem.tensor(83, (64, 64, 3, 3), 'float32')
         rt.conv2d_bwd_filter(d_conv1_2_relu_max_pool_bwd, conv1_1_relu, out=d_conv1_2_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(141673472))
@@ -1122,31 +1023,98 @@ class Vgg16(rp.Model):
         # free d_conv1_1_relu, d_conv1_1
         del d_conv1_1_relu, d_conv1_1
         mem.free(84)
-        # V_conv1_1_W_new = V_conv1_1_W*momentum + d_conv1_1_W + decay*conv1_1_W   (computed with the next statement)
-        V_conv1_1_W_new = T['V_conv1_1_W']  # in place: the new V_conv1_1_W
-        # conv1_1_W_new = conv1_1_W - lr*V_conv1_1_W_new
-        conv1_1_W_new = T['conv1_1_W']  # in place: the new conv1_1_W
-        rt.ew_pair((ew_mul_add, V_conv1_1_W_new, T['V_conv1_1_W'], momentum, d_conv1_1_W, decay, T['conv1_1_W']),
-                   (ew_mul_sub, conv1_1_W_new, T['conv1_1_W'], lr, V_conv1_1_W_new))
-        # free d_conv1_1_W
-        del d_conv1_1_W
-        mem.free(85)
         # d_conv1_1_B = reshape[64](d_conv1_1_sum_to)
         d_conv1_1_B = rt.reshape(d_conv1_1_sum_to, shape=(64,))
-        # V_conv1_1_B_new = V_conv1_1_B*momentum + d_conv1_1_B + decay*conv1_1_B   (computed with the next statement)
-        V_conv1_1_B_new = T['V_conv1_1_B']  # in place: the new V_conv1_1_B
-        # conv1_1_B_new = conv1_1_B - lr*V_conv1_1_B_new
-        conv1_1_B_new = T['conv1_1_B']  # in place: the new conv1_1_B
-        rt.ew_pair((ew_mul_add, V_conv1_1_B_new, T['V_conv1_1_B'], momentum, d_conv1_1_B, decay, T['conv1_1_B']),
-                   (ew_mul_sub, conv1_1_B_new, T['conv1_1_B'], lr, V_conv1_1_B_new))
-        # free d_conv1_1_sum_to, d_conv1_1_B
-        del d_conv1_1_sum_to, d_conv1_1_B
-        mem.free(86)
 
         # ---- conv1_2 (conv 3x3, 64 channels, stride 1, padding 1), backward ----
         # conv1_2_W_new = conv1_2_W - lr*V_conv1_2_W_new
         conv1_2_W_new = T['conv1_2_W']  # in place: the new conv1_2_W
         rt.ew(ew_mul_sub, conv1_2_W_new, T['conv1_2_W'], lr, V_conv1_2_W_new)
+
+        # ---- the small tensors' updates, one call per kernel ----
+        # V_conv5_2_B_new = V_conv5_2_B*momentum + d_conv5_2_B + decay*conv5_2_B   (computed with the last statement of its batch)
+        V_conv5_2_B_new = T['V_conv5_2_B']  # in place: the new V_conv5_2_B
+        # V_conv5_1_B_new = V_conv5_1_B*momentum + d_conv5_1_B + decay*conv5_1_B   (computed with the last statement of its batch)
+        V_conv5_1_B_new = T['V_conv5_1_B']  # in place: the new V_conv5_1_B
+        # V_conv4_3_B_new = V_conv4_3_B*momentum + d_conv4_3_B + decay*conv4_3_B   (computed with the last statement of its batch)
+        V_conv4_3_B_new = T['V_conv4_3_B']  # in place: the new V_conv4_3_B
+        # V_conv4_2_B_new = V_conv4_2_B*momentum + d_conv4_2_B + decay*conv4_2_B   (computed with the last statement of its batch)
+        V_conv4_2_B_new = T['V_conv4_2_B']  # in place: the new V_conv4_2_B
+        # V_conv4_1_B_new = V_conv4_1_B*momentum + d_conv4_1_B + decay*conv4_1_B   (computed with the last statement of its batch)
+        V_conv4_1_B_new = T['V_conv4_1_B']  # in place: the new V_conv4_1_B
+        # V_conv3_3_B_new = V_conv3_3_B*momentum + d_conv3_3_B + decay*conv3_3_B   (computed with the last statement of its batch)
+        V_conv3_3_B_new = T['V_conv3_3_B']  # in place: the new V_conv3_3_B
+        # V_conv3_2_B_new = V_conv3_2_B*momentum + d_conv3_2_B + decay*conv3_2_B   (computed with the last statement of its batch)
+        V_conv3_2_B_new = T['V_conv3_2_B']  # in place: the new V_conv3_2_B
+        # V_conv3_1_B_new = V_conv3_1_B*momentum + d_conv3_1_B + decay*conv3_1_B   (computed with the last statement of its batch)
+        V_conv3_1_B_new = T['V_conv3_1_B']  # in place: the new V_conv3_1_B
+        # V_conv2_2_B_new = V_conv2_2_B*momentum + d_conv2_2_B + decay*conv2_2_B   (computed with the last statement of its batch)
+        V_conv2_2_B_new = T['V_conv2_2_B']  # in place: the new V_conv2_2_B
+        # V_conv2_1_B_new = V_conv2_1_B*momentum + d_conv2_1_B + decay*conv2_1_B   (computed with the last statement of its batch)
+        V_conv2_1_B_new = T['V_conv2_1_B']  # in place: the new V_conv2_1_B
+        # V_conv1_2_B_new = V_conv1_2_B*momentum + d_conv1_2_B + decay*conv1_2_B   (computed with the last statement of its batch)
+        V_conv1_2_B_new = T['V_conv1_2_B']  # in place: the new V_conv1_2_B
+        # V_conv1_1_W_new = V_conv1_1_W*momentum + d_conv1_1_W + decay*conv1_1_W   (computed with the last statement of its batch)
+        V_conv1_1_W_new = T['V_conv1_1_W']  # in place: the new V_conv1_1_W
+        # V_conv1_1_B_new = V_conv1_1_B*momentum + d_conv1_1_B + decay*conv1_1_B   (and the 12 statements before it, in one call)
+        V_conv1_1_B_new = T['V_conv1_1_B']  # in place: the new V_conv1_1_B
+        rt.ew_many(ew_mul_add,
+                   (V_conv5_2_B_new, T['V_conv5_2_B'], momentum, d_conv5_2_B, decay, T['conv5_2_B']),
+                   (V_conv5_1_B_new, T['V_conv5_1_B'], momentum, d_conv5_1_B, decay, T['conv5_1_B']),
+                   (V_conv4_3_B_new, T['V_conv4_3_B'], momentum, d_conv4_3_B, decay, T['conv4_3_B']),
+                   (V_conv4_2_B_new, T['V_conv4_2_B'], momentum, d_conv4_2_B, decay, T['conv4_2_B']),
+                   (V_conv4_1_B_new, T['V_conv4_1_B'], momentum, d_conv4_1_B, decay, T['conv4_1_B']),
+                   (V_conv3_3_B_new, T['V_conv3_3_B'], momentum, d_conv3_3_B, decay, T['conv3_3_B']),
+                   (V_conv3_2_B_new, T['V_conv3_2_B'], momentum, d_conv3_2_B, decay, T['conv3_2_B']),
+                   (V_conv3_1_B_new, T['V_conv3_1_B'], momentum, d_conv3_1_B, decay, T['conv3_1_B']),
+                   (V_conv2_2_B_new, T['V_conv2_2_B'], momentum, d_conv2_2_B, decay, T['conv2_2_B']),
+                   (V_conv2_1_B_new, T['V_conv2_1_B'], momentum, d_conv2_1_B, decay, T['conv2_1_B']),
+                   (V_conv1_2_B_new, T['V_conv1_2_B'], momentum, d_conv1_2_B, decay, T['conv1_2_B']),
+                   (V_conv1_1_W_new, T['V_conv1_1_W'], momentum, d_conv1_1_W, decay, T['conv1_1_W']),
+                   (V_conv1_1_B_new, T['V_conv1_1_B'], momentum, d_conv1_1_B, decay, T['conv1_1_B']))
+        # free d_conv5_2_sum_to, d_conv5_2_B, d_conv5_1_sum_to, d_conv5_1_B, d_conv4_3_sum_to, d_conv4_3_B, d_conv4_2_sum_to, d_conv4_2_B, d_conv4_1_sum_to, d_conv4_1_B, d_conv3_3_sum_to, d_conv3_3_B, d_conv3_2_sum_to, d_conv3_2_B, d_conv3_1_sum_to, d_conv3_1_B, d_conv2_2_sum_to, d_conv2_2_B, d_conv2_1_sum_to, d_conv2_1_B, d_conv1_2_sum_to, d_conv1_2_B, d_conv1_1_W, d_conv1_1_sum_to, d_conv1_1_B
+        del d_conv5_2_sum_to, d_conv5_2_B, d_conv5_1_sum_to, d_conv5_1_B, d_conv4_3_sum_to, d_conv4_3_B, d_conv4_2_sum_to, d_conv4_2_B, d_conv4_1_sum_to, d_conv4_1_B, d_conv3_3_sum_to, d_conv3_3_B, d_conv3_2_sum_to, d_conv3_2_B, d_conv3_1_sum_to, d_conv3_1_B, d_conv2_2_sum_to, d_conv2_2_B, d_conv2_1_sum_to, d_conv2_1_B, d_conv1_2_sum_to, d_conv1_2_B, d_conv1_1_W, d_conv1_1_sum_to, d_conv1_1_B
+        mem.free(46, 49, 54, 57, 60, 64, 67, 70, 74, 77, 82, 85, 86)
+        # conv5_2_B_new = conv5_2_B - lr*V_conv5_2_B_new   (computed with the last statement of its batch)
+        conv5_2_B_new = T['conv5_2_B']  # in place: the new conv5_2_B
+        # conv5_1_B_new = conv5_1_B - lr*V_conv5_1_B_new   (computed with the last statement of its batch)
+        conv5_1_B_new = T['conv5_1_B']  # in place: the new conv5_1_B
+        # conv4_3_B_new = conv4_3_B - lr*V_conv4_3_B_new   (computed with the last statement of its batch)
+        conv4_3_B_new = T['conv4_3_B']  # in place: the new conv4_3_B
+        # conv4_2_B_new = conv4_2_B - lr*V_conv4_2_B_new   (computed with the last statement of its batch)
+        conv4_2_B_new = T['conv4_2_B']  # in place: the new conv4_2_B
+        # conv4_1_B_new = conv4_1_B - lr*V_conv4_1_B_new   (computed with the last statement of its batch)
+        conv4_1_B_new = T['conv4_1_B']  # in place: the new conv4_1_B
+        # conv3_3_B_new = conv3_3_B - lr*V_conv3_3_B_new   (computed with the last statement of its batch)
+        conv3_3_B_new = T['conv3_3_B']  # in place: the new conv3_3_B
+        # conv3_2_B_new = conv3_2_B - lr*V_conv3_2_B_new   (computed with the last statement of its batch)
+        conv3_2_B_new = T['conv3_2_B']  # in place: the new conv3_2_B
+        # conv3_1_B_new = conv3_1_B - lr*V_conv3_1_B_new   (computed with the last statement of its batch)
+        conv3_1_B_new = T['conv3_1_B']  # in place: the new conv3_1_B
+        # conv2_2_B_new = conv2_2_B - lr*V_conv2_2_B_new   (computed with the last statement of its batch)
+        conv2_2_B_new = T['conv2_2_B']  # in place: the new conv2_2_B
+        # conv2_1_B_new = conv2_1_B - lr*V_conv2_1_B_new   (computed with the last statement of its batch)
+        conv2_1_B_new = T['conv2_1_B']  # in place: the new conv2_1_B
+        # conv1_2_B_new = conv1_2_B - lr*V_conv1_2_B_new   (computed with the last statement of its batch)
+        conv1_2_B_new = T['conv1_2_B']  # in place: the new conv1_2_B
+        # conv1_1_W_new = conv1_1_W - lr*V_conv1_1_W_new   (computed with the last statement of its batch)
+        conv1_1_W_new = T['conv1_1_W']  # in place: the new conv1_1_W
+        # conv1_1_B_new = conv1_1_B - lr*V_conv1_1_B_new   (and the 12 statements before it, in one call)
+        conv1_1_B_new = T['conv1_1_B']  # in place: the new conv1_1_B
+        rt.ew_many(ew_mul_sub,
+                   (conv5_2_B_new, T['conv5_2_B'], lr, V_conv5_2_B_new),
+                   (conv5_1_B_new, T['conv5_1_B'], lr, V_conv5_1_B_new),
+                   (conv4_3_B_new, T['conv4_3_B'], lr, V_conv4_3_B_new),
+                   (conv4_2_B_new, T['conv4_2_B'], lr, V_conv4_2_B_new),
+                   (conv4_1_B_new, T['conv4_1_B'], lr, V_conv4_1_B_new),
+                   (conv3_3_B_new, T['conv3_3_B'], lr, V_conv3_3_B_new),
+                   (conv3_2_B_new, T['conv3_2_B'], lr, V_conv3_2_B_new),
+                   (conv3_1_B_new, T['conv3_1_B'], lr, V_conv3_1_B_new),
+                   (conv2_2_B_new, T['conv2_2_B'], lr, V_conv2_2_B_new),
+                   (conv2_1_B_new, T['conv2_1_B'], lr, V_conv2_1_B_new),
+                   (conv1_2_B_new, T['conv1_2_B'], lr, V_conv1_2_B_new),
+                   (conv1_1_W_new, T['conv1_1_W'], lr, V_conv1_1_W_new),
+                   (conv1_1_B_new, T['conv1_1_B'], lr, V_conv1_1_B_new))
         loss = rt.scalar(fc8_cross_entropy)
         mem.end()
         return loss
@@ -1714,7 +1682,7 @@ class Vgg16(rp.Model):
                 (0, 256),  # 0: const 64 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=2549743616, peak_bytes=2465988864, workspace_bytes=155518464, pool_bytes=2653284608, pool_peak_bytes=2550792448,
+            arena_bytes=2549743616, peak_bytes=2465988864, workspace_bytes=155518464, pool_bytes=2653284608, pool_peak_bytes=2550798592,
             buffers=(
                 (2466250752, 38535168),  # 0: x 64x3x224x224 float32
                 (2030043136, 256),  # 1: y 64 int32
@@ -1750,7 +1718,7 @@ class Vgg16(rp.Model):
                 (2020212736, 1048576),  # 31: fc7_dropout 64x4096 float32
                 (2005925888, 256000),  # 32: fc8_matmul 64x1000 float32
                 (2006181888, 256),  # 33: fc8_cross_entropy_pick 64 float32
-                (2293891072, 4),  # 34: fc8_cross_entropy_sum_to scalar float32
+                (2293895168, 4),  # 34: fc8_cross_entropy_sum_to scalar float32
                 (2005925888, 4000),  # 35: d_fc8_B 1000 float32
                 (2046296064, 1048576),  # 36: d_fc7_dropout 64x4096 float32
                 (2004877312, 16384),  # 37: d_fc7_B 4096 float32
@@ -1762,43 +1730,43 @@ class Vgg16(rp.Model):
                 (2029518848, 2048),  # 43: d_conv5_3_sum_to 1x512x1x1 float32
                 (2029518848, 9437184),  # 44: d_conv5_3_W 512x512x3x3 float32
                 (2003828736, 25690112),  # 45: d_conv5_2_relu 64x512x14x14 float32
-                (1978138624, 2048),  # 46: d_conv5_2_sum_to 1x512x1x1 float32
+                (2293891072, 2048),  # 46: d_conv5_2_sum_to 1x512x1x1 float32
                 (1978138624, 9437184),  # 47: d_conv5_2_W 512x512x3x3 float32
                 (1978138624, 25690112),  # 48: d_conv5_1_relu 64x512x14x14 float32
-                (1952448512, 2048),  # 49: d_conv5_1_sum_to 1x512x1x1 float32
+                (2293893120, 2048),  # 49: d_conv5_1_sum_to 1x512x1x1 float32
                 (1952448512, 9437184),  # 50: d_conv5_1_W 512x512x3x3 float32
                 (1952448512, 25690112),  # 51: d_conv4_3_max_pool 64x512x14x14 float32
                 (1978138624, 67108864),  # 52: d_fc7_W 4096x4096 float32
                 (1952448512, 102760448),  # 53: d_conv4_3_relu_max_pool_bwd 64x512x28x28 float32
-                (2260729856, 2048),  # 54: d_conv4_3_sum_to 1x512x1x1 float32
+                (2270167040, 2048),  # 54: d_conv4_3_sum_to 1x512x1x1 float32
                 (2260729856, 9437184),  # 55: d_conv4_3_W 512x512x3x3 float32
                 (1952448512, 102760448),  # 56: d_conv4_2_relu 64x512x28x28 float32
-                (1644167168, 2048),  # 57: d_conv4_2_sum_to 1x512x1x1 float32
+                (2260729856, 2048),  # 57: d_conv4_2_sum_to 1x512x1x1 float32
                 (1644167168, 9437184),  # 58: d_conv4_2_W 512x512x3x3 float32
                 (1644167168, 102760448),  # 59: d_conv4_1_relu 64x512x28x28 float32
-                (1746927616, 2048),  # 60: d_conv4_1_sum_to 1x512x1x1 float32
+                (2260731904, 2048),  # 60: d_conv4_1_sum_to 1x512x1x1 float32
                 (1746927616, 4718592),  # 61: d_conv4_1_W 512x256x3x3 float32
                 (1952448512, 51380224),  # 62: d_conv3_3_max_pool 64x256x28x28 float32
                 (1644167168, 205520896),  # 63: d_conv3_3_relu_max_pool_bwd 64x256x56x56 float32
-                (1952448512, 1024),  # 64: d_conv3_3_sum_to 1x256x1x1 float32
+                (2260733952, 1024),  # 64: d_conv3_3_sum_to 1x256x1x1 float32
                 (1952448512, 2359296),  # 65: d_conv3_3_W 256x256x3x3 float32
                 (1644167168, 205520896),  # 66: d_conv3_2_relu 64x256x56x56 float32
-                (0, 1024),  # 67: d_conv3_2_sum_to 1x256x1x1 float32
+                (2260734976, 1024),  # 67: d_conv3_2_sum_to 1x256x1x1 float32
                 (0, 2359296),  # 68: d_conv3_2_W 256x256x3x3 float32
                 (0, 205520896),  # 69: d_conv3_1_relu 64x256x56x56 float32
-                (205520896, 1024),  # 70: d_conv3_1_sum_to 1x256x1x1 float32
+                (2260736000, 1024),  # 70: d_conv3_1_sum_to 1x256x1x1 float32
                 (308281344, 1179648),  # 71: d_conv3_1_W 256x128x3x3 float32
                 (205520896, 102760448),  # 72: d_conv2_2_max_pool 64x128x56x56 float32
                 (1644167168, 411041792),  # 73: d_conv2_2_relu_max_pool_bwd 64x128x112x112 float32
-                (0, 512),  # 74: d_conv2_2_sum_to 1x128x1x1 float32
+                (2260737024, 512),  # 74: d_conv2_2_sum_to 1x128x1x1 float32
                 (0, 589824),  # 75: d_conv2_2_W 128x128x3x3 float32
                 (0, 411041792),  # 76: d_conv2_1_relu 64x128x112x112 float32
-                (411041792, 512),  # 77: d_conv2_1_sum_to 1x128x1x1 float32
+                (1849688064, 512),  # 77: d_conv2_1_sum_to 1x128x1x1 float32
                 (411041792, 294912),  # 78: d_conv2_1_W 128x64x3x3 float32
                 (1644167168, 205520896),  # 79: d_conv1_2_max_pool 64x64x112x112 float32
                 (0, 411041792),  # 80: d_fc6_W 4096x25088 float32
                 (0, 822083584),  # 81: d_conv1_2_relu_max_pool_bwd 64x64x224x224 float32
-                (1644167168, 256),  # 82: d_conv1_2_sum_to 1x64x1x1 float32
+                (1644314624, 256),  # 82: d_conv1_2_sum_to 1x64x1x1 float32
                 (1644167168, 147456),  # 83: d_conv1_2_W 64x64x3x3 float32
                 (0, 822083584),  # 84: d_conv1_1_relu 64x64x224x224 float32
                 (822083584, 6912),  # 85: d_conv1_1_W 64x3x3x3 float32

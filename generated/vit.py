@@ -4,8 +4,8 @@ Source network: networks/vit.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: AdamW, 600 iterations, lr 0.002, betas (0.9, 0.999), eps 1e-08, decay 0.05, lr schedule cosine:0 after 50 iterations of warm-up
-Memory: peak 20.82 MB of tensors planned for the training step (2.05 MB testing); static arena 20.82 MB, pool 20.82 MB, workspace 0.87 MB
-Structure hash: 5e7e934b59edd086
+Memory: peak 20.82 MB of tensors planned for the training step (2.05 MB testing); static arena 20.83 MB, pool 20.83 MB, workspace 0.87 MB
+Structure hash: 8c8c1c6c1f896a95
 
 Usage: python vit.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class Vit(rp.Model):
 
     name = "vit"
     source = "networks/vit.py"
-    structure_hash = "5e7e934b59edd086"
+    structure_hash = "8c8c1c6c1f896a95"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -748,30 +748,9 @@ class Vit(rp.Model):
         rt.ew(ew_scale_2, head_cross_entropy, head_cross_entropy_sum_to)
 
         # ---- head (fully connected, 10 outputs), backward ----
-        # S_head_W_new = 0.999*S_head_W + 0.001*d_head_W**2
-        S_head_W_new = T['S_head_W']  # in place: the new S_head_W
-        rt.ew(ew_square_scale_add, S_head_W_new, T['S_head_W'], d_head_W)
-        # M_head_W_new = 0.9*M_head_W + 0.1*d_head_W
-        M_head_W_new = T['M_head_W']  # in place: the new M_head_W
-        rt.ew(ew_scale_add, M_head_W_new, T['M_head_W'], d_head_W)
-        # free d_head_W
-        del d_head_W
-        mem.free(49)
         # d_head_B = sum_to[10](d_head)
         d_head_B = mem.tensor(51, (10,), 'float32')
         rt.sum_to(d_head, out=d_head_B, shape=(10,))
-        # S_head_B_new = 0.999*S_head_B + 0.001*d_head_B**2
-        S_head_B_new = T['S_head_B']  # in place: the new S_head_B
-        rt.ew(ew_square_scale_add, S_head_B_new, T['S_head_B'], d_head_B)
-        # M_head_B_new = 0.9*M_head_B + 0.1*d_head_B   (computed with the next statement)
-        M_head_B_new = T['M_head_B']  # in place: the new M_head_B
-        # head_B_new = head_B*(-lr*decay + 1) - lr*M_head_B_new/(bias1*(sqrt(S_head_B_new)/sqrt(bias2) + 1.0e-8))
-        head_B_new = T['head_B']  # in place: the new head_B
-        rt.ew_pair((ew_scale_add, M_head_B_new, T['M_head_B'], d_head_B),
-                   (ew_mul_sub_recip_sqrt, head_B_new, T['head_B'], lr, bias1, M_head_B_new, S_head_B_new, bias2, decay))
-        # free d_head_B
-        del d_head_B
-        mem.free(51)
         # d_head_scale = matmul(d_head, head_W)
         d_head_scale = mem.tensor(52, (100, 64), 'float32')
         rt.matmul(d_head, T['head_W'], out=d_head_scale)
@@ -781,9 +760,6 @@ class Vit(rp.Model):
         # d_head_reshape = 0.0625*d_head_scale
         d_head_reshape = d_head_scale  # in place: over d_head_scale
         rt.ew(ew_scale, d_head_reshape, d_head_scale)
-        # head_W_new = head_W*(-lr*decay + 1) - lr*M_head_W_new/(bias1*(sqrt(S_head_W_new)/sqrt(bias2) + 1.0e-8))
-        head_W_new = T['head_W']  # in place: the new head_W
-        rt.ew(ew_mul_sub_recip_sqrt, head_W_new, T['head_W'], lr, bias1, M_head_W_new, S_head_W_new, bias2, decay)
         # d_head_sum_to = reshape[100x1x64](d_head_reshape)
         d_head_sum_to = rt.reshape(d_head_reshape, shape=(100, 1, 64))
         # d_ln = broadcast_to[100x16x64](d_head_sum_to)
@@ -813,63 +789,21 @@ class Vit(rp.Model):
         # free block4_fc1_gelu, block4_fc2_reshape
         del block4_fc1_gelu, block4_fc2_reshape
         mem.free(43)
-        # S_block4_fc2_W_new = 0.999*S_block4_fc2_W + 0.001*d_block4_fc2_W**2
-        S_block4_fc2_W_new = T['S_block4_fc2_W']  # in place: the new S_block4_fc2_W
-        rt.ew(ew_square_scale_add, S_block4_fc2_W_new, T['S_block4_fc2_W'], d_block4_fc2_W)
-        # M_block4_fc2_W_new = 0.9*M_block4_fc2_W + 0.1*d_block4_fc2_W
-        M_block4_fc2_W_new = T['M_block4_fc2_W']  # in place: the new M_block4_fc2_W
-        rt.ew(ew_scale_add, M_block4_fc2_W_new, T['M_block4_fc2_W'], d_block4_fc2_W)
-        # free d_block4_fc2_W
-        del d_block4_fc2_W
-        mem.free(55)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
         d_ln_slice = rt.slice(d_ln_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_ln_W = reshape[64](d_ln_slice)
         d_ln_W = rt.reshape(d_ln_slice, shape=(64,))
-        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2
-        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
-        rt.ew(ew_square_scale_add, S_ln_W_new, T['S_ln_W'], d_ln_W)
-        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the next statement)
-        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
-        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))
-        ln_W_new = T['ln_W']  # in place: the new ln_W
-        rt.ew_pair((ew_scale_add, M_ln_W_new, T['M_ln_W'], d_ln_W),
-                   (ew_mul_sub_recip_sqrt, ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay))
         # d_ln_slice_2 = slice[axis=0,start=1,stop=2](d_ln_layer_norm_param_grad)
         d_ln_slice_2 = rt.slice(d_ln_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_ln_B = reshape[64](d_ln_slice_2)
         d_ln_B = rt.reshape(d_ln_slice_2, shape=(64,))
-        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2
-        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
-        rt.ew(ew_square_scale_add, S_ln_B_new, T['S_ln_B'], d_ln_B)
-        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the next statement)
-        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
-        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))
-        ln_B_new = T['ln_B']  # in place: the new ln_B
-        rt.ew_pair((ew_scale_add, M_ln_B_new, T['M_ln_B'], d_ln_B),
-                   (ew_mul_sub_recip_sqrt, ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay))
-        # free d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B
-        del d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B
-        mem.free(54)
 
         # ---- block4_fc2 (fully connected, 64 outputs), backward ----
         # d_block4_fc2_B = sum_to[64](d_block4_fc2_add)
         d_block4_fc2_B = mem.tensor(56, (64,), 'float32')
         rt.sum_to(d_block4_fc2_add, out=d_block4_fc2_B, shape=(64,))
-        # S_block4_fc2_B_new = 0.999*S_block4_fc2_B + 0.001*d_block4_fc2_B**2
-        S_block4_fc2_B_new = T['S_block4_fc2_B']  # in place: the new S_block4_fc2_B
-        rt.ew(ew_square_scale_add, S_block4_fc2_B_new, T['S_block4_fc2_B'], d_block4_fc2_B)
-        # M_block4_fc2_B_new = 0.9*M_block4_fc2_B + 0.1*d_block4_fc2_B   (computed with the next statement)
-        M_block4_fc2_B_new = T['M_block4_fc2_B']  # in place: the new M_block4_fc2_B
-        # block4_fc2_B_new = block4_fc2_B*(-lr*decay + 1) - lr*M_block4_fc2_B_new/(bias1*(sqrt(S_block4_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc2_B_new = T['block4_fc2_B']  # in place: the new block4_fc2_B
-        rt.ew_pair((ew_scale_add, M_block4_fc2_B_new, T['M_block4_fc2_B'], d_block4_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block4_fc2_B_new, T['block4_fc2_B'], lr, bias1, M_block4_fc2_B_new, S_block4_fc2_B_new, bias2, decay))
-        # free d_block4_fc2_B
-        del d_block4_fc2_B
-        mem.free(56)
         # d_block4_fc2_reshape = matmul(d_block4_fc2_add, block4_fc2_W)
         d_block4_fc2_reshape = mem.tensor(57, (1600, 128), 'float32')
         rt.matmul(d_block4_fc2_add, T['block4_fc2_W'], out=d_block4_fc2_reshape)
@@ -893,22 +827,6 @@ class Vit(rp.Model):
         # free block4_ln2, block4_fc1_reshape
         del block4_ln2, block4_fc1_reshape
         mem.free(41)
-        # S_block4_fc1_W_new = 0.999*S_block4_fc1_W + 0.001*d_block4_fc1_W**2
-        S_block4_fc1_W_new = T['S_block4_fc1_W']  # in place: the new S_block4_fc1_W
-        rt.ew(ew_square_scale_add, S_block4_fc1_W_new, T['S_block4_fc1_W'], d_block4_fc1_W)
-        # M_block4_fc1_W_new = 0.9*M_block4_fc1_W + 0.1*d_block4_fc1_W
-        M_block4_fc1_W_new = T['M_block4_fc1_W']  # in place: the new M_block4_fc1_W
-        rt.ew(ew_scale_add, M_block4_fc1_W_new, T['M_block4_fc1_W'], d_block4_fc1_W)
-        # free d_block4_fc1_W
-        del d_block4_fc1_W
-        mem.free(58)
-
-        # ---- block4_fc2 (fully connected, 64 outputs), backward ----
-        # block4_fc2_W_new = block4_fc2_W*(-lr*decay + 1) - lr*M_block4_fc2_W_new/(bias1*(sqrt(S_block4_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc2_W_new = T['block4_fc2_W']  # in place: the new block4_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_fc2_W_new, T['block4_fc2_W'], lr, bias1, M_block4_fc2_W_new, S_block4_fc2_W_new, bias2, decay)
-
-        # ---- block4_fc1 (fully connected, 128 outputs), backward ----
         # d_block4_fc1_B = sum_to[128](d_block4_fc1_add)
         d_block4_fc1_B = mem.tensor(59, (128,), 'float32')
         rt.sum_to(d_block4_fc1_add, out=d_block4_fc1_B, shape=(128,))
@@ -918,21 +836,6 @@ class Vit(rp.Model):
         # free d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
         del d_block4_fc2_reshape, d_block4_fc1_gelu, d_block4_fc1, d_block4_fc1_add
         mem.free(57)
-        # block4_fc1_W_new = block4_fc1_W*(-lr*decay + 1) - lr*M_block4_fc1_W_new/(bias1*(sqrt(S_block4_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc1_W_new = T['block4_fc1_W']  # in place: the new block4_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_fc1_W_new, T['block4_fc1_W'], lr, bias1, M_block4_fc1_W_new, S_block4_fc1_W_new, bias2, decay)
-        # S_block4_fc1_B_new = 0.999*S_block4_fc1_B + 0.001*d_block4_fc1_B**2
-        S_block4_fc1_B_new = T['S_block4_fc1_B']  # in place: the new S_block4_fc1_B
-        rt.ew(ew_square_scale_add, S_block4_fc1_B_new, T['S_block4_fc1_B'], d_block4_fc1_B)
-        # M_block4_fc1_B_new = 0.9*M_block4_fc1_B + 0.1*d_block4_fc1_B   (computed with the next statement)
-        M_block4_fc1_B_new = T['M_block4_fc1_B']  # in place: the new M_block4_fc1_B
-        # block4_fc1_B_new = block4_fc1_B*(-lr*decay + 1) - lr*M_block4_fc1_B_new/(bias1*(sqrt(S_block4_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_fc1_B_new = T['block4_fc1_B']  # in place: the new block4_fc1_B
-        rt.ew_pair((ew_scale_add, M_block4_fc1_B_new, T['M_block4_fc1_B'], d_block4_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block4_fc1_B_new, T['block4_fc1_B'], lr, bias1, M_block4_fc1_B_new, S_block4_fc1_B_new, bias2, decay))
-        # free d_block4_fc1_B
-        del d_block4_fc1_B
-        mem.free(59)
         # d_block4_ln2 = reshape[100x16x64](d_block4_fc1_reshape)
         d_block4_ln2 = rt.reshape(d_block4_fc1_reshape, shape=(100, 16, 64))
 
@@ -956,31 +859,10 @@ class Vit(rp.Model):
         d_block4_ln2_slice = rt.slice(d_block4_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block4_ln2_W = reshape[64](d_block4_ln2_slice)
         d_block4_ln2_W = rt.reshape(d_block4_ln2_slice, shape=(64,))
-        # S_block4_ln2_W_new = 0.999*S_block4_ln2_W + 0.001*d_block4_ln2_W**2
-        S_block4_ln2_W_new = T['S_block4_ln2_W']  # in place: the new S_block4_ln2_W
-        rt.ew(ew_square_scale_add, S_block4_ln2_W_new, T['S_block4_ln2_W'], d_block4_ln2_W)
-        # M_block4_ln2_W_new = 0.9*M_block4_ln2_W + 0.1*d_block4_ln2_W   (computed with the next statement)
-        M_block4_ln2_W_new = T['M_block4_ln2_W']  # in place: the new M_block4_ln2_W
-        # block4_ln2_W_new = block4_ln2_W*(-lr*decay + 1) - lr*M_block4_ln2_W_new/(bias1*(sqrt(S_block4_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln2_W_new = T['block4_ln2_W']  # in place: the new block4_ln2_W
-        rt.ew_pair((ew_scale_add, M_block4_ln2_W_new, T['M_block4_ln2_W'], d_block4_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block4_ln2_W_new, T['block4_ln2_W'], lr, bias1, M_block4_ln2_W_new, S_block4_ln2_W_new, bias2, decay))
         # d_block4_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln2_layer_norm_param_grad)
         d_block4_ln2_slice_2 = rt.slice(d_block4_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block4_ln2_B = reshape[64](d_block4_ln2_slice_2)
         d_block4_ln2_B = rt.reshape(d_block4_ln2_slice_2, shape=(64,))
-        # S_block4_ln2_B_new = 0.999*S_block4_ln2_B + 0.001*d_block4_ln2_B**2
-        S_block4_ln2_B_new = T['S_block4_ln2_B']  # in place: the new S_block4_ln2_B
-        rt.ew(ew_square_scale_add, S_block4_ln2_B_new, T['S_block4_ln2_B'], d_block4_ln2_B)
-        # M_block4_ln2_B_new = 0.9*M_block4_ln2_B + 0.1*d_block4_ln2_B   (computed with the next statement)
-        M_block4_ln2_B_new = T['M_block4_ln2_B']  # in place: the new M_block4_ln2_B
-        # block4_ln2_B_new = block4_ln2_B*(-lr*decay + 1) - lr*M_block4_ln2_B_new/(bias1*(sqrt(S_block4_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln2_B_new = T['block4_ln2_B']  # in place: the new block4_ln2_B
-        rt.ew_pair((ew_scale_add, M_block4_ln2_B_new, T['M_block4_ln2_B'], d_block4_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay))
-        # free d_block4_ln2_layer_norm_param_grad, d_block4_ln2_slice, d_block4_ln2_W, d_block4_ln2_slice_2, d_block4_ln2_B
-        del d_block4_ln2_layer_norm_param_grad, d_block4_ln2_slice, d_block4_ln2_W, d_block4_ln2_slice_2, d_block4_ln2_B
-        mem.free(61)
 
         # ---- block4_attn_out (fully connected, 64 outputs), backward ----
         # d_block4_attn_out_add = reshape[1600x64](d_block4_ln2_add_2)
@@ -988,30 +870,9 @@ class Vit(rp.Model):
         # d_block4_attn_out_B = sum_to[64](d_block4_attn_out_add)
         d_block4_attn_out_B = mem.tensor(62, (64,), 'float32')
         rt.sum_to(d_block4_attn_out_add, out=d_block4_attn_out_B, shape=(64,))
-        # S_block4_attn_out_B_new = 0.999*S_block4_attn_out_B + 0.001*d_block4_attn_out_B**2
-        S_block4_attn_out_B_new = T['S_block4_attn_out_B']  # in place: the new S_block4_attn_out_B
-        rt.ew(ew_square_scale_add, S_block4_attn_out_B_new, T['S_block4_attn_out_B'], d_block4_attn_out_B)
-        # M_block4_attn_out_B_new = 0.9*M_block4_attn_out_B + 0.1*d_block4_attn_out_B   (computed with the next statement)
-        M_block4_attn_out_B_new = T['M_block4_attn_out_B']  # in place: the new M_block4_attn_out_B
-        # block4_attn_out_B_new = block4_attn_out_B*(-lr*decay + 1) - lr*M_block4_attn_out_B_new/(bias1*(sqrt(S_block4_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_out_B_new = T['block4_attn_out_B']  # in place: the new block4_attn_out_B
-        rt.ew_pair((ew_scale_add, M_block4_attn_out_B_new, T['M_block4_attn_out_B'], d_block4_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block4_attn_out_B_new, T['block4_attn_out_B'], lr, bias1, M_block4_attn_out_B_new, S_block4_attn_out_B_new, bias2, decay))
-        # free d_block4_attn_out_B
-        del d_block4_attn_out_B
-        mem.free(62)
         # d_block4_attn_out_W = matmul[ta](d_block4_attn_out_add, block4_attn_out_reshape)
         d_block4_attn_out_W = mem.tensor(63, (64, 64), 'float32')
         rt.matmul(d_block4_attn_out_add, block4_attn_out_reshape, out=d_block4_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # S_block4_attn_out_W_new = 0.999*S_block4_attn_out_W + 0.001*d_block4_attn_out_W**2
-        S_block4_attn_out_W_new = T['S_block4_attn_out_W']  # in place: the new S_block4_attn_out_W
-        rt.ew(ew_square_scale_add, S_block4_attn_out_W_new, T['S_block4_attn_out_W'], d_block4_attn_out_W)
-        # M_block4_attn_out_W_new = 0.9*M_block4_attn_out_W + 0.1*d_block4_attn_out_W
-        M_block4_attn_out_W_new = T['M_block4_attn_out_W']  # in place: the new M_block4_attn_out_W
-        rt.ew(ew_scale_add, M_block4_attn_out_W_new, T['M_block4_attn_out_W'], d_block4_attn_out_W)
-        # free d_block4_attn_out_W
-        del d_block4_attn_out_W
-        mem.free(63)
         # d_block4_attn_out_reshape = matmul(d_block4_attn_out_add, block4_attn_out_W)
         d_block4_attn_out_reshape = mem.tensor(64, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_out_add, T['block4_attn_out_W'], out=d_block4_attn_out_reshape)
@@ -1025,13 +886,6 @@ class Vit(rp.Model):
         # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
         del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
         mem.free(36, 37, 38, 39, 64)
-
-        # ---- block4_attn_out (fully connected, 64 outputs), backward ----
-        # block4_attn_out_W_new = block4_attn_out_W*(-lr*decay + 1) - lr*M_block4_attn_out_W_new/(bias1*(sqrt(S_block4_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_out_W_new = T['block4_attn_out_W']  # in place: the new block4_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_out_W_new, T['block4_attn_out_W'], lr, bias1, M_block4_attn_out_W_new, S_block4_attn_out_W_new, bias2, decay)
-
-        # ---- block4_attn (scaled dot-product attention), backward ----
         # d_block4_attn_slice = slice[axis=0,start=0,stop=102400](d_block4_attn_attention_grad)
         d_block4_attn_slice = rt.slice(d_block4_attn_attention_grad, axis=0, start=0, stop=102400)
         # d_block4_attn_q_add = reshape[1600x64](d_block4_attn_slice)
@@ -1041,18 +895,6 @@ class Vit(rp.Model):
         # d_block4_attn_q_B = sum_to[64](d_block4_attn_q_add)
         d_block4_attn_q_B = mem.tensor(66, (64,), 'float32')
         rt.sum_to(d_block4_attn_q_add, out=d_block4_attn_q_B, shape=(64,))
-        # S_block4_attn_q_B_new = 0.999*S_block4_attn_q_B + 0.001*d_block4_attn_q_B**2
-        S_block4_attn_q_B_new = T['S_block4_attn_q_B']  # in place: the new S_block4_attn_q_B
-        rt.ew(ew_square_scale_add, S_block4_attn_q_B_new, T['S_block4_attn_q_B'], d_block4_attn_q_B)
-        # M_block4_attn_q_B_new = 0.9*M_block4_attn_q_B + 0.1*d_block4_attn_q_B   (computed with the next statement)
-        M_block4_attn_q_B_new = T['M_block4_attn_q_B']  # in place: the new M_block4_attn_q_B
-        # block4_attn_q_B_new = block4_attn_q_B*(-lr*decay + 1) - lr*M_block4_attn_q_B_new/(bias1*(sqrt(S_block4_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_q_B_new = T['block4_attn_q_B']  # in place: the new block4_attn_q_B
-        rt.ew_pair((ew_scale_add, M_block4_attn_q_B_new, T['M_block4_attn_q_B'], d_block4_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block4_attn_q_B_new, T['block4_attn_q_B'], lr, bias1, M_block4_attn_q_B_new, S_block4_attn_q_B_new, bias2, decay))
-        # free d_block4_attn_q_B
-        del d_block4_attn_q_B
-        mem.free(66)
 
         # ---- block4_attn (scaled dot-product attention), backward ----
         # d_block4_attn_slice_2 = slice[axis=0,start=204800,stop=307200](d_block4_attn_attention_grad)
@@ -1064,32 +906,11 @@ class Vit(rp.Model):
         # d_block4_attn_v_B = sum_to[64](d_block4_attn_v_add)
         d_block4_attn_v_B = mem.tensor(67, (64,), 'float32')
         rt.sum_to(d_block4_attn_v_add, out=d_block4_attn_v_B, shape=(64,))
-        # S_block4_attn_v_B_new = 0.999*S_block4_attn_v_B + 0.001*d_block4_attn_v_B**2
-        S_block4_attn_v_B_new = T['S_block4_attn_v_B']  # in place: the new S_block4_attn_v_B
-        rt.ew(ew_square_scale_add, S_block4_attn_v_B_new, T['S_block4_attn_v_B'], d_block4_attn_v_B)
-        # M_block4_attn_v_B_new = 0.9*M_block4_attn_v_B + 0.1*d_block4_attn_v_B   (computed with the next statement)
-        M_block4_attn_v_B_new = T['M_block4_attn_v_B']  # in place: the new M_block4_attn_v_B
-        # block4_attn_v_B_new = block4_attn_v_B*(-lr*decay + 1) - lr*M_block4_attn_v_B_new/(bias1*(sqrt(S_block4_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_v_B_new = T['block4_attn_v_B']  # in place: the new block4_attn_v_B
-        rt.ew_pair((ew_scale_add, M_block4_attn_v_B_new, T['M_block4_attn_v_B'], d_block4_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay))
-        # free d_block4_attn_v_B
-        del d_block4_attn_v_B
-        mem.free(67)
 
         # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_W = matmul[ta](d_block4_attn_q_add, block4_attn_q_reshape)
         d_block4_attn_q_W = mem.tensor(68, (64, 64), 'float32')
         rt.matmul(d_block4_attn_q_add, block4_attn_q_reshape, out=d_block4_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # S_block4_attn_q_W_new = 0.999*S_block4_attn_q_W + 0.001*d_block4_attn_q_W**2
-        S_block4_attn_q_W_new = T['S_block4_attn_q_W']  # in place: the new S_block4_attn_q_W
-        rt.ew(ew_square_scale_add, S_block4_attn_q_W_new, T['S_block4_attn_q_W'], d_block4_attn_q_W)
-        # M_block4_attn_q_W_new = 0.9*M_block4_attn_q_W + 0.1*d_block4_attn_q_W
-        M_block4_attn_q_W_new = T['M_block4_attn_q_W']  # in place: the new M_block4_attn_q_W
-        rt.ew(ew_scale_add, M_block4_attn_q_W_new, T['M_block4_attn_q_W'], d_block4_attn_q_W)
-        # free d_block4_attn_q_W
-        del d_block4_attn_q_W
-        mem.free(68)
 
         # ---- block4_attn (scaled dot-product attention), backward ----
         # d_block4_attn_slice_3 = slice[axis=0,start=102400,stop=204800](d_block4_attn_attention_grad)
@@ -1110,35 +931,10 @@ class Vit(rp.Model):
         del block4_ln1, block4_attn_q_reshape
         mem.free(35)
 
-        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
-        # S_block4_attn_k_W_new = 0.999*S_block4_attn_k_W + 0.001*d_block4_attn_k_W**2
-        S_block4_attn_k_W_new = T['S_block4_attn_k_W']  # in place: the new S_block4_attn_k_W
-        rt.ew(ew_square_scale_add, S_block4_attn_k_W_new, T['S_block4_attn_k_W'], d_block4_attn_k_W)
-        # M_block4_attn_k_W_new = 0.9*M_block4_attn_k_W + 0.1*d_block4_attn_k_W
-        M_block4_attn_k_W_new = T['M_block4_attn_k_W']  # in place: the new M_block4_attn_k_W
-        rt.ew(ew_scale_add, M_block4_attn_k_W_new, T['M_block4_attn_k_W'], d_block4_attn_k_W)
-        # free d_block4_attn_k_W
-        del d_block4_attn_k_W
-        mem.free(69)
-
-        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
-        # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2
-        S_block4_attn_v_W_new = T['S_block4_attn_v_W']  # in place: the new S_block4_attn_v_W
-        rt.ew(ew_square_scale_add, S_block4_attn_v_W_new, T['S_block4_attn_v_W'], d_block4_attn_v_W)
-        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W
-        M_block4_attn_v_W_new = T['M_block4_attn_v_W']  # in place: the new M_block4_attn_v_W
-        rt.ew(ew_scale_add, M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W)
-        # free d_block4_attn_v_W
-        del d_block4_attn_v_W
-        mem.free(70)
-
         # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_reshape = matmul(d_block4_attn_q_add, block4_attn_q_W)
         d_block4_attn_q_reshape = mem.tensor(71, (1600, 64), 'float32')
         rt.matmul(d_block4_attn_q_add, T['block4_attn_q_W'], out=d_block4_attn_q_reshape)
-        # block4_attn_q_W_new = block4_attn_q_W*(-lr*decay + 1) - lr*M_block4_attn_q_W_new/(bias1*(sqrt(S_block4_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_q_W_new = T['block4_attn_q_W']  # in place: the new block4_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay)
 
         # ---- block4_attn_k (fully connected, 64 outputs), backward ----
         # d_block4_attn_q_reshape_2 = matmul(d_block4_attn_k_matmul, block4_attn_k_W)
@@ -1160,18 +956,6 @@ class Vit(rp.Model):
         # free d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
         del d_block4_attn_q_reshape, d_block4_attn_q_reshape_2
         mem.free(71, 72)
-
-        # ---- block4_attn_k (fully connected, 64 outputs), backward ----
-        # block4_attn_k_W_new = block4_attn_k_W*(-lr*decay + 1) - lr*M_block4_attn_k_W_new/(bias1*(sqrt(S_block4_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_k_W_new = T['block4_attn_k_W']  # in place: the new block4_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay)
-
-        # ---- block4_attn_v (fully connected, 64 outputs), backward ----
-        # block4_attn_v_W_new = block4_attn_v_W*(-lr*decay + 1) - lr*M_block4_attn_v_W_new/(bias1*(sqrt(S_block4_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_attn_v_W_new = T['block4_attn_v_W']  # in place: the new block4_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay)
-
-        # ---- block4_attn_q (fully connected, 64 outputs), backward ----
         # d_block4_ln1 = reshape[100x16x64](d_block4_attn_q_reshape_4)
         d_block4_ln1 = rt.reshape(d_block4_attn_q_reshape_4, shape=(100, 16, 64))
 
@@ -1201,63 +985,21 @@ class Vit(rp.Model):
         # free block3_fc1_gelu, block3_fc2_reshape
         del block3_fc1_gelu, block3_fc2_reshape
         mem.free(33)
-        # S_block3_fc2_W_new = 0.999*S_block3_fc2_W + 0.001*d_block3_fc2_W**2
-        S_block3_fc2_W_new = T['S_block3_fc2_W']  # in place: the new S_block3_fc2_W
-        rt.ew(ew_square_scale_add, S_block3_fc2_W_new, T['S_block3_fc2_W'], d_block3_fc2_W)
-        # M_block3_fc2_W_new = 0.9*M_block3_fc2_W + 0.1*d_block3_fc2_W
-        M_block3_fc2_W_new = T['M_block3_fc2_W']  # in place: the new M_block3_fc2_W
-        rt.ew(ew_scale_add, M_block3_fc2_W_new, T['M_block3_fc2_W'], d_block3_fc2_W)
-        # free d_block3_fc2_W
-        del d_block3_fc2_W
-        mem.free(75)
 
         # ---- block4_ln1 (layer norm over the last 1 axes), backward ----
         # d_block4_ln1_slice = slice[axis=0,start=0,stop=1](d_block4_ln1_layer_norm_param_grad)
         d_block4_ln1_slice = rt.slice(d_block4_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block4_ln1_W = reshape[64](d_block4_ln1_slice)
         d_block4_ln1_W = rt.reshape(d_block4_ln1_slice, shape=(64,))
-        # S_block4_ln1_W_new = 0.999*S_block4_ln1_W + 0.001*d_block4_ln1_W**2
-        S_block4_ln1_W_new = T['S_block4_ln1_W']  # in place: the new S_block4_ln1_W
-        rt.ew(ew_square_scale_add, S_block4_ln1_W_new, T['S_block4_ln1_W'], d_block4_ln1_W)
-        # M_block4_ln1_W_new = 0.9*M_block4_ln1_W + 0.1*d_block4_ln1_W   (computed with the next statement)
-        M_block4_ln1_W_new = T['M_block4_ln1_W']  # in place: the new M_block4_ln1_W
-        # block4_ln1_W_new = block4_ln1_W*(-lr*decay + 1) - lr*M_block4_ln1_W_new/(bias1*(sqrt(S_block4_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln1_W_new = T['block4_ln1_W']  # in place: the new block4_ln1_W
-        rt.ew_pair((ew_scale_add, M_block4_ln1_W_new, T['M_block4_ln1_W'], d_block4_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block4_ln1_W_new, T['block4_ln1_W'], lr, bias1, M_block4_ln1_W_new, S_block4_ln1_W_new, bias2, decay))
         # d_block4_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block4_ln1_layer_norm_param_grad)
         d_block4_ln1_slice_2 = rt.slice(d_block4_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block4_ln1_B = reshape[64](d_block4_ln1_slice_2)
         d_block4_ln1_B = rt.reshape(d_block4_ln1_slice_2, shape=(64,))
-        # S_block4_ln1_B_new = 0.999*S_block4_ln1_B + 0.001*d_block4_ln1_B**2
-        S_block4_ln1_B_new = T['S_block4_ln1_B']  # in place: the new S_block4_ln1_B
-        rt.ew(ew_square_scale_add, S_block4_ln1_B_new, T['S_block4_ln1_B'], d_block4_ln1_B)
-        # M_block4_ln1_B_new = 0.9*M_block4_ln1_B + 0.1*d_block4_ln1_B   (computed with the next statement)
-        M_block4_ln1_B_new = T['M_block4_ln1_B']  # in place: the new M_block4_ln1_B
-        # block4_ln1_B_new = block4_ln1_B*(-lr*decay + 1) - lr*M_block4_ln1_B_new/(bias1*(sqrt(S_block4_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block4_ln1_B_new = T['block4_ln1_B']  # in place: the new block4_ln1_B
-        rt.ew_pair((ew_scale_add, M_block4_ln1_B_new, T['M_block4_ln1_B'], d_block4_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay))
-        # free d_block4_ln1_layer_norm_param_grad, d_block4_ln1_slice, d_block4_ln1_W, d_block4_ln1_slice_2, d_block4_ln1_B
-        del d_block4_ln1_layer_norm_param_grad, d_block4_ln1_slice, d_block4_ln1_W, d_block4_ln1_slice_2, d_block4_ln1_B
-        mem.free(74)
 
         # ---- block3_fc2 (fully connected, 64 outputs), backward ----
         # d_block3_fc2_B = sum_to[64](d_block3_fc2_add)
         d_block3_fc2_B = mem.tensor(76, (64,), 'float32')
         rt.sum_to(d_block3_fc2_add, out=d_block3_fc2_B, shape=(64,))
-        # S_block3_fc2_B_new = 0.999*S_block3_fc2_B + 0.001*d_block3_fc2_B**2
-        S_block3_fc2_B_new = T['S_block3_fc2_B']  # in place: the new S_block3_fc2_B
-        rt.ew(ew_square_scale_add, S_block3_fc2_B_new, T['S_block3_fc2_B'], d_block3_fc2_B)
-        # M_block3_fc2_B_new = 0.9*M_block3_fc2_B + 0.1*d_block3_fc2_B   (computed with the next statement)
-        M_block3_fc2_B_new = T['M_block3_fc2_B']  # in place: the new M_block3_fc2_B
-        # block3_fc2_B_new = block3_fc2_B*(-lr*decay + 1) - lr*M_block3_fc2_B_new/(bias1*(sqrt(S_block3_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc2_B_new = T['block3_fc2_B']  # in place: the new block3_fc2_B
-        rt.ew_pair((ew_scale_add, M_block3_fc2_B_new, T['M_block3_fc2_B'], d_block3_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block3_fc2_B_new, T['block3_fc2_B'], lr, bias1, M_block3_fc2_B_new, S_block3_fc2_B_new, bias2, decay))
-        # free d_block3_fc2_B
-        del d_block3_fc2_B
-        mem.free(76)
         # d_block3_fc2_reshape = matmul(d_block3_fc2_add, block3_fc2_W)
         d_block3_fc2_reshape = mem.tensor(77, (1600, 128), 'float32')
         rt.matmul(d_block3_fc2_add, T['block3_fc2_W'], out=d_block3_fc2_reshape)
@@ -1281,22 +1023,6 @@ class Vit(rp.Model):
         # free block3_ln2, block3_fc1_reshape
         del block3_ln2, block3_fc1_reshape
         mem.free(31)
-        # S_block3_fc1_W_new = 0.999*S_block3_fc1_W + 0.001*d_block3_fc1_W**2
-        S_block3_fc1_W_new = T['S_block3_fc1_W']  # in place: the new S_block3_fc1_W
-        rt.ew(ew_square_scale_add, S_block3_fc1_W_new, T['S_block3_fc1_W'], d_block3_fc1_W)
-        # M_block3_fc1_W_new = 0.9*M_block3_fc1_W + 0.1*d_block3_fc1_W
-        M_block3_fc1_W_new = T['M_block3_fc1_W']  # in place: the new M_block3_fc1_W
-        rt.ew(ew_scale_add, M_block3_fc1_W_new, T['M_block3_fc1_W'], d_block3_fc1_W)
-        # free d_block3_fc1_W
-        del d_block3_fc1_W
-        mem.free(78)
-
-        # ---- block3_fc2 (fully connected, 64 outputs), backward ----
-        # block3_fc2_W_new = block3_fc2_W*(-lr*decay + 1) - lr*M_block3_fc2_W_new/(bias1*(sqrt(S_block3_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc2_W_new = T['block3_fc2_W']  # in place: the new block3_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_fc2_W_new, T['block3_fc2_W'], lr, bias1, M_block3_fc2_W_new, S_block3_fc2_W_new, bias2, decay)
-
-        # ---- block3_fc1 (fully connected, 128 outputs), backward ----
         # d_block3_fc1_B = sum_to[128](d_block3_fc1_add)
         d_block3_fc1_B = mem.tensor(79, (128,), 'float32')
         rt.sum_to(d_block3_fc1_add, out=d_block3_fc1_B, shape=(128,))
@@ -1306,21 +1032,6 @@ class Vit(rp.Model):
         # free d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
         del d_block3_fc2_reshape, d_block3_fc1_gelu, d_block3_fc1, d_block3_fc1_add
         mem.free(77)
-        # block3_fc1_W_new = block3_fc1_W*(-lr*decay + 1) - lr*M_block3_fc1_W_new/(bias1*(sqrt(S_block3_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc1_W_new = T['block3_fc1_W']  # in place: the new block3_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_fc1_W_new, T['block3_fc1_W'], lr, bias1, M_block3_fc1_W_new, S_block3_fc1_W_new, bias2, decay)
-        # S_block3_fc1_B_new = 0.999*S_block3_fc1_B + 0.001*d_block3_fc1_B**2
-        S_block3_fc1_B_new = T['S_block3_fc1_B']  # in place: the new S_block3_fc1_B
-        rt.ew(ew_square_scale_add, S_block3_fc1_B_new, T['S_block3_fc1_B'], d_block3_fc1_B)
-        # M_block3_fc1_B_new = 0.9*M_block3_fc1_B + 0.1*d_block3_fc1_B   (computed with the next statement)
-        M_block3_fc1_B_new = T['M_block3_fc1_B']  # in place: the new M_block3_fc1_B
-        # block3_fc1_B_new = block3_fc1_B*(-lr*decay + 1) - lr*M_block3_fc1_B_new/(bias1*(sqrt(S_block3_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_fc1_B_new = T['block3_fc1_B']  # in place: the new block3_fc1_B
-        rt.ew_pair((ew_scale_add, M_block3_fc1_B_new, T['M_block3_fc1_B'], d_block3_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block3_fc1_B_new, T['block3_fc1_B'], lr, bias1, M_block3_fc1_B_new, S_block3_fc1_B_new, bias2, decay))
-        # free d_block3_fc1_B
-        del d_block3_fc1_B
-        mem.free(79)
         # d_block3_ln2 = reshape[100x16x64](d_block3_fc1_reshape)
         d_block3_ln2 = rt.reshape(d_block3_fc1_reshape, shape=(100, 16, 64))
 
@@ -1344,31 +1055,10 @@ class Vit(rp.Model):
         d_block3_ln2_slice = rt.slice(d_block3_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block3_ln2_W = reshape[64](d_block3_ln2_slice)
         d_block3_ln2_W = rt.reshape(d_block3_ln2_slice, shape=(64,))
-        # S_block3_ln2_W_new = 0.999*S_block3_ln2_W + 0.001*d_block3_ln2_W**2
-        S_block3_ln2_W_new = T['S_block3_ln2_W']  # in place: the new S_block3_ln2_W
-        rt.ew(ew_square_scale_add, S_block3_ln2_W_new, T['S_block3_ln2_W'], d_block3_ln2_W)
-        # M_block3_ln2_W_new = 0.9*M_block3_ln2_W + 0.1*d_block3_ln2_W   (computed with the next statement)
-        M_block3_ln2_W_new = T['M_block3_ln2_W']  # in place: the new M_block3_ln2_W
-        # block3_ln2_W_new = block3_ln2_W*(-lr*decay + 1) - lr*M_block3_ln2_W_new/(bias1*(sqrt(S_block3_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln2_W_new = T['block3_ln2_W']  # in place: the new block3_ln2_W
-        rt.ew_pair((ew_scale_add, M_block3_ln2_W_new, T['M_block3_ln2_W'], d_block3_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block3_ln2_W_new, T['block3_ln2_W'], lr, bias1, M_block3_ln2_W_new, S_block3_ln2_W_new, bias2, decay))
         # d_block3_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln2_layer_norm_param_grad)
         d_block3_ln2_slice_2 = rt.slice(d_block3_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block3_ln2_B = reshape[64](d_block3_ln2_slice_2)
         d_block3_ln2_B = rt.reshape(d_block3_ln2_slice_2, shape=(64,))
-        # S_block3_ln2_B_new = 0.999*S_block3_ln2_B + 0.001*d_block3_ln2_B**2
-        S_block3_ln2_B_new = T['S_block3_ln2_B']  # in place: the new S_block3_ln2_B
-        rt.ew(ew_square_scale_add, S_block3_ln2_B_new, T['S_block3_ln2_B'], d_block3_ln2_B)
-        # M_block3_ln2_B_new = 0.9*M_block3_ln2_B + 0.1*d_block3_ln2_B   (computed with the next statement)
-        M_block3_ln2_B_new = T['M_block3_ln2_B']  # in place: the new M_block3_ln2_B
-        # block3_ln2_B_new = block3_ln2_B*(-lr*decay + 1) - lr*M_block3_ln2_B_new/(bias1*(sqrt(S_block3_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln2_B_new = T['block3_ln2_B']  # in place: the new block3_ln2_B
-        rt.ew_pair((ew_scale_add, M_block3_ln2_B_new, T['M_block3_ln2_B'], d_block3_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay))
-        # free d_block3_ln2_layer_norm_param_grad, d_block3_ln2_slice, d_block3_ln2_W, d_block3_ln2_slice_2, d_block3_ln2_B
-        del d_block3_ln2_layer_norm_param_grad, d_block3_ln2_slice, d_block3_ln2_W, d_block3_ln2_slice_2, d_block3_ln2_B
-        mem.free(81)
 
         # ---- block3_attn_out (fully connected, 64 outputs), backward ----
         # d_block3_attn_out_add = reshape[1600x64](d_block3_ln2_add_2)
@@ -1376,30 +1066,9 @@ class Vit(rp.Model):
         # d_block3_attn_out_B = sum_to[64](d_block3_attn_out_add)
         d_block3_attn_out_B = mem.tensor(82, (64,), 'float32')
         rt.sum_to(d_block3_attn_out_add, out=d_block3_attn_out_B, shape=(64,))
-        # S_block3_attn_out_B_new = 0.999*S_block3_attn_out_B + 0.001*d_block3_attn_out_B**2
-        S_block3_attn_out_B_new = T['S_block3_attn_out_B']  # in place: the new S_block3_attn_out_B
-        rt.ew(ew_square_scale_add, S_block3_attn_out_B_new, T['S_block3_attn_out_B'], d_block3_attn_out_B)
-        # M_block3_attn_out_B_new = 0.9*M_block3_attn_out_B + 0.1*d_block3_attn_out_B   (computed with the next statement)
-        M_block3_attn_out_B_new = T['M_block3_attn_out_B']  # in place: the new M_block3_attn_out_B
-        # block3_attn_out_B_new = block3_attn_out_B*(-lr*decay + 1) - lr*M_block3_attn_out_B_new/(bias1*(sqrt(S_block3_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_out_B_new = T['block3_attn_out_B']  # in place: the new block3_attn_out_B
-        rt.ew_pair((ew_scale_add, M_block3_attn_out_B_new, T['M_block3_attn_out_B'], d_block3_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block3_attn_out_B_new, T['block3_attn_out_B'], lr, bias1, M_block3_attn_out_B_new, S_block3_attn_out_B_new, bias2, decay))
-        # free d_block3_attn_out_B
-        del d_block3_attn_out_B
-        mem.free(82)
         # d_block3_attn_out_W = matmul[ta](d_block3_attn_out_add, block3_attn_out_reshape)
         d_block3_attn_out_W = mem.tensor(83, (64, 64), 'float32')
         rt.matmul(d_block3_attn_out_add, block3_attn_out_reshape, out=d_block3_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # S_block3_attn_out_W_new = 0.999*S_block3_attn_out_W + 0.001*d_block3_attn_out_W**2
-        S_block3_attn_out_W_new = T['S_block3_attn_out_W']  # in place: the new S_block3_attn_out_W
-        rt.ew(ew_square_scale_add, S_block3_attn_out_W_new, T['S_block3_attn_out_W'], d_block3_attn_out_W)
-        # M_block3_attn_out_W_new = 0.9*M_block3_attn_out_W + 0.1*d_block3_attn_out_W
-        M_block3_attn_out_W_new = T['M_block3_attn_out_W']  # in place: the new M_block3_attn_out_W
-        rt.ew(ew_scale_add, M_block3_attn_out_W_new, T['M_block3_attn_out_W'], d_block3_attn_out_W)
-        # free d_block3_attn_out_W
-        del d_block3_attn_out_W
-        mem.free(83)
         # d_block3_attn_out_reshape = matmul(d_block3_attn_out_add, block3_attn_out_W)
         d_block3_attn_out_reshape = mem.tensor(84, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_out_add, T['block3_attn_out_W'], out=d_block3_attn_out_reshape)
@@ -1413,13 +1082,6 @@ class Vit(rp.Model):
         # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
         del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
         mem.free(26, 27, 28, 29, 84)
-
-        # ---- block3_attn_out (fully connected, 64 outputs), backward ----
-        # block3_attn_out_W_new = block3_attn_out_W*(-lr*decay + 1) - lr*M_block3_attn_out_W_new/(bias1*(sqrt(S_block3_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_out_W_new = T['block3_attn_out_W']  # in place: the new block3_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_out_W_new, T['block3_attn_out_W'], lr, bias1, M_block3_attn_out_W_new, S_block3_attn_out_W_new, bias2, decay)
-
-        # ---- block3_attn (scaled dot-product attention), backward ----
         # d_block3_attn_slice = slice[axis=0,start=0,stop=102400](d_block3_attn_attention_grad)
         d_block3_attn_slice = rt.slice(d_block3_attn_attention_grad, axis=0, start=0, stop=102400)
         # d_block3_attn_q_add = reshape[1600x64](d_block3_attn_slice)
@@ -1429,18 +1091,6 @@ class Vit(rp.Model):
         # d_block3_attn_q_B = sum_to[64](d_block3_attn_q_add)
         d_block3_attn_q_B = mem.tensor(86, (64,), 'float32')
         rt.sum_to(d_block3_attn_q_add, out=d_block3_attn_q_B, shape=(64,))
-        # S_block3_attn_q_B_new = 0.999*S_block3_attn_q_B + 0.001*d_block3_attn_q_B**2
-        S_block3_attn_q_B_new = T['S_block3_attn_q_B']  # in place: the new S_block3_attn_q_B
-        rt.ew(ew_square_scale_add, S_block3_attn_q_B_new, T['S_block3_attn_q_B'], d_block3_attn_q_B)
-        # M_block3_attn_q_B_new = 0.9*M_block3_attn_q_B + 0.1*d_block3_attn_q_B   (computed with the next statement)
-        M_block3_attn_q_B_new = T['M_block3_attn_q_B']  # in place: the new M_block3_attn_q_B
-        # block3_attn_q_B_new = block3_attn_q_B*(-lr*decay + 1) - lr*M_block3_attn_q_B_new/(bias1*(sqrt(S_block3_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_q_B_new = T['block3_attn_q_B']  # in place: the new block3_attn_q_B
-        rt.ew_pair((ew_scale_add, M_block3_attn_q_B_new, T['M_block3_attn_q_B'], d_block3_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block3_attn_q_B_new, T['block3_attn_q_B'], lr, bias1, M_block3_attn_q_B_new, S_block3_attn_q_B_new, bias2, decay))
-        # free d_block3_attn_q_B
-        del d_block3_attn_q_B
-        mem.free(86)
 
         # ---- block3_attn (scaled dot-product attention), backward ----
         # d_block3_attn_slice_2 = slice[axis=0,start=204800,stop=307200](d_block3_attn_attention_grad)
@@ -1452,32 +1102,11 @@ class Vit(rp.Model):
         # d_block3_attn_v_B = sum_to[64](d_block3_attn_v_add)
         d_block3_attn_v_B = mem.tensor(87, (64,), 'float32')
         rt.sum_to(d_block3_attn_v_add, out=d_block3_attn_v_B, shape=(64,))
-        # S_block3_attn_v_B_new = 0.999*S_block3_attn_v_B + 0.001*d_block3_attn_v_B**2
-        S_block3_attn_v_B_new = T['S_block3_attn_v_B']  # in place: the new S_block3_attn_v_B
-        rt.ew(ew_square_scale_add, S_block3_attn_v_B_new, T['S_block3_attn_v_B'], d_block3_attn_v_B)
-        # M_block3_attn_v_B_new = 0.9*M_block3_attn_v_B + 0.1*d_block3_attn_v_B   (computed with the next statement)
-        M_block3_attn_v_B_new = T['M_block3_attn_v_B']  # in place: the new M_block3_attn_v_B
-        # block3_attn_v_B_new = block3_attn_v_B*(-lr*decay + 1) - lr*M_block3_attn_v_B_new/(bias1*(sqrt(S_block3_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_v_B_new = T['block3_attn_v_B']  # in place: the new block3_attn_v_B
-        rt.ew_pair((ew_scale_add, M_block3_attn_v_B_new, T['M_block3_attn_v_B'], d_block3_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay))
-        # free d_block3_attn_v_B
-        del d_block3_attn_v_B
-        mem.free(87)
 
         # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_W = matmul[ta](d_block3_attn_q_add, block3_attn_q_reshape)
         d_block3_attn_q_W = mem.tensor(88, (64, 64), 'float32')
         rt.matmul(d_block3_attn_q_add, block3_attn_q_reshape, out=d_block3_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # S_block3_attn_q_W_new = 0.999*S_block3_attn_q_W + 0.001*d_block3_attn_q_W**2
-        S_block3_attn_q_W_new = T['S_block3_attn_q_W']  # in place: the new S_block3_attn_q_W
-        rt.ew(ew_square_scale_add, S_block3_attn_q_W_new, T['S_block3_attn_q_W'], d_block3_attn_q_W)
-        # M_block3_attn_q_W_new = 0.9*M_block3_attn_q_W + 0.1*d_block3_attn_q_W
-        M_block3_attn_q_W_new = T['M_block3_attn_q_W']  # in place: the new M_block3_attn_q_W
-        rt.ew(ew_scale_add, M_block3_attn_q_W_new, T['M_block3_attn_q_W'], d_block3_attn_q_W)
-        # free d_block3_attn_q_W
-        del d_block3_attn_q_W
-        mem.free(88)
 
         # ---- block3_attn (scaled dot-product attention), backward ----
         # d_block3_attn_slice_3 = slice[axis=0,start=102400,stop=204800](d_block3_attn_attention_grad)
@@ -1498,35 +1127,10 @@ class Vit(rp.Model):
         del block3_ln1, block3_attn_q_reshape
         mem.free(25)
 
-        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
-        # S_block3_attn_k_W_new = 0.999*S_block3_attn_k_W + 0.001*d_block3_attn_k_W**2
-        S_block3_attn_k_W_new = T['S_block3_attn_k_W']  # in place: the new S_block3_attn_k_W
-        rt.ew(ew_square_scale_add, S_block3_attn_k_W_new, T['S_block3_attn_k_W'], d_block3_attn_k_W)
-        # M_block3_attn_k_W_new = 0.9*M_block3_attn_k_W + 0.1*d_block3_attn_k_W
-        M_block3_attn_k_W_new = T['M_block3_attn_k_W']  # in place: the new M_block3_attn_k_W
-        rt.ew(ew_scale_add, M_block3_attn_k_W_new, T['M_block3_attn_k_W'], d_block3_attn_k_W)
-        # free d_block3_attn_k_W
-        del d_block3_attn_k_W
-        mem.free(89)
-
-        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
-        # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2
-        S_block3_attn_v_W_new = T['S_block3_attn_v_W']  # in place: the new S_block3_attn_v_W
-        rt.ew(ew_square_scale_add, S_block3_attn_v_W_new, T['S_block3_attn_v_W'], d_block3_attn_v_W)
-        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W
-        M_block3_attn_v_W_new = T['M_block3_attn_v_W']  # in place: the new M_block3_attn_v_W
-        rt.ew(ew_scale_add, M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W)
-        # free d_block3_attn_v_W
-        del d_block3_attn_v_W
-        mem.free(90)
-
         # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_reshape = matmul(d_block3_attn_q_add, block3_attn_q_W)
         d_block3_attn_q_reshape = mem.tensor(91, (1600, 64), 'float32')
         rt.matmul(d_block3_attn_q_add, T['block3_attn_q_W'], out=d_block3_attn_q_reshape)
-        # block3_attn_q_W_new = block3_attn_q_W*(-lr*decay + 1) - lr*M_block3_attn_q_W_new/(bias1*(sqrt(S_block3_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_q_W_new = T['block3_attn_q_W']  # in place: the new block3_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay)
 
         # ---- block3_attn_k (fully connected, 64 outputs), backward ----
         # d_block3_attn_q_reshape_2 = matmul(d_block3_attn_k_matmul, block3_attn_k_W)
@@ -1548,18 +1152,6 @@ class Vit(rp.Model):
         # free d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
         del d_block3_attn_q_reshape, d_block3_attn_q_reshape_2
         mem.free(91, 92)
-
-        # ---- block3_attn_k (fully connected, 64 outputs), backward ----
-        # block3_attn_k_W_new = block3_attn_k_W*(-lr*decay + 1) - lr*M_block3_attn_k_W_new/(bias1*(sqrt(S_block3_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_k_W_new = T['block3_attn_k_W']  # in place: the new block3_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay)
-
-        # ---- block3_attn_v (fully connected, 64 outputs), backward ----
-        # block3_attn_v_W_new = block3_attn_v_W*(-lr*decay + 1) - lr*M_block3_attn_v_W_new/(bias1*(sqrt(S_block3_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_attn_v_W_new = T['block3_attn_v_W']  # in place: the new block3_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay)
-
-        # ---- block3_attn_q (fully connected, 64 outputs), backward ----
         # d_block3_ln1 = reshape[100x16x64](d_block3_attn_q_reshape_4)
         d_block3_ln1 = rt.reshape(d_block3_attn_q_reshape_4, shape=(100, 16, 64))
 
@@ -1589,63 +1181,21 @@ class Vit(rp.Model):
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
         mem.free(23)
-        # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2
-        S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
-        rt.ew(ew_square_scale_add, S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W)
-        # M_block2_fc2_W_new = 0.9*M_block2_fc2_W + 0.1*d_block2_fc2_W
-        M_block2_fc2_W_new = T['M_block2_fc2_W']  # in place: the new M_block2_fc2_W
-        rt.ew(ew_scale_add, M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W)
-        # free d_block2_fc2_W
-        del d_block2_fc2_W
-        mem.free(95)
 
         # ---- block3_ln1 (layer norm over the last 1 axes), backward ----
         # d_block3_ln1_slice = slice[axis=0,start=0,stop=1](d_block3_ln1_layer_norm_param_grad)
         d_block3_ln1_slice = rt.slice(d_block3_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block3_ln1_W = reshape[64](d_block3_ln1_slice)
         d_block3_ln1_W = rt.reshape(d_block3_ln1_slice, shape=(64,))
-        # S_block3_ln1_W_new = 0.999*S_block3_ln1_W + 0.001*d_block3_ln1_W**2
-        S_block3_ln1_W_new = T['S_block3_ln1_W']  # in place: the new S_block3_ln1_W
-        rt.ew(ew_square_scale_add, S_block3_ln1_W_new, T['S_block3_ln1_W'], d_block3_ln1_W)
-        # M_block3_ln1_W_new = 0.9*M_block3_ln1_W + 0.1*d_block3_ln1_W   (computed with the next statement)
-        M_block3_ln1_W_new = T['M_block3_ln1_W']  # in place: the new M_block3_ln1_W
-        # block3_ln1_W_new = block3_ln1_W*(-lr*decay + 1) - lr*M_block3_ln1_W_new/(bias1*(sqrt(S_block3_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln1_W_new = T['block3_ln1_W']  # in place: the new block3_ln1_W
-        rt.ew_pair((ew_scale_add, M_block3_ln1_W_new, T['M_block3_ln1_W'], d_block3_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block3_ln1_W_new, T['block3_ln1_W'], lr, bias1, M_block3_ln1_W_new, S_block3_ln1_W_new, bias2, decay))
         # d_block3_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block3_ln1_layer_norm_param_grad)
         d_block3_ln1_slice_2 = rt.slice(d_block3_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block3_ln1_B = reshape[64](d_block3_ln1_slice_2)
         d_block3_ln1_B = rt.reshape(d_block3_ln1_slice_2, shape=(64,))
-        # S_block3_ln1_B_new = 0.999*S_block3_ln1_B + 0.001*d_block3_ln1_B**2
-        S_block3_ln1_B_new = T['S_block3_ln1_B']  # in place: the new S_block3_ln1_B
-        rt.ew(ew_square_scale_add, S_block3_ln1_B_new, T['S_block3_ln1_B'], d_block3_ln1_B)
-        # M_block3_ln1_B_new = 0.9*M_block3_ln1_B + 0.1*d_block3_ln1_B   (computed with the next statement)
-        M_block3_ln1_B_new = T['M_block3_ln1_B']  # in place: the new M_block3_ln1_B
-        # block3_ln1_B_new = block3_ln1_B*(-lr*decay + 1) - lr*M_block3_ln1_B_new/(bias1*(sqrt(S_block3_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block3_ln1_B_new = T['block3_ln1_B']  # in place: the new block3_ln1_B
-        rt.ew_pair((ew_scale_add, M_block3_ln1_B_new, T['M_block3_ln1_B'], d_block3_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay))
-        # free d_block3_ln1_layer_norm_param_grad, d_block3_ln1_slice, d_block3_ln1_W, d_block3_ln1_slice_2, d_block3_ln1_B
-        del d_block3_ln1_layer_norm_param_grad, d_block3_ln1_slice, d_block3_ln1_W, d_block3_ln1_slice_2, d_block3_ln1_B
-        mem.free(94)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
         d_block2_fc2_B = mem.tensor(96, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
-        # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2
-        S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
-        rt.ew(ew_square_scale_add, S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B)
-        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the next statement)
-        M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
-        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
-        rt.ew_pair((ew_scale_add, M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay))
-        # free d_block2_fc2_B
-        del d_block2_fc2_B
-        mem.free(96)
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
         d_block2_fc2_reshape = mem.tensor(97, (1600, 128), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
@@ -1669,22 +1219,6 @@ class Vit(rp.Model):
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
         mem.free(21)
-        # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2
-        S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
-        rt.ew(ew_square_scale_add, S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W)
-        # M_block2_fc1_W_new = 0.9*M_block2_fc1_W + 0.1*d_block2_fc1_W
-        M_block2_fc1_W_new = T['M_block2_fc1_W']  # in place: the new M_block2_fc1_W
-        rt.ew(ew_scale_add, M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W)
-        # free d_block2_fc1_W
-        del d_block2_fc1_W
-        mem.free(98)
-
-        # ---- block2_fc2 (fully connected, 64 outputs), backward ----
-        # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc2_W_new = T['block2_fc2_W']  # in place: the new block2_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc2_W_new, T['block2_fc2_W'], lr, bias1, M_block2_fc2_W_new, S_block2_fc2_W_new, bias2, decay)
-
-        # ---- block2_fc1 (fully connected, 128 outputs), backward ----
         # d_block2_fc1_B = sum_to[128](d_block2_fc1_add)
         d_block2_fc1_B = mem.tensor(99, (128,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(128,))
@@ -1694,21 +1228,6 @@ class Vit(rp.Model):
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         mem.free(97)
-        # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay)
-        # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2
-        S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
-        rt.ew(ew_square_scale_add, S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B)
-        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the next statement)
-        M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
-        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
-        rt.ew_pair((ew_scale_add, M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay))
-        # free d_block2_fc1_B
-        del d_block2_fc1_B
-        mem.free(99)
         # d_block2_ln2 = reshape[100x16x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(100, 16, 64))
 
@@ -1732,31 +1251,10 @@ class Vit(rp.Model):
         d_block2_ln2_slice = rt.slice(d_block2_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
         d_block2_ln2_W = rt.reshape(d_block2_ln2_slice, shape=(64,))
-        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2
-        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
-        rt.ew(ew_square_scale_add, S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W)
-        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the next statement)
-        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
-        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
-        rt.ew_pair((ew_scale_add, M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay))
         # d_block2_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln2_layer_norm_param_grad)
         d_block2_ln2_slice_2 = rt.slice(d_block2_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block2_ln2_B = reshape[64](d_block2_ln2_slice_2)
         d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
-        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2
-        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
-        rt.ew(ew_square_scale_add, S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B)
-        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the next statement)
-        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
-        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
-        rt.ew_pair((ew_scale_add, M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay))
-        # free d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B
-        del d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B
-        mem.free(101)
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
         # d_block2_attn_out_add = reshape[1600x64](d_block2_ln2_add_2)
@@ -1764,30 +1262,9 @@ class Vit(rp.Model):
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
         d_block2_attn_out_B = mem.tensor(102, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
-        # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2
-        S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
-        rt.ew(ew_square_scale_add, S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B)
-        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the next statement)
-        M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
-        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
-        rt.ew_pair((ew_scale_add, M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay))
-        # free d_block2_attn_out_B
-        del d_block2_attn_out_B
-        mem.free(102)
         # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
         d_block2_attn_out_W = mem.tensor(103, (64, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2
-        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
-        rt.ew(ew_square_scale_add, S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W)
-        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W
-        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
-        rt.ew(ew_scale_add, M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W)
-        # free d_block2_attn_out_W
-        del d_block2_attn_out_W
-        mem.free(103)
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
         d_block2_attn_out_reshape = mem.tensor(104, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
@@ -1801,13 +1278,6 @@ class Vit(rp.Model):
         # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
         del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
         mem.free(16, 17, 18, 19, 104)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
-        # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay)
-
-        # ---- block2_attn (scaled dot-product attention), backward ----
         # d_block2_attn_slice = slice[axis=0,start=0,stop=102400](d_block2_attn_attention_grad)
         d_block2_attn_slice = rt.slice(d_block2_attn_attention_grad, axis=0, start=0, stop=102400)
         # d_block2_attn_q_add = reshape[1600x64](d_block2_attn_slice)
@@ -1817,18 +1287,6 @@ class Vit(rp.Model):
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
         d_block2_attn_q_B = mem.tensor(106, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
-        # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2
-        S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
-        rt.ew(ew_square_scale_add, S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B)
-        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the next statement)
-        M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
-        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
-        rt.ew_pair((ew_scale_add, M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay))
-        # free d_block2_attn_q_B
-        del d_block2_attn_q_B
-        mem.free(106)
 
         # ---- block2_attn (scaled dot-product attention), backward ----
         # d_block2_attn_slice_2 = slice[axis=0,start=204800,stop=307200](d_block2_attn_attention_grad)
@@ -1840,32 +1298,11 @@ class Vit(rp.Model):
         # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
         d_block2_attn_v_B = mem.tensor(107, (64,), 'float32')
         rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
-        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2
-        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
-        rt.ew(ew_square_scale_add, S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B)
-        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the next statement)
-        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
-        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
-        rt.ew_pair((ew_scale_add, M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay))
-        # free d_block2_attn_v_B
-        del d_block2_attn_v_B
-        mem.free(107)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
         d_block2_attn_q_W = mem.tensor(108, (64, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2
-        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
-        rt.ew(ew_square_scale_add, S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W)
-        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W
-        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
-        rt.ew(ew_scale_add, M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W)
-        # free d_block2_attn_q_W
-        del d_block2_attn_q_W
-        mem.free(108)
 
         # ---- block2_attn (scaled dot-product attention), backward ----
         # d_block2_attn_slice_3 = slice[axis=0,start=102400,stop=204800](d_block2_attn_attention_grad)
@@ -1886,35 +1323,10 @@ class Vit(rp.Model):
         del block2_ln1, block2_attn_q_reshape
         mem.free(15)
 
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2
-        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
-        rt.ew(ew_square_scale_add, S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W)
-        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W
-        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
-        rt.ew(ew_scale_add, M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W)
-        # free d_block2_attn_k_W
-        del d_block2_attn_k_W
-        mem.free(109)
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2
-        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
-        rt.ew(ew_square_scale_add, S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W)
-        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W
-        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
-        rt.ew(ew_scale_add, M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W)
-        # free d_block2_attn_v_W
-        del d_block2_attn_v_W
-        mem.free(110)
-
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
         d_block2_attn_q_reshape = mem.tensor(111, (1600, 64), 'float32')
         rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
-        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
@@ -1936,18 +1348,6 @@ class Vit(rp.Model):
         # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
         del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
         mem.free(111, 112)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), backward ----
-        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay)
-
-        # ---- block2_attn_v (fully connected, 64 outputs), backward ----
-        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_ln1 = reshape[100x16x64](d_block2_attn_q_reshape_4)
         d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(100, 16, 64))
 
@@ -1977,63 +1377,21 @@ class Vit(rp.Model):
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
         mem.free(13)
-        # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2
-        S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
-        rt.ew(ew_square_scale_add, S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W)
-        # M_block1_fc2_W_new = 0.9*M_block1_fc2_W + 0.1*d_block1_fc2_W
-        M_block1_fc2_W_new = T['M_block1_fc2_W']  # in place: the new M_block1_fc2_W
-        rt.ew(ew_scale_add, M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W)
-        # free d_block1_fc2_W
-        del d_block1_fc2_W
-        mem.free(115)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
         d_block2_ln1_slice = rt.slice(d_block2_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block2_ln1_W = reshape[64](d_block2_ln1_slice)
         d_block2_ln1_W = rt.reshape(d_block2_ln1_slice, shape=(64,))
-        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2
-        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
-        rt.ew(ew_square_scale_add, S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W)
-        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the next statement)
-        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
-        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
-        rt.ew_pair((ew_scale_add, M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay))
         # d_block2_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block2_ln1_layer_norm_param_grad)
         d_block2_ln1_slice_2 = rt.slice(d_block2_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block2_ln1_B = reshape[64](d_block2_ln1_slice_2)
         d_block2_ln1_B = rt.reshape(d_block2_ln1_slice_2, shape=(64,))
-        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2
-        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
-        rt.ew(ew_square_scale_add, S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B)
-        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the next statement)
-        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
-        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
-        rt.ew_pair((ew_scale_add, M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay))
-        # free d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B
-        del d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B
-        mem.free(114)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
         d_block1_fc2_B = mem.tensor(116, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
-        # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2
-        S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
-        rt.ew(ew_square_scale_add, S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B)
-        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the next statement)
-        M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
-        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
-        rt.ew_pair((ew_scale_add, M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
-                   (ew_mul_sub_recip_sqrt, block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay))
-        # free d_block1_fc2_B
-        del d_block1_fc2_B
-        mem.free(116)
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
         d_block1_fc2_reshape = mem.tensor(117, (1600, 128), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
@@ -2057,22 +1415,6 @@ class Vit(rp.Model):
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
         mem.free(11)
-        # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2
-        S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
-        rt.ew(ew_square_scale_add, S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W)
-        # M_block1_fc1_W_new = 0.9*M_block1_fc1_W + 0.1*d_block1_fc1_W
-        M_block1_fc1_W_new = T['M_block1_fc1_W']  # in place: the new M_block1_fc1_W
-        rt.ew(ew_scale_add, M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W)
-        # free d_block1_fc1_W
-        del d_block1_fc1_W
-        mem.free(118)
-
-        # ---- block1_fc2 (fully connected, 64 outputs), backward ----
-        # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc2_W_new = T['block1_fc2_W']  # in place: the new block1_fc2_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc2_W_new, T['block1_fc2_W'], lr, bias1, M_block1_fc2_W_new, S_block1_fc2_W_new, bias2, decay)
-
-        # ---- block1_fc1 (fully connected, 128 outputs), backward ----
         # d_block1_fc1_B = sum_to[128](d_block1_fc1_add)
         d_block1_fc1_B = mem.tensor(119, (128,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(128,))
@@ -2082,21 +1424,6 @@ class Vit(rp.Model):
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         mem.free(117)
-        # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay)
-        # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2
-        S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
-        rt.ew(ew_square_scale_add, S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B)
-        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the next statement)
-        M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
-        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
-        rt.ew_pair((ew_scale_add, M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
-                   (ew_mul_sub_recip_sqrt, block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay))
-        # free d_block1_fc1_B
-        del d_block1_fc1_B
-        mem.free(119)
         # d_block1_ln2 = reshape[100x16x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(100, 16, 64))
 
@@ -2120,31 +1447,10 @@ class Vit(rp.Model):
         d_block1_ln2_slice = rt.slice(d_block1_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
         d_block1_ln2_W = rt.reshape(d_block1_ln2_slice, shape=(64,))
-        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2
-        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
-        rt.ew(ew_square_scale_add, S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W)
-        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the next statement)
-        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
-        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
-        rt.ew_pair((ew_scale_add, M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay))
         # d_block1_ln2_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln2_layer_norm_param_grad)
         d_block1_ln2_slice_2 = rt.slice(d_block1_ln2_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block1_ln2_B = reshape[64](d_block1_ln2_slice_2)
         d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
-        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2
-        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
-        rt.ew(ew_square_scale_add, S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B)
-        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the next statement)
-        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
-        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
-        rt.ew_pair((ew_scale_add, M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay))
-        # free d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B
-        del d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B
-        mem.free(121)
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
         # d_block1_attn_out_add = reshape[1600x64](d_block1_ln2_add_2)
@@ -2152,30 +1458,9 @@ class Vit(rp.Model):
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
         d_block1_attn_out_B = mem.tensor(122, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
-        # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2
-        S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
-        rt.ew(ew_square_scale_add, S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B)
-        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the next statement)
-        M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
-        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
-        rt.ew_pair((ew_scale_add, M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay))
-        # free d_block1_attn_out_B
-        del d_block1_attn_out_B
-        mem.free(122)
         # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
         d_block1_attn_out_W = mem.tensor(123, (64, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2
-        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
-        rt.ew(ew_square_scale_add, S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W)
-        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W
-        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
-        rt.ew(ew_scale_add, M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W)
-        # free d_block1_attn_out_W
-        del d_block1_attn_out_W
-        mem.free(123)
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
         d_block1_attn_out_reshape = mem.tensor(124, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
@@ -2189,13 +1474,6 @@ class Vit(rp.Model):
         # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
         del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
         mem.free(6, 7, 8, 9, 124)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
-        # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay)
-
-        # ---- block1_attn (scaled dot-product attention), backward ----
         # d_block1_attn_slice = slice[axis=0,start=0,stop=102400](d_block1_attn_attention_grad)
         d_block1_attn_slice = rt.slice(d_block1_attn_attention_grad, axis=0, start=0, stop=102400)
         # d_block1_attn_q_add = reshape[1600x64](d_block1_attn_slice)
@@ -2205,18 +1483,6 @@ class Vit(rp.Model):
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
         d_block1_attn_q_B = mem.tensor(126, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
-        # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2
-        S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
-        rt.ew(ew_square_scale_add, S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B)
-        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the next statement)
-        M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
-        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
-        rt.ew_pair((ew_scale_add, M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay))
-        # free d_block1_attn_q_B
-        del d_block1_attn_q_B
-        mem.free(126)
 
         # ---- block1_attn (scaled dot-product attention), backward ----
         # d_block1_attn_slice_2 = slice[axis=0,start=204800,stop=307200](d_block1_attn_attention_grad)
@@ -2228,32 +1494,11 @@ class Vit(rp.Model):
         # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
         d_block1_attn_v_B = mem.tensor(127, (64,), 'float32')
         rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
-        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2
-        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
-        rt.ew(ew_square_scale_add, S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B)
-        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the next statement)
-        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
-        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
-        rt.ew_pair((ew_scale_add, M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
-                   (ew_mul_sub_recip_sqrt, block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay))
-        # free d_block1_attn_v_B
-        del d_block1_attn_v_B
-        mem.free(127)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
         d_block1_attn_q_W = mem.tensor(128, (64, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2
-        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
-        rt.ew(ew_square_scale_add, S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W)
-        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W
-        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
-        rt.ew(ew_scale_add, M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W)
-        # free d_block1_attn_q_W
-        del d_block1_attn_q_W
-        mem.free(128)
 
         # ---- block1_attn (scaled dot-product attention), backward ----
         # d_block1_attn_slice_3 = slice[axis=0,start=102400,stop=204800](d_block1_attn_attention_grad)
@@ -2274,35 +1519,10 @@ class Vit(rp.Model):
         del block1_ln1, block1_attn_q_reshape
         mem.free(5)
 
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2
-        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
-        rt.ew(ew_square_scale_add, S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W)
-        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W
-        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
-        rt.ew(ew_scale_add, M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W)
-        # free d_block1_attn_k_W
-        del d_block1_attn_k_W
-        mem.free(129)
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2
-        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
-        rt.ew(ew_square_scale_add, S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W)
-        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W
-        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
-        rt.ew(ew_scale_add, M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W)
-        # free d_block1_attn_v_W
-        del d_block1_attn_v_W
-        mem.free(130)
-
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
         d_block1_attn_q_reshape = mem.tensor(131, (1600, 64), 'float32')
         rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
-        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay)
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
@@ -2324,18 +1544,6 @@ class Vit(rp.Model):
         # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
         del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
         mem.free(131, 132)
-
-        # ---- block1_attn_k (fully connected, 64 outputs), backward ----
-        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay)
-
-        # ---- block1_attn_v (fully connected, 64 outputs), backward ----
-        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
-        rt.ew(ew_mul_sub_recip_sqrt, block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay)
-
-        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_ln1 = reshape[100x16x64](d_block1_attn_q_reshape_4)
         d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(100, 16, 64))
 
@@ -2363,31 +1571,10 @@ class Vit(rp.Model):
         d_block1_ln1_slice = rt.slice(d_block1_ln1_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block1_ln1_W = reshape[64](d_block1_ln1_slice)
         d_block1_ln1_W = rt.reshape(d_block1_ln1_slice, shape=(64,))
-        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2
-        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
-        rt.ew(ew_square_scale_add, S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W)
-        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W   (computed with the next statement)
-        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
-        # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
-        rt.ew_pair((ew_scale_add, M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W),
-                   (ew_mul_sub_recip_sqrt, block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay))
         # d_block1_ln1_slice_2 = slice[axis=0,start=1,stop=2](d_block1_ln1_layer_norm_param_grad)
         d_block1_ln1_slice_2 = rt.slice(d_block1_ln1_layer_norm_param_grad, axis=0, start=1, stop=2)
         # d_block1_ln1_B = reshape[64](d_block1_ln1_slice_2)
         d_block1_ln1_B = rt.reshape(d_block1_ln1_slice_2, shape=(64,))
-        # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2
-        S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
-        rt.ew(ew_square_scale_add, S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B)
-        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the next statement)
-        M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
-        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))
-        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
-        rt.ew_pair((ew_scale_add, M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
-                   (ew_mul_sub_recip_sqrt, block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay))
-        # free d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B
-        del d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B
-        mem.free(134)
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_pos = sum_to[1x16x64](d_block1_ln2_add_4)
@@ -2415,46 +1602,619 @@ class Vit(rp.Model):
         # free d_block1_ln2_reshape, d_patch
         del d_block1_ln2_reshape, d_patch
         mem.free(136)
-        # S_patch_W_new = 0.999*S_patch_W + 0.001*d_patch_W**2
-        S_patch_W_new = T['S_patch_W']  # in place: the new S_patch_W
-        rt.ew(ew_square_scale_add, S_patch_W_new, T['S_patch_W'], d_patch_W)
-        # M_patch_W_new = 0.9*M_patch_W + 0.1*d_patch_W   (computed with the next statement)
-        M_patch_W_new = T['M_patch_W']  # in place: the new M_patch_W
-        # patch_W_new = patch_W*(-lr*decay + 1) - lr*M_patch_W_new/(bias1*(sqrt(S_patch_W_new)/sqrt(bias2) + 1.0e-8))
-        patch_W_new = T['patch_W']  # in place: the new patch_W
-        rt.ew_pair((ew_scale_add, M_patch_W_new, T['M_patch_W'], d_patch_W),
-                   (ew_mul_sub_recip_sqrt, patch_W_new, T['patch_W'], lr, bias1, M_patch_W_new, S_patch_W_new, bias2, decay))
-        # free d_patch_W
-        del d_patch_W
-        mem.free(137)
         # d_patch_B = reshape[64](d_patch_sum_to)
         d_patch_B = rt.reshape(d_patch_sum_to, shape=(64,))
-        # S_patch_B_new = 0.999*S_patch_B + 0.001*d_patch_B**2
-        S_patch_B_new = T['S_patch_B']  # in place: the new S_patch_B
-        rt.ew(ew_square_scale_add, S_patch_B_new, T['S_patch_B'], d_patch_B)
-        # M_patch_B_new = 0.9*M_patch_B + 0.1*d_patch_B   (computed with the next statement)
-        M_patch_B_new = T['M_patch_B']  # in place: the new M_patch_B
-        # patch_B_new = patch_B*(-lr*decay + 1) - lr*M_patch_B_new/(bias1*(sqrt(S_patch_B_new)/sqrt(bias2) + 1.0e-8))
-        patch_B_new = T['patch_B']  # in place: the new patch_B
-        rt.ew_pair((ew_scale_add, M_patch_B_new, T['M_patch_B'], d_patch_B),
-                   (ew_mul_sub_recip_sqrt, patch_B_new, T['patch_B'], lr, bias1, M_patch_B_new, S_patch_B_new, bias2, decay))
-        # free d_patch_sum_to, d_patch_B
-        del d_patch_sum_to, d_patch_B
-        mem.free(138)
 
-        # ---- pos (parameter 1x16x64), backward ----
-        # S_pos_new = 0.999*S_pos + 0.001*d_pos**2
+        # ---- the small tensors' updates, one call per kernel ----
+        # S_head_W_new = 0.999*S_head_W + 0.001*d_head_W**2   (computed with the last statement of its batch)
+        S_head_W_new = T['S_head_W']  # in place: the new S_head_W
+        # S_head_B_new = 0.999*S_head_B + 0.001*d_head_B**2   (computed with the last statement of its batch)
+        S_head_B_new = T['S_head_B']  # in place: the new S_head_B
+        # S_block4_fc2_W_new = 0.999*S_block4_fc2_W + 0.001*d_block4_fc2_W**2   (computed with the last statement of its batch)
+        S_block4_fc2_W_new = T['S_block4_fc2_W']  # in place: the new S_block4_fc2_W
+        # S_ln_W_new = 0.999*S_ln_W + 0.001*d_ln_W**2   (computed with the last statement of its batch)
+        S_ln_W_new = T['S_ln_W']  # in place: the new S_ln_W
+        # S_ln_B_new = 0.999*S_ln_B + 0.001*d_ln_B**2   (computed with the last statement of its batch)
+        S_ln_B_new = T['S_ln_B']  # in place: the new S_ln_B
+        # S_block4_fc2_B_new = 0.999*S_block4_fc2_B + 0.001*d_block4_fc2_B**2   (computed with the last statement of its batch)
+        S_block4_fc2_B_new = T['S_block4_fc2_B']  # in place: the new S_block4_fc2_B
+        # S_block4_fc1_W_new = 0.999*S_block4_fc1_W + 0.001*d_block4_fc1_W**2   (computed with the last statement of its batch)
+        S_block4_fc1_W_new = T['S_block4_fc1_W']  # in place: the new S_block4_fc1_W
+        # S_block4_fc1_B_new = 0.999*S_block4_fc1_B + 0.001*d_block4_fc1_B**2   (computed with the last statement of its batch)
+        S_block4_fc1_B_new = T['S_block4_fc1_B']  # in place: the new S_block4_fc1_B
+        # S_block4_ln2_W_new = 0.999*S_block4_ln2_W + 0.001*d_block4_ln2_W**2   (computed with the last statement of its batch)
+        S_block4_ln2_W_new = T['S_block4_ln2_W']  # in place: the new S_block4_ln2_W
+        # S_block4_ln2_B_new = 0.999*S_block4_ln2_B + 0.001*d_block4_ln2_B**2   (computed with the last statement of its batch)
+        S_block4_ln2_B_new = T['S_block4_ln2_B']  # in place: the new S_block4_ln2_B
+        # S_block4_attn_out_B_new = 0.999*S_block4_attn_out_B + 0.001*d_block4_attn_out_B**2   (computed with the last statement of its batch)
+        S_block4_attn_out_B_new = T['S_block4_attn_out_B']  # in place: the new S_block4_attn_out_B
+        # S_block4_attn_out_W_new = 0.999*S_block4_attn_out_W + 0.001*d_block4_attn_out_W**2   (computed with the last statement of its batch)
+        S_block4_attn_out_W_new = T['S_block4_attn_out_W']  # in place: the new S_block4_attn_out_W
+        # S_block4_attn_q_B_new = 0.999*S_block4_attn_q_B + 0.001*d_block4_attn_q_B**2   (computed with the last statement of its batch)
+        S_block4_attn_q_B_new = T['S_block4_attn_q_B']  # in place: the new S_block4_attn_q_B
+        # S_block4_attn_v_B_new = 0.999*S_block4_attn_v_B + 0.001*d_block4_attn_v_B**2   (computed with the last statement of its batch)
+        S_block4_attn_v_B_new = T['S_block4_attn_v_B']  # in place: the new S_block4_attn_v_B
+        # S_block4_attn_q_W_new = 0.999*S_block4_attn_q_W + 0.001*d_block4_attn_q_W**2   (computed with the last statement of its batch)
+        S_block4_attn_q_W_new = T['S_block4_attn_q_W']  # in place: the new S_block4_attn_q_W
+        # S_block4_attn_k_W_new = 0.999*S_block4_attn_k_W + 0.001*d_block4_attn_k_W**2   (computed with the last statement of its batch)
+        S_block4_attn_k_W_new = T['S_block4_attn_k_W']  # in place: the new S_block4_attn_k_W
+        # S_block4_attn_v_W_new = 0.999*S_block4_attn_v_W + 0.001*d_block4_attn_v_W**2   (computed with the last statement of its batch)
+        S_block4_attn_v_W_new = T['S_block4_attn_v_W']  # in place: the new S_block4_attn_v_W
+        # S_block3_fc2_W_new = 0.999*S_block3_fc2_W + 0.001*d_block3_fc2_W**2   (computed with the last statement of its batch)
+        S_block3_fc2_W_new = T['S_block3_fc2_W']  # in place: the new S_block3_fc2_W
+        # S_block4_ln1_W_new = 0.999*S_block4_ln1_W + 0.001*d_block4_ln1_W**2   (computed with the last statement of its batch)
+        S_block4_ln1_W_new = T['S_block4_ln1_W']  # in place: the new S_block4_ln1_W
+        # S_block4_ln1_B_new = 0.999*S_block4_ln1_B + 0.001*d_block4_ln1_B**2   (computed with the last statement of its batch)
+        S_block4_ln1_B_new = T['S_block4_ln1_B']  # in place: the new S_block4_ln1_B
+        # S_block3_fc2_B_new = 0.999*S_block3_fc2_B + 0.001*d_block3_fc2_B**2   (computed with the last statement of its batch)
+        S_block3_fc2_B_new = T['S_block3_fc2_B']  # in place: the new S_block3_fc2_B
+        # S_block3_fc1_W_new = 0.999*S_block3_fc1_W + 0.001*d_block3_fc1_W**2   (computed with the last statement of its batch)
+        S_block3_fc1_W_new = T['S_block3_fc1_W']  # in place: the new S_block3_fc1_W
+        # S_block3_fc1_B_new = 0.999*S_block3_fc1_B + 0.001*d_block3_fc1_B**2   (computed with the last statement of its batch)
+        S_block3_fc1_B_new = T['S_block3_fc1_B']  # in place: the new S_block3_fc1_B
+        # S_block3_ln2_W_new = 0.999*S_block3_ln2_W + 0.001*d_block3_ln2_W**2   (computed with the last statement of its batch)
+        S_block3_ln2_W_new = T['S_block3_ln2_W']  # in place: the new S_block3_ln2_W
+        # S_block3_ln2_B_new = 0.999*S_block3_ln2_B + 0.001*d_block3_ln2_B**2   (computed with the last statement of its batch)
+        S_block3_ln2_B_new = T['S_block3_ln2_B']  # in place: the new S_block3_ln2_B
+        # S_block3_attn_out_B_new = 0.999*S_block3_attn_out_B + 0.001*d_block3_attn_out_B**2   (computed with the last statement of its batch)
+        S_block3_attn_out_B_new = T['S_block3_attn_out_B']  # in place: the new S_block3_attn_out_B
+        # S_block3_attn_out_W_new = 0.999*S_block3_attn_out_W + 0.001*d_block3_attn_out_W**2   (computed with the last statement of its batch)
+        S_block3_attn_out_W_new = T['S_block3_attn_out_W']  # in place: the new S_block3_attn_out_W
+        # S_block3_attn_q_B_new = 0.999*S_block3_attn_q_B + 0.001*d_block3_attn_q_B**2   (computed with the last statement of its batch)
+        S_block3_attn_q_B_new = T['S_block3_attn_q_B']  # in place: the new S_block3_attn_q_B
+        # S_block3_attn_v_B_new = 0.999*S_block3_attn_v_B + 0.001*d_block3_attn_v_B**2   (computed with the last statement of its batch)
+        S_block3_attn_v_B_new = T['S_block3_attn_v_B']  # in place: the new S_block3_attn_v_B
+        # S_block3_attn_q_W_new = 0.999*S_block3_attn_q_W + 0.001*d_block3_attn_q_W**2   (computed with the last statement of its batch)
+        S_block3_attn_q_W_new = T['S_block3_attn_q_W']  # in place: the new S_block3_attn_q_W
+        # S_block3_attn_k_W_new = 0.999*S_block3_attn_k_W + 0.001*d_block3_attn_k_W**2   (computed with the last statement of its batch)
+        S_block3_attn_k_W_new = T['S_block3_attn_k_W']  # in place: the new S_block3_attn_k_W
+        # S_block3_attn_v_W_new = 0.999*S_block3_attn_v_W + 0.001*d_block3_attn_v_W**2   (computed with the last statement of its batch)
+        S_block3_attn_v_W_new = T['S_block3_attn_v_W']  # in place: the new S_block3_attn_v_W
+        # S_block2_fc2_W_new = 0.999*S_block2_fc2_W + 0.001*d_block2_fc2_W**2   (computed with the last statement of its batch)
+        S_block2_fc2_W_new = T['S_block2_fc2_W']  # in place: the new S_block2_fc2_W
+        # S_block3_ln1_W_new = 0.999*S_block3_ln1_W + 0.001*d_block3_ln1_W**2   (computed with the last statement of its batch)
+        S_block3_ln1_W_new = T['S_block3_ln1_W']  # in place: the new S_block3_ln1_W
+        # S_block3_ln1_B_new = 0.999*S_block3_ln1_B + 0.001*d_block3_ln1_B**2   (computed with the last statement of its batch)
+        S_block3_ln1_B_new = T['S_block3_ln1_B']  # in place: the new S_block3_ln1_B
+        # S_block2_fc2_B_new = 0.999*S_block2_fc2_B + 0.001*d_block2_fc2_B**2   (computed with the last statement of its batch)
+        S_block2_fc2_B_new = T['S_block2_fc2_B']  # in place: the new S_block2_fc2_B
+        # S_block2_fc1_W_new = 0.999*S_block2_fc1_W + 0.001*d_block2_fc1_W**2   (computed with the last statement of its batch)
+        S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
+        # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2   (computed with the last statement of its batch)
+        S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
+        # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2   (computed with the last statement of its batch)
+        S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
+        # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2   (computed with the last statement of its batch)
+        S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
+        # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2   (computed with the last statement of its batch)
+        S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
+        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2   (computed with the last statement of its batch)
+        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
+        # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2   (computed with the last statement of its batch)
+        S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
+        # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2   (computed with the last statement of its batch)
+        S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
+        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2   (computed with the last statement of its batch)
+        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
+        # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2   (computed with the last statement of its batch)
+        S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
+        # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2   (computed with the last statement of its batch)
+        S_block2_attn_v_W_new = T['S_block2_attn_v_W']  # in place: the new S_block2_attn_v_W
+        # S_block1_fc2_W_new = 0.999*S_block1_fc2_W + 0.001*d_block1_fc2_W**2   (computed with the last statement of its batch)
+        S_block1_fc2_W_new = T['S_block1_fc2_W']  # in place: the new S_block1_fc2_W
+        # S_block2_ln1_W_new = 0.999*S_block2_ln1_W + 0.001*d_block2_ln1_W**2   (computed with the last statement of its batch)
+        S_block2_ln1_W_new = T['S_block2_ln1_W']  # in place: the new S_block2_ln1_W
+        # S_block2_ln1_B_new = 0.999*S_block2_ln1_B + 0.001*d_block2_ln1_B**2   (computed with the last statement of its batch)
+        S_block2_ln1_B_new = T['S_block2_ln1_B']  # in place: the new S_block2_ln1_B
+        # S_block1_fc2_B_new = 0.999*S_block1_fc2_B + 0.001*d_block1_fc2_B**2   (computed with the last statement of its batch)
+        S_block1_fc2_B_new = T['S_block1_fc2_B']  # in place: the new S_block1_fc2_B
+        # S_block1_fc1_W_new = 0.999*S_block1_fc1_W + 0.001*d_block1_fc1_W**2   (computed with the last statement of its batch)
+        S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
+        # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2   (computed with the last statement of its batch)
+        S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
+        # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2   (computed with the last statement of its batch)
+        S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
+        # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2   (computed with the last statement of its batch)
+        S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
+        # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2   (computed with the last statement of its batch)
+        S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
+        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2   (computed with the last statement of its batch)
+        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
+        # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2   (computed with the last statement of its batch)
+        S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
+        # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2   (computed with the last statement of its batch)
+        S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
+        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2   (computed with the last statement of its batch)
+        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
+        # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2   (computed with the last statement of its batch)
+        S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
+        # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2   (computed with the last statement of its batch)
+        S_block1_attn_v_W_new = T['S_block1_attn_v_W']  # in place: the new S_block1_attn_v_W
+        # S_block1_ln1_W_new = 0.999*S_block1_ln1_W + 0.001*d_block1_ln1_W**2   (computed with the last statement of its batch)
+        S_block1_ln1_W_new = T['S_block1_ln1_W']  # in place: the new S_block1_ln1_W
+        # S_block1_ln1_B_new = 0.999*S_block1_ln1_B + 0.001*d_block1_ln1_B**2   (computed with the last statement of its batch)
+        S_block1_ln1_B_new = T['S_block1_ln1_B']  # in place: the new S_block1_ln1_B
+        # S_patch_W_new = 0.999*S_patch_W + 0.001*d_patch_W**2   (computed with the last statement of its batch)
+        S_patch_W_new = T['S_patch_W']  # in place: the new S_patch_W
+        # S_patch_B_new = 0.999*S_patch_B + 0.001*d_patch_B**2   (computed with the last statement of its batch)
+        S_patch_B_new = T['S_patch_B']  # in place: the new S_patch_B
+        # S_pos_new = 0.999*S_pos + 0.001*d_pos**2   (and the 66 statements before it, in one call)
         S_pos_new = T['S_pos']  # in place: the new S_pos
-        rt.ew(ew_square_scale_add, S_pos_new, T['S_pos'], d_pos)
-        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (computed with the next statement)
+        rt.ew_many(ew_square_scale_add,
+                   (S_head_W_new, T['S_head_W'], d_head_W),
+                   (S_head_B_new, T['S_head_B'], d_head_B),
+                   (S_block4_fc2_W_new, T['S_block4_fc2_W'], d_block4_fc2_W),
+                   (S_ln_W_new, T['S_ln_W'], d_ln_W),
+                   (S_ln_B_new, T['S_ln_B'], d_ln_B),
+                   (S_block4_fc2_B_new, T['S_block4_fc2_B'], d_block4_fc2_B),
+                   (S_block4_fc1_W_new, T['S_block4_fc1_W'], d_block4_fc1_W),
+                   (S_block4_fc1_B_new, T['S_block4_fc1_B'], d_block4_fc1_B),
+                   (S_block4_ln2_W_new, T['S_block4_ln2_W'], d_block4_ln2_W),
+                   (S_block4_ln2_B_new, T['S_block4_ln2_B'], d_block4_ln2_B),
+                   (S_block4_attn_out_B_new, T['S_block4_attn_out_B'], d_block4_attn_out_B),
+                   (S_block4_attn_out_W_new, T['S_block4_attn_out_W'], d_block4_attn_out_W),
+                   (S_block4_attn_q_B_new, T['S_block4_attn_q_B'], d_block4_attn_q_B),
+                   (S_block4_attn_v_B_new, T['S_block4_attn_v_B'], d_block4_attn_v_B),
+                   (S_block4_attn_q_W_new, T['S_block4_attn_q_W'], d_block4_attn_q_W),
+                   (S_block4_attn_k_W_new, T['S_block4_attn_k_W'], d_block4_attn_k_W),
+                   (S_block4_attn_v_W_new, T['S_block4_attn_v_W'], d_block4_attn_v_W),
+                   (S_block3_fc2_W_new, T['S_block3_fc2_W'], d_block3_fc2_W),
+                   (S_block4_ln1_W_new, T['S_block4_ln1_W'], d_block4_ln1_W),
+                   (S_block4_ln1_B_new, T['S_block4_ln1_B'], d_block4_ln1_B),
+                   (S_block3_fc2_B_new, T['S_block3_fc2_B'], d_block3_fc2_B),
+                   (S_block3_fc1_W_new, T['S_block3_fc1_W'], d_block3_fc1_W),
+                   (S_block3_fc1_B_new, T['S_block3_fc1_B'], d_block3_fc1_B),
+                   (S_block3_ln2_W_new, T['S_block3_ln2_W'], d_block3_ln2_W),
+                   (S_block3_ln2_B_new, T['S_block3_ln2_B'], d_block3_ln2_B),
+                   (S_block3_attn_out_B_new, T['S_block3_attn_out_B'], d_block3_attn_out_B),
+                   (S_block3_attn_out_W_new, T['S_block3_attn_out_W'], d_block3_attn_out_W),
+                   (S_block3_attn_q_B_new, T['S_block3_attn_q_B'], d_block3_attn_q_B),
+                   (S_block3_attn_v_B_new, T['S_block3_attn_v_B'], d_block3_attn_v_B),
+                   (S_block3_attn_q_W_new, T['S_block3_attn_q_W'], d_block3_attn_q_W),
+                   (S_block3_attn_k_W_new, T['S_block3_attn_k_W'], d_block3_attn_k_W),
+                   (S_block3_attn_v_W_new, T['S_block3_attn_v_W'], d_block3_attn_v_W),
+                   (S_block2_fc2_W_new, T['S_block2_fc2_W'], d_block2_fc2_W),
+                   (S_block3_ln1_W_new, T['S_block3_ln1_W'], d_block3_ln1_W),
+                   (S_block3_ln1_B_new, T['S_block3_ln1_B'], d_block3_ln1_B),
+                   (S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B),
+                   (S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W),
+                   (S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B),
+                   (S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W),
+                   (S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B),
+                   (S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B),
+                   (S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W),
+                   (S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B),
+                   (S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B),
+                   (S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W),
+                   (S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W),
+                   (S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W),
+                   (S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W),
+                   (S_block2_ln1_W_new, T['S_block2_ln1_W'], d_block2_ln1_W),
+                   (S_block2_ln1_B_new, T['S_block2_ln1_B'], d_block2_ln1_B),
+                   (S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B),
+                   (S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W),
+                   (S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B),
+                   (S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W),
+                   (S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B),
+                   (S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B),
+                   (S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W),
+                   (S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B),
+                   (S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B),
+                   (S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W),
+                   (S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W),
+                   (S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W),
+                   (S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W),
+                   (S_block1_ln1_B_new, T['S_block1_ln1_B'], d_block1_ln1_B),
+                   (S_patch_W_new, T['S_patch_W'], d_patch_W),
+                   (S_patch_B_new, T['S_patch_B'], d_patch_B),
+                   (S_pos_new, T['S_pos'], d_pos))
+        # M_head_W_new = 0.9*M_head_W + 0.1*d_head_W   (computed with the last statement of its batch)
+        M_head_W_new = T['M_head_W']  # in place: the new M_head_W
+        # M_head_B_new = 0.9*M_head_B + 0.1*d_head_B   (computed with the last statement of its batch)
+        M_head_B_new = T['M_head_B']  # in place: the new M_head_B
+        # M_block4_fc2_W_new = 0.9*M_block4_fc2_W + 0.1*d_block4_fc2_W   (computed with the last statement of its batch)
+        M_block4_fc2_W_new = T['M_block4_fc2_W']  # in place: the new M_block4_fc2_W
+        # M_ln_W_new = 0.9*M_ln_W + 0.1*d_ln_W   (computed with the last statement of its batch)
+        M_ln_W_new = T['M_ln_W']  # in place: the new M_ln_W
+        # M_ln_B_new = 0.9*M_ln_B + 0.1*d_ln_B   (computed with the last statement of its batch)
+        M_ln_B_new = T['M_ln_B']  # in place: the new M_ln_B
+        # M_block4_fc2_B_new = 0.9*M_block4_fc2_B + 0.1*d_block4_fc2_B   (computed with the last statement of its batch)
+        M_block4_fc2_B_new = T['M_block4_fc2_B']  # in place: the new M_block4_fc2_B
+        # M_block4_fc1_W_new = 0.9*M_block4_fc1_W + 0.1*d_block4_fc1_W   (computed with the last statement of its batch)
+        M_block4_fc1_W_new = T['M_block4_fc1_W']  # in place: the new M_block4_fc1_W
+        # M_block4_fc1_B_new = 0.9*M_block4_fc1_B + 0.1*d_block4_fc1_B   (computed with the last statement of its batch)
+        M_block4_fc1_B_new = T['M_block4_fc1_B']  # in place: the new M_block4_fc1_B
+        # M_block4_ln2_W_new = 0.9*M_block4_ln2_W + 0.1*d_block4_ln2_W   (computed with the last statement of its batch)
+        M_block4_ln2_W_new = T['M_block4_ln2_W']  # in place: the new M_block4_ln2_W
+        # M_block4_ln2_B_new = 0.9*M_block4_ln2_B + 0.1*d_block4_ln2_B   (computed with the last statement of its batch)
+        M_block4_ln2_B_new = T['M_block4_ln2_B']  # in place: the new M_block4_ln2_B
+        # M_block4_attn_out_B_new = 0.9*M_block4_attn_out_B + 0.1*d_block4_attn_out_B   (computed with the last statement of its batch)
+        M_block4_attn_out_B_new = T['M_block4_attn_out_B']  # in place: the new M_block4_attn_out_B
+        # M_block4_attn_out_W_new = 0.9*M_block4_attn_out_W + 0.1*d_block4_attn_out_W   (computed with the last statement of its batch)
+        M_block4_attn_out_W_new = T['M_block4_attn_out_W']  # in place: the new M_block4_attn_out_W
+        # M_block4_attn_q_B_new = 0.9*M_block4_attn_q_B + 0.1*d_block4_attn_q_B   (computed with the last statement of its batch)
+        M_block4_attn_q_B_new = T['M_block4_attn_q_B']  # in place: the new M_block4_attn_q_B
+        # M_block4_attn_v_B_new = 0.9*M_block4_attn_v_B + 0.1*d_block4_attn_v_B   (computed with the last statement of its batch)
+        M_block4_attn_v_B_new = T['M_block4_attn_v_B']  # in place: the new M_block4_attn_v_B
+        # M_block4_attn_q_W_new = 0.9*M_block4_attn_q_W + 0.1*d_block4_attn_q_W   (computed with the last statement of its batch)
+        M_block4_attn_q_W_new = T['M_block4_attn_q_W']  # in place: the new M_block4_attn_q_W
+        # M_block4_attn_k_W_new = 0.9*M_block4_attn_k_W + 0.1*d_block4_attn_k_W   (computed with the last statement of its batch)
+        M_block4_attn_k_W_new = T['M_block4_attn_k_W']  # in place: the new M_block4_attn_k_W
+        # M_block4_attn_v_W_new = 0.9*M_block4_attn_v_W + 0.1*d_block4_attn_v_W   (computed with the last statement of its batch)
+        M_block4_attn_v_W_new = T['M_block4_attn_v_W']  # in place: the new M_block4_attn_v_W
+        # M_block3_fc2_W_new = 0.9*M_block3_fc2_W + 0.1*d_block3_fc2_W   (computed with the last statement of its batch)
+        M_block3_fc2_W_new = T['M_block3_fc2_W']  # in place: the new M_block3_fc2_W
+        # M_block4_ln1_W_new = 0.9*M_block4_ln1_W + 0.1*d_block4_ln1_W   (computed with the last statement of its batch)
+        M_block4_ln1_W_new = T['M_block4_ln1_W']  # in place: the new M_block4_ln1_W
+        # M_block4_ln1_B_new = 0.9*M_block4_ln1_B + 0.1*d_block4_ln1_B   (computed with the last statement of its batch)
+        M_block4_ln1_B_new = T['M_block4_ln1_B']  # in place: the new M_block4_ln1_B
+        # M_block3_fc2_B_new = 0.9*M_block3_fc2_B + 0.1*d_block3_fc2_B   (computed with the last statement of its batch)
+        M_block3_fc2_B_new = T['M_block3_fc2_B']  # in place: the new M_block3_fc2_B
+        # M_block3_fc1_W_new = 0.9*M_block3_fc1_W + 0.1*d_block3_fc1_W   (computed with the last statement of its batch)
+        M_block3_fc1_W_new = T['M_block3_fc1_W']  # in place: the new M_block3_fc1_W
+        # M_block3_fc1_B_new = 0.9*M_block3_fc1_B + 0.1*d_block3_fc1_B   (computed with the last statement of its batch)
+        M_block3_fc1_B_new = T['M_block3_fc1_B']  # in place: the new M_block3_fc1_B
+        # M_block3_ln2_W_new = 0.9*M_block3_ln2_W + 0.1*d_block3_ln2_W   (computed with the last statement of its batch)
+        M_block3_ln2_W_new = T['M_block3_ln2_W']  # in place: the new M_block3_ln2_W
+        # M_block3_ln2_B_new = 0.9*M_block3_ln2_B + 0.1*d_block3_ln2_B   (computed with the last statement of its batch)
+        M_block3_ln2_B_new = T['M_block3_ln2_B']  # in place: the new M_block3_ln2_B
+        # M_block3_attn_out_B_new = 0.9*M_block3_attn_out_B + 0.1*d_block3_attn_out_B   (computed with the last statement of its batch)
+        M_block3_attn_out_B_new = T['M_block3_attn_out_B']  # in place: the new M_block3_attn_out_B
+        # M_block3_attn_out_W_new = 0.9*M_block3_attn_out_W + 0.1*d_block3_attn_out_W   (computed with the last statement of its batch)
+        M_block3_attn_out_W_new = T['M_block3_attn_out_W']  # in place: the new M_block3_attn_out_W
+        # M_block3_attn_q_B_new = 0.9*M_block3_attn_q_B + 0.1*d_block3_attn_q_B   (computed with the last statement of its batch)
+        M_block3_attn_q_B_new = T['M_block3_attn_q_B']  # in place: the new M_block3_attn_q_B
+        # M_block3_attn_v_B_new = 0.9*M_block3_attn_v_B + 0.1*d_block3_attn_v_B   (computed with the last statement of its batch)
+        M_block3_attn_v_B_new = T['M_block3_attn_v_B']  # in place: the new M_block3_attn_v_B
+        # M_block3_attn_q_W_new = 0.9*M_block3_attn_q_W + 0.1*d_block3_attn_q_W   (computed with the last statement of its batch)
+        M_block3_attn_q_W_new = T['M_block3_attn_q_W']  # in place: the new M_block3_attn_q_W
+        # M_block3_attn_k_W_new = 0.9*M_block3_attn_k_W + 0.1*d_block3_attn_k_W   (computed with the last statement of its batch)
+        M_block3_attn_k_W_new = T['M_block3_attn_k_W']  # in place: the new M_block3_attn_k_W
+        # M_block3_attn_v_W_new = 0.9*M_block3_attn_v_W + 0.1*d_block3_attn_v_W   (computed with the last statement of its batch)
+        M_block3_attn_v_W_new = T['M_block3_attn_v_W']  # in place: the new M_block3_attn_v_W
+        # M_block2_fc2_W_new = 0.9*M_block2_fc2_W + 0.1*d_block2_fc2_W   (computed with the last statement of its batch)
+        M_block2_fc2_W_new = T['M_block2_fc2_W']  # in place: the new M_block2_fc2_W
+        # M_block3_ln1_W_new = 0.9*M_block3_ln1_W + 0.1*d_block3_ln1_W   (computed with the last statement of its batch)
+        M_block3_ln1_W_new = T['M_block3_ln1_W']  # in place: the new M_block3_ln1_W
+        # M_block3_ln1_B_new = 0.9*M_block3_ln1_B + 0.1*d_block3_ln1_B   (computed with the last statement of its batch)
+        M_block3_ln1_B_new = T['M_block3_ln1_B']  # in place: the new M_block3_ln1_B
+        # M_block2_fc2_B_new = 0.9*M_block2_fc2_B + 0.1*d_block2_fc2_B   (computed with the last statement of its batch)
+        M_block2_fc2_B_new = T['M_block2_fc2_B']  # in place: the new M_block2_fc2_B
+        # M_block2_fc1_W_new = 0.9*M_block2_fc1_W + 0.1*d_block2_fc1_W   (computed with the last statement of its batch)
+        M_block2_fc1_W_new = T['M_block2_fc1_W']  # in place: the new M_block2_fc1_W
+        # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the last statement of its batch)
+        M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
+        # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the last statement of its batch)
+        M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
+        # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the last statement of its batch)
+        M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
+        # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the last statement of its batch)
+        M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
+        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W   (computed with the last statement of its batch)
+        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
+        # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the last statement of its batch)
+        M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
+        # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the last statement of its batch)
+        M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
+        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the last statement of its batch)
+        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
+        # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the last statement of its batch)
+        M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
+        # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the last statement of its batch)
+        M_block2_attn_v_W_new = T['M_block2_attn_v_W']  # in place: the new M_block2_attn_v_W
+        # M_block1_fc2_W_new = 0.9*M_block1_fc2_W + 0.1*d_block1_fc2_W   (computed with the last statement of its batch)
+        M_block1_fc2_W_new = T['M_block1_fc2_W']  # in place: the new M_block1_fc2_W
+        # M_block2_ln1_W_new = 0.9*M_block2_ln1_W + 0.1*d_block2_ln1_W   (computed with the last statement of its batch)
+        M_block2_ln1_W_new = T['M_block2_ln1_W']  # in place: the new M_block2_ln1_W
+        # M_block2_ln1_B_new = 0.9*M_block2_ln1_B + 0.1*d_block2_ln1_B   (computed with the last statement of its batch)
+        M_block2_ln1_B_new = T['M_block2_ln1_B']  # in place: the new M_block2_ln1_B
+        # M_block1_fc2_B_new = 0.9*M_block1_fc2_B + 0.1*d_block1_fc2_B   (computed with the last statement of its batch)
+        M_block1_fc2_B_new = T['M_block1_fc2_B']  # in place: the new M_block1_fc2_B
+        # M_block1_fc1_W_new = 0.9*M_block1_fc1_W + 0.1*d_block1_fc1_W   (computed with the last statement of its batch)
+        M_block1_fc1_W_new = T['M_block1_fc1_W']  # in place: the new M_block1_fc1_W
+        # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the last statement of its batch)
+        M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
+        # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the last statement of its batch)
+        M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
+        # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the last statement of its batch)
+        M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
+        # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the last statement of its batch)
+        M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
+        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W   (computed with the last statement of its batch)
+        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
+        # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the last statement of its batch)
+        M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
+        # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the last statement of its batch)
+        M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
+        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the last statement of its batch)
+        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
+        # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the last statement of its batch)
+        M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
+        # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the last statement of its batch)
+        M_block1_attn_v_W_new = T['M_block1_attn_v_W']  # in place: the new M_block1_attn_v_W
+        # M_block1_ln1_W_new = 0.9*M_block1_ln1_W + 0.1*d_block1_ln1_W   (computed with the last statement of its batch)
+        M_block1_ln1_W_new = T['M_block1_ln1_W']  # in place: the new M_block1_ln1_W
+        # M_block1_ln1_B_new = 0.9*M_block1_ln1_B + 0.1*d_block1_ln1_B   (computed with the last statement of its batch)
+        M_block1_ln1_B_new = T['M_block1_ln1_B']  # in place: the new M_block1_ln1_B
+        # M_patch_W_new = 0.9*M_patch_W + 0.1*d_patch_W   (computed with the last statement of its batch)
+        M_patch_W_new = T['M_patch_W']  # in place: the new M_patch_W
+        # M_patch_B_new = 0.9*M_patch_B + 0.1*d_patch_B   (computed with the last statement of its batch)
+        M_patch_B_new = T['M_patch_B']  # in place: the new M_patch_B
+        # M_pos_new = 0.9*M_pos + 0.1*d_pos   (and the 66 statements before it, in one call)
         M_pos_new = T['M_pos']  # in place: the new M_pos
-        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))
+        rt.ew_many(ew_scale_add,
+                   (M_head_W_new, T['M_head_W'], d_head_W),
+                   (M_head_B_new, T['M_head_B'], d_head_B),
+                   (M_block4_fc2_W_new, T['M_block4_fc2_W'], d_block4_fc2_W),
+                   (M_ln_W_new, T['M_ln_W'], d_ln_W),
+                   (M_ln_B_new, T['M_ln_B'], d_ln_B),
+                   (M_block4_fc2_B_new, T['M_block4_fc2_B'], d_block4_fc2_B),
+                   (M_block4_fc1_W_new, T['M_block4_fc1_W'], d_block4_fc1_W),
+                   (M_block4_fc1_B_new, T['M_block4_fc1_B'], d_block4_fc1_B),
+                   (M_block4_ln2_W_new, T['M_block4_ln2_W'], d_block4_ln2_W),
+                   (M_block4_ln2_B_new, T['M_block4_ln2_B'], d_block4_ln2_B),
+                   (M_block4_attn_out_B_new, T['M_block4_attn_out_B'], d_block4_attn_out_B),
+                   (M_block4_attn_out_W_new, T['M_block4_attn_out_W'], d_block4_attn_out_W),
+                   (M_block4_attn_q_B_new, T['M_block4_attn_q_B'], d_block4_attn_q_B),
+                   (M_block4_attn_v_B_new, T['M_block4_attn_v_B'], d_block4_attn_v_B),
+                   (M_block4_attn_q_W_new, T['M_block4_attn_q_W'], d_block4_attn_q_W),
+                   (M_block4_attn_k_W_new, T['M_block4_attn_k_W'], d_block4_attn_k_W),
+                   (M_block4_attn_v_W_new, T['M_block4_attn_v_W'], d_block4_attn_v_W),
+                   (M_block3_fc2_W_new, T['M_block3_fc2_W'], d_block3_fc2_W),
+                   (M_block4_ln1_W_new, T['M_block4_ln1_W'], d_block4_ln1_W),
+                   (M_block4_ln1_B_new, T['M_block4_ln1_B'], d_block4_ln1_B),
+                   (M_block3_fc2_B_new, T['M_block3_fc2_B'], d_block3_fc2_B),
+                   (M_block3_fc1_W_new, T['M_block3_fc1_W'], d_block3_fc1_W),
+                   (M_block3_fc1_B_new, T['M_block3_fc1_B'], d_block3_fc1_B),
+                   (M_block3_ln2_W_new, T['M_block3_ln2_W'], d_block3_ln2_W),
+                   (M_block3_ln2_B_new, T['M_block3_ln2_B'], d_block3_ln2_B),
+                   (M_block3_attn_out_B_new, T['M_block3_attn_out_B'], d_block3_attn_out_B),
+                   (M_block3_attn_out_W_new, T['M_block3_attn_out_W'], d_block3_attn_out_W),
+                   (M_block3_attn_q_B_new, T['M_block3_attn_q_B'], d_block3_attn_q_B),
+                   (M_block3_attn_v_B_new, T['M_block3_attn_v_B'], d_block3_attn_v_B),
+                   (M_block3_attn_q_W_new, T['M_block3_attn_q_W'], d_block3_attn_q_W),
+                   (M_block3_attn_k_W_new, T['M_block3_attn_k_W'], d_block3_attn_k_W),
+                   (M_block3_attn_v_W_new, T['M_block3_attn_v_W'], d_block3_attn_v_W),
+                   (M_block2_fc2_W_new, T['M_block2_fc2_W'], d_block2_fc2_W),
+                   (M_block3_ln1_W_new, T['M_block3_ln1_W'], d_block3_ln1_W),
+                   (M_block3_ln1_B_new, T['M_block3_ln1_B'], d_block3_ln1_B),
+                   (M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
+                   (M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W),
+                   (M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
+                   (M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
+                   (M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
+                   (M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
+                   (M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W),
+                   (M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
+                   (M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
+                   (M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
+                   (M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
+                   (M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
+                   (M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W),
+                   (M_block2_ln1_W_new, T['M_block2_ln1_W'], d_block2_ln1_W),
+                   (M_block2_ln1_B_new, T['M_block2_ln1_B'], d_block2_ln1_B),
+                   (M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
+                   (M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W),
+                   (M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
+                   (M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
+                   (M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
+                   (M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
+                   (M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W),
+                   (M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
+                   (M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
+                   (M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
+                   (M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
+                   (M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
+                   (M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W),
+                   (M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
+                   (M_patch_W_new, T['M_patch_W'], d_patch_W),
+                   (M_patch_B_new, T['M_patch_B'], d_patch_B),
+                   (M_pos_new, T['M_pos'], d_pos))
+        # free d_head_W, d_head_B, d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B, d_block4_fc2_W, d_block4_fc2_B, d_block4_fc1_W, d_block4_fc1_B, d_block4_ln2_layer_norm_param_grad, d_block4_ln2_slice, d_block4_ln2_W, d_block4_ln2_slice_2, d_block4_ln2_B, d_block4_attn_out_B, d_block4_attn_out_W, d_block4_attn_q_B, d_block4_attn_v_B, d_block4_attn_q_W, d_block4_attn_k_W, d_block4_attn_v_W, d_block4_ln1_layer_norm_param_grad, d_block4_ln1_slice, d_block4_ln1_W, d_block4_ln1_slice_2, d_block4_ln1_B, d_block3_fc2_W, d_block3_fc2_B, d_block3_fc1_W, d_block3_fc1_B, d_block3_ln2_layer_norm_param_grad, d_block3_ln2_slice, d_block3_ln2_W, d_block3_ln2_slice_2, d_block3_ln2_B, d_block3_attn_out_B, d_block3_attn_out_W, d_block3_attn_q_B, d_block3_attn_v_B, d_block3_attn_q_W, d_block3_attn_k_W, d_block3_attn_v_W, d_block3_ln1_layer_norm_param_grad, d_block3_ln1_slice, d_block3_ln1_W, d_block3_ln1_slice_2, d_block3_ln1_B, d_block2_fc2_W, d_block2_fc2_B, d_block2_fc1_W, d_block2_fc1_B, d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B, d_block2_attn_out_B, d_block2_attn_out_W, d_block2_attn_q_B, d_block2_attn_v_B, d_block2_attn_q_W, d_block2_attn_k_W, d_block2_attn_v_W, d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B, d_block1_fc2_W, d_block1_fc2_B, d_block1_fc1_W, d_block1_fc1_B, d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B, d_block1_attn_out_B, d_block1_attn_out_W, d_block1_attn_q_B, d_block1_attn_v_B, d_block1_attn_q_W, d_block1_attn_k_W, d_block1_attn_v_W, d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B, d_pos, d_patch_W, d_patch_sum_to, d_patch_B
+        del d_head_W, d_head_B, d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B, d_block4_fc2_W, d_block4_fc2_B, d_block4_fc1_W, d_block4_fc1_B, d_block4_ln2_layer_norm_param_grad, d_block4_ln2_slice, d_block4_ln2_W, d_block4_ln2_slice_2, d_block4_ln2_B, d_block4_attn_out_B, d_block4_attn_out_W, d_block4_attn_q_B, d_block4_attn_v_B, d_block4_attn_q_W, d_block4_attn_k_W, d_block4_attn_v_W, d_block4_ln1_layer_norm_param_grad, d_block4_ln1_slice, d_block4_ln1_W, d_block4_ln1_slice_2, d_block4_ln1_B, d_block3_fc2_W, d_block3_fc2_B, d_block3_fc1_W, d_block3_fc1_B, d_block3_ln2_layer_norm_param_grad, d_block3_ln2_slice, d_block3_ln2_W, d_block3_ln2_slice_2, d_block3_ln2_B, d_block3_attn_out_B, d_block3_attn_out_W, d_block3_attn_q_B, d_block3_attn_v_B, d_block3_attn_q_W, d_block3_attn_k_W, d_block3_attn_v_W, d_block3_ln1_layer_norm_param_grad, d_block3_ln1_slice, d_block3_ln1_W, d_block3_ln1_slice_2, d_block3_ln1_B, d_block2_fc2_W, d_block2_fc2_B, d_block2_fc1_W, d_block2_fc1_B, d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B, d_block2_attn_out_B, d_block2_attn_out_W, d_block2_attn_q_B, d_block2_attn_v_B, d_block2_attn_q_W, d_block2_attn_k_W, d_block2_attn_v_W, d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B, d_block1_fc2_W, d_block1_fc2_B, d_block1_fc1_W, d_block1_fc1_B, d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B, d_block1_attn_out_B, d_block1_attn_out_W, d_block1_attn_q_B, d_block1_attn_v_B, d_block1_attn_q_W, d_block1_attn_k_W, d_block1_attn_v_W, d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B, d_pos, d_patch_W, d_patch_sum_to, d_patch_B
+        mem.free(49, 51, 54, 55, 56, 58, 59, 61, 62, 63, 66, 67, 68, 69, 70, 74, 75, 76, 78, 79, 81, 82, 83, 86, 87, 88, 89, 90, 94, 95, 96, 98, 99, 101, 102, 103, 106, 107, 108, 109, 110, 114, 115, 116, 118, 119, 121, 122, 123, 126, 127, 128, 129, 130, 134, 135, 137, 138)
+        # head_B_new = head_B*(-lr*decay + 1) - lr*M_head_B_new/(bias1*(sqrt(S_head_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        head_B_new = T['head_B']  # in place: the new head_B
+        # head_W_new = head_W*(-lr*decay + 1) - lr*M_head_W_new/(bias1*(sqrt(S_head_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        head_W_new = T['head_W']  # in place: the new head_W
+        # ln_W_new = ln_W*(-lr*decay + 1) - lr*M_ln_W_new/(bias1*(sqrt(S_ln_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        ln_W_new = T['ln_W']  # in place: the new ln_W
+        # ln_B_new = ln_B*(-lr*decay + 1) - lr*M_ln_B_new/(bias1*(sqrt(S_ln_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        ln_B_new = T['ln_B']  # in place: the new ln_B
+        # block4_fc2_B_new = block4_fc2_B*(-lr*decay + 1) - lr*M_block4_fc2_B_new/(bias1*(sqrt(S_block4_fc2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_fc2_B_new = T['block4_fc2_B']  # in place: the new block4_fc2_B
+        # block4_fc2_W_new = block4_fc2_W*(-lr*decay + 1) - lr*M_block4_fc2_W_new/(bias1*(sqrt(S_block4_fc2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_fc2_W_new = T['block4_fc2_W']  # in place: the new block4_fc2_W
+        # block4_fc1_W_new = block4_fc1_W*(-lr*decay + 1) - lr*M_block4_fc1_W_new/(bias1*(sqrt(S_block4_fc1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_fc1_W_new = T['block4_fc1_W']  # in place: the new block4_fc1_W
+        # block4_fc1_B_new = block4_fc1_B*(-lr*decay + 1) - lr*M_block4_fc1_B_new/(bias1*(sqrt(S_block4_fc1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_fc1_B_new = T['block4_fc1_B']  # in place: the new block4_fc1_B
+        # block4_ln2_W_new = block4_ln2_W*(-lr*decay + 1) - lr*M_block4_ln2_W_new/(bias1*(sqrt(S_block4_ln2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_ln2_W_new = T['block4_ln2_W']  # in place: the new block4_ln2_W
+        # block4_ln2_B_new = block4_ln2_B*(-lr*decay + 1) - lr*M_block4_ln2_B_new/(bias1*(sqrt(S_block4_ln2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_ln2_B_new = T['block4_ln2_B']  # in place: the new block4_ln2_B
+        # block4_attn_out_B_new = block4_attn_out_B*(-lr*decay + 1) - lr*M_block4_attn_out_B_new/(bias1*(sqrt(S_block4_attn_out_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_attn_out_B_new = T['block4_attn_out_B']  # in place: the new block4_attn_out_B
+        # block4_attn_out_W_new = block4_attn_out_W*(-lr*decay + 1) - lr*M_block4_attn_out_W_new/(bias1*(sqrt(S_block4_attn_out_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_attn_out_W_new = T['block4_attn_out_W']  # in place: the new block4_attn_out_W
+        # block4_attn_q_B_new = block4_attn_q_B*(-lr*decay + 1) - lr*M_block4_attn_q_B_new/(bias1*(sqrt(S_block4_attn_q_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_attn_q_B_new = T['block4_attn_q_B']  # in place: the new block4_attn_q_B
+        # block4_attn_v_B_new = block4_attn_v_B*(-lr*decay + 1) - lr*M_block4_attn_v_B_new/(bias1*(sqrt(S_block4_attn_v_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_attn_v_B_new = T['block4_attn_v_B']  # in place: the new block4_attn_v_B
+        # block4_attn_q_W_new = block4_attn_q_W*(-lr*decay + 1) - lr*M_block4_attn_q_W_new/(bias1*(sqrt(S_block4_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_attn_q_W_new = T['block4_attn_q_W']  # in place: the new block4_attn_q_W
+        # block4_attn_k_W_new = block4_attn_k_W*(-lr*decay + 1) - lr*M_block4_attn_k_W_new/(bias1*(sqrt(S_block4_attn_k_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_attn_k_W_new = T['block4_attn_k_W']  # in place: the new block4_attn_k_W
+        # block4_attn_v_W_new = block4_attn_v_W*(-lr*decay + 1) - lr*M_block4_attn_v_W_new/(bias1*(sqrt(S_block4_attn_v_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_attn_v_W_new = T['block4_attn_v_W']  # in place: the new block4_attn_v_W
+        # block4_ln1_W_new = block4_ln1_W*(-lr*decay + 1) - lr*M_block4_ln1_W_new/(bias1*(sqrt(S_block4_ln1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_ln1_W_new = T['block4_ln1_W']  # in place: the new block4_ln1_W
+        # block4_ln1_B_new = block4_ln1_B*(-lr*decay + 1) - lr*M_block4_ln1_B_new/(bias1*(sqrt(S_block4_ln1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block4_ln1_B_new = T['block4_ln1_B']  # in place: the new block4_ln1_B
+        # block3_fc2_B_new = block3_fc2_B*(-lr*decay + 1) - lr*M_block3_fc2_B_new/(bias1*(sqrt(S_block3_fc2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_fc2_B_new = T['block3_fc2_B']  # in place: the new block3_fc2_B
+        # block3_fc2_W_new = block3_fc2_W*(-lr*decay + 1) - lr*M_block3_fc2_W_new/(bias1*(sqrt(S_block3_fc2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_fc2_W_new = T['block3_fc2_W']  # in place: the new block3_fc2_W
+        # block3_fc1_W_new = block3_fc1_W*(-lr*decay + 1) - lr*M_block3_fc1_W_new/(bias1*(sqrt(S_block3_fc1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_fc1_W_new = T['block3_fc1_W']  # in place: the new block3_fc1_W
+        # block3_fc1_B_new = block3_fc1_B*(-lr*decay + 1) - lr*M_block3_fc1_B_new/(bias1*(sqrt(S_block3_fc1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_fc1_B_new = T['block3_fc1_B']  # in place: the new block3_fc1_B
+        # block3_ln2_W_new = block3_ln2_W*(-lr*decay + 1) - lr*M_block3_ln2_W_new/(bias1*(sqrt(S_block3_ln2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_ln2_W_new = T['block3_ln2_W']  # in place: the new block3_ln2_W
+        # block3_ln2_B_new = block3_ln2_B*(-lr*decay + 1) - lr*M_block3_ln2_B_new/(bias1*(sqrt(S_block3_ln2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_ln2_B_new = T['block3_ln2_B']  # in place: the new block3_ln2_B
+        # block3_attn_out_B_new = block3_attn_out_B*(-lr*decay + 1) - lr*M_block3_attn_out_B_new/(bias1*(sqrt(S_block3_attn_out_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_attn_out_B_new = T['block3_attn_out_B']  # in place: the new block3_attn_out_B
+        # block3_attn_out_W_new = block3_attn_out_W*(-lr*decay + 1) - lr*M_block3_attn_out_W_new/(bias1*(sqrt(S_block3_attn_out_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_attn_out_W_new = T['block3_attn_out_W']  # in place: the new block3_attn_out_W
+        # block3_attn_q_B_new = block3_attn_q_B*(-lr*decay + 1) - lr*M_block3_attn_q_B_new/(bias1*(sqrt(S_block3_attn_q_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_attn_q_B_new = T['block3_attn_q_B']  # in place: the new block3_attn_q_B
+        # block3_attn_v_B_new = block3_attn_v_B*(-lr*decay + 1) - lr*M_block3_attn_v_B_new/(bias1*(sqrt(S_block3_attn_v_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_attn_v_B_new = T['block3_attn_v_B']  # in place: the new block3_attn_v_B
+        # block3_attn_q_W_new = block3_attn_q_W*(-lr*decay + 1) - lr*M_block3_attn_q_W_new/(bias1*(sqrt(S_block3_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_attn_q_W_new = T['block3_attn_q_W']  # in place: the new block3_attn_q_W
+        # block3_attn_k_W_new = block3_attn_k_W*(-lr*decay + 1) - lr*M_block3_attn_k_W_new/(bias1*(sqrt(S_block3_attn_k_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_attn_k_W_new = T['block3_attn_k_W']  # in place: the new block3_attn_k_W
+        # block3_attn_v_W_new = block3_attn_v_W*(-lr*decay + 1) - lr*M_block3_attn_v_W_new/(bias1*(sqrt(S_block3_attn_v_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_attn_v_W_new = T['block3_attn_v_W']  # in place: the new block3_attn_v_W
+        # block3_ln1_W_new = block3_ln1_W*(-lr*decay + 1) - lr*M_block3_ln1_W_new/(bias1*(sqrt(S_block3_ln1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_ln1_W_new = T['block3_ln1_W']  # in place: the new block3_ln1_W
+        # block3_ln1_B_new = block3_ln1_B*(-lr*decay + 1) - lr*M_block3_ln1_B_new/(bias1*(sqrt(S_block3_ln1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block3_ln1_B_new = T['block3_ln1_B']  # in place: the new block3_ln1_B
+        # block2_fc2_B_new = block2_fc2_B*(-lr*decay + 1) - lr*M_block2_fc2_B_new/(bias1*(sqrt(S_block2_fc2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_fc2_B_new = T['block2_fc2_B']  # in place: the new block2_fc2_B
+        # block2_fc2_W_new = block2_fc2_W*(-lr*decay + 1) - lr*M_block2_fc2_W_new/(bias1*(sqrt(S_block2_fc2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_fc2_W_new = T['block2_fc2_W']  # in place: the new block2_fc2_W
+        # block2_fc1_W_new = block2_fc1_W*(-lr*decay + 1) - lr*M_block2_fc1_W_new/(bias1*(sqrt(S_block2_fc1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_fc1_W_new = T['block2_fc1_W']  # in place: the new block2_fc1_W
+        # block2_fc1_B_new = block2_fc1_B*(-lr*decay + 1) - lr*M_block2_fc1_B_new/(bias1*(sqrt(S_block2_fc1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_fc1_B_new = T['block2_fc1_B']  # in place: the new block2_fc1_B
+        # block2_ln2_W_new = block2_ln2_W*(-lr*decay + 1) - lr*M_block2_ln2_W_new/(bias1*(sqrt(S_block2_ln2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_ln2_W_new = T['block2_ln2_W']  # in place: the new block2_ln2_W
+        # block2_ln2_B_new = block2_ln2_B*(-lr*decay + 1) - lr*M_block2_ln2_B_new/(bias1*(sqrt(S_block2_ln2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_ln2_B_new = T['block2_ln2_B']  # in place: the new block2_ln2_B
+        # block2_attn_out_B_new = block2_attn_out_B*(-lr*decay + 1) - lr*M_block2_attn_out_B_new/(bias1*(sqrt(S_block2_attn_out_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_out_B_new = T['block2_attn_out_B']  # in place: the new block2_attn_out_B
+        # block2_attn_out_W_new = block2_attn_out_W*(-lr*decay + 1) - lr*M_block2_attn_out_W_new/(bias1*(sqrt(S_block2_attn_out_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
+        # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
+        # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
+        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
+        # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
+        # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_v_W_new = T['block2_attn_v_W']  # in place: the new block2_attn_v_W
+        # block2_ln1_W_new = block2_ln1_W*(-lr*decay + 1) - lr*M_block2_ln1_W_new/(bias1*(sqrt(S_block2_ln1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_ln1_W_new = T['block2_ln1_W']  # in place: the new block2_ln1_W
+        # block2_ln1_B_new = block2_ln1_B*(-lr*decay + 1) - lr*M_block2_ln1_B_new/(bias1*(sqrt(S_block2_ln1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_ln1_B_new = T['block2_ln1_B']  # in place: the new block2_ln1_B
+        # block1_fc2_B_new = block1_fc2_B*(-lr*decay + 1) - lr*M_block1_fc2_B_new/(bias1*(sqrt(S_block1_fc2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_fc2_B_new = T['block1_fc2_B']  # in place: the new block1_fc2_B
+        # block1_fc2_W_new = block1_fc2_W*(-lr*decay + 1) - lr*M_block1_fc2_W_new/(bias1*(sqrt(S_block1_fc2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_fc2_W_new = T['block1_fc2_W']  # in place: the new block1_fc2_W
+        # block1_fc1_W_new = block1_fc1_W*(-lr*decay + 1) - lr*M_block1_fc1_W_new/(bias1*(sqrt(S_block1_fc1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_fc1_W_new = T['block1_fc1_W']  # in place: the new block1_fc1_W
+        # block1_fc1_B_new = block1_fc1_B*(-lr*decay + 1) - lr*M_block1_fc1_B_new/(bias1*(sqrt(S_block1_fc1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_fc1_B_new = T['block1_fc1_B']  # in place: the new block1_fc1_B
+        # block1_ln2_W_new = block1_ln2_W*(-lr*decay + 1) - lr*M_block1_ln2_W_new/(bias1*(sqrt(S_block1_ln2_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_ln2_W_new = T['block1_ln2_W']  # in place: the new block1_ln2_W
+        # block1_ln2_B_new = block1_ln2_B*(-lr*decay + 1) - lr*M_block1_ln2_B_new/(bias1*(sqrt(S_block1_ln2_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_ln2_B_new = T['block1_ln2_B']  # in place: the new block1_ln2_B
+        # block1_attn_out_B_new = block1_attn_out_B*(-lr*decay + 1) - lr*M_block1_attn_out_B_new/(bias1*(sqrt(S_block1_attn_out_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_out_B_new = T['block1_attn_out_B']  # in place: the new block1_attn_out_B
+        # block1_attn_out_W_new = block1_attn_out_W*(-lr*decay + 1) - lr*M_block1_attn_out_W_new/(bias1*(sqrt(S_block1_attn_out_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
+        # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
+        # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
+        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
+        # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
+        # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_v_W_new = T['block1_attn_v_W']  # in place: the new block1_attn_v_W
+        # block1_ln1_W_new = block1_ln1_W*(-lr*decay + 1) - lr*M_block1_ln1_W_new/(bias1*(sqrt(S_block1_ln1_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_ln1_W_new = T['block1_ln1_W']  # in place: the new block1_ln1_W
+        # block1_ln1_B_new = block1_ln1_B*(-lr*decay + 1) - lr*M_block1_ln1_B_new/(bias1*(sqrt(S_block1_ln1_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_ln1_B_new = T['block1_ln1_B']  # in place: the new block1_ln1_B
+        # patch_W_new = patch_W*(-lr*decay + 1) - lr*M_patch_W_new/(bias1*(sqrt(S_patch_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        patch_W_new = T['patch_W']  # in place: the new patch_W
+        # patch_B_new = patch_B*(-lr*decay + 1) - lr*M_patch_B_new/(bias1*(sqrt(S_patch_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        patch_B_new = T['patch_B']  # in place: the new patch_B
+        # pos_new = pos*(-lr*decay + 1) - lr*M_pos_new/(bias1*(sqrt(S_pos_new)/sqrt(bias2) + 1.0e-8))   (and the 66 statements before it, in one call)
         pos_new = T['pos']  # in place: the new pos
-        rt.ew_pair((ew_scale_add, M_pos_new, T['M_pos'], d_pos),
-                   (ew_mul_sub_recip_sqrt, pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
-        # free d_pos
-        del d_pos
-        mem.free(135)
+        rt.ew_many(ew_mul_sub_recip_sqrt,
+                   (head_B_new, T['head_B'], lr, bias1, M_head_B_new, S_head_B_new, bias2, decay),
+                   (head_W_new, T['head_W'], lr, bias1, M_head_W_new, S_head_W_new, bias2, decay),
+                   (ln_W_new, T['ln_W'], lr, bias1, M_ln_W_new, S_ln_W_new, bias2, decay),
+                   (ln_B_new, T['ln_B'], lr, bias1, M_ln_B_new, S_ln_B_new, bias2, decay),
+                   (block4_fc2_B_new, T['block4_fc2_B'], lr, bias1, M_block4_fc2_B_new, S_block4_fc2_B_new, bias2, decay),
+                   (block4_fc2_W_new, T['block4_fc2_W'], lr, bias1, M_block4_fc2_W_new, S_block4_fc2_W_new, bias2, decay),
+                   (block4_fc1_W_new, T['block4_fc1_W'], lr, bias1, M_block4_fc1_W_new, S_block4_fc1_W_new, bias2, decay),
+                   (block4_fc1_B_new, T['block4_fc1_B'], lr, bias1, M_block4_fc1_B_new, S_block4_fc1_B_new, bias2, decay),
+                   (block4_ln2_W_new, T['block4_ln2_W'], lr, bias1, M_block4_ln2_W_new, S_block4_ln2_W_new, bias2, decay),
+                   (block4_ln2_B_new, T['block4_ln2_B'], lr, bias1, M_block4_ln2_B_new, S_block4_ln2_B_new, bias2, decay),
+                   (block4_attn_out_B_new, T['block4_attn_out_B'], lr, bias1, M_block4_attn_out_B_new, S_block4_attn_out_B_new, bias2, decay),
+                   (block4_attn_out_W_new, T['block4_attn_out_W'], lr, bias1, M_block4_attn_out_W_new, S_block4_attn_out_W_new, bias2, decay),
+                   (block4_attn_q_B_new, T['block4_attn_q_B'], lr, bias1, M_block4_attn_q_B_new, S_block4_attn_q_B_new, bias2, decay),
+                   (block4_attn_v_B_new, T['block4_attn_v_B'], lr, bias1, M_block4_attn_v_B_new, S_block4_attn_v_B_new, bias2, decay),
+                   (block4_attn_q_W_new, T['block4_attn_q_W'], lr, bias1, M_block4_attn_q_W_new, S_block4_attn_q_W_new, bias2, decay),
+                   (block4_attn_k_W_new, T['block4_attn_k_W'], lr, bias1, M_block4_attn_k_W_new, S_block4_attn_k_W_new, bias2, decay),
+                   (block4_attn_v_W_new, T['block4_attn_v_W'], lr, bias1, M_block4_attn_v_W_new, S_block4_attn_v_W_new, bias2, decay),
+                   (block4_ln1_W_new, T['block4_ln1_W'], lr, bias1, M_block4_ln1_W_new, S_block4_ln1_W_new, bias2, decay),
+                   (block4_ln1_B_new, T['block4_ln1_B'], lr, bias1, M_block4_ln1_B_new, S_block4_ln1_B_new, bias2, decay),
+                   (block3_fc2_B_new, T['block3_fc2_B'], lr, bias1, M_block3_fc2_B_new, S_block3_fc2_B_new, bias2, decay),
+                   (block3_fc2_W_new, T['block3_fc2_W'], lr, bias1, M_block3_fc2_W_new, S_block3_fc2_W_new, bias2, decay),
+                   (block3_fc1_W_new, T['block3_fc1_W'], lr, bias1, M_block3_fc1_W_new, S_block3_fc1_W_new, bias2, decay),
+                   (block3_fc1_B_new, T['block3_fc1_B'], lr, bias1, M_block3_fc1_B_new, S_block3_fc1_B_new, bias2, decay),
+                   (block3_ln2_W_new, T['block3_ln2_W'], lr, bias1, M_block3_ln2_W_new, S_block3_ln2_W_new, bias2, decay),
+                   (block3_ln2_B_new, T['block3_ln2_B'], lr, bias1, M_block3_ln2_B_new, S_block3_ln2_B_new, bias2, decay),
+                   (block3_attn_out_B_new, T['block3_attn_out_B'], lr, bias1, M_block3_attn_out_B_new, S_block3_attn_out_B_new, bias2, decay),
+                   (block3_attn_out_W_new, T['block3_attn_out_W'], lr, bias1, M_block3_attn_out_W_new, S_block3_attn_out_W_new, bias2, decay),
+                   (block3_attn_q_B_new, T['block3_attn_q_B'], lr, bias1, M_block3_attn_q_B_new, S_block3_attn_q_B_new, bias2, decay),
+                   (block3_attn_v_B_new, T['block3_attn_v_B'], lr, bias1, M_block3_attn_v_B_new, S_block3_attn_v_B_new, bias2, decay),
+                   (block3_attn_q_W_new, T['block3_attn_q_W'], lr, bias1, M_block3_attn_q_W_new, S_block3_attn_q_W_new, bias2, decay),
+                   (block3_attn_k_W_new, T['block3_attn_k_W'], lr, bias1, M_block3_attn_k_W_new, S_block3_attn_k_W_new, bias2, decay),
+                   (block3_attn_v_W_new, T['block3_attn_v_W'], lr, bias1, M_block3_attn_v_W_new, S_block3_attn_v_W_new, bias2, decay),
+                   (block3_ln1_W_new, T['block3_ln1_W'], lr, bias1, M_block3_ln1_W_new, S_block3_ln1_W_new, bias2, decay),
+                   (block3_ln1_B_new, T['block3_ln1_B'], lr, bias1, M_block3_ln1_B_new, S_block3_ln1_B_new, bias2, decay),
+                   (block2_fc2_B_new, T['block2_fc2_B'], lr, bias1, M_block2_fc2_B_new, S_block2_fc2_B_new, bias2, decay),
+                   (block2_fc2_W_new, T['block2_fc2_W'], lr, bias1, M_block2_fc2_W_new, S_block2_fc2_W_new, bias2, decay),
+                   (block2_fc1_W_new, T['block2_fc1_W'], lr, bias1, M_block2_fc1_W_new, S_block2_fc1_W_new, bias2, decay),
+                   (block2_fc1_B_new, T['block2_fc1_B'], lr, bias1, M_block2_fc1_B_new, S_block2_fc1_B_new, bias2, decay),
+                   (block2_ln2_W_new, T['block2_ln2_W'], lr, bias1, M_block2_ln2_W_new, S_block2_ln2_W_new, bias2, decay),
+                   (block2_ln2_B_new, T['block2_ln2_B'], lr, bias1, M_block2_ln2_B_new, S_block2_ln2_B_new, bias2, decay),
+                   (block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay),
+                   (block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay),
+                   (block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay),
+                   (block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay),
+                   (block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay),
+                   (block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay),
+                   (block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay),
+                   (block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay),
+                   (block2_ln1_B_new, T['block2_ln1_B'], lr, bias1, M_block2_ln1_B_new, S_block2_ln1_B_new, bias2, decay),
+                   (block1_fc2_B_new, T['block1_fc2_B'], lr, bias1, M_block1_fc2_B_new, S_block1_fc2_B_new, bias2, decay),
+                   (block1_fc2_W_new, T['block1_fc2_W'], lr, bias1, M_block1_fc2_W_new, S_block1_fc2_W_new, bias2, decay),
+                   (block1_fc1_W_new, T['block1_fc1_W'], lr, bias1, M_block1_fc1_W_new, S_block1_fc1_W_new, bias2, decay),
+                   (block1_fc1_B_new, T['block1_fc1_B'], lr, bias1, M_block1_fc1_B_new, S_block1_fc1_B_new, bias2, decay),
+                   (block1_ln2_W_new, T['block1_ln2_W'], lr, bias1, M_block1_ln2_W_new, S_block1_ln2_W_new, bias2, decay),
+                   (block1_ln2_B_new, T['block1_ln2_B'], lr, bias1, M_block1_ln2_B_new, S_block1_ln2_B_new, bias2, decay),
+                   (block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay),
+                   (block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay),
+                   (block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay),
+                   (block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay),
+                   (block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay),
+                   (block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay),
+                   (block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay),
+                   (block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay),
+                   (block1_ln1_B_new, T['block1_ln1_B'], lr, bias1, M_block1_ln1_B_new, S_block1_ln1_B_new, bias2, decay),
+                   (patch_W_new, T['patch_W'], lr, bias1, M_patch_W_new, S_patch_W_new, bias2, decay),
+                   (patch_B_new, T['patch_B'], lr, bias1, M_patch_B_new, S_patch_B_new, bias2, decay),
+                   (pos_new, T['pos'], lr, bias1, M_pos_new, S_pos_new, bias2, decay))
         loss = rt.scalar(head_cross_entropy)
         mem.end()
         return loss
@@ -3536,7 +3296,7 @@ class Vit(rp.Model):
                 (0, 400),  # 0: const 100 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=20823808, peak_bytes=20823808, workspace_bytes=870400, pool_bytes=20823808,
+            arena_bytes=20826368, peak_bytes=20823808, workspace_bytes=870400, pool_bytes=20826368,
             buffers=(
                 (20480000, 313600),  # 0: x 100x1x28x28 float32
                 (20823296, 400),  # 1: y 100 int32
@@ -3587,96 +3347,96 @@ class Vit(rp.Model):
                 (20793600, 25600),  # 46: head_sum_to 100x1x64 float32
                 (20070400, 4000),  # 47: head_matmul 100x10 float32
                 (20074496, 400),  # 48: head_cross_entropy_pick 100 float32
-                (20070400, 2560),  # 49: d_head_W 10x64 float32
-                (20823296, 4),  # 50: head_cross_entropy_sum_to scalar float32
-                (20070400, 40),  # 51: d_head_B 10 float32
+                (20823296, 2560),  # 49: d_head_W 10x64 float32
+                (20825856, 4),  # 50: head_cross_entropy_sum_to scalar float32
+                (20826112, 40),  # 51: d_head_B 10 float32
                 (20793600, 25600),  # 52: d_head_scale 100x64 float32
                 (20070400, 409600),  # 53: d_ln 100x16x64 float32
                 (20793600, 512),  # 54: d_ln_layer_norm_param_grad 2x64 float32
                 (19660800, 32768),  # 55: d_block4_fc2_W 64x128 float32
-                (6144000, 256),  # 56: d_block4_fc2_B 64 float32
+                (19726336, 256),  # 56: d_block4_fc2_B 64 float32
                 (6144000, 819200),  # 57: d_block4_fc2_reshape 1600x128 float32
-                (0, 32768),  # 58: d_block4_fc1_W 128x64 float32
-                (409600, 512),  # 59: d_block4_fc1_B 128 float32
+                (19693568, 32768),  # 58: d_block4_fc1_W 128x64 float32
+                (19267584, 512),  # 59: d_block4_fc1_B 128 float32
                 (0, 409600),  # 60: d_block4_fc1_reshape 1600x64 float32
-                (409600, 512),  # 61: d_block4_ln2_layer_norm_param_grad 2x64 float32
-                (0, 256),  # 62: d_block4_attn_out_B 64 float32
-                (0, 16384),  # 63: d_block4_attn_out_W 64x64 float32
+                (19268096, 512),  # 61: d_block4_ln2_layer_norm_param_grad 2x64 float32
+                (19268608, 256),  # 62: d_block4_attn_out_B 64 float32
+                (19251200, 16384),  # 63: d_block4_attn_out_W 64x64 float32
                 (6144000, 409600),  # 64: d_block4_attn_out_reshape 1600x64 float32
                 (0, 1228800),  # 65: d_block4_attn_attention_grad 307200 float32
-                (6144000, 256),  # 66: d_block4_attn_q_B 64 float32
-                (6144000, 256),  # 67: d_block4_attn_v_B 64 float32
-                (6144000, 16384),  # 68: d_block4_attn_q_W 64x64 float32
-                (6144000, 16384),  # 69: d_block4_attn_k_W 64x64 float32
-                (6160384, 16384),  # 70: d_block4_attn_v_W 64x64 float32
+                (17661952, 256),  # 66: d_block4_attn_q_B 64 float32
+                (17662208, 256),  # 67: d_block4_attn_v_B 64 float32
+                (17612800, 16384),  # 68: d_block4_attn_q_W 64x64 float32
+                (17629184, 16384),  # 69: d_block4_attn_k_W 64x64 float32
+                (17645568, 16384),  # 70: d_block4_attn_v_W 64x64 float32
                 (6144000, 409600),  # 71: d_block4_attn_q_reshape 1600x64 float32
                 (6553600, 409600),  # 72: d_block4_attn_q_reshape_2 1600x64 float32
                 (17203200, 409600),  # 73: d_block4_attn_q_reshape_3 1600x64 float32
-                (32768, 512),  # 74: d_block4_ln1_layer_norm_param_grad 2x64 float32
-                (0, 32768),  # 75: d_block3_fc2_W 64x128 float32
-                (0, 256),  # 76: d_block3_fc2_B 64 float32
+                (6176768, 512),  # 74: d_block4_ln1_layer_norm_param_grad 2x64 float32
+                (6144000, 32768),  # 75: d_block3_fc2_W 64x128 float32
+                (5833728, 256),  # 76: d_block3_fc2_B 64 float32
                 (0, 819200),  # 77: d_block3_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 78: d_block3_fc1_W 128x64 float32
-                (4505600, 512),  # 79: d_block3_fc1_B 128 float32
+                (5734400, 32768),  # 78: d_block3_fc1_W 128x64 float32
+                (5832704, 512),  # 79: d_block3_fc1_B 128 float32
                 (819200, 409600),  # 80: d_block3_fc1_reshape 1600x64 float32
-                (0, 512),  # 81: d_block3_ln2_layer_norm_param_grad 2x64 float32
-                (0, 256),  # 82: d_block3_attn_out_B 64 float32
-                (0, 16384),  # 83: d_block3_attn_out_W 64x64 float32
+                (5833216, 512),  # 81: d_block3_ln2_layer_norm_param_grad 2x64 float32
+                (5833984, 256),  # 82: d_block3_attn_out_B 64 float32
+                (5767168, 16384),  # 83: d_block3_attn_out_W 64x64 float32
                 (4505600, 409600),  # 84: d_block3_attn_out_reshape 1600x64 float32
                 (0, 1228800),  # 85: d_block3_attn_attention_grad 307200 float32
-                (4505600, 256),  # 86: d_block3_attn_q_B 64 float32
-                (4505600, 256),  # 87: d_block3_attn_v_B 64 float32
-                (4505600, 16384),  # 88: d_block3_attn_q_W 64x64 float32
-                (4505600, 16384),  # 89: d_block3_attn_k_W 64x64 float32
-                (4521984, 16384),  # 90: d_block3_attn_v_W 64x64 float32
+                (5834240, 256),  # 86: d_block3_attn_q_B 64 float32
+                (5834496, 256),  # 87: d_block3_attn_v_B 64 float32
+                (5783552, 16384),  # 88: d_block3_attn_q_W 64x64 float32
+                (5799936, 16384),  # 89: d_block3_attn_k_W 64x64 float32
+                (5816320, 16384),  # 90: d_block3_attn_v_W 64x64 float32
                 (4505600, 409600),  # 91: d_block3_attn_q_reshape 1600x64 float32
                 (4915200, 409600),  # 92: d_block3_attn_q_reshape_2 1600x64 float32
                 (5324800, 409600),  # 93: d_block3_attn_q_reshape_3 1600x64 float32
-                (32768, 512),  # 94: d_block3_ln1_layer_norm_param_grad 2x64 float32
-                (0, 32768),  # 95: d_block2_fc2_W 64x128 float32
-                (0, 256),  # 96: d_block2_fc2_B 64 float32
+                (4538368, 512),  # 94: d_block3_ln1_layer_norm_param_grad 2x64 float32
+                (4505600, 32768),  # 95: d_block2_fc2_W 64x128 float32
+                (4195328, 256),  # 96: d_block2_fc2_B 64 float32
                 (0, 819200),  # 97: d_block2_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 98: d_block2_fc1_W 128x64 float32
-                (2867200, 512),  # 99: d_block2_fc1_B 128 float32
+                (4096000, 32768),  # 98: d_block2_fc1_W 128x64 float32
+                (4194304, 512),  # 99: d_block2_fc1_B 128 float32
                 (819200, 409600),  # 100: d_block2_fc1_reshape 1600x64 float32
-                (0, 512),  # 101: d_block2_ln2_layer_norm_param_grad 2x64 float32
-                (0, 256),  # 102: d_block2_attn_out_B 64 float32
-                (0, 16384),  # 103: d_block2_attn_out_W 64x64 float32
+                (4194816, 512),  # 101: d_block2_ln2_layer_norm_param_grad 2x64 float32
+                (4195584, 256),  # 102: d_block2_attn_out_B 64 float32
+                (4128768, 16384),  # 103: d_block2_attn_out_W 64x64 float32
                 (2867200, 409600),  # 104: d_block2_attn_out_reshape 1600x64 float32
                 (0, 1228800),  # 105: d_block2_attn_attention_grad 307200 float32
-                (2867200, 256),  # 106: d_block2_attn_q_B 64 float32
-                (2867200, 256),  # 107: d_block2_attn_v_B 64 float32
-                (2867200, 16384),  # 108: d_block2_attn_q_W 64x64 float32
-                (2867200, 16384),  # 109: d_block2_attn_k_W 64x64 float32
-                (2883584, 16384),  # 110: d_block2_attn_v_W 64x64 float32
+                (4195840, 256),  # 106: d_block2_attn_q_B 64 float32
+                (4196096, 256),  # 107: d_block2_attn_v_B 64 float32
+                (4145152, 16384),  # 108: d_block2_attn_q_W 64x64 float32
+                (4161536, 16384),  # 109: d_block2_attn_k_W 64x64 float32
+                (4177920, 16384),  # 110: d_block2_attn_v_W 64x64 float32
                 (2867200, 409600),  # 111: d_block2_attn_q_reshape 1600x64 float32
                 (3276800, 409600),  # 112: d_block2_attn_q_reshape_2 1600x64 float32
                 (3686400, 409600),  # 113: d_block2_attn_q_reshape_3 1600x64 float32
-                (32768, 512),  # 114: d_block2_ln1_layer_norm_param_grad 2x64 float32
-                (0, 32768),  # 115: d_block1_fc2_W 64x128 float32
-                (0, 256),  # 116: d_block1_fc2_B 64 float32
+                (2899968, 512),  # 114: d_block2_ln1_layer_norm_param_grad 2x64 float32
+                (2867200, 32768),  # 115: d_block1_fc2_W 64x128 float32
+                (2556928, 256),  # 116: d_block1_fc2_B 64 float32
                 (0, 819200),  # 117: d_block1_fc2_reshape 1600x128 float32
-                (819200, 32768),  # 118: d_block1_fc1_W 128x64 float32
-                (1228800, 512),  # 119: d_block1_fc1_B 128 float32
+                (2457600, 32768),  # 118: d_block1_fc1_W 128x64 float32
+                (2555904, 512),  # 119: d_block1_fc1_B 128 float32
                 (819200, 409600),  # 120: d_block1_fc1_reshape 1600x64 float32
-                (0, 512),  # 121: d_block1_ln2_layer_norm_param_grad 2x64 float32
-                (0, 256),  # 122: d_block1_attn_out_B 64 float32
-                (0, 16384),  # 123: d_block1_attn_out_W 64x64 float32
+                (2556416, 512),  # 121: d_block1_ln2_layer_norm_param_grad 2x64 float32
+                (2557184, 256),  # 122: d_block1_attn_out_B 64 float32
+                (2490368, 16384),  # 123: d_block1_attn_out_W 64x64 float32
                 (1228800, 409600),  # 124: d_block1_attn_out_reshape 1600x64 float32
                 (0, 1228800),  # 125: d_block1_attn_attention_grad 307200 float32
-                (1228800, 256),  # 126: d_block1_attn_q_B 64 float32
-                (1228800, 256),  # 127: d_block1_attn_v_B 64 float32
-                (1228800, 16384),  # 128: d_block1_attn_q_W 64x64 float32
-                (1228800, 16384),  # 129: d_block1_attn_k_W 64x64 float32
-                (1245184, 16384),  # 130: d_block1_attn_v_W 64x64 float32
+                (2557440, 256),  # 126: d_block1_attn_q_B 64 float32
+                (2557696, 256),  # 127: d_block1_attn_v_B 64 float32
+                (2506752, 16384),  # 128: d_block1_attn_q_W 64x64 float32
+                (2523136, 16384),  # 129: d_block1_attn_k_W 64x64 float32
+                (2539520, 16384),  # 130: d_block1_attn_v_W 64x64 float32
                 (1228800, 409600),  # 131: d_block1_attn_q_reshape 1600x64 float32
                 (1638400, 409600),  # 132: d_block1_attn_q_reshape_2 1600x64 float32
                 (2048000, 409600),  # 133: d_block1_attn_q_reshape_3 1600x64 float32
-                (0, 512),  # 134: d_block1_ln1_layer_norm_param_grad 2x64 float32
+                (426240, 512),  # 134: d_block1_ln1_layer_norm_param_grad 2x64 float32
                 (422144, 4096),  # 135: d_pos 1x16x64 float32
                 (0, 409600),  # 136: d_block1_ln2_reshape 100x64x16 float32
                 (409600, 12544),  # 137: d_patch_W 64x1x7x7 float32
-                (426240, 256),  # 138: d_patch_sum_to 1x64x1x1 float32
+                (426752, 256),  # 138: d_patch_sum_to 1x64x1x1 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=2048512, peak_bytes=2048512, workspace_bytes=409600, pool_bytes=2362112,
@@ -3816,6 +3576,17 @@ def ew_scale_2(out, v0):
     np.multiply(v0, -0.01, out=out)
 
 
+def ew_sqrt_mul_erf_scale(out, v0, v1):
+    """out = v0*(sqrt(2)*v1*exp(-v1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*v1/2)/2 + 1/2)   (out may be v0)"""
+    np.multiply(np.exp(np.square(v1) * (-0.5)) * 1.4142135623730951 * v1 * 0.5 / 1.772453850905516 + erf(1.4142135623730951 * v1 * 0.5) * 0.5 + 0.5, v0, out=out)
+
+
+def ew_add_3(out, v0, v1, v2):
+    """out = v0 + v1 + v2   (out may be v0)"""
+    np.add(v0, v1, out=out)
+    np.add(out, v2, out=out)
+
+
 def ew_square_scale_add(out, v0, v1):
     """out = 0.999*v0 + 0.001*v1**2   (out may be v0)"""
     np.multiply(v0, 0.999, out=out)
@@ -3832,17 +3603,6 @@ def ew_mul_sub_recip_sqrt(out, v0, v1, v2, v3, v4, v5, v6):
     """out = v0*(-v1*v6 + 1) - v1*v3/(v2*(sqrt(v4)/sqrt(v5) + 1.0e-8))   (out may be v0)"""
     np.multiply(1 - v1 * v6, v0, out=out)
     np.subtract(out, v1 * v3 / v2 / (np.sqrt(v4) / np.sqrt(v5) + 1e-08), out=out)
-
-
-def ew_sqrt_mul_erf_scale(out, v0, v1):
-    """out = v0*(sqrt(2)*v1*exp(-v1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*v1/2)/2 + 1/2)   (out may be v0)"""
-    np.multiply(np.exp(np.square(v1) * (-0.5)) * 1.4142135623730951 * v1 * 0.5 / 1.772453850905516 + erf(1.4142135623730951 * v1 * 0.5) * 0.5 + 0.5, v0, out=out)
-
-
-def ew_add_3(out, v0, v1, v2):
-    """out = v0 + v1 + v2   (out may be v0)"""
-    np.add(v0, v1, out=out)
-    np.add(out, v2, out=out)
 
 
 def ew_sqrt_mul_erf_add_2(out, v0):

@@ -568,8 +568,10 @@ def operand_letter(shape, uint8: bool, out_shape) -> str | None:
     (`u` a uint8 one), `s` one element, `c` one value per channel (axis 1 of an output of 3 or more axes: a (1, C,
     1, 1) batch-norm or bias operand), `r` one value per position of the last axis (a bias of a fully connected
     layer), `w` one value per row of the last axis (..., 1): a layer norm's statistics of each token; None for any
-    other broadcast."""
+    other broadcast. A scalar (shape ()) is `s` whatever the output: a hyperparameter arrives as a number."""
     size, out_size_ = math.prod(shape), math.prod(out_shape)
+    if tuple(shape) == ():
+        return "s"
     if size == out_size_:
         return "u" if uint8 else "f"
     if size == 1:
@@ -607,6 +609,15 @@ def pair_function(first: str, first_pattern: str, second: str, second_pattern: s
     if not set(first_pattern + second_pattern) <= set(letters):
         return None
     return f"deepdsl_{first}_{first_pattern}_then_{second}_{second_pattern}" + ("_csum" if summed else "")
+
+
+def many_function(kernel: str, pattern: str) -> str | None:
+    """The compiled library's function computing elementwise kernel `kernel` on several sets of operands of
+    `pattern` at once (a batch of statements, `deepdsl.passes.fuse_horizontal`): whole tensors and scalars only
+    (letters f, u and s); None for other patterns (one call each)."""
+    if not pattern or not set(pattern) <= set("fsu"):
+        return None
+    return f"deepdsl_{kernel}_{pattern}_many"
 
 
 def sum_view(values_shape, out_shape) -> tuple[int, ...] | None:

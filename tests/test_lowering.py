@@ -198,12 +198,19 @@ def test_compiled_networks_pair_their_pools_and_updates_and_keep_their_plans(len
              for k, i in enumerate(body) if isinstance(i, Let) and i.computes_also is not None]
     pools = [p for p in pairs if set(p) == {"max_pool", "max_pool_argmax"}]
     updates = [p for p in pairs if p == ("ew", "ew")]
-    assert pools and len(updates) >= 8 and len(pools) + len(updates) == len(pairs)   # 8: LeNet's parameters
+    # the small parameters' updates in batches of one kernel where the peak allows (`fuse_horizontal`), the others
+    # in pairs
+    batches = [i for i in lenet.train.body if isinstance(i, Let) and i.batch]
+    batched = sum(len(i.batch) + 1 for i in batches)
+    assert pools and updates and len(updates) + batched >= 8             # 8: LeNet's parameters
+    assert len(pools) + len(updates) == len(pairs)
     assert len(lenet.steps["train"].plan.steps) == len(lenet.train.body)
     text = render_program(describe(lenet))
     assert text.count("(computed with the next statement)") == len(pairs)
+    assert text.count("(computed with the last statement of its batch)") == batched - len(batches)
     assert text.count("argmax=") == len(pools)
     assert text.count("rt.ew_pair(") == len(updates)
+    assert text.count("rt.ew_many(") == len(batches)
 
 
 # --- one frozen description for both renderers -------------------------------------------------------------------

@@ -486,3 +486,71 @@ def test_lenet_compiles_fast():
     start = time.perf_counter()
     deepdsl.compile(deepdsl.load(LENET))
     assert time.perf_counter() - start < 1.0     # measured ~0.02 s; generous for a loaded machine
+
+
+# --- horizontal fusion of the small updates ----------------------------------------------------------------------
+
+
+def test_small_updates_move_to_the_end_in_batches_where_the_peak_allows():
+    """Three small parameters, each updated in place right after its gradient; the first gradient comes before a
+    large temporary (the step's peak), the two others after it. Moving the first update to the end would keep its
+    gradient alive over the peak: it stays. The two others move to the end as one batch (`Let(batch=...)`) of their
+    one kernel; the planned peak does not rise and the values are the same."""
+    from deepdsl.memory_plan import planned_live_bytes
+    from deepdsl.passes.dealloc import insert_frees
+    from deepdsl.passes.fuse_horizontal import fuse_horizontal
+
+    x, y = data("x", (64,)), data("y", (4096,))
+    w = [param(f"w{k}", (64,)) for k in range(3)]
+    g = [elementwise(sym(0) * (k + 2), [x]) for k in range(3)]
+    new = [elementwise(sym(0) - sympy.Float(0.1) * sym(1), [w[k], g[k]]) for k in range(3)]
+    big = elementwise(sym(0) * 3, [y])
+    out = elementwise(sym(0) + 1, [big])
+    body = (Let(g[0]), Let(new[0], into=w[0]), Let(big), Let(out), Let(g[1]), Let(new[1], into=w[1]), Let(g[2]),
+            Let(new[2], into=w[2]))
+    program = verify(Program("step", (x, y, *w), body, (("h", out), *((f"w{k}", new[k]) for k in range(3)))))
+    fused = verify(fuse_horizontal(program))
+    assert [i.node for i in fused.body] == [g[0], new[0], big, out, g[1], g[2], new[1], new[2]]
+    assert fused.body[-1].batch == (new[1],) and not any(i.batch for i in fused.body[:-1])
+    assert fuse_horizontal(fused) is fused
+    from dataclasses import replace
+
+    from deepdsl.errors import VerifyError
+    for wrong in ((new[0],), (g[2],)):       # values the statements before it do not define
+        with pytest.raises(VerifyError):
+            verify(fused.rewritten(fused.body[:-1] + (replace(fused.body[-1], batch=wrong),)))
+    peaks = [max(planned_live_bytes(insert_frees(p))) for p in (program, fused)]
+    assert peaks[1] <= peaks[0]
+    feeds = values_for(program)
+    want, got = run(program, feeds, float_dtype=np.float64), run(verify(insert_frees(fused)), feeds,
+                                                                 float_dtype=np.float64)
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+
+
+def test_the_vits_updates_run_in_three_batches_with_the_same_values_and_peak(monkeypatch):
+    """Every parameter of the ViT is small: its Adam updates (second moments, first moments, parameters) end the
+    training step in three batches, one per kernel, of one statement per parameter each, written over its parameter
+    or state; those whose gradients would live over the step's peak stay (at batch 2, more than a third). The step
+    computes what it computes without the batches (none moved), in float64, at no higher planned peak."""
+    from deepdsl.passes import fuse_horizontal as horizontal
+
+    on = deepdsl.compile(deepdsl.load(VIT, Overrides(batch=2)), deepdsl.CompileOptions(verify=True))
+    batches = [i for i in on.train.body if isinstance(i, Let) and i.batch]
+    assert len(batches) == 3 and len({len(i.batch) for i in batches}) == 1 and len(batches[0].batch) >= 30
+    members = [v for i in batches for v in (*i.batch, i.node)]
+    updates = {id(i.node): i for i in on.train.body if isinstance(i, Let) and i.into is not None and i.into.is_leaf}
+    assert len(updates) == 3 * len([x for x in on.train.inputs if x.op == "param"])
+    assert all(id(v) in updates and v.size <= horizontal.SMALL_UPDATE for v in members)
+    monkeypatch.setattr(horizontal, "SMALL_UPDATE", 0)
+    off = deepdsl.compile(deepdsl.load(VIT, Overrides(batch=2)), deepdsl.CompileOptions(verify=True))
+    assert not any(isinstance(i, Let) and i.batch for i in off.train.body)
+    assert on.steps["train"].plan.peak_live_bytes <= off.steps["train"].plan.peak_live_bytes
+    feeds = lenet_feeds(off)
+    for leaf in off.train.inputs:
+        if leaf.attr("role") == "hyper":
+            feeds[leaf.name] = 0.5
+        elif leaf.name.startswith("S_"):            # Adam's second moments
+            feeds[leaf.name] = np.abs(feeds[leaf.name])
+    (train_on, _), (train_off, _) = run_compiled(on, feeds), run_compiled(off, feeds)
+    for name in train_off:
+        np.testing.assert_array_equal(train_on[name], train_off[name], err_msg=name)

@@ -64,7 +64,8 @@ class ProgramDescription:
     sequences are tuples. `kernels` are the elementwise kernels in order of first use, each with its expression
     and arity (`kernel_patterns`: the operand patterns each is called with, see `steps.operand_pattern`;
     `kernel_sums`: those of its per-channel sums, `contract.channel_sum_pattern`; `kernel_pairs`: the kernels
-    computed two in one pass, each with its pattern, and whether the second is summed, `steps.Kernels.use_pair`); `steps`
+    computed two in one pass, each with its pattern, and whether the second is summed, `steps.Kernels.use_pair`;
+    `kernel_many`: the patterns of each kernel's batched calls, `steps.Kernels.use_many`); `steps`
     are setup, training step and test step (then the accumulate, apply and statistics steps, where compiled);
     `memory_plans`
     their plans, in that order."""
@@ -102,6 +103,7 @@ class ProgramDescription:
     kernel_patterns: tuple[tuple[str, tuple[str, ...]], ...]
     kernel_sums: tuple[tuple[str, tuple[str, ...]], ...]
     kernel_pairs: tuple[tuple[str, str, str, str, bool], ...]
+    kernel_many: tuple[tuple[str, tuple[str, ...]], ...]
     iters: int
     test_iters: int
     lr: str
@@ -285,6 +287,7 @@ def describe(compiled, options: CodegenOptions | None = None) -> ProgramDescript
         "kernel_patterns": tuple((k.name, tuple(kernels.patterns.get(k.name, ()))) for k in kernels.items),
         "kernel_sums": tuple((k.name, tuple(kernels.sums.get(k.name, ()))) for k in kernels.items),
         "kernel_pairs": tuple(kernels.pairs),
+        "kernel_many": tuple((k.name, tuple(kernels.many.get(k.name, ()))) for k in kernels.items),
         "iters": solver.iters,
         "test_iters": solver.test_iters,
         "lr": _number(solver.lr),

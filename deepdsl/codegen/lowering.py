@@ -84,6 +84,14 @@ def elementwise_pair(first: Site, second: Site) -> str:
             f"shape={literal(second.node.attr('shape'))}{ws})")
 
 
+def elementwise_many(sites: list[Site]) -> str:
+    """Statements of one elementwise kernel on operands of their own in one call (`passes.fuse_horizontal`):
+    `rt.ew_many`, the kernel and then each statement's output and arguments, one line each."""
+    indent = " " * len("rt.ew_many(")
+    calls = [f"({site.out}{''.join(', ' + a for a in site.args)})" for site in sites]
+    return f"rt.ew_many({sites[0].kernel},\n" + ",\n".join(indent + c for c in calls) + ")"
+
+
 def bernoulli(site: Site) -> str:
     """Masks are drawn from (seed, step, key): the run's seed and the iteration number complete the attributes."""
     ws = f", workspace={site.workspace}" if site.workspace else ""

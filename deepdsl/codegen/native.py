@@ -35,9 +35,11 @@ def render_c(description, program: str | None = None) -> str:
     from deepdsl.codegen import render
     from deepdsl.codegen.cuda import c_expression
 
-    patterns, sums = dict(description.kernel_patterns), dict(description.kernel_sums)
+    patterns, sums, many = (dict(description.kernel_patterns), dict(description.kernel_sums),
+                            dict(description.kernel_many))
     kernels = [{"name": k.name, "text": sympy.sstr(k.expr), "c": c_expression(k.expr), "inputs": list(range(k.arity)),
-                "patterns": patterns.get(k.name, ()), "sums": sums.get(k.name, ())} for k in description.kernels]
+                "patterns": patterns.get(k.name, ()), "sums": sums.get(k.name, ()), "many": many.get(k.name, ())}
+               for k in description.kernels]
     by_name = {k["name"]: k for k in kernels}
     pairs = [{"function": contract.pair_function(*pair), "first": by_name[pair[0]], "first_pattern": pair[1],
               "second": by_name[pair[2]], "second_pattern": pair[3], "summed": pair[4]}

@@ -100,6 +100,8 @@ class Kernels:
     # (first kernel, its pattern, second kernel, its pattern, whether the second is summed per channel) of the pairs
     # of statements computed in one pass, in order of first use: the compiled CPU library has one function for each
     pairs: list[tuple[str, str, str, str, bool]] = field(default_factory=list)
+    # kernel name -> the operand patterns of its batched calls (`use_many`), each a compiled function
+    many: dict[str, list[str]] = field(default_factory=dict)
     _by_key: dict[tuple, str] = field(default_factory=dict)
 
     def use(self, name: str, pattern: str | None) -> None:
@@ -107,6 +109,13 @@ class Kernels:
         library leaves to numpy)."""
         if pattern is not None and pattern not in self.patterns.setdefault(name, []):
             self.patterns[name].append(pattern)
+
+    def use_many(self, name: str, pattern: str | None) -> None:
+        """Note a batched call of kernel `name` over operand sets of `pattern` (`passes.fuse_horizontal`): the
+        compiled library has one function for each pattern that has one (`deepdsl_runtime.contract.many_function`)."""
+        if pattern is not None and contract.many_function(name, pattern) is not None \
+                and pattern not in self.many.setdefault(name, []):
+            self.many[name].append(pattern)
 
     def use_sum(self, name: str, pattern: str | None) -> None:
         """Note a per-channel sum of kernel `name` over operands of `pattern` (`contract.channel_sum_pattern`; None:
@@ -236,20 +245,27 @@ class StepBuilder:
         result = []
         body, steps = self.program.body, self.plan.steps
         deferred = {id(i.computes_also) for i in body if isinstance(i, Let) and i.computes_also is not None}
+        batched = {id(v) for i in body if isinstance(i, Let) for v in i.batch}
         section = None
         for k, (instr, step) in enumerate(zip(body, steps)):
             if isinstance(instr, Let):
                 if id(instr.node) in deferred:
                     block = self.let(instr.node, step, call=False)
+                elif id(instr.node) in batched:
+                    block = self.let(instr.node, step, call=False, batched=True)
                 elif instr.computes_also is not None:
                     block = self.let(instr.node, step, pair=(instr.computes_also, steps[k - 1]))
                 else:
-                    block = self.let(instr.node, step)
+                    block = self.let(instr.node, step, batch=instr.batch)
                 found = provenance.origin(instr.node, self.program.origins)
                 here = found.section if found is not None else None
+                if id(instr.node) in batched or instr.batch:
+                    found, here = None, "batched"          # the small updates at the end: one section
                 if here != section:
                     section = here
-                    title = f"{here[0]} ({found.what}), {here[1]}" if found is not None else "values of no layer"
+                    title = (f"{here[0]} ({found.what}), {here[1]}" if found is not None else
+                             "the small tensors' updates, one call per kernel" if here == "batched" else
+                             "values of no layer")
                     block = Block(block.comment, block.lines, f"---- {title} ----")
                 if id(instr.node) in self.after:
                     block = Block(block.comment, block.lines + (self.after[id(instr.node)],), block.banner)
@@ -266,13 +282,15 @@ class StepBuilder:
                 result.append(Block(f"free {what}", tuple(lines)))
         return tuple(result)
 
-    def let(self, node: Node, step, call: bool = True, pair=None) -> Block:
+    def let(self, node: Node, step, call: bool = True, pair=None, batch=(), batched: bool = False) -> Block:
         """The block of one statement. A pair of statements computed together (`passes.fuse_multi_output`) makes
         one call: the first statement only binds its buffer (`call=False`), the second (`pair`: the first's node and
         plan step) calls `rt.ew_pair` for two elementwise kernels (`rt.ew_and_sum` when the second is summed), or
         `rt.max_pool(..., argmax=)` for a window's maximum and position, in max_pool's workspace (the kernel's
         small mask may be a temporary). Both statements keep the plan's buffers and the call asks for no more
-        workspace than the plan gives, so every allocator mode stays within the plan."""
+        workspace than the plan gives, so every allocator mode stays within the plan. A batch
+        (`passes.fuse_horizontal`): its members only bind their buffers (`batched`), its last statement (`batch`: the
+        members' nodes) calls `rt.ew_many` with each one's output and operands."""
         if node.op in lowering.NOT_LOWERED:
             raise GenerateError(f"op '{node.op}' cannot appear in a program statement")
         name = self.ir_names[id(node)]
@@ -293,7 +311,8 @@ class StepBuilder:
         else:
             raise GenerateError(f"the memory plan gives statement {name} no buffer")
         if not call:
-            return Block(comment + "   (computed with the next statement)", tuple(lines))
+            later = "with the last statement of its batch" if batched else "with the next statement"
+            return Block(f"{comment}   (computed {later})", tuple(lines))
         workspace = f"mem.workspace({step.workspace})" if step.workspace else None
         if pair is not None and node.op in ("ew", "ew_sum"):
             first = pair[0]
@@ -316,6 +335,12 @@ class StepBuilder:
                 lowering.Site(pool, args, self.py[id(pool)], workspace), self.py[id(index)]))
             return Block(comment, tuple(lines))
         kernel = self.kernel(node, target) if node.op in ("ew", "ew_sum") else None
+        if batch:
+            self.kernels.use_many(kernel, operand_pattern(node))
+            sites = [lowering.Site(v, tuple(self.arg(x) for x in v.inputs), self.py[id(v)], None,
+                                   self.kernel(v, self.into.get(id(v)))) for v in batch]
+            lines += lowering.elementwise_many([*sites, lowering.Site(node, args, name, None, kernel)]).split("\n")
+            return Block(f"{comment}   (and the {len(batch)} statements before it, in one call)", tuple(lines))
         lines.append(lowering.lower(lowering.Site(node, args, name, workspace, kernel)))
         return Block(comment, tuple(lines))
 

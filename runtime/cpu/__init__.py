@@ -12,7 +12,8 @@ The op contract, shared by every backend module (`deepdsl_runtime.cpu` here, a C
 - Small per-row temporaries (a max or a sum per example) may be allocated by numpy.
 - `reshape` is a view and has no `out`, and so is a `slice` called without one; `ew(kernel, out, *args)` runs an elementwise kernel the compiler wrote,
   `ew_pair((kernel, out, *args), (kernel, out, *args))` two of them in one pass (the second reads the first's out),
-  `ew_and_sum` the same with the second summed (as `ew_sum`).
+  `ew_and_sum` the same with the second summed (as `ew_sum`), `ew_many(kernel, (out, *args), ...)` one of them on
+  several sets of operands in one call.
 - The ops that multiply matrices (matmul and the three convolutions) take `gemm=`, the function computing each
   product `gemm(a, b, out=c)` (c = a @ b, 2-D or batched as numpy's matmul; operands may be transposed views):
   `np.matmul` by default. `with_gemm(gemm)` is this backend with another one bound, such as the tiled
@@ -39,7 +40,7 @@ import types
 from deepdsl_runtime.contract import out_size
 from deepdsl_runtime.cpu.attention import attention, attention_grad
 from deepdsl_runtime.cpu.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter
-from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_and_sum, ew_pair, ew_sum
+from deepdsl_runtime.cpu.elementwise import const, copy, ew, ew_and_sum, ew_many, ew_pair, ew_sum
 from deepdsl_runtime.cpu.linalg import matmul
 from deepdsl_runtime.cpu.loss import label_rank, log_softmax, pick, precision, softmax, unpick
 from deepdsl_runtime.cpu.masks import bernoulli, bernoulli_mask, equal
@@ -53,8 +54,8 @@ from deepdsl_runtime.cpu.transfer import all_sum, asarray, scalar, to_numpy, zer
 __all__ = [
     "DEVICE", "all_sum", "asarray", "attention", "attention_grad", "avg_pool", "avg_pool_bwd", "bernoulli",
     "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "copy",
-    "ew", "ew_and_sum", "ew_pair", "equal", "ew_sum", "gather_rows", "label_rank", "layer_norm", "layer_norm_grad",
-    "layer_norm_param_grad", "log_softmax", "lrn", "lrn_bwd",
+    "ew", "ew_and_sum", "ew_many", "ew_pair", "equal", "ew_sum", "gather_rows", "label_rank", "layer_norm",
+    "layer_norm_grad", "layer_norm_param_grad", "log_softmax", "lrn", "lrn_bwd",
     "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis", "pick", "precision", "reshape",
     "scalar", "scatter_rows", "slice", "softmax", "sum_to", "to_numpy", "transpose", "unpick", "zeros",
 ]
@@ -63,7 +64,8 @@ DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "attention", "attention_grad")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "layer_norm", "layer_norm_grad",
              "layer_norm_param_grad", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
-             "max_pool_bwd", "ew", "ew_and_sum", "ew_pair", "ew_sum", "sum_to", "gather_rows", "scatter_rows",
+             "max_pool_bwd", "ew", "ew_and_sum", "ew_many", "ew_pair", "ew_sum", "sum_to", "gather_rows",
+             "scatter_rows",
              "label_rank", "equal", "attention", "attention_grad", "bernoulli", "matmul",
              "transpose", "log_softmax")
 

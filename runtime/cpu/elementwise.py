@@ -64,6 +64,17 @@ def ew_pair(first, second, native=None):
     ew(*second, native=native)
 
 
+def ew_many(kernel, *calls, native=None):
+    """One elementwise kernel on several sets of operands, each `(out, *args)` as `ew` takes them (a batch of
+    statements, `deepdsl.passes.fuse_horizontal`: the small tensors' updates): with `native`, one call of the
+    program's compiled kernel over them all where it has one for their operands, else `ew` on each. The values are
+    the same either way."""
+    if native is not None and native.ew_many(kernel, calls):
+        return
+    for out, *args in calls:
+        ew(kernel, out, *args, native=native)
+
+
 def ew_and_sum(first, second, *, shape, workspace=None, native=None):
     """An elementwise kernel and the sum to `shape` of another reading its output, each given as its function takes
     it (`ew`: `(kernel, out, *args)`, `ew_sum`: the same and `shape`, `workspace`): with `native`, one pass of the

@@ -862,9 +862,10 @@ class Native:
 
     def ew(self, kernel, out: np.ndarray, args) -> bool:
         """Run the compiled `kernel` (a generated numpy kernel function; the library's `deepdsl_<name>_<pattern>`,
-        `pattern` by `contract.operand_pattern`) when the library has it and the output has at least EW_NATIVE_MIN
-        elements; False otherwise (the caller runs the numpy one)."""
-        if out.size < EW_NATIVE_MIN or not out.flags.c_contiguous or out.dtype != np.float32:
+        `pattern` by `contract.operand_pattern`) when the library has it, whatever the size (a statement's bits
+        depend on the library alone, not on its size nor on whether it runs in a batch, `ew_many`); False otherwise
+        (the caller runs the numpy one)."""
+        if not out.flags.c_contiguous or out.dtype != np.float32:
             return False
         if any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args):
             return False
@@ -882,10 +883,40 @@ class Native:
     def ew_pair(self, first, second) -> bool:
         """Run two elementwise kernels, each `(kernel, out, *args)`, the second reading the first's output, in one
         pass of the library's pair function (`contract.pair_function`) when it has one for these operands and the
-        outputs are contiguous float32 of one size, at least EW_NATIVE_MIN elements; False otherwise (nothing run)."""
-        if first[1].size < EW_NATIVE_MIN or first[1].shape != second[1].shape:
+        outputs are contiguous float32 of one size; False otherwise (nothing run)."""
+        if first[1].shape != second[1].shape:
             return False
         return self._pair(first, second, None)
+
+    def ew_many(self, kernel, calls) -> bool:
+        """Run the compiled `kernel` on each `(out, *args)` of `calls` in one call of the library's batched
+        function (`contract.many_function`, for the pattern of the first call's operands) where it has one and
+        every call's operands have that pattern: contiguous float32 (uint8 for u) of their output's size, and
+        scalars; False otherwise (nothing run: the caller runs each)."""
+        out, *args = calls[0]
+        if not _contiguous32(out):
+            return False
+        key = ("many", kernel.__name__, len(calls),
+               tuple((a.shape, a.dtype.char) if isinstance(a, np.ndarray) else None for a in args), out.shape)
+        found = self._ew.get(key)
+        if found is None:
+            found = self._ew[key] = self._many_function(kernel.__name__, out.shape, args, len(calls))
+        if found is False:
+            return False
+        function, batch = found
+        if not batch(calls):
+            return False
+        function(len(calls), batch.sizes, batch.outs, batch.pointers, batch.values)
+        return True
+
+    def _many_function(self, name: str, out_shape, args, count: int):
+        pattern = self._pattern(args, out_shape)
+        many = None if pattern is None else contract.many_function(name, pattern)
+        function = None if many is None else getattr(self.program, many, None)
+        if function is None:
+            return False
+        function.argtypes = [_L, _P, _P, _P, _P]
+        return function, _Batch(pattern, count)
 
     def ew_and_sum(self, first, second, shape) -> bool:
         """Run an elementwise kernel, `(kernel, out, *args)`, and the per-channel sum to `shape` of a second kernel
@@ -1020,6 +1051,61 @@ class _Operands:
         return pointers, values
 
 
+class _Batch:
+    """A batched elementwise function's arrays for `count` calls of one operand pattern (`Native.ew_many`): each
+    call's size and output pointer, its operands' pointers and scalars' values, `width` = arity apart; made once,
+    filled on each call (`batch(calls)`: False where an operand is not of the pattern, the arrays then to be filled
+    again). A call whose output and array operands are the objects of the last call (`seen`: the parameters, their
+    states and, in static memory, the step's buffers are the same arrays at every step) keeps their pointers, checked
+    when they came; the batch holds those arrays until its next call."""
+
+    __slots__ = ("sizes", "outs", "pointers", "values", "columns", "arrays", "scalars", "width", "seen")
+
+    def __init__(self, pattern: str, count: int):
+        self.width = len(pattern)
+        self.sizes, self.outs = (_L * count)(), (_P * count)()
+        self.pointers, self.values = (_P * (count * self.width))(), (_F * (count * self.width))()
+        self.columns = np.frombuffer(self.values, np.float32).reshape(count, self.width)
+        self.arrays = tuple((i + 1, np.uint8 if p == "u" else np.float32) for i, p in enumerate(pattern) if p != "s")
+        self.scalars = tuple(i + 1 for i, p in enumerate(pattern) if p == "s")
+        self.seen: list = [None] * (count * (1 + len(self.arrays)))
+
+    def __call__(self, calls) -> bool:
+        seen, arrays, width = self.seen, self.arrays, self.width
+        j = 0
+        for m, call in enumerate(calls):
+            out = call[0]
+            if out is not seen[j] or any(call[i] is not seen[j + k] for k, (i, _) in enumerate(arrays, 1)):
+                seen[j] = None                           # (filled again at the next call, unless all is well)
+                if out.dtype != _F32 or not out.flags.c_contiguous:
+                    return False
+                size = out.size
+                for i, dtype in arrays:
+                    a = call[i]
+                    if a.__class__ is not np.ndarray or a.size != size or a.dtype != dtype or \
+                            not a.flags.c_contiguous:
+                        return False
+                self.sizes[m], self.outs[m] = size, _address(out)
+                for k, (i, _) in enumerate(arrays, 1):
+                    self.pointers[m * width + i - 1] = _address(call[i])
+                    seen[j + k] = call[i]
+                seen[j] = out
+            j += 1 + len(arrays)
+        for i in self.scalars:      # (a float, or a size-1 array's element, rounded to float32 as `_Operands` does)
+            first = calls[0][i]
+            if first.__class__ is not np.ndarray and all(call[i] is first for call in calls):
+                self.columns[:, i - 1] = first                  # one value for all (the step's hyperparameters)
+                continue
+            for m, call in enumerate(calls):
+                a = call[i]
+                if a.__class__ is np.ndarray:
+                    if a.size != 1:
+                        return False
+                    a = a.reshape(-1)[0]
+                self.columns[m, i - 1] = a
+        return True
+
+
 def _data_offset() -> int | None:
     """Where an ndarray object holds the address of its first element, from the object's own address: numpy's
     array struct puts it right after the object's header (`object.__basicsize__`). Checked on arrays, views and
@@ -1047,6 +1133,7 @@ def _address(x: np.ndarray) -> int:
 
 
 _from_address = ctypes.c_void_p.from_address
+_F32 = np.dtype(np.float32)
 
 
 def _matrix(x: np.ndarray) -> tuple[int, int] | None:
@@ -1115,7 +1202,6 @@ def _contiguous32(*arrays) -> bool:
     return all(a.flags.c_contiguous and a.dtype == np.float32 for a in arrays)
 
 
-EW_NATIVE_MIN = 1 << 15       # smaller elementwise statements stay with numpy: a ctypes call costs more than they do
 _BLAS_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
                  "scipy_openblas_set_num_threads")
 # CBLAS sgemm by its name in the OpenBLAS builds numpy ships or links: (name, 64-bit integers)

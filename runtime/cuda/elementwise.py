@@ -67,6 +67,13 @@ def ew_pair(first, second) -> None:
     ew(*second)
 
 
+def ew_many(kernel, *calls) -> None:
+    """One elementwise kernel on several sets of operands, each `(out, *args)` as `ew` takes them: the CPU backend's
+    one call (`deepdsl_runtime.cpu.elementwise.ew_many`) is a launch each here."""
+    for out, *args in calls:
+        ew(kernel, out, *args)
+
+
 def ew_and_sum(first, second, *, shape, workspace=None) -> None:
     """An elementwise kernel, `(kernel, out, *args)`, and the sum to `shape` of another reading its output (`ew_sum`'s
     arguments): the CPU backend's one pass (`deepdsl_runtime.cpu.elementwise.ew_and_sum`) is `ew` and `ew_sum` here."""

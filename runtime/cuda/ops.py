@@ -29,7 +29,7 @@ from deepdsl_runtime.cuda.allocators import allocator
 from deepdsl_runtime.cuda.attention import attention, attention_grad
 from deepdsl_runtime.cuda.arrays import Device, DeviceArray, asarray, scalar, to_numpy, zeros
 from deepdsl_runtime.cuda.conv import conv2d, conv2d_bwd_data, conv2d_bwd_filter, matmul
-from deepdsl_runtime.cuda.elementwise import (all_sum, broadcast_to, const, copy, ew, ew_and_sum, ew_pair,
+from deepdsl_runtime.cuda.elementwise import (all_sum, broadcast_to, const, copy, ew, ew_and_sum, ew_many, ew_pair,
                                              ew_sum, reshape, sum_to)
 from deepdsl_runtime.cuda.loss import label_rank, log_softmax, pick, precision, softmax, unpick
 from deepdsl_runtime.cuda.masks import bernoulli, bernoulli_mask, equal
@@ -40,7 +40,8 @@ from deepdsl_runtime.cuda.shape import concat, gather_rows, pad_axis, scatter_ro
 __all__ = [
     "DEVICE", "DeviceArray", "Device", "all_sum", "allocator", "asarray", "attention", "attention_grad", "avg_pool",
     "avg_pool_bwd", "bernoulli", "bernoulli_mask", "broadcast_to", "concat", "const", "conv2d", "conv2d_bwd_data",
-    "conv2d_bwd_filter", "copy", "equal", "ew", "ew_and_sum", "ew_pair", "ew_sum", "gather_rows", "label_rank",
+    "conv2d_bwd_filter", "copy", "equal", "ew", "ew_and_sum", "ew_many", "ew_pair", "ew_sum", "gather_rows",
+    "label_rank",
     "layer_norm", "layer_norm_grad", "layer_norm_param_grad", "log_softmax", "lrn", "lrn_bwd", "matmul", "max_pool", "max_pool_argmax", "max_pool_bwd", "out_size", "pad_axis",
     "pick", "precision", "reshape", "scalar", "scatter_rows", "slice", "softmax", "sum_to", "to_numpy", "transpose",
     "unpick", "zeros", "on",

@@ -77,6 +77,8 @@ def run_in_arena(program: Program, plan: MemoryPlan, feeds: dict) -> dict:
         p = plan.placement(node)
         if p.buffer is not None:
             return _at(arena, plan, node)
+        if p.view_of is not None:           # a view of a persistent value (a reshape, a slice's block): its bytes
+            return get_op(node.op).evaluate(ctx, at(p.view_of), **node.kwargs)
         return persistent[p.leaf.name].reshape(node.shape)
 
     def read(node):
