@@ -412,6 +412,18 @@ def lenet_feeds(compiled, seed=0) -> dict:
     return feeds
 
 
+def adam_feeds(compiled) -> dict:
+    """`lenet_feeds` for a network trained by Adam: every hyperparameter 0.5, the second moments positive."""
+    feeds = lenet_feeds(compiled)
+    for program in (compiled.train, compiled.test):
+        for leaf in program.inputs:
+            if leaf.attr("role") == "hyper":
+                feeds[leaf.name] = 0.5
+            elif leaf.name.startswith("S_"):            # Adam's second moments
+                feeds[leaf.name] = np.abs(feeds[leaf.name])
+    return feeds
+
+
 def test_lenet_optimized_equals_unoptimized():
     loop = deepdsl.load(LENET, Overrides(batch=4))
     off = deepdsl.compile(loop, deepdsl.CompileOptions(simplify=False, fuse=False, cse=False, code_motion=False,
@@ -449,13 +461,7 @@ def test_attention_reads_and_writes_its_heads_in_place():
     assert not any(n.op == "transpose" and id(n) in readers for n in statements)
     off = deepdsl.compile(deepdsl.load(VIT, Overrides(batch=2)), deepdsl.CompileOptions(fuse=False, verify=True))
     assert not any(n.attr("heads") for n in off.train.statements() if n.op == "attention")
-    feeds = lenet_feeds(off)
-    for program in (off.train, off.test):
-        for leaf in program.inputs:
-            if leaf.attr("role") == "hyper":
-                feeds[leaf.name] = 0.5
-            elif leaf.name.startswith("S_"):            # Adam's second moments
-                feeds[leaf.name] = np.abs(feeds[leaf.name])
+    feeds = adam_feeds(off)
     (train_on, test_on), (train_off, test_off) = run_compiled(on, feeds), run_compiled(off, feeds)
     for name in train_off:
         np.testing.assert_allclose(train_on[name], train_off[name], rtol=1e-10, atol=1e-12, err_msg=name)
@@ -545,12 +551,7 @@ def test_the_vits_updates_run_in_three_batches_with_the_same_values_and_peak(mon
     off = deepdsl.compile(deepdsl.load(VIT, Overrides(batch=2)), deepdsl.CompileOptions(verify=True))
     assert not any(isinstance(i, Let) and i.batch for i in off.train.body)
     assert on.steps["train"].plan.peak_live_bytes <= off.steps["train"].plan.peak_live_bytes
-    feeds = lenet_feeds(off)
-    for leaf in off.train.inputs:
-        if leaf.attr("role") == "hyper":
-            feeds[leaf.name] = 0.5
-        elif leaf.name.startswith("S_"):            # Adam's second moments
-            feeds[leaf.name] = np.abs(feeds[leaf.name])
+    feeds = adam_feeds(off)
     (train_on, _), (train_off, _) = run_compiled(on, feeds), run_compiled(off, feeds)
     for name in train_off:
         np.testing.assert_array_equal(train_on[name], train_off[name], err_msg=name)
