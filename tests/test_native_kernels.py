@@ -716,14 +716,14 @@ def test_a_batch_of_one_kernel_equals_its_calls_one_by_one(lib, tmp_path_factory
 
     rt, before = backend(lib), lib.threads
     try:
-        for round_ in range(2):
+        for _ in range(2):
             sets = operands()
             lr = float(rng.uniform(0.01, 0.1))
             want = [np.empty_like(w) for w, _ in sets]
             for out, (w, v) in zip(want, sets):
                 kernel(out, w, lr, v)
             one_by_one = []
-            for out_, (w, v) in zip(want, sets):
+            for w, v in sets:
                 out = np.full_like(w, np.nan)
                 pointers = (ctypes.c_void_p * 3)(w.ctypes.data, 0, v.ctypes.data)
                 function(w.size, out.ctypes.data, pointers, (ctypes.c_float * 3)(0, lr, 0))

@@ -2,8 +2,8 @@
 
 The default rule covers most ops: `rt.<op>(<inputs>, out=<value>, <attributes>)`, the runtime function having
 the op's name, its inputs in order and its attributes as keywords; ops with scratch memory also get
-`workspace=`. The table below holds the exceptions: views (no `out`; a slice where it is one), elementwise kernels
-and their sums, random masks, attention's dropout mask.
+`workspace=`. Views (`Op.aliases`: no `out`) are the exception every op may make; the table below holds the others:
+elementwise kernels and their sums, random masks, attention's dropout mask.
 """
 from __future__ import annotations
 
@@ -54,11 +54,6 @@ def default(site: Site) -> str:
 def view(site: Site) -> str:
     """Views alias their input: the statement binds a name, there is no `out`."""
     return f"{site.out} = rt.{site.node.op}({', '.join(site.args)}{_attrs(site.node)})"
-
-
-def slice_of(site: Site) -> str:
-    """A slice: a view where it is one (`ops.shape.Slice.aliases`), else a copy into its buffer."""
-    return (view if get_op("slice").aliases(site.node) else default)(site)
 
 
 def elementwise(site: Site) -> str:
@@ -120,8 +115,6 @@ def all_sum(site: Site) -> str:
 
 SNIPPETS: dict[str, Callable[[Site], str]] = {
     "all_sum": all_sum,
-    "reshape": view,
-    "slice": slice_of,
     "ew": elementwise,
     "ew_sum": elementwise_sum,
     "bernoulli": bernoulli,
@@ -135,4 +128,8 @@ NOT_LOWERED = frozenset({"input", "param", "state", "batch_norm", "dropout"})
 
 
 def lower(site: Site) -> str:
+    """The statement's snippet: a view where its op says its output is one (`Op.aliases`: a reshape, a slice of a
+    block), else the op's entry of SNIPPETS or the default."""
+    if get_op(site.node.op).aliases(site.node):
+        return view(site)
     return SNIPPETS.get(site.node.op, default)(site)

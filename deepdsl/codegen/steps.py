@@ -28,10 +28,9 @@ from deepdsl.errors import DeepDSLError
 from deepdsl.ir import Node
 from deepdsl.memory_plan import MemoryPlan
 from deepdsl.ops.elementwise import broadcast_shapes
-from deepdsl.ops import get_op
 from deepdsl.ops.elementwise import operation_word
 from deepdsl.ssa import Free, Let, Program, format_expr
-from deepdsl.storage import is_batch_input
+from deepdsl.storage import is_batch_input, is_view
 
 DTYPES = {"float": "float32", "int32": "int32", "uint8": "uint8"}
 TENSOR_ROLES = ("param", "state", "hoisted")
@@ -194,10 +193,6 @@ def _role(leaf: Node) -> str:
     return leaf.attr("role") if leaf.op == "input" else leaf.op
 
 
-def _is_view(node: Node) -> bool:
-    return get_op(node.op).aliases(node)
-
-
 class StepBuilder:
     """Builds one step's code from its program and memory plan. `py` maps values to Python expressions."""
 
@@ -297,7 +292,7 @@ class StepBuilder:
         comment = f"{name} = {format_expr(node, self.ir_names)}"
         args = tuple(self.arg(x) for x in node.inputs)
         self.py[id(node)] = name
-        if _is_view(node):
+        if is_view(node):
             return Block(comment, (lowering.lower(lowering.Site(node, args, name)),))
         lines: list[str] = []
         target = self.into.get(id(node))
@@ -361,7 +356,7 @@ class StepBuilder:
             target = self.into.get(id(value))
             if target is not None:
                 value = target
-            elif value.inputs and _is_view(value):
+            elif is_view(value):
                 value = value.inputs[0]
             else:
                 return False

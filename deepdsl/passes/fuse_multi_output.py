@@ -103,7 +103,7 @@ def _saving(a, b, allocating: bool) -> int:
     """Elements one call saves reading over two, where it can compute the statements `a` and then `b` (else 0): the
     first's output, which the second reads as it is stored, and every input both read, read once. `allocating`:
     whether pairs whose second statement allocates may be made."""
-    if not (isinstance(a, Let) and isinstance(b, Let) and a.computes_also is None and not a.batch and not b.batch
+    if not (isinstance(a, Let) and isinstance(b, Let) and a.computes_also is None
             and (b.computes_also is None or b.computes_also is a.node) and computed_together(a, b)):
         return 0
     if not allocating and b.into is None:
@@ -116,7 +116,7 @@ def _paired(body: tuple, allocating: bool) -> tuple:
     """`body` with the pairs marked that save the most reading among overlapping candidates (a chain of three): a
     maximum-weight matching of the path of statements, by dynamic programming."""
     n = len(body)
-    batched = {id(v) for i in body if isinstance(i, Let) for v in i.batch}       # (`fuse_horizontal`'s)
+    batched = {id(v) for i in body if isinstance(i, Let) and i.batch for v in (*i.batch, i.node)}  # `fuse_horizontal`
     free = [not isinstance(i, Let) or id(i.node) not in batched for i in body]
     saving = [_saving(body[k], body[k + 1], allocating) if free[k] and free[k + 1] else 0 for k in range(n - 1)]
     best = [0] * (n + 2)            # best[k]: the most saved by pairs among body[k:]

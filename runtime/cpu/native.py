@@ -894,8 +894,6 @@ class Native:
         every call's operands have that pattern: contiguous float32 (uint8 for u) of their output's size, and
         scalars; False otherwise (nothing run: the caller runs each)."""
         out, *args = calls[0]
-        if not _contiguous32(out):
-            return False
         key = ("many", kernel.__name__, len(calls),
                tuple((a.shape, a.dtype.char) if isinstance(a, np.ndarray) else None for a in args), out.shape)
         found = self._ew.get(key)
