@@ -99,6 +99,7 @@ def product_cuts(batch: int, m: int, n: int, k: int) -> ProductCuts:
 
 
 SMALL_PRODUCT_WORK = 1 << 18    # a product of at most this many multiply-adds is computed in tiles whatever its shape
+SMALL_PRODUCT_DEPTH = 256      # terms of a partial sum of the tiles at most (kernels/cpu_gemm.c: DEEPDSL_SG_DEPTH)
 SMALL_PRODUCT_SIDE = 1 << 20    # floats of a transposed a (m x k) below this; of b (k x n) below four times this
 
 
@@ -138,9 +139,28 @@ def product_depth_cut(batch: int, m: int, n: int, k: int) -> int:
     return next((p for p in (4, 2) if k // p >= PRODUCT_DEPTH_PART and m * n * k // p >= PRODUCT_PART_WORK), 1)
 
 
-def product_depth_scratch(batch: int, m: int, n: int, k: int) -> int:
-    """matmul: the partial products of a depth cut beside the output (the first part is computed into it)."""
-    return (product_depth_cut(batch, m, n, k) - 1) * m * n
+SMALL_PRODUCT_CHUNKS = 8        # a product of the tiles is cut in depth in at most this many chunks
+
+
+def small_product_chunks(batch: int, m: int, n: int, k: int, ta: bool = False, tb: bool = False) -> int:
+    """The chunks of SMALL_PRODUCT_DEPTH of its inner dimension a single product the kernels' own tiles compute
+    (`small_product`) and the depth cut takes (`product_depth_cut`) is computed in on several threads, each
+    chunk's partial sums in a plane of its own (`product_depth_scratch`), with the same bits as on one (1: it is
+    not; at most SMALL_PRODUCT_CHUNKS)."""
+    chunks = -(-k // SMALL_PRODUCT_DEPTH)
+    if product_depth_cut(batch, m, n, k) < 2 or not small_product(m, n, k, ta, tb) or \
+            chunks > SMALL_PRODUCT_CHUNKS:
+        return 1
+    return chunks
+
+
+def product_depth_scratch(batch: int, m: int, n: int, k: int, ta: bool = False, tb: bool = False) -> int:
+    """matmul: the partial products of a depth cut beside the output (the first part is computed into it): of the
+    BLAS's parts, or of the tiles' chunks (`small_product_chunks`; `ta` / `tb`: an operand read transposed)."""
+    parts = product_depth_cut(batch, m, n, k)
+    if parts > 1:
+        parts = max(parts, small_product_chunks(batch, m, n, k, ta, tb))
+    return (parts - 1) * m * n
 
 
 # ----------------------------------------------------------------------------------------------------------------

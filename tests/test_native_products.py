@@ -272,7 +272,7 @@ def test_a_product_cut_in_depth_gives_the_same_bits_on_any_threads(lib, m, n, k,
     a = _transposed(rng, m, k) if ta else _rand(rng, m, k)
     b = _transposed(rng, k, n) if tb else _rand(rng, k, n)
     parts = contract.product_depth_cut(1, m, n, k)
-    size = contract.product_depth_scratch(1, m, n, k)
+    size = contract.product_depth_scratch(1, m, n, k, ta, tb)
     assert not contract.small_product(m, n, k, ta, tb), "the BLAS computes it, not the kernels' own tiles"
     assert parts in (2, 4) and size == (parts - 1) * m * n and contract.product_cuts(1, m, n, k).parts == 1
     rt = cpu.backend(lib)
@@ -293,6 +293,56 @@ def test_a_product_cut_in_depth_gives_the_same_bits_on_any_threads(lib, m, n, k,
     assert not lib.gemm_in_depth(a, b, small, np.zeros(size - 1, np.float32))
     rt.matmul(a.T if ta else a, b.T if tb else b, out=small, ta=ta, tb=tb, workspace=np.zeros(size - 1, np.float32))
     np.testing.assert_array_equal(small, whole)
+
+
+TILED_DEPTH_CASES = [  # (m, n, k, a transposed, b transposed): weight gradients the tiles compute, a strip ending
+    (64, 64, 1024, True, False), (96, 64, 768, True, False), (64, 128, 1024, True, False),  # inside a vector,
+    (60, 70, 1000, True, False), (128, 64, 512, False, True)]                               # b read transposed
+
+
+@needs_cc
+@pytest.mark.parametrize("m, n, k, ta, tb", TILED_DEPTH_CASES)
+def test_a_product_of_the_tiles_cut_in_depth_gives_their_bits(lib, m, n, k, ta, tb):
+    """A single product of the kernels' tiles with an output too small to share among threads, given its planned
+    workspace: on several threads its chunks' partial sums are computed at once, each in a plane of the
+    workspace, then added in their order; the bits of the tiles computing it whole on one thread (on 1, 2, 3 and 5
+    threads, NaN-filled output and workspace). On one thread, or with a workspace a plane short, not cut."""
+    from deepdsl_runtime import cpu
+
+    if not lib.tiles:
+        pytest.skip("this processor has no tiles (AVX2 and fused multiply-adds)")
+    rng = np.random.default_rng(m * n + k)
+    a = _transposed(rng, m, k) if ta else _rand(rng, m, k)
+    b = _transposed(rng, k, n) if tb else _rand(rng, k, n)
+    chunks = contract.small_product_chunks(1, m, n, k, ta, tb)
+    size = contract.product_depth_scratch(1, m, n, k, ta, tb)
+    assert contract.small_product(m, n, k, ta, tb) and chunks == -(-k // contract.SMALL_PRODUCT_DEPTH) > 1
+    assert size == (chunks - 1) * m * n
+    lib.set_threads(1)
+    whole = lib.gemm(a, b, np.full((m, n), np.nan, np.float32))
+    assert not lib.gemm_in_depth(a, b, np.zeros((m, n), np.float32), np.zeros(size, np.float32)), "one thread"
+    rt = cpu.backend(lib)
+    for threads in (1, 2, 3, 5):
+        lib.set_threads(threads)
+        out = np.full((m, n), np.nan, np.float32)
+        workspace = np.full(size, np.nan, np.float32)
+        rt.matmul(a.T if ta else a, b.T if tb else b, out=out, ta=ta, tb=tb, workspace=workspace)
+        np.testing.assert_array_equal(out, whole)
+        if threads > 1:
+            assert np.isfinite(workspace).all(), "the chunks' partial sums are in the workspace"
+            short = np.full((m, n), np.nan, np.float32)
+            assert not lib.gemm_in_depth(a, b, short, np.zeros(size - 1, np.float32))
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(whole, want, rtol=0, atol=np.sqrt(k) * 1e-6 * np.abs(want).max())
+    lib.set_threads(2)
+    parts = [np.full((m, n), np.nan, np.float32) for _ in range(2)]
+    assert lib.gemm_in_depth(a, b, parts[0], np.zeros(size, np.float32))
+    for first in range(0, k, contract.SMALL_PRODUCT_DEPTH):      # each chunk summed alone, added in order
+        chunk = slice(first, first + contract.SMALL_PRODUCT_DEPTH)
+        part = lib.gemm(np.ascontiguousarray(a[:, chunk]), np.ascontiguousarray(b[chunk]),
+                        np.empty((m, n), np.float32))
+        parts[1] = part if first == 0 else parts[1] + part
+    np.testing.assert_array_equal(parts[0], parts[1])
 
 
 SUM_CASES = [  # (batch, m, n, k, b read transposed): pointwise filter gradients by samples, a stack of one, odd sizes
@@ -327,7 +377,8 @@ def test_a_sum_of_products_gives_the_same_bits_on_any_threads(lib, batch, m, n, 
 def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
     """Only a single product that `product_cuts` leaves whole is cut in depth, in 4 or 2 parts of at least
     PRODUCT_DEPTH_PART of the inner dimension and PRODUCT_PART_WORK multiply-adds; its workspace holds the partial
-    products but the first; the matmul op plans that workspace, or none beyond its limit."""
+    products but the first, or where the kernels' tiles compute it (read transposed as a weight gradient is) the
+    partial sums of its chunks but the first; the matmul op plans that workspace, or none beyond its limit."""
     from deepdsl.ir import make
     from deepdsl.ops import get_op
 
@@ -339,11 +390,16 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
         assert k // parts >= contract.PRODUCT_DEPTH_PART and m * n * k // parts >= contract.PRODUCT_PART_WORK
     elif batch == 1 and contract.product_cuts(1, m, n, k).parts == 1:
         assert k // 2 < contract.PRODUCT_DEPTH_PART or m * n * k // 2 < contract.PRODUCT_PART_WORK
-    assert contract.product_depth_scratch(batch, m, n, k) == (parts - 1) * m * n
+    assert contract.product_depth_scratch(batch, m, n, k, False, True) == (parts - 1) * m * n
+    chunks = contract.small_product_chunks(batch, m, n, k, True, False)
+    assert chunks == 1 or (parts > 1 and contract.small_product(m, n, k, True, False) and
+                           chunks == -(-k // contract.SMALL_PRODUCT_DEPTH) <= contract.SMALL_PRODUCT_CHUNKS)
+    planes = max(parts, chunks) - 1
+    assert contract.product_depth_scratch(batch, m, n, k, True, False) == planes * m * n
     a = make("input", (), name="a", shape=(batch, k, m) if batch > 1 else (k, m), dtype="float32", role="data")
     b = make("input", (), name="b", shape=(batch, k, n) if batch > 1 else (k, n), dtype="float32", role="data")
     node = make("matmul", (a, b), ta=True)
-    need = 4 * (parts - 1) * m * n
+    need = 4 * planes * m * n
     assert get_op("matmul").workspace(node).nbytes == need
     assert get_op("matmul").workspace(node, limit=need).nbytes == need
     assert get_op("matmul").workspace(node, limit=max(need - 1, 0)).nbytes == 0

@@ -43,7 +43,8 @@ class MatMul(Op):
         product with a small output and a long inner dimension, on several threads), none beyond `limit` (then
         the product is not cut)."""
         nbytes = FLOAT_BYTES * contract.product_depth_scratch(math.prod(node.shape[:-2]), *node.shape[-2:],
-                                                              _inner(node))
+                                                              _inner(node), node.attr("ta", False),
+                                                              node.attr("tb", False))
         return Workspace(nbytes if limit is None or nbytes <= limit else 0)
 
     def describe(self, node):

@@ -280,8 +280,14 @@ class Native:
         if self._small_gemm is not None:
             self._small_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L]
             self._small_gemm.restype = _I
+        self._small_gemm_depth = getattr(lib, "deepdsl_small_gemm_depth", None)
+        if self._small_gemm_depth is not None:
+            self._small_gemm_depth.argtypes = [_I, _I, _L, _L, _L, _P, _L, _P, _L, _P, _L, _P]
+            self._small_gemm_depth.restype = _I
         # the operands' layouts -> how `gemm` computes their product (`_product_plan`)
         self._product_plans: dict[tuple, object] = {}
+        # ... and the workspace's -> how `gemm_in_depth` computes it (`_depth_plan`; on this many threads)
+        self._depth_plans: dict[tuple, object] = {}
         # (a library built for a processor without AVX2 and fused multiply-adds has no tiles)
         self.tiles = self._small_gemm is not None and bool(lib.deepdsl_small_gemm_kernels())
         # (nor sums of products)
@@ -359,6 +365,7 @@ class Native:
     def tiles(self, value: bool) -> None:
         self._tiles = bool(value)
         self._product_plans.clear()
+        self._depth_plans.clear()
 
     @property
     def products(self) -> bool:
@@ -369,6 +376,7 @@ class Native:
     def products(self, value: bool) -> None:
         self._products_here = bool(value)
         self._product_plans.clear()
+        self._depth_plans.clear()
 
     @property
     def threads(self) -> int:
@@ -378,6 +386,7 @@ class Native:
         """Run the kernels, and the matrix products where this library computes them, on `threads` threads (numpy's
         BLAS on one: each thread of the kernels' calls it for parts of a product). No result depends on them."""
         self.lib.deepdsl_set_threads(int(threads))
+        self._depth_plans.clear()
         set_blas_threads(1)
 
     # matrix products ------------------------------------------------------------------------------------------
@@ -447,21 +456,44 @@ class Native:
                                    _address(out), to[1], int(by_columns), parts, width))
 
     def gemm_in_depth(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, workspace: np.ndarray) -> bool:
-        """out = a @ b of two matrices in the parts of their inner dimension `contract.product_depth_cut` fixes by
-        the shapes, partial products in `workspace` (`deepdsl_gemm_depth`); False where there is no such cut, the
-        workspace is smaller than `contract.product_depth_scratch`, or `gemm` would not take the operands."""
-        layout = self._layout(a, b, out)
-        if self._gemm_depth is None or layout is None or a.ndim != 2 or b.ndim != 2 or out.ndim != 2 or \
-                workspace.dtype != np.float32 or not workspace.flags.c_contiguous:
+        """out = a @ b of two matrices with their inner dimension cut, partial products in `workspace`; False where
+        it is not (`gemm` computes the product). The BLAS's sgemm computes the parts `contract.product_depth_cut`
+        fixes by the shapes (`deepdsl_gemm_depth`) where the workspace holds `contract.product_depth_scratch`. A
+        product of the kernels' own tiles (`contract.small_product`) whose output the cut would leave whole is
+        computed on several threads chunk by chunk of its inner dimension, each chunk's partial sums in a plane of
+        the workspace (`deepdsl_small_gemm_depth`, the same bits as `gemm`), where the workspace holds a plane for
+        each chunk but the first. How is decided once for each layout of the operands and thread count."""
+        key = (a.shape, a.strides, a.dtype.num, b.shape, b.strides, b.dtype.num, out.shape, out.strides,
+               out.dtype.num, workspace.size, workspace.dtype.num, workspace.flags.c_contiguous)
+        plan = self._depth_plans.get(key, False)
+        if plan is False:
+            plan = self._depth_plans[key] = self._depth_plan(a, b, out, workspace)
+        if plan is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
             return False
+        function, head, (lda, ldb, ldc), tail = plan
+        return bool(function(*head, _address(a), lda, _address(b), ldb, _address(out), ldc, *tail,
+                             _address(workspace)))
+
+    def _depth_plan(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, workspace: np.ndarray):
+        """How `gemm_in_depth` computes out = a @ b for operands and a workspace laid out as these: None (it does
+        not), or (the library's function, its arguments before a's pointer, a's, b's and out's distances between
+        rows or columns, its arguments between out's pointer and the workspace's)."""
+        layout = self._layout(a, b, out, apart=False)
+        if layout is None or a.ndim != 2 or b.ndim != 2 or out.ndim != 2 or workspace.dtype != np.float32 or \
+                not workspace.flags.c_contiguous:
+            return None
         m, n, k, ta, tb, to = layout
+        head, lds = (ta[0], tb[0], m, n, k), (ta[1], tb[1], to[1])
         if self._small(m, n, k, ta, tb):
-            return False
+            chunks = contract.small_product_chunks(1, m, n, k, bool(ta[0]), bool(tb[0]))
+            if chunks < 2 or self._small_gemm_depth is None or self.threads < 2 or \
+                    workspace.size < (chunks - 1) * m * n:
+                return None
+            return self._small_gemm_depth, head, lds, ()
         parts = contract.product_depth_cut(1, m, n, k)
-        if parts < 2 or workspace.size < contract.product_depth_scratch(1, m, n, k):
-            return False
-        return bool(self._gemm_depth(ta[0], tb[0], m, n, k, _address(a), ta[1], _address(b), tb[1],
-                                     _address(out), to[1], parts, -(-k // parts), _address(workspace)))
+        if self._gemm_depth is None or parts < 2 or workspace.size < (parts - 1) * m * n:
+            return None
+        return self._gemm_depth, head, lds, (parts, -(-k // parts))
 
     def _small(self, m: int, n: int, k: int, ta, tb) -> bool:
         """Whether this library computes the product in its own tiles (`contract.small_product`)."""

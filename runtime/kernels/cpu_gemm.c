@@ -246,6 +246,45 @@ static void deepdsl_sg_tile_any(int R, int V, long depth, const float* a, long r
 }
 #endif
 
+#ifdef DEEPDSL_SG_LANES
+// The tiles t_begin <= t < t_end of strip s of c = a b over the chunk of the inner dimension from p0 (at most
+// DEEPDSL_SG_DEPTH terms): into c, or added to it where `add`; b's strip packed into `packed` where it is read
+// transposed or ends inside a vector.
+static void deepdsl_sg_chunk(int tb, long m, long n, long k, const float* a, long ra, long ca, const float* b,
+                             long ldb, long s, long t_begin, long t_end, long p0, float* c, long ldc, int add,
+                             float* packed) {
+    const long j0 = s * DEEPDSL_SG_WIDTH, columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
+    const int V = (int)((columns + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES);
+    const int partial = columns % DEEPDSL_SG_LANES != 0, pack = tb || partial;
+    const deepdsl_sg_m last = deepdsl_sg_mask(columns - (V - 1) * DEEPDSL_SG_LANES);
+    const long depth = k - p0 < DEEPDSL_SG_DEPTH ? k - p0 : DEEPDSL_SG_DEPTH;
+    const float* bp = b + p0 * ldb + j0;
+    long ldp = ldb;
+    if (pack) {                 // the strip's columns by rows, whole vectors (zeros past the last column)
+        const long padded = V * DEEPDSL_SG_LANES;
+        if (tb) {               // (b's columns are rows of the stored matrix)
+            for (long j = 0; j < columns; ++j) {
+                const float* from = b + (j0 + j) * ldb + p0;
+                for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
+            }
+            for (long p = 0; p < depth; ++p)
+                memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0, (padded - columns) * sizeof(float));
+        } else {
+            deepdsl_sg_rows(b + p0 * ldb + j0, ldb, depth, columns, DEEPDSL_SG_WIDTH, padded, packed);
+        }
+        bp = packed;
+        ldp = DEEPDSL_SG_WIDTH;
+    }
+    c += j0;
+    for (long t = t_begin; t < t_end; ++t) {
+        const long r0 = t * DEEPDSL_SG_ROWS;
+        const int R = (int)(m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS);
+        deepdsl_sg_tile_any(R, V, depth, a + r0 * ra + p0 * ca, ra, ca, bp, ldp, partial, last, c + r0 * ldc, ldc,
+                            add);
+    }
+}
+#endif
+
 // Whether this build has the tiles (AVX2 and fused multiply-adds, or AVX-512).
 int deepdsl_small_gemm_kernels(void) {
 #ifdef DEEPDSL_SG_LANES
@@ -303,40 +342,52 @@ int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const
                 ++begin;
             }
             t_end = t_end < tiles ? t_end : tiles;
-            const long j0 = s * DEEPDSL_SG_WIDTH, columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
-            const int V = (int)((columns + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES);
-            const int partial = columns % DEEPDSL_SG_LANES != 0, pack = tb || partial;
-            const deepdsl_sg_m last = deepdsl_sg_mask(columns - (V - 1) * DEEPDSL_SG_LANES);
-            const float* ai = a + i * sa;
-            const float* bi = b + i * sb;
-            float* ci = c + i * sc + j0;
-            for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH) {
-                const long depth = k - p0 < DEEPDSL_SG_DEPTH ? k - p0 : DEEPDSL_SG_DEPTH;
-                const float* bp = bi + p0 * ldb + j0;
-                long ldp = ldb;
-                if (pack) {             // the strip's columns by rows, whole vectors (zeros past the last column)
-                    const long padded = V * DEEPDSL_SG_LANES;
-                    if (tb) {           // (b's columns are rows of the stored matrix)
-                        for (long j = 0; j < columns; ++j) {
-                            const float* from = bi + (j0 + j) * ldb + p0;
-                            for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
-                        }
-                        for (long p = 0; p < depth; ++p)
-                            memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0, (padded - columns) * sizeof(float));
-                    } else {
-                        deepdsl_sg_rows(bi + p0 * ldb + j0, ldb, depth, columns, DEEPDSL_SG_WIDTH, padded, packed);
-                    }
-                    bp = packed;
-                    ldp = DEEPDSL_SG_WIDTH;
-                }
-                for (long t = t_begin; t < t_end; ++t) {
-                    const long r0 = t * DEEPDSL_SG_ROWS;
-                    const int R = (int)(m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS);
-                    deepdsl_sg_tile_any(R, V, depth, ai + r0 * ra + p0 * ca, ra, ca, bp, ldp, partial, last,
-                                        ci + r0 * ldc, ldc, p0 > 0);
-                }
-            }
+            for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH)
+                deepdsl_sg_chunk(tb, m, n, k, a + i * sa, ra, ca, b + i * sb, ldb, s, t_begin, t_end, p0,
+                                 c + i * sc, ldc, p0 > 0, packed);
         }
+    }
+    return 1;
+#endif
+}
+
+// c (m x n) = a b as deepdsl_small_gemm computes it, the same bits, with the partial sums of each DEEPDSL_SG_DEPTH
+// terms of the inner dimension (chunks) on several threads at once: a product whose output has too few tiles to
+// share (a weight gradient, 64 x 1024 by 1024 x 64: eleven tiles) and whose operands each thread would read whole.
+// The first chunk's sums go to c, the others' to their own plane of `planes` (m x n each, one after the other);
+// then c += each plane in the chunks' order: the additions deepdsl_small_gemm makes, in its order. The threads take
+// whole chunks of a strip first (reading those rows of the operands only), then whole rows of the sum.
+int deepdsl_small_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b,
+                             long ldb, float* c, long ldc, float* planes) {
+#ifndef DEEPDSL_SG_LANES
+    (void)ta; (void)tb; (void)m; (void)n; (void)k; (void)a; (void)lda; (void)b; (void)ldb; (void)c; (void)ldc;
+    (void)planes;
+    return 0;
+#else
+    const long ra = ta ? 1 : lda, ca = ta ? lda : 1;
+    const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
+    const long strips = (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
+    const long chunks = (k + DEEPDSL_SG_DEPTH - 1) / DEEPDSL_SG_DEPTH;
+#pragma omp parallel
+    {
+        float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];
+        long begin, end;
+        deepdsl_share(chunks * strips, 1, &begin, &end);
+        for (long item = begin; item < end; ++item) {
+            const long chunk = item / strips, s = item % strips;
+            float* into = chunk ? planes + (chunk - 1) * m * n : c;
+            deepdsl_sg_chunk(tb, m, n, k, a, ra, ca, b, ldb, s, 0, tiles,
+                             chunk * DEEPDSL_SG_DEPTH, into, chunk ? n : ldc, 0, packed);
+        }
+#pragma omp barrier
+        deepdsl_share(m, 1, &begin, &end);
+        for (long r = begin; r < end; ++r)
+            for (long chunk = 1; chunk < chunks; ++chunk) {
+                const float* from = planes + (chunk - 1) * m * n + r * n;
+                float* row = c + r * ldc;
+#pragma omp simd
+                for (long j = 0; j < n; ++j) row[j] += from[j];
+            }
     }
     return 1;
 #endif
