@@ -287,6 +287,18 @@ def direct_conv(c: int, kh: int, kw: int, stride: int, groups: int = 1) -> bool:
         kh * kw > 1
 
 
+def tiled_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, ho: int, wo: int, groups: int = 1) -> bool:
+    """A convolution (not pointwise: that is a product on the input itself) whose product per sample, the filters
+    (O, C*kh*kw) by the sample's im2col matrix (C*kh*kw, Ho*Wo), the kernels' tiles compute (`small_product`): the
+    compiled kernels compute it sample by sample, each sample's im2col matrix in a part of the workspace (which
+    holds one at least, `conv2d_scratch`) multiplied straight into the sample's output
+    (runtime/kernels/cpu_gemm.c, `deepdsl_conv_tiles`), where a thin (`direct_conv`) or blocked one (`blocked_conv`)
+    does not run before. The same bits as the tiles' product of each sample's matrix (and of several samples'
+    matrix where the tiles compute that product)."""
+    return groups == 1 and not pointwise_conv(kh, kw, stride, pad) and \
+        small_product(o, ho * wo, c * kh * kw, False, False)
+
+
 POINTWISE_FILTER_CHANNELS = 32   # pointwise filter gradients of at most this many input (or output) channels
 
 

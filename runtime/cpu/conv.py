@@ -159,7 +159,9 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
     the then dead im2col matrix, adding the bias on the way (the workspace holds max(C*kh*kw, O) rows). Otherwise each
     sample is one product straight into its output. With `native` (compiled kernels, `deepdsl_runtime.cpu.native`) the
     im2col copies and the regrouping run compiled, and a thin convolution (`contract.direct_conv`) runs straight from
-    the input, without workspace. With `groups`: `_grouped_conv2d`."""
+    the input, without workspace, and one whose product per sample the products' tiles compute
+    (`contract.tiled_conv`) sample by sample, each sample's im2col matrix multiplied straight into its output
+    (`Native.conv_tiles`). With `groups`: `_grouped_conv2d`."""
     if groups > 1:
         return _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, native or _NUMPY)
     n, c, h, wd = x.shape
@@ -167,6 +169,8 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
     if native is not None and native.direct("conv2d", x, w, b, out, stride, pad):
         return
     if _blocked("conv2d", x, w, b, out, stride, pad, workspace, native):
+        return
+    if native is not None and native.conv_tiles(x, w, b, out, stride, pad, workspace):
         return
     ho, wo = out.shape[2:]
     w2 = w.reshape(o, c * kh * kw)

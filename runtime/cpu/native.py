@@ -264,6 +264,8 @@ class Native:
         lib.deepdsl_depthwise_bwd_data.argtypes = [_P, _P] + depthwise
         lib.deepdsl_depthwise_bwd_filter.argtypes = [_P, _P] + depthwise
         lib.deepdsl_direct_conv.argtypes = [_P, _P, _P] + [_I] * 10 + [_P]
+        lib.deepdsl_conv_tiles.argtypes = [_P, _P, _P] + [_I] * 11 + [_P, _L, _P]
+        lib.deepdsl_conv_tiles.restype = _I
         lib.deepdsl_direct_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_take_rows.argtypes = [_P, _P, _L, _L, _L, _P]
         lib.deepdsl_label_rank.argtypes = [_P, _P, _L, _L, _P]
@@ -616,6 +618,23 @@ class Native:
             self.lib.deepdsl_direct_conv_bwd_filter(_address(a), _address(b), m, c, h, w, o, kh, kw, ho, wo, pad,
                                                     _address(out))
         return True
+
+    def conv_tiles(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray, stride: int,
+                   pad: int, workspace: np.ndarray | None) -> bool:
+        """A convolution whose products per sample the tiles compute (`contract.tiled_conv`), sample by sample on
+        the kernels' threads, each sample's im2col matrix in the thread's part of the workspace
+        (`deepdsl_conv_tiles`): the bits of its im2col matrix's product in the tiles, plus the bias. False (nothing
+        written) where the workspace holds no sample's matrix, the arrays are not contiguous float32 or this
+        processor has no tiles."""
+        (n, c, h, wd), (o, _, kh, kw), (ho, wo) = x.shape, w.shape, out.shape[2:]
+        arrays = [x, w, out] + ([bias] if bias is not None else [])
+        if not self.tiles or not contract.tiled_conv(c, o, kh, kw, stride, pad, ho, wo) or workspace is None or \
+                not _contiguous32(*arrays, workspace):
+            return False
+        room = workspace.size // (c * kh * kw * ho * wo)
+        return room > 0 and bool(self.lib.deepdsl_conv_tiles(
+            _address(x), _address(w), None if bias is None else _address(bias), n, c, h, wd, o, kh, kw, ho, wo,
+            stride, pad, _address(workspace), room, _address(out)))
 
     def pointwise_filter(self, g: np.ndarray, x: np.ndarray, out: np.ndarray) -> bool:
         """out (O, C, 1, 1) = the filter gradient of a pointwise convolution (`contract.pointwise_filter`) from its

@@ -197,16 +197,18 @@ DEEPDSL_ROW void deepdsl_col2im_shifted(const float* cols, long row_stride, int 
 #endif
 
 // cols[ch][i][j][s][p][q] = x[s][ch][i + stride*p - pad][j + stride*q - pad], 0 outside x: the im2col matrix of m
-// samples as (C*kh*kw, m*Ho*Wo) rows, the layout runtime/cpu/conv.py multiplies.
-void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, int ho, int wo, int stride,
-                    int pad, float* cols) {
+// samples as (C*kh*kw, m*Ho*Wo) rows, the layout runtime/cpu/conv.py multiplies; on the kernels' threads where
+// `parallel`, else on the calling one.
+static void deepdsl_im2col_on(const float* x, int m, int c, int h, int w, int kh, int kw, int ho, int wo, int stride,
+                              int pad, float* cols, int parallel) {
     const long rows = (long)c * kh * kw;
     const long plane = (long)ho * wo;
+    parallel = parallel && rows * m * plane >= DEEPDSL_PARALLEL_MIN;
 #if DEEPDSL_MASKED
     if (deepdsl_shifts(h, w, kh, kw, ho, wo, stride, pad) && !(kh == 1 && kw == 1)) {
         deepdsl_v8i masks[DEEPDSL_SHIFT_MASKS];
         deepdsl_shift_masks(h, w, kh, kw, pad, 1, masks);
-#pragma omp parallel for collapse(2) schedule(static) if (rows * m * plane >= DEEPDSL_PARALLEL_MIN)
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
         for (int ch = 0; ch < c; ++ch)
             for (int s = 0; s < m; ++s)
                 deepdsl_im2col_shifted(x + ((long)s * c + ch) * h * w, h, w, kh, kw, pad, m * plane, masks,
@@ -215,7 +217,7 @@ void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, 
     }
     /* (a column kernel without padding copies each tap's plane at once, below) */
     if (stride == 1 && !(kw == 1 && pad == 0) && deepdsl_small_plane(h, w, pad)) {
-#pragma omp parallel for collapse(2) schedule(static) if (rows * m * plane >= DEEPDSL_PARALLEL_MIN)
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
         for (int ch = 0; ch < c; ++ch)
             for (int s = 0; s < m; ++s)
                 deepdsl_im2col_small(x + ((long)s * c + ch) * h * w, h, w, kh, kw, ho, wo, pad, m * plane,
@@ -223,7 +225,7 @@ void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, 
         return;
     }
 #endif
-#pragma omp parallel for collapse(2) schedule(static) if (rows * m * plane >= DEEPDSL_PARALLEL_MIN)
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
     for (long r = 0; r < rows; ++r) {
         for (int s = 0; s < m; ++s) {
             const int ch = (int)(r / ((long)kh * kw)), i = (int)((r / kw) % kh), j = (int)(r % kw);
@@ -231,6 +233,11 @@ void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, 
                                  cols + (r * m + s) * plane);
         }
     }
+}
+
+void deepdsl_im2col(const float* x, int m, int c, int h, int w, int kh, int kw, int ho, int wo, int stride,
+                    int pad, float* cols) {
+    deepdsl_im2col_on(x, m, c, h, w, kh, kw, ho, wo, stride, pad, cols, 1);
 }
 
 // The input gradient of a stride-1 convolution from its column gradients, gathered: out[s][ch][y][x] (m samples of

@@ -392,3 +392,52 @@ int deepdsl_small_gemm_depth(int ta, int tb, long m, long n, long k, const float
     return 1;
 #endif
 }
+
+// out (n, o, ho, wo) = x (n, c, h, w) convolved with w (o, c, kh, kw) (+ bias[o]), sample by sample on the kernels'
+// threads: each sample's im2col matrix (c*kh*kw, ho*wo) written into the thread's own part of `cols` (room for
+// `room` of them: the threads used at most), multiplied by the filters (o, c*kh*kw) in the tiles straight into the
+// sample's output, then + bias. The tiles sum each output in the same order whatever their grouping: the bits of
+// the tiles' product of each sample's im2col matrix, or of a chunk of samples' (runtime/cpu/conv.py) where they
+// compute that, and the same bias added after them; without the batch's matrix in memory nor the regrouping of a
+// product over samples. 0 where this processor has no tiles.
+int deepdsl_conv_tiles(const float* x, const float* w, const float* bias, int n, int c, int h, int wd, int o, int kh,
+                       int kw, int ho, int wo, int stride, int pad, float* cols, long room, float* out) {
+#ifndef DEEPDSL_SG_LANES
+    (void)x; (void)w; (void)bias; (void)n; (void)c; (void)h; (void)wd; (void)o; (void)kh; (void)kw; (void)ho;
+    (void)wo; (void)stride; (void)pad; (void)cols; (void)room; (void)out;
+    return 0;
+#else
+    const long ckk = (long)c * kh * kw, hw = (long)ho * wo;
+    const long tiles = (o + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
+    const long strips = (hw + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
+#ifdef _OPENMP
+    long threads = omp_get_max_threads();
+#else
+    long threads = 1;
+#endif
+    threads = threads < room ? threads : room;
+    threads = threads < n ? threads : n;
+#pragma omp parallel num_threads((int)threads) if (threads > 1 && (double)n * o * hw * ckk >= DEEPDSL_GEMM_PARALLEL_MIN)
+    {
+        float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];
+#ifdef _OPENMP
+        float* mine = cols + omp_get_thread_num() * ckk * hw;
+#else
+        float* mine = cols;
+#endif
+        long begin, end;
+        deepdsl_share(n, 1, &begin, &end);
+        for (long s = begin; s < end; ++s) {
+            deepdsl_im2col_on(x + s * c * h * wd, 1, c, h, wd, kh, kw, ho, wo, stride, pad, mine, 0);
+            float* to = out + s * o * hw;
+            for (long strip = 0; strip < strips; ++strip)
+                for (long p0 = 0; p0 < ckk; p0 += DEEPDSL_SG_DEPTH)
+                    deepdsl_sg_chunk(0, o, hw, ckk, w, ckk, 1, mine, hw, strip, 0, tiles, p0, to, hw, p0 > 0,
+                                     packed);
+            if (bias)
+                for (long r = 0; r < o; ++r) deepdsl_copy_row(to + r * hw, to + r * hw, hw, bias[r]);
+        }
+    }
+    return 1;
+#endif
+}
