@@ -1,9 +1,11 @@
-"""Convolutions computed sample by sample in the matrix products' tiles (runtime/kernels/cpu_gemm.c,
-`deepdsl_conv_tiles`, `contract.tiled_conv`): each sample's im2col matrix in a thread's part of the workspace,
-multiplied straight into the sample's output. Against the tiles' products of each sample's im2col matrix (and of
+"""Convolutions and their input gradients computed sample by sample in the matrix products' tiles
+(runtime/kernels/cpu_gemm.c, `deepdsl_conv_tiles` and `deepdsl_conv_data_tiles`, `contract.tiled_conv`): each
+sample's im2col matrix (column gradients) in a thread's part of the workspace, multiplied straight into the sample's
+output (added into its input gradient). Against the tiles' products of each sample's im2col matrix (and of
 the whole batch's where the tiles compute that) plus the bias (the same bits), numpy's convolution (float32
 rounding), on 1, 2 and 3 threads, into NaN-filled outputs and workspaces, with a workspace holding a single sample's
-matrix, and built for AVX2 (the same bits)."""
+matrix, and built for AVX2 (the same bits); the input gradients against the tiles' products and numpy's col2im.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import conv
 from deepdsl_runtime.cpu.scratch import Scratch
-from tests.test_direct_conv import avx2_kernels, kernels_built  # noqa: F401  (fixtures)
+from tests.test_direct_conv import avx2_kernels  # noqa: F401  (a fixture)
 from tests.test_native_kernels import lib, needs_cc  # noqa: F401
 
 GEOMETRIES = [  # (n, c, h, w, o, kh, kw, stride, pad, bias): LeNet's conv2, a stem of stride 2, AlexNet's first
@@ -81,21 +83,36 @@ def test_a_convolution_in_the_tiles_gives_their_product_bits(lib, avx2_kernels, 
 
 
 @needs_cc
-def test_the_program_convolution_takes_the_tiles_where_the_workspace_holds_a_sample(lib):  # noqa: F811
-    """runtime/cpu/conv.py's conv2d with the compiled kernels: in the tiles given the planned workspace (the bits of
-    the tiles' product plus the bias), by im2col with a workspace too small for one sample's matrix at once."""
+def test_the_program_convolutions_take_the_tiles_with_the_compiled_products(lib, monkeypatch):  # noqa: F811
+    """runtime/cpu/conv.py's conv2d and input gradient with the compiled kernels and their products: in the tiles
+    given the planned workspace (the bits of the tiles' products); with numpy's products, by im2col and numpy's
+    product (within float32 rounding)."""
     if not lib.tiles:
         pytest.skip("this processor has no tiles")
     geometry = GEOMETRIES[0]
     n, c, h, wd, o, kh, kw, stride, pad, _ = geometry
     x, w, b, shape = _case(*geometry, seed=1)
-    want, done = _tiled(lib, x, w, b, shape, stride, pad, 1)
+    g = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    forward, done = _tiled(lib, x, w, b, shape, stride, pad, 1)
     assert done
+    per_data = contract.conv2d_bwd_data_scratch(shape, w.shape, (h, wd), stride, pad)
+    backward = np.full(x.shape, np.nan, np.float32)
+    assert lib.conv_data_tiles(g, w, backward, stride, pad, np.full(n * per_data, np.nan, np.float32))
+    ran = []
+    for name in ("conv_tiles", "conv_data_tiles"):
+        monkeypatch.setattr(lib, name, lambda *args, run=getattr(lib, name): ran.append(1) or run(*args))
     per_sample = contract.conv2d_scratch(x.shape, w.shape, shape, stride, pad)
-    out = np.full(shape, np.nan, np.float32)
-    conv.conv2d(x, w, b, out=out, stride=stride, pad=pad, workspace=np.full(n * per_sample, np.nan, np.float32),
-                native=lib)
-    np.testing.assert_array_equal(out, want)
+    for gemm, tiles in ((lib.gemm, True), (np.matmul, False)):
+        out, dx, ran[:] = np.full(shape, np.nan, np.float32), np.full(x.shape, np.nan, np.float32), []
+        conv.conv2d(x, w, b, out=out, stride=stride, pad=pad, gemm=gemm, native=lib,
+                    workspace=np.full(n * per_sample, np.nan, np.float32))
+        conv.conv2d_bwd_data(g, w, out=dx, stride=stride, pad=pad, size=(h, wd), gemm=gemm, native=lib,
+                             workspace=np.full(n * per_data, np.nan, np.float32))
+        assert ran == [1, 1] * tiles, "the tiles with the compiled products only"
+        for got, want in ((out, forward), (dx, backward)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+            if tiles:
+                np.testing.assert_array_equal(got, want)
     short = np.full(c * kh * kw * shape[2] * shape[3] - 1, np.nan, np.float32)
     assert not lib.conv_tiles(x, w, b, np.empty(shape, np.float32), stride, pad, short)
 
@@ -104,4 +121,38 @@ def test_the_rule_leaves_pointwise_grouped_and_large_products():
     assert contract.tiled_conv(20, 50, 5, 5, 1, 0, 8, 8)
     assert not contract.tiled_conv(64, 64, 1, 1, 1, 0, 8, 8), "pointwise: a product on the input itself"
     assert not contract.tiled_conv(32, 32, 3, 3, 1, 1, 8, 8, groups=32), "grouped"
-    assert not contract.tiled_conv(512, 64, 3, 3, 1, 1, 56, 56), "a sample's matrix of 4 M floats or more"
+    assert not contract.tiled_conv(512, 64, 3, 3, 1, 1, 56, 56), "a product the tiles do not compute"
+    assert contract.tiled_conv(64, 64, 7, 7, 2, 3, 24, 24, op="conv2d_bwd_data")
+    assert not contract.tiled_conv(64, 64, 7, 7, 2, 3, 28, 28, op="conv2d_bwd_data"), "a sample's matrix too large"
+
+
+@needs_cc
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[str(g) for g in GEOMETRIES])
+def test_an_input_gradient_in_the_tiles_gives_their_product_and_col2im_bits(lib, avx2_kernels, geometry):  # noqa: F811
+    n, c, h, wd, o, kh, kw, stride, pad, _ = geometry
+    if not lib.tiles:
+        pytest.skip("this processor has no tiles (AVX2 and fused multiply-adds)")
+    x, w, _, shape = _case(*geometry, seed=2)
+    g = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    _, _, ho, wo = shape
+    ckk = c * kh * kw
+    assert contract.tiled_conv(c, o, kh, kw, stride, pad, ho, wo, op="conv2d_bwd_data")
+    columns = np.stack([lib.gemm(w.reshape(o, ckk).T, g[s].reshape(o, ho * wo), np.empty((ckk, ho * wo), np.float32))
+                        for s in range(n)]).reshape(n, c, kh, kw, ho, wo)
+    want = np.full(x.shape, np.nan, np.float32)
+    conv._NUMPY.col2im(columns, want, stride, pad)
+    for kernels, counts in ((lib, (1, 2, 3)), (avx2_kernels, (2,))):
+        for threads in counts:
+            kernels.set_threads(threads)
+            for samples in (n, 1):
+                got = np.full(x.shape, np.nan, np.float32)
+                workspace = np.full(samples * ckk * ho * wo, np.nan, np.float32)
+                assert kernels.conv_data_tiles(g, w, got, stride, pad, workspace)
+                np.testing.assert_array_equal(got, want)
+    lib.set_threads(1)
+    reference = np.full(x.shape, np.nan, np.float32)
+    conv.conv2d_bwd_data(g, w, out=reference, stride=stride, pad=pad, size=(h, wd), workspace=np.empty(
+        n * contract.conv2d_bwd_data_scratch(shape, w.shape, (h, wd), stride, pad), np.float32))
+    np.testing.assert_allclose(want, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    assert not lib.conv_data_tiles(g, w, np.empty(x.shape, np.float32), stride, pad,
+                                   np.zeros(ckk * ho * wo - 1, np.float32)), "no room for a sample"

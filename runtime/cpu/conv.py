@@ -161,7 +161,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
     im2col copies and the regrouping run compiled, and a thin convolution (`contract.direct_conv`) runs straight from
     the input, without workspace, and one whose product per sample the products' tiles compute
     (`contract.tiled_conv`) sample by sample, each sample's im2col matrix multiplied straight into its output
-    (`Native.conv_tiles`). With `groups`: `_grouped_conv2d`."""
+    (`Native.conv_tiles`, where `gemm` is the compiled kernels'). With `groups`: `_grouped_conv2d`."""
     if groups > 1:
         return _grouped_conv2d(x, w, b, out, stride, pad, groups, workspace, native or _NUMPY)
     n, c, h, wd = x.shape
@@ -170,7 +170,7 @@ def conv2d(x, w, b=None, *, out, stride=1, pad=0, groups=1, workspace=None, gemm
         return
     if _blocked("conv2d", x, w, b, out, stride, pad, workspace, native):
         return
-    if native is not None and native.conv_tiles(x, w, b, out, stride, pad, workspace):
+    if native is not None and gemm == native.gemm and native.conv_tiles(x, w, b, out, stride, pad, workspace):
         return
     ho, wo = out.shape[2:]
     w2 = w.reshape(o, c * kh * kw)
@@ -308,7 +308,9 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
     chunk reads all of its output gradient (into a copy) before it writes any of its input gradient, so chunks of any
     size are safe in the order that writes behind the unread samples: forward when a sample's input gradient is the
     smaller, backward otherwise. With `native` the regrouping, col2im and the shifted additions with the crop run
-    compiled (the same additions in the same order). With `groups`: `_grouped_conv2d_bwd_data`."""
+    compiled (the same additions in the same order), and where `gemm` is theirs, one whose column gradients per
+    sample the products' tiles compute (`contract.tiled_conv`) sample by sample (`Native.conv_data_tiles`) unless
+    its input gradient takes over the output gradient's bytes. With `groups`: `_grouped_conv2d_bwd_data`."""
     if groups > 1:
         return _grouped_conv2d_bwd_data(g, w, out, stride, pad, size, groups, workspace, native or _NUMPY)
     n, o, ho, wo = g.shape
@@ -316,6 +318,9 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
     h, wd = size
     over = takes_over(g, out)
     if _blocked("conv2d_bwd_data", g, w, None, out, stride, pad, workspace, native, over):
+        return
+    if native is not None and gemm == native.gemm and not over and \
+            native.conv_data_tiles(g, w, out, stride, pad, workspace):
         return
     one = contract.one_product(ho * wo)
     if over and ((stride != 1 and not one) or contract.pointwise_conv(kh, kw, stride, pad)):

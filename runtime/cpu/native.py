@@ -266,6 +266,8 @@ class Native:
         lib.deepdsl_direct_conv.argtypes = [_P, _P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_conv_tiles.argtypes = [_P, _P, _P] + [_I] * 11 + [_P, _L, _P]
         lib.deepdsl_conv_tiles.restype = _I
+        lib.deepdsl_conv_data_tiles.argtypes = [_P, _P] + [_I] * 11 + [_P, _L, _P]
+        lib.deepdsl_conv_data_tiles.restype = _I
         lib.deepdsl_direct_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 10 + [_P]
         lib.deepdsl_take_rows.argtypes = [_P, _P, _L, _L, _L, _P]
         lib.deepdsl_label_rank.argtypes = [_P, _P, _L, _L, _P]
@@ -635,6 +637,23 @@ class Native:
         return room > 0 and bool(self.lib.deepdsl_conv_tiles(
             _address(x), _address(w), None if bias is None else _address(bias), n, c, h, wd, o, kh, kw, ho, wo,
             stride, pad, _address(workspace), room, _address(out)))
+
+    def conv_data_tiles(self, g: np.ndarray, w: np.ndarray, out: np.ndarray, stride: int, pad: int,
+                        workspace: np.ndarray | None) -> bool:
+        """The input gradient of a convolution whose column gradients per sample the tiles compute
+        (`contract.tiled_conv`, "conv2d_bwd_data"), sample by sample on the kernels' threads, each sample's in the
+        thread's part of the workspace, then added into its input gradient (`deepdsl_conv_data_tiles`). False
+        (nothing written) where the workspace holds no sample's column gradients, the arrays are not contiguous
+        float32, the input gradient shares bytes with the output gradient, or this processor has no tiles."""
+        (n, o, ho, wo), (_, c, kh, kw), (h, wd) = g.shape, w.shape, out.shape[2:]
+        if not self.tiles or workspace is None or \
+                not contract.tiled_conv(c, o, kh, kw, stride, pad, ho, wo, op="conv2d_bwd_data") or \
+                not _contiguous32(g, w, out, workspace) or np.may_share_memory(g, out):
+            return False
+        room = workspace.size // (c * kh * kw * ho * wo)
+        return room > 0 and bool(self.lib.deepdsl_conv_data_tiles(
+            _address(g), _address(w), n, c, h, wd, o, kh, kw, ho, wo, stride, pad, _address(workspace), room,
+            _address(out)))
 
     def pointwise_filter(self, g: np.ndarray, x: np.ndarray, out: np.ndarray) -> bool:
         """out (O, C, 1, 1) = the filter gradient of a pointwise convolution (`contract.pointwise_filter`) from its

@@ -328,16 +328,16 @@ DEEPDSL_ROW void deepdsl_col2im_small(const float* cols, long row_stride, int h,
 
 // out (m, channels, h, w) = col2im of the column gradients: element (s, ch, i, j, p, q) at cols + s * sample_stride
 // + ((ch * kh + i) * kw + j) * row_stride + p * wo + q (a chunk's (C*kh*kw, m*Ho*Wo) product or per-sample ones);
-// a thread owns whole planes.
-void deepdsl_col2im(const float* cols, long sample_stride, long row_stride, long m, long channels, int h, int w,
-                    int kh, int kw, int ho, int wo, int stride, int pad, float* out) {
+// a thread owns whole planes (on the calling thread alone where not `parallel`).
+static void deepdsl_col2im_on(const float* cols, long sample_stride, long row_stride, long m, long channels, int h,
+                              int w, int kh, int kw, int ho, int wo, int stride, int pad, float* out, int parallel) {
 #if DEEPDSL_MASKED
     const int shifted = deepdsl_shifts(h, w, kh, kw, ho, wo, stride, pad);
     const int small = stride == 1 && deepdsl_small_plane(h, w, pad);
     deepdsl_v8i masks[DEEPDSL_SHIFT_MASKS];
     if (shifted) deepdsl_shift_masks(h, w, kh, kw, pad, -1, masks);
 #endif
-#pragma omp parallel for collapse(2) schedule(static) if (m * channels * h * w * kh >= DEEPDSL_PARALLEL_MIN)
+#pragma omp parallel for collapse(2) schedule(static) if (parallel && m * channels * h * w * kh >= DEEPDSL_PARALLEL_MIN)
     for (long s = 0; s < m; ++s)
         for (long ch = 0; ch < channels; ++ch) {
             const float* planes = cols + s * sample_stride + ch * kh * kw * row_stride;
@@ -354,4 +354,9 @@ void deepdsl_col2im(const float* cols, long sample_stride, long row_stride, long
 #endif
             deepdsl_col2im_plane(planes, row_stride, h, w, kh, kw, ho, wo, stride, pad, o);
         }
+}
+
+void deepdsl_col2im(const float* cols, long sample_stride, long row_stride, long m, long channels, int h, int w,
+                    int kh, int kw, int ho, int wo, int stride, int pad, float* out) {
+    deepdsl_col2im_on(cols, sample_stride, row_stride, m, channels, h, w, kh, kw, ho, wo, stride, pad, out, 1);
 }

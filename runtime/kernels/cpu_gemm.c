@@ -441,3 +441,49 @@ int deepdsl_conv_tiles(const float* x, const float* w, const float* bias, int n,
     return 1;
 #endif
 }
+
+// dx (n, c, h, wd) = the input gradient of a convolution of x (n, c, h, wd) with w (o, c, kh, kw) whose output
+// gradient is g (n, o, ho, wo), sample by sample on the kernels' threads: each sample's column gradients
+// (c*kh*kw, ho*wo) = the filters read transposed times the sample's output gradient, in the tiles, into the thread's
+// own part of `cols` (room for `room` of them: the threads used at most), then col2im into the sample's input
+// gradient (each position the sum of its windows' values in the order of the taps, deepdsl_col2im). The bits of the
+// tiles' product and col2im of any number of samples at once. 0 where this processor has no tiles.
+int deepdsl_conv_data_tiles(const float* g, const float* w, int n, int c, int h, int wd, int o, int kh, int kw,
+                            int ho, int wo, int stride, int pad, float* cols, long room, float* dx) {
+#ifndef DEEPDSL_SG_LANES
+    (void)g; (void)w; (void)n; (void)c; (void)h; (void)wd; (void)o; (void)kh; (void)kw; (void)ho; (void)wo;
+    (void)stride; (void)pad; (void)cols; (void)room; (void)dx;
+    return 0;
+#else
+    const long ckk = (long)c * kh * kw, hw = (long)ho * wo;
+    const long tiles = (ckk + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
+    const long strips = (hw + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
+#ifdef _OPENMP
+    long threads = omp_get_max_threads();
+#else
+    long threads = 1;
+#endif
+    threads = threads < room ? threads : room;
+    threads = threads < n ? threads : n;
+#pragma omp parallel num_threads((int)threads) if (threads > 1 && (double)n * o * hw * ckk >= DEEPDSL_GEMM_PARALLEL_MIN)
+    {
+        float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];
+#ifdef _OPENMP
+        float* mine = cols + omp_get_thread_num() * ckk * hw;
+#else
+        float* mine = cols;
+#endif
+        long begin, end;
+        deepdsl_share(n, 1, &begin, &end);
+        for (long s = begin; s < end; ++s) {
+            const float* from = g + s * o * hw;
+            for (long strip = 0; strip < strips; ++strip)
+                for (long p0 = 0; p0 < o; p0 += DEEPDSL_SG_DEPTH)
+                    deepdsl_sg_chunk(0, ckk, hw, o, w, 1, ckk, from, hw, strip, 0, tiles, p0, mine, hw, p0 > 0,
+                                     packed);
+            deepdsl_col2im_on(mine, 0, hw, 1, c, h, wd, kh, kw, ho, wo, stride, pad, dx + s * c * h * wd, 0);
+        }
+    }
+    return 1;
+#endif
+}
