@@ -144,7 +144,7 @@ def test_what_the_library_cannot_address_runs_numpy(lib):
         lib.gemm(square, square.copy(), square)
         assert lib.tile_calls == (1 if lib.tiles else 0)
     finally:
-        lib._small_gemm = tiles
+        lib._small_gemm_args = tiles
         lib._product_plans.clear()
     real = native.blas_sgemm()
     lib.lib.deepdsl_set_sgemm(None, 1)                        # a library left without an sgemm to call
@@ -450,15 +450,15 @@ SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract
 
 
 def _counted(lib):
-    """Count the calls of the library's tiles (`deepdsl_small_gemm`) in lib.tile_calls (the products planned
+    """Count the calls of the library's tiles (`deepdsl_small_gemm_args`) in lib.tile_calls (the products planned
     before forgotten, so that their plans call the counter)."""
-    tiles = lib._small_gemm
+    tiles = lib._small_gemm_args
     lib.tile_calls = 0
 
     def counting(*args):
         lib.tile_calls += 1
         return tiles(*args)
-    lib._small_gemm = counting
+    lib._small_gemm_args = counting
     lib._product_plans.clear()
     return tiles
 
@@ -505,7 +505,7 @@ def test_products_in_tiles_equal_numpy_with_the_same_bits_on_any_threads_and_wit
                                            native._matrix(y)[0] == 1)
             assert (lib.tile_calls > before) == taken, other
     finally:
-        lib._small_gemm = tiles
+        lib._small_gemm_args = tiles
         lib._product_plans.clear()
     assert np.isfinite(results[0]).all(), "an element was not written"
     for got in results[1:]:

@@ -278,12 +278,14 @@ class Native:
         lib.deepdsl_threads.restype = _I
         lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _L, _L]
         lib.deepdsl_gemm.restype = _I
+        lib.deepdsl_gemm_args.argtypes = [_P]
+        lib.deepdsl_gemm_args.restype = _I
         lib.deepdsl_set_sgemm.argtypes = [_P, _I]
         # (nor products in tiles of their own)
-        self._small_gemm = getattr(lib, "deepdsl_small_gemm", None)
-        if self._small_gemm is not None:
-            self._small_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L]
-            self._small_gemm.restype = _I
+        self._small_gemm_args = getattr(lib, "deepdsl_small_gemm_args", None)
+        if self._small_gemm_args is not None:
+            self._small_gemm_args.argtypes = [_P]
+            self._small_gemm_args.restype = _I
         self._small_gemm_depth = getattr(lib, "deepdsl_small_gemm_depth", None)
         if self._small_gemm_depth is not None:
             self._small_gemm_depth.argtypes = [_I, _I, _L, _L, _L, _P, _L, _P, _L, _P, _L, _P]
@@ -293,7 +295,7 @@ class Native:
         # ... and the workspace's -> how `gemm_in_depth` computes it (`_depth_plan`; on this many threads)
         self._depth_plans: dict[tuple, object] = {}
         # (a library built for a processor without AVX2 and fused multiply-adds has no tiles)
-        self.tiles = self._small_gemm is not None and bool(lib.deepdsl_small_gemm_kernels())
+        self.tiles = self._small_gemm_args is not None and bool(lib.deepdsl_small_gemm_kernels())
         # (nor sums of products)
         self._gemm_sum = getattr(lib, "deepdsl_gemm_sum", None)
         if self._gemm_sum is not None:
@@ -408,22 +410,22 @@ class Native:
         plan = self._product_plans.get(key, False)
         if plan is False:
             plan = self._product_plans[key] = self._product_plan(a, b, out)
-        if plan is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        if plan is None:
             return np.matmul(a, b, out=out)
         if plan == "each":                      # one stride apart below the first axis, maybe
+            if np.may_share_memory(out, a) or np.may_share_memory(out, b):
+                return np.matmul(a, b, out=out)
             for i in range(out.shape[0]):
                 self.gemm(_index(a, i, out.ndim - 2), _index(b, i, out.ndim - 2), out[i])
             return out
-        function, head, (lda, sa), (ldb, sb), (ldc, sc), tail = plan
-        if not function(*head, _address(a), lda, sa, _address(b), ldb, sb, _address(out), ldc, sc, *tail):
-            return np.matmul(a, b, out=out)     # (0: the library has no sgemm to call)
+        if not plan(_address(a), _address(b), _address(out)):
+            return np.matmul(a, b, out=out)     # (0: an output over an operand, or no sgemm to call)
         return out
 
     def _product_plan(self, a: np.ndarray, b: np.ndarray, out: np.ndarray):
         """How `gemm` computes out = a @ b for operands laid out as these: None (numpy's matmul), "each" (a product
-        per index of the first leading axis), or (the library's function, its arguments before a's pointer, a's
-        distances between rows or columns and between matrices, b's, out's, its arguments after them). Whether
-        the output lies apart from the operands is asked on every call, not here."""
+        per index of the first leading axis), or the library's call (`_ProductCall`). Whether the output lies apart
+        from the operands is asked on every call, not here."""
         layout = self._layout(a, b, out, apart=False)
         if layout is None:
             return None
@@ -439,8 +441,9 @@ class Native:
         batch = math.prod(lead)
         head, operands = (batch, ta[0], tb[0], m, n, k), ((ta[1], sa), (tb[1], sb), (to[1], sc))
         if self._small(m, n, k, ta, tb):
-            return (self._small_gemm, head, *operands, ())
-        return (self.lib.deepdsl_gemm, head, *operands, tuple(contract.product_cuts(batch, m, n, k)))
+            return _ProductCall(self._small_gemm_args, head, operands, (), (a, b, out))
+        return _ProductCall(self.lib.deepdsl_gemm_args, head, operands, tuple(contract.product_cuts(batch, m, n, k)),
+                            (a, b, out))
 
     def gemm_sum(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
         """out = the sum over i of a[i] @ b[i] (stacks of matrices one stride apart), in order, without workspace
@@ -1094,6 +1097,41 @@ def _sum_pattern(args, values_shape, shape) -> str | None:
         return None
     return contract.channel_sum_pattern([(np.shape(a), isinstance(a, np.ndarray) and a.dtype == np.uint8)
                                          for a in args], values_shape, shape)
+
+
+class _ProductCall:
+    """One layout's call of a product function of the library (`deepdsl_gemm_args`, `deepdsl_small_gemm_args`):
+    its arguments in one array of 64-bit integers made once, the sizes and distances in place, and on each call
+    (`call(pa, pb, pc)`) the operands' and output's addresses written in; false where the output's bytes overlap an
+    operand's (what `np.may_share_memory` asks, from the extents of the layout's strides) or the library has no
+    sgemm to call. A `Native` serves one program's steps from one thread, as `_Operands`."""
+
+    __slots__ = ("function", "values", "extents")
+
+    def __init__(self, function, head, operands, tail, arrays):
+        assert len(head) == 6
+        (lda, sa), (ldb, sb), (ldc, sc) = operands
+        self.function = function
+        self.values = (ctypes.c_int64 * (len(head) + 9 + len(tail)))(*head, 0, lda, sa, 0, ldb, sb, 0, ldc, sc,
+                                                                     *tail)
+        self.extents = tuple(_extent(x) for x in arrays)
+
+    def __call__(self, pa: int, pb: int, pc: int) -> bool:
+        (la, ha), (lb, hb), (lc, hc) = self.extents
+        if pa + la < pc + hc and pc + lc < pa + ha or pb + lb < pc + hc and pc + lc < pb + hb:
+            return False
+        values = self.values        # (batch, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, ...)
+        values[6], values[9], values[12] = pa, pb, pc
+        return bool(self.function(values))
+
+
+def _extent(x: np.ndarray) -> tuple[int, int]:
+    """The bytes an array's elements span, from its first element's address: (lowest offset, highest + 1)."""
+    if x.size == 0:
+        return 0, 0
+    low = sum((n - 1) * st for n, st in zip(x.shape, x.strides) if st < 0)
+    high = sum((n - 1) * st for n, st in zip(x.shape, x.strides) if st > 0)
+    return low, high + x.itemsize
 
 
 class _Operands:

@@ -132,6 +132,14 @@ int deepdsl_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, l
     return 1;
 }
 
+// deepdsl_gemm with its arguments in one array of 64-bit integers, in the order of its parameters (the operands'
+// addresses among them): a call from Python converts one pointer instead of 18 arguments.
+int deepdsl_gemm_args(const int64_t* v) {
+    return deepdsl_gemm(v[0], (int)v[1], (int)v[2], v[3], v[4], v[5], (const float*)(intptr_t)v[6], v[7], v[8],
+                        (const float*)(intptr_t)v[9], v[10], v[11], (float*)(intptr_t)v[12], v[13], v[14], (int)v[15],
+                        v[16], v[17]);
+}
+
 // Products in tiles of the kernels' own, where contract.small_product takes them (a Transformer's projections,
 // 1024 x 64 by 64 x 64, and their weight gradients; most products of the networks' layers): the BLAS's sgemm packs
 // both operands on every call, and a product cut into the parts fixed by its shape calls it once a part. On one
@@ -486,4 +494,10 @@ int deepdsl_conv_data_tiles(const float* g, const float* w, int n, int c, int h,
     }
     return 1;
 #endif
+}
+
+// deepdsl_small_gemm with its arguments in one array of 64-bit integers, as deepdsl_gemm_args.
+int deepdsl_small_gemm_args(const int64_t* v) {
+    return deepdsl_small_gemm(v[0], (int)v[1], (int)v[2], v[3], v[4], v[5], (const float*)(intptr_t)v[6], v[7], v[8],
+                              (const float*)(intptr_t)v[9], v[10], v[11], (float*)(intptr_t)v[12], v[13], v[14]);
 }
