@@ -590,33 +590,46 @@ def test_sums_over_every_axis_but_the_last_equal_numpy(tmp_path_factory):
 
 
 @needs_cc
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_tensor_summed_per_channel_equals_numpy(lib, threads):
+def test_a_tensor_summed_per_channel_equals_numpy(lib, tmp_path_factory):
     """sum_to (1, C, 1, 1) with the compiled kernels (`Native.channel_sum`, the library's `deepdsl_channel_sum`)
-    against the float64 sum, on odd shapes at one, two and three threads, more channels than a thread reads at a
-    time; through the backend's `sum_to` too. Planes of at most DEEPDSL_CSUM_PLANE (256) floats are numpy's, as are
-    tensors that are not contiguous float32 and every sum where the library has none."""
+    against the float64 sum, on odd shapes: planes summed position by position (below DEEPDSL_CSUM_ROW, 64 floats),
+    a row at a time (up to DEEPDSL_CSUM_PLANE, 256: with and without a partial vector, more samples than a lane sums
+    in float32, 32) and by rows' vectors (larger), more channels than a thread reads at a time; the same bits on
+    one, two and three threads, and built for AVX2 on planes up to 256 floats (larger ones' rows sum in vectors of
+    the processor's width); through the backend's `sum_to` too. Tensors that are not
+    contiguous float32, and every sum where the library has none, are numpy's."""
+    from deepdsl.codegen.native import compile_command
     from deepdsl_runtime import cpu
     from deepdsl_runtime.cpu import shape as shapes
 
+    _, _, path = _program("resnet_mini", None, tmp_path_factory)
+    built = tmp_path_factory.mktemp("avx2_sums") / "program.so"
+    done = subprocess.run(compile_command(path.with_suffix(".c"), built) + ["-mavx2", "-mfma", "-mno-avx512f"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    avx2 = native.Native(lib.lib, ctypes.CDLL(str(built)))
     rng = np.random.default_rng(11)
     rt = cpu.backend(lib)
     before = lib.threads
-    lib.set_threads(threads)
     try:
         for shape in ((4, 9, 64, 130), (2, 700, 15, 18), (3, 40, 1, 257), (5, 300, 17, 17), (3, 5, 7, 3),
-                      (8, 256, 7, 7), (2, 40, 16, 16)):
+                      (8, 256, 7, 7), (2, 40, 16, 16), (40, 70, 9, 9), (3, 300, 8, 8), (2, 3, 1, 1)):
             x = rng.standard_normal(shape).astype(np.float32) + 0.5
             want = x.astype(np.float64).sum(axis=(0, 2, 3)).reshape(1, shape[1], 1, 1)
             tolerance = dict(rtol=1e-6, atol=1e-6 * float(np.abs(x).sum() / shape[1]), err_msg=str(shape))
-            got = np.full(want.shape, np.nan, np.float32)
-            compiled = shape[2] * shape[3] > 256
-            assert lib.channel_sum(x, got) == compiled, shape
-            if compiled:
-                np.testing.assert_allclose(got, want, **tolerance)
+            results = []
+            for kernels, threads in ((lib, 1), (lib, 2), (lib, 3)) + (((avx2, 2),) if shape[2] * shape[3] <= 256
+                                                                     else ()):
+                kernels.set_threads(threads)
+                got = np.full(want.shape, np.nan, np.float32)
+                assert kernels.channel_sum(x, got), shape
+                results.append(got)
+            np.testing.assert_allclose(results[0], want, **tolerance)
+            for got in results[1:]:
+                np.testing.assert_array_equal(got, results[0], err_msg=str(shape))
             got = np.full(want.shape, np.nan, np.float32)
             rt.sum_to(x, out=got, shape=got.shape)
-            np.testing.assert_allclose(got, want, **tolerance)
+            np.testing.assert_array_equal(got, results[0])
     finally:
         lib.set_threads(before)
     strided = np.ones((2, 8, 6, 6), np.float32)[:, :, ::2]

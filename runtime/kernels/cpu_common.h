@@ -20,6 +20,7 @@
 #define DEEPDSL_EW_PARALLEL_MIN (1L << 16)
 #define DEEPDSL_CSUM_BLOCK 256          /* channels a per-channel sum reads at a time, sample by sample */
 #define DEEPDSL_CSUM_PLANE 256          /* planes of at most this many floats are summed position by position */
+#define DEEPDSL_CSUM_ROW 64             /* ... but those of this many at least a row at a time (channel sums) */
 #define DEEPDSL_CSUM_LANES 4096         /* floats of such sums' lanes (16 KB, on the stack) */
 #define DEEPDSL_CSUM_SAMPLES 32         /* samples a lane sums in float32 before it is added in double */
 
