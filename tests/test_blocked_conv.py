@@ -222,9 +222,9 @@ def test_without_avx2_the_convolutions_keep_im2col(plain_kernels):  # noqa: F811
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_the_layer_benchmark_runs(isa):
-    """benchmarks/conv_layers.py on a small network: a row per distinct convolution at one thread, the blocked
-    column filled exactly for the layers `contract.blocked_conv` takes, and the step's sums; also with every side
-    restricted to AVX2 (both libraries built without AVX-512)."""
+    """benchmarks/conv_layers.py on a small network: a row per distinct convolution at one thread, the tiles'
+    column filled for some layers (forward and input gradients only) and the blocked column for some, and the step's
+    sums; also with every side restricted to AVX2 (both libraries built without AVX-512)."""
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "conv_layers.py"), "--network", "resnet_mini",
                            "--batch", "2", "--image", "0", "--threads", "1", "--rounds", "1", "--calls", "1",
@@ -233,8 +233,18 @@ def test_the_layer_benchmark_runs(isa):
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] and
             line.split()[0].startswith("conv2d")]
     assert rows and all(row[4] == "1" for row in rows)
-    blocked = [row for row in rows if row[7] != "-"]
-    assert blocked and len(blocked) < len(rows)
+
+    def cells(row):         # im2col, tiles, blocked, torch: "-" or "ms (GFLOP/s)"
+        found, rest = [], row[5:]
+        while len(found) < 4:
+            found.append(None if rest[0] == "-" else rest[0])
+            rest = rest[1:] if rest[0] == "-" else rest[2:]
+        return found
+    assert all(cells(row)[0] is not None for row in rows)
+    tiled = [row for row in rows if cells(row)[1] is not None]
+    blocked = [row for row in rows if cells(row)[2] is not None]
+    assert blocked and len(blocked) < len(rows) and tiled and len(tiled) < len(rows)
+    assert all(row[0] != "conv2d_bwd_filter" for row in tiled)
     assert "the step's convolutions" in done.stdout
     assert done.stdout.splitlines()[0].split(";")[0] in ("AVX-512", "AVX2", "no AVX2", "unknown",
                                                           "AVX2 (on a processor with AVX-512: every side restricted "

@@ -345,6 +345,7 @@ class Native:
         blocked = getattr(lib, "deepdsl_blocked_kernels", None)
         self.lanes = 0 if blocked is None else blocked()     # their vectors' lanes: 16 (AVX-512), 8 (AVX2), 0
         self.blocked = self.lanes > 0
+        self.tiled_convs = True         # convolutions sample by sample in the products' tiles (`conv_tiles`, ...)
         if self.blocked:
             lib.deepdsl_blocked_input.argtypes = [_P] + [_I] * 6 + [_P]
             lib.deepdsl_blocked_filters.argtypes = [_P] + [_I] * 5 + [_P]
@@ -633,7 +634,8 @@ class Native:
         processor has no tiles."""
         (n, c, h, wd), (o, _, kh, kw), (ho, wo) = x.shape, w.shape, out.shape[2:]
         arrays = [x, w, out] + ([bias] if bias is not None else [])
-        if not self.tiles or not contract.tiled_conv(c, o, kh, kw, stride, pad, ho, wo) or workspace is None or \
+        if not (self.tiles and self.tiled_convs) or not contract.tiled_conv(c, o, kh, kw, stride, pad, ho, wo) or \
+                workspace is None or \
                 not _contiguous32(*arrays, workspace):
             return False
         room = workspace.size // (c * kh * kw * ho * wo)
@@ -649,7 +651,7 @@ class Native:
         (nothing written) where the workspace holds no sample's column gradients, the arrays are not contiguous
         float32, the input gradient shares bytes with the output gradient, or this processor has no tiles."""
         (n, o, ho, wo), (_, c, kh, kw), (h, wd) = g.shape, w.shape, out.shape[2:]
-        if not self.tiles or workspace is None or \
+        if not (self.tiles and self.tiled_convs) or workspace is None or \
                 not contract.tiled_conv(c, o, kh, kw, stride, pad, ho, wo, op="conv2d_bwd_data") or \
                 not _contiguous32(g, w, out, workspace) or np.may_share_memory(g, out):
             return False
