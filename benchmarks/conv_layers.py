@@ -106,7 +106,8 @@ def sides(node, size, kernels, threads):
     calls = {"im2col": ours(False, False)}
     wo = (node.inputs[0] if node.op != "conv2d" else node).shape[3]
     ho = (node.inputs[0] if node.op != "conv2d" else node).shape[2]
-    if kernels.tiles and node.op != "conv2d_bwd_filter" and contract.tiled_conv(
+    thin = node.op == "conv2d" and contract.direct_conv(x_shape[1], w_shape[2], w_shape[3], stride, groups)
+    if kernels.tiles and node.op != "conv2d_bwd_filter" and not thin and contract.tiled_conv(
             x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, ho, wo, groups, op=node.op):
         calls["tiles"] = ours(False, True)
     if groups == 1 and contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
