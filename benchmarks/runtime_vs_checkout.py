@@ -6,7 +6,8 @@
 DIR is another checkout of this repository (`git worktree add DIR REV`). Each network of networks/ is compiled once
 by this checkout (`deepdsl compile`, which also builds the program's compiled kernels) and its program trained on
 synthetic data by its own command line, `--iters` iterations without testing, in one process per run: with this
-checkout's `deepdsl_runtime`, and with DIR's (its runtime/ put first on the import path), alternating in `--rounds`
+checkout's `deepdsl_runtime`, and with DIR's (each checkout's runtime/ put first on the import path: the installed
+runtime may be either's, or a third's), alternating in `--rounds`
 rounds with the same thread count. What differs is the Python side of the runtime (the generic compiled kernels
 are built from each checkout's sources; the program's own library is the same file). The figure is the command's
 own "ms per iteration" (every iteration, the first included); the table gives the median over rounds and the ratio
@@ -27,7 +28,8 @@ from timing import add_checkout_options, load_average, other_checkout, print_com
 
 
 def _train_ms(program: Path, threads: int, iters: int, runtime_path: str | None, directory: Path) -> float:
-    """The training command's ms per iteration, with the runtime found first on `runtime_path` (None: this one)."""
+    """The training command's ms per iteration, with the runtime found first on `runtime_path` (None: the installed
+    one)."""
     env = dict(os.environ)
     if runtime_path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [runtime_path, env.get("PYTHONPATH")]))
@@ -50,16 +52,18 @@ def main(argv=None) -> int:
     print_comparison_header(other, f"{args.iters} iterations a run, {args.rounds} rounds alternating",
                             args.markdown)
     with tempfile.TemporaryDirectory() as tmp:
-        shim = Path(tmp) / "against"
-        shim.mkdir()
-        (shim / "deepdsl_runtime").symlink_to(other / "runtime")
+        shims = {}
+        for side, checkout in (("against", other), ("this", Path(__file__).resolve().parents[1])):
+            shims[side] = Path(tmp) / side          # (this checkout's too: the installed runtime may be another's)
+            shims[side].mkdir()
+            (shims[side] / "deepdsl_runtime").symlink_to(checkout / "runtime")
         for spec in args.networks:
             program = _compile(spec, Path(tmp))
             for threads in args.threads:
                 theirs, ours = [], []
                 for _ in range(args.rounds):
-                    theirs.append(_train_ms(program, threads, args.iters, str(shim), Path(tmp)))
-                    ours.append(_train_ms(program, threads, args.iters, None, Path(tmp)))
+                    theirs.append(_train_ms(program, threads, args.iters, str(shims["against"]), Path(tmp)))
+                    ours.append(_train_ms(program, threads, args.iters, str(shims["this"]), Path(tmp)))
                 print_comparison(spec, threads, theirs, ours, args.markdown, 1)
     print(f"load average after: {load_average()}")
     return 0
