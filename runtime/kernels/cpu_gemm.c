@@ -101,6 +101,20 @@ int deepdsl_gemm_sum(long batch, int ta, int tb, long m, long n, long k, const f
     return 1;
 }
 
+// c (m x n, rows ldc apart) += each of `count` planes (m x n, one after the other) in their order: this thread's
+// share of the rows, in a team whose threads wrote the planes before a barrier.
+static void deepdsl_add_planes(float* c, long ldc, const float* planes, long count, long m, long n) {
+    long begin, end;
+    deepdsl_share(m, 1, &begin, &end);
+    for (long r = begin; r < end; ++r)
+        for (long q = 0; q < count; ++q) {
+            const float* from = planes + q * m * n + r * n;
+            float* row = c + r * ldc;
+#pragma omp simd
+            for (long j = 0; j < n; ++j) row[j] += from[j];
+        }
+}
+
 // c (m x n) = a (m x k) b (k x n) as `parts` products over consecutive `depth` of the inner dimension (the last one
 // shorter): the first into c, the others into `partial` (m x n each, one after the other), then c += each partial
 // product in their order. A product with too small an output to cut by rows or columns and a long inner dimension
@@ -120,14 +134,7 @@ int deepdsl_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, l
                           ldb, into, part ? n : ldc);
         }
 #pragma omp barrier
-        deepdsl_share(m, 1, &begin, &end);
-        for (long r = begin; r < end; ++r)
-            for (long part = 1; part < parts; ++part) {
-                const float* from = partial + (part - 1) * m * n + r * n;
-                float* row = c + r * ldc;
-#pragma omp simd
-                for (long j = 0; j < n; ++j) row[j] += from[j];
-            }
+        deepdsl_add_planes(c, ldc, partial, parts - 1, m, n);
     }
     return 1;
 }
@@ -388,20 +395,47 @@ int deepdsl_small_gemm_depth(int ta, int tb, long m, long n, long k, const float
                              chunk * DEEPDSL_SG_DEPTH, into, chunk ? n : ldc, 0, packed);
         }
 #pragma omp barrier
-        deepdsl_share(m, 1, &begin, &end);
-        for (long r = begin; r < end; ++r)
-            for (long chunk = 1; chunk < chunks; ++chunk) {
-                const float* from = planes + (chunk - 1) * m * n + r * n;
-                float* row = c + r * ldc;
-#pragma omp simd
-                for (long j = 0; j < n; ++j) row[j] += from[j];
-            }
+        deepdsl_add_planes(c, ldc, planes, chunks - 1, m, n);
     }
     return 1;
 #endif
 }
 
-// out (n, o, ho, wo) = x (n, c, h, w) convolved with w (o, c, kh, kw) (+ bias[o]), sample by sample on the kernels'
+#ifdef DEEPDSL_SG_LANES
+// c (m x n, rows ldc apart) = a (m x k, element (r, p) at a[r * ra + p * ca]) times b (k x n, rows ldb apart) in
+// the tiles on the calling thread: strip by strip, each strip's chunks of the inner dimension in order.
+static void deepdsl_sg_product(long m, long n, long k, const float* a, long ra, long ca, const float* b, long ldb,
+                               float* c, long ldc, float* packed) {
+    const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
+    for (long strip = 0; strip < (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH; ++strip)
+        for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH)
+            deepdsl_sg_chunk(0, m, n, k, a, ra, ca, b, ldb, strip, 0, tiles, p0, c, ldc, p0 > 0, packed);
+}
+
+// The threads of a pass over `n` samples, each with a part of a scratch of `room` parts: the kernels', at most
+// `room` and `n`.
+static int deepdsl_sample_threads(long room, long n) {
+#ifdef _OPENMP
+    long threads = omp_get_max_threads();
+#else
+    long threads = 1;
+#endif
+    threads = threads < room ? threads : room;
+    return (int)(threads < n ? threads : n);
+}
+
+// This thread's part of `size` floats of `scratch`.
+static inline float* deepdsl_thread_part(float* scratch, long size) {
+#ifdef _OPENMP
+    return scratch + omp_get_thread_num() * size;
+#else
+    (void)size;
+    return scratch;
+#endif
+}
+#endif
+
+// out (n, o, ho, wo) = x (n, c, h, wd) convolved with w (o, c, kh, kw) (+ bias[o]), sample by sample on the kernels'
 // threads: each sample's im2col matrix (c*kh*kw, ho*wo) written into the thread's own part of `cols` (room for
 // `room` of them: the threads used at most), multiplied by the filters (o, c*kh*kw) in the tiles straight into the
 // sample's output, then + bias. The tiles sum each output in the same order whatever their grouping: the bits of
@@ -416,32 +450,17 @@ int deepdsl_conv_tiles(const float* x, const float* w, const float* bias, int n,
     return 0;
 #else
     const long ckk = (long)c * kh * kw, hw = (long)ho * wo;
-    const long tiles = (o + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
-    const long strips = (hw + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
-#ifdef _OPENMP
-    long threads = omp_get_max_threads();
-#else
-    long threads = 1;
-#endif
-    threads = threads < room ? threads : room;
-    threads = threads < n ? threads : n;
-#pragma omp parallel num_threads((int)threads) if (threads > 1 && (double)n * o * hw * ckk >= DEEPDSL_GEMM_PARALLEL_MIN)
+    const int threads = deepdsl_sample_threads(room, n);
+#pragma omp parallel num_threads(threads) if (threads > 1 && (double)n * o * hw * ckk >= DEEPDSL_GEMM_PARALLEL_MIN)
     {
         float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];
-#ifdef _OPENMP
-        float* mine = cols + omp_get_thread_num() * ckk * hw;
-#else
-        float* mine = cols;
-#endif
+        float* mine = deepdsl_thread_part(cols, ckk * hw);
         long begin, end;
         deepdsl_share(n, 1, &begin, &end);
         for (long s = begin; s < end; ++s) {
-            deepdsl_im2col_on(x + s * c * h * wd, 1, c, h, wd, kh, kw, ho, wo, stride, pad, mine, 0);
             float* to = out + s * o * hw;
-            for (long strip = 0; strip < strips; ++strip)
-                for (long p0 = 0; p0 < ckk; p0 += DEEPDSL_SG_DEPTH)
-                    deepdsl_sg_chunk(0, o, hw, ckk, w, ckk, 1, mine, hw, strip, 0, tiles, p0, to, hw, p0 > 0,
-                                     packed);
+            deepdsl_im2col_on(x + s * c * h * wd, 1, c, h, wd, kh, kw, ho, wo, stride, pad, mine, 0);
+            deepdsl_sg_product(o, hw, ckk, w, ckk, 1, mine, hw, to, hw, packed);
             if (bias)
                 for (long r = 0; r < o; ++r) deepdsl_copy_row(to + r * hw, to + r * hw, hw, bias[r]);
         }
@@ -464,31 +483,15 @@ int deepdsl_conv_data_tiles(const float* g, const float* w, int n, int c, int h,
     return 0;
 #else
     const long ckk = (long)c * kh * kw, hw = (long)ho * wo;
-    const long tiles = (ckk + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
-    const long strips = (hw + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
-#ifdef _OPENMP
-    long threads = omp_get_max_threads();
-#else
-    long threads = 1;
-#endif
-    threads = threads < room ? threads : room;
-    threads = threads < n ? threads : n;
-#pragma omp parallel num_threads((int)threads) if (threads > 1 && (double)n * o * hw * ckk >= DEEPDSL_GEMM_PARALLEL_MIN)
+    const int threads = deepdsl_sample_threads(room, n);
+#pragma omp parallel num_threads(threads) if (threads > 1 && (double)n * o * hw * ckk >= DEEPDSL_GEMM_PARALLEL_MIN)
     {
         float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];
-#ifdef _OPENMP
-        float* mine = cols + omp_get_thread_num() * ckk * hw;
-#else
-        float* mine = cols;
-#endif
+        float* mine = deepdsl_thread_part(cols, ckk * hw);
         long begin, end;
         deepdsl_share(n, 1, &begin, &end);
         for (long s = begin; s < end; ++s) {
-            const float* from = g + s * o * hw;
-            for (long strip = 0; strip < strips; ++strip)
-                for (long p0 = 0; p0 < o; p0 += DEEPDSL_SG_DEPTH)
-                    deepdsl_sg_chunk(0, ckk, hw, o, w, 1, ckk, from, hw, strip, 0, tiles, p0, mine, hw, p0 > 0,
-                                     packed);
+            deepdsl_sg_product(ckk, hw, o, w, 1, ckk, g + s * o * hw, hw, mine, hw, packed);
             deepdsl_col2im_on(mine, 0, hw, 1, c, h, wd, kh, kw, ho, wo, stride, pad, dx + s * c * h * wd, 0);
         }
     }
