@@ -1032,11 +1032,17 @@ class Native:
     def channel_sum(self, x: np.ndarray, out: np.ndarray) -> bool:
         """out (1, C, 1, ...) = x (N, C, ...) summed per channel, or out (D,) = x (..., D) summed over every axis but
         the last (`sum_to`; `contract.sum_view`), as a compiled per-channel sum adds its values (the library's
-        `deepdsl_channel_sum`, on the kernels' threads); False where it does not (small planes, another dtype,
-        strides, or a library without it): the caller sums with numpy."""
-        if self._channel_sum is None or not _contiguous32(x, out) or contract.sum_view(x.shape, out.shape) is None:
+        `deepdsl_channel_sum`, on the kernels' threads); False where it does not (another dtype, strides, another
+        sum, or a library without it): the caller sums with numpy. Its rows are found once for each pair of
+        shapes."""
+        if self._channel_sum is None or not _contiguous32(x, out):
             return False
-        return bool(self._channel_sum(*contract.channel_rows(x.shape, out.shape), _address(out), _address(x)))
+        key = ("channel_sum", x.shape, out.shape)
+        rows = self._ew.get(key)
+        if rows is None:
+            rows = self._ew[key] = contract.sum_view(x.shape, out.shape) is not None and \
+                contract.channel_rows(x.shape, out.shape)
+        return bool(rows) and bool(self._channel_sum(*rows, _address(out), _address(x)))
 
     def ew_sum(self, kernel, out: np.ndarray, args, shape) -> bool:
         """out = the per-channel sum of the compiled `kernel` over `args` (the library's
