@@ -132,7 +132,7 @@ PRODUCT_DEPTH_PART = 256        # a depth cut's part: this many of the inner dim
 def product_depth_cut(batch: int, m: int, n: int, k: int) -> int:
     """How many parts of its inner dimension a single product whose output is too small to cut (`product_cuts`
     gives it one part: a weight gradient, 64 x 1024 by 1024 x 64) is computed in, by the compiled kernels given
-    `product_depth_scratch` of workspace: 4 or 2 parts of at least PRODUCT_PART_DEPTH of k and PRODUCT_PART_WORK
+    `product_depth_scratch` of workspace: 4 or 2 parts of at least PRODUCT_DEPTH_PART of k and PRODUCT_PART_WORK
     multiply-adds, summed in their order (1: none). Fixed by the shapes: the same bits on any number of threads."""
     if batch != 1 or product_cuts(batch, m, n, k).parts > 1:
         return 1

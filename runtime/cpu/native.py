@@ -292,7 +292,7 @@ class Native:
             self._small_gemm_depth.restype = _I
         # the operands' layouts -> how `gemm` computes their product (`_product_plan`)
         self._product_plans: dict[tuple, object] = {}
-        # ... and the workspace's -> how `gemm_in_depth` computes it (`_depth_plan`; on this many threads)
+        # ... and the workspace's -> how `gemm_in_depth` computes it (`_depth_plan`)
         self._depth_plans: dict[tuple, object] = {}
         # (a library built for a processor without AVX2 and fused multiply-adds has no tiles)
         self.tiles = self._small_gemm_args is not None and bool(lib.deepdsl_small_gemm_kernels())
@@ -393,7 +393,6 @@ class Native:
         """Run the kernels, and the matrix products where this library computes them, on `threads` threads (numpy's
         BLAS on one: each thread of the kernels' calls it for parts of a product). No result depends on them."""
         self.lib.deepdsl_set_threads(int(threads))
-        self._depth_plans.clear()
         set_blas_threads(1)
 
     # matrix products ------------------------------------------------------------------------------------------
@@ -470,7 +469,8 @@ class Native:
         product of the kernels' own tiles (`contract.small_product`) whose output the cut would leave whole is
         computed on several threads chunk by chunk of its inner dimension, each chunk's partial sums in a plane of
         the workspace (`deepdsl_small_gemm_depth`, the same bits as `gemm`), where the workspace holds a plane for
-        each chunk but the first. How is decided once for each layout of the operands and thread count."""
+        each chunk but the first (on one thread, the tiles' product whole). How is decided once for each layout of
+        the operands."""
         key = (a.shape, a.strides, a.dtype.num, b.shape, b.strides, b.dtype.num, out.shape, out.strides,
                out.dtype.num, workspace.size, workspace.dtype.num, workspace.flags.c_contiguous)
         plan = self._depth_plans.get(key, False)
@@ -494,8 +494,7 @@ class Native:
         head, lds = (ta[0], tb[0], m, n, k), (ta[1], tb[1], to[1])
         if self._small(m, n, k, ta, tb):
             chunks = contract.small_product_chunks(1, m, n, k, bool(ta[0]), bool(tb[0]))
-            if chunks < 2 or self._small_gemm_depth is None or self.threads < 2 or \
-                    workspace.size < (chunks - 1) * m * n:
+            if chunks < 2 or self._small_gemm_depth is None or workspace.size < (chunks - 1) * m * n:
                 return None
             return self._small_gemm_depth, head, lds, ()
         parts = contract.product_depth_cut(1, m, n, k)
@@ -1031,8 +1030,9 @@ class Native:
 
     def channel_sum(self, x: np.ndarray, out: np.ndarray) -> bool:
         """out (1, C, 1, ...) = x (N, C, ...) summed per channel, or out (D,) = x (..., D) summed over every axis but
-        the last (`sum_to`; `contract.sum_view`), as a compiled per-channel sum adds its values (the library's
-        `deepdsl_channel_sum`, on the kernels' threads); False where it does not (another dtype, strides, another
+        the last (`sum_to`; `contract.sum_view`), by the library's `deepdsl_channel_sum` on the kernels' threads (as a
+        compiled per-channel sum adds its values, but planes of 64 to 256 floats of several samples, a row at a time
+        in 16 lanes); False where it does not (another dtype, strides, another
         sum, or a library without it): the caller sums with numpy. Its rows are found once for each pair of
         shapes."""
         if self._channel_sum is None or not _contiguous32(x, out):

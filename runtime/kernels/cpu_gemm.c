@@ -371,7 +371,8 @@ int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const
 // share (a weight gradient, 64 x 1024 by 1024 x 64: eleven tiles) and whose operands each thread would read whole.
 // The first chunk's sums go to c, the others' to their own plane of `planes` (m x n each, one after the other);
 // then c += each plane in the chunks' order: the additions deepdsl_small_gemm makes, in its order. The threads take
-// whole chunks of a strip first (reading those rows of the operands only), then whole rows of the sum.
+// whole chunks of a strip first (reading those rows of the operands only), then whole rows of the sum. On one
+// thread, deepdsl_small_gemm (the planes would only add their traffic).
 int deepdsl_small_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, long lda, const float* b,
                              long ldb, float* c, long ldc, float* planes) {
 #ifndef DEEPDSL_SG_LANES
@@ -383,6 +384,10 @@ int deepdsl_small_gemm_depth(int ta, int tb, long m, long n, long k, const float
     const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
     const long strips = (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
     const long chunks = (k + DEEPDSL_SG_DEPTH - 1) / DEEPDSL_SG_DEPTH;
+#ifdef _OPENMP
+    if (omp_get_max_threads() < 2)
+#endif
+        return deepdsl_small_gemm(1, ta, tb, m, n, k, a, lda, 0, b, ldb, 0, c, ldc, 0);
 #pragma omp parallel
     {
         float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];
