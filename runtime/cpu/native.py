@@ -362,6 +362,8 @@ class Native:
         self.products = sgemm is not None
         # (kernel, output shape, operand shapes) -> (function, pattern, size arguments), or False
         self._ew: dict[tuple, object] = {}
+        # (values' shape, sum's shape) -> `deepdsl_channel_sum`'s rows, or False (`channel_sum`)
+        self._sum_rows: dict[tuple, object] = {}
 
     @property
     def tiles(self) -> bool:
@@ -476,31 +478,32 @@ class Native:
         plan = self._depth_plans.get(key, False)
         if plan is False:
             plan = self._depth_plans[key] = self._depth_plan(a, b, out, workspace)
-        if plan is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        if plan is None:
             return False
-        function, head, (lda, ldb, ldc), tail = plan
-        return bool(function(*head, _address(a), lda, _address(b), ldb, _address(out), ldc, *tail,
-                             _address(workspace)))
+        function, head, (lda, ldb, ldc), tail, extents = plan
+        pa, pb, pc = _address(a), _address(b), _address(out)
+        return _apart(extents, pa, pb, pc) and bool(function(*head, pa, lda, pb, ldb, pc, ldc, *tail,
+                                                             _address(workspace)))
 
     def _depth_plan(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, workspace: np.ndarray):
         """How `gemm_in_depth` computes out = a @ b for operands and a workspace laid out as these: None (it does
         not), or (the library's function, its arguments before a's pointer, a's, b's and out's distances between
-        rows or columns, its arguments between out's pointer and the workspace's)."""
+        rows or columns, its arguments between out's pointer and the workspace's, the three arrays' `_extent`s)."""
         layout = self._layout(a, b, out, apart=False)
         if layout is None or a.ndim != 2 or b.ndim != 2 or out.ndim != 2 or workspace.dtype != np.float32 or \
                 not workspace.flags.c_contiguous:
             return None
         m, n, k, ta, tb, to = layout
-        head, lds = (ta[0], tb[0], m, n, k), (ta[1], tb[1], to[1])
+        head, lds, extents = (ta[0], tb[0], m, n, k), (ta[1], tb[1], to[1]), tuple(map(_extent, (a, b, out)))
         if self._small(m, n, k, ta, tb):
             chunks = contract.small_product_chunks(1, m, n, k, bool(ta[0]), bool(tb[0]))
             if chunks < 2 or self._small_gemm_depth is None or workspace.size < (chunks - 1) * m * n:
                 return None
-            return self._small_gemm_depth, head, lds, ()
+            return self._small_gemm_depth, head, lds, (), extents
         parts = contract.product_depth_cut(1, m, n, k)
         if self._gemm_depth is None or parts < 2 or workspace.size < (parts - 1) * m * n:
             return None
-        return self._gemm_depth, head, lds, (parts, -(-k // parts))
+        return self._gemm_depth, head, lds, (parts, -(-k // parts)), extents
 
     def _small(self, m: int, n: int, k: int, ta, tb) -> bool:
         """Whether this library computes the product in its own tiles (`contract.small_product`)."""
@@ -1037,10 +1040,9 @@ class Native:
         shapes."""
         if self._channel_sum is None or not _contiguous32(x, out):
             return False
-        key = ("channel_sum", x.shape, out.shape)
-        rows = self._ew.get(key)
+        rows = self._sum_rows.get((x.shape, out.shape))
         if rows is None:
-            rows = self._ew[key] = contract.sum_view(x.shape, out.shape) is not None and \
+            rows = self._sum_rows[x.shape, out.shape] = contract.sum_view(x.shape, out.shape) is not None and \
                 contract.channel_rows(x.shape, out.shape)
         return bool(rows) and bool(self._channel_sum(*rows, _address(out), _address(x)))
 
@@ -1111,8 +1113,7 @@ class _ProductCall:
     """One layout's call of a product function of the library (`deepdsl_gemm_args`, `deepdsl_small_gemm_args`):
     its arguments in one array of 64-bit integers made once, the sizes and distances in place, and on each call
     (`call(pa, pb, pc)`) the operands' and output's addresses written in; false where the output's bytes overlap an
-    operand's (what `np.may_share_memory` asks, from the extents of the layout's strides) or the library has no
-    sgemm to call. A `Native` serves one program's steps from one thread, as `_Operands`."""
+    operand's (`_apart`) or the library has no sgemm to call. A `Native` serves one program's steps from one thread, as `_Operands`."""
 
     __slots__ = ("function", "values", "extents")
 
@@ -1125,12 +1126,18 @@ class _ProductCall:
         self.extents = tuple(_extent(x) for x in arrays)
 
     def __call__(self, pa: int, pb: int, pc: int) -> bool:
-        (la, ha), (lb, hb), (lc, hc) = self.extents
-        if pa + la < pc + hc and pc + lc < pa + ha or pb + lb < pc + hc and pc + lc < pb + hb:
+        if not _apart(self.extents, pa, pb, pc):
             return False
         values = self.values        # (batch, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, ...)
         values[6], values[9], values[12] = pa, pb, pc
         return bool(self.function(values))
+
+
+def _apart(extents, pa: int, pb: int, pc: int) -> bool:
+    """Whether an output at address pc lies apart from operands at pa and pb (what `np.may_share_memory` asks),
+    given the three arrays' `_extent`s."""
+    (la, ha), (lb, hb), (lc, hc) = extents
+    return not (pa + la < pc + hc and pc + lc < pa + ha or pb + lb < pc + hc and pc + lc < pb + hb)
 
 
 def _extent(x: np.ndarray) -> tuple[int, int]:

@@ -37,4 +37,14 @@ static inline void deepdsl_share(long n, long block, long* begin, long* end) {
     *end = (me + 1) * per * block < n ? (me + 1) * per * block : n;
 }
 
+// This thread's part of `size` floats of `scratch` in an OpenMP team (the whole of it outside one).
+static inline float* deepdsl_thread_part(float* scratch, long size) {
+#ifdef _OPENMP
+    return scratch + omp_get_thread_num() * size;
+#else
+    (void)size;
+    return scratch;
+#endif
+}
+
 #endif

@@ -384,9 +384,7 @@ int deepdsl_small_gemm_depth(int ta, int tb, long m, long n, long k, const float
     const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
     const long strips = (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
     const long chunks = (k + DEEPDSL_SG_DEPTH - 1) / DEEPDSL_SG_DEPTH;
-#ifdef _OPENMP
-    if (omp_get_max_threads() < 2)
-#endif
+    if (deepdsl_threads() < 2)
         return deepdsl_small_gemm(1, ta, tb, m, n, k, a, lda, 0, b, ldb, 0, c, ldc, 0);
 #pragma omp parallel
     {
@@ -420,23 +418,9 @@ static void deepdsl_sg_product(long m, long n, long k, const float* a, long ra, 
 // The threads of a pass over `n` samples, each with a part of a scratch of `room` parts: the kernels', at most
 // `room` and `n`.
 static int deepdsl_sample_threads(long room, long n) {
-#ifdef _OPENMP
-    long threads = omp_get_max_threads();
-#else
-    long threads = 1;
-#endif
+    long threads = deepdsl_threads();
     threads = threads < room ? threads : room;
     return (int)(threads < n ? threads : n);
-}
-
-// This thread's part of `size` floats of `scratch`.
-static inline float* deepdsl_thread_part(float* scratch, long size) {
-#ifdef _OPENMP
-    return scratch + omp_get_thread_num() * size;
-#else
-    (void)size;
-    return scratch;
-#endif
 }
 #endif
 

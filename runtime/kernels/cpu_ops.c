@@ -632,11 +632,7 @@ void deepdsl_max_pool(const float* x, long planes, int h, int w, int ho, int wo,
     if (!inside && threads > scratch_planes) threads = scratch_planes > 0 ? scratch_planes : 1;
 #pragma omp parallel num_threads(threads) if (planes * h * w >= DEEPDSL_PARALLEL_MIN)
     {
-#ifdef _OPENMP
-        float* padded = inside ? 0 : scratch + (long)omp_get_thread_num() * hp * wp;
-#else
-        float* padded = inside ? 0 : scratch;
-#endif
+        float* padded = inside ? 0 : deepdsl_thread_part(scratch, (long)hp * wp);
 #pragma omp for schedule(static)
         for (long pl = 0; pl < planes; ++pl) {
             const float* src = x + pl * h * w;
