@@ -5,7 +5,8 @@
 #
 # 1. the machine: GPU, processor and its vector extensions, cores, load;
 # 2. the GPU tests (tests/test_cuda_gpu.py: every op against the CPU backend, training steps in every memory mode,
-#    LeNet learning the digits with --device cuda, data-parallel ranks on the GPU, the fat binary);
+#    LeNet learning the digits with --device cuda, data-parallel ranks on the GPU, the fat binary; the cuBLAS
+#    binding against the real library; the multi-device GEMM's CUDA device against numpy, in and out of core);
 # 3. benchmarks/cuda_vs_pytorch.py: LeNet and AlexNet steps on the GPU against PyTorch eager;
 # 4. benchmarks/cpu_vs_peers.py: LeNet and the ViT on the CPU against PyTorch eager, at 1, 2, 4, 8 and 16 threads
 #    (as many as the machine has), interleaved.
@@ -39,7 +40,8 @@ part() {            # part NAME SECONDS COMMAND...: run it, keep its output, not
     python3 -c "import pycuda; print('pycuda', pycuda.VERSION_TEXT)" 2>&1 | tail -1
 } >"$out/machine.txt" 2>&1
 
-part gpu_tests 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_cuda_gpu.py
+part gpu_tests 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_cuda_gpu.py tests/test_cublas_binding.py \
+    tests/test_gemm.py::test_cuda_device_matches_numpy tests/test_gemm.py::test_cuda_out_of_core
 if ! grep -q " passed" "$out/gpu_tests.txt"; then         # every test skipped: no GPU or no pycuda here
     summary[-1]="${summary[-1]}, but no GPU test ran (no GPU, or no pycuda)"
 fi

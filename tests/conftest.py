@@ -26,9 +26,14 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    if config.getoption("--fake-gpu"):
-        import os
+    import os
 
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Open MPI's mpiexec (a system one, found before the test extra's mpich) refuses to start ranks as root
+        # unless both of these are set; MPICH ignores them. The programs and mpiexec the tests start inherit them.
+        os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    if config.getoption("--fake-gpu"):
         from tests.support.fake_pycuda import install_for_process
 
         install_for_process()

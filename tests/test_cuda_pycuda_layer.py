@@ -250,6 +250,7 @@ def test_tiled_gemm_on_cuda_devices_matches_numpy(fake, monkeypatch, use_cublas)
         for device in devices:
             assert device.use_cublas == use_cublas
             device.release()
+        assert not fake._pinned       # the staging let go by release, in the context (not by some later collection)
     assert fake.stack() == []                        # every worker thread popped what it pushed
     if use_cublas:
         assert "cublasDgemm_v2" in fake.cublas_calls and "deepdsl_sgemm_tile" not in fake.launches

@@ -165,9 +165,15 @@ class CudaDevice:
             self._staging.finish_all()
 
     def release(self) -> None:
-        """Free the device chunk and the cuBLAS handle (the device is unusable afterwards)."""
-        if self._handle is not None:
-            with self.context:
+        """Free the device chunk, the cuBLAS handle, the streams, the pinned staging and our kernels' module (the
+        device is unusable afterwards). They are let go with the device's context current in this thread: pycuda
+        frees an object of a context only there or in the context's own thread, and otherwise warns and leaks it,
+        as when the cyclic garbage collector happens to run in a worker thread."""
+        with self.context:
+            if self._handle is not None:
                 self._cublas.destroy_handle(self._handle)
-            self._handle = None
+            if self._staging is not None:
+                self._staging.finish_all()
+            self._handle = self._staging = self._kernels = None
+            self._streams.clear()
         self.memory.release()
