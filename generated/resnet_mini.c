@@ -144,7 +144,104 @@ static __attribute__((noinline)) void deepdsl_channel_sum_planes(long c0, long c
     }
 }
 
+// Columns (inner 1: a bias's or a layer-norm weight's gradient, (R, D) summed to (D,)), rows s0 <= s < s1 of
+// `columns` each, from column c0: sums[c] = the column's values added in a float32 lane from zero in the order of
+// s, as `channel_sums` adds a group of DEEPDSL_CSUM_SAMPLES rows. 16 columns at a time in a 16-float vector, then
+// one by one: each lane adds the same values in the same order whatever the vectors' width.
+typedef float deepdsl_v16 __attribute__((vector_size(64)));
+
+static inline deepdsl_v16 deepdsl_load16(const float* p) {
+    deepdsl_v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static void deepdsl_column_group(const float* x, long columns, long c0, long s0, long s1, float* sums) {
+    long c = c0;
+    for (; c + 16 <= columns; c += 16) {
+        deepdsl_v16 a = {0};
+        for (long s = s0; s < s1; ++s) a += deepdsl_load16(x + s * columns + c);
+        memcpy(sums + c, &a, sizeof a);
+    }
+    for (; c < columns; ++c) {
+        float a = 0.0f;
+        for (long s = s0; s < s1; ++s) a += x[s * columns + c];
+        sums[c] = a;
+    }
+}
+
+// Two whole groups of DEEPDSL_CSUM_SAMPLES rows from row s0 (`deepdsl_column_group` of each): 64 columns at a time
+// in eight vectors held in registers, four a group (eight chains of additions side by side: one chain waits on
+// each addition's latency), the rest by `deepdsl_column_group`.
+static void deepdsl_column_pair(const float* x, long columns, long s0, float* sums) {
+    const long t0 = s0 + DEEPDSL_CSUM_SAMPLES;
+    long c = 0;
+    for (; c + 64 <= columns; c += 64) {
+        deepdsl_v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (long i = 0; i < DEEPDSL_CSUM_SAMPLES; ++i) {
+            const float* p = x + (s0 + i) * columns + c;
+            const float* q = x + (t0 + i) * columns + c;
+            a0 += deepdsl_load16(p);
+            a1 += deepdsl_load16(p + 16);
+            a2 += deepdsl_load16(p + 32);
+            a3 += deepdsl_load16(p + 48);
+            b0 += deepdsl_load16(q);
+            b1 += deepdsl_load16(q + 16);
+            b2 += deepdsl_load16(q + 32);
+            b3 += deepdsl_load16(q + 48);
+        }
+        const deepdsl_v16 a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
+        memcpy(sums + c, a, sizeof a);
+        memcpy(sums + columns + c, b, sizeof b);
+    }
+    deepdsl_column_group(x, columns, c, s0, t0, sums);
+    deepdsl_column_group(x, columns, c, t0, t0 + DEEPDSL_CSUM_SAMPLES, sums + columns);
+}
+
+// (samples, columns) summed over the samples (`deepdsl_channel_sum` with inner 1) where the groups' sums fit in
+// 4 DEEPDSL_CSUM_LANES floats (64 KB): each thread sums whole pairs of groups of DEEPDSL_CSUM_SAMPLES rows for
+// every column, then each thread adds its columns' group sums in double in the groups' order: the additions of
+// `channel_sums`, so the same bits on any number of threads, with the rows cut among the threads (a bias's 64
+// columns cut among threads had left each a chain of additions over every row). Returns 0 where the sums do not
+// fit.
+static int deepdsl_column_sums(long samples, long columns, float* out, const float* x) {
+    const long groups = (samples + DEEPDSL_CSUM_SAMPLES - 1) / DEEPDSL_CSUM_SAMPLES;
+    if (groups * columns > 4 * DEEPDSL_CSUM_LANES) return 0;
+    float partial[4 * DEEPDSL_CSUM_LANES];
+#pragma omp parallel if (samples * columns >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(groups, 2, &begin, &end);
+        for (long g = begin; g < end; g += 2) {
+            const long s0 = g * DEEPDSL_CSUM_SAMPLES;
+            if (s0 + 2 * DEEPDSL_CSUM_SAMPLES <= samples) {
+                deepdsl_column_pair(x, columns, s0, partial + g * columns);
+                continue;
+            }
+            for (long h = g; h < end; ++h) {
+                const long r0 = h * DEEPDSL_CSUM_SAMPLES;
+                const long r1 = r0 + DEEPDSL_CSUM_SAMPLES < samples ? r0 + DEEPDSL_CSUM_SAMPLES : samples;
+                deepdsl_column_group(x, columns, 0, r0, r1, partial + h * columns);
+            }
+        }
+#pragma omp barrier
+        deepdsl_share(columns, 16, &begin, &end);
+        for (long first = begin; first < end; first += 64) {
+            const long width = end - first < 64 ? end - first : 64;
+            double total[64] = {0.0};
+            for (long g = 0; g < groups; ++g) {
+                const float* sums = partial + g * columns + first;
+#pragma omp simd
+                for (long c = 0; c < width; ++c) total[c] += sums[c];
+            }
+            for (long c = 0; c < width; ++c) out[first + c] = (float)total[c];
+        }
+    }
+    return 1;
+}
+
 int deepdsl_channel_sum(long rows, long channels, long inner, float* out, const float* x) {
+    if (inner == 1 && rows > channels && deepdsl_column_sums(rows / channels, channels, out, x)) return 1;
     if (inner >= DEEPDSL_CSUM_ROW && inner <= DEEPDSL_CSUM_PLANE && rows > channels) {
 #pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
         {

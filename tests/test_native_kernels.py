@@ -502,11 +502,27 @@ def test_sums_over_each_rows_last_axis_equal_numpy(tmp_path_factory):
 
 
 @needs_cc
+def _column_sums_in_order(x: np.ndarray) -> np.ndarray:
+    """(R, D) summed to (D,) as the compiled per-channel sums add a column (`channel_sums`, `deepdsl_column_sums`):
+    each column's rows in float32 from zero over groups of DEEPDSL_CSUM_SAMPLES rows in the rows' order, the groups'
+    sums added in double in their order."""
+    group = 32                                                           # DEEPDSL_CSUM_SAMPLES
+    total = np.zeros(x.shape[1], np.float64)
+    for start in range(0, x.shape[0], group):
+        lanes = np.zeros(x.shape[1], np.float32)
+        for row in x[start:start + group]:
+            lanes += row
+        total += lanes
+    return total.astype(np.float32)
+
+
 def test_sums_over_every_axis_but_the_last_equal_numpy(tmp_path_factory):
     """A bias's and a layer norm weight's gradients sum (..., D) to (D,): the compiled per-channel sums, summed
     pairs and `sum_to` run them under the view (R, D, 1), each column a channel (`contract.sum_view`), within float32
     roundings of numpy's kernels (float64 for `sum_to`), with the same bits at 1, 2 and 3 threads, on odd shapes and
-    more columns than a thread reads at a time. So do the sums over the last axis, (..., D) to (..., 1), under the
+    more columns than a thread reads at a time; `sum_to`'s with the bits of its additions in their order
+    (`_column_sums_in_order`), whole groups in pairs or not, a short last group, columns past the vectors, and more
+    groups than the kernel keeps. So do the sums over the last axis, (..., D) to (..., 1), under the
     view (1, R, D): `sum_to` through the compiled per-channel sum, rows of 2 to 4100 floats."""
     from deepdsl.codegen.description import describe
     from deepdsl_runtime import cpu
@@ -517,7 +533,7 @@ def test_sums_over_every_axis_but_the_last_equal_numpy(tmp_path_factory):
     assert found is not None, why
     description = describe(compiled)
     rng = np.random.default_rng(29)
-    shapes = ((3, 5, 64), (7, 33, 17), (2, 600, 130), (3, 4100), (1000, 2))
+    shapes = ((3, 5, 64), (7, 33, 17), (2, 600, 130), (3, 4100), (1000, 2), (45, 83), (100, 64), (20000, 64))
     patterns = [(name, p) for name, ps in description.kernel_sums for p in ps if set(p) <= set("fsc")]
     pairs = [p for p in description.kernel_pairs if p[4] and set(p[1] + p[3]) <= set("fsc")]
     assert patterns and pairs, (description.kernel_sums, description.kernel_pairs)
@@ -578,6 +594,7 @@ def test_sums_over_every_axis_but_the_last_equal_numpy(tmp_path_factory):
                     out = np.full(target, np.nan, np.float32)
                     assert found.channel_sum(args, out)
                     np.testing.assert_allclose(out, want, **tolerance)
+                    assert out.tobytes() == _column_sums_in_order(args.reshape(-1, shape[-1])).tobytes(), shape
                     through = np.full((1,) + target, np.nan, np.float32)
                     cpu.backend(found).sum_to(args, out=through, shape=through.shape)
                     assert through.tobytes() == out.tobytes()
