@@ -781,6 +781,24 @@ def test_a_batch_of_one_kernel_equals_its_calls_one_by_one(lib, tmp_path_factory
     assert not lib.ew_many(kernel, [(np.empty_like(w), w, np.array([lr, 2.0], np.float32), v)])
 
 
+def test_a_batch_asks_for_each_call_whether_its_arrays_are_the_last_calls_objects():
+    """`_same_objects(positions)` (how `_Batch` finds the calls whose pointers it keeps), written out for up to five
+    positions and general beyond: true for the objects `held` holds, in order, false where any one of them is
+    another object, even an equal one."""
+    rng = np.random.default_rng(3)
+    for count in range(1, 8):
+        positions = tuple(sorted(rng.choice(9, count, replace=False)))
+        call = [np.float32(k) for k in range(9)]
+        held = tuple(call[p] for p in positions)
+        same = native._same_objects(positions)
+        assert same(tuple(call), held)
+        for p in positions:
+            other = list(call)
+            other[p] = np.float32(p)                   # equal, not the same object
+            assert not same(tuple(other), held), (positions, p)
+        assert same(tuple(call), held[::-1]) == (count == 1 or all(a is b for a, b in zip(held, held[::-1])))
+
+
 @needs_cc
 @pytest.mark.parametrize("rows, columns", [(2048, 256), (7, 1), (33, 15), (65, 17), (3, 1000)])
 def test_log_softmax_equals_numpy_at_any_thread_count(lib, rows, columns):

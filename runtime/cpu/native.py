@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import operator
 import os
 import platform
 import shutil
@@ -1176,42 +1177,45 @@ class _Batch:
     """A batched elementwise function's arrays for `count` calls of one operand pattern (`Native.ew_many`): each
     call's size and output pointer, its operands' pointers and scalars' values, `width` = arity apart; made once,
     filled on each call (`batch(calls)`: False where an operand is not of the pattern, the arrays then to be filled
-    again). A call whose output and array operands are the objects of the last call (`seen`: the parameters, their
+    again). A call whose output and array operands are the objects of the last call (`held`: the parameters, their
     states and, in static memory, the step's buffers are the same arrays at every step) keeps their pointers, checked
     when they came; the batch holds those arrays until its next call."""
 
-    __slots__ = ("sizes", "outs", "pointers", "values", "columns", "arrays", "scalars", "width", "seen")
+    __slots__ = ("sizes", "outs", "pointers", "values", "columns", "arrays", "scalars", "width", "pick", "same",
+                 "held")
 
     def __init__(self, pattern: str, count: int):
         self.width = len(pattern)
         self.sizes, self.outs = (_L * count)(), (_P * count)()
         self.pointers, self.values = (_P * (count * self.width))(), (_F * (count * self.width))()
         self.columns = np.frombuffer(self.values, np.float32).reshape(count, self.width)
-        self.arrays = tuple((i + 1, np.uint8 if p == "u" else np.float32) for i, p in enumerate(pattern) if p != "s")
+        self.arrays = tuple((i + 1, np.dtype(np.uint8 if p == "u" else np.float32)) for i, p in enumerate(pattern)
+                            if p != "s")
         self.scalars = tuple(i + 1 for i, p in enumerate(pattern) if p == "s")
-        self.seen: list = [None] * (count * (1 + len(self.arrays)))
+        positions = (0, *(i for i, _ in self.arrays))
+        self.pick = operator.itemgetter(*positions) if len(positions) > 1 else lambda call: (call[0],)
+        self.same = _same_objects(positions)
+        self.held: list = [(None,) * len(positions)] * count
 
     def __call__(self, calls) -> bool:
-        seen, arrays, width = self.seen, self.arrays, self.width
-        j = 0
+        held, same, arrays, width = self.held, self.same, self.arrays, self.width
         for m, call in enumerate(calls):
+            if same(call, held[m]):
+                continue
+            held[m] = (None,) * (1 + len(arrays))        # (filled again at the next call, unless all is well)
             out = call[0]
-            if out is not seen[j] or any(call[i] is not seen[j + k] for k, (i, _) in enumerate(arrays, 1)):
-                seen[j] = None                           # (filled again at the next call, unless all is well)
-                if out.dtype != _F32 or not out.flags.c_contiguous:
+            if out.dtype is not _F32 and out.dtype != _F32 or not out.flags.c_contiguous:
+                return False
+            size = out.size
+            for i, dtype in arrays:
+                a = call[i]
+                if a.__class__ is not np.ndarray or a.size != size or \
+                        a.dtype is not dtype and a.dtype != dtype or not a.flags.c_contiguous:
                     return False
-                size = out.size
-                for i, dtype in arrays:
-                    a = call[i]
-                    if a.__class__ is not np.ndarray or a.size != size or a.dtype != dtype or \
-                            not a.flags.c_contiguous:
-                        return False
-                self.sizes[m], self.outs[m] = size, _address(out)
-                for k, (i, _) in enumerate(arrays, 1):
-                    self.pointers[m * width + i - 1] = _address(call[i])
-                    seen[j + k] = call[i]
-                seen[j] = out
-            j += 1 + len(arrays)
+            self.sizes[m], self.outs[m] = size, _address(out)
+            for i, _ in arrays:
+                self.pointers[m * width + i - 1] = _address(call[i])
+            held[m] = self.pick(call)
         for i in self.scalars:      # (a float, or a size-1 array's element, rounded to float32 as `_Operands` does)
             first = calls[0][i]
             if first.__class__ is not np.ndarray and all(call[i] is first for call in calls):
@@ -1225,6 +1229,29 @@ class _Batch:
                     a = a.reshape(-1)[0]
                 self.columns[m, i - 1] = a
         return True
+
+
+def _same_objects(positions: tuple[int, ...]):
+    """A function of (call, held) telling whether the objects at `positions` of the tuple `call` are those of
+    `held`, in order; written out for up to five positions (a generator over them took ten times as long)."""
+    if len(positions) == 1:
+        (p0,) = positions
+        return lambda call, held: call[p0] is held[0]
+    if len(positions) == 2:
+        p0, p1 = positions
+        return lambda call, held: call[p0] is held[0] and call[p1] is held[1]
+    if len(positions) == 3:
+        p0, p1, p2 = positions
+        return lambda call, held: call[p0] is held[0] and call[p1] is held[1] and call[p2] is held[2]
+    if len(positions) == 4:
+        p0, p1, p2, p3 = positions
+        return lambda call, held: (call[p0] is held[0] and call[p1] is held[1] and call[p2] is held[2] and
+                                   call[p3] is held[3])
+    if len(positions) == 5:
+        p0, p1, p2, p3, p4 = positions
+        return lambda call, held: (call[p0] is held[0] and call[p1] is held[1] and call[p2] is held[2] and
+                                   call[p3] is held[3] and call[p4] is held[4])
+    return lambda call, held: all(map(operator.is_, map(call.__getitem__, positions), held))
 
 
 def _data_offset() -> int | None:
