@@ -1,7 +1,8 @@
 """The compiler pipeline: one readable tuple of named stages, with a hook after each for dumps and verification.
 
     Loop ─autodiff→ setup (empty), train, test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→
-         ─fuse_elementwise→ ─fuse_reductions→ ─cse→ ─hoist_invariants→ ─linearize→ Programs ─sink→ ─schedule→
+         ─fuse_elementwise→ ─fuse_reductions→ ─fuse_epilogue→ ─cse→ ─hoist_invariants→ ─linearize→ Programs
+         ─sink→ ─schedule→
          ─rematerialize→ ─inplace→ ─fuse_horizontal→ ─fuse_multi_output→ ─dealloc→ Programs
          ─plan_memory→ MemoryPlans
 
@@ -31,6 +32,7 @@ from deepdsl.passes.cse import cse
 from deepdsl.passes.dealloc import insert_frees
 from deepdsl.passes.fold_transposes import fold_transposes
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
+from deepdsl.passes.fuse_epilogue import fuse_epilogue
 from deepdsl.passes.fuse_horizontal import fuse_horizontal
 from deepdsl.passes.fuse_multi_output import fuse_multi_output
 from deepdsl.passes.fuse_reductions import fuse_reductions
@@ -160,6 +162,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("push_through_pool_backward", push_through_pool_backward),
     Stage("fuse_elementwise", fuse_elementwise, "fuse"),
     Stage("fuse_reductions", fuse_reductions, "fuse"),
+    Stage("fuse_epilogue", fuse_epilogue, "fuse"),        # a fully connected layer's bias into its product
     Stage("cse", cse, "cse"),
     Stage("hoist_invariants", _hoist, "code_motion", across=True),
     Stage("linearize", linearize),

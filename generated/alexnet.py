@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x227x227 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 450000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 506.55 MB of tensors planned for the training step (227.83 MB testing); static arena 524.71 MB, pool 642.73 MB, workspace 33.46 MB
-Structure hash: 7500ae93a3e925b6
+Structure hash: c27924387ee0400d
 
 Usage: python alexnet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Alexnet(rp.Model):
 
     name = "alexnet"
     source = "networks/alexnet.py"
-    structure_hash = "7500ae93a3e925b6"
+    structure_hash = "c27924387ee0400d"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 227, 227)
@@ -260,12 +260,9 @@ class Alexnet(rp.Model):
                    (ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask))
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
-        # fc8_matmul = matmul[tb](fc7_dropout, fc8_W)
-        fc8_matmul = mem.tensor(22, (128, 1000), 'float32')
-        rt.matmul(fc7_dropout, T['fc8_W'], out=fc8_matmul, tb=True)
-        # fc8 = fc8_matmul + fc8_B
-        fc8 = fc8_matmul  # in place: over fc8_matmul
-        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+        # fc8 = matmul[tb](fc7_dropout, fc8_W, fc8_B)
+        fc8 = mem.tensor(22, (128, 1000), 'float32')
+        rt.matmul(fc7_dropout, T['fc8_W'], T['fc8_B'], out=fc8, tb=True)
 
         # ---- fc8_log_loss (log_loss), forward ----
         # fc8_log_loss_log_softmax = log_softmax(fc8)
@@ -282,8 +279,8 @@ class Alexnet(rp.Model):
         # d_fc8 = d_fc8_log_loss_log_softmax + 0.0078125*exp(fc8_log_loss_log_softmax)
         d_fc8 = d_fc8_log_loss_log_softmax  # in place: over d_fc8_log_loss_log_softmax
         rt.ew(ew_exp_scale_add, d_fc8, d_fc8_log_loss_log_softmax, fc8_log_loss_log_softmax)
-        # free fc8_matmul, fc8, fc8_log_loss_log_softmax
-        del fc8_matmul, fc8, fc8_log_loss_log_softmax
+        # free fc8, fc8_log_loss_log_softmax
+        del fc8, fc8_log_loss_log_softmax
         mem.free(22)
 
         # ---- fc8_log_loss (log_loss), forward ----
@@ -806,15 +803,12 @@ class Alexnet(rp.Model):
         rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
-        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
-        fc8_matmul = mem.tensor(12, (128, 1000), 'float32')
-        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # fc8 = matmul[tb](fc7_relu, fc8_W, fc8_B)
+        fc8 = mem.tensor(12, (128, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], T['fc8_B'], out=fc8, tb=True)
         # free fc7_matmul, fc7_relu
         del fc7_matmul, fc7_relu
         mem.free(11)
-        # fc8 = fc8_matmul + fc8_B
-        fc8 = fc8_matmul  # in place: over fc8_matmul
-        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
 
         # ---- fc8_precision (precision), forward ----
         # fc8_precision = precision(fc8, y)
@@ -833,8 +827,8 @@ class Alexnet(rp.Model):
         # fc8_log_loss_pick = pick(fc8_log_loss_log_softmax, y)
         fc8_log_loss_pick = mem.tensor(15, (128,), 'float32')
         rt.pick(fc8_log_loss_log_softmax, y, out=fc8_log_loss_pick)
-        # free y, fc8_matmul, fc8, fc8_log_loss_log_softmax
-        del y, fc8_matmul, fc8, fc8_log_loss_log_softmax
+        # free y, fc8, fc8_log_loss_log_softmax
+        del y, fc8, fc8_log_loss_log_softmax
         mem.free(1, 12)
         # fc8_log_loss_sum_to = sum_to[scalar](fc8_log_loss_pick)
         fc8_log_loss_sum_to = mem.tensor(16, (), 'float32')
@@ -986,15 +980,12 @@ class Alexnet(rp.Model):
         rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
-        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
-        fc8_matmul = mem.tensor(11, (128, 1000), 'float32')
-        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # fc8 = matmul[tb](fc7_relu, fc8_W, fc8_B)
+        fc8 = mem.tensor(11, (128, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], T['fc8_B'], out=fc8, tb=True)
         # free fc7_matmul, fc7_relu
         del fc7_matmul, fc7_relu
         mem.free(10)
-        # fc8 = fc8_matmul + fc8_B
-        fc8 = fc8_matmul  # in place: over fc8_matmul
-        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
 
         # ---- fc8_softmax (softmax), forward ----
         # fc8_softmax = softmax(fc8)
@@ -1037,7 +1028,7 @@ class Alexnet(rp.Model):
                 (127369216, 2097152),  # 19: fc6_dropout 128x4096 float32
                 (2097152, 2097152),  # 20: fc7_matmul 128x4096 float32
                 (16384000, 2097152),  # 21: fc7_dropout 128x4096 float32
-                (4194304, 512000),  # 22: fc8_matmul 128x1000 float32
+                (4194304, 512000),  # 22: fc8 128x1000 float32
                 (4706304, 512),  # 23: fc8_log_loss_pick 128 float32
                 (524711424, 4),  # 24: fc8_log_loss_sum_to scalar float32
                 (4194304, 4000),  # 25: d_fc8_B 1000 float32
@@ -1082,7 +1073,7 @@ class Alexnet(rp.Model):
                 (22151168, 4718592),  # 9: conv5_max_pool 128x256x6x6 float32
                 (0, 2097152),  # 10: fc6_matmul 128x4096 float32
                 (2097152, 2097152),  # 11: fc7_matmul 128x4096 float32
-                (0, 512000),  # 12: fc8_matmul 128x1000 float32
+                (0, 512000),  # 12: fc8 128x1000 float32
                 (513024, 4),  # 13: fc8_precision scalar float32
                 (512000, 512),  # 14: label_ranks 128 float32
                 (512512, 512),  # 15: fc8_log_loss_pick 128 float32
@@ -1102,7 +1093,7 @@ class Alexnet(rp.Model):
                 (22151168, 4718592),  # 8: conv5_max_pool 128x256x6x6 float32
                 (0, 2097152),  # 9: fc6_matmul 128x4096 float32
                 (2097152, 2097152),  # 10: fc7_matmul 128x4096 float32
-                (0, 512000),  # 11: fc8_matmul 128x1000 float32
+                (0, 512000),  # 11: fc8 128x1000 float32
             )),
     }
 
@@ -1125,11 +1116,6 @@ def ew_mul(out, v0, v1):
     """out = 2.0*v0*v1"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, 2.0, out=out)
-
-
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
 
 
 def ew_exp_scale_add(out, v0, v1):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
 Memory: peak 24.13 MB of tensors planned for the training step (3.15 MB testing); static arena 24.13 MB, pool 24.14 MB, workspace 6.36 MB
-Structure hash: f7c8b0f9f13784c6
+Structure hash: 1a94398b6ef8c0b7
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "f7c8b0f9f13784c6"
+    structure_hash = "1a94398b6ef8c0b7"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -234,12 +234,9 @@ class CharLm(rp.Model):
         block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(2048, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(6, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+        # block1_attn_v_add = matmul[tb](block1_attn_q_reshape, block1_attn_v_W, block1_attn_v_B)
+        block1_attn_v_add = mem.tensor(6, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], T['block1_attn_v_B'], out=block1_attn_v_add, tb=True)
 
         # ---- block1_attn (causal scaled dot-product attention), forward ----
         # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
@@ -247,8 +244,8 @@ class CharLm(rp.Model):
         # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
         block1_attn_transpose = mem.tensor(7, (32, 4, 64, 16), 'float32')
         rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape
+        # free block1_attn_v_add, block1_attn_reshape
+        del block1_attn_v_add, block1_attn_reshape
         mem.free(6)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
@@ -267,12 +264,9 @@ class CharLm(rp.Model):
         mem.free(8)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(10, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
+        # block1_attn_q_add = matmul[tb](block1_attn_q_reshape, block1_attn_q_W, block1_attn_q_B)
+        block1_attn_q_add = mem.tensor(10, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], T['block1_attn_q_B'], out=block1_attn_q_add, tb=True)
 
         # ---- block1_attn (causal scaled dot-product attention), forward ----
         # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
@@ -280,8 +274,8 @@ class CharLm(rp.Model):
         # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
         block1_attn_transpose_3 = mem.tensor(11, (32, 4, 64, 16), 'float32')
         rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        # free block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_q_add, block1_attn_reshape_3
         mem.free(10)
         # block1_attn = attention[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn_mask)
         block1_attn = mem.tensor(12, (32, 4, 64, 16), 'float32')
@@ -293,12 +287,9 @@ class CharLm(rp.Model):
         rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
         # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
         block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
-        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(14, (2048, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
-        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
+        # block1_attn_out_add = matmul[tb](block1_attn_out_reshape, block1_attn_out_W, block1_attn_out_B)
+        block1_attn_out_add = mem.tensor(14, (2048, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], T['block1_attn_out_B'], out=block1_attn_out_add, tb=True)
         # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
 
@@ -313,12 +304,9 @@ class CharLm(rp.Model):
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(16, (2048, 256), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
+        # block1_fc1_add = matmul[tb](block1_fc1_reshape, block1_fc1_W, block1_fc1_B)
+        block1_fc1_add = mem.tensor(16, (2048, 256), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], T['block1_fc1_B'], out=block1_fc1_add, tb=True)
         # block1_fc1 = reshape[32x64x256](block1_fc1_add)
         block1_fc1 = rt.reshape(block1_fc1_add, shape=(32, 64, 256))
 
@@ -330,12 +318,9 @@ class CharLm(rp.Model):
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(18, (2048, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
+        # block1_fc2_add = matmul[tb](block1_fc2_reshape, block1_fc2_W, block1_fc2_B)
+        block1_fc2_add = mem.tensor(18, (2048, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], T['block1_fc2_B'], out=block1_fc2_add, tb=True)
         # block1_fc2 = reshape[32x64x64](block1_fc2_add)
         block1_fc2 = rt.reshape(block1_fc2_add, shape=(32, 64, 64))
 
@@ -352,12 +337,9 @@ class CharLm(rp.Model):
         block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(2048, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(20, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+        # block2_attn_v_add = matmul[tb](block2_attn_q_reshape, block2_attn_v_W, block2_attn_v_B)
+        block2_attn_v_add = mem.tensor(20, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], T['block2_attn_v_B'], out=block2_attn_v_add, tb=True)
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
         # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
@@ -365,8 +347,8 @@ class CharLm(rp.Model):
         # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
         block2_attn_transpose = mem.tensor(21, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape
+        # free block2_attn_v_add, block2_attn_reshape
+        del block2_attn_v_add, block2_attn_reshape
         mem.free(20)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
@@ -385,12 +367,9 @@ class CharLm(rp.Model):
         mem.free(22)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(24, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
+        # block2_attn_q_add = matmul[tb](block2_attn_q_reshape, block2_attn_q_W, block2_attn_q_B)
+        block2_attn_q_add = mem.tensor(24, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], T['block2_attn_q_B'], out=block2_attn_q_add, tb=True)
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
         # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
@@ -398,8 +377,8 @@ class CharLm(rp.Model):
         # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
         block2_attn_transpose_3 = mem.tensor(25, (32, 4, 64, 16), 'float32')
         rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape_3
+        # free block2_attn_q_add, block2_attn_reshape_3
+        del block2_attn_q_add, block2_attn_reshape_3
         mem.free(24)
         # block2_attn = attention[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn_mask)
         block2_attn = mem.tensor(26, (32, 4, 64, 16), 'float32')
@@ -411,12 +390,9 @@ class CharLm(rp.Model):
         rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
         # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
         block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
-        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(28, (2048, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
-        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
+        # block2_attn_out_add = matmul[tb](block2_attn_out_reshape, block2_attn_out_W, block2_attn_out_B)
+        block2_attn_out_add = mem.tensor(28, (2048, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], T['block2_attn_out_B'], out=block2_attn_out_add, tb=True)
         # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
 
@@ -431,12 +407,9 @@ class CharLm(rp.Model):
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(30, (2048, 256), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
+        # block2_fc1_add = matmul[tb](block2_fc1_reshape, block2_fc1_W, block2_fc1_B)
+        block2_fc1_add = mem.tensor(30, (2048, 256), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], T['block2_fc1_B'], out=block2_fc1_add, tb=True)
         # block2_fc1 = reshape[32x64x256](block2_fc1_add)
         block2_fc1 = rt.reshape(block2_fc1_add, shape=(32, 64, 256))
 
@@ -448,12 +421,9 @@ class CharLm(rp.Model):
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(32, (2048, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
+        # block2_fc2_add = matmul[tb](block2_fc2_reshape, block2_fc2_W, block2_fc2_B)
+        block2_fc2_add = mem.tensor(32, (2048, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], T['block2_fc2_B'], out=block2_fc2_add, tb=True)
         # block2_fc2 = reshape[32x64x64](block2_fc2_add)
         block2_fc2 = rt.reshape(block2_fc2_add, shape=(32, 64, 64))
 
@@ -468,12 +438,9 @@ class CharLm(rp.Model):
         # ---- next (fully connected, 256 outputs), forward ----
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
-        # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(34, (2048, 256), 'float32')
-        rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
-        # next_add = next_matmul + next_B
-        next_add = next_matmul  # in place: over next_matmul
-        rt.ew(ew_add, next_add, next_matmul, T['next_B'])
+        # next_add = matmul[tb](next_reshape, next_W, next_B)
+        next_add = mem.tensor(34, (2048, 256), 'float32')
+        rt.matmul(next_reshape, T['next_W'], T['next_B'], out=next_add, tb=True)
 
         # ---- next_cross_entropy (cross_entropy), forward ----
         # next_cross_entropy_log_softmax = log_softmax(next_add)
@@ -504,8 +471,8 @@ class CharLm(rp.Model):
         # d_next_add = d_next_cross_entropy_log_softmax + 0.00048828125*exp(next_cross_entropy_log_softmax)
         d_next_add = d_next_cross_entropy_log_softmax  # in place: over d_next_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_next_add, d_next_cross_entropy_log_softmax, next_cross_entropy_log_softmax)
-        # free next_matmul, next_add, next_cross_entropy_log_softmax
-        del next_matmul, next_add, next_cross_entropy_log_softmax
+        # free next_add, next_cross_entropy_log_softmax
+        del next_add, next_cross_entropy_log_softmax
         mem.free(34)
 
         # ---- next (fully connected, 256 outputs), backward ----
@@ -534,8 +501,8 @@ class CharLm(rp.Model):
         # d_ln_add = layer_norm_grad[axes=1,eps=1e-05](ln_add, d_ln, ln_W)
         d_ln_add = d_ln  # in place: over d_ln
         rt.layer_norm_grad(ln_add, d_ln, T['ln_W'], out=d_ln_add, axes=1, eps=1e-05)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2, ln_add
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2, ln_add
+        # free block2_fc2_add, block2_fc2, ln_add
+        del block2_fc2_add, block2_fc2, ln_add
         mem.free(32)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
@@ -572,8 +539,8 @@ class CharLm(rp.Model):
         # d_block2_fc1 = d_block2_fc1_gelu*(sqrt(2)*block2_fc1*exp(-block2_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block2_fc1/2)/2 + 1/2)
         d_block2_fc1 = d_block2_fc1_gelu  # in place: over d_block2_fc1_gelu
         rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1
+        # free block2_fc1_add, block2_fc1
+        del block2_fc1_add, block2_fc1
         mem.free(30)
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
@@ -604,8 +571,8 @@ class CharLm(rp.Model):
         # d_block2_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2, block2_ln2_W)
         d_block2_ln2_add = d_block2_ln2  # in place: over d_block2_ln2
         rt.layer_norm_grad(block2_ln2_add, d_block2_ln2, T['block2_ln2_W'], out=d_block2_ln2_add, axes=1, eps=1e-05)
-        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
-        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
+        # free block2_attn_out_add, block2_attn_out, block2_ln2_add
+        del block2_attn_out_add, block2_attn_out, block2_ln2_add
         mem.free(28)
         # d_block2_ln2_add_2 = d_ln_add + d_block2_ln2_add
         d_block2_ln2_add_2 = d_ln_add  # in place: over d_ln_add
@@ -757,8 +724,8 @@ class CharLm(rp.Model):
         # d_block2_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1, block2_ln1_W)
         d_block2_ln1_add = d_block2_ln1  # in place: over d_block2_ln1
         rt.layer_norm_grad(block2_ln1_add, d_block2_ln1, T['block2_ln1_W'], out=d_block2_ln1_add, axes=1, eps=1e-05)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
+        # free block1_fc2_add, block1_fc2, block2_ln1_add
+        del block1_fc2_add, block1_fc2, block2_ln1_add
         mem.free(18)
         # d_block2_ln1_add_2 = d_block2_ln2_add_2 + d_block2_ln1_add
         d_block2_ln1_add_2 = d_block2_ln2_add_2  # in place: over d_block2_ln2_add_2
@@ -801,8 +768,8 @@ class CharLm(rp.Model):
         # d_block1_fc1 = d_block1_fc1_gelu*(sqrt(2)*block1_fc1*exp(-block1_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block1_fc1/2)/2 + 1/2)
         d_block1_fc1 = d_block1_fc1_gelu  # in place: over d_block1_fc1_gelu
         rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1
+        # free block1_fc1_add, block1_fc1
+        del block1_fc1_add, block1_fc1
         mem.free(16)
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
@@ -833,8 +800,8 @@ class CharLm(rp.Model):
         # d_block1_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2, block1_ln2_W)
         d_block1_ln2_add = d_block1_ln2  # in place: over d_block1_ln2
         rt.layer_norm_grad(block1_ln2_add_2, d_block1_ln2, T['block1_ln2_W'], out=d_block1_ln2_add, axes=1, eps=1e-05)
-        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
-        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
+        # free block1_attn_out_add, block1_attn_out, block1_ln2_add_2
+        del block1_attn_out_add, block1_attn_out, block1_ln2_add_2
         mem.free(14)
         # d_block1_ln2_add_2 = d_block2_ln1_add_2 + d_block1_ln2_add
         d_block1_ln2_add_2 = d_block2_ln1_add_2  # in place: over d_block2_ln1_add_2
@@ -1391,12 +1358,9 @@ class CharLm(rp.Model):
         block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(2048, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(4, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+        # block1_attn_v_add = matmul[tb](block1_attn_q_reshape, block1_attn_v_W, block1_attn_v_B)
+        block1_attn_v_add = mem.tensor(4, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], T['block1_attn_v_B'], out=block1_attn_v_add, tb=True)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
@@ -1404,15 +1368,12 @@ class CharLm(rp.Model):
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(6, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # block1_attn_q_add = matmul[tb](block1_attn_q_reshape, block1_attn_q_W, block1_attn_q_B)
+        block1_attn_q_add = mem.tensor(6, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], T['block1_attn_q_B'], out=block1_attn_q_add, tb=True)
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
         mem.free(3)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
         # ---- block1_attn (causal scaled dot-product attention), forward ----
         # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
@@ -1424,22 +1385,19 @@ class CharLm(rp.Model):
         # block1_attn = attention[causal=True,heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
         block1_attn = mem.tensor(7, (32, 64, 4, 16), 'float32')
         rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        # free block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_add, block1_attn_reshape_3
+        del block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_add, block1_attn_reshape_3
         mem.free(4, 5, 6)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_reshape = reshape[2048x64](block1_attn)
         block1_attn_out_reshape = rt.reshape(block1_attn, shape=(2048, 64))
-        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(8, (2048, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # block1_attn_out_add = matmul[tb](block1_attn_out_reshape, block1_attn_out_W, block1_attn_out_B)
+        block1_attn_out_add = mem.tensor(8, (2048, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], T['block1_attn_out_B'], out=block1_attn_out_add, tb=True)
         # free block1_attn, block1_attn_out_reshape
         del block1_attn, block1_attn_out_reshape
         mem.free(7)
-        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
 
@@ -1447,8 +1405,8 @@ class CharLm(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        # free block1_attn_out_add, block1_attn_out
+        del block1_attn_out_add, block1_attn_out
         mem.free(8)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
         block1_ln2 = mem.tensor(9, (32, 64, 64), 'float32')
@@ -1457,15 +1415,12 @@ class CharLm(rp.Model):
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(10, (2048, 256), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # block1_fc1_add = matmul[tb](block1_fc1_reshape, block1_fc1_W, block1_fc1_B)
+        block1_fc1_add = mem.tensor(10, (2048, 256), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], T['block1_fc1_B'], out=block1_fc1_add, tb=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
         mem.free(9)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
         # block1_fc1 = reshape[32x64x256](block1_fc1_add)
         block1_fc1 = rt.reshape(block1_fc1_add, shape=(32, 64, 256))
 
@@ -1477,15 +1432,12 @@ class CharLm(rp.Model):
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(11, (2048, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        # block1_fc2_add = matmul[tb](block1_fc2_reshape, block1_fc2_W, block1_fc2_B)
+        block1_fc2_add = mem.tensor(11, (2048, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], T['block1_fc2_B'], out=block1_fc2_add, tb=True)
+        # free block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         mem.free(10)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
         # block1_fc2 = reshape[32x64x64](block1_fc2_add)
         block1_fc2 = rt.reshape(block1_fc2_add, shape=(32, 64, 64))
 
@@ -1493,8 +1445,8 @@ class CharLm(rp.Model):
         # block2_ln1_add = block1_ln2_add_2 + block1_fc2
         block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2
+        # free block1_fc2_add, block1_fc2
+        del block1_fc2_add, block1_fc2
         mem.free(11)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
         block2_ln1 = mem.tensor(12, (32, 64, 64), 'float32')
@@ -1505,12 +1457,9 @@ class CharLm(rp.Model):
         block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(2048, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(13, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+        # block2_attn_v_add = matmul[tb](block2_attn_q_reshape, block2_attn_v_W, block2_attn_v_B)
+        block2_attn_v_add = mem.tensor(13, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], T['block2_attn_v_B'], out=block2_attn_v_add, tb=True)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
@@ -1518,42 +1467,36 @@ class CharLm(rp.Model):
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(15, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # block2_attn_q_add = matmul[tb](block2_attn_q_reshape, block2_attn_q_W, block2_attn_q_B)
+        block2_attn_q_add = mem.tensor(15, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], T['block2_attn_q_B'], out=block2_attn_q_add, tb=True)
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
         mem.free(12)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
-        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_q_add)
-        block2_attn_reshape = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
-        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_v_add)
-        block2_attn_reshape_2 = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
-        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_k_matmul)
-        block2_attn_reshape_3 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block2_attn = attention[causal=True,heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2)
+        # block2_attn_reshape = reshape[32x64x4x16](block2_attn_k_matmul)
+        block2_attn_reshape = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_q_add)
+        block2_attn_reshape_2 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
+        # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_v_add)
+        block2_attn_reshape_3 = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
+        # block2_attn = attention[causal=True,heads=True,scale=0.25](block2_attn_reshape_2, block2_attn_reshape, block2_attn_reshape_3)
         block2_attn = mem.tensor(16, (32, 64, 4, 16), 'float32')
-        rt.attention(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, out=block2_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        rt.attention(block2_attn_reshape_2, block2_attn_reshape, block2_attn_reshape_3, out=block2_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block2_attn_v_add, block2_attn_reshape_3, block2_attn_k_matmul, block2_attn_reshape, block2_attn_q_add, block2_attn_reshape_2
+        del block2_attn_v_add, block2_attn_reshape_3, block2_attn_k_matmul, block2_attn_reshape, block2_attn_q_add, block2_attn_reshape_2
         mem.free(13, 14, 15)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_reshape = reshape[2048x64](block2_attn)
         block2_attn_out_reshape = rt.reshape(block2_attn, shape=(2048, 64))
-        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(17, (2048, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # block2_attn_out_add = matmul[tb](block2_attn_out_reshape, block2_attn_out_W, block2_attn_out_B)
+        block2_attn_out_add = mem.tensor(17, (2048, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], T['block2_attn_out_B'], out=block2_attn_out_add, tb=True)
         # free block2_attn, block2_attn_out_reshape
         del block2_attn, block2_attn_out_reshape
         mem.free(16)
-        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
 
@@ -1561,8 +1504,8 @@ class CharLm(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        # free block2_attn_out_add, block2_attn_out
+        del block2_attn_out_add, block2_attn_out
         mem.free(17)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
         block2_ln2 = mem.tensor(18, (32, 64, 64), 'float32')
@@ -1571,15 +1514,12 @@ class CharLm(rp.Model):
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(19, (2048, 256), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # block2_fc1_add = matmul[tb](block2_fc1_reshape, block2_fc1_W, block2_fc1_B)
+        block2_fc1_add = mem.tensor(19, (2048, 256), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], T['block2_fc1_B'], out=block2_fc1_add, tb=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
         mem.free(18)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
         # block2_fc1 = reshape[32x64x256](block2_fc1_add)
         block2_fc1 = rt.reshape(block2_fc1_add, shape=(32, 64, 256))
 
@@ -1591,15 +1531,12 @@ class CharLm(rp.Model):
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(20, (2048, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        # block2_fc2_add = matmul[tb](block2_fc2_reshape, block2_fc2_W, block2_fc2_B)
+        block2_fc2_add = mem.tensor(20, (2048, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], T['block2_fc2_B'], out=block2_fc2_add, tb=True)
+        # free block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         mem.free(19)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
         # block2_fc2 = reshape[32x64x64](block2_fc2_add)
         block2_fc2 = rt.reshape(block2_fc2_add, shape=(32, 64, 64))
 
@@ -1607,8 +1544,8 @@ class CharLm(rp.Model):
         # ln_add = block2_ln2_add + block2_fc2
         ln_add = block2_ln2_add  # in place: over block2_ln2_add
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2
+        # free block2_fc2_add, block2_fc2
+        del block2_fc2_add, block2_fc2
         mem.free(20)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
         ln = mem.tensor(21, (32, 64, 64), 'float32')
@@ -1620,15 +1557,12 @@ class CharLm(rp.Model):
         # ---- next (fully connected, 256 outputs), forward ----
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
-        # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(22, (2048, 256), 'float32')
-        rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
+        # next_add = matmul[tb](next_reshape, next_W, next_B)
+        next_add = mem.tensor(22, (2048, 256), 'float32')
+        rt.matmul(next_reshape, T['next_W'], T['next_B'], out=next_add, tb=True)
         # free ln, next_reshape
         del ln, next_reshape
         mem.free(21)
-        # next_add = next_matmul + next_B
-        next_add = next_matmul  # in place: over next_matmul
-        rt.ew(ew_add, next_add, next_matmul, T['next_B'])
 
         # ---- next_cross_entropy (cross_entropy), forward ----
         # next_cross_entropy_reshape = reshape[2048](y)
@@ -1651,8 +1585,8 @@ class CharLm(rp.Model):
         # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
         next_cross_entropy_pick = mem.tensor(25, (2048,), 'float32')
         rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
-        # free y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
-        del y, next_cross_entropy_reshape, next_matmul, next_add, next_cross_entropy_log_softmax
+        # free y, next_cross_entropy_reshape, next_add, next_cross_entropy_log_softmax
+        del y, next_cross_entropy_reshape, next_add, next_cross_entropy_log_softmax
         mem.free(1, 22)
         # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
         next_cross_entropy_sum_to = mem.tensor(26, (), 'float32')
@@ -1701,12 +1635,9 @@ class CharLm(rp.Model):
         block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(2048, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(3, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+        # block1_attn_v_add = matmul[tb](block1_attn_q_reshape, block1_attn_v_W, block1_attn_v_B)
+        block1_attn_v_add = mem.tensor(3, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], T['block1_attn_v_B'], out=block1_attn_v_add, tb=True)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
@@ -1714,42 +1645,36 @@ class CharLm(rp.Model):
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(5, (2048, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # block1_attn_q_add = matmul[tb](block1_attn_q_reshape, block1_attn_q_W, block1_attn_q_B)
+        block1_attn_q_add = mem.tensor(5, (2048, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], T['block1_attn_q_B'], out=block1_attn_q_add, tb=True)
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
         mem.free(2)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
         # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
-        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
-        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
-        # block1_attn = attention[causal=True,heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
+        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_k_matmul)
+        block1_attn_reshape = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
+        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_q_add)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
+        # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn = attention[causal=True,heads=True,scale=0.25](block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3)
         block1_attn = mem.tensor(6, (32, 64, 4, 16), 'float32')
-        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        rt.attention(block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3, out=block1_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
+        # free block1_attn_v_add, block1_attn_reshape_3, block1_attn_k_matmul, block1_attn_reshape, block1_attn_q_add, block1_attn_reshape_2
+        del block1_attn_v_add, block1_attn_reshape_3, block1_attn_k_matmul, block1_attn_reshape, block1_attn_q_add, block1_attn_reshape_2
         mem.free(3, 4, 5)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_reshape = reshape[2048x64](block1_attn)
         block1_attn_out_reshape = rt.reshape(block1_attn, shape=(2048, 64))
-        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(7, (2048, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # block1_attn_out_add = matmul[tb](block1_attn_out_reshape, block1_attn_out_W, block1_attn_out_B)
+        block1_attn_out_add = mem.tensor(7, (2048, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], T['block1_attn_out_B'], out=block1_attn_out_add, tb=True)
         # free block1_attn, block1_attn_out_reshape
         del block1_attn, block1_attn_out_reshape
         mem.free(6)
-        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
 
@@ -1757,8 +1682,8 @@ class CharLm(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        # free block1_attn_out_add, block1_attn_out
+        del block1_attn_out_add, block1_attn_out
         mem.free(7)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
         block1_ln2 = mem.tensor(8, (32, 64, 64), 'float32')
@@ -1767,15 +1692,12 @@ class CharLm(rp.Model):
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(9, (2048, 256), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # block1_fc1_add = matmul[tb](block1_fc1_reshape, block1_fc1_W, block1_fc1_B)
+        block1_fc1_add = mem.tensor(9, (2048, 256), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], T['block1_fc1_B'], out=block1_fc1_add, tb=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
         mem.free(8)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
         # block1_fc1 = reshape[32x64x256](block1_fc1_add)
         block1_fc1 = rt.reshape(block1_fc1_add, shape=(32, 64, 256))
 
@@ -1787,15 +1709,12 @@ class CharLm(rp.Model):
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(10, (2048, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        # block1_fc2_add = matmul[tb](block1_fc2_reshape, block1_fc2_W, block1_fc2_B)
+        block1_fc2_add = mem.tensor(10, (2048, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], T['block1_fc2_B'], out=block1_fc2_add, tb=True)
+        # free block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         mem.free(9)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
         # block1_fc2 = reshape[32x64x64](block1_fc2_add)
         block1_fc2 = rt.reshape(block1_fc2_add, shape=(32, 64, 64))
 
@@ -1803,8 +1722,8 @@ class CharLm(rp.Model):
         # block2_ln1_add = block1_ln2_add_2 + block1_fc2
         block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2
+        # free block1_fc2_add, block1_fc2
+        del block1_fc2_add, block1_fc2
         mem.free(10)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
         block2_ln1 = mem.tensor(11, (32, 64, 64), 'float32')
@@ -1815,12 +1734,9 @@ class CharLm(rp.Model):
         block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(2048, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(12, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+        # block2_attn_v_add = matmul[tb](block2_attn_q_reshape, block2_attn_v_W, block2_attn_v_B)
+        block2_attn_v_add = mem.tensor(12, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], T['block2_attn_v_B'], out=block2_attn_v_add, tb=True)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
@@ -1828,15 +1744,12 @@ class CharLm(rp.Model):
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(14, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # block2_attn_q_add = matmul[tb](block2_attn_q_reshape, block2_attn_q_W, block2_attn_q_B)
+        block2_attn_q_add = mem.tensor(14, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], T['block2_attn_q_B'], out=block2_attn_q_add, tb=True)
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
         mem.free(11)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
         # block2_attn_reshape = reshape[32x64x4x16](block2_attn_q_add)
@@ -1848,22 +1761,19 @@ class CharLm(rp.Model):
         # block2_attn = attention[causal=True,heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2)
         block2_attn = mem.tensor(15, (32, 64, 4, 16), 'float32')
         rt.attention(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, out=block2_attn, causal=True, heads=True, scale=0.25, workspace=mem.workspace(2097152))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        # free block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_add, block2_attn_reshape
+        del block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_add, block2_attn_reshape
         mem.free(12, 13, 14)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_reshape = reshape[2048x64](block2_attn)
         block2_attn_out_reshape = rt.reshape(block2_attn, shape=(2048, 64))
-        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(16, (2048, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # block2_attn_out_add = matmul[tb](block2_attn_out_reshape, block2_attn_out_W, block2_attn_out_B)
+        block2_attn_out_add = mem.tensor(16, (2048, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], T['block2_attn_out_B'], out=block2_attn_out_add, tb=True)
         # free block2_attn, block2_attn_out_reshape
         del block2_attn, block2_attn_out_reshape
         mem.free(15)
-        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
 
@@ -1871,8 +1781,8 @@ class CharLm(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        # free block2_attn_out_add, block2_attn_out
+        del block2_attn_out_add, block2_attn_out
         mem.free(16)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
         block2_ln2 = mem.tensor(17, (32, 64, 64), 'float32')
@@ -1881,15 +1791,12 @@ class CharLm(rp.Model):
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(18, (2048, 256), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # block2_fc1_add = matmul[tb](block2_fc1_reshape, block2_fc1_W, block2_fc1_B)
+        block2_fc1_add = mem.tensor(18, (2048, 256), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], T['block2_fc1_B'], out=block2_fc1_add, tb=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
         mem.free(17)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
         # block2_fc1 = reshape[32x64x256](block2_fc1_add)
         block2_fc1 = rt.reshape(block2_fc1_add, shape=(32, 64, 256))
 
@@ -1901,15 +1808,12 @@ class CharLm(rp.Model):
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(19, (2048, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        # block2_fc2_add = matmul[tb](block2_fc2_reshape, block2_fc2_W, block2_fc2_B)
+        block2_fc2_add = mem.tensor(19, (2048, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], T['block2_fc2_B'], out=block2_fc2_add, tb=True)
+        # free block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         mem.free(18)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
         # block2_fc2 = reshape[32x64x64](block2_fc2_add)
         block2_fc2 = rt.reshape(block2_fc2_add, shape=(32, 64, 64))
 
@@ -1917,8 +1821,8 @@ class CharLm(rp.Model):
         # ln_add = block2_ln2_add + block2_fc2
         ln_add = block2_ln2_add  # in place: over block2_ln2_add
         rt.ew(ew_add, ln_add, block2_ln2_add, block2_fc2)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2
+        # free block2_fc2_add, block2_fc2
+        del block2_fc2_add, block2_fc2
         mem.free(19)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
         ln = mem.tensor(20, (32, 64, 64), 'float32')
@@ -1930,15 +1834,12 @@ class CharLm(rp.Model):
         # ---- next (fully connected, 256 outputs), forward ----
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
-        # next_matmul = matmul[tb](next_reshape, next_W)
-        next_matmul = mem.tensor(21, (2048, 256), 'float32')
-        rt.matmul(next_reshape, T['next_W'], out=next_matmul, tb=True)
+        # next_add = matmul[tb](next_reshape, next_W, next_B)
+        next_add = mem.tensor(21, (2048, 256), 'float32')
+        rt.matmul(next_reshape, T['next_W'], T['next_B'], out=next_add, tb=True)
         # free ln, next_reshape
         del ln, next_reshape
         mem.free(20)
-        # next_add = next_matmul + next_B
-        next_add = next_matmul  # in place: over next_matmul
-        rt.ew(ew_add, next_add, next_matmul, T['next_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(next_add)
@@ -1965,35 +1866,35 @@ class CharLm(rp.Model):
                 (13107200, 524288),  # 3: block1_attn_mask 32x4x64x64 uint8
                 (13631488, 524288),  # 4: embed_gather_rows 2048x64 float32
                 (14155776, 524288),  # 5: block1_ln1 32x64x64 float32
-                (0, 524288),  # 6: block1_attn_v_matmul 2048x64 float32
+                (0, 524288),  # 6: block1_attn_v_add 2048x64 float32
                 (14680064, 524288),  # 7: block1_attn_transpose 32x4x64x16 float32
                 (0, 524288),  # 8: block1_attn_k_matmul 2048x64 float32
                 (15204352, 524288),  # 9: block1_attn_transpose_2 32x4x64x16 float32
-                (0, 524288),  # 10: block1_attn_q_matmul 2048x64 float32
+                (0, 524288),  # 10: block1_attn_q_add 2048x64 float32
                 (15728640, 524288),  # 11: block1_attn_transpose_3 32x4x64x16 float32
                 (16252928, 524288),  # 12: block1_attn 32x4x64x16 float32
                 (16777216, 524288),  # 13: block1_attn_out_transpose 32x64x4x16 float32
-                (17301504, 524288),  # 14: block1_attn_out_matmul 2048x64 float32
+                (17301504, 524288),  # 14: block1_attn_out_add 2048x64 float32
                 (17825792, 524288),  # 15: block1_ln2 32x64x64 float32
-                (0, 2097152),  # 16: block1_fc1_matmul 2048x256 float32
+                (0, 2097152),  # 16: block1_fc1_add 2048x256 float32
                 (2097152, 2097152),  # 17: block1_fc1_gelu 32x64x256 float32
-                (18350080, 524288),  # 18: block1_fc2_matmul 2048x64 float32
+                (18350080, 524288),  # 18: block1_fc2_add 2048x64 float32
                 (18874368, 524288),  # 19: block2_ln1 32x64x64 float32
-                (4194304, 524288),  # 20: block2_attn_v_matmul 2048x64 float32
+                (4194304, 524288),  # 20: block2_attn_v_add 2048x64 float32
                 (19398656, 524288),  # 21: block2_attn_transpose 32x4x64x16 float32
                 (4194304, 524288),  # 22: block2_attn_k_matmul 2048x64 float32
                 (19922944, 524288),  # 23: block2_attn_transpose_2 32x4x64x16 float32
-                (4194304, 524288),  # 24: block2_attn_q_matmul 2048x64 float32
+                (4194304, 524288),  # 24: block2_attn_q_add 2048x64 float32
                 (20447232, 524288),  # 25: block2_attn_transpose_3 32x4x64x16 float32
                 (20971520, 524288),  # 26: block2_attn 32x4x64x16 float32
                 (21495808, 524288),  # 27: block2_attn_out_transpose 32x64x4x16 float32
-                (22020096, 524288),  # 28: block2_attn_out_matmul 2048x64 float32
+                (22020096, 524288),  # 28: block2_attn_out_add 2048x64 float32
                 (22544384, 524288),  # 29: block2_ln2 32x64x64 float32
-                (4194304, 2097152),  # 30: block2_fc1_matmul 2048x256 float32
+                (4194304, 2097152),  # 30: block2_fc1_add 2048x256 float32
                 (6291456, 2097152),  # 31: block2_fc1_gelu 32x64x256 float32
-                (23068672, 524288),  # 32: block2_fc2_matmul 2048x64 float32
+                (23068672, 524288),  # 32: block2_fc2_add 2048x64 float32
                 (23592960, 524288),  # 33: ln 32x64x64 float32
-                (8388608, 2097152),  # 34: next_matmul 2048x256 float32
+                (8388608, 2097152),  # 34: next_add 2048x256 float32
                 (10485760, 8192),  # 35: next_cross_entropy_pick 2048 float32
                 (24133632, 4),  # 36: next_cross_entropy_sum_to scalar float32
                 (10485760, 2097152),  # 37: d_next_cross_entropy_log_softmax 2048x256 float32
@@ -2059,25 +1960,25 @@ class CharLm(rp.Model):
                 (3145728, 8192),  # 1: y 32x64 int32
                 (2097152, 524288),  # 2: embed_gather_rows 2048x64 float32
                 (0, 524288),  # 3: block1_ln1 32x64x64 float32
-                (524288, 524288),  # 4: block1_attn_v_matmul 2048x64 float32
+                (524288, 524288),  # 4: block1_attn_v_add 2048x64 float32
                 (1048576, 524288),  # 5: block1_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 6: block1_attn_q_matmul 2048x64 float32
+                (1572864, 524288),  # 6: block1_attn_q_add 2048x64 float32
                 (0, 524288),  # 7: block1_attn 32x64x4x16 float32
-                (524288, 524288),  # 8: block1_attn_out_matmul 2048x64 float32
+                (524288, 524288),  # 8: block1_attn_out_add 2048x64 float32
                 (2621440, 524288),  # 9: block1_ln2 32x64x64 float32
-                (0, 2097152),  # 10: block1_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 11: block1_fc2_matmul 2048x64 float32
+                (0, 2097152),  # 10: block1_fc1_add 2048x256 float32
+                (2621440, 524288),  # 11: block1_fc2_add 2048x64 float32
                 (0, 524288),  # 12: block2_ln1 32x64x64 float32
-                (524288, 524288),  # 13: block2_attn_v_matmul 2048x64 float32
+                (524288, 524288),  # 13: block2_attn_v_add 2048x64 float32
                 (1048576, 524288),  # 14: block2_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 15: block2_attn_q_matmul 2048x64 float32
+                (1572864, 524288),  # 15: block2_attn_q_add 2048x64 float32
                 (0, 524288),  # 16: block2_attn 32x64x4x16 float32
-                (524288, 524288),  # 17: block2_attn_out_matmul 2048x64 float32
+                (524288, 524288),  # 17: block2_attn_out_add 2048x64 float32
                 (2621440, 524288),  # 18: block2_ln2 32x64x64 float32
-                (0, 2097152),  # 19: block2_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 20: block2_fc2_matmul 2048x64 float32
+                (0, 2097152),  # 19: block2_fc1_add 2048x256 float32
+                (2621440, 524288),  # 20: block2_fc2_add 2048x64 float32
                 (2621440, 524288),  # 21: ln 32x64x64 float32
-                (0, 2097152),  # 22: next_matmul 2048x256 float32
+                (0, 2097152),  # 22: next_add 2048x256 float32
                 (2113536, 4),  # 23: next_precision scalar float32
                 (2097152, 8192),  # 24: label_ranks 2048 float32
                 (2105344, 8192),  # 25: next_cross_entropy_pick 2048 float32
@@ -2089,25 +1990,25 @@ class CharLm(rp.Model):
                 (0, 8192),  # 0: x 32x64 int32
                 (2097152, 524288),  # 1: embed_gather_rows 2048x64 float32
                 (0, 524288),  # 2: block1_ln1 32x64x64 float32
-                (524288, 524288),  # 3: block1_attn_v_matmul 2048x64 float32
+                (524288, 524288),  # 3: block1_attn_v_add 2048x64 float32
                 (1048576, 524288),  # 4: block1_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 5: block1_attn_q_matmul 2048x64 float32
+                (1572864, 524288),  # 5: block1_attn_q_add 2048x64 float32
                 (0, 524288),  # 6: block1_attn 32x64x4x16 float32
-                (524288, 524288),  # 7: block1_attn_out_matmul 2048x64 float32
+                (524288, 524288),  # 7: block1_attn_out_add 2048x64 float32
                 (2621440, 524288),  # 8: block1_ln2 32x64x64 float32
-                (0, 2097152),  # 9: block1_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 10: block1_fc2_matmul 2048x64 float32
+                (0, 2097152),  # 9: block1_fc1_add 2048x256 float32
+                (2621440, 524288),  # 10: block1_fc2_add 2048x64 float32
                 (0, 524288),  # 11: block2_ln1 32x64x64 float32
-                (524288, 524288),  # 12: block2_attn_v_matmul 2048x64 float32
+                (524288, 524288),  # 12: block2_attn_v_add 2048x64 float32
                 (1048576, 524288),  # 13: block2_attn_k_matmul 2048x64 float32
-                (1572864, 524288),  # 14: block2_attn_q_matmul 2048x64 float32
+                (1572864, 524288),  # 14: block2_attn_q_add 2048x64 float32
                 (0, 524288),  # 15: block2_attn 32x64x4x16 float32
-                (524288, 524288),  # 16: block2_attn_out_matmul 2048x64 float32
+                (524288, 524288),  # 16: block2_attn_out_add 2048x64 float32
                 (2621440, 524288),  # 17: block2_ln2 32x64x64 float32
-                (0, 2097152),  # 18: block2_fc1_matmul 2048x256 float32
-                (2621440, 524288),  # 19: block2_fc2_matmul 2048x64 float32
+                (0, 2097152),  # 18: block2_fc1_add 2048x256 float32
+                (2621440, 524288),  # 19: block2_fc2_add 2048x64 float32
                 (2621440, 524288),  # 20: ln 32x64x64 float32
-                (0, 2097152),  # 21: next_matmul 2048x256 float32
+                (0, 2097152),  # 21: next_add 2048x256 float32
             )),
     }
 

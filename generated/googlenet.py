@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x224x224 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 2400000 iterations, lr 0.01, momentum 0.9, decay 0.0002
 Memory: peak 2027.34 MB of tensors planned for the training step (488.11 MB testing); static arena 2095.24 MB, pool 2608.19 MB, workspace 33.55 MB
-Structure hash: f8255765192c24a4
+Structure hash: 07648a44f584d12a
 
 Usage: python googlenet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Googlenet(rp.Model):
 
     name = "googlenet"
     source = "networks/googlenet.py"
-    structure_hash = "f8255765192c24a4"
+    structure_hash = "07648a44f584d12a"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 224, 224)
@@ -922,12 +922,9 @@ class Googlenet(rp.Model):
                    (ew_mul, loss2_fc_dropout, loss2_fc_relu, loss2_fc_dropout_mask))
 
         # ---- loss2_classifier (fully connected, 1000 outputs), forward ----
-        # loss2_classifier_matmul = matmul[tb](loss2_fc_dropout, loss2_classifier_W)
-        loss2_classifier_matmul = mem.tensor(72, (128, 1000), 'float32')
-        rt.matmul(loss2_fc_dropout, T['loss2_classifier_W'], out=loss2_classifier_matmul, tb=True)
-        # loss2_classifier = loss2_classifier_matmul + loss2_classifier_B
-        loss2_classifier = loss2_classifier_matmul  # in place: over loss2_classifier_matmul
-        rt.ew(ew_add, loss2_classifier, loss2_classifier_matmul, T['loss2_classifier_B'])
+        # loss2_classifier = matmul[tb](loss2_fc_dropout, loss2_classifier_W, loss2_classifier_B)
+        loss2_classifier = mem.tensor(72, (128, 1000), 'float32')
+        rt.matmul(loss2_fc_dropout, T['loss2_classifier_W'], T['loss2_classifier_B'], out=loss2_classifier, tb=True)
 
         # ---- loss2_classifier_cross_entropy (cross_entropy), forward ----
         # loss2_classifier_cross_entropy_log_softmax = log_softmax(loss2_classifier)
@@ -983,12 +980,9 @@ class Googlenet(rp.Model):
                    (ew_mul, loss1_fc_dropout, loss1_fc_relu, loss1_fc_dropout_mask))
 
         # ---- loss1_classifier (fully connected, 1000 outputs), forward ----
-        # loss1_classifier_matmul = matmul[tb](loss1_fc_dropout, loss1_classifier_W)
-        loss1_classifier_matmul = mem.tensor(80, (128, 1000), 'float32')
-        rt.matmul(loss1_fc_dropout, T['loss1_classifier_W'], out=loss1_classifier_matmul, tb=True)
-        # loss1_classifier = loss1_classifier_matmul + loss1_classifier_B
-        loss1_classifier = loss1_classifier_matmul  # in place: over loss1_classifier_matmul
-        rt.ew(ew_add, loss1_classifier, loss1_classifier_matmul, T['loss1_classifier_B'])
+        # loss1_classifier = matmul[tb](loss1_fc_dropout, loss1_classifier_W, loss1_classifier_B)
+        loss1_classifier = mem.tensor(80, (128, 1000), 'float32')
+        rt.matmul(loss1_fc_dropout, T['loss1_classifier_W'], T['loss1_classifier_B'], out=loss1_classifier, tb=True)
 
         # ---- loss1_classifier_cross_entropy (cross_entropy), forward ----
         # loss1_classifier_cross_entropy_log_softmax = log_softmax(loss1_classifier)
@@ -1254,12 +1248,9 @@ class Googlenet(rp.Model):
         rt.ew(ew_mul_2, inception_5b_1x1_dropout, inception_5b_1x1_flatten, inception_5b_1x1_dropout_mask)
 
         # ---- loss3_classifier (fully connected, 1000 outputs), forward ----
-        # loss3_classifier_matmul = matmul[tb](inception_5b_1x1_dropout, loss3_classifier_W)
-        loss3_classifier_matmul = mem.tensor(114, (128, 1000), 'float32')
-        rt.matmul(inception_5b_1x1_dropout, T['loss3_classifier_W'], out=loss3_classifier_matmul, tb=True)
-        # loss3_classifier = loss3_classifier_matmul + loss3_classifier_B
-        loss3_classifier = loss3_classifier_matmul  # in place: over loss3_classifier_matmul
-        rt.ew(ew_add, loss3_classifier, loss3_classifier_matmul, T['loss3_classifier_B'])
+        # loss3_classifier = matmul[tb](inception_5b_1x1_dropout, loss3_classifier_W, loss3_classifier_B)
+        loss3_classifier = mem.tensor(114, (128, 1000), 'float32')
+        rt.matmul(inception_5b_1x1_dropout, T['loss3_classifier_W'], T['loss3_classifier_B'], out=loss3_classifier, tb=True)
 
         # ---- loss3_classifier_cross_entropy (cross_entropy), forward ----
         # loss3_classifier_cross_entropy_log_softmax = log_softmax(loss3_classifier)
@@ -1290,8 +1281,8 @@ class Googlenet(rp.Model):
         # d_loss3_classifier = d_loss3_classifier_cross_entropy_log_softmax + 0.0078125*exp(loss3_classifier_cross_entropy_log_softmax)
         d_loss3_classifier = d_loss3_classifier_cross_entropy_log_softmax  # in place: over d_loss3_classifier_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_loss3_classifier, d_loss3_classifier_cross_entropy_log_softmax, loss3_classifier_cross_entropy_log_softmax)
-        # free loss3_classifier_matmul, loss3_classifier, loss3_classifier_cross_entropy_log_softmax
-        del loss3_classifier_matmul, loss3_classifier, loss3_classifier_cross_entropy_log_softmax
+        # free loss3_classifier, loss3_classifier_cross_entropy_log_softmax
+        del loss3_classifier, loss3_classifier_cross_entropy_log_softmax
         mem.free(114)
 
         # ---- loss3_classifier (fully connected, 1000 outputs), backward ----
@@ -1507,7 +1498,7 @@ class Googlenet(rp.Model):
         # ---- inception_5a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_5a_1x1_concat_5 = d_inception_5a_1x1_concat_4 + d_inception_5a_1x1_concat_3 + d_inception_5a_1x1_concat_2 + d_inception_5a_1x1_concat
         d_inception_5a_1x1_concat_5 = d_inception_5a_1x1_concat_4  # in place: over d_inception_5a_1x1_concat_4
-        rt.ew(ew_add_2, d_inception_5a_1x1_concat_5, d_inception_5a_1x1_concat_4, d_inception_5a_1x1_concat_3, d_inception_5a_1x1_concat_2, d_inception_5a_1x1_concat)
+        rt.ew(ew_add, d_inception_5a_1x1_concat_5, d_inception_5a_1x1_concat_4, d_inception_5a_1x1_concat_3, d_inception_5a_1x1_concat_2, d_inception_5a_1x1_concat)
         # free d_inception_5a_1x1_concat, d_inception_5a_1x1_concat_2, d_inception_5a_1x1_concat_3
         del d_inception_5a_1x1_concat, d_inception_5a_1x1_concat_2, d_inception_5a_1x1_concat_3
         mem.free(121, 126, 133)
@@ -1720,7 +1711,7 @@ class Googlenet(rp.Model):
         mem.free(95, 151)
         # d_inception_4e_1x1_max_pool_6 = d_inception_4e_1x1_max_pool_5 + d_inception_4e_1x1_max_pool_3 + d_inception_4e_1x1_max_pool_2 + d_inception_4e_1x1_max_pool
         d_inception_4e_1x1_max_pool_6 = d_inception_4e_1x1_max_pool_5  # in place: over d_inception_4e_1x1_max_pool_5
-        rt.ew(ew_add_2, d_inception_4e_1x1_max_pool_6, d_inception_4e_1x1_max_pool_5, d_inception_4e_1x1_max_pool_3, d_inception_4e_1x1_max_pool_2, d_inception_4e_1x1_max_pool)
+        rt.ew(ew_add, d_inception_4e_1x1_max_pool_6, d_inception_4e_1x1_max_pool_5, d_inception_4e_1x1_max_pool_3, d_inception_4e_1x1_max_pool_2, d_inception_4e_1x1_max_pool)
         # free d_inception_4e_1x1_max_pool, d_inception_4e_1x1_max_pool_2, d_inception_4e_1x1_max_pool_3
         del d_inception_4e_1x1_max_pool, d_inception_4e_1x1_max_pool_2, d_inception_4e_1x1_max_pool_3
         mem.free(138, 143, 150)
@@ -1982,8 +1973,8 @@ class Googlenet(rp.Model):
         # d_loss1_classifier = d_loss2_classifier_cross_entropy_log_softmax + 0.00234375*exp(loss1_classifier_cross_entropy_log_softmax)
         d_loss1_classifier = d_loss2_classifier_cross_entropy_log_softmax  # in place: over d_loss2_classifier_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add_3, d_loss1_classifier, d_loss2_classifier_cross_entropy_log_softmax, loss1_classifier_cross_entropy_log_softmax)
-        # free loss1_classifier_matmul, loss1_classifier, loss1_classifier_cross_entropy_log_softmax
-        del loss1_classifier_matmul, loss1_classifier, loss1_classifier_cross_entropy_log_softmax
+        # free loss1_classifier, loss1_classifier_cross_entropy_log_softmax
+        del loss1_classifier, loss1_classifier_cross_entropy_log_softmax
         mem.free(80)
 
         # ---- loss2_classifier (fully connected, 1000 outputs), backward ----
@@ -2061,7 +2052,7 @@ class Googlenet(rp.Model):
         # ---- inception_4d_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4d_1x1_concat_6 = d_inception_4d_1x1_concat_5 + d_inception_4d_1x1_concat_4 + d_inception_4d_1x1_concat_3 + d_inception_4d_1x1_concat_2 + d_inception_4d_1x1_concat
         d_inception_4d_1x1_concat_6 = d_inception_4d_1x1_concat_5  # in place: over d_inception_4d_1x1_concat_5
-        rt.ew(ew_add_3, d_inception_4d_1x1_concat_6, d_inception_4d_1x1_concat_5, d_inception_4d_1x1_concat_4, d_inception_4d_1x1_concat_3, d_inception_4d_1x1_concat_2, d_inception_4d_1x1_concat)
+        rt.ew(ew_add_2, d_inception_4d_1x1_concat_6, d_inception_4d_1x1_concat_5, d_inception_4d_1x1_concat_4, d_inception_4d_1x1_concat_3, d_inception_4d_1x1_concat_2, d_inception_4d_1x1_concat)
         # free d_inception_4d_1x1_concat, d_inception_4d_1x1_concat_2, d_inception_4d_1x1_concat_3, d_inception_4d_1x1_concat_4
         del d_inception_4d_1x1_concat, d_inception_4d_1x1_concat_2, d_inception_4d_1x1_concat_3, d_inception_4d_1x1_concat_4
         mem.free(156, 161, 169, 171)
@@ -2260,7 +2251,7 @@ class Googlenet(rp.Model):
         # ---- inception_4c_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4c_1x1_concat_5 = d_inception_4c_1x1_concat_4 + d_inception_4c_1x1_concat_3 + d_inception_4c_1x1_concat_2 + d_inception_4c_1x1_concat
         d_inception_4c_1x1_concat_5 = d_inception_4c_1x1_concat_4  # in place: over d_inception_4c_1x1_concat_4
-        rt.ew(ew_add_2, d_inception_4c_1x1_concat_5, d_inception_4c_1x1_concat_4, d_inception_4c_1x1_concat_3, d_inception_4c_1x1_concat_2, d_inception_4c_1x1_concat)
+        rt.ew(ew_add, d_inception_4c_1x1_concat_5, d_inception_4c_1x1_concat_4, d_inception_4c_1x1_concat_3, d_inception_4c_1x1_concat_2, d_inception_4c_1x1_concat)
         # free d_inception_4c_1x1_concat, d_inception_4c_1x1_concat_2, d_inception_4c_1x1_concat_3
         del d_inception_4c_1x1_concat, d_inception_4c_1x1_concat_2, d_inception_4c_1x1_concat_3
         mem.free(181, 187, 195)
@@ -2483,7 +2474,7 @@ class Googlenet(rp.Model):
         # ---- inception_4b_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4b_1x1_concat_5 = d_inception_4b_1x1_concat_4 + d_inception_4b_1x1_concat_3 + d_inception_4b_1x1_concat_2 + d_inception_4b_1x1_concat
         d_inception_4b_1x1_concat_5 = d_inception_4b_1x1_concat_4  # in place: over d_inception_4b_1x1_concat_4
-        rt.ew(ew_add_2, d_inception_4b_1x1_concat_5, d_inception_4b_1x1_concat_4, d_inception_4b_1x1_concat_3, d_inception_4b_1x1_concat_2, d_inception_4b_1x1_concat)
+        rt.ew(ew_add, d_inception_4b_1x1_concat_5, d_inception_4b_1x1_concat_4, d_inception_4b_1x1_concat_3, d_inception_4b_1x1_concat_2, d_inception_4b_1x1_concat)
         # free d_inception_4b_1x1_concat, d_inception_4b_1x1_concat_2, d_inception_4b_1x1_concat_3
         del d_inception_4b_1x1_concat, d_inception_4b_1x1_concat_2, d_inception_4b_1x1_concat_3
         mem.free(200, 206, 214)
@@ -2800,7 +2791,7 @@ class Googlenet(rp.Model):
         # ---- inception_4a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_4a_1x1_concat_6 = d_inception_4a_1x1_concat_5 + d_inception_4a_1x1_concat_4 + d_inception_4a_1x1_concat_3 + d_inception_4a_1x1_concat_2 + d_inception_4a_1x1_concat
         d_inception_4a_1x1_concat_6 = d_inception_4a_1x1_concat_5  # in place: over d_inception_4a_1x1_concat_5
-        rt.ew(ew_add_3, d_inception_4a_1x1_concat_6, d_inception_4a_1x1_concat_5, d_inception_4a_1x1_concat_4, d_inception_4a_1x1_concat_3, d_inception_4a_1x1_concat_2, d_inception_4a_1x1_concat)
+        rt.ew(ew_add_2, d_inception_4a_1x1_concat_6, d_inception_4a_1x1_concat_5, d_inception_4a_1x1_concat_4, d_inception_4a_1x1_concat_3, d_inception_4a_1x1_concat_2, d_inception_4a_1x1_concat)
         # free d_inception_4a_1x1_concat, d_inception_4a_1x1_concat_2, d_inception_4a_1x1_concat_3, d_inception_4a_1x1_concat_4
         del d_inception_4a_1x1_concat, d_inception_4a_1x1_concat_2, d_inception_4a_1x1_concat_3, d_inception_4a_1x1_concat_4
         mem.free(219, 225, 233, 235)
@@ -3000,7 +2991,7 @@ class Googlenet(rp.Model):
         mem.free(32, 260)
         # d_inception_3b_1x1_max_pool_6 = d_inception_3b_1x1_max_pool_5 + d_inception_3b_1x1_max_pool_3 + d_inception_3b_1x1_max_pool_2 + d_inception_3b_1x1_max_pool
         d_inception_3b_1x1_max_pool_6 = d_inception_3b_1x1_max_pool_5  # in place: over d_inception_3b_1x1_max_pool_5
-        rt.ew(ew_add_2, d_inception_3b_1x1_max_pool_6, d_inception_3b_1x1_max_pool_5, d_inception_3b_1x1_max_pool_3, d_inception_3b_1x1_max_pool_2, d_inception_3b_1x1_max_pool)
+        rt.ew(ew_add, d_inception_3b_1x1_max_pool_6, d_inception_3b_1x1_max_pool_5, d_inception_3b_1x1_max_pool_3, d_inception_3b_1x1_max_pool_2, d_inception_3b_1x1_max_pool)
         # free d_inception_3b_1x1_max_pool, d_inception_3b_1x1_max_pool_2, d_inception_3b_1x1_max_pool_3
         del d_inception_3b_1x1_max_pool, d_inception_3b_1x1_max_pool_2, d_inception_3b_1x1_max_pool_3
         mem.free(245, 251, 259)
@@ -3204,7 +3195,7 @@ class Googlenet(rp.Model):
         # ---- inception_3a_1x1_concat (concatenation of 4 branches), backward ----
         # d_inception_3a_1x1_concat_5 = d_inception_3a_1x1_concat_4 + d_inception_3a_1x1_concat_3 + d_inception_3a_1x1_concat_2 + d_inception_3a_1x1_concat
         d_inception_3a_1x1_concat_5 = d_inception_3a_1x1_concat_4  # in place: over d_inception_3a_1x1_concat_4
-        rt.ew(ew_add_2, d_inception_3a_1x1_concat_5, d_inception_3a_1x1_concat_4, d_inception_3a_1x1_concat_3, d_inception_3a_1x1_concat_2, d_inception_3a_1x1_concat)
+        rt.ew(ew_add, d_inception_3a_1x1_concat_5, d_inception_3a_1x1_concat_4, d_inception_3a_1x1_concat_3, d_inception_3a_1x1_concat_2, d_inception_3a_1x1_concat)
         # free d_inception_3a_1x1_concat, d_inception_3a_1x1_concat_2, d_inception_3a_1x1_concat_3
         del d_inception_3a_1x1_concat, d_inception_3a_1x1_concat_2, d_inception_3a_1x1_concat_3
         mem.free(265, 270, 278)
@@ -3389,7 +3380,7 @@ class Googlenet(rp.Model):
         mem.free(12, 301)
         # d_conv2_3x3_max_pool_6 = d_conv2_3x3_max_pool_5 + d_conv2_3x3_max_pool_3 + d_conv2_3x3_max_pool_2 + d_conv2_3x3_max_pool
         d_conv2_3x3_max_pool_6 = d_conv2_3x3_max_pool_5  # in place: over d_conv2_3x3_max_pool_5
-        rt.ew(ew_add_2, d_conv2_3x3_max_pool_6, d_conv2_3x3_max_pool_5, d_conv2_3x3_max_pool_3, d_conv2_3x3_max_pool_2, d_conv2_3x3_max_pool)
+        rt.ew(ew_add, d_conv2_3x3_max_pool_6, d_conv2_3x3_max_pool_5, d_conv2_3x3_max_pool_3, d_conv2_3x3_max_pool_2, d_conv2_3x3_max_pool)
         # free d_conv2_3x3_max_pool, d_conv2_3x3_max_pool_2, d_conv2_3x3_max_pool_3
         del d_conv2_3x3_max_pool, d_conv2_3x3_max_pool_2, d_conv2_3x3_max_pool_3
         mem.free(284, 290, 300)
@@ -4194,8 +4185,8 @@ class Googlenet(rp.Model):
         # d_loss2_classifier_B = sum_to[1000](d_loss2_classifier)
         d_loss2_classifier_B = mem.tensor(378, (1000,), 'float32')
         rt.sum_to(d_loss2_classifier, out=d_loss2_classifier_B, shape=(1000,))
-        # free loss2_classifier_matmul, loss2_classifier, loss2_classifier_cross_entropy_log_softmax, d_loss2_classifier
-        del loss2_classifier_matmul, loss2_classifier, loss2_classifier_cross_entropy_log_softmax, d_loss2_classifier
+        # free loss2_classifier, loss2_classifier_cross_entropy_log_softmax, d_loss2_classifier
+        del loss2_classifier, loss2_classifier_cross_entropy_log_softmax, d_loss2_classifier
         mem.free(72)
 
         # ---- the small tensors' updates, one call per kernel ----
@@ -4924,15 +4915,12 @@ class Googlenet(rp.Model):
         rt.ew(ew_add_relu, loss1_fc_relu, loss1_fc_matmul, T['loss1_fc_B'])
 
         # ---- loss1_classifier (fully connected, 1000 outputs), forward ----
-        # loss1_classifier_matmul = matmul[tb](loss1_fc_relu, loss1_classifier_W)
-        loss1_classifier_matmul = mem.tensor(37, (128, 1000), 'float32')
-        rt.matmul(loss1_fc_relu, T['loss1_classifier_W'], out=loss1_classifier_matmul, tb=True)
+        # loss1_classifier = matmul[tb](loss1_fc_relu, loss1_classifier_W, loss1_classifier_B)
+        loss1_classifier = mem.tensor(37, (128, 1000), 'float32')
+        rt.matmul(loss1_fc_relu, T['loss1_classifier_W'], T['loss1_classifier_B'], out=loss1_classifier, tb=True)
         # free loss1_fc_matmul, loss1_fc_relu
         del loss1_fc_matmul, loss1_fc_relu
         mem.free(36)
-        # loss1_classifier = loss1_classifier_matmul + loss1_classifier_B
-        loss1_classifier = loss1_classifier_matmul  # in place: over loss1_classifier_matmul
-        rt.ew(ew_add, loss1_classifier, loss1_classifier_matmul, T['loss1_classifier_B'])
 
         # ---- loss1_classifier_cross_entropy (cross_entropy), forward ----
         # loss1_classifier_cross_entropy_log_softmax = log_softmax(loss1_classifier)
@@ -4941,8 +4929,8 @@ class Googlenet(rp.Model):
         # loss1_classifier_cross_entropy_pick = pick(loss1_classifier_cross_entropy_log_softmax, y)
         loss1_classifier_cross_entropy_pick = mem.tensor(38, (128,), 'float32')
         rt.pick(loss1_classifier_cross_entropy_log_softmax, y, out=loss1_classifier_cross_entropy_pick)
-        # free loss1_classifier_matmul, loss1_classifier, loss1_classifier_cross_entropy_log_softmax
-        del loss1_classifier_matmul, loss1_classifier, loss1_classifier_cross_entropy_log_softmax
+        # free loss1_classifier, loss1_classifier_cross_entropy_log_softmax
+        del loss1_classifier, loss1_classifier_cross_entropy_log_softmax
         mem.free(37)
         # loss1_classifier_cross_entropy_sum_to = sum_to[scalar](loss1_classifier_cross_entropy_pick)
         loss1_classifier_cross_entropy_sum_to = mem.tensor(39, (), 'float32')
@@ -5229,15 +5217,12 @@ class Googlenet(rp.Model):
         rt.ew(ew_add_relu, loss2_fc_relu, loss2_fc_matmul, T['loss2_fc_B'])
 
         # ---- loss2_classifier (fully connected, 1000 outputs), forward ----
-        # loss2_classifier_matmul = matmul[tb](loss2_fc_relu, loss2_classifier_W)
-        loss2_classifier_matmul = mem.tensor(66, (128, 1000), 'float32')
-        rt.matmul(loss2_fc_relu, T['loss2_classifier_W'], out=loss2_classifier_matmul, tb=True)
+        # loss2_classifier = matmul[tb](loss2_fc_relu, loss2_classifier_W, loss2_classifier_B)
+        loss2_classifier = mem.tensor(66, (128, 1000), 'float32')
+        rt.matmul(loss2_fc_relu, T['loss2_classifier_W'], T['loss2_classifier_B'], out=loss2_classifier, tb=True)
         # free loss2_fc_matmul, loss2_fc_relu
         del loss2_fc_matmul, loss2_fc_relu
         mem.free(65)
-        # loss2_classifier = loss2_classifier_matmul + loss2_classifier_B
-        loss2_classifier = loss2_classifier_matmul  # in place: over loss2_classifier_matmul
-        rt.ew(ew_add, loss2_classifier, loss2_classifier_matmul, T['loss2_classifier_B'])
 
         # ---- loss2_classifier_cross_entropy (cross_entropy), forward ----
         # loss2_classifier_cross_entropy_log_softmax = log_softmax(loss2_classifier)
@@ -5246,8 +5231,8 @@ class Googlenet(rp.Model):
         # loss2_classifier_cross_entropy_pick = pick(loss2_classifier_cross_entropy_log_softmax, y)
         loss2_classifier_cross_entropy_pick = mem.tensor(67, (128,), 'float32')
         rt.pick(loss2_classifier_cross_entropy_log_softmax, y, out=loss2_classifier_cross_entropy_pick)
-        # free loss2_classifier_matmul, loss2_classifier, loss2_classifier_cross_entropy_log_softmax
-        del loss2_classifier_matmul, loss2_classifier, loss2_classifier_cross_entropy_log_softmax
+        # free loss2_classifier, loss2_classifier_cross_entropy_log_softmax
+        del loss2_classifier, loss2_classifier_cross_entropy_log_softmax
         mem.free(66)
         # loss2_classifier_cross_entropy_sum_to = sum_to[scalar](loss2_classifier_cross_entropy_pick)
         loss2_classifier_cross_entropy_sum_to = mem.tensor(68, (), 'float32')
@@ -5522,15 +5507,12 @@ class Googlenet(rp.Model):
         inception_5b_1x1_flatten = rt.reshape(inception_5b_1x1_avg_pool, shape=(128, 1024))
 
         # ---- loss3_classifier (fully connected, 1000 outputs), forward ----
-        # loss3_classifier_matmul = matmul[tb](inception_5b_1x1_flatten, loss3_classifier_W)
-        loss3_classifier_matmul = mem.tensor(94, (128, 1000), 'float32')
-        rt.matmul(inception_5b_1x1_flatten, T['loss3_classifier_W'], out=loss3_classifier_matmul, tb=True)
+        # loss3_classifier = matmul[tb](inception_5b_1x1_flatten, loss3_classifier_W, loss3_classifier_B)
+        loss3_classifier = mem.tensor(94, (128, 1000), 'float32')
+        rt.matmul(inception_5b_1x1_flatten, T['loss3_classifier_W'], T['loss3_classifier_B'], out=loss3_classifier, tb=True)
         # free inception_5b_1x1_avg_pool, inception_5b_1x1_flatten
         del inception_5b_1x1_avg_pool, inception_5b_1x1_flatten
         mem.free(93)
-        # loss3_classifier = loss3_classifier_matmul + loss3_classifier_B
-        loss3_classifier = loss3_classifier_matmul  # in place: over loss3_classifier_matmul
-        rt.ew(ew_add, loss3_classifier, loss3_classifier_matmul, T['loss3_classifier_B'])
 
         # ---- loss3_classifier_precision (precision), forward ----
         # loss3_classifier_precision = precision(loss3_classifier, y)
@@ -5549,8 +5531,8 @@ class Googlenet(rp.Model):
         # loss3_classifier_cross_entropy_pick = pick(loss3_classifier_cross_entropy_log_softmax, y)
         loss3_classifier_cross_entropy_pick = mem.tensor(97, (128,), 'float32')
         rt.pick(loss3_classifier_cross_entropy_log_softmax, y, out=loss3_classifier_cross_entropy_pick)
-        # free y, loss3_classifier_matmul, loss3_classifier, loss3_classifier_cross_entropy_log_softmax
-        del y, loss3_classifier_matmul, loss3_classifier, loss3_classifier_cross_entropy_log_softmax
+        # free y, loss3_classifier, loss3_classifier_cross_entropy_log_softmax
+        del y, loss3_classifier, loss3_classifier_cross_entropy_log_softmax
         mem.free(1, 94)
         # loss3_classifier_cross_entropy_sum_to = sum_to[scalar](loss3_classifier_cross_entropy_pick)
         loss3_classifier_cross_entropy_sum_to = mem.tensor(98, (), 'float32')
@@ -6436,15 +6418,12 @@ class Googlenet(rp.Model):
         inception_5b_1x1_flatten = rt.reshape(inception_5b_1x1_avg_pool, shape=(128, 1024))
 
         # ---- loss3_classifier (fully connected, 1000 outputs), forward ----
-        # loss3_classifier_matmul = matmul[tb](inception_5b_1x1_flatten, loss3_classifier_W)
-        loss3_classifier_matmul = mem.tensor(81, (128, 1000), 'float32')
-        rt.matmul(inception_5b_1x1_flatten, T['loss3_classifier_W'], out=loss3_classifier_matmul, tb=True)
+        # loss3_classifier = matmul[tb](inception_5b_1x1_flatten, loss3_classifier_W, loss3_classifier_B)
+        loss3_classifier = mem.tensor(81, (128, 1000), 'float32')
+        rt.matmul(inception_5b_1x1_flatten, T['loss3_classifier_W'], T['loss3_classifier_B'], out=loss3_classifier, tb=True)
         # free inception_5b_1x1_avg_pool, inception_5b_1x1_flatten
         del inception_5b_1x1_avg_pool, inception_5b_1x1_flatten
         mem.free(80)
-        # loss3_classifier = loss3_classifier_matmul + loss3_classifier_B
-        loss3_classifier = loss3_classifier_matmul  # in place: over loss3_classifier_matmul
-        rt.ew(ew_add, loss3_classifier, loss3_classifier_matmul, T['loss3_classifier_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(loss3_classifier)
@@ -6538,7 +6517,7 @@ class Googlenet(rp.Model):
                 (2088706048, 1048576),  # 69: loss2_conv 128x128x4x4 float32
                 (1920335872, 524288),  # 70: loss2_fc_matmul 128x1024 float32
                 (2091606016, 524288),  # 71: loss2_fc_dropout 128x1024 float32
-                (2093703168, 512000),  # 72: loss2_classifier_matmul 128x1000 float32
+                (2093703168, 512000),  # 72: loss2_classifier 128x1000 float32
                 (308281344, 512),  # 73: loss2_classifier_cross_entropy_pick 128 float32
                 (427098112, 4),  # 74: loss2_classifier_cross_entropy_sum_to scalar float32
                 (2035138560, 131072),  # 75: loss1_fc_dropout_mask 128x1024 uint8
@@ -6546,7 +6525,7 @@ class Googlenet(rp.Model):
                 (2089754624, 1048576),  # 77: loss1_conv 128x128x4x4 float32
                 (1920860160, 524288),  # 78: loss1_fc_matmul 128x1024 float32
                 (2092130304, 524288),  # 79: loss1_fc_dropout 128x1024 float32
-                (1921384448, 512000),  # 80: loss1_classifier_matmul 128x1000 float32
+                (1921384448, 512000),  # 80: loss1_classifier 128x1000 float32
                 (308281344, 512),  # 81: loss1_classifier_cross_entropy_pick 128 float32
                 (427098368, 4),  # 82: loss1_classifier_cross_entropy_sum_to scalar float32
                 (427622400, 131072),  # 83: inception_5b_1x1_dropout_mask 128x1024 uint8
@@ -6580,7 +6559,7 @@ class Googlenet(rp.Model):
                 (417464320, 9633792),  # 111: inception_5b_1x1 128x384x7x7 float32
                 (308281344, 25690112),  # 112: inception_5b_1x1_concat 128x1024x7x7 float32
                 (2092654592, 524288),  # 113: inception_5b_1x1_avg_pool 128x1024x1x1 float32
-                (308281344, 512000),  # 114: loss3_classifier_matmul 128x1000 float32
+                (308281344, 512000),  # 114: loss3_classifier 128x1000 float32
                 (308793344, 512),  # 115: loss3_classifier_cross_entropy_pick 128 float32
                 (2095239168, 4),  # 116: loss3_classifier_cross_entropy_sum_to scalar float32
                 (2094215168, 512000),  # 117: d_loss3_classifier_cross_entropy_log_softmax 128x1000 float32
@@ -6886,7 +6865,7 @@ class Googlenet(rp.Model):
                 (51380224, 4194304),  # 34: inception_4a_1x1_avg_pool 128x512x4x4 float32
                 (55574528, 1048576),  # 35: loss1_conv 128x128x4x4 float32
                 (51380224, 524288),  # 36: loss1_fc_matmul 128x1024 float32
-                (51904512, 512000),  # 37: loss1_classifier_matmul 128x1000 float32
+                (51904512, 512000),  # 37: loss1_classifier 128x1000 float32
                 (51380224, 512),  # 38: loss1_classifier_cross_entropy_pick 128 float32
                 (189464576, 4),  # 39: loss1_classifier_cross_entropy_sum_to scalar float32
                 (51380224, 11239424),  # 40: inception_4b_3x3_reduce 128x112x14x14 float32
@@ -6915,7 +6894,7 @@ class Googlenet(rp.Model):
                 (52985856, 4325376),  # 63: inception_4d_1x1_avg_pool 128x528x4x4 float32
                 (60522496, 1048576),  # 64: loss2_conv 128x128x4x4 float32
                 (52985856, 524288),  # 65: loss2_fc_matmul 128x1024 float32
-                (53510144, 512000),  # 66: loss2_classifier_matmul 128x1000 float32
+                (53510144, 512000),  # 66: loss2_classifier 128x1000 float32
                 (52985856, 512),  # 67: loss2_classifier_cross_entropy_pick 128 float32
                 (189464832, 4),  # 68: loss2_classifier_cross_entropy_sum_to scalar float32
                 (163774464, 12845056),  # 69: inception_4e_5x5 128x128x14x14 float32
@@ -6943,7 +6922,7 @@ class Googlenet(rp.Model):
                 (64225280, 3211264),  # 91: inception_5b_pool_proj 128x128x7x7 float32
                 (0, 25690112),  # 92: inception_5b_1x1_concat 128x1024x7x7 float32
                 (25690112, 524288),  # 93: inception_5b_1x1_avg_pool 128x1024x1x1 float32
-                (0, 512000),  # 94: loss3_classifier_matmul 128x1000 float32
+                (0, 512000),  # 94: loss3_classifier 128x1000 float32
                 (513024, 4),  # 95: loss3_classifier_precision scalar float32
                 (512000, 512),  # 96: label_ranks 128 float32
                 (512512, 512),  # 97: loss3_classifier_cross_entropy_pick 128 float32
@@ -7033,7 +7012,7 @@ class Googlenet(rp.Model):
                 (64225280, 3211264),  # 78: inception_5b_pool_proj 128x128x7x7 float32
                 (0, 25690112),  # 79: inception_5b_1x1_concat 128x1024x7x7 float32
                 (25690112, 524288),  # 80: inception_5b_1x1_avg_pool 128x1024x1x1 float32
-                (0, 512000),  # 81: loss3_classifier_matmul 128x1000 float32
+                (0, 512000),  # 81: loss3_classifier 128x1000 float32
             )),
     }
 
@@ -7056,11 +7035,6 @@ def ew_mul(out, v0, v1):
     """out = 3.33333333333333*v0*v1"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, 3.333333333333333, out=out)
-
-
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
 
 
 def ew_mul_2(out, v0, v1):
@@ -7109,7 +7083,7 @@ def ew_mul_sub_2(out, v0, v1, v2):
     np.subtract(v0, v1 * v2 * 2, out=out)
 
 
-def ew_add_2(out, v0, v1, v2, v3):
+def ew_add(out, v0, v1, v2, v3):
     """out = v0 + v1 + v2 + v3   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.add(out, v2, out=out)
@@ -7135,7 +7109,7 @@ def ew_step_mul_2(out, v0, v1, v2):
     np.multiply(out, 3.333333333333333, out=out)
 
 
-def ew_add_3(out, v0, v1, v2, v3, v4):
+def ew_add_2(out, v0, v1, v2, v3, v4):
     """out = v0 + v1 + v2 + v3 + v4   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.add(out, v2, out=out)

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 19.44 MB of tensors planned for the training step (10.35 MB testing); static arena 19.44 MB, pool 22.28 MB, workspace 16.70 MB
-Structure hash: 696e57f4e11508b1
+Structure hash: c32d4ca4610240da
 
 Usage: python inception_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class InceptionMini(rp.Model):
 
     name = "inception_mini"
     source = "networks/inception_mini.py"
-    structure_hash = "696e57f4e11508b1"
+    structure_hash = "c32d4ca4610240da"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -349,12 +349,9 @@ class InceptionMini(rp.Model):
         rt.ew(ew_mul, inception_b_1x1_dropout, inception_b_1x1_flatten, inception_b_1x1_dropout_mask)
 
         # ---- classifier (fully connected, 10 outputs), forward ----
-        # classifier_matmul = matmul[tb](inception_b_1x1_dropout, classifier_W)
-        classifier_matmul = mem.tensor(28, (100, 10), 'float32')
-        rt.matmul(inception_b_1x1_dropout, T['classifier_W'], out=classifier_matmul, tb=True)
-        # classifier = classifier_matmul + classifier_B
-        classifier = classifier_matmul  # in place: over classifier_matmul
-        rt.ew(ew_add, classifier, classifier_matmul, T['classifier_B'])
+        # classifier = matmul[tb](inception_b_1x1_dropout, classifier_W, classifier_B)
+        classifier = mem.tensor(28, (100, 10), 'float32')
+        rt.matmul(inception_b_1x1_dropout, T['classifier_W'], T['classifier_B'], out=classifier, tb=True)
 
         # ---- classifier_cross_entropy (cross_entropy), forward ----
         # classifier_cross_entropy_log_softmax = log_softmax(classifier)
@@ -371,8 +368,8 @@ class InceptionMini(rp.Model):
         # d_classifier = d_classifier_cross_entropy_log_softmax + 0.01*exp(classifier_cross_entropy_log_softmax)
         d_classifier = d_classifier_cross_entropy_log_softmax  # in place: over d_classifier_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_classifier, d_classifier_cross_entropy_log_softmax, classifier_cross_entropy_log_softmax)
-        # free classifier_matmul, classifier, classifier_cross_entropy_log_softmax
-        del classifier_matmul, classifier, classifier_cross_entropy_log_softmax
+        # free classifier, classifier_cross_entropy_log_softmax
+        del classifier, classifier_cross_entropy_log_softmax
         mem.free(28)
 
         # ---- classifier (fully connected, 10 outputs), backward ----
@@ -756,7 +753,7 @@ class InceptionMini(rp.Model):
         # ---- inception_a_1x1_max_pool (max pooling 2x2, stride 2, padding 0), backward ----
         # d_inception_a_1x1_max_pool_6 = d_inception_a_1x1_max_pool_4 + d_inception_a_1x1_max_pool_5 + d_inception_a_1x1_max_pool_2 + d_inception_a_1x1_max_pool
         d_inception_a_1x1_max_pool_6 = d_inception_a_1x1_max_pool_4  # in place: over d_inception_a_1x1_max_pool_4
-        rt.ew(ew_add_2, d_inception_a_1x1_max_pool_6, d_inception_a_1x1_max_pool_4, d_inception_a_1x1_max_pool_5, d_inception_a_1x1_max_pool_2, d_inception_a_1x1_max_pool)
+        rt.ew(ew_add, d_inception_a_1x1_max_pool_6, d_inception_a_1x1_max_pool_4, d_inception_a_1x1_max_pool_5, d_inception_a_1x1_max_pool_2, d_inception_a_1x1_max_pool)
         # free d_inception_a_1x1_max_pool, d_inception_a_1x1_max_pool_2, d_inception_a_1x1_max_pool_5
         del d_inception_a_1x1_max_pool, d_inception_a_1x1_max_pool_2, d_inception_a_1x1_max_pool_5
         mem.free(53, 54, 57)
@@ -1350,15 +1347,12 @@ class InceptionMini(rp.Model):
         inception_b_1x1_flatten = rt.reshape(inception_b_1x1_avg_pool, shape=(100, 112))
 
         # ---- classifier (fully connected, 10 outputs), forward ----
-        # classifier_matmul = matmul[tb](inception_b_1x1_flatten, classifier_W)
-        classifier_matmul = mem.tensor(22, (100, 10), 'float32')
-        rt.matmul(inception_b_1x1_flatten, T['classifier_W'], out=classifier_matmul, tb=True)
+        # classifier = matmul[tb](inception_b_1x1_flatten, classifier_W, classifier_B)
+        classifier = mem.tensor(22, (100, 10), 'float32')
+        rt.matmul(inception_b_1x1_flatten, T['classifier_W'], T['classifier_B'], out=classifier, tb=True)
         # free inception_b_1x1_avg_pool, inception_b_1x1_flatten
         del inception_b_1x1_avg_pool, inception_b_1x1_flatten
         mem.free(21)
-        # classifier = classifier_matmul + classifier_B
-        classifier = classifier_matmul  # in place: over classifier_matmul
-        rt.ew(ew_add, classifier, classifier_matmul, T['classifier_B'])
 
         # ---- classifier_precision (precision), forward ----
         # classifier_precision = precision(classifier, y)
@@ -1377,8 +1371,8 @@ class InceptionMini(rp.Model):
         # classifier_cross_entropy_pick = pick(classifier_cross_entropy_log_softmax, y)
         classifier_cross_entropy_pick = mem.tensor(25, (100,), 'float32')
         rt.pick(classifier_cross_entropy_log_softmax, y, out=classifier_cross_entropy_pick)
-        # free y, classifier_matmul, classifier, classifier_cross_entropy_log_softmax
-        del y, classifier_matmul, classifier, classifier_cross_entropy_log_softmax
+        # free y, classifier, classifier_cross_entropy_log_softmax
+        del y, classifier, classifier_cross_entropy_log_softmax
         mem.free(1, 22)
         # classifier_cross_entropy_sum_to = sum_to[scalar](classifier_cross_entropy_pick)
         classifier_cross_entropy_sum_to = mem.tensor(26, (), 'float32')
@@ -1612,15 +1606,12 @@ class InceptionMini(rp.Model):
         inception_b_1x1_flatten = rt.reshape(inception_b_1x1_avg_pool, shape=(100, 112))
 
         # ---- classifier (fully connected, 10 outputs), forward ----
-        # classifier_matmul = matmul[tb](inception_b_1x1_flatten, classifier_W)
-        classifier_matmul = mem.tensor(21, (100, 10), 'float32')
-        rt.matmul(inception_b_1x1_flatten, T['classifier_W'], out=classifier_matmul, tb=True)
+        # classifier = matmul[tb](inception_b_1x1_flatten, classifier_W, classifier_B)
+        classifier = mem.tensor(21, (100, 10), 'float32')
+        rt.matmul(inception_b_1x1_flatten, T['classifier_W'], T['classifier_B'], out=classifier, tb=True)
         # free inception_b_1x1_avg_pool, inception_b_1x1_flatten
         del inception_b_1x1_avg_pool, inception_b_1x1_flatten
         mem.free(20)
-        # classifier = classifier_matmul + classifier_B
-        classifier = classifier_matmul  # in place: over classifier_matmul
-        rt.ew(ew_add, classifier, classifier_matmul, T['classifier_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(classifier)
@@ -1669,7 +1660,7 @@ class InceptionMini(rp.Model):
                 (3449600, 940800),  # 25: inception_b_3x3 100x48x7x7 float32
                 (0, 2195200),  # 26: inception_b_1x1_concat 100x112x7x7 float32
                 (4704000, 44800),  # 27: inception_b_1x1_avg_pool 100x112x1x1 float32
-                (0, 4000),  # 28: classifier_matmul 100x10 float32
+                (0, 4000),  # 28: classifier 100x10 float32
                 (4608, 400),  # 29: classifier_cross_entropy_pick 100 float32
                 (0, 4480),  # 30: d_classifier_W 10x112 float32
                 (19443456, 4),  # 31: classifier_cross_entropy_sum_to scalar float32
@@ -1753,7 +1744,7 @@ class InceptionMini(rp.Model):
                 (4076800, 313600),  # 19: inception_b_pool_proj 100x16x7x7 float32
                 (0, 2195200),  # 20: inception_b_1x1_concat 100x112x7x7 float32
                 (2195200, 44800),  # 21: inception_b_1x1_avg_pool 100x112x1x1 float32
-                (0, 4000),  # 22: classifier_matmul 100x10 float32
+                (0, 4000),  # 22: classifier 100x10 float32
                 (5120, 4),  # 23: classifier_precision scalar float32
                 (4096, 400),  # 24: label_ranks 100 float32
                 (4608, 400),  # 25: classifier_cross_entropy_pick 100 float32
@@ -1783,7 +1774,7 @@ class InceptionMini(rp.Model):
                 (4076800, 313600),  # 18: inception_b_pool_proj 100x16x7x7 float32
                 (0, 2195200),  # 19: inception_b_1x1_concat 100x112x7x7 float32
                 (2195200, 44800),  # 20: inception_b_1x1_avg_pool 100x112x1x1 float32
-                (0, 4000),  # 21: classifier_matmul 100x10 float32
+                (0, 4000),  # 21: classifier 100x10 float32
             )),
     }
 
@@ -1800,11 +1791,6 @@ def ew_mul(out, v0, v1):
     """out = 1.25*v0*v1   (out may be v0)"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, 1.25, out=out)
-
-
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
 
 
 def ew_exp_scale_add(out, v0, v1):
@@ -1845,7 +1831,7 @@ def ew_mul_sub_2(out, v0, v1, v2):
     np.subtract(v0, v1 * v2 * 2, out=out)
 
 
-def ew_add_2(out, v0, v1, v2, v3):
+def ew_add(out, v0, v1, v2, v3):
     """out = v0 + v1 + v2 + v3   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.add(out, v2, out=out)

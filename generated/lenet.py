@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 500x1x28x28 float32 images, 500 int32 labels (10 classes); default data: digits
 Solver: SGD, 1000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 26.05 MB of tensors planned for the training step (24.61 MB testing); static arena 26.05 MB, pool 49.09 MB, workspace 32.00 MB
-Structure hash: 361d95d0a4984329
+Structure hash: 03f9f9a2ceef6790
 
 Usage: python lenet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Lenet(rp.Model):
 
     name = "lenet"
     source = "networks/lenet.py"
-    structure_hash = "361d95d0a4984329"
+    structure_hash = "03f9f9a2ceef6790"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (500, 1, 28, 28)
@@ -149,12 +149,9 @@ class Lenet(rp.Model):
         rt.ew(ew_add_relu, fc1_relu, fc1_matmul, T['fc1_B'])
 
         # ---- fc2 (fully connected, 10 outputs), forward ----
-        # fc2_matmul = matmul[tb](fc1_relu, fc2_W)
-        fc2_matmul = mem.tensor(9, (500, 10), 'float32')
-        rt.matmul(fc1_relu, T['fc2_W'], out=fc2_matmul, tb=True)
-        # fc2 = fc2_matmul + fc2_B
-        fc2 = fc2_matmul  # in place: over fc2_matmul
-        rt.ew(ew_add, fc2, fc2_matmul, T['fc2_B'])
+        # fc2 = matmul[tb](fc1_relu, fc2_W, fc2_B)
+        fc2 = mem.tensor(9, (500, 10), 'float32')
+        rt.matmul(fc1_relu, T['fc2_W'], T['fc2_B'], out=fc2, tb=True)
 
         # ---- fc2_log_loss (log_loss), forward ----
         # fc2_log_loss_log_softmax = log_softmax(fc2)
@@ -183,8 +180,8 @@ class Lenet(rp.Model):
         # d_fc2 = d_fc2_log_loss_log_softmax + 0.002*exp(fc2_log_loss_log_softmax)
         d_fc2 = d_fc2_log_loss_log_softmax  # in place: over d_fc2_log_loss_log_softmax
         rt.ew(ew_exp_scale_add, d_fc2, d_fc2_log_loss_log_softmax, fc2_log_loss_log_softmax)
-        # free fc2_matmul, fc2, fc2_log_loss_log_softmax
-        del fc2_matmul, fc2, fc2_log_loss_log_softmax
+        # free fc2, fc2_log_loss_log_softmax
+        del fc2, fc2_log_loss_log_softmax
         mem.free(9)
 
         # ---- fc2 (fully connected, 10 outputs), backward ----
@@ -414,15 +411,12 @@ class Lenet(rp.Model):
         rt.ew(ew_add_relu, fc1_relu, fc1_matmul, T['fc1_B'])
 
         # ---- fc2 (fully connected, 10 outputs), forward ----
-        # fc2_matmul = matmul[tb](fc1_relu, fc2_W)
-        fc2_matmul = mem.tensor(7, (500, 10), 'float32')
-        rt.matmul(fc1_relu, T['fc2_W'], out=fc2_matmul, tb=True)
+        # fc2 = matmul[tb](fc1_relu, fc2_W, fc2_B)
+        fc2 = mem.tensor(7, (500, 10), 'float32')
+        rt.matmul(fc1_relu, T['fc2_W'], T['fc2_B'], out=fc2, tb=True)
         # free fc1_matmul, fc1_relu
         del fc1_matmul, fc1_relu
         mem.free(6)
-        # fc2 = fc2_matmul + fc2_B
-        fc2 = fc2_matmul  # in place: over fc2_matmul
-        rt.ew(ew_add, fc2, fc2_matmul, T['fc2_B'])
 
         # ---- fc2_precision (precision), forward ----
         # fc2_precision = precision(fc2, y)
@@ -441,8 +435,8 @@ class Lenet(rp.Model):
         # fc2_log_loss_pick = pick(fc2_log_loss_log_softmax, y)
         fc2_log_loss_pick = mem.tensor(10, (500,), 'float32')
         rt.pick(fc2_log_loss_log_softmax, y, out=fc2_log_loss_pick)
-        # free y, fc2_matmul, fc2, fc2_log_loss_log_softmax
-        del y, fc2_matmul, fc2, fc2_log_loss_log_softmax
+        # free y, fc2, fc2_log_loss_log_softmax
+        del y, fc2, fc2_log_loss_log_softmax
         mem.free(1, 7)
         # fc2_log_loss_sum_to = sum_to[scalar](fc2_log_loss_pick)
         fc2_log_loss_sum_to = mem.tensor(11, (), 'float32')
@@ -514,15 +508,12 @@ class Lenet(rp.Model):
         rt.ew(ew_add_relu, fc1_relu, fc1_matmul, T['fc1_B'])
 
         # ---- fc2 (fully connected, 10 outputs), forward ----
-        # fc2_matmul = matmul[tb](fc1_relu, fc2_W)
-        fc2_matmul = mem.tensor(6, (500, 10), 'float32')
-        rt.matmul(fc1_relu, T['fc2_W'], out=fc2_matmul, tb=True)
+        # fc2 = matmul[tb](fc1_relu, fc2_W, fc2_B)
+        fc2 = mem.tensor(6, (500, 10), 'float32')
+        rt.matmul(fc1_relu, T['fc2_W'], T['fc2_B'], out=fc2, tb=True)
         # free fc1_matmul, fc1_relu
         del fc1_matmul, fc1_relu
         mem.free(5)
-        # fc2 = fc2_matmul + fc2_B
-        fc2 = fc2_matmul  # in place: over fc2_matmul
-        rt.ew(ew_add, fc2, fc2_matmul, T['fc2_B'])
 
         # ---- fc2_softmax (softmax), forward ----
         # fc2_softmax = softmax(fc2)
@@ -552,7 +543,7 @@ class Lenet(rp.Model):
                 (13760000, 400000),  # 6: cv2_max_pool_argmax 500x50x4x4 uint8
                 (12160000, 1600000),  # 7: cv2_max_pool 500x50x4x4 float32
                 (7360000, 1000000),  # 8: fc1_matmul 500x500 float32
-                (5760000, 20000),  # 9: fc2_matmul 500x10 float32
+                (5760000, 20000),  # 9: fc2 500x10 float32
                 (5780224, 2000),  # 10: fc2_log_loss_pick 500 float32
                 (26050048, 4),  # 11: fc2_log_loss_sum_to scalar float32
                 (9360384, 20000),  # 12: d_fc2_log_loss_log_softmax 500x10 float32
@@ -580,7 +571,7 @@ class Lenet(rp.Model):
                 (5760000, 6400000),  # 4: cv2 500x50x8x8 float32
                 (0, 1600000),  # 5: cv2_max_pool 500x50x4x4 float32
                 (1600000, 1000000),  # 6: fc1_matmul 500x500 float32
-                (0, 20000),  # 7: fc2_matmul 500x10 float32
+                (0, 20000),  # 7: fc2 500x10 float32
                 (24320, 4),  # 8: fc2_precision scalar float32
                 (20224, 2000),  # 9: label_ranks 500 float32
                 (22272, 2000),  # 10: fc2_log_loss_pick 500 float32
@@ -595,7 +586,7 @@ class Lenet(rp.Model):
                 (5760000, 6400000),  # 3: cv2 500x50x8x8 float32
                 (0, 1600000),  # 4: cv2_max_pool 500x50x4x4 float32
                 (1600000, 1000000),  # 5: fc1_matmul 500x500 float32
-                (0, 20000),  # 6: fc2_matmul 500x10 float32
+                (0, 20000),  # 6: fc2 500x10 float32
             )),
     }
 
@@ -607,11 +598,6 @@ def ew_add_relu(out, v0, v1):
     """out = Max(0, v0 + v1)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.maximum(out, 0, out=out)
-
-
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
 
 
 def ew_scale(out, v0):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 1000 iterations, lr 0.1, momentum 0.9, decay 0.0005
 Memory: peak 1.37 MB of tensors planned for the training step (0.43 MB testing); static arena 1.37 MB, pool 1.58 MB, workspace 0.00 MB
-Structure hash: 556d40ac881c2568
+Structure hash: 7644ffbc30f32ad4
 
 Usage: python mlp.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Mlp(rp.Model):
 
     name = "mlp"
     source = "networks/mlp.py"
-    structure_hash = "556d40ac881c2568"
+    structure_hash = "7644ffbc30f32ad4"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -130,12 +130,9 @@ class Mlp(rp.Model):
         rt.ew(ew_add_relu, fc2_relu, fc2_matmul, T['fc2_B'])
 
         # ---- fc3 (fully connected, 10 outputs), forward ----
-        # fc3_matmul = matmul[tb](fc2_relu, fc3_W)
-        fc3_matmul = mem.tensor(5, (100, 10), 'float32')
-        rt.matmul(fc2_relu, T['fc3_W'], out=fc3_matmul, tb=True)
-        # fc3 = fc3_matmul + fc3_B
-        fc3 = fc3_matmul  # in place: over fc3_matmul
-        rt.ew(ew_add, fc3, fc3_matmul, T['fc3_B'])
+        # fc3 = matmul[tb](fc2_relu, fc3_W, fc3_B)
+        fc3 = mem.tensor(5, (100, 10), 'float32')
+        rt.matmul(fc2_relu, T['fc3_W'], T['fc3_B'], out=fc3, tb=True)
 
         # ---- fc3_cross_entropy (cross_entropy), forward ----
         # fc3_cross_entropy_log_softmax = log_softmax(fc3)
@@ -152,8 +149,8 @@ class Mlp(rp.Model):
         # d_fc3 = d_fc3_cross_entropy_log_softmax + 0.01*exp(fc3_cross_entropy_log_softmax)
         d_fc3 = d_fc3_cross_entropy_log_softmax  # in place: over d_fc3_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_fc3, d_fc3_cross_entropy_log_softmax, fc3_cross_entropy_log_softmax)
-        # free fc3_matmul, fc3, fc3_cross_entropy_log_softmax
-        del fc3_matmul, fc3, fc3_cross_entropy_log_softmax
+        # free fc3, fc3_cross_entropy_log_softmax
+        del fc3, fc3_cross_entropy_log_softmax
         mem.free(5)
 
         # ---- fc3_cross_entropy (cross_entropy), forward ----
@@ -317,15 +314,12 @@ class Mlp(rp.Model):
         rt.ew(ew_add_relu, fc2_relu, fc2_matmul, T['fc2_B'])
 
         # ---- fc3 (fully connected, 10 outputs), forward ----
-        # fc3_matmul = matmul[tb](fc2_relu, fc3_W)
-        fc3_matmul = mem.tensor(4, (100, 10), 'float32')
-        rt.matmul(fc2_relu, T['fc3_W'], out=fc3_matmul, tb=True)
+        # fc3 = matmul[tb](fc2_relu, fc3_W, fc3_B)
+        fc3 = mem.tensor(4, (100, 10), 'float32')
+        rt.matmul(fc2_relu, T['fc3_W'], T['fc3_B'], out=fc3, tb=True)
         # free fc2_matmul, fc2_relu
         del fc2_matmul, fc2_relu
         mem.free(3)
-        # fc3 = fc3_matmul + fc3_B
-        fc3 = fc3_matmul  # in place: over fc3_matmul
-        rt.ew(ew_add, fc3, fc3_matmul, T['fc3_B'])
 
         # ---- fc3_precision (precision), forward ----
         # fc3_precision = precision(fc3, y)
@@ -344,8 +338,8 @@ class Mlp(rp.Model):
         # fc3_cross_entropy_pick = pick(fc3_cross_entropy_log_softmax, y)
         fc3_cross_entropy_pick = mem.tensor(7, (100,), 'float32')
         rt.pick(fc3_cross_entropy_log_softmax, y, out=fc3_cross_entropy_pick)
-        # free y, fc3_matmul, fc3, fc3_cross_entropy_log_softmax
-        del y, fc3_matmul, fc3, fc3_cross_entropy_log_softmax
+        # free y, fc3, fc3_cross_entropy_log_softmax
+        del y, fc3, fc3_cross_entropy_log_softmax
         mem.free(1, 4)
         # fc3_cross_entropy_sum_to = sum_to[scalar](fc3_cross_entropy_pick)
         fc3_cross_entropy_sum_to = mem.tensor(8, (), 'float32')
@@ -398,15 +392,12 @@ class Mlp(rp.Model):
         rt.ew(ew_add_relu, fc2_relu, fc2_matmul, T['fc2_B'])
 
         # ---- fc3 (fully connected, 10 outputs), forward ----
-        # fc3_matmul = matmul[tb](fc2_relu, fc3_W)
-        fc3_matmul = mem.tensor(3, (100, 10), 'float32')
-        rt.matmul(fc2_relu, T['fc3_W'], out=fc3_matmul, tb=True)
+        # fc3 = matmul[tb](fc2_relu, fc3_W, fc3_B)
+        fc3 = mem.tensor(3, (100, 10), 'float32')
+        rt.matmul(fc2_relu, T['fc3_W'], T['fc3_B'], out=fc3, tb=True)
         # free fc2_matmul, fc2_relu
         del fc2_matmul, fc2_relu
         mem.free(2)
-        # fc3 = fc3_matmul + fc3_B
-        fc3 = fc3_matmul  # in place: over fc3_matmul
-        rt.ew(ew_add, fc3, fc3_matmul, T['fc3_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(fc3)
@@ -432,7 +423,7 @@ class Mlp(rp.Model):
                 (160256, 4000),  # 2: d_fc3_cross_entropy_log_softmax 100x10 float32
                 (0, 120000),  # 3: fc1_matmul 100x300 float32
                 (120064, 40000),  # 4: fc2_matmul 100x100 float32
-                (164352, 4000),  # 5: fc3_matmul 100x10 float32
+                (164352, 4000),  # 5: fc3 100x10 float32
                 (168960, 400),  # 6: fc3_cross_entropy_pick 100 float32
                 (1374464, 4),  # 7: fc3_cross_entropy_sum_to scalar float32
                 (164352, 40),  # 8: d_fc3_B 10 float32
@@ -451,7 +442,7 @@ class Mlp(rp.Model):
                 (433664, 400),  # 1: y 100 int32
                 (313600, 120000),  # 2: fc1_matmul 100x300 float32
                 (0, 40000),  # 3: fc2_matmul 100x100 float32
-                (40192, 4000),  # 4: fc3_matmul 100x10 float32
+                (40192, 4000),  # 4: fc3 100x10 float32
                 (1024, 4),  # 5: fc3_precision scalar float32
                 (0, 400),  # 6: label_ranks 100 float32
                 (512, 400),  # 7: fc3_cross_entropy_pick 100 float32
@@ -463,7 +454,7 @@ class Mlp(rp.Model):
                 (0, 313600),  # 0: x 100x1x28x28 float32
                 (313600, 120000),  # 1: fc1_matmul 100x300 float32
                 (0, 40000),  # 2: fc2_matmul 100x100 float32
-                (40192, 4000),  # 3: fc3_matmul 100x10 float32
+                (40192, 4000),  # 3: fc3 100x10 float32
             )),
     }
 
@@ -475,11 +466,6 @@ def ew_add_relu(out, v0, v1):
     """out = Max(0, v0 + v1)   (out may be v0)"""
     np.add(v0, v1, out=out)
     np.maximum(out, 0, out=out)
-
-
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
 
 
 def ew_exp_scale_add(out, v0, v1):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 1000 iterations, lr 0.045, momentum 0.9, decay 4e-05
 Memory: peak 909.73 MB of tensors planned for the training step (192.68 MB testing); static arena 909.73 MB, pool 918.19 MB, workspace 32.74 MB
-Structure hash: 96895c372241f004
+Structure hash: 2a73cdf80f21f754
 
 Usage: python mobilenet_v2.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class MobilenetV2(rp.Model):
 
     name = "mobilenet_v2"
     source = "networks/mobilenet_v2.py"
-    structure_hash = "96895c372241f004"
+    structure_hash = "2a73cdf80f21f754"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -3135,12 +3135,9 @@ class MobilenetV2(rp.Model):
         rt.ew(ew_mul, conv_last_bn_dropout, conv_last_bn_flatten, conv_last_bn_dropout_mask)
 
         # ---- fc (fully connected, 1000 outputs), forward ----
-        # fc_matmul = matmul[tb](conv_last_bn_dropout, fc_W)
-        fc_matmul = mem.tensor(259, (32, 1000), 'float32')
-        rt.matmul(conv_last_bn_dropout, T['fc_W'], out=fc_matmul, tb=True)
-        # fc = fc_matmul + fc_B
-        fc = fc_matmul  # in place: over fc_matmul
-        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
+        # fc = matmul[tb](conv_last_bn_dropout, fc_W, fc_B)
+        fc = mem.tensor(259, (32, 1000), 'float32')
+        rt.matmul(conv_last_bn_dropout, T['fc_W'], T['fc_B'], out=fc, tb=True)
 
         # ---- fc_cross_entropy (cross_entropy), forward ----
         # fc_cross_entropy_log_softmax = log_softmax(fc)
@@ -3157,8 +3154,8 @@ class MobilenetV2(rp.Model):
         # d_fc = d_fc_cross_entropy_log_softmax + 0.03125*exp(fc_cross_entropy_log_softmax)
         d_fc = d_fc_cross_entropy_log_softmax  # in place: over d_fc_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_fc, d_fc_cross_entropy_log_softmax, fc_cross_entropy_log_softmax)
-        # free fc_matmul, fc, fc_cross_entropy_log_softmax
-        del fc_matmul, fc, fc_cross_entropy_log_softmax
+        # free fc, fc_cross_entropy_log_softmax
+        del fc, fc_cross_entropy_log_softmax
         mem.free(259)
 
         # ---- fc_cross_entropy (cross_entropy), forward ----
@@ -9376,15 +9373,12 @@ class MobilenetV2(rp.Model):
         conv_last_bn_flatten = rt.reshape(conv_last_bn_avg_pool, shape=(32, 1280))
 
         # ---- fc (fully connected, 1000 outputs), forward ----
-        # fc_matmul = matmul[tb](conv_last_bn_flatten, fc_W)
-        fc_matmul = mem.tensor(55, (32, 1000), 'float32')
-        rt.matmul(conv_last_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # fc = matmul[tb](conv_last_bn_flatten, fc_W, fc_B)
+        fc = mem.tensor(55, (32, 1000), 'float32')
+        rt.matmul(conv_last_bn_flatten, T['fc_W'], T['fc_B'], out=fc, tb=True)
         # free conv_last_bn_avg_pool, conv_last_bn_flatten
         del conv_last_bn_avg_pool, conv_last_bn_flatten
         mem.free(54)
-        # fc = fc_matmul + fc_B
-        fc = fc_matmul  # in place: over fc_matmul
-        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
 
         # ---- fc_precision (precision), forward ----
         # fc_precision = precision(fc, y)
@@ -9403,8 +9397,8 @@ class MobilenetV2(rp.Model):
         # fc_cross_entropy_pick = pick(fc_cross_entropy_log_softmax, y)
         fc_cross_entropy_pick = mem.tensor(58, (32,), 'float32')
         rt.pick(fc_cross_entropy_log_softmax, y, out=fc_cross_entropy_pick)
-        # free y, fc_matmul, fc, fc_cross_entropy_log_softmax
-        del y, fc_matmul, fc, fc_cross_entropy_log_softmax
+        # free y, fc, fc_cross_entropy_log_softmax
+        del y, fc, fc_cross_entropy_log_softmax
         mem.free(1, 55)
         # fc_cross_entropy_sum_to = sum_to[scalar](fc_cross_entropy_pick)
         fc_cross_entropy_sum_to = mem.tensor(59, (), 'float32')
@@ -10621,15 +10615,12 @@ class MobilenetV2(rp.Model):
         conv_last_bn_flatten = rt.reshape(conv_last_bn_avg_pool, shape=(32, 1280))
 
         # ---- fc (fully connected, 1000 outputs), forward ----
-        # fc_matmul = matmul[tb](conv_last_bn_flatten, fc_W)
-        fc_matmul = mem.tensor(54, (32, 1000), 'float32')
-        rt.matmul(conv_last_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # fc = matmul[tb](conv_last_bn_flatten, fc_W, fc_B)
+        fc = mem.tensor(54, (32, 1000), 'float32')
+        rt.matmul(conv_last_bn_flatten, T['fc_W'], T['fc_B'], out=fc, tb=True)
         # free conv_last_bn_avg_pool, conv_last_bn_flatten
         del conv_last_bn_avg_pool, conv_last_bn_flatten
         mem.free(53)
-        # fc = fc_matmul + fc_B
-        fc = fc_matmul  # in place: over fc_matmul
-        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(fc)
@@ -10672,7 +10663,7 @@ class MobilenetV2(rp.Model):
                 (0, 154140672),  # 19: block2_expand 32x96x112x112 float32
                 (154140672, 384),  # 20: block2_expand_bn_sum 1x96x1x1 float32
                 (909702400, 384),  # 21: block2_expand_bn_sum_of_squares 1x96x1x1 float32
-                (909699840, 384),  # 22: block2_expand_bn_inv_std 1x96x1x1 float32
+                (909696000, 384),  # 22: block2_expand_bn_inv_std 1x96x1x1 float32
                 (513802240, 154140672),  # 23: block2_expand_bn_clipped_relu 32x96x112x112 float32
                 (430309376, 38535168),  # 24: block2_dw 32x96x56x56 float32
                 (154140672, 384),  # 25: block2_dw_bn_sum 1x96x1x1 float32
@@ -10740,7 +10731,7 @@ class MobilenetV2(rp.Model):
                 (817266688, 3211264),  # 87: block6_project 32x32x28x28 float32
                 (590872576, 128),  # 88: block6_project_bn_sum 1x32x1x1 float32
                 (909722112, 128),  # 89: block6_project_bn_sum_of_squares 1x32x1x1 float32
-                (909719040, 128),  # 90: block6_project_bn_inv_std 1x32x1x1 float32
+                (909715200, 128),  # 90: block6_project_bn_inv_std 1x32x1x1 float32
                 (653492224, 3211264),  # 91: block6_project_bn_add 32x32x28x28 float32
                 (590872576, 19267584),  # 92: block7_expand 32x192x28x28 float32
                 (653492224, 768),  # 93: block7_expand_bn_sum 1x192x1x1 float32
@@ -10798,7 +10789,7 @@ class MobilenetV2(rp.Model):
                 (672759808, 9633792),  # 145: block10_dw_bn_clipped_relu 32x384x14x14 float32
                 (863428608, 1605632),  # 146: block10_project 32x64x14x14 float32
                 (672759808, 256),  # 147: block10_project_bn_sum 1x64x1x1 float32
-                (909730816, 256),  # 148: block10_project_bn_sum_of_squares 1x64x1x1 float32
+                (909725696, 256),  # 148: block10_project_bn_sum_of_squares 1x64x1x1 float32
                 (909720576, 256),  # 149: block10_project_bn_inv_std 1x64x1x1 float32
                 (769097728, 9633792),  # 150: block11_expand 32x384x14x14 float32
                 (672759808, 1536),  # 151: block11_expand_bn_sum 1x384x1x1 float32
@@ -10875,7 +10866,7 @@ class MobilenetV2(rp.Model):
                 (909690624, 640),  # 222: block15_project_bn_inv_std 1x160x1x1 float32
                 (839745536, 6021120),  # 223: block16_expand 32x960x7x7 float32
                 (855801856, 3840),  # 224: block16_expand_bn_sum 1x960x1x1 float32
-                (909696000, 3840),  # 225: block16_expand_bn_sum_of_squares 1x960x1x1 float32
+                (909696512, 3840),  # 225: block16_expand_bn_sum_of_squares 1x960x1x1 float32
                 (909603328, 3840),  # 226: block16_expand_bn_inv_std 1x960x1x1 float32
                 (867442688, 6021120),  # 227: block16_expand_bn_clipped_relu 32x960x7x7 float32
                 (855801856, 6021120),  # 228: block16_dw 32x960x7x7 float32
@@ -10895,7 +10886,7 @@ class MobilenetV2(rp.Model):
                 (879484928, 6021120),  # 242: block17_expand_bn_clipped_relu 32x960x7x7 float32
                 (873463808, 6021120),  # 243: block17_dw 32x960x7x7 float32
                 (879484928, 3840),  # 244: block17_dw_bn_sum 1x960x1x1 float32
-                (909715200, 3840),  # 245: block17_dw_bn_sum_of_squares 1x960x1x1 float32
+                (909715456, 3840),  # 245: block17_dw_bn_sum_of_squares 1x960x1x1 float32
                 (909614848, 3840),  # 246: block17_dw_bn_inv_std 1x960x1x1 float32
                 (879484928, 6021120),  # 247: block17_dw_bn_clipped_relu 32x960x7x7 float32
                 (891527168, 2007040),  # 248: block17_project 32x320x7x7 float32
@@ -10905,11 +10896,11 @@ class MobilenetV2(rp.Model):
                 (893703168, 2007040),  # 252: block17_project_bn 32x320x7x7 float32
                 (879484928, 8028160),  # 253: conv_last 32x1280x7x7 float32
                 (893703168, 5120),  # 254: conv_last_bn_sum 1x1280x1x1 float32
-                (909725696, 5120),  # 255: conv_last_bn_sum_of_squares 1x1280x1x1 float32
+                (909725952, 5120),  # 255: conv_last_bn_sum_of_squares 1x1280x1x1 float32
                 (909590528, 5120),  # 256: conv_last_bn_inv_std 1x1280x1x1 float32
                 (893703168, 8028160),  # 257: conv_last_bn_clipped_relu 32x1280x7x7 float32
                 (901731328, 163840),  # 258: conv_last_bn_avg_pool 32x1280x1x1 float32
-                (893703168, 128000),  # 259: fc_matmul 32x1000 float32
+                (893703168, 128000),  # 259: fc 32x1000 float32
                 (893831168, 128),  # 260: fc_cross_entropy_pick 32 float32
                 (909721856, 4),  # 261: fc_cross_entropy_sum_to scalar float32
                 (893703168, 4000),  # 262: d_fc_B 1000 float32
@@ -11332,7 +11323,7 @@ class MobilenetV2(rp.Model):
                 (12042240, 2007040),  # 52: block17_project 32x320x7x7 float32
                 (0, 8028160),  # 53: conv_last 32x1280x7x7 float32
                 (8028160, 163840),  # 54: conv_last_bn_avg_pool 32x1280x1x1 float32
-                (0, 128000),  # 55: fc_matmul 32x1000 float32
+                (0, 128000),  # 55: fc 32x1000 float32
                 (128000, 4),  # 56: fc_precision scalar float32
                 (128256, 128),  # 57: label_ranks 32 float32
                 (128512, 128),  # 58: fc_cross_entropy_pick 32 float32
@@ -11395,7 +11386,7 @@ class MobilenetV2(rp.Model):
                 (12042240, 2007040),  # 51: block17_project 32x320x7x7 float32
                 (0, 8028160),  # 52: conv_last 32x1280x7x7 float32
                 (8028160, 163840),  # 53: conv_last_bn_avg_pool 32x1280x1x1 float32
-                (0, 128000),  # 54: fc_matmul 32x1000 float32
+                (0, 128000),  # 54: fc 32x1000 float32
             )),
     }
 
@@ -11516,11 +11507,6 @@ def ew_mul(out, v0, v1):
     np.multiply(out, 1.25, out=out)
 
 
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
-
-
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.03125*exp(v1)   (out may be v0)"""
     np.add(np.exp(v1) * 0.03125, v0, out=out)
@@ -11574,6 +11560,11 @@ def ew_neg(out, v0):
 def ew_mul_3(out, v0, v1):
     """out = v0*v1   (out may be v0)"""
     np.multiply(v0, v1, out=out)
+
+
+def ew_add(out, v0, v1):
+    """out = v0 + v1   (out may be v0)"""
+    np.add(v0, v1, out=out)
 
 
 def ew_add_pow_mul_2(out, v0, v1):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 128x3x231x231 float32 images, 128 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 100000 iterations, lr 0.05, momentum 0.6, decay 1e-05
 Memory: peak 473.43 MB of tensors planned for the training step (236.10 MB testing); static arena 473.43 MB, pool 602.44 MB, workspace 44.45 MB
-Structure hash: 829cb0421202a694
+Structure hash: 7fa3543aaaeee52a
 
 Usage: python overfeat.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Overfeat(rp.Model):
 
     name = "overfeat"
     source = "networks/overfeat.py"
-    structure_hash = "829cb0421202a694"
+    structure_hash = "7fa3543aaaeee52a"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (128, 3, 231, 231)
@@ -250,12 +250,9 @@ class Overfeat(rp.Model):
                    (ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask))
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
-        # fc8_matmul = matmul[tb](fc7_dropout, fc8_W)
-        fc8_matmul = mem.tensor(20, (128, 1000), 'float32')
-        rt.matmul(fc7_dropout, T['fc8_W'], out=fc8_matmul, tb=True)
-        # fc8 = fc8_matmul + fc8_B
-        fc8 = fc8_matmul  # in place: over fc8_matmul
-        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+        # fc8 = matmul[tb](fc7_dropout, fc8_W, fc8_B)
+        fc8 = mem.tensor(20, (128, 1000), 'float32')
+        rt.matmul(fc7_dropout, T['fc8_W'], T['fc8_B'], out=fc8, tb=True)
 
         # ---- fc8_cross_entropy (cross_entropy), forward ----
         # fc8_cross_entropy_log_softmax = log_softmax(fc8)
@@ -272,8 +269,8 @@ class Overfeat(rp.Model):
         # d_fc8 = d_fc8_cross_entropy_log_softmax + 0.0078125*exp(fc8_cross_entropy_log_softmax)
         d_fc8 = d_fc8_cross_entropy_log_softmax  # in place: over d_fc8_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_fc8, d_fc8_cross_entropy_log_softmax, fc8_cross_entropy_log_softmax)
-        # free fc8_matmul, fc8, fc8_cross_entropy_log_softmax
-        del fc8_matmul, fc8, fc8_cross_entropy_log_softmax
+        # free fc8, fc8_cross_entropy_log_softmax
+        del fc8, fc8_cross_entropy_log_softmax
         mem.free(20)
 
         # ---- fc8_cross_entropy (cross_entropy), forward ----
@@ -779,15 +776,12 @@ class Overfeat(rp.Model):
         rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
-        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
-        fc8_matmul = mem.tensor(12, (128, 1000), 'float32')
-        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # fc8 = matmul[tb](fc7_relu, fc8_W, fc8_B)
+        fc8 = mem.tensor(12, (128, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], T['fc8_B'], out=fc8, tb=True)
         # free fc7_matmul, fc7_relu
         del fc7_matmul, fc7_relu
         mem.free(11)
-        # fc8 = fc8_matmul + fc8_B
-        fc8 = fc8_matmul  # in place: over fc8_matmul
-        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
 
         # ---- fc8_precision (precision), forward ----
         # fc8_precision = precision(fc8, y)
@@ -806,8 +800,8 @@ class Overfeat(rp.Model):
         # fc8_cross_entropy_pick = pick(fc8_cross_entropy_log_softmax, y)
         fc8_cross_entropy_pick = mem.tensor(15, (128,), 'float32')
         rt.pick(fc8_cross_entropy_log_softmax, y, out=fc8_cross_entropy_pick)
-        # free y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
-        del y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
+        # free y, fc8, fc8_cross_entropy_log_softmax
+        del y, fc8, fc8_cross_entropy_log_softmax
         mem.free(1, 12)
         # fc8_cross_entropy_sum_to = sum_to[scalar](fc8_cross_entropy_pick)
         fc8_cross_entropy_sum_to = mem.tensor(16, (), 'float32')
@@ -949,15 +943,12 @@ class Overfeat(rp.Model):
         rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
-        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
-        fc8_matmul = mem.tensor(11, (128, 1000), 'float32')
-        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # fc8 = matmul[tb](fc7_relu, fc8_W, fc8_B)
+        fc8 = mem.tensor(11, (128, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], T['fc8_B'], out=fc8, tb=True)
         # free fc7_matmul, fc7_relu
         del fc7_matmul, fc7_relu
         mem.free(10)
-        # fc8 = fc8_matmul + fc8_B
-        fc8 = fc8_matmul  # in place: over fc8_matmul
-        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(fc8)
@@ -998,7 +989,7 @@ class Overfeat(rp.Model):
                 (127926272, 1572864),  # 17: fc6_dropout 128x3072 float32
                 (75497472, 2097152),  # 18: fc7_matmul 128x4096 float32
                 (91881472, 2097152),  # 19: fc7_dropout 128x4096 float32
-                (79167488, 512000),  # 20: fc8_matmul 128x1000 float32
+                (79167488, 512000),  # 20: fc8 128x1000 float32
                 (79679488, 512),  # 21: fc8_cross_entropy_pick 128 float32
                 (473432064, 4),  # 22: fc8_cross_entropy_sum_to scalar float32
                 (79167488, 4000),  # 23: d_fc8_B 1000 float32
@@ -1043,7 +1034,7 @@ class Overfeat(rp.Model):
                 (0, 18874368),  # 9: conv5_max_pool 128x1024x6x6 float32
                 (18874368, 1572864),  # 10: fc6_matmul 128x3072 float32
                 (0, 2097152),  # 11: fc7_matmul 128x4096 float32
-                (2097152, 512000),  # 12: fc8_matmul 128x1000 float32
+                (2097152, 512000),  # 12: fc8 128x1000 float32
                 (1024, 4),  # 13: fc8_precision scalar float32
                 (0, 512),  # 14: label_ranks 128 float32
                 (512, 512),  # 15: fc8_cross_entropy_pick 128 float32
@@ -1063,7 +1054,7 @@ class Overfeat(rp.Model):
                 (0, 18874368),  # 8: conv5_max_pool 128x1024x6x6 float32
                 (18874368, 1572864),  # 9: fc6_matmul 128x3072 float32
                 (0, 2097152),  # 10: fc7_matmul 128x4096 float32
-                (2097152, 512000),  # 11: fc8_matmul 128x1000 float32
+                (2097152, 512000),  # 11: fc8 128x1000 float32
             )),
     }
 
@@ -1086,11 +1077,6 @@ def ew_mul(out, v0, v1):
     """out = 2.0*v0*v1"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, 2.0, out=out)
-
-
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
 
 
 def ew_exp_scale_add(out, v0, v1):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 32x3x224x224 float32 images, 32 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 600000 iterations, lr 0.1, momentum 0.9, decay 0.0001
 Memory: peak 1727.87 MB of tensors planned for the training step (231.21 MB testing); static arena 1727.87 MB, pool 1737.42 MB, workspace 33.34 MB
-Structure hash: d522d28644c3064b
+Structure hash: b3c2f8aa2884c05e
 
 Usage: python resnet50.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Resnet50(rp.Model):
 
     name = "resnet50"
     source = "networks/resnet50.py"
-    structure_hash = "d522d28644c3064b"
+    structure_hash = "b3c2f8aa2884c05e"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (32, 3, 224, 224)
@@ -3177,12 +3177,9 @@ class Resnet50(rp.Model):
         bn5c_branch2c_flatten = rt.reshape(bn5c_branch2c_avg_pool, shape=(32, 2048))
 
         # ---- fc1000 (fully connected, 1000 outputs), forward ----
-        # fc1000_matmul = matmul[tb](bn5c_branch2c_flatten, fc1000_W)
-        fc1000_matmul = mem.tensor(260, (32, 1000), 'float32')
-        rt.matmul(bn5c_branch2c_flatten, T['fc1000_W'], out=fc1000_matmul, tb=True)
-        # fc1000 = fc1000_matmul + fc1000_B
-        fc1000 = fc1000_matmul  # in place: over fc1000_matmul
-        rt.ew(ew_add, fc1000, fc1000_matmul, T['fc1000_B'])
+        # fc1000 = matmul[tb](bn5c_branch2c_flatten, fc1000_W, fc1000_B)
+        fc1000 = mem.tensor(260, (32, 1000), 'float32')
+        rt.matmul(bn5c_branch2c_flatten, T['fc1000_W'], T['fc1000_B'], out=fc1000, tb=True)
 
         # ---- fc1000_cross_entropy (cross_entropy), forward ----
         # fc1000_cross_entropy_log_softmax = log_softmax(fc1000)
@@ -3199,8 +3196,8 @@ class Resnet50(rp.Model):
         # d_fc1000 = d_fc1000_cross_entropy_log_softmax + 0.03125*exp(fc1000_cross_entropy_log_softmax)
         d_fc1000 = d_fc1000_cross_entropy_log_softmax  # in place: over d_fc1000_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_fc1000, d_fc1000_cross_entropy_log_softmax, fc1000_cross_entropy_log_softmax)
-        # free fc1000_matmul, fc1000, fc1000_cross_entropy_log_softmax
-        del fc1000_matmul, fc1000, fc1000_cross_entropy_log_softmax
+        # free fc1000, fc1000_cross_entropy_log_softmax
+        del fc1000, fc1000_cross_entropy_log_softmax
         mem.free(260)
 
         # ---- fc1000_cross_entropy (cross_entropy), forward ----
@@ -9638,15 +9635,12 @@ class Resnet50(rp.Model):
         bn5c_branch2c_flatten = rt.reshape(bn5c_branch2c_avg_pool, shape=(32, 2048))
 
         # ---- fc1000 (fully connected, 1000 outputs), forward ----
-        # fc1000_matmul = matmul[tb](bn5c_branch2c_flatten, fc1000_W)
-        fc1000_matmul = mem.tensor(57, (32, 1000), 'float32')
-        rt.matmul(bn5c_branch2c_flatten, T['fc1000_W'], out=fc1000_matmul, tb=True)
+        # fc1000 = matmul[tb](bn5c_branch2c_flatten, fc1000_W, fc1000_B)
+        fc1000 = mem.tensor(57, (32, 1000), 'float32')
+        rt.matmul(bn5c_branch2c_flatten, T['fc1000_W'], T['fc1000_B'], out=fc1000, tb=True)
         # free bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
         del bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
         mem.free(56)
-        # fc1000 = fc1000_matmul + fc1000_B
-        fc1000 = fc1000_matmul  # in place: over fc1000_matmul
-        rt.ew(ew_add, fc1000, fc1000_matmul, T['fc1000_B'])
 
         # ---- fc1000_precision (precision), forward ----
         # fc1000_precision = precision(fc1000, y)
@@ -9665,8 +9659,8 @@ class Resnet50(rp.Model):
         # fc1000_cross_entropy_pick = pick(fc1000_cross_entropy_log_softmax, y)
         fc1000_cross_entropy_pick = mem.tensor(60, (32,), 'float32')
         rt.pick(fc1000_cross_entropy_log_softmax, y, out=fc1000_cross_entropy_pick)
-        # free y, fc1000_matmul, fc1000, fc1000_cross_entropy_log_softmax
-        del y, fc1000_matmul, fc1000, fc1000_cross_entropy_log_softmax
+        # free y, fc1000, fc1000_cross_entropy_log_softmax
+        del y, fc1000, fc1000_cross_entropy_log_softmax
         mem.free(1, 57)
         # fc1000_cross_entropy_sum_to = sum_to[scalar](fc1000_cross_entropy_pick)
         fc1000_cross_entropy_sum_to = mem.tensor(61, (), 'float32')
@@ -10920,15 +10914,12 @@ class Resnet50(rp.Model):
         bn5c_branch2c_flatten = rt.reshape(bn5c_branch2c_avg_pool, shape=(32, 2048))
 
         # ---- fc1000 (fully connected, 1000 outputs), forward ----
-        # fc1000_matmul = matmul[tb](bn5c_branch2c_flatten, fc1000_W)
-        fc1000_matmul = mem.tensor(56, (32, 1000), 'float32')
-        rt.matmul(bn5c_branch2c_flatten, T['fc1000_W'], out=fc1000_matmul, tb=True)
+        # fc1000 = matmul[tb](bn5c_branch2c_flatten, fc1000_W, fc1000_B)
+        fc1000 = mem.tensor(56, (32, 1000), 'float32')
+        rt.matmul(bn5c_branch2c_flatten, T['fc1000_W'], T['fc1000_B'], out=fc1000, tb=True)
         # free bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
         del bn5c_branch2c_avg_pool, bn5c_branch2c_flatten
         mem.free(55)
-        # fc1000 = fc1000_matmul + fc1000_B
-        fc1000 = fc1000_matmul  # in place: over fc1000_matmul
-        rt.ew(ew_add, fc1000, fc1000_matmul, T['fc1000_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(fc1000)
@@ -11209,7 +11200,7 @@ class Resnet50(rp.Model):
                 (1727717376, 8192),  # 257: bn5c_branch2c_inv_std 1x2048x1x1 float32
                 (1599209472, 12845056),  # 258: bn5c_branch2c_relu 32x2048x7x7 float32
                 (1612054528, 262144),  # 259: bn5c_branch2c_avg_pool 32x2048x1x1 float32
-                (1599209472, 128000),  # 260: fc1000_matmul 32x1000 float32
+                (1599209472, 128000),  # 260: fc1000 32x1000 float32
                 (1599337472, 128),  # 261: fc1000_cross_entropy_pick 32 float32
                 (1727872512, 4),  # 262: fc1000_cross_entropy_sum_to scalar float32
                 (1599209472, 4000),  # 263: d_fc1000_B 1000 float32
@@ -11633,7 +11624,7 @@ class Resnet50(rp.Model):
                 (25690112, 3211264),  # 54: res5c_branch2b 32x512x7x7 float32
                 (12845056, 12845056),  # 55: res5c_branch2c 32x2048x7x7 float32
                 (0, 262144),  # 56: bn5c_branch2c_avg_pool 32x2048x1x1 float32
-                (262144, 128000),  # 57: fc1000_matmul 32x1000 float32
+                (262144, 128000),  # 57: fc1000 32x1000 float32
                 (0, 4),  # 58: fc1000_precision scalar float32
                 (256, 128),  # 59: label_ranks 32 float32
                 (512, 128),  # 60: fc1000_cross_entropy_pick 32 float32
@@ -11698,7 +11689,7 @@ class Resnet50(rp.Model):
                 (25690112, 3211264),  # 53: res5c_branch2b 32x512x7x7 float32
                 (12845056, 12845056),  # 54: res5c_branch2c 32x2048x7x7 float32
                 (0, 262144),  # 55: bn5c_branch2c_avg_pool 32x2048x1x1 float32
-                (262144, 128000),  # 56: fc1000_matmul 32x1000 float32
+                (262144, 128000),  # 56: fc1000 32x1000 float32
             )),
     }
 
@@ -11817,11 +11808,6 @@ def ew_scale_add_6(out, v0, v1):
     np.add(v1 * 0.10006381620931717, out, out=out)
 
 
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
-
-
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.03125*exp(v1)   (out may be v0)"""
     np.add(np.exp(v1) * 0.03125, v0, out=out)
@@ -11875,6 +11861,11 @@ def ew_neg(out, v0):
 def ew_mul_2(out, v0, v1):
     """out = v0*v1   (out may be v0)"""
     np.multiply(v0, v1, out=out)
+
+
+def ew_add(out, v0, v1):
+    """out = v0 + v1   (out may be v0)"""
+    np.add(v0, v1, out=out)
 
 
 def ew_add_step_mul(out, v0, v1, v2):

@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 35.59 MB of tensors planned for the training step (15.05 MB testing); static arena 35.59 MB, pool 39.21 MB, workspace 31.97 MB
-Structure hash: 8598e65a1cb2b9d0
+Structure hash: e1c9a4616acf715e
 
 Usage: python resnet_mini.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class ResnetMini(rp.Model):
 
     name = "resnet_mini"
     source = "networks/resnet_mini.py"
-    structure_hash = "8598e65a1cb2b9d0"
+    structure_hash = "e1c9a4616acf715e"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -618,12 +618,9 @@ class ResnetMini(rp.Model):
         res4_b_bn_flatten = rt.reshape(res4_b_bn_avg_pool, shape=(100, 64))
 
         # ---- fc (fully connected, 10 outputs), forward ----
-        # fc_matmul = matmul[tb](res4_b_bn_flatten, fc_W)
-        fc_matmul = mem.tensor(46, (100, 10), 'float32')
-        rt.matmul(res4_b_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
-        # fc = fc_matmul + fc_B
-        fc = fc_matmul  # in place: over fc_matmul
-        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
+        # fc = matmul[tb](res4_b_bn_flatten, fc_W, fc_B)
+        fc = mem.tensor(46, (100, 10), 'float32')
+        rt.matmul(res4_b_bn_flatten, T['fc_W'], T['fc_B'], out=fc, tb=True)
 
         # ---- fc_cross_entropy (cross_entropy), forward ----
         # fc_cross_entropy_log_softmax = log_softmax(fc)
@@ -640,8 +637,8 @@ class ResnetMini(rp.Model):
         # d_fc = d_fc_cross_entropy_log_softmax + 0.01*exp(fc_cross_entropy_log_softmax)
         d_fc = d_fc_cross_entropy_log_softmax  # in place: over d_fc_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_fc, d_fc_cross_entropy_log_softmax, fc_cross_entropy_log_softmax)
-        # free fc_matmul, fc, fc_cross_entropy_log_softmax
-        del fc_matmul, fc, fc_cross_entropy_log_softmax
+        # free fc, fc_cross_entropy_log_softmax
+        del fc, fc_cross_entropy_log_softmax
         mem.free(46)
 
         # ---- fc (fully connected, 10 outputs), backward ----
@@ -1757,15 +1754,12 @@ class ResnetMini(rp.Model):
         res4_b_bn_flatten = rt.reshape(res4_b_bn_avg_pool, shape=(100, 64))
 
         # ---- fc (fully connected, 10 outputs), forward ----
-        # fc_matmul = matmul[tb](res4_b_bn_flatten, fc_W)
-        fc_matmul = mem.tensor(12, (100, 10), 'float32')
-        rt.matmul(res4_b_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # fc = matmul[tb](res4_b_bn_flatten, fc_W, fc_B)
+        fc = mem.tensor(12, (100, 10), 'float32')
+        rt.matmul(res4_b_bn_flatten, T['fc_W'], T['fc_B'], out=fc, tb=True)
         # free res4_b_bn_avg_pool, res4_b_bn_flatten
         del res4_b_bn_avg_pool, res4_b_bn_flatten
         mem.free(11)
-        # fc = fc_matmul + fc_B
-        fc = fc_matmul  # in place: over fc_matmul
-        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
 
         # ---- fc_precision (precision), forward ----
         # fc_precision = precision(fc, y)
@@ -1784,8 +1778,8 @@ class ResnetMini(rp.Model):
         # fc_cross_entropy_pick = pick(fc_cross_entropy_log_softmax, y)
         fc_cross_entropy_pick = mem.tensor(15, (100,), 'float32')
         rt.pick(fc_cross_entropy_log_softmax, y, out=fc_cross_entropy_pick)
-        # free y, fc_matmul, fc, fc_cross_entropy_log_softmax
-        del y, fc_matmul, fc, fc_cross_entropy_log_softmax
+        # free y, fc, fc_cross_entropy_log_softmax
+        del y, fc, fc_cross_entropy_log_softmax
         mem.free(1, 12)
         # fc_cross_entropy_sum_to = sum_to[scalar](fc_cross_entropy_pick)
         fc_cross_entropy_sum_to = mem.tensor(16, (), 'float32')
@@ -2023,15 +2017,12 @@ class ResnetMini(rp.Model):
         res4_b_bn_flatten = rt.reshape(res4_b_bn_avg_pool, shape=(100, 64))
 
         # ---- fc (fully connected, 10 outputs), forward ----
-        # fc_matmul = matmul[tb](res4_b_bn_flatten, fc_W)
-        fc_matmul = mem.tensor(11, (100, 10), 'float32')
-        rt.matmul(res4_b_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # fc = matmul[tb](res4_b_bn_flatten, fc_W, fc_B)
+        fc = mem.tensor(11, (100, 10), 'float32')
+        rt.matmul(res4_b_bn_flatten, T['fc_W'], T['fc_B'], out=fc, tb=True)
         # free res4_b_bn_avg_pool, res4_b_bn_flatten
         del res4_b_bn_avg_pool, res4_b_bn_flatten
         mem.free(10)
-        # fc = fc_matmul + fc_B
-        fc = fc_matmul  # in place: over fc_matmul
-        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(fc)
@@ -2098,7 +2089,7 @@ class ResnetMini(rp.Model):
                 (35467264, 256),  # 43: res4_b_bn_inv_std 1x64x1x1 float32
                 (15052800, 1254400),  # 44: res4_b_bn_relu 100x64x7x7 float32
                 (16307200, 25600),  # 45: res4_b_bn_avg_pool 100x64x1x1 float32
-                (16332800, 4000),  # 46: fc_matmul 100x10 float32
+                (16332800, 4000),  # 46: fc 100x10 float32
                 (16336896, 400),  # 47: fc_cross_entropy_pick 100 float32
                 (16332800, 2560),  # 48: d_fc_W 10x64 float32
                 (35587840, 4),  # 49: fc_cross_entropy_sum_to scalar float32
@@ -2176,7 +2167,7 @@ class ResnetMini(rp.Model):
                 (1254400, 1254400),  # 9: res4_a 100x64x7x7 float32
                 (2508800, 1254400),  # 10: res4_b 100x64x7x7 float32
                 (0, 25600),  # 11: res4_b_bn_avg_pool 100x64x1x1 float32
-                (25600, 4000),  # 12: fc_matmul 100x10 float32
+                (25600, 4000),  # 12: fc 100x10 float32
                 (1024, 4),  # 13: fc_precision scalar float32
                 (0, 400),  # 14: label_ranks 100 float32
                 (512, 400),  # 15: fc_cross_entropy_pick 100 float32
@@ -2196,7 +2187,7 @@ class ResnetMini(rp.Model):
                 (1254400, 1254400),  # 8: res4_a 100x64x7x7 float32
                 (2508800, 1254400),  # 9: res4_b 100x64x7x7 float32
                 (0, 25600),  # 10: res4_b_bn_avg_pool 100x64x1x1 float32
-                (25600, 4000),  # 11: fc_matmul 100x10 float32
+                (25600, 4000),  # 11: fc 100x10 float32
             )),
     }
 
@@ -2284,11 +2275,6 @@ def ew_scale_add_4(out, v0, v1):
     np.add(v1 * 0.10002041232904675, out, out=out)
 
 
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
-
-
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.01*exp(v1)   (out may be v0)"""
     np.add(np.exp(v1) * 0.01, v0, out=out)
@@ -2342,6 +2328,11 @@ def ew_neg(out, v0):
 def ew_mul_2(out, v0, v1):
     """out = v0*v1   (out may be v0)"""
     np.multiply(v0, v1, out=out)
+
+
+def ew_add(out, v0, v1):
+    """out = v0 + v1   (out may be v0)"""
+    np.add(v0, v1, out=out)
 
 
 def ew_add_step_mul(out, v0, v1, v2):

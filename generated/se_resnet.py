@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: SGD, 300 iterations, lr 0.05, momentum 0.9, decay 0.0001
 Memory: peak 36.82 MB of tensors planned for the training step (15.05 MB testing); static arena 36.83 MB, pool 40.46 MB, workspace 31.97 MB
-Structure hash: 85afc94e986631ae
+Structure hash: f76ec1bffd5803a5
 
 Usage: python se_resnet.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class SeResnet(rp.Model):
 
     name = "se_resnet"
     source = "networks/se_resnet.py"
-    structure_hash = "85afc94e986631ae"
+    structure_hash = "f76ec1bffd5803a5"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -746,12 +746,9 @@ class SeResnet(rp.Model):
         res4_proj_bn_flatten = rt.reshape(res4_proj_bn_avg_pool, shape=(100, 64))
 
         # ---- fc (fully connected, 10 outputs), forward ----
-        # fc_matmul = matmul[tb](res4_proj_bn_flatten, fc_W)
-        fc_matmul = mem.tensor(56, (100, 10), 'float32')
-        rt.matmul(res4_proj_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
-        # fc = fc_matmul + fc_B
-        fc = fc_matmul  # in place: over fc_matmul
-        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
+        # fc = matmul[tb](res4_proj_bn_flatten, fc_W, fc_B)
+        fc = mem.tensor(56, (100, 10), 'float32')
+        rt.matmul(res4_proj_bn_flatten, T['fc_W'], T['fc_B'], out=fc, tb=True)
 
         # ---- fc_cross_entropy (cross_entropy), forward ----
         # fc_cross_entropy_log_softmax = log_softmax(fc)
@@ -768,8 +765,8 @@ class SeResnet(rp.Model):
         # d_fc = d_fc_cross_entropy_log_softmax + 0.01*exp(fc_cross_entropy_log_softmax)
         d_fc = d_fc_cross_entropy_log_softmax  # in place: over d_fc_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_fc, d_fc_cross_entropy_log_softmax, fc_cross_entropy_log_softmax)
-        # free fc_matmul, fc, fc_cross_entropy_log_softmax
-        del fc_matmul, fc, fc_cross_entropy_log_softmax
+        # free fc, fc_cross_entropy_log_softmax
+        del fc, fc_cross_entropy_log_softmax
         mem.free(56)
 
         # ---- fc (fully connected, 10 outputs), backward ----
@@ -2283,15 +2280,12 @@ class SeResnet(rp.Model):
         res4_proj_bn_flatten = rt.reshape(res4_proj_bn_avg_pool, shape=(100, 64))
 
         # ---- fc (fully connected, 10 outputs), forward ----
-        # fc_matmul = matmul[tb](res4_proj_bn_flatten, fc_W)
-        fc_matmul = mem.tensor(21, (100, 10), 'float32')
-        rt.matmul(res4_proj_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # fc = matmul[tb](res4_proj_bn_flatten, fc_W, fc_B)
+        fc = mem.tensor(21, (100, 10), 'float32')
+        rt.matmul(res4_proj_bn_flatten, T['fc_W'], T['fc_B'], out=fc, tb=True)
         # free res4_proj_bn_avg_pool, res4_proj_bn_flatten
         del res4_proj_bn_avg_pool, res4_proj_bn_flatten
         mem.free(20)
-        # fc = fc_matmul + fc_B
-        fc = fc_matmul  # in place: over fc_matmul
-        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
 
         # ---- fc_precision (precision), forward ----
         # fc_precision = precision(fc, y)
@@ -2310,8 +2304,8 @@ class SeResnet(rp.Model):
         # fc_cross_entropy_pick = pick(fc_cross_entropy_log_softmax, y)
         fc_cross_entropy_pick = mem.tensor(24, (100,), 'float32')
         rt.pick(fc_cross_entropy_log_softmax, y, out=fc_cross_entropy_pick)
-        # free y, fc_matmul, fc, fc_cross_entropy_log_softmax
-        del y, fc_matmul, fc, fc_cross_entropy_log_softmax
+        # free y, fc, fc_cross_entropy_log_softmax
+        del y, fc, fc_cross_entropy_log_softmax
         mem.free(1, 21)
         # fc_cross_entropy_sum_to = sum_to[scalar](fc_cross_entropy_pick)
         fc_cross_entropy_sum_to = mem.tensor(25, (), 'float32')
@@ -2666,15 +2660,12 @@ class SeResnet(rp.Model):
         res4_proj_bn_flatten = rt.reshape(res4_proj_bn_avg_pool, shape=(100, 64))
 
         # ---- fc (fully connected, 10 outputs), forward ----
-        # fc_matmul = matmul[tb](res4_proj_bn_flatten, fc_W)
-        fc_matmul = mem.tensor(20, (100, 10), 'float32')
-        rt.matmul(res4_proj_bn_flatten, T['fc_W'], out=fc_matmul, tb=True)
+        # fc = matmul[tb](res4_proj_bn_flatten, fc_W, fc_B)
+        fc = mem.tensor(20, (100, 10), 'float32')
+        rt.matmul(res4_proj_bn_flatten, T['fc_W'], T['fc_B'], out=fc, tb=True)
         # free res4_proj_bn_avg_pool, res4_proj_bn_flatten
         del res4_proj_bn_avg_pool, res4_proj_bn_flatten
         mem.free(19)
-        # fc = fc_matmul + fc_B
-        fc = fc_matmul  # in place: over fc_matmul
-        rt.ew(ew_add, fc, fc_matmul, T['fc_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(fc)
@@ -2751,7 +2742,7 @@ class SeResnet(rp.Model):
                 (36806400, 6400),  # 53: res4_se_down_matmul 100x16 float32
                 (36716800, 25600),  # 54: res4_se_up_matmul 100x64 float32
                 (33868800, 25600),  # 55: res4_proj_bn_avg_pool 100x64x1x1 float32
-                (33898496, 4000),  # 56: fc_matmul 100x10 float32
+                (33898496, 4000),  # 56: fc 100x10 float32
                 (33903104, 400),  # 57: fc_cross_entropy_pick 100 float32
                 (33898496, 2560),  # 58: d_fc_W 10x64 float32
                 (36826368, 4),  # 59: fc_cross_entropy_sum_to scalar float32
@@ -2865,7 +2856,7 @@ class SeResnet(rp.Model):
                 (1280000, 6400),  # 18: res4_se_down_matmul 100x16 float32
                 (1254400, 25600),  # 19: res4_se_up_matmul 100x64 float32
                 (0, 25600),  # 20: res4_proj_bn_avg_pool 100x64x1x1 float32
-                (25600, 4000),  # 21: fc_matmul 100x10 float32
+                (25600, 4000),  # 21: fc 100x10 float32
                 (1024, 4),  # 22: fc_precision scalar float32
                 (0, 400),  # 23: label_ranks 100 float32
                 (512, 400),  # 24: fc_cross_entropy_pick 100 float32
@@ -2894,7 +2885,7 @@ class SeResnet(rp.Model):
                 (1280000, 6400),  # 17: res4_se_down_matmul 100x16 float32
                 (1254400, 25600),  # 18: res4_se_up_matmul 100x64 float32
                 (0, 25600),  # 19: res4_proj_bn_avg_pool 100x64x1x1 float32
-                (25600, 4000),  # 20: fc_matmul 100x10 float32
+                (25600, 4000),  # 20: fc 100x10 float32
             )),
     }
 
@@ -3018,11 +3009,6 @@ def ew_scale_6(out, v0):
     np.multiply(v0, 0.02040816326530612, out=out)
 
 
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
-
-
 def ew_exp_scale_add(out, v0, v1):
     """out = v0 + 0.01*exp(v1)   (out may be v0)"""
     np.add(np.exp(v1) * 0.01, v0, out=out)
@@ -3082,6 +3068,11 @@ def ew_neg(out, v0):
 def ew_mul_2(out, v0, v1):
     """out = v0*v1   (out may be v0)"""
     np.multiply(v0, v1, out=out)
+
+
+def ew_add(out, v0, v1):
+    """out = v0 + v1   (out may be v0)"""
+    np.add(v0, v1, out=out)
 
 
 def ew_mul_add_4(out, v0, v1, v2):

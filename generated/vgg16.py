@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 64x3x224x224 float32 images, 64 int32 labels (1000 classes); default data: synthetic
 Solver: SGD, 370000 iterations, lr 0.01, momentum 0.9, decay 0.0005
 Memory: peak 2465.99 MB of tensors planned for the training step (1644.17 MB testing); static arena 2549.74 MB, pool 2653.28 MB, workspace 155.52 MB
-Structure hash: d34addeec9bd20b1
+Structure hash: f956e42ae94c7693
 
 Usage: python vgg16.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -57,7 +57,7 @@ class Vgg16(rp.Model):
 
     name = "vgg16"
     source = "networks/vgg16.py"
-    structure_hash = "d34addeec9bd20b1"
+    structure_hash = "f956e42ae94c7693"
     optimizer = "sgd"
     betas = (0.9, 0.999)
     batch_shape = (64, 3, 224, 224)
@@ -382,12 +382,9 @@ class Vgg16(rp.Model):
                    (ew_mul, fc7_dropout, fc7_relu, fc7_dropout_mask))
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
-        # fc8_matmul = matmul[tb](fc7_dropout, fc8_W)
-        fc8_matmul = mem.tensor(32, (64, 1000), 'float32')
-        rt.matmul(fc7_dropout, T['fc8_W'], out=fc8_matmul, tb=True)
-        # fc8 = fc8_matmul + fc8_B
-        fc8 = fc8_matmul  # in place: over fc8_matmul
-        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
+        # fc8 = matmul[tb](fc7_dropout, fc8_W, fc8_B)
+        fc8 = mem.tensor(32, (64, 1000), 'float32')
+        rt.matmul(fc7_dropout, T['fc8_W'], T['fc8_B'], out=fc8, tb=True)
 
         # ---- fc8_cross_entropy (cross_entropy), forward ----
         # fc8_cross_entropy_log_softmax = log_softmax(fc8)
@@ -404,8 +401,8 @@ class Vgg16(rp.Model):
         # d_fc8 = d_fc8_cross_entropy_log_softmax + 0.015625*exp(fc8_cross_entropy_log_softmax)
         d_fc8 = d_fc8_cross_entropy_log_softmax  # in place: over d_fc8_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_fc8, d_fc8_cross_entropy_log_softmax, fc8_cross_entropy_log_softmax)
-        # free fc8_matmul, fc8, fc8_cross_entropy_log_softmax
-        del fc8_matmul, fc8, fc8_cross_entropy_log_softmax
+        # free fc8, fc8_cross_entropy_log_softmax
+        del fc8, fc8_cross_entropy_log_softmax
         mem.free(32)
 
         # ---- fc8_cross_entropy (cross_entropy), forward ----
@@ -1365,15 +1362,12 @@ class Vgg16(rp.Model):
         rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
-        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
-        fc8_matmul = mem.tensor(22, (64, 1000), 'float32')
-        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # fc8 = matmul[tb](fc7_relu, fc8_W, fc8_B)
+        fc8 = mem.tensor(22, (64, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], T['fc8_B'], out=fc8, tb=True)
         # free fc7_matmul, fc7_relu
         del fc7_matmul, fc7_relu
         mem.free(21)
-        # fc8 = fc8_matmul + fc8_B
-        fc8 = fc8_matmul  # in place: over fc8_matmul
-        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
 
         # ---- fc8_precision (precision), forward ----
         # fc8_precision = precision(fc8, y)
@@ -1392,8 +1386,8 @@ class Vgg16(rp.Model):
         # fc8_cross_entropy_pick = pick(fc8_cross_entropy_log_softmax, y)
         fc8_cross_entropy_pick = mem.tensor(25, (64,), 'float32')
         rt.pick(fc8_cross_entropy_log_softmax, y, out=fc8_cross_entropy_pick)
-        # free y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
-        del y, fc8_matmul, fc8, fc8_cross_entropy_log_softmax
+        # free y, fc8, fc8_cross_entropy_log_softmax
+        del y, fc8, fc8_cross_entropy_log_softmax
         mem.free(1, 22)
         # fc8_cross_entropy_sum_to = sum_to[scalar](fc8_cross_entropy_pick)
         fc8_cross_entropy_sum_to = mem.tensor(26, (), 'float32')
@@ -1655,15 +1649,12 @@ class Vgg16(rp.Model):
         rt.ew(ew_add_relu, fc7_relu, fc7_matmul, T['fc7_B'])
 
         # ---- fc8 (fully connected, 1000 outputs), forward ----
-        # fc8_matmul = matmul[tb](fc7_relu, fc8_W)
-        fc8_matmul = mem.tensor(21, (64, 1000), 'float32')
-        rt.matmul(fc7_relu, T['fc8_W'], out=fc8_matmul, tb=True)
+        # fc8 = matmul[tb](fc7_relu, fc8_W, fc8_B)
+        fc8 = mem.tensor(21, (64, 1000), 'float32')
+        rt.matmul(fc7_relu, T['fc8_W'], T['fc8_B'], out=fc8, tb=True)
         # free fc7_matmul, fc7_relu
         del fc7_matmul, fc7_relu
         mem.free(20)
-        # fc8 = fc8_matmul + fc8_B
-        fc8 = fc8_matmul  # in place: over fc8_matmul
-        rt.ew(ew_add, fc8, fc8_matmul, T['fc8_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(fc8)
@@ -1716,7 +1707,7 @@ class Vgg16(rp.Model):
                 (2045247488, 1048576),  # 29: fc6_dropout 64x4096 float32
                 (2004877312, 1048576),  # 30: fc7_matmul 64x4096 float32
                 (2020212736, 1048576),  # 31: fc7_dropout 64x4096 float32
-                (2005925888, 256000),  # 32: fc8_matmul 64x1000 float32
+                (2005925888, 256000),  # 32: fc8 64x1000 float32
                 (2006181888, 256),  # 33: fc8_cross_entropy_pick 64 float32
                 (2293895168, 4),  # 34: fc8_cross_entropy_sum_to scalar float32
                 (2005925888, 4000),  # 35: d_fc8_B 1000 float32
@@ -1797,7 +1788,7 @@ class Vgg16(rp.Model):
                 (25690112, 6422528),  # 19: conv5_3_max_pool 64x512x7x7 float32
                 (0, 1048576),  # 20: fc6_matmul 64x4096 float32
                 (1048576, 1048576),  # 21: fc7_matmul 64x4096 float32
-                (0, 256000),  # 22: fc8_matmul 64x1000 float32
+                (0, 256000),  # 22: fc8 64x1000 float32
                 (256000, 4),  # 23: fc8_precision scalar float32
                 (256256, 256),  # 24: label_ranks 64 float32
                 (256512, 256),  # 25: fc8_cross_entropy_pick 64 float32
@@ -1827,7 +1818,7 @@ class Vgg16(rp.Model):
                 (25690112, 6422528),  # 18: conv5_3_max_pool 64x512x7x7 float32
                 (0, 1048576),  # 19: fc6_matmul 64x4096 float32
                 (1048576, 1048576),  # 20: fc7_matmul 64x4096 float32
-                (0, 256000),  # 21: fc8_matmul 64x1000 float32
+                (0, 256000),  # 21: fc8 64x1000 float32
             )),
     }
 
@@ -1850,11 +1841,6 @@ def ew_mul(out, v0, v1):
     """out = 2.0*v0*v1"""
     np.multiply(v0, v1, out=out)
     np.multiply(out, 2.0, out=out)
-
-
-def ew_add(out, v0, v1):
-    """out = v0 + v1   (out may be v0)"""
-    np.add(v0, v1, out=out)
 
 
 def ew_exp_scale_add(out, v0, v1):

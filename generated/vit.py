@@ -5,7 +5,7 @@ Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inp
 Input: 100x1x28x28 float32 images, 100 int32 labels (10 classes); default data: digits
 Solver: AdamW, 600 iterations, lr 0.002, betas (0.9, 0.999), eps 1e-08, decay 0.05, lr schedule cosine:0 after 50 iterations of warm-up
 Memory: peak 20.82 MB of tensors planned for the training step (2.05 MB testing); static arena 20.83 MB, pool 20.83 MB, workspace 0.87 MB
-Structure hash: 8c8c1c6c1f896a95
+Structure hash: 9cf55212ceaee8eb
 
 Usage: python vit.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class Vit(rp.Model):
 
     name = "vit"
     source = "networks/vit.py"
-    structure_hash = "8c8c1c6c1f896a95"
+    structure_hash = "9cf55212ceaee8eb"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (100, 1, 28, 28)
@@ -323,12 +323,9 @@ class Vit(rp.Model):
         block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(1600, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(6, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+        # block1_attn_v_add = matmul[tb](block1_attn_q_reshape, block1_attn_v_W, block1_attn_v_B)
+        block1_attn_v_add = mem.tensor(6, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], T['block1_attn_v_B'], out=block1_attn_v_add, tb=True)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
@@ -336,33 +333,27 @@ class Vit(rp.Model):
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(8, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
+        # block1_attn_q_add = matmul[tb](block1_attn_q_reshape, block1_attn_q_W, block1_attn_q_B)
+        block1_attn_q_add = mem.tensor(8, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], T['block1_attn_q_B'], out=block1_attn_q_add, tb=True)
 
         # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
-        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # block1_attn = attention[heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_q_add)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
+        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn = attention[heads=True,scale=0.25](block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3)
         block1_attn = mem.tensor(9, (100, 16, 4, 16), 'float32')
-        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        rt.attention(block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3, out=block1_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_reshape = reshape[1600x64](block1_attn)
         block1_attn_out_reshape = rt.reshape(block1_attn, shape=(1600, 64))
-        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(10, (1600, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
-        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
+        # block1_attn_out_add = matmul[tb](block1_attn_out_reshape, block1_attn_out_W, block1_attn_out_B)
+        block1_attn_out_add = mem.tensor(10, (1600, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], T['block1_attn_out_B'], out=block1_attn_out_add, tb=True)
         # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
 
@@ -377,12 +368,9 @@ class Vit(rp.Model):
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(12, (1600, 128), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
+        # block1_fc1_add = matmul[tb](block1_fc1_reshape, block1_fc1_W, block1_fc1_B)
+        block1_fc1_add = mem.tensor(12, (1600, 128), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], T['block1_fc1_B'], out=block1_fc1_add, tb=True)
         # block1_fc1 = reshape[100x16x128](block1_fc1_add)
         block1_fc1 = rt.reshape(block1_fc1_add, shape=(100, 16, 128))
 
@@ -394,12 +382,9 @@ class Vit(rp.Model):
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(14, (1600, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
+        # block1_fc2_add = matmul[tb](block1_fc2_reshape, block1_fc2_W, block1_fc2_B)
+        block1_fc2_add = mem.tensor(14, (1600, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], T['block1_fc2_B'], out=block1_fc2_add, tb=True)
         # block1_fc2 = reshape[100x16x64](block1_fc2_add)
         block1_fc2 = rt.reshape(block1_fc2_add, shape=(100, 16, 64))
 
@@ -416,12 +401,9 @@ class Vit(rp.Model):
         block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(1600, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(16, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+        # block2_attn_v_add = matmul[tb](block2_attn_q_reshape, block2_attn_v_W, block2_attn_v_B)
+        block2_attn_v_add = mem.tensor(16, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], T['block2_attn_v_B'], out=block2_attn_v_add, tb=True)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
@@ -429,12 +411,9 @@ class Vit(rp.Model):
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(18, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
+        # block2_attn_q_add = matmul[tb](block2_attn_q_reshape, block2_attn_q_W, block2_attn_q_B)
+        block2_attn_q_add = mem.tensor(18, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], T['block2_attn_q_B'], out=block2_attn_q_add, tb=True)
 
         # ---- block2_attn (scaled dot-product attention), forward ----
         # block2_attn_reshape = reshape[100x16x4x16](block2_attn_q_add)
@@ -450,12 +429,9 @@ class Vit(rp.Model):
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_reshape = reshape[1600x64](block2_attn)
         block2_attn_out_reshape = rt.reshape(block2_attn, shape=(1600, 64))
-        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(20, (1600, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
-        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
+        # block2_attn_out_add = matmul[tb](block2_attn_out_reshape, block2_attn_out_W, block2_attn_out_B)
+        block2_attn_out_add = mem.tensor(20, (1600, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], T['block2_attn_out_B'], out=block2_attn_out_add, tb=True)
         # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
 
@@ -470,12 +446,9 @@ class Vit(rp.Model):
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(22, (1600, 128), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
+        # block2_fc1_add = matmul[tb](block2_fc1_reshape, block2_fc1_W, block2_fc1_B)
+        block2_fc1_add = mem.tensor(22, (1600, 128), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], T['block2_fc1_B'], out=block2_fc1_add, tb=True)
         # block2_fc1 = reshape[100x16x128](block2_fc1_add)
         block2_fc1 = rt.reshape(block2_fc1_add, shape=(100, 16, 128))
 
@@ -487,12 +460,9 @@ class Vit(rp.Model):
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(24, (1600, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
+        # block2_fc2_add = matmul[tb](block2_fc2_reshape, block2_fc2_W, block2_fc2_B)
+        block2_fc2_add = mem.tensor(24, (1600, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], T['block2_fc2_B'], out=block2_fc2_add, tb=True)
         # block2_fc2 = reshape[100x16x64](block2_fc2_add)
         block2_fc2 = rt.reshape(block2_fc2_add, shape=(100, 16, 64))
 
@@ -509,12 +479,9 @@ class Vit(rp.Model):
         block3_attn_q_reshape = rt.reshape(block3_ln1, shape=(1600, 64))
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
-        # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(26, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
-        # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
-        block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
-        rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
+        # block3_attn_v_add = matmul[tb](block3_attn_q_reshape, block3_attn_v_W, block3_attn_v_B)
+        block3_attn_v_add = mem.tensor(26, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], T['block3_attn_v_B'], out=block3_attn_v_add, tb=True)
 
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
@@ -522,33 +489,27 @@ class Vit(rp.Model):
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
-        # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(28, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
-        # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
-        block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
-        rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
+        # block3_attn_q_add = matmul[tb](block3_attn_q_reshape, block3_attn_q_W, block3_attn_q_B)
+        block3_attn_q_add = mem.tensor(28, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], T['block3_attn_q_B'], out=block3_attn_q_add, tb=True)
 
         # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_k_matmul)
-        block3_attn_reshape = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_q_add)
-        block3_attn_reshape_2 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_reshape_3 = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn = attention[heads=True,scale=0.25](block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3)
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn = attention[heads=True,scale=0.25](block3_attn_reshape_3, block3_attn_reshape_2, block3_attn_reshape)
         block3_attn = mem.tensor(29, (100, 16, 4, 16), 'float32')
-        rt.attention(block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, out=block3_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        rt.attention(block3_attn_reshape_3, block3_attn_reshape_2, block3_attn_reshape, out=block3_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
         # block3_attn_out_reshape = reshape[1600x64](block3_attn)
         block3_attn_out_reshape = rt.reshape(block3_attn, shape=(1600, 64))
-        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
-        block3_attn_out_matmul = mem.tensor(30, (1600, 64), 'float32')
-        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
-        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
-        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
-        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
+        # block3_attn_out_add = matmul[tb](block3_attn_out_reshape, block3_attn_out_W, block3_attn_out_B)
+        block3_attn_out_add = mem.tensor(30, (1600, 64), 'float32')
+        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], T['block3_attn_out_B'], out=block3_attn_out_add, tb=True)
         # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
         block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
 
@@ -563,12 +524,9 @@ class Vit(rp.Model):
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
-        # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(32, (1600, 128), 'float32')
-        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
-        # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
-        block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
-        rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
+        # block3_fc1_add = matmul[tb](block3_fc1_reshape, block3_fc1_W, block3_fc1_B)
+        block3_fc1_add = mem.tensor(32, (1600, 128), 'float32')
+        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], T['block3_fc1_B'], out=block3_fc1_add, tb=True)
         # block3_fc1 = reshape[100x16x128](block3_fc1_add)
         block3_fc1 = rt.reshape(block3_fc1_add, shape=(100, 16, 128))
 
@@ -580,12 +538,9 @@ class Vit(rp.Model):
         # ---- block3_fc2 (fully connected, 64 outputs), forward ----
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
-        # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(34, (1600, 64), 'float32')
-        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
-        # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
-        block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
-        rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
+        # block3_fc2_add = matmul[tb](block3_fc2_reshape, block3_fc2_W, block3_fc2_B)
+        block3_fc2_add = mem.tensor(34, (1600, 64), 'float32')
+        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], T['block3_fc2_B'], out=block3_fc2_add, tb=True)
         # block3_fc2 = reshape[100x16x64](block3_fc2_add)
         block3_fc2 = rt.reshape(block3_fc2_add, shape=(100, 16, 64))
 
@@ -602,12 +557,9 @@ class Vit(rp.Model):
         block4_attn_q_reshape = rt.reshape(block4_ln1, shape=(1600, 64))
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
-        # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(36, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
-        # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
-        block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
-        rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
+        # block4_attn_v_add = matmul[tb](block4_attn_q_reshape, block4_attn_v_W, block4_attn_v_B)
+        block4_attn_v_add = mem.tensor(36, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], T['block4_attn_v_B'], out=block4_attn_v_add, tb=True)
 
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
@@ -615,12 +567,9 @@ class Vit(rp.Model):
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
-        # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(38, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
-        # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
-        block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
-        rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
+        # block4_attn_q_add = matmul[tb](block4_attn_q_reshape, block4_attn_q_W, block4_attn_q_B)
+        block4_attn_q_add = mem.tensor(38, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], T['block4_attn_q_B'], out=block4_attn_q_add, tb=True)
 
         # ---- block4_attn (scaled dot-product attention), forward ----
         # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
@@ -636,12 +585,9 @@ class Vit(rp.Model):
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
         # block4_attn_out_reshape = reshape[1600x64](block4_attn)
         block4_attn_out_reshape = rt.reshape(block4_attn, shape=(1600, 64))
-        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
-        block4_attn_out_matmul = mem.tensor(40, (1600, 64), 'float32')
-        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
-        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
-        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
-        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
+        # block4_attn_out_add = matmul[tb](block4_attn_out_reshape, block4_attn_out_W, block4_attn_out_B)
+        block4_attn_out_add = mem.tensor(40, (1600, 64), 'float32')
+        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], T['block4_attn_out_B'], out=block4_attn_out_add, tb=True)
         # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
         block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
 
@@ -656,12 +602,9 @@ class Vit(rp.Model):
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
-        # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(42, (1600, 128), 'float32')
-        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
-        # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
-        block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
-        rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
+        # block4_fc1_add = matmul[tb](block4_fc1_reshape, block4_fc1_W, block4_fc1_B)
+        block4_fc1_add = mem.tensor(42, (1600, 128), 'float32')
+        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], T['block4_fc1_B'], out=block4_fc1_add, tb=True)
         # block4_fc1 = reshape[100x16x128](block4_fc1_add)
         block4_fc1 = rt.reshape(block4_fc1_add, shape=(100, 16, 128))
 
@@ -673,12 +616,9 @@ class Vit(rp.Model):
         # ---- block4_fc2 (fully connected, 64 outputs), forward ----
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
-        # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(44, (1600, 64), 'float32')
-        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
-        # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
-        block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
-        rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
+        # block4_fc2_add = matmul[tb](block4_fc2_reshape, block4_fc2_W, block4_fc2_B)
+        block4_fc2_add = mem.tensor(44, (1600, 64), 'float32')
+        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], T['block4_fc2_B'], out=block4_fc2_add, tb=True)
         # block4_fc2 = reshape[100x16x64](block4_fc2_add)
         block4_fc2 = rt.reshape(block4_fc2_add, shape=(100, 16, 64))
 
@@ -702,12 +642,9 @@ class Vit(rp.Model):
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
         rt.ew(ew_scale, head_scale, head_reshape)
-        # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(47, (100, 10), 'float32')
-        rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
-        # head = head_matmul + head_B
-        head = head_matmul  # in place: over head_matmul
-        rt.ew(ew_add, head, head_matmul, T['head_B'])
+        # head = matmul[tb](head_scale, head_W, head_B)
+        head = mem.tensor(47, (100, 10), 'float32')
+        rt.matmul(head_scale, T['head_W'], T['head_B'], out=head, tb=True)
 
         # ---- head_cross_entropy (cross_entropy), forward ----
         # head_cross_entropy_log_softmax = log_softmax(head)
@@ -724,8 +661,8 @@ class Vit(rp.Model):
         # d_head = d_head_cross_entropy_log_softmax + 0.01*exp(head_cross_entropy_log_softmax)
         d_head = d_head_cross_entropy_log_softmax  # in place: over d_head_cross_entropy_log_softmax
         rt.ew(ew_exp_scale_add, d_head, d_head_cross_entropy_log_softmax, head_cross_entropy_log_softmax)
-        # free head_matmul, head, head_cross_entropy_log_softmax
-        del head_matmul, head, head_cross_entropy_log_softmax
+        # free head, head_cross_entropy_log_softmax
+        del head, head_cross_entropy_log_softmax
         mem.free(47)
 
         # ---- head (fully connected, 10 outputs), backward ----
@@ -776,8 +713,8 @@ class Vit(rp.Model):
         # d_ln_add = layer_norm_grad[axes=1,eps=1e-05](ln_add, d_ln, ln_W)
         d_ln_add = d_ln  # in place: over d_ln
         rt.layer_norm_grad(ln_add, d_ln, T['ln_W'], out=d_ln_add, axes=1, eps=1e-05)
-        # free block4_fc2_matmul, block4_fc2_add, block4_fc2, ln_add
-        del block4_fc2_matmul, block4_fc2_add, block4_fc2, ln_add
+        # free block4_fc2_add, block4_fc2, ln_add
+        del block4_fc2_add, block4_fc2, ln_add
         mem.free(44)
 
         # ---- block4_fc2 (fully connected, 64 outputs), backward ----
@@ -814,8 +751,8 @@ class Vit(rp.Model):
         # d_block4_fc1 = d_block4_fc1_gelu*(sqrt(2)*block4_fc1*exp(-block4_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block4_fc1/2)/2 + 1/2)
         d_block4_fc1 = d_block4_fc1_gelu  # in place: over d_block4_fc1_gelu
         rt.ew(ew_sqrt_mul_erf_scale, d_block4_fc1, d_block4_fc1_gelu, block4_fc1)
-        # free block4_fc1_matmul, block4_fc1_add, block4_fc1
-        del block4_fc1_matmul, block4_fc1_add, block4_fc1
+        # free block4_fc1_add, block4_fc1
+        del block4_fc1_add, block4_fc1
         mem.free(42)
 
         # ---- block4_fc1 (fully connected, 128 outputs), backward ----
@@ -846,8 +783,8 @@ class Vit(rp.Model):
         # d_block4_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block4_ln2_add, d_block4_ln2, block4_ln2_W)
         d_block4_ln2_add = d_block4_ln2  # in place: over d_block4_ln2
         rt.layer_norm_grad(block4_ln2_add, d_block4_ln2, T['block4_ln2_W'], out=d_block4_ln2_add, axes=1, eps=1e-05)
-        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out, block4_ln2_add
-        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out, block4_ln2_add
+        # free block4_attn_out_add, block4_attn_out, block4_ln2_add
+        del block4_attn_out_add, block4_attn_out, block4_ln2_add
         mem.free(40)
         # d_block4_ln2_add_2 = d_ln_add + d_block4_ln2_add
         d_block4_ln2_add_2 = d_ln_add  # in place: over d_ln_add
@@ -883,8 +820,8 @@ class Vit(rp.Model):
         # d_block4_attn_attention_grad = attention_grad[heads=True,scale=0.25](block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, block4_attn, d_block4_attn_out_transpose)
         d_block4_attn_attention_grad = mem.tensor(65, (307200,), 'float32')
         rt.attention_grad(block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, block4_attn, d_block4_attn_out_transpose, out=d_block4_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
+        # free block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
+        del block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_add, block4_attn_reshape_3, block4_attn, block4_attn_out_reshape, d_block4_attn_out_reshape, d_block4_attn_out_transpose
         mem.free(36, 37, 38, 39, 64)
         # d_block4_attn_slice = slice[axis=0,start=0,stop=102400](d_block4_attn_attention_grad)
         d_block4_attn_slice = rt.slice(d_block4_attn_attention_grad, axis=0, start=0, stop=102400)
@@ -966,8 +903,8 @@ class Vit(rp.Model):
         # d_block4_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block4_ln1_add, d_block4_ln1, block4_ln1_W)
         d_block4_ln1_add = d_block4_ln1  # in place: over d_block4_ln1
         rt.layer_norm_grad(block4_ln1_add, d_block4_ln1, T['block4_ln1_W'], out=d_block4_ln1_add, axes=1, eps=1e-05)
-        # free block3_fc2_matmul, block3_fc2_add, block3_fc2, block4_ln1_add
-        del block3_fc2_matmul, block3_fc2_add, block3_fc2, block4_ln1_add
+        # free block3_fc2_add, block3_fc2, block4_ln1_add
+        del block3_fc2_add, block3_fc2, block4_ln1_add
         mem.free(34)
         # d_block4_ln1_add_2 = d_block4_ln2_add_2 + d_block4_ln1_add
         d_block4_ln1_add_2 = d_block4_ln2_add_2  # in place: over d_block4_ln2_add_2
@@ -1010,8 +947,8 @@ class Vit(rp.Model):
         # d_block3_fc1 = d_block3_fc1_gelu*(sqrt(2)*block3_fc1*exp(-block3_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block3_fc1/2)/2 + 1/2)
         d_block3_fc1 = d_block3_fc1_gelu  # in place: over d_block3_fc1_gelu
         rt.ew(ew_sqrt_mul_erf_scale, d_block3_fc1, d_block3_fc1_gelu, block3_fc1)
-        # free block3_fc1_matmul, block3_fc1_add, block3_fc1
-        del block3_fc1_matmul, block3_fc1_add, block3_fc1
+        # free block3_fc1_add, block3_fc1
+        del block3_fc1_add, block3_fc1
         mem.free(32)
 
         # ---- block3_fc1 (fully connected, 128 outputs), backward ----
@@ -1042,8 +979,8 @@ class Vit(rp.Model):
         # d_block3_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block3_ln2_add, d_block3_ln2, block3_ln2_W)
         d_block3_ln2_add = d_block3_ln2  # in place: over d_block3_ln2
         rt.layer_norm_grad(block3_ln2_add, d_block3_ln2, T['block3_ln2_W'], out=d_block3_ln2_add, axes=1, eps=1e-05)
-        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out, block3_ln2_add
-        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out, block3_ln2_add
+        # free block3_attn_out_add, block3_attn_out, block3_ln2_add
+        del block3_attn_out_add, block3_attn_out, block3_ln2_add
         mem.free(30)
         # d_block3_ln2_add_2 = d_block4_ln1_add_2 + d_block3_ln2_add
         d_block3_ln2_add_2 = d_block4_ln1_add_2  # in place: over d_block4_ln1_add_2
@@ -1076,11 +1013,11 @@ class Vit(rp.Model):
         d_block3_attn_out_transpose = rt.reshape(d_block3_attn_out_reshape, shape=(100, 16, 4, 16))
 
         # ---- block3_attn (scaled dot-product attention), backward ----
-        # d_block3_attn_attention_grad = attention_grad[heads=True,scale=0.25](block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, block3_attn, d_block3_attn_out_transpose)
+        # d_block3_attn_attention_grad = attention_grad[heads=True,scale=0.25](block3_attn_reshape_3, block3_attn_reshape_2, block3_attn_reshape, block3_attn, d_block3_attn_out_transpose)
         d_block3_attn_attention_grad = mem.tensor(85, (307200,), 'float32')
-        rt.attention_grad(block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, block3_attn, d_block3_attn_out_transpose, out=d_block3_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
+        rt.attention_grad(block3_attn_reshape_3, block3_attn_reshape_2, block3_attn_reshape, block3_attn, d_block3_attn_out_transpose, out=d_block3_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
+        # free block3_attn_v_add, block3_attn_reshape, block3_attn_k_matmul, block3_attn_reshape_2, block3_attn_q_add, block3_attn_reshape_3, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
+        del block3_attn_v_add, block3_attn_reshape, block3_attn_k_matmul, block3_attn_reshape_2, block3_attn_q_add, block3_attn_reshape_3, block3_attn, block3_attn_out_reshape, d_block3_attn_out_reshape, d_block3_attn_out_transpose
         mem.free(26, 27, 28, 29, 84)
         # d_block3_attn_slice = slice[axis=0,start=0,stop=102400](d_block3_attn_attention_grad)
         d_block3_attn_slice = rt.slice(d_block3_attn_attention_grad, axis=0, start=0, stop=102400)
@@ -1162,8 +1099,8 @@ class Vit(rp.Model):
         # d_block3_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block3_ln1_add, d_block3_ln1, block3_ln1_W)
         d_block3_ln1_add = d_block3_ln1  # in place: over d_block3_ln1
         rt.layer_norm_grad(block3_ln1_add, d_block3_ln1, T['block3_ln1_W'], out=d_block3_ln1_add, axes=1, eps=1e-05)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2, block3_ln1_add
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2, block3_ln1_add
+        # free block2_fc2_add, block2_fc2, block3_ln1_add
+        del block2_fc2_add, block2_fc2, block3_ln1_add
         mem.free(24)
         # d_block3_ln1_add_2 = d_block3_ln2_add_2 + d_block3_ln1_add
         d_block3_ln1_add_2 = d_block3_ln2_add_2  # in place: over d_block3_ln2_add_2
@@ -1206,8 +1143,8 @@ class Vit(rp.Model):
         # d_block2_fc1 = d_block2_fc1_gelu*(sqrt(2)*block2_fc1*exp(-block2_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block2_fc1/2)/2 + 1/2)
         d_block2_fc1 = d_block2_fc1_gelu  # in place: over d_block2_fc1_gelu
         rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1
+        # free block2_fc1_add, block2_fc1
+        del block2_fc1_add, block2_fc1
         mem.free(22)
 
         # ---- block2_fc1 (fully connected, 128 outputs), backward ----
@@ -1238,8 +1175,8 @@ class Vit(rp.Model):
         # d_block2_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2, block2_ln2_W)
         d_block2_ln2_add = d_block2_ln2  # in place: over d_block2_ln2
         rt.layer_norm_grad(block2_ln2_add, d_block2_ln2, T['block2_ln2_W'], out=d_block2_ln2_add, axes=1, eps=1e-05)
-        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
-        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out, block2_ln2_add
+        # free block2_attn_out_add, block2_attn_out, block2_ln2_add
+        del block2_attn_out_add, block2_attn_out, block2_ln2_add
         mem.free(20)
         # d_block2_ln2_add_2 = d_block3_ln1_add_2 + d_block2_ln2_add
         d_block2_ln2_add_2 = d_block3_ln1_add_2  # in place: over d_block3_ln1_add_2
@@ -1275,8 +1212,8 @@ class Vit(rp.Model):
         # d_block2_attn_attention_grad = attention_grad[heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, block2_attn, d_block2_attn_out_transpose)
         d_block2_attn_attention_grad = mem.tensor(105, (307200,), 'float32')
         rt.attention_grad(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, block2_attn, d_block2_attn_out_transpose, out=d_block2_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        # free block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        del block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_add, block2_attn_reshape, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
         mem.free(16, 17, 18, 19, 104)
         # d_block2_attn_slice = slice[axis=0,start=0,stop=102400](d_block2_attn_attention_grad)
         d_block2_attn_slice = rt.slice(d_block2_attn_attention_grad, axis=0, start=0, stop=102400)
@@ -1358,8 +1295,8 @@ class Vit(rp.Model):
         # d_block2_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1, block2_ln1_W)
         d_block2_ln1_add = d_block2_ln1  # in place: over d_block2_ln1
         rt.layer_norm_grad(block2_ln1_add, d_block2_ln1, T['block2_ln1_W'], out=d_block2_ln1_add, axes=1, eps=1e-05)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2, block2_ln1_add
+        # free block1_fc2_add, block1_fc2, block2_ln1_add
+        del block1_fc2_add, block1_fc2, block2_ln1_add
         mem.free(14)
         # d_block2_ln1_add_2 = d_block2_ln2_add_2 + d_block2_ln1_add
         d_block2_ln1_add_2 = d_block2_ln2_add_2  # in place: over d_block2_ln2_add_2
@@ -1402,8 +1339,8 @@ class Vit(rp.Model):
         # d_block1_fc1 = d_block1_fc1_gelu*(sqrt(2)*block1_fc1*exp(-block1_fc1**2/2)/(2*sqrt(pi)) + erf(sqrt(2)*block1_fc1/2)/2 + 1/2)
         d_block1_fc1 = d_block1_fc1_gelu  # in place: over d_block1_fc1_gelu
         rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1
+        # free block1_fc1_add, block1_fc1
+        del block1_fc1_add, block1_fc1
         mem.free(12)
 
         # ---- block1_fc1 (fully connected, 128 outputs), backward ----
@@ -1434,8 +1371,8 @@ class Vit(rp.Model):
         # d_block1_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2, block1_ln2_W)
         d_block1_ln2_add = d_block1_ln2  # in place: over d_block1_ln2
         rt.layer_norm_grad(block1_ln2_add_2, d_block1_ln2, T['block1_ln2_W'], out=d_block1_ln2_add, axes=1, eps=1e-05)
-        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
-        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out, block1_ln2_add_2
+        # free block1_attn_out_add, block1_attn_out, block1_ln2_add_2
+        del block1_attn_out_add, block1_attn_out, block1_ln2_add_2
         mem.free(10)
         # d_block1_ln2_add_2 = d_block2_ln1_add_2 + d_block1_ln2_add
         d_block1_ln2_add_2 = d_block2_ln1_add_2  # in place: over d_block2_ln1_add_2
@@ -1468,11 +1405,11 @@ class Vit(rp.Model):
         d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(100, 16, 4, 16))
 
         # ---- block1_attn (scaled dot-product attention), backward ----
-        # d_block1_attn_attention_grad = attention_grad[heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, block1_attn, d_block1_attn_out_transpose)
+        # d_block1_attn_attention_grad = attention_grad[heads=True,scale=0.25](block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3, block1_attn, d_block1_attn_out_transpose)
         d_block1_attn_attention_grad = mem.tensor(125, (307200,), 'float32')
-        rt.attention_grad(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, block1_attn, d_block1_attn_out_transpose, out=d_block1_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        rt.attention_grad(block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3, block1_attn, d_block1_attn_out_transpose, out=d_block1_attn_attention_grad, heads=True, scale=0.25, workspace=mem.workspace(870400))
+        # free block1_attn_v_add, block1_attn_reshape_3, block1_attn_k_matmul, block1_attn_reshape, block1_attn_q_add, block1_attn_reshape_2, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        del block1_attn_v_add, block1_attn_reshape_3, block1_attn_k_matmul, block1_attn_reshape, block1_attn_q_add, block1_attn_reshape_2, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
         mem.free(6, 7, 8, 9, 124)
         # d_block1_attn_slice = slice[axis=0,start=0,stop=102400](d_block1_attn_attention_grad)
         d_block1_attn_slice = rt.slice(d_block1_attn_attention_grad, axis=0, start=0, stop=102400)
@@ -2256,12 +2193,9 @@ class Vit(rp.Model):
         block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(1600, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(5, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+        # block1_attn_v_add = matmul[tb](block1_attn_q_reshape, block1_attn_v_W, block1_attn_v_B)
+        block1_attn_v_add = mem.tensor(5, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], T['block1_attn_v_B'], out=block1_attn_v_add, tb=True)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
@@ -2269,42 +2203,36 @@ class Vit(rp.Model):
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(7, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # block1_attn_q_add = matmul[tb](block1_attn_q_reshape, block1_attn_q_W, block1_attn_q_B)
+        block1_attn_q_add = mem.tensor(7, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], T['block1_attn_q_B'], out=block1_attn_q_add, tb=True)
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
         mem.free(4)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
         # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
-        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # block1_attn = attention[heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_q_add)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
+        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn = attention[heads=True,scale=0.25](block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3)
         block1_attn = mem.tensor(8, (100, 16, 4, 16), 'float32')
-        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        rt.attention(block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3, out=block1_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block1_attn_v_add, block1_attn_reshape_3, block1_attn_k_matmul, block1_attn_reshape, block1_attn_q_add, block1_attn_reshape_2
+        del block1_attn_v_add, block1_attn_reshape_3, block1_attn_k_matmul, block1_attn_reshape, block1_attn_q_add, block1_attn_reshape_2
         mem.free(5, 6, 7)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_reshape = reshape[1600x64](block1_attn)
         block1_attn_out_reshape = rt.reshape(block1_attn, shape=(1600, 64))
-        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(9, (1600, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # block1_attn_out_add = matmul[tb](block1_attn_out_reshape, block1_attn_out_W, block1_attn_out_B)
+        block1_attn_out_add = mem.tensor(9, (1600, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], T['block1_attn_out_B'], out=block1_attn_out_add, tb=True)
         # free block1_attn, block1_attn_out_reshape
         del block1_attn, block1_attn_out_reshape
         mem.free(8)
-        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
 
@@ -2312,8 +2240,8 @@ class Vit(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        # free block1_attn_out_add, block1_attn_out
+        del block1_attn_out_add, block1_attn_out
         mem.free(9)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
         block1_ln2 = mem.tensor(10, (100, 16, 64), 'float32')
@@ -2322,15 +2250,12 @@ class Vit(rp.Model):
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(11, (1600, 128), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # block1_fc1_add = matmul[tb](block1_fc1_reshape, block1_fc1_W, block1_fc1_B)
+        block1_fc1_add = mem.tensor(11, (1600, 128), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], T['block1_fc1_B'], out=block1_fc1_add, tb=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
         mem.free(10)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
         # block1_fc1 = reshape[100x16x128](block1_fc1_add)
         block1_fc1 = rt.reshape(block1_fc1_add, shape=(100, 16, 128))
 
@@ -2342,15 +2267,12 @@ class Vit(rp.Model):
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(12, (1600, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        # block1_fc2_add = matmul[tb](block1_fc2_reshape, block1_fc2_W, block1_fc2_B)
+        block1_fc2_add = mem.tensor(12, (1600, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], T['block1_fc2_B'], out=block1_fc2_add, tb=True)
+        # free block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         mem.free(11)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
         # block1_fc2 = reshape[100x16x64](block1_fc2_add)
         block1_fc2 = rt.reshape(block1_fc2_add, shape=(100, 16, 64))
 
@@ -2358,8 +2280,8 @@ class Vit(rp.Model):
         # block2_ln1_add = block1_ln2_add_2 + block1_fc2
         block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2
+        # free block1_fc2_add, block1_fc2
+        del block1_fc2_add, block1_fc2
         mem.free(12)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
         block2_ln1 = mem.tensor(13, (100, 16, 64), 'float32')
@@ -2370,12 +2292,9 @@ class Vit(rp.Model):
         block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(1600, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(14, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+        # block2_attn_v_add = matmul[tb](block2_attn_q_reshape, block2_attn_v_W, block2_attn_v_B)
+        block2_attn_v_add = mem.tensor(14, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], T['block2_attn_v_B'], out=block2_attn_v_add, tb=True)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
@@ -2383,15 +2302,12 @@ class Vit(rp.Model):
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(16, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # block2_attn_q_add = matmul[tb](block2_attn_q_reshape, block2_attn_q_W, block2_attn_q_B)
+        block2_attn_q_add = mem.tensor(16, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], T['block2_attn_q_B'], out=block2_attn_q_add, tb=True)
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
         mem.free(13)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
         # ---- block2_attn (scaled dot-product attention), forward ----
         # block2_attn_reshape = reshape[100x16x4x16](block2_attn_q_add)
@@ -2403,22 +2319,19 @@ class Vit(rp.Model):
         # block2_attn = attention[heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2)
         block2_attn = mem.tensor(17, (100, 16, 4, 16), 'float32')
         rt.attention(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, out=block2_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        # free block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_add, block2_attn_reshape
+        del block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_add, block2_attn_reshape
         mem.free(14, 15, 16)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_reshape = reshape[1600x64](block2_attn)
         block2_attn_out_reshape = rt.reshape(block2_attn, shape=(1600, 64))
-        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(18, (1600, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # block2_attn_out_add = matmul[tb](block2_attn_out_reshape, block2_attn_out_W, block2_attn_out_B)
+        block2_attn_out_add = mem.tensor(18, (1600, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], T['block2_attn_out_B'], out=block2_attn_out_add, tb=True)
         # free block2_attn, block2_attn_out_reshape
         del block2_attn, block2_attn_out_reshape
         mem.free(17)
-        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
 
@@ -2426,8 +2339,8 @@ class Vit(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        # free block2_attn_out_add, block2_attn_out
+        del block2_attn_out_add, block2_attn_out
         mem.free(18)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
         block2_ln2 = mem.tensor(19, (100, 16, 64), 'float32')
@@ -2436,15 +2349,12 @@ class Vit(rp.Model):
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(20, (1600, 128), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # block2_fc1_add = matmul[tb](block2_fc1_reshape, block2_fc1_W, block2_fc1_B)
+        block2_fc1_add = mem.tensor(20, (1600, 128), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], T['block2_fc1_B'], out=block2_fc1_add, tb=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
         mem.free(19)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
         # block2_fc1 = reshape[100x16x128](block2_fc1_add)
         block2_fc1 = rt.reshape(block2_fc1_add, shape=(100, 16, 128))
 
@@ -2456,15 +2366,12 @@ class Vit(rp.Model):
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(21, (1600, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        # block2_fc2_add = matmul[tb](block2_fc2_reshape, block2_fc2_W, block2_fc2_B)
+        block2_fc2_add = mem.tensor(21, (1600, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], T['block2_fc2_B'], out=block2_fc2_add, tb=True)
+        # free block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         mem.free(20)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
         # block2_fc2 = reshape[100x16x64](block2_fc2_add)
         block2_fc2 = rt.reshape(block2_fc2_add, shape=(100, 16, 64))
 
@@ -2472,8 +2379,8 @@ class Vit(rp.Model):
         # block3_ln1_add = block2_ln2_add + block2_fc2
         block3_ln1_add = block2_ln2_add  # in place: over block2_ln2_add
         rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2
+        # free block2_fc2_add, block2_fc2
+        del block2_fc2_add, block2_fc2
         mem.free(21)
         # block3_ln1 = layer_norm[axes=1,eps=1e-05](block3_ln1_add, block3_ln1_W, block3_ln1_B)
         block3_ln1 = mem.tensor(22, (100, 16, 64), 'float32')
@@ -2484,12 +2391,9 @@ class Vit(rp.Model):
         block3_attn_q_reshape = rt.reshape(block3_ln1, shape=(1600, 64))
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
-        # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(23, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
-        # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
-        block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
-        rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
+        # block3_attn_v_add = matmul[tb](block3_attn_q_reshape, block3_attn_v_W, block3_attn_v_B)
+        block3_attn_v_add = mem.tensor(23, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], T['block3_attn_v_B'], out=block3_attn_v_add, tb=True)
 
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
@@ -2497,42 +2401,36 @@ class Vit(rp.Model):
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
-        # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(25, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
+        # block3_attn_q_add = matmul[tb](block3_attn_q_reshape, block3_attn_q_W, block3_attn_q_B)
+        block3_attn_q_add = mem.tensor(25, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], T['block3_attn_q_B'], out=block3_attn_q_add, tb=True)
         # free block3_ln1, block3_attn_q_reshape
         del block3_ln1, block3_attn_q_reshape
         mem.free(22)
-        # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
-        block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
-        rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
 
         # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_k_matmul)
-        block3_attn_reshape = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_q_add)
-        block3_attn_reshape_2 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_reshape_3 = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn = attention[heads=True,scale=0.25](block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3)
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn = attention[heads=True,scale=0.25](block3_attn_reshape_3, block3_attn_reshape_2, block3_attn_reshape)
         block3_attn = mem.tensor(26, (100, 16, 4, 16), 'float32')
-        rt.attention(block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, out=block3_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2
+        rt.attention(block3_attn_reshape_3, block3_attn_reshape_2, block3_attn_reshape, out=block3_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block3_attn_v_add, block3_attn_reshape, block3_attn_k_matmul, block3_attn_reshape_2, block3_attn_q_add, block3_attn_reshape_3
+        del block3_attn_v_add, block3_attn_reshape, block3_attn_k_matmul, block3_attn_reshape_2, block3_attn_q_add, block3_attn_reshape_3
         mem.free(23, 24, 25)
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
         # block3_attn_out_reshape = reshape[1600x64](block3_attn)
         block3_attn_out_reshape = rt.reshape(block3_attn, shape=(1600, 64))
-        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
-        block3_attn_out_matmul = mem.tensor(27, (1600, 64), 'float32')
-        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
+        # block3_attn_out_add = matmul[tb](block3_attn_out_reshape, block3_attn_out_W, block3_attn_out_B)
+        block3_attn_out_add = mem.tensor(27, (1600, 64), 'float32')
+        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], T['block3_attn_out_B'], out=block3_attn_out_add, tb=True)
         # free block3_attn, block3_attn_out_reshape
         del block3_attn, block3_attn_out_reshape
         mem.free(26)
-        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
-        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
-        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
         # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
         block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
 
@@ -2540,8 +2438,8 @@ class Vit(rp.Model):
         # block3_ln2_add = block3_ln1_add + block3_attn_out
         block3_ln2_add = block3_ln1_add  # in place: over block3_ln1_add
         rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
-        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
-        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        # free block3_attn_out_add, block3_attn_out
+        del block3_attn_out_add, block3_attn_out
         mem.free(27)
         # block3_ln2 = layer_norm[axes=1,eps=1e-05](block3_ln2_add, block3_ln2_W, block3_ln2_B)
         block3_ln2 = mem.tensor(28, (100, 16, 64), 'float32')
@@ -2550,15 +2448,12 @@ class Vit(rp.Model):
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
-        # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(29, (1600, 128), 'float32')
-        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
+        # block3_fc1_add = matmul[tb](block3_fc1_reshape, block3_fc1_W, block3_fc1_B)
+        block3_fc1_add = mem.tensor(29, (1600, 128), 'float32')
+        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], T['block3_fc1_B'], out=block3_fc1_add, tb=True)
         # free block3_ln2, block3_fc1_reshape
         del block3_ln2, block3_fc1_reshape
         mem.free(28)
-        # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
-        block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
-        rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
         # block3_fc1 = reshape[100x16x128](block3_fc1_add)
         block3_fc1 = rt.reshape(block3_fc1_add, shape=(100, 16, 128))
 
@@ -2570,15 +2465,12 @@ class Vit(rp.Model):
         # ---- block3_fc2 (fully connected, 64 outputs), forward ----
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
-        # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(30, (1600, 64), 'float32')
-        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
-        # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
-        del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
+        # block3_fc2_add = matmul[tb](block3_fc2_reshape, block3_fc2_W, block3_fc2_B)
+        block3_fc2_add = mem.tensor(30, (1600, 64), 'float32')
+        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], T['block3_fc2_B'], out=block3_fc2_add, tb=True)
+        # free block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
+        del block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
         mem.free(29)
-        # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
-        block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
-        rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
         # block3_fc2 = reshape[100x16x64](block3_fc2_add)
         block3_fc2 = rt.reshape(block3_fc2_add, shape=(100, 16, 64))
 
@@ -2586,8 +2478,8 @@ class Vit(rp.Model):
         # block4_ln1_add = block3_ln2_add + block3_fc2
         block4_ln1_add = block3_ln2_add  # in place: over block3_ln2_add
         rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
-        # free block3_fc2_matmul, block3_fc2_add, block3_fc2
-        del block3_fc2_matmul, block3_fc2_add, block3_fc2
+        # free block3_fc2_add, block3_fc2
+        del block3_fc2_add, block3_fc2
         mem.free(30)
         # block4_ln1 = layer_norm[axes=1,eps=1e-05](block4_ln1_add, block4_ln1_W, block4_ln1_B)
         block4_ln1 = mem.tensor(31, (100, 16, 64), 'float32')
@@ -2598,12 +2490,9 @@ class Vit(rp.Model):
         block4_attn_q_reshape = rt.reshape(block4_ln1, shape=(1600, 64))
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
-        # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(32, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
-        # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
-        block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
-        rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
+        # block4_attn_v_add = matmul[tb](block4_attn_q_reshape, block4_attn_v_W, block4_attn_v_B)
+        block4_attn_v_add = mem.tensor(32, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], T['block4_attn_v_B'], out=block4_attn_v_add, tb=True)
 
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
@@ -2611,15 +2500,12 @@ class Vit(rp.Model):
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
-        # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(34, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
+        # block4_attn_q_add = matmul[tb](block4_attn_q_reshape, block4_attn_q_W, block4_attn_q_B)
+        block4_attn_q_add = mem.tensor(34, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], T['block4_attn_q_B'], out=block4_attn_q_add, tb=True)
         # free block4_ln1, block4_attn_q_reshape
         del block4_ln1, block4_attn_q_reshape
         mem.free(31)
-        # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
-        block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
-        rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
 
         # ---- block4_attn (scaled dot-product attention), forward ----
         # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
@@ -2631,22 +2517,19 @@ class Vit(rp.Model):
         # block4_attn = attention[heads=True,scale=0.25](block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape)
         block4_attn = mem.tensor(35, (100, 16, 4, 16), 'float32')
         rt.attention(block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, out=block4_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        # free block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_add, block4_attn_reshape_3
+        del block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_add, block4_attn_reshape_3
         mem.free(32, 33, 34)
 
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
         # block4_attn_out_reshape = reshape[1600x64](block4_attn)
         block4_attn_out_reshape = rt.reshape(block4_attn, shape=(1600, 64))
-        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
-        block4_attn_out_matmul = mem.tensor(36, (1600, 64), 'float32')
-        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
+        # block4_attn_out_add = matmul[tb](block4_attn_out_reshape, block4_attn_out_W, block4_attn_out_B)
+        block4_attn_out_add = mem.tensor(36, (1600, 64), 'float32')
+        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], T['block4_attn_out_B'], out=block4_attn_out_add, tb=True)
         # free block4_attn, block4_attn_out_reshape
         del block4_attn, block4_attn_out_reshape
         mem.free(35)
-        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
-        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
-        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
         # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
         block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
 
@@ -2654,8 +2537,8 @@ class Vit(rp.Model):
         # block4_ln2_add = block4_ln1_add + block4_attn_out
         block4_ln2_add = block4_ln1_add  # in place: over block4_ln1_add
         rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
-        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
-        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        # free block4_attn_out_add, block4_attn_out
+        del block4_attn_out_add, block4_attn_out
         mem.free(36)
         # block4_ln2 = layer_norm[axes=1,eps=1e-05](block4_ln2_add, block4_ln2_W, block4_ln2_B)
         block4_ln2 = mem.tensor(37, (100, 16, 64), 'float32')
@@ -2664,15 +2547,12 @@ class Vit(rp.Model):
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
-        # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(38, (1600, 128), 'float32')
-        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
+        # block4_fc1_add = matmul[tb](block4_fc1_reshape, block4_fc1_W, block4_fc1_B)
+        block4_fc1_add = mem.tensor(38, (1600, 128), 'float32')
+        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], T['block4_fc1_B'], out=block4_fc1_add, tb=True)
         # free block4_ln2, block4_fc1_reshape
         del block4_ln2, block4_fc1_reshape
         mem.free(37)
-        # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
-        block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
-        rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
         # block4_fc1 = reshape[100x16x128](block4_fc1_add)
         block4_fc1 = rt.reshape(block4_fc1_add, shape=(100, 16, 128))
 
@@ -2684,15 +2564,12 @@ class Vit(rp.Model):
         # ---- block4_fc2 (fully connected, 64 outputs), forward ----
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
-        # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(39, (1600, 64), 'float32')
-        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
-        # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
-        del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
+        # block4_fc2_add = matmul[tb](block4_fc2_reshape, block4_fc2_W, block4_fc2_B)
+        block4_fc2_add = mem.tensor(39, (1600, 64), 'float32')
+        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], T['block4_fc2_B'], out=block4_fc2_add, tb=True)
+        # free block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
+        del block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
         mem.free(38)
-        # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
-        block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
-        rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
         # block4_fc2 = reshape[100x16x64](block4_fc2_add)
         block4_fc2 = rt.reshape(block4_fc2_add, shape=(100, 16, 64))
 
@@ -2700,8 +2577,8 @@ class Vit(rp.Model):
         # ln_add = block4_ln2_add + block4_fc2
         ln_add = block4_ln2_add  # in place: over block4_ln2_add
         rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
-        # free block4_fc2_matmul, block4_fc2_add, block4_fc2
-        del block4_fc2_matmul, block4_fc2_add, block4_fc2
+        # free block4_fc2_add, block4_fc2
+        del block4_fc2_add, block4_fc2
         mem.free(39)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
         ln = mem.tensor(40, (100, 16, 64), 'float32')
@@ -2722,15 +2599,12 @@ class Vit(rp.Model):
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
         rt.ew(ew_scale, head_scale, head_reshape)
-        # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(42, (100, 10), 'float32')
-        rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
+        # head = matmul[tb](head_scale, head_W, head_B)
+        head = mem.tensor(42, (100, 10), 'float32')
+        rt.matmul(head_scale, T['head_W'], T['head_B'], out=head, tb=True)
         # free head_sum_to, head_reshape, head_scale
         del head_sum_to, head_reshape, head_scale
         mem.free(41)
-        # head = head_matmul + head_B
-        head = head_matmul  # in place: over head_matmul
-        rt.ew(ew_add, head, head_matmul, T['head_B'])
 
         # ---- head_precision (precision), forward ----
         # head_precision = precision(head, y)
@@ -2749,8 +2623,8 @@ class Vit(rp.Model):
         # head_cross_entropy_pick = pick(head_cross_entropy_log_softmax, y)
         head_cross_entropy_pick = mem.tensor(45, (100,), 'float32')
         rt.pick(head_cross_entropy_log_softmax, y, out=head_cross_entropy_pick)
-        # free y, head_matmul, head, head_cross_entropy_log_softmax
-        del y, head_matmul, head, head_cross_entropy_log_softmax
+        # free y, head, head_cross_entropy_log_softmax
+        del y, head, head_cross_entropy_log_softmax
         mem.free(1, 42)
         # head_cross_entropy_sum_to = sum_to[scalar](head_cross_entropy_pick)
         head_cross_entropy_sum_to = mem.tensor(46, (), 'float32')
@@ -2803,12 +2677,9 @@ class Vit(rp.Model):
         block1_attn_q_reshape = rt.reshape(block1_ln1, shape=(1600, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), forward ----
-        # block1_attn_v_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_v_W)
-        block1_attn_v_matmul = mem.tensor(4, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], out=block1_attn_v_matmul, tb=True)
-        # block1_attn_v_add = block1_attn_v_matmul + block1_attn_v_B
-        block1_attn_v_add = block1_attn_v_matmul  # in place: over block1_attn_v_matmul
-        rt.ew(ew_add, block1_attn_v_add, block1_attn_v_matmul, T['block1_attn_v_B'])
+        # block1_attn_v_add = matmul[tb](block1_attn_q_reshape, block1_attn_v_W, block1_attn_v_B)
+        block1_attn_v_add = mem.tensor(4, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], T['block1_attn_v_B'], out=block1_attn_v_add, tb=True)
 
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
@@ -2816,42 +2687,36 @@ class Vit(rp.Model):
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
-        # block1_attn_q_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_q_W)
-        block1_attn_q_matmul = mem.tensor(6, (1600, 64), 'float32')
-        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], out=block1_attn_q_matmul, tb=True)
+        # block1_attn_q_add = matmul[tb](block1_attn_q_reshape, block1_attn_q_W, block1_attn_q_B)
+        block1_attn_q_add = mem.tensor(6, (1600, 64), 'float32')
+        rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], T['block1_attn_q_B'], out=block1_attn_q_add, tb=True)
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
         mem.free(3)
-        # block1_attn_q_add = block1_attn_q_matmul + block1_attn_q_B
-        block1_attn_q_add = block1_attn_q_matmul  # in place: over block1_attn_q_matmul
-        rt.ew(ew_add, block1_attn_q_add, block1_attn_q_matmul, T['block1_attn_q_B'])
 
         # ---- block1_attn (scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
-        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_q_add)
-        block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
-        # block1_attn = attention[heads=True,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape)
+        # block1_attn_reshape = reshape[100x16x4x16](block1_attn_k_matmul)
+        block1_attn_reshape = rt.reshape(block1_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block1_attn_reshape_2 = reshape[100x16x4x16](block1_attn_q_add)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_q_add, shape=(100, 16, 4, 16))
+        # block1_attn_reshape_3 = reshape[100x16x4x16](block1_attn_v_add)
+        block1_attn_reshape_3 = rt.reshape(block1_attn_v_add, shape=(100, 16, 4, 16))
+        # block1_attn = attention[heads=True,scale=0.25](block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3)
         block1_attn = mem.tensor(7, (100, 16, 4, 16), 'float32')
-        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, out=block1_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
-        # free block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_v_matmul, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_matmul, block1_attn_q_add, block1_attn_reshape_3
+        rt.attention(block1_attn_reshape_2, block1_attn_reshape, block1_attn_reshape_3, out=block1_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block1_attn_v_add, block1_attn_reshape_3, block1_attn_k_matmul, block1_attn_reshape, block1_attn_q_add, block1_attn_reshape_2
+        del block1_attn_v_add, block1_attn_reshape_3, block1_attn_k_matmul, block1_attn_reshape, block1_attn_q_add, block1_attn_reshape_2
         mem.free(4, 5, 6)
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
         # block1_attn_out_reshape = reshape[1600x64](block1_attn)
         block1_attn_out_reshape = rt.reshape(block1_attn, shape=(1600, 64))
-        # block1_attn_out_matmul = matmul[tb](block1_attn_out_reshape, block1_attn_out_W)
-        block1_attn_out_matmul = mem.tensor(8, (1600, 64), 'float32')
-        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], out=block1_attn_out_matmul, tb=True)
+        # block1_attn_out_add = matmul[tb](block1_attn_out_reshape, block1_attn_out_W, block1_attn_out_B)
+        block1_attn_out_add = mem.tensor(8, (1600, 64), 'float32')
+        rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], T['block1_attn_out_B'], out=block1_attn_out_add, tb=True)
         # free block1_attn, block1_attn_out_reshape
         del block1_attn, block1_attn_out_reshape
         mem.free(7)
-        # block1_attn_out_add = block1_attn_out_matmul + block1_attn_out_B
-        block1_attn_out_add = block1_attn_out_matmul  # in place: over block1_attn_out_matmul
-        rt.ew(ew_add, block1_attn_out_add, block1_attn_out_matmul, T['block1_attn_out_B'])
         # block1_attn_out = reshape[100x16x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(100, 16, 64))
 
@@ -2859,8 +2724,8 @@ class Vit(rp.Model):
         # block1_ln2_add_2 = block1_ln2_add + block1_attn_out
         block1_ln2_add_2 = block1_ln2_add  # in place: over block1_ln2_add
         rt.ew(ew_add, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
-        # free block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
-        del block1_attn_out_matmul, block1_attn_out_add, block1_attn_out
+        # free block1_attn_out_add, block1_attn_out
+        del block1_attn_out_add, block1_attn_out
         mem.free(8)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
         block1_ln2 = mem.tensor(9, (100, 16, 64), 'float32')
@@ -2869,15 +2734,12 @@ class Vit(rp.Model):
         # ---- block1_fc1 (fully connected, 128 outputs), forward ----
         # block1_fc1_reshape = reshape[1600x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(1600, 64))
-        # block1_fc1_matmul = matmul[tb](block1_fc1_reshape, block1_fc1_W)
-        block1_fc1_matmul = mem.tensor(10, (1600, 128), 'float32')
-        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], out=block1_fc1_matmul, tb=True)
+        # block1_fc1_add = matmul[tb](block1_fc1_reshape, block1_fc1_W, block1_fc1_B)
+        block1_fc1_add = mem.tensor(10, (1600, 128), 'float32')
+        rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], T['block1_fc1_B'], out=block1_fc1_add, tb=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
         mem.free(9)
-        # block1_fc1_add = block1_fc1_matmul + block1_fc1_B
-        block1_fc1_add = block1_fc1_matmul  # in place: over block1_fc1_matmul
-        rt.ew(ew_add, block1_fc1_add, block1_fc1_matmul, T['block1_fc1_B'])
         # block1_fc1 = reshape[100x16x128](block1_fc1_add)
         block1_fc1 = rt.reshape(block1_fc1_add, shape=(100, 16, 128))
 
@@ -2889,15 +2751,12 @@ class Vit(rp.Model):
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[1600x128](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(1600, 128))
-        # block1_fc2_matmul = matmul[tb](block1_fc2_reshape, block1_fc2_W)
-        block1_fc2_matmul = mem.tensor(11, (1600, 64), 'float32')
-        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], out=block1_fc2_matmul, tb=True)
-        # free block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
-        del block1_fc1_matmul, block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        # block1_fc2_add = matmul[tb](block1_fc2_reshape, block1_fc2_W, block1_fc2_B)
+        block1_fc2_add = mem.tensor(11, (1600, 64), 'float32')
+        rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], T['block1_fc2_B'], out=block1_fc2_add, tb=True)
+        # free block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
+        del block1_fc1_add, block1_fc1, block1_fc1_gelu, block1_fc2_reshape
         mem.free(10)
-        # block1_fc2_add = block1_fc2_matmul + block1_fc2_B
-        block1_fc2_add = block1_fc2_matmul  # in place: over block1_fc2_matmul
-        rt.ew(ew_add, block1_fc2_add, block1_fc2_matmul, T['block1_fc2_B'])
         # block1_fc2 = reshape[100x16x64](block1_fc2_add)
         block1_fc2 = rt.reshape(block1_fc2_add, shape=(100, 16, 64))
 
@@ -2905,8 +2764,8 @@ class Vit(rp.Model):
         # block2_ln1_add = block1_ln2_add_2 + block1_fc2
         block2_ln1_add = block1_ln2_add_2  # in place: over block1_ln2_add_2
         rt.ew(ew_add, block2_ln1_add, block1_ln2_add_2, block1_fc2)
-        # free block1_fc2_matmul, block1_fc2_add, block1_fc2
-        del block1_fc2_matmul, block1_fc2_add, block1_fc2
+        # free block1_fc2_add, block1_fc2
+        del block1_fc2_add, block1_fc2
         mem.free(11)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
         block2_ln1 = mem.tensor(12, (100, 16, 64), 'float32')
@@ -2917,12 +2776,9 @@ class Vit(rp.Model):
         block2_attn_q_reshape = rt.reshape(block2_ln1, shape=(1600, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
-        # block2_attn_v_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_v_W)
-        block2_attn_v_matmul = mem.tensor(13, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], out=block2_attn_v_matmul, tb=True)
-        # block2_attn_v_add = block2_attn_v_matmul + block2_attn_v_B
-        block2_attn_v_add = block2_attn_v_matmul  # in place: over block2_attn_v_matmul
-        rt.ew(ew_add, block2_attn_v_add, block2_attn_v_matmul, T['block2_attn_v_B'])
+        # block2_attn_v_add = matmul[tb](block2_attn_q_reshape, block2_attn_v_W, block2_attn_v_B)
+        block2_attn_v_add = mem.tensor(13, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], T['block2_attn_v_B'], out=block2_attn_v_add, tb=True)
 
         # ---- block2_attn_k (fully connected, 64 outputs), forward ----
         # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
@@ -2930,15 +2786,12 @@ class Vit(rp.Model):
         rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_q_W)
-        block2_attn_q_matmul = mem.tensor(15, (1600, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], out=block2_attn_q_matmul, tb=True)
+        # block2_attn_q_add = matmul[tb](block2_attn_q_reshape, block2_attn_q_W, block2_attn_q_B)
+        block2_attn_q_add = mem.tensor(15, (1600, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], T['block2_attn_q_B'], out=block2_attn_q_add, tb=True)
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
         mem.free(12)
-        # block2_attn_q_add = block2_attn_q_matmul + block2_attn_q_B
-        block2_attn_q_add = block2_attn_q_matmul  # in place: over block2_attn_q_matmul
-        rt.ew(ew_add, block2_attn_q_add, block2_attn_q_matmul, T['block2_attn_q_B'])
 
         # ---- block2_attn (scaled dot-product attention), forward ----
         # block2_attn_reshape = reshape[100x16x4x16](block2_attn_q_add)
@@ -2950,22 +2803,19 @@ class Vit(rp.Model):
         # block2_attn = attention[heads=True,scale=0.25](block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2)
         block2_attn = mem.tensor(16, (100, 16, 4, 16), 'float32')
         rt.attention(block2_attn_reshape, block2_attn_reshape_3, block2_attn_reshape_2, out=block2_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
-        # free block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
-        del block2_attn_v_matmul, block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_matmul, block2_attn_q_add, block2_attn_reshape
+        # free block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_add, block2_attn_reshape
+        del block2_attn_v_add, block2_attn_reshape_2, block2_attn_k_matmul, block2_attn_reshape_3, block2_attn_q_add, block2_attn_reshape
         mem.free(13, 14, 15)
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
         # block2_attn_out_reshape = reshape[1600x64](block2_attn)
         block2_attn_out_reshape = rt.reshape(block2_attn, shape=(1600, 64))
-        # block2_attn_out_matmul = matmul[tb](block2_attn_out_reshape, block2_attn_out_W)
-        block2_attn_out_matmul = mem.tensor(17, (1600, 64), 'float32')
-        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], out=block2_attn_out_matmul, tb=True)
+        # block2_attn_out_add = matmul[tb](block2_attn_out_reshape, block2_attn_out_W, block2_attn_out_B)
+        block2_attn_out_add = mem.tensor(17, (1600, 64), 'float32')
+        rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], T['block2_attn_out_B'], out=block2_attn_out_add, tb=True)
         # free block2_attn, block2_attn_out_reshape
         del block2_attn, block2_attn_out_reshape
         mem.free(16)
-        # block2_attn_out_add = block2_attn_out_matmul + block2_attn_out_B
-        block2_attn_out_add = block2_attn_out_matmul  # in place: over block2_attn_out_matmul
-        rt.ew(ew_add, block2_attn_out_add, block2_attn_out_matmul, T['block2_attn_out_B'])
         # block2_attn_out = reshape[100x16x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(100, 16, 64))
 
@@ -2973,8 +2823,8 @@ class Vit(rp.Model):
         # block2_ln2_add = block2_ln1_add + block2_attn_out
         block2_ln2_add = block2_ln1_add  # in place: over block2_ln1_add
         rt.ew(ew_add, block2_ln2_add, block2_ln1_add, block2_attn_out)
-        # free block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
-        del block2_attn_out_matmul, block2_attn_out_add, block2_attn_out
+        # free block2_attn_out_add, block2_attn_out
+        del block2_attn_out_add, block2_attn_out
         mem.free(17)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
         block2_ln2 = mem.tensor(18, (100, 16, 64), 'float32')
@@ -2983,15 +2833,12 @@ class Vit(rp.Model):
         # ---- block2_fc1 (fully connected, 128 outputs), forward ----
         # block2_fc1_reshape = reshape[1600x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(1600, 64))
-        # block2_fc1_matmul = matmul[tb](block2_fc1_reshape, block2_fc1_W)
-        block2_fc1_matmul = mem.tensor(19, (1600, 128), 'float32')
-        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], out=block2_fc1_matmul, tb=True)
+        # block2_fc1_add = matmul[tb](block2_fc1_reshape, block2_fc1_W, block2_fc1_B)
+        block2_fc1_add = mem.tensor(19, (1600, 128), 'float32')
+        rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], T['block2_fc1_B'], out=block2_fc1_add, tb=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
         mem.free(18)
-        # block2_fc1_add = block2_fc1_matmul + block2_fc1_B
-        block2_fc1_add = block2_fc1_matmul  # in place: over block2_fc1_matmul
-        rt.ew(ew_add, block2_fc1_add, block2_fc1_matmul, T['block2_fc1_B'])
         # block2_fc1 = reshape[100x16x128](block2_fc1_add)
         block2_fc1 = rt.reshape(block2_fc1_add, shape=(100, 16, 128))
 
@@ -3003,15 +2850,12 @@ class Vit(rp.Model):
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[1600x128](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(1600, 128))
-        # block2_fc2_matmul = matmul[tb](block2_fc2_reshape, block2_fc2_W)
-        block2_fc2_matmul = mem.tensor(20, (1600, 64), 'float32')
-        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], out=block2_fc2_matmul, tb=True)
-        # free block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
-        del block2_fc1_matmul, block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        # block2_fc2_add = matmul[tb](block2_fc2_reshape, block2_fc2_W, block2_fc2_B)
+        block2_fc2_add = mem.tensor(20, (1600, 64), 'float32')
+        rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], T['block2_fc2_B'], out=block2_fc2_add, tb=True)
+        # free block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
+        del block2_fc1_add, block2_fc1, block2_fc1_gelu, block2_fc2_reshape
         mem.free(19)
-        # block2_fc2_add = block2_fc2_matmul + block2_fc2_B
-        block2_fc2_add = block2_fc2_matmul  # in place: over block2_fc2_matmul
-        rt.ew(ew_add, block2_fc2_add, block2_fc2_matmul, T['block2_fc2_B'])
         # block2_fc2 = reshape[100x16x64](block2_fc2_add)
         block2_fc2 = rt.reshape(block2_fc2_add, shape=(100, 16, 64))
 
@@ -3019,8 +2863,8 @@ class Vit(rp.Model):
         # block3_ln1_add = block2_ln2_add + block2_fc2
         block3_ln1_add = block2_ln2_add  # in place: over block2_ln2_add
         rt.ew(ew_add, block3_ln1_add, block2_ln2_add, block2_fc2)
-        # free block2_fc2_matmul, block2_fc2_add, block2_fc2
-        del block2_fc2_matmul, block2_fc2_add, block2_fc2
+        # free block2_fc2_add, block2_fc2
+        del block2_fc2_add, block2_fc2
         mem.free(20)
         # block3_ln1 = layer_norm[axes=1,eps=1e-05](block3_ln1_add, block3_ln1_W, block3_ln1_B)
         block3_ln1 = mem.tensor(21, (100, 16, 64), 'float32')
@@ -3031,12 +2875,9 @@ class Vit(rp.Model):
         block3_attn_q_reshape = rt.reshape(block3_ln1, shape=(1600, 64))
 
         # ---- block3_attn_v (fully connected, 64 outputs), forward ----
-        # block3_attn_v_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_v_W)
-        block3_attn_v_matmul = mem.tensor(22, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], out=block3_attn_v_matmul, tb=True)
-        # block3_attn_v_add = block3_attn_v_matmul + block3_attn_v_B
-        block3_attn_v_add = block3_attn_v_matmul  # in place: over block3_attn_v_matmul
-        rt.ew(ew_add, block3_attn_v_add, block3_attn_v_matmul, T['block3_attn_v_B'])
+        # block3_attn_v_add = matmul[tb](block3_attn_q_reshape, block3_attn_v_W, block3_attn_v_B)
+        block3_attn_v_add = mem.tensor(22, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_v_W'], T['block3_attn_v_B'], out=block3_attn_v_add, tb=True)
 
         # ---- block3_attn_k (fully connected, 64 outputs), forward ----
         # block3_attn_k_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_k_W)
@@ -3044,42 +2885,36 @@ class Vit(rp.Model):
         rt.matmul(block3_attn_q_reshape, T['block3_attn_k_W'], out=block3_attn_k_matmul, tb=True)
 
         # ---- block3_attn_q (fully connected, 64 outputs), forward ----
-        # block3_attn_q_matmul = matmul[tb](block3_attn_q_reshape, block3_attn_q_W)
-        block3_attn_q_matmul = mem.tensor(24, (1600, 64), 'float32')
-        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], out=block3_attn_q_matmul, tb=True)
+        # block3_attn_q_add = matmul[tb](block3_attn_q_reshape, block3_attn_q_W, block3_attn_q_B)
+        block3_attn_q_add = mem.tensor(24, (1600, 64), 'float32')
+        rt.matmul(block3_attn_q_reshape, T['block3_attn_q_W'], T['block3_attn_q_B'], out=block3_attn_q_add, tb=True)
         # free block3_ln1, block3_attn_q_reshape
         del block3_ln1, block3_attn_q_reshape
         mem.free(21)
-        # block3_attn_q_add = block3_attn_q_matmul + block3_attn_q_B
-        block3_attn_q_add = block3_attn_q_matmul  # in place: over block3_attn_q_matmul
-        rt.ew(ew_add, block3_attn_q_add, block3_attn_q_matmul, T['block3_attn_q_B'])
 
         # ---- block3_attn (scaled dot-product attention), forward ----
-        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_k_matmul)
-        block3_attn_reshape = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
-        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_q_add)
-        block3_attn_reshape_2 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
-        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_v_add)
-        block3_attn_reshape_3 = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
-        # block3_attn = attention[heads=True,scale=0.25](block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3)
+        # block3_attn_reshape = reshape[100x16x4x16](block3_attn_v_add)
+        block3_attn_reshape = rt.reshape(block3_attn_v_add, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_2 = reshape[100x16x4x16](block3_attn_k_matmul)
+        block3_attn_reshape_2 = rt.reshape(block3_attn_k_matmul, shape=(100, 16, 4, 16))
+        # block3_attn_reshape_3 = reshape[100x16x4x16](block3_attn_q_add)
+        block3_attn_reshape_3 = rt.reshape(block3_attn_q_add, shape=(100, 16, 4, 16))
+        # block3_attn = attention[heads=True,scale=0.25](block3_attn_reshape_3, block3_attn_reshape_2, block3_attn_reshape)
         block3_attn = mem.tensor(25, (100, 16, 4, 16), 'float32')
-        rt.attention(block3_attn_reshape_2, block3_attn_reshape, block3_attn_reshape_3, out=block3_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
-        # free block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2
-        del block3_attn_v_matmul, block3_attn_v_add, block3_attn_reshape_3, block3_attn_k_matmul, block3_attn_reshape, block3_attn_q_matmul, block3_attn_q_add, block3_attn_reshape_2
+        rt.attention(block3_attn_reshape_3, block3_attn_reshape_2, block3_attn_reshape, out=block3_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
+        # free block3_attn_v_add, block3_attn_reshape, block3_attn_k_matmul, block3_attn_reshape_2, block3_attn_q_add, block3_attn_reshape_3
+        del block3_attn_v_add, block3_attn_reshape, block3_attn_k_matmul, block3_attn_reshape_2, block3_attn_q_add, block3_attn_reshape_3
         mem.free(22, 23, 24)
 
         # ---- block3_attn_out (fully connected, 64 outputs), forward ----
         # block3_attn_out_reshape = reshape[1600x64](block3_attn)
         block3_attn_out_reshape = rt.reshape(block3_attn, shape=(1600, 64))
-        # block3_attn_out_matmul = matmul[tb](block3_attn_out_reshape, block3_attn_out_W)
-        block3_attn_out_matmul = mem.tensor(26, (1600, 64), 'float32')
-        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], out=block3_attn_out_matmul, tb=True)
+        # block3_attn_out_add = matmul[tb](block3_attn_out_reshape, block3_attn_out_W, block3_attn_out_B)
+        block3_attn_out_add = mem.tensor(26, (1600, 64), 'float32')
+        rt.matmul(block3_attn_out_reshape, T['block3_attn_out_W'], T['block3_attn_out_B'], out=block3_attn_out_add, tb=True)
         # free block3_attn, block3_attn_out_reshape
         del block3_attn, block3_attn_out_reshape
         mem.free(25)
-        # block3_attn_out_add = block3_attn_out_matmul + block3_attn_out_B
-        block3_attn_out_add = block3_attn_out_matmul  # in place: over block3_attn_out_matmul
-        rt.ew(ew_add, block3_attn_out_add, block3_attn_out_matmul, T['block3_attn_out_B'])
         # block3_attn_out = reshape[100x16x64](block3_attn_out_add)
         block3_attn_out = rt.reshape(block3_attn_out_add, shape=(100, 16, 64))
 
@@ -3087,8 +2922,8 @@ class Vit(rp.Model):
         # block3_ln2_add = block3_ln1_add + block3_attn_out
         block3_ln2_add = block3_ln1_add  # in place: over block3_ln1_add
         rt.ew(ew_add, block3_ln2_add, block3_ln1_add, block3_attn_out)
-        # free block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
-        del block3_attn_out_matmul, block3_attn_out_add, block3_attn_out
+        # free block3_attn_out_add, block3_attn_out
+        del block3_attn_out_add, block3_attn_out
         mem.free(26)
         # block3_ln2 = layer_norm[axes=1,eps=1e-05](block3_ln2_add, block3_ln2_W, block3_ln2_B)
         block3_ln2 = mem.tensor(27, (100, 16, 64), 'float32')
@@ -3097,15 +2932,12 @@ class Vit(rp.Model):
         # ---- block3_fc1 (fully connected, 128 outputs), forward ----
         # block3_fc1_reshape = reshape[1600x64](block3_ln2)
         block3_fc1_reshape = rt.reshape(block3_ln2, shape=(1600, 64))
-        # block3_fc1_matmul = matmul[tb](block3_fc1_reshape, block3_fc1_W)
-        block3_fc1_matmul = mem.tensor(28, (1600, 128), 'float32')
-        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], out=block3_fc1_matmul, tb=True)
+        # block3_fc1_add = matmul[tb](block3_fc1_reshape, block3_fc1_W, block3_fc1_B)
+        block3_fc1_add = mem.tensor(28, (1600, 128), 'float32')
+        rt.matmul(block3_fc1_reshape, T['block3_fc1_W'], T['block3_fc1_B'], out=block3_fc1_add, tb=True)
         # free block3_ln2, block3_fc1_reshape
         del block3_ln2, block3_fc1_reshape
         mem.free(27)
-        # block3_fc1_add = block3_fc1_matmul + block3_fc1_B
-        block3_fc1_add = block3_fc1_matmul  # in place: over block3_fc1_matmul
-        rt.ew(ew_add, block3_fc1_add, block3_fc1_matmul, T['block3_fc1_B'])
         # block3_fc1 = reshape[100x16x128](block3_fc1_add)
         block3_fc1 = rt.reshape(block3_fc1_add, shape=(100, 16, 128))
 
@@ -3117,15 +2949,12 @@ class Vit(rp.Model):
         # ---- block3_fc2 (fully connected, 64 outputs), forward ----
         # block3_fc2_reshape = reshape[1600x128](block3_fc1_gelu)
         block3_fc2_reshape = rt.reshape(block3_fc1_gelu, shape=(1600, 128))
-        # block3_fc2_matmul = matmul[tb](block3_fc2_reshape, block3_fc2_W)
-        block3_fc2_matmul = mem.tensor(29, (1600, 64), 'float32')
-        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], out=block3_fc2_matmul, tb=True)
-        # free block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
-        del block3_fc1_matmul, block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
+        # block3_fc2_add = matmul[tb](block3_fc2_reshape, block3_fc2_W, block3_fc2_B)
+        block3_fc2_add = mem.tensor(29, (1600, 64), 'float32')
+        rt.matmul(block3_fc2_reshape, T['block3_fc2_W'], T['block3_fc2_B'], out=block3_fc2_add, tb=True)
+        # free block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
+        del block3_fc1_add, block3_fc1, block3_fc1_gelu, block3_fc2_reshape
         mem.free(28)
-        # block3_fc2_add = block3_fc2_matmul + block3_fc2_B
-        block3_fc2_add = block3_fc2_matmul  # in place: over block3_fc2_matmul
-        rt.ew(ew_add, block3_fc2_add, block3_fc2_matmul, T['block3_fc2_B'])
         # block3_fc2 = reshape[100x16x64](block3_fc2_add)
         block3_fc2 = rt.reshape(block3_fc2_add, shape=(100, 16, 64))
 
@@ -3133,8 +2962,8 @@ class Vit(rp.Model):
         # block4_ln1_add = block3_ln2_add + block3_fc2
         block4_ln1_add = block3_ln2_add  # in place: over block3_ln2_add
         rt.ew(ew_add, block4_ln1_add, block3_ln2_add, block3_fc2)
-        # free block3_fc2_matmul, block3_fc2_add, block3_fc2
-        del block3_fc2_matmul, block3_fc2_add, block3_fc2
+        # free block3_fc2_add, block3_fc2
+        del block3_fc2_add, block3_fc2
         mem.free(29)
         # block4_ln1 = layer_norm[axes=1,eps=1e-05](block4_ln1_add, block4_ln1_W, block4_ln1_B)
         block4_ln1 = mem.tensor(30, (100, 16, 64), 'float32')
@@ -3145,12 +2974,9 @@ class Vit(rp.Model):
         block4_attn_q_reshape = rt.reshape(block4_ln1, shape=(1600, 64))
 
         # ---- block4_attn_v (fully connected, 64 outputs), forward ----
-        # block4_attn_v_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_v_W)
-        block4_attn_v_matmul = mem.tensor(31, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], out=block4_attn_v_matmul, tb=True)
-        # block4_attn_v_add = block4_attn_v_matmul + block4_attn_v_B
-        block4_attn_v_add = block4_attn_v_matmul  # in place: over block4_attn_v_matmul
-        rt.ew(ew_add, block4_attn_v_add, block4_attn_v_matmul, T['block4_attn_v_B'])
+        # block4_attn_v_add = matmul[tb](block4_attn_q_reshape, block4_attn_v_W, block4_attn_v_B)
+        block4_attn_v_add = mem.tensor(31, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_v_W'], T['block4_attn_v_B'], out=block4_attn_v_add, tb=True)
 
         # ---- block4_attn_k (fully connected, 64 outputs), forward ----
         # block4_attn_k_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_k_W)
@@ -3158,15 +2984,12 @@ class Vit(rp.Model):
         rt.matmul(block4_attn_q_reshape, T['block4_attn_k_W'], out=block4_attn_k_matmul, tb=True)
 
         # ---- block4_attn_q (fully connected, 64 outputs), forward ----
-        # block4_attn_q_matmul = matmul[tb](block4_attn_q_reshape, block4_attn_q_W)
-        block4_attn_q_matmul = mem.tensor(33, (1600, 64), 'float32')
-        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], out=block4_attn_q_matmul, tb=True)
+        # block4_attn_q_add = matmul[tb](block4_attn_q_reshape, block4_attn_q_W, block4_attn_q_B)
+        block4_attn_q_add = mem.tensor(33, (1600, 64), 'float32')
+        rt.matmul(block4_attn_q_reshape, T['block4_attn_q_W'], T['block4_attn_q_B'], out=block4_attn_q_add, tb=True)
         # free block4_ln1, block4_attn_q_reshape
         del block4_ln1, block4_attn_q_reshape
         mem.free(30)
-        # block4_attn_q_add = block4_attn_q_matmul + block4_attn_q_B
-        block4_attn_q_add = block4_attn_q_matmul  # in place: over block4_attn_q_matmul
-        rt.ew(ew_add, block4_attn_q_add, block4_attn_q_matmul, T['block4_attn_q_B'])
 
         # ---- block4_attn (scaled dot-product attention), forward ----
         # block4_attn_reshape = reshape[100x16x4x16](block4_attn_v_add)
@@ -3178,22 +3001,19 @@ class Vit(rp.Model):
         # block4_attn = attention[heads=True,scale=0.25](block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape)
         block4_attn = mem.tensor(34, (100, 16, 4, 16), 'float32')
         rt.attention(block4_attn_reshape_3, block4_attn_reshape_2, block4_attn_reshape, out=block4_attn, heads=True, scale=0.25, workspace=mem.workspace(409600))
-        # free block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
-        del block4_attn_v_matmul, block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_matmul, block4_attn_q_add, block4_attn_reshape_3
+        # free block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_add, block4_attn_reshape_3
+        del block4_attn_v_add, block4_attn_reshape, block4_attn_k_matmul, block4_attn_reshape_2, block4_attn_q_add, block4_attn_reshape_3
         mem.free(31, 32, 33)
 
         # ---- block4_attn_out (fully connected, 64 outputs), forward ----
         # block4_attn_out_reshape = reshape[1600x64](block4_attn)
         block4_attn_out_reshape = rt.reshape(block4_attn, shape=(1600, 64))
-        # block4_attn_out_matmul = matmul[tb](block4_attn_out_reshape, block4_attn_out_W)
-        block4_attn_out_matmul = mem.tensor(35, (1600, 64), 'float32')
-        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], out=block4_attn_out_matmul, tb=True)
+        # block4_attn_out_add = matmul[tb](block4_attn_out_reshape, block4_attn_out_W, block4_attn_out_B)
+        block4_attn_out_add = mem.tensor(35, (1600, 64), 'float32')
+        rt.matmul(block4_attn_out_reshape, T['block4_attn_out_W'], T['block4_attn_out_B'], out=block4_attn_out_add, tb=True)
         # free block4_attn, block4_attn_out_reshape
         del block4_attn, block4_attn_out_reshape
         mem.free(34)
-        # block4_attn_out_add = block4_attn_out_matmul + block4_attn_out_B
-        block4_attn_out_add = block4_attn_out_matmul  # in place: over block4_attn_out_matmul
-        rt.ew(ew_add, block4_attn_out_add, block4_attn_out_matmul, T['block4_attn_out_B'])
         # block4_attn_out = reshape[100x16x64](block4_attn_out_add)
         block4_attn_out = rt.reshape(block4_attn_out_add, shape=(100, 16, 64))
 
@@ -3201,8 +3021,8 @@ class Vit(rp.Model):
         # block4_ln2_add = block4_ln1_add + block4_attn_out
         block4_ln2_add = block4_ln1_add  # in place: over block4_ln1_add
         rt.ew(ew_add, block4_ln2_add, block4_ln1_add, block4_attn_out)
-        # free block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
-        del block4_attn_out_matmul, block4_attn_out_add, block4_attn_out
+        # free block4_attn_out_add, block4_attn_out
+        del block4_attn_out_add, block4_attn_out
         mem.free(35)
         # block4_ln2 = layer_norm[axes=1,eps=1e-05](block4_ln2_add, block4_ln2_W, block4_ln2_B)
         block4_ln2 = mem.tensor(36, (100, 16, 64), 'float32')
@@ -3211,15 +3031,12 @@ class Vit(rp.Model):
         # ---- block4_fc1 (fully connected, 128 outputs), forward ----
         # block4_fc1_reshape = reshape[1600x64](block4_ln2)
         block4_fc1_reshape = rt.reshape(block4_ln2, shape=(1600, 64))
-        # block4_fc1_matmul = matmul[tb](block4_fc1_reshape, block4_fc1_W)
-        block4_fc1_matmul = mem.tensor(37, (1600, 128), 'float32')
-        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], out=block4_fc1_matmul, tb=True)
+        # block4_fc1_add = matmul[tb](block4_fc1_reshape, block4_fc1_W, block4_fc1_B)
+        block4_fc1_add = mem.tensor(37, (1600, 128), 'float32')
+        rt.matmul(block4_fc1_reshape, T['block4_fc1_W'], T['block4_fc1_B'], out=block4_fc1_add, tb=True)
         # free block4_ln2, block4_fc1_reshape
         del block4_ln2, block4_fc1_reshape
         mem.free(36)
-        # block4_fc1_add = block4_fc1_matmul + block4_fc1_B
-        block4_fc1_add = block4_fc1_matmul  # in place: over block4_fc1_matmul
-        rt.ew(ew_add, block4_fc1_add, block4_fc1_matmul, T['block4_fc1_B'])
         # block4_fc1 = reshape[100x16x128](block4_fc1_add)
         block4_fc1 = rt.reshape(block4_fc1_add, shape=(100, 16, 128))
 
@@ -3231,15 +3048,12 @@ class Vit(rp.Model):
         # ---- block4_fc2 (fully connected, 64 outputs), forward ----
         # block4_fc2_reshape = reshape[1600x128](block4_fc1_gelu)
         block4_fc2_reshape = rt.reshape(block4_fc1_gelu, shape=(1600, 128))
-        # block4_fc2_matmul = matmul[tb](block4_fc2_reshape, block4_fc2_W)
-        block4_fc2_matmul = mem.tensor(38, (1600, 64), 'float32')
-        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], out=block4_fc2_matmul, tb=True)
-        # free block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
-        del block4_fc1_matmul, block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
+        # block4_fc2_add = matmul[tb](block4_fc2_reshape, block4_fc2_W, block4_fc2_B)
+        block4_fc2_add = mem.tensor(38, (1600, 64), 'float32')
+        rt.matmul(block4_fc2_reshape, T['block4_fc2_W'], T['block4_fc2_B'], out=block4_fc2_add, tb=True)
+        # free block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
+        del block4_fc1_add, block4_fc1, block4_fc1_gelu, block4_fc2_reshape
         mem.free(37)
-        # block4_fc2_add = block4_fc2_matmul + block4_fc2_B
-        block4_fc2_add = block4_fc2_matmul  # in place: over block4_fc2_matmul
-        rt.ew(ew_add, block4_fc2_add, block4_fc2_matmul, T['block4_fc2_B'])
         # block4_fc2 = reshape[100x16x64](block4_fc2_add)
         block4_fc2 = rt.reshape(block4_fc2_add, shape=(100, 16, 64))
 
@@ -3247,8 +3061,8 @@ class Vit(rp.Model):
         # ln_add = block4_ln2_add + block4_fc2
         ln_add = block4_ln2_add  # in place: over block4_ln2_add
         rt.ew(ew_add, ln_add, block4_ln2_add, block4_fc2)
-        # free block4_fc2_matmul, block4_fc2_add, block4_fc2
-        del block4_fc2_matmul, block4_fc2_add, block4_fc2
+        # free block4_fc2_add, block4_fc2
+        del block4_fc2_add, block4_fc2
         mem.free(38)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
         ln = mem.tensor(39, (100, 16, 64), 'float32')
@@ -3269,15 +3083,12 @@ class Vit(rp.Model):
         # head_scale = 0.0625*head_reshape
         head_scale = head_reshape  # in place: over head_reshape
         rt.ew(ew_scale, head_scale, head_reshape)
-        # head_matmul = matmul[tb](head_scale, head_W)
-        head_matmul = mem.tensor(41, (100, 10), 'float32')
-        rt.matmul(head_scale, T['head_W'], out=head_matmul, tb=True)
+        # head = matmul[tb](head_scale, head_W, head_B)
+        head = mem.tensor(41, (100, 10), 'float32')
+        rt.matmul(head_scale, T['head_W'], T['head_B'], out=head, tb=True)
         # free head_sum_to, head_reshape, head_scale
         del head_sum_to, head_reshape, head_scale
         mem.free(40)
-        # head = head_matmul + head_B
-        head = head_matmul  # in place: over head_matmul
-        rt.ew(ew_add, head, head_matmul, T['head_B'])
 
         # ---- predict (the class probabilities), forward ----
         # probabilities = softmax(head)
@@ -3304,48 +3115,48 @@ class Vit(rp.Model):
                 (0, 409600),  # 3: patch 100x64x4x4 float32
                 (6963200, 409600),  # 4: block1_ln2_transpose 100x16x64 float32
                 (7372800, 409600),  # 5: block1_ln1 100x16x64 float32
-                (7782400, 409600),  # 6: block1_attn_v_matmul 1600x64 float32
+                (7782400, 409600),  # 6: block1_attn_v_add 1600x64 float32
                 (8192000, 409600),  # 7: block1_attn_k_matmul 1600x64 float32
-                (8601600, 409600),  # 8: block1_attn_q_matmul 1600x64 float32
+                (8601600, 409600),  # 8: block1_attn_q_add 1600x64 float32
                 (9011200, 409600),  # 9: block1_attn 100x16x4x16 float32
-                (9420800, 409600),  # 10: block1_attn_out_matmul 1600x64 float32
+                (9420800, 409600),  # 10: block1_attn_out_add 1600x64 float32
                 (9830400, 409600),  # 11: block1_ln2 100x16x64 float32
-                (1228800, 819200),  # 12: block1_fc1_matmul 1600x128 float32
+                (1228800, 819200),  # 12: block1_fc1_add 1600x128 float32
                 (2048000, 819200),  # 13: block1_fc1_gelu 100x16x128 float32
-                (10240000, 409600),  # 14: block1_fc2_matmul 1600x64 float32
+                (10240000, 409600),  # 14: block1_fc2_add 1600x64 float32
                 (10649600, 409600),  # 15: block2_ln1 100x16x64 float32
-                (11059200, 409600),  # 16: block2_attn_v_matmul 1600x64 float32
+                (11059200, 409600),  # 16: block2_attn_v_add 1600x64 float32
                 (11468800, 409600),  # 17: block2_attn_k_matmul 1600x64 float32
-                (11878400, 409600),  # 18: block2_attn_q_matmul 1600x64 float32
+                (11878400, 409600),  # 18: block2_attn_q_add 1600x64 float32
                 (12288000, 409600),  # 19: block2_attn 100x16x4x16 float32
-                (12697600, 409600),  # 20: block2_attn_out_matmul 1600x64 float32
+                (12697600, 409600),  # 20: block2_attn_out_add 1600x64 float32
                 (13107200, 409600),  # 21: block2_ln2 100x16x64 float32
-                (2867200, 819200),  # 22: block2_fc1_matmul 1600x128 float32
+                (2867200, 819200),  # 22: block2_fc1_add 1600x128 float32
                 (3686400, 819200),  # 23: block2_fc1_gelu 100x16x128 float32
-                (13516800, 409600),  # 24: block2_fc2_matmul 1600x64 float32
+                (13516800, 409600),  # 24: block2_fc2_add 1600x64 float32
                 (13926400, 409600),  # 25: block3_ln1 100x16x64 float32
-                (14336000, 409600),  # 26: block3_attn_v_matmul 1600x64 float32
+                (14336000, 409600),  # 26: block3_attn_v_add 1600x64 float32
                 (14745600, 409600),  # 27: block3_attn_k_matmul 1600x64 float32
-                (15155200, 409600),  # 28: block3_attn_q_matmul 1600x64 float32
+                (15155200, 409600),  # 28: block3_attn_q_add 1600x64 float32
                 (15564800, 409600),  # 29: block3_attn 100x16x4x16 float32
-                (15974400, 409600),  # 30: block3_attn_out_matmul 1600x64 float32
+                (15974400, 409600),  # 30: block3_attn_out_add 1600x64 float32
                 (16384000, 409600),  # 31: block3_ln2 100x16x64 float32
-                (4505600, 819200),  # 32: block3_fc1_matmul 1600x128 float32
+                (4505600, 819200),  # 32: block3_fc1_add 1600x128 float32
                 (5324800, 819200),  # 33: block3_fc1_gelu 100x16x128 float32
-                (16793600, 409600),  # 34: block3_fc2_matmul 1600x64 float32
+                (16793600, 409600),  # 34: block3_fc2_add 1600x64 float32
                 (17203200, 409600),  # 35: block4_ln1 100x16x64 float32
-                (17612800, 409600),  # 36: block4_attn_v_matmul 1600x64 float32
+                (17612800, 409600),  # 36: block4_attn_v_add 1600x64 float32
                 (18022400, 409600),  # 37: block4_attn_k_matmul 1600x64 float32
-                (18432000, 409600),  # 38: block4_attn_q_matmul 1600x64 float32
+                (18432000, 409600),  # 38: block4_attn_q_add 1600x64 float32
                 (18841600, 409600),  # 39: block4_attn 100x16x4x16 float32
-                (819200, 409600),  # 40: block4_attn_out_matmul 1600x64 float32
+                (819200, 409600),  # 40: block4_attn_out_add 1600x64 float32
                 (19251200, 409600),  # 41: block4_ln2 100x16x64 float32
-                (0, 819200),  # 42: block4_fc1_matmul 1600x128 float32
+                (0, 819200),  # 42: block4_fc1_add 1600x128 float32
                 (6144000, 819200),  # 43: block4_fc1_gelu 100x16x128 float32
-                (19660800, 409600),  # 44: block4_fc2_matmul 1600x64 float32
+                (19660800, 409600),  # 44: block4_fc2_add 1600x64 float32
                 (20070400, 409600),  # 45: ln 100x16x64 float32
                 (20793600, 25600),  # 46: head_sum_to 100x1x64 float32
-                (20070400, 4000),  # 47: head_matmul 100x10 float32
+                (20070400, 4000),  # 47: head 100x10 float32
                 (20074496, 400),  # 48: head_cross_entropy_pick 100 float32
                 (20823296, 2560),  # 49: d_head_W 10x64 float32
                 (20825856, 4),  # 50: head_cross_entropy_sum_to scalar float32
@@ -3446,44 +3257,44 @@ class Vit(rp.Model):
                 (0, 409600),  # 2: patch 100x64x4x4 float32
                 (819200, 409600),  # 3: block1_ln2_transpose 100x16x64 float32
                 (0, 409600),  # 4: block1_ln1 100x16x64 float32
-                (409600, 409600),  # 5: block1_attn_v_matmul 1600x64 float32
+                (409600, 409600),  # 5: block1_attn_v_add 1600x64 float32
                 (1228800, 409600),  # 6: block1_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 7: block1_attn_q_matmul 1600x64 float32
+                (1638400, 409600),  # 7: block1_attn_q_add 1600x64 float32
                 (0, 409600),  # 8: block1_attn 100x16x4x16 float32
-                (409600, 409600),  # 9: block1_attn_out_matmul 1600x64 float32
+                (409600, 409600),  # 9: block1_attn_out_add 1600x64 float32
                 (1228800, 409600),  # 10: block1_ln2 100x16x64 float32
-                (0, 819200),  # 11: block1_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 12: block1_fc2_matmul 1600x64 float32
+                (0, 819200),  # 11: block1_fc1_add 1600x128 float32
+                (1228800, 409600),  # 12: block1_fc2_add 1600x64 float32
                 (0, 409600),  # 13: block2_ln1 100x16x64 float32
-                (409600, 409600),  # 14: block2_attn_v_matmul 1600x64 float32
+                (409600, 409600),  # 14: block2_attn_v_add 1600x64 float32
                 (1228800, 409600),  # 15: block2_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 16: block2_attn_q_matmul 1600x64 float32
+                (1638400, 409600),  # 16: block2_attn_q_add 1600x64 float32
                 (0, 409600),  # 17: block2_attn 100x16x4x16 float32
-                (409600, 409600),  # 18: block2_attn_out_matmul 1600x64 float32
+                (409600, 409600),  # 18: block2_attn_out_add 1600x64 float32
                 (1228800, 409600),  # 19: block2_ln2 100x16x64 float32
-                (0, 819200),  # 20: block2_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 21: block2_fc2_matmul 1600x64 float32
+                (0, 819200),  # 20: block2_fc1_add 1600x128 float32
+                (1228800, 409600),  # 21: block2_fc2_add 1600x64 float32
                 (0, 409600),  # 22: block3_ln1 100x16x64 float32
-                (409600, 409600),  # 23: block3_attn_v_matmul 1600x64 float32
+                (409600, 409600),  # 23: block3_attn_v_add 1600x64 float32
                 (1228800, 409600),  # 24: block3_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 25: block3_attn_q_matmul 1600x64 float32
+                (1638400, 409600),  # 25: block3_attn_q_add 1600x64 float32
                 (0, 409600),  # 26: block3_attn 100x16x4x16 float32
-                (409600, 409600),  # 27: block3_attn_out_matmul 1600x64 float32
+                (409600, 409600),  # 27: block3_attn_out_add 1600x64 float32
                 (1228800, 409600),  # 28: block3_ln2 100x16x64 float32
-                (0, 819200),  # 29: block3_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 30: block3_fc2_matmul 1600x64 float32
+                (0, 819200),  # 29: block3_fc1_add 1600x128 float32
+                (1228800, 409600),  # 30: block3_fc2_add 1600x64 float32
                 (0, 409600),  # 31: block4_ln1 100x16x64 float32
-                (409600, 409600),  # 32: block4_attn_v_matmul 1600x64 float32
+                (409600, 409600),  # 32: block4_attn_v_add 1600x64 float32
                 (1228800, 409600),  # 33: block4_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 34: block4_attn_q_matmul 1600x64 float32
+                (1638400, 409600),  # 34: block4_attn_q_add 1600x64 float32
                 (0, 409600),  # 35: block4_attn 100x16x4x16 float32
-                (409600, 409600),  # 36: block4_attn_out_matmul 1600x64 float32
+                (409600, 409600),  # 36: block4_attn_out_add 1600x64 float32
                 (1228800, 409600),  # 37: block4_ln2 100x16x64 float32
-                (0, 819200),  # 38: block4_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 39: block4_fc2_matmul 1600x64 float32
+                (0, 819200),  # 38: block4_fc1_add 1600x128 float32
+                (1228800, 409600),  # 39: block4_fc2_add 1600x64 float32
                 (0, 409600),  # 40: ln 100x16x64 float32
                 (409600, 25600),  # 41: head_sum_to 100x1x64 float32
-                (0, 4000),  # 42: head_matmul 100x10 float32
+                (0, 4000),  # 42: head 100x10 float32
                 (5120, 4),  # 43: head_precision scalar float32
                 (4096, 400),  # 44: label_ranks 100 float32
                 (4608, 400),  # 45: head_cross_entropy_pick 100 float32
@@ -3496,44 +3307,44 @@ class Vit(rp.Model):
                 (0, 409600),  # 1: patch 100x64x4x4 float32
                 (819200, 409600),  # 2: block1_ln2_transpose 100x16x64 float32
                 (0, 409600),  # 3: block1_ln1 100x16x64 float32
-                (409600, 409600),  # 4: block1_attn_v_matmul 1600x64 float32
+                (409600, 409600),  # 4: block1_attn_v_add 1600x64 float32
                 (1228800, 409600),  # 5: block1_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 6: block1_attn_q_matmul 1600x64 float32
+                (1638400, 409600),  # 6: block1_attn_q_add 1600x64 float32
                 (0, 409600),  # 7: block1_attn 100x16x4x16 float32
-                (409600, 409600),  # 8: block1_attn_out_matmul 1600x64 float32
+                (409600, 409600),  # 8: block1_attn_out_add 1600x64 float32
                 (1228800, 409600),  # 9: block1_ln2 100x16x64 float32
-                (0, 819200),  # 10: block1_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 11: block1_fc2_matmul 1600x64 float32
+                (0, 819200),  # 10: block1_fc1_add 1600x128 float32
+                (1228800, 409600),  # 11: block1_fc2_add 1600x64 float32
                 (0, 409600),  # 12: block2_ln1 100x16x64 float32
-                (409600, 409600),  # 13: block2_attn_v_matmul 1600x64 float32
+                (409600, 409600),  # 13: block2_attn_v_add 1600x64 float32
                 (1228800, 409600),  # 14: block2_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 15: block2_attn_q_matmul 1600x64 float32
+                (1638400, 409600),  # 15: block2_attn_q_add 1600x64 float32
                 (0, 409600),  # 16: block2_attn 100x16x4x16 float32
-                (409600, 409600),  # 17: block2_attn_out_matmul 1600x64 float32
+                (409600, 409600),  # 17: block2_attn_out_add 1600x64 float32
                 (1228800, 409600),  # 18: block2_ln2 100x16x64 float32
-                (0, 819200),  # 19: block2_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 20: block2_fc2_matmul 1600x64 float32
+                (0, 819200),  # 19: block2_fc1_add 1600x128 float32
+                (1228800, 409600),  # 20: block2_fc2_add 1600x64 float32
                 (0, 409600),  # 21: block3_ln1 100x16x64 float32
-                (409600, 409600),  # 22: block3_attn_v_matmul 1600x64 float32
+                (409600, 409600),  # 22: block3_attn_v_add 1600x64 float32
                 (1228800, 409600),  # 23: block3_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 24: block3_attn_q_matmul 1600x64 float32
+                (1638400, 409600),  # 24: block3_attn_q_add 1600x64 float32
                 (0, 409600),  # 25: block3_attn 100x16x4x16 float32
-                (409600, 409600),  # 26: block3_attn_out_matmul 1600x64 float32
+                (409600, 409600),  # 26: block3_attn_out_add 1600x64 float32
                 (1228800, 409600),  # 27: block3_ln2 100x16x64 float32
-                (0, 819200),  # 28: block3_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 29: block3_fc2_matmul 1600x64 float32
+                (0, 819200),  # 28: block3_fc1_add 1600x128 float32
+                (1228800, 409600),  # 29: block3_fc2_add 1600x64 float32
                 (0, 409600),  # 30: block4_ln1 100x16x64 float32
-                (409600, 409600),  # 31: block4_attn_v_matmul 1600x64 float32
+                (409600, 409600),  # 31: block4_attn_v_add 1600x64 float32
                 (1228800, 409600),  # 32: block4_attn_k_matmul 1600x64 float32
-                (1638400, 409600),  # 33: block4_attn_q_matmul 1600x64 float32
+                (1638400, 409600),  # 33: block4_attn_q_add 1600x64 float32
                 (0, 409600),  # 34: block4_attn 100x16x4x16 float32
-                (409600, 409600),  # 35: block4_attn_out_matmul 1600x64 float32
+                (409600, 409600),  # 35: block4_attn_out_add 1600x64 float32
                 (1228800, 409600),  # 36: block4_ln2 100x16x64 float32
-                (0, 819200),  # 37: block4_fc1_matmul 1600x128 float32
-                (1228800, 409600),  # 38: block4_fc2_matmul 1600x64 float32
+                (0, 819200),  # 37: block4_fc1_add 1600x128 float32
+                (1228800, 409600),  # 38: block4_fc2_add 1600x64 float32
                 (0, 409600),  # 39: ln 100x16x64 float32
                 (409600, 25600),  # 40: head_sum_to 100x1x64 float32
-                (0, 4000),  # 41: head_matmul 100x10 float32
+                (0, 4000),  # 41: head 100x10 float32
             )),
     }
 

@@ -482,6 +482,41 @@ def avx2(tmp_path_factory):
 
 
 @needs_cc
+@pytest.mark.parametrize("case", [c for c in list(SMALL_CASES) + list(CASES)
+                                  if len(SMALL_CASES.get(c, CASES.get(c))(np.random.default_rng(0))[0].shape) == 2 and
+                                  len(SMALL_CASES.get(c, CASES.get(c))(np.random.default_rng(0))[1].shape) == 2])
+def test_a_product_plus_a_bias_has_the_bits_of_the_product_and_then_the_add(lib, avx2, case):
+    """`Native.gemm_bias`, a bias added to every row of a product as it is stored (the tiles) or after it (the
+    BLAS's parts), and `matmul` with a bias: the bits of `Native.gemm` and then numpy's float32 add, into a
+    NaN-filled output, on 1, 2 and 3 threads and built for AVX2. An output over the bias is left to the caller."""
+    from deepdsl_runtime.cpu import linalg
+
+    a, b = SMALL_CASES.get(case, CASES.get(case))(np.random.default_rng(17))
+    m, n = a.shape[0], b.shape[1]
+    bias = np.random.default_rng(18).standard_normal(n).astype(np.float32)
+    want = lib.gemm(a, b, np.full((m, n), np.nan, np.float32))
+    want += bias
+    try:
+        for built, threads in [(lib, 1), (lib, 2), (lib, 3), (avx2, 2)]:
+            built.set_threads(threads)
+            got = np.full((m, n), np.nan, np.float32)
+            assert built.gemm_bias(a, b, got, bias), (case, threads)
+            np.testing.assert_array_equal(got, want)
+            through = np.full((m, n), np.nan, np.float32)
+            linalg.matmul(a, b, bias, out=through, gemm=built.gemm, native=built)
+            np.testing.assert_array_equal(through, want)
+    finally:
+        lib.set_threads(native.threads_available())
+    both = np.full(m * n, np.nan, np.float32)
+    out, over = both.reshape(m, n), both[m * n - n:]                   # the bias in the output's last row
+    over[...] = bias
+    assert not lib.gemm_bias(a, b, out, over)
+    plain = np.full((m, n), np.nan, np.float32)
+    linalg.matmul(a, b, bias, out=plain)                                # numpy's product, then the add
+    np.testing.assert_allclose(plain, want, rtol=1e-5, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+
+
+@needs_cc
 @pytest.mark.parametrize("case", list(SMALL_CASES))
 def test_products_in_tiles_equal_numpy_with_the_same_bits_on_any_threads_and_with_avx2(lib, avx2, case):
     """The products `contract.small_product` takes run in the kernels' tiles (and only they: the cases above that

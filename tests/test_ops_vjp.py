@@ -310,6 +310,14 @@ for _ta in (False, True):
              lambda a, b, ta=_ta, tb=_tb: matmul(a, b, ta=ta, tb=tb),
              lambda a, b, ta=_ta, tb=_tb: (a.transpose(-1, -2) if ta else a) @ (b.transpose(-1, -2) if tb else b),
              {"a": randn(2, 3, *((4, 3) if _ta else (3, 4))), "b": randn(2, 3, *((5, 4) if _tb else (4, 5)), seed=1)})
+for _ta in (False, True):
+    for _tb in (False, True):
+        case(f"matmul_bias_ta{int(_ta)}_tb{int(_tb)}",         # a product taking a bias (`fuse_epilogue`)
+             lambda a, b, c, ta=_ta, tb=_tb: make("matmul", (a, b, c), **({"ta": True} if ta else {}),
+                                                 **({"tb": True} if tb else {})),
+             lambda a, b, c, ta=_ta, tb=_tb: (a.T if ta else a) @ (b.T if tb else b) + c,
+             {"a": randn(*((4, 3) if _ta else (3, 4))), "b": randn(*((5, 4) if _tb else (4, 5)), seed=1),
+              "c": randn(5, seed=2)})
 case("dsl_attention_scores", lambda q, k: (D.Tensor(q) @ D.Tensor(k).transpose(-1, -2)).node,
      lambda q, k: q @ k.transpose(-1, -2), {"q": randn(2, 2, 3, 4), "k": randn(2, 2, 3, 4, seed=1)})
 case("all_sum", lambda x: make("all_sum", (x,)), lambda x: x.clone(), {"x": randn(2, 3, 4)})   # one process

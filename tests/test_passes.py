@@ -24,6 +24,7 @@ from deepdsl.passes import fuse_elementwise as fusion
 from deepdsl.passes.code_motion import hoist_invariants, sink
 from deepdsl.passes.cse import cse
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
+from deepdsl.passes.fuse_epilogue import fuse_epilogue
 from deepdsl.passes.fuse_reductions import fuse_reductions
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.simplify import simplify
@@ -312,6 +313,37 @@ def test_a_size_1_factor_of_more_axes_than_the_sum_stays_inside_it():
     (summed,) = [n for n in toposort([node for _, node in after.outputs]) if n.op == "ew_sum"]
     assert set(summed.inputs) == {x, b, s} and after.outputs[0][1].shape == (2,)
     assert_same_values(before, after)
+
+
+def test_a_bias_added_to_a_product_becomes_the_products_third_input():
+    """product + bias (n,), either way round, becomes matmul(a, b, bias) with the product's own attributes, the
+    values unchanged; not a product read elsewhere, a batched one, a bias of another shape, nor another sum."""
+    x, w, b = data("x", (5, 3)), param("W", (4, 3)), param("B", (4,))
+    product = matmul(x, w, tb=True)
+    for expr, inputs in ((v0 + v1, [product, b]), (v1 + v0, [b, product])):
+        before = graph(elementwise(expr, inputs))
+        (fused,) = [node for _, node in fuse_epilogue(before).outputs]
+        assert fused.op == "matmul" and fused.inputs == (x, w, b) and fused.attr("tb") is True
+        assert_same_values(before, fuse_epilogue(before))
+    row = param("R", (1, 4))
+    stacked = matmul(data("s", (2, 5, 3)), param("V", (2, 3, 4)))
+    for before in (graph(elementwise(v0 + v1, [product, b]), product),          # the product read again
+                   graph(elementwise(v0 + v1, [product, row])),                 # a bias (1, n)
+                   graph(elementwise(v0 - v1, [product, b])),
+                   graph(elementwise(v0 + v1, [stacked, b])),                   # a stack of products
+                   graph(elementwise(v0 + 2 * v1, [product, b]))):
+        after = fuse_epilogue(before)
+        assert after.outputs[0][1].op == "ew", before
+        assert_same_values(before, after)
+
+
+def test_a_fully_connected_layers_bias_goes_into_its_product_in_the_pipeline():
+    """LeNet's last layer (no activation after it) computes its product and bias in one statement; fc1's bias stays
+    in its ReLU's expression."""
+    compiled = deepdsl.compile(deepdsl.load(LENET, Overrides(batch=8)))
+    text = compiled.train.text()
+    assert "matmul[tb](fc1_relu, fc2_W, fc2_B)" in text, text
+    assert "Max(0, fc1_matmul + fc1_B)" in text
 
 
 # ----------------------------------------------------------------------------------------------------------------

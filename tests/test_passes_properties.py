@@ -18,6 +18,7 @@ from deepdsl.ir import Graph, toposort
 from deepdsl.passes.code_motion import hoist_invariants, sink
 from deepdsl.passes.cse import cse
 from deepdsl.passes.fuse_elementwise import fuse_elementwise
+from deepdsl.passes.fuse_epilogue import fuse_epilogue
 from deepdsl.passes.linearize import linearize
 from deepdsl.passes.simplify import simplify
 from deepdsl.ssa import Let, Program
@@ -77,6 +78,13 @@ def test_fuse_elementwise_preserves_values_and_adds_no_ew_node(graph, seed):
     # after simplification and CSE too (the pipeline's order)
     prepared = cse(simplify(graph))
     check_graph_pass(prepared, fuse_elementwise, seed)
+
+
+@SETTINGS
+@given(graphs(), st.integers(0, 2**31))
+def test_fuse_epilogue_preserves_values_and_adds_no_node(graph, seed):
+    fused = check_graph_pass(graph, lambda g: fuse_epilogue(fuse_elementwise(g)), seed)
+    assert len(toposort(node for _, node in fused.outputs)) <= len(toposort(node for _, node in graph.outputs))
 
 
 @SETTINGS

@@ -46,9 +46,10 @@ def test_names_say_what_the_values_are():
         assert names[id(outputs[p.name])] == f"{p.name}_new"
         gradient = nodes[by_name[f"d_{p.name}"]]
         assert gradient in velocity.inputs, f"the update of {p.name} does not read d_{p.name}"
-    # the ReLU after fc1 reads fc1's matmul; fc2's matmul reads the ReLU
-    fc2 = nodes[by_name["fc2_matmul"]]
-    assert names[id(fc2.inputs[0])] == "fc1_relu"
+    # the ReLU after fc1 reads fc1's matmul; fc2's matmul, its bias added (`fuse_epilogue`: the layer's output), the
+    # ReLU
+    fc2 = nodes[by_name["fc2"]]
+    assert fc2.op == "matmul" and names[id(fc2.inputs[0])] == "fc1_relu"
     assert nodes[by_name["cv2"]].inputs[0] is nodes[by_name["cv1_max_pool"]]
 
 
@@ -81,7 +82,7 @@ def test_names_never_hide_what_the_step_uses(tmp_path):
 from deepdsl import dsl as D
 x = D.images("x", (4, 1, 6, 6))
 y = D.labels("y", 4, 3)
-net = D.full("ew_add", 3) @ D.flatten @ D.conv("mem", 1, 2) @ D.conv("class", 3, 2) @ D.conv("x", 1, 2)
+net = D.full("ew_scale", 3) @ D.flatten @ D.conv("mem", 1, 2) @ D.conv("class", 3, 2) @ D.conv("x", 1, 2)
 loop = D.Loop(loss=(D.cross_entropy(y) @ net)(x), accuracy=(D.precision(y) @ net)(x), solver=D.Train("odd"))
 """)
     compiled, path = compile_program(network, tmp_path)
@@ -90,7 +91,7 @@ loop = D.Loop(loss=(D.cross_entropy(y) @ net)(x), accuracy=(D.precision(y) @ net
     assert {"class", "mem", "x"}.isdisjoint(values)
     assert {"class_2", "mem_2", "x_2"} <= values
     text = path.read_text()
-    assert "ew_add" in values and "def ew_add_2(" in text     # the bias-add kernel yields to layer 'ew_add'
+    assert "ew_scale" in values and "def ew_scale_2(" in text  # the loss's scaling kernel yields to the layer
     done = run_cli(path, "--iters", "2", "--test-iters", "1", "--data", "synthetic", "--params",
                    str(tmp_path / "odd.npz"), "--quiet")
     assert done.returncode == 0, done.stderr

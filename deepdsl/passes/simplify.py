@@ -183,6 +183,8 @@ _LINEAR_IN = {
 
 
 def _zero_rule(node: Node) -> Node | None:
+    if node.op == "matmul" and len(node.inputs) == 3:       # + a bias: not linear in the product's operands
+        return None
     if node.dtype == FLOAT and any(_is_fill(node.inputs[k]) and _value(node.inputs[k]) == 0.0
                                    for k in _LINEAR_IN[node.op]):
         return _fill(0.0, node.shape)

@@ -12,14 +12,19 @@ from deepdsl_runtime import contract
 __all__ = ["matmul", "Products"]
 
 
-def matmul(a, b, *, out, ta=False, tb=False, workspace=None, gemm=np.matmul, native=None):
-    """out = op(a) op(b); with the compiled products and a `workspace`, a single product with a small output and a
-    long inner dimension in parts of it (`Native.gemm_in_depth`)."""
+def matmul(a, b, bias=None, *, out, ta=False, tb=False, workspace=None, gemm=np.matmul, native=None):
+    """out = op(a) op(b) (+ bias, (n,), added to every row of a 2-D product); with the compiled products and a
+    `workspace`, a single product with a small output and a long inner dimension in parts of it
+    (`Native.gemm_in_depth`); with them and a bias, the bias added as the product is stored (`Native.gemm_bias`).
+    Else the bias is added after the product: the same bits."""
     a, b = a.swapaxes(-1, -2) if ta else a, b.swapaxes(-1, -2) if tb else b
-    if workspace is not None and native is not None and gemm == native.gemm and \
-            native.gemm_in_depth(a, b, out, workspace):
-        return
-    gemm(a, b, out=out)
+    compiled = native is not None and gemm == native.gemm
+    if not (workspace is not None and compiled and native.gemm_in_depth(a, b, out, workspace)):
+        if bias is not None and compiled and native.gemm_bias(a, b, out, bias):
+            return
+        gemm(a, b, out=out)
+    if bias is not None:
+        np.add(out, bias, out=out)
 
 
 class Products:

@@ -444,9 +444,24 @@ class Native:
         batch = math.prod(lead)
         head, operands = (batch, ta[0], tb[0], m, n, k), ((ta[1], sa), (tb[1], sb), (to[1], sc))
         if self._small(m, n, k, ta, tb):
-            return _ProductCall(self._small_gemm_args, head, operands, (), (a, b, out))
-        return _ProductCall(self.lib.deepdsl_gemm_args, head, operands, tuple(contract.product_cuts(batch, m, n, k)),
-                            (a, b, out))
+            return _ProductCall(self._small_gemm_args, head, operands, (0,), (a, b, out))
+        return _ProductCall(self.lib.deepdsl_gemm_args, head, operands,
+                            (*contract.product_cuts(batch, m, n, k), 0), (a, b, out))
+
+    def gemm_bias(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, bias: np.ndarray) -> bool:
+        """out (m x n) = a @ b + bias, the bias (n,) added to every row, in one call of the library: as `gemm`
+        computes the product, the tiles adding the bias to each output as they store it finished, the BLAS's parts
+        after the product; the bits of the product and then an elementwise add. False where the library does not
+        (more than two axes, a bias that is not n contiguous float32 apart from the output, a product `gemm` leaves
+        to numpy): the caller computes the product and adds the bias."""
+        if out.ndim != 2 or bias.dtype != np.float32 or bias.shape != out.shape[1:] or not bias.flags.c_contiguous:
+            return False
+        key = (a.shape, a.strides, a.dtype.num, b.shape, b.strides, b.dtype.num, out.shape, out.strides,
+               out.dtype.num)
+        plan = self._product_plans.get(key, False)
+        if plan is False:
+            plan = self._product_plans[key] = self._product_plan(a, b, out)
+        return isinstance(plan, _ProductCall) and plan(_address(a), _address(b), _address(out), _address(bias))
 
     def gemm_sum(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
         """out = the sum over i of a[i] @ b[i] (stacks of matrices one stride apart), in order, without workspace
@@ -1126,11 +1141,16 @@ class _ProductCall:
                                                                      *tail)
         self.extents = tuple(_extent(x) for x in arrays)
 
-    def __call__(self, pa: int, pb: int, pc: int) -> bool:
+    def __call__(self, pa: int, pb: int, pc: int, pbias: int = 0) -> bool:
+        """The product of the operands at pa and pb into pc, plus the bias (n floats) at `pbias` where not 0."""
         if not _apart(self.extents, pa, pb, pc):
             return False
-        values = self.values        # (batch, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, ...)
-        values[6], values[9], values[12] = pa, pb, pc
+        values = self.values        # (batch, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, ..., bias)
+        if pbias:
+            low, high = self.extents[2]
+            if pc + low < pbias + 4 * values[4] and pbias < pc + high:
+                return False
+        values[6], values[9], values[12], values[-1] = pa, pb, pc, pbias
         return bool(self.function(values))
 
 

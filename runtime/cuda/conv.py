@@ -8,13 +8,16 @@ from deepdsl_runtime.cuda import layout as L
 from deepdsl_runtime.cuda.arrays import DeviceArray, device_array, launch_items, overlaps
 
 
-def matmul(a, b, *, out, ta=False, tb=False, workspace=None):
+def matmul(a, b, bias=None, *, out, ta=False, tb=False, workspace=None):
     """out = op(a) op(b), 2-D or batched over equal leading axes (one strided batched GEMM; the workspace the CPU's
-    depth cut uses stays unused)."""
+    depth cut uses stays unused); a 2-D product's bias (n,) added to every row after it (the convolutions' bias
+    kernel, each column a channel of planes of one value)."""
     m, n = out.shape[-2:]
     k = a.shape[-2] if ta else a.shape[-1]
     if out.ndim == 2:
         out.device.gemm(bool(ta), bool(tb), m, n, k, 1.0, a.ptr, a.shape[1], b.ptr, b.shape[1], 0.0, out.ptr, n)
+        if bias is not None:
+            launch_items(out.device, "deepdsl_add_bias", "IIIPP", out.size, out.size, n, 1, bias.ptr, out.ptr)
         return
     batch = out.size // (m * n)
     out.device.gemm_batched(bool(ta), bool(tb), m, n, k, a.ptr, a.shape[-1], m * k, b.ptr, b.shape[-1], k * n,

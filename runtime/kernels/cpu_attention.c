@@ -184,7 +184,7 @@ static void deepdsl_att_product(const float* a, long a_row, long a_col, const fl
         for (long i = 0; i < m; i += DEEPDSL_SG_ROWS) {
             const int R = (int)(m - i < DEEPDSL_SG_ROWS ? m - i : DEEPDSL_SG_ROWS);
             deepdsl_sg_tile_any(R, V, k, a + i * a_row, a_row, a_col, b + j0, ldb, partial, last,
-                                out + i * ldc + j0, ldc, 0);
+                                out + i * ldc + j0, ldc, 0, NULL);
         }
     }
 #else

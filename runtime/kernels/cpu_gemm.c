@@ -141,10 +141,25 @@ int deepdsl_gemm_depth(int ta, int tb, long m, long n, long k, const float* a, l
 
 // deepdsl_gemm with its arguments in one array of 64-bit integers, in the order of its parameters (the operands'
 // addresses among them): a call from Python converts one pointer instead of 18 arguments.
+// v[18]: a bias (n floats) added to every row of every product after it (none where 0), as an elementwise add
+// over the product's result would add it.
 int deepdsl_gemm_args(const int64_t* v) {
-    return deepdsl_gemm(v[0], (int)v[1], (int)v[2], v[3], v[4], v[5], (const float*)(intptr_t)v[6], v[7], v[8],
-                        (const float*)(intptr_t)v[9], v[10], v[11], (float*)(intptr_t)v[12], v[13], v[14], (int)v[15],
-                        v[16], v[17]);
+    if (!deepdsl_gemm(v[0], (int)v[1], (int)v[2], v[3], v[4], v[5], (const float*)(intptr_t)v[6], v[7], v[8],
+                      (const float*)(intptr_t)v[9], v[10], v[11], (float*)(intptr_t)v[12], v[13], v[14], (int)v[15],
+                      v[16], v[17]))
+        return 0;
+    const float* bias = (const float*)(intptr_t)v[18];
+    if (bias) {
+        const long batch = v[0], m = v[3], n = v[4], ldc = v[13], sc = v[14];
+        float* c = (float*)(intptr_t)v[12];
+#pragma omp parallel for schedule(static) if ((double)batch * m * n >= DEEPDSL_EW_PARALLEL_MIN)
+        for (long row = 0; row < batch * m; ++row) {
+            float* r = c + row / m * sc + row % m * ldc;
+#pragma omp simd
+            for (long j = 0; j < n; ++j) r[j] += bias[j];
+        }
+    }
+    return 1;
 }
 
 // Products in tiles of the kernels' own, where contract.small_product takes them (a Transformer's projections,
@@ -208,11 +223,12 @@ static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
 #define DEEPDSL_SG_WIDTH (DEEPDSL_SG_VECTORS * DEEPDSL_SG_LANES)    /* columns of a tile, of a strip */
 
 // c (R rows ldc apart, V vectors of columns, the last one's lanes `last` where `partial`) = (`add`: c +) the sum over
-// p < depth of a[r * ra + p * ca] * b[p * ldb + column], b's rows holding V whole vectors (unmasked loads: AVX's
-// masked loads and stores are slow on AMD's processors; only a partial vector is stored under its mask)
+// p < depth of a[r * ra + p * ca] * b[p * ldb + column] (then + bias[column] where `bias`: the output finished, as an
+// elementwise add after the product adds it), b's rows holding V whole vectors (unmasked loads: AVX's masked loads
+// and stores are slow on AMD's processors; only a partial vector is stored under its mask)
 static inline __attribute__((always_inline)) void deepdsl_sg_tile(
         int R, int V, long depth, const float* a, long ra, long ca, const float* b, long ldb, int partial,
-        deepdsl_sg_m last, float* c, long ldc, int add) {
+        deepdsl_sg_m last, float* c, long ldc, int add, const float* bias) {
     deepdsl_sg_v acc[DEEPDSL_SG_ROWS][DEEPDSL_SG_VECTORS];
     #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
@@ -231,15 +247,26 @@ static inline __attribute__((always_inline)) void deepdsl_sg_tile(
             for (int v = 0; v < V; ++v) acc[r][v] = DEEPDSL_SG_FMA(x, bv[v], acc[r][v]);
         }
     }
+    deepdsl_sg_v bv[DEEPDSL_SG_VECTORS];
+    if (bias) {
+        #pragma GCC unroll 4
+        for (int v = 0; v < V; ++v)
+            bv[v] = partial && v == V - 1 ? DEEPDSL_SG_LOAD(bias + v * DEEPDSL_SG_LANES, last)
+                                          : DEEPDSL_SG_LOADU(bias + v * DEEPDSL_SG_LANES);
+    }
     #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
         #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) {
             float* cp = c + r * ldc + v * DEEPDSL_SG_LANES;
-            if (partial && v == V - 1)
-                DEEPDSL_SG_STORE(cp, last, add ? DEEPDSL_SG_ADD(DEEPDSL_SG_LOAD(cp, last), acc[r][v]) : acc[r][v]);
+            const int masked = partial && v == V - 1;
+            deepdsl_sg_v x = acc[r][v];
+            if (add) x = DEEPDSL_SG_ADD(masked ? DEEPDSL_SG_LOAD(cp, last) : DEEPDSL_SG_LOADU(cp), x);
+            if (bias) x = DEEPDSL_SG_ADD(x, bv[v]);
+            if (masked)
+                DEEPDSL_SG_STORE(cp, last, x);
             else
-                DEEPDSL_SG_STOREU(cp, add ? DEEPDSL_SG_ADD(DEEPDSL_SG_LOADU(cp), acc[r][v]) : acc[r][v]);
+                DEEPDSL_SG_STOREU(cp, x);
         }
 }
 
@@ -254,9 +281,9 @@ static inline void deepdsl_sg_rows(const float* from, long ld, long rows, long c
 }
 
 #define DEEPDSL_SG_CASE(R, V) \
-    case R * 8 + V: deepdsl_sg_tile(R, V, depth, a, ra, ca, b, ldb, partial, last, c, ldc, add); break;
+    case R * 8 + V: deepdsl_sg_tile(R, V, depth, a, ra, ca, b, ldb, partial, last, c, ldc, add, bias); break;
 static void deepdsl_sg_tile_any(int R, int V, long depth, const float* a, long ra, long ca, const float* b, long ldb,
-                                int partial, deepdsl_sg_m last, float* c, long ldc, int add) {
+                                int partial, deepdsl_sg_m last, float* c, long ldc, int add, const float* bias) {
     switch (R * 8 + V) { DEEPDSL_SG_TILES(DEEPDSL_SG_CASE) }
 }
 #endif
@@ -264,10 +291,11 @@ static void deepdsl_sg_tile_any(int R, int V, long depth, const float* a, long r
 #ifdef DEEPDSL_SG_LANES
 // The tiles t_begin <= t < t_end of strip s of c = a b over the chunk of the inner dimension from p0 (at most
 // DEEPDSL_SG_DEPTH terms): into c, or added to it where `add`; b's strip packed into `packed` where it is read
-// transposed or ends inside a vector.
+// transposed or ends inside a vector. `bias` (n floats, or NULL): added to each output as it is stored, on the
+// product's last chunk only.
 static void deepdsl_sg_chunk(int tb, long m, long n, long k, const float* a, long ra, long ca, const float* b,
                              long ldb, long s, long t_begin, long t_end, long p0, float* c, long ldc, int add,
-                             float* packed) {
+                             float* packed, const float* bias) {
     const long j0 = s * DEEPDSL_SG_WIDTH, columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
     const int V = (int)((columns + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES);
     const int partial = columns % DEEPDSL_SG_LANES != 0, pack = tb || partial;
@@ -291,11 +319,12 @@ static void deepdsl_sg_chunk(int tb, long m, long n, long k, const float* a, lon
         ldp = DEEPDSL_SG_WIDTH;
     }
     c += j0;
+    const float* tail = bias && p0 + depth >= k ? bias + j0 : NULL;
     for (long t = t_begin; t < t_end; ++t) {
         const long r0 = t * DEEPDSL_SG_ROWS;
         const int R = (int)(m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS);
         deepdsl_sg_tile_any(R, V, depth, a + r0 * ra + p0 * ca, ra, ca, bp, ldp, partial, last, c + r0 * ldc, ldc,
-                            add);
+                            add, tail);
     }
 }
 #endif
@@ -309,14 +338,16 @@ int deepdsl_small_gemm_kernels(void) {
 #endif
 }
 
-// c[i] = a[i] b[i] for i < batch (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand; ta / tb: an operand
-// read transposed, its rows columns ld apart), on the kernels' threads, which take whole groups of tiles. 0 where
-// this processor has no such kernel.
-int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda, long sa,
-                       const float* b, long ldb, long sb, float* c, long ldc, long sc) {
+// c[i] = a[i] b[i] (+ bias, n floats added to every row as each output is finished, where not NULL) for i < batch
+// (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand; ta / tb: an operand read transposed, its rows
+// columns ld apart), on the kernels' threads, which take whole groups of tiles. 0 where this processor has no such
+// kernel.
+static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda,
+                                   long sa, const float* b, long ldb, long sb, float* c, long ldc, long sc,
+                                   const float* bias) {
 #ifndef DEEPDSL_SG_LANES
     (void)batch; (void)ta; (void)tb; (void)m; (void)n; (void)k; (void)a; (void)lda; (void)sa; (void)b; (void)ldb;
-    (void)sb; (void)c; (void)ldc; (void)sc;
+    (void)sb; (void)c; (void)ldc; (void)sc; (void)bias;
     return 0;
 #else
     const long ra = ta ? 1 : lda, ca = ta ? lda : 1;
@@ -359,11 +390,16 @@ int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const
             t_end = t_end < tiles ? t_end : tiles;
             for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH)
                 deepdsl_sg_chunk(tb, m, n, k, a + i * sa, ra, ca, b + i * sb, ldb, s, t_begin, t_end, p0,
-                                 c + i * sc, ldc, p0 > 0, packed);
+                                 c + i * sc, ldc, p0 > 0, packed, bias);
         }
     }
     return 1;
 #endif
+}
+
+int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda, long sa,
+                       const float* b, long ldb, long sb, float* c, long ldc, long sc) {
+    return deepdsl_small_gemm_bias(batch, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, NULL);
 }
 
 // c (m x n) = a b as deepdsl_small_gemm computes it, the same bits, with the partial sums of each DEEPDSL_SG_DEPTH
@@ -395,7 +431,7 @@ int deepdsl_small_gemm_depth(int ta, int tb, long m, long n, long k, const float
             const long chunk = item / strips, s = item % strips;
             float* into = chunk ? planes + (chunk - 1) * m * n : c;
             deepdsl_sg_chunk(tb, m, n, k, a, ra, ca, b, ldb, s, 0, tiles,
-                             chunk * DEEPDSL_SG_DEPTH, into, chunk ? n : ldc, 0, packed);
+                             chunk * DEEPDSL_SG_DEPTH, into, chunk ? n : ldc, 0, packed, NULL);
         }
 #pragma omp barrier
         deepdsl_add_planes(c, ldc, planes, chunks - 1, m, n);
@@ -412,7 +448,7 @@ static void deepdsl_sg_product(long m, long n, long k, const float* a, long ra, 
     const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
     for (long strip = 0; strip < (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH; ++strip)
         for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH)
-            deepdsl_sg_chunk(0, m, n, k, a, ra, ca, b, ldb, strip, 0, tiles, p0, c, ldc, p0 > 0, packed);
+            deepdsl_sg_chunk(0, m, n, k, a, ra, ca, b, ldb, strip, 0, tiles, p0, c, ldc, p0 > 0, packed, NULL);
 }
 
 // The threads of a pass over `n` samples, each with a part of a scratch of `room` parts: the kernels', at most
@@ -488,8 +524,10 @@ int deepdsl_conv_data_tiles(const float* g, const float* w, int n, int c, int h,
 #endif
 }
 
-// deepdsl_small_gemm with its arguments in one array of 64-bit integers, as deepdsl_gemm_args.
+// deepdsl_small_gemm with its arguments in one array of 64-bit integers, as deepdsl_gemm_args; v[15]: the bias
+// (0: none).
 int deepdsl_small_gemm_args(const int64_t* v) {
-    return deepdsl_small_gemm(v[0], (int)v[1], (int)v[2], v[3], v[4], v[5], (const float*)(intptr_t)v[6], v[7], v[8],
-                              (const float*)(intptr_t)v[9], v[10], v[11], (float*)(intptr_t)v[12], v[13], v[14]);
+    return deepdsl_small_gemm_bias(v[0], (int)v[1], (int)v[2], v[3], v[4], v[5], (const float*)(intptr_t)v[6], v[7],
+                                   v[8], (const float*)(intptr_t)v[9], v[10], v[11], (float*)(intptr_t)v[12], v[13],
+                                   v[14], (const float*)(intptr_t)v[15]);
 }

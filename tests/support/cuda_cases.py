@@ -363,6 +363,12 @@ def case_reductions_and_shapes(g, rng):
         out = _out(g, (4, 5))
         g.matmul(_in(g, left), _in(g, right), out=out, ta=ta, tb=tb)
         result.append((f"matmul ta={ta} tb={tb}", out, ref, 1e-5))
+        bias = rng.standard_normal(5).astype(F32)        # a fully connected layer's bias (passes.fuse_epilogue)
+        ref = np.empty((4, 5), F32)
+        C.matmul(left, right, bias, out=ref, ta=ta, tb=tb)
+        out = _out(g, (4, 5))
+        g.matmul(_in(g, left), _in(g, right), _in(g, bias), out=out, ta=ta, tb=tb)
+        result.append((f"matmul + bias ta={ta} tb={tb}", out, ref, 1e-5))
     left = rng.standard_normal((2, 3, 4, 6)).astype(F32)
     right = rng.standard_normal((2, 3, 6, 5)).astype(F32)
     for ta, tb in [(False, False), (True, False), (False, True), (True, True)]:

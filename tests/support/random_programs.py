@@ -4,7 +4,7 @@
 `b` (n,), `u` (n, k), state `s` (m, 1), labels `y` (m,) with n classes, hyperparameters `lr`, `mu`) and then
 applies a random sequence of operations to operands chosen from the pool where their shapes fit: elementwise
 unary and binary functions with broadcasting (some as activations with `out_grad`, some over hyperparameters or
-constants), sum_to, broadcast_to, reshape, matmul (with transposes), softmax, the log-loss and log-softmax
+constants), sum_to, broadcast_to, reshape, matmul (with transposes, and a bias added), softmax, the log-loss and log-softmax
 patterns, pick / unpick, concat, slice, constants (scalars and fills, zeros included), a random mask, and
 gradients of a scalar of the pool with respect to the parameters (which brings broadcast / sum_to / unpick chains
 the simplifier rewrites). Some nodes are built with `make` directly, bypassing the canonical `elementwise` helper,
@@ -214,7 +214,13 @@ def _step(draw, kind, lv: Leaves, floats, pick_from) -> Node | None:
         ta, tb = draw(st.booleans()), draw(st.booleans())
         inner = a.shape[0] if ta else a.shape[1]
         partners = [p for p in floats(2) if len(p.shape) == 2 and (p.shape[1] if tb else p.shape[0]) == inner]
-        return matmul(a, pick_from(partners), ta=ta, tb=tb) if partners else None
+        if not partners:
+            return None
+        product = matmul(a, pick_from(partners), ta=ta, tb=tb)
+        biases = [p for p in floats(1) if p.shape == product.shape[1:]]
+        if biases and draw(st.booleans()):              # a fully connected layer's bias (passes.fuse_epilogue)
+            return elementwise(sym(0) + sym(1), [product, pick_from(biases)])
+        return product
     if kind in ("softmax", "log_loss", "log_softmax"):
         rows = [p for p in floats(2) if p.shape == (lv.m, lv.n)]
         if kind == "softmax":
