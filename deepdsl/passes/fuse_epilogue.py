@@ -15,7 +15,7 @@ of nodes does not grow.
 """
 from __future__ import annotations
 
-from deepdsl.ir import FLOAT, Graph, Node, make, rebuild, toposort
+from deepdsl.ir import FLOAT, Graph, Node, make, rebuild, toposort, users
 from deepdsl.ops.elementwise import sym
 from deepdsl.provenance import inherit
 
@@ -26,12 +26,8 @@ def fuse_epilogue(graph: Graph) -> Graph:
     """The graph with each `ew` node adding a bias vector to a single-use 2-D product replaced by the product taking
     the bias as its third input."""
     order = toposort(node for _, node in graph.outputs)
-    readers: dict[int, int] = {}
-    for node in order:
-        for i in node.inputs:
-            readers[id(i)] = readers.get(id(i), 0) + 1
+    readers = users(order)
     outputs = {id(node) for _, node in graph.outputs}
-
     memo: dict[int, Node] = {}
     for node in order:
         inputs = [memo[id(i)] for i in node.inputs]
@@ -41,7 +37,7 @@ def fuse_epilogue(graph: Graph) -> Graph:
     return Graph(graph.name, tuple((k, memo[id(v)]) for k, v in graph.outputs))
 
 
-def _biased_product(node: Node, inputs: list[Node], readers: dict[int, int], outputs: set[int]) -> Node | None:
+def _biased_product(node: Node, inputs: list[Node], readers: dict[int, list[Node]], outputs: set[int]) -> Node | None:
     """`matmul(a, b, bias)` for an `ew` node `node` computing product + bias (inputs already rewritten: `inputs`),
     or None."""
     if node.op != "ew" or len(inputs) != 2 or node.attr("expr") != _SUM:
@@ -49,7 +45,7 @@ def _biased_product(node: Node, inputs: list[Node], readers: dict[int, int], out
     for k in (0, 1):
         old, product, bias = node.inputs[k], inputs[k], inputs[1 - k]
         if product.op == "matmul" and len(product.inputs) == 2 and len(product.shape) == 2 and \
-                readers[id(old)] == 1 and id(old) not in outputs and bias.dtype == FLOAT and \
+                len(readers[id(old)]) == 1 and id(old) not in outputs and bias.dtype == FLOAT and \
                 bias.shape == product.shape[1:] and node.shape == product.shape:
             return make("matmul", (*product.inputs, bias), **dict(product.attrs))
     return None
