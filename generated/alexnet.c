@@ -218,11 +218,12 @@ static int deepdsl_column_sums(long samples, long columns, float* out, const flo
                 deepdsl_column_pair(x, columns, s0, partial + g * columns);
                 continue;
             }
-            for (long h = g; h < end; ++h) {
+            for (long h = g; h < end; ++h) {              // the last groups, the last one maybe short
                 const long r0 = h * DEEPDSL_CSUM_SAMPLES;
                 const long r1 = r0 + DEEPDSL_CSUM_SAMPLES < samples ? r0 + DEEPDSL_CSUM_SAMPLES : samples;
                 deepdsl_column_group(x, columns, 0, r0, r1, partial + h * columns);
             }
+            break;
         }
 #pragma omp barrier
         deepdsl_share(columns, 16, &begin, &end);
