@@ -408,11 +408,7 @@ class Native:
         dtype, a view with strides of its own, an output over an operand) runs np.matmul; a stack that is not one
         stride apart, one product per leading index. How is decided once for each layout of the operands
         (`_product_plan`)."""
-        key = (a.shape, a.strides, a.dtype.num, b.shape, b.strides, b.dtype.num, out.shape, out.strides,
-               out.dtype.num)
-        plan = self._product_plans.get(key, False)
-        if plan is False:
-            plan = self._product_plans[key] = self._product_plan(a, b, out)
+        plan = self._planned(a, b, out)
         if plan is None:
             return np.matmul(a, b, out=out)
         if plan == "each":                      # one stride apart below the first axis, maybe
@@ -424,6 +420,15 @@ class Native:
         if not plan(_address(a), _address(b), _address(out)):
             return np.matmul(a, b, out=out)     # (0: an output over an operand, or no sgemm to call)
         return out
+
+    def _planned(self, a: np.ndarray, b: np.ndarray, out: np.ndarray):
+        """`_product_plan` of these operands' layouts, made once for each."""
+        key = (a.shape, a.strides, a.dtype.num, b.shape, b.strides, b.dtype.num, out.shape, out.strides,
+               out.dtype.num)
+        plan = self._product_plans.get(key, False)
+        if plan is False:
+            plan = self._product_plans[key] = self._product_plan(a, b, out)
+        return plan
 
     def _product_plan(self, a: np.ndarray, b: np.ndarray, out: np.ndarray):
         """How `gemm` computes out = a @ b for operands laid out as these: None (numpy's matmul), "each" (a product
@@ -456,11 +461,7 @@ class Native:
         to numpy): the caller computes the product and adds the bias."""
         if out.ndim != 2 or bias.dtype != np.float32 or bias.shape != out.shape[1:] or not bias.flags.c_contiguous:
             return False
-        key = (a.shape, a.strides, a.dtype.num, b.shape, b.strides, b.dtype.num, out.shape, out.strides,
-               out.dtype.num)
-        plan = self._product_plans.get(key, False)
-        if plan is False:
-            plan = self._product_plans[key] = self._product_plan(a, b, out)
+        plan = self._planned(a, b, out)
         return isinstance(plan, _ProductCall) and plan(_address(a), _address(b), _address(out), _address(bias))
 
     def gemm_sum(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
