@@ -106,9 +106,9 @@ static __attribute__((noinline)) void deepdsl_channel_sum_range(long c0, long c1
 
 // Planes of DEEPDSL_CSUM_ROW to DEEPDSL_CSUM_PLANE floats of several samples, channels c0 <= c < c1: each row's
 // values summed in 16 lanes (position i in lane i % 16, in the order of i) from zero, added to its channel's lanes
-// in the order of the samples, in float32 over DEEPDSL_CSUM_SAMPLES samples and then in double; a channel's lanes added in their
-// order. 16 lanes whatever the vectors' width: AVX2 and AVX-512 give the same bits. Channels DEEPDSL_CSUM_BLOCK
-// at a time, sample by sample: the rows are read in the order they lie in memory.
+// in the order of the samples, in float32 over DEEPDSL_CSUM_SAMPLES samples and then in double; a channel's lanes
+// added in their order. 16 lanes whatever the vectors' width: AVX2 and AVX-512 give the same bits. Channels
+// DEEPDSL_CSUM_BLOCK at a time, sample by sample: the rows are read in the order they lie in memory.
 static __attribute__((noinline)) void deepdsl_channel_sum_planes(long c0, long c1, long rows, long channels,
                                                                 long inner, float* out, const float* x) {
     float lanes[DEEPDSL_CSUM_BLOCK * 16];

@@ -1129,8 +1129,9 @@ def _sum_pattern(args, values_shape, shape) -> str | None:
 class _ProductCall:
     """One layout's call of a product function of the library (`deepdsl_gemm_args`, `deepdsl_small_gemm_args`):
     its arguments in one array of 64-bit integers made once, the sizes and distances in place, and on each call
-    (`call(pa, pb, pc)`) the operands' and output's addresses written in; false where the output's bytes overlap an
-    operand's (`_apart`) or the library has no sgemm to call. A `Native` serves one program's steps from one thread, as `_Operands`."""
+    (`call(pa, pb, pc, pbias)`) the operands', output's and bias's addresses written in (the last slot, 0: no
+    bias); false where the output's bytes overlap an operand's (`_apart`) or the bias's, or the library has no
+    sgemm to call. A `Native` serves one program's steps from one thread, as `_Operands`."""
 
     __slots__ = ("function", "values", "extents")
 
