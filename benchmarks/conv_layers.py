@@ -17,8 +17,9 @@ it is installed; its CPU convolutions are oneDNN's. The processor's vector ISA a
 
 `--isa avx2` runs every side as on a processor without AVX-512 (on one that has it): the compiled kernels built
 with `-mno-avx512f` (DEEPDSL_CFLAGS), OpenBLAS on its Haswell kernels (OPENBLAS_CORETYPE), oneDNN and PyTorch's own
-kernels on AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY); the process starts again with those set before numpy and
-torch load (`timing.AVX2_ENV`).
+kernels on AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), MKL too (MKL_ENABLE_INSTRUCTIONS); the process starts
+again with those set before numpy and torch load (`timing.AVX2_ENV`). The last lines say which vector extensions
+PyTorch's libraries report they ran on (`timing.torch_isa`).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ import numpy as np  # noqa: E402
 from deepdsl_runtime import contract  # noqa: E402
 from deepdsl_runtime.cpu import conv, native  # noqa: E402
 
-from timing import add_isa_option, load_average, print_row, vector_isa  # noqa: E402  (benchmarks/ is on the path)
+# (benchmarks/ is on the path)
+from timing import add_isa_option, load_average, print_row, torch_isa, vector_isa  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DIRECTIONS = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter")
@@ -186,6 +188,10 @@ def main() -> int:
                              f"({totals[threads, 'torch'] / totals[threads, 'best']:.2f}x ours)")
             print(f"the step's convolutions (each distinct one times its statements) at {threads} thread(s), ms: "
                   + ", ".join(parts))
+    try:
+        print(f"PyTorch's kernels ran on: {torch_isa()}")
+    except ImportError:
+        pass
     print(f"load average after: {load_average()}")
     return 0
 

@@ -30,7 +30,9 @@ AVX2), which every figure depends on.
 
 `--isa avx2` runs every side as on a processor without AVX-512 (on one that has it; `timing.AVX2_ENV`): our
 compiled kernels built with `-mno-avx512f` ($DEEPDSL_CFLAGS), OpenBLAS on its Haswell kernels, oneDNN and PyTorch's
-own kernels on AVX2 (torch.compile's generated code included), XLA's on AVX2; the first line says so.
+own kernels on AVX2 (torch.compile's generated code included), MKL (PyTorch's matrix products) on AVX2, XLA's on
+AVX2; the first line says so. The last lines say which vector extensions PyTorch's ATen, MKL and oneDNN report they
+ran on (`timing.torch_isa`).
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import time
 from pathlib import Path
 
 # (benchmarks/ is on the path of a script run from it)
-from timing import add_isa_option, load_average, print_row, processor, timed_steps, vector_isa
+from timing import add_isa_option, load_average, print_row, processor, timed_steps, torch_isa, vector_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
@@ -126,7 +128,7 @@ def worker_torch(network: str, shape, classes: int, mode: str, threads: int, war
         optimizer.step()
         loss.item()
 
-    return {**_measure(step, warmup, steps), "torch": torch.__version__}
+    return {**_measure(step, warmup, steps), "torch": torch.__version__, "isa": torch_isa()}
 
 
 def _torch_data(shape, classes: int, tokens: bool, label_shape) -> list:
@@ -285,6 +287,7 @@ def main(argv=None) -> int:
           f"load average before: {load_average()}", flush=True)
     print_row(("network", "batch", "threads", "side", "ms/step", "vs ours", "peak RSS MiB", "vs ours",
                "first step s"), args.markdown, 12, header=True)
+    torch_isas: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         for name, batch, image in specs:
             program, compile_s, info = _compile(name, batch, image, Path(tmp))
@@ -298,6 +301,7 @@ def main(argv=None) -> int:
                         runs[side].append(_spawn(["--worker", json.dumps(job), "--warmup", str(args.warmup),
                                                   "--steps", str(args.steps)], threads))
                 ours = _summary(runs["ours"]) if "ours" in runs else None
+                torch_isas.update(r["isa"] for side in sides for r in runs[side] if "isa" in r)
                 for side in sides:
                     s = _summary(runs[side])
                     if s is None:
@@ -310,6 +314,8 @@ def main(argv=None) -> int:
                                f"{s['ms'] / ours['ms']:.2f}x" if ours else "-", f"{s['peak_mib']:.0f}",
                                f"{s['peak_mib'] / ours['peak_mib']:.2f}x" if ours else "-",
                                f"{first:.1f}" + (" (compile)" if side == "ours" else "")), args.markdown, 12)
+    if torch_isas:
+        print(f"PyTorch's kernels ran on: {'; '.join(sorted(torch_isas))}")
     print(f"load average after: {load_average()}")
     return 0
 

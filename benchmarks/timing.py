@@ -67,8 +67,11 @@ def print_row(cells: Sequence[str], markdown: bool, width: int, header: bool = F
 # Every side as on a processor without AVX-512 (on one that has it): OpenBLAS on its Haswell kernels, oneDNN and
 # PyTorch's own kernels on AVX2, XLA's code for AVX2, and deepdsl's compiled kernels built with -mno-avx512f
 # ($DEEPDSL_CFLAGS: another library digest, so the cached AVX-512 libraries are neither used nor replaced).
+# PyTorch's matrix products run on the MKL its wheel links, which reads MKL_ENABLE_INSTRUCTIONS (ATen's and oneDNN's
+# variables leave it on AVX-512: torch.mm at 152 GFLOP/s a core where AVX2 allows 79-87).
 AVX2_ENV = {"OPENBLAS_CORETYPE": "Haswell", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
-            "ATEN_CPU_CAPABILITY": "avx2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "DEEPDSL_CFLAGS": "-mno-avx512f"}
+            "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2",
+            "DEEPDSL_CFLAGS": "-mno-avx512f"}
 
 
 def add_isa_option(parser) -> None:
@@ -85,6 +88,45 @@ def vector_isa(choice: str) -> str:
     widest = processor()[1]
     return "AVX2 (on a processor with AVX-512: every side restricted to AVX2)" if choice == "avx2" and \
         widest == "AVX-512" else widest
+
+
+def torch_isa() -> str:
+    """The vector extensions PyTorch's kernels run on in this process, as its libraries report them: ATen's own
+    kernels, MKL's (its matrix products) and oneDNN's (its convolutions), from one small product and one small
+    convolution with their libraries' verbose lines caught, e.g. "ATen AVX2, MKL AVX2, oneDNN AVX2"."""
+    import ctypes
+    import tempfile
+
+    import torch
+
+    def verbose_lines(library, run) -> str:
+        sys.stdout.flush()
+        with tempfile.TemporaryFile() as caught:
+            saved = os.dup(1)
+            os.dup2(caught.fileno(), 1)
+            try:
+                with library.verbose(library.VERBOSE_ON):
+                    run()
+            finally:
+                ctypes.CDLL(None).fflush(None)
+                os.dup2(saved, 1)
+                os.close(saved)
+            caught.seek(0)
+            return caught.read().decode(errors="replace")
+
+    def extension(text: str) -> str:
+        found = [name for name, marks in (("AVX-512", ("AVX-512", "AVX 10", "avx512")), ("AVX2", ("AVX2", "avx2")))
+                 if any(mark in text for mark in marks)]
+        return found[0] if found else "unknown"
+
+    parts = [f"ATen {torch.backends.cpu.get_cpu_capability()}"]
+    if torch.backends.mkl.is_available():
+        parts.append("MKL " + extension(verbose_lines(torch.backends.mkl,
+                                                      lambda: torch.mm(torch.ones(8, 8), torch.ones(8, 8)))))
+    if torch.backends.mkldnn.is_available():
+        parts.append("oneDNN " + extension(verbose_lines(torch.backends.mkldnn, lambda: torch.nn.functional.conv2d(
+            torch.ones(2, 32, 14, 14), torch.ones(32, 32, 3, 3), padding=1))))
+    return ", ".join(parts)
 
 
 def add_checkout_options(parser, rounds: int) -> None:

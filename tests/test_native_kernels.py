@@ -1369,12 +1369,42 @@ def test_the_peer_benchmark_runs(tmp_path):
     else:
         assert float(rows[3][4]) > 0, done.stdout
     assert re.search(r"\(\w+, (AVX-512|AVX2|no AVX2|unknown)\), \d+ cores", done.stdout.splitlines()[0]), done.stdout
+    assert re.search(r"^PyTorch's kernels ran on: ATen \w+, MKL [\w-]+, oneDNN [\w-]+$", done.stdout, re.M), done.stdout
     for spec, says in (("nonet:4", "no network 'nonet' in networks/"),
                        ("lenet:x", "the batch 'x' is no positive number")):
         bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_vs_peers.py"), spec], capture_output=True,
                              text=True, timeout=60, cwd=tmp_path)
         assert bad.returncode != 0 and bad.stdout == "" and bad.stderr.strip().splitlines() == [
             f"cpu_vs_peers: '{spec}': {says}"], (bad.stdout, bad.stderr)
+
+
+def test_an_avx2_run_holds_every_pytorch_library_to_avx2():
+    """`--isa avx2`'s environment (benchmarks/timing.py, AVX2_ENV) holds ATen's kernels, MKL's products and oneDNN's
+    convolutions to AVX2, as their libraries report (`timing.torch_isa`); without it they report the processor's
+    widest. (Without MKL_ENABLE_INSTRUCTIONS, PyTorch's products ran on AVX-512 in such runs.)"""
+    import sys
+
+    from tests.support.program_helpers import ROOT
+
+    pytest.importorskip("torch")
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx2" not in flags:
+        pytest.skip("the processor has no AVX2")
+    said = {}
+    for name, setup in (("avx2", "os.environ.update(timing.AVX2_ENV)"),
+                        ("native", "[os.environ.pop(key, None) for key in timing.AVX2_ENV]")):
+        code = f"import os, timing; {setup}; print(timing.torch_isa())"       # (before torch loads)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              cwd=ROOT / "benchmarks")
+        assert done.returncode == 0, done.stderr
+        said[name] = done.stdout.strip().splitlines()[-1]
+    import torch
+
+    libraries = ["ATen", *["MKL"] * torch.backends.mkl.is_available(),
+                 *["oneDNN"] * torch.backends.mkldnn.is_available()]
+    assert said["avx2"] == ", ".join(f"{lib} AVX2" for lib in libraries), said
+    if " avx512f" in flags:
+        assert all(f"{lib} AVX" in said["native"] and f"{lib} AVX2" not in said["native"] for lib in libraries), said
 
 
 @needs_cc
