@@ -134,25 +134,33 @@ static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
 
 #define DEEPDSL_SUM_TERMS 256   /* products a partial sum adds at most before it is added to the output's total */
 
-// A tile of OB output blocks by r positions (OB * r <= DEEPDSL_TILE_SUMS), constants in each arm, over all cb channel
-// blocks: a partial sum over each group of channel blocks of at most DEEPDSL_SUM_TERMS products (one block at least),
-// the partial sums added up in order (as a matrix product's blocks of its inner dimension are: far less rounding than
-// one long sum).
+// A tile of OB output blocks by r positions (OB * r <= DEEPDSL_TILE_SUMS), constants in each arm, over `count`
+// channel blocks: one partial sum, into `out` or (`add`) added to it.
+static inline void deepdsl_blocked_tile_pass(const float* x, const float* w, long w_block, int count, int kh, int kw,
+                                             long x_block, long x_row, int ob, int r, int add, float* out) {
+    switch (ob * 64 + r) {
+#define DEEPDSL_TILE_CASE(OB, R) \
+    case OB * 64 + R: deepdsl_blocked_tile(x, w, w_block, count, kh, kw, x_block, x_row, OB, R, add, out); break;
+    DEEPDSL_TILES(DEEPDSL_TILE_CASE)
+#undef DEEPDSL_TILE_CASE
+    }
+}
+
+// The channel blocks a partial sum adds: as many whole blocks as DEEPDSL_SUM_TERMS products allow, one at least.
+static inline int deepdsl_sum_blocks(int kh, int kw) {
+    const int per_block = kh * kw * DEEPDSL_BLOCK;
+    return per_block >= DEEPDSL_SUM_TERMS ? 1 : DEEPDSL_SUM_TERMS / per_block;
+}
+
+// The same tile over all cb channel blocks: a partial sum over each group of channel blocks of at most
+// DEEPDSL_SUM_TERMS products (one block at least), the partial sums added up in order (as a matrix product's blocks
+// of its inner dimension are: far less rounding than one long sum).
 static inline void deepdsl_blocked_tile_of(const float* x, const float* w, long w_block, int cb, int kh, int kw,
                                            long x_block, long x_row, int ob, int r, float* out) {
-    const int per_block = kh * kw * DEEPDSL_BLOCK, group = per_block >= DEEPDSL_SUM_TERMS ? 1 :
-                                                          DEEPDSL_SUM_TERMS / per_block;
-    for (int c0 = 0; c0 < cb; c0 += group) {
-        const float* xs = x + c0 * x_block;
-        const float* ws = w + (long)c0 * per_block * DEEPDSL_BLOCK;
-        const int count = cb - c0 < group ? cb - c0 : group, add = c0 > 0;
-        switch (ob * 64 + r) {
-#define DEEPDSL_TILE_CASE(OB, R) \
-        case OB * 64 + R: deepdsl_blocked_tile(xs, ws, w_block, count, kh, kw, x_block, x_row, OB, R, add, out); break;
-        DEEPDSL_TILES(DEEPDSL_TILE_CASE)
-#undef DEEPDSL_TILE_CASE
-        }
-    }
+    const int group = deepdsl_sum_blocks(kh, kw);
+    for (int c0 = 0; c0 < cb; c0 += group)
+        deepdsl_blocked_tile_pass(x + c0 * x_block, w + (long)c0 * kh * kw * DEEPDSL_BLOCK * DEEPDSL_BLOCK, w_block,
+                                  cb - c0 < group ? cb - c0 : group, kh, kw, x_block, x_row, ob, r, c0 > 0, out);
 }
 
 // The output blocks a tile of `positions` positions sums together: with AVX-512 three up to 9 positions, else two
@@ -259,47 +267,93 @@ static inline void deepdsl_group_share(long per, int ob, int groups, long* first
     *last = deepdsl_group_item(end, per, ob, groups);
 }
 
+// A tile's sums (blocks x r positions x 16 channels) to the plain output at `to` (channel l of block b at to + (b *
+// 16 + l) * plane, o0 the first block's first channel, o the channels), + bias[channel] where given.
+static inline void deepdsl_blocked_tile_out(const float* tile, int blocks, int r, int o0, int o, long plane,
+                                            const float* bias, float* to) {
+    for (int b = 0; b < blocks; ++b) {
+        const int first = o0 + b * DEEPDSL_BLOCK, oe = o - first < DEEPDSL_BLOCK ? o - first : DEEPDSL_BLOCK;
+        const float* part = tile + b * r * DEEPDSL_BLOCK;
+        for (int l = 0; l < oe; ++l) {
+            float* at = to + (long)(b * DEEPDSL_BLOCK + l) * plane;
+            if (bias) {
+                const float add = bias[first + l];
+                for (int t = 0; t < r; ++t) at[t] = part[t * DEEPDSL_BLOCK + l] + add;
+            } else {
+                for (int t = 0; t < r; ++t) at[t] = part[t * DEEPDSL_BLOCK + l];
+            }
+        }
+    }
+}
+
+#define DEEPDSL_RUN_FLOATS 16384        /* a thread's sums of a run of rows: 64 KB of its stack */
+
 // out (m, o, ho, wo) = the stride-1 convolution of the blocked, padded input xb (m, cb, hp, wp, 16) with the
 // blocked filters wb (ceil(o / 16), cb, kh, kw, 16, 16) (+ bias (o) when given): ho = hp - kh + 1, wo = wp - kw + 1.
 // The output blocks go in groups of at most `deepdsl_tile_blocks` (sizes as equal as can be); a thread computes whole
 // rows of a group of a sample (its share weighted by the groups' blocks: `deepdsl_group_share`), in tiles of as
 // equal a number of positions as DEEPDSL_TILE allows; the groups outermost, so that a group's filters stay in the
-// cache over the samples.
+// cache over the samples. A thread takes its rows of a group in runs whose sums fit DEEPDSL_RUN_FLOATS: each
+// partial sum (a group of channel blocks, `deepdsl_sum_blocks`) of every tile of the run, then the next, the sums kept
+// on the stack in between: the filters of a partial sum (27 KB for three blocks of a 3x3 layer) stay in the L1
+// cache over the run's tiles, where a tile's whole sum read all of the group's filters (442 KB for 256 channels) from
+// the L2 cache. Each output adds the same partial sums in the same order either way (the same bits).
 void deepdsl_blocked_conv(const float* xb, const float* wb, const float* bias, int m, int cb, int hp, int wp,
                           int o, int kh, int kw, float* out) {
     const int ob = (o + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, ho = hp - kh + 1, wo = wp - kw + 1;
     const long x_row = (long)wp * DEEPDSL_BLOCK, x_block = (long)hp * x_row;
     const long filters = (long)cb * kh * kw * DEEPDSL_BLOCK * DEEPDSL_BLOCK, plane = (long)ho * wo;
+    const long pass_filters = (long)kh * kw * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
     const int tiles = (wo + DEEPDSL_TILE - 1) / DEEPDSL_TILE, per_tile = (wo + tiles - 1) / tiles;
-    const int most = deepdsl_tile_blocks(per_tile), groups = (ob + most - 1) / most;
+    const int most = deepdsl_tile_blocks(per_tile), groups = (ob + most - 1) / most, group = deepdsl_sum_blocks(kh, kw);
 #pragma omp parallel if ((long)m * o * plane * cb * kh * kw * DEEPDSL_BLOCK >= DEEPDSL_PARALLEL_MIN)
     {
+        float sums[DEEPDSL_RUN_FLOATS];
         long first, last;
         deepdsl_group_share((long)m * ho, ob, groups, &first, &last);
-        for (long item = first; item < last; ++item) {
-            const int a = (int)(item / ((long)m * ho)), s = (int)(item / ho % m), p = (int)(item % ho);
-            const float* x = xb + (long)s * cb * x_block + (long)p * x_row;
+        while (first < last) {
+            const int a = (int)(first / ((long)m * ho));
             const int b0 = deepdsl_group_start(a, ob, groups), blocks = deepdsl_group_start(a + 1, ob, groups) - b0;
-            for (int q = 0; q < wo; q += per_tile) {
-                const int r = wo - q < per_tile ? wo - q : per_tile;
-                float tile[DEEPDSL_TILE_SUMS * DEEPDSL_BLOCK];
-                deepdsl_blocked_tile_of(x + (long)q * DEEPDSL_BLOCK, wb + b0 * filters, filters, cb, kh, kw,
-                                        x_block, x_row, blocks, r, tile);
-                for (int b = 0; b < blocks; ++b) {
-                    const int o0 = (b0 + b) * DEEPDSL_BLOCK, oe = o - o0 < DEEPDSL_BLOCK ? o - o0 : DEEPDSL_BLOCK;
-                    const float* part = tile + b * r * DEEPDSL_BLOCK;
-                    float* row = out + ((long)s * o + o0) * plane + (long)p * wo + q;
-                    for (int l = 0; l < oe; ++l) {
-                        float* to = row + l * plane;
-                        if (bias) {
-                            const float add = bias[o0 + l];
-                            for (int t = 0; t < r; ++t) to[t] = part[t * DEEPDSL_BLOCK + l] + add;
-                        } else {
-                            for (int t = 0; t < r; ++t) to[t] = part[t * DEEPDSL_BLOCK + l];
-                        }
+            const long row_sums = (long)blocks * wo * DEEPDSL_BLOCK, group_end = (long)(a + 1) * m * ho;
+            const long fit = DEEPDSL_RUN_FLOATS / row_sums;
+            if (fit == 0) {             // (rows too long for the stack: each tile's whole sum at once)
+                const int s = (int)(first / ho % m), p = (int)(first % ho);
+                const float* x = xb + (long)s * cb * x_block + (long)p * x_row;
+                for (int q = 0; q < wo; q += per_tile) {
+                    const int r = wo - q < per_tile ? wo - q : per_tile;
+                    deepdsl_blocked_tile_of(x + (long)q * DEEPDSL_BLOCK, wb + b0 * filters, filters, cb, kh, kw,
+                                            x_block, x_row, blocks, r, sums);
+                    deepdsl_blocked_tile_out(sums, blocks, r, b0 * DEEPDSL_BLOCK, o, plane, bias,
+                                             out + ((long)s * o + b0 * DEEPDSL_BLOCK) * plane + (long)p * wo + q);
+                }
+                ++first;
+                continue;
+            }
+            long end = first + fit < last ? first + fit : last;
+            end = end < group_end ? end : group_end;
+            for (int c0 = 0; c0 < cb; c0 += group) {
+                const int count = cb - c0 < group ? cb - c0 : group;
+                const float* w = wb + b0 * filters + c0 * pass_filters;
+                for (long item = first; item < end; ++item) {
+                    const int s = (int)(item / ho % m), p = (int)(item % ho);
+                    const float* x = xb + ((long)s * cb + c0) * x_block + (long)p * x_row;
+                    float* row = sums + (item - first) * row_sums;
+                    for (int q = 0; q < wo; q += per_tile) {
+                        const int r = wo - q < per_tile ? wo - q : per_tile;
+                        deepdsl_blocked_tile_pass(x + (long)q * DEEPDSL_BLOCK, w, filters, count, kh, kw, x_block,
+                                                  x_row, blocks, r, c0 > 0, row + (long)blocks * q * DEEPDSL_BLOCK);
                     }
                 }
             }
+            for (long item = first; item < end; ++item) {
+                const int s = (int)(item / ho % m), p = (int)(item % ho);
+                float* row = out + ((long)s * o + b0 * DEEPDSL_BLOCK) * plane + (long)p * wo;
+                for (int q = 0; q < wo; q += per_tile)
+                    deepdsl_blocked_tile_out(sums + (item - first) * row_sums + (long)blocks * q * DEEPDSL_BLOCK,
+                                             blocks, wo - q < per_tile ? wo - q : per_tile, b0 * DEEPDSL_BLOCK, o,
+                                             plane, bias, row + q);
+            }
+            first = end;
         }
     }
 }
