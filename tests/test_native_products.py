@@ -448,6 +448,9 @@ SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract
     "one row": lambda r: (_rand(r, 1, 64), _rand(r, 64, 300)),
     "one column": lambda r: (_rand(r, 200, 64), _rand(r, 64, 1)),
     "a depth of one": lambda r: (_rand(r, 50, 1), _rand(r, 1, 70)),
+    "a wide weight gradient from 16 rows: b in two panels of strips, the last one short": lambda r: (
+        _transposed(r, 40, 16), _rand(r, 16, 8300)),
+    "panels of strips two chunks deep, the last one short": lambda r: (_rand(r, 25, 300), _rand(r, 300, 1000)),
 }
 
 
@@ -574,8 +577,9 @@ def test_the_tiles_sum_in_partial_sums_of_256_terms_in_order(lib, ta, tb):
 
 def test_which_products_run_in_tiles():
     """contract.small_product on the shapes its rule names: any product of at most SMALL_PRODUCT_WORK
-    multiply-adds; a ViT's projections, its weight gradients; not an output too small for its depth, a large a read
-    transposed, a b read transposed under few rows or deep, a large b."""
+    multiply-adds; a ViT's projections, its weight gradients, a wide layer's weight gradient from few samples; not an
+    output too small for its depth, a large a read transposed, a b read transposed under few rows or deep, a large b,
+    a large output from more samples."""
     assert contract.small_product(64, 64, 64, True, True)
     assert contract.small_product(2, 2, 1 << 16, False, False)        # 4 k > m n, but small
     assert contract.small_product(1024, 64, 64, False, True) and contract.small_product(1024, 64, 64, False, False)
@@ -591,6 +595,10 @@ def test_which_products_run_in_tiles():
     assert not contract.small_product(512, 4096, 512, False, True)    # b transposed: 2^21 floats
     assert not contract.small_product(16, 4096, 4096, False, False)   # b: 2^24 floats
     assert contract.small_product(16, 1280, 1000, False, False)
+    assert contract.small_product(4096, 9216, 16, True, False)        # a weight gradient from 16 samples
+    assert contract.small_product(4096, 4096, 32, True, False)
+    assert not contract.small_product(4096, 4096, 64, True, False)    # 2^24 floats of output, deeper than 32
+    assert contract.small_product(800, 500, 64, True, False)          # 400,000 floats of output
 
 
 def test_the_address_of_an_array_is_its_ctypes_address(tmp_path):
