@@ -101,7 +101,8 @@ def product_cuts(batch: int, m: int, n: int, k: int) -> ProductCuts:
 SMALL_PRODUCT_WORK = 1 << 18    # a product of at most this many multiply-adds is computed in tiles whatever its shape
 SMALL_PRODUCT_DEPTH = 256      # terms of a partial sum of the tiles at most (kernels/cpu_gemm.c: DEEPDSL_SG_DEPTH)
 SMALL_PRODUCT_SIDE = 1 << 20    # floats of a transposed a (m x k) below this; of b (k x n) below four times this
-SMALL_PRODUCT_WIDE_DEPTH = 32   # the depth of a product in tiles whose output has SMALL_PRODUCT_SIDE floats or more
+SMALL_PRODUCT_WIDE = 1 << 24    # floats of an output computed in tiles only up to SMALL_PRODUCT_WIDE_DEPTH deep
+SMALL_PRODUCT_WIDE_DEPTH = 64
 
 
 def small_product(m: int, n: int, k: int, ta: bool, tb: bool) -> bool:
@@ -120,16 +121,16 @@ def small_product(m: int, n: int, k: int, ta: bool, tb: bool) -> bool:
       (b is packed by rows for every strip of 64 columns on each thread: fully connected layers of a few rows
       and long inputs, 16 x 4096 by 4096 x 4096, 0.6x);
     - a b of 4 SMALL_PRODUCT_SIDE floats or more (read from memory for every three tiles of rows: 0.8x);
-    - an output of SMALL_PRODUCT_SIDE floats or more (past the L2 cache) deeper than SMALL_PRODUCT_WIDE_DEPTH: its
-      stores, not its multiply-adds, bound the tiles where they are few a term (a fully connected layer's weight
-      gradient from 16 samples, 4096 x 16 read transposed by 16 x 9216: 20.6 ms in tiles, 39.9 in the sgemm at one
-      thread with AVX-512, 33.5 and 46.5 with AVX2), and deeper the sgemm is as fast or faster (from 64 samples,
-      4096 x 4096: 17.9 and 28.3 ms with AVX-512, but 45.7 and 41.5 with AVX2; from 128: 43.7 and 45.3, 88.0 and
-      70.4)."""
+    - an output of SMALL_PRODUCT_WIDE floats or more deeper than SMALL_PRODUCT_WIDE_DEPTH: the tiles' stores, not
+      their multiply-adds, bound such a product where it is shallow (a fully connected layer's weight gradient from
+      16 samples, 4096 x 16 read transposed by 16 x 9216: 20.6 ms in tiles, 39.9 in the sgemm at one thread with
+      AVX-512; 33.5 and 46.5 with AVX2), and deeper the sgemm is as fast or faster (from 64 samples, 4096 x 4096:
+      17.9 and 28.3 ms with AVX-512, 45.7 and 41.5 with AVX2; from 128: 43.7 and 45.3, 88.0 and 70.4; 4096 x 9216
+      from 128: 92.7 and 88.4, 230.3 and 144.5)."""
     if m * n * k <= SMALL_PRODUCT_WORK:
         return True
     if 4 * k > m * n or (ta and (m * k >= SMALL_PRODUCT_SIDE or k > 1024)) or n * k >= 4 * SMALL_PRODUCT_SIDE or \
-            (m * n >= SMALL_PRODUCT_SIDE and k > SMALL_PRODUCT_WIDE_DEPTH):
+            (m * n >= SMALL_PRODUCT_WIDE and k > SMALL_PRODUCT_WIDE_DEPTH):
         return False
     return not tb or (m >= 128 and k <= 512 and n * k <= SMALL_PRODUCT_SIDE)
 

@@ -596,9 +596,9 @@ def test_which_products_run_in_tiles():
     assert not contract.small_product(16, 4096, 4096, False, False)   # b: 2^24 floats
     assert contract.small_product(16, 1280, 1000, False, False)
     assert contract.small_product(4096, 9216, 16, True, False)        # a weight gradient from 16 samples
-    assert contract.small_product(4096, 4096, 32, True, False)
-    assert not contract.small_product(4096, 4096, 64, True, False)    # 2^24 floats of output, deeper than 32
-    assert contract.small_product(800, 500, 64, True, False)          # 400,000 floats of output
+    assert contract.small_product(4096, 4096, 64, True, False)
+    assert not contract.small_product(4096, 4096, 128, True, False)   # 2^24 floats of output, deeper than 64
+    assert contract.small_product(2048, 4096, 128, True, False)       # 2^23 floats
 
 
 def test_the_address_of_an_array_is_its_ctypes_address(tmp_path):
