@@ -410,7 +410,7 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
 @needs_cc
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
-    """benchmarks/small_kernels.py at a tiny size (also with both sides restricted to AVX2): the mask, the twelve
+    """benchmarks/small_kernels.py at a tiny size (also with both sides restricted to AVX2): the mask, the thirteen
     products, the three transposes, the three attentions and the two bias sums timed on both sides, each pair
     agreeing (the same bytes; the products, the attentions and the sums within float32 rounding)."""
     import re
@@ -425,14 +425,15 @@ def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
     assert done.returncode == 0, done.stderr
     rows = re.findall(r"^ *((?:mask|transpose|attention|bias sum) [\dx]+|\d+x\d+T? by \d+x\d+T?, (?:tiles|sgemm))"
                       r" +1 +([\d.]+) +([\d.]+) +([\d.]+)x +(\w+)$", done.stdout, re.M)
-    assert len(rows) == 21 and all(agree == "yes" for *_, agree in rows), done.stdout
-    assert [r[0] for r in rows[16:]] == ["attention 64x4x16x16", "attention 32x4x16x16", "attention 32x4x64x16",
+    assert len(rows) == 22 and all(agree == "yes" for *_, agree in rows), done.stdout
+    assert [r[0] for r in rows[17:]] == ["attention 64x4x16x16", "attention 32x4x16x16", "attention 32x4x64x16",
                                          "bias sum 1024x64", "bias sum 2048x128"]
     assert [r[0] for r in rows[1:4]] == ["1024x64 by 64x64T, tiles", "1024x64 by 64x64, tiles",
                                          "64x1024T by 1024x64, tiles"]
-    assert [r[0] for r in rows[9:13]] == ["256x2048T by 2048x64, sgemm", "64x500 by 500x800, tiles",
-                                          "500x64T by 64x800, tiles", "64x2048T by 2048x64, sgemm"]
-    assert [r[0] for r in rows[13:16]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
+    assert [r[0] for r in rows[9:14]] == ["256x2048T by 2048x64, sgemm", "64x500 by 500x800, tiles",
+                                          "500x64T by 64x800, tiles", "64x2048T by 2048x64, sgemm",
+                                          "4096x16T by 16x9216, tiles"]
+    assert [r[0] for r in rows[14:17]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
 
 
 SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract.small_product
@@ -449,8 +450,9 @@ SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract
     "one column": lambda r: (_rand(r, 200, 64), _rand(r, 64, 1)),
     "a depth of one": lambda r: (_rand(r, 50, 1), _rand(r, 1, 70)),
     "a wide weight gradient from 16 rows: b in two panels of strips, the last one short": lambda r: (
-        _transposed(r, 40, 16), _rand(r, 16, 8300)),
-    "panels of strips two chunks deep, the last one short": lambda r: (_rand(r, 25, 300), _rand(r, 300, 1000)),
+        _transposed(r, 130, 16), _rand(r, 16, 8300)),
+    "a wide output: panels of strips two chunks deep, the last one short": lambda r: (_rand(r, 1100, 300),
+                                                                                      _rand(r, 300, 1000)),
 }
 
 

@@ -179,11 +179,14 @@ int deepdsl_gemm_args(const int64_t* v) {
 // the vectors' width: AVX-512 and AVX2 give the same bits. Processors without AVX2 and fused multiply-adds have no
 // such kernel (deepdsl_small_gemm returns 0; the BLAS computes the product).
 #define DEEPDSL_SG_DEPTH 256            /* terms of a partial sum at most */
-// Where b is read in place, a group of tiles writes its rows of c a strip at a time: with many rows at once (16
-// tiles, 96 rows) the processor fetched the lines written too late (a weight gradient of 4096 x 9216 from 16
-// samples: 49.5 ms at one thread with AVX-512, 20 ms with 3 tiles); and b's strips are taken in panels that stay in
-// the L2 cache over the groups (from 64 samples, with 3 tiles: 92 ms with one panel, 60 with panels).
-#define DEEPDSL_SG_GROUP_TILES 3        /* tiles of a group where b is read in place */
+// Where b is read in place and the output is wide (DEEPDSL_SG_WIDE floats or more: past the L2 cache), a group of
+// tiles writes its rows of c a strip at a time: with many rows at once (16 tiles, 96 rows) the processor fetched the
+// lines written too late (a weight gradient of 4096 x 9216 from 16 samples: 49.5 ms at one thread with AVX-512, 20
+// ms with 3 tiles); and b's strips are taken in panels that stay in the L2 cache over the groups (from 64 samples,
+// with 3 tiles: 92 ms with one panel, 60 with panels). (On narrower outputs, a residual network's pointwise
+// convolutions, groups of 3 tiles made its step 2 % slower with AVX2.)
+#define DEEPDSL_SG_WIDE (1L << 20)      /* floats of a wide output */
+#define DEEPDSL_SG_GROUP_TILES 3        /* tiles of a group where b is read in place and the output is wide */
 #define DEEPDSL_SG_PANEL (1L << 17)     /* floats of b in a panel of strips at most (512 KB) */
 #define DEEPDSL_SG_ROWS 6               /* rows of a tile */
 #if defined(__AVX512F__)
@@ -367,15 +370,16 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
         const long threads = 1;
 #endif
         // groups of consecutive tiles of a strip: about eight per thread, of at most 16 tiles (which the strip of b
-        // packed for them serves), or where b is read in place, of at most DEEPDSL_SG_GROUP_TILES
+        // packed for them serves), or where b is read in place into a wide output, of at most DEEPDSL_SG_GROUP_TILES
+        const int wide = !tb && (double)m * n >= DEEPDSL_SG_WIDE;
         long group = (batch * strips * tiles + threads * 8 - 1) / (threads * 8);
-        const long most = tb ? 16 : DEEPDSL_SG_GROUP_TILES;
+        const long most = wide ? DEEPDSL_SG_GROUP_TILES : 16;
         group = group < 1 ? 1 : group > most ? most : group;
         const long groups = (tiles + group - 1) / group;
         group = (tiles + groups - 1) / groups;          // groups of equal size, but for the last one
-        // where b is read in place, its strips in panels of at most DEEPDSL_SG_PANEL floats of b
+        // where b is read in place into a wide output, its strips in panels of at most DEEPDSL_SG_PANEL floats of b
         long panel = DEEPDSL_SG_PANEL / (k * DEEPDSL_SG_WIDTH);
-        panel = tb || panel > strips ? strips : panel < 1 ? 1 : panel;
+        panel = !wide || panel > strips ? strips : panel < 1 ? 1 : panel;
         const long panels = (strips + panel - 1) / panel;
         float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];          // 64 KB (16 KB with AVX2) of the stack
         long begin, end;
