@@ -379,10 +379,10 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
         group = (tiles + groups - 1) / groups;          // groups of equal size, but for the last one
         // where b is read in place into a wide output, its strips in panels of at most DEEPDSL_SG_PANEL floats of b,
         // of equal sizes but for the last one (the items a share counts past the last strip are few)
-        long panel = DEEPDSL_SG_PANEL / (k * DEEPDSL_SG_WIDTH);
-        panel = !wide || panel > strips ? strips : panel < 1 ? 1 : panel;
+        long panel = wide && k > 0 ? DEEPDSL_SG_PANEL / (k * DEEPDSL_SG_WIDTH) : strips;
+        panel = panel > strips ? strips : panel < 1 ? 1 : panel;
         const long panels = (strips + panel - 1) / panel;
-        panel = (strips + panels - 1) / panels;
+        panel = panels > 0 ? (strips + panels - 1) / panels : 1;
         float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];          // 64 KB (16 KB with AVX2) of the stack
         long begin, end;
         deepdsl_share(tb ? batch * strips * groups : batch * panels * groups * panel, 1, &begin, &end);
