@@ -2,8 +2,7 @@
 
     Loop ─autodiff→ setup (empty), train, test Graphs ─simplify→ ─cse→ ─push_through_pool_backward→
          ─fuse_elementwise→ ─fuse_reductions→ ─fuse_epilogue→ ─cse→ ─hoist_invariants→ ─linearize→ Programs
-         ─sink→ ─schedule→
-         ─rematerialize→ ─inplace→ ─fuse_horizontal→ ─fuse_multi_output→ ─dealloc→ Programs
+         ─sink→ ─schedule→ ─rematerialize→ ─inplace→ ─fuse_horizontal→ ─fuse_multi_output→ ─dealloc→ Programs
          ─plan_memory→ MemoryPlans
 
 `STAGES` is the whole pipeline after `autodiff`, one `Stage` record per stage: its name, its function and the

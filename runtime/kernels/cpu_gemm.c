@@ -385,7 +385,7 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
         panel = panels > 0 ? (strips + panels - 1) / panels : 1;
         float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];          // 64 KB (16 KB with AVX2) of the stack
         long begin, end;
-        deepdsl_share(tb ? batch * strips * groups : batch * panels * groups * panel, 1, &begin, &end);
+        deepdsl_share(batch * panels * groups * panel, 1, &begin, &end);     // (b packed: one panel of all strips)
         // items (product, strip, group) where b is packed: a thread packs each strip of its share once; else
         // (product, panel, group, strip): a group of a's rows is read from the cache for every strip of a panel, and
         // the panel's b for every group (items past the last strip, in the last panel, are none)
