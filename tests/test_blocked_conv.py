@@ -200,16 +200,37 @@ def test_the_rule_takes_stride_one_layers_of_many_channels():
     assert not contract.blocked_conv(64, 64, 3, 3, 1, 1, 56, groups=2)        # grouped
 
 
-def test_built_for_avx2_alone_the_bits_are_the_same(lib, avx2_kernels):  # noqa: F811
-    """Each lane sums alone in the same order, so two AVX2 registers per 16 channels give the bits of one AVX-512
-    register (where this processor has AVX-512; else both builds are AVX2's)."""
+AVX2_GEOMETRIES = [  # (N, C, H, W, O): AVX2's tiles of one block, and of three blocks as two of three half blocks
+    (3, 48, 8, 15, 28),     # two blocks alone, rows of 15
+    (2, 32, 5, 7, 80),      # five blocks: three in half blocks, two alone; rows of 7
+    (2, 24, 4, 4, 64),      # four blocks: three and one; rows of 4
+    (1, 16, 6, 14, 48),     # three blocks; rows of 14 in tiles of 4, 4, 3 and 3 positions
+    (1, 16, 3, 350, 48),    # rows too long for the stack: each tile's whole sum at once
+]
+
+
+@pytest.mark.parametrize("geometry", AVX2_GEOMETRIES, ids=[str(g) for g in AVX2_GEOMETRIES])
+def test_built_for_avx2_alone_the_bits_are_the_same(lib, avx2_kernels, geometry):  # noqa: F811
+    """Each lane sums alone in the same order, so two AVX2 registers per 16 channels (or three half blocks' tiles)
+    give the bits of one AVX-512 register (where this processor has AVX-512; else both builds are AVX2's), on 1, 2
+    and 3 threads."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     avx2 = avx2_kernels
     assert avx2.blocked and avx2.lanes == 8 and lib.lanes in (8, 16)
-    for node in _nodes(3, 48, 8, 15, 28, 3, 3, 1, bias=True):
+    before = avx2.threads
+    n, c, h, w, o = geometry
+    for node in _nodes(*geometry, 3, 3, 1, bias=True):
+        if not all(contract.blocked_conv(c, o, 3, 3, 1, 1, w, op=node.op, lanes=lanes) for lanes in (8, lib.lanes)):
+            continue            # (the filter gradient of short rows: blocked with AVX-512 alone)
         arrays = _arrays(node, 5)
-        np.testing.assert_array_equal(_run(avx2, node, arrays), _run(lib, node, arrays))
+        want = _run(lib, node, arrays)
+        try:
+            for threads in (1, 2, 3):
+                avx2.set_threads(threads)
+                np.testing.assert_array_equal(_run(avx2, node, arrays), want, err_msg=f"{node.op}, {threads} threads")
+        finally:
+            avx2.set_threads(before)
 
 
 def test_without_avx2_the_convolutions_keep_im2col(plain_kernels):  # noqa: F811

@@ -10,9 +10,10 @@
 // padding around it (`deepdsl_blocked_input`), the filters into (O/16, C/16, kh, kw, 16 inputs, 16 outputs)
 // (`deepdsl_blocked_filters`), and the convolution then runs without bounds checks (the method of Georganas et al.,
 // "Anatomy of high-performance deep learning convolutions on SIMD architectures", SC18): a tile of up to
-// DEEPDSL_TILE output positions of one row and up to three blocks of 16 output channels keeps its sums in registers,
-// and each input channel of each tap is one broadcast, one filter vector per block and one fused multiply-add per
-// position and block; the tile is written to the plain (N, O, Ho, Wo) output through a small transposition.
+// DEEPDSL_TILE output positions of one row and up to three blocks of 16 output channels keeps its sums in registers
+// (with AVX2 three blocks as two tiles of three half blocks), and each input channel of each tap is one broadcast,
+// one filter vector per block and one fused multiply-add per position and block; a row's sums are written to the
+// plain (N, O, Ho, Wo) output 8 x 8 at a time through transpositions in registers.
 //
 // The input gradient is the same convolution of the output gradient (padded by k - 1 - pad) with the filters
 // turned around and transposed. The filter gradient of (16 x 16 channels, tap) blocks sums over the samples and
@@ -29,26 +30,24 @@
 #define DEEPDSL_BLOCK 16                /* channels of a block (contract.CHANNEL_BLOCK) */
 #if defined(__AVX512F__)
 #define DEEPDSL_LANES 16                /* floats of a vector (contract.WIDE_FILTER_ROW) */
-#define DEEPDSL_TILE 14                 /* output positions of a tile at most */
-#define DEEPDSL_TILE_SUMS 28            /* its sums of 16 channels, in 28 of the 32 vector registers */
+#define DEEPDSL_TILE 14                 /* output positions of a tile at most (its sums: 28 of 32 registers) */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DEEPDSL_LANES 8
-#define DEEPDSL_TILE 6
-#define DEEPDSL_TILE_SUMS 6             /* 12 of 16 registers (each 16 channels is two) */
+#define DEEPDSL_TILE 6                  /* (its sums: 12 of 16 registers) */
 #endif
 
 #ifdef DEEPDSL_TILE
 #define DEEPDSL_BLOCKED DEEPDSL_LANES
 
-// The tiles' shapes (OB output blocks, R positions; OB * R <= DEEPDSL_TILE_SUMS) that `deepdsl_tile_blocks` uses,
-// as switch arms: constants in each, so the tile's loops unroll.
+// The tiles' shapes (OB output blocks, R positions) that `deepdsl_tile_groups` and `deepdsl_row_tiles` make, as
+// switch arms: constants in each, so the tile's loops unroll.
 #if DEEPDSL_TILE == 14
 #define DEEPDSL_TILES_OF(X, OB) X(OB, 1) X(OB, 2) X(OB, 3) X(OB, 4) X(OB, 5) X(OB, 6) X(OB, 7)
 #define DEEPDSL_TILES(X) DEEPDSL_TILES_OF(X, 1) X(1, 8) X(1, 9) X(1, 10) X(1, 11) X(1, 12) X(1, 13) X(1, 14) \
     DEEPDSL_TILES_OF(X, 2) X(2, 8) X(2, 9) X(2, 10) X(2, 11) X(2, 12) X(2, 13) X(2, 14) DEEPDSL_TILES_OF(X, 3) \
     X(3, 8) X(3, 9)
 #else
-#define DEEPDSL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6)
+#define DEEPDSL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6) X(3, 1) X(3, 2) X(3, 3) X(3, 4)
 #endif
 
 // out (OB blocks x R positions x 16 channels) = (`add`: out +) the sum over channel blocks c < cb, kernel rows i,
@@ -58,7 +57,8 @@
 #if defined(__AVX512F__)
 static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
         const float* x, const float* w, long w_block, int cb, int kh, int kw, long x_block, long x_row, int OB, int R,
-        int add, float* out) {
+        int part, int add, float* out, long out_block) {
+    (void)part;
     __m512 acc[3][DEEPDSL_TILE];
     #pragma GCC unroll 3
     for (int b = 0; b < OB; ++b)
@@ -85,62 +85,78 @@ static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
     for (int b = 0; b < OB; ++b)
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-            float* to = out + (b * R + r) * DEEPDSL_BLOCK;
+            float* to = out + b * out_block + r * DEEPDSL_BLOCK;
             _mm512_storeu_ps(to, add ? _mm512_add_ps(_mm512_loadu_ps(to), acc[b][r]) : acc[b][r]);
         }
 }
 #else
-static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
-        const float* x, const float* w, long w_block, int cb, int kh, int kw, long x_block, long x_row, int OB, int R,
-        int add, float* out) {
-    __m256 lo[3][DEEPDSL_TILE], hi[3][DEEPDSL_TILE];
+// AVX2: a block of 16 channels is two vectors, so the tile's unit is the half block of 8 channels: one block (two
+// halves) by up to 6 positions, or three blocks in two parts of three halves by up to 4 positions (12 sums, three
+// filter vectors and a broadcast fill the 16 registers, and each broadcast serves three fused multiply-adds). The
+// halves H0 .. H0 + HB - 1 of the blocks: half h is channels 8 * (h % 2) .. of block h / 2, its sums at out + ((h / 2)
+// * R + r) * 16 + 8 * (h % 2).
+static inline __attribute__((always_inline)) void deepdsl_half_tile(
+        const float* x, const float* w, long w_block, int cb, int kh, int kw, long x_block, long x_row, int H0,
+        int HB, int R, int add, float* out, long out_block) {
+    __m256 acc[3][DEEPDSL_TILE];
     #pragma GCC unroll 3
-    for (int b = 0; b < OB; ++b)
+    for (int b = 0; b < HB; ++b)
         #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) lo[b][r] = hi[b][r] = _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
     for (int c = 0; c < cb; ++c)
         for (int i = 0; i < kh; ++i)
             for (int j = 0; j < kw; ++j) {
                 const float* xr = x + c * x_block + i * x_row + j * DEEPDSL_BLOCK;
                 const float* wt = w + ((long)(c * kh + i) * kw + j) * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
                 for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
-                    __m256 w0[3], w1[3];
+                    __m256 wv[3];
                     #pragma GCC unroll 3
-                    for (int b = 0; b < OB; ++b) {
-                        w0[b] = _mm256_loadu_ps(wt + b * w_block + k * DEEPDSL_BLOCK);
-                        w1[b] = _mm256_loadu_ps(wt + b * w_block + k * DEEPDSL_BLOCK + 8);
-                    }
+                    for (int b = 0; b < HB; ++b)
+                        wv[b] = _mm256_loadu_ps(wt + (H0 + b) / 2 * w_block + k * DEEPDSL_BLOCK + (H0 + b) % 2 * 8);
                     #pragma GCC unroll 16
                     for (int r = 0; r < R; ++r) {
                         const __m256 v = _mm256_broadcast_ss(xr + r * DEEPDSL_BLOCK + k);
                         #pragma GCC unroll 3
-                        for (int b = 0; b < OB; ++b) {
-                            lo[b][r] = _mm256_fmadd_ps(v, w0[b], lo[b][r]);
-                            hi[b][r] = _mm256_fmadd_ps(v, w1[b], hi[b][r]);
-                        }
+                        for (int b = 0; b < HB; ++b) acc[b][r] = _mm256_fmadd_ps(v, wv[b], acc[b][r]);
                     }
                 }
             }
     #pragma GCC unroll 3
-    for (int b = 0; b < OB; ++b)
+    for (int b = 0; b < HB; ++b)
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-            float* to = out + (b * R + r) * DEEPDSL_BLOCK;
-            _mm256_storeu_ps(to, add ? _mm256_add_ps(_mm256_loadu_ps(to), lo[b][r]) : lo[b][r]);
-            _mm256_storeu_ps(to + 8, add ? _mm256_add_ps(_mm256_loadu_ps(to + 8), hi[b][r]) : hi[b][r]);
+            float* to = out + (H0 + b) / 2 * out_block + r * DEEPDSL_BLOCK + (H0 + b) % 2 * 8;
+            _mm256_storeu_ps(to, add ? _mm256_add_ps(_mm256_loadu_ps(to), acc[b][r]) : acc[b][r]);
         }
+}
+
+static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
+        const float* x, const float* w, long w_block, int cb, int kh, int kw, long x_block, long x_row, int OB, int R,
+        int part, int add, float* out, long out_block) {
+    if (OB == 1)
+        deepdsl_half_tile(x, w, w_block, cb, kh, kw, x_block, x_row, 0, 2, R, add, out, out_block);
+    else
+        deepdsl_half_tile(x, w, w_block, cb, kh, kw, x_block, x_row, 3 * part, 3, R, add, out, out_block);
 }
 #endif
 
 #define DEEPDSL_SUM_TERMS 256   /* products a partial sum adds at most before it is added to the output's total */
 
-// A tile of OB output blocks by r positions (OB * r <= DEEPDSL_TILE_SUMS), constants in each arm, over `count`
+// The parts a tile of `blocks` output blocks is computed in, one after the other: with AVX2 three blocks' two tiles
+// of three half blocks, else one.
+static inline int deepdsl_tile_parts(int blocks) {
+    return DEEPDSL_TILE == 14 || blocks == 1 ? 1 : 2;
+}
+
+// A tile of OB output blocks by r positions (a shape of DEEPDSL_TILES), constants in each arm, over `count`
 // channel blocks: one partial sum, into `out` or (`add`) added to it.
 static inline void deepdsl_blocked_tile_pass(const float* x, const float* w, long w_block, int count, int kh, int kw,
-                                             long x_block, long x_row, int ob, int r, int add, float* out) {
+                                             long x_block, long x_row, int ob, int r, int part, int add, float* out,
+                                             long out_block) {
     switch (ob * 64 + r) {
 #define DEEPDSL_TILE_CASE(OB, R) \
-    case OB * 64 + R: deepdsl_blocked_tile(x, w, w_block, count, kh, kw, x_block, x_row, OB, R, add, out); break;
+    case OB * 64 + R: \
+        deepdsl_blocked_tile(x, w, w_block, count, kh, kw, x_block, x_row, OB, R, part, add, out, out_block); break;
     DEEPDSL_TILES(DEEPDSL_TILE_CASE)
 #undef DEEPDSL_TILE_CASE
     }
@@ -159,16 +175,66 @@ static inline void deepdsl_blocked_tile_of(const float* x, const float* w, long 
                                            long x_block, long x_row, int ob, int r, float* out) {
     const int group = deepdsl_sum_blocks(kh, kw);
     for (int c0 = 0; c0 < cb; c0 += group)
-        deepdsl_blocked_tile_pass(x + c0 * x_block, w + (long)c0 * kh * kw * DEEPDSL_BLOCK * DEEPDSL_BLOCK, w_block,
-                                  cb - c0 < group ? cb - c0 : group, kh, kw, x_block, x_row, ob, r, c0 > 0, out);
+        for (int part = 0; part < deepdsl_tile_parts(ob); ++part)
+            deepdsl_blocked_tile_pass(x + c0 * x_block, w + (long)c0 * kh * kw * DEEPDSL_BLOCK * DEEPDSL_BLOCK,
+                                      w_block, cb - c0 < group ? cb - c0 : group, kh, kw, x_block, x_row, ob, r, part,
+                                      c0 > 0, out, (long)r * DEEPDSL_BLOCK);
 }
 
-// The output blocks a tile of `positions` positions sums together: with AVX-512 three up to 9 positions, else two
-// (each broadcast input serves as many blocks, and each loaded filter vector as many positions: fewer loads for
-// each fused multiply-add), else one (the shapes instantiated in DEEPDSL_TILES; each instance adds to the library's
-// build time).
-static inline int deepdsl_tile_blocks(int positions) {
-    return DEEPDSL_TILE == 14 ? (positions <= 9 ? 3 : 2) : 1;
+// Output blocks in groups: the first `larger` groups of `big` blocks, the rest of `small`, each group `per` items
+// (rows, or taps of input blocks) whose cost is the group's blocks.
+typedef struct { int count, larger, big, small; } deepdsl_groups;
+
+// `ob` blocks in `count` groups of as equal sizes as can be (the first ob % count of them one block larger).
+static inline deepdsl_groups deepdsl_even_groups(int ob, int count) {
+    const deepdsl_groups g = {count, ob % count, ob / count + 1, ob / count};
+    return g;
+}
+
+static inline int deepdsl_group_start(deepdsl_groups g, int group) {
+    return group < g.larger ? group * g.big : g.larger * g.big + (group - g.larger) * g.small;
+}
+
+// The first item whose cost so far is `cost` at least.
+static inline long deepdsl_group_item(deepdsl_groups g, long cost, long per) {
+    const long first = (long)g.larger * g.big * per;
+    if (cost < first)
+        return cost / (g.big * per) * per + (cost % (g.big * per) + g.big - 1) / g.big;
+    cost -= first;
+    return (g.larger + cost / (g.small * per)) * per + (cost % (g.small * per) + g.small - 1) / g.small;
+}
+
+// [*first, *last): this thread's items of the `ob` blocks' groups, those whose cost so far lies in its equal share
+// of the whole cost, so that the threads' work differs by a group's item at most; in order, a thread's items
+// contiguous.
+static inline void deepdsl_group_share(deepdsl_groups g, long per, int ob, long* first, long* last) {
+    long begin, end;
+    deepdsl_share((long)ob * per, 1, &begin, &end);
+    *first = deepdsl_group_item(g, begin, per);
+    *last = deepdsl_group_item(g, end, per);
+}
+
+// A layer's output blocks in groups whose tiles share each broadcast input (and each loaded filter vector serves a
+// tile's positions: fewer loads for each fused multiply-add), for rows of wo positions. AVX-512: tiles of up to 14
+// positions of as equal numbers as can be; three blocks where they have 9 positions at most, else two; the groups
+// of as equal sizes as can be. AVX2: groups of three blocks (each computed as two tiles of three half blocks by up to
+// 4 positions), and the ob % 3 blocks left over alone (one block, 2 half blocks, by up to 6 positions): 12 sums.
+static inline deepdsl_groups deepdsl_tile_groups(int ob, int wo) {
+#if DEEPDSL_TILE == 14
+    const int tiles = (wo + DEEPDSL_TILE - 1) / DEEPDSL_TILE, most = (wo + tiles - 1) / tiles <= 9 ? 3 : 2;
+    return deepdsl_even_groups(ob, (ob + most - 1) / most);
+#else
+    (void)wo;
+    const deepdsl_groups g = {ob / 3 + ob % 3, ob / 3, 3, 1};
+    return g;
+#endif
+}
+
+// The tiles of a row of wo positions of a group of `blocks` output blocks (tile t its positions [t * wo / tiles,
+// (t + 1) * wo / tiles)).
+static inline int deepdsl_row_tiles(int blocks, int wo) {
+    const int most = DEEPDSL_TILE == 14 || blocks == 1 ? DEEPDSL_TILE : 4;
+    return (wo + most - 1) / most;
 }
 
 // to[q][k] = from[k * stride + q] for q < w, k < 16: a row of 16 channels (zeros past `channels`) blocked, 16
@@ -209,22 +275,71 @@ void deepdsl_blocked_input(const float* x, int m, int c, int h, int w, int ph, i
         }
 }
 
+// One whole block pair of the filters (16 x 16 channels, `taps` taps each) blocked, 8 x 8 floats at a time through
+// transpositions in registers: `rows` the first of the 16 channels whose filters are rows of w (`row` floats apart),
+// each row the 16 channels of the other side, `taps` floats each. Not flipped (w's rows its output channels l): the
+// row's floats j = k * taps + t go to blocks[(t * 16 + k) * 16 + l]. Flipped (w's rows its output channels k, the
+// block's 16 inputs): the row's floats j = l * taps + t go to blocks[((taps - 1 - t) * 16 + k) * 16 + l].
+static inline void deepdsl_block_pair(const float* rows, long row, long taps, int flip, float* blocks) {
+    const long span = DEEPDSL_BLOCK * taps;
+    if (!flip) {
+        for (int l0 = 0; l0 < DEEPDSL_BLOCK; l0 += 8)
+            for (long j0 = 0; j0 < span; j0 += 8) {       // (span is a multiple of 8)
+                deepdsl_v8f v[8];
+                for (int i = 0; i < 8; ++i) memcpy(&v[i], rows + (l0 + i) * row + j0, sizeof v[i]);
+                deepdsl_transpose8(v);
+                for (int e = 0; e < 8; ++e) {
+                    const long j = j0 + e, k = j / taps, t = j % taps;
+                    memcpy(blocks + (t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l0, &v[e], sizeof v[e]);
+                }
+            }
+        return;
+    }
+    const long whole = taps / 8 * 8;     // (the taps past the last 8 float by float)
+    for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
+        const float* from = rows + k * row;
+        for (int l0 = 0; l0 < DEEPDSL_BLOCK; l0 += 8)
+            for (long t0 = 0; t0 < whole; t0 += 8) {
+                deepdsl_v8f v[8];
+                for (int i = 0; i < 8; ++i) memcpy(&v[i], from + (l0 + i) * taps + t0, sizeof v[i]);
+                deepdsl_transpose8(v);
+                for (int e = 0; e < 8; ++e)
+                    memcpy(blocks + ((taps - 1 - t0 - e) * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l0, &v[e],
+                           sizeof v[e]);
+            }
+        for (long t = whole; t < taps; ++t)
+            for (int l = 0; l < DEEPDSL_BLOCK; ++l)
+                blocks[((taps - 1 - t) * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l] = from[l * taps + t];
+    }
+}
+
 // The filters w (o, c, kh, kw) as a convolution's blocked filters: wb (ceil(o / 16), ceil(c / 16), kh, kw, 16 input
 // channels, 16 output channels), zeros past o and c. `flip`: the filters of the input gradient, the convolution of
 // the output gradient: inputs and outputs exchanged and the kernel turned around, wb (ceil(c / 16), ceil(o / 16), kh,
-// kw, 16 output channels of w, 16 input channels of w) with wb[..][i][j] from w[..][kh - 1 - i][kw - 1 - j].
+// kw, 16 output channels of w, 16 input channels of w) with wb[..][i][j] from w[..][kh - 1 - i][kw - 1 - j]. Whole
+// block pairs through `deepdsl_block_pair`, those with channels past o or c float by float.
 void deepdsl_blocked_filters(const float* w, int o, int c, int kh, int kw, int flip, float* wb) {
     const int to = flip ? c : o, from = flip ? o : c;
     const int tb = (to + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, fb = (from + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK;
     const long taps = (long)kh * kw;
+    const int wr = flip ? fb : tb, wc = flip ? tb : fb;     // w's blocks of rows and of columns, read in order
 #pragma omp parallel for collapse(2) schedule(static) if ((long)tb * fb * taps * 256 >= DEEPDSL_EW_PARALLEL_MIN)
-    for (int a = 0; a < tb; ++a)
-        for (int b = 0; b < fb; ++b) {
+    for (int r = 0; r < wr; ++r)
+        for (int q = 0; q < wc; ++q) {
+            const int a = flip ? q : r, b = flip ? r : q;
             float* blocks = wb + ((long)a * fb + b) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
             const int ks = from - b * DEEPDSL_BLOCK < DEEPDSL_BLOCK ? from - b * DEEPDSL_BLOCK : DEEPDSL_BLOCK;
             const int ls = to - a * DEEPDSL_BLOCK < DEEPDSL_BLOCK ? to - a * DEEPDSL_BLOCK : DEEPDSL_BLOCK;
-            if (ks < DEEPDSL_BLOCK || ls < DEEPDSL_BLOCK)
-                memset(blocks, 0, sizeof(float) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK);
+            if (ks == DEEPDSL_BLOCK && ls == DEEPDSL_BLOCK) {
+                if (flip)
+                    deepdsl_block_pair(w + ((long)b * DEEPDSL_BLOCK * c + a * DEEPDSL_BLOCK) * taps, c * taps, taps,
+                                       1, blocks);
+                else
+                    deepdsl_block_pair(w + ((long)a * DEEPDSL_BLOCK * c + b * DEEPDSL_BLOCK) * taps, c * taps, taps,
+                                       0, blocks);
+                continue;
+            }
+            memset(blocks, 0, sizeof(float) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK);
             // the convolution's input channel b * 16 + k and output channel a * 16 + l, reading w in its order
             if (flip)
                 for (int k = 0; k < ks; ++k)
@@ -242,89 +357,77 @@ void deepdsl_blocked_filters(const float* w, int o, int c, int kh, int kw, int f
         }
 }
 
-// Output blocks in groups: `ob` blocks in `groups` groups of as equal sizes as can be (the first ob % groups of
-// them one block larger), each group `per` items (rows, or taps of input blocks) whose cost is the group's blocks.
-static inline int deepdsl_group_start(int group, int ob, int groups) {
-    const int size = ob / groups, larger = ob % groups;
-    return group * size + (group < larger ? group : larger);
-}
-
-// The first item whose cost so far is `cost` at least.
-static inline long deepdsl_group_item(long cost, long per, int ob, int groups) {
-    const long size = ob / groups, larger = ob % groups, first = larger * (size + 1) * per;
-    if (cost < first)
-        return cost / ((size + 1) * per) * per + (cost % ((size + 1) * per) + size) / (size + 1);
-    cost -= first;
-    return (larger + cost / (size * per)) * per + (cost % (size * per) + size - 1) / size;
-}
-
-// [*first, *last): this thread's items, those whose cost so far lies in its equal share of the whole cost, so that
-// the threads' work differs by a group's item at most; in order, a thread's items contiguous.
-static inline void deepdsl_group_share(long per, int ob, int groups, long* first, long* last) {
-    long begin, end;
-    deepdsl_share((long)ob * per, 1, &begin, &end);
-    *first = deepdsl_group_item(begin, per, ob, groups);
-    *last = deepdsl_group_item(end, per, ob, groups);
-}
-
-// A tile's sums (blocks x r positions x 16 channels) to the plain output at `to` (channel l of block b at to + (b *
-// 16 + l) * plane, o0 the first block's first channel, o the channels), + bias[channel] where given.
-static inline void deepdsl_blocked_tile_out(const float* tile, int blocks, int r, int o0, int o, long plane,
-                                            const float* bias, float* to) {
-    for (int b = 0; b < blocks; ++b) {
-        const int first = o0 + b * DEEPDSL_BLOCK, oe = o - first < DEEPDSL_BLOCK ? o - first : DEEPDSL_BLOCK;
-        const float* part = tile + b * r * DEEPDSL_BLOCK;
-        for (int l = 0; l < oe; ++l) {
-            float* at = to + (long)(b * DEEPDSL_BLOCK + l) * plane;
-            if (bias) {
-                const float add = bias[first + l];
-                for (int t = 0; t < r; ++t) at[t] = part[t * DEEPDSL_BLOCK + l] + add;
-            } else {
-                for (int t = 0; t < r; ++t) at[t] = part[t * DEEPDSL_BLOCK + l];
+// The sums of n positions of `blocks` output blocks (block b's at sums + b * sums_block, position t's 16 channels at
+// [t * 16]) to the plain output at `to` (channel l of block b at to + (b * 16 + l) * plane, o0 the first block's
+// first channel, o the channels), + bias[channel] where given: 8 positions by 8 channels at a time, transposed in
+// registers, the last positions of a row through masked stores.
+static inline void deepdsl_blocked_out(const float* sums, int blocks, int n, long sums_block, int o0, int o,
+                                       long plane, const float* bias, float* to) {
+    for (int b = 0; b < blocks; ++b)
+        for (int h = 0; h < DEEPDSL_BLOCK; h += 8) {
+            const int first = o0 + b * DEEPDSL_BLOCK + h, channels = o - first < 8 ? o - first : 8;
+            for (int t0 = 0; t0 < n; t0 += 8) {
+                const int count = n - t0 < 8 ? n - t0 : 8;
+                deepdsl_v8f v[8];
+                for (int t = 0; t < 8; ++t)
+                    if (t < count)
+                        memcpy(&v[t], sums + b * sums_block + (t0 + t) * DEEPDSL_BLOCK + h, sizeof v[t]);
+                    else
+                        v[t] = (deepdsl_v8f){0};
+                deepdsl_transpose8(v);
+                const deepdsl_v8i mask = deepdsl_inside(t0, n);
+                for (int l = 0; l < channels; ++l) {
+                    float* at = to + (long)(b * DEEPDSL_BLOCK + h + l) * plane + t0;
+                    const deepdsl_v8f row = bias ? v[l] + bias[first + l] : v[l];
+                    if (count == 8)
+                        memcpy(at, &row, sizeof row);
+                    else
+                        deepdsl_store(at, mask, row);
+                }
             }
         }
-    }
 }
 
 #define DEEPDSL_RUN_FLOATS 16384        /* a thread's sums of a run of rows: 64 KB of its stack */
 
 // out (m, o, ho, wo) = the stride-1 convolution of the blocked, padded input xb (m, cb, hp, wp, 16) with the
 // blocked filters wb (ceil(o / 16), cb, kh, kw, 16, 16) (+ bias (o) when given): ho = hp - kh + 1, wo = wp - kw + 1.
-// The output blocks go in groups of at most `deepdsl_tile_blocks` (sizes as equal as can be); a thread computes whole
-// rows of a group of a sample (its share weighted by the groups' blocks: `deepdsl_group_share`), in tiles of as
-// equal a number of positions as DEEPDSL_TILE allows; the groups outermost, so that a group's filters stay in the
-// cache over the samples. A thread takes its rows of a group in runs whose sums fit DEEPDSL_RUN_FLOATS: each
-// partial sum (a group of channel blocks, `deepdsl_sum_blocks`) of every tile of the run, then the next, the sums kept
-// on the stack in between: the filters of a partial sum (27 KB for three blocks of a 3x3 layer) stay in the L1
-// cache over the run's tiles, where a tile's whole sum read all of the group's filters (442 KB for 256 channels) from
-// the L2 cache. Each output adds the same partial sums in the same order either way (the same bits).
+// The output blocks go in groups (`deepdsl_tile_groups`); a thread computes whole rows of a group of a sample (its
+// share weighted by the groups' blocks: `deepdsl_group_share`), each row in `deepdsl_row_tiles` tiles of as equal
+// numbers of positions as can be; the groups outermost, so that a group's filters stay in the cache over the
+// samples. A thread takes its rows of a group in runs whose sums fit DEEPDSL_RUN_FLOATS: each partial sum (a group of
+// channel blocks, `deepdsl_sum_blocks`) of every tile of the run, then the next, the sums kept on the stack in
+// between: the filters of a partial sum (27 KB for three blocks of a 3x3 layer) stay in the L1 cache over the run's
+// tiles, where a tile's whole sum read all of the group's filters (442 KB for 256 channels) from the L2 cache. Each
+// output adds the same partial sums in the same order either way (the same bits).
 void deepdsl_blocked_conv(const float* xb, const float* wb, const float* bias, int m, int cb, int hp, int wp,
                           int o, int kh, int kw, float* out) {
     const int ob = (o + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, ho = hp - kh + 1, wo = wp - kw + 1;
     const long x_row = (long)wp * DEEPDSL_BLOCK, x_block = (long)hp * x_row;
     const long filters = (long)cb * kh * kw * DEEPDSL_BLOCK * DEEPDSL_BLOCK, plane = (long)ho * wo;
     const long pass_filters = (long)kh * kw * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
-    const int tiles = (wo + DEEPDSL_TILE - 1) / DEEPDSL_TILE, per_tile = (wo + tiles - 1) / tiles;
-    const int most = deepdsl_tile_blocks(per_tile), groups = (ob + most - 1) / most, group = deepdsl_sum_blocks(kh, kw);
+    const deepdsl_groups g = deepdsl_tile_groups(ob, wo);
+    const int group = deepdsl_sum_blocks(kh, kw);
 #pragma omp parallel if ((long)m * o * plane * cb * kh * kw * DEEPDSL_BLOCK >= DEEPDSL_PARALLEL_MIN)
     {
         float sums[DEEPDSL_RUN_FLOATS];
         long first, last;
-        deepdsl_group_share((long)m * ho, ob, groups, &first, &last);
+        deepdsl_group_share(g, (long)m * ho, ob, &first, &last);
         while (first < last) {
             const int a = (int)(first / ((long)m * ho));
-            const int b0 = deepdsl_group_start(a, ob, groups), blocks = deepdsl_group_start(a + 1, ob, groups) - b0;
+            const int b0 = deepdsl_group_start(g, a), blocks = deepdsl_group_start(g, a + 1) - b0;
+            const int tiles = deepdsl_row_tiles(blocks, wo);
             const long row_sums = (long)blocks * wo * DEEPDSL_BLOCK, group_end = (long)(a + 1) * m * ho;
             const long fit = DEEPDSL_RUN_FLOATS / row_sums;
             if (fit == 0) {             // (rows too long for the stack: each tile's whole sum at once)
                 const int s = (int)(first / ho % m), p = (int)(first % ho);
                 const float* x = xb + (long)s * cb * x_block + (long)p * x_row;
-                for (int q = 0; q < wo; q += per_tile) {
-                    const int r = wo - q < per_tile ? wo - q : per_tile;
+                for (int t = 0; t < tiles; ++t) {
+                    const int q = t * wo / tiles, r = (t + 1) * wo / tiles - q;
                     deepdsl_blocked_tile_of(x + (long)q * DEEPDSL_BLOCK, wb + b0 * filters, filters, cb, kh, kw,
                                             x_block, x_row, blocks, r, sums);
-                    deepdsl_blocked_tile_out(sums, blocks, r, b0 * DEEPDSL_BLOCK, o, plane, bias,
-                                             out + ((long)s * o + b0 * DEEPDSL_BLOCK) * plane + (long)p * wo + q);
+                    deepdsl_blocked_out(sums, blocks, r, (long)r * DEEPDSL_BLOCK, b0 * DEEPDSL_BLOCK, o, plane, bias,
+                                        out + ((long)s * o + b0 * DEEPDSL_BLOCK) * plane + (long)p * wo + q);
                 }
                 ++first;
                 continue;
@@ -334,24 +437,24 @@ void deepdsl_blocked_conv(const float* xb, const float* wb, const float* bias, i
             for (int c0 = 0; c0 < cb; c0 += group) {
                 const int count = cb - c0 < group ? cb - c0 : group;
                 const float* w = wb + b0 * filters + c0 * pass_filters;
-                for (long item = first; item < end; ++item) {
-                    const int s = (int)(item / ho % m), p = (int)(item % ho);
-                    const float* x = xb + ((long)s * cb + c0) * x_block + (long)p * x_row;
-                    float* row = sums + (item - first) * row_sums;
-                    for (int q = 0; q < wo; q += per_tile) {
-                        const int r = wo - q < per_tile ? wo - q : per_tile;
-                        deepdsl_blocked_tile_pass(x + (long)q * DEEPDSL_BLOCK, w, filters, count, kh, kw, x_block,
-                                                  x_row, blocks, r, c0 > 0, row + (long)blocks * q * DEEPDSL_BLOCK);
+                for (int part = 0; part < deepdsl_tile_parts(blocks); ++part)
+                    for (long item = first; item < end; ++item) {
+                        const int s = (int)(item / ho % m), p = (int)(item % ho);
+                        const float* x = xb + ((long)s * cb + c0) * x_block + (long)p * x_row;
+                        float* row = sums + (item - first) * row_sums;
+                        for (int t = 0; t < tiles; ++t) {
+                            const int q = t * wo / tiles, r = (t + 1) * wo / tiles - q;
+                            deepdsl_blocked_tile_pass(x + (long)q * DEEPDSL_BLOCK, w, filters, count, kh, kw,
+                                                      x_block, x_row, blocks, r, part, c0 > 0,
+                                                      row + (long)q * DEEPDSL_BLOCK, (long)wo * DEEPDSL_BLOCK);
+                        }
                     }
-                }
             }
             for (long item = first; item < end; ++item) {
                 const int s = (int)(item / ho % m), p = (int)(item % ho);
-                float* row = out + ((long)s * o + b0 * DEEPDSL_BLOCK) * plane + (long)p * wo;
-                for (int q = 0; q < wo; q += per_tile)
-                    deepdsl_blocked_tile_out(sums + (item - first) * row_sums + (long)blocks * q * DEEPDSL_BLOCK,
-                                             blocks, wo - q < per_tile ? wo - q : per_tile, b0 * DEEPDSL_BLOCK, o,
-                                             plane, bias, row + q);
+                deepdsl_blocked_out(sums + (item - first) * row_sums, blocks, wo, (long)wo * DEEPDSL_BLOCK,
+                                    b0 * DEEPDSL_BLOCK, o, plane, bias,
+                                    out + ((long)s * o + b0 * DEEPDSL_BLOCK) * plane + (long)p * wo);
             }
             first = end;
         }
@@ -486,11 +589,12 @@ void deepdsl_blocked_conv_bwd_filter(const float* xb, const float* gb, int m, in
 #pragma omp parallel if (ob * cb * taps * m * g_block * DEEPDSL_BLOCK >= DEEPDSL_PARALLEL_MIN)
     {
         long begin, end;
-        deepdsl_group_share(cb * taps, ob, groups, &begin, &end);
+        const deepdsl_groups g = deepdsl_even_groups(ob, groups);
+        deepdsl_group_share(g, cb * taps, ob, &begin, &end);
         for (long t0 = begin; t0 < end;) {
             const long pair = t0 / taps, t1 = (pair + 1) * taps < end ? (pair + 1) * taps : end, c = pair % cb;
-            const int group = (int)(pair / cb), a0 = deepdsl_group_start(group, ob, groups);
-            const int blocks = deepdsl_group_start(group + 1, ob, groups) - a0;
+            const int group = (int)(pair / cb), a0 = deepdsl_group_start(g, group);
+            const int blocks = deepdsl_group_start(g, group + 1) - a0;
             float* sums = dwb + (a0 * cb + c) * taps * tile;
             if (first)
                 for (int b = 0; b < blocks; ++b)
@@ -511,14 +615,29 @@ void deepdsl_blocked_conv_bwd_filter(const float* xb, const float* gb, int m, in
 }
 
 // w (o, c, kh, kw) = the blocked filters wb (ceil(o / 16), ceil(c / 16), kh, kw, 16 inputs, 16 outputs), dropping
-// the channels past o and c.
+// the channels past o and c: whole block pairs 8 x 8 floats at a time through transpositions in registers (the
+// inverse of `deepdsl_block_pair`'s), the others float by float.
 void deepdsl_unblocked_filters(const float* wb, int o, int c, int kh, int kw, float* w) {
     const int ob = (o + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, cb = (c + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK;
-    const long taps = (long)kh * kw;
+    const long taps = (long)kh * kw, span = DEEPDSL_BLOCK * taps;
 #pragma omp parallel for collapse(2) schedule(static) if ((long)o * c * taps >= DEEPDSL_EW_PARALLEL_MIN)
     for (int a = 0; a < ob; ++a)
         for (int b = 0; b < cb; ++b) {
             const float* blocks = wb + ((long)a * cb + b) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+            if ((a + 1) * DEEPDSL_BLOCK <= o && (b + 1) * DEEPDSL_BLOCK <= c) {
+                float* rows = w + ((long)a * DEEPDSL_BLOCK * c + b * DEEPDSL_BLOCK) * taps;
+                for (int l0 = 0; l0 < DEEPDSL_BLOCK; l0 += 8)
+                    for (long j0 = 0; j0 < span; j0 += 8) {     // the row's floats j = k * taps + t
+                        deepdsl_v8f v[8];
+                        for (int e = 0; e < 8; ++e) {
+                            const long k = (j0 + e) / taps, t = (j0 + e) % taps;
+                            memcpy(&v[e], blocks + (t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l0, sizeof v[e]);
+                        }
+                        deepdsl_transpose8(v);
+                        for (int i = 0; i < 8; ++i) memcpy(rows + (l0 + i) * c * taps + j0, &v[i], sizeof v[i]);
+                    }
+                continue;
+            }
             for (int l = 0; l < DEEPDSL_BLOCK && a * DEEPDSL_BLOCK + l < o; ++l)
                 for (int k = 0; k < DEEPDSL_BLOCK && b * DEEPDSL_BLOCK + k < c; ++k) {
                     float* to = w + ((long)(a * DEEPDSL_BLOCK + l) * c + b * DEEPDSL_BLOCK + k) * taps;
