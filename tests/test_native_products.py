@@ -603,6 +603,119 @@ def test_which_products_run_in_tiles():
     assert contract.small_product(2048, 4096, 128, True, False)       # 2^23 floats
 
 
+DOT_CASES = {  # name: (a, b) from a generator, b read transposed: taken by contract.dot_product (b of any size here)
+    "16 rows, three chunks, the last one short and ending inside a vector": lambda r: (
+        _rand(r, 16, 2 * 4096 + 300 + 5), _transposed(r, 2 * 4096 + 300 + 5, 37)),
+    "one row, one chunk exactly": lambda r: (_rand(r, 1, 4096), _transposed(r, 4096, 9)),
+    "three rows, a depth inside one vector": lambda r: (_rand(r, 3, 11), _transposed(r, 11, 19)),
+    "five rows of a wider matrix, b a view": lambda r: (_rand(r, 5, 700)[:, 50:650], _rand(r, 21, 800)[:, 100:700].T),
+    "a stack of two": lambda r: (_rand(r, 2, 7, 513), _transposed(r, 2, 513, 10)),
+}
+
+
+def _dot_order(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a (m x k) by b (k x n) in the dot products' order (kernels/cpu_gemm.c), emulated with float32 adds (exact
+    where every product is: a's elements powers of two): per chunk of 4096 terms, lane l the sum from zero of terms
+    k = l (mod 16) in order, the lanes added as a tree (l + 8, l + 4, l + 2, then 0 and 1), the chunks' sums in order."""
+    m, k = a.shape
+    total = None
+    for k0 in range(0, k, 4096):
+        lanes = np.zeros((m, b.shape[1], 16), np.float32)
+        for p in range(k0, min(k, k0 + 4096)):
+            lanes[:, :, p % 16] += (a[:, p:p + 1] * b[p]).astype(np.float32)
+        for half in (8, 4, 2, 1):
+            lanes = lanes[:, :, :half] + lanes[:, :, half:2 * half]
+        total = lanes[:, :, 0] if total is None else total + lanes[:, :, 0]
+    return total
+
+
+@pytest.fixture
+def dot_everywhere(lib, monkeypatch):
+    """contract.dot_product taking its products of any size; the library's dot product calls counted in lib.dot_calls
+    (the products planned before forgotten, before and after)."""
+    monkeypatch.setattr(contract, "DOT_PRODUCT_FLOATS", 0)
+    dot, lib.dot_calls = lib._dot_gemm_args, 0
+
+    def counting(*args):
+        lib.dot_calls += 1
+        return dot(*args)
+    lib._dot_gemm_args = counting
+    lib._product_plans.clear()
+    yield lib
+    lib._dot_gemm_args = dot
+    lib._product_plans.clear()
+    lib.set_threads(native.threads_available())
+
+
+@needs_cc
+@pytest.mark.parametrize("case", list(DOT_CASES))
+def test_dot_products_equal_numpy_with_the_same_bits_on_any_threads_and_with_avx2(dot_everywhere, avx2, case):
+    """The products `contract.dot_product` takes (few rows of a by b read transposed) run as the kernels' dot
+    products: every element written, numpy's float64 product to float32 rounding, the same bits on 1, 2, 3 and 5
+    threads and built for AVX2 (two vectors of 8 lanes for each 16), and with a bias the bits of the product and then
+    the add."""
+    lib = dot_everywhere
+    if not lib.tiles:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    a, b = DOT_CASES[case](np.random.default_rng(23))
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n)
+    results = []
+    for threads in (1, 2, 3, 5):
+        lib.set_threads(threads)
+        results.append(lib.gemm(a, b, np.full(shape, np.nan, np.float32)))
+    assert lib.dot_calls == 4
+    assert np.isfinite(results[0]).all(), "an element was not written"
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=np.sqrt(k) * 1e-6 * max(1.0, float(np.abs(want).max())))
+    if avx2.tiles:
+        avx2.set_threads(2)
+        np.testing.assert_array_equal(avx2.gemm(a, b, np.full(shape, np.nan, np.float32)), results[0])
+    if len(shape) == 2:
+        bias = np.random.default_rng(24).standard_normal(n).astype(np.float32)
+        got = np.full(shape, np.nan, np.float32)
+        assert lib.gemm_bias(a, b, got, bias)
+        np.testing.assert_array_equal(got, results[0] + bias)
+
+
+@needs_cc
+def test_the_dot_products_sum_lanes_of_chunks_in_their_order(dot_everywhere):
+    """Each output is the chunks' sums in order, each chunk 16 lanes added as a tree (`_dot_order`): with a's
+    elements powers of two every product is exact, so the kernel's bits are the emulation's, and here differ from a
+    sum in order."""
+    lib = dot_everywhere
+    if not lib.tiles:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    rng = np.random.default_rng(5)
+    k = 4096 + 77
+    a = np.ldexp(1.0, rng.integers(-3, 4, (4, k))).astype(np.float32)
+    b = (rng.standard_normal((k, 6)) * np.ldexp(1.0, rng.integers(0, 20, (k, 6)))).astype(np.float32)
+    bt = np.ascontiguousarray(b.T).T
+    lib.set_threads(2)
+    got = lib.gemm(a, bt, np.full((4, 6), np.nan, np.float32))
+    assert lib.dot_calls == 1
+    want = _dot_order(a, b)
+    np.testing.assert_array_equal(got, want)
+    in_order = np.zeros((4, 6), np.float32)
+    for p in range(k):
+        in_order += (a[:, p:p + 1] * b[p]).astype(np.float32)
+    assert not np.array_equal(want, in_order)           # (the order shows)
+
+
+def test_which_products_run_as_dot_products():
+    """contract.dot_product: a fully connected layer's forward on a small batch, its weights read transposed and
+    larger than the caches (AlexNet's fc6 and fc7 at batch 16); not more rows, not b read in place (the input
+    gradient), not a read transposed, not small weights (fc8)."""
+    assert contract.dot_product(16, 4096, 9216, False, True) and contract.dot_product(16, 4096, 4096, False, True)
+    assert contract.dot_product(1, 4096, 4096, False, True)
+    assert not contract.dot_product(17, 4096, 9216, False, True)
+    assert not contract.dot_product(16, 9216, 4096, False, False)
+    assert not contract.dot_product(16, 4096, 9216, True, True)
+    assert not contract.dot_product(16, 1000, 4096, False, True)
+
+
 def test_the_address_of_an_array_is_its_ctypes_address(tmp_path):
     """`native._address`, what every compiled call passes for an array, equals `ndarray.ctypes.data` on arrays of
     every kind the runtime hands a kernel: contiguous, views at an offset, transposed, zero-dimensional, a memory map,

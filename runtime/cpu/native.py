@@ -287,6 +287,11 @@ class Native:
         if self._small_gemm_args is not None:
             self._small_gemm_args.argtypes = [_P]
             self._small_gemm_args.restype = _I
+        # (nor dot products streaming a long b read transposed)
+        self._dot_gemm_args = getattr(lib, "deepdsl_dot_gemm_args", None)
+        if self._dot_gemm_args is not None:
+            self._dot_gemm_args.argtypes = [_P]
+            self._dot_gemm_args.restype = _I
         self._small_gemm_depth = getattr(lib, "deepdsl_small_gemm_depth", None)
         if self._small_gemm_depth is not None:
             self._small_gemm_depth.argtypes = [_I, _I, _L, _L, _L, _P, _L, _P, _L, _P, _L, _P]
@@ -448,6 +453,8 @@ class Native:
             return None
         batch = math.prod(lead)
         head, operands = (batch, ta[0], tb[0], m, n, k), ((ta[1], sa), (tb[1], sb), (to[1], sc))
+        if self.tiles and self._dot_gemm_args is not None and contract.dot_product(m, n, k, bool(ta[0]), bool(tb[0])):
+            return _ProductCall(self._dot_gemm_args, head, operands, (0,), (a, b, out))
         if self._small(m, n, k, ta, tb):
             return _ProductCall(self._small_gemm_args, head, operands, (0,), (a, b, out))
         return _ProductCall(self.lib.deepdsl_gemm_args, head, operands,

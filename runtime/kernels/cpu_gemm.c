@@ -241,31 +241,31 @@ static inline __attribute__((always_inline)) void deepdsl_sg_tile(
     deepdsl_sg_v acc[DEEPDSL_SG_ROWS][DEEPDSL_SG_VECTORS];
     #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int v = 0; v < V; ++v) acc[r][v] = DEEPDSL_SG_ZERO();
     for (long p = 0; p < depth; ++p) {
         const float* bp = b + p * ldb;
         deepdsl_sg_v bv[DEEPDSL_SG_VECTORS];
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int v = 0; v < V; ++v) bv[v] = DEEPDSL_SG_LOADU(bp + v * DEEPDSL_SG_LANES);
         const float* ap = a + p * ca;
         #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
             const deepdsl_sg_v x = DEEPDSL_SG_SET1(ap[r * ra]);
-            #pragma GCC unroll 4
+            #pragma GCC unroll 8
             for (int v = 0; v < V; ++v) acc[r][v] = DEEPDSL_SG_FMA(x, bv[v], acc[r][v]);
         }
     }
     deepdsl_sg_v bv[DEEPDSL_SG_VECTORS];
     if (bias) {
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int v = 0; v < V; ++v)
             bv[v] = partial && v == V - 1 ? DEEPDSL_SG_LOAD(bias + v * DEEPDSL_SG_LANES, last)
                                           : DEEPDSL_SG_LOADU(bias + v * DEEPDSL_SG_LANES);
     }
     #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int v = 0; v < V; ++v) {
             float* cp = c + r * ldc + v * DEEPDSL_SG_LANES;
             const int masked = partial && v == V - 1;
@@ -287,6 +287,25 @@ static inline void deepdsl_sg_rows(const float* from, long ld, long rows, long c
         memcpy(to + p * width, from + p * ld, columns * sizeof(float));
         memset(to + p * width + columns, 0, (padded - columns) * sizeof(float));
     }
+}
+
+// to[p * DEEPDSL_SG_WIDTH + j] = from[j * ld + p] for j < columns, p < depth: a strip of b read transposed (its
+// columns are rows of the stored matrix) packed by rows, 8 x 8 floats at a time through transpositions in registers,
+// the rest float by float.
+static inline void deepdsl_sg_columns(const float* from, long ld, long depth, long columns, float* to) {
+    const long whole_j = columns / 8 * 8, whole_p = depth / 8 * 8;
+    for (long j0 = 0; j0 < whole_j; j0 += 8) {
+        for (long q = 0; q < whole_p; q += 8) {
+            deepdsl_v8f v[8];
+            for (int i = 0; i < 8; ++i) memcpy(&v[i], from + (j0 + i) * ld + q, sizeof v[i]);
+            deepdsl_transpose8(v);
+            for (int e = 0; e < 8; ++e) memcpy(to + (q + e) * DEEPDSL_SG_WIDTH + j0, &v[e], sizeof v[e]);
+        }
+        for (long p = whole_p; p < depth; ++p)
+            for (long j = j0; j < j0 + 8; ++j) to[p * DEEPDSL_SG_WIDTH + j] = from[j * ld + p];
+    }
+    for (long j = whole_j; j < columns; ++j)
+        for (long p = 0; p < depth; ++p) to[p * DEEPDSL_SG_WIDTH + j] = from[j * ld + p];
 }
 
 #define DEEPDSL_SG_CASE(R, V) \
@@ -315,10 +334,7 @@ static void deepdsl_sg_chunk(int tb, long m, long n, long k, const float* a, lon
     if (pack) {                 // the strip's columns by rows, whole vectors (zeros past the last column)
         const long padded = V * DEEPDSL_SG_LANES;
         if (tb) {               // (b's columns are rows of the stored matrix)
-            for (long j = 0; j < columns; ++j) {
-                const float* from = b + (j0 + j) * ldb + p0;
-                for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
-            }
+            deepdsl_sg_columns(b + j0 * ldb + p0, ldb, depth, columns, packed);
             for (long p = 0; p < depth; ++p)
                 memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0, (padded - columns) * sizeof(float));
         } else {
@@ -551,4 +567,194 @@ int deepdsl_small_gemm_args(const int64_t* v) {
     return deepdsl_small_gemm_bias(v[0], (int)v[1], (int)v[2], v[3], v[4], v[5], (const float*)(intptr_t)v[6], v[7],
                                    v[8], (const float*)(intptr_t)v[9], v[10], v[11], (float*)(intptr_t)v[12], v[13],
                                    v[14], (const float*)(intptr_t)v[15]);
+}
+
+// Products of few rows by a long matrix read transposed, c (m x n) = a (m x k) b^T with b's n rows of k floats read
+// in place, where contract.dot_product takes them: a fully connected layer's forward on a small batch, whose
+// weights (4096 x 9216 floats, 151 MB) are read once, from memory. The sgemm packs them, and the tiles transpose
+// them into strips (at about half the speed at which one core reads memory here); these dot products read each row
+// of b as it lies, 16 floats at a time, a stream per row of b. A block of up to DEEPDSL_DOT_ROWS rows of a by
+// DEEPDSL_DOT_COLUMNS rows of b keeps its sums in registers over a piece of DEEPDSL_DOT_PIECE terms (the piece of a's
+// rows stays in the L1 cache for the whole block of b's rows), then on the stack until the chunk's next piece.
+//
+// Every output is the sum of its products in one order: in chunks of DEEPDSL_DOT_CHUNK consecutive terms, each the
+// sum of 16 lanes, lane l the fused multiply-adds from zero of terms k = l (mod 16) in order (256 of them at most),
+// the lanes added as a tree (l and l + 8, then l and l + 4, l and l + 2, 0 and 1), the chunks' sums added to the
+// output in order, then + bias. Threads take whole rows of b, and AVX2's vectors of 8 lanes keep each 16 lanes' sums
+// in two, so the bits depend neither on the thread count nor on the vectors' width.
+#ifdef DEEPDSL_SG_LANES
+#define DEEPDSL_DOT_CHUNK 4096          /* terms of a chunk: 256 a lane */
+#define DEEPDSL_DOT_PIECE 256           /* terms of a piece: a's rows' pieces, 16 KB for 16 rows */
+#define DEEPDSL_DOT_MOST 16             /* rows of a at most (contract.DOT_PRODUCT_ROWS) */
+#if defined(__AVX512F__)
+#define DEEPDSL_DOT_ROWS 2              /* 2 x 8 sums */
+#define DEEPDSL_DOT_COLUMNS 8
+#else
+#define DEEPDSL_DOT_ROWS 1              /* 1 x 6 sums of two vectors: 12 of 16 registers, with a's 2 and b's 2 */
+#define DEEPDSL_DOT_COLUMNS 6
+#endif
+
+// sums[r][j][16] (+)= the lanes' sums of a's rows r < R (lda apart) by b's rows j < J (ldb apart) over the piece's
+// `terms` floats (a multiple of 16 but for the product's last piece; the lanes past it read as zeros), from zero
+// where `first`.
+static inline __attribute__((always_inline)) void deepdsl_dot_block(
+        int R, int J, long terms, const float* a, long lda, const float* b, long ldb, int first, float* sums) {
+    const long whole = terms / 16 * 16;
+#if defined(__AVX512F__)
+    __m512 acc[DEEPDSL_DOT_ROWS][DEEPDSL_DOT_COLUMNS];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 8
+        for (int j = 0; j < J; ++j)
+            acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r * DEEPDSL_DOT_COLUMNS + j) * 16);
+    for (long p = 0; p <= whole; p += 16) {
+        const __mmask16 lanes = p < whole ? (__mmask16)0xffff : (__mmask16)((1u << (terms - whole)) - 1);
+        if (!lanes) break;
+        __m512 av[DEEPDSL_DOT_ROWS], bv[DEEPDSL_DOT_COLUMNS];
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) av[r] = _mm512_maskz_loadu_ps(lanes, a + r * lda + p);
+        #pragma GCC unroll 8
+        for (int j = 0; j < J; ++j) bv[j] = _mm512_maskz_loadu_ps(lanes, b + j * ldb + p);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            #pragma GCC unroll 8
+            for (int j = 0; j < J; ++j) acc[r][j] = _mm512_fmadd_ps(av[r], bv[j], acc[r][j]);
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 8
+        for (int j = 0; j < J; ++j) _mm512_storeu_ps(sums + (r * DEEPDSL_DOT_COLUMNS + j) * 16, acc[r][j]);
+#else
+    __m256 lo[DEEPDSL_DOT_ROWS][DEEPDSL_DOT_COLUMNS], hi[DEEPDSL_DOT_ROWS][DEEPDSL_DOT_COLUMNS];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 8
+        for (int j = 0; j < J; ++j) {
+            const float* s = sums + (r * DEEPDSL_DOT_COLUMNS + j) * 16;
+            lo[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(s);
+            hi[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(s + 8);
+        }
+    for (long p = 0; p < whole; p += 16) {
+        __m256 a0[DEEPDSL_DOT_ROWS], a1[DEEPDSL_DOT_ROWS];
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            a0[r] = _mm256_loadu_ps(a + r * lda + p);
+            a1[r] = _mm256_loadu_ps(a + r * lda + p + 8);
+        }
+        #pragma GCC unroll 8
+        for (int j = 0; j < J; ++j) {
+            const __m256 b0 = _mm256_loadu_ps(b + j * ldb + p), b1 = _mm256_loadu_ps(b + j * ldb + p + 8);
+            #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                lo[r][j] = _mm256_fmadd_ps(a0[r], b0, lo[r][j]);
+                hi[r][j] = _mm256_fmadd_ps(a1[r], b1, hi[r][j]);
+            }
+        }
+    }
+    if (terms > whole) {        // (the product's last terms: the lanes past them read as zeros)
+        const deepdsl_v8i mlo = deepdsl_inside(0, (int)(terms - whole)), mhi = deepdsl_inside(8, (int)(terms - whole));
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const __m256 a0 = (__m256)deepdsl_load(a + r * lda + whole, mlo);
+            const __m256 a1 = (__m256)deepdsl_load(a + r * lda + whole + 8, mhi);
+            #pragma GCC unroll 8
+            for (int j = 0; j < J; ++j) {
+                lo[r][j] = _mm256_fmadd_ps(a0, (__m256)deepdsl_load(b + j * ldb + whole, mlo), lo[r][j]);
+                hi[r][j] = _mm256_fmadd_ps(a1, (__m256)deepdsl_load(b + j * ldb + whole + 8, mhi), hi[r][j]);
+            }
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 8
+        for (int j = 0; j < J; ++j) {
+            float* s = sums + (r * DEEPDSL_DOT_COLUMNS + j) * 16;
+            _mm256_storeu_ps(s, lo[r][j]);
+            _mm256_storeu_ps(s + 8, hi[r][j]);
+        }
+#endif
+}
+
+#define DEEPDSL_DOT_CASE(R, J) \
+    case R * 16 + J: deepdsl_dot_block(R, J, terms, a, lda, b, ldb, first, sums); break;
+static void deepdsl_dot_block_any(int R, int J, long terms, const float* a, long lda, const float* b, long ldb,
+                                  int first, float* sums) {
+    switch (R * 16 + J) {
+#if defined(__AVX512F__)
+    DEEPDSL_DOT_CASE(1, 1) DEEPDSL_DOT_CASE(1, 2) DEEPDSL_DOT_CASE(1, 3) DEEPDSL_DOT_CASE(1, 4)
+    DEEPDSL_DOT_CASE(1, 5) DEEPDSL_DOT_CASE(1, 6) DEEPDSL_DOT_CASE(1, 7) DEEPDSL_DOT_CASE(1, 8)
+    DEEPDSL_DOT_CASE(2, 1) DEEPDSL_DOT_CASE(2, 2) DEEPDSL_DOT_CASE(2, 3) DEEPDSL_DOT_CASE(2, 4)
+    DEEPDSL_DOT_CASE(2, 5) DEEPDSL_DOT_CASE(2, 6) DEEPDSL_DOT_CASE(2, 7) DEEPDSL_DOT_CASE(2, 8)
+#else
+    DEEPDSL_DOT_CASE(1, 1) DEEPDSL_DOT_CASE(1, 2) DEEPDSL_DOT_CASE(1, 3) DEEPDSL_DOT_CASE(1, 4)
+    DEEPDSL_DOT_CASE(1, 5) DEEPDSL_DOT_CASE(1, 6)
+#endif
+    }
+}
+
+// The 16 lanes' sum as a tree: lanes l and l + 8, then l and l + 4, l and l + 2, 0 and 1.
+static inline float deepdsl_dot_lanes(const float* s) {
+    float t[8];
+    for (int l = 0; l < 8; ++l) t[l] = s[l] + s[l + 8];
+    for (int l = 0; l < 4; ++l) t[l] = t[l] + t[l + 4];
+    for (int l = 0; l < 2; ++l) t[l] = t[l] + t[l + 2];
+    return t[0] + t[1];
+}
+
+// c[i] = a[i] b[i]^T (+ bias, n floats added to every row at the end, where not NULL) for i < batch (a[i] at a + i *
+// sa, ...), m <= DEEPDSL_DOT_MOST; the threads take whole blocks of DEEPDSL_DOT_COLUMNS rows of b. 0 where this
+// processor has no such kernel or m is larger.
+static int deepdsl_dot_gemm(long batch, long m, long n, long k, const float* a, long lda, long sa, const float* b,
+                            long ldb, long sb, float* c, long ldc, long sc, const float* bias) {
+    if (m > DEEPDSL_DOT_MOST) return 0;
+    const long blocks = (n + DEEPDSL_DOT_COLUMNS - 1) / DEEPDSL_DOT_COLUMNS;
+#pragma omp parallel if ((double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
+    {
+        float sums[DEEPDSL_DOT_MOST / DEEPDSL_DOT_ROWS * DEEPDSL_DOT_ROWS * DEEPDSL_DOT_COLUMNS * 16];
+        long begin, end;
+        deepdsl_share(batch * blocks, 1, &begin, &end);
+        for (long item = begin; item < end; ++item) {
+            const long i = item / blocks, j0 = item % blocks * DEEPDSL_DOT_COLUMNS;
+            const int J = (int)(n - j0 < DEEPDSL_DOT_COLUMNS ? n - j0 : DEEPDSL_DOT_COLUMNS);
+            const float* ai = a + i * sa;
+            const float* bj = b + i * sb + j0 * ldb;
+            float* cj = c + i * sc + j0;
+            for (long k0 = 0; k0 < k; k0 += DEEPDSL_DOT_CHUNK) {
+                const long chunk_end = k - k0 < DEEPDSL_DOT_CHUNK ? k : k0 + DEEPDSL_DOT_CHUNK;
+                for (long p0 = k0; p0 < chunk_end; p0 += DEEPDSL_DOT_PIECE) {
+                    const long terms = chunk_end - p0 < DEEPDSL_DOT_PIECE ? chunk_end - p0 : DEEPDSL_DOT_PIECE;
+                    for (long r0 = 0; r0 < m; r0 += DEEPDSL_DOT_ROWS) {
+                        const int R = (int)(m - r0 < DEEPDSL_DOT_ROWS ? m - r0 : DEEPDSL_DOT_ROWS);
+                        deepdsl_dot_block_any(R, J, terms, ai + r0 * lda + p0, lda, bj + p0, ldb, p0 == k0,
+                                              sums + r0 * DEEPDSL_DOT_COLUMNS * 16);
+                    }
+                }
+                for (long r = 0; r < m; ++r)
+                    for (int j = 0; j < J; ++j) {
+                        const float total = deepdsl_dot_lanes(sums + (r * DEEPDSL_DOT_COLUMNS + j) * 16);
+                        float* out = cj + r * ldc + j;
+                        *out = k0 == 0 ? total : *out + total;
+                    }
+            }
+            if (bias)
+                for (long r = 0; r < m; ++r)
+                    for (int j = 0; j < J; ++j) cj[r * ldc + j] += bias[j0 + j];
+        }
+    }
+    return 1;
+}
+#endif
+
+// deepdsl_dot_gemm with its arguments in one array of 64-bit integers, as deepdsl_small_gemm_args (v[1] and v[2],
+// a and b read transposed, must be 0 and 1); v[15]: the bias (0: none). 0 where the kernel does not take it.
+int deepdsl_dot_gemm_args(const int64_t* v) {
+#ifdef DEEPDSL_SG_LANES
+    if (v[1] != 0 || v[2] != 1) return 0;
+    return deepdsl_dot_gemm(v[0], v[3], v[4], v[5], (const float*)(intptr_t)v[6], v[7], v[8],
+                            (const float*)(intptr_t)v[9], v[10], v[11], (float*)(intptr_t)v[12], v[13], v[14],
+                            (const float*)(intptr_t)v[15]);
+#else
+    (void)v;
+    return 0;
+#endif
 }
