@@ -47,7 +47,8 @@ PRODUCTS = [  # (m, n, k, a read transposed, b read transposed)
     (2048, 256, 64, False, True), (2048, 64, 256, False, False), (256, 64, 2048, True, False),   # char_lm
     (64, 800, 500, False, False), (500, 800, 64, True, False),                                   # LeNet's fc1
     (64, 64, 2048, True, False),                                                                 # a deep one
-    (4096, 9216, 16, True, False)]                                       # AlexNet's fc6 weight gradient, batch 16
+    (4096, 9216, 16, True, False),                                       # AlexNet's fc6 weight gradient, batch 16
+    (16, 4096, 9216, False, True)]                                       # ... and its forward: dot products
 TRANSPOSES = [(64, 16, 4, 16), (64, 4, 16, 16), (32, 64, 4, 16)]                  # axes 1 and 2 swapped
 ATTENTION = [((64, 4), 16, 16, False, None), ((32, 4), 16, 16, True, 0.9),       # (units, tokens, features, causal,
              ((32, 4), 64, 16, True, None)]                                     # keep)
@@ -118,7 +119,8 @@ def _cases(lib):
         b = rng.standard_normal((n, k)).astype(np.float32).T if tb else rng.standard_normal((k, n)).astype(np.float32)
         outs = [np.empty((m, n), np.float32) for _ in range(2)]
         workspace = np.empty(contract.product_depth_scratch(1, m, n, k), np.float32)
-        how = "tiles" if contract.small_product(m, n, k, ta, tb) else "sgemm"
+        how = "dot" if contract.dot_product(m, n, k, ta, tb) else \
+            "tiles" if contract.small_product(m, n, k, ta, tb) else "sgemm"
 
         def agree(outs=outs, k=k):
             return np.allclose(outs[0], outs[1], rtol=0, atol=np.sqrt(k) * 1e-6 * np.abs(outs[0]).max())

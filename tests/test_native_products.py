@@ -410,7 +410,7 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
 @needs_cc
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
-    """benchmarks/small_kernels.py at a tiny size (also with both sides restricted to AVX2): the mask, the thirteen
+    """benchmarks/small_kernels.py at a tiny size (also with both sides restricted to AVX2): the mask, the fourteen
     products, the three transposes, the three attentions and the two bias sums timed on both sides, each pair
     agreeing (the same bytes; the products, the attentions and the sums within float32 rounding)."""
     import re
@@ -423,17 +423,17 @@ def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
                            "--rounds", "1", "--calls", "2", "--isa", isa], capture_output=True, text=True,
                           timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    rows = re.findall(r"^ *((?:mask|transpose|attention|bias sum) [\dx]+|\d+x\d+T? by \d+x\d+T?, (?:tiles|sgemm))"
+    rows = re.findall(r"^ *((?:mask|transpose|attention|bias sum) [\dx]+|\d+x\d+T? by \d+x\d+T?, (?:tiles|sgemm|dot))"
                       r" +1 +([\d.]+) +([\d.]+) +([\d.]+)x +(\w+)$", done.stdout, re.M)
-    assert len(rows) == 22 and all(agree == "yes" for *_, agree in rows), done.stdout
-    assert [r[0] for r in rows[17:]] == ["attention 64x4x16x16", "attention 32x4x16x16", "attention 32x4x64x16",
+    assert len(rows) == 23 and all(agree == "yes" for *_, agree in rows), done.stdout
+    assert [r[0] for r in rows[18:]] == ["attention 64x4x16x16", "attention 32x4x16x16", "attention 32x4x64x16",
                                          "bias sum 1024x64", "bias sum 2048x128"]
     assert [r[0] for r in rows[1:4]] == ["1024x64 by 64x64T, tiles", "1024x64 by 64x64, tiles",
                                          "64x1024T by 1024x64, tiles"]
-    assert [r[0] for r in rows[9:14]] == ["256x2048T by 2048x64, sgemm", "64x500 by 500x800, tiles",
+    assert [r[0] for r in rows[9:15]] == ["256x2048T by 2048x64, sgemm", "64x500 by 500x800, tiles",
                                           "500x64T by 64x800, tiles", "64x2048T by 2048x64, sgemm",
-                                          "4096x16T by 16x9216, tiles"]
-    assert [r[0] for r in rows[14:17]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
+                                          "4096x16T by 16x9216, tiles", "16x9216 by 9216x4096T, dot"]
+    assert [r[0] for r in rows[15:18]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
 
 
 SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract.small_product
@@ -669,7 +669,8 @@ def test_dot_products_equal_numpy_with_the_same_bits_on_any_threads_and_with_avx
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])
     want = np.matmul(a.astype(np.float64), b.astype(np.float64))
-    np.testing.assert_allclose(results[0], want, rtol=0, atol=np.sqrt(k) * 1e-6 * max(1.0, float(np.abs(want).max())))
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=np.sqrt(k) * 1e-6 * scale)
     if avx2.tiles:
         avx2.set_threads(2)
         np.testing.assert_array_equal(avx2.gemm(a, b, np.full(shape, np.nan, np.float32)), results[0])
