@@ -616,7 +616,8 @@ DOT_CASES = {  # name: (a, b) from a generator, b read transposed: taken by cont
 def _dot_order(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a (m x k) by b (k x n) in the dot products' order (kernels/cpu_gemm.c), emulated with float32 adds (exact
     where every product is: a's elements powers of two): per chunk of 4096 terms, lane l the sum from zero of terms
-    k = l (mod 16) in order, the lanes added as a tree (l + 8, l + 4, l + 2, then 0 and 1), the chunks' sums in order."""
+    k = l (mod 16) in order, the lanes added as a tree (l + 8, l + 4, l + 2, then 0 and 1), the chunks' sums in
+    order."""
     m, k = a.shape
     total = None
     for k0 in range(0, k, 4096):
