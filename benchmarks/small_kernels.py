@@ -119,7 +119,7 @@ def _cases(lib):
         b = rng.standard_normal((n, k)).astype(np.float32).T if tb else rng.standard_normal((k, n)).astype(np.float32)
         outs = [np.empty((m, n), np.float32) for _ in range(2)]
         workspace = np.empty(contract.product_depth_scratch(1, m, n, k), np.float32)
-        how = "dot" if contract.dot_product(m, n, k, ta, tb) else \
+        how = "dot" if contract.dot_product(m, n, k, ta, tb, lib.lanes) else \
             "tiles" if contract.small_product(m, n, k, ta, tb) else "sgemm"
 
         def agree(outs=outs, k=k):

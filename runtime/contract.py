@@ -137,16 +137,20 @@ def small_product(m: int, n: int, k: int, ta: bool, tb: bool) -> bool:
 
 DOT_PRODUCT_ROWS = 16           # rows of a at most for the dot products (kernels/cpu_gemm.c, DEEPDSL_DOT_MOST)
 DOT_PRODUCT_FLOATS = 1 << 22    # floats of b at least: past the caches, read from memory
+DOT_PRODUCT_LANES = 16          # vector lanes at least: with AVX2's 8 they tie the sgemm (docs/performance.md)
 
 
-def dot_product(m: int, n: int, k: int, ta: bool, tb: bool) -> bool:
+def dot_product(m: int, n: int, k: int, ta: bool, tb: bool, lanes: int = DOT_PRODUCT_LANES) -> bool:
     """Whether the compiled kernels compute a product c (m x n) = a (m x k) b (k x n) read transposed (b's n rows
     of k floats) as dot products of a's rows and b's, reading each row of b once as it lies (`deepdsl_dot_gemm`: the
     same bits on any number of threads, with AVX2 as with AVX-512): a fully connected layer's forward on a small
     batch, of at most DOT_PRODUCT_ROWS rows, whose weights of DOT_PRODUCT_FLOATS floats or more come from memory.
     The sgemm packs b and the tiles transpose it into strips: on AlexNet's fc6 (16 x 9216 by 4096 x 9216 read
-    transposed) both read the weights at about half the speed at which one core reads memory."""
-    return not ta and tb and m <= DOT_PRODUCT_ROWS and n * k >= DOT_PRODUCT_FLOATS
+    transposed) both read the weights at about half the speed at which one core reads memory. `lanes`: the compiled
+    kernels' vector lanes; with fewer than DOT_PRODUCT_LANES the dot products are no faster than the sgemm, which
+    computes the product (so which path it takes, and its bits, depends on the processor's vector width, never on
+    the thread count; no workspace either way)."""
+    return lanes >= DOT_PRODUCT_LANES and not ta and tb and m <= DOT_PRODUCT_ROWS and n * k >= DOT_PRODUCT_FLOATS
 
 
 PRODUCT_DEPTH_PART = 256        # a depth cut's part: this many of the inner dimension at least

@@ -423,6 +423,7 @@ def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
                            "--rounds", "1", "--calls", "2", "--isa", isa], capture_output=True, text=True,
                           timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+    wide = isa == "native" and contract.dot_product(16, 4096, 9216, False, True, lib.lanes)    # (AVX-512)
     rows = re.findall(r"^ *((?:mask|transpose|attention|bias sum) [\dx]+|\d+x\d+T? by \d+x\d+T?, (?:tiles|sgemm|dot))"
                       r" +1 +([\d.]+) +([\d.]+) +([\d.]+)x +(\w+)$", done.stdout, re.M)
     assert len(rows) == 23 and all(agree == "yes" for *_, agree in rows), done.stdout
@@ -432,7 +433,8 @@ def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
                                          "64x1024T by 1024x64, tiles"]
     assert [r[0] for r in rows[9:15]] == ["256x2048T by 2048x64, sgemm", "64x500 by 500x800, tiles",
                                           "500x64T by 64x800, tiles", "64x2048T by 2048x64, sgemm",
-                                          "4096x16T by 16x9216, tiles", "16x9216 by 9216x4096T, dot"]
+                                          "4096x16T by 16x9216, tiles",
+                                          f"16x9216 by 9216x4096T, {'dot' if wide else 'sgemm'}"]
     assert [r[0] for r in rows[15:18]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
 
 
@@ -632,9 +634,10 @@ def _dot_order(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.fixture
 def dot_everywhere(lib, monkeypatch):
-    """contract.dot_product taking its products of any size; the library's dot product calls counted in lib.dot_calls
-    (the products planned before forgotten, before and after)."""
+    """contract.dot_product taking its products of any size, also with AVX2; the library's dot product calls counted
+    in lib.dot_calls (the products planned before forgotten, before and after)."""
     monkeypatch.setattr(contract, "DOT_PRODUCT_FLOATS", 0)
+    monkeypatch.setattr(contract, "DOT_PRODUCT_LANES", 8)
     dot, lib.dot_calls = lib._dot_gemm_args, 0
 
     def counting(*args):
@@ -708,14 +711,15 @@ def test_the_dot_products_sum_lanes_of_chunks_in_their_order(dot_everywhere):
 
 def test_which_products_run_as_dot_products():
     """contract.dot_product: a fully connected layer's forward on a small batch, its weights read transposed and
-    larger than the caches (AlexNet's fc6 and fc7 at batch 16); not more rows, not b read in place (the input
-    gradient), not a read transposed, not small weights (fc8)."""
+    larger than the caches (AlexNet's fc6 and fc7 at batch 16), with AVX-512's vectors; not more rows, not b read in
+    place (the input gradient), not a read transposed, not small weights (fc8), not with AVX2's vectors."""
     assert contract.dot_product(16, 4096, 9216, False, True) and contract.dot_product(16, 4096, 4096, False, True)
     assert contract.dot_product(1, 4096, 4096, False, True)
     assert not contract.dot_product(17, 4096, 9216, False, True)
     assert not contract.dot_product(16, 9216, 4096, False, False)
     assert not contract.dot_product(16, 4096, 9216, True, True)
     assert not contract.dot_product(16, 1000, 4096, False, True)
+    assert not contract.dot_product(16, 4096, 9216, False, True, lanes=8)     # AVX2: the sgemm
 
 
 def test_the_address_of_an_array_is_its_ctypes_address(tmp_path):

@@ -453,7 +453,8 @@ class Native:
             return None
         batch = math.prod(lead)
         head, operands = (batch, ta[0], tb[0], m, n, k), ((ta[1], sa), (tb[1], sb), (to[1], sc))
-        if self.tiles and self._dot_gemm_args is not None and contract.dot_product(m, n, k, bool(ta[0]), bool(tb[0])):
+        if self.tiles and self._dot_gemm_args is not None and \
+                contract.dot_product(m, n, k, bool(ta[0]), bool(tb[0]), self.lanes):
             return _ProductCall(self._dot_gemm_args, head, operands, (0,), (a, b, out))
         if self._small(m, n, k, ta, tb):
             return _ProductCall(self._small_gemm_args, head, operands, (0,), (a, b, out))
