@@ -458,18 +458,18 @@ SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract
 }
 
 
-def _counted(lib):
-    """Count the calls of the library's tiles (`deepdsl_small_gemm_args`) in lib.tile_calls (the products planned
-    before forgotten, so that their plans call the counter)."""
-    tiles = lib._small_gemm_args
-    lib.tile_calls = 0
+def _counted(lib, function: str = "_small_gemm_args", counter: str = "tile_calls"):
+    """Count the calls of one of the library's product functions (the tiles, `deepdsl_small_gemm_args`, by default)
+    in lib.<counter> (the products planned before forgotten, so that their plans call the counter); the function."""
+    called = getattr(lib, function)
+    setattr(lib, counter, 0)
 
     def counting(*args):
-        lib.tile_calls += 1
-        return tiles(*args)
-    lib._small_gemm_args = counting
+        setattr(lib, counter, getattr(lib, counter) + 1)
+        return called(*args)
+    setattr(lib, function, counting)
     lib._product_plans.clear()
-    return tiles
+    return called
 
 
 @pytest.fixture(scope="module")
@@ -638,13 +638,7 @@ def dot_everywhere(lib, monkeypatch):
     in lib.dot_calls (the products planned before forgotten, before and after)."""
     monkeypatch.setattr(contract, "DOT_PRODUCT_FLOATS", 0)
     monkeypatch.setattr(contract, "DOT_PRODUCT_LANES", 8)
-    dot, lib.dot_calls = lib._dot_gemm_args, 0
-
-    def counting(*args):
-        lib.dot_calls += 1
-        return dot(*args)
-    lib._dot_gemm_args = counting
-    lib._product_plans.clear()
+    dot = _counted(lib, "_dot_gemm_args", "dot_calls")
     yield lib
     lib._dot_gemm_args = dot
     lib._product_plans.clear()
