@@ -50,10 +50,11 @@
 #define DEEPDSL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6) X(3, 1) X(3, 2) X(3, 3) X(3, 4)
 #endif
 
-// out (OB blocks x R positions x 16 channels) = (`add`: out +) the sum over channel blocks c < cb, kernel rows i,
-// columns j and channels k of the block of x[c][i][j + position][k] * w_b[c][i][j][k][:], x pointing at the tile's
-// first input position in block 0 (its blocks `x_block` floats apart, rows `x_row` apart), w at the first output
-// block's filters (the next ones `w_block` floats apart). The OB output blocks share each input broadcast.
+// out (OB blocks `out_block` floats apart, each R positions x 16 channels) = (`add`: out +) the sum over channel
+// blocks c < cb, kernel rows i, columns j and channels k of the block of x[c][i][j + position][k] *
+// w_b[c][i][j][k][:], x pointing at the tile's first input position in block 0 (its blocks `x_block` floats apart,
+// rows `x_row` apart), w at the first output block's filters (the next ones `w_block` floats apart). The OB output
+// blocks share each input broadcast. (`part`: AVX2's, below.)
 #if defined(__AVX512F__)
 static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
         const float* x, const float* w, long w_block, int cb, int kh, int kw, long x_block, long x_row, int OB, int R,
@@ -93,8 +94,8 @@ static inline __attribute__((always_inline)) void deepdsl_blocked_tile(
 // AVX2: a block of 16 channels is two vectors, so the tile's unit is the half block of 8 channels: one block (two
 // halves) by up to 6 positions, or three blocks in two parts of three halves by up to 4 positions (12 sums, three
 // filter vectors and a broadcast fill the 16 registers, and each broadcast serves three fused multiply-adds). The
-// halves H0 .. H0 + HB - 1 of the blocks: half h is channels 8 * (h % 2) .. of block h / 2, its sums at out + ((h / 2)
-// * R + r) * 16 + 8 * (h % 2).
+// halves H0 .. H0 + HB - 1 of the blocks: half h is channels 8 * (h % 2) .. of block h / 2, its sums at out + (h / 2)
+// * out_block + r * 16 + 8 * (h % 2). `part` p of three blocks: the halves 3p .. 3p + 2.
 static inline __attribute__((always_inline)) void deepdsl_half_tile(
         const float* x, const float* w, long w_block, int cb, int kh, int kw, long x_block, long x_row, int H0,
         int HB, int R, int add, float* out, long out_block) {
@@ -168,9 +169,9 @@ static inline int deepdsl_sum_blocks(int kh, int kw) {
     return per_block >= DEEPDSL_SUM_TERMS ? 1 : DEEPDSL_SUM_TERMS / per_block;
 }
 
-// The same tile over all cb channel blocks: a partial sum over each group of channel blocks of at most
-// DEEPDSL_SUM_TERMS products (one block at least), the partial sums added up in order (as a matrix product's blocks
-// of its inner dimension are: far less rounding than one long sum).
+// The same tile over all cb channel blocks (its blocks' sums r * 16 floats apart): a partial sum over each group of
+// channel blocks of at most DEEPDSL_SUM_TERMS products (one block at least), the partial sums added up in order (as a
+// matrix product's blocks of its inner dimension are: far less rounding than one long sum).
 static inline void deepdsl_blocked_tile_of(const float* x, const float* w, long w_block, int cb, int kh, int kw,
                                            long x_block, long x_row, int ob, int r, float* out) {
     const int group = deepdsl_sum_blocks(kh, kw);
@@ -183,11 +184,11 @@ static inline void deepdsl_blocked_tile_of(const float* x, const float* w, long 
 
 // Output blocks in groups: the first `larger` groups of `big` blocks, the rest of `small`, each group `per` items
 // (rows, or taps of input blocks) whose cost is the group's blocks.
-typedef struct { int count, larger, big, small; } deepdsl_groups;
+typedef struct { int larger, big, small; } deepdsl_groups;
 
 // `ob` blocks in `count` groups of as equal sizes as can be (the first ob % count of them one block larger).
 static inline deepdsl_groups deepdsl_even_groups(int ob, int count) {
-    const deepdsl_groups g = {count, ob % count, ob / count + 1, ob / count};
+    const deepdsl_groups g = {ob % count, ob / count + 1, ob / count};
     return g;
 }
 
@@ -225,7 +226,7 @@ static inline deepdsl_groups deepdsl_tile_groups(int ob, int wo) {
     return deepdsl_even_groups(ob, (ob + most - 1) / most);
 #else
     (void)wo;
-    const deepdsl_groups g = {ob / 3 + ob % 3, ob / 3, 3, 1};
+    const deepdsl_groups g = {ob / 3, 3, 1};
     return g;
 #endif
 }
