@@ -241,31 +241,31 @@ static inline __attribute__((always_inline)) void deepdsl_sg_tile(
     deepdsl_sg_v acc[DEEPDSL_SG_ROWS][DEEPDSL_SG_VECTORS];
     #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
-        #pragma GCC unroll 8
+        #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) acc[r][v] = DEEPDSL_SG_ZERO();
     for (long p = 0; p < depth; ++p) {
         const float* bp = b + p * ldb;
         deepdsl_sg_v bv[DEEPDSL_SG_VECTORS];
-        #pragma GCC unroll 8
+        #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) bv[v] = DEEPDSL_SG_LOADU(bp + v * DEEPDSL_SG_LANES);
         const float* ap = a + p * ca;
         #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
             const deepdsl_sg_v x = DEEPDSL_SG_SET1(ap[r * ra]);
-            #pragma GCC unroll 8
+            #pragma GCC unroll 4
             for (int v = 0; v < V; ++v) acc[r][v] = DEEPDSL_SG_FMA(x, bv[v], acc[r][v]);
         }
     }
     deepdsl_sg_v bv[DEEPDSL_SG_VECTORS];
     if (bias) {
-        #pragma GCC unroll 8
+        #pragma GCC unroll 4
         for (int v = 0; v < V; ++v)
             bv[v] = partial && v == V - 1 ? DEEPDSL_SG_LOAD(bias + v * DEEPDSL_SG_LANES, last)
                                           : DEEPDSL_SG_LOADU(bias + v * DEEPDSL_SG_LANES);
     }
     #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
-        #pragma GCC unroll 8
+        #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) {
             float* cp = c + r * ldc + v * DEEPDSL_SG_LANES;
             const int masked = partial && v == V - 1;
@@ -287,25 +287,6 @@ static inline void deepdsl_sg_rows(const float* from, long ld, long rows, long c
         memcpy(to + p * width, from + p * ld, columns * sizeof(float));
         memset(to + p * width + columns, 0, (padded - columns) * sizeof(float));
     }
-}
-
-// to[p * DEEPDSL_SG_WIDTH + j] = from[j * ld + p] for j < columns, p < depth: a strip of b read transposed (its
-// columns are rows of the stored matrix) packed by rows, 8 x 8 floats at a time through transpositions in registers,
-// the rest float by float.
-static inline void deepdsl_sg_columns(const float* from, long ld, long depth, long columns, float* to) {
-    const long whole_j = columns / 8 * 8, whole_p = depth / 8 * 8;
-    for (long j0 = 0; j0 < whole_j; j0 += 8) {
-        for (long q = 0; q < whole_p; q += 8) {
-            deepdsl_v8f v[8];
-            for (int i = 0; i < 8; ++i) memcpy(&v[i], from + (j0 + i) * ld + q, sizeof v[i]);
-            deepdsl_transpose8(v);
-            for (int e = 0; e < 8; ++e) memcpy(to + (q + e) * DEEPDSL_SG_WIDTH + j0, &v[e], sizeof v[e]);
-        }
-        for (long p = whole_p; p < depth; ++p)
-            for (long j = j0; j < j0 + 8; ++j) to[p * DEEPDSL_SG_WIDTH + j] = from[j * ld + p];
-    }
-    for (long j = whole_j; j < columns; ++j)
-        for (long p = 0; p < depth; ++p) to[p * DEEPDSL_SG_WIDTH + j] = from[j * ld + p];
 }
 
 #define DEEPDSL_SG_CASE(R, V) \
@@ -334,7 +315,10 @@ static void deepdsl_sg_chunk(int tb, long m, long n, long k, const float* a, lon
     if (pack) {                 // the strip's columns by rows, whole vectors (zeros past the last column)
         const long padded = V * DEEPDSL_SG_LANES;
         if (tb) {               // (b's columns are rows of the stored matrix)
-            deepdsl_sg_columns(b + j0 * ldb + p0, ldb, depth, columns, packed);
+            for (long j = 0; j < columns; ++j) {
+                const float* from = b + (j0 + j) * ldb + p0;
+                for (long p = 0; p < depth; ++p) packed[p * DEEPDSL_SG_WIDTH + j] = from[p];
+            }
             for (long p = 0; p < depth; ++p)
                 memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0, (padded - columns) * sizeof(float));
         } else {
@@ -573,9 +557,10 @@ int deepdsl_small_gemm_args(const int64_t* v) {
 // in place, where contract.dot_product takes them: a fully connected layer's forward on a small batch, whose
 // weights (4096 x 9216 floats, 151 MB) are read once, from memory. The sgemm packs them, and the tiles transpose
 // them into strips (at about half the speed at which one core reads memory here); these dot products read each row
-// of b as it lies, 16 floats at a time, a stream per row of b. A block of up to DEEPDSL_DOT_ROWS rows of a by
-// DEEPDSL_DOT_COLUMNS rows of b keeps its sums in registers over a piece of DEEPDSL_DOT_PIECE terms (the piece of a's
-// rows stays in the L1 cache for the whole block of b's rows), then on the stack until the chunk's next piece.
+// of b as it lies, 16 floats at a time, a stream per row of b. A thread takes DEEPDSL_DOT_COLUMNS rows of b at a
+// time and goes over each piece of DEEPDSL_DOT_PIECE terms of them with a's rows, DEEPDSL_DOT_ROWS at a time, their
+// sums in registers over the piece (the piece of a's rows and of b's stay in the L1 cache meanwhile), then on the
+// stack until the chunk's next piece.
 //
 // Every output is the sum of its products in one order: in chunks of DEEPDSL_DOT_CHUNK consecutive terms, each the
 // sum of 16 lanes, lane l the fused multiply-adds from zero of terms k = l (mod 16) in order (256 of them at most),
