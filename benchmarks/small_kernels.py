@@ -6,10 +6,10 @@ the sums of a bias's gradient on the compiled kernels, against what ran before t
 Masks: the (32, 4, 64, 64) masks of char_lm's attention (1 M bytes), drawn by numpy's Philox generator (the numpy
 kernel, what every program ran before) and by the compiled kernel (`deepdsl_bernoulli`: the same bytes). Products: a
 ViT's, char_lm's and LeNet's products (forward, input and weight gradients; `T`: an operand read transposed) and
-AlexNet's widest weight gradient (from 16 samples), by the BLAS's sgemm on the kernels' threads, cut as
-`contract.product_cuts` says (and along the inner dimension where `contract.product_depth_cut` says so, given the
-planned workspace), and as `Native.gemm` computes them now: in the kernels' own tiles where `contract.small_product`
-takes them (`tiles`), else as before (`sgemm`). Transposes: the ViT's and char_lm's swaps of heads and tokens, by
+AlexNet's widest weight gradient and its fc6 forward (from 16 samples), by the BLAS's sgemm on the kernels' threads,
+cut as `contract.product_cuts` says (and along the inner dimension where `contract.product_depth_cut` says so, given
+the planned workspace), and as `Native.gemm` computes them now: as dot products where `contract.dot_product` takes
+them (`dot`), in the kernels' own tiles where `contract.small_product` does (`tiles`), else as before (`sgemm`). Transposes: the ViT's and char_lm's swaps of heads and tokens, by
 numpy's copy and by the compiled kernel (`deepdsl_swap_axes`). Attention: the forward and the gradient of the ViT's
 heads (64 x 4 units of 16 tokens of 16 features), causal heads of 16 tokens with a tenth of their weights dropped,
 and char_lm's heads without dropout (32 x 4 units of 64 causal tokens of 16 features), by the compiled row passes
