@@ -6,23 +6,23 @@ the sums of a bias's gradient on the compiled kernels, against what ran before t
 Masks: the (32, 4, 64, 64) masks of char_lm's attention (1 M bytes), drawn by numpy's Philox generator (the numpy
 kernel, what every program ran before) and by the compiled kernel (`deepdsl_bernoulli`: the same bytes). Products: a
 ViT's, char_lm's and LeNet's products (forward, input and weight gradients; `T`: an operand read transposed) and
-AlexNet's widest weight gradient and its fc6 forward (from 16 samples), by the BLAS's sgemm on the kernels' threads,
-cut as `contract.product_cuts` says (and along the inner dimension where `contract.product_depth_cut` says so, given
-the planned workspace), and as `Native.gemm` computes them now: as dot products where `contract.dot_product` takes
-them (`dot`), in the kernels' own tiles where `contract.small_product` does (`tiles`), else as before (`sgemm`). Transposes: the ViT's and char_lm's swaps of heads and tokens, by
-numpy's copy and by the compiled kernel (`deepdsl_swap_axes`). Attention: the forward and the gradient of the ViT's
-heads (64 x 4 units of 16 tokens of 16 features), causal heads of 16 tokens with a tenth of their weights dropped,
-and char_lm's heads without dropout (32 x 4 units of 64 causal tokens of 16 features), by the compiled row passes
-between BLAS products on blocks of units, and weighed whole unit by unit (`deepdsl_attention_units`, where
-`contract.attention_in_units` takes them; within float32 rounding). Sums: a (1024, 64) and a (2048, 128) gradient
-summed to its bias, by numpy and by the compiled kernel (`Native.channel_sum`, each column a channel; within float32
-rounding). The library is built from the program of networks/char_lm.py in a temporary directory. For each thread
-count, `--rounds` rounds alternate the two sides of each case, `--calls` calls each; printed: the median
-milliseconds of a call over all calls, the ratio (before / after: above 1, faster now), a check that both sides
-agree (the same bytes; the products within float32 rounding), the processor's vector extensions and the load average
-before and after. `--isa avx2` runs both sides as on a processor without AVX-512 (on one that has it): the generic
-kernels built with `-mno-avx512f`, OpenBLAS on its Haswell kernels (OPENBLAS_CORETYPE; the process starts again with
-it set before numpy loads).
+AlexNet's widest weight gradient and its fc6 forward (from 16 samples), by the BLAS's sgemm on the kernels' threads, cut
+as `contract.product_cuts` says (and along the inner dimension where `contract.product_depth_cut` says so, given the
+planned workspace), and as `Native.gemm` computes them now: as dot products where `contract.dot_product` takes them
+(`dot`), in the kernels' own tiles where `contract.small_product` does (`tiles`), else as before (`sgemm`). Transposes:
+the ViT's and char_lm's swaps of heads and tokens, by numpy's copy and by the compiled kernel (`deepdsl_swap_axes`).
+Attention: the forward and the gradient of the ViT's heads (64 x 4 units of 16 tokens of 16 features), causal heads of
+16 tokens with a tenth of their weights dropped, and char_lm's heads without dropout (32 x 4 units of 64 causal tokens
+of 16 features), by the compiled row passes between BLAS products on blocks of units, and weighed whole unit by unit
+(`deepdsl_attention_units`, where `contract.attention_in_units` takes them; within float32 rounding). Sums: a (1024, 64)
+and a (2048, 128) gradient summed to its bias, by numpy and by the compiled kernel (`Native.channel_sum`, each column a
+channel; within float32 rounding). The library is built from the program of networks/char_lm.py in a temporary
+directory. For each thread count, `--rounds` rounds alternate the two sides of each case, `--calls` calls each; printed:
+the median milliseconds of a call over all calls, the ratio (before / after: above 1, faster now), a check that both
+sides agree (the same bytes; the products within float32 rounding), the processor's vector extensions and the load
+average before and after. `--isa avx2` runs both sides as on a processor without AVX-512 (on one that has it): the
+generic kernels built with `-mno-avx512f`, OpenBLAS on its Haswell kernels (OPENBLAS_CORETYPE; the process starts again
+with it set before numpy loads).
 """
 from __future__ import annotations
 
