@@ -2,7 +2,7 @@
 in PyTorch eager on the same GPU, side by side: milliseconds per step and peak device memory.
 
     python benchmarks/cuda_vs_pytorch.py [--networks lenet alexnet] [--warmup 5] [--steps 20] [--memory-mode static]
-                                         [--allow-tf32] [--cudnn-benchmark] [--json PATH]
+                                         [--allow-tf32] [--cudnn-benchmark] [--kernels N] [--json PATH]
 
 Needs pycuda, PyTorch with CUDA and a GPU. Each side of each network runs in a process of its own, so the device
 memory it reports is its own, on the same synthetic batches generated before timing (no data loading):
@@ -21,6 +21,11 @@ the loss on the host. Memory, ours: the tensor peak the allocator measured (= th
 persistent tensors (parameters, momentum, hoisted values) and the device memory the process took (cuMemGetInfo before
 building the model and after the steps); PyTorch: torch.cuda.max_memory_allocated / max_memory_reserved and the same
 cuMemGetInfo difference. Ratios are ours / PyTorch (below 1: faster or smaller).
+
+`--kernels N`: after the timed steps, each side runs `--steps` more under PyTorch's profiler (CUPTI, which records
+every kernel and copy the process runs on the GPU, pycuda's and cuBLAS's too) and reports the GPU's busy time per
+step (the sum of its kernels' and copies' times) against the step's wall time, and its N longest kernels by time
+per step: where a step is bound by the GPU's work and where by the host's launches.
 """
 from __future__ import annotations
 
@@ -70,7 +75,29 @@ def prepare_ours(network: str, directory: Path) -> Path:
     return program
 
 
-def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode: str) -> dict:
+def kernel_profile(step, first: int, steps: int, synchronize, top: int) -> dict:
+    """Run `steps` more steps (numbered from `first`) under PyTorch's profiler, recording the GPU's activity alone:
+    the GPU's busy milliseconds per step and the `top` kernels and copies by time per step, each as
+    [name, launches per step, microseconds per step]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(first, first + steps):
+            step(i)
+        synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:                                  # the name before PyTorch 2.4
+            us = event.self_cuda_time_total
+        if us > 0:
+            rows.append([event.key, event.count / steps, us / steps])
+    rows.sort(key=lambda row: -row[2])
+    return {"gpu_busy_ms": sum(row[2] for row in rows) / 1000, "kernels": rows[:top]}
+
+
+def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode: str, top: int = 0) -> dict:
     import importlib.util
 
     import numpy as np
@@ -98,6 +125,7 @@ def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode
 
     times = timed_steps(step, warmup, steps)
     rt.synchronize()
+    profiled = kernel_profile(step, warmup + steps, steps, rt.synchronize, top) if top else {}
     free_after, _ = drv.mem_get_info()
     usage = model.mem.usage["train_step"]
     persistent = sum(t.nbytes for t in model.tensors.values())
@@ -106,7 +134,7 @@ def worker_ours(program: str, network: str, warmup: int, steps: int, memory_mode
             "tensor_peak_bytes": usage.peak_bytes, "tensor_peak_planned": cls.memory_plans["train_step"].planned_peak(
                 memory_mode), "workspace_bytes": usage.workspace_bytes, "persistent_bytes": persistent,
             "reserved_bytes": model.mem.reserved_bytes, "device_bytes_taken": free_before - free_after,
-            "memory_mode": memory_mode, "finite": bool(np.isfinite(losses).all())}
+            "memory_mode": memory_mode, "finite": bool(np.isfinite(losses).all()), **profiled}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -123,7 +151,8 @@ def _torch_network(network: str):
     return twin(image=config["image"], classes=config["classes"])
 
 
-def worker_torch(network: str, warmup: int, steps: int, allow_tf32: bool, cudnn_benchmark: bool) -> dict:
+def worker_torch(network: str, warmup: int, steps: int, allow_tf32: bool, cudnn_benchmark: bool,
+                 top: int = 0) -> dict:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
@@ -154,13 +183,14 @@ def worker_torch(network: str, warmup: int, steps: int, allow_tf32: bool, cudnn_
 
     times = timed_steps(step, warmup, steps)
     torch.cuda.synchronize()
+    profiled = kernel_profile(step, warmup + steps, steps, torch.cuda.synchronize, top) if top else {}
     free_after, _ = torch.cuda.mem_get_info()
     return {"side": "pytorch", "network": network, "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "ms_per_step": 1000 * statistics.median(times), "ms_min": 1000 * min(times),
             "loss_first": losses[0], "loss_last": losses[-1],
             "max_memory_allocated": torch.cuda.max_memory_allocated(),
             "max_memory_reserved": torch.cuda.max_memory_reserved(), "device_bytes_taken": free_before - free_after,
-            "tf32": allow_tf32, "cudnn_benchmark": cudnn_benchmark}
+            "tf32": allow_tf32, "cudnn_benchmark": cudnn_benchmark, **profiled}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,6 +215,19 @@ def _runtime_home() -> str | None:
     return program_env().get("PYTHONPATH", "").split(os.pathsep)[0] or None
 
 
+def print_kernels(rows) -> None:
+    """Each side's GPU busy time per step against its step, then its longest kernels."""
+    for network, *sides in rows:
+        for side in sides:
+            print(f"\n{network}, {side['side']}: GPU busy {side['gpu_busy_ms']:.2f} ms of a "
+                  f"{side['ms_per_step']:.2f} ms step ({side['gpu_busy_ms'] / side['ms_per_step']:.0%})")
+            print("| kernel | launches/step | us/step | share of busy |")
+            print("|---|---|---|---|")
+            for name, calls, us in side["kernels"]:
+                share = us / 1000 / side["gpu_busy_ms"]
+                print(f"| {name[:90]} | {calls:g} | {us:.1f} | {share:.1%} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--networks", nargs="+", default=["lenet", "alexnet"], choices=sorted(CONFIG))
@@ -193,18 +236,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-mode", default="static", choices=("static", "pooled", "dynamic"))
     parser.add_argument("--allow-tf32", action="store_true", help="let PyTorch use TF32 tensor cores")
     parser.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="profile --steps more steps and print each side's N longest GPU kernels")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--worker", choices=("ours", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--network", help=argparse.SUPPRESS)
     parser.add_argument("--program", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker == "ours":
-        print(json.dumps(worker_ours(args.program, args.network, args.warmup, args.steps, args.memory_mode)))
+        print(json.dumps(worker_ours(args.program, args.network, args.warmup, args.steps, args.memory_mode,
+                                     args.kernels)))
         return 0
     if args.worker == "torch":
-        print(json.dumps(worker_torch(args.network, args.warmup, args.steps, args.allow_tf32, args.cudnn_benchmark)))
+        print(json.dumps(worker_torch(args.network, args.warmup, args.steps, args.allow_tf32, args.cudnn_benchmark,
+                                      args.kernels)))
         return 0
-    common = ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--kernels", str(args.kernels)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for network in args.networks:
@@ -227,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{_mib(ours['persistent_bytes'])} | {_mib(ours['device_bytes_taken'])} | "
               f"{_mib(theirs['max_memory_allocated'])} | {_mib(theirs['max_memory_reserved'])} | "
               f"{_mib(theirs['device_bytes_taken'])} |")
+    if args.kernels:
+        print_kernels(rows)
     if args.json:
         Path(args.json).write_text(json.dumps([{"network": n, "ours": o, "pytorch": t} for n, o, t in rows], indent=2))
     return 0

@@ -7,7 +7,8 @@
 # 2. the GPU tests (tests/test_cuda_gpu.py: every op against the CPU backend, training steps in every memory mode,
 #    LeNet learning the digits with --device cuda, data-parallel ranks on the GPU, the fat binary; the cuBLAS
 #    binding against the real library; the multi-device GEMM's CUDA device against numpy, in and out of core);
-# 3. benchmarks/cuda_vs_pytorch.py: LeNet and AlexNet steps on the GPU against PyTorch eager;
+# 3. benchmarks/cuda_vs_pytorch.py: LeNet and AlexNet steps on the GPU against PyTorch eager, and each side's GPU
+#    busy time and longest kernels;
 # 4. benchmarks/cpu_vs_peers.py: LeNet and the ViT on the CPU against PyTorch eager, at 1, 2, 4, 8 and 16 threads
 #    (as many as the machine has), interleaved.
 # Each part has its own time limit; a part that fails or runs out of time is reported and the next one runs. Every
@@ -45,7 +46,8 @@ part gpu_tests 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_cuda
 if ! grep -q " passed" "$out/gpu_tests.txt"; then         # every test skipped: no GPU or no pycuda here
     summary[-1]="${summary[-1]}, but no GPU test ran (no GPU, or no pycuda)"
 fi
-part cuda_vs_pytorch 90 python3 benchmarks/cuda_vs_pytorch.py --warmup 3 --steps 10 --json "$out/cuda_vs_pytorch.json"
+part cuda_vs_pytorch 120 python3 benchmarks/cuda_vs_pytorch.py --warmup 3 --steps 10 --kernels 12 \
+    --json "$out/cuda_vs_pytorch.json"
 threads=()
 for t in 1 2 4 8 16; do [ "$t" -le "$(nproc)" ] && threads+=("$t"); done
 part cpu_vs_peers 150 python3 benchmarks/cpu_vs_peers.py lenet:64 vit:64 --threads "${threads[@]}" --rounds 1 \
@@ -57,6 +59,6 @@ for line in "${summary[@]}"; do echo "$line"; done
 echo "== GPU tests =="
 tail -n 3 "$out/gpu_tests.txt"
 echo "== CUDA against PyTorch =="
-tail -n 12 "$out/cuda_vs_pytorch.txt"
+grep -E '^\||^device|busy' "$out/cuda_vs_pytorch.txt" || tail -n 12 "$out/cuda_vs_pytorch.txt"
 echo "== CPU against PyTorch eager =="
 grep -E '^\||load average' "$out/cpu_vs_peers.txt" || tail -n 5 "$out/cpu_vs_peers.txt"

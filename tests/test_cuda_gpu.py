@@ -159,12 +159,14 @@ def test_the_benchmark_runs(rt, tmp_path):
         pytest.skip("PyTorch without CUDA")
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_vs_pytorch.py"), "--networks", "lenet",
-                           "--warmup", "1", "--steps", "2", "--json", str(out)], capture_output=True, text=True,
-                          timeout=900)
+                           "--warmup", "1", "--steps", "2", "--kernels", "3", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(out.read_text())
     assert row["ours"]["tensor_peak_bytes"] == row["ours"]["tensor_peak_planned"]
     assert row["ours"]["finite"] and row["pytorch"]["ms_per_step"] > 0
+    for side in row.values():           # the profile saw each side's kernels, pycuda's as well as PyTorch's
+        assert 0 < side["gpu_busy_ms"] and len(side["kernels"]) == 3, side
 
 
 def test_the_benchmark_measures_our_program(rt, tmp_path):
