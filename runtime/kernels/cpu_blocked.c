@@ -39,6 +39,7 @@
 #ifdef DEEPDSL_TILE
 #define DEEPDSL_BLOCKED DEEPDSL_LANES
 
+
 // The tiles' shapes (OB output blocks, R positions) that `deepdsl_tile_groups` and `deepdsl_row_tiles` make, as
 // switch arms: constants in each, so the tile's loops unroll.
 #if DEEPDSL_TILE == 14
@@ -112,8 +113,10 @@ static inline __attribute__((always_inline)) void deepdsl_half_tile(
                 for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
                     __m256 wv[3];
                     #pragma GCC unroll 3
-                    for (int b = 0; b < HB; ++b)
+                    for (int b = 0; b < HB; ++b) {
                         wv[b] = _mm256_loadu_ps(wt + (H0 + b) / 2 * w_block + k * DEEPDSL_BLOCK + (H0 + b) % 2 * 8);
+                        DEEPDSL_IN_REGISTER(wv[b]);
+                    }
                     #pragma GCC unroll 16
                     for (int r = 0; r < R; ++r) {
                         const __m256 v = _mm256_broadcast_ss(xr + r * DEEPDSL_BLOCK + k);
@@ -538,8 +541,10 @@ static inline __attribute__((always_inline)) void deepdsl_blocked_filter_part(
                 const float* xr = x + s * x_sample + p * x_row + k0;
                 const float* gr = g + s * g_sample + (long)p * wo * DEEPDSL_BLOCK;
                 for (int q = 0; q < wo; ++q) {
-                    const __m256 g0 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK);
-                    const __m256 g1 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK + 8);
+                    __m256 g0 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK);
+                    __m256 g1 = _mm256_loadu_ps(gr + q * DEEPDSL_BLOCK + 8);
+                    DEEPDSL_IN_REGISTER(g0);
+                    DEEPDSL_IN_REGISTER(g1);
                     #pragma GCC unroll 6
                     for (int k = 0; k < IC; ++k) {
                         const __m256 v = _mm256_broadcast_ss(xr + q * DEEPDSL_BLOCK + k);

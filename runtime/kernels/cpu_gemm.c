@@ -247,7 +247,10 @@ static inline __attribute__((always_inline)) void deepdsl_sg_tile(
         const float* bp = b + p * ldb;
         deepdsl_sg_v bv[DEEPDSL_SG_VECTORS];
         #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) bv[v] = DEEPDSL_SG_LOADU(bp + v * DEEPDSL_SG_LANES);
+        for (int v = 0; v < V; ++v) {
+            bv[v] = DEEPDSL_SG_LOADU(bp + v * DEEPDSL_SG_LANES);
+            DEEPDSL_IN_REGISTER(bv[v]);
+        }
         const float* ap = a + p * ca;
         #pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
