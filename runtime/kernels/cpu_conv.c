@@ -55,6 +55,7 @@ static inline __attribute__((always_inline)) void deepdsl_direct_vectors(
                     }
 #endif
                     memcpy(&v[k], row + j + 8 * k, sizeof v[k]);
+                    DEEPDSL_IN_REGISTER(v[k]);
                 }
                 #pragma GCC unroll 8
                 for (int b = 0; b < B; ++b) {
