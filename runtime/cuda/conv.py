@@ -69,8 +69,8 @@ def over_input(device, what: str, samples: int, in_floats: int, out_floats: int,
 
 
 def _im2col(device, x_ptr: int, geom, samples: int, sample_stride: int, row_stride: int, cols_ptr: int) -> None:
-    c, _, _, kh, kw, ho, wo, _, _ = geom
-    count = samples * c * kh * kw * ho * wo
+    c, _, _, _, _, ho, wo, _, _ = geom
+    count = samples * c * ho * wo            # an item per position of each channel, writing its kh * kw rows
     launch_items(device, "deepdsl_im2col", "I" + _CONV + "IIPP", count, count, *geom, sample_stride, row_stride, x_ptr,
                  cols_ptr)
 

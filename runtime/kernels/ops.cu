@@ -533,18 +533,29 @@ struct ConvGeom {
 };
 
 // cols[n * sample_stride + r * row_stride + s] = x[n, c, p*stride - pad + i, q*stride - pad + j] (0 outside x)
-// with r = (c * kh + i) * kw + j, s = p * wo + q, for the m samples of a chunk (x points at its first sample)
+// with r = (c * kh + i) * kw + j, s = p * wo + q, for the m samples of a chunk (x points at its first sample). Item
+// idx is one position s of one channel c of one sample n, and writes its kh * kw rows: neighbouring items write
+// neighbouring floats of each row, and the index arithmetic (divisions by sizes known only at run time) is done once
+// per item rather than once per element.
 DEEPDSL_HD void deepdsl_im2col_at(unsigned idx, const ConvGeom& g, unsigned sample_stride, unsigned row_stride,
                                   const float* x, float* cols) {
-    const unsigned plane = g.ho * g.wo, ckk = g.c * g.kh * g.kw;
-    const unsigned s = idx % plane, t = idx / plane, r = t % ckk, n = t / ckk;
-    const unsigned q = s % g.wo, p = s / g.wo, j = r % g.kw, t2 = r / g.kw, i = t2 % g.kh, c = t2 / g.kh;
-    const int hh = static_cast<int>(p * g.stride + i) - static_cast<int>(g.pad);
-    const int ww = static_cast<int>(q * g.stride + j) - static_cast<int>(g.pad);
-    float v = 0.0f;
-    if (hh >= 0 && hh < static_cast<int>(g.h) && ww >= 0 && ww < static_cast<int>(g.w))
-        v = x[((static_cast<size_t>(n) * g.c + c) * g.h + hh) * g.w + ww];
-    cols[static_cast<size_t>(n) * sample_stride + static_cast<size_t>(r) * row_stride + s] = v;
+    const unsigned plane = g.ho * g.wo;
+    const unsigned s = idx % plane, t = idx / plane, c = t % g.c, n = t / g.c;
+    const unsigned q = s % g.wo, p = s / g.wo;
+    const int top = static_cast<int>(p * g.stride) - static_cast<int>(g.pad);
+    const int left = static_cast<int>(q * g.stride) - static_cast<int>(g.pad);
+    const float* xc = x + (static_cast<size_t>(n) * g.c + c) * g.h * g.w;
+    float* to = cols + static_cast<size_t>(n) * sample_stride + static_cast<size_t>(c) * g.kh * g.kw * row_stride + s;
+    for (unsigned i = 0; i < g.kh; ++i) {
+        const int hh = top + static_cast<int>(i);
+        const bool row_inside = hh >= 0 && hh < static_cast<int>(g.h);
+        for (unsigned j = 0; j < g.kw; ++j) {
+            const int ww = left + static_cast<int>(j);
+            float v = 0.0f;
+            if (row_inside && ww >= 0 && ww < static_cast<int>(g.w)) v = xc[static_cast<size_t>(hh) * g.w + ww];
+            to[static_cast<size_t>(i * g.kw + j) * row_stride] = v;
+        }
+    }
 }
 
 // dx[n, c, h, w] = sum over kernel offsets (i, j) in increasing order of dcols[n, (c, i, j), p, q] with
