@@ -39,7 +39,6 @@
 #ifdef DEEPDSL_TILE
 #define DEEPDSL_BLOCKED DEEPDSL_LANES
 
-
 // The tiles' shapes (OB output blocks, R positions) that `deepdsl_tile_groups` and `deepdsl_row_tiles` make, as
 // switch arms: constants in each, so the tile's loops unroll.
 #if DEEPDSL_TILE == 14
