@@ -297,8 +297,14 @@ static inline __attribute__((always_inline)) void deepdsl_pointwise_tile(
 #define DEEPDSL_PW_STEP(LOAD)                                                                               \
     do {                                                                                                    \
         __m512 gv[DEEPDSL_PW_O], xv[DEEPDSL_PW_C];                                                          \
-        _Pragma("GCC unroll 4") for (int i = 0; i < TO; ++i) gv[i] = LOAD(gs + i * plane + k);             \
-        _Pragma("GCC unroll 4") for (int j = 0; j < TC; ++j) xv[j] = LOAD(xs + j * plane + k);             \
+        _Pragma("GCC unroll 4") for (int i = 0; i < TO; ++i) {                                            \
+            gv[i] = LOAD(gs + i * plane + k);                                                               \
+            DEEPDSL_IN_REGISTER(gv[i]);                                                                     \
+        }                                                                                                   \
+        _Pragma("GCC unroll 4") for (int j = 0; j < TC; ++j) {                                            \
+            xv[j] = LOAD(xs + j * plane + k);                                                               \
+            DEEPDSL_IN_REGISTER(xv[j]);                                                                     \
+        }                                                                                                   \
         _Pragma("GCC unroll 4") for (int i = 0; i < TO; ++i)                                                \
             _Pragma("GCC unroll 4") for (int j = 0; j < TC; ++j) acc[i][j] = _mm512_fmadd_ps(gv[i], xv[j], acc[i][j]); \
     } while (0)
