@@ -41,8 +41,8 @@ static inline void deepdsl_share(long n, long block, long* begin, long* end) {
 // multiply-add that uses it (a memory operand) when a tile's sums fill the registers: AVX2's blocked tile of three
 // half blocks by 4 positions then made 16 loads for 12 multiply-adds instead of 7, and ran at 59 GFLOP/s instead of
 // 88 (ResNet-50's 7x7 forward on one Zen 4 core). An empty asm statement that may change the value makes the
-// compiler hold it in a vector register (any of AVX-512's 32; nothing to hold without AVX, whose vectors of 8 floats
-// are no register).
+// compiler hold it in a vector register (any of AVX-512's 32). Without AVX it does nothing: no register holds the
+// kernels' vectors of 8 floats there.
 #if defined(__AVX512F__)
 #define DEEPDSL_IN_REGISTER(v) __asm__("" : "+v"(v))
 #elif defined(__AVX__)
