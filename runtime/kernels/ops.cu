@@ -559,25 +559,21 @@ DEEPDSL_HD void deepdsl_im2col_at(unsigned idx, const ConvGeom& g, unsigned samp
 }
 
 // dx[n, c, h, w] = sum over kernel offsets (i, j) in increasing order of dcols[n, (c, i, j), p, q] with
-// h = p*stride - pad + i, w = q*stride - pad + j (dcols per sample: (C*kh*kw, Ho*Wo))
+// h = p*stride - pad + i, w = q*stride - pad + j (dcols per sample: (C*kh*kw, Ho*Wo)). The offsets that reach (h, w)
+// are every stride-th from the first whose p (q) is below Ho (Wo): found once, so the loops below take only those,
+// with p and q counting down, and no division per offset.
 DEEPDSL_HD void deepdsl_col2im_at(unsigned idx, const ConvGeom& g, const float* dcols, float* dx) {
     const unsigned w = idx % g.w, t = idx / g.w, h = t % g.h, t2 = t / g.h, c = t2 % g.c, n = t2 / g.c;
     const unsigned plane = g.ho * g.wo;
-    const float* base = dcols + static_cast<size_t>(n) * g.c * g.kh * g.kw * plane;
+    const float* base = dcols + (static_cast<size_t>(n) * g.c + c) * g.kh * g.kw * plane;
+    const unsigned hp = h + g.pad, wp = w + g.pad;
+    unsigned i0 = hp % g.stride, j0 = wp % g.stride;                 // the first offsets with p, q whole
+    if (hp - i0 > g.stride * (g.ho - 1)) i0 += (hp - i0 - g.stride * (g.ho - 1) + g.stride - 1) / g.stride * g.stride;
+    if (wp - j0 > g.stride * (g.wo - 1)) j0 += (wp - j0 - g.stride * (g.wo - 1) + g.stride - 1) / g.stride * g.stride;
     float total = 0.0f;
-    for (unsigned i = 0; i < g.kh; ++i) {
-        const int ph = static_cast<int>(h + g.pad) - static_cast<int>(i);
-        if (ph < 0 || ph % static_cast<int>(g.stride)) continue;
-        const unsigned p = static_cast<unsigned>(ph) / g.stride;
-        if (p >= g.ho) continue;
-        for (unsigned j = 0; j < g.kw; ++j) {
-            const int qw = static_cast<int>(w + g.pad) - static_cast<int>(j);
-            if (qw < 0 || qw % static_cast<int>(g.stride)) continue;
-            const unsigned q = static_cast<unsigned>(qw) / g.stride;
-            if (q >= g.wo) continue;
-            total += base[static_cast<size_t>((c * g.kh + i) * g.kw + j) * plane + p * g.wo + q];
-        }
-    }
+    for (unsigned i = i0, p = (hp - i0) / g.stride; i < g.kh && i <= hp; i += g.stride, --p)
+        for (unsigned j = j0, q = (wp - j0) / g.stride; j < g.kw && j <= wp; j += g.stride, --q)
+            total += base[static_cast<size_t>(i * g.kw + j) * plane + p * g.wo + q];
     dx[idx] = total;
 }
 

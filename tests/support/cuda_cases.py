@@ -32,7 +32,9 @@ def _out(g, shape, dtype="float32"):
 def case_conv(g, rng):
     result = []
     for n, c, h, o, k, s, p in [(3, 2, 7, 4, 3, 1, 1), (2, 3, 9, 5, 3, 2, 0), (2, 4, 5, 3, 1, 1, 0),
-                                (4, 2, 11, 3, 5, 2, 2), (2, 3, 8, 4, 1, 2, 0)]:
+                                (4, 2, 11, 3, 5, 2, 2), (2, 3, 8, 4, 1, 2, 0),
+                                # AlexNet's first layer in small; an even kernel; a last row and column no window reaches
+                                (2, 3, 23, 4, 11, 4, 2), (2, 2, 10, 3, 4, 3, 1), (2, 2, 10, 3, 3, 2, 0)]:
         x = rng.standard_normal((n, c, h, h)).astype(F32)
         w = rng.standard_normal((o, c, k, k)).astype(F32)
         b = rng.standard_normal(o).astype(F32)
