@@ -1,6 +1,7 @@
 """A network's convolution layers one by one: deepdsl's kernels on the im2col path, sample by sample in the
 products' tiles (`contract.tiled_conv`, those layers only), deepdsl's direct kernels on channel-blocked copies
-(`contract.blocked_conv`, those layers only) and PyTorch's on the same shapes, side by side.
+(`contract.blocked_conv`, those layers only), its Winograd kernels on them (`contract.winograd_conv`, those layers
+only) and PyTorch's on the same shapes, side by side.
 
     python benchmarks/conv_layers.py [--network resnet50] [--batch 8] [--image 112] [--threads 1 2] [--rounds 3]
                                      [--calls 5] [--isa native|avx2] [--markdown]
@@ -90,16 +91,19 @@ def geometry(node):
 
 def sides(node, size, kernels, threads):
     """{side: call} for the node: "im2col", "tiles" (where `contract.tiled_conv` takes it), "blocked" (where
-    `contract.blocked_conv` takes it), "torch"."""
+    `contract.blocked_conv` takes it: the direct sums), "winograd" (where `contract.winograd_conv` takes it),
+    "torch"."""
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(i.shape).astype(np.float32) for i in node.inputs]
     out = np.empty(node.shape, np.float32)
     workspace = np.empty(max(size, 1), np.float32)
     run = getattr(conv, node.op)
 
-    def ours(blocked: bool, tiled: bool):
+    has_winograd = kernels.winograd_kernels
+
+    def ours(blocked: bool, tiled: bool, winograd: bool = False):
         def call():
-            kernels.blocked, kernels.tiled_convs = blocked, tiled
+            kernels.blocked, kernels.tiled_convs, kernels.winograd = blocked, tiled, winograd
             run(*arrays, out=out, workspace=workspace, gemm=kernels.gemm, native=kernels, **node.kwargs)
         return call
 
@@ -115,6 +119,9 @@ def sides(node, size, kernels, threads):
     if groups == 1 and contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
                                              op=node.op, lanes=kernels.lanes):
         calls["blocked"] = ours(True, True)
+        if has_winograd and contract.winograd_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
+                                                   op=node.op):
+            calls["winograd"] = ours(True, True, True)
     try:
         import torch
     except ImportError:
@@ -149,7 +156,8 @@ def main() -> int:
         kernels, found = layers(args.network, args.batch, args.image, Path(tmp))
         print(f"{args.network} batch {args.batch} image {args.image}: {len(found)} distinct convolutions; "
               f"ms (GFLOP/s); ratios are PyTorch's time over ours")
-        print_row(["op", "shapes", "calls", "threads", "im2col", "tiles", "blocked", "torch", "torch / best ours"],
+        print_row(["op", "shapes", "calls", "threads", "im2col", "tiles", "blocked", "winograd", "torch",
+                   "torch / best ours"],
                   args.markdown, 12, header=True)
         totals = {}
         for threads in args.threads:
@@ -168,7 +176,8 @@ def main() -> int:
                 ms = {side: statistics.median(v) * 1000 for side, v in times.items()}
                 best = min(v for k, v in ms.items() if k != "torch")
                 ms.setdefault("tiles", ms["im2col"])          # (the im2col path where the layer is not tiled,
-                ms.setdefault("blocked", ms["tiles"])         # then the tiles' where it is not blocked)
+                ms.setdefault("blocked", ms["tiles"])         # then the tiles' where it is not blocked,
+                ms.setdefault("winograd", ms["blocked"])      # the direct sums' where Winograd does not take it)
                 for side, value in ms.items():
                     totals[threads, side] = totals.get((threads, side), 0.0) + count * value
                 totals[threads, "best"] = totals.get((threads, "best"), 0.0) + count * best
@@ -176,12 +185,13 @@ def main() -> int:
                 cell = lambda side: f"{ms[side]:.2f} ({gf / ms[side]:.0f})" if side in calls else "-"
                 shapes = " ".join("x".join(map(str, i.shape)) for i in node.inputs[:2])
                 print_row([node.op, shapes, str(count), str(threads), cell("im2col"), cell("tiles"), cell("blocked"),
-                           cell("torch"), f"{ms['torch'] / best:.2f}" if "torch" in ms else "-"], args.markdown, 12)
-            kernels.blocked, kernels.tiled_convs = True, True
+                           cell("winograd"), cell("torch"), f"{ms['torch'] / best:.2f}" if "torch" in ms else "-"], args.markdown, 12)
+            kernels.blocked, kernels.tiled_convs, kernels.winograd = True, True, kernels.winograd_kernels
         for threads in args.threads:
             parts = [f"im2col only {totals[threads, 'im2col']:.1f}",
                      f"tiles where taken {totals[threads, 'tiles']:.1f}",
                      f"then blocked where taken {totals[threads, 'blocked']:.1f}",
+                     f"then Winograd where taken {totals[threads, 'winograd']:.1f}",
                      f"the faster of ours {totals[threads, 'best']:.1f}"]
             if (threads, "torch") in totals:
                 parts.append(f"torch {totals[threads, 'torch']:.1f} "

@@ -32,6 +32,7 @@ __all__ = [
     "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "FILTER_BY_SAMPLES_PLANE", "filter_by_samples",
     "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW", "WIDE_FILTER_ROW", "WIDEST_LANES", "BLOCKED_CONV_ROW",
     "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
+    "WINOGRAD_CHUNK_BYTES", "WINOGRAD_OUT", "WINOGRAD_POINTS", "winograd_conv", "winograd_samples", "winograd_scratch", "winograd_tiles",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "LAYER_NORM_PART_ROWS", "layer_norm_rows", "layer_norm_parts", "layer_norm_param_scratch",
     "mask_generator",
@@ -402,12 +403,13 @@ def channel_blocks(c: int) -> int:
 BLOCKED_CHUNK_BYTES = 1 << 23  # a blocked convolution's operands copied at a time at most: they stay in the cache
 
 
-def blocked_samples(batch: int, per_sample: int, once: int, room: int | None = None) -> int:
+def blocked_samples(batch: int, per_sample: int, once: int, room: int | None = None,
+                    chunk_bytes: int = BLOCKED_CHUNK_BYTES) -> int:
     """How many samples a blocked convolution copies and computes at a time (`blocked_scratch`'s `per_sample` and
     `once` floats): the batch, at most BLOCKED_CHUNK_BYTES of copies, at most what `room` floats of workspace hold
     after the once part (one at least). The plan reserves exactly that many samples' room, and the kernel, handed
     that workspace, takes the same number."""
-    samples = min(batch, max(1, BLOCKED_CHUNK_BYTES // FLOAT_BYTES // max(per_sample, 1)))
+    samples = min(batch, max(1, chunk_bytes // FLOAT_BYTES // max(per_sample, 1)))
     if room is not None:
         samples = min(samples, max(1, (room - once) // max(per_sample, 1)))
     return samples
@@ -428,6 +430,52 @@ def blocked_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
     if op == "conv2d_bwd_data":
         return channel_blocks(o) * (ho + 2 * (kh - 1 - pad)) * (wo + 2 * (kw - 1 - pad)) * CHANNEL_BLOCK, filters
     return padded + channel_blocks(o) * ho * wo * CHANNEL_BLOCK, filters
+
+
+WINOGRAD_OUT = 4            # outputs of a Winograd tile along each axis: F(4x4, 3x3) (runtime/kernels/cpu_winograd.c)
+WINOGRAD_POINTS = 36        # points of a transformed tile: (4 + 3 - 1) ** 2
+WINOGRAD_CHUNK_BYTES = 1 << 21  # a Winograd convolution's copies, tiles and products at a time at most (their
+                                # passes stay in the cache), or as many as its transformed filters, which each chunk's
+                                # products read once (many channels on small planes: fewer, larger chunks)
+
+
+def winograd_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: int, groups: int = 1,
+                  op: str = "conv2d") -> bool:
+    """A blocked convolution (`blocked_conv`) with a 3x3 kernel, or its input gradient (the same convolution of the
+    output gradient): the compiled kernels compute it by Winograd's F(4x4, 3x3) (runtime/kernels/cpu_winograd.c),
+    36 multiplications for every 4 x 4 outputs of a pair of channels where the direct sums take 144, where the
+    planned workspace holds its arrays (`winograd_scratch`), else directly. Its rounding is not the direct sums'
+    (within float32's tolerance); like theirs it depends on neither the vectors' width nor the thread count."""
+    return op != "conv2d_bwd_filter" and kh == kw == 3 and blocked_conv(c, o, kh, kw, stride, pad, wo, groups, op)
+
+
+def winograd_tiles(h: int, w: int) -> int:
+    """Winograd tiles of an (h, w) output plane: 4 x 4 outputs each, the last row and column of tiles partly past
+    it."""
+    return -(-h // WINOGRAD_OUT) * -(-w // WINOGRAD_OUT)
+
+
+def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
+    """A Winograd convolution's workspace (`winograd_conv`) in floats: (per sample, once), the once part first:
+    once the filters blocked and then transformed (36 points); per sample the convolution's input blocked with its
+    padding (`blocked_scratch`), its tiles transformed, and their products (36 points of each tile of each block of
+    inputs, and of outputs). For conv2d_bwd_data the convolution's input is the output gradient and its output the
+    input gradient."""
+    (_, c, h, w), (o, _, kh, kw) = x_shape, w_shape
+    per_sample, filters = blocked_scratch(op, x_shape, w_shape, pad)
+    ins, outs = (channel_blocks(o), channel_blocks(c)) if op == "conv2d_bwd_data" else \
+        (channel_blocks(c), channel_blocks(o))
+    points = WINOGRAD_POINTS * winograd_tiles(h, w) * CHANNEL_BLOCK
+    return per_sample + points * (ins + outs), filters + WINOGRAD_POINTS * ins * outs * CHANNEL_BLOCK ** 2
+
+
+def winograd_samples(batch: int, op: str, x_shape, w_shape, pad: int, room: int | None = None) -> int:
+    """How many samples a Winograd convolution (`winograd_scratch`) copies, transforms and multiplies at a time:
+    `blocked_samples` within WINOGRAD_CHUNK_BYTES or its transformed filters' bytes, whichever is larger, and
+    `room` floats of workspace. The plan reserves that many samples' room; the kernel takes the same number."""
+    per_sample, once = winograd_scratch(op, x_shape, w_shape, pad)
+    transformed = once - blocked_scratch(op, x_shape, w_shape, pad)[1]
+    return blocked_samples(batch, per_sample, once, room, max(WINOGRAD_CHUNK_BYTES, FLOAT_BYTES * transformed))
 
 
 def _padded_input(c: int, h: int, w: int, pad: int) -> int:

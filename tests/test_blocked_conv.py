@@ -75,11 +75,14 @@ def _run(kernels, node, arrays, limit=None, workspace=None, out=None):
 
 @pytest.fixture
 def recorded(lib, monkeypatch):  # noqa: F811
-    """The ops the blocked kernels computed: each call of `Native.blocked_conv` or `blocked_filter_sums`."""
+    """The ops the blocked kernels computed: each call of `Native.blocked_conv`, `blocked_filter_sums` or
+    `winograd_conv`. The direct sums alone (Winograd's kernels off) unless a test turns them back on."""
     ran = []
-    conv_, sums = lib.blocked_conv, lib.blocked_filter_sums
+    conv_, sums, winograd = lib.blocked_conv, lib.blocked_filter_sums, lib.winograd_conv
     monkeypatch.setattr(lib, "blocked_conv", lambda *a: ran.append("conv") or conv_(*a))
     monkeypatch.setattr(lib, "blocked_filter_sums", lambda *a: ran.append("filter") or sums(*a))
+    monkeypatch.setattr(lib, "winograd_conv", lambda *a: ran.append("winograd") or winograd(*a))
+    monkeypatch.setattr(lib, "winograd", False)
     return ran
 
 
@@ -209,15 +212,20 @@ AVX2_GEOMETRIES = [  # (N, C, H, W, O): AVX2's tiles of one block, and of three 
 ]
 
 
+@pytest.mark.parametrize("winograd", [False, True], ids=["direct", "winograd"])
 @pytest.mark.parametrize("geometry", AVX2_GEOMETRIES, ids=[str(g) for g in AVX2_GEOMETRIES])
-def test_built_for_avx2_alone_the_bits_are_the_same(lib, avx2_kernels, geometry):  # noqa: F811
+def test_built_for_avx2_alone_the_bits_are_the_same(lib, avx2_kernels, geometry, winograd, monkeypatch):  # noqa: F811
     """Each lane sums alone in the same order, so two AVX2 registers per 16 channels (or three half blocks' tiles)
     give the bits of one AVX-512 register (where this processor has AVX-512; else both builds are AVX2's), on 1, 2
-    and 3 threads."""
+    and 3 threads; the same for Winograd's transforms (GCC's vectors of 16 floats) where it takes the layer, or with
+    it off the direct sums."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     avx2 = avx2_kernels
     assert avx2.blocked and avx2.lanes == 8 and lib.lanes in (8, 16)
+    assert avx2.winograd and lib.winograd
+    monkeypatch.setattr(avx2, "winograd", winograd)
+    monkeypatch.setattr(lib, "winograd", winograd)
     before = avx2.threads
     n, c, h, w, o = geometry
     for node in _nodes(*geometry, 3, 3, 1, bias=True):
@@ -244,8 +252,9 @@ def test_without_avx2_the_convolutions_keep_im2col(plain_kernels):  # noqa: F811
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_the_layer_benchmark_runs(isa):
     """benchmarks/conv_layers.py on a small network: a row per distinct convolution at one thread, the tiles'
-    column filled for some layers (forward and input gradients only) and the blocked column for some, and the step's
-    sums; also with every side restricted to AVX2 (both libraries built without AVX-512)."""
+    column filled for some layers (forward and input gradients only), the blocked column for some and the Winograd
+    column for some of those (not filter gradients), and the step's sums; also with every side restricted to AVX2
+    (both libraries built without AVX-512)."""
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "conv_layers.py"), "--network", "resnet_mini",
                            "--batch", "2", "--image", "0", "--threads", "1", "--rounds", "1", "--calls", "1",
@@ -255,18 +264,152 @@ def test_the_layer_benchmark_runs(isa):
             line.split()[0].startswith("conv2d")]
     assert rows and all(row[4] == "1" for row in rows)
 
-    def cells(row):         # im2col, tiles, blocked, torch: "-" or "ms (GFLOP/s)"
+    def cells(row):         # im2col, tiles, blocked, winograd, torch: "-" or "ms (GFLOP/s)"
         found, rest = [], row[5:]
-        while len(found) < 4:
+        while len(found) < 5:
             found.append(None if rest[0] == "-" else rest[0])
             rest = rest[1:] if rest[0] == "-" else rest[2:]
         return found
     assert all(cells(row)[0] is not None for row in rows)
     tiled = [row for row in rows if cells(row)[1] is not None]
     blocked = [row for row in rows if cells(row)[2] is not None]
+    winograd = [row for row in rows if cells(row)[3] is not None]
     assert blocked and len(blocked) < len(rows) and tiled and len(tiled) < len(rows)
+    assert winograd and set(map(tuple, winograd)) < set(map(tuple, blocked))
+    assert all(row[0] != "conv2d_bwd_filter" for row in winograd)
     assert all(row[0] != "conv2d_bwd_filter" for row in tiled)
     assert "the step's convolutions" in done.stdout
     assert done.stdout.splitlines()[0].split(";")[0] in ("AVX-512", "AVX2", "no AVX2", "unknown",
                                                           "AVX2 (on a processor with AVX-512: every side restricted "
                                                           "to AVX2)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Winograd's F(4x4, 3x3) (runtime/kernels/cpu_winograd.c, `contract.winograd_conv`)
+
+WINOGRAD_GEOMETRIES = [  # (N, C, H, W, O)
+    (2, 16, 9, 9, 16),        # one block in and out; planes of 9: a last row and column of tiles mostly past them
+    (3, 48, 8, 15, 28),       # an output block partly empty, rows of 15
+    (2, 32, 9, 7, 40),        # rows of 7, blocks partly empty
+    (1, 64, 14, 14, 64),      # ResNet's 3x3 at 14x14
+    (2, 24, 6, 9, 80),        # five output blocks: groups of three and two
+    (1, 272, 7, 8, 32),       # 17 input blocks: two partial sums of the products, added in order
+]
+
+
+def _winograd_limit(node, samples):
+    """A workspace limit with room for Winograd's transformed filters and `samples` samples' arrays."""
+    x_shape = node.shape if node.op == "conv2d_bwd_data" else node.inputs[0].shape
+    per_sample, once = contract.winograd_scratch(node.op, x_shape, node.inputs[1].shape, 1)
+    return 4 * (once + samples * per_sample)
+
+
+@pytest.mark.parametrize("geometry", WINOGRAD_GEOMETRIES, ids=[str(g) for g in WINOGRAD_GEOMETRIES])
+def test_winograd_convolutions_equal_the_reference(lib, recorded, geometry, monkeypatch):  # noqa: F811
+    """The forward (with bias) and the input gradient by Winograd's transforms into NaN-filled outputs under
+    NaN-filled workspaces of exactly the planned size (unlimited, and one sample's room): within its rounding of
+    the float64 reference (Winograd's transforms round more than the direct sums: about 1e-5 of the output's
+    magnitude for 256 channels, measured; bounded here at 4e-5), and never the filter gradient."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    monkeypatch.setattr(lib, "winograd", True)
+    n, c, h, w, o = geometry
+    for node in _nodes(n, c, h, w, o, 3, 3, 1, bias=True):
+        taken = contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)
+        assert taken == (node.op != "conv2d_bwd_filter")
+        arrays = _arrays(node, sum(geometry))
+        want = get_op(node.op).evaluate(EvalContext(np.float64), *[a.astype(np.float64) for a in arrays],
+                                        **node.kwargs)
+        for limit in (None, _winograd_limit(node, 1)) if taken else (None,):
+            recorded.clear()
+            got = _run(lib, node, arrays, limit)
+            assert recorded and all(r == ("winograd" if taken else "filter") for r in recorded), (node.op, limit)
+            assert not np.isnan(got).any()
+            np.testing.assert_allclose(got, want, rtol=0, atol=4e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("geometry", [(5, 32, 9, 15, 48), (3, 24, 7, 7, 80)], ids=["rows of 15", "five blocks"])
+def test_winograd_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometry, monkeypatch):  # noqa: F811
+    """Threads split tiles, output blocks and points, never a sum; a chunk's tiles are transformed and multiplied
+    alone: the same bits on 1, 2 and 3 threads, in chunks of one sample, two and all."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    monkeypatch.setattr(lib, "winograd", True)
+    before = lib.threads
+    for node in _nodes(*geometry, 3, 3, 1, bias=True)[:2]:
+        arrays = _arrays(node, 7)
+        results = []
+        try:
+            for threads in (1, 2, 3):
+                lib.set_threads(threads)
+                for limit in (None, _winograd_limit(node, 1), _winograd_limit(node, 2)):
+                    results.append(_run(lib, node, arrays, limit))
+        finally:
+            lib.set_threads(before)
+        assert recorded.count("winograd") >= 9, node.op
+        for other in results[1:]:
+            np.testing.assert_array_equal(other, results[0])
+
+
+def test_the_planned_workspace_holds_winograds_arrays():
+    """Where Winograd's transforms take a layer, the op plans room for its transformed filters and the samples'
+    arrays it takes at a time (`contract.winograd_samples`); where they do not fit under the limit, the direct
+    sums' copies."""
+    for node in _nodes(4, 64, 8, 16, 256, 3, 3, 1, bias=False)[:2]:
+        x_shape = node.shape if node.op == "conv2d_bwd_data" else node.inputs[0].shape
+        per_sample, once = contract.winograd_scratch(node.op, x_shape, (256, 64, 3, 3), 1)
+        op = get_op(node.op)
+        samples = contract.winograd_samples(4, node.op, x_shape, (256, 64, 3, 3), 1)
+        assert op.workspace(node, None).nbytes // 4 == once + samples * per_sample
+        assert op.workspace(node, _winograd_limit(node, 2)).nbytes // 4 >= once + min(samples, 2) * per_sample
+        direct = op.workspace(node, _winograd_limit(node, 1) - 4).nbytes // 4
+        blocked_per_sample, blocked_once = contract.blocked_scratch(node.op, x_shape, (256, 64, 3, 3), 1)
+        assert blocked_once + blocked_per_sample <= direct < once + per_sample
+
+
+def test_a_workspace_too_small_for_winograd_runs_the_direct_sums(lib, recorded, monkeypatch):  # noqa: F811
+    """One float short of Winograd's filters and a sample's arrays: the direct sums on blocked copies, within
+    Winograd's rounding of its result."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    monkeypatch.setattr(lib, "winograd", True)
+    x_shape, w_shape = (2, 64, 8, 8), (64, 64, 3, 3)
+    node = make("conv2d", (leaf("x", x_shape), leaf("w", w_shape)), stride=1, pad=1)
+    arrays = _arrays(node, 3)
+    per_sample, once = contract.winograd_scratch("conv2d", x_shape, w_shape, 1)
+    direct = _run(lib, node, arrays, workspace=np.full(once + per_sample - 1, np.nan, np.float32))
+    assert recorded == ["conv"]
+    recorded.clear()
+    winograd = _run(lib, node, arrays, workspace=np.full(once + per_sample, np.nan, np.float32))
+    assert recorded == ["winograd"] * 2          # (a sample at a time)
+    np.testing.assert_allclose(winograd, direct, rtol=0, atol=4e-5 * float(np.abs(direct).max()))
+
+
+@pytest.mark.parametrize("c,o", [(16, 32), (32, 16), (32, 32)])
+def test_a_winograd_input_gradient_over_its_output_gradient(lib, recorded, c, o, monkeypatch):  # noqa: F811
+    """The input gradient by Winograd's transforms taking over the bytes of its dying output gradient: chunks of
+    one sample in the safe order give the bits of separate buffers."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    monkeypatch.setattr(lib, "winograd", True)
+    node = _nodes(4, c, 8, 8, o, 3, 3, 1, bias=False)[1]
+    g, w = _arrays(node, c + o)
+    limit = _winograd_limit(node, 1)
+    want = _run(lib, node, [g, w], limit=limit)
+    shared = np.empty(max(g.size, 4 * c * 64), np.float32)
+    g_over = shared[:g.size].reshape(g.shape)
+    g_over[...] = g
+    out = shared[:4 * c * 64].reshape(node.shape)
+    got = _run(lib, node, [g_over, w], limit=limit, out=out)
+    assert recorded.count("winograd") == 8
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_winograd_rule():
+    assert contract.winograd_conv(64, 64, 3, 3, 1, 1, 56)
+    assert contract.winograd_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_data")
+    assert not contract.winograd_conv(64, 64, 3, 3, 1, 1, 56, op="conv2d_bwd_filter")     # the direct sums
+    assert not contract.winograd_conv(56, 32, 5, 5, 1, 2, 12)                              # 5x5: F(4x4, 3x3) only
+    assert not contract.winograd_conv(64, 64, 3, 3, 2, 1, 28)                              # not blocked: strided
+    assert not contract.winograd_conv(64, 64, 3, 3, 1, 1, 4)                               # nor short rows
+    assert contract.winograd_tiles(7, 7) == 4 and contract.winograd_tiles(8, 9) == 6

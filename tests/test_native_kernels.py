@@ -1200,9 +1200,9 @@ def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_
     numpy's on 1 and 2; a training step and a test step with the compiled kernels equal the numpy backend's within
     float32 tolerance (elementwise kernels round as C's float32 functions do, per-channel sums and thin convolutions'
     filter gradients add in another order, which an ill-conditioned network at this size amplifies: 1e-4, or ten
-    times the difference one rounding of the input makes; for networks trained by Adam(W), `ADAPTIVE_TOLERANCE`, all
-    but a few in a thousand elements within 1e-4, the rest within Adam's step), and the allocator measures the
-    planned peaks (the plan is the same)."""
+    times the difference one rounding of the input makes, thirty where Winograd's transforms take layers; for
+    networks trained by Adam(W), `ADAPTIVE_TOLERANCE`, all but a few in a thousand elements within 1e-4, the rest
+    within Adam's step), and the allocator measures the planned peaks (the plan is the same)."""
     _, module, _ = _program(name, image, tmp_path_factory)
     cls = model_class(module)
     rng = np.random.default_rng(7)
@@ -1216,11 +1216,18 @@ def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_
     # numpy's products on one thread: the same bits (the parts are the shapes', not the threads')
     alone_losses, _, _, alone = _steps(cls("cpu", 0, "static", kernels="numpy", threads=1), data[:1])
     assert alone_losses == losses and all(np.array_equal(alone[k], v) for k, v in tensors.items())
-    runs = {}
+    runs, winograd = {}, []
     for threads in (1, 2, 3):
         model = cls("cpu", 0, "static", kernels="compiled", threads=threads)
         assert model.kernels.startswith("compiled kernels") and model.rt.native is not None
+        native_ = model.rt.native
+        transforms = native_.winograd_conv
+        native_.winograd_conv = lambda *a, _run=transforms: winograd.append(1) or _run(*a)
         runs[threads] = _steps(model, data[:1])
+    # Winograd's transforms (ResNet-50's 3x3 layers at 16x16 and 8x8 here) round more than direct sums (about 1e-5 of
+    # a layer's outputs, ~100 units in the last place; tests/test_blocked_conv.py): at most 15 times the spread
+    # measured on ResNet-50 (its res5a_branch2b_W gradient), the others within 6 times; bounded at 30 times
+    bound = 30 if winograd else 10
     got_losses, _, _, got_tensors = runs[1]
     for threads in (2, 3):        # the compiled kernels compute the same bits on any number of threads
         assert runs[threads][0] == got_losses, threads
@@ -1237,7 +1244,7 @@ def test_training_steps_with_compiled_kernels_equal_numpy(name, image, tmp_path_
             assert np.count_nonzero(errors > 1e-4) <= max(1, errors.size // 1000), (key, np.sort(errors.ravel())[-5:])
             assert float(np.max(np.abs(got_tensors[key] - value))) <= 0.02, key
         else:
-            assert float(errors.max()) <= max(1e-4, 10 * spread), (key, float(errors.max()), spread)
+            assert float(errors.max()) <= max(1e-4, bound * spread), (key, float(errors.max()), spread)
     model.load_tensors(tensors)            # the test step on the same tensors
     got, want = model.test_step(*data[1]), reference.test_step(*data[1])
     assert got[0] == want[0] and math.isclose(got[1], want[1], rel_tol=1e-4), (got, want)

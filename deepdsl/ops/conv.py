@@ -58,20 +58,30 @@ def _by_group(groups: int, *arrays_and_axes):
 
 def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: int, limit) -> Workspace:
     """A convolution's workspace: numpy's (`im2col`), or where the compiled kernels compute it on channel-blocked
-    copies (`contract.blocked_conv`) and those need more, theirs (`contract.blocked_scratch`: the filters' copy once,
-    then the operands of the samples the kernel copies at a time, `contract.blocked_samples`, within the larger of
-    `limit` and numpy's workspace). Blocked copies that do not fit that with one sample are not planned (the kernels
-    then take the im2col path)."""
-    (o, _, kh, kw), c = w_shape, x_shape[1]
+    copies (`contract.blocked_conv`) and those need more, theirs: by Winograd's F(4x4, 3x3) where it takes the layer
+    (`contract.winograd_conv`) and its arrays fit (`contract.winograd_scratch`, `contract.winograd_samples`), else
+    directly (`contract.blocked_scratch`: the filters' copy once, then the operands of the samples the kernel copies
+    at a time, `contract.blocked_samples`), within the larger of `limit` and numpy's workspace. Blocked copies that do
+    not fit that with one sample are not planned (the kernels then take the im2col path)."""
+    (o, _, kh, kw), c, batch = w_shape, x_shape[1], x_shape[0]
     stride, pad, groups = node.attr("stride", 1), node.attr("pad", 0), node.attr("groups", 1)
     if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, groups, op):
         return im2col
-    per_sample, once = contract.blocked_scratch(op, x_shape, w_shape, pad)
     room = None if limit is None else max(limit, im2col.nbytes) // FLOAT_BYTES
+    if contract.winograd_conv(c, o, kh, kw, stride, pad, wo, groups, op):
+        per_sample, once = contract.winograd_scratch(op, x_shape, w_shape, pad)
+        if room is None or room >= once + per_sample:
+            samples = contract.winograd_samples(batch, op, x_shape, w_shape, pad, room)
+            return _larger(im2col, FLOAT_BYTES * (once + samples * per_sample))
+    per_sample, once = contract.blocked_scratch(op, x_shape, w_shape, pad)
     if room is not None and room < once + per_sample:
         return im2col
-    blocked = FLOAT_BYTES * (once + contract.blocked_samples(x_shape[0], per_sample, once, room) * per_sample)
-    return im2col if im2col.nbytes >= blocked else Workspace(blocked, im2col.chunks)
+    return _larger(im2col, FLOAT_BYTES * (once + contract.blocked_samples(batch, per_sample, once, room) * per_sample))
+
+
+def _larger(im2col: Workspace, nbytes: int) -> Workspace:
+    """numpy's workspace, or `nbytes` in the same chunks where that is more."""
+    return im2col if im2col.nbytes >= nbytes else Workspace(nbytes, im2col.chunks)
 
 
 @register

@@ -28,6 +28,8 @@ def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native,
     if w.shape[1] != c or not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, op=op, lanes=native.lanes) or \
             not _contiguous32(a, b, out, *([] if bias is None else [bias])):
         return False
+    if _winograd(op, x, w, bias, out, a, pad, workspace, native, over):
+        return True
     per_sample, once = contract.blocked_scratch(op, x.shape, w.shape, pad)
     if workspace is not None and workspace.size < once + per_sample:
         return False
@@ -62,6 +64,44 @@ def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native,
             native.blocked_filter_sums(xb, gb, s == 0, filters)
     if op == "conv2d_bwd_filter":
         native.unblock_filters(filters, out)
+    return True
+
+
+def _winograd(op: str, x, w, bias, out, a, pad: int, workspace, native, over: bool) -> bool:
+    """A blocked convolution or its input gradient (`_blocked`'s checks passed) by Winograd's F(4x4, 3x3), where the
+    library has it (`native.winograd`), `contract.winograd_conv` takes the layer and the workspace holds its arrays
+    (`contract.winograd_scratch`: the filters blocked and transformed once, then `contract.blocked_samples` samples'
+    blocked input, transformed tiles and products at a time); False (nothing written) otherwise. The convolution's
+    input is `a` (the output gradient for the input gradient, padded by 2 - pad, its filters turned around), and
+    chunks run in `_safe_order` as `_blocked`'s do."""
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    if not getattr(native, "winograd", False) or op == "conv2d_bwd_filter" or \
+            not contract.winograd_conv(c, o, kh, kw, 1, pad, wd, op=op):
+        return False
+    per_sample, once = contract.winograd_scratch(op, x.shape, w.shape, pad)
+    if workspace is not None and workspace.size < once + per_sample:
+        return False
+    flip = op == "conv2d_bwd_data"
+    ins, outs = (contract.channel_blocks(o), contract.channel_blocks(c)) if flip else \
+        (contract.channel_blocks(c), contract.channel_blocks(o))
+    block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
+    scratch = Scratch(workspace)
+    filters = scratch.take((outs, ins, kh, kw, block, block))
+    transformed = scratch.take((points, outs, ins, block, block))
+    native.block_filters(w, flip, filters)
+    native.winograd_filters(filters, transformed)
+    step = contract.winograd_samples(n, op, x.shape, w.shape, pad, None if workspace is None else workspace.size)
+    starts = range(0, n, step)
+    padding = kh - 1 - pad if flip else pad
+    for s in _safe_order(starts, over and out.nbytes > a.nbytes) if flip else starts:
+        e = min(n, s + step)
+        chunk = Scratch(workspace, once)
+        ab = chunk.take((e - s, ins, h + 2 * padding, wd + 2 * padding, block))
+        v = chunk.take((points, ins, (e - s) * tiles, block))
+        products = chunk.take((points, outs, (e - s) * tiles, block))
+        native.block_input(a[s:e], padding, padding, ab)
+        native.winograd_conv(ab, transformed, bias, v, products, out[s:e])
     return True
 
 

@@ -50,7 +50,7 @@ KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # the generic kernels' source, and the runtime's sources of both libraries (a program's .c includes cpu_common.h)
 GENERIC_SOURCE = "cpu_ops.c"
 KERNEL_SOURCES = ("cpu_ops.c", "cpu_common.h", "cpu_depthwise.c", "cpu_columns.c", "cpu_conv.c", "cpu_blocked.c",
-                  "cpu_gemm.c", "cpu_images.c", "cpu_attention.c", "deepdsl_math.h", "deepdsl_random.h")
+                  "cpu_winograd.c", "cpu_gemm.c", "cpu_images.c", "cpu_attention.c", "deepdsl_math.h", "deepdsl_random.h")
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3
@@ -351,6 +351,11 @@ class Native:
         blocked = getattr(lib, "deepdsl_blocked_kernels", None)
         self.lanes = 0 if blocked is None else blocked()     # their vectors' lanes: 16 (AVX-512), 8 (AVX2), 0
         self.blocked = self.lanes > 0
+        # (nor Winograd's transforms for the blocked 3x3 layers; $DEEPDSL_WINOGRAD=0 turns them off: the direct sums,
+        # whose rounding is the products' alone)
+        self.winograd_kernels = self.blocked and bool(getattr(lib, "deepdsl_winograd_kernels", lambda: 0)()) and \
+            os.environ.get("DEEPDSL_WINOGRAD", "1") != "0"
+        self.winograd = self.winograd_kernels      # (taken where they are; benchmarks turn them off to compare)
         self.tiled_convs = True         # convolutions sample by sample in the products' tiles (`conv_tiles`, ...)
         if self.blocked:
             lib.deepdsl_blocked_input.argtypes = [_P] + [_I] * 6 + [_P]
@@ -358,6 +363,8 @@ class Native:
             lib.deepdsl_blocked_conv.argtypes = [_P, _P, _P] + [_I] * 7 + [_P]
             lib.deepdsl_blocked_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 8 + [_P]
             lib.deepdsl_unblocked_filters.argtypes = [_P] + [_I] * 4 + [_P]
+            lib.deepdsl_winograd_filters.argtypes = [_P, _I, _I, _P]
+            lib.deepdsl_winograd_conv.argtypes = [_P, _P, _P] + [_I] * 5 + [_P, _P, _P]
         # (nor the render of images read from files)
         self._resample = getattr(lib, "deepdsl_resample_image", None)
         if self._resample is not None:
@@ -718,6 +725,21 @@ class Native:
         kh, kw = wb.shape[2:4]
         self.lib.deepdsl_blocked_conv(_address(xb), _address(wb), None if bias is None else _address(bias),
                                       m, cb, hp, wp, out.shape[1], kh, kw, _address(out))
+
+    def winograd_filters(self, wb: np.ndarray, out: np.ndarray) -> None:
+        """out (36, ob, cb, 16, 16) = the blocked 3x3 filters wb (ob, cb, 3, 3, 16, 16) in Winograd's F(4x4, 3x3)
+        transform (kernels/cpu_winograd.c)."""
+        ob, cb = wb.shape[:2]
+        self.lib.deepdsl_winograd_filters(_address(wb), ob, cb, _address(out))
+
+    def winograd_conv(self, xb: np.ndarray, u: np.ndarray, bias: np.ndarray | None, v: np.ndarray,
+                      products: np.ndarray, out: np.ndarray) -> None:
+        """out (m, O, Ho, Wo) = the stride-1 3x3 convolution of the blocked input xb (m, cb, Ho + 2, Wo + 2, 16) with
+        the transformed filters u (`winograd_filters`), + bias (O) when given, by Winograd's F(4x4, 3x3) through v
+        (36, cb, T, 16) and products (36, ceil(O/16), T, 16), T the tiles (`contract.winograd_tiles`)."""
+        m, cb, hp, wp, _ = xb.shape
+        self.lib.deepdsl_winograd_conv(_address(xb), _address(u), None if bias is None else _address(bias),
+                                       m, cb, hp, wp, out.shape[1], _address(v), _address(products), _address(out))
 
     def blocked_filter_sums(self, xb: np.ndarray, gb: np.ndarray, first: bool, sums: np.ndarray) -> None:
         """sums (ob, cb, kh, kw, 16, 16) = (first) or += the filter gradient of the blocked, padded input xb (m, cb,

@@ -852,6 +852,9 @@ void deepdsl_bernoulli(uint8_t* out, long n, unsigned long long seed, unsigned l
 // direct convolutions on channel-blocked copies
 #include "cpu_blocked.c"
 
+// Winograd's F(4x4, 3x3) on channel-blocked copies
+#include "cpu_winograd.c"
+
 // matrix products on these threads
 #include "cpu_gemm.c"
 

@@ -1,0 +1,222 @@
+// Winograd's minimal filtering F(4x4, 3x3) on channel-blocked data, included by cpu_ops.c after cpu_blocked.c (whose
+// tiles compute its products): a stride-1 3x3 convolution padded by 1 of many channels (a residual network's 3x3
+// layers, forward and input gradient) with 36 multiplications for each 4 x 4 outputs of a channel pair where the
+// direct sums take 144 (Lavin and Gray, "Fast algorithms for convolutional neural networks", CVPR 2016).
+// runtime/cpu/conv.py takes this path where `contract.winograd_conv` says so and the planned workspace holds its
+// arrays (`contract.winograd_scratch`).
+//
+// With d a 6 x 6 patch of one input channel (4 x 4 outputs apart), g a 3 x 3 filter and the transforms B, G, A below,
+// the 4 x 4 outputs are A^T [(G g G^T) . (B^T d B)] A, the product taken element by element: each of the 36 points
+// xi of the transformed tile is a matrix product over the channels, U[xi] (outputs x inputs) times V[xi] (inputs x
+// tiles), and the outputs are the inverse transform of those products. On the blocked layout:
+//
+//   U (36, ob, cb, 16 inputs, 16 outputs)  the filters transformed (`deepdsl_winograd_filters`), once a call;
+//   V (36, cb, T, 16)                       the input's tiles transformed, T = m * ceil(Ho / 4) * ceil(Wo / 4)
+//                                           tiles, tile t = (sample * rows of tiles + row) * columns + column;
+//   M (36, ob, T, 16)                       their products: for each xi a product of the blocked tiles of
+//                                           cpu_blocked.c (kh = kw = 1, the tiles as positions), over the input
+//                                           channels in partial sums of DEEPDSL_SUM_TERMS products added in order;
+//   out (m, O, Ho, Wo)                      the inverse transform of each tile's 36 products (+ bias), written to the
+//                                           plain output 8 x 8 at a time through `deepdsl_blocked_out`.
+//
+// Every transform is the same sequence of vector operations on 16 channels whatever the vectors' width (GCC's
+// vectors of 16 floats: one AVX-512 register or two AVX2 ones), and the products' lanes sum alone, so AVX-512 and
+// AVX2 give the same bits. Threads split tiles, output blocks and points, never a sum: the bits do not depend on the
+// thread count. Rows and columns of a tile past the padded input read zeros, and its outputs past Ho and Wo are
+// dropped. The rounding differs from the direct sums' (the transforms' constants and sums), within float32's
+// tolerance for a 3x3 filter: tests/test_blocked_conv.py bounds it.
+
+#ifdef DEEPDSL_TILE
+#define DEEPDSL_WINOGRAD 1
+#define DEEPDSL_WINO_OUT 4              /* outputs of a tile along each axis */
+#define DEEPDSL_WINO_IN 6               /* inputs of a tile along each axis: 4 + 3 - 1 */
+#define DEEPDSL_WINO_POINTS 36          /* points of a transformed tile */
+#define DEEPDSL_WINO_SPAN 16            /* tiles of a row written at a time: 64 outputs, 16 KB of the stack */
+
+typedef float deepdsl_v16f __attribute__((vector_size(64)));
+
+static inline deepdsl_v16f deepdsl_load16(const float* from) {
+    deepdsl_v16f v;
+    memcpy(&v, from, sizeof v);
+    return v;
+}
+
+static inline void deepdsl_store16(float* to, deepdsl_v16f v) { memcpy(to, &v, sizeof v); }
+
+// t = B^T d for six vectors d, B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0;
+// 0 4 0 -5 0 1]
+static inline void deepdsl_wino_input6(const deepdsl_v16f d[6], deepdsl_v16f t[6]) {
+    const deepdsl_v16f a = d[4] - d[2], b = d[3] - d[1];
+    t[0] = (d[0] * 4.0f - d[2] * 5.0f) + d[4];
+    t[1] = (d[3] + d[4]) - (d[1] + d[2]) * 4.0f;
+    t[2] = (d[4] - d[3]) + (d[1] - d[2]) * 4.0f;
+    t[3] = a + b * 2.0f;
+    t[4] = a - b * 2.0f;
+    t[5] = (d[1] * 4.0f - d[3] * 5.0f) + d[5];
+}
+
+// u = G g for three vectors g, G = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]
+// (the sixths as products by float(1/6): a division each would cost more than the products' loads)
+static inline void deepdsl_wino_filter3(const deepdsl_v16f g[3], deepdsl_v16f u[6]) {
+    const float sixth = 1.0f / 6.0f;
+    const deepdsl_v16f ends = g[0] + g[2], quarter = g[0] * 0.25f + g[2], half = g[1] * 0.5f;
+    u[0] = g[0] * 0.25f;
+    u[1] = (ends + g[1]) * -sixth;
+    u[2] = (ends - g[1]) * -sixth;
+    u[3] = (quarter + half) * sixth;
+    u[4] = (quarter - half) * sixth;
+    u[5] = g[2];
+}
+
+// y = A^T m for six vectors m, A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 1]
+static inline void deepdsl_wino_output6(const deepdsl_v16f m[6], deepdsl_v16f y[4]) {
+    const deepdsl_v16f a = m[1] + m[2], b = m[1] - m[2], c = m[3] + m[4], e = m[3] - m[4];
+    y[0] = (m[0] + a) + c;
+    y[1] = b + e * 2.0f;
+    y[2] = a + c * 4.0f;
+    y[3] = (b + e * 8.0f) + m[5];
+}
+
+// U (36, ob, cb, 16, 16) = G g G^T of each filter of the blocked 3x3 filters wb (ob, cb, 3, 3, 16 inputs, 16 outputs),
+// 16 output channels at a time.
+void deepdsl_winograd_filters(const float* wb, int ob, int cb, float* u) {
+    const long pairs = (long)ob * cb, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+#pragma omp parallel for schedule(static) if (pairs * 9 * tile >= DEEPDSL_EW_PARALLEL_MIN)
+    for (long row = 0; row < pairs * DEEPDSL_BLOCK; ++row) {
+        const long pair = row / DEEPDSL_BLOCK, k = row % DEEPDSL_BLOCK;
+        const float* w = wb + pair * 9 * tile + k * DEEPDSL_BLOCK;
+        deepdsl_v16f rows[6][3];              // G g: the filter's columns transformed
+        for (int j = 0; j < 3; ++j) {
+            const deepdsl_v16f column[3] = {deepdsl_load16(w + j * tile), deepdsl_load16(w + (3 + j) * tile),
+                                            deepdsl_load16(w + (6 + j) * tile)};
+            deepdsl_v16f t[6];
+            deepdsl_wino_filter3(column, t);
+            for (int a = 0; a < 6; ++a) rows[a][j] = t[a];
+        }
+        for (int a = 0; a < 6; ++a) {
+            deepdsl_v16f t[6];
+            deepdsl_wino_filter3(rows[a], t);
+            for (int b = 0; b < 6; ++b) deepdsl_store16(u + ((a * 6 + b) * pairs + pair) * tile + k * DEEPDSL_BLOCK, t[b]);
+        }
+    }
+}
+
+// V[.][c][t] = B^T d B of the tile t's 6 x 6 patch d of channel block c of xb (m, cb, hp, wp, 16), rows p0 .. and
+// columns q0 .. of the padded input (zeros past it).
+static inline void deepdsl_wino_input_tile(const float* xc, int hp, int wp, int p0, int q0, long points, float* v) {
+    deepdsl_v16f cols[6][6];                  // B^T d: the patch's columns transformed, [row][column]
+    const deepdsl_v16f zero = {0};
+    for (int j = 0; j < 6; ++j) {
+        deepdsl_v16f d[6];
+        for (int i = 0; i < 6; ++i)
+            d[i] = p0 + i < hp && q0 + j < wp ? deepdsl_load16(xc + ((long)(p0 + i) * wp + q0 + j) * DEEPDSL_BLOCK)
+                                              : zero;
+        deepdsl_v16f t[6];
+        deepdsl_wino_input6(d, t);
+        for (int a = 0; a < 6; ++a) cols[a][j] = t[a];
+    }
+    for (int a = 0; a < 6; ++a) {
+        deepdsl_v16f t[6];
+        deepdsl_wino_input6(cols[a], t);
+        for (int b = 0; b < 6; ++b) deepdsl_store16(v + (a * 6 + b) * points, t[b]);
+    }
+}
+
+// The outputs of a tile (4 x 4 positions of 16 channels) from its 36 products m (`points` floats apart): A^T m A,
+// into rows (4 rows `row` floats apart, the tile's first position at column 0).
+static inline void deepdsl_wino_output_tile(const float* m, long points, float* rows, long row) {
+    deepdsl_v16f cols[4][6];                  // A^T m: the products' columns transformed, [row][column]
+    for (int j = 0; j < 6; ++j) {
+        deepdsl_v16f p[6], y[4];
+        for (int i = 0; i < 6; ++i) p[i] = deepdsl_load16(m + (i * 6 + j) * points);
+        deepdsl_wino_output6(p, y);
+        for (int a = 0; a < 4; ++a) cols[a][j] = y[a];
+    }
+    for (int a = 0; a < 4; ++a) {
+        deepdsl_v16f y[4];
+        deepdsl_wino_output6(cols[a], y);
+        for (int b = 0; b < 4; ++b) deepdsl_store16(rows + a * row + b * DEEPDSL_BLOCK, y[b]);
+    }
+}
+
+// out (m, o, ho, wo) = the stride-1 3x3 convolution of the blocked, padded input xb (m, cb, hp, wp, 16) (ho = hp - 2,
+// wo = wp - 2) with the filters transformed by `deepdsl_winograd_filters` (u), + bias (o) when given, through v
+// (36, cb, T, 16) and products (36, ob, T, 16) of the caller's workspace. Three passes, each split among the threads:
+// the tiles' transforms by (sample, channel block, row of tiles); the products by output block groups
+// (`deepdsl_tile_groups` over the T tiles as one row), each group's points and then its runs of tiles, so that one
+// point's filters of a group stay in the cache over the tiles; the outputs by (sample, output block, row of tiles).
+void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, int m, int cb, int hp, int wp, int o,
+                           float* v, float* products, float* out) {
+    const int ob = (o + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, ho = hp - 2, wo = wp - 2;
+    const int th = (ho + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT, tw = (wo + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT;
+    const long tiles = (long)m * th * tw, x_block = (long)hp * wp * DEEPDSL_BLOCK, plane = (long)ho * wo;
+    const long v_point = (long)cb * tiles * DEEPDSL_BLOCK, m_point = (long)ob * tiles * DEEPDSL_BLOCK;
+    const long u_block = (long)cb * DEEPDSL_BLOCK * DEEPDSL_BLOCK, u_point = ob * u_block;
+    const deepdsl_groups g = deepdsl_tile_groups(ob, (int)tiles);
+    const int group = deepdsl_sum_blocks(1, 1);
+#pragma omp parallel if (tiles * o * cb * DEEPDSL_BLOCK * DEEPDSL_WINO_POINTS >= DEEPDSL_PARALLEL_MIN)
+    {
+#pragma omp for schedule(static)
+        for (long item = 0; item < (long)m * cb * th; ++item) {
+            const int s = (int)(item / ((long)cb * th)), c = (int)(item / th % cb), ty = (int)(item % th);
+            const float* xc = xb + ((long)s * cb + c) * x_block;
+            for (int tx = 0; tx < tw; ++tx) {
+                const long t = ((long)s * th + ty) * tw + tx;
+                deepdsl_wino_input_tile(xc, hp, wp, ty * DEEPDSL_WINO_OUT, tx * DEEPDSL_WINO_OUT, v_point,
+                                        v + ((long)c * tiles + t) * DEEPDSL_BLOCK);
+            }
+        }
+        long first, last;                   // (the implicit barrier above: every tile transformed)
+        deepdsl_group_share(g, DEEPDSL_WINO_POINTS * tiles, ob, &first, &last);
+        while (first < last) {
+            const long per = DEEPDSL_WINO_POINTS * tiles;
+            const int a = (int)(first / per), b0 = deepdsl_group_start(g, a);
+            const int blocks = deepdsl_group_start(g, a + 1) - b0, runs = deepdsl_row_tiles(blocks, (int)tiles);
+            const long xi = first % per / tiles, start = first % tiles;
+            const long end_tile = last - (first - start) < tiles ? last - (first - start) : tiles;
+            // this point's runs of tiles that begin in [start, end_tile): run r is [r * T / runs, (r + 1) * T / runs)
+            for (int r = 0; r < runs; ++r) {
+                const long q = (long)r * tiles / runs, n = (long)(r + 1) * tiles / runs - q;
+                if (q < start || q >= end_tile) continue;
+                const float* x = v + xi * v_point + q * DEEPDSL_BLOCK;
+                const float* w = u + xi * u_point + b0 * u_block;
+                float* to = products + xi * m_point + ((long)b0 * tiles + q) * DEEPDSL_BLOCK;
+                for (int c0 = 0; c0 < cb; c0 += group)
+                    for (int part = 0; part < deepdsl_tile_parts(blocks); ++part)
+                        deepdsl_blocked_tile_pass(x + (long)c0 * tiles * DEEPDSL_BLOCK,
+                                                  w + (long)c0 * DEEPDSL_BLOCK * DEEPDSL_BLOCK, u_block,
+                                                  cb - c0 < group ? cb - c0 : group, 1, 1, tiles * DEEPDSL_BLOCK, 0,
+                                                  blocks, (int)n, part, c0 > 0, to, tiles * DEEPDSL_BLOCK);
+            }
+            first += end_tile - start;
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long item = 0; item < (long)m * ob * th; ++item) {
+            const int s = (int)(item / ((long)ob * th)), b = (int)(item / th % ob), ty = (int)(item % th);
+            float rows[DEEPDSL_WINO_OUT][DEEPDSL_WINO_SPAN * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK];
+            for (int tx0 = 0; tx0 < tw; tx0 += DEEPDSL_WINO_SPAN) {
+                const int span = tw - tx0 < DEEPDSL_WINO_SPAN ? tw - tx0 : DEEPDSL_WINO_SPAN;
+                for (int tx = tx0; tx < tx0 + span; ++tx) {
+                    const long t = ((long)s * th + ty) * tw + tx;
+                    deepdsl_wino_output_tile(products + ((long)b * tiles + t) * DEEPDSL_BLOCK, m_point,
+                                             &rows[0][(tx - tx0) * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK],
+                                             DEEPDSL_WINO_SPAN * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK);
+                }
+                const int q0 = tx0 * DEEPDSL_WINO_OUT;
+                const int n = wo - q0 < span * DEEPDSL_WINO_OUT ? wo - q0 : span * DEEPDSL_WINO_OUT;
+                for (int y = 0; y < DEEPDSL_WINO_OUT && ty * DEEPDSL_WINO_OUT + y < ho; ++y)
+                    deepdsl_blocked_out(rows[y], 1, n, 0, b * DEEPDSL_BLOCK, o, plane, bias,
+                                        out + ((long)s * o + b * DEEPDSL_BLOCK) * plane
+                                            + (long)(ty * DEEPDSL_WINO_OUT + y) * wo + q0);
+            }
+        }
+    }
+}
+
+#else
+#define DEEPDSL_WINOGRAD 0
+#endif
+
+// Whether this library has the Winograd kernels (those of the blocked convolutions): 1 or 0.
+int deepdsl_winograd_kernels(void) { return DEEPDSL_WINOGRAD; }
