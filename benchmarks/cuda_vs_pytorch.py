@@ -2,12 +2,15 @@
 in PyTorch eager on the same GPU, side by side: milliseconds per step and peak device memory.
 
     python benchmarks/cuda_vs_pytorch.py [--networks lenet alexnet] [--warmup 5] [--steps 20] [--memory-mode static]
-                                         [--allow-tf32] [--cudnn-benchmark] [--kernels N] [--json PATH]
+                                         [--workspace-limit MIB] [--allow-tf32] [--cudnn-benchmark] [--kernels N]
+                                         [--json PATH]
 
 Needs pycuda, PyTorch with CUDA and a GPU. Each side of each network runs in a process of its own, so the device
 memory it reports is its own, on the same synthetic batches generated before timing (no data loading):
 
-- ours: `networks/<net>.py` compiled at that batch size by `deepdsl.compile`, written by `write_program` into a
+- ours: `networks/<net>.py` compiled at that batch size by `deepdsl.compile` (with `--workspace-limit`, that limit on
+  a statement's scratch in MiB instead of the default 32: convolutions run over the batch in fewer, larger chunks of
+  im2col matrices and products, with fewer launches), written by `write_program` into a
   temporary directory with its `.cu` (and, with nvcc installed, its fat binary, so no kernel is compiled in the
   timed process); the process imports only the generated program and runs its `train_step` with `--device cuda`
   semantics (`Model("cuda", memory_mode=...)`): SGD with momentum and weight decay, the loss read back each step.
@@ -59,16 +62,20 @@ def _synthetic(network: str, seed: int = 0):
 # ----------------------------------------------------------------------------------------------------------------
 # ours
 
-def prepare_ours(network: str, directory: Path) -> Path:
-    """Compile the network at its benchmark size and write the program, its kernels and (with nvcc) its fat binary."""
+def prepare_ours(network: str, directory: Path, workspace_mib: int | None = None) -> Path:
+    """Compile the network at its benchmark size (under `workspace_mib` of scratch a statement where given) and write
+    the program, its kernels and (with nvcc) its fat binary."""
     sys.path.insert(0, str(ROOT))
     import deepdsl
     from deepdsl.codegen import write_program
     from deepdsl.codegen.cuda import build_fatbin, find_nvcc
     from deepdsl.dsl import Overrides
+    from deepdsl.pipeline import CompileOptions
 
     cfg = CONFIG[network]
-    compiled = deepdsl.compile(deepdsl.load(str(ROOT / "networks" / f"{network}.py"), Overrides(batch=cfg["batch"])))
+    options = CompileOptions() if workspace_mib is None else CompileOptions(workspace_limit=workspace_mib << 20)
+    compiled = deepdsl.compile(deepdsl.load(str(ROOT / "networks" / f"{network}.py"), Overrides(batch=cfg["batch"])),
+                               options)
     program = write_program(compiled, directory / f"{network}.py")
     if find_nvcc():
         build_fatbin(program.with_suffix(".cu"))
@@ -234,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--memory-mode", default="static", choices=("static", "pooled", "dynamic"))
+    parser.add_argument("--workspace-limit", type=int, metavar="MIB",
+                        help="our programs' limit on a statement's scratch (default: the compiler's, 32 MiB)")
     parser.add_argument("--allow-tf32", action="store_true", help="let PyTorch use TF32 tensor cores")
     parser.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
@@ -255,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for network in args.networks:
-            program = prepare_ours(network, Path(tmp))
+            program = prepare_ours(network, Path(tmp), args.workspace_limit)
             ours = _run_worker(["--worker", "ours", "--network", network, "--program", str(program),
                                 "--memory-mode", args.memory_mode, *common])
             theirs = _run_worker(["--worker", "torch", "--network", network, *common]
@@ -263,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                                  + (["--cudnn-benchmark"] if args.cudnn_benchmark else []))
             rows.append((network, ours, theirs))
     print(f"device: {rows[0][1]['device']}; PyTorch {rows[0][2]['torch']}; median of {args.steps} steps after "
-          f"{args.warmup} warm-up steps; memory in MiB; memory mode {args.memory_mode}")
+          f"{args.warmup} warm-up steps; memory in MiB; memory mode {args.memory_mode}"
+          + (f"; our workspace limit {args.workspace_limit} MiB" if args.workspace_limit else ""))
     print("| network | batch | ours ms/step | PyTorch ms/step | ratio | ours tensor peak (planned) | ours workspace | "
           "ours persistent | ours device taken | PyTorch max allocated | PyTorch max reserved | PyTorch device taken |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
