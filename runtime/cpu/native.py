@@ -356,6 +356,9 @@ class Native:
         self.winograd_kernels = self.blocked and bool(getattr(lib, "deepdsl_winograd_kernels", lambda: 0)()) and \
             os.environ.get("DEEPDSL_WINOGRAD", "1") != "0"
         self.winograd = self.winograd_kernels      # (taken where they are; benchmarks turn them off to compare)
+        if self.winograd_kernels:
+            lib.deepdsl_winograd_filters.argtypes = [_P, _I, _I, _P]
+            lib.deepdsl_winograd_conv.argtypes = [_P, _P, _P] + [_I] * 5 + [_P, _P, _P]
         self.tiled_convs = True         # convolutions sample by sample in the products' tiles (`conv_tiles`, ...)
         if self.blocked:
             lib.deepdsl_blocked_input.argtypes = [_P] + [_I] * 6 + [_P]
@@ -363,8 +366,6 @@ class Native:
             lib.deepdsl_blocked_conv.argtypes = [_P, _P, _P] + [_I] * 7 + [_P]
             lib.deepdsl_blocked_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 8 + [_P]
             lib.deepdsl_unblocked_filters.argtypes = [_P] + [_I] * 4 + [_P]
-            lib.deepdsl_winograd_filters.argtypes = [_P, _I, _I, _P]
-            lib.deepdsl_winograd_conv.argtypes = [_P, _P, _P] + [_I] * 5 + [_P, _P, _P]
         # (nor the render of images read from files)
         self._resample = getattr(lib, "deepdsl_resample_image", None)
         if self._resample is not None:

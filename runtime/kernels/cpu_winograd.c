@@ -34,6 +34,9 @@
 #define DEEPDSL_WINO_SPAN 16            /* tiles of a row written at a time: 64 outputs, 16 KB of the stack */
 
 typedef float deepdsl_v16f __attribute__((vector_size(64)));
+// (built without AVX-512, GCC warns that returning such a vector changes the ABI: deepdsl_load16 is inlined, so no
+// call returns one; vectors are stored with memcpy)
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 static inline deepdsl_v16f deepdsl_load16(const float* from) {
     deepdsl_v16f v;
@@ -41,7 +44,6 @@ static inline deepdsl_v16f deepdsl_load16(const float* from) {
     return v;
 }
 
-static inline void deepdsl_store16(float* to, deepdsl_v16f v) { memcpy(to, &v, sizeof v); }
 
 // t = B^T d for six vectors d, B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0;
 // 0 4 0 -5 0 1]
@@ -96,7 +98,8 @@ void deepdsl_winograd_filters(const float* wb, int ob, int cb, float* u) {
         for (int a = 0; a < 6; ++a) {
             deepdsl_v16f t[6];
             deepdsl_wino_filter3(rows[a], t);
-            for (int b = 0; b < 6; ++b) deepdsl_store16(u + ((a * 6 + b) * pairs + pair) * tile + k * DEEPDSL_BLOCK, t[b]);
+            for (int b = 0; b < 6; ++b)
+                memcpy(u + ((a * 6 + b) * pairs + pair) * tile + k * DEEPDSL_BLOCK, &t[b], sizeof t[b]);
         }
     }
 }
@@ -118,7 +121,7 @@ static inline void deepdsl_wino_input_tile(const float* xc, int hp, int wp, int 
     for (int a = 0; a < 6; ++a) {
         deepdsl_v16f t[6];
         deepdsl_wino_input6(cols[a], t);
-        for (int b = 0; b < 6; ++b) deepdsl_store16(v + (a * 6 + b) * points, t[b]);
+        for (int b = 0; b < 6; ++b) memcpy(v + (a * 6 + b) * points, &t[b], sizeof t[b]);
     }
 }
 
@@ -135,7 +138,7 @@ static inline void deepdsl_wino_output_tile(const float* m, long points, float* 
     for (int a = 0; a < 4; ++a) {
         deepdsl_v16f y[4];
         deepdsl_wino_output6(cols[a], y);
-        for (int b = 0; b < 4; ++b) deepdsl_store16(rows + a * row + b * DEEPDSL_BLOCK, y[b]);
+        for (int b = 0; b < 4; ++b) memcpy(rows + a * row + b * DEEPDSL_BLOCK, &y[b], sizeof y[b]);
     }
 }
 
