@@ -413,3 +413,27 @@ def test_the_winograd_rule():
     assert not contract.winograd_conv(64, 64, 3, 3, 2, 1, 28)                              # not blocked: strided
     assert not contract.winograd_conv(64, 64, 3, 3, 1, 1, 4)                               # nor short rows
     assert contract.winograd_tiles(7, 7) == 4 and contract.winograd_tiles(8, 9) == 6
+
+
+def test_deepdsl_winograd_0_turns_the_transforms_off(lib, tmp_path_factory, monkeypatch):  # noqa: F811
+    """$DEEPDSL_WINOGRAD=0: the same library loaded again takes the direct sums for the 3x3 layers (the bits of the
+    blocked kernels with Winograd's off), and without it Winograd's transforms."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    from deepdsl_runtime.cpu import native
+    from tests.test_native_kernels import _program
+
+    _, _, path = _program("resnet_mini", None, tmp_path_factory)
+    monkeypatch.setenv("DEEPDSL_WINOGRAD", "0")
+    off, _ = native.load(path)
+    monkeypatch.delenv("DEEPDSL_WINOGRAD")
+    on, _ = native.load(path)
+    assert off.blocked and not off.winograd_kernels and not off.winograd
+    assert on.winograd_kernels and on.winograd
+    node = _nodes(2, 32, 8, 8, 32, 3, 3, 1, bias=True)[0]
+    arrays = _arrays(node, 9)
+    direct = _run(off, node, arrays)
+    with monkeypatch.context() as patch:
+        patch.setattr(on, "winograd", False)
+        assert np.array_equal(direct, _run(on, node, arrays))
+    assert not np.array_equal(direct, _run(on, node, arrays))        # (Winograd's rounding)
