@@ -32,7 +32,8 @@ __all__ = [
     "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "FILTER_BY_SAMPLES_PLANE", "filter_by_samples",
     "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW", "WIDE_FILTER_ROW", "WIDEST_LANES", "BLOCKED_CONV_ROW",
     "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
-    "WINOGRAD_CHUNK_BYTES", "WINOGRAD_OUT", "WINOGRAD_POINTS", "winograd_conv", "winograd_samples", "winograd_scratch", "winograd_tiles",
+    "WINOGRAD_CHUNK_BYTES", "WINOGRAD_FILTER_BYTES", "WINOGRAD_OUT", "WINOGRAD_POINTS", "winograd_conv",
+    "winograd_range", "winograd_samples", "winograd_scratch", "winograd_tiles",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "LAYER_NORM_PART_ROWS", "layer_norm_rows", "layer_norm_parts", "layer_norm_param_scratch",
     "mask_generator",
@@ -455,23 +456,43 @@ def winograd_tiles(h: int, w: int) -> int:
     return -(-h // WINOGRAD_OUT) * -(-w // WINOGRAD_OUT)
 
 
-def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
-    """A Winograd convolution's workspace (`winograd_conv`) in floats: (per sample, once), the once part first:
-    once the filters blocked and then transformed (36 points); per sample the convolution's input blocked with its
-    padding (`blocked_scratch`), its tiles transformed, and their products (36 points of each tile of each block of
-    inputs, and of outputs). For conv2d_bwd_data the convolution's input is the output gradient and its output the
-    input gradient."""
-    (_, c, h, w), (o, _, kh, kw) = x_shape, w_shape
-    per_sample, filters = blocked_scratch(op, x_shape, w_shape, pad)
+WINOGRAD_FILTER_BYTES = 1 << 22  # a Winograd convolution's transformed filters at most: a range of output blocks at
+                                 # a time, which stays in the cache over the tiles and keeps the workspace it touches
+                                 # near the direct sums' (a layer of 512 channels would take 36 MiB at once)
+
+
+def _winograd_blocks(op: str, c: int, o: int) -> tuple[int, int, int]:
+    """(input blocks, output blocks, output blocks a range) of a Winograd convolution: ranges of as equal sizes as
+    can be whose transformed filters fit WINOGRAD_FILTER_BYTES (one block at least). For conv2d_bwd_data the
+    convolution's inputs are the forward's outputs."""
     ins, outs = (channel_blocks(o), channel_blocks(c)) if op == "conv2d_bwd_data" else \
         (channel_blocks(c), channel_blocks(o))
+    per_block = FLOAT_BYTES * WINOGRAD_POINTS * ins * CHANNEL_BLOCK ** 2
+    ranges = -(-outs // max(1, WINOGRAD_FILTER_BYTES // per_block))
+    return ins, outs, -(-outs // ranges)
+
+
+def winograd_range(op: str, x_shape, w_shape) -> int:
+    """Output blocks a Winograd convolution (`winograd_scratch`) transforms the filters of and computes at a time."""
+    return _winograd_blocks(op, x_shape[1], w_shape[0])[2]
+
+
+def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
+    """A Winograd convolution's workspace (`winograd_conv`) in floats: (per sample, once), the once part first:
+    once the filters blocked and a range's transformed (36 points; `winograd_range` output blocks); per sample the
+    convolution's input blocked with its padding (`blocked_scratch`), its tiles transformed, and their products with
+    a range's filters (36 points of each tile of each block of inputs, and of the range's outputs). For
+    conv2d_bwd_data the convolution's input is the output gradient and its output the input gradient."""
+    (_, c, h, w), (o, _, kh, kw) = x_shape, w_shape
+    per_sample, filters = blocked_scratch(op, x_shape, w_shape, pad)
+    ins, _, blocks = _winograd_blocks(op, c, o)
     points = WINOGRAD_POINTS * winograd_tiles(h, w) * CHANNEL_BLOCK
-    return per_sample + points * (ins + outs), filters + WINOGRAD_POINTS * ins * outs * CHANNEL_BLOCK ** 2
+    return per_sample + points * (ins + blocks), filters + WINOGRAD_POINTS * ins * blocks * CHANNEL_BLOCK ** 2
 
 
 def winograd_samples(batch: int, op: str, x_shape, w_shape, pad: int, room: int | None = None) -> int:
     """How many samples a Winograd convolution (`winograd_scratch`) copies, transforms and multiplies at a time:
-    `blocked_samples` within WINOGRAD_CHUNK_BYTES or its transformed filters' bytes, whichever is larger, and
+    `blocked_samples` within WINOGRAD_CHUNK_BYTES or a range's transformed filters' bytes, whichever is larger, and
     `room` floats of workspace. The plan reserves that many samples' room; the kernel takes the same number."""
     per_sample, once = winograd_scratch(op, x_shape, w_shape, pad)
     transformed = once - blocked_scratch(op, x_shape, w_shape, pad)[1]

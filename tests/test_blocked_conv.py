@@ -331,11 +331,13 @@ def test_winograd_convolutions_equal_the_reference(lib, recorded, geometry, monk
 @pytest.mark.parametrize("geometry", [(5, 32, 9, 15, 48), (3, 24, 7, 7, 80)], ids=["rows of 15", "five blocks"])
 def test_winograd_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometry, monkeypatch):  # noqa: F811
     """Threads split tiles, output blocks and points, never a sum; a chunk's tiles are transformed and multiplied
-    alone: the same bits on 1, 2 and 3 threads, in chunks of one sample, two and all."""
+    alone, and a range of output blocks with its own filters: the same bits on 1, 2 and 3 threads, in chunks of one
+    sample, two and all, and in ranges of one output block (each transforming its filters for every chunk)."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     monkeypatch.setattr(lib, "winograd", True)
     before = lib.threads
+    one_block = 4 * contract.WINOGRAD_POINTS * contract.channel_blocks(geometry[1]) * contract.CHANNEL_BLOCK ** 2
     for node in _nodes(*geometry, 3, 3, 1, bias=True)[:2]:
         arrays = _arrays(node, 7)
         results = []
@@ -344,6 +346,15 @@ def test_winograd_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometr
                 lib.set_threads(threads)
                 for limit in (None, _winograd_limit(node, 1), _winograd_limit(node, 2)):
                     results.append(_run(lib, node, arrays, limit))
+            with monkeypatch.context() as patch:
+                patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block if node.op == "conv2d" else
+                              one_block * contract.channel_blocks(geometry[4]) // contract.channel_blocks(geometry[1]))
+                x_shape = node.shape if node.op == "conv2d_bwd_data" else node.inputs[0].shape
+                assert contract.winograd_range(node.op, x_shape, node.inputs[1].shape) == 1
+                calls = recorded.count("winograd")
+                results.append(_run(lib, node, arrays, _winograd_limit(node, 2)))
+                outs = geometry[1] if node.op == "conv2d_bwd_data" else geometry[4]
+                assert recorded.count("winograd") - calls == contract.channel_blocks(outs) * -(-geometry[0] // 2)
         finally:
             lib.set_threads(before)
         assert recorded.count("winograd") >= 9, node.op

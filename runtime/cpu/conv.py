@@ -86,22 +86,33 @@ def _winograd(op: str, x, w, bias, out, a, pad: int, workspace, native, over: bo
     ins, outs = (contract.channel_blocks(o), contract.channel_blocks(c)) if flip else \
         (contract.channel_blocks(c), contract.channel_blocks(o))
     block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
+    most = contract.winograd_range(op, x.shape, w.shape)
+    ranges = [(b, min(outs, b + most)) for b in range(0, outs, most)]
     scratch = Scratch(workspace)
     filters = scratch.take((outs, ins, kh, kw, block, block))
-    transformed = scratch.take((points, outs, ins, block, block))
+    transformed = scratch.take((points * most * ins * block * block,))
     native.block_filters(w, flip, filters)
-    native.winograd_filters(filters, transformed)
+
+    def transform(b0: int, b1: int) -> np.ndarray:          # the range's filters, (36, b1 - b0, ins, 16, 16)
+        u = transformed[:points * (b1 - b0) * ins * block * block].reshape(points, b1 - b0, ins, block, block)
+        native.winograd_filters(filters[b0:b1], u)
+        return u
+
+    once = transform(*ranges[0]) if len(ranges) == 1 else None
     step = contract.winograd_samples(n, op, x.shape, w.shape, pad, None if workspace is None else workspace.size)
     starts = range(0, n, step)
     padding = kh - 1 - pad if flip else pad
     for s in _safe_order(starts, over and out.nbytes > a.nbytes) if flip else starts:
         e = min(n, s + step)
-        chunk = Scratch(workspace, once)
+        chunk = Scratch(workspace, scratch.used)
         ab = chunk.take((e - s, ins, h + 2 * padding, wd + 2 * padding, block))
         v = chunk.take((points, ins, (e - s) * tiles, block))
-        products = chunk.take((points, outs, (e - s) * tiles, block))
+        products = chunk.take((points * most * (e - s) * tiles * block,))
         native.block_input(a[s:e], padding, padding, ab)
-        native.winograd_conv(ab, transformed, bias, v, products, out[s:e])
+        for k, (b0, b1) in enumerate(ranges):       # (one range: its filters transformed once for every chunk)
+            u = once if once is not None else transform(b0, b1)
+            native.winograd_conv(ab, u, bias, v, products[:points * (b1 - b0) * (e - s) * tiles * block],
+                                 out[s:e], b0, b1, k > 0)
     return True
 
 

@@ -358,7 +358,7 @@ class Native:
         self.winograd = self.winograd_kernels      # (taken where they are; benchmarks turn them off to compare)
         if self.winograd_kernels:
             lib.deepdsl_winograd_filters.argtypes = [_P, _I, _I, _P]
-            lib.deepdsl_winograd_conv.argtypes = [_P, _P, _P] + [_I] * 5 + [_P, _P, _P]
+            lib.deepdsl_winograd_conv.argtypes = [_P, _P, _P] + [_I] * 8 + [_P, _P, _P]
         self.tiled_convs = True         # convolutions sample by sample in the products' tiles (`conv_tiles`, ...)
         if self.blocked:
             lib.deepdsl_blocked_input.argtypes = [_P] + [_I] * 6 + [_P]
@@ -734,13 +734,15 @@ class Native:
         self.lib.deepdsl_winograd_filters(_address(wb), ob, cb, _address(out))
 
     def winograd_conv(self, xb: np.ndarray, u: np.ndarray, bias: np.ndarray | None, v: np.ndarray,
-                      products: np.ndarray, out: np.ndarray) -> None:
-        """out (m, O, Ho, Wo) = the stride-1 3x3 convolution of the blocked input xb (m, cb, Ho + 2, Wo + 2, 16) with
-        the transformed filters u (`winograd_filters`), + bias (O) when given, by Winograd's F(4x4, 3x3) through v
-        (36, cb, T, 16) and products (36, ceil(O/16), T, 16), T the tiles (`contract.winograd_tiles`)."""
+                      products: np.ndarray, out: np.ndarray, b0: int, b1: int, transformed: bool) -> None:
+        """Output blocks [b0, b1) of out (m, O, Ho, Wo) = the stride-1 3x3 convolution of the blocked input xb (m, cb,
+        Ho + 2, Wo + 2, 16) with those blocks' transformed filters u (`winograd_filters`: (36, b1 - b0, cb, 16, 16)),
+        + bias (O) when given, by Winograd's F(4x4, 3x3) through v (36, cb, T, 16; `transformed`: already xb's tiles)
+        and products (36 * (b1 - b0) * T * 16 floats), T the tiles (`contract.winograd_tiles`)."""
         m, cb, hp, wp, _ = xb.shape
         self.lib.deepdsl_winograd_conv(_address(xb), _address(u), None if bias is None else _address(bias),
-                                       m, cb, hp, wp, out.shape[1], _address(v), _address(products), _address(out))
+                                       m, cb, hp, wp, out.shape[1], b0, b1, int(transformed), _address(v),
+                                       _address(products), _address(out))
 
     def blocked_filter_sums(self, xb: np.ndarray, gb: np.ndarray, first: bool, sums: np.ndarray) -> None:
         """sums (ob, cb, kh, kw, 16, 16) = (first) or += the filter gradient of the blocked, padded input xb (m, cb,

@@ -10,7 +10,8 @@
 // xi of the transformed tile is a matrix product over the channels, U[xi] (outputs x inputs) times V[xi] (inputs x
 // tiles), and the outputs are the inverse transform of those products. On the blocked layout:
 //
-//   U (36, ob, cb, 16 inputs, 16 outputs)  the filters transformed (`deepdsl_winograd_filters`), once a call;
+//   U (36, ob, cb, 16 inputs, 16 outputs)  the filters transformed (`deepdsl_winograd_filters`), a range of output
+//                                           blocks at a time (`contract.winograd_range`);
 //   V (36, cb, T, 16)                       the input's tiles transformed, T = m * ceil(Ho / 4) * ceil(Wo / 4)
 //                                           tiles, tile t = (sample * rows of tiles + row) * columns + column;
 //   M (36, ob, T, 16)                       their products: for each xi a product of the blocked tiles of
@@ -142,39 +143,43 @@ static inline void deepdsl_wino_output_tile(const float* m, long points, float* 
     }
 }
 
-// out (m, o, ho, wo) = the stride-1 3x3 convolution of the blocked, padded input xb (m, cb, hp, wp, 16) (ho = hp - 2,
-// wo = wp - 2) with the filters transformed by `deepdsl_winograd_filters` (u), + bias (o) when given, through v
-// (36, cb, T, 16) and products (36, ob, T, 16) of the caller's workspace. Three passes, each split among the threads:
-// the tiles' transforms by (sample, channel block, row of tiles); the products by output block groups
-// (`deepdsl_tile_groups` over the T tiles as one row), each group's points and then its runs of tiles, so that one
-// point's filters of a group stay in the cache over the tiles; the outputs by (sample, output block, row of tiles).
+// Output blocks [b0, b1) of out (m, o, ho, wo) = the stride-1 3x3 convolution of the blocked, padded input xb (m, cb,
+// hp, wp, 16) (ho = hp - 2, wo = wp - 2) with those blocks' filters transformed by `deepdsl_winograd_filters` (u,
+// (36, b1 - b0, cb, 16, 16)), + bias (o) when given, through v (36, cb, T, 16) and products (36, b1 - b0, T, 16) of
+// the caller's workspace; `transformed`: v already holds xb's tiles (an earlier range of the same chunk). Three
+// passes, each split among the threads: the tiles' transforms by (sample, channel block, row of tiles); the products
+// by output block groups (`deepdsl_tile_groups` over the T tiles as one row), each group's points and then its runs
+// of tiles, so that one point's filters of a group stay in the cache over the tiles; the outputs by (sample, output
+// block, row of tiles).
 void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, int m, int cb, int hp, int wp, int o,
-                           float* v, float* products, float* out) {
-    const int ob = (o + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, ho = hp - 2, wo = wp - 2;
+                           int b0, int b1, int transformed, float* v, float* products, float* out) {
+    const int ob = b1 - b0, ho = hp - 2, wo = wp - 2;
     const int th = (ho + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT, tw = (wo + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT;
     const long tiles = (long)m * th * tw, x_block = (long)hp * wp * DEEPDSL_BLOCK, plane = (long)ho * wo;
     const long v_point = (long)cb * tiles * DEEPDSL_BLOCK, m_point = (long)ob * tiles * DEEPDSL_BLOCK;
     const long u_block = (long)cb * DEEPDSL_BLOCK * DEEPDSL_BLOCK, u_point = ob * u_block;
     const deepdsl_groups g = deepdsl_tile_groups(ob, (int)tiles);
     const int group = deepdsl_sum_blocks(1, 1);
-#pragma omp parallel if (tiles * o * cb * DEEPDSL_BLOCK * DEEPDSL_WINO_POINTS >= DEEPDSL_PARALLEL_MIN)
+#pragma omp parallel if (tiles * ob * DEEPDSL_BLOCK * cb * DEEPDSL_BLOCK * DEEPDSL_WINO_POINTS >= DEEPDSL_PARALLEL_MIN)
     {
+        if (!transformed) {
 #pragma omp for schedule(static)
-        for (long item = 0; item < (long)m * cb * th; ++item) {
-            const int s = (int)(item / ((long)cb * th)), c = (int)(item / th % cb), ty = (int)(item % th);
-            const float* xc = xb + ((long)s * cb + c) * x_block;
-            for (int tx = 0; tx < tw; ++tx) {
-                const long t = ((long)s * th + ty) * tw + tx;
-                deepdsl_wino_input_tile(xc, hp, wp, ty * DEEPDSL_WINO_OUT, tx * DEEPDSL_WINO_OUT, v_point,
-                                        v + ((long)c * tiles + t) * DEEPDSL_BLOCK);
+            for (long item = 0; item < (long)m * cb * th; ++item) {
+                const int s = (int)(item / ((long)cb * th)), c = (int)(item / th % cb), ty = (int)(item % th);
+                const float* xc = xb + ((long)s * cb + c) * x_block;
+                for (int tx = 0; tx < tw; ++tx) {
+                    const long t = ((long)s * th + ty) * tw + tx;
+                    deepdsl_wino_input_tile(xc, hp, wp, ty * DEEPDSL_WINO_OUT, tx * DEEPDSL_WINO_OUT, v_point,
+                                            v + ((long)c * tiles + t) * DEEPDSL_BLOCK);
+                }
             }
         }
         long first, last;                   // (the implicit barrier above: every tile transformed)
         deepdsl_group_share(g, DEEPDSL_WINO_POINTS * tiles, ob, &first, &last);
         while (first < last) {
             const long per = DEEPDSL_WINO_POINTS * tiles;
-            const int a = (int)(first / per), b0 = deepdsl_group_start(g, a);
-            const int blocks = deepdsl_group_start(g, a + 1) - b0, runs = deepdsl_row_tiles(blocks, (int)tiles);
+            const int a = (int)(first / per), a0 = deepdsl_group_start(g, a);
+            const int blocks = deepdsl_group_start(g, a + 1) - a0, runs = deepdsl_row_tiles(blocks, (int)tiles);
             const long xi = first % per / tiles, start = first % tiles;
             const long end_tile = last - (first - start) < tiles ? last - (first - start) : tiles;
             // this point's runs of tiles that begin in [start, end_tile): run r is [r * T / runs, (r + 1) * T / runs)
@@ -182,8 +187,8 @@ void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, i
                 const long q = (long)r * tiles / runs, n = (long)(r + 1) * tiles / runs - q;
                 if (q < start || q >= end_tile) continue;
                 const float* x = v + xi * v_point + q * DEEPDSL_BLOCK;
-                const float* w = u + xi * u_point + b0 * u_block;
-                float* to = products + xi * m_point + ((long)b0 * tiles + q) * DEEPDSL_BLOCK;
+                const float* w = u + xi * u_point + a0 * u_block;
+                float* to = products + xi * m_point + ((long)a0 * tiles + q) * DEEPDSL_BLOCK;
                 for (int c0 = 0; c0 < cb; c0 += group)
                     for (int part = 0; part < deepdsl_tile_parts(blocks); ++part)
                         deepdsl_blocked_tile_pass(x + (long)c0 * tiles * DEEPDSL_BLOCK,
@@ -197,6 +202,7 @@ void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, i
 #pragma omp for schedule(static)
         for (long item = 0; item < (long)m * ob * th; ++item) {
             const int s = (int)(item / ((long)ob * th)), b = (int)(item / th % ob), ty = (int)(item % th);
+            const int channel = (b0 + b) * DEEPDSL_BLOCK;
             float rows[DEEPDSL_WINO_OUT][DEEPDSL_WINO_SPAN * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK];
             for (int tx0 = 0; tx0 < tw; tx0 += DEEPDSL_WINO_SPAN) {
                 const int span = tw - tx0 < DEEPDSL_WINO_SPAN ? tw - tx0 : DEEPDSL_WINO_SPAN;
@@ -209,8 +215,8 @@ void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, i
                 const int q0 = tx0 * DEEPDSL_WINO_OUT;
                 const int n = wo - q0 < span * DEEPDSL_WINO_OUT ? wo - q0 : span * DEEPDSL_WINO_OUT;
                 for (int y = 0; y < DEEPDSL_WINO_OUT && ty * DEEPDSL_WINO_OUT + y < ho; ++y)
-                    deepdsl_blocked_out(rows[y], 1, n, 0, b * DEEPDSL_BLOCK, o, plane, bias,
-                                        out + ((long)s * o + b * DEEPDSL_BLOCK) * plane
+                    deepdsl_blocked_out(rows[y], 1, n, 0, channel, o, plane, bias,
+                                        out + ((long)s * o + channel) * plane
                                             + (long)(ty * DEEPDSL_WINO_OUT + y) * wo + q0);
             }
         }
