@@ -188,7 +188,7 @@ class Alexnet(rp.Model):
         # ---- conv3 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
         # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
         conv3 = mem.tensor(13, (128, 384, 13, 13), 'float32')
-        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(31334400))
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(28606464))
 
         # ---- conv3_relu (relu), forward ----
         # conv3_relu = Max(0, conv3)
@@ -198,7 +198,7 @@ class Alexnet(rp.Model):
         # ---- conv4 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
         # conv4 = conv2d[pad=1](conv3_relu, conv4_W, conv4_B)
         conv4 = mem.tensor(14, (128, 384, 13, 13), 'float32')
-        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(32887296))
+        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(32182272))
 
         # ---- conv4_relu (relu), forward ----
         # conv4_relu = Max(0, conv4)
@@ -456,7 +456,7 @@ class Alexnet(rp.Model):
         mem.free(37)
         # d_conv3_relu = conv2d_bwd_data[pad=1,size=(13,13)](d_conv4, conv4_W)
         d_conv3_relu = mem.tensor(38, (128, 384, 13, 13), 'float32', over=35)
-        rt.conv2d_bwd_data(d_conv4, T['conv4_W'], out=d_conv3_relu, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(33146880))
+        rt.conv2d_bwd_data(d_conv4, T['conv4_W'], out=d_conv3_relu, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(30354432))
         # free d_conv4_relu, d_conv4
         del d_conv4_relu, d_conv4
         mem.free(35)
@@ -494,7 +494,7 @@ class Alexnet(rp.Model):
         rt.sum_to(d_conv3, out=d_conv3_sum_to, shape=(1, 384, 1, 1))
         # d_conv2_max_pool = conv2d_bwd_data[pad=1,size=(13,13)](d_conv3, conv3_W)
         d_conv2_max_pool = mem.tensor(41, (128, 256, 13, 13), 'float32')
-        rt.conv2d_bwd_data(d_conv3, T['conv3_W'], out=d_conv2_max_pool, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(30435840))
+        rt.conv2d_bwd_data(d_conv3, T['conv3_W'], out=d_conv2_max_pool, pad=1, size=(13, 13), stride=1, workspace=mem.workspace(30278144))
         # free d_conv3_relu, d_conv3
         del d_conv3_relu, d_conv3
         mem.free(38)
@@ -728,7 +728,7 @@ class Alexnet(rp.Model):
         # ---- conv3 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
         # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
         conv3 = mem.tensor(6, (128, 384, 13, 13), 'float32')
-        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(31334400))
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(28606464))
         # free conv2_max_pool
         del conv2_max_pool
         mem.free(5)
@@ -741,7 +741,7 @@ class Alexnet(rp.Model):
         # ---- conv4 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
         # conv4 = conv2d[pad=1](conv3_relu, conv4_W, conv4_B)
         conv4 = mem.tensor(7, (128, 384, 13, 13), 'float32')
-        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(32887296))
+        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(32182272))
         # free conv3, conv3_relu
         del conv3, conv3_relu
         mem.free(6)
@@ -905,7 +905,7 @@ class Alexnet(rp.Model):
         # ---- conv3 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
         # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
         conv3 = mem.tensor(5, (128, 384, 13, 13), 'float32')
-        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(31334400))
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(28606464))
         # free conv2_max_pool
         del conv2_max_pool
         mem.free(4)
@@ -918,7 +918,7 @@ class Alexnet(rp.Model):
         # ---- conv4 (conv 3x3, 384 channels, stride 1, padding 1), forward ----
         # conv4 = conv2d[pad=1](conv3_relu, conv4_W, conv4_B)
         conv4 = mem.tensor(6, (128, 384, 13, 13), 'float32')
-        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(32887296))
+        rt.conv2d(conv3_relu, T['conv4_W'], T['conv4_B'], out=conv4, pad=1, stride=1, workspace=mem.workspace(32182272))
         # free conv3, conv3_relu
         del conv3, conv3_relu
         mem.free(5)
@@ -1059,7 +1059,7 @@ class Alexnet(rp.Model):
                 (0, 150994944),  # 50: d_fc6_W 4096x9216 float32
             )),
         "test_step": rp.StepPlan(
-            arena_bytes=227833856, peak_bytes=227833856, workspace_bytes=32887296, pool_bytes=227833856,
+            arena_bytes=227833856, peak_bytes=227833856, workspace_bytes=32845824, pool_bytes=227833856,
             buffers=(
                 (148684800, 79148544),  # 0: x 128x3x227x227 float32
                 (227833344, 512),  # 1: y 128 int32
@@ -1080,7 +1080,7 @@ class Alexnet(rp.Model):
                 (0, 4),  # 16: fc8_log_loss_sum_to scalar float32
             )),
         "predict_step": rp.StepPlan(
-            arena_bytes=227833344, peak_bytes=227833344, workspace_bytes=32887296, pool_bytes=227833344,
+            arena_bytes=227833344, peak_bytes=227833344, workspace_bytes=32845824, pool_bytes=227833344,
             buffers=(
                 (148684800, 79148544),  # 0: x 128x3x227x227 float32
                 (0, 148684800),  # 1: conv1 128x96x55x55 float32

@@ -178,7 +178,7 @@ class Overfeat(rp.Model):
         # ---- conv3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
         # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
         conv3 = mem.tensor(11, (128, 512, 12, 12), 'float32')
-        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(33161216))
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(29028352))
 
         # ---- conv3_relu (relu), forward ----
         # conv3_relu = Max(0, conv3)
@@ -701,7 +701,7 @@ class Overfeat(rp.Model):
         # ---- conv3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
         # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
         conv3 = mem.tensor(6, (128, 512, 12, 12), 'float32')
-        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(33161216))
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(29028352))
         # free conv2_max_pool
         del conv2_max_pool
         mem.free(5)
@@ -868,7 +868,7 @@ class Overfeat(rp.Model):
         # ---- conv3 (conv 3x3, 512 channels, stride 1, padding 1), forward ----
         # conv3 = conv2d[pad=1](conv2_max_pool, conv3_W, conv3_B)
         conv3 = mem.tensor(5, (128, 512, 12, 12), 'float32')
-        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(33161216))
+        rt.conv2d(conv2_max_pool, T['conv3_W'], T['conv3_B'], out=conv3, pad=1, stride=1, workspace=mem.workspace(29028352))
         # free conv2_max_pool
         del conv2_max_pool
         mem.free(4)

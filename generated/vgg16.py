@@ -850,7 +850,7 @@ class Vgg16(rp.Model):
         rt.conv2d_bwd_filter(d_conv3_1, conv2_2_max_pool, out=d_conv3_1_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(20563968))
         # d_conv2_2_max_pool = conv2d_bwd_data[pad=1,size=(56,56)](d_conv3_1, conv3_1_W)
         d_conv2_2_max_pool = mem.tensor(72, (64, 128, 56, 56), 'float32')
-        rt.conv2d_bwd_data(d_conv3_1, T['conv3_1_W'], out=d_conv2_2_max_pool, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(20180992))
+        rt.conv2d_bwd_data(d_conv3_1, T['conv3_1_W'], out=d_conv2_2_max_pool, pad=1, size=(56, 56), stride=1, workspace=mem.workspace(20016128))
         # free d_conv3_1_relu, d_conv3_1
         del d_conv3_1_relu, d_conv3_1
         mem.free(69)
