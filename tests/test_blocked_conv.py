@@ -61,6 +61,13 @@ def _samples_limit(node, samples):
     return 4 * (once + samples * per_sample)
 
 
+def _winograd_limit(node, samples):
+    """A workspace limit with room for Winograd's transformed filters and `samples` samples' arrays."""
+    x_shape = node.shape if node.op == "conv2d_bwd_data" else node.inputs[0].shape
+    per_sample, once = contract.winograd_scratch(node.op, x_shape, node.inputs[1].shape, 1)
+    return 4 * (once + samples * per_sample)
+
+
 def _run(kernels, node, arrays, limit=None, workspace=None, out=None):
     """The runtime's convolution of `node` with `kernels` into a NaN-filled output, under a NaN-filled workspace of
     exactly the planned size at `limit` (or `workspace`)."""
@@ -165,22 +172,26 @@ def test_a_workspace_too_small_runs_im2col(lib, recorded):  # noqa: F811
     np.testing.assert_allclose(plain, blocked, rtol=1e-5, atol=1e-6 * float(np.abs(blocked).max()))
 
 
+@pytest.mark.parametrize("winograd", [False, True], ids=["direct", "winograd"])
 @pytest.mark.parametrize("c,o", [(16, 32), (32, 16), (32, 32)])
-def test_an_input_gradient_over_its_output_gradient(lib, recorded, c, o):  # noqa: F811
+def test_an_input_gradient_over_its_output_gradient(lib, recorded, c, o, winograd, monkeypatch):  # noqa: F811
     """The input gradient taking over the bytes of its dying output gradient (same start; larger, smaller and the
-    same size): chunks of one sample in the safe order give the bits of separate buffers."""
+    same size), by the direct sums or Winograd's transforms: chunks of one sample in the safe order give the bits
+    of separate buffers."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    monkeypatch.setattr(lib, "winograd", winograd)
     node = _nodes(4, c, 8, 8, o, 3, 3, 1, bias=False)[1]
     g, w = _arrays(node, c + o)
-    limit = _samples_limit(node, 1)
+    limit = (_winograd_limit if winograd else _samples_limit)(node, 1)
     want = _run(lib, node, [g, w], limit=limit)
     shared = np.empty(max(g.size, 4 * c * 64), np.float32)
     g_over = shared[:g.size].reshape(g.shape)
     g_over[...] = g
     out = shared[:4 * c * 64].reshape(node.shape)
+    recorded.clear()
     got = _run(lib, node, [g_over, w], limit=limit, out=out)
-    assert recorded and recorded[-1] == "conv"
+    assert recorded and set(recorded) == {"winograd" if winograd else "conv"}
     np.testing.assert_array_equal(got, want)
 
 
@@ -297,13 +308,6 @@ WINOGRAD_GEOMETRIES = [  # (N, C, H, W, O)
 ]
 
 
-def _winograd_limit(node, samples):
-    """A workspace limit with room for Winograd's transformed filters and `samples` samples' arrays."""
-    x_shape = node.shape if node.op == "conv2d_bwd_data" else node.inputs[0].shape
-    per_sample, once = contract.winograd_scratch(node.op, x_shape, node.inputs[1].shape, 1)
-    return 4 * (once + samples * per_sample)
-
-
 @pytest.mark.parametrize("geometry", WINOGRAD_GEOMETRIES, ids=[str(g) for g in WINOGRAD_GEOMETRIES])
 def test_winograd_convolutions_equal_the_reference(lib, recorded, geometry, monkeypatch):  # noqa: F811
     """The forward (with bias) and the input gradient by Winograd's transforms into NaN-filled outputs under
@@ -394,26 +398,6 @@ def test_a_workspace_too_small_for_winograd_runs_the_direct_sums(lib, recorded, 
     winograd = _run(lib, node, arrays, workspace=np.full(once + per_sample, np.nan, np.float32))
     assert recorded == ["winograd"] * 2          # (a sample at a time)
     np.testing.assert_allclose(winograd, direct, rtol=0, atol=4e-5 * float(np.abs(direct).max()))
-
-
-@pytest.mark.parametrize("c,o", [(16, 32), (32, 16), (32, 32)])
-def test_a_winograd_input_gradient_over_its_output_gradient(lib, recorded, c, o, monkeypatch):  # noqa: F811
-    """The input gradient by Winograd's transforms taking over the bytes of its dying output gradient: chunks of
-    one sample in the safe order give the bits of separate buffers."""
-    if not lib.blocked:
-        pytest.skip("this processor has no AVX2 with fused multiply-adds")
-    monkeypatch.setattr(lib, "winograd", True)
-    node = _nodes(4, c, 8, 8, o, 3, 3, 1, bias=False)[1]
-    g, w = _arrays(node, c + o)
-    limit = _winograd_limit(node, 1)
-    want = _run(lib, node, [g, w], limit=limit)
-    shared = np.empty(max(g.size, 4 * c * 64), np.float32)
-    g_over = shared[:g.size].reshape(g.shape)
-    g_over[...] = g
-    out = shared[:4 * c * 64].reshape(node.shape)
-    got = _run(lib, node, [g_over, w], limit=limit, out=out)
-    assert recorded.count("winograd") == 8
-    np.testing.assert_array_equal(got, want)
 
 
 def test_the_winograd_rule():
