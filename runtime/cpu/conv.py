@@ -70,10 +70,11 @@ def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native,
 def _winograd(op: str, x, w, bias, out, a, pad: int, workspace, native, over: bool) -> bool:
     """A blocked convolution or its input gradient (`_blocked`'s checks passed) by Winograd's F(4x4, 3x3), where the
     library has it (`native.winograd`), `contract.winograd_conv` takes the layer and the workspace holds its arrays
-    (`contract.winograd_scratch`: the filters blocked and transformed once, then `contract.blocked_samples` samples'
-    blocked input, transformed tiles and products at a time); False (nothing written) otherwise. The convolution's
-    input is `a` (the output gradient for the input gradient, padded by 2 - pad, its filters turned around), and
-    chunks run in `_safe_order` as `_blocked`'s do."""
+    (`contract.winograd_scratch`: the filters blocked and a range of output blocks' transformed, then
+    `contract.winograd_samples` samples' blocked input, transformed tiles and products at a time); False (nothing
+    written) otherwise. The convolution's input is `a` (the output gradient for the input gradient, padded by
+    2 - pad, its filters turned around), and chunks run in `_safe_order` as `_blocked`'s do. With one range its
+    filters are transformed once; with several, each range's again for every chunk."""
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     if not getattr(native, "winograd", False) or op == "conv2d_bwd_filter" or \
@@ -98,7 +99,7 @@ def _winograd(op: str, x, w, bias, out, a, pad: int, workspace, native, over: bo
         native.winograd_filters(filters[b0:b1], u)
         return u
 
-    once = transform(*ranges[0]) if len(ranges) == 1 else None
+    only = transform(*ranges[0]) if len(ranges) == 1 else None
     step = contract.winograd_samples(n, op, x.shape, w.shape, pad, None if workspace is None else workspace.size)
     starts = range(0, n, step)
     padding = kh - 1 - pad if flip else pad
@@ -109,8 +110,8 @@ def _winograd(op: str, x, w, bias, out, a, pad: int, workspace, native, over: bo
         v = chunk.take((points, ins, (e - s) * tiles, block))
         products = chunk.take((points * most * (e - s) * tiles * block,))
         native.block_input(a[s:e], padding, padding, ab)
-        for k, (b0, b1) in enumerate(ranges):       # (one range: its filters transformed once for every chunk)
-            u = once if once is not None else transform(b0, b1)
+        for k, (b0, b1) in enumerate(ranges):
+            u = only if only is not None else transform(b0, b1)
             native.winograd_conv(ab, u, bias, v, products[:points * (b1 - b0) * (e - s) * tiles * block],
                                  out[s:e], b0, b1, k > 0)
     return True

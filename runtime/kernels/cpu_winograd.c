@@ -14,7 +14,7 @@
 //                                           blocks at a time (`contract.winograd_range`);
 //   V (36, cb, T, 16)                       the input's tiles transformed, T = m * ceil(Ho / 4) * ceil(Wo / 4)
 //                                           tiles, tile t = (sample * rows of tiles + row) * columns + column;
-//   M (36, ob, T, 16)                       their products: for each xi a product of the blocked tiles of
+//   M (36, range's ob, T, 16)               their products: for each xi a product of the blocked tiles of
 //                                           cpu_blocked.c (kh = kw = 1, the tiles as positions), over the input
 //                                           channels in partial sums of DEEPDSL_SUM_TERMS products added in order;
 //   out (m, O, Ho, Wo)                      the inverse transform of each tile's 36 products (+ bias), written to the
@@ -30,7 +30,6 @@
 #ifdef DEEPDSL_TILE
 #define DEEPDSL_WINOGRAD 1
 #define DEEPDSL_WINO_OUT 4              /* outputs of a tile along each axis */
-#define DEEPDSL_WINO_IN 6               /* inputs of a tile along each axis: 4 + 3 - 1 */
 #define DEEPDSL_WINO_POINTS 36          /* points of a transformed tile */
 #define DEEPDSL_WINO_SPAN 16            /* tiles of a row written at a time: 64 outputs, 16 KB of the stack */
 
