@@ -80,27 +80,32 @@ static inline void deepdsl_wino_output6(const deepdsl_v16f m[6], deepdsl_v16f y[
 }
 
 // U (36, ob, cb, 16, 16) = G g G^T of each filter of the blocked 3x3 filters wb (ob, cb, 3, 3, 16 inputs, 16 outputs),
-// 16 output channels at a time.
+// 16 output channels at a time: a thread takes whole pairs of blocks, their 36 points' 16 x 16 floats gathered on
+// its stack and then written 1 KB at a time (each row of a pair written straight to its 36 points was 36 streams of
+// 64-byte stores, the transform's slowest part).
 void deepdsl_winograd_filters(const float* wb, int ob, int cb, float* u) {
     const long pairs = (long)ob * cb, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
 #pragma omp parallel for schedule(static) if (pairs * 9 * tile >= DEEPDSL_EW_PARALLEL_MIN)
-    for (long row = 0; row < pairs * DEEPDSL_BLOCK; ++row) {
-        const long pair = row / DEEPDSL_BLOCK, k = row % DEEPDSL_BLOCK;
-        const float* w = wb + pair * 9 * tile + k * DEEPDSL_BLOCK;
-        deepdsl_v16f rows[6][3];              // G g: the filter's columns transformed
-        for (int j = 0; j < 3; ++j) {
-            const deepdsl_v16f column[3] = {deepdsl_load16(w + j * tile), deepdsl_load16(w + (3 + j) * tile),
-                                            deepdsl_load16(w + (6 + j) * tile)};
-            deepdsl_v16f t[6];
-            deepdsl_wino_filter3(column, t);
-            for (int a = 0; a < 6; ++a) rows[a][j] = t[a];
+    for (long pair = 0; pair < pairs; ++pair) {
+        float points[DEEPDSL_WINO_POINTS][DEEPDSL_BLOCK * DEEPDSL_BLOCK];      // 36 KB
+        for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
+            const float* w = wb + pair * 9 * tile + k * DEEPDSL_BLOCK;
+            deepdsl_v16f rows[6][3];              // G g: the filter's columns transformed
+            for (int j = 0; j < 3; ++j) {
+                const deepdsl_v16f column[3] = {deepdsl_load16(w + j * tile), deepdsl_load16(w + (3 + j) * tile),
+                                                deepdsl_load16(w + (6 + j) * tile)};
+                deepdsl_v16f t[6];
+                deepdsl_wino_filter3(column, t);
+                for (int a = 0; a < 6; ++a) rows[a][j] = t[a];
+            }
+            for (int a = 0; a < 6; ++a) {
+                deepdsl_v16f t[6];
+                deepdsl_wino_filter3(rows[a], t);
+                for (int b = 0; b < 6; ++b) memcpy(&points[a * 6 + b][k * DEEPDSL_BLOCK], &t[b], sizeof t[b]);
+            }
         }
-        for (int a = 0; a < 6; ++a) {
-            deepdsl_v16f t[6];
-            deepdsl_wino_filter3(rows[a], t);
-            for (int b = 0; b < 6; ++b)
-                memcpy(u + ((a * 6 + b) * pairs + pair) * tile + k * DEEPDSL_BLOCK, &t[b], sizeof t[b]);
-        }
+        for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi)
+            memcpy(u + (xi * pairs + pair) * tile, points[xi], sizeof points[xi]);
     }
 }
 
