@@ -99,8 +99,6 @@ def sides(node, size, kernels, threads):
     workspace = np.empty(max(size, 1), np.float32)
     run = getattr(conv, node.op)
 
-    has_winograd = kernels.winograd_kernels
-
     def ours(blocked: bool, tiled: bool, winograd: bool = False):
         def call():
             kernels.blocked, kernels.tiled_convs, kernels.winograd = blocked, tiled, winograd
@@ -119,7 +117,7 @@ def sides(node, size, kernels, threads):
     if groups == 1 and contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
                                              op=node.op, lanes=kernels.lanes):
         calls["blocked"] = ours(True, True)
-        if has_winograd and contract.winograd_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
+        if kernels.winograd_kernels and contract.winograd_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
                                                    op=node.op):
             calls["winograd"] = ours(True, True, True)
     try:
@@ -185,7 +183,8 @@ def main() -> int:
                 cell = lambda side: f"{ms[side]:.2f} ({gf / ms[side]:.0f})" if side in calls else "-"
                 shapes = " ".join("x".join(map(str, i.shape)) for i in node.inputs[:2])
                 print_row([node.op, shapes, str(count), str(threads), cell("im2col"), cell("tiles"), cell("blocked"),
-                           cell("winograd"), cell("torch"), f"{ms['torch'] / best:.2f}" if "torch" in ms else "-"], args.markdown, 12)
+                           cell("winograd"), cell("torch"), f"{ms['torch'] / best:.2f}" if "torch" in ms else "-"],
+                          args.markdown, 12)
             kernels.blocked, kernels.tiled_convs, kernels.winograd = True, True, kernels.winograd_kernels
         for threads in args.threads:
             parts = [f"im2col only {totals[threads, 'im2col']:.1f}",

@@ -33,7 +33,7 @@ __all__ = [
     "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW", "WIDE_FILTER_ROW", "WIDEST_LANES", "BLOCKED_CONV_ROW",
     "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
     "WINOGRAD_CHUNK_BYTES", "WINOGRAD_FILTER_BYTES", "WINOGRAD_OUT", "WINOGRAD_POINTS", "winograd_conv",
-    "winograd_range", "winograd_samples", "winograd_scratch", "winograd_tiles",
+    "winograd_blocks", "winograd_samples", "winograd_scratch", "winograd_tiles",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "LAYER_NORM_PART_ROWS", "layer_norm_rows", "layer_norm_parts", "layer_norm_param_scratch",
     "mask_generator",
@@ -461,10 +461,12 @@ WINOGRAD_FILTER_BYTES = 1 << 22  # a Winograd convolution's transformed filters 
                                  # near the direct sums' (a layer of 512 channels would take 36 MiB at once)
 
 
-def _winograd_blocks(op: str, c: int, o: int) -> tuple[int, int, int]:
-    """(input blocks, output blocks, output blocks a range) of a Winograd convolution: ranges of as equal sizes as
-    can be whose transformed filters fit WINOGRAD_FILTER_BYTES (one block at least). For conv2d_bwd_data the
-    convolution's inputs are the forward's outputs."""
+def winograd_blocks(op: str, x_shape, w_shape) -> tuple[int, int, int]:
+    """(input blocks, output blocks, output blocks a range) of a Winograd convolution (`winograd_scratch`): ranges of
+    as equal sizes as can be whose transformed filters fit WINOGRAD_FILTER_BYTES (one block at least), each range's
+    filters transformed and its outputs computed at a time. For conv2d_bwd_data the convolution's inputs are the
+    forward's outputs."""
+    c, o = x_shape[1], w_shape[0]
     ins, outs = (channel_blocks(o), channel_blocks(c)) if op == "conv2d_bwd_data" else \
         (channel_blocks(c), channel_blocks(o))
     per_block = FLOAT_BYTES * WINOGRAD_POINTS * ins * CHANNEL_BLOCK ** 2
@@ -472,20 +474,15 @@ def _winograd_blocks(op: str, c: int, o: int) -> tuple[int, int, int]:
     return ins, outs, -(-outs // ranges)
 
 
-def winograd_range(op: str, x_shape, w_shape) -> int:
-    """Output blocks a Winograd convolution (`winograd_scratch`) transforms the filters of and computes at a time."""
-    return _winograd_blocks(op, x_shape[1], w_shape[0])[2]
-
-
 def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
     """A Winograd convolution's workspace (`winograd_conv`) in floats: (per sample, once), the once part first:
-    once the filters blocked and a range's transformed (36 points; `winograd_range` output blocks); per sample the
+    once the filters blocked and a range's transformed (36 points; `winograd_blocks`); per sample the
     convolution's input blocked with its padding (`blocked_scratch`), its tiles transformed, and their products with
     a range's filters (36 points of each tile of each block of inputs, and of the range's outputs). For
     conv2d_bwd_data the convolution's input is the output gradient and its output the input gradient."""
-    (_, c, h, w), (o, _, kh, kw) = x_shape, w_shape
+    h, w = x_shape[2:]
     per_sample, filters = blocked_scratch(op, x_shape, w_shape, pad)
-    ins, _, blocks = _winograd_blocks(op, c, o)
+    ins, _, blocks = winograd_blocks(op, x_shape, w_shape)
     points = WINOGRAD_POINTS * winograd_tiles(h, w) * CHANNEL_BLOCK
     return per_sample + points * (ins + blocks), filters + WINOGRAD_POINTS * ins * blocks * CHANNEL_BLOCK ** 2
 
@@ -495,8 +492,9 @@ def winograd_samples(batch: int, op: str, x_shape, w_shape, pad: int, room: int 
     `blocked_samples` within WINOGRAD_CHUNK_BYTES or a range's transformed filters' bytes, whichever is larger, and
     `room` floats of workspace. The plan reserves that many samples' room; the kernel takes the same number."""
     per_sample, once = winograd_scratch(op, x_shape, w_shape, pad)
-    transformed = once - blocked_scratch(op, x_shape, w_shape, pad)[1]
-    return blocked_samples(batch, per_sample, once, room, max(WINOGRAD_CHUNK_BYTES, FLOAT_BYTES * transformed))
+    ins, _, blocks = winograd_blocks(op, x_shape, w_shape)
+    transformed = FLOAT_BYTES * WINOGRAD_POINTS * ins * blocks * CHANNEL_BLOCK ** 2
+    return blocked_samples(batch, per_sample, once, room, max(WINOGRAD_CHUNK_BYTES, transformed))
 
 
 def _padded_input(c: int, h: int, w: int, pad: int) -> int:

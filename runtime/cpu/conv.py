@@ -77,17 +77,14 @@ def _winograd(op: str, x, w, bias, out, a, pad: int, workspace, native, over: bo
     filters are transformed once; with several, each range's again for every chunk."""
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
-    if not getattr(native, "winograd", False) or op == "conv2d_bwd_filter" or \
-            not contract.winograd_conv(c, o, kh, kw, 1, pad, wd, op=op):
+    if not getattr(native, "winograd", False) or not contract.winograd_conv(c, o, kh, kw, 1, pad, wd, op=op):
         return False
     per_sample, once = contract.winograd_scratch(op, x.shape, w.shape, pad)
     if workspace is not None and workspace.size < once + per_sample:
         return False
     flip = op == "conv2d_bwd_data"
-    ins, outs = (contract.channel_blocks(o), contract.channel_blocks(c)) if flip else \
-        (contract.channel_blocks(c), contract.channel_blocks(o))
+    ins, outs, most = contract.winograd_blocks(op, x.shape, w.shape)
     block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
-    most = contract.winograd_range(op, x.shape, w.shape)
     ranges = [(b, min(outs, b + most)) for b in range(0, outs, most)]
     scratch = Scratch(workspace)
     filters = scratch.take((outs, ins, kh, kw, block, block))

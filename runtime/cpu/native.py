@@ -50,7 +50,8 @@ KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # the generic kernels' source, and the runtime's sources of both libraries (a program's .c includes cpu_common.h)
 GENERIC_SOURCE = "cpu_ops.c"
 KERNEL_SOURCES = ("cpu_ops.c", "cpu_common.h", "cpu_depthwise.c", "cpu_columns.c", "cpu_conv.c", "cpu_blocked.c",
-                  "cpu_winograd.c", "cpu_gemm.c", "cpu_images.c", "cpu_attention.c", "deepdsl_math.h", "deepdsl_random.h")
+                  "cpu_winograd.c", "cpu_gemm.c", "cpu_images.c", "cpu_attention.c", "deepdsl_math.h",
+                  "deepdsl_random.h")
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as numpy's do; -fno-trapping-math: selects
 # (x > 0 ? v : 0) may be computed branch-free and -fno-math-errno: sqrtf of a per-channel operand moves out of the
 # loop (no program reads floating-point exception flags or errno); -O2: gcc's -O3

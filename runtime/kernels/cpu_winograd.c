@@ -11,7 +11,7 @@
 // tiles), and the outputs are the inverse transform of those products. On the blocked layout:
 //
 //   U (36, ob, cb, 16 inputs, 16 outputs)  the filters transformed (`deepdsl_winograd_filters`), a range of output
-//                                           blocks at a time (`contract.winograd_range`);
+//                                           blocks at a time (`contract.winograd_blocks`);
 //   V (36, cb, T, 16)                       the input's tiles transformed, T = m * ceil(Ho / 4) * ceil(Wo / 4)
 //                                           tiles, tile t = (sample * rows of tiles + row) * columns + column;
 //   M (36, range's ob, T, 16)               their products: for each xi a product of the blocked tiles of
