@@ -117,9 +117,9 @@ def sides(node, size, kernels, threads):
     if groups == 1 and contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
                                              op=node.op, lanes=kernels.lanes):
         calls["blocked"] = ours(True, True)
-        if kernels.winograd_kernels and contract.winograd_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
-                                                   op=node.op):
-            calls["winograd"] = ours(True, True, True)
+    if groups == 1 and kernels.winograd_kernels and contract.winograd_conv(
+            x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo, op=node.op):
+        calls["winograd"] = ours(True, True, True)      # (also filter gradients the direct sums leave to im2col)
     try:
         import torch
     except ImportError:

@@ -442,12 +442,14 @@ WINOGRAD_CHUNK_BYTES = 1 << 21  # a Winograd convolution's copies, tiles and pro
 
 def winograd_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: int, groups: int = 1,
                   op: str = "conv2d") -> bool:
-    """A blocked convolution (`blocked_conv`) with a 3x3 kernel, or its input gradient (the same convolution of the
-    output gradient): the compiled kernels compute it by Winograd's F(4x4, 3x3) (runtime/kernels/cpu_winograd.c),
-    36 multiplications for every 4 x 4 outputs of a pair of channels where the direct sums take 144, where the
-    planned workspace holds its arrays (`winograd_scratch`), else directly. Its rounding is not the direct sums'
-    (within float32's tolerance); like theirs it depends on neither the vectors' width nor the thread count."""
-    return op != "conv2d_bwd_filter" and kh == kw == 3 and blocked_conv(c, o, kh, kw, stride, pad, wo, groups, op)
+    """A convolution the blocked kernels take (`blocked_conv`, by the forward's rule whatever `op`) with a 3x3
+    kernel, its input gradient (the same convolution of the output gradient) or its filter gradient: the compiled
+    kernels compute it by Winograd's F(4x4, 3x3) (runtime/kernels/cpu_winograd.c), 36 multiplications for every
+    4 x 4 outputs of a pair of channels where the direct sums take 144, where the planned workspace holds its arrays
+    (`winograd_scratch`), else directly (the filter gradient of rows shorter than BLOCKED_FILTER_ROW with AVX2's
+    lanes: by im2col). Its rounding is not the direct sums' (within float32's tolerance); like theirs it depends on
+    neither the vectors' width nor the thread count."""
+    return kh == kw == 3 and blocked_conv(c, o, kh, kw, stride, pad, wo, groups)
 
 
 def winograd_tiles(h: int, w: int) -> int:
@@ -479,7 +481,10 @@ def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
     once the filters blocked and a range's transformed (36 points; `winograd_blocks`); per sample the
     convolution's input blocked with its padding (`blocked_scratch`), its tiles transformed, and their products with
     a range's filters (36 points of each tile of each block of inputs, and of the range's outputs). For
-    conv2d_bwd_data the convolution's input is the output gradient and its output the input gradient."""
+    conv2d_bwd_data the convolution's input is the output gradient and its output the input gradient. For
+    conv2d_bwd_filter once the blocked gradient and a range's sums (36 points of each pair of blocks), per sample the
+    input blocked with its padding and the output gradient blocked (`blocked_scratch`), the input's tiles
+    transformed and the range's output gradient's."""
     h, w = x_shape[2:]
     per_sample, filters = blocked_scratch(op, x_shape, w_shape, pad)
     ins, _, blocks = winograd_blocks(op, x_shape, w_shape)
@@ -490,11 +495,27 @@ def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
 def winograd_samples(batch: int, op: str, x_shape, w_shape, pad: int, room: int | None = None) -> int:
     """How many samples a Winograd convolution (`winograd_scratch`) copies, transforms and multiplies at a time:
     `blocked_samples` within WINOGRAD_CHUNK_BYTES or a range's transformed filters' bytes, whichever is larger, and
-    `room` floats of workspace. The plan reserves that many samples' room; the kernel takes the same number."""
+    `room` floats of workspace; for conv2d_bwd_filter a multiple of its partial sums' samples
+    (`winograd_sum_samples`) where that many fit, so that the chunks do not change its sums. The plan reserves that
+    many samples' room; the kernel takes the same number."""
     per_sample, once = winograd_scratch(op, x_shape, w_shape, pad)
     ins, _, blocks = winograd_blocks(op, x_shape, w_shape)
     transformed = FLOAT_BYTES * WINOGRAD_POINTS * ins * blocks * CHANNEL_BLOCK ** 2
-    return blocked_samples(batch, per_sample, once, room, max(WINOGRAD_CHUNK_BYTES, transformed))
+    samples = blocked_samples(batch, per_sample, once, room, max(WINOGRAD_CHUNK_BYTES, transformed))
+    if op == "conv2d_bwd_filter" and samples < batch:
+        together = winograd_sum_samples(*x_shape[2:])
+        samples = max(1, samples // together * together) if samples >= together else samples
+    return samples
+
+
+WINOGRAD_SUM_TILES = 256    # tiles a partial sum of the filter gradient's products adds at most, one sample's at
+                            # least (runtime/kernels/cpu_blocked.c: DEEPDSL_SUM_TERMS)
+
+
+def winograd_sum_samples(h: int, w: int) -> int:
+    """The samples whose tiles one partial sum of a Winograd filter gradient adds (`winograd_samples`): as many whole
+    samples as WINOGRAD_SUM_TILES tiles hold, one at least. The partial sums begin at each chunk's first sample."""
+    return max(1, WINOGRAD_SUM_TILES // winograd_tiles(h, w))
 
 
 def _padded_input(c: int, h: int, w: int, pad: int) -> int:

@@ -62,10 +62,17 @@ def _samples_limit(node, samples):
 
 
 def _winograd_limit(node, samples):
-    """A workspace limit with room for Winograd's transformed filters and `samples` samples' arrays."""
-    x_shape = node.shape if node.op == "conv2d_bwd_data" else node.inputs[0].shape
-    per_sample, once = contract.winograd_scratch(node.op, x_shape, node.inputs[1].shape, 1)
+    """A workspace limit with room for Winograd's transformed filters (the filter gradient's sums) and `samples`
+    samples' arrays."""
+    per_sample, once = contract.winograd_scratch(node.op, *_forward_shapes(node), 1)
     return 4 * (once + samples * per_sample)
+
+
+def _forward_shapes(node):
+    """(the forward's input shape, its filters' shape) of a convolution node of any direction."""
+    return {"conv2d": (node.inputs[0].shape, node.inputs[1].shape),
+            "conv2d_bwd_data": (node.shape, node.inputs[1].shape),
+            "conv2d_bwd_filter": (node.inputs[1].shape, node.shape)}[node.op]
 
 
 def _run(kernels, node, arrays, limit=None, workspace=None, out=None):
@@ -82,13 +89,16 @@ def _run(kernels, node, arrays, limit=None, workspace=None, out=None):
 
 @pytest.fixture
 def recorded(lib, monkeypatch):  # noqa: F811
-    """The ops the blocked kernels computed: each call of `Native.blocked_conv`, `blocked_filter_sums` or
-    `winograd_conv`. The direct sums alone (Winograd's kernels off) unless a test turns them back on."""
+    """The ops the blocked kernels computed: each call of `Native.blocked_conv`, `blocked_filter_sums`,
+    `winograd_conv` or `winograd_filter_sums` (both "winograd"). The direct sums alone (Winograd's kernels off)
+    unless a test turns them back on."""
     ran = []
     conv_, sums, winograd = lib.blocked_conv, lib.blocked_filter_sums, lib.winograd_conv
+    winograd_sums = lib.winograd_filter_sums
     monkeypatch.setattr(lib, "blocked_conv", lambda *a: ran.append("conv") or conv_(*a))
     monkeypatch.setattr(lib, "blocked_filter_sums", lambda *a: ran.append("filter") or sums(*a))
     monkeypatch.setattr(lib, "winograd_conv", lambda *a: ran.append("winograd") or winograd(*a))
+    monkeypatch.setattr(lib, "winograd_filter_sums", lambda *a: ran.append("winograd") or winograd_sums(*a))
     monkeypatch.setattr(lib, "winograd", False)
     return ran
 
@@ -240,8 +250,9 @@ def test_built_for_avx2_alone_the_bits_are_the_same(lib, avx2_kernels, geometry,
     before = avx2.threads
     n, c, h, w, o = geometry
     for node in _nodes(*geometry, 3, 3, 1, bias=True):
-        if not all(contract.blocked_conv(c, o, 3, 3, 1, 1, w, op=node.op, lanes=lanes) for lanes in (8, lib.lanes)):
-            continue            # (the filter gradient of short rows: blocked with AVX-512 alone)
+        if not (winograd and contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)) and \
+                not all(contract.blocked_conv(c, o, 3, 3, 1, 1, w, op=node.op, lanes=lanes) for lanes in (8, lib.lanes)):
+            continue            # (the direct filter gradient of short rows: blocked with AVX-512 alone)
         arrays = _arrays(node, 5)
         want = _run(lib, node, arrays)
         try:
@@ -264,7 +275,7 @@ def test_without_avx2_the_convolutions_keep_im2col(plain_kernels):  # noqa: F811
 def test_the_layer_benchmark_runs(isa):
     """benchmarks/conv_layers.py on a small network: a row per distinct convolution at one thread, the tiles'
     column filled for some layers (forward and input gradients only), the blocked column for some and the Winograd
-    column for some of those (not filter gradients), and the step's sums; also with every side restricted to AVX2
+    column for some of those (filter gradients too), and the step's sums; also with every side restricted to AVX2
     (both libraries built without AVX-512)."""
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "conv_layers.py"), "--network", "resnet_mini",
@@ -286,8 +297,8 @@ def test_the_layer_benchmark_runs(isa):
     blocked = [row for row in rows if cells(row)[2] is not None]
     winograd = [row for row in rows if cells(row)[3] is not None]
     assert blocked and len(blocked) < len(rows) and tiled and len(tiled) < len(rows)
-    assert winograd and set(map(tuple, winograd)) < set(map(tuple, blocked))
-    assert all(row[0] != "conv2d_bwd_filter" for row in winograd)
+    assert winograd and {row[0] for row in winograd} == {"conv2d", "conv2d_bwd_data", "conv2d_bwd_filter"}
+    assert set(map(tuple, winograd)) <= set(map(tuple, blocked)) or isa == "avx2"  # (AVX2: short rows' filters)
     assert all(row[0] != "conv2d_bwd_filter" for row in tiled)
     assert "the step's convolutions" in done.stdout
     assert done.stdout.splitlines()[0].split(";")[0] in ("AVX-512", "AVX2", "no AVX2", "unknown",
@@ -310,24 +321,24 @@ WINOGRAD_GEOMETRIES = [  # (N, C, H, W, O)
 
 @pytest.mark.parametrize("geometry", WINOGRAD_GEOMETRIES, ids=[str(g) for g in WINOGRAD_GEOMETRIES])
 def test_winograd_convolutions_equal_the_reference(lib, recorded, geometry, monkeypatch):  # noqa: F811
-    """The forward (with bias) and the input gradient by Winograd's transforms into NaN-filled outputs under
-    NaN-filled workspaces of exactly the planned size (unlimited, and one sample's room): within its rounding of
-    the float64 reference (Winograd's transforms round more than the direct sums: about 1e-5 of the output's
-    magnitude for 256 channels, measured; bounded here at 4e-5), and never the filter gradient."""
+    """The forward (with bias), the input gradient and the filter gradient by Winograd's transforms into NaN-filled
+    outputs under NaN-filled workspaces of exactly the planned size (unlimited, and one sample's room: the filter
+    gradient's sums over chunks of one sample): within its rounding of the float64 reference (Winograd's transforms
+    round more than the direct sums: about 1e-5 of the output's magnitude for 256 channels, measured; bounded here
+    at 4e-5)."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     monkeypatch.setattr(lib, "winograd", True)
     n, c, h, w, o = geometry
     for node in _nodes(n, c, h, w, o, 3, 3, 1, bias=True):
-        taken = contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)
-        assert taken == (node.op != "conv2d_bwd_filter")
+        assert contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)
         arrays = _arrays(node, sum(geometry))
         want = get_op(node.op).evaluate(EvalContext(np.float64), *[a.astype(np.float64) for a in arrays],
                                         **node.kwargs)
-        for limit in (None, _winograd_limit(node, 1)) if taken else (None,):
+        for limit in (None, _winograd_limit(node, 1)):
             recorded.clear()
             got = _run(lib, node, arrays, limit)
-            assert recorded and all(r == ("winograd" if taken else "filter") for r in recorded), (node.op, limit)
+            assert recorded and set(recorded) == {"winograd"}, (node.op, limit)
             assert not np.isnan(got).any()
             np.testing.assert_allclose(got, want, rtol=0, atol=4e-5 * float(np.abs(want).max()))
 
@@ -366,19 +377,54 @@ def test_winograd_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometr
             np.testing.assert_array_equal(other, results[0])
 
 
+def test_winograd_filter_gradient_bits_do_not_depend_on_threads_chunks_or_ranges(lib, recorded, monkeypatch):  # noqa: F811
+    """The filter gradient adds its tiles' products in partial sums of whole samples (`contract.winograd_sum_samples`:
+    4 of these 8), each chunk a multiple of them (room for 5 samples takes 4), the chunks' sums added in order: the
+    same bits on 1, 2 and 3 threads, in one chunk or two, and in ranges of one output block (with one chunk its
+    tiles transformed once for both ranges, with two again for each)."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    monkeypatch.setattr(lib, "winograd", True)
+    monkeypatch.setattr(contract, "WINOGRAD_CHUNK_BYTES", 1 << 30)        # the room alone decides the chunks
+    n, c, h, w, o = geometry = (8, 16, 30, 30, 32)
+    assert contract.winograd_sum_samples(h, w) == 4
+    node = _nodes(*geometry, 3, 3, 1, bias=False)[2]
+    arrays = _arrays(node, 11)
+    one_block = 4 * contract.WINOGRAD_POINTS * contract.channel_blocks(c) * contract.CHANNEL_BLOCK ** 2
+    results, before = [], lib.threads
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            for ranges, room in ((1, 8), (1, 5), (1, 4), (2, 8), (2, 4)):
+                with monkeypatch.context() as patch:
+                    if ranges == 2:
+                        patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block)
+                    assert contract.winograd_blocks(node.op, *_forward_shapes(node))[2] == 2 // ranges
+                    limit = _winograd_limit(node, room)
+                    chunks = 1 if room == 8 else 2
+                    assert contract.winograd_samples(n, node.op, *_forward_shapes(node), 1, limit // 4) == n // chunks
+                    calls = recorded.count("winograd")
+                    results.append(_run(lib, node, arrays, limit))
+                    assert recorded.count("winograd") - calls == ranges * chunks, (ranges, room)
+    finally:
+        lib.set_threads(before)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
 def test_the_planned_workspace_holds_winograds_arrays():
     """Where Winograd's transforms take a layer, the op plans room for its transformed filters and the samples'
     arrays it takes at a time (`contract.winograd_samples`); where they do not fit under the limit, the direct
     sums' copies."""
-    for node in _nodes(4, 64, 8, 16, 256, 3, 3, 1, bias=False)[:2]:
-        x_shape = node.shape if node.op == "conv2d_bwd_data" else node.inputs[0].shape
-        per_sample, once = contract.winograd_scratch(node.op, x_shape, (256, 64, 3, 3), 1)
+    for node in _nodes(4, 64, 8, 16, 256, 3, 3, 1, bias=False):
+        x_shape, w_shape = _forward_shapes(node)
+        per_sample, once = contract.winograd_scratch(node.op, x_shape, w_shape, 1)
         op = get_op(node.op)
-        samples = contract.winograd_samples(4, node.op, x_shape, (256, 64, 3, 3), 1)
+        samples = contract.winograd_samples(4, node.op, x_shape, w_shape, 1)
         assert op.workspace(node, None).nbytes // 4 == once + samples * per_sample
         assert op.workspace(node, _winograd_limit(node, 2)).nbytes // 4 >= once + min(samples, 2) * per_sample
         direct = op.workspace(node, _winograd_limit(node, 1) - 4).nbytes // 4
-        blocked_per_sample, blocked_once = contract.blocked_scratch(node.op, x_shape, (256, 64, 3, 3), 1)
+        blocked_per_sample, blocked_once = contract.blocked_scratch(node.op, x_shape, w_shape, 1)
         assert blocked_once + blocked_per_sample <= direct < once + per_sample
 
 
@@ -403,11 +449,16 @@ def test_a_workspace_too_small_for_winograd_runs_the_direct_sums(lib, recorded, 
 def test_the_winograd_rule():
     assert contract.winograd_conv(64, 64, 3, 3, 1, 1, 56)
     assert contract.winograd_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_data")
-    assert not contract.winograd_conv(64, 64, 3, 3, 1, 1, 56, op="conv2d_bwd_filter")     # the direct sums
+    assert contract.winograd_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_filter")          # AVX2's lanes too
     assert not contract.winograd_conv(56, 32, 5, 5, 1, 2, 12)                              # 5x5: F(4x4, 3x3) only
     assert not contract.winograd_conv(64, 64, 3, 3, 2, 1, 28)                              # not blocked: strided
     assert not contract.winograd_conv(64, 64, 3, 3, 1, 1, 4)                               # nor short rows
     assert contract.winograd_tiles(7, 7) == 4 and contract.winograd_tiles(8, 9) == 6
+    # the filter gradient's partial sums: whole samples within the blocked kernels' partial sums' terms
+    blocked_source = (Path(contract.__file__).parent / "kernels" / "cpu_blocked.c").read_text()
+    assert f"#define DEEPDSL_SUM_TERMS {contract.WINOGRAD_SUM_TILES} " in blocked_source
+    assert contract.winograd_sum_samples(7, 7) == 64 and contract.winograd_sum_samples(112, 112) == 1
+    assert contract.winograd_samples(8, "conv2d_bwd_filter", (8, 16, 30, 30), (32, 16, 3, 3), 1, 0) == 1
 
 
 def test_deepdsl_winograd_0_turns_the_transforms_off(lib, tmp_path_factory, monkeypatch):  # noqa: F811

@@ -65,14 +65,14 @@ def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: 
     not fit that with one sample are not planned (the kernels then take the im2col path)."""
     (o, _, kh, kw), c, batch = w_shape, x_shape[1], x_shape[0]
     stride, pad, groups = node.attr("stride", 1), node.attr("pad", 0), node.attr("groups", 1)
-    if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, groups, op):
-        return im2col
     room = None if limit is None else max(limit, im2col.nbytes) // FLOAT_BYTES
     if contract.winograd_conv(c, o, kh, kw, stride, pad, wo, groups, op):
         per_sample, once = contract.winograd_scratch(op, x_shape, w_shape, pad)
         if room is None or room >= once + per_sample:
             samples = contract.winograd_samples(batch, op, x_shape, w_shape, pad, room)
             return _larger(im2col, FLOAT_BYTES * (once + samples * per_sample))
+    if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, groups, op):
+        return im2col
     per_sample, once = contract.blocked_scratch(op, x_shape, w_shape, pad)
     if room is not None and room < once + per_sample:
         return im2col

@@ -25,11 +25,12 @@ def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native,
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     ho, wo = g.shape[2:]
-    if w.shape[1] != c or not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, op=op, lanes=native.lanes) or \
-            not _contiguous32(a, b, out, *([] if bias is None else [bias])):
+    if w.shape[1] != c or not _contiguous32(a, b, out, *([] if bias is None else [bias])):
         return False
-    if _winograd(op, x, w, bias, out, a, pad, workspace, native, over):
+    if _winograd(op, x, w, bias, out, a, stride, pad, workspace, native, over):
         return True
+    if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, op=op, lanes=native.lanes):
+        return False
     per_sample, once = contract.blocked_scratch(op, x.shape, w.shape, pad)
     if workspace is not None and workspace.size < once + per_sample:
         return False
@@ -67,25 +68,30 @@ def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native,
     return True
 
 
-def _winograd(op: str, x, w, bias, out, a, pad: int, workspace, native, over: bool) -> bool:
-    """A blocked convolution or its input gradient (`_blocked`'s checks passed) by Winograd's F(4x4, 3x3), where the
-    library has it (`native.winograd`), `contract.winograd_conv` takes the layer and the workspace holds its arrays
-    (`contract.winograd_scratch`: the filters blocked and a range of output blocks' transformed, then
-    `contract.winograd_samples` samples' blocked input, transformed tiles and products at a time); False (nothing
-    written) otherwise. The convolution's input is `a` (the output gradient for the input gradient, padded by
-    2 - pad, its filters turned around), and chunks run in `_safe_order` as `_blocked`'s do. With one range its
-    filters are transformed once; with several, each range's again for every chunk."""
+def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, native, over: bool) -> bool:
+    """A convolution or either of its gradients (`_blocked`'s arrays: x the forward's input, w its filters or, for
+    the filter gradient, the gradient) by Winograd's F(4x4, 3x3), where the library has it (`native.winograd`),
+    `contract.winograd_conv` takes the layer and the workspace holds its arrays (`contract.winograd_scratch`: the
+    filters blocked and a range of output blocks' transformed, then `contract.winograd_samples` samples' blocked
+    input, transformed tiles and products at a time); False (nothing written) otherwise. The convolution's input is
+    `a` (the output gradient for the input gradient, padded by 2 - pad, its filters turned around), and chunks run
+    in `_safe_order` as `_blocked`'s do. With one range its filters are transformed once; with several, each range's
+    again for every chunk. The filter gradient: `_winograd_filter`."""
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
-    if not getattr(native, "winograd", False) or not contract.winograd_conv(c, o, kh, kw, 1, pad, wd, op=op):
+    if not getattr(native, "winograd", False) or not contract.winograd_conv(c, o, kh, kw, stride, pad, wd, op=op):
         return False
     per_sample, once = contract.winograd_scratch(op, x.shape, w.shape, pad)
     if workspace is not None and workspace.size < once + per_sample:
         return False
-    flip = op == "conv2d_bwd_data"
     ins, outs, most = contract.winograd_blocks(op, x.shape, w.shape)
     block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
     ranges = [(b, min(outs, b + most)) for b in range(0, outs, most)]
+    step = contract.winograd_samples(n, op, x.shape, w.shape, pad, None if workspace is None else workspace.size)
+    if op == "conv2d_bwd_filter":
+        _winograd_filter(x, a, out, pad, workspace, native, ranges, step)
+        return True
+    flip = op == "conv2d_bwd_data"
     scratch = Scratch(workspace)
     filters = scratch.take((outs, ins, kh, kw, block, block))
     transformed = scratch.take((points * most * ins * block * block,))
@@ -97,7 +103,6 @@ def _winograd(op: str, x, w, bias, out, a, pad: int, workspace, native, over: bo
         return u
 
     only = transform(*ranges[0]) if len(ranges) == 1 else None
-    step = contract.winograd_samples(n, op, x.shape, w.shape, pad, None if workspace is None else workspace.size)
     starts = range(0, n, step)
     padding = kh - 1 - pad if flip else pad
     for s in _safe_order(starts, over and out.nbytes > a.nbytes) if flip else starts:
@@ -112,6 +117,37 @@ def _winograd(op: str, x, w, bias, out, a, pad: int, workspace, native, over: bo
             native.winograd_conv(ab, u, bias, v, products[:points * (b1 - b0) * (e - s) * tiles * block],
                                  out[s:e], b0, b1, k > 0)
     return True
+
+
+def _winograd_filter(x, g, out, pad: int, workspace, native, ranges, step: int) -> None:
+    """out (O, C, 3, 3) = the filter gradient of `_winograd`'s layer from its input x and output gradient g: for each
+    range of output blocks, each chunk's sums (`native.winograd_filter_sums`, the chunks added in order), then their
+    inverse transform into the blocked gradient, unblocked at the end. With one chunk its copies and the input's
+    tiles serve every range; with several, each range blocks and transforms them again."""
+    n, c, h, wd = x.shape
+    block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
+    ins, outs, most = contract.channel_blocks(c), contract.channel_blocks(g.shape[1]), ranges[0][1] - ranges[0][0]
+    scratch = Scratch(workspace)
+    gradient = scratch.take((outs, ins, 3, 3, block, block))
+    sums = scratch.take((points * most * ins * block * block,))
+    starts = range(0, n, step)
+    for k, (b0, b1) in enumerate(ranges):
+        part = sums[:points * (b1 - b0) * ins * block * block]
+        for s in starts:
+            e = min(n, s + step)
+            chunk = Scratch(workspace, scratch.used)
+            xb = chunk.take((e - s, ins, h + 2 * pad, wd + 2 * pad, block))
+            gb = chunk.take((e - s, outs, h, wd, block))
+            v = chunk.take((points, ins, (e - s) * tiles, block))
+            y = chunk.take((points * most * (e - s) * tiles * block,))
+            again = len(starts) == 1 and k > 0          # (this chunk's copies and tiles: the range before's)
+            if not again:
+                native.block_input(x[s:e], pad, pad, xb)
+                native.block_input(g[s:e], 0, 0, gb)
+            native.winograd_filter_sums(xb, gb, v, y[:points * (b1 - b0) * (e - s) * tiles * block], part, b0, b1,
+                                        again, s == 0)
+        native.winograd_filter_out(part, gradient[b0:b1])
+    native.unblock_filters(gradient, out)
 
 
 def _windows(xp: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) -> np.ndarray:

@@ -360,6 +360,8 @@ class Native:
         if self.winograd_kernels:
             lib.deepdsl_winograd_filters.argtypes = [_P, _I, _I, _P]
             lib.deepdsl_winograd_conv.argtypes = [_P, _P, _P] + [_I] * 8 + [_P, _P, _P]
+            lib.deepdsl_winograd_filter_sums.argtypes = [_P, _P] + [_I] * 9 + [_P, _P, _P]
+            lib.deepdsl_winograd_filter_out.argtypes = [_P, _I, _I, _P]
         self.tiled_convs = True         # convolutions sample by sample in the products' tiles (`conv_tiles`, ...)
         if self.blocked:
             lib.deepdsl_blocked_input.argtypes = [_P] + [_I] * 6 + [_P]
@@ -744,6 +746,22 @@ class Native:
         self.lib.deepdsl_winograd_conv(_address(xb), _address(u), None if bias is None else _address(bias),
                                        m, cb, hp, wp, out.shape[1], b0, b1, int(transformed), _address(v),
                                        _address(products), _address(out))
+
+    def winograd_filter_sums(self, xb: np.ndarray, gb: np.ndarray, v: np.ndarray, y: np.ndarray, sums: np.ndarray,
+                             b0: int, b1: int, transformed: bool, first: bool) -> None:
+        """sums (36, b1 - b0, cb, 16, 16) = (first) or += the sums over a chunk's tiles of Winograd's filter gradient
+        of a stride-1 3x3 convolution for output blocks [b0, b1), from the blocked, padded input xb (m, cb, Ho + 2,
+        Wo + 2, 16) and the blocked output gradient gb (m, ob, Ho, Wo, 16), through v (36, cb, T, 16; `transformed`:
+        already xb's tiles) and y (36 * (b1 - b0) * T * 16 floats) (kernels/cpu_winograd.c)."""
+        m, cb, hp, wp, _ = xb.shape
+        self.lib.deepdsl_winograd_filter_sums(_address(xb), _address(gb), m, cb, hp, wp, gb.shape[1], b0, b1,
+                                              int(transformed), int(first), _address(v), _address(y), _address(sums))
+
+    def winograd_filter_out(self, sums: np.ndarray, out: np.ndarray) -> None:
+        """out (ob, cb, 3, 3, 16, 16) = the blocked filter gradient of Winograd's sums (36, ob, cb, 16, 16)
+        (`winograd_filter_sums`)."""
+        ob, cb = out.shape[:2]
+        self.lib.deepdsl_winograd_filter_out(_address(sums), ob, cb, _address(out))
 
     def blocked_filter_sums(self, xb: np.ndarray, gb: np.ndarray, first: bool, sums: np.ndarray) -> None:
         """sums (ob, cb, kh, kw, 16, 16) = (first) or += the filter gradient of the blocked, padded input xb (m, cb,

@@ -26,6 +26,18 @@
 // thread count. Rows and columns of a tile past the padded input read zeros, and its outputs past Ho and Wo are
 // dropped. The rounding differs from the direct sums' (the transforms' constants and sums), within float32's
 // tolerance for a 3x3 filter: tests/test_blocked_conv.py bounds it.
+//
+// The filter gradient is the transpose of that map: for the same tiles, dg = G^T [(A y A^T) . (B^T d B)] G, y a tile's
+// 4 x 4 output gradients, summed over the tiles. Each point is a product over the tiles, Y[xi] (outputs x tiles) by
+// V[xi] (tiles x inputs), computed by the blocked filter gradient's register tiles (cpu_blocked.c, a 1x1 kernel whose
+// positions are the tiles), and the gradient is the inverse transform of each channel pair's 36 sums:
+//
+//   Y (36, range's ob, T, 16)               the output gradient's tiles transformed (blocked first, zeros past it);
+//   S (36, range's ob, cb, 16 in, 16 out)   their sums over the tiles (`deepdsl_winograd_filter_sums`), in partial
+//                                           sums of whole samples (at most DEEPDSL_SUM_TERMS tiles, one sample at
+//                                           least) added in order, over the chunks of samples in order;
+//   dwb (ob, cb, 3, 3, 16 in, 16 out)       G^T S G of each pair (`deepdsl_winograd_filter_out`), the blocked
+//                                           filters' layout, which `deepdsl_unblocked_filters` writes out.
 
 #ifdef DEEPDSL_TILE
 #define DEEPDSL_WINOGRAD 1
@@ -79,6 +91,27 @@ static inline void deepdsl_wino_output6(const deepdsl_v16f m[6], deepdsl_v16f y[
     y[3] = (b + e * 8.0f) + m[5];
 }
 
+// t = A y for four vectors y (the transpose of A^T above): the output gradient's side of the filter gradient
+static inline void deepdsl_wino_gradient4(const deepdsl_v16f y[4], deepdsl_v16f t[6]) {
+    const deepdsl_v16f even = y[0] + y[2], odd = y[1] + y[3];
+    const deepdsl_v16f even4 = y[0] + y[2] * 4.0f, odd8 = y[1] * 2.0f + y[3] * 8.0f;
+    t[0] = y[0];
+    t[1] = even + odd;
+    t[2] = even - odd;
+    t[3] = even4 + odd8;
+    t[4] = even4 - odd8;
+    t[5] = y[3];
+}
+
+// w = G^T s for six vectors s (the transpose of G above): a pair's 36 sums back to the 3 x 3 filter gradient
+static inline void deepdsl_wino_filter_grad6(const deepdsl_v16f s[6], deepdsl_v16f w[3]) {
+    const float sixth = 1.0f / 6.0f, twelfth = 1.0f / 12.0f, twenty_fourth = 1.0f / 24.0f;
+    const deepdsl_v16f inner = s[1] + s[2], outer = s[3] + s[4];
+    w[0] = (s[0] * 0.25f - inner * sixth) + outer * twenty_fourth;
+    w[1] = (s[2] - s[1]) * sixth + (s[3] - s[4]) * twelfth;
+    w[2] = (outer - inner) * sixth + s[5];
+}
+
 // U (36, ob, cb, 16, 16) = G g G^T of each filter of the blocked 3x3 filters wb (ob, cb, 3, 3, 16 inputs, 16 outputs),
 // 16 output channels at a time: a thread takes whole pairs of blocks, their 36 points' 16 x 16 floats gathered on
 // its stack and then written 1 KB at a time (each row of a pair written straight to its 36 points was 36 streams of
@@ -130,6 +163,24 @@ static inline void deepdsl_wino_input_tile(const float* xc, int hp, int wp, int 
     }
 }
 
+// V (36, cb, T, 16) = the transformed tiles of the blocked, padded input xb (m, cb, hp, wp, 16) (th x tw tiles a
+// sample): this thread's share of (sample, channel block, row of tiles), a worksharing loop of the enclosing
+// parallel region, its implicit barrier at the end.
+static inline void deepdsl_wino_inputs(const float* xb, int m, int cb, int hp, int wp, int th, int tw, float* v) {
+    const long tiles = (long)m * th * tw, x_block = (long)hp * wp * DEEPDSL_BLOCK;
+    const long v_point = (long)cb * tiles * DEEPDSL_BLOCK;
+#pragma omp for schedule(static)
+    for (long item = 0; item < (long)m * cb * th; ++item) {
+        const int s = (int)(item / ((long)cb * th)), c = (int)(item / th % cb), ty = (int)(item % th);
+        const float* xc = xb + ((long)s * cb + c) * x_block;
+        for (int tx = 0; tx < tw; ++tx) {
+            const long t = ((long)s * th + ty) * tw + tx;
+            deepdsl_wino_input_tile(xc, hp, wp, ty * DEEPDSL_WINO_OUT, tx * DEEPDSL_WINO_OUT, v_point,
+                                    v + ((long)c * tiles + t) * DEEPDSL_BLOCK);
+        }
+    }
+}
+
 // The outputs of a tile (4 x 4 positions of 16 channels) from its 36 products m (`points` floats apart): A^T m A,
 // into rows (4 rows `row` floats apart, the tile's first position at column 0).
 static inline void deepdsl_wino_output_tile(const float* m, long points, float* rows, long row) {
@@ -159,25 +210,14 @@ void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, i
                            int b0, int b1, int transformed, float* v, float* products, float* out) {
     const int ob = b1 - b0, ho = hp - 2, wo = wp - 2;
     const int th = (ho + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT, tw = (wo + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT;
-    const long tiles = (long)m * th * tw, x_block = (long)hp * wp * DEEPDSL_BLOCK, plane = (long)ho * wo;
+    const long tiles = (long)m * th * tw, plane = (long)ho * wo;
     const long v_point = (long)cb * tiles * DEEPDSL_BLOCK, m_point = (long)ob * tiles * DEEPDSL_BLOCK;
     const long u_block = (long)cb * DEEPDSL_BLOCK * DEEPDSL_BLOCK, u_point = ob * u_block;
     const deepdsl_groups g = deepdsl_tile_groups(ob, (int)tiles);
     const int group = deepdsl_sum_blocks(1, 1);
 #pragma omp parallel if (tiles * ob * DEEPDSL_BLOCK * cb * DEEPDSL_BLOCK * DEEPDSL_WINO_POINTS >= DEEPDSL_PARALLEL_MIN)
     {
-        if (!transformed) {
-#pragma omp for schedule(static)
-            for (long item = 0; item < (long)m * cb * th; ++item) {
-                const int s = (int)(item / ((long)cb * th)), c = (int)(item / th % cb), ty = (int)(item % th);
-                const float* xc = xb + ((long)s * cb + c) * x_block;
-                for (int tx = 0; tx < tw; ++tx) {
-                    const long t = ((long)s * th + ty) * tw + tx;
-                    deepdsl_wino_input_tile(xc, hp, wp, ty * DEEPDSL_WINO_OUT, tx * DEEPDSL_WINO_OUT, v_point,
-                                            v + ((long)c * tiles + t) * DEEPDSL_BLOCK);
-                }
-            }
-        }
+        if (!transformed) deepdsl_wino_inputs(xb, m, cb, hp, wp, th, tw, v);
         long first, last;                   // (the implicit barrier above: every tile transformed)
         deepdsl_group_share(g, DEEPDSL_WINO_POINTS * tiles, ob, &first, &last);
         while (first < last) {
@@ -225,6 +265,97 @@ void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, i
             }
         }
     }
+}
+
+// Y[.][b][t] = A y A^T of the tile t's 4 x 4 positions y of one block of the blocked output gradient gc (ho, wo,
+// 16), rows p0 .. and columns q0 .. (zeros past ho and wo), `points` floats apart.
+static inline void deepdsl_wino_gradient_tile(const float* gc, int ho, int wo, int p0, int q0, long points, float* y) {
+    deepdsl_v16f cols[6][4];                  // A y: the tile's columns transformed, [row point][column]
+    const deepdsl_v16f zero = {0};
+    for (int j = 0; j < 4; ++j) {
+        deepdsl_v16f d[4], t[6];
+        for (int i = 0; i < 4; ++i)
+            d[i] = p0 + i < ho && q0 + j < wo ? deepdsl_load16(gc + ((long)(p0 + i) * wo + q0 + j) * DEEPDSL_BLOCK)
+                                              : zero;
+        deepdsl_wino_gradient4(d, t);
+        for (int a = 0; a < 6; ++a) cols[a][j] = t[a];
+    }
+    for (int a = 0; a < 6; ++a) {
+        deepdsl_v16f t[6];
+        deepdsl_wino_gradient4(cols[a], t);
+        for (int b = 0; b < 6; ++b) memcpy(y + (a * 6 + b) * points, &t[b], sizeof t[b]);
+    }
+}
+
+// sums (36, b1 - b0, cb, 16 inputs, 16 outputs) = (`first`) or += the sums over a chunk's tiles of Winograd's filter
+// gradient for output blocks [b0, b1) of a stride-1 3x3 convolution: from the blocked, padded input xb (m, cb, hp,
+// wp, 16) (ho = hp - 2, wo = wp - 2) and the blocked output gradient gb (m, ob, ho, wo, 16), through v (36, cb, T,
+// 16; `transformed`: already xb's tiles) and y (36, b1 - b0, T, 16) of the caller's workspace. Three passes split
+// among the threads: the input's tiles as the forward's; the output gradient's by (sample, output block, row of
+// tiles); the sums by items (group of output blocks, point, input block), a thread's items contiguous, so that a
+// group's transformed gradients stay in its cache over the input blocks. Each sum adds its tiles' products in
+// partial sums of whole samples (`deepdsl_blocked_filter_sums` with the samples as rows of tiles: as many as
+// DEEPDSL_SUM_TERMS tiles hold, one at least), added in order.
+void deepdsl_winograd_filter_sums(const float* xb, const float* gb, int m, int cb, int hp, int wp, int ob, int b0,
+                                  int b1, int transformed, int first, float* v, float* y, float* sums) {
+    const int blocks = b1 - b0, ho = hp - 2, wo = wp - 2;
+    const int th = (ho + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT, tw = (wo + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT;
+    const long per_sample = (long)th * tw, tiles = m * per_sample, g_block = (long)ho * wo * DEEPDSL_BLOCK;
+    const long v_point = (long)cb * tiles * DEEPDSL_BLOCK, y_point = (long)blocks * tiles * DEEPDSL_BLOCK;
+    const long tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+    const deepdsl_groups g = deepdsl_even_groups(blocks, (blocks + DEEPDSL_FILTER_BLOCKS - 1) / DEEPDSL_FILTER_BLOCKS);
+#pragma omp parallel if (tiles * blocks * cb * tile * DEEPDSL_WINO_POINTS >= DEEPDSL_PARALLEL_MIN)
+    {
+        if (!transformed) deepdsl_wino_inputs(xb, m, cb, hp, wp, th, tw, v);
+#pragma omp for schedule(static)
+        for (long item = 0; item < (long)m * blocks * th; ++item) {
+            const int s = (int)(item / ((long)blocks * th)), b = (int)(item / th % blocks), ty = (int)(item % th);
+            const float* gc = gb + ((long)s * ob + b0 + b) * g_block;
+            for (int tx = 0; tx < tw; ++tx) {
+                const long t = ((long)s * th + ty) * tw + tx;
+                deepdsl_wino_gradient_tile(gc, ho, wo, ty * DEEPDSL_WINO_OUT, tx * DEEPDSL_WINO_OUT, y_point,
+                                           y + ((long)b * tiles + t) * DEEPDSL_BLOCK);
+            }
+        }
+        long begin, end;                    // (the implicit barriers above: every tile transformed)
+        deepdsl_group_share(g, (long)DEEPDSL_WINO_POINTS * cb, blocks, &begin, &end);
+        for (long item = begin; item < end; ++item) {
+            const int a = (int)(item / ((long)DEEPDSL_WINO_POINTS * cb)), a0 = deepdsl_group_start(g, a);
+            const int count = deepdsl_group_start(g, a + 1) - a0;
+            const long xi = item / cb % DEEPDSL_WINO_POINTS, c = item % cb;
+            float* to = sums + ((xi * blocks + a0) * cb + c) * tile;
+            if (first)
+                for (int b = 0; b < count; ++b) memset(to + (long)b * cb * tile, 0, sizeof(float) * tile);
+            // one "sample" whose rows are the chunk's samples, each a row of its tiles
+            deepdsl_blocked_filter_sums(v + xi * v_point + c * tiles * DEEPDSL_BLOCK, per_sample * DEEPDSL_BLOCK, 0,
+                                        y + xi * y_point + (long)a0 * tiles * DEEPDSL_BLOCK, tiles * DEEPDSL_BLOCK, 0,
+                                        1, m, (int)per_sample, count, to, (long)cb * tile);
+        }
+    }
+}
+
+// dwb (ob, cb, 3, 3, 16 inputs, 16 outputs) = G^T S G of each block pair's 36 sums S (sums (36, ob, cb, 16, 16), from
+// `deepdsl_winograd_filter_sums`): the blocked filter gradient, 16 output channels at a time.
+void deepdsl_winograd_filter_out(const float* sums, int ob, int cb, float* dwb) {
+    const long pairs = (long)ob * cb, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+#pragma omp parallel for schedule(static) if (pairs * DEEPDSL_WINO_POINTS * tile >= DEEPDSL_EW_PARALLEL_MIN)
+    for (long pair = 0; pair < pairs; ++pair)
+        for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
+            deepdsl_v16f rows[3][6];          // G^T S over the row points, [kernel row][column point]
+            for (int b = 0; b < 6; ++b) {
+                deepdsl_v16f s[6], w[3];
+                for (int a = 0; a < 6; ++a)
+                    s[a] = deepdsl_load16(sums + ((a * 6 + b) * pairs + pair) * tile + k * DEEPDSL_BLOCK);
+                deepdsl_wino_filter_grad6(s, w);
+                for (int i = 0; i < 3; ++i) rows[i][b] = w[i];
+            }
+            for (int i = 0; i < 3; ++i) {
+                deepdsl_v16f w[3];
+                deepdsl_wino_filter_grad6(rows[i], w);
+                for (int j = 0; j < 3; ++j)
+                    memcpy(dwb + (pair * 9 + i * 3 + j) * tile + k * DEEPDSL_BLOCK, &w[j], sizeof w[j]);
+            }
+        }
 }
 
 #else
