@@ -435,9 +435,11 @@ def blocked_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
 
 WINOGRAD_OUT = 4            # outputs of a Winograd tile along each axis: F(4x4, 3x3) (runtime/kernels/cpu_winograd.c)
 WINOGRAD_POINTS = 36        # points of a transformed tile: (4 + 3 - 1) ** 2
-WINOGRAD_CHUNK_BYTES = 1 << 21  # a Winograd convolution's copies, tiles and products at a time at most (their
-                                # passes stay in the cache), or as many as its transformed filters, which each chunk's
-                                # products read once (many channels on small planes: fewer, larger chunks)
+WINOGRAD_CHUNK_BYTES = 1 << 22  # a Winograd convolution's copies, tiles and products at a time at most (their
+                                # passes stay in the last-level cache; chunks of 2 MiB, a sample of a 28x28 layer of 64
+                                # channels, made two threads wait at three barriers a sample: 11 % slower), or as many
+                                # as its transformed filters, which each chunk's products read once (many channels on
+                                # small planes: fewer, larger chunks)
 
 
 def winograd_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: int, groups: int = 1,
