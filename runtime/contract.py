@@ -366,6 +366,31 @@ def filter_by_samples(kh: int, kw: int, stride: int, pad: int, hw: int, groups: 
     return pointwise_conv(kh, kw, stride, pad) and groups == 1 and hw >= FILTER_BY_SAMPLES_PLANE
 
 
+THIN_FILTER_CHANNELS = 4     # input channels at most of a thin filter gradient (images of 1, 3 or 4 channels)
+THIN_FILTER_WIDTH = 11       # kernels at most this wide (runtime/kernels/cpu_blocked.c: DEEPDSL_THIN_KW)
+
+
+def thin_filter(c: int, o: int, kh: int, kw: int, stride: int, pad: int, groups: int = 1) -> bool:
+    """A thin layer's filter gradient of any stride: few input channels (at most THIN_FILTER_CHANNELS), a kernel
+    larger than 1x1 of at most THIN_FILTER_WIDTH columns, BLOCKED_CONV_CHANNELS output channels at least, and not
+    the thin stride-1 kernels' (`direct_conv`): a first layer on images (ResNet's 7x7 by stride 2, AlexNet's 11x11
+    by 4, a ViT's patch embedding). The compiled kernels sum it straight from the zero-padded input and the blocked
+    output gradient (runtime/kernels/cpu_blocked.c: `deepdsl_thin_filter`), 16 output channels a vector, where the
+    planned workspace holds them (`thin_filter_scratch`); its im2col matrix is C*kh*kw rows deep and its product too
+    thin for the sgemm (ResNet-50's conv1 at 64 GFLOP/s on one thread)."""
+    return groups == 1 and c <= THIN_FILTER_CHANNELS and 1 < kw <= THIN_FILTER_WIDTH and kh >= 1 and \
+        o >= BLOCKED_CONV_CHANNELS and not direct_conv(c, kh, kw, stride, groups)
+
+
+def thin_filter_scratch(g_shape, x_shape, kernel, pad: int) -> tuple[int, int]:
+    """A thin filter gradient's workspace (`thin_filter`) in floats: (per sample, once), the once part first: once
+    its blocked sums (ceil(O / 16), C, kh, kw, 16); per sample the output gradient blocked (ceil(O / 16), Ho, Wo,
+    16) and, with padding, the input padded (C, H + 2 pad, W + 2 pad). The chunks of samples: `blocked_samples`."""
+    (_, o, ho, wo), (_, c, h, w), (kh, kw) = g_shape, x_shape, kernel
+    padded = c * (h + 2 * pad) * (w + 2 * pad) if pad else 0
+    return channel_blocks(o) * ho * wo * CHANNEL_BLOCK + padded, channel_blocks(o) * c * kh * kw * CHANNEL_BLOCK
+
+
 CHANNEL_BLOCK = 16          # channels a blocked copy keeps together (runtime/kernels/cpu_blocked.c: DEEPDSL_BLOCK)
 BLOCKED_CONV_CHANNELS = 16  # input and output channels at least, for direct convolution on blocked copies
 BLOCKED_CONV_ROW = 7        # output rows at least this long: shorter ones leave the tiles' registers idle, and

@@ -483,3 +483,120 @@ def test_deepdsl_winograd_0_turns_the_transforms_off(lib, tmp_path_factory, monk
         patch.setattr(on, "winograd", False)
         assert np.array_equal(direct, _run(on, node, arrays))
     assert not np.array_equal(direct, _run(on, node, arrays))        # (Winograd's rounding)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Thin layers' filter gradients of any stride (runtime/kernels/cpu_blocked.c: `deepdsl_thin_filter`,
+# `contract.thin_filter`)
+
+THIN_GEOMETRIES = [  # (N, C, H, W, O, kh, kw, stride, pad)
+    (2, 3, 32, 32, 64, 7, 7, 2, 3),       # ResNet's conv1: four output blocks in groups of two (AVX-512)
+    (2, 3, 35, 35, 96, 11, 11, 4, 2),     # AlexNet's conv1: 11 columns, AVX2's in parts of 6 and 5
+    (3, 1, 28, 28, 64, 7, 7, 7, 0),       # a ViT's patch embedding: no padding, the input read in place
+    (2, 4, 13, 17, 20, 3, 5, 3, 1),       # an output block partly empty, a kernel wider than tall
+    (1, 3, 9, 600, 16, 3, 3, 2, 1),       # rows of 300 positions: partial sums of 256 and 44 of them
+]
+
+
+def _thin_node(n, c, h, w, o, kh, kw, stride, pad):
+    g = leaf("g", (n, o, contract.out_size(h, kh, stride, pad), contract.out_size(w, kw, stride, pad)))
+    return make("conv2d_bwd_filter", (g, leaf("x", (n, c, h, w))), stride=stride, pad=pad, kernel=(kh, kw))
+
+
+def _thin_workspace(node, samples):
+    """A NaN-filled workspace with room for the thin kernels' sums and `samples` samples' copies, no more."""
+    g, x = node.inputs
+    per_sample, once = contract.thin_filter_scratch(g.shape, x.shape, node.attr("kernel"), node.attr("pad"))
+    return np.full(once + samples * per_sample, np.nan, np.float32)
+
+
+@pytest.fixture
+def thin_calls(lib, monkeypatch):  # noqa: F811
+    """How many times `Native.thin_filter` ran (a chunk of samples each)."""
+    ran = []
+    thin = lib.thin_filter
+    monkeypatch.setattr(lib, "thin_filter", lambda *a: ran.append(a[0].shape[0]) or thin(*a))
+    return ran
+
+
+@pytest.mark.parametrize("geometry", THIN_GEOMETRIES, ids=[str(g) for g in THIN_GEOMETRIES])
+def test_thin_filter_gradients_equal_the_reference(lib, thin_calls, geometry):  # noqa: F811
+    """Into NaN-filled outputs under NaN-filled workspaces of exactly the planned size (the batch at a time) and of
+    the sums and one sample's room (a chunk each): the float64 reference to float32 rounding of sums of N*Ho*Wo
+    products."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    n, c, h, w, o, kh, kw, stride, pad = geometry
+    assert contract.thin_filter(c, o, kh, kw, stride, pad)
+    node = _thin_node(*geometry)
+    arrays = _arrays(node, sum(geometry))
+    want = get_op(node.op).evaluate(EvalContext(np.float64), *[a.astype(np.float64) for a in arrays], **node.kwargs)
+    for samples, chunks in ((None, [n]), (1, [1] * n)):
+        thin_calls.clear()
+        got = _run(lib, node, arrays, workspace=None if samples is None else _thin_workspace(node, samples))
+        assert thin_calls == chunks, samples
+        assert not np.isnan(got).any()
+        positions = n * node.inputs[0].shape[2] * node.inputs[0].shape[3]
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-7 * np.sqrt(positions) * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("geometry", THIN_GEOMETRIES[:3], ids=[str(g) for g in THIN_GEOMETRIES[:3]])
+def test_thin_filter_gradient_bits_do_not_depend_on_threads_chunks_or_vectors(lib, avx2_kernels, thin_calls,
+                                                                               geometry):  # noqa: F811
+    """Each sum adds its rows' partial sums in the order of the samples and rows, whoever computes it: the same bits
+    on 1, 2 and 3 threads, in chunks of one sample and of all, and built for AVX2 alone (one block by six columns
+    a pass, where AVX-512's takes two blocks by eleven)."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    node = _thin_node(*geometry)
+    arrays = _arrays(node, 3)
+    results, before = [], (lib.threads, avx2_kernels.threads)
+    try:
+        for threads in (1, 2, 3):
+            for kernels in (lib, avx2_kernels):
+                kernels.set_threads(threads)
+                for samples in (None, 1):
+                    results.append(_run(kernels, node, arrays,
+                                        workspace=None if samples is None else _thin_workspace(node, samples)))
+    finally:
+        lib.set_threads(before[0])
+        avx2_kernels.set_threads(before[1])
+    assert len(thin_calls) == 3 * (1 + geometry[0])          # (the AVX2 library's calls are not counted)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
+def test_a_workspace_too_small_for_the_thin_kernels_leaves_the_layer_to_im2col(lib, thin_calls):  # noqa: F811
+    """One float short of the sums and a sample's copies: the thin kernels decline (nothing written; the im2col
+    path then runs); the op plans at least their room for the samples they take at a time, and under the tightest
+    limit numpy's workspace alone (one sample's im2col matrix, which holds their sums and a sample here)."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    node = _thin_node(*THIN_GEOMETRIES[0])
+    (g, x), op = node.inputs, get_op(node.op)
+    per_sample, once = contract.thin_filter_scratch(g.shape, x.shape, (7, 7), 3)
+    assert op.workspace(node, None).nbytes // 4 >= once + 2 * per_sample
+    g_, x_ = _arrays(node, 5)
+    out = np.full(node.shape, np.nan, np.float32)
+    short = np.full(once + per_sample - 1, np.nan, np.float32)
+    assert not conv._thin_filter(g_, x_, out, 2, 3, short, lib) and not thin_calls and np.isnan(out).all()
+    assert conv._thin_filter(g_, x_, out, 2, 3, _thin_workspace(node, 1), lib) and thin_calls == [1, 1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(contract, "thin_filter", lambda *args, **kwargs: False)
+        im2col_alone = op.workspace(node, 1)
+    assert op.workspace(node, 1) == im2col_alone
+
+
+def test_the_thin_filter_rule():
+    assert contract.thin_filter(3, 64, 7, 7, 2, 3)                     # ResNet's conv1
+    assert contract.thin_filter(3, 96, 11, 11, 4, 2)                   # AlexNet's
+    assert contract.thin_filter(1, 64, 7, 7, 7, 0)                     # a ViT's patch embedding
+    assert not contract.thin_filter(3, 64, 3, 3, 1, 1)                 # stride 1, 27 products: `direct_conv`'s
+    assert contract.thin_filter(3, 64, 5, 5, 1, 2)                     # stride 1 but 75 products
+    assert not contract.thin_filter(8, 64, 7, 7, 2, 3)                 # more channels: im2col's product is wide
+    assert not contract.thin_filter(3, 8, 7, 7, 2, 3)                  # few outputs: a block mostly empty
+    assert not contract.thin_filter(3, 64, 13, 13, 4, 0)               # wider than the kernels take
+    assert not contract.thin_filter(3, 64, 1, 1, 2, 0)                 # pointwise
+    assert not contract.thin_filter(4, 64, 7, 7, 2, 3, groups=2)       # grouped
+    blocked_source = (Path(contract.__file__).parent / "kernels" / "cpu_blocked.c").read_text()
+    assert f"#define DEEPDSL_THIN_KW {contract.THIN_FILTER_WIDTH} " in blocked_source

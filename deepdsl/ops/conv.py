@@ -79,6 +79,19 @@ def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: 
     return _larger(im2col, FLOAT_BYTES * (once + contract.blocked_samples(batch, per_sample, once, room) * per_sample))
 
 
+def _with_thin(im2col: Workspace, g_shape, x_shape, kernel, pad: int, limit) -> Workspace:
+    """A thin layer's filter gradient's workspace (`contract.thin_filter`): numpy's (`im2col`), or the compiled
+    kernels' sums and copies of the samples they take at a time (`contract.thin_filter_scratch`,
+    `contract.blocked_samples`) where those need more, within the larger of `limit` and numpy's workspace; not even
+    one sample's room: numpy's alone (the kernels then take the im2col path)."""
+    room = None if limit is None else max(limit, im2col.nbytes) // FLOAT_BYTES
+    per_sample, once = contract.thin_filter_scratch(g_shape, x_shape, kernel, pad)
+    if room is not None and room < once + per_sample:
+        return im2col
+    samples = contract.blocked_samples(x_shape[0], per_sample, once, room)
+    return _larger(im2col, FLOAT_BYTES * (once + samples * per_sample))
+
+
 def _larger(im2col: Workspace, nbytes: int) -> Workspace:
     """numpy's workspace, or `nbytes` in the same chunks where that is more."""
     return im2col if im2col.nbytes >= nbytes else Workspace(nbytes, im2col.chunks)
@@ -224,5 +237,8 @@ class Conv2dBwdFilter(Op):
         g, x = node.inputs
         per_sample, fixed = contract.conv2d_bwd_filter_scratch(g.shape, x.shape, node.attr("kernel"),
                                                                node.attr("pad", 0), node.attr("groups", 1))
-        return _with_blocked(self.name, scratch_chunks(g.shape[0], per_sample, limit, fixed_if_split=fixed), node,
-                             x.shape, node.shape, g.shape[3], limit)
+        im2col = scratch_chunks(g.shape[0], per_sample, limit, fixed_if_split=fixed)
+        (o, c, kh, kw), pad = node.shape, node.attr("pad", 0)
+        if contract.thin_filter(c, o, kh, kw, node.attr("stride", 1), pad, node.attr("groups", 1)):
+            return _with_thin(im2col, g.shape, x.shape, (kh, kw), pad, limit)
+        return _with_blocked(self.name, im2col, node, x.shape, node.shape, g.shape[3], limit)

@@ -79,7 +79,8 @@ def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, nat
     again for every chunk. The filter gradient: `_winograd_filter`."""
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
-    if not getattr(native, "winograd", False) or not contract.winograd_conv(c, o, kh, kw, stride, pad, wd, op=op):
+    if not getattr(native, "winograd", False) or not contract.winograd_conv(c, o, kh, kw, stride, pad, wd, op=op) or \
+            (op == "conv2d_bwd_filter" and not native.winograd_filter_grads):
         return False
     per_sample, once = contract.winograd_scratch(op, x.shape, w.shape, pad)
     if workspace is not None and workspace.size < once + per_sample:
@@ -148,6 +149,34 @@ def _winograd_filter(x, g, out, pad: int, workspace, native, ranges, step: int) 
                                         again, s == 0)
         native.winograd_filter_out(part, gradient[b0:b1])
     native.unblock_filters(gradient, out)
+
+
+def _thin_filter(g, x, out, stride: int, pad: int, workspace, native) -> bool:
+    """out (O, C, kh, kw) = a thin layer's filter gradient (`contract.thin_filter`) by the compiled kernels straight
+    from the zero-padded input and the blocked output gradient, where the library has them (`native.thin_filters`),
+    the arrays are contiguous float32 and the workspace holds the sums and a sample's copies
+    (`contract.thin_filter_scratch`), `contract.blocked_samples` samples at a time, their sums added in order;
+    False (nothing written) otherwise."""
+    n, c, h, wd = x.shape
+    o, _, kh, kw = out.shape
+    if not getattr(native, "thin_filters", False) or not contract.thin_filter(c, o, kh, kw, stride, pad) or \
+            not _contiguous32(g, x, out):
+        return False
+    per_sample, once = contract.thin_filter_scratch(g.shape, x.shape, (kh, kw), pad)
+    if workspace is not None and workspace.size < once + per_sample:
+        return False
+    ob, block = contract.channel_blocks(o), contract.CHANNEL_BLOCK
+    scratch = Scratch(workspace)
+    sums = scratch.take((ob, c, kh, kw, block))
+    step = contract.blocked_samples(n, per_sample, once, None if workspace is None else workspace.size)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        chunk = Scratch(workspace, scratch.used)
+        gb = chunk.take((e - s, ob, *g.shape[2:], block))
+        native.block_input(g[s:e], 0, 0, gb)
+        native.thin_filter(_padded(x[s:e], pad, chunk), gb, stride, s == 0, sums)
+    native.thin_filter_out(sums, out)
+    return True
 
 
 def _windows(xp: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) -> np.ndarray:
@@ -552,6 +581,8 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
     if native is not None and native.direct("conv2d_bwd_filter", g, x, None, out, stride, pad):
         return
     if groups == 1 and _blocked("conv2d_bwd_filter", g, x, None, out, stride, pad, workspace, native):
+        return
+    if native is not None and _thin_filter(g, x, out, stride, pad, workspace, native):
         return
     if groups > 1:
         if _depthwise(native, "conv2d_bwd_filter", g, x, None, out, stride, pad, groups):

@@ -360,6 +360,9 @@ class Native:
         if self.winograd_kernels:
             lib.deepdsl_winograd_filters.argtypes = [_P, _I, _I, _P]
             lib.deepdsl_winograd_conv.argtypes = [_P, _P, _P] + [_I] * 8 + [_P, _P, _P]
+        # (and of the filter gradients: a library of the kernels before them has the others alone)
+        self.winograd_filter_grads = self.winograd_kernels and hasattr(lib, "deepdsl_winograd_filter_sums")
+        if self.winograd_filter_grads:
             lib.deepdsl_winograd_filter_sums.argtypes = [_P, _P] + [_I] * 9 + [_P, _P, _P]
             lib.deepdsl_winograd_filter_out.argtypes = [_P, _I, _I, _P]
         self.tiled_convs = True         # convolutions sample by sample in the products' tiles (`conv_tiles`, ...)
@@ -369,6 +372,11 @@ class Native:
             lib.deepdsl_blocked_conv.argtypes = [_P, _P, _P] + [_I] * 7 + [_P]
             lib.deepdsl_blocked_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 8 + [_P]
             lib.deepdsl_unblocked_filters.argtypes = [_P] + [_I] * 4 + [_P]
+        # (nor the thin layers' filter gradients of any stride, `contract.thin_filter`)
+        self.thin_filters = self.blocked and hasattr(lib, "deepdsl_thin_filter")
+        if self.thin_filters:
+            lib.deepdsl_thin_filter.argtypes = [_P, _P] + [_I] * 11 + [_P]
+            lib.deepdsl_thin_filter_out.argtypes = [_P] + [_I] * 4 + [_P]
         # (nor the render of images read from files)
         self._resample = getattr(lib, "deepdsl_resample_image", None)
         if self._resample is not None:
@@ -770,6 +778,19 @@ class Native:
         ob, _, kh, kw = sums.shape[:4]
         self.lib.deepdsl_blocked_conv_bwd_filter(_address(xb), _address(gb), m, cb, hp, wp, ob, kh, kw,
                                                  int(first), _address(sums))
+
+    def thin_filter(self, xp: np.ndarray, gb: np.ndarray, stride: int, first: bool, sums: np.ndarray) -> None:
+        """sums (ceil(O/16), C, kh, kw, 16) = (first) or += the filter gradient of a convolution by `stride` from the
+        zero-padded input xp (m, C, Hp, Wp) and the blocked output gradient gb (m, ceil(O/16), Ho, Wo, 16), summed
+        over the samples in order (`deepdsl_thin_filter`)."""
+        m, c, hp, wp = xp.shape
+        ob, _, kh, kw, _ = sums.shape
+        self.lib.deepdsl_thin_filter(_address(xp), _address(gb), m, c, hp, wp, ob, gb.shape[2], gb.shape[3], kh, kw,
+                                     stride, int(first), _address(sums))
+
+    def thin_filter_out(self, sums: np.ndarray, out: np.ndarray) -> None:
+        """out (O, C, kh, kw) = the thin filter gradient's sums (`thin_filter`) without their channels past O."""
+        self.lib.deepdsl_thin_filter_out(_address(sums), *out.shape, _address(out))
 
     def unblock_filters(self, sums: np.ndarray, out: np.ndarray) -> None:
         """out (O, C, kh, kw) = the blocked filters `sums` without their zero channels."""
