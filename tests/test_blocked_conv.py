@@ -491,7 +491,7 @@ def test_deepdsl_winograd_0_turns_the_transforms_off(lib, tmp_path_factory, monk
 
 THIN_GEOMETRIES = [  # (N, C, H, W, O, kh, kw, stride, pad)
     (2, 3, 32, 32, 64, 7, 7, 2, 3),       # ResNet's conv1: four output blocks in groups of two (AVX-512)
-    (2, 3, 35, 35, 96, 11, 11, 4, 2),     # AlexNet's conv1: 11 columns, AVX2's in parts of 6 and 5
+    (2, 3, 35, 35, 96, 11, 11, 4, 2),     # AlexNet's conv1: 11 columns (AVX2's in parts of 6 and 5, 7x7's 4 and 3)
     (3, 1, 28, 28, 64, 7, 7, 7, 0),       # a ViT's patch embedding: no padding, the input read in place
     (2, 4, 13, 17, 20, 3, 5, 3, 1),       # an output block partly empty, a kernel wider than tall
     (1, 3, 9, 600, 16, 3, 3, 2, 1),       # rows of 300 positions: partial sums of 256 and 44 of them

@@ -656,32 +656,35 @@ void deepdsl_unblocked_filters(const float* wb, int o, int c, int kh, int kw, fl
 // 7x7 by stride 2, 11x11 by 4, a patch embedding's 7x7 by 7), whose im2col matrix is C*kh*kw rows deep and whose
 // product is too thin to run fast (ResNet-50's conv1 at 64 GFLOP/s in the sgemm): straight from the zero-padded input
 // xp (m, c, hp, wp) and the blocked output gradient gb (m, ob, ho, wo, 16), its sums for 16 output channels a vector.
-// An item is a group of output blocks, an input channel, a kernel row and a part of the kernel's columns; for each
-// sample and output row, each of a thread's items sums over the row's positions q the gradient's vectors of q times
-// the input at stride * q + j for its columns j (one broadcast serving each block), a partial sum in registers added
-// to the item's sums in dwb (ob, c, kh, kw, 16). Every sum adds its rows' partial sums in the order of the samples and
-// rows (the chunks of samples too), each lane alone: the bits depend neither on the thread count nor on the vectors'
-// width.
+// An item is a group of output blocks, an input channel and a part of the kernel's taps, in parts of as equal sizes
+// as can be (with AVX-512 those of each kernel row, with AVX2 those of all its kh * kw taps in row order: a part's
+// sums in registers, enough of them that few fused multiply-adds wait on each other); for each sample and output row, each of a thread's
+// items sums over the row's positions q the gradient's vectors of q times the input at its taps' offsets from
+// stride * q (one broadcast serving each block), a partial sum in registers added to the item's sums in dwb (ob, c,
+// kh, kw, 16). Every sum adds its rows' partial sums in the order of the samples and rows (the chunks of samples
+// too), each lane alone: the bits depend neither on the thread count nor on the vectors' width.
 #define DEEPDSL_THIN_KW 11              /* the widest kernel (contract.THIN_FILTER_WIDTH) */
 #if defined(__AVX512F__)
 #define DEEPDSL_THIN_BLOCKS 2           /* output blocks an item sums: 2 x 11 sums, 2 gradients and a broadcast */
-#define DEEPDSL_THIN_TAPS 11            /* kernel columns an item sums */
+#define DEEPDSL_THIN_TAPS 11            /* taps an item sums at most: a kernel row's */
+#define DEEPDSL_THIN_FLAT 0             /* parts of kernel rows, their offsets constants */
 
-static inline __attribute__((always_inline)) void deepdsl_thin_row(const float* x, int stride, const float* g,
-                                                                   long g_block, int wo, int OB, int NJ, float* sums,
-                                                                   long sums_block) {
+static inline __attribute__((always_inline)) void deepdsl_thin_row(const float* x, const long* at, int stride,
+                                                                   const float* g, long g_block, int wo, int OB,
+                                                                   int NJ, float* sums, long sums_block) {
     __m512 acc[DEEPDSL_THIN_BLOCKS][DEEPDSL_THIN_TAPS];
     #pragma GCC unroll 2
     for (int b = 0; b < OB; ++b)
         #pragma GCC unroll 11
         for (int j = 0; j < NJ; ++j) acc[b][j] = _mm512_setzero_ps();
     for (int q = 0; q < wo; ++q) {
+        const float* xq = x + (long)q * stride;
         __m512 gv[DEEPDSL_THIN_BLOCKS];
         #pragma GCC unroll 2
         for (int b = 0; b < OB; ++b) gv[b] = _mm512_loadu_ps(g + b * g_block + q * DEEPDSL_BLOCK);
         #pragma GCC unroll 11
         for (int j = 0; j < NJ; ++j) {
-            const __m512 v = _mm512_set1_ps(x[q * stride + j]);
+            const __m512 v = _mm512_set1_ps(xq[at[j]]);
             #pragma GCC unroll 2
             for (int b = 0; b < OB; ++b) acc[b][j] = _mm512_fmadd_ps(v, gv[b], acc[b][j]);
         }
@@ -697,23 +700,27 @@ static inline __attribute__((always_inline)) void deepdsl_thin_row(const float* 
 #define DEEPDSL_THIN_ROWS(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6) X(1, 7) X(1, 8) X(1, 9) X(1, 10) \
     X(1, 11) X(2, 1) X(2, 2) X(2, 3) X(2, 4) X(2, 5) X(2, 6) X(2, 7) X(2, 8) X(2, 9) X(2, 10) X(2, 11)
 #else
-#define DEEPDSL_THIN_BLOCKS 1           /* AVX2: one block (two vectors) by 6 columns: 12 sums, 2 gradients, 1 broadcast */
+#define DEEPDSL_THIN_BLOCKS 1           /* AVX2: one block (two vectors) by 6 taps: 12 sums, 2 gradients, 1 broadcast */
 #define DEEPDSL_THIN_TAPS 6
+#define DEEPDSL_THIN_FLAT 1             /* parts of all the taps in row order: 7x7's 49 in parts of 6 and 5, where parts
+                                           of each row (6 and 1, or 4 and 3) kept fewer sums (8 ms against 6 on
+                                           ResNet-50's conv1); their offsets in 6 registers */
 
-static inline __attribute__((always_inline)) void deepdsl_thin_row(const float* x, int stride, const float* g,
-                                                                   long g_block, int wo, int OB, int NJ, float* sums,
-                                                                   long sums_block) {
+static inline __attribute__((always_inline)) void deepdsl_thin_row(const float* x, const long* at, int stride,
+                                                                   const float* g, long g_block, int wo, int OB,
+                                                                   int NJ, float* sums, long sums_block) {
     (void)OB; (void)g_block; (void)sums_block;
     __m256 lo[DEEPDSL_THIN_TAPS], hi[DEEPDSL_THIN_TAPS];
     #pragma GCC unroll 6
     for (int j = 0; j < NJ; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
     for (int q = 0; q < wo; ++q) {
+        const float* xq = x + (long)q * stride;
         __m256 g0 = _mm256_loadu_ps(g + q * DEEPDSL_BLOCK), g1 = _mm256_loadu_ps(g + q * DEEPDSL_BLOCK + 8);
         DEEPDSL_IN_REGISTER(g0);
         DEEPDSL_IN_REGISTER(g1);
         #pragma GCC unroll 6
         for (int j = 0; j < NJ; ++j) {
-            const __m256 v = _mm256_broadcast_ss(x + q * stride + j);
+            const __m256 v = _mm256_broadcast_ss(xq + at[j]);
             lo[j] = _mm256_fmadd_ps(v, g0, lo[j]);
             hi[j] = _mm256_fmadd_ps(v, g1, hi[j]);
         }
@@ -731,48 +738,55 @@ static inline __attribute__((always_inline)) void deepdsl_thin_row(const float* 
 // dwb (ob, c, kh, kw, 16 outputs) = (`first`) or += the filter gradient of a convolution by `stride` from the
 // zero-padded input xp (m, c, hp, wp) and the blocked output gradient gb (m, ob, ho, wo, 16), the taps of output
 // position (p, q) at xp rows stride * p + i, columns stride * q + j (inside it: its padding included). A thread takes
-// an even share of the items (group of DEEPDSL_THIN_BLOCKS output blocks, input channel, kernel row, part of
-// DEEPDSL_THIN_TAPS kernel columns); for each sample and output row it sums each of its items over the row (rows of at
-// most DEEPDSL_SUM_TERMS positions at a time), the row's gradient staying in its cache over the items.
+// an even share of the items (group of DEEPDSL_THIN_BLOCKS output blocks, input channel, part of at most
+// DEEPDSL_THIN_TAPS taps); for each sample and output row it sums each of its items over the row (rows of at most
+// DEEPDSL_SUM_TERMS positions at a time), the row's gradient staying in its cache over the items.
 void deepdsl_thin_filter(const float* xp, const float* gb, int m, int c, int hp, int wp, int ob, int ho, int wo,
                          int kh, int kw, int stride, int first, float* dwb) {
-    const int groups = (ob + DEEPDSL_THIN_BLOCKS - 1) / DEEPDSL_THIN_BLOCKS;
-    const int parts = (kw + DEEPDSL_THIN_TAPS - 1) / DEEPDSL_THIN_TAPS;
-    const long items = (long)groups * c * kh * parts, g_block = (long)ho * wo * DEEPDSL_BLOCK;
-    const long sums_block = (long)c * kh * kw * DEEPDSL_BLOCK;
-#pragma omp parallel if ((long)m * ho * wo * ob * DEEPDSL_BLOCK * c * kh * kw >= DEEPDSL_PARALLEL_MIN)
+    const int groups = (ob + DEEPDSL_THIN_BLOCKS - 1) / DEEPDSL_THIN_BLOCKS, taps = kh * kw;
+    const int span = DEEPDSL_THIN_FLAT ? taps : kw, rows = DEEPDSL_THIN_FLAT ? 1 : kh;  // (parts of `span` taps)
+    const int parts = rows * ((span + DEEPDSL_THIN_TAPS - 1) / DEEPDSL_THIN_TAPS), each = parts / rows;
+    const int fewer = span / each, more = span % each;  // (the first `more` parts of a span one tap more)
+    const long items = (long)groups * c * parts, g_block = (long)ho * wo * DEEPDSL_BLOCK;
+    static const long columns[DEEPDSL_THIN_TAPS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // (a row's offsets)
+    const long sums_block = (long)taps * c * DEEPDSL_BLOCK;
+#pragma omp parallel if ((long)m * ho * wo * ob * DEEPDSL_BLOCK * c * taps >= DEEPDSL_PARALLEL_MIN)
     {
         long begin, end;
         deepdsl_share(items, 1, &begin, &end);
-        for (long item = begin; item < end && first; ++item) {
-            const int a = (int)(item / ((long)c * kh * parts)), ch = (int)(item / ((long)kh * parts) % c);
-            const int i = (int)(item / parts % kh), j0 = (int)(item % parts) * DEEPDSL_THIN_TAPS;
-            const int blocks = ob - a * DEEPDSL_THIN_BLOCKS < DEEPDSL_THIN_BLOCKS ? ob - a * DEEPDSL_THIN_BLOCKS
-                                                                                 : DEEPDSL_THIN_BLOCKS;
-            const int taps = kw - j0 < DEEPDSL_THIN_TAPS ? kw - j0 : DEEPDSL_THIN_TAPS;
-            for (int b = 0; b < blocks; ++b)
-                memset(dwb + (a * DEEPDSL_THIN_BLOCKS + b) * sums_block + (((long)ch * kh + i) * kw + j0) * DEEPDSL_BLOCK,
-                       0, sizeof(float) * taps * DEEPDSL_BLOCK);
-        }
+        if (first)                          // (this thread's items' sums: each item's taps are consecutive)
+            for (long item = begin; item < end; ++item) {
+                const int a = (int)(item / ((long)c * parts)), ch = (int)(item / parts % c);
+                const int k = (int)(item % parts % each), i = (int)(item % parts / each);
+                const int t0 = i * kw + k * fewer + (k < more ? k : more), count = fewer + (k < more);
+                const int blocks = ob - a * DEEPDSL_THIN_BLOCKS < DEEPDSL_THIN_BLOCKS ? ob - a * DEEPDSL_THIN_BLOCKS
+                                                                                     : DEEPDSL_THIN_BLOCKS;
+                for (int b = 0; b < blocks; ++b)
+                    memset(dwb + (a * DEEPDSL_THIN_BLOCKS + b) * sums_block + ((long)ch * taps + t0) * DEEPDSL_BLOCK,
+                           0, sizeof(float) * count * DEEPDSL_BLOCK);
+            }
         for (int s = 0; s < m; ++s)
             for (int p = 0; p < ho; ++p)
                 for (int q0 = 0; q0 < wo; q0 += DEEPDSL_SUM_TERMS)
                     for (long item = begin; item < end; ++item) {
-                        const int a = (int)(item / ((long)c * kh * parts)), ch = (int)(item / ((long)kh * parts) % c);
-                        const int i = (int)(item / parts % kh), j0 = (int)(item % parts) * DEEPDSL_THIN_TAPS;
+                        const int a = (int)(item / ((long)c * parts)), ch = (int)(item / parts % c);
+                        const int k = (int)(item % parts % each), i = (int)(item % parts / each);
+                        const int t0 = i * kw + k * fewer + (k < more ? k : more);
                         const int OB = ob - a * DEEPDSL_THIN_BLOCKS < DEEPDSL_THIN_BLOCKS ? ob - a * DEEPDSL_THIN_BLOCKS
                                                                                         : DEEPDSL_THIN_BLOCKS;
-                        const int NJ = kw - j0 < DEEPDSL_THIN_TAPS ? kw - j0 : DEEPDSL_THIN_TAPS;
-                        const int n = wo - q0 < DEEPDSL_SUM_TERMS ? wo - q0 : DEEPDSL_SUM_TERMS;
-                        const float* x = xp + (((long)s * c + ch) * hp + (long)stride * p + i) * wp
-                                         + (long)stride * q0 + j0;
+                        const int NJ = fewer + (k < more), n = wo - q0 < DEEPDSL_SUM_TERMS ? wo - q0 : DEEPDSL_SUM_TERMS;
+                        long at[DEEPDSL_THIN_TAPS];     // the part's taps' offsets in the input from its first's
+                        for (int j = 0; j < NJ && DEEPDSL_THIN_FLAT; ++j)
+                            at[j] = (long)((t0 + j) / kw - t0 / kw) * wp + (t0 + j) % kw - t0 % kw;
+                        const float* x = xp + (((long)s * c + ch) * hp + (long)stride * p + t0 / kw) * wp
+                                         + (long)stride * q0 + t0 % kw;
                         const float* g = gb + (((long)s * ob + a * DEEPDSL_THIN_BLOCKS) * ho + p) * wo * DEEPDSL_BLOCK
                                          + (long)q0 * DEEPDSL_BLOCK;
-                        float* sums = dwb + a * DEEPDSL_THIN_BLOCKS * sums_block
-                                      + (((long)ch * kh + i) * kw + j0) * DEEPDSL_BLOCK;
+                        float* sums = dwb + a * DEEPDSL_THIN_BLOCKS * sums_block + ((long)ch * taps + t0) * DEEPDSL_BLOCK;
                         switch (OB * 16 + NJ) {
 #define DEEPDSL_THIN_CASE(B, J) \
-                        case B * 16 + J: deepdsl_thin_row(x, stride, g, g_block, n, B, J, sums, sums_block); break;
+                        case B * 16 + J: deepdsl_thin_row(x, DEEPDSL_THIN_FLAT ? at : columns, stride, g, g_block, n, B, \
+                                                          J, sums, sums_block); break;
                         DEEPDSL_THIN_ROWS(DEEPDSL_THIN_CASE)
 #undef DEEPDSL_THIN_CASE
                         default: break;
