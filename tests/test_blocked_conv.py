@@ -380,8 +380,8 @@ def test_winograd_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometr
 def test_winograd_filter_gradient_bits_do_not_depend_on_threads_chunks_or_ranges(lib, recorded, monkeypatch):  # noqa: F811
     """The filter gradient adds its tiles' products in partial sums of whole samples (`contract.winograd_sum_samples`:
     4 of these 8), each chunk a multiple of them (room for 5 samples takes 4), the chunks' sums added in order: the
-    same bits on 1, 2 and 3 threads, in one chunk or two, and in ranges of one output block (with one chunk its
-    tiles transformed once for both ranges, with two again for each)."""
+    same bits on 1, 2 and 3 threads, in one chunk or two, and in ranges of one output block (its tiles transformed
+    once for both). Ranges take the whole batch in one chunk: with room for fewer samples, the direct sums."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     monkeypatch.setattr(lib, "winograd", True)
@@ -395,7 +395,7 @@ def test_winograd_filter_gradient_bits_do_not_depend_on_threads_chunks_or_ranges
     try:
         for threads in (1, 2, 3):
             lib.set_threads(threads)
-            for ranges, room in ((1, 8), (1, 5), (1, 4), (2, 8), (2, 4)):
+            for ranges, room in ((1, 8), (1, 5), (1, 4), (2, 8)):
                 with monkeypatch.context() as patch:
                     if ranges == 2:
                         patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block)
@@ -406,10 +406,18 @@ def test_winograd_filter_gradient_bits_do_not_depend_on_threads_chunks_or_ranges
                     calls = recorded.count("winograd")
                     results.append(_run(lib, node, arrays, limit))
                     assert recorded.count("winograd") - calls == ranges * chunks, (ranges, room)
+        with monkeypatch.context() as patch:
+            patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block)
+            limit = _winograd_limit(node, n - 1)
+            assert contract.winograd_samples(n, node.op, *_forward_shapes(node), 1, limit // 4) == 0
+            recorded.clear()
+            direct = _run(lib, node, arrays, limit)
+            assert recorded and set(recorded) == {"filter"}
     finally:
         lib.set_threads(before)
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
+    np.testing.assert_allclose(direct, results[0], rtol=0, atol=4e-5 * float(np.abs(direct).max()))
 
 
 def test_the_planned_workspace_holds_winograds_arrays():
@@ -458,7 +466,9 @@ def test_the_winograd_rule():
     blocked_source = (Path(contract.__file__).parent / "kernels" / "cpu_blocked.c").read_text()
     assert f"#define DEEPDSL_SUM_TERMS {contract.WINOGRAD_SUM_TILES} " in blocked_source
     assert contract.winograd_sum_samples(7, 7) == 64 and contract.winograd_sum_samples(112, 112) == 1
-    assert contract.winograd_samples(8, "conv2d_bwd_filter", (8, 16, 30, 30), (32, 16, 3, 3), 1, 0) == 1
+    per_sample, once = contract.winograd_scratch("conv2d_bwd_filter", (8, 16, 30, 30), (32, 16, 3, 3), 1)
+    for room, samples in ((once + per_sample - 1, 0), (once + per_sample, 1), (once + 5 * per_sample, 4)):
+        assert contract.winograd_samples(8, "conv2d_bwd_filter", (8, 16, 30, 30), (32, 16, 3, 3), 1, room) == samples
 
 
 def test_deepdsl_winograd_0_turns_the_transforms_off(lib, tmp_path_factory, monkeypatch):  # noqa: F811

@@ -59,7 +59,7 @@ def _by_group(groups: int, *arrays_and_axes):
 def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: int, limit) -> Workspace:
     """A convolution's workspace: numpy's (`im2col`), or where the compiled kernels compute it on channel-blocked
     copies (`contract.blocked_conv`) and those need more, theirs: by Winograd's F(4x4, 3x3) where it takes the layer
-    (`contract.winograd_conv`) and its arrays fit (`contract.winograd_scratch`, `contract.winograd_samples`), else
+    (`contract.winograd_conv`) and its arrays fit (`contract.winograd_samples`: `contract.winograd_scratch`'s), else
     directly (`contract.blocked_scratch`: the filters' copy once, then the operands of the samples the kernel copies
     at a time, `contract.blocked_samples`), within the larger of `limit` and numpy's workspace. Blocked copies that do
     not fit that with one sample are not planned (the kernels then take the im2col path)."""
@@ -68,8 +68,8 @@ def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: 
     room = None if limit is None else max(limit, im2col.nbytes) // FLOAT_BYTES
     if contract.winograd_conv(c, o, kh, kw, stride, pad, wo, groups, op):
         per_sample, once = contract.winograd_scratch(op, x_shape, w_shape, pad)
-        if room is None or room >= once + per_sample:
-            samples = contract.winograd_samples(batch, op, x_shape, w_shape, pad, room)
+        samples = contract.winograd_samples(batch, op, x_shape, w_shape, pad, room)
+        if samples:
             return _larger(im2col, FLOAT_BYTES * (once + samples * per_sample))
     if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, groups, op):
         return im2col

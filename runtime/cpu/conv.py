@@ -82,13 +82,12 @@ def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, nat
     if not getattr(native, "winograd", False) or not contract.winograd_conv(c, o, kh, kw, stride, pad, wd, op=op) or \
             (op == "conv2d_bwd_filter" and not native.winograd_filter_grads):
         return False
-    per_sample, once = contract.winograd_scratch(op, x.shape, w.shape, pad)
-    if workspace is not None and workspace.size < once + per_sample:
+    step = contract.winograd_samples(n, op, x.shape, w.shape, pad, None if workspace is None else workspace.size)
+    if not step:
         return False
     ins, outs, most = contract.winograd_blocks(op, x.shape, w.shape)
     block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
     ranges = [(b, min(outs, b + most)) for b in range(0, outs, most)]
-    step = contract.winograd_samples(n, op, x.shape, w.shape, pad, None if workspace is None else workspace.size)
     if op == "conv2d_bwd_filter":
         _winograd_filter(x, a, out, pad, workspace, native, ranges, step)
         return True
