@@ -18,6 +18,7 @@ import numpy as np
 
 from deepdsl_runtime import data as datasets
 from deepdsl_runtime import memory, parallel
+from deepdsl_runtime.cpu import heap
 from deepdsl_runtime.cpu.cores import FreeCores
 from deepdsl_runtime.cpu.linalg import Products
 from deepdsl_runtime.frames import roomy
@@ -136,6 +137,7 @@ class Model:
         # on the CPU: the program's compiled kernels where its library is built ("auto"), else numpy's
         self.kernels = f"{device} kernels"
         if device == "cpu":
+            heap.map_large_arrays()         # (freed temporaries go back to the system: a lower peak RSS)
             found = self._compiled_kernels(kernels, threads)
             # the products on the kernels' threads where the library computes them, else numpy's in the same parts
             self.products = None if found is not None and found.products else Products(self.threads)
