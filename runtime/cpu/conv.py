@@ -1,6 +1,7 @@
 """Convolution on the CPU: im2col + GEMM (Torch7's scheme), forward and both gradients; with the compiled kernels,
-thin convolutions straight from the input and stride-1 convolutions of many channels directly on channel-blocked
-copies (`_blocked`)."""
+thin convolutions straight from the input, stride-1 convolutions of many channels directly on channel-blocked
+copies (`_blocked`; 3x3 ones by Winograd's transforms, `_winograd`) and thin layers' filter gradients of any stride
+(`_thin_filter`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -122,8 +123,8 @@ def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, nat
 def _winograd_filter(x, g, out, pad: int, workspace, native, ranges, step: int) -> None:
     """out (O, C, 3, 3) = the filter gradient of `_winograd`'s layer from its input x and output gradient g: for each
     range of output blocks, each chunk's sums (`native.winograd_filter_sums`, the chunks added in order), then their
-    inverse transform into the blocked gradient, unblocked at the end. With one chunk its copies and the input's
-    tiles serve every range; with several, each range blocks and transforms them again."""
+    inverse transform into the blocked gradient, unblocked at the end. Several ranges take the whole batch in one
+    chunk (`contract.winograd_samples`), whose copies and transformed tiles serve every range."""
     n, c, h, wd = x.shape
     block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
     ins, outs, most = contract.channel_blocks(c), contract.channel_blocks(g.shape[1]), ranges[0][1] - ranges[0][0]
@@ -565,7 +566,8 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
     the im2col matrix, transposed. With `native`, a thin pointwise convolution's (`contract.pointwise_filter`) runs
     straight from its operands, another pointwise one's on large planes (`contract.filter_by_samples`) as a sum of
     products by samples, and another thin one's (`contract.direct_conv`) straight from the input, all without
-    workspace, and a blocked one's (`_blocked`) on channel-blocked copies."""
+    workspace, a blocked one's (`_blocked`) on channel-blocked copies, and a thin one of any stride's
+    (`contract.thin_filter`: a first layer's) from the padded input and the blocked output gradient."""
     n, o, ho, wo = g.shape
     c, h, wd = x.shape[1:]
     kh, kw = kernel
