@@ -4,7 +4,7 @@ products' tiles (`contract.tiled_conv`, those layers only), deepdsl's direct ker
 only) and PyTorch's on the same shapes, side by side.
 
     python benchmarks/conv_layers.py [--network resnet50] [--batch 8] [--image 112] [--threads 1 2] [--rounds 3]
-                                     [--calls 5] [--isa native|avx2] [--markdown]
+                                     [--calls 5] [--isa native|avx2] [--winograd-chunk-mib MIB] [--markdown]
 
 The network (a file of networks/) is compiled at that batch and image size (`--image 0`: the network's own), and its
 compiled kernels are built; each distinct convolution of its training step (forward, input gradient, filter
@@ -21,6 +21,9 @@ with `-mno-avx512f` (DEEPDSL_CFLAGS), OpenBLAS on its Haswell kernels (OPENBLAS_
 kernels on AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), MKL too (MKL_ENABLE_INSTRUCTIONS); the process starts
 again with those set before numpy and torch load (`timing.AVX2_ENV`). The last lines say which vector extensions
 PyTorch's libraries report they ran on (`timing.torch_isa`).
+
+`--winograd-chunk-mib` sets `contract.WINOGRAD_CHUNK_BYTES` for the run (the plan's workspaces and the kernels'
+chunks alike): the Winograd column with other chunks of samples.
 """
 from __future__ import annotations
 
@@ -91,8 +94,8 @@ def geometry(node):
 
 def sides(node, size, kernels, threads):
     """{side: call} for the node: "im2col", "tiles" (where `contract.tiled_conv` takes it), "blocked" (where
-    `contract.blocked_conv` takes it: the direct sums), "winograd" (where `contract.winograd_conv` takes it),
-    "torch"."""
+    `contract.blocked_conv` takes it: the direct sums; and a thin filter gradient, `contract.thin_filter`, from the
+    blocked output gradient), "winograd" (where `contract.winograd_conv` takes it), "torch"."""
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(i.shape).astype(np.float32) for i in node.inputs]
     out = np.empty(node.shape, np.float32)
@@ -102,6 +105,7 @@ def sides(node, size, kernels, threads):
     def ours(blocked: bool, tiled: bool, winograd: bool = False):
         def call():
             kernels.blocked, kernels.tiled_convs, kernels.winograd = blocked, tiled, winograd
+            kernels.thin_filters = blocked and kernels.thin_filter_kernels
             run(*arrays, out=out, workspace=workspace, gemm=kernels.gemm, native=kernels, **node.kwargs)
         return call
 
@@ -115,7 +119,9 @@ def sides(node, size, kernels, threads):
             x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, ho, wo, groups, op=node.op):
         calls["tiles"] = ours(False, True)
     if groups == 1 and contract.blocked_conv(x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo,
-                                             op=node.op, lanes=kernels.lanes):
+                                             op=node.op, lanes=kernels.lanes) or \
+            node.op == "conv2d_bwd_filter" and kernels.thin_filter_kernels and contract.thin_filter(
+                x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, groups):
         calls["blocked"] = ours(True, True)
     if groups == 1 and kernels.winograd_kernels and contract.winograd_conv(
             x_shape[1], w_shape[0], w_shape[2], w_shape[3], stride, pad, wo, op=node.op):
@@ -147,8 +153,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=5)
     add_isa_option(parser)
+    parser.add_argument("--winograd-chunk-mib", type=int, help="contract.WINOGRAD_CHUNK_BYTES in MiB for this run")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    if args.winograd_chunk_mib:
+        contract.WINOGRAD_CHUNK_BYTES = args.winograd_chunk_mib << 20
     print(f"{vector_isa(args.isa)}; load average before: {load_average()}")
     with tempfile.TemporaryDirectory() as tmp:
         kernels, found = layers(args.network, args.batch, args.image, Path(tmp))
@@ -186,6 +195,7 @@ def main() -> int:
                            cell("winograd"), cell("torch"), f"{ms['torch'] / best:.2f}" if "torch" in ms else "-"],
                           args.markdown, 12)
             kernels.blocked, kernels.tiled_convs, kernels.winograd = True, True, kernels.winograd_kernels
+            kernels.thin_filters = kernels.thin_filter_kernels
         for threads in args.threads:
             parts = [f"im2col only {totals[threads, 'im2col']:.1f}",
                      f"tiles where taken {totals[threads, 'tiles']:.1f}",

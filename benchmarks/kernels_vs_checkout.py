@@ -1,13 +1,14 @@
 """This checkout's compiled CPU kernels against another checkout's, alternating in one process: the im2col, col2im
-and axis-swap kernels alone, or whole training steps of a network.
+and axis-swap kernels and products alone, or whole training steps of a network.
 
     python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5]
     python benchmarks/kernels_vs_checkout.py --against OTHER --network lenet:64 [--threads 1] [--rounds 8] [--steps 12]
 
 OTHER is the root of another checkout (`git worktree add /tmp/other REV`). Kernels: `runtime/kernels/cpu_ops.c` of
 each is built into a library of its own (this checkout's build flags); per thread count and geometry (N, C, H=W,
-kernel, pad, stride; for the swap (A, B, inner)), the median microseconds of 15 calls, medians over `--rounds`
-rounds that alternate the two libraries, their ratio (this / other), and a check that both give the same bits.
+kernel, pad, stride; for the swap (A, B, inner); for a product (m, k, n), by `Native.gemm` on each library), the
+median microseconds of 15 calls, medians over `--rounds` rounds that alternate the two libraries, their ratio (this /
+other), and a check that both give the same bits.
 Networks: each checkout renders the network's `<program>.c` (its elementwise kernels and its generic ones,
 `deepdsl compile` run with that checkout on the path) and it is built against that checkout's kernels; the program
 of this checkout then runs its training step with each library in turn, `--steps` steps a round (the first
@@ -46,6 +47,10 @@ GEOMETRIES = [  # (N, C, H=W, kernel, pad, stride): ResNet-50's 3x3 layers at 11
     (1, 3, 227, 11, 0, 4),
 ]
 SWAPS = [(8, 1024, 49), (1024, 8, 49), (8, 2048, 16), (8, 512, 196), (8, 256, 784), (64, 50, 64)]  # (A, B, inner)
+PRODUCTS = [  # (m, k, n): ResNet-50's pointwise layers at 112x112 (batch 8) on 7x7 and 4x4 planes, the ViT's (64 x 16
+    # tokens): products of the kernels' tiles (`contract.small_product`) or the sgemm's parts, as `Native.gemm` takes them
+    (256, 1024, 392), (1024, 256, 392), (2048, 512, 128), (512, 2048, 128), (1024, 64, 64), (1024, 64, 128),
+]
 
 
 def _build(source: Path, include: Path, target: Path) -> native.Native:
@@ -107,6 +112,16 @@ def kernels(libs: dict, threads: list[int], rounds: int) -> None:
             swap = _alternating(libs, rounds, lambda name, lib: lib.swap01(src, out[name]))
             same = np.array_equal(out["this"], out["other"])
             print(f"{t:>7}  {str(shape):<20} {_cell(swap)}{'' if same else '  RESULTS DIFFER'}")
+    print("threads  product (m, k, n)      this / other (us)")
+    for t in threads:
+        for lib in libs.values():
+            lib.set_threads(t)
+        for m, k, n in PRODUCTS:
+            a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+            out = {name: np.full((m, n), np.nan, np.float32) for name in libs}
+            product = _alternating(libs, rounds, lambda name, lib: lib.gemm(a, b, out[name]))
+            same = np.array_equal(out["this"], out["other"])
+            print(f"{t:>7}  {str((m, k, n)):<20} {_cell(product)}{'' if same else '  RESULTS DIFFER'}")
 
 
 def _other_source(spec: str, other: Path, directory: Path) -> Path:

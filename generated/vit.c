@@ -149,6 +149,9 @@ static __attribute__((noinline)) void deepdsl_channel_sum_planes(long c0, long c
 // s, as `channel_sums` adds a group of DEEPDSL_CSUM_SAMPLES rows. 16 columns at a time in a 16-float vector, then
 // one by one: each lane adds the same values in the same order whatever the vectors' width.
 typedef float deepdsl_v16 __attribute__((vector_size(64)));
+// (built without AVX-512, GCC warns that returning such a vector changes the ABI: deepdsl_load16 is inlined, so no
+// call returns one)
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 static inline deepdsl_v16 deepdsl_load16(const float* p) {
     deepdsl_v16 v;

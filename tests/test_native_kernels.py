@@ -1464,8 +1464,8 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
 
 @needs_cc
 def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
-    """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry timed with both
-    libraries and their results the same; and whole steps of a network with each checkout's library in turn."""
+    """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry and product timed with
+    both libraries and their results the same; and whole steps of a network with each checkout's library in turn."""
     import re
     import sys
 
@@ -1481,6 +1481,9 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     kernels = run()
     rows = re.findall(r"^ +1 +\((.*?)\) +(\d+) / (\d+) +\(.*?\) +(\d+) / (\d+) +\(.*?\)(.*)$", kernels, re.M)
     assert len(rows) >= 6 and all(not row[-1] for row in rows), kernels
+    products = re.findall(r"^ +1 +\((\d+), (\d+), (\d+)\) +(\d+) / (\d+) +\(.*?\)(.*)$",
+                          kernels.split("product (m, k, n)")[1], re.M)
+    assert len(products) == 6 and all(not row[-1] for row in products), kernels
     whole = run("--network", "lenet:8", "--steps", "3")
     assert re.search(r"^lenet:8 1 thread\(s\), other: [\d.]+ ms; median [\d.]+$", whole, re.M), whole
     assert re.search(r"^lenet:8 1 thread\(s\): this / other, median over rounds [\d.]+$", whole, re.M), whole

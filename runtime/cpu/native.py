@@ -373,8 +373,9 @@ class Native:
             lib.deepdsl_blocked_conv_bwd_filter.argtypes = [_P, _P] + [_I] * 8 + [_P]
             lib.deepdsl_unblocked_filters.argtypes = [_P] + [_I] * 4 + [_P]
         # (nor the thin layers' filter gradients of any stride, `contract.thin_filter`)
-        self.thin_filters = self.blocked and hasattr(lib, "deepdsl_thin_filter")
-        if self.thin_filters:
+        self.thin_filter_kernels = self.blocked and hasattr(lib, "deepdsl_thin_filter")
+        self.thin_filters = self.thin_filter_kernels    # (taken where they are; benchmarks turn them off to compare)
+        if self.thin_filter_kernels:
             lib.deepdsl_thin_filter.argtypes = [_P, _P] + [_I] * 11 + [_P]
             lib.deepdsl_thin_filter_out.argtypes = [_P] + [_I] * 4 + [_P]
         # (nor the render of images read from files)

@@ -748,7 +748,7 @@ void deepdsl_thin_filter(const float* xp, const float* gb, int m, int c, int hp,
     const int parts = rows * ((span + DEEPDSL_THIN_TAPS - 1) / DEEPDSL_THIN_TAPS), each = parts / rows;
     const int fewer = span / each, more = span % each;  // (the first `more` parts of a span one tap more)
     const long items = (long)groups * c * parts, g_block = (long)ho * wo * DEEPDSL_BLOCK;
-    static const long columns[DEEPDSL_THIN_TAPS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // (a row's offsets)
+    static const long columns[DEEPDSL_THIN_KW] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};    // (a row's offsets)
     const long sums_block = (long)taps * c * DEEPDSL_BLOCK;
 #pragma omp parallel if ((long)m * ho * wo * ob * DEEPDSL_BLOCK * c * taps >= DEEPDSL_PARALLEL_MIN)
     {
