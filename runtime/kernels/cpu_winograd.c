@@ -335,17 +335,21 @@ void deepdsl_winograd_filter_sums(const float* xb, const float* gb, int m, int c
 }
 
 // dwb (ob, cb, 3, 3, 16 inputs, 16 outputs) = G^T S G of each block pair's 36 sums S (sums (36, ob, cb, 16, 16), from
-// `deepdsl_winograd_filter_sums`): the blocked filter gradient, 16 output channels at a time.
+// `deepdsl_winograd_filter_sums`): the blocked filter gradient, 16 output channels at a time, a pair's 36 points
+// gathered on the stack first (36 KB, each read whole: read in place, the transform's loads went to 36 places a
+// point's stride apart, 16 % of a 512-channel layer's filter gradient on two threads).
 void deepdsl_winograd_filter_out(const float* sums, int ob, int cb, float* dwb) {
     const long pairs = (long)ob * cb, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
 #pragma omp parallel for schedule(static) if (pairs * DEEPDSL_WINO_POINTS * tile >= DEEPDSL_EW_PARALLEL_MIN)
-    for (long pair = 0; pair < pairs; ++pair)
+    for (long pair = 0; pair < pairs; ++pair) {
+        float points[DEEPDSL_WINO_POINTS][DEEPDSL_BLOCK * DEEPDSL_BLOCK];
+        for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi)
+            memcpy(points[xi], sums + (xi * pairs + pair) * tile, sizeof points[xi]);
         for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
             deepdsl_v16f rows[3][6];          // G^T S over the row points, [kernel row][column point]
             for (int b = 0; b < 6; ++b) {
                 deepdsl_v16f s[6], w[3];
-                for (int a = 0; a < 6; ++a)
-                    s[a] = deepdsl_load16(sums + ((a * 6 + b) * pairs + pair) * tile + k * DEEPDSL_BLOCK);
+                for (int a = 0; a < 6; ++a) s[a] = deepdsl_load16(points[a * 6 + b] + k * DEEPDSL_BLOCK);
                 deepdsl_wino_filter_grad6(s, w);
                 for (int i = 0; i < 3; ++i) rows[i][b] = w[i];
             }
@@ -356,6 +360,7 @@ void deepdsl_winograd_filter_out(const float* sums, int ob, int cb, float* dwb) 
                     memcpy(dwb + (pair * 9 + i * 3 + j) * tile + k * DEEPDSL_BLOCK, &w[j], sizeof w[j]);
             }
         }
+    }
 }
 
 #else
