@@ -501,7 +501,7 @@ def test_deepdsl_winograd_0_turns_the_transforms_off(lib, tmp_path_factory, monk
 
 THIN_GEOMETRIES = [  # (N, C, H, W, O, kh, kw, stride, pad)
     (2, 3, 32, 32, 64, 7, 7, 2, 3),       # ResNet's conv1: four output blocks in groups of two (AVX-512)
-    (2, 3, 35, 35, 96, 11, 11, 4, 2),     # AlexNet's conv1: 11 columns (AVX2's in parts of 6 and 5, 7x7's 4 and 3)
+    (2, 3, 35, 35, 96, 11, 11, 4, 2),     # AlexNet's conv1: rows of 11 taps (AVX2: its 121 in parts of 6 and 5)
     (3, 1, 28, 28, 64, 7, 7, 7, 0),       # a ViT's patch embedding: no padding, the input read in place
     (2, 4, 13, 17, 20, 3, 5, 3, 1),       # an output block partly empty, a kernel wider than tall
     (1, 3, 9, 600, 16, 3, 3, 2, 1),       # rows of 300 positions: partial sums of 256 and 44 of them
@@ -554,8 +554,8 @@ def test_thin_filter_gradients_equal_the_reference(lib, thin_calls, geometry):  
 def test_thin_filter_gradient_bits_do_not_depend_on_threads_chunks_or_vectors(lib, avx2_kernels, thin_calls,
                                                                                geometry):  # noqa: F811
     """Each sum adds its rows' partial sums in the order of the samples and rows, whoever computes it: the same bits
-    on 1, 2 and 3 threads, in chunks of one sample and of all, and built for AVX2 alone (one block by six columns
-    a pass, where AVX-512's takes two blocks by eleven)."""
+    on 1, 2 and 3 threads, in chunks of one sample and of all, and built for AVX2 alone (one block by up to six of
+    the kernel's taps a pass, where AVX-512's takes two blocks by a kernel row)."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     node = _thin_node(*geometry)
