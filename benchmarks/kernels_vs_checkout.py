@@ -48,7 +48,8 @@ GEOMETRIES = [  # (N, C, H=W, kernel, pad, stride): ResNet-50's 3x3 layers at 11
 ]
 SWAPS = [(8, 1024, 49), (1024, 8, 49), (8, 2048, 16), (8, 512, 196), (8, 256, 784), (64, 50, 64)]  # (A, B, inner)
 PRODUCTS = [  # (m, k, n): ResNet-50's pointwise layers at 112x112 (batch 8) on 7x7 and 4x4 planes, the ViT's (64 x 16
-    # tokens): products of the kernels' tiles (`contract.small_product`) or the sgemm's parts, as `Native.gemm` takes them
+    # tokens): products of the kernels' tiles (`contract.small_product`) or the sgemm's parts, as `Native.gemm` takes
+    # them
     (256, 1024, 392), (1024, 256, 392), (2048, 512, 128), (512, 2048, 128), (1024, 64, 64), (1024, 64, 128),
 ]
 

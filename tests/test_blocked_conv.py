@@ -250,8 +250,8 @@ def test_built_for_avx2_alone_the_bits_are_the_same(lib, avx2_kernels, geometry,
     before = avx2.threads
     n, c, h, w, o = geometry
     for node in _nodes(*geometry, 3, 3, 1, bias=True):
-        if not (winograd and contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)) and \
-                not all(contract.blocked_conv(c, o, 3, 3, 1, 1, w, op=node.op, lanes=lanes) for lanes in (8, lib.lanes)):
+        blocked = all(contract.blocked_conv(c, o, 3, 3, 1, 1, w, op=node.op, lanes=lanes) for lanes in (8, lib.lanes))
+        if not (winograd and contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)) and not blocked:
             continue            # (the direct filter gradient of short rows: blocked with AVX-512 alone)
         arrays = _arrays(node, 5)
         want = _run(lib, node, arrays)
@@ -377,7 +377,8 @@ def test_winograd_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometr
             np.testing.assert_array_equal(other, results[0])
 
 
-def test_winograd_filter_gradient_bits_do_not_depend_on_threads_chunks_or_ranges(lib, recorded, monkeypatch):  # noqa: F811
+def test_winograd_filter_gradient_bits_do_not_depend_on_threads_chunks_or_ranges(lib, recorded,  # noqa: F811
+                                                                                   monkeypatch):
     """The filter gradient adds its tiles' products in partial sums of whole samples (`contract.winograd_sum_samples`:
     4 of these 8), each chunk a multiple of them (room for 5 samples takes 4), the chunks' sums added in order: the
     same bits on 1, 2 and 3 threads, in one chunk or two, and in ranges of one output block (its tiles transformed

@@ -654,15 +654,16 @@ void deepdsl_unblocked_filters(const float* wb, int o, int c, int kh, int kw, fl
 // ---------------------------------------------------------------------------------------------------------------
 // The filter gradient of a thin layer of any stride (`contract.thin_filter`: a first layer on images of few channels,
 // 7x7 by stride 2, 11x11 by 4, a patch embedding's 7x7 by 7), whose im2col matrix is C*kh*kw rows deep and whose
-// product is too thin to run fast (ResNet-50's conv1 at 64 GFLOP/s in the sgemm): straight from the zero-padded input
-// xp (m, c, hp, wp) and the blocked output gradient gb (m, ob, ho, wo, 16), its sums for 16 output channels a vector.
-// An item is a group of output blocks, an input channel and a part of the kernel's taps, in parts of as equal sizes
-// as can be (with AVX-512 those of each kernel row, with AVX2 those of all its kh * kw taps in row order: a part's
-// sums in registers, enough of them that few fused multiply-adds wait on each other); for each sample and output row, each of a thread's
-// items sums over the row's positions q the gradient's vectors of q times the input at its taps' offsets from
-// stride * q (one broadcast serving each block), a partial sum in registers added to the item's sums in dwb (ob, c,
-// kh, kw, 16). Every sum adds its rows' partial sums in the order of the samples and rows (the chunks of samples
-// too), each lane alone: the bits depend neither on the thread count nor on the vectors' width.
+// product is too thin to run fast (ResNet-50's conv1 by im2col and the sgemm: 59 GFLOP/s): straight from the
+// zero-padded input xp (m, c, hp, wp) and the blocked output gradient gb (m, ob, ho, wo, 16), its sums for 16 output
+// channels a vector. An item is a group of output blocks, an input channel and a part of the kernel's taps, in parts
+// of as equal sizes as can be (with AVX-512 those of each kernel row, with AVX2 those of all its kh * kw taps in row
+// order: a part's sums in registers, enough of them that few fused multiply-adds wait on each other); for each sample
+// and output row, each of a thread's items sums over the row's positions q the gradient's vectors of q times the
+// input at its taps' offsets from stride * q (one broadcast serving each block), a partial sum in registers added to
+// the item's sums in dwb (ob, c, kh, kw, 16). Every sum adds its rows' partial sums in the order of the samples and
+// rows (the chunks of samples too), each lane alone: the bits depend neither on the thread count nor on the vectors'
+// width.
 #define DEEPDSL_THIN_KW 11              /* the widest kernel (contract.THIN_FILTER_WIDTH) */
 #if defined(__AVX512F__)
 #define DEEPDSL_THIN_BLOCKS 2           /* output blocks an item sums: 2 x 11 sums, 2 gradients and a broadcast */
@@ -774,7 +775,8 @@ void deepdsl_thin_filter(const float* xp, const float* gb, int m, int c, int hp,
                         const int t0 = i * kw + k * fewer + (k < more ? k : more);
                         const int OB = ob - a * DEEPDSL_THIN_BLOCKS < DEEPDSL_THIN_BLOCKS ? ob - a * DEEPDSL_THIN_BLOCKS
                                                                                         : DEEPDSL_THIN_BLOCKS;
-                        const int NJ = fewer + (k < more), n = wo - q0 < DEEPDSL_SUM_TERMS ? wo - q0 : DEEPDSL_SUM_TERMS;
+                        const int NJ = fewer + (k < more);
+                        const int n = wo - q0 < DEEPDSL_SUM_TERMS ? wo - q0 : DEEPDSL_SUM_TERMS;
                         long at[DEEPDSL_THIN_TAPS];     // the part's taps' offsets in the input from its first's
                         for (int j = 0; j < NJ && DEEPDSL_THIN_FLAT; ++j)
                             at[j] = (long)((t0 + j) / kw - t0 / kw) * wp + (t0 + j) % kw - t0 % kw;
@@ -782,11 +784,14 @@ void deepdsl_thin_filter(const float* xp, const float* gb, int m, int c, int hp,
                                          + (long)stride * q0 + t0 % kw;
                         const float* g = gb + (((long)s * ob + a * DEEPDSL_THIN_BLOCKS) * ho + p) * wo * DEEPDSL_BLOCK
                                          + (long)q0 * DEEPDSL_BLOCK;
-                        float* sums = dwb + a * DEEPDSL_THIN_BLOCKS * sums_block + ((long)ch * taps + t0) * DEEPDSL_BLOCK;
+                        float* sums = dwb + a * DEEPDSL_THIN_BLOCKS * sums_block
+                                      + ((long)ch * taps + t0) * DEEPDSL_BLOCK;
                         switch (OB * 16 + NJ) {
 #define DEEPDSL_THIN_CASE(B, J) \
-                        case B * 16 + J: deepdsl_thin_row(x, DEEPDSL_THIN_FLAT ? at : columns, stride, g, g_block, n, B, \
-                                                          J, sums, sums_block); break;
+                        case B * 16 + J: \
+                            deepdsl_thin_row(x, DEEPDSL_THIN_FLAT ? at : columns, stride, g, g_block, n, B, J, sums, \
+                                             sums_block); \
+                            break;
                         DEEPDSL_THIN_ROWS(DEEPDSL_THIN_CASE)
 #undef DEEPDSL_THIN_CASE
                         default: break;
