@@ -379,7 +379,7 @@ def thin_filter(c: int, o: int, kh: int, kw: int, stride: int, pad: int, groups:
     output gradient (runtime/kernels/cpu_blocked.c: `deepdsl_thin_filter`), 16 output channels a vector, where the
     planned workspace holds them (`thin_filter_scratch`); its im2col matrix is C*kh*kw rows deep and its product too
     thin for the sgemm (ResNet-50's conv1 by im2col and the sgemm: 59 GFLOP/s on one thread)."""
-    return groups == 1 and c <= THIN_FILTER_CHANNELS and 1 < kw <= THIN_FILTER_WIDTH and kh >= 1 and \
+    return groups == 1 and c <= THIN_FILTER_CHANNELS and 1 < kw <= THIN_FILTER_WIDTH and \
         o >= BLOCKED_CONV_CHANNELS and not direct_conv(c, kh, kw, stride, groups)
 
 

@@ -73,23 +73,24 @@ def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: 
             return _larger(im2col, FLOAT_BYTES * (once + samples * per_sample))
     if not contract.blocked_conv(c, o, kh, kw, stride, pad, wo, groups, op):
         return im2col
-    per_sample, once = contract.blocked_scratch(op, x_shape, w_shape, pad)
-    if room is not None and room < once + per_sample:
-        return im2col
-    return _larger(im2col, FLOAT_BYTES * (once + contract.blocked_samples(batch, per_sample, once, room) * per_sample))
+    return _in_chunks(im2col, *contract.blocked_scratch(op, x_shape, w_shape, pad), batch, room)
 
 
 def _with_thin(im2col: Workspace, g_shape, x_shape, kernel, pad: int, limit) -> Workspace:
     """A thin layer's filter gradient's workspace (`contract.thin_filter`): numpy's (`im2col`), or the compiled
-    kernels' sums and copies of the samples they take at a time (`contract.thin_filter_scratch`,
-    `contract.blocked_samples`) where those need more, within the larger of `limit` and numpy's workspace; not even
-    one sample's room: numpy's alone (the kernels then take the im2col path)."""
+    kernels' sums and copies of the samples they take at a time (`contract.thin_filter_scratch`) where those need
+    more, within the larger of `limit` and numpy's workspace (`_in_chunks`)."""
     room = None if limit is None else max(limit, im2col.nbytes) // FLOAT_BYTES
-    per_sample, once = contract.thin_filter_scratch(g_shape, x_shape, kernel, pad)
+    return _in_chunks(im2col, *contract.thin_filter_scratch(g_shape, x_shape, kernel, pad), x_shape[0], room)
+
+
+def _in_chunks(im2col: Workspace, per_sample: int, once: int, batch: int, room: int | None) -> Workspace:
+    """The compiled kernels' workspace of `once` floats and `per_sample` floats for each of the samples they take at a
+    time (`contract.blocked_samples` within `room` floats), or numpy's where that is larger; not even one sample's
+    room: numpy's alone (the kernels then take the im2col path)."""
     if room is not None and room < once + per_sample:
         return im2col
-    samples = contract.blocked_samples(x_shape[0], per_sample, once, room)
-    return _larger(im2col, FLOAT_BYTES * (once + samples * per_sample))
+    return _larger(im2col, FLOAT_BYTES * (once + contract.blocked_samples(batch, per_sample, once, room) * per_sample))
 
 
 def _larger(im2col: Workspace, nbytes: int) -> Workspace:

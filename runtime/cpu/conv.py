@@ -90,7 +90,7 @@ def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, nat
     block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
     ranges = [(b, min(outs, b + most)) for b in range(0, outs, most)]
     if op == "conv2d_bwd_filter":
-        _winograd_filter(x, a, out, pad, workspace, native, ranges, step)
+        _winograd_filter(x, a, out, pad, workspace, native, (ins, outs, most), ranges, step)
         return True
     flip = op == "conv2d_bwd_data"
     scratch = Scratch(workspace)
@@ -120,14 +120,15 @@ def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, nat
     return True
 
 
-def _winograd_filter(x, g, out, pad: int, workspace, native, ranges, step: int) -> None:
-    """out (O, C, 3, 3) = the filter gradient of `_winograd`'s layer from its input x and output gradient g: for each
-    range of output blocks, each chunk's sums (`native.winograd_filter_sums`, the chunks added in order), then their
-    inverse transform into the blocked gradient, unblocked at the end. Several ranges take the whole batch in one
-    chunk (`contract.winograd_samples`), whose copies and transformed tiles serve every range."""
+def _winograd_filter(x, g, out, pad: int, workspace, native, blocks, ranges, step: int) -> None:
+    """out (O, C, 3, 3) = the filter gradient of `_winograd`'s layer from its input x and output gradient g, its
+    `blocks` (`contract.winograd_blocks`) in `ranges`: for each range of output blocks, each chunk's sums
+    (`native.winograd_filter_sums`, the chunks added in order), then their inverse transform into the blocked
+    gradient, unblocked at the end. Several ranges take the whole batch in one chunk (`contract.winograd_samples`),
+    whose copies and transformed tiles serve every range."""
     n, c, h, wd = x.shape
     block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
-    ins, outs, most = contract.channel_blocks(c), contract.channel_blocks(g.shape[1]), ranges[0][1] - ranges[0][0]
+    ins, outs, most = blocks
     scratch = Scratch(workspace)
     gradient = scratch.take((outs, ins, 3, 3, block, block))
     sums = scratch.take((points * most * ins * block * block,))

@@ -736,6 +736,21 @@ static inline __attribute__((always_inline)) void deepdsl_thin_row(const float* 
 #define DEEPDSL_THIN_ROWS(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6)
 #endif
 
+// An item of `deepdsl_thin_filter`: its group of output blocks `a` (`blocks` of them), input channel `ch` and part of
+// `taps` taps from tap t0 (in row order) of a kernel `kw` wide, its span's parts `each`, `fewer` taps or (the first
+// `more`) one tap more.
+typedef struct { int a, blocks, ch, t0, taps; } deepdsl_thin_item;
+
+static inline deepdsl_thin_item deepdsl_thin_part(long item, int ob, int c, int kw, int parts, int each, int fewer,
+                                                  int more) {
+    const int a = (int)(item / ((long)c * parts)), k = (int)(item % parts % each), i = (int)(item % parts / each);
+    const deepdsl_thin_item t = {a, ob - a * DEEPDSL_THIN_BLOCKS < DEEPDSL_THIN_BLOCKS ? ob - a * DEEPDSL_THIN_BLOCKS
+                                                                                    : DEEPDSL_THIN_BLOCKS,
+                                 (int)(item / parts % c), i * kw + k * fewer + (k < more ? k : more),
+                                 fewer + (k < more)};
+    return t;
+}
+
 // dwb (ob, c, kh, kw, 16 outputs) = (`first`) or += the filter gradient of a convolution by `stride` from the
 // zero-padded input xp (m, c, hp, wp) and the blocked output gradient gb (m, ob, ho, wo, 16), the taps of output
 // position (p, q) at xp rows stride * p + i, columns stride * q + j (inside it: its padding included). A thread takes
@@ -757,36 +772,27 @@ void deepdsl_thin_filter(const float* xp, const float* gb, int m, int c, int hp,
         deepdsl_share(items, 1, &begin, &end);
         if (first)                          // (this thread's items' sums: each item's taps are consecutive)
             for (long item = begin; item < end; ++item) {
-                const int a = (int)(item / ((long)c * parts)), ch = (int)(item / parts % c);
-                const int k = (int)(item % parts % each), i = (int)(item % parts / each);
-                const int t0 = i * kw + k * fewer + (k < more ? k : more), count = fewer + (k < more);
-                const int blocks = ob - a * DEEPDSL_THIN_BLOCKS < DEEPDSL_THIN_BLOCKS ? ob - a * DEEPDSL_THIN_BLOCKS
-                                                                                     : DEEPDSL_THIN_BLOCKS;
-                for (int b = 0; b < blocks; ++b)
-                    memset(dwb + (a * DEEPDSL_THIN_BLOCKS + b) * sums_block + ((long)ch * taps + t0) * DEEPDSL_BLOCK,
-                           0, sizeof(float) * count * DEEPDSL_BLOCK);
+                const deepdsl_thin_item t = deepdsl_thin_part(item, ob, c, kw, parts, each, fewer, more);
+                for (int b = 0; b < t.blocks; ++b)
+                    memset(dwb + (t.a * DEEPDSL_THIN_BLOCKS + b) * sums_block + ((long)t.ch * taps + t.t0)
+                                 * DEEPDSL_BLOCK, 0, sizeof(float) * t.taps * DEEPDSL_BLOCK);
             }
         for (int s = 0; s < m; ++s)
             for (int p = 0; p < ho; ++p)
                 for (int q0 = 0; q0 < wo; q0 += DEEPDSL_SUM_TERMS)
                     for (long item = begin; item < end; ++item) {
-                        const int a = (int)(item / ((long)c * parts)), ch = (int)(item / parts % c);
-                        const int k = (int)(item % parts % each), i = (int)(item % parts / each);
-                        const int t0 = i * kw + k * fewer + (k < more ? k : more);
-                        const int OB = ob - a * DEEPDSL_THIN_BLOCKS < DEEPDSL_THIN_BLOCKS ? ob - a * DEEPDSL_THIN_BLOCKS
-                                                                                        : DEEPDSL_THIN_BLOCKS;
-                        const int NJ = fewer + (k < more);
+                        const deepdsl_thin_item t = deepdsl_thin_part(item, ob, c, kw, parts, each, fewer, more);
                         const int n = wo - q0 < DEEPDSL_SUM_TERMS ? wo - q0 : DEEPDSL_SUM_TERMS;
                         long at[DEEPDSL_THIN_TAPS];     // the part's taps' offsets in the input from its first's
-                        for (int j = 0; j < NJ && DEEPDSL_THIN_FLAT; ++j)
-                            at[j] = (long)((t0 + j) / kw - t0 / kw) * wp + (t0 + j) % kw - t0 % kw;
-                        const float* x = xp + (((long)s * c + ch) * hp + (long)stride * p + t0 / kw) * wp
-                                         + (long)stride * q0 + t0 % kw;
-                        const float* g = gb + (((long)s * ob + a * DEEPDSL_THIN_BLOCKS) * ho + p) * wo * DEEPDSL_BLOCK
-                                         + (long)q0 * DEEPDSL_BLOCK;
-                        float* sums = dwb + a * DEEPDSL_THIN_BLOCKS * sums_block
-                                      + ((long)ch * taps + t0) * DEEPDSL_BLOCK;
-                        switch (OB * 16 + NJ) {
+                        for (int j = 0; j < t.taps && DEEPDSL_THIN_FLAT; ++j)
+                            at[j] = (long)((t.t0 + j) / kw - t.t0 / kw) * wp + (t.t0 + j) % kw - t.t0 % kw;
+                        const float* x = xp + (((long)s * c + t.ch) * hp + (long)stride * p + t.t0 / kw) * wp
+                                         + (long)stride * q0 + t.t0 % kw;
+                        const float* g = gb + (((long)s * ob + t.a * DEEPDSL_THIN_BLOCKS) * ho + p) * wo
+                                              * DEEPDSL_BLOCK + (long)q0 * DEEPDSL_BLOCK;
+                        float* sums = dwb + t.a * DEEPDSL_THIN_BLOCKS * sums_block
+                                      + ((long)t.ch * taps + t.t0) * DEEPDSL_BLOCK;
+                        switch (t.blocks * 16 + t.taps) {
 #define DEEPDSL_THIN_CASE(B, J) \
                         case B * 16 + J: \
                             deepdsl_thin_row(x, DEEPDSL_THIN_FLAT ? at : columns, stride, g, g_block, n, B, J, sums, \

@@ -312,6 +312,20 @@ static inline long deepdsl_sg_cost(long n, long s, long tiles) {
     return tiles * vectors;
 }
 
+// Item `item` of deepdsl_small_gemm_bias's (product, strip, group) where b is packed (`tb`), else (product, panel,
+// group, strip in the panel): its strip *s (past the last one in the last panel: none) and group of tiles *g.
+static inline void deepdsl_sg_item(long item, int tb, long strips, long groups, long panels, long panel, long* s,
+                                   long* g) {
+    if (tb) {
+        *s = item / groups % strips;
+        *g = item % groups;
+        return;
+    }
+    const long r = item % (panels * groups * panel);
+    *s = r / (groups * panel) * panel + r % panel;
+    *g = r / panel % groups;
+}
+
 // [*begin, *end): this thread's items of deepdsl_small_gemm_bias (`items` in all; (product, strip, group) where b is
 // packed, else (product, panel, group, strip in the panel)), those whose work before them (`deepdsl_sg_cost`) lies in
 // its equal share of the whole: the threads' work differs by an item's at most, where equal counts of items left
@@ -332,14 +346,7 @@ static void deepdsl_sg_share(long items, int tb, long n, long strips, long tiles
         *begin = *end = items;
         for (long item = 0; item < items; ++item) {
             long s, g;
-            if (tb) {
-                s = item / groups % strips;
-                g = item % groups;
-            } else {
-                const long r = item % (panels * groups * panel);
-                s = r / (groups * panel) * panel + r % panel;
-                g = r / panel % groups;
-            }
+            deepdsl_sg_item(item, tb, strips, groups, panels, panel, &s, &g);
             if (pass == 1) {
                 if (*begin == items && before * threads >= me * total)
                     *begin = item;
@@ -458,9 +465,9 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
                 begin = run_end;
             } else {
                 i = begin / (panels * groups * panel);
-                const long r = begin % (panels * groups * panel);
-                s = r / (groups * panel) * panel + r % panel;
-                t_begin = r / panel % groups * group;
+                long g;
+                deepdsl_sg_item(begin, 0, strips, groups, panels, panel, &s, &g);
+                t_begin = g * group;
                 t_end = t_begin + group;
                 ++begin;
                 if (s >= strips)
