@@ -32,7 +32,7 @@ __all__ = [
     "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "FILTER_BY_SAMPLES_PLANE", "filter_by_samples",
     "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW", "WIDE_FILTER_ROW", "WIDEST_LANES", "BLOCKED_CONV_ROW",
     "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
-    "WINOGRAD_CHUNK_BYTES", "WINOGRAD_FILTER_BYTES", "WINOGRAD_OUT", "WINOGRAD_POINTS", "winograd_conv",
+    "WINOGRAD_CHUNK_BYTES", "WINOGRAD_FILTER_BYTES", "WINOGRAD_ROW", "WINOGRAD_SKEW", "WINOGRAD_OUT", "WINOGRAD_POINTS", "winograd_conv",
     "winograd_blocks", "winograd_samples", "winograd_scratch", "winograd_tiles", "WINOGRAD_SUM_TILES",
     "winograd_sum_samples", "THIN_FILTER_CHANNELS", "THIN_FILTER_WIDTH", "thin_filter", "thin_filter_scratch",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
@@ -461,6 +461,11 @@ def blocked_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
 
 WINOGRAD_OUT = 4            # outputs of a Winograd tile along each axis: F(4x4, 3x3) (runtime/kernels/cpu_winograd.c)
 WINOGRAD_POINTS = 36        # points of a transformed tile: (4 + 3 - 1) ** 2
+WINOGRAD_SKEW = 16          # floats past each point's transformed filters (runtime/kernels/cpu_winograd.c:
+                            # DEEPDSL_WINO_SKEW): a transform's 36 stores of an input channel fall in 36 sets of L1
+WINOGRAD_ROW = 4            # the forward's and the input gradient's output rows at least: the 4x4 layers of 512
+                            # channels (one tile a sample) take F(4x4, 3x3) too (the filter gradient's: the forward's
+                            # rule, BLOCKED_CONV_ROW; on 4x4 its sums lost to im2col)
 WINOGRAD_CHUNK_BYTES = 1 << 22  # a Winograd convolution's copies, tiles and products at a time at most (their
                                 # passes stay in the last-level cache; chunks of 2 MiB, a sample of a 28x28 layer of 64
                                 # channels, made two threads wait at three barriers a sample: 11 % slower), or as many
@@ -477,7 +482,9 @@ def winograd_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: i
     (`winograd_scratch`), else directly (the filter gradient of rows shorter than BLOCKED_FILTER_ROW with AVX2's
     lanes: by im2col). Its rounding is not the direct sums' (within float32's tolerance); like theirs it depends on
     neither the vectors' width nor the thread count."""
-    return kh == kw == 3 and blocked_conv(c, o, kh, kw, stride, pad, wo, groups)
+    row = WINOGRAD_ROW if op != "conv2d_bwd_filter" else BLOCKED_CONV_ROW
+    return kh == kw == 3 and blocked_conv(c, o, kh, kw, stride, pad, max(wo, BLOCKED_CONV_ROW) if wo >= row else 0,
+                                          groups)
 
 
 def winograd_tiles(h: int, w: int) -> int:
@@ -506,7 +513,8 @@ def winograd_blocks(op: str, x_shape, w_shape) -> tuple[int, int, int]:
 
 def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
     """A Winograd convolution's workspace (`winograd_conv`) in floats: (per sample, once), the once part first:
-    once the filters blocked and a range's transformed (36 points; `winograd_blocks`); per sample the
+    once a range's filters transformed (36 points, WINOGRAD_SKEW floats past each; `winograd_blocks`), straight
+    from their own layout; per sample the
     convolution's input blocked with its padding (`blocked_scratch`), its tiles transformed, and their products with
     a range's filters (36 points of each tile of each block of inputs, and of the range's outputs). For
     conv2d_bwd_data the convolution's input is the output gradient and its output the input gradient. For
@@ -517,7 +525,9 @@ def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
     per_sample, filters = blocked_scratch(op, x_shape, w_shape, pad)
     ins, _, blocks = winograd_blocks(op, x_shape, w_shape)
     points = WINOGRAD_POINTS * winograd_tiles(h, w) * CHANNEL_BLOCK
-    return per_sample + points * (ins + blocks), filters + WINOGRAD_POINTS * ins * blocks * CHANNEL_BLOCK ** 2
+    if op == "conv2d_bwd_filter":
+        return per_sample + points * (ins + blocks), filters + WINOGRAD_POINTS * ins * blocks * CHANNEL_BLOCK ** 2
+    return per_sample + points * (ins + blocks), WINOGRAD_POINTS * (ins * blocks * CHANNEL_BLOCK ** 2 + WINOGRAD_SKEW)
 
 
 def winograd_samples(batch: int, op: str, x_shape, w_shape, pad: int, room: int | None = None) -> int:

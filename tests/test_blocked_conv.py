@@ -316,6 +316,8 @@ WINOGRAD_GEOMETRIES = [  # (N, C, H, W, O)
     (1, 64, 14, 14, 64),      # ResNet's 3x3 at 14x14
     (2, 24, 6, 9, 80),        # five output blocks: groups of three and two
     (1, 272, 7, 8, 32),       # 17 input blocks: two partial sums of the products, added in order
+    (3, 48, 4, 4, 44),        # rows of 4: one tile a sample, an output block partly empty (not the filter gradient)
+    (2, 32, 5, 6, 48),        # rows of 6 on 5: tiles mostly past the plane (not the filter gradient)
 ]
 
 
@@ -331,6 +333,9 @@ def test_winograd_convolutions_equal_the_reference(lib, recorded, geometry, monk
     monkeypatch.setattr(lib, "winograd", True)
     n, c, h, w, o = geometry
     for node in _nodes(n, c, h, w, o, 3, 3, 1, bias=True):
+        if node.op == "conv2d_bwd_filter" and w < contract.BLOCKED_CONV_ROW:
+            assert not contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)
+            continue
         assert contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)
         arrays = _arrays(node, sum(geometry))
         want = get_op(node.op).evaluate(EvalContext(np.float64), *[a.astype(np.float64) for a in arrays],
@@ -461,11 +466,16 @@ def test_the_winograd_rule():
     assert contract.winograd_conv(64, 64, 3, 3, 1, 1, 7, op="conv2d_bwd_filter")          # AVX2's lanes too
     assert not contract.winograd_conv(56, 32, 5, 5, 1, 2, 12)                              # 5x5: F(4x4, 3x3) only
     assert not contract.winograd_conv(64, 64, 3, 3, 2, 1, 28)                              # not blocked: strided
-    assert not contract.winograd_conv(64, 64, 3, 3, 1, 1, 4)                               # nor short rows
+    assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4)                    # rows of 4: ResNet's 4x4 layers
+    assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_data")
+    assert not contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_filter")  # (the forward's rows of 7)
+    assert not contract.winograd_conv(64, 64, 3, 3, 1, 1, 3)                               # nor shorter rows
     assert contract.winograd_tiles(7, 7) == 4 and contract.winograd_tiles(8, 9) == 6
     # the filter gradient's partial sums: whole samples within the blocked kernels' partial sums' terms
     blocked_source = (Path(contract.__file__).parent / "kernels" / "cpu_blocked.c").read_text()
     assert f"#define DEEPDSL_SUM_TERMS {contract.WINOGRAD_SUM_TILES} " in blocked_source
+    winograd_source = (Path(contract.__file__).parent / "kernels" / "cpu_winograd.c").read_text()
+    assert f"#define DEEPDSL_WINO_SKEW {contract.WINOGRAD_SKEW} " in winograd_source
     assert contract.winograd_sum_samples(7, 7) == 64 and contract.winograd_sum_samples(112, 112) == 1
     per_sample, once = contract.winograd_scratch("conv2d_bwd_filter", (8, 16, 30, 30), (32, 16, 3, 3), 1)
     for room, samples in ((once + per_sample - 1, 0), (once + per_sample, 1), (once + 5 * per_sample, 4)):

@@ -72,8 +72,8 @@ def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native,
 def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, native, over: bool) -> bool:
     """A convolution or either of its gradients (`_blocked`'s arrays: x the forward's input, w its filters or, for
     the filter gradient, the gradient) by Winograd's F(4x4, 3x3), where the library has it (`native.winograd`),
-    `contract.winograd_conv` takes the layer and the workspace holds its arrays (`contract.winograd_scratch`: the
-    filters blocked and a range of output blocks' transformed, then `contract.winograd_samples` samples' blocked
+    `contract.winograd_conv` takes the layer and the workspace holds its arrays (`contract.winograd_scratch`: a
+    range of output blocks' filters transformed, then `contract.winograd_samples` samples' blocked
     input, transformed tiles and products at a time); False (nothing written) otherwise. The convolution's input is
     `a` (the output gradient for the input gradient, padded by 2 - pad, its filters turned around), and chunks run
     in `_safe_order` as `_blocked`'s do. With one range its filters are transformed once; with several, each range's
@@ -94,13 +94,12 @@ def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, nat
         return True
     flip = op == "conv2d_bwd_data"
     scratch = Scratch(workspace)
-    filters = scratch.take((outs, ins, kh, kw, block, block))
-    transformed = scratch.take((points * most * ins * block * block,))
-    native.block_filters(w, flip, filters)
+    skew = contract.WINOGRAD_SKEW
+    transformed = scratch.take((points * (most * ins * block * block + skew),))
 
-    def transform(b0: int, b1: int) -> np.ndarray:          # the range's filters, (36, b1 - b0, ins, 16, 16)
-        u = transformed[:points * (b1 - b0) * ins * block * block].reshape(points, b1 - b0, ins, block, block)
-        native.winograd_filters(filters[b0:b1], u)
+    def transform(b0: int, b1: int) -> np.ndarray:   # the range's filters, 36 points of (b1 - b0, ins, 16, 16) + skew
+        u = transformed[:points * ((b1 - b0) * ins * block * block + skew)]
+        native.winograd_transform(w, flip, b0, b1, u)
         return u
 
     only = transform(*ranges[0]) if len(ranges) == 1 else None

@@ -354,11 +354,12 @@ class Native:
         self.blocked = self.lanes > 0
         # (nor Winograd's transforms for the blocked 3x3 layers; $DEEPDSL_WINOGRAD=0 turns them off: the direct sums,
         # whose rounding is the products' alone)
+        # (a library of the kernels before the filters' transform from their own layout has none taken here)
         self.winograd_kernels = self.blocked and bool(getattr(lib, "deepdsl_winograd_kernels", lambda: 0)()) and \
-            os.environ.get("DEEPDSL_WINOGRAD", "1") != "0"
+            hasattr(lib, "deepdsl_winograd_transform") and os.environ.get("DEEPDSL_WINOGRAD", "1") != "0"
         self.winograd = self.winograd_kernels      # (taken where they are; benchmarks turn them off to compare)
         if self.winograd_kernels:
-            lib.deepdsl_winograd_filters.argtypes = [_P, _I, _I, _P]
+            lib.deepdsl_winograd_transform.argtypes = [_P] + [_I] * 5 + [_P]
             lib.deepdsl_winograd_conv.argtypes = [_P, _P, _P] + [_I] * 8 + [_P, _P, _P]
         # (and of the filter gradients: a library of the kernels before them has the others alone)
         self.winograd_filter_grads = self.winograd_kernels and hasattr(lib, "deepdsl_winograd_filter_sums")
@@ -739,16 +740,16 @@ class Native:
         self.lib.deepdsl_blocked_conv(_address(xb), _address(wb), None if bias is None else _address(bias),
                                       m, cb, hp, wp, out.shape[1], kh, kw, _address(out))
 
-    def winograd_filters(self, wb: np.ndarray, out: np.ndarray) -> None:
-        """out (36, ob, cb, 16, 16) = the blocked 3x3 filters wb (ob, cb, 3, 3, 16, 16) in Winograd's F(4x4, 3x3)
-        transform (kernels/cpu_winograd.c)."""
-        ob, cb = wb.shape[:2]
-        self.lib.deepdsl_winograd_filters(_address(wb), ob, cb, _address(out))
+    def winograd_transform(self, w: np.ndarray, flip: bool, b0: int, b1: int, out: np.ndarray) -> None:
+        """out (36 points of (b1 - b0, ib, 16, 16), each followed by contract.WINOGRAD_SKEW floats) = the filters of
+        output blocks [b0, b1) of the convolution whose filters are w (O, C, 3, 3) (`flip`: of its input gradient, as
+        `block_filters`'), ib its blocks of inputs, in Winograd's F(4x4, 3x3) transform (kernels/cpu_winograd.c)."""
+        self.lib.deepdsl_winograd_transform(_address(w), w.shape[0], w.shape[1], int(flip), b0, b1, _address(out))
 
     def winograd_conv(self, xb: np.ndarray, u: np.ndarray, bias: np.ndarray | None, v: np.ndarray,
                       products: np.ndarray, out: np.ndarray, b0: int, b1: int, transformed: bool) -> None:
         """Output blocks [b0, b1) of out (m, O, Ho, Wo) = the stride-1 3x3 convolution of the blocked input xb (m, cb,
-        Ho + 2, Wo + 2, 16) with those blocks' transformed filters u (`winograd_filters`: (36, b1 - b0, cb, 16, 16)),
+        Ho + 2, Wo + 2, 16) with those blocks' transformed filters u (`winograd_transform`),
         + bias (O) when given, by Winograd's F(4x4, 3x3) through v (36, cb, T, 16; `transformed`: already xb's tiles)
         and products (36 * (b1 - b0) * T * 16 floats), T the tiles (`contract.winograd_tiles`)."""
         m, cb, hp, wp, _ = xb.shape

@@ -316,11 +316,43 @@ static inline void deepdsl_block_pair(const float* rows, long row, long taps, in
     }
 }
 
+// Block pair (a, b) of the filters w (o, c, kh, kw) as a convolution's blocked filters (`deepdsl_blocked_filters`):
+// blocks (kh, kw, 16 input channels, 16 output channels) of output block a and input block b, zeros past o and c.
+// `flip`: the input gradient's convolution, whose outputs are w's inputs and inputs w's outputs, the kernel turned
+// around. A whole pair through `deepdsl_block_pair`, one with channels past o or c float by float.
+static inline void deepdsl_blocked_filter_pair(const float* w, int o, int c, int kh, int kw, int flip, int a, int b,
+                                               float* blocks) {
+    const int to = flip ? c : o, from = flip ? o : c;
+    const long taps = (long)kh * kw;
+    const int ks = from - b * DEEPDSL_BLOCK < DEEPDSL_BLOCK ? from - b * DEEPDSL_BLOCK : DEEPDSL_BLOCK;
+    const int ls = to - a * DEEPDSL_BLOCK < DEEPDSL_BLOCK ? to - a * DEEPDSL_BLOCK : DEEPDSL_BLOCK;
+    if (ks == DEEPDSL_BLOCK && ls == DEEPDSL_BLOCK) {
+        if (flip)
+            deepdsl_block_pair(w + ((long)b * DEEPDSL_BLOCK * c + a * DEEPDSL_BLOCK) * taps, c * taps, taps, 1, blocks);
+        else
+            deepdsl_block_pair(w + ((long)a * DEEPDSL_BLOCK * c + b * DEEPDSL_BLOCK) * taps, c * taps, taps, 0, blocks);
+        return;
+    }
+    memset(blocks, 0, sizeof(float) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK);
+    // the convolution's input channel b * 16 + k and output channel a * 16 + l, reading w in its order
+    if (flip)
+        for (int k = 0; k < ks; ++k)
+            for (int l = 0; l < ls; ++l) {
+                const float* in = w + ((long)(b * DEEPDSL_BLOCK + k) * c + a * DEEPDSL_BLOCK + l) * taps;
+                for (long t = 0; t < taps; ++t) blocks[(t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l] = in[taps - 1 - t];
+            }
+    else
+        for (int l = 0; l < ls; ++l)
+            for (int k = 0; k < ks; ++k) {
+                const float* in = w + ((long)(a * DEEPDSL_BLOCK + l) * c + b * DEEPDSL_BLOCK + k) * taps;
+                for (long t = 0; t < taps; ++t) blocks[(t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l] = in[t];
+            }
+}
+
 // The filters w (o, c, kh, kw) as a convolution's blocked filters: wb (ceil(o / 16), ceil(c / 16), kh, kw, 16 input
 // channels, 16 output channels), zeros past o and c. `flip`: the filters of the input gradient, the convolution of
 // the output gradient: inputs and outputs exchanged and the kernel turned around, wb (ceil(c / 16), ceil(o / 16), kh,
-// kw, 16 output channels of w, 16 input channels of w) with wb[..][i][j] from w[..][kh - 1 - i][kw - 1 - j]. Whole
-// block pairs through `deepdsl_block_pair`, those with channels past o or c float by float.
+// kw, 16 output channels of w, 16 input channels of w) with wb[..][i][j] from w[..][kh - 1 - i][kw - 1 - j].
 void deepdsl_blocked_filters(const float* w, int o, int c, int kh, int kw, int flip, float* wb) {
     const int to = flip ? c : o, from = flip ? o : c;
     const int tb = (to + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, fb = (from + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK;
@@ -330,33 +362,8 @@ void deepdsl_blocked_filters(const float* w, int o, int c, int kh, int kw, int f
     for (int r = 0; r < wr; ++r)
         for (int q = 0; q < wc; ++q) {
             const int a = flip ? q : r, b = flip ? r : q;
-            float* blocks = wb + ((long)a * fb + b) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
-            const int ks = from - b * DEEPDSL_BLOCK < DEEPDSL_BLOCK ? from - b * DEEPDSL_BLOCK : DEEPDSL_BLOCK;
-            const int ls = to - a * DEEPDSL_BLOCK < DEEPDSL_BLOCK ? to - a * DEEPDSL_BLOCK : DEEPDSL_BLOCK;
-            if (ks == DEEPDSL_BLOCK && ls == DEEPDSL_BLOCK) {
-                if (flip)
-                    deepdsl_block_pair(w + ((long)b * DEEPDSL_BLOCK * c + a * DEEPDSL_BLOCK) * taps, c * taps, taps,
-                                       1, blocks);
-                else
-                    deepdsl_block_pair(w + ((long)a * DEEPDSL_BLOCK * c + b * DEEPDSL_BLOCK) * taps, c * taps, taps,
-                                       0, blocks);
-                continue;
-            }
-            memset(blocks, 0, sizeof(float) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK);
-            // the convolution's input channel b * 16 + k and output channel a * 16 + l, reading w in its order
-            if (flip)
-                for (int k = 0; k < ks; ++k)
-                    for (int l = 0; l < ls; ++l) {
-                        const float* in = w + ((long)(b * DEEPDSL_BLOCK + k) * c + a * DEEPDSL_BLOCK + l) * taps;
-                        for (long t = 0; t < taps; ++t)
-                            blocks[(t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l] = in[taps - 1 - t];
-                    }
-            else
-                for (int l = 0; l < ls; ++l)
-                    for (int k = 0; k < ks; ++k) {
-                        const float* in = w + ((long)(a * DEEPDSL_BLOCK + l) * c + b * DEEPDSL_BLOCK + k) * taps;
-                        for (long t = 0; t < taps; ++t) blocks[(t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l] = in[t];
-                    }
+            deepdsl_blocked_filter_pair(w, o, c, kh, kw, flip, a, b,
+                                        wb + ((long)a * fb + b) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK);
         }
 }
 

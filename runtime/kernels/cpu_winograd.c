@@ -10,8 +10,9 @@
 // xi of the transformed tile is a matrix product over the channels, U[xi] (outputs x inputs) times V[xi] (inputs x
 // tiles), and the outputs are the inverse transform of those products. On the blocked layout:
 //
-//   U (36, ob, cb, 16 inputs, 16 outputs)  the filters transformed (`deepdsl_winograd_filters`), a range of output
-//                                           blocks at a time (`contract.winograd_blocks`);
+//   U (36, ob, cb, 16 inputs, 16 outputs)  the filters transformed straight from their own layout
+//                                           (`deepdsl_winograd_transform`), DEEPDSL_WINO_SKEW floats past each point,
+//                                           a range of output blocks at a time (`contract.winograd_blocks`);
 //   V (36, cb, T, 16)                       the input's tiles transformed, T = m * ceil(Ho / 4) * ceil(Wo / 4)
 //                                           tiles, tile t = (sample * rows of tiles + row) * columns + column;
 //   M (36, range's ob, T, 16)               their products: for each xi a product of the blocked tiles of
@@ -43,6 +44,9 @@
 #define DEEPDSL_WINOGRAD 1
 #define DEEPDSL_WINO_OUT 4              /* outputs of a tile along each axis */
 #define DEEPDSL_WINO_POINTS 36          /* points of a transformed tile */
+#define DEEPDSL_WINO_SKEW 16            /* floats past each point's transformed filters (contract.WINOGRAD_SKEW):
+                                           the transform's 36 stores of an input channel fall in 36 sets of L1, not
+                                           in one (a point's filters are a multiple of 4 KB) */
 #define DEEPDSL_WINO_SPAN 16            /* tiles of a row written at a time: 64 outputs, 16 KB of the stack */
 
 typedef float deepdsl_v16f __attribute__((vector_size(64)));
@@ -112,21 +116,34 @@ static inline void deepdsl_wino_filter_grad6(const deepdsl_v16f s[6], deepdsl_v1
     w[2] = (outer - inner) * sixth + s[5];
 }
 
-// U (36, ob, cb, 16, 16) = G g G^T of each filter of the blocked 3x3 filters wb (ob, cb, 3, 3, 16 inputs, 16 outputs),
-// 16 output channels at a time: a thread takes whole pairs of blocks, their 36 points' 16 x 16 floats gathered on
-// its stack and then written 1 KB at a time (each row of a pair written straight to its 36 points was 36 streams of
-// 64-byte stores, the transform's slowest part).
-void deepdsl_winograd_filters(const float* wb, int ob, int cb, float* u) {
-    const long pairs = (long)ob * cb, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+// U (36, b1 - b0, ib, 16, 16) = G g G^T of each filter of output blocks [b0, b1) of the convolution whose filters
+// are w (o, c, 3, 3) (`flip`: of its input gradient, `deepdsl_blocked_filter_pair`), ib its blocks of inputs, 16
+// output channels at a time: a thread takes whole pairs of blocks, first the pair blocked on its stack (9 KB), G g of
+// each input channel's filter (the columns transformed, 18 KB), then for each row of points the rows transformed and
+// written 1 KB a point at a time: six streams of stores (one store per point and input channel, 36 streams 1 KB
+// apart, missed L1's sets).
+void deepdsl_winograd_transform(const float* w, int o, int c, int flip, int b0, int b1, float* u) {
+    const int ib = ((flip ? o : c) + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK;
+    const long pairs = (long)(b1 - b0) * ib, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+    const long point = pairs * tile + DEEPDSL_WINO_SKEW;
 #pragma omp parallel for schedule(static) if (pairs * 9 * tile >= DEEPDSL_EW_PARALLEL_MIN)
     for (long pair = 0; pair < pairs; ++pair) {
-        float points[DEEPDSL_WINO_POINTS][DEEPDSL_BLOCK * DEEPDSL_BLOCK];      // 36 KB
+        float blocks[9 * DEEPDSL_BLOCK * DEEPDSL_BLOCK];
+        deepdsl_blocked_filter_pair(w, o, c, 3, 3, flip, b0 + (int)(pair / ib), (int)(pair % ib), blocks);
+        float* to = u + pair * tile;
+        for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi) {
+            __builtin_prefetch(to + xi * point, 1);
+            __builtin_prefetch(to + xi * point + DEEPDSL_BLOCK, 1);
+        }
         for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
-            const float* w = wb + pair * 9 * tile + k * DEEPDSL_BLOCK;
-            deepdsl_v16f rows[6][3];              // G g: the filter's columns transformed
+            if (k + 2 < DEEPDSL_BLOCK)      // (the lines two channels on, owned before they are written)
+                for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi)
+                    __builtin_prefetch(to + xi * point + (k + 2) * DEEPDSL_BLOCK, 1);
+            const float* g = blocks + k * DEEPDSL_BLOCK;
+            deepdsl_v16f rows[6][3];              // G g: the filter's columns transformed, [row point][column]
             for (int j = 0; j < 3; ++j) {
-                const deepdsl_v16f column[3] = {deepdsl_load16(w + j * tile), deepdsl_load16(w + (3 + j) * tile),
-                                                deepdsl_load16(w + (6 + j) * tile)};
+                const deepdsl_v16f column[3] = {deepdsl_load16(g + j * tile), deepdsl_load16(g + (3 + j) * tile),
+                                                deepdsl_load16(g + (6 + j) * tile)};
                 deepdsl_v16f t[6];
                 deepdsl_wino_filter3(column, t);
                 for (int a = 0; a < 6; ++a) rows[a][j] = t[a];
@@ -134,11 +151,9 @@ void deepdsl_winograd_filters(const float* wb, int ob, int cb, float* u) {
             for (int a = 0; a < 6; ++a) {
                 deepdsl_v16f t[6];
                 deepdsl_wino_filter3(rows[a], t);
-                for (int b = 0; b < 6; ++b) memcpy(&points[a * 6 + b][k * DEEPDSL_BLOCK], &t[b], sizeof t[b]);
+                for (int b = 0; b < 6; ++b) memcpy(to + (a * 6 + b) * point + k * DEEPDSL_BLOCK, &t[b], sizeof t[b]);
             }
         }
-        for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi)
-            memcpy(u + (xi * pairs + pair) * tile, points[xi], sizeof points[xi]);
     }
 }
 
@@ -199,7 +214,7 @@ static inline void deepdsl_wino_output_tile(const float* m, long points, float* 
 }
 
 // Output blocks [b0, b1) of out (m, o, ho, wo) = the stride-1 3x3 convolution of the blocked, padded input xb (m, cb,
-// hp, wp, 16) (ho = hp - 2, wo = wp - 2) with those blocks' filters transformed by `deepdsl_winograd_filters` (u,
+// hp, wp, 16) (ho = hp - 2, wo = wp - 2) with those blocks' filters transformed by `deepdsl_winograd_transform` (u,
 // (36, b1 - b0, cb, 16, 16)), + bias (o) when given, through v (36, cb, T, 16) and products (36, b1 - b0, T, 16) of
 // the caller's workspace; `transformed`: v already holds xb's tiles (an earlier range of the same chunk). Three
 // passes, each split among the threads: the tiles' transforms by (sample, channel block, row of tiles); the products
@@ -212,7 +227,7 @@ void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, i
     const int th = (ho + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT, tw = (wo + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT;
     const long tiles = (long)m * th * tw, plane = (long)ho * wo;
     const long v_point = (long)cb * tiles * DEEPDSL_BLOCK, m_point = (long)ob * tiles * DEEPDSL_BLOCK;
-    const long u_block = (long)cb * DEEPDSL_BLOCK * DEEPDSL_BLOCK, u_point = ob * u_block;
+    const long u_block = (long)cb * DEEPDSL_BLOCK * DEEPDSL_BLOCK, u_point = ob * u_block + DEEPDSL_WINO_SKEW;
     const deepdsl_groups g = deepdsl_tile_groups(ob, (int)tiles);
     const int group = deepdsl_sum_blocks(1, 1);
 #pragma omp parallel if (tiles * ob * DEEPDSL_BLOCK * cb * DEEPDSL_BLOCK * DEEPDSL_WINO_POINTS >= DEEPDSL_PARALLEL_MIN)
