@@ -287,13 +287,13 @@ static inline void deepdsl_block_pair(const float* rows, long row, long taps, in
     const long span = DEEPDSL_BLOCK * taps;
     if (!flip) {
         for (int l0 = 0; l0 < DEEPDSL_BLOCK; l0 += 8)
-            for (long j0 = 0; j0 < span; j0 += 8) {       // (span is a multiple of 8)
+            for (long j0 = 0, k = 0, t = 0; j0 < span; j0 += 8) {       // (span is a multiple of 8)
                 deepdsl_v8f v[8];
                 for (int i = 0; i < 8; ++i) memcpy(&v[i], rows + (l0 + i) * row + j0, sizeof v[i]);
                 deepdsl_transpose8(v);
-                for (int e = 0; e < 8; ++e) {
-                    const long j = j0 + e, k = j / taps, t = j % taps;
+                for (int e = 0; e < 8; ++e) {               // (k, t) = (j / taps, j % taps), j = j0 + e, counted
                     memcpy(blocks + (t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l0, &v[e], sizeof v[e]);
+                    if (++t == taps) t = 0, ++k;
                 }
             }
         return;

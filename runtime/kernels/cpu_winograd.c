@@ -131,26 +131,23 @@ void deepdsl_winograd_transform(const float* w, int o, int c, int flip, int b0, 
         float blocks[9 * DEEPDSL_BLOCK * DEEPDSL_BLOCK];
         deepdsl_blocked_filter_pair(w, o, c, 3, 3, flip, b0 + (int)(pair / ib), (int)(pair % ib), blocks);
         float* to = u + pair * tile;
-        for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi) {
-            __builtin_prefetch(to + xi * point, 1);
-            __builtin_prefetch(to + xi * point + DEEPDSL_BLOCK, 1);
-        }
         for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
-            if (k + 2 < DEEPDSL_BLOCK)      // (the lines two channels on, owned before they are written)
-                for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi)
-                    __builtin_prefetch(to + xi * point + (k + 2) * DEEPDSL_BLOCK, 1);
             const float* g = blocks + k * DEEPDSL_BLOCK;
             deepdsl_v16f rows[6][3];              // G g: the filter's columns transformed, [row point][column]
+#pragma GCC unroll 3
             for (int j = 0; j < 3; ++j) {
                 const deepdsl_v16f column[3] = {deepdsl_load16(g + j * tile), deepdsl_load16(g + (3 + j) * tile),
                                                 deepdsl_load16(g + (6 + j) * tile)};
                 deepdsl_v16f t[6];
                 deepdsl_wino_filter3(column, t);
+#pragma GCC unroll 6
                 for (int a = 0; a < 6; ++a) rows[a][j] = t[a];
             }
+#pragma GCC unroll 6
             for (int a = 0; a < 6; ++a) {
                 deepdsl_v16f t[6];
                 deepdsl_wino_filter3(rows[a], t);
+#pragma GCC unroll 6
                 for (int b = 0; b < 6; ++b) memcpy(to + (a * 6 + b) * point + k * DEEPDSL_BLOCK, &t[b], sizeof t[b]);
             }
         }
