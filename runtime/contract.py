@@ -32,9 +32,10 @@ __all__ = [
     "counter_key", "POINTWISE_FILTER_CHANNELS", "pointwise_filter", "FILTER_BY_SAMPLES_PLANE", "filter_by_samples",
     "BLOCKED_CONV_CHANNELS", "BLOCKED_FILTER_ROW", "WIDE_FILTER_ROW", "WIDEST_LANES", "BLOCKED_CONV_ROW",
     "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
-    "WINOGRAD_CHUNK_BYTES", "WINOGRAD_FILTER_BYTES", "WINOGRAD_ROW", "WINOGRAD_SKEW", "WINOGRAD_OUT", "WINOGRAD_POINTS", "winograd_conv",
-    "winograd_blocks", "winograd_samples", "winograd_scratch", "winograd_tiles", "WINOGRAD_SUM_TILES",
-    "winograd_sum_samples", "THIN_FILTER_CHANNELS", "THIN_FILTER_WIDTH", "thin_filter", "thin_filter_scratch",
+    "WINOGRAD_CHUNK_BYTES", "WINOGRAD_FILTER_BYTES", "WINOGRAD_ROW", "WINOGRAD_SKEW", "WINOGRAD_OUT",
+    "WINOGRAD_POINTS", "winograd_conv", "winograd_blocks", "winograd_samples", "winograd_scratch", "winograd_tiles",
+    "WINOGRAD_SUM_TILES", "winograd_sum_samples", "WINOGRAD_PAIR_TILES", "winograd_pairs", "THIN_FILTER_CHANNELS",
+    "THIN_FILTER_WIDTH", "thin_filter", "thin_filter_scratch",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "LAYER_NORM_PART_ROWS", "layer_norm_rows", "layer_norm_parts", "layer_norm_param_scratch",
     "mask_generator",
@@ -463,9 +464,8 @@ WINOGRAD_OUT = 4            # outputs of a Winograd tile along each axis: F(4x4,
 WINOGRAD_POINTS = 36        # points of a transformed tile: (4 + 3 - 1) ** 2
 WINOGRAD_SKEW = 16          # floats past each point's transformed filters (runtime/kernels/cpu_winograd.c:
                             # DEEPDSL_WINO_SKEW): a transform's 36 stores of an input channel fall in 36 sets of L1
-WINOGRAD_ROW = 4            # the forward's and the input gradient's output rows at least: the 4x4 layers of 512
-                            # channels (one tile a sample) take F(4x4, 3x3) too (the filter gradient's: the forward's
-                            # rule, BLOCKED_CONV_ROW; on 4x4 its sums lost to im2col)
+WINOGRAD_ROW = 4            # output rows at least: the 4x4 layers of 512 channels (one tile a sample) take F(4x4,
+                            # 3x3) too; their filter gradients only by pairs (`winograd_pairs`), whose tiles are few
 WINOGRAD_CHUNK_BYTES = 1 << 22  # a Winograd convolution's copies, tiles and products at a time at most (their
                                 # passes stay in the last-level cache; chunks of 2 MiB, a sample of a 28x28 layer of 64
                                 # channels, made two threads wait at three barriers a sample: 11 % slower), or as many
@@ -482,9 +482,8 @@ def winograd_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: i
     (`winograd_scratch`), else directly (the filter gradient of rows shorter than BLOCKED_FILTER_ROW with AVX2's
     lanes: by im2col). Its rounding is not the direct sums' (within float32's tolerance); like theirs it depends on
     neither the vectors' width nor the thread count."""
-    row = WINOGRAD_ROW if op != "conv2d_bwd_filter" else BLOCKED_CONV_ROW
-    return kh == kw == 3 and blocked_conv(c, o, kh, kw, stride, pad, max(wo, BLOCKED_CONV_ROW) if wo >= row else 0,
-                                          groups)
+    return kh == kw == 3 and blocked_conv(c, o, kh, kw, stride, pad,
+                                          max(wo, BLOCKED_CONV_ROW) if wo >= WINOGRAD_ROW else 0, groups)
 
 
 def winograd_tiles(h: int, w: int) -> int:
@@ -520,11 +519,14 @@ def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
     conv2d_bwd_data the convolution's input is the output gradient and its output the input gradient. For
     conv2d_bwd_filter once the blocked gradient and a range's sums (36 points of each pair of blocks), per sample the
     input blocked with its padding and the output gradient blocked (`blocked_scratch`), the input's tiles
-    transformed and the range's output gradient's."""
+    transformed and the range's output gradient's; by pairs (`winograd_pairs`) neither the sums nor the blocked
+    gradient, and every output block's gradient's tiles transformed."""
     h, w = x_shape[2:]
     per_sample, filters = blocked_scratch(op, x_shape, w_shape, pad)
-    ins, _, blocks = winograd_blocks(op, x_shape, w_shape)
+    ins, outs, blocks = winograd_blocks(op, x_shape, w_shape)
     points = WINOGRAD_POINTS * winograd_tiles(h, w) * CHANNEL_BLOCK
+    if winograd_pairs(op, x_shape):
+        return per_sample + points * (ins + outs), 0
     if op == "conv2d_bwd_filter":
         return per_sample + points * (ins + blocks), filters + WINOGRAD_POINTS * ins * blocks * CHANNEL_BLOCK ** 2
     return per_sample + points * (ins + blocks), WINOGRAD_POINTS * (ins * blocks * CHANNEL_BLOCK ** 2 + WINOGRAD_SKEW)
@@ -537,13 +539,17 @@ def winograd_samples(batch: int, op: str, x_shape, w_shape, pad: int, room: int 
     partial sums' samples (`winograd_sum_samples`) where that many fit, so that the chunks do not change its sums;
     and with several ranges of output blocks the whole batch or nothing: each range sums over every chunk, whose
     copies and transformed tiles it would make again (ResNet's 512 channels at 7x7, batch 8, on one thread: 17 ms
-    in chunks of 7 and 1, 12 in one, 19.5 by the direct sums). The plan reserves that many samples' room; the kernel
-    takes the same number."""
+    in chunks of 7 and 1, 12 in one, 19.5 by the direct sums); by pairs (`winograd_pairs`) too, and on rows shorter
+    than BLOCKED_CONV_ROW by pairs only. The plan reserves that many samples' room; the kernel takes the same
+    number."""
     per_sample, once = winograd_scratch(op, x_shape, w_shape, pad)
     if room is not None and room < once + per_sample:
         return 0
     ins, outs, blocks = winograd_blocks(op, x_shape, w_shape)
-    if op == "conv2d_bwd_filter" and blocks < outs:
+    pairs = winograd_pairs(op, x_shape)
+    if op == "conv2d_bwd_filter" and not pairs and x_shape[3] < BLOCKED_CONV_ROW:
+        return 0                    # (short rows' filter gradients by pairs only: their sums lost to im2col)
+    if pairs or (op == "conv2d_bwd_filter" and blocks < outs):
         return batch if room is None or room >= once + batch * per_sample else 0
     transformed = FLOAT_BYTES * WINOGRAD_POINTS * ins * blocks * CHANNEL_BLOCK ** 2
     samples = blocked_samples(batch, per_sample, once, room, max(WINOGRAD_CHUNK_BYTES, transformed))
@@ -551,6 +557,19 @@ def winograd_samples(batch: int, op: str, x_shape, w_shape, pad: int, room: int 
         together = winograd_sum_samples(*x_shape[2:])
         samples = max(1, samples // together * together) if samples >= together else samples
     return samples
+
+
+WINOGRAD_PAIR_TILES = 64    # a filter gradient whose batch has at most this many tiles goes by pairs of blocks
+
+
+def winograd_pairs(op: str, x_shape) -> bool:
+    """A Winograd filter gradient whose batch has few tiles (at most WINOGRAD_PAIR_TILES: ResNet-50's 4x4 and 7x7
+    layers at batch 8): its whole batch at once, each pair of channel blocks' 36 sums on the stack and transformed at
+    once (runtime/kernels/cpu_winograd.c: `deepdsl_winograd_filter_pairs`), where the sums of a range of output
+    blocks, written and read back for a few products each, made it slower than im2col. The same bits as the
+    ranges'."""
+    n, _, h, w = x_shape
+    return op == "conv2d_bwd_filter" and n * winograd_tiles(h, w) <= WINOGRAD_PAIR_TILES
 
 
 WINOGRAD_SUM_TILES = 256    # tiles a partial sum of the filter gradient's products adds at most, one sample's at

@@ -90,15 +90,16 @@ def _run(kernels, node, arrays, limit=None, workspace=None, out=None):
 @pytest.fixture
 def recorded(lib, monkeypatch):  # noqa: F811
     """The ops the blocked kernels computed: each call of `Native.blocked_conv`, `blocked_filter_sums`,
-    `winograd_conv` or `winograd_filter_sums` (both "winograd"). The direct sums alone (Winograd's kernels off)
-    unless a test turns them back on."""
+    `winograd_conv` or `winograd_filter_sums` (both "winograd"), `winograd_filter_pairs` ("pairs"). The direct sums
+    alone (Winograd's kernels off) unless a test turns them back on."""
     ran = []
     conv_, sums, winograd = lib.blocked_conv, lib.blocked_filter_sums, lib.winograd_conv
-    winograd_sums = lib.winograd_filter_sums
+    winograd_sums, winograd_pairs = lib.winograd_filter_sums, lib.winograd_filter_pairs
     monkeypatch.setattr(lib, "blocked_conv", lambda *a: ran.append("conv") or conv_(*a))
     monkeypatch.setattr(lib, "blocked_filter_sums", lambda *a: ran.append("filter") or sums(*a))
     monkeypatch.setattr(lib, "winograd_conv", lambda *a: ran.append("winograd") or winograd(*a))
     monkeypatch.setattr(lib, "winograd_filter_sums", lambda *a: ran.append("winograd") or winograd_sums(*a))
+    monkeypatch.setattr(lib, "winograd_filter_pairs", lambda *a: ran.append("pairs") or winograd_pairs(*a))
     monkeypatch.setattr(lib, "winograd", False)
     return ran
 
@@ -316,8 +317,8 @@ WINOGRAD_GEOMETRIES = [  # (N, C, H, W, O)
     (1, 64, 14, 14, 64),      # ResNet's 3x3 at 14x14
     (2, 24, 6, 9, 80),        # five output blocks: groups of three and two
     (1, 272, 7, 8, 32),       # 17 input blocks: two partial sums of the products, added in order
-    (3, 48, 4, 4, 44),        # rows of 4: one tile a sample, an output block partly empty (not the filter gradient)
-    (2, 32, 5, 6, 48),        # rows of 6 on 5: tiles mostly past the plane (not the filter gradient)
+    (3, 48, 4, 4, 44),        # rows of 4: one tile a sample, an output block partly empty (filter gradient by pairs)
+    (2, 32, 5, 6, 48),        # rows of 6 on 5: tiles mostly past the plane (filter gradient by pairs)
 ]
 
 
@@ -327,109 +328,75 @@ def test_winograd_convolutions_equal_the_reference(lib, recorded, geometry, monk
     outputs under NaN-filled workspaces of exactly the planned size (unlimited, and one sample's room: the filter
     gradient's sums over chunks of one sample): within its rounding of the float64 reference (Winograd's transforms
     round more than the direct sums: about 1e-5 of the output's magnitude for 256 channels, measured; bounded here
-    at 4e-5)."""
+    at 4e-5). These batches' few tiles take the filter gradient by pairs (`contract.winograd_pairs`), whose bits are
+    those of its ranges (rows of 7 at least; shorter ones by pairs only)."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     monkeypatch.setattr(lib, "winograd", True)
     n, c, h, w, o = geometry
     for node in _nodes(n, c, h, w, o, 3, 3, 1, bias=True):
-        if node.op == "conv2d_bwd_filter" and w < contract.BLOCKED_CONV_ROW:
-            assert not contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)
-            continue
         assert contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)
         arrays = _arrays(node, sum(geometry))
         want = get_op(node.op).evaluate(EvalContext(np.float64), *[a.astype(np.float64) for a in arrays],
                                         **node.kwargs)
-        for limit in (None, _winograd_limit(node, 1)):
-            recorded.clear()
-            got = _run(lib, node, arrays, limit)
-            assert recorded and set(recorded) == {"winograd"}, (node.op, limit)
+        pairs = node.op == "conv2d_bwd_filter"
+        assert contract.winograd_pairs(node.op, _forward_shapes(node)[0]) == pairs
+        runs = [(pairs, None)] + [(False, samples) for samples in (None, 1)
+                                  if not pairs or w >= contract.BLOCKED_CONV_ROW]
+        results = []
+        for by_pairs, samples in runs:
+            with monkeypatch.context() as patch:
+                if not by_pairs:
+                    patch.setattr(contract, "WINOGRAD_PAIR_TILES", 0)
+                limit = None if samples is None else _winograd_limit(node, samples)
+                recorded.clear()
+                got = _run(lib, node, arrays, limit)
+            assert recorded and set(recorded) == {"pairs" if by_pairs else "winograd"}, (node.op, limit)
             assert not np.isnan(got).any()
             np.testing.assert_allclose(got, want, rtol=0, atol=4e-5 * float(np.abs(want).max()))
+            results.append(got)
+        if pairs and len(results) > 1:
+            np.testing.assert_array_equal(results[0], results[1])        # pairs: the ranges' bits
 
 
-@pytest.mark.parametrize("geometry", [(5, 32, 9, 15, 48), (3, 24, 7, 7, 80)], ids=["rows of 15", "five blocks"])
-def test_winograd_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometry, monkeypatch):  # noqa: F811
-    """Threads split tiles, output blocks and points, never a sum; a chunk's tiles are transformed and multiplied
-    alone, and a range of output blocks with its own filters: the same bits on 1, 2 and 3 threads, in chunks of one
-    sample, two and all, and in ranges of one output block (each transforming its filters for every chunk)."""
+def test_winograd_filter_gradient_by_pairs(lib, recorded, monkeypatch):  # noqa: F811
+    """A filter gradient by pairs (ResNet's 4x4 layers: one tile a sample; here with blocks partly empty on both
+    sides): the same bits on 1, 2 and 3 threads; where the workspace does not hold the whole batch, im2col (rows of 4:
+    no direct sums) within Winograd's rounding."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     monkeypatch.setattr(lib, "winograd", True)
-    before = lib.threads
-    one_block = 4 * contract.WINOGRAD_POINTS * contract.channel_blocks(geometry[1]) * contract.CHANNEL_BLOCK ** 2
-    for node in _nodes(*geometry, 3, 3, 1, bias=True)[:2]:
-        arrays = _arrays(node, 7)
-        results = []
-        try:
-            for threads in (1, 2, 3):
-                lib.set_threads(threads)
-                for limit in (None, _winograd_limit(node, 1), _winograd_limit(node, 2)):
-                    results.append(_run(lib, node, arrays, limit))
-            with monkeypatch.context() as patch:
-                patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block if node.op == "conv2d" else
-                              one_block * contract.channel_blocks(geometry[4]) // contract.channel_blocks(geometry[1]))
-                x_shape = node.shape if node.op == "conv2d_bwd_data" else node.inputs[0].shape
-                assert contract.winograd_blocks(node.op, x_shape, node.inputs[1].shape)[2] == 1
-                calls = recorded.count("winograd")
-                results.append(_run(lib, node, arrays, _winograd_limit(node, 2)))
-                outs = geometry[1] if node.op == "conv2d_bwd_data" else geometry[4]
-                assert recorded.count("winograd") - calls == contract.channel_blocks(outs) * -(-geometry[0] // 2)
-        finally:
-            lib.set_threads(before)
-        assert recorded.count("winograd") >= 9, node.op
-        for other in results[1:]:
-            np.testing.assert_array_equal(other, results[0])
-
-
-def test_winograd_filter_gradient_bits_do_not_depend_on_threads_chunks_or_ranges(lib, recorded,  # noqa: F811
-                                                                                   monkeypatch):
-    """The filter gradient adds its tiles' products in partial sums of whole samples (`contract.winograd_sum_samples`:
-    4 of these 8), each chunk a multiple of them (room for 5 samples takes 4), the chunks' sums added in order: the
-    same bits on 1, 2 and 3 threads, in one chunk or two, and in ranges of one output block (its tiles transformed
-    once for both). Ranges take the whole batch in one chunk: with room for fewer samples, the direct sums."""
-    if not lib.blocked:
-        pytest.skip("this processor has no AVX2 with fused multiply-adds")
-    monkeypatch.setattr(lib, "winograd", True)
-    monkeypatch.setattr(contract, "WINOGRAD_CHUNK_BYTES", 1 << 30)        # the room alone decides the chunks
-    n, c, h, w, o = geometry = (8, 16, 30, 30, 32)
-    assert contract.winograd_sum_samples(h, w) == 4
+    geometry = (8, 44, 4, 4, 60)
     node = _nodes(*geometry, 3, 3, 1, bias=False)[2]
-    arrays = _arrays(node, 11)
-    one_block = 4 * contract.WINOGRAD_POINTS * contract.channel_blocks(c) * contract.CHANNEL_BLOCK ** 2
+    x_shape, w_shape = _forward_shapes(node)
+    assert contract.winograd_pairs(node.op, x_shape) and not contract.winograd_pairs(node.op, (65, *x_shape[1:]))
+    per_sample, once = contract.winograd_scratch(node.op, x_shape, w_shape, 1)
+    assert once == 0
+    arrays = _arrays(node, 5)
     results, before = [], lib.threads
     try:
         for threads in (1, 2, 3):
             lib.set_threads(threads)
-            for ranges, room in ((1, 8), (1, 5), (1, 4), (2, 8)):
-                with monkeypatch.context() as patch:
-                    if ranges == 2:
-                        patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block)
-                    assert contract.winograd_blocks(node.op, *_forward_shapes(node))[2] == 2 // ranges
-                    limit = _winograd_limit(node, room)
-                    chunks = 1 if room == 8 else 2
-                    assert contract.winograd_samples(n, node.op, *_forward_shapes(node), 1, limit // 4) == n // chunks
-                    calls = recorded.count("winograd")
-                    results.append(_run(lib, node, arrays, limit))
-                    assert recorded.count("winograd") - calls == ranges * chunks, (ranges, room)
-        with monkeypatch.context() as patch:
-            patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block)
-            limit = _winograd_limit(node, n - 1)
-            assert contract.winograd_samples(n, node.op, *_forward_shapes(node), 1, limit // 4) == 0
             recorded.clear()
-            direct = _run(lib, node, arrays, limit)
-            assert recorded and set(recorded) == {"filter"}
+            results.append(_run(lib, node, arrays))
+            assert recorded == ["pairs"]
     finally:
         lib.set_threads(before)
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
-    np.testing.assert_allclose(direct, results[0], rtol=0, atol=4e-5 * float(np.abs(direct).max()))
+    limit = 4 * 7 * per_sample
+    assert contract.winograd_samples(8, node.op, x_shape, w_shape, 1, limit // 4) == 0
+    recorded.clear()
+    im2col = _run(lib, node, arrays, limit)
+    assert not recorded
+    np.testing.assert_allclose(results[0], im2col, rtol=0, atol=4e-5 * float(np.abs(im2col).max()))
 
 
-def test_the_planned_workspace_holds_winograds_arrays():
+def test_the_planned_workspace_holds_winograds_arrays(monkeypatch):
     """Where Winograd's transforms take a layer, the op plans room for its transformed filters and the samples'
     arrays it takes at a time (`contract.winograd_samples`); where they do not fit under the limit, the direct
     sums' copies."""
+    monkeypatch.setattr(contract, "WINOGRAD_PAIR_TILES", 0)      # (the filter gradient in ranges, by chunks)
     for node in _nodes(4, 64, 8, 16, 256, 3, 3, 1, bias=False):
         x_shape, w_shape = _forward_shapes(node)
         per_sample, once = contract.winograd_scratch(node.op, x_shape, w_shape, 1)
@@ -468,7 +435,12 @@ def test_the_winograd_rule():
     assert not contract.winograd_conv(64, 64, 3, 3, 2, 1, 28)                              # not blocked: strided
     assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4)                    # rows of 4: ResNet's 4x4 layers
     assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_data")
-    assert not contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_filter")  # (the forward's rows of 7)
+    assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_filter")     # by pairs only:
+    assert contract.winograd_samples(8, "conv2d_bwd_filter", (8, 512, 4, 4), (512, 512, 3, 3), 1) == 8
+    assert contract.winograd_samples(128, "conv2d_bwd_filter", (128, 512, 4, 4), (512, 512, 3, 3), 1) == 0
+    assert contract.winograd_pairs("conv2d_bwd_filter", (16, 512, 7, 7)) and \
+        not contract.winograd_pairs("conv2d_bwd_filter", (17, 512, 7, 7)) and \
+        not contract.winograd_pairs("conv2d", (1, 512, 4, 4))
     assert not contract.winograd_conv(64, 64, 3, 3, 1, 1, 3)                               # nor shorter rows
     assert contract.winograd_tiles(7, 7) == 4 and contract.winograd_tiles(8, 9) == 6
     # the filter gradient's partial sums: whole samples within the blocked kernels' partial sums' terms

@@ -90,7 +90,12 @@ def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, nat
     block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
     ranges = [(b, min(outs, b + most)) for b in range(0, outs, most)]
     if op == "conv2d_bwd_filter":
-        _winograd_filter(x, a, out, pad, workspace, native, (ins, outs, most), ranges, step)
+        if contract.winograd_pairs(op, x.shape):
+            if not getattr(native, "winograd_pair_kernels", False):
+                return False
+            _winograd_filter_pairs(x, a, out, pad, workspace, native)
+        else:
+            _winograd_filter(x, a, out, pad, workspace, native, (ins, outs, most), ranges, step)
         return True
     flip = op == "conv2d_bwd_data"
     scratch = Scratch(workspace)
@@ -149,6 +154,23 @@ def _winograd_filter(x, g, out, pad: int, workspace, native, blocks, ranges, ste
                                         again, s == 0)
         native.winograd_filter_out(part, gradient[b0:b1])
     native.unblock_filters(gradient, out)
+
+
+def _winograd_filter_pairs(x, g, out, pad: int, workspace, native) -> None:
+    """out (O, C, 3, 3) = `_winograd_filter`'s gradient where the batch's tiles are few (`contract.winograd_pairs`):
+    the whole batch blocked and its tiles transformed at once, each pair of blocks' sums, their inverse transform and
+    its writing out together (`native.winograd_filter_pairs`), no blocked gradient between."""
+    n, c, h, wd = x.shape
+    block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
+    ins, outs = contract.channel_blocks(c), contract.channel_blocks(out.shape[0])
+    scratch = Scratch(workspace)
+    xb = scratch.take((n, ins, h + 2 * pad, wd + 2 * pad, block))
+    gb = scratch.take((n, outs, h, wd, block))
+    v = scratch.take((points, ins, n * tiles, block))
+    y = scratch.take((points, outs, n * tiles, block))
+    native.block_input(x, pad, pad, xb)
+    native.block_input(g, 0, 0, gb)
+    native.winograd_filter_pairs(xb, gb, v, y, out)
 
 
 def _thin_filter(g, x, out, stride: int, pad: int, workspace, native) -> bool:

@@ -366,6 +366,10 @@ class Native:
         if self.winograd_filter_grads:
             lib.deepdsl_winograd_filter_sums.argtypes = [_P, _P] + [_I] * 9 + [_P, _P, _P]
             lib.deepdsl_winograd_filter_out.argtypes = [_P, _I, _I, _P]
+        # (and of the filter gradients by pairs: a library of the kernels before them takes their layers by im2col)
+        self.winograd_pair_kernels = self.winograd_filter_grads and hasattr(lib, "deepdsl_winograd_filter_pairs")
+        if self.winograd_pair_kernels:
+            lib.deepdsl_winograd_filter_pairs.argtypes = [_P, _P] + [_I] * 7 + [_P, _P, _P]
         self.tiled_convs = True         # convolutions sample by sample in the products' tiles (`conv_tiles`, ...)
         if self.blocked:
             lib.deepdsl_blocked_input.argtypes = [_P] + [_I] * 6 + [_P]
@@ -766,6 +770,16 @@ class Native:
         m, cb, hp, wp, _ = xb.shape
         self.lib.deepdsl_winograd_filter_sums(_address(xb), _address(gb), m, cb, hp, wp, gb.shape[1], b0, b1,
                                               int(transformed), int(first), _address(v), _address(y), _address(sums))
+
+    def winograd_filter_pairs(self, xb: np.ndarray, gb: np.ndarray, v: np.ndarray, y: np.ndarray,
+                              out: np.ndarray) -> None:
+        """out (O, C, 3, 3) = the filter gradient of a stride-1 3x3 convolution by Winograd's transforms, a pair of
+        blocks at a time (`contract.winograd_pairs`), from the blocked, padded input xb (m, ceil(C/16), Ho + 2, Wo + 2,
+        16) and the blocked output gradient gb (m, ceil(O/16), Ho, Wo, 16) of the whole batch, through v (36,
+        ceil(C/16), T, 16) and y (36, ceil(O/16), T, 16) (kernels/cpu_winograd.c)."""
+        m, cb, hp, wp, _ = xb.shape
+        self.lib.deepdsl_winograd_filter_pairs(_address(xb), _address(gb), m, cb, hp, wp, gb.shape[1], out.shape[0],
+                                               out.shape[1], _address(v), _address(y), _address(out))
 
     def winograd_filter_out(self, sums: np.ndarray, out: np.ndarray) -> None:
         """out (ob, cb, 3, 3, 16, 16) = the blocked filter gradient of Winograd's sums (36, ob, cb, 16, 16)

@@ -626,36 +626,43 @@ void deepdsl_blocked_conv_bwd_filter(const float* xb, const float* gb, int m, in
     }
 }
 
+// Block pair (a, b) of the blocked filters, blocks (kh, kw, 16 inputs, 16 outputs), into w (o, c, kh, kw), dropping
+// the channels past o and c: a whole pair 8 x 8 floats at a time through transpositions in registers (the inverse of
+// `deepdsl_block_pair`'s), another float by float.
+static inline void deepdsl_unblocked_filter_pair(const float* blocks, int o, int c, int kh, int kw, int a, int b,
+                                                 float* w) {
+    const long taps = (long)kh * kw, span = DEEPDSL_BLOCK * taps;
+    if ((a + 1) * DEEPDSL_BLOCK <= o && (b + 1) * DEEPDSL_BLOCK <= c) {
+        float* rows = w + ((long)a * DEEPDSL_BLOCK * c + b * DEEPDSL_BLOCK) * taps;
+        for (int l0 = 0; l0 < DEEPDSL_BLOCK; l0 += 8)
+            for (long j0 = 0, k = 0, t = 0; j0 < span; j0 += 8) {     // the row's floats j = k * taps + t
+                deepdsl_v8f v[8];
+                for (int e = 0; e < 8; ++e) {                           // (k, t) counted, as `deepdsl_block_pair`
+                    memcpy(&v[e], blocks + (t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l0, sizeof v[e]);
+                    if (++t == taps) t = 0, ++k;
+                }
+                deepdsl_transpose8(v);
+                for (int i = 0; i < 8; ++i) memcpy(rows + (l0 + i) * c * taps + j0, &v[i], sizeof v[i]);
+            }
+        return;
+    }
+    for (int l = 0; l < DEEPDSL_BLOCK && a * DEEPDSL_BLOCK + l < o; ++l)
+        for (int k = 0; k < DEEPDSL_BLOCK && b * DEEPDSL_BLOCK + k < c; ++k) {
+            float* to = w + ((long)(a * DEEPDSL_BLOCK + l) * c + b * DEEPDSL_BLOCK + k) * taps;
+            for (long t = 0; t < taps; ++t) to[t] = blocks[(t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l];
+        }
+}
+
 // w (o, c, kh, kw) = the blocked filters wb (ceil(o / 16), ceil(c / 16), kh, kw, 16 inputs, 16 outputs), dropping
-// the channels past o and c: whole block pairs 8 x 8 floats at a time through transpositions in registers (the
-// inverse of `deepdsl_block_pair`'s), the others float by float.
+// the channels past o and c, pair by pair (`deepdsl_unblocked_filter_pair`).
 void deepdsl_unblocked_filters(const float* wb, int o, int c, int kh, int kw, float* w) {
     const int ob = (o + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK, cb = (c + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK;
-    const long taps = (long)kh * kw, span = DEEPDSL_BLOCK * taps;
+    const long taps = (long)kh * kw;
 #pragma omp parallel for collapse(2) schedule(static) if ((long)o * c * taps >= DEEPDSL_EW_PARALLEL_MIN)
     for (int a = 0; a < ob; ++a)
-        for (int b = 0; b < cb; ++b) {
-            const float* blocks = wb + ((long)a * cb + b) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK;
-            if ((a + 1) * DEEPDSL_BLOCK <= o && (b + 1) * DEEPDSL_BLOCK <= c) {
-                float* rows = w + ((long)a * DEEPDSL_BLOCK * c + b * DEEPDSL_BLOCK) * taps;
-                for (int l0 = 0; l0 < DEEPDSL_BLOCK; l0 += 8)
-                    for (long j0 = 0; j0 < span; j0 += 8) {     // the row's floats j = k * taps + t
-                        deepdsl_v8f v[8];
-                        for (int e = 0; e < 8; ++e) {
-                            const long k = (j0 + e) / taps, t = (j0 + e) % taps;
-                            memcpy(&v[e], blocks + (t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l0, sizeof v[e]);
-                        }
-                        deepdsl_transpose8(v);
-                        for (int i = 0; i < 8; ++i) memcpy(rows + (l0 + i) * c * taps + j0, &v[i], sizeof v[i]);
-                    }
-                continue;
-            }
-            for (int l = 0; l < DEEPDSL_BLOCK && a * DEEPDSL_BLOCK + l < o; ++l)
-                for (int k = 0; k < DEEPDSL_BLOCK && b * DEEPDSL_BLOCK + k < c; ++k) {
-                    float* to = w + ((long)(a * DEEPDSL_BLOCK + l) * c + b * DEEPDSL_BLOCK + k) * taps;
-                    for (long t = 0; t < taps; ++t) to[t] = blocks[(t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l];
-                }
-        }
+        for (int b = 0; b < cb; ++b)
+            deepdsl_unblocked_filter_pair(wb + ((long)a * cb + b) * taps * DEEPDSL_BLOCK * DEEPDSL_BLOCK, o, c, kh, kw,
+                                          a, b, w);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -323,6 +323,26 @@ static inline void deepdsl_wino_gradient_tile(const float* gc, int ho, int wo, i
     }
 }
 
+// Y (36, b1 - b0, T, 16) = the transformed tiles of output blocks [b0, b1) of the blocked output gradient gb (m, ob,
+// ho, wo, 16) (th x tw tiles a sample): this thread's share of (sample, output block, row of tiles), a worksharing
+// loop of the enclosing parallel region, its implicit barrier at the end.
+static inline void deepdsl_wino_gradients(const float* gb, int m, int ob, int b0, int b1, int ho, int wo, int th,
+                                          int tw, float* y) {
+    const int blocks = b1 - b0;
+    const long tiles = (long)m * th * tw, g_block = (long)ho * wo * DEEPDSL_BLOCK;
+    const long y_point = (long)blocks * tiles * DEEPDSL_BLOCK;
+#pragma omp for schedule(static)
+    for (long item = 0; item < (long)m * blocks * th; ++item) {
+        const int s = (int)(item / ((long)blocks * th)), b = (int)(item / th % blocks), ty = (int)(item % th);
+        const float* gc = gb + ((long)s * ob + b0 + b) * g_block;
+        for (int tx = 0; tx < tw; ++tx) {
+            const long t = ((long)s * th + ty) * tw + tx;
+            deepdsl_wino_gradient_tile(gc, ho, wo, ty * DEEPDSL_WINO_OUT, tx * DEEPDSL_WINO_OUT, y_point,
+                                       y + ((long)b * tiles + t) * DEEPDSL_BLOCK);
+        }
+    }
+}
+
 // sums (36, b1 - b0, cb, 16 inputs, 16 outputs) = (`first`) or += the sums over a chunk's tiles of Winograd's filter
 // gradient for output blocks [b0, b1) of a stride-1 3x3 convolution: from the blocked, padded input xb (m, cb, hp,
 // wp, 16) (ho = hp - 2, wo = wp - 2) and the blocked output gradient gb (m, ob, ho, wo, 16), through v (36, cb, T,
@@ -336,23 +356,14 @@ void deepdsl_winograd_filter_sums(const float* xb, const float* gb, int m, int c
                                   int b1, int transformed, int first, float* v, float* y, float* sums) {
     const int blocks = b1 - b0, ho = hp - 2, wo = wp - 2;
     const int th = (ho + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT, tw = (wo + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT;
-    const long per_sample = (long)th * tw, tiles = m * per_sample, g_block = (long)ho * wo * DEEPDSL_BLOCK;
+    const long per_sample = (long)th * tw, tiles = m * per_sample;
     const long v_point = (long)cb * tiles * DEEPDSL_BLOCK, y_point = (long)blocks * tiles * DEEPDSL_BLOCK;
     const long tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
     const deepdsl_groups g = deepdsl_even_groups(blocks, (blocks + DEEPDSL_FILTER_BLOCKS - 1) / DEEPDSL_FILTER_BLOCKS);
 #pragma omp parallel if (tiles * blocks * cb * tile * DEEPDSL_WINO_POINTS >= DEEPDSL_PARALLEL_MIN)
     {
         if (!transformed) deepdsl_wino_inputs(xb, m, cb, hp, wp, th, tw, v);
-#pragma omp for schedule(static)
-        for (long item = 0; item < (long)m * blocks * th; ++item) {
-            const int s = (int)(item / ((long)blocks * th)), b = (int)(item / th % blocks), ty = (int)(item % th);
-            const float* gc = gb + ((long)s * ob + b0 + b) * g_block;
-            for (int tx = 0; tx < tw; ++tx) {
-                const long t = ((long)s * th + ty) * tw + tx;
-                deepdsl_wino_gradient_tile(gc, ho, wo, ty * DEEPDSL_WINO_OUT, tx * DEEPDSL_WINO_OUT, y_point,
-                                           y + ((long)b * tiles + t) * DEEPDSL_BLOCK);
-            }
-        }
+        deepdsl_wino_gradients(gb, m, ob, b0, b1, ho, wo, th, tw, y);
         long begin, end;                    // (the implicit barriers above: every tile transformed)
         deepdsl_group_share(g, (long)DEEPDSL_WINO_POINTS * cb, blocks, &begin, &end);
         for (long item = begin; item < end; ++item) {
@@ -370,10 +381,30 @@ void deepdsl_winograd_filter_sums(const float* xb, const float* gb, int m, int c
     }
 }
 
+// A pair's 3 x 3 filter gradient (3, 3, 16 inputs, 16 outputs) = G^T S G of its 36 sums S (16 x 16 each, `points`
+// floats apart), 16 output channels at a time.
+static inline void deepdsl_wino_filter_pair(const float* sums, long points, float* dw) {
+    const long tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+    for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
+        deepdsl_v16f rows[3][6];              // G^T S over the row points, [kernel row][column point]
+        for (int b = 0; b < 6; ++b) {
+            deepdsl_v16f s[6], w[3];
+            for (int a = 0; a < 6; ++a) s[a] = deepdsl_load16(sums + (a * 6 + b) * points + k * DEEPDSL_BLOCK);
+            deepdsl_wino_filter_grad6(s, w);
+            for (int i = 0; i < 3; ++i) rows[i][b] = w[i];
+        }
+        for (int i = 0; i < 3; ++i) {
+            deepdsl_v16f w[3];
+            deepdsl_wino_filter_grad6(rows[i], w);
+            for (int j = 0; j < 3; ++j) memcpy(dw + (i * 3 + j) * tile + k * DEEPDSL_BLOCK, &w[j], sizeof w[j]);
+        }
+    }
+}
+
 // dwb (ob, cb, 3, 3, 16 inputs, 16 outputs) = G^T S G of each block pair's 36 sums S (sums (36, ob, cb, 16, 16), from
-// `deepdsl_winograd_filter_sums`): the blocked filter gradient, 16 output channels at a time, a pair's 36 points
-// gathered on the stack first (36 KB, each read whole: read in place, the transform's loads went to 36 places a
-// point's stride apart, 16 % of a 512-channel layer's filter gradient on two threads).
+// `deepdsl_winograd_filter_sums`): the blocked filter gradient, a pair's 36 points gathered on the stack first (36 KB,
+// each read whole: read in place, the transform's loads went to 36 places a point's stride apart, 16 % of a
+// 512-channel layer's filter gradient on two threads).
 void deepdsl_winograd_filter_out(const float* sums, int ob, int cb, float* dwb) {
     const long pairs = (long)ob * cb, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
 #pragma omp parallel for schedule(static) if (pairs * DEEPDSL_WINO_POINTS * tile >= DEEPDSL_EW_PARALLEL_MIN)
@@ -381,20 +412,79 @@ void deepdsl_winograd_filter_out(const float* sums, int ob, int cb, float* dwb) 
         float points[DEEPDSL_WINO_POINTS][DEEPDSL_BLOCK * DEEPDSL_BLOCK];
         for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi)
             memcpy(points[xi], sums + (xi * pairs + pair) * tile, sizeof points[xi]);
-        for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
-            deepdsl_v16f rows[3][6];          // G^T S over the row points, [kernel row][column point]
-            for (int b = 0; b < 6; ++b) {
-                deepdsl_v16f s[6], w[3];
-                for (int a = 0; a < 6; ++a) s[a] = deepdsl_load16(points[a * 6 + b] + k * DEEPDSL_BLOCK);
-                deepdsl_wino_filter_grad6(s, w);
-                for (int i = 0; i < 3; ++i) rows[i][b] = w[i];
+        deepdsl_wino_filter_pair(points[0], tile, dwb + pair * 9 * tile);
+    }
+}
+
+// sums (16 inputs x 16 outputs) = the sum over `tiles` tiles of one point's products of a pair of blocks, v[t][k] by
+// y[t][0..15] for input channel k, from zero in tile order: the products of `deepdsl_blocked_filter_sums` over one
+// partial sum, and its "0 + sum" into zeroed sums, in fused multiply-adds, so the same bits (AVX2: input channels 6, 6
+// and 4 at a time, two halves each, as its AVX2 sums).
+static inline void deepdsl_wino_pair_point(const float* v, const float* y, long tiles, float* sums) {
+#if defined(__AVX512F__)
+    __m512 acc[DEEPDSL_BLOCK];
+    for (int k = 0; k < DEEPDSL_BLOCK; ++k) acc[k] = _mm512_setzero_ps();
+    for (long t = 0; t < tiles; ++t) {
+        const __m512 g = _mm512_loadu_ps(y + t * DEEPDSL_BLOCK);
+        #pragma GCC unroll 16
+        for (int k = 0; k < DEEPDSL_BLOCK; ++k)
+            acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(v[t * DEEPDSL_BLOCK + k]), g, acc[k]);
+    }
+    for (int k = 0; k < DEEPDSL_BLOCK; ++k)
+        _mm512_storeu_ps(sums + k * DEEPDSL_BLOCK, _mm512_add_ps(_mm512_setzero_ps(), acc[k]));
+#else
+    for (int k0 = 0; k0 < DEEPDSL_BLOCK; k0 += 6) {
+        const int count = DEEPDSL_BLOCK - k0 < 6 ? DEEPDSL_BLOCK - k0 : 6;
+        __m256 lo[6], hi[6];
+        #pragma GCC unroll 6
+        for (int k = 0; k < 6; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
+        for (long t = 0; t < tiles; ++t) {
+            __m256 g0 = _mm256_loadu_ps(y + t * DEEPDSL_BLOCK), g1 = _mm256_loadu_ps(y + t * DEEPDSL_BLOCK + 8);
+            DEEPDSL_IN_REGISTER(g0);
+            DEEPDSL_IN_REGISTER(g1);
+            #pragma GCC unroll 6
+            for (int k = 0; k < count; ++k) {
+                const __m256 b = _mm256_broadcast_ss(v + t * DEEPDSL_BLOCK + k0 + k);
+                lo[k] = _mm256_fmadd_ps(b, g0, lo[k]);
+                hi[k] = _mm256_fmadd_ps(b, g1, hi[k]);
             }
-            for (int i = 0; i < 3; ++i) {
-                deepdsl_v16f w[3];
-                deepdsl_wino_filter_grad6(rows[i], w);
-                for (int j = 0; j < 3; ++j)
-                    memcpy(dwb + (pair * 9 + i * 3 + j) * tile + k * DEEPDSL_BLOCK, &w[j], sizeof w[j]);
-            }
+        }
+        for (int k = 0; k < count; ++k) {
+            _mm256_storeu_ps(sums + (k0 + k) * DEEPDSL_BLOCK, _mm256_add_ps(_mm256_setzero_ps(), lo[k]));
+            _mm256_storeu_ps(sums + (k0 + k) * DEEPDSL_BLOCK + 8, _mm256_add_ps(_mm256_setzero_ps(), hi[k]));
+        }
+    }
+#endif
+}
+
+// dw (o, c, 3, 3) = Winograd's filter gradient of a stride-1 3x3 convolution from a whole batch at once, where its
+// tiles are few (`contract.winograd_pairs`: each point's sums of a pair would be written and read back for a few
+// products each): from the blocked, padded input xb (m, cb, hp, wp, 16) and the blocked output gradient gb (m, ob,
+// ho, wo, 16), through v (36, cb, T, 16) and y (36, ob, T, 16) of the caller's workspace. The tiles transformed as
+// `deepdsl_winograd_filter_sums` does, then each pair of blocks by one thread: its 36 sums on the stack (36 KB,
+// `deepdsl_wino_pair_point`: that function's sums, whose one partial sum holds these few tiles), G^T S G at once
+// (9 KB), written out as `deepdsl_unblocked_filters` writes the blocked gradient. The same bits as the sums,
+// `deepdsl_winograd_filter_out` and the unblocking.
+void deepdsl_winograd_filter_pairs(const float* xb, const float* gb, int m, int cb, int hp, int wp, int ob, int o,
+                                   int c, float* v, float* y, float* dw) {
+    const int ho = hp - 2, wo = wp - 2;
+    const int th = (ho + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT, tw = (wo + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT;
+    const long per_sample = (long)th * tw, tiles = m * per_sample, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+    const long v_point = (long)cb * tiles * DEEPDSL_BLOCK, y_point = (long)ob * tiles * DEEPDSL_BLOCK;
+#pragma omp parallel if (tiles * ob * cb * tile * DEEPDSL_WINO_POINTS >= DEEPDSL_PARALLEL_MIN)
+    {
+        deepdsl_wino_inputs(xb, m, cb, hp, wp, th, tw, v);
+        deepdsl_wino_gradients(gb, m, ob, 0, ob, ho, wo, th, tw, y);
+#pragma omp for schedule(static)
+        for (long pair = 0; pair < (long)ob * cb; ++pair) {
+            const long a = pair / cb, c_block = pair % cb;
+            float sums[DEEPDSL_WINO_POINTS][DEEPDSL_BLOCK * DEEPDSL_BLOCK];
+            for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi)
+                deepdsl_wino_pair_point(v + xi * v_point + c_block * tiles * DEEPDSL_BLOCK,
+                                        y + xi * y_point + a * tiles * DEEPDSL_BLOCK, tiles, sums[xi]);
+            float blocks[9 * DEEPDSL_BLOCK * DEEPDSL_BLOCK];
+            deepdsl_wino_filter_pair(sums[0], tile, blocks);
+            deepdsl_unblocked_filter_pair(blocks, o, c, 3, 3, (int)a, (int)c_block, dw);
         }
     }
 }
