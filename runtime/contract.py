@@ -475,13 +475,14 @@ WINOGRAD_CHUNK_BYTES = 1 << 22  # a Winograd convolution's copies, tiles and pro
 
 def winograd_conv(c: int, o: int, kh: int, kw: int, stride: int, pad: int, wo: int, groups: int = 1,
                   op: str = "conv2d") -> bool:
-    """A convolution the blocked kernels take (`blocked_conv`, by the forward's rule whatever `op`) with a 3x3
-    kernel, its input gradient (the same convolution of the output gradient) or its filter gradient: the compiled
-    kernels compute it by Winograd's F(4x4, 3x3) (runtime/kernels/cpu_winograd.c), 36 multiplications for every
-    4 x 4 outputs of a pair of channels where the direct sums take 144, where the planned workspace holds its arrays
-    (`winograd_scratch`), else directly (the filter gradient of rows shorter than BLOCKED_FILTER_ROW with AVX2's
-    lanes: by im2col). Its rounding is not the direct sums' (within float32's tolerance); like theirs it depends on
-    neither the vectors' width nor the thread count."""
+    """A convolution the blocked kernels take (`blocked_conv`, by the forward's rule whatever `op`, its rows of
+    WINOGRAD_ROW at least) with a 3x3 kernel, its input gradient (the same convolution of the output gradient) or
+    its filter gradient: the compiled kernels compute it by Winograd's F(4x4, 3x3) (runtime/kernels/cpu_winograd.c),
+    36 multiplications for every 4 x 4 outputs of a pair of channels where the direct sums take 144, where the
+    planned workspace holds its arrays (`winograd_samples`), else directly (rows shorter than `blocked_conv`'s, and
+    the filter gradient of rows shorter than BLOCKED_FILTER_ROW with AVX2's lanes: by im2col). Its rounding is not
+    the direct sums' (within float32's tolerance); like theirs it depends on neither the vectors' width nor the
+    thread count."""
     return kh == kw == 3 and blocked_conv(c, o, kh, kw, stride, pad,
                                           max(wo, BLOCKED_CONV_ROW) if wo >= WINOGRAD_ROW else 0, groups)
 
@@ -512,10 +513,10 @@ def winograd_blocks(op: str, x_shape, w_shape) -> tuple[int, int, int]:
 
 def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
     """A Winograd convolution's workspace (`winograd_conv`) in floats: (per sample, once), the once part first:
-    once a range's filters transformed (36 points, WINOGRAD_SKEW floats past each; `winograd_blocks`), straight
-    from their own layout; per sample the
-    convolution's input blocked with its padding (`blocked_scratch`), its tiles transformed, and their products with
-    a range's filters (36 points of each tile of each block of inputs, and of the range's outputs). For
+    once a range's filters transformed (36 points, WINOGRAD_SKEW floats past each; `winograd_blocks`), straight from
+    their own layout; per sample the convolution's input blocked with its padding (`blocked_scratch`), its tiles
+    transformed, and their products with a range's filters (36 points of each tile of each block of inputs, and of
+    the range's outputs). For
     conv2d_bwd_data the convolution's input is the output gradient and its output the input gradient. For
     conv2d_bwd_filter once the blocked gradient and a range's sums (36 points of each pair of blocks), per sample the
     input blocked with its padding and the output gradient blocked (`blocked_scratch`), the input's tiles

@@ -73,11 +73,12 @@ def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, nat
     """A convolution or either of its gradients (`_blocked`'s arrays: x the forward's input, w its filters or, for
     the filter gradient, the gradient) by Winograd's F(4x4, 3x3), where the library has it (`native.winograd`),
     `contract.winograd_conv` takes the layer and the workspace holds its arrays (`contract.winograd_scratch`: a
-    range of output blocks' filters transformed, then `contract.winograd_samples` samples' blocked
+    range of output blocks' filters transformed straight from w, then `contract.winograd_samples` samples' blocked
     input, transformed tiles and products at a time); False (nothing written) otherwise. The convolution's input is
     `a` (the output gradient for the input gradient, padded by 2 - pad, its filters turned around), and chunks run
     in `_safe_order` as `_blocked`'s do. With one range its filters are transformed once; with several, each range's
-    again for every chunk. The filter gradient: `_winograd_filter`."""
+    again for every chunk. The filter gradient: `_winograd_filter`, or `_winograd_filter_pairs` where the batch's
+    tiles are few (`contract.winograd_pairs`)."""
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     if not getattr(native, "winograd", False) or not contract.winograd_conv(c, o, kh, kw, stride, pad, wd, op=op) or \
