@@ -392,6 +392,84 @@ def test_winograd_filter_gradient_by_pairs(lib, recorded, monkeypatch):  # noqa:
     np.testing.assert_allclose(results[0], im2col, rtol=0, atol=4e-5 * float(np.abs(im2col).max()))
 
 
+@pytest.mark.parametrize("geometry", [(5, 32, 9, 15, 48), (3, 24, 7, 7, 80)], ids=["rows of 15", "five blocks"])
+def test_winograd_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometry, monkeypatch):  # noqa: F811
+    """Threads split tiles, output blocks and points, never a sum; a chunk's tiles are transformed and multiplied
+    alone, and a range of output blocks with its own filters: the same bits on 1, 2 and 3 threads, in chunks of one
+    sample, two and all, and in ranges of one output block (each transforming its filters for every chunk)."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    monkeypatch.setattr(lib, "winograd", True)
+    before = lib.threads
+    one_block = 4 * contract.WINOGRAD_POINTS * contract.channel_blocks(geometry[1]) * contract.CHANNEL_BLOCK ** 2
+    for node in _nodes(*geometry, 3, 3, 1, bias=True)[:2]:
+        arrays = _arrays(node, 7)
+        results = []
+        try:
+            for threads in (1, 2, 3):
+                lib.set_threads(threads)
+                for limit in (None, _winograd_limit(node, 1), _winograd_limit(node, 2)):
+                    results.append(_run(lib, node, arrays, limit))
+            with monkeypatch.context() as patch:
+                patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block if node.op == "conv2d" else
+                              one_block * contract.channel_blocks(geometry[4]) // contract.channel_blocks(geometry[1]))
+                x_shape = node.shape if node.op == "conv2d_bwd_data" else node.inputs[0].shape
+                assert contract.winograd_blocks(node.op, x_shape, node.inputs[1].shape)[2] == 1
+                calls = recorded.count("winograd")
+                results.append(_run(lib, node, arrays, _winograd_limit(node, 2)))
+                outs = geometry[1] if node.op == "conv2d_bwd_data" else geometry[4]
+                assert recorded.count("winograd") - calls == contract.channel_blocks(outs) * -(-geometry[0] // 2)
+        finally:
+            lib.set_threads(before)
+        assert recorded.count("winograd") >= 9, node.op
+        for other in results[1:]:
+            np.testing.assert_array_equal(other, results[0])
+
+
+def test_winograd_filter_gradient_bits_do_not_depend_on_threads_chunks_or_ranges(lib, recorded,  # noqa: F811
+                                                                                   monkeypatch):
+    """The filter gradient adds its tiles' products in partial sums of whole samples (`contract.winograd_sum_samples`:
+    4 of these 8), each chunk a multiple of them (room for 5 samples takes 4), the chunks' sums added in order: the
+    same bits on 1, 2 and 3 threads, in one chunk or two, and in ranges of one output block (its tiles transformed
+    once for both). Ranges take the whole batch in one chunk: with room for fewer samples, the direct sums."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    monkeypatch.setattr(lib, "winograd", True)
+    monkeypatch.setattr(contract, "WINOGRAD_CHUNK_BYTES", 1 << 30)        # the room alone decides the chunks
+    n, c, h, w, o = geometry = (8, 16, 30, 30, 32)
+    assert contract.winograd_sum_samples(h, w) == 4
+    node = _nodes(*geometry, 3, 3, 1, bias=False)[2]
+    arrays = _arrays(node, 11)
+    one_block = 4 * contract.WINOGRAD_POINTS * contract.channel_blocks(c) * contract.CHANNEL_BLOCK ** 2
+    results, before = [], lib.threads
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            for ranges, room in ((1, 8), (1, 5), (1, 4), (2, 8)):
+                with monkeypatch.context() as patch:
+                    if ranges == 2:
+                        patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block)
+                    assert contract.winograd_blocks(node.op, *_forward_shapes(node))[2] == 2 // ranges
+                    limit = _winograd_limit(node, room)
+                    chunks = 1 if room == 8 else 2
+                    assert contract.winograd_samples(n, node.op, *_forward_shapes(node), 1, limit // 4) == n // chunks
+                    calls = recorded.count("winograd")
+                    results.append(_run(lib, node, arrays, limit))
+                    assert recorded.count("winograd") - calls == ranges * chunks, (ranges, room)
+        with monkeypatch.context() as patch:
+            patch.setattr(contract, "WINOGRAD_FILTER_BYTES", one_block)
+            limit = _winograd_limit(node, n - 1)
+            assert contract.winograd_samples(n, node.op, *_forward_shapes(node), 1, limit // 4) == 0
+            recorded.clear()
+            direct = _run(lib, node, arrays, limit)
+            assert recorded and set(recorded) == {"filter"}
+    finally:
+        lib.set_threads(before)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+    np.testing.assert_allclose(direct, results[0], rtol=0, atol=4e-5 * float(np.abs(direct).max()))
+
+
 def test_the_planned_workspace_holds_winograds_arrays(monkeypatch):
     """Where Winograd's transforms take a layer, the op plans room for its transformed filters and the samples'
     arrays it takes at a time (`contract.winograd_samples`); where they do not fit under the limit, the direct
