@@ -1,7 +1,7 @@
 // Winograd's minimal filtering F(4x4, 3x3) on channel-blocked data, included by cpu_ops.c after cpu_blocked.c (whose
 // tiles compute its products): a stride-1 3x3 convolution padded by 1 of many channels (a residual network's 3x3
-// layers, forward and input gradient) with 36 multiplications for each 4 x 4 outputs of a channel pair where the
-// direct sums take 144 (Lavin and Gray, "Fast algorithms for convolutional neural networks", CVPR 2016).
+// layers, forward, input and filter gradients) with 36 multiplications for each 4 x 4 outputs of a channel pair where
+// the direct sums take 144 (Lavin and Gray, "Fast algorithms for convolutional neural networks", CVPR 2016).
 // runtime/cpu/conv.py takes this path where `contract.winograd_conv` says so and the planned workspace holds its
 // arrays (`contract.winograd_scratch`).
 //
@@ -39,6 +39,10 @@
 //                                           least) added in order, over the chunks of samples in order;
 //   dwb (ob, cb, 3, 3, 16 in, 16 out)       G^T S G of each pair (`deepdsl_winograd_filter_out`), the blocked
 //                                           filters' layout, which `deepdsl_unblocked_filters` writes out.
+//
+// Where the batch's tiles are few (`contract.winograd_pairs`), S would be written and read back for a few products
+// a float: `deepdsl_winograd_filter_pairs` keeps each pair's 36 sums on its thread's stack and writes the pair's
+// gradient out at once, with the same bits.
 
 #ifdef DEEPDSL_TILE
 #define DEEPDSL_WINOGRAD 1
@@ -51,8 +55,8 @@
 
 typedef float deepdsl_v16f __attribute__((vector_size(64)));
 // The tiles' transforms' short loops unrolled with AVX-512, their vectors then in its 32 registers; with AVX2's 16
-// (two for each vector) the unrolled loops spilled and ran 10 % slower (the filters' transform and the filter
-// gradient's inverse: unrolled on both, 1.3x-2x faster on both)
+// (two for each vector) the unrolled loops spilled and ran slower (the filters' transform and the filter gradient's
+// inverse, faster unrolled on both, are unrolled on both)
 #if defined(__AVX512F__)
 #define DEEPDSL_WINO_PRAGMA(X) _Pragma(#X)
 #define DEEPDSL_WINO_UNROLL(N) DEEPDSL_WINO_PRAGMA(GCC unroll N)
@@ -127,10 +131,9 @@ static inline void deepdsl_wino_filter_grad6(const deepdsl_v16f s[6], deepdsl_v1
 
 // U (36, b1 - b0, ib, 16, 16) = G g G^T of each filter of output blocks [b0, b1) of the convolution whose filters
 // are w (o, c, 3, 3) (`flip`: of its input gradient, `deepdsl_blocked_filter_pair`), ib its blocks of inputs, 16
-// output channels at a time: a thread takes whole pairs of blocks, first the pair blocked on its stack (9 KB), G g of
-// each input channel's filter (the columns transformed, 18 KB), then for each row of points the rows transformed and
-// written 1 KB a point at a time: six streams of stores (one store per point and input channel, 36 streams 1 KB
-// apart, missed L1's sets).
+// output channels at a time: a thread takes whole pairs of blocks, each blocked on its stack first (9 KB), then each
+// input channel's 36 points computed in registers and stored to the points' rows, which DEEPDSL_WINO_SKEW spreads
+// over 36 sets of L1.
 void deepdsl_winograd_transform(const float* w, int o, int c, int flip, int b0, int b1, float* u) {
     const int ib = ((flip ? o : c) + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK;
     const long pairs = (long)(b1 - b0) * ib, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
@@ -230,13 +233,13 @@ static inline void deepdsl_wino_output_tile(const float* m, long points, float* 
 }
 
 // Output blocks [b0, b1) of out (m, o, ho, wo) = the stride-1 3x3 convolution of the blocked, padded input xb (m, cb,
-// hp, wp, 16) (ho = hp - 2, wo = wp - 2) with those blocks' filters transformed by `deepdsl_winograd_transform` (u,
-// (36, b1 - b0, cb, 16, 16)), + bias (o) when given, through v (36, cb, T, 16) and products (36, b1 - b0, T, 16) of
-// the caller's workspace; `transformed`: v already holds xb's tiles (an earlier range of the same chunk). Three
-// passes, each split among the threads: the tiles' transforms by (sample, channel block, row of tiles); the products
-// by output block groups (`deepdsl_tile_groups` over the T tiles as one row), each group's points and then its runs
-// of tiles, so that one point's filters of a group stay in the cache over the tiles; the outputs by (sample, output
-// block, row of tiles).
+// hp, wp, 16) (ho = hp - 2, wo = wp - 2) with those blocks' filters transformed by `deepdsl_winograd_transform` (u, 36
+// points of (b1 - b0, cb, 16, 16), each followed by DEEPDSL_WINO_SKEW floats), + bias (o) when given, through v (36,
+// cb, T, 16) and products (36, b1 - b0, T, 16) of the caller's workspace; `transformed`: v already holds xb's tiles (an
+// earlier range of the same chunk). Three passes, each split among the threads: the tiles' transforms by (sample,
+// channel block, row of tiles); the products by output block groups (`deepdsl_tile_groups` over the T tiles as one
+// row), each group's points and then its runs of tiles, so that one point's filters of a group stay in the cache over
+// the tiles; the outputs by (sample, output block, row of tiles).
 void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, int m, int cb, int hp, int wp, int o,
                            int b0, int b1, int transformed, float* v, float* products, float* out) {
     const int ob = b1 - b0, ho = hp - 2, wo = wp - 2;
