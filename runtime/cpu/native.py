@@ -753,9 +753,9 @@ class Native:
     def winograd_conv(self, xb: np.ndarray, u: np.ndarray, bias: np.ndarray | None, v: np.ndarray,
                       products: np.ndarray, out: np.ndarray, b0: int, b1: int, transformed: bool) -> None:
         """Output blocks [b0, b1) of out (m, O, Ho, Wo) = the stride-1 3x3 convolution of the blocked input xb (m, cb,
-        Ho + 2, Wo + 2, 16) with those blocks' transformed filters u (`winograd_transform`),
-        + bias (O) when given, by Winograd's F(4x4, 3x3) through v (36, cb, T, 16; `transformed`: already xb's tiles)
-        and products (36 * (b1 - b0) * T * 16 floats), T the tiles (`contract.winograd_tiles`)."""
+        Ho + 2, Wo + 2, 16) with those blocks' transformed filters u (`winograd_transform`), + bias (O) when given, by
+        Winograd's F(4x4, 3x3) through v (36, cb, T, 16; `transformed`: already xb's tiles) and products (36 * (b1 -
+        b0) * T * 16 floats), T the tiles (`contract.winograd_tiles`)."""
         m, cb, hp, wp, _ = xb.shape
         self.lib.deepdsl_winograd_conv(_address(xb), _address(u), None if bias is None else _address(bias),
                                        m, cb, hp, wp, out.shape[1], b0, b1, int(transformed), _address(v),
