@@ -513,8 +513,8 @@ def test_the_winograd_rule():
     assert not contract.winograd_conv(64, 64, 3, 3, 2, 1, 28)                              # not blocked: strided
     assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4)                    # rows of 4: ResNet's 4x4 layers
     assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_data")
-    assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_filter")     # by pairs only:
-    assert contract.winograd_samples(8, "conv2d_bwd_filter", (8, 512, 4, 4), (512, 512, 3, 3), 1) == 8
+    assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_filter")     # by pairs only, the batch
+    assert contract.winograd_samples(8, "conv2d_bwd_filter", (8, 512, 4, 4), (512, 512, 3, 3), 1) == 8  # at once
     assert contract.winograd_samples(128, "conv2d_bwd_filter", (128, 512, 4, 4), (512, 512, 3, 3), 1) == 0
     assert contract.winograd_pairs("conv2d_bwd_filter", (16, 512, 7, 7)) and \
         not contract.winograd_pairs("conv2d_bwd_filter", (17, 512, 7, 7)) and \
