@@ -34,8 +34,9 @@ __all__ = [
     "BLOCKED_CHUNK_BYTES", "blocked_conv", "blocked_samples", "blocked_scratch", "CHANNEL_BLOCK",
     "WINOGRAD_CHUNK_BYTES", "WINOGRAD_FILTER_BYTES", "WINOGRAD_ROW", "WINOGRAD_SKEW", "WINOGRAD_OUT",
     "WINOGRAD_POINTS", "winograd_conv", "winograd_blocks", "winograd_samples", "winograd_scratch", "winograd_tiles",
-    "WINOGRAD_SUM_TILES", "winograd_sum_samples", "WINOGRAD_PAIR_TILES", "winograd_pairs", "THIN_FILTER_CHANNELS",
-    "THIN_FILTER_WIDTH", "thin_filter", "thin_filter_scratch",
+    "WINOGRAD_SUM_TILES", "winograd_sum_samples", "WINOGRAD_PAIR_TILES", "WINOGRAD_PAIR_BYTES",
+    "WINOGRAD_PAIR_BLOCKS", "WINOGRAD_FEW_TILES", "winograd_pairs", "THIN_FILTER_CHANNELS", "THIN_FILTER_WIDTH", "thin_filter",
+    "thin_filter_scratch",
     "channel_blocks", "DIRECT_CONV_ROWS", "DIRECT_CONV_WIDTH", "direct_conv", "log_softmax_scratch", "lrn_bwd_scratch",
     "lrn_scratch", "LAYER_NORM_PART_ROWS", "layer_norm_rows", "layer_norm_parts", "layer_norm_param_scratch",
     "mask_generator",
@@ -511,7 +512,7 @@ def winograd_blocks(op: str, x_shape, w_shape) -> tuple[int, int, int]:
     return ins, outs, -(-outs // ranges)
 
 
-def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
+def winograd_scratch(op: str, x_shape, w_shape, pad: int, room: int | None = None) -> tuple[int, int]:
     """A Winograd convolution's workspace (`winograd_conv`) in floats: (per sample, once), the once part first:
     once a range's filters transformed (36 points, WINOGRAD_SKEW floats past each; `winograd_blocks`), straight from
     their own layout; per sample the convolution's input blocked with its padding (`blocked_scratch`), its tiles
@@ -521,12 +522,12 @@ def winograd_scratch(op: str, x_shape, w_shape, pad: int) -> tuple[int, int]:
     conv2d_bwd_filter once the blocked gradient and a range's sums (36 points of each pair of blocks), per sample the
     input blocked with its padding and the output gradient blocked (`blocked_scratch`), the input's tiles
     transformed and the range's output gradient's; by pairs (`winograd_pairs`) neither the sums nor the blocked
-    gradient, and every output block's gradient's tiles transformed."""
+    gradient, and every output block's gradient's tiles transformed (those fit `room` floats: `winograd_pairs`)."""
     h, w = x_shape[2:]
     per_sample, filters = blocked_scratch(op, x_shape, w_shape, pad)
     ins, outs, blocks = winograd_blocks(op, x_shape, w_shape)
     points = WINOGRAD_POINTS * winograd_tiles(h, w) * CHANNEL_BLOCK
-    if winograd_pairs(op, x_shape):
+    if winograd_pairs(op, x_shape, w_shape, pad, room):
         return per_sample + points * (ins + outs), 0
     if op == "conv2d_bwd_filter":
         return per_sample + points * (ins + blocks), filters + WINOGRAD_POINTS * ins * blocks * CHANNEL_BLOCK ** 2
@@ -543,11 +544,11 @@ def winograd_samples(batch: int, op: str, x_shape, w_shape, pad: int, room: int 
     in chunks of 7 and 1, 12 in one, 19.5 by the direct sums); by pairs (`winograd_pairs`) too, and on rows shorter
     than BLOCKED_CONV_ROW by pairs only. The plan reserves that many samples' room; the kernel takes the same
     number."""
-    per_sample, once = winograd_scratch(op, x_shape, w_shape, pad)
+    per_sample, once = winograd_scratch(op, x_shape, w_shape, pad, room)
     if room is not None and room < once + per_sample:
         return 0
     ins, outs, blocks = winograd_blocks(op, x_shape, w_shape)
-    pairs = winograd_pairs(op, x_shape)
+    pairs = winograd_pairs(op, x_shape, w_shape, pad, room)
     if op == "conv2d_bwd_filter" and not pairs and x_shape[3] < BLOCKED_CONV_ROW:
         return 0                    # (short rows' filter gradients by pairs only: their sums lost to im2col)
     if pairs or (op == "conv2d_bwd_filter" and blocks < outs):
@@ -560,17 +561,34 @@ def winograd_samples(batch: int, op: str, x_shape, w_shape, pad: int, room: int 
     return samples
 
 
-WINOGRAD_PAIR_TILES = 64    # a filter gradient whose batch has at most this many tiles goes by pairs of blocks
+WINOGRAD_PAIR_TILES = 128   # a filter gradient whose batch has at most this many tiles (or rows too short for the
+                            # ranges) goes by pairs of blocks where their transformed tiles take at most
+WINOGRAD_PAIR_BYTES = 1 << 25   # this many bytes and it has at least
+WINOGRAD_PAIR_BLOCKS = 16       # this many pairs of blocks for the threads to share; or where it has at most
+WINOGRAD_FEW_TILES = 64         # this many tiles
 
 
-def winograd_pairs(op: str, x_shape) -> bool:
-    """A Winograd filter gradient whose batch has few tiles (at most WINOGRAD_PAIR_TILES: ResNet-50's 4x4 and 7x7
-    layers at batch 8): its whole batch at once, each pair of channel blocks' 36 sums on the stack and transformed at
-    once (runtime/kernels/cpu_winograd.c: `deepdsl_winograd_filter_pairs`), where the sums of a range of output
-    blocks, written and read back for a few products each, made it slower than im2col. The same bits as the
-    ranges'."""
-    n, _, h, w = x_shape
-    return op == "conv2d_bwd_filter" and n * winograd_tiles(h, w) <= WINOGRAD_PAIR_TILES
+def winograd_pairs(op: str, x_shape, w_shape, pad: int, room: int | None = None) -> bool:
+    """A Winograd filter gradient by pairs of channel blocks: its whole batch at once, each pair's 36 sums on the
+    stack and transformed at once (runtime/kernels/cpu_winograd.c: `deepdsl_winograd_filter_pairs`), where the sums
+    of a range of output blocks, written and read back for every chunk for a few products a float, cost more than
+    the whole batch's transformed tiles kept: a batch of at most WINOGRAD_PAIR_TILES tiles (ResNet-50's 4x4 and 7x7
+    layers at batch 8 to 32, its 14x14 at batch 8; measured against the ranges on an AVX2 Zen 3: 1.1-1.25x faster at
+    128 tiles, 0.9-0.95x at 256, 0.85-0.95x at 392), or any batch of rows shorter than the ranges' (their filter
+    gradients otherwise by im2col), whose transformed tiles take at most WINOGRAD_PAIR_BYTES with at least
+    WINOGRAD_PAIR_BLOCKS pairs (a thread takes whole pairs); or a batch of at most WINOGRAD_FEW_TILES tiles; and
+    where `room` floats hold the whole batch's arrays (`winograd_scratch`), else by ranges. The same bits as the
+    ranges' of the whole batch at once. `x_shape` is the forward's input, `w_shape` its filters."""
+    if op != "conv2d_bwd_filter":
+        return False
+    (n, c, h, w), o = x_shape, w_shape[0]
+    tiles = n * winograd_tiles(h, w)
+    points = WINOGRAD_POINTS * tiles * CHANNEL_BLOCK * (channel_blocks(c) + channel_blocks(o))
+    if tiles > WINOGRAD_FEW_TILES and (tiles > WINOGRAD_PAIR_TILES and w >= BLOCKED_CONV_ROW or
+                                       FLOAT_BYTES * points > WINOGRAD_PAIR_BYTES or
+                                       channel_blocks(c) * channel_blocks(o) < WINOGRAD_PAIR_BLOCKS):
+        return False
+    return room is None or room >= n * blocked_scratch(op, x_shape, w_shape, pad)[0] + points
 
 
 WINOGRAD_SUM_TILES = 256    # tiles a partial sum of the filter gradient's products adds at most, one sample's at

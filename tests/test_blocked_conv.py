@@ -8,6 +8,7 @@ im2col where the workspace is too small or the processor has no AVX2. Networks w
 SE-ResNet, VGG, U-Net, ResNet-50) are checked step by step against numpy's kernels in tests/test_native_kernels.py."""
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,12 @@ def _winograd_limit(node, samples):
     samples' arrays."""
     per_sample, once = contract.winograd_scratch(node.op, *_forward_shapes(node), 1)
     return 4 * (once + samples * per_sample)
+
+
+def _by_ranges(patch):
+    """Winograd's filter gradients by ranges of output blocks, never by pairs (`contract.winograd_pairs`)."""
+    for name in ("WINOGRAD_PAIR_TILES", "WINOGRAD_PAIR_BYTES", "WINOGRAD_FEW_TILES"):
+        patch.setattr(contract, name, 0)
 
 
 def _forward_shapes(node):
@@ -128,23 +135,31 @@ def test_blocked_convolutions_equal_the_reference(lib, recorded, geometry):  # n
 @pytest.mark.parametrize("geometry", [(5, 32, 9, 15, 48), (3, 24, 7, 7, 80)], ids=["rows of 15", "five blocks"])
 def test_the_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometry):  # noqa: F811
     """Threads take shares of the work weighted by the output blocks of each group (five blocks: groups of three
-    and two), never parts of a sum."""
+    and two), never parts of a sum; nor do the chunks of samples. (A filter gradient of rows shorter than AVX2's
+    blocked rows goes by im2col, whose products over the batch at once or a sample at a time round differently:
+    the same bits on any number of threads for each workspace.)"""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     before = lib.threads
+    n, c, h, w, o = geometry
     for node in _nodes(*geometry, 3, 3, 1, bias=True):
+        taken = contract.blocked_conv(c, o, 3, 3, 1, 1, w, op=node.op, lanes=lib.lanes)
         arrays = _arrays(node, 7)
-        results = []
+        limits = (None, _samples_limit(node, 1), _samples_limit(node, 2))
+        results = {limit: [] for limit in limits}
+        recorded.clear()
         try:
             for threads in (1, 2, 3):
                 lib.set_threads(threads)
-                for limit in (None, _samples_limit(node, 1), _samples_limit(node, 2)):
-                    results.append(_run(lib, node, arrays, limit))
+                for limit in limits:
+                    results[limit].append(_run(lib, node, arrays, limit))
         finally:
             lib.set_threads(before)
-        assert len(recorded) >= 9, node.op
-        for other in results[1:]:
-            np.testing.assert_array_equal(other, results[0])
+        assert (len(recorded) >= 9) == taken, node.op
+        first = results[None][0]
+        for limit in limits:
+            for other in results[limit]:
+                np.testing.assert_array_equal(other, first if taken else results[limit][0])
 
 
 def test_the_planned_workspace_holds_the_blocked_copies(monkeypatch):
@@ -299,7 +314,8 @@ def test_the_layer_benchmark_runs(isa):
     winograd = [row for row in rows if cells(row)[3] is not None]
     assert blocked and len(blocked) < len(rows) and tiled and len(tiled) < len(rows)
     assert winograd and {row[0] for row in winograd} == {"conv2d", "conv2d_bwd_data", "conv2d_bwd_filter"}
-    assert set(map(tuple, winograd)) <= set(map(tuple, blocked)) or isa == "avx2"  # (AVX2: short rows' filters)
+    avx2 = isa == "avx2" or done.stdout.splitlines()[0].split(";")[0] == "AVX2"
+    assert set(map(tuple, winograd)) <= set(map(tuple, blocked)) or avx2  # (AVX2: short rows' filters)
     assert all(row[0] != "conv2d_bwd_filter" for row in tiled)
     assert "the step's convolutions" in done.stdout
     assert done.stdout.splitlines()[0].split(";")[0] in ("AVX-512", "AVX2", "no AVX2", "unknown",
@@ -319,7 +335,8 @@ WINOGRAD_GEOMETRIES = [  # (N, C, H, W, O)
     (1, 272, 7, 8, 32),       # 17 input blocks: two partial sums of the products, added in order
     (3, 48, 4, 4, 44),        # rows of 4: one tile a sample, an output block partly empty (filter gradient by pairs)
     (2, 32, 5, 6, 48),        # rows of 6 on 5: tiles mostly past the plane (filter gradient by pairs)
-]
+    (30, 64, 12, 12, 64),     # 270 tiles: the filter gradient by pairs (past the rule's tiles) in two partial sums,
+]                             # of 28 samples and 2
 
 
 @pytest.mark.parametrize("geometry", WINOGRAD_GEOMETRIES, ids=[str(g) for g in WINOGRAD_GEOMETRIES])
@@ -328,11 +345,12 @@ def test_winograd_convolutions_equal_the_reference(lib, recorded, geometry, monk
     outputs under NaN-filled workspaces of exactly the planned size (unlimited, and one sample's room: the filter
     gradient's sums over chunks of one sample): within its rounding of the float64 reference (Winograd's transforms
     round more than the direct sums: about 1e-5 of the output's magnitude for 256 channels, measured; bounded here
-    at 4e-5). These batches' few tiles take the filter gradient by pairs (`contract.winograd_pairs`), whose bits are
-    those of its ranges (rows of 7 at least; shorter ones by pairs only)."""
+    at 4e-5). These batches take the filter gradient by pairs (`contract.winograd_pairs`), whose bits are those of
+    its ranges over the whole batch at once (rows of 7 at least; shorter ones by pairs only)."""
     if not lib.blocked:
         pytest.skip("this processor has no AVX2 with fused multiply-adds")
     monkeypatch.setattr(lib, "winograd", True)
+    monkeypatch.setattr(contract, "WINOGRAD_PAIR_TILES", 1 << 20)
     n, c, h, w, o = geometry
     for node in _nodes(n, c, h, w, o, 3, 3, 1, bias=True):
         assert contract.winograd_conv(c, o, 3, 3, 1, 1, w, op=node.op)
@@ -340,14 +358,16 @@ def test_winograd_convolutions_equal_the_reference(lib, recorded, geometry, monk
         want = get_op(node.op).evaluate(EvalContext(np.float64), *[a.astype(np.float64) for a in arrays],
                                         **node.kwargs)
         pairs = node.op == "conv2d_bwd_filter"
-        assert contract.winograd_pairs(node.op, _forward_shapes(node)[0]) == pairs
+        assert contract.winograd_pairs(node.op, *_forward_shapes(node), 1) == pairs
         runs = [(pairs, None)] + [(False, samples) for samples in (None, 1)
                                   if not pairs or w >= contract.BLOCKED_CONV_ROW]
         results = []
         for by_pairs, samples in runs:
             with monkeypatch.context() as patch:
                 if not by_pairs:
-                    patch.setattr(contract, "WINOGRAD_PAIR_TILES", 0)
+                    _by_ranges(patch)
+                if samples is None:                     # (the whole batch at once: the pairs' partial sums)
+                    patch.setattr(contract, "WINOGRAD_CHUNK_BYTES", 1 << 40)
                 limit = None if samples is None else _winograd_limit(node, samples)
                 recorded.clear()
                 got = _run(lib, node, arrays, limit)
@@ -369,7 +389,8 @@ def test_winograd_filter_gradient_by_pairs(lib, recorded, monkeypatch):  # noqa:
     geometry = (8, 44, 4, 4, 60)
     node = _nodes(*geometry, 3, 3, 1, bias=False)[2]
     x_shape, w_shape = _forward_shapes(node)
-    assert contract.winograd_pairs(node.op, x_shape) and not contract.winograd_pairs(node.op, (65, *x_shape[1:]))
+    assert contract.winograd_pairs(node.op, x_shape, w_shape, 1) and \
+        not contract.winograd_pairs(node.op, (65, *x_shape[1:]), w_shape, 1)        # (12 pairs of blocks: too few)
     per_sample, once = contract.winograd_scratch(node.op, x_shape, w_shape, 1)
     assert once == 0
     arrays = _arrays(node, 5)
@@ -385,6 +406,7 @@ def test_winograd_filter_gradient_by_pairs(lib, recorded, monkeypatch):  # noqa:
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
     limit = 4 * 7 * per_sample
+    assert not contract.winograd_pairs(node.op, x_shape, w_shape, 1, limit // 4)
     assert contract.winograd_samples(8, node.op, x_shape, w_shape, 1, limit // 4) == 0
     recorded.clear()
     im2col = _run(lib, node, arrays, limit)
@@ -474,7 +496,7 @@ def test_the_planned_workspace_holds_winograds_arrays(monkeypatch):
     """Where Winograd's transforms take a layer, the op plans room for its transformed filters and the samples'
     arrays it takes at a time (`contract.winograd_samples`); where they do not fit under the limit, the direct
     sums' copies."""
-    monkeypatch.setattr(contract, "WINOGRAD_PAIR_TILES", 0)      # (the filter gradient in ranges, by chunks)
+    _by_ranges(monkeypatch)                                     # (the filter gradient in ranges, by chunks)
     for node in _nodes(4, 64, 8, 16, 256, 3, 3, 1, bias=False):
         x_shape, w_shape = _forward_shapes(node)
         per_sample, once = contract.winograd_scratch(node.op, x_shape, w_shape, 1)
@@ -515,10 +537,21 @@ def test_the_winograd_rule():
     assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_data")
     assert contract.winograd_conv(512, 512, 3, 3, 1, 1, 4, op="conv2d_bwd_filter")     # by pairs only, the batch
     assert contract.winograd_samples(8, "conv2d_bwd_filter", (8, 512, 4, 4), (512, 512, 3, 3), 1) == 8  # at once
-    assert contract.winograd_samples(128, "conv2d_bwd_filter", (128, 512, 4, 4), (512, 512, 3, 3), 1) == 0
-    assert contract.winograd_pairs("conv2d_bwd_filter", (16, 512, 7, 7)) and \
-        not contract.winograd_pairs("conv2d_bwd_filter", (17, 512, 7, 7)) and \
-        not contract.winograd_pairs("conv2d", (1, 512, 4, 4))
+    # by pairs: at most 128 tiles (any number on rows too short for the ranges) whose transformed tiles take at most
+    # 32 MiB, with 16 pairs of blocks at least; or at most 64 tiles; where the whole batch's arrays fit
+    pairs = functools.partial(contract.winograd_pairs, "conv2d_bwd_filter", w_shape=(512, 512, 3, 3), pad=1)
+    assert pairs((32, 512, 7, 7)) and not pairs((33, 512, 7, 7)) and pairs((227, 512, 4, 4)) and \
+        not pairs((228, 512, 4, 4)) and not contract.winograd_pairs("conv2d", (1, 512, 4, 4), (512, 512, 3, 3), 1)
+    assert contract.winograd_samples(227, "conv2d_bwd_filter", (227, 512, 4, 4), (512, 512, 3, 3), 1) == 227
+    assert contract.winograd_samples(228, "conv2d_bwd_filter", (228, 512, 4, 4), (512, 512, 3, 3), 1) == 0
+    assert contract.winograd_pairs("conv2d_bwd_filter", (2, 64, 28, 28), (64, 64, 3, 3), 1) and \
+        not contract.winograd_pairs("conv2d_bwd_filter", (3, 64, 28, 28), (64, 64, 3, 3), 1) and \
+        not contract.winograd_pairs("conv2d_bwd_filter", (2, 64, 28, 28), (48, 64, 3, 3), 1) and \
+        contract.winograd_pairs("conv2d_bwd_filter", (1, 64, 28, 28), (48, 64, 3, 3), 1)    # 12 pairs, 49 tiles
+    per_sample, _ = contract.winograd_scratch("conv2d_bwd_filter", (2, 64, 28, 28), (64, 64, 3, 3), 1)
+    for room in (None, 2 * per_sample, 2 * per_sample - 1):
+        assert contract.winograd_pairs("conv2d_bwd_filter", (2, 64, 28, 28), (64, 64, 3, 3), 1, room) == \
+            (room != 2 * per_sample - 1)
     assert not contract.winograd_conv(64, 64, 3, 3, 1, 1, 3)                               # nor shorter rows
     assert contract.winograd_tiles(7, 7) == 4 and contract.winograd_tiles(8, 9) == 6
     # the filter gradient's partial sums: whole samples within the blocked kernels' partial sums' terms

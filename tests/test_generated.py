@@ -344,12 +344,14 @@ def test_generated_program_imports_only_the_runtime(tmp_path):
 INTERPRETER_CASES = [
     ("lenet", 2, None), ("mlp", 2, None), ("alexnet", 2, (55, 55)), ("googlenet", 2, (79, 79)),
     ("resnet_mini", 2, None), ("inception_mini", 2, None), ("se_resnet", 2, None),
-    ("unet", 2, None), ("vit", 2, None), ("char_lm", 2, None), ("mobilenet_v2", 2, (64, 64)),
+    ("unet", 2, None), ("vit", 2, None), ("char_lm", 2, None), ("mobilenet_v2", 8, (32, 32)),
 ]
-# the tolerance of a network whose float32 step is far from exact: MobileNet-v2 at this size, where rounding alone
-# moves its updates by up to 2e-2 (the reference interpreter in float32 against itself in float64: 1.4e-4 here,
-# 1.8e-2 at batch 4 or 96x96 images; this program's products rounded otherwise: 5e-3 here)
-ILL_CONDITIONED = {"mobilenet_v2": 1e-2}
+# the tolerance of a network whose float32 step is further from exact: MobileNet-v2, whose batch norms over a few
+# values make its step ill-conditioned at some sizes, where one rounding moves its updates by percents (at 2 samples
+# of 64x64 on a Zen 3, this program 1.7e-2 from the float64 step and the float32 interpreter 1.7e-4; 1.7e-4 again
+# when a single elementwise kernel's values were computed in float64 before rounding; at 4 samples, 5e-5 and 1.8e-2;
+# at 8 of 64x64, 4e-2 both); at 8 samples of 32x32 both are within 2.2e-4 of it, medians 2e-5
+ILL_CONDITIONED = {"mobilenet_v2": 1e-3}
 
 
 def well_scaled(name: str, shape, rng) -> np.ndarray:

@@ -25,7 +25,7 @@ from tests.test_networks import (EXACT_TOLERANCE, TOLERANCE, _classes, _interpre
 
 MODELS = Path(__file__).parent / "support" / "torch_models.py"
 ROOT = Path(__file__).resolve().parents[1]
-CASES = {"resnet18": "2x3x32x32", "mobilenet_v2": "2x3x16x16", "unet": "2x3x16x16", "vit": "2x3x16x16",
+CASES = {"resnet18": "2x3x32x32", "mobilenet_v2": "2x3x64x64", "unet": "2x3x16x16", "vit": "2x3x16x16",
          "gpt2": "2x16:int64", "text_classifier": "2x16:int64", "drop_path_net": "8x3x8x8"}
 TIMEOUT = 600
 

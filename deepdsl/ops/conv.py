@@ -67,7 +67,7 @@ def _with_blocked(op: str, im2col: Workspace, node: Node, x_shape, w_shape, wo: 
     stride, pad, groups = node.attr("stride", 1), node.attr("pad", 0), node.attr("groups", 1)
     room = None if limit is None else max(limit, im2col.nbytes) // FLOAT_BYTES
     if contract.winograd_conv(c, o, kh, kw, stride, pad, wo, groups, op):
-        per_sample, once = contract.winograd_scratch(op, x_shape, w_shape, pad)
+        per_sample, once = contract.winograd_scratch(op, x_shape, w_shape, pad, room)
         samples = contract.winograd_samples(batch, op, x_shape, w_shape, pad, room)
         if samples:
             return _larger(im2col, FLOAT_BYTES * (once + samples * per_sample))

@@ -77,21 +77,22 @@ def _winograd(op: str, x, w, bias, out, a, stride: int, pad: int, workspace, nat
     input, transformed tiles and products at a time); False (nothing written) otherwise. The convolution's input is
     `a` (the output gradient for the input gradient, padded by 2 - pad, its filters turned around), and chunks run
     in `_safe_order` as `_blocked`'s do. With one range its filters are transformed once; with several, each range's
-    again for every chunk. The filter gradient: `_winograd_filter`, or `_winograd_filter_pairs` where the batch's
-    tiles are few (`contract.winograd_pairs`)."""
+    again for every chunk. The filter gradient: `_winograd_filter`, or `_winograd_filter_pairs`
+    (`contract.winograd_pairs`)."""
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     if not getattr(native, "winograd", False) or not contract.winograd_conv(c, o, kh, kw, stride, pad, wd, op=op) or \
             (op == "conv2d_bwd_filter" and not native.winograd_filter_grads):
         return False
-    step = contract.winograd_samples(n, op, x.shape, w.shape, pad, None if workspace is None else workspace.size)
+    room = None if workspace is None else workspace.size
+    step = contract.winograd_samples(n, op, x.shape, w.shape, pad, room)
     if not step:
         return False
     ins, outs, most = contract.winograd_blocks(op, x.shape, w.shape)
     block, points, tiles = contract.CHANNEL_BLOCK, contract.WINOGRAD_POINTS, contract.winograd_tiles(h, wd)
     ranges = [(b, min(outs, b + most)) for b in range(0, outs, most)]
     if op == "conv2d_bwd_filter":
-        if contract.winograd_pairs(op, x.shape):
+        if contract.winograd_pairs(op, x.shape, w.shape, pad, room):
             if not getattr(native, "winograd_pair_kernels", False):
                 return False
             _winograd_filter_pairs(x, a, out, pad, workspace, native)
@@ -158,7 +159,7 @@ def _winograd_filter(x, g, out, pad: int, workspace, native, blocks, ranges, ste
 
 
 def _winograd_filter_pairs(x, g, out, pad: int, workspace, native) -> None:
-    """out (O, C, 3, 3) = `_winograd_filter`'s gradient where the batch's tiles are few (`contract.winograd_pairs`):
+    """out (O, C, 3, 3) = `_winograd_filter`'s gradient by pairs of blocks (`contract.winograd_pairs`):
     the whole batch blocked and its tiles transformed at once, each pair of blocks' sums, their inverse transform and
     its writing out together (`native.winograd_filter_pairs`), no blocked gradient between."""
     n, c, h, wd = x.shape

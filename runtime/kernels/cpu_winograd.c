@@ -40,9 +40,10 @@
 //   dwb (ob, cb, 3, 3, 16 in, 16 out)       G^T S G of each pair (`deepdsl_winograd_filter_out`), the blocked
 //                                           filters' layout, which `deepdsl_unblocked_filters` writes out.
 //
-// Where the batch's tiles are few (`contract.winograd_pairs`), S would be written and read back for a few products
-// a float: `deepdsl_winograd_filter_pairs` keeps each pair's 36 sums on its thread's stack and writes the pair's
-// gradient out at once, with the same bits.
+// Where the whole batch's transformed tiles fit (`contract.winograd_pairs`), S would be written and read back for
+// every chunk, for a few products a float where the tiles are few: `deepdsl_winograd_filter_pairs` keeps each
+// pair's 36 sums on its thread's stack over the whole batch and writes the pair's gradient out at once, with the
+// same bits.
 
 #ifdef DEEPDSL_TILE
 #define DEEPDSL_WINOGRAD 1
@@ -427,67 +428,76 @@ void deepdsl_winograd_filter_out(const float* sums, int ob, int cb, float* dwb) 
 #if !defined(__AVX512F__)
 // AVX2: input channels [k0, k0 + IC) of `deepdsl_wino_pair_point`'s sums (IC a constant: its sums in registers).
 static inline __attribute__((always_inline)) void deepdsl_wino_pair_part(const float* v, const float* y, long tiles,
-                                                                         int k0, int IC, float* sums) {
-    __m256 lo[6], hi[6];
-    #pragma GCC unroll 6
-    for (int k = 0; k < IC; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
-    for (long t = 0; t < tiles; ++t) {
-        __m256 g0 = _mm256_loadu_ps(y + t * DEEPDSL_BLOCK), g1 = _mm256_loadu_ps(y + t * DEEPDSL_BLOCK + 8);
-        DEEPDSL_IN_REGISTER(g0);
-        DEEPDSL_IN_REGISTER(g1);
+                                                                         long group, int k0, int IC, float* sums) {
+    for (long t0 = 0; t0 < tiles; t0 += group) {
+        __m256 lo[6], hi[6];
+        #pragma GCC unroll 6
+        for (int k = 0; k < IC; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
+        for (long t = t0; t < tiles && t < t0 + group; ++t) {
+            __m256 g0 = _mm256_loadu_ps(y + t * DEEPDSL_BLOCK), g1 = _mm256_loadu_ps(y + t * DEEPDSL_BLOCK + 8);
+            DEEPDSL_IN_REGISTER(g0);
+            DEEPDSL_IN_REGISTER(g1);
+            #pragma GCC unroll 6
+            for (int k = 0; k < IC; ++k) {
+                const __m256 b = _mm256_broadcast_ss(v + t * DEEPDSL_BLOCK + k0 + k);
+                lo[k] = _mm256_fmadd_ps(b, g0, lo[k]);
+                hi[k] = _mm256_fmadd_ps(b, g1, hi[k]);
+            }
+        }
         #pragma GCC unroll 6
         for (int k = 0; k < IC; ++k) {
-            const __m256 b = _mm256_broadcast_ss(v + t * DEEPDSL_BLOCK + k0 + k);
-            lo[k] = _mm256_fmadd_ps(b, g0, lo[k]);
-            hi[k] = _mm256_fmadd_ps(b, g1, hi[k]);
+            float* to = sums + (k0 + k) * DEEPDSL_BLOCK;
+            _mm256_storeu_ps(to, _mm256_add_ps(_mm256_loadu_ps(to), lo[k]));
+            _mm256_storeu_ps(to + 8, _mm256_add_ps(_mm256_loadu_ps(to + 8), hi[k]));
         }
-    }
-    #pragma GCC unroll 6
-    for (int k = 0; k < IC; ++k) {
-        _mm256_storeu_ps(sums + (k0 + k) * DEEPDSL_BLOCK, _mm256_add_ps(_mm256_setzero_ps(), lo[k]));
-        _mm256_storeu_ps(sums + (k0 + k) * DEEPDSL_BLOCK + 8, _mm256_add_ps(_mm256_setzero_ps(), hi[k]));
     }
 }
 #endif
 
 // sums (16 inputs x 16 outputs) = the sum over `tiles` tiles of one point's products of a pair of blocks, v[t][k] by
-// y[t][0..15] for input channel k, from zero in tile order: the products of `deepdsl_blocked_filter_sums` over one
-// partial sum, and its "0 + sum" into zeroed sums, in fused multiply-adds, so the same bits (AVX2: input channels 6, 6
-// and 4 at a time, two halves each, as its AVX2 sums).
-static inline void deepdsl_wino_pair_point(const float* v, const float* y, long tiles, float* sums) {
+// y[t][0..15] for input channel k: from zero, partial sums of `group` tiles (whole samples) in fused multiply-adds
+// from zero, each added in order: the products and partial sums of `deepdsl_blocked_filter_sums` over the batch as
+// one chunk, so the same bits (AVX2: input channels 6, 6 and 4 at a time, two halves each, as its AVX2 sums).
+static inline void deepdsl_wino_pair_point(const float* v, const float* y, long tiles, long group, float* sums) {
+    memset(sums, 0, sizeof(float) * DEEPDSL_BLOCK * DEEPDSL_BLOCK);
 #if defined(__AVX512F__)
-    __m512 acc[DEEPDSL_BLOCK];
-    #pragma GCC unroll 16
-    for (int k = 0; k < DEEPDSL_BLOCK; ++k) acc[k] = _mm512_setzero_ps();
-    for (long t = 0; t < tiles; ++t) {
-        const __m512 g = _mm512_loadu_ps(y + t * DEEPDSL_BLOCK);
+    for (long t0 = 0; t0 < tiles; t0 += group) {
+        __m512 acc[DEEPDSL_BLOCK];
         #pragma GCC unroll 16
-        for (int k = 0; k < DEEPDSL_BLOCK; ++k)
-            acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(v[t * DEEPDSL_BLOCK + k]), g, acc[k]);
+        for (int k = 0; k < DEEPDSL_BLOCK; ++k) acc[k] = _mm512_setzero_ps();
+        for (long t = t0; t < tiles && t < t0 + group; ++t) {
+            const __m512 g = _mm512_loadu_ps(y + t * DEEPDSL_BLOCK);
+            #pragma GCC unroll 16
+            for (int k = 0; k < DEEPDSL_BLOCK; ++k)
+                acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(v[t * DEEPDSL_BLOCK + k]), g, acc[k]);
+        }
+        #pragma GCC unroll 16
+        for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
+            float* to = sums + k * DEEPDSL_BLOCK;
+            _mm512_storeu_ps(to, _mm512_add_ps(_mm512_loadu_ps(to), acc[k]));
+        }
     }
-    #pragma GCC unroll 16
-    for (int k = 0; k < DEEPDSL_BLOCK; ++k)
-        _mm512_storeu_ps(sums + k * DEEPDSL_BLOCK, _mm512_add_ps(_mm512_setzero_ps(), acc[k]));
 #else
-    deepdsl_wino_pair_part(v, y, tiles, 0, 6, sums);
-    deepdsl_wino_pair_part(v, y, tiles, 6, 6, sums);
-    deepdsl_wino_pair_part(v, y, tiles, 12, 4, sums);
+    deepdsl_wino_pair_part(v, y, tiles, group, 0, 6, sums);
+    deepdsl_wino_pair_part(v, y, tiles, group, 6, 6, sums);
+    deepdsl_wino_pair_part(v, y, tiles, group, 12, 4, sums);
 #endif
 }
 
 // dw (o, c, 3, 3) = Winograd's filter gradient of a stride-1 3x3 convolution from a whole batch at once, where its
-// tiles are few (`contract.winograd_pairs`: each point's sums of a pair would be written and read back for a few
-// products each): from the blocked, padded input xb (m, cb, hp, wp, 16) and the blocked output gradient gb (m, ob,
-// ho, wo, 16), through v (36, cb, T, 16) and y (36, ob, T, 16) of the caller's workspace. The tiles transformed as
-// `deepdsl_winograd_filter_sums` does, then each pair of blocks by one thread: its 36 sums on the stack (36 KB,
-// `deepdsl_wino_pair_point`: that function's sums, whose one partial sum holds these few tiles), G^T S G at once
-// (9 KB), written out as `deepdsl_unblocked_filters` writes the blocked gradient. The same bits as the sums,
-// `deepdsl_winograd_filter_out` and the unblocking.
+// transformed tiles fit (`contract.winograd_pairs`: a range's sums, written and read back for every chunk, cost more
+// than the whole batch's tiles held): from the blocked, padded input xb (m, cb, hp, wp, 16) and the blocked output
+// gradient gb (m, ob, ho, wo, 16), through v (36, cb, T, 16) and y (36, ob, T, 16) of the caller's workspace. The
+// tiles transformed as `deepdsl_winograd_filter_sums` does, then each pair of blocks by one thread: its 36 sums on
+// the stack (36 KB, `deepdsl_wino_pair_point`: that function's sums and partial sums over the batch as one chunk),
+// G^T S G at once (9 KB), written out as `deepdsl_unblocked_filters` writes the blocked gradient. The same bits as
+// the sums, `deepdsl_winograd_filter_out` and the unblocking.
 void deepdsl_winograd_filter_pairs(const float* xb, const float* gb, int m, int cb, int hp, int wp, int ob, int o,
                                    int c, float* v, float* y, float* dw) {
     const int ho = hp - 2, wo = wp - 2;
     const int th = (ho + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT, tw = (wo + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT;
     const long per_sample = (long)th * tw, tiles = m * per_sample, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+    const long group = (per_sample >= DEEPDSL_SUM_TERMS ? 1 : DEEPDSL_SUM_TERMS / per_sample) * per_sample;
     const long v_point = (long)cb * tiles * DEEPDSL_BLOCK, y_point = (long)ob * tiles * DEEPDSL_BLOCK;
 #pragma omp parallel if (tiles * ob * cb * tile * DEEPDSL_WINO_POINTS >= DEEPDSL_PARALLEL_MIN)
     {
@@ -499,7 +509,7 @@ void deepdsl_winograd_filter_pairs(const float* xb, const float* gb, int m, int 
             float sums[DEEPDSL_WINO_POINTS][DEEPDSL_BLOCK * DEEPDSL_BLOCK];
             for (int xi = 0; xi < DEEPDSL_WINO_POINTS; ++xi)
                 deepdsl_wino_pair_point(v + xi * v_point + c_block * tiles * DEEPDSL_BLOCK,
-                                        y + xi * y_point + a * tiles * DEEPDSL_BLOCK, tiles, sums[xi]);
+                                        y + xi * y_point + a * tiles * DEEPDSL_BLOCK, tiles, group, sums[xi]);
             float blocks[9 * DEEPDSL_BLOCK * DEEPDSL_BLOCK];
             deepdsl_wino_filter_pair(sums[0], tile, blocks);
             deepdsl_unblocked_filter_pair(blocks, o, c, 3, 3, (int)a, (int)c_block, dw);
