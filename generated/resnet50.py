@@ -3476,7 +3476,7 @@ class Resnet50(rp.Model):
         # ---- res5c_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
         # d_res5c_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5c_branch2b, bn5c_branch2a_relu_2)
         d_res5c_branch2b_W = mem.tensor(285, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res5c_branch2b, bn5c_branch2a_relu_2, out=d_res5c_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31817728))
+        rt.conv2d_bwd_filter(d_res5c_branch2b, bn5c_branch2a_relu_2, out=d_res5c_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28147712))
         # free res5c_branch2b, bn5c_branch2b_centered, d_bn5c_branch2b_centered, d_res5c_branch2b, bn5c_branch2a_relu_2
         del res5c_branch2b, bn5c_branch2b_centered, d_bn5c_branch2b_centered, d_res5c_branch2b, bn5c_branch2a_relu_2
         mem.free(249, 280)
@@ -3731,7 +3731,7 @@ class Resnet50(rp.Model):
         # ---- res5b_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
         # d_res5b_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5b_branch2b, bn5b_branch2a_relu_2)
         d_res5b_branch2b_W = mem.tensor(305, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res5b_branch2b, bn5b_branch2a_relu_2, out=d_res5b_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31817728))
+        rt.conv2d_bwd_filter(d_res5b_branch2b, bn5b_branch2a_relu_2, out=d_res5b_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28147712))
         # free res5b_branch2b, bn5b_branch2b_centered, d_bn5b_branch2b_centered, d_res5b_branch2b, bn5b_branch2a_relu_2
         del res5b_branch2b, bn5b_branch2b_centered, d_bn5b_branch2b_centered, d_res5b_branch2b, bn5b_branch2a_relu_2
         mem.free(235, 300)
@@ -4044,7 +4044,7 @@ class Resnet50(rp.Model):
         # ---- res5a_branch2b (conv 3x3, 512 channels, stride 1, padding 1), backward ----
         # d_res5a_branch2b_W = conv2d_bwd_filter[kernel=(3,3),pad=1](d_res5a_branch2b, bn5a_branch2a_relu_2)
         d_res5a_branch2b_W = mem.tensor(330, (512, 512, 3, 3), 'float32')
-        rt.conv2d_bwd_filter(d_res5a_branch2b, bn5a_branch2a_relu_2, out=d_res5a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(31817728))
+        rt.conv2d_bwd_filter(d_res5a_branch2b, bn5a_branch2a_relu_2, out=d_res5a_branch2b_W, kernel=(3, 3), pad=1, stride=1, workspace=mem.workspace(28147712))
         # free res5a_branch2b, bn5a_branch2b_centered, d_bn5a_branch2b_centered, d_res5a_branch2b, bn5a_branch2a_relu_2
         del res5a_branch2b, bn5a_branch2b_centered, d_bn5a_branch2b_centered, d_res5a_branch2b, bn5a_branch2a_relu_2
         mem.free(216, 324)

@@ -414,6 +414,23 @@ def test_winograd_filter_gradient_by_pairs(lib, recorded, monkeypatch):  # noqa:
     np.testing.assert_allclose(results[0], im2col, rtol=0, atol=4e-5 * float(np.abs(im2col).max()))
 
 
+def test_the_pairs_benchmark_runs(lib):  # noqa: F811
+    """benchmarks/winograd_pairs.py on resnet_mini's filter gradients (`--all`: pairs forced where the rule takes
+    ranges): a line for each with both ways' times and workspaces, the same bits where the ranges take the batch at
+    once (a batch of 2: every layer)."""
+    if not lib.blocked:
+        pytest.skip("this processor has no AVX2 with fused multiply-adds")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "winograd_pairs.py"), "--network", "resnet_mini",
+                           "--batch", "2", "--image", "0", "--threads", "1", "2", "--rounds", "1", "--all"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if " thread(s): pairs " in line]
+    assert rows and len(rows) % 2 == 0 and all("ranges" in row and "MiB" in row for row in rows)
+    assert all(row.endswith("the same bits") for row in rows), rows
+    assert done.stdout.splitlines()[0].split(";")[0] in ("AVX-512", "AVX2")
+
+
 @pytest.mark.parametrize("geometry", [(5, 32, 9, 15, 48), (3, 24, 7, 7, 80)], ids=["rows of 15", "five blocks"])
 def test_winograd_bits_do_not_depend_on_threads_or_chunks(lib, recorded, geometry, monkeypatch):  # noqa: F811
     """Threads split tiles, output blocks and points, never a sum; a chunk's tiles are transformed and multiplied
