@@ -1304,7 +1304,8 @@ def test_programs_share_one_library_of_the_generic_kernels(tmp_path, monkeypatch
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("DEEPDSL_CACHE", str(tmp_path / "cache"))
-    for name in ("mlp", "lenet"):
+    monkeypatch.setattr(native, "BUILD_FLAGS", (*native.BUILD_FLAGS, "-O0"))    # (builds of their own, four times
+    for name in ("mlp", "lenet"):                                                # faster: what is built, not how)
         shutil.copy(root / "generated" / f"{name}.c", tmp_path / f"{name}.c")
         built, why = native.build_library(tmp_path / f"{name}.c")
         assert built == native.library_path(tmp_path / f"{name}.c"), why
@@ -1472,9 +1473,10 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     from tests.support.program_helpers import ROOT
 
     def run(*extra):
+        env = {**os.environ, "DEEPDSL_CFLAGS": f"{os.environ.get('DEEPDSL_CFLAGS', '')} -O0"}  # (four builds, fast)
         done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels_vs_checkout.py"), "--against",
                                str(ROOT), "--threads", "1", "--rounds", "1", *extra], capture_output=True, text=True,
-                              timeout=600, cwd=tmp_path)
+                              timeout=600, cwd=tmp_path, env=env)
         assert done.returncode == 0, done.stderr
         return done.stdout
 
