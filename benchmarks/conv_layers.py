@@ -144,13 +144,19 @@ def sides(node, size, kernels, threads):
     return calls
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def network_options(parser, rounds: int) -> None:
+    """The options of a script that times a network's layers (`layers`): --network, --batch, --image, --threads and
+    --rounds (by default `rounds`)."""
     parser.add_argument("--network", default="resnet50")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--image", type=int, default=112, help="height and width; 0: the network's own")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=rounds)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    network_options(parser, rounds=3)
     parser.add_argument("--calls", type=int, default=5)
     add_isa_option(parser)
     parser.add_argument("--winograd-chunk-mib", type=int, help="contract.WINOGRAD_CHUNK_BYTES in MiB for this run")

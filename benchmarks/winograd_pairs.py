@@ -30,7 +30,7 @@ from deepdsl_runtime import contract  # noqa: E402
 from deepdsl_runtime.cpu import conv  # noqa: E402
 
 # (benchmarks/ is on the path)
-from conv_layers import geometry, layers  # noqa: E402
+from conv_layers import geometry, layers, network_options  # noqa: E402
 from timing import add_isa_option, load_average, vector_isa  # noqa: E402
 
 RULE = ("WINOGRAD_PAIR_TILES", "WINOGRAD_PAIR_BYTES", "WINOGRAD_FEW_TILES")
@@ -72,11 +72,7 @@ def way(node, kernels, name: str):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--network", default="resnet50")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--image", type=int, default=112, help="height and width; 0: the network's own")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=7)
+    network_options(parser, rounds=7)
     parser.add_argument("--all", action="store_true", help="every Winograd filter gradient, not only the pairs'")
     add_isa_option(parser)
     args = parser.parse_args()
