@@ -573,12 +573,13 @@ def winograd_pairs(op: str, x_shape, w_shape, pad: int, room: int | None = None)
     stack and transformed at once (runtime/kernels/cpu_winograd.c: `deepdsl_winograd_filter_pairs`), where the sums
     of a range of output blocks, written and read back for every chunk for a few products a float, cost more than
     the whole batch's transformed tiles kept: a batch of at most WINOGRAD_PAIR_TILES tiles (ResNet-50's 4x4 and 7x7
-    layers at batch 8 to 32, its 14x14 at batch 8; measured against the ranges on an AVX2 Zen 3: 1.03-1.17x faster at
-    128 tiles, 0.81-1.0x at 256, 0.85-0.95x at 392: benchmarks/winograd_pairs.py), or any batch of rows shorter than the ranges' (their filter
-    gradients otherwise by im2col), whose transformed tiles take at most WINOGRAD_PAIR_BYTES with at least
-    WINOGRAD_PAIR_BLOCKS pairs (a thread takes whole pairs); or a batch of at most WINOGRAD_FEW_TILES tiles; and
-    where `room` floats hold the whole batch's arrays (`winograd_scratch`), else by ranges. The same bits as the
-    ranges' of the whole batch at once. `x_shape` is the forward's input, `w_shape` its filters."""
+    layers at batch 8 to 32, its 14x14 at batch 8; measured against the ranges on an AVX2 Zen 3: 1.03-1.17x faster
+    at 128 tiles, 0.81-1.0x at 256, 0.85-0.95x at 392: benchmarks/winograd_pairs.py), or any batch of rows shorter
+    than the ranges' (their filter gradients otherwise by im2col), whose transformed tiles take at most
+    WINOGRAD_PAIR_BYTES with at least WINOGRAD_PAIR_BLOCKS pairs (a thread takes whole pairs); or a batch of at most
+    WINOGRAD_FEW_TILES tiles; and where `room` floats hold the whole batch's arrays (`winograd_scratch`), else by
+    ranges. The same bits as the ranges' of the whole batch at once. `x_shape` is the forward's input, `w_shape` its
+    filters."""
     if op != "conv2d_bwd_filter":
         return False
     (n, c, h, w), o = x_shape, w_shape[0]
