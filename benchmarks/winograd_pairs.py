@@ -4,12 +4,12 @@
                                         [--isa native|avx2] [--all]
 
 Each distinct 3x3 filter gradient of the network's training step that `contract.winograd_pairs` sends by pairs
-(`--all`: every one Winograd takes) runs both ways, each under the workspace the plan gives that way, alternating
-call by call (`--rounds` each, the first left out): by pairs (with `--all`, forced where the rule says otherwise:
+(`--all`: every one Winograd takes) runs both ways, each under the workspace the plan gives that way, alternating call
+by call (`--rounds` each, the first left out): by pairs (with `--all`, forced where the rule says otherwise:
 `WINOGRAD_FEW_TILES` unbounded for the call), and by ranges (the rule held off: `WINOGRAD_PAIR_TILES`,
 `WINOGRAD_PAIR_BYTES` and `WINOGRAD_FEW_TILES` 0 for the call; where the layer's rows are too short for the ranges,
-im2col). Prints the medians, ranges / pairs (above 1 the pairs are faster), each way's
-workspace, and whether the two gave the same bits (they do where the ranges take the whole batch at once).
+im2col). Prints the medians, ranges / pairs (above 1 the pairs are faster), each way's workspace, and whether the two
+gave the same bits (they do where the ranges take the whole batch at once).
 """
 from __future__ import annotations
 
