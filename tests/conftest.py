@@ -3,8 +3,15 @@ as installed (`pip install -e ".[test]"`), as `deepdsl_runtime`."""
 from __future__ import annotations
 
 import difflib
+import os
 import pathlib
 import sys
+
+# numpy asks the kernel for transparent huge pages for every array of 4 MiB or more; each first touch of one then
+# zeroes 2 MiB, and on the virtual machines the suite runs on that zeroing took more than half of a test's time (the
+# tests allocate and free large arrays by the thousand: parameters initialized, tensors copied out). Off for this
+# process and for the programs and ranks it starts (they read it when they import numpy): it changes no value.
+os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
 
 import pytest
 
@@ -25,9 +32,27 @@ def pytest_addoption(parser):
                           "process and in the programs it starts")
 
 
-def pytest_configure(config):
-    import os
+def _cores_of_this_worker() -> None:
+    """A pytest-xdist worker runs on its own share of the cores (`-n auto`: one each). Two workers whose kernels
+    each start a thread per core put two threads on every core, and each parallel pass then waits at its end for
+    a thread the other worker's has descheduled. The programs and ranks a test starts inherit the share; a test that
+    asks for threads still gets them (the results never depend on the thread count)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and count.isdigit() and hasattr(os, "sched_setaffinity")):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // int(count))
+    first = int(worker[2:]) * share % len(cpus)
+    os.sched_setaffinity(0, cpus[first:first + share])
 
+
+def pytest_configure(config):
+    _cores_of_this_worker()
+    if os.environ["NUMPY_MADVISE_HUGEPAGE"] == "0" and "numpy" in sys.modules:    # (a plugin imported numpy first)
+        import numpy as np
+
+        multiarray = getattr(np, "_core", None) or np.core
+        multiarray.multiarray._set_madvise_hugepage(False)
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         # Open MPI's mpiexec (a system one, found before the test extra's mpich) refuses to start ranks as root
         # unless both of these are set; MPICH ignores them. The programs and mpiexec the tests start inherit them.

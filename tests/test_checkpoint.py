@@ -119,11 +119,18 @@ def test_fresh_starts_over(mlp, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_a_checkpoint(mlp, tmp_path, sig):
     path = tmp_path / "p.npz"
-    process = popen_cli(mlp, "--iters", "1000000", "--params", str(path), "--test-iters", "0", "--data", "synthetic")
+    log = tmp_path / "log.jsonl"
+    process = popen_cli(mlp, "--iters", "1000000", "--params", str(path), "--test-iters", "0", "--data", "synthetic",
+                        "--log", str(log), "--log-every", "1")
     try:
-        line = process.stdout.readline()                 # "training mlp on ...": the loop has started
-        assert line.startswith("training mlp"), line + process.stderr.read()
-        time.sleep(1.0)
+        for line in process.stdout:                      # ("building" its library first, where it is not built)
+            if line.startswith("training mlp"):          # the loop has started
+                break
+        else:
+            pytest.fail("the program stopped before training: " + process.communicate()[1])
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)                             # an iteration done
         process.send_signal(sig)
         _, err = process.communicate(timeout=60)
     finally:

@@ -282,16 +282,26 @@ def test_a_checkpoint_resumes_exactly_with_another_number_of_ranks(lenet, tmp_pa
 
 
 def _running(path: Path, out: Path, ranks: int) -> subprocess.Popen:
+    """A job of `ranks` ranks training for ever, checkpoint `out`, logging every iteration to `_log(out)`."""
     return subprocess.Popen([MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(path), "--data-parallel",
-                             "--iters", "1000000", "--params", str(out), *SAME_BITS[:-1]],
+                             "--iters", "1000000", "--params", str(out), "--log", str(_log(out)), "--log-every", "1",
+                             *SAME_BITS[:-1]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=program_env(),
                             start_new_session=True)
 
 
-def _ranks_of(out: Path, ranks: int) -> list[int]:
-    """The process ids of a job's ranks (Python processes whose checkpoint is `out`), once they train."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+def _log(out: Path) -> Path:
+    return out.with_suffix(".log")
+
+
+def _ranks_of(out: Path, ranks: int, training: bool = True) -> list[int]:
+    """The process ids of a job's ranks (Python processes whose checkpoint is `out`), once they have started and,
+    with `training`, once rank 0 has logged an iteration (`_running`): every rank has taken a step, so every rank is
+    past the start-up agreement."""
+    deadline = time.monotonic() + 120
+    found: list[int] = []
+    while time.monotonic() < deadline and len(found) != ranks:
+        time.sleep(0.2)
         found = []
         for pid in subprocess.run(["pgrep", "-f", "--", f"--params {out}"], capture_output=True, text=True).stdout.split():
             try:
@@ -300,11 +310,11 @@ def _ranks_of(out: Path, ranks: int) -> list[int]:
                 continue
             if b"mpi4py" in argv[:3] and b"mpiexec" not in argv[0]:
                 found.append(int(pid))
-        if len(found) == ranks:
-            time.sleep(3)         # past the start: training
-            return sorted(found)
+    while training and time.monotonic() < deadline and not (_log(out).exists() and _log(out).read_text().strip()):
         time.sleep(0.2)
-    raise AssertionError("the ranks did not start")
+    assert len(found) == ranks, "the ranks did not start"
+    assert not training or _log(out).read_text().strip(), "the ranks did not train"
+    return sorted(found)
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_one_iteration_with_a_checkpoint(lenet, tmp_path):
@@ -411,11 +421,16 @@ def test_a_signal_ends_the_start_up_agreement_without_a_timeout(lenet, tmp_path)
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=program_env(),
                            start_new_session=True)
     try:
-        rank = _ranks_of(out, 1)[0]
+        rank = _ranks_of(out, 1, training=False)[0]
+        # started (importing, building) it takes CPU time; waiting in the agreement, almost none: two quiet seconds
+        # in a row, which a rank polling at full speed never has
+        quiet, deadline = 0, time.monotonic() + 60
+        while quiet < 2 and time.monotonic() < deadline:
+            cpu = _cpu_seconds(rank)
+            time.sleep(1.0)
+            quiet = quiet + 1 if _cpu_seconds(rank) - cpu < 0.1 else 0
+        assert quiet == 2, "the waiting rank kept using CPU time: polling"
         began = time.monotonic()
-        cpu = _cpu_seconds(rank)
-        time.sleep(1.0)
-        assert _cpu_seconds(rank) - cpu < 0.5          # not polling at full speed
         os.kill(rank, signal.SIGTERM)
         _, stderr = job.communicate(timeout=30)
     finally:
@@ -600,7 +615,7 @@ def test_a_rank_stopped_where_mpi_cannot_see_it_ends_the_job_after_the_rank_time
                            start_new_session=True)
     stopped = None
     try:
-        stopped = _ranks_of(out, 2)[-1]
+        stopped = _ranks_of(out, 2, training=False)[-1]
         while "training lenet" not in job.stdout.readline():     # past the agreements: the watchdog's watch
             assert job.poll() is None, job.stderr.read()
         time.sleep(1.0)                                            # the progress bar is shown
