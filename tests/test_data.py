@@ -128,6 +128,46 @@ def test_digits():
         data.load("digits", (3, 16, 16), 10)
 
 
+def test_the_digits_are_scikit_learns_read_without_importing_it(monkeypatch, tmp_path):
+    """Read from the file scikit-learn ships: the arrays of its `load_digits`, bit for bit; through `load_digits`
+    where that file is not there; one line where scikit-learn is missing or its file is damaged."""
+    import importlib.util
+    import subprocess
+    import sys
+    import types
+
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    for images, target in (data._digits_arrays(), _without_the_file(monkeypatch, data._digits_arrays)):
+        assert images.dtype == bunch.images.dtype and target.dtype == bunch.target.dtype
+        np.testing.assert_array_equal(images, bunch.images)
+        np.testing.assert_array_equal(target, bunch.target)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)            # not installed
+    with pytest.raises(data.DataError, match="^digits: needs scikit-learn"):
+        _without_the_file(monkeypatch, data._digits_arrays)
+    monkeypatch.undo()
+    damaged = tmp_path / "sklearn" / "datasets" / "data" / "digits.csv.gz"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not gzip")
+    installed = types.SimpleNamespace(submodule_search_locations=[str(tmp_path / "sklearn")])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: installed if name == "sklearn" else None)
+    with pytest.raises(data.DataError, match=f"^digits: cannot read scikit-learn's {damaged}: "):
+        data._digits_arrays()
+    loaded = subprocess.run([sys.executable, "-c", "import sys; from deepdsl_runtime import data; "
+                             "data.load('digits', (1, 8, 8), 10); print('sklearn' in sys.modules)"],
+                            capture_output=True, text=True)
+    assert loaded.stdout.split() == ["False"], loaded.stderr
+
+
+def _without_the_file(monkeypatch, call):
+    import importlib.util
+
+    with monkeypatch.context() as patch:
+        patch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+        return call()
+
+
 def test_bilinear_resize_matches_pytorch():
     images = np.random.default_rng(3).random((3, 8, 8))
     for size in [(28, 28), (5, 11), (8, 8)]:
