@@ -51,8 +51,8 @@ def pytest_configure(config):
     if os.environ["NUMPY_MADVISE_HUGEPAGE"] == "0" and "numpy" in sys.modules:    # (a plugin imported numpy first)
         import numpy as np
 
-        multiarray = getattr(np, "_core", None) or np.core
-        multiarray.multiarray._set_madvise_hugepage(False)
+        core = getattr(np, "_core", None) or np.core          # (numpy 2, numpy 1)
+        core.multiarray._set_madvise_hugepage(False)
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         # Open MPI's mpiexec (a system one, found before the test extra's mpich) refuses to start ranks as root
         # unless both of these are set; MPICH ignores them. The programs and mpiexec the tests start inherit them.

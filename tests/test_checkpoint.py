@@ -10,12 +10,11 @@ import json
 import os
 import shutil
 import signal
-import time
 
 import numpy as np
 import pytest
 
-from tests.support.program_helpers import compile_program, popen_cli, run_cli
+from tests.support.program_helpers import compile_program, logged, popen_cli, run_cli, wait_for
 
 ckpt = pytest.importorskip("deepdsl_runtime.checkpoint")
 
@@ -128,9 +127,7 @@ def test_signal_saves_a_checkpoint(mlp, tmp_path, sig):
                 break
         else:
             pytest.fail("the program stopped before training: " + process.communicate()[1])
-        deadline = time.monotonic() + 60
-        while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
-            time.sleep(0.05)                             # an iteration done
+        wait_for(lambda: logged(log), 60, "an iteration")
         process.send_signal(sig)
         _, err = process.communicate(timeout=60)
     finally:

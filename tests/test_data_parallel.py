@@ -25,7 +25,8 @@ import pytest
 import deepdsl
 from deepdsl.codegen import program_env
 from deepdsl_runtime import parallel
-from tests.support.program_helpers import NETWORKS, compile_program, import_program, model_class, rel_err, run_cli
+from tests.support.program_helpers import (NETWORKS, compile_program, import_program, logged, model_class, rel_err,
+                                           run_cli, wait_for)
 
 pytest.importorskip("mpi4py")
 MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -310,10 +311,9 @@ def _ranks_of(out: Path, ranks: int, training: bool = True) -> list[int]:
                 continue
             if b"mpi4py" in argv[:3] and b"mpiexec" not in argv[0]:
                 found.append(int(pid))
-    while training and time.monotonic() < deadline and not (_log(out).exists() and _log(out).read_text().strip()):
-        time.sleep(0.2)
     assert len(found) == ranks, "the ranks did not start"
-    assert not training or _log(out).read_text().strip(), "the ranks did not train"
+    if training:
+        wait_for(lambda: logged(_log(out)), deadline - time.monotonic(), "the ranks to train")
     return sorted(found)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.program_helpers import NETWORKS, ROOT, compile_program, program_env
+from tests.support.program_helpers import NETWORKS, ROOT, compile_program, program_env, wait_for
 
 ckpt = pytest.importorskip("deepdsl_runtime.checkpoint")
 
@@ -97,13 +97,6 @@ def _running(process: tuple[int, str]) -> bool:
     return fields is not None and fields[19] == process[1] and fields[0] != "Z"
 
 
-def _wait_for(condition, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # signals to `deepdsl run`
 
@@ -127,7 +120,7 @@ def test_signal_to_run_saves_a_resumable_checkpoint_and_leaves_no_program(tmp_pa
         assert len(programs) == 1, programs
         program = programs[0]
         # the progress bar shows a loss once steps run inside the loop
-        _wait_for(lambda: "loss" in errors.read_text(), 120, "a training step")
+        wait_for(lambda: "loss" in errors.read_text(), 120, "a training step")
         if to_group:
             os.killpg(run.pid, sig)
         else:
@@ -379,7 +372,7 @@ def test_a_checkpoint_replaced_by_a_fifo_during_the_run_is_left_as_it_is(tmp_pat
                             "ck.npz", "--quiet"], cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(checkpoint.is_file, 120, "the first checkpoint")
+        wait_for(checkpoint.is_file, 120, "the first checkpoint")
         good = ckpt.read(str(checkpoint)).iteration
         assert good >= 50
         deadline = time.monotonic() + 120
@@ -480,7 +473,7 @@ def test_a_signal_while_the_network_loads_is_one_line(tmp_path, sig):
     run = subprocess.Popen([sys.executable, "-m", "deepdsl", "run", "slow.py"], cwd=str(tmp_path), env=_env(),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for((tmp_path / "loading").exists, 120, "the network file to run")
+        wait_for((tmp_path / "loading").exists, 120, "the network file to run")
         run.send_signal(sig)
         out, err = run.communicate(timeout=60)
     finally:

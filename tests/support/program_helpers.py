@@ -6,6 +6,7 @@ import itertools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,21 @@ def popen_cli(program: Path, *args: str, cwd: Path | None = None) -> subprocess.
                             text=True, env=env, cwd=str(cwd) if cwd else None)
 
 
-__all__ = ["ROOT", "NETWORKS", "compile_program", "import_program", "model_class", "run_cli", "popen_cli", "os"]
+def wait_for(condition, seconds: float, what: str) -> None:
+    """Poll `condition` until it holds; fail, naming `what` was awaited, after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def logged(log: Path) -> bool:
+    """Whether a run's `--log` has an entry: the run has done an iteration."""
+    return log.is_file() and bool(log.read_text().strip())
+
+
+__all__ = ["ROOT", "NETWORKS", "compile_program", "import_program", "model_class", "run_cli", "popen_cli", "os",
+           "wait_for", "logged"]
 
 
 ZERO_GRADIENT = 1e-3     # an update is measured against at least this fraction of the largest update
