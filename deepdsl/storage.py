@@ -89,43 +89,45 @@ class Storage:
 
 def analyze(program: Program) -> Storage:
     """Storage of every value of `program`, in its current order (Free statements are ignored)."""
-    root: dict[int, Node] = {}
-    infos: dict[int, StorageInfo] = {}
+    info_of: dict[int, StorageInfo] = {}   # id(value) -> its storage (the passes ask for this thousands of times)
     last_read: dict[int, int] = {}
 
     def new(node: Node, begin: int, defined: int, persistent: bool) -> None:
-        root[id(node)] = node
-        infos[id(node)] = StorageInfo(node, persistent, begin, begin, [node], {id(node): defined}, False, -1)
+        info_of[id(node)] = StorageInfo(node, persistent, begin, begin, [node], {id(node): defined}, False, -1)
 
     for leaf in program.inputs:
         new(leaf, 0, -1, is_persistent(leaf))
+    # body indices only grow: a storage's last use is the latest index that touches it
     for index, instr in enumerate(program.body):
         if not isinstance(instr, Let):
             continue
         node = instr.node
         for i in node.inputs:
-            if id(i) in root:
+            info = info_of.get(id(i))
+            if info is not None:
                 last_read[id(i)] = index
-                info = infos[id(root[id(i)])]
-                info.last_use = max(info.last_use, index)
+                info.last_use = index
         together = (instr.computes_also,) if instr.computes_also is not None else instr.batch
         for value in together:                   # the call computing them reads their inputs, writes their outputs
             for i in (*value.inputs, value):
-                if id(i) in root:
-                    info = infos[id(root[id(i)])]
-                    info.last_use = max(info.last_use, index)
+                info = info_of.get(id(i))
+                if info is not None:
+                    info.last_use = index
         host = instr.into if instr.into is not None else (node.inputs[0] if is_view(node) else None)
-        if host is not None and id(host) in root:
-            info = infos[id(root[id(host)])]
-            root[id(node)] = info.root
+        info = None if host is None else info_of.get(id(host))
+        if info is not None:
+            info_of[id(node)] = info
             info.members.append(node)
             info.defined_at[id(node)] = index
-            info.last_use = max(info.last_use, index)
+            info.last_use = index
             if instr.into is not None:
                 info.overwritten_at = index
         else:
             new(node, index, index, False)
     for _, node in program.outputs:
-        if id(node) in root:
-            infos[id(root[id(node)])].output = True
+        info = info_of.get(id(node))
+        if info is not None:
+            info.output = True
+    root = {key: info.root for key, info in info_of.items()}
+    infos = {id(info.root): info for info in info_of.values()}
     return Storage(root, infos, last_read)
