@@ -455,7 +455,13 @@ SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract
         _transposed(r, 130, 16), _rand(r, 16, 8200)),
     "a wide output: panels of strips two chunks deep, the last one short": lambda r: (_rand(r, 1100, 300),
                                                                                       _rand(r, 300, 1000)),
+    # a read transposed with its columns 64 floats apart or more: each group's rows packed for its strips (AVX2)
+    "pointwise filters' input gradient: a transposed by a stack, a short tile, a short strip, a short chunk": (
+        lambda r: (_transposed(r, 100, 300), _rand(r, 3, 300, 49))),
+    "a transposed a packed over three chunks and thirteen strips": lambda r: (_transposed(r, 256, 700),
+                                                                             _rand(r, 700, 200)),
 }
+PACKED_CASES = list(SMALL_CASES)[-2:] + ["a weight gradient (a transposed, partial sums of four depths)"]
 
 
 def _counted(lib, function: str = "_small_gemm_args", counter: str = "tile_calls"):
@@ -559,6 +565,27 @@ def test_products_in_tiles_equal_numpy_with_the_same_bits_on_any_threads_and_wit
     if avx2.tiles:
         avx2.set_threads(2)
         np.testing.assert_array_equal(avx2.gemm(a, b, np.full(shape, np.nan, np.float32)), results[0])
+
+
+@needs_cc
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_a_transposed_a_gives_the_bits_of_the_same_a_read_in_place(lib, avx2, case):
+    """The tiles read a transposed a (its columns one after the other) from a copy of each group's rows where it
+    has several strips and deep chunks (kernels/cpu_gemm.c, `deepdsl_sg_pack_a`, AVX2 builds): each output the same
+    sums in the same order, so the bits of the same matrix stored by rows, which is read in place, on any threads."""
+    a, b = SMALL_CASES[case](np.random.default_rng(17))
+    assert native._matrix(a)[0] == 1
+    rows = np.ascontiguousarray(a)
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    try:
+        for built in (lib, avx2):
+            built.set_threads(2)
+            want = built.gemm(rows, b, np.full(shape, np.nan, np.float32))
+            for threads in (1, 2, 3):
+                built.set_threads(threads)
+                np.testing.assert_array_equal(built.gemm(a, b, np.full(shape, np.nan, np.float32)), want)
+    finally:
+        lib.set_threads(native.threads_available())
 
 
 @needs_cc

@@ -207,6 +207,10 @@ static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
 }
 #define DEEPDSL_SG_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(2, 1) X(2, 2) X(2, 3) X(2, 4) X(3, 1) X(3, 2) \
     X(3, 3) X(3, 4) X(4, 1) X(4, 2) X(4, 3) X(4, 4) X(5, 1) X(5, 2) X(5, 3) X(5, 4) X(6, 1) X(6, 2) X(6, 3) X(6, 4)
+#define DEEPDSL_SG_PACK_A 0             /* a read transposed in place (see below) */
+#define DEEPDSL_SG_PACK_A_STRIPS 0
+#define DEEPDSL_SG_PACK_A_DEPTH 0
+#define DEEPDSL_SG_PACK_A_LD 0
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DEEPDSL_SG_LANES 8
 #define DEEPDSL_SG_VECTORS 2            /* 6 x 2 sums in 12 of 16 registers */
@@ -226,6 +230,17 @@ static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
 }
 #define DEEPDSL_SG_TILES(X) X(1, 1) X(1, 2) X(2, 1) X(2, 2) X(3, 1) X(3, 2) X(4, 1) X(4, 2) X(5, 1) X(5, 2) \
     X(6, 1) X(6, 2)
+// Where a is read transposed (its columns one after the other: a weight's transpose, an input gradient's product), a
+// tile reads each term's 6 floats from a line of their own, a group of tiles 256 lines a chunk of the inner dimension
+// for every strip: a group's rows of a are packed for each chunk and read from the copy by all of its strips
+// (deepdsl_sg_pack_a; the same sums). With AVX2, 8 lanes a vector, a product has twice the strips to share the copy:
+// on a Zen 3 (benchmarks/kernels_vs_checkout.py, one thread), ResNet-50's pointwise input gradients 1.1-1.2x as fast
+// (1024 x 256 read transposed by 256 x 392, 256 x 1024 by 1024 x 392), a ViT's 64 x 1024 by 1024 x 128 1.3x. Where
+// few strips share it, the chunk is shallow or a's columns lie close, the copy costs what it saves.
+#define DEEPDSL_SG_PACK_A 1
+#define DEEPDSL_SG_PACK_A_STRIPS 3      /* strips at least that read the copy */
+#define DEEPDSL_SG_PACK_A_DEPTH 128     /* terms of the chunk at least */
+#define DEEPDSL_SG_PACK_A_LD 64         /* floats from a column of a to the next at least */
 #endif
 
 #ifdef DEEPDSL_SG_LANES
@@ -365,10 +380,11 @@ static void deepdsl_sg_share(long items, int tb, long n, long strips, long tiles
 // The tiles t_begin <= t < t_end of strip s of c = a b over the chunk of the inner dimension from p0 (at most
 // DEEPDSL_SG_DEPTH terms): into c, or added to it where `add`; b's strip packed into `packed` where it is read
 // transposed or ends inside a vector. `bias` (n floats, or NULL): added to each output as it is stored, on the
-// product's last chunk only.
+// product's last chunk only. `a_packed` (or NULL: a read in place): these tiles' rows of a over the chunk as
+// deepdsl_sg_pack_a lays them out.
 static void deepdsl_sg_chunk(int tb, long m, long n, long k, const float* a, long ra, long ca, const float* b,
                              long ldb, long s, long t_begin, long t_end, long p0, float* c, long ldc, int add,
-                             float* packed, const float* bias) {
+                             float* packed, const float* bias, const float* a_packed) {
     const long j0 = s * DEEPDSL_SG_WIDTH, columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
     const int V = (int)((columns + DEEPDSL_SG_LANES - 1) / DEEPDSL_SG_LANES);
     const int partial = columns % DEEPDSL_SG_LANES != 0, pack = tb || partial;
@@ -396,8 +412,31 @@ static void deepdsl_sg_chunk(int tb, long m, long n, long k, const float* a, lon
     for (long t = t_begin; t < t_end; ++t) {
         const long r0 = t * DEEPDSL_SG_ROWS;
         const int R = (int)(m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS);
-        deepdsl_sg_tile_any(R, V, depth, a + r0 * ra + p0 * ca, ra, ca, bp, ldp, partial, last, c + r0 * ldc, ldc,
-                            add, tail);
+        if (a_packed)
+            deepdsl_sg_tile_any(R, V, depth, a_packed + (t - t_begin) * DEEPDSL_SG_ROWS * depth, 1, DEEPDSL_SG_ROWS,
+                                bp, ldp, partial, last, c + r0 * ldc, ldc, add, tail);
+        else
+            deepdsl_sg_tile_any(R, V, depth, a + r0 * ra + p0 * ca, ra, ca, bp, ldp, partial, last, c + r0 * ldc,
+                                ldc, add, tail);
+    }
+}
+
+// to = the rows of tiles t_begin <= t < t_end of an a read transposed (its columns lda apart), terms p0 to p0 +
+// depth - 1: tile after tile, each term's DEEPDSL_SG_ROWS floats one after the other (the last tile's rows past m
+// are left as they are: no tile reads them). The tiles then read ROWS floats a term, one after the other, where in
+// place they read them from a line of their own for every term.
+static void deepdsl_sg_pack_a(long m, const float* a, long lda, long t_begin, long t_end, long p0, long depth,
+                              float* to) {
+    for (long t = t_begin; t < t_end; ++t) {
+        const long r0 = t * DEEPDSL_SG_ROWS, rows = m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS;
+        const float* from = a + r0 + p0 * lda;
+        float* into = to + (t - t_begin) * DEEPDSL_SG_ROWS * depth;
+        if (rows == DEEPDSL_SG_ROWS)          // (a copy of a constant size: two moves)
+            for (long p = 0; p < depth; ++p)
+                memcpy(into + p * DEEPDSL_SG_ROWS, from + p * lda, DEEPDSL_SG_ROWS * sizeof(float));
+        else
+            for (long p = 0; p < depth; ++p)
+                for (long r = 0; r < rows; ++r) into[p * DEEPDSL_SG_ROWS + r] = from[p * lda + r];
     }
 }
 #endif
@@ -448,6 +487,7 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
         const long panels = (strips + panel - 1) / panel;
         panel = panels > 0 ? (strips + panels - 1) / panels : 1;
         float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];          // 64 KB (16 KB with AVX2) of the stack
+        float a_packed[DEEPDSL_SG_PACK_A ? 16 * DEEPDSL_SG_ROWS * DEEPDSL_SG_DEPTH : 1];   // 96 KB, a group's a
         long begin, end;
         deepdsl_sg_share(tb ? batch * strips * groups : batch * panels * groups * panel, tb, n, strips, tiles, group,
                          groups, panels, panel, &begin, &end);      // (b packed: one panel of all strips)
@@ -474,9 +514,28 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
                     continue;
             }
             t_end = t_end < tiles ? t_end : tiles;
-            for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH)
-                deepdsl_sg_chunk(tb, m, n, k, a + i * sa, ra, ca, b + i * sb, ldb, s, t_begin, t_end, p0,
-                                 c + i * sc, ldc, p0 > 0, packed, bias);
+            long s_end = s + 1;     // where a is read transposed: this group's run of strips, a packed for them
+            while (DEEPDSL_SG_PACK_A && ta && !tb && begin < end) {
+                long next, g2;
+                deepdsl_sg_item(begin, 0, strips, groups, panels, panel, &next, &g2);
+                if (begin / (panels * groups * panel) != i || g2 != t_begin / group || next != s_end ||
+                        next >= strips)
+                    break;
+                ++s_end;
+                ++begin;
+            }
+            for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH) {
+                const long depth = k - p0 < DEEPDSL_SG_DEPTH ? k - p0 : DEEPDSL_SG_DEPTH;
+                const float* a_run = NULL;
+                if (s_end - s >= DEEPDSL_SG_PACK_A_STRIPS && depth >= DEEPDSL_SG_PACK_A_DEPTH &&
+                        lda >= DEEPDSL_SG_PACK_A_LD) {
+                    deepdsl_sg_pack_a(m, a + i * sa, lda, t_begin, t_end, p0, depth, a_packed);
+                    a_run = a_packed;
+                }
+                for (long strip = s; strip < s_end; ++strip)
+                    deepdsl_sg_chunk(tb, m, n, k, a + i * sa, ra, ca, b + i * sb, ldb, strip, t_begin, t_end, p0,
+                                     c + i * sc, ldc, p0 > 0, packed, bias, a_run);
+            }
         }
     }
     return 1;
@@ -517,7 +576,7 @@ int deepdsl_small_gemm_depth(int ta, int tb, long m, long n, long k, const float
             const long chunk = item / strips, s = item % strips;
             float* into = chunk ? planes + (chunk - 1) * m * n : c;
             deepdsl_sg_chunk(tb, m, n, k, a, ra, ca, b, ldb, s, 0, tiles,
-                             chunk * DEEPDSL_SG_DEPTH, into, chunk ? n : ldc, 0, packed, NULL);
+                             chunk * DEEPDSL_SG_DEPTH, into, chunk ? n : ldc, 0, packed, NULL, NULL);
         }
 #pragma omp barrier
         deepdsl_add_planes(c, ldc, planes, chunks - 1, m, n);
@@ -534,7 +593,8 @@ static void deepdsl_sg_product(long m, long n, long k, const float* a, long ra, 
     const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
     for (long strip = 0; strip < (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH; ++strip)
         for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH)
-            deepdsl_sg_chunk(0, m, n, k, a, ra, ca, b, ldb, strip, 0, tiles, p0, c, ldc, p0 > 0, packed, NULL);
+            deepdsl_sg_chunk(0, m, n, k, a, ra, ca, b, ldb, strip, 0, tiles, p0, c, ldc, p0 > 0, packed, NULL,
+                             NULL);
 }
 
 // The threads of a pass over `n` samples, each with a part of a scratch of `room` parts: the kernels', at most
