@@ -61,22 +61,43 @@ def _order(program: Program):
     return lambda info: (info.begin, info.defined_at[id(info.root)], position.get(id(info.root), -1))
 
 
-def live_ranges(program: Program, storage: Storage | None = None) -> list[LiveRange]:
+def live_ranges(program: Program, storage: Storage | None = None,
+                freed: tuple[list[int], int] | None = None) -> list[LiveRange]:
     """The live range of every arena storage of `program`, in allocation order (see the module docstring). A
-    program without frees keeps every storage to the end of the body; every range covers at least one index."""
+    program without frees keeps every storage to the end of the body; every range covers at least one index.
+    `freed` (`dealloc_positions` of a program without frees): the ranges of the program dealloc makes of it,
+    indexed in that program, without making it."""
     storage = analyze(program) if storage is None else storage
-    n = len(program.body)
     infos = sorted(storage.arena(), key=_order(program))
+    ranges = []
+    if freed is not None:
+        at, n = freed
+        for info in infos:
+            begin = at[info.begin] if info.begin < len(at) else n
+            end = n if info.output else at[info.last_use] + 1
+            ranges.append(LiveRange(info, begin, max(end, begin + 1), placed_size(nbytes(info.root))))
+        return ranges
+    n = len(program.body)
     free_index: dict[int, int] = {}
     for k, instr in enumerate(program.body):
         if isinstance(instr, Free):
             for value in instr.nodes:
                 free_index.setdefault(id(storage.root[id(value)]), k)
-    ranges = []
     for info in infos:
         end = n if info.output else free_index.get(id(info.root), n)
         ranges.append(LiveRange(info, max(info.begin, 0), max(end, info.begin + 1), placed_size(nbytes(info.root))))
     return ranges
+
+
+def dealloc_positions(program: Program, storage: Storage | None = None) -> tuple[list[int], int]:
+    """(where each statement of `program`, which has no frees, lands in the program dealloc makes of it, that
+    program's length): dealloc puts one `Free` right after each statement of `deaths`."""
+    dying = deaths(program, storage)
+    at, shift = [], 0
+    for k in range(len(program.body)):
+        at.append(k + shift)
+        shift += k in dying
+    return at, len(program.body) + shift
 
 
 def deaths(program: Program, storage: Storage | None = None) -> dict[int, list[StorageInfo]]:
@@ -192,33 +213,35 @@ class StorageGraph:
         self.updates = _update_targets(program, index, self)
         self.alloc = [0 if g is None or k in self.updates else self.group_size[g] for k, g in enumerate(self.owned)]
 
-    def reuses(self, k: int, dying: list[int]) -> bool:
-        """Whether statement k will write over the storage of an input that dies there, as the in-place pass
-        decides it: an input its kernel may overwrite (`Op.overwritable`), of its shape and dtype, in no batch
-        input's storage, which the statement reads only through such inputs at its own shape."""
+    def reuses(self, k: int, dying: list[int]) -> int | None:
+        """The group whose storage statement k will write over, as the in-place pass decides it (None: none): of an
+        input its kernel may overwrite (`Op.overwritable`), of its shape and dtype, dying there, in no batch
+        input's storage, which the statement reads only through such inputs at its own shape. The storage may be
+        larger than the statement's output (a view's: a slice of a concatenation): the output then lives in it."""
         node = self.nodes[k]
         if self.alloc[k] == 0 or not dying:
-            return False
+            return None
         positions = get_op(node.op).overwritable(node)
         if not positions:
-            return False
+            return None
         allowed = [node.inputs[j] for j in positions]
         for candidate in allowed:
             g = self.group_of.get(id(candidate))
-            if g is None or g not in dying or self.group_batch[g] or self.group_size[g] != self.alloc[k]:
+            if g is None or g not in dying or self.group_batch[g]:
                 continue
             if candidate.shape != node.shape or candidate.dtype != node.dtype:
                 continue
             if any(self.group_of.get(id(i)) == g and (i.shape != node.shape or not any(i is a for a in allowed))
                    for i in node.inputs):
                 continue
-            return True
-        return False
+            return g
+        return None
 
-    def taken_over(self, k: int, dying: list[int]) -> int:
+    def taken_over(self, k: int, dying: list[int], size: list[int] | None = None) -> int:
         """Bytes statement k's output shares with the input whose storage it takes over from the start, as the
         planner decides it: when that input dies here, is no batch input and is read through no other input
-        (pooling, see `Op.takes_over`): its output and that input together take the larger size."""
+        (pooling, see `Op.takes_over`): its output and that input together take the larger size. `size`: the
+        groups' storage sizes where they differ from `group_size` (`live_profile`)."""
         node = self.nodes[k]
         j = get_op(node.op).takes_over
         if j is None or self.alloc[k] == 0:
@@ -228,7 +251,7 @@ class StorageGraph:
             return 0
         if any(self.group_of.get(id(i)) == g for n, i in enumerate(node.inputs) if n != j):
             return 0                      # the kernel reads the storage through another input too
-        return min(self.alloc[k], self.group_size[g])
+        return min(self.alloc[k], (self.group_size if size is None else size)[g])
 
 
 def _update_targets(program: Program, index: dict[int, int], graph: StorageGraph) -> dict[int, int]:
@@ -298,7 +321,8 @@ def updates_in_place(program: Program, graph: StorageGraph) -> bool:
 def live_profile(graph: StorageGraph, order: list[int]) -> list[int]:
     """Predicted live bytes while each statement of `order` runs, its output included (see the module docstring)."""
     remaining = [len(r) for r in graph.readers]
-    live = sum(graph.group_size[g] for g in range(len(remaining)) if graph.group_batch[g])
+    size = list(graph.group_size)         # a group written over another's storage takes that storage's size
+    live = sum(size[g] for g in range(len(remaining)) if graph.group_batch[g])
     profile = []
     for k in order:
         dying = []
@@ -309,9 +333,14 @@ def live_profile(graph: StorageGraph, order: list[int]) -> list[int]:
         own = graph.owned[k]
         if own is not None and not graph.readers[own] and not graph.group_pinned[own] and graph.alloc[k]:
             dying.append(own)             # never read: freed right after it is made
-        transient = live if graph.reuses(k, dying) else live + graph.alloc[k] - graph.taken_over(k, dying)
-        profile.append(transient)
-        live += graph.alloc[k] - sum(graph.group_size[g] for g in dying)
+        reused = graph.reuses(k, dying)
+        if reused is not None:
+            size[own] = size[reused]      # (counted again below: the storage lives on, holding the output)
+            profile.append(live)
+            live += size[own] - sum(size[g] for g in dying)
+            continue
+        profile.append(live + graph.alloc[k] - graph.taken_over(k, dying, size))
+        live += graph.alloc[k] - sum(size[g] for g in dying)
     return profile
 
 
@@ -326,5 +355,5 @@ def peak_estimate(program: Program) -> int:
     return simulated_peak(StorageGraph(program), list(range(len(program.body))))
 
 
-__all__ = ["LiveRange", "live_ranges", "deaths", "live_bytes", "peak_bytes", "changes_at", "StorageGraph",
-           "updates_in_place", "live_profile", "simulated_peak", "peak_estimate"]
+__all__ = ["LiveRange", "live_ranges", "dealloc_positions", "deaths", "live_bytes", "peak_bytes", "changes_at",
+           "StorageGraph", "updates_in_place", "live_profile", "simulated_peak", "peak_estimate"]

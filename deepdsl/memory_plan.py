@@ -45,7 +45,7 @@ import numpy as np
 
 from deepdsl.ir import Node
 from deepdsl.ops import get_op
-from deepdsl.liveness import changes_at, live_bytes, live_ranges, peak_bytes
+from deepdsl.liveness import changes_at, dealloc_positions, live_bytes, live_ranges, peak_bytes
 from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze, is_batch_input, is_inline, is_persistent, is_view, nbytes
 from deepdsl.passes.specialize import is_batch_statistics
@@ -204,14 +204,14 @@ def plan_memory(program: Program, workspace_limit: int | None = None, takeover: 
                       peak, peak_exact, peak_step, packing, placements)
 
 
-def _buffers(program: Program, storage, takeover: bool):
+def _buffers(program: Program, storage, takeover: bool, freed: tuple[list[int], int] | None = None):
     """(the arena storages in allocation order, their live intervals, their placed sizes, buffer index -> index of
-    the buffer it takes over)."""
-    ranges = live_ranges(program, storage)
+    the buffer it takes over); `freed`: of the program dealloc makes of `program` (`live_ranges`)."""
+    ranges = live_ranges(program, storage, freed)
     roots = [r.storage for r in ranges]
     intervals = [(r.begin, r.end) for r in ranges]
     sizes = [r.size for r in ranges]
-    takes = _takeovers(program, storage, roots, intervals, sizes) if takeover else {}
+    takes = _takeovers(program, storage, roots, intervals, sizes, freed[0] if freed else None) if takeover else {}
     return roots, intervals, sizes, takes
 
 
@@ -220,6 +220,16 @@ def planned_live_bytes(program: Program, takeover: bool = True) -> list[int]:
     without packing the buffers: for a pass that compares the peaks of two versions of a program."""
     _, intervals, sizes, takes = _buffers(program, analyze(program), takeover)
     return live_bytes(intervals, sizes, [(a, b) for b, a in takes.items()], len(program.body))
+
+
+def dealloc_live_bytes(program: Program, takeover: bool = True) -> tuple[list[int], list[int]]:
+    """(`planned_live_bytes(insert_frees(program), takeover)` of a program without frees, the index there of each
+    of its statements), from one storage analysis of `program`: a pass that compares the peaks of many versions of
+    a program before dealloc (fuse_horizontal's search) needs neither the freed programs nor their analyses."""
+    storage = analyze(program)
+    freed = dealloc_positions(program, storage)
+    _, intervals, sizes, takes = _buffers(program, storage, takeover, freed)
+    return live_bytes(intervals, sizes, [(a, b) for b, a in takes.items()], freed[1]), freed[0]
 
 
 def _kind(leaf: Node) -> str:
@@ -239,10 +249,11 @@ def stage_bytes(input_bytes: int, output_bytes: int, batch: int) -> int:
 
 
 def _takeovers(program: Program, storage, roots: list, intervals: list[tuple[int, int]],
-               sizes: list[int]) -> dict[int, int]:
+               sizes: list[int], at: list[int] | None = None) -> dict[int, int]:
     """Buffer index -> index of the buffer it takes over: a statement of an op with `takes_over` whose input's arena
     storage (no batch input, no program output, read through that input only) ends right after it. Only where it
-    lowers the peak: elsewhere sharing an offset would only constrain the packing."""
+    lowers the peak: elsewhere sharing an offset would only constrain the packing. `at`: the intervals index the
+    program dealloc makes of `program`, where statement k is at at[k]."""
     index = {id(info.root): k for k, info in enumerate(roots)}
     result: dict[int, int] = {}
     for k, instr in enumerate(program.body):
@@ -254,7 +265,8 @@ def _takeovers(program: Program, storage, roots: list, intervals: list[tuple[int
             continue
         source = storage.root.get(id(node.inputs[j]))
         a = index.get(id(source))
-        if a is None or is_batch_input(source) or roots[a].output or intervals[a][1] != k + 1:
+        here = k if at is None else at[k]
+        if a is None or is_batch_input(source) or roots[a].output or intervals[a][1] != here + 1:
             continue
         if any(storage.root.get(id(i)) is source for n, i in enumerate(node.inputs) if n != j):
             continue                # the kernel reads the storage through another input too

@@ -17,10 +17,10 @@ scalars (`contract.many_function`: what a batched kernel takes), and only with e
 them: their readers (a parameter's new value reads the new moments) and the statements after them writing over a
 storage they read (a momentum update reads its parameter, which the parameter's update overwrites); a statement
 that another statement must follow stays where it is, so at the end the moved ones read what they read before
-(their new values are the step's outputs, which nothing else reads). Their order
-there: by their depth in those relations, then by kernel (expression, operands' pattern, the operand written over;
-the kernels in the order of their first statement) and their order before; statements of one depth neither read each other nor write over what another reads, so a
-batch's members are independent.
+(their new values are the step's outputs, which nothing else reads). Their order there: by their depth in those
+relations, then by kernel (expression, operands' pattern, the operand written over; the kernels in the order of their
+first statement) and their order before; statements of one depth neither read each other nor write over what another
+reads, so a batch's members are independent.
 
 Moving statements later keeps their inputs alive longer: the parameters whose updates come last move first, all of
 them if the planned peak of live bytes does not rise, else the most that keep it (a binary search over that order).
@@ -35,8 +35,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deepdsl.memory_plan import planned_live_bytes
-from deepdsl.passes.dealloc import insert_frees
+from deepdsl.memory_plan import dealloc_live_bytes
 from deepdsl.ssa import Free, Let, Program
 from deepdsl.storage import analyze, is_persistent
 from deepdsl_runtime import contract
@@ -139,7 +138,8 @@ def _moved(program: Program, groups: list[list[int]], follow: dict[int, set[int]
 
 
 def _peak(program: Program, takeover: bool) -> int:
-    return max(planned_live_bytes(insert_frees(program), takeover), default=0)
+    """The planned peak of live bytes of `program` once dealloc has freed it."""
+    return max(dealloc_live_bytes(program, takeover)[0], default=0)
 
 
 def fuse_horizontal(program: Program, takeover: bool = True) -> Program:

@@ -25,7 +25,7 @@ one's inputs and output (`deepdsl.storage.analyze`), so they stay live (and uncl
 the call, and the frees and the memory plan follow from that as from any read. That, and a sum's small output
 living longer, could raise the planned peak; fusion never does: a sum is moved only where the bytes live in
 between stay under the peak, and the result is checked against the planned peak of the program as it came
-(`memory_plan.planned_live_bytes`), falling back to no moved sums, then to pairs whose second statement allocates
+(`memory_plan.dealloc_live_bytes`), falling back to no moved sums, then to pairs whose second statement allocates
 nothing (which cannot raise it), then to the program as it came.
 
 Guarantees: the same statements with the same `into`, so the same values, in the same order but for the sums
@@ -36,9 +36,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deepdsl.memory_plan import planned_live_bytes
+from deepdsl.memory_plan import dealloc_live_bytes
 from deepdsl.ops.elementwise import broadcast_shapes
-from deepdsl.passes.dealloc import insert_frees
 from deepdsl.ssa import Free, Let, Program
 from deepdsl_runtime.contract import placed_size
 
@@ -136,10 +135,8 @@ def _paired(body: tuple, allocating: bool) -> tuple:
 
 def _peak(program: Program, takeover: bool) -> tuple[int, list[int]]:
     """(the planned peak of live bytes of `program` once freed, the live bytes at each of its statements)."""
-    freed = insert_frees(program)
-    live = planned_live_bytes(freed, takeover)
-    at_lets = [b for b, instr in zip(live, freed.body) if isinstance(instr, Let)]
-    return max(live, default=0), at_lets
+    live, at = dealloc_live_bytes(program, takeover)
+    return max(live, default=0), [live[k] for k in at]
 
 
 def fuse_multi_output(program: Program, takeover: bool = True) -> Program:
