@@ -1483,9 +1483,10 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     kernels = run()
     rows = re.findall(r"^ +1 +\((.*?)\) +(\d+) / (\d+) +\(.*?\) +(\d+) / (\d+) +\(.*?\)(.*)$", kernels, re.M)
     assert len(rows) >= 6 and all(not row[-1] for row in rows), kernels
-    products = re.findall(r"^ +1 +\((\d+), (\d+), (\d+)\) +(\d+) / (\d+) +\(.*?\)(.*)$",
+    products = re.findall(r"^ +1 +\((\d+), (\d+), (\d+)\)( aT)? +(\d+) / (\d+) +\(.*?\)(.*)$",
                           kernels.split("product (m, k, n)")[1], re.M)
-    assert len(products) == 6 and all(not row[-1] for row in products), kernels
+    assert len(products) == 9 and all(not row[-1] for row in products), kernels
+    assert sum(bool(row[3]) for row in products) == 3, kernels       # a read transposed
     whole = run("--network", "lenet:8", "--steps", "3")
     assert re.search(r"^lenet:8 1 thread\(s\), other: [\d.]+ ms; median [\d.]+$", whole, re.M), whole
     assert re.search(r"^lenet:8 1 thread\(s\): this / other, median over rounds [\d.]+$", whole, re.M), whole
