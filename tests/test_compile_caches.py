@@ -172,3 +172,17 @@ def test_compile_leaves_no_cyclic_garbage_and_restores_the_collector():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_compile_benchmark_compares_two_checkouts():
+    """benchmarks/compile_vs_checkout.py against a checkout (here this one): a row of CPU seconds for each phase,
+    and the two checkouts' programs the same."""
+    import re
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_vs_checkout.py"), "--against", str(ROOT),
+                           "lenet", "--rounds", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    row = re.search(r"^ +lenet +(.*)$", done.stdout, re.M)
+    assert row, done.stdout
+    assert len(re.findall(r"[\d.]+ / [\d.]+ \([\d.]+x\)", row.group(1))) == 3, done.stdout
+    assert row.group(1).rstrip().endswith("yes"), done.stdout
