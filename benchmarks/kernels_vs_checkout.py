@@ -1,14 +1,14 @@
 """This checkout's compiled CPU kernels against another checkout's, alternating in one process: the im2col, col2im
 and axis-swap kernels and products alone, or whole training steps of a network.
 
-    python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5]
+    python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5] [--calls 15]
     python benchmarks/kernels_vs_checkout.py --against OTHER --network lenet:64 [--threads 1] [--rounds 8] [--steps 12]
 
 OTHER is the root of another checkout (`git worktree add /tmp/other REV`). Kernels: `runtime/kernels/cpu_ops.c` of
 each is built into a library of its own (this checkout's build flags); per thread count and geometry (N, C, H=W,
 kernel, pad, stride; for the swap (A, B, inner); for a product (m, k, n), by `Native.gemm` on each library), the
-median microseconds of 15 calls, medians over `--rounds` rounds that alternate the two libraries, their ratio (this /
-other), and a check that both give the same bits.
+median microseconds of `--calls` calls, medians over `--rounds` rounds that alternate the two libraries, their ratio
+(this / other), and a check that both give the same bits.
 Networks: each checkout renders the network's `<program>.c` (its elementwise kernels and its generic ones,
 `deepdsl compile` run with that checkout on the path) and it is built against that checkout's kernels; the program
 of this checkout then runs its training step with each library in turn, `--steps` steps a round (the first
@@ -72,13 +72,13 @@ def _build(source: Path, include: Path, target: Path) -> native.Native:
     return native.Native(built(include / native.GENERIC_SOURCE, target.with_name(f"{target.stem}-generic.so")), lib)
 
 
-def _alternating(libs: dict, rounds: int, call) -> dict:
-    """Per library, the median over `rounds` alternating rounds of the median microseconds of 15 calls of
+def _alternating(libs: dict, rounds: int, call, calls: int = 15) -> dict:
+    """Per library, the median over `rounds` alternating rounds of the median microseconds of `calls` calls of
     `call(name, lib)`."""
     times = {name: [] for name in libs}
     for _ in range(rounds):
         for name, lib in libs.items():
-            times[name].append(1000 * median_ms(lambda: call(name, lib), 15))
+            times[name].append(1000 * median_ms(lambda: call(name, lib), calls))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -86,7 +86,7 @@ def _cell(times: dict) -> str:
     return f"{times['this']:8.0f} / {times['other']:<8.0f} ({times['this'] / times['other']:.2f})"
 
 
-def kernels(libs: dict, threads: list[int], rounds: int) -> None:
+def kernels(libs: dict, threads: list[int], rounds: int, calls: int = 15) -> None:
     rng = np.random.default_rng(0)
     print("threads  geometry                 im2col this / other (us)    col2im this / other (us)")
     for t in threads:
@@ -99,9 +99,9 @@ def kernels(libs: dict, threads: list[int], rounds: int) -> None:
             cols = {name: np.full(grads.shape, np.nan, np.float32) for name in libs}
             dx = {name: np.full(x.shape, np.nan, np.float32) for name in libs}
             gradient = grads.transpose(3, 0, 1, 2, 4, 5)
-            im2col = _alternating(libs, rounds, lambda name, lib: lib.im2col(x, cols[name].transpose(3, 0, 1, 2, 4,
-                                                                                                       5), stride, pad))
-            col2im = _alternating(libs, rounds, lambda name, lib: lib.col2im(gradient, dx[name], stride, pad))
+            im2col = _alternating(libs, rounds, lambda name, lib: lib.im2col(
+                x, cols[name].transpose(3, 0, 1, 2, 4, 5), stride, pad), calls)
+            col2im = _alternating(libs, rounds, lambda name, lib: lib.col2im(gradient, dx[name], stride, pad), calls)
             same = np.array_equal(cols["this"], cols["other"]) and np.array_equal(dx["this"], dx["other"])
             print(f"{t:>7}  {str((n, c, h, k, pad, stride)):<22} {_cell(im2col)}    {_cell(col2im)}"
                   f"{'' if same else '  RESULTS DIFFER'}")
@@ -112,7 +112,7 @@ def kernels(libs: dict, threads: list[int], rounds: int) -> None:
         for shape in SWAPS:
             src = rng.standard_normal(shape, dtype=np.float32)
             out = {name: np.full((shape[1], shape[0], shape[2]), np.nan, np.float32) for name in libs}
-            swap = _alternating(libs, rounds, lambda name, lib: lib.swap01(src, out[name]))
+            swap = _alternating(libs, rounds, lambda name, lib: lib.swap01(src, out[name]), calls)
             same = np.array_equal(out["this"], out["other"])
             print(f"{t:>7}  {str(shape):<20} {_cell(swap)}{'' if same else '  RESULTS DIFFER'}")
     print("threads  product (m, k, n)      this / other (us)")
@@ -124,7 +124,7 @@ def kernels(libs: dict, threads: list[int], rounds: int) -> None:
                 rng.standard_normal((m, k), dtype=np.float32)
             b = rng.standard_normal((k, n), dtype=np.float32)
             out = {name: np.full((m, n), np.nan, np.float32) for name in libs}
-            product = _alternating(libs, rounds, lambda name, lib: lib.gemm(a, b, out[name]))
+            product = _alternating(libs, rounds, lambda name, lib: lib.gemm(a, b, out[name]), calls)
             same = np.array_equal(out["this"], out["other"])
             shape = f"{(m, k, n)}{' aT' if transposed else ''}"
             print(f"{t:>7}  {shape:<20} {_cell(product)}{'' if same else '  RESULTS DIFFER'}")
@@ -187,6 +187,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--calls", type=int, default=15, help="kernels: the calls a round times (their median)")
     args = parser.parse_args()
     print(f"load average before: {load_average()}")
     if args.network:
@@ -196,7 +197,7 @@ def main() -> int:
             libs = {name: _build(directory / "cpu_ops.c", directory, Path(tmp) / f"{name}.so")
                     for name, directory in (("this", native.KERNELS_DIR),
                                             ("other", args.against.resolve() / "runtime" / "kernels"))}
-            kernels(libs, args.threads, args.rounds)
+            kernels(libs, args.threads, args.rounds, args.calls)
     print(f"load average after: {load_average()}")
     return 0
 
