@@ -6,7 +6,6 @@ with the library built without AVX and fused multiply-adds (columns one at a tim
 LeNet, whose conv1 runs there, are checked against numpy's in tests/test_native_kernels.py."""
 from __future__ import annotations
 
-import ctypes
 import re
 import shutil
 import subprocess
@@ -19,7 +18,8 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from deepdsl_runtime import contract
-from deepdsl_runtime.cpu import conv, native
+from deepdsl_runtime.cpu import conv
+from tests.support.kernel_builds import AVX2, generic_kernels
 from tests.test_native_kernels import lib  # noqa: F401  (the fixture: resnet_mini's library)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,28 +27,16 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="needs a C compiler")
 
 
-def kernels_built(directory, name: str, *flags: str) -> native.Native:
-    """The runtime's generic kernels (kernels/cpu_ops.c) built into `directory`/`name` with extra compiler flags
-    (another instruction set: `-mno-avx512f`, `-mno-avx`), loaded."""
-    from deepdsl.codegen.native import compile_command
-
-    source = native.KERNELS_DIR / "cpu_ops.c"
-    done = subprocess.run(compile_command(source, directory / name) + list(flags), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    return native.Native(ctypes.CDLL(str(directory / name)))
-
-
 @pytest.fixture(scope="session")
 def avx2_kernels(tmp_path_factory):
     """The generic kernels built for a processor without AVX-512."""
-    return kernels_built(tmp_path_factory.mktemp("avx2"), "avx2.so", "-mno-avx512f")
+    return generic_kernels(tmp_path_factory, *AVX2)
 
 
 @pytest.fixture(scope="session")
 def plain_kernels(tmp_path_factory):
     """The generic kernels built for a processor without AVX and fused multiply-adds (no AVX2 either)."""
-    return kernels_built(tmp_path_factory.mktemp("plain"), "plain.so", "-mno-avx", "-mno-fma")
+    return generic_kernels(tmp_path_factory, "-mno-avx", "-mno-fma")
 
 
 def _convolutions(kernels, x, w, b, g, pad):

@@ -26,6 +26,7 @@ from deepdsl.ops import get_op
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import conv, native, pool
 from deepdsl_runtime.cpu.scratch import Scratch
+from tests.support.kernel_builds import AVX2, generic_kernels
 from tests.support.program_helpers import compile_program, import_program, model_class, popen_cli, run_cli
 from tests.test_cuda_codegen import ADAPTIVE_TOLERANCE, _steps
 from tests.support.random_programs import pool_geometries
@@ -189,14 +190,10 @@ def test_im2col_and_col2im_read_nothing_outside_their_arrays(lib, tmp_path_facto
 
 
 @needs_cc
-def test_im2col_and_col2im_with_avx_masks_only(tmp_path):
+def test_im2col_and_col2im_with_avx_masks_only(tmp_path_factory):
     """Built for a processor with AVX but not AVX-512 (masked vectors by AVX's own masked loads and stores), the
     copies and additions are numpy's bit for bit too."""
-    source = native.KERNELS_DIR / "cpu_ops.c"
-    command = compile_command(source, tmp_path / "avx.so") + ["-mavx2", "-mfma", "-mno-avx512f"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    avx = native.Native(ctypes.CDLL(str(tmp_path / "avx.so")))
+    avx = generic_kernels(tmp_path_factory, *AVX2)
     for geometry in GEOMETRIES:
         test_im2col_and_swap_equal_numpy_bit_for_bit(avx, geometry)
         test_col2im_equals_numpy_bit_for_bit(avx, geometry)
@@ -986,23 +983,14 @@ def test_dropout_masks_are_numpys_at_any_thread_count(lib):
         lib.set_threads(before)
 
 
-def _avx2_library(tmp_path) -> native.Native:
-    """The generic kernels built for a processor with AVX2 but not AVX-512."""
-    command = compile_command(native.KERNELS_DIR / "cpu_ops.c", tmp_path / "avx.so") + ["-mavx2", "-mfma",
-                                                                                        "-mno-avx512f"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return native.Native(ctypes.CDLL(str(tmp_path / "avx.so")))
-
-
 @needs_cc
-def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
+def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path_factory):
     """The attention's passes over rows built for a processor with AVX2 but not AVX-512 (masked vectors by AVX's own
     loads and stores) give this build's bits: rows of every length around a vector's, causal, with a bias, with
     and without dropout's masks; and so do dropout's masks themselves (scalar 128-bit products instead of vectors)."""
     from deepdsl_runtime.cpu.attention import Bias
 
-    avx = _avx2_library(tmp_path)
+    avx = generic_kernels(tmp_path_factory, *AVX2)
     rng = np.random.default_rng(17)
     for s in (1, 7, 8, 9, 16, 23):
         scores = (3 * rng.standard_normal((3, s, s))).astype(np.float32)
@@ -1040,13 +1028,13 @@ def test_attention_passes_built_for_avx2_give_the_same_bits(lib, tmp_path):
 
 
 @needs_cc
-def test_layer_norms_built_for_avx2_give_the_same_bits(lib, tmp_path):
+def test_layer_norms_built_for_avx2_give_the_same_bits(lib, tmp_path_factory):
     """The layer norm's kernels built for a processor with AVX2 but not AVX-512 give this build's bits: each row's
     sums run in 16 lanes of their own and halve in a fixed order, whatever the vectors' width. Rows of whole
     vectors and not, affine and not."""
     from deepdsl_runtime import contract
 
-    avx = _avx2_library(tmp_path)
+    avx = generic_kernels(tmp_path_factory, *AVX2)
     rng = np.random.default_rng(31)
     for rows, features, affine in ((100, 64, True), (7, 33, False), (65, 5, True), (3, 300, True)):
         x = (3 * rng.standard_normal((rows, features)) + 1).astype(np.float32)

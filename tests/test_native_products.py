@@ -15,6 +15,7 @@ import pytest
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import backend, native
 from deepdsl_runtime.cpu.linalg import Products
+from tests.support.kernel_builds import AVX2, generic_kernels
 from tests.test_native_kernels import _program, needs_cc
 
 
@@ -481,14 +482,7 @@ def _counted(lib, function: str = "_small_gemm_args", counter: str = "tile_calls
 @pytest.fixture(scope="module")
 def avx2(tmp_path_factory):
     """The generic kernels built for a processor with AVX2 but not AVX-512."""
-    import subprocess
-
-    output = tmp_path_factory.mktemp("avx2") / "avx.so"
-    command = native.compile_command(native.KERNELS_DIR / native.GENERIC_SOURCE, output) + [
-        "-mavx2", "-mfma", "-mno-avx512f"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    built = native.Native(ctypes.CDLL(str(output)))
+    built = generic_kernels(tmp_path_factory, *AVX2)
     if not built.products:
         pytest.skip("numpy's BLAS has no CBLAS sgemm this process can call")
     return built
