@@ -159,6 +159,7 @@ def test_the_estimate_is_the_planned_peak_on_random_programs(graph):
 @SETTINGS
 @given(step_programs())
 def test_the_live_bytes_after_dealloc_are_those_of_the_freed_program_on_random_programs(graph):
+    """On random programs after scheduling, rematerialization and the in-place pass."""
     assert_dealloc_live_bytes(compute_in_place(rematerialize(schedule_for_memory(sink(linearize(graph))))))
 
 
