@@ -47,12 +47,13 @@ GEOMETRIES = [  # (N, C, H=W, kernel, pad, stride): ResNet-50's 3x3 layers at 11
     (1, 3, 227, 11, 0, 4),
 ]
 SWAPS = [(8, 1024, 49), (1024, 8, 49), (8, 2048, 16), (8, 512, 196), (8, 256, 784), (64, 50, 64)]  # (A, B, inner)
-PRODUCTS = [  # (m, k, n, a read transposed): ResNet-50's pointwise layers at 112x112 (batch 8) on 7x7 and 4x4 planes,
-    # forward and (a transposed: the filters') input gradients, the ViT's (64 x 16 tokens) and its weight gradients:
-    # products of the kernels' tiles (`contract.small_product`) or the sgemm's parts, as `Native.gemm` takes them
-    (256, 1024, 392, False), (1024, 256, 392, False), (2048, 512, 128, False), (512, 2048, 128, False),
-    (1024, 64, 64, False), (1024, 64, 128, False), (256, 1024, 392, True), (1024, 256, 392, True),
-    (64, 1024, 128, True),
+PRODUCTS = [  # (m, k, n, the operand read transposed): ResNet-50's pointwise layers at 112x112 (batch 8) on 7x7 and
+    # 4x4 planes, forward and ("aT": the filters') input gradients, the ViT's (64 x 16 tokens), its weight gradients and
+    # ("bT": by the weights') projections, a character model's (32 x 64 tokens): products of the kernels' tiles
+    # (`contract.small_product`) or the sgemm's parts, as `Native.gemm` takes them
+    (256, 1024, 392, ""), (1024, 256, 392, ""), (2048, 512, 128, ""), (512, 2048, 128, ""), (1024, 64, 64, ""),
+    (1024, 64, 128, ""), (256, 1024, 392, "aT"), (1024, 256, 392, "aT"), (64, 1024, 128, "aT"), (1024, 64, 64, "bT"),
+    (2048, 64, 256, "bT"),
 ]
 
 
@@ -120,13 +121,14 @@ def kernels(libs: dict, threads: list[int], rounds: int, calls: int = 15) -> Non
         for lib in libs.values():
             lib.set_threads(t)
         for m, k, n, transposed in PRODUCTS:
-            a = rng.standard_normal((k, m), dtype=np.float32).T if transposed else \
+            a = rng.standard_normal((k, m), dtype=np.float32).T if transposed == "aT" else \
                 rng.standard_normal((m, k), dtype=np.float32)
-            b = rng.standard_normal((k, n), dtype=np.float32)
+            b = rng.standard_normal((n, k), dtype=np.float32).T if transposed == "bT" else \
+                rng.standard_normal((k, n), dtype=np.float32)
             out = {name: np.full((m, n), np.nan, np.float32) for name in libs}
             product = _alternating(libs, rounds, lambda name, lib: lib.gemm(a, b, out[name]), calls)
             same = np.array_equal(out["this"], out["other"])
-            shape = f"{(m, k, n)}{' aT' if transposed else ''}"
+            shape = f"{(m, k, n)} {transposed}".rstrip()
             print(f"{t:>7}  {shape:<20} {_cell(product)}{'' if same else '  RESULTS DIFFER'}")
 
 

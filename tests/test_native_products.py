@@ -456,9 +456,7 @@ SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract
         _transposed(r, 130, 16), _rand(r, 16, 8200)),
     "a wide output: panels of strips two chunks deep, the last one short": lambda r: (_rand(r, 1100, 300),
                                                                                       _rand(r, 300, 1000)),
-    # b read transposed, one chunk deep: all its strips packed once a thread, the groups computing every strip (AVX2)
-    "projections of a stack (b transposed), a short strip, groups over the products": lambda r: (
-        _rand(r, 3, 50, 64), _transposed(r, 3, 64, 40)),
+    "projections of a stack (b transposed), a short strip": lambda r: (_rand(r, 3, 50, 64), _transposed(r, 3, 64, 40)),
     # a read transposed with its columns 64 floats apart or more: each group's rows packed for its strips (AVX2)
     "pointwise filters' input gradient: a transposed by a stack, a short tile, a short strip, a short chunk": (
         lambda r: (_transposed(r, 100, 300), _rand(r, 3, 300, 49))),

@@ -211,7 +211,6 @@ static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
 #define DEEPDSL_SG_PACK_A_STRIPS 0
 #define DEEPDSL_SG_PACK_A_DEPTH 0
 #define DEEPDSL_SG_PACK_A_LD 0
-#define DEEPDSL_SG_PACK_B_FLOATS 0
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DEEPDSL_SG_LANES 8
 #define DEEPDSL_SG_VECTORS 2            /* 6 x 2 sums in 12 of 16 registers */
@@ -242,7 +241,6 @@ static inline deepdsl_sg_m deepdsl_sg_mask(long lanes) {
 #define DEEPDSL_SG_PACK_A_STRIPS 3      /* strips at least that read the copy */
 #define DEEPDSL_SG_PACK_A_DEPTH 128     /* terms of the chunk at least */
 #define DEEPDSL_SG_PACK_A_LD 64         /* floats from a column of a to the next at least */
-#define DEEPDSL_SG_PACK_B_FLOATS 16384  /* a b read transposed of at most these floats padded: packed whole (below) */
 #endif
 
 #ifdef DEEPDSL_SG_LANES
@@ -452,60 +450,6 @@ int deepdsl_small_gemm_kernels(void) {
 #endif
 }
 
-#ifdef DEEPDSL_SG_LANES
-// deepdsl_small_gemm_bias of a b read transposed, one chunk deep (k <= DEEPDSL_SG_DEPTH), whose strips padded to whole
-// vectors take at most DEEPDSL_SG_PACK_B_FLOATS: each thread packs all of b's strips once a product (a thread's
-// items are whole groups of tiles, each computing every strip), so that a group's rows of a are read from the cache
-// for every strip, where strip by strip each strip read all of a again (a projection of 2048 rows of 64 by a 256 x 64
-// weight: 2048 x 64 floats of a read 16 times). The same sums in the same order: the same bits. On a Zen 3
-// (deepdsl_small_gemm alternating with the strip-by-strip order, AVX2): a ViT's and a character model's projections,
-// 1024 to 2048 rows of 64 to 256 by weights of 64 to 256, 1.0-1.14x as fast on one thread, 1.06-1.8x on two.
-static void deepdsl_sg_by_groups(long batch, long m, long n, long k, const float* a, long ra, long ca, long sa,
-                                 const float* b, long ldb, long sb, float* c, long ldc, long sc, const float* bias) {
-    const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
-    const long strips = (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
-#pragma omp parallel if ((double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
-    {
-#ifdef _OPENMP
-        const long threads = omp_get_num_threads();
-#else
-        const long threads = 1;
-#endif
-        long group = (batch * tiles + threads * 8 - 1) / (threads * 8);    // about eight groups a thread
-        group = group < 1 ? 1 : group > 16 ? 16 : group;
-        const long groups = (tiles + group - 1) / group;
-        group = (tiles + groups - 1) / groups;
-        float panel[DEEPDSL_SG_PACK_B_FLOATS > 0 ? DEEPDSL_SG_PACK_B_FLOATS : 1];  // 64 KB of the stack: b's strips
-        float packed[DEEPDSL_SG_DEPTH * DEEPDSL_SG_WIDTH];
-        long begin, end, packed_product = -1;
-        deepdsl_share(batch * groups, 1, &begin, &end);
-        for (long item = begin; item < end; ++item) {
-            const long i = item / groups, t_begin = item % groups * group;
-            const long t_end = t_begin + group < tiles ? t_begin + group : tiles;
-            if (i != packed_product) {
-                for (long s = 0; s < strips; ++s) {   // strip s: k rows of DEEPDSL_SG_WIDTH floats, zeros past n
-                    const long j0 = s * DEEPDSL_SG_WIDTH;
-                    const long columns = n - j0 < DEEPDSL_SG_WIDTH ? n - j0 : DEEPDSL_SG_WIDTH;
-                    float* strip = panel + s * k * DEEPDSL_SG_WIDTH;
-                    for (long j = 0; j < columns; ++j) {
-                        const float* from = b + i * sb + (j0 + j) * ldb;
-                        for (long p = 0; p < k; ++p) strip[p * DEEPDSL_SG_WIDTH + j] = from[p];
-                    }
-                    for (long p = 0; p < k; ++p)
-                        memset(strip + p * DEEPDSL_SG_WIDTH + columns, 0, (DEEPDSL_SG_WIDTH - columns) * sizeof(float));
-                }
-                packed_product = i;
-            }
-            // strip s read from the panel as a b in place, rows DEEPDSL_SG_WIDTH floats apart, whose strip s starts
-            // s (k - 1) rows on (the chunk adds its first column, s DEEPDSL_SG_WIDTH)
-            for (long s = 0; s < strips; ++s)
-                deepdsl_sg_chunk(0, m, n, k, a + i * sa, ra, ca, panel + s * (k - 1) * DEEPDSL_SG_WIDTH,
-                                 DEEPDSL_SG_WIDTH, s, t_begin, t_end, 0, c + i * sc, ldc, 0, packed, bias, NULL);
-        }
-    }
-}
-#endif
-
 // c[i] = a[i] b[i] (+ bias, n floats added to every row as each output is finished, where not NULL) for i < batch
 // (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand; ta / tb: an operand read transposed, its rows
 // columns ld apart), on the kernels' threads, which take whole groups of tiles. 0 where this processor has no such
@@ -521,13 +465,6 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
     const long ra = ta ? 1 : lda, ca = ta ? lda : 1;
     const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
     const long strips = (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
-    if (tb && k <= DEEPDSL_SG_DEPTH && strips * DEEPDSL_SG_WIDTH * k <= DEEPDSL_SG_PACK_B_FLOATS && strips > 1 &&
-            batch * tiles >= 16 * deepdsl_threads()) {
-        // (a b read transposed, small and one chunk deep: all its strips packed once a thread, with 16 tiles of rows
-        // a thread at least to share the copy; the same bits either way)
-        deepdsl_sg_by_groups(batch, m, n, k, a, ra, ca, sa, b, ldb, sb, c, ldc, sc, bias);
-        return 1;
-    }
 #pragma omp parallel if ((double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
     {
 #ifdef _OPENMP
