@@ -26,6 +26,7 @@ from deepdsl.ops import get_op
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import conv, native, pool
 from deepdsl_runtime.cpu.scratch import Scratch
+from tests.support import kernel_builds
 from tests.support.kernel_builds import AVX2, generic_kernels
 from tests.support.program_helpers import compile_program, import_program, model_class, popen_cli, run_cli
 from tests.test_cuda_codegen import ADAPTIVE_TOLERANCE, _steps
@@ -614,16 +615,12 @@ def test_a_tensor_summed_per_channel_equals_numpy(lib, tmp_path_factory):
     one, two and three threads, and built for AVX2 on planes up to 256 floats (larger ones' rows sum in vectors of
     the processor's width); through the backend's `sum_to` too. Tensors that are not
     contiguous float32, and every sum where the library has none, are numpy's."""
-    from deepdsl.codegen.native import compile_command
     from deepdsl_runtime import cpu
     from deepdsl_runtime.cpu import shape as shapes
 
     _, _, path = _program("resnet_mini", None, tmp_path_factory)
-    built = tmp_path_factory.mktemp("avx2_sums") / "program.so"
-    done = subprocess.run(compile_command(path.with_suffix(".c"), built) + ["-mavx2", "-mfma", "-mno-avx512f"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    avx2 = native.Native(lib.lib, ctypes.CDLL(str(built)))
+    program = kernel_builds.built(kernel_builds.shared_directory(tmp_path_factory), path.with_suffix(".c"), *AVX2)
+    avx2 = native.Native(lib.lib, ctypes.CDLL(str(program)))
     rng = np.random.default_rng(11)
     rt = cpu.backend(lib)
     before = lib.threads

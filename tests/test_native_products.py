@@ -463,7 +463,11 @@ SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract
     "a transposed a packed over three chunks and thirteen strips": lambda r: (_transposed(r, 256, 700),
                                                                              _rand(r, 700, 200)),
 }
-PACKED_CASES = list(SMALL_CASES)[-2:] + ["a weight gradient (a transposed, partial sums of four depths)"]
+PACKED_CASES = [  # the cases above whose a (transposed) the AVX2 tiles read from a copy
+    "pointwise filters' input gradient: a transposed by a stack, a short tile, a short strip, a short chunk",
+    "a transposed a packed over three chunks and thirteen strips",
+    "a weight gradient (a transposed, partial sums of four depths)",
+]
 
 
 def _counted(lib, function: str = "_small_gemm_args", counter: str = "tile_calls"):

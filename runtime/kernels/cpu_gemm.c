@@ -412,12 +412,9 @@ static void deepdsl_sg_chunk(int tb, long m, long n, long k, const float* a, lon
     for (long t = t_begin; t < t_end; ++t) {
         const long r0 = t * DEEPDSL_SG_ROWS;
         const int R = (int)(m - r0 < DEEPDSL_SG_ROWS ? m - r0 : DEEPDSL_SG_ROWS);
-        if (a_packed)
-            deepdsl_sg_tile_any(R, V, depth, a_packed + (t - t_begin) * DEEPDSL_SG_ROWS * depth, 1, DEEPDSL_SG_ROWS,
-                                bp, ldp, partial, last, c + r0 * ldc, ldc, add, tail);
-        else
-            deepdsl_sg_tile_any(R, V, depth, a + r0 * ra + p0 * ca, ra, ca, bp, ldp, partial, last, c + r0 * ldc,
-                                ldc, add, tail);
+        const float* at = a_packed ? a_packed + (t - t_begin) * DEEPDSL_SG_ROWS * depth : a + r0 * ra + p0 * ca;
+        deepdsl_sg_tile_any(R, V, depth, at, a_packed ? 1 : ra, a_packed ? DEEPDSL_SG_ROWS : ca, bp, ldp, partial,
+                            last, c + r0 * ldc, ldc, add, tail);
     }
 }
 
