@@ -68,48 +68,59 @@ static inline int deepdsl_depthwise_widened(int h, int wd, int kh, int kw, int s
            (long)(h + kh - 1 + 2 * pad) * (wd + kw - 1 + 2 * pad) + kw <= DEEPDSL_DW_PLANE;
 }
 
-// to (rows x width, then `extra` zeros) = the (h, wd) plane `from` with `top` zero rows above, `left` zero columns
-// before each row and zeros after it up to `width`, and zero rows below.
-static void deepdsl_padded_plane(const float* from, int h, int wd, int top, int left, int rows, int width, int extra,
-                                 float* to) {
+// The rows of a padded plane (rows x width, then `extra` floats) from the (h, wd) plane `from`: `top` rows down and
+// `left` columns in. The thread's buffer is set to zero once (`deepdsl_zero_plane`) and every plane copied into it
+// writes the same floats, so its padding stays zero: setting all of it to zero for every plane took 11 % of a filter
+// gradient's time.
+static inline void deepdsl_zero_plane(int rows, int width, int extra, float* to) {
     memset(to, 0, sizeof(float) * ((long)rows * width + extra));
+}
+
+static inline void deepdsl_plane_rows(const float* from, int h, int wd, int top, int left, int width, float* to) {
     for (int p = 0; p < h; ++p) memcpy(to + (long)(top + p) * width + left, from + (long)p * wd, sizeof(float) * wd);
 }
 
-// wide[k] = sum over taps (i, j) in order of f[i][j] * src[k + i * width + j] for k < n (the tap turned around
-// with `flip`): unfused products added from zero, as the row loops do, 32 (then 8) positions at a time with their
-// sums in registers over the taps.
+// wide[k] = sum over taps (i, j) in order of f[i][j] * src[k + i * width + j] for k < n (the tap turned around with
+// `flip`): unfused products added from zero, as the row loops do, `DEEPDSL_DW_BLOCK` vectors of positions (then one)
+// at a time with their sums in registers over the taps. A position's sum is one chain of additions (a product, then
+// its add, tap after tap): a block of eight independent chains keeps both of the processor's adders busy where four
+// waited on the adds' latency (and an array of sums set to zero by `rep stos` and copied through the stack, 2.6x the
+// time of a 28 x 28 plane's taps).
+#define DEEPDSL_DW_BLOCK 8
+static inline __attribute__((always_inline)) void deepdsl_widened_block(const float* f, int taps, const long* offsets,
+                                                                       const float* src, int vectors, float* wide) {
+    deepdsl_v8f acc[DEEPDSL_DW_BLOCK];
+    #pragma GCC unroll 8
+    for (int u = 0; u < vectors; ++u) acc[u] = (deepdsl_v8f){0};
+    for (int t = 0; t < taps; ++t) {
+        const float* from = src + offsets[t];
+        const float tap = f[t];
+        #pragma GCC unroll 8
+        for (int u = 0; u < vectors; ++u) {
+            deepdsl_v8f v;
+            memcpy(&v, from + 8 * u, sizeof v);
+            acc[u] += tap * v;
+        }
+    }
+    #pragma GCC unroll 8
+    for (int u = 0; u < vectors; ++u) memcpy(wide + 8 * u, &acc[u], sizeof acc[u]);
+}
+
 static void deepdsl_widened_taps(const float* f, int kh, int kw, int width, const float* src, long n, int flip,
                                  float* wide) {
     const int taps = kh * kw;
     long offsets[taps];
+    float turned[taps];
     for (int t = 0; t < taps; ++t) {
         const int i = t / kw, j = t % kw;
         offsets[t] = (long)(flip ? kh - 1 - i : i) * width + (flip ? kw - 1 - j : j);
+        turned[t] = f[t];
     }
     long k = 0;
-    for (; k + 32 <= n; k += 32) {
-        deepdsl_v8f acc[4] = {{0}};
-        for (int t = 0; t < taps; ++t) {
-            const float* from = src + offsets[t] + k;
-            #pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) {
-                deepdsl_v8f v;
-                memcpy(&v, from + 8 * u, sizeof v);
-                acc[u] += f[t] * v;
-            }
-        }
-        memcpy(wide + k, acc, sizeof acc);
-    }
-    for (; k + 8 <= n; k += 8) {
-        deepdsl_v8f acc = {0};
-        for (int t = 0; t < taps; ++t) {
-            deepdsl_v8f v;
-            memcpy(&v, src + offsets[t] + k, sizeof v);
-            acc += f[t] * v;
-        }
-        memcpy(wide + k, &acc, sizeof acc);
-    }
+    for (; k + 8 * DEEPDSL_DW_BLOCK <= n; k += 8 * DEEPDSL_DW_BLOCK)
+        deepdsl_widened_block(turned, taps, offsets, src + k, DEEPDSL_DW_BLOCK, wide + k);
+    for (; k + 8 <= n; k += 8)
+        deepdsl_widened_block(turned, taps, offsets, src + k, 1, wide + k);
     for (; k < n; ++k) {
         float acc = 0.0f;
         for (int t = 0; t < taps; ++t) acc += f[t] * src[offsets[t] + k];
@@ -127,10 +138,11 @@ static void deepdsl_widened_planes(const float* from, const float* w, const floa
     {
         float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + (long)oh * wp));
         float* wide = plane + (long)hp * wp + kw;
+        deepdsl_zero_plane(hp, wp, kw, plane);
 #pragma omp for collapse(2) schedule(static)
         for (int s = 0; s < m; ++s)
             for (int ch = 0; ch < c; ++ch) {
-                deepdsl_padded_plane(from + ((long)s * c + ch) * fh * fw, fh, fw, top, left, hp, wp, kw, plane);
+                deepdsl_plane_rows(from + ((long)s * c + ch) * fh * fw, fh, fw, top, left, wp, plane);
                 deepdsl_widened_taps(w + (long)ch * kh * kw, kh, kw, wp, plane, (long)oh * wp, flip, wide);
                 float* dst = to + ((long)s * c + ch) * oh * ow;
                 for (int p = 0; p < oh; ++p) {
@@ -140,7 +152,7 @@ static void deepdsl_widened_planes(const float* from, const float* w, const floa
 #pragma omp simd
                         for (int q = 0; q < ow; ++q) dst[(long)p * ow + q] = row[q] + b;
                     } else {
-                        memcpy(dst + (long)p * ow, row, sizeof(float) * ow);
+                        deepdsl_copy_floats(dst + (long)p * ow, row, ow);
                     }
                 }
             }
@@ -198,24 +210,36 @@ static inline float deepdsl_lanes16_sum(const float* v) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-// sum over k < n of a[k] * b[k] in 16 lanes (two vectors of 8: the same sums on any SIMD width), added up at the end.
-static float deepdsl_dot16(const float* a, const float* b, long n) {
-    deepdsl_v8f lo = {0}, hi = {0};
+// out[t] = sum over k < n of a[k] * b[k + t] for t < T, each in 16 lanes (two vectors of 8: the same sums on any SIMD
+// width), added up at the end: T dot products at once (one alone waits on its adds), each summed as it would be alone.
+#define DEEPDSL_DOT_SHIFTS 3
+static inline __attribute__((always_inline)) void deepdsl_dot16_shifts(const float* a, const float* b, long n, int T,
+                                                                      float* out) {
+    deepdsl_v8f lo[DEEPDSL_DOT_SHIFTS], hi[DEEPDSL_DOT_SHIFTS];
+    #pragma GCC unroll 3
+    for (int t = 0; t < T; ++t) lo[t] = hi[t] = (deepdsl_v8f){0};
     long k = 0;
     for (; k + 16 <= n; k += 16) {
-        deepdsl_v8f a0, a1, b0, b1;
+        deepdsl_v8f a0, a1;
         memcpy(&a0, a + k, sizeof a0);
         memcpy(&a1, a + k + 8, sizeof a1);
-        memcpy(&b0, b + k, sizeof b0);
-        memcpy(&b1, b + k + 8, sizeof b1);
-        lo += a0 * b0;
-        hi += a1 * b1;
+        #pragma GCC unroll 3
+        for (int t = 0; t < T; ++t) {
+            deepdsl_v8f b0, b1;
+            memcpy(&b0, b + t + k, sizeof b0);
+            memcpy(&b1, b + t + k + 8, sizeof b1);
+            lo[t] += a0 * b0;
+            hi[t] += a1 * b1;
+        }
     }
-    float lanes[16];
-    memcpy(lanes, &lo, sizeof lo);
-    memcpy(lanes + 8, &hi, sizeof hi);
-    for (long l = 0; k + l < n; ++l) lanes[l] += a[k + l] * b[k + l];
-    return deepdsl_lanes16_sum(lanes);
+    #pragma GCC unroll 3
+    for (int t = 0; t < T; ++t) {
+        float lanes[16];
+        memcpy(lanes, &lo[t], sizeof lo[t]);
+        memcpy(lanes + 8, &hi[t], sizeof hi[t]);
+        for (long l = 0; k + l < n; ++l) lanes[l] += a[k + l] * b[t + k + l];
+        out[t] = deepdsl_lanes16_sum(lanes);
+    }
 }
 
 // Its filter gradient: for each channel and tap, the sum over samples and output positions of the output gradient
@@ -233,15 +257,26 @@ static void deepdsl_depthwise_bwd_filter_planes(const float* g, const float* x, 
         {
             float* plane = malloc(sizeof(float) * ((long)hp * wp + kw + n));
             float* wide = plane + (long)hp * wp + kw;
+            deepdsl_zero_plane(hp, wp, kw, plane);
+            deepdsl_zero_plane(ho, wp, 0, wide);
 #pragma omp for schedule(static)
             for (int ch = 0; ch < c; ++ch) {
                 float* total = dw + (long)ch * kh * kw;
                 for (int t = 0; t < kh * kw; ++t) total[t] = 0.0f;
                 for (int s = 0; s < m; ++s) {
-                    deepdsl_padded_plane(x + ((long)s * c + ch) * h * wd, h, wd, pad, pad, hp, wp, kw, plane);
-                    deepdsl_padded_plane(g + ((long)s * c + ch) * ho * wo, ho, wo, 0, 0, ho, wp, 0, wide);
-                    for (int t = 0; t < kh * kw; ++t)
-                        total[t] += deepdsl_dot16(wide, plane + (long)(t / kw) * wp + t % kw, n);
+                    deepdsl_plane_rows(x + ((long)s * c + ch) * h * wd, h, wd, pad, pad, wp, plane);
+                    deepdsl_plane_rows(g + ((long)s * c + ch) * ho * wo, ho, wo, 0, 0, wp, wide);
+                    for (int i = 0; i < kh; ++i)        // a row's taps DEEPDSL_DOT_SHIFTS at a time, then one
+                        for (int j = 0; j < kw;) {
+                            const int T = kw - j >= DEEPDSL_DOT_SHIFTS ? DEEPDSL_DOT_SHIFTS : 1;
+                            float dots[DEEPDSL_DOT_SHIFTS];
+                            if (T == DEEPDSL_DOT_SHIFTS)
+                                deepdsl_dot16_shifts(wide, plane + (long)i * wp + j, n, DEEPDSL_DOT_SHIFTS, dots);
+                            else
+                                deepdsl_dot16_shifts(wide, plane + (long)i * wp + j, n, 1, dots);
+                            for (int u = 0; u < T; ++u) total[i * kw + j + u] += dots[u];
+                            j += T;
+                        }
                 }
             }
             free(plane);
@@ -305,8 +340,10 @@ static void deepdsl_lanes_in(const float* from, long plane, int lanes, long n, f
         for (; k + 8 <= n; k += 8)
             for (int half = 0; half < DEEPDSL_DW_LANES; half += 8) {
                 deepdsl_v8f r[8];
+                #pragma GCC unroll 8
                 for (int l = 0; l < 8; ++l) memcpy(&r[l], from + (half + l) * plane + k, sizeof r[l]);
                 deepdsl_transpose8(r);
+                #pragma GCC unroll 8
                 for (int u = 0; u < 8; ++u) memcpy(to + (k + u) * DEEPDSL_DW_LANES + half, &r[u], sizeof r[u]);
             }
     for (; k < n; ++k)
@@ -320,8 +357,10 @@ static void deepdsl_lanes_out(const float* from, long n, int lanes, long plane, 
         for (; k + 8 <= n; k += 8)
             for (int half = 0; half < DEEPDSL_DW_LANES; half += 8) {
                 deepdsl_v8f r[8];
+                #pragma GCC unroll 8
                 for (int u = 0; u < 8; ++u) memcpy(&r[u], from + (k + u) * DEEPDSL_DW_LANES + half, sizeof r[u]);
                 deepdsl_transpose8(r);
+                #pragma GCC unroll 8
                 for (int l = 0; l < 8; ++l) memcpy(to + (half + l) * plane + k, &r[l], sizeof r[l]);
             }
     for (; k < n; ++k)
@@ -334,6 +373,31 @@ static void deepdsl_lanes_filters(const float* w, const float* bias, int taps, i
         for (int l = 0; l < DEEPDSL_DW_LANES; ++l) F[t * DEEPDSL_DW_LANES + l] = l < lanes ? w[(long)l * taps + t] : 0;
     if (bias)
         for (int l = 0; l < DEEPDSL_DW_LANES; ++l) B[l] = l < lanes ? bias[l] : 0;
+}
+
+// O[u] (u < P, a vector's channels each) = the sums over the taps of P output positions `stride` columns apart
+// whose taps (rows i0 to i1 - 1, every column) all lie in the plane, the first one's top left tap at `at`: P
+// independent sums at once, each in its taps' order (one position's sum alone waits on each add).
+#define DEEPDSL_DW_POSITIONS 4
+static inline __attribute__((always_inline)) void deepdsl_lanes_positions(const float* at, const float* F,
+                                                                         const float* B, int i0, int i1, int wd,
+                                                                         int kw, int stride, int P, float* O) {
+    deepdsl_dw_v acc[DEEPDSL_DW_POSITIONS];
+    #pragma GCC unroll 4
+    for (int u = 0; u < P; ++u) acc[u] = (deepdsl_dw_v){0};
+    for (int i = i0; i < i1; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < kw; ++j) {
+            const deepdsl_dw_v f = deepdsl_dw_load(F + ((long)i * kw + j) * DEEPDSL_DW_LANES);
+            const float* x = at + ((long)i * wd + j) * DEEPDSL_DW_LANES;
+            #pragma GCC unroll 4
+            for (int u = 0; u < P; ++u) acc[u] += f * deepdsl_dw_load(x + (long)u * stride * DEEPDSL_DW_LANES);
+        }
+    #pragma GCC unroll 4
+    for (int u = 0; u < P; ++u) {
+        if (B) acc[u] += deepdsl_dw_load(B);
+        deepdsl_dw_store(O + (long)u * DEEPDSL_DW_LANES, acc[u]);
+    }
 }
 
 // O[p][q] = the sum over the taps (i, j) in order whose input lies in the plane of F[i][j] X[s p + i - pad]
@@ -353,23 +417,24 @@ static inline __attribute__((always_inline)) void deepdsl_lanes_conv_rows(const 
         const int y0 = stride * p - pad;
         const int i0 = y0 < 0 ? -y0 : 0, i1 = h - y0 < kh ? h - y0 : kh;
         float* out = O + (long)p * wo * DEEPDSL_DW_LANES;
-        for (int q = 0; q < wo; ++q) {
+        int q = qa;
+        for (; q + DEEPDSL_DW_POSITIONS <= qb; q += DEEPDSL_DW_POSITIONS)     // positions whose taps all lie in it
+            deepdsl_lanes_positions(X + ((long)y0 * wd + stride * q - pad) * DEEPDSL_DW_LANES, F, B, i0, i1, wd,
+                                    kw, stride, DEEPDSL_DW_POSITIONS, out + (long)q * DEEPDSL_DW_LANES);
+        for (; q < qb; ++q)
+            deepdsl_lanes_positions(X + ((long)y0 * wd + stride * q - pad) * DEEPDSL_DW_LANES, F, B, i0, i1, wd,
+                                    kw, stride, 1, out + (long)q * DEEPDSL_DW_LANES);
+        for (q = 0; q < wo; ++q) {      // the others: their taps that lie in the plane
+            if (q >= qa && q < qb)
+                continue;
             const int x0 = stride * q - pad;
             const float* at = X + ((long)y0 * wd + x0) * DEEPDSL_DW_LANES;
+            const int j0 = x0 < 0 ? -x0 : 0, j1 = wd - x0 < kw ? wd - x0 : kw;
             deepdsl_dw_v acc = {0};
-            if (q >= qa && q < qb) {
-                for (int i = i0; i < i1; ++i)
-#pragma GCC unroll 4
-                    for (int j = 0; j < kw; ++j)
-                        acc += deepdsl_dw_load(F + ((long)i * kw + j) * DEEPDSL_DW_LANES) *
-                               deepdsl_dw_load(at + ((long)i * wd + j) * DEEPDSL_DW_LANES);
-            } else {
-                const int j0 = x0 < 0 ? -x0 : 0, j1 = wd - x0 < kw ? wd - x0 : kw;
-                for (int i = i0; i < i1; ++i)
-                    for (int j = j0; j < j1; ++j)
-                        acc += deepdsl_dw_load(F + ((long)i * kw + j) * DEEPDSL_DW_LANES) *
-                               deepdsl_dw_load(at + ((long)i * wd + j) * DEEPDSL_DW_LANES);
-            }
+            for (int i = i0; i < i1; ++i)
+                for (int j = j0; j < j1; ++j)
+                    acc += deepdsl_dw_load(F + ((long)i * kw + j) * DEEPDSL_DW_LANES) *
+                           deepdsl_dw_load(at + ((long)i * wd + j) * DEEPDSL_DW_LANES);
             if (B) acc += deepdsl_dw_load(B);
             deepdsl_dw_store(out + (long)q * DEEPDSL_DW_LANES, acc);
         }
@@ -392,27 +457,56 @@ static inline void deepdsl_reading_taps(int y, int k, int out, int stride, int p
     *o = (y + pad - *first) / stride;
 }
 
+// D[x + u stride] (u < P, a vector's channels each) for P input positions `stride` columns apart of one row that the
+// same taps read (rows i0, i0 + stride, ... (`rows`), columns first, first + stride, ... (`count`)), at output
+// columns q0, q0 + 1, ...: the taps' products F[i][j] G[p][q] in order from zero, P independent sums at once.
+static inline __attribute__((always_inline)) void deepdsl_lanes_gathered(const float* G, const float* F, int wo,
+                                                                        int kw, int stride, int i0, int rows, int p0,
+                                                                        int first, int count, int q0, int P,
+                                                                        float* D) {
+    deepdsl_dw_v acc[DEEPDSL_DW_POSITIONS];
+    #pragma GCC unroll 4
+    for (int u = 0; u < P; ++u) acc[u] = (deepdsl_dw_v){0};
+    for (int a = 0; a < rows; ++a) {
+        const float* grad = G + ((long)(p0 - a) * wo + q0) * DEEPDSL_DW_LANES;
+        const float* taps = F + ((long)(i0 + a * stride) * kw + first) * DEEPDSL_DW_LANES;
+        for (int b = 0; b < count; ++b) {
+            const deepdsl_dw_v f = deepdsl_dw_load(taps + (long)b * stride * DEEPDSL_DW_LANES);
+            #pragma GCC unroll 4
+            for (int u = 0; u < P; ++u)
+                acc[u] += f * deepdsl_dw_load(grad + (long)(u - b) * DEEPDSL_DW_LANES);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int u = 0; u < P; ++u) deepdsl_dw_store(D + (long)u * stride * DEEPDSL_DW_LANES, acc[u]);
+}
+
 // D[y][x] = the sum over the taps (i, j) in order that read input position (y, x), at output position (p, q) =
 // ((y + pad - i) / s, (x + pad - j) / s), of F[i][j] G[p][q], from zero: the products the plane kernels add into
-// that position, in their order. `columns`: 3 wd ints of room.
+// that position, in their order. Positions `stride` apart that the same taps read, DEEPDSL_DW_POSITIONS at a time.
+// `columns`: 3 wd ints of room.
 static void deepdsl_lanes_conv_bwd_data(const float* G, const float* F, int h, int wd, int kh, int kw, int ho, int wo,
                                         int stride, int pad, int* columns, float* D) {
     int *first = columns, *count = columns + wd, *q0 = columns + 2 * wd;
     for (int x = 0; x < wd; ++x) deepdsl_reading_taps(x, kw, wo, stride, pad, first + x, count + x, q0 + x);
+    const int P = DEEPDSL_DW_POSITIONS;
     for (int y = 0; y < h; ++y) {
         int i0, rows, p0;
         deepdsl_reading_taps(y, kh, ho, stride, pad, &i0, &rows, &p0);
-        for (int x = 0; x < wd; ++x) {
-            deepdsl_dw_v acc = {0};
-            for (int a = 0; a < rows; ++a) {
-                const float* grad = G + ((long)(p0 - a) * wo + q0[x]) * DEEPDSL_DW_LANES;
-                const float* taps = F + ((long)(i0 + a * stride) * kw + first[x]) * DEEPDSL_DW_LANES;
-                for (int b = 0; b < count[x]; ++b)
-                    acc += deepdsl_dw_load(taps + (long)b * stride * DEEPDSL_DW_LANES) *
-                           deepdsl_dw_load(grad - (long)b * DEEPDSL_DW_LANES);
+        float* row = D + (long)y * wd * DEEPDSL_DW_LANES;
+        for (int r = 0; r < stride && r < wd; ++r)
+            for (int x = r; x < wd;) {
+                const int last = x + (P - 1) * stride;
+                if (last < wd && first[last] == first[x] && count[last] == count[x] && q0[last] == q0[x] + P - 1) {
+                    deepdsl_lanes_gathered(G, F, wo, kw, stride, i0, rows, p0, first[x], count[x], q0[x], P,
+                                           row + (long)x * DEEPDSL_DW_LANES);
+                    x += P * stride;
+                } else {
+                    deepdsl_lanes_gathered(G, F, wo, kw, stride, i0, rows, p0, first[x], count[x], q0[x], 1,
+                                           row + (long)x * DEEPDSL_DW_LANES);
+                    x += stride;
+                }
             }
-            deepdsl_dw_store(D + ((long)y * wd + x) * DEEPDSL_DW_LANES, acc);
-        }
     }
 }
 
