@@ -1,13 +1,14 @@
 """This checkout's compiled CPU kernels against another checkout's, alternating in one process: the im2col, col2im
-and axis-swap kernels and products alone, or whole training steps of a network.
+and axis-swap kernels, products and depthwise convolutions alone, or whole training steps of a network.
 
     python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5] [--calls 15]
     python benchmarks/kernels_vs_checkout.py --against OTHER --network lenet:64 [--threads 1] [--rounds 8] [--steps 12]
 
 OTHER is the root of another checkout (`git worktree add /tmp/other REV`). Kernels: `runtime/kernels/cpu_ops.c` of
 each is built into a library of its own (this checkout's build flags); per thread count and geometry (N, C, H=W,
-kernel, pad, stride; for the swap (A, B, inner); for a product (m, k, n), by `Native.gemm` on each library), the
-median microseconds of `--calls` calls, medians over `--rounds` rounds that alternate the two libraries, their ratio
+kernel, pad, stride; for the swap (A, B, inner); for a product (m, k, n), by `Native.gemm` on each library; for a
+depthwise convolution (N, C, H=W, stride), 3x3 with padding 1, its forward, input and filter gradients), the median
+microseconds of `--calls` calls, medians over `--rounds` rounds that alternate the two libraries, their ratio
 (this / other), and a check that both give the same bits.
 Networks: each checkout renders the network's `<program>.c` (its elementwise kernels and its generic ones,
 `deepdsl compile` run with that checkout on the path) and it is built against that checkout's kernels; the program
@@ -130,6 +131,28 @@ def kernels(libs: dict, threads: list[int], rounds: int, calls: int = 15) -> Non
             same = np.array_equal(out["this"], out["other"])
             shape = f"{(m, k, n)} {transposed}".rstrip()
             print(f"{t:>7}  {shape:<20} {_cell(product)}{'' if same else '  RESULTS DIFFER'}")
+    print("threads  depthwise (N, C, H, s)  forward this / other (us)   input gradient          filter gradient")
+    for t in threads:
+        for lib in libs.values():
+            lib.set_threads(t)
+        for n, c, h, stride in DEPTHWISE:
+            ho = (h + 2 - 3) // stride + 1
+            x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+            w = rng.standard_normal((c, 1, 3, 3), dtype=np.float32)
+            g = rng.standard_normal((n, c, ho, ho), dtype=np.float32)
+            cells, same = [], True
+            for op, a, b, shape in (("conv2d", x, w, g.shape), ("conv2d_bwd_data", g, w, x.shape),
+                                    ("conv2d_bwd_filter", g, x, w.shape)):
+                out = {name: np.full(shape, np.nan, np.float32) for name in libs}
+                cells.append(_cell(_alternating(libs, rounds, lambda name, lib: lib.depthwise(
+                    op, a, b, None, out[name], stride, 1), calls)))
+                same = same and np.array_equal(out["this"], out["other"])
+            print(f"{t:>7}  {str((n, c, h, stride)):<22} {'   '.join(cells)}{'' if same else '  RESULTS DIFFER'}")
+
+DEPTHWISE = [  # (N, C, H=W, stride): MobileNet-v2's 3x3 depthwise layers at 112x112 (batch 16), stride-1 planes
+    # widened (28x28, 56x56) and a vector's channels at a time (7x7, 4x4, strided)
+    (16, 144, 28, 1), (16, 96, 56, 2), (16, 384, 7, 1), (16, 32, 56, 1), (16, 960, 4, 1), (16, 144, 28, 2),
+]
 
 
 def _other_source(spec: str, other: Path, directory: Path) -> Path:

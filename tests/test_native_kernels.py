@@ -1450,8 +1450,8 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
 
 @needs_cc
 def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
-    """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry and product timed with
-    both libraries and their results the same; and whole steps of a network with each checkout's library in turn."""
+    """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry, product and depthwise
+    convolution timed with both libraries and their results the same; and whole steps of a network with each checkout's library in turn."""
     import re
     import sys
 
@@ -1466,12 +1466,16 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
         return done.stdout
 
     kernels = run("--calls", "1")           # (built at -O0: the products take 0.1 s a call)
-    rows = re.findall(r"^ +1 +\((.*?)\) +(\d+) / (\d+) +\(.*?\) +(\d+) / (\d+) +\(.*?\)(.*)$", kernels, re.M)
+    before, depthwise = kernels.split("depthwise (N, C, H, s)")
+    rows = re.findall(r"^ +1 +\((.*?)\) +(\d+) / (\d+) +\(.*?\) +(\d+) / (\d+) +\(.*?\)(.*)$", before, re.M)
     assert len(rows) >= 6 and all(not row[-1] for row in rows), kernels
     products = re.findall(r"^ +1 +\((\d+), (\d+), (\d+)\)( [ab]T)? +(\d+) / (\d+) +\(.*?\)(.*)$",
-                          kernels.split("product (m, k, n)")[1], re.M)
+                          before.split("product (m, k, n)")[1], re.M)
     assert len(products) == 11 and all(not row[-1] for row in products), kernels
     assert [row[3] for row in products].count(" aT") == 3 and [row[3] for row in products].count(" bT") == 2, kernels
+    depthwise = re.findall(r"^ +1 +\((\d+), (\d+), (\d+), ([12])\)((?: +\d+ / \d+ +\([\d.]+\)){3})(.*)$",
+                           depthwise, re.M)
+    assert len(depthwise) == 6 and all(not row[-1] for row in depthwise), kernels
     whole = run("--network", "lenet:8", "--steps", "3")
     assert re.search(r"^lenet:8 1 thread\(s\), other: [\d.]+ ms; median [\d.]+$", whole, re.M), whole
     assert re.search(r"^lenet:8 1 thread\(s\): this / other, median over rounds [\d.]+$", whole, re.M), whole

@@ -151,9 +151,9 @@ static inline void deepdsl_att_transpose(const float* a, long rows, long cols, l
     for (long r = 0; r < r8; r += 8)
         for (long c = 0; c < c8; c += 8) {
             deepdsl_v8f v[8];
-            for (int i = 0; i < 8; ++i) memcpy(&v[i], a + (r + i) * lda + c, sizeof v[i]);
+            deepdsl_load8x8(v, a + r * lda + c, lda);
             deepdsl_transpose8(v);
-            for (int i = 0; i < 8; ++i) memcpy(to + (c + i) * rows + r, &v[i], sizeof v[i]);
+            deepdsl_store8x8(to + c * rows + r, rows, v);
         }
 #endif
     for (long c = 0; c < cols; ++c)

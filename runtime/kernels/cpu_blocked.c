@@ -289,8 +289,9 @@ static inline void deepdsl_block_pair(const float* rows, long row, long taps, in
         for (int l0 = 0; l0 < DEEPDSL_BLOCK; l0 += 8)
             for (long j0 = 0, k = 0, t = 0; j0 < span; j0 += 8) {       // (span is a multiple of 8)
                 deepdsl_v8f v[8];
-                for (int i = 0; i < 8; ++i) memcpy(&v[i], rows + (l0 + i) * row + j0, sizeof v[i]);
+                deepdsl_load8x8(v, rows + l0 * row + j0, row);
                 deepdsl_transpose8(v);
+#pragma GCC unroll 8
                 for (int e = 0; e < 8; ++e) {               // (k, t) = (j / taps, j % taps), j = j0 + e, counted
                     memcpy(blocks + (t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l0, &v[e], sizeof v[e]);
                     if (++t == taps) t = 0, ++k;
@@ -304,8 +305,9 @@ static inline void deepdsl_block_pair(const float* rows, long row, long taps, in
         for (int l0 = 0; l0 < DEEPDSL_BLOCK; l0 += 8)
             for (long t0 = 0; t0 < whole; t0 += 8) {
                 deepdsl_v8f v[8];
-                for (int i = 0; i < 8; ++i) memcpy(&v[i], from + (l0 + i) * taps + t0, sizeof v[i]);
+                deepdsl_load8x8(v, from + l0 * taps + t0, taps);
                 deepdsl_transpose8(v);
+#pragma GCC unroll 8
                 for (int e = 0; e < 8; ++e)
                     memcpy(blocks + ((taps - 1 - t0 - e) * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l0, &v[e],
                            sizeof v[e]);
@@ -378,7 +380,8 @@ static inline void deepdsl_blocked_out(const float* sums, int blocks, int n, lon
             const int first = o0 + b * DEEPDSL_BLOCK + h, channels = o - first < 8 ? o - first : 8;
             for (int t0 = 0; t0 < n; t0 += 8) {
                 const int count = n - t0 < 8 ? n - t0 : 8;
-                deepdsl_v8f v[8];
+                deepdsl_v8f v[8];               // (loops unrolled: v stays in registers)
+#pragma GCC unroll 8
                 for (int t = 0; t < 8; ++t)
                     if (t < count)
                         memcpy(&v[t], sums + b * sums_block + (t0 + t) * DEEPDSL_BLOCK + h, sizeof v[t]);
@@ -386,7 +389,10 @@ static inline void deepdsl_blocked_out(const float* sums, int blocks, int n, lon
                         v[t] = (deepdsl_v8f){0};
                 deepdsl_transpose8(v);
                 const deepdsl_v8i mask = deepdsl_inside(t0, n);
-                for (int l = 0; l < channels; ++l) {
+#pragma GCC unroll 8
+                for (int l = 0; l < 8; ++l) {
+                    if (l >= channels)
+                        break;
                     float* at = to + (long)(b * DEEPDSL_BLOCK + h + l) * plane + t0;
                     const deepdsl_v8f row = bias ? v[l] + bias[first + l] : v[l];
                     if (count == 8)
@@ -637,12 +643,13 @@ static inline void deepdsl_unblocked_filter_pair(const float* blocks, int o, int
         for (int l0 = 0; l0 < DEEPDSL_BLOCK; l0 += 8)
             for (long j0 = 0, k = 0, t = 0; j0 < span; j0 += 8) {     // the row's floats j = k * taps + t
                 deepdsl_v8f v[8];
+#pragma GCC unroll 8
                 for (int e = 0; e < 8; ++e) {                           // (k, t) counted, as `deepdsl_block_pair`
                     memcpy(&v[e], blocks + (t * DEEPDSL_BLOCK + k) * DEEPDSL_BLOCK + l0, sizeof v[e]);
                     if (++t == taps) t = 0, ++k;
                 }
                 deepdsl_transpose8(v);
-                for (int i = 0; i < 8; ++i) memcpy(rows + (l0 + i) * c * taps + j0, &v[i], sizeof v[i]);
+                deepdsl_store8x8(rows + l0 * c * taps + j0, c * taps, v);
             }
         return;
     }

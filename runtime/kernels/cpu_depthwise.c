@@ -340,11 +340,9 @@ static void deepdsl_lanes_in(const float* from, long plane, int lanes, long n, f
         for (; k + 8 <= n; k += 8)
             for (int half = 0; half < DEEPDSL_DW_LANES; half += 8) {
                 deepdsl_v8f r[8];
-                #pragma GCC unroll 8
-                for (int l = 0; l < 8; ++l) memcpy(&r[l], from + (half + l) * plane + k, sizeof r[l]);
+                deepdsl_load8x8(r, from + half * plane + k, plane);
                 deepdsl_transpose8(r);
-                #pragma GCC unroll 8
-                for (int u = 0; u < 8; ++u) memcpy(to + (k + u) * DEEPDSL_DW_LANES + half, &r[u], sizeof r[u]);
+                deepdsl_store8x8(to + k * DEEPDSL_DW_LANES + half, DEEPDSL_DW_LANES, r);
             }
     for (; k < n; ++k)
         for (int l = 0; l < DEEPDSL_DW_LANES; ++l) to[k * DEEPDSL_DW_LANES + l] = l < lanes ? from[l * plane + k] : 0;
@@ -357,11 +355,9 @@ static void deepdsl_lanes_out(const float* from, long n, int lanes, long plane, 
         for (; k + 8 <= n; k += 8)
             for (int half = 0; half < DEEPDSL_DW_LANES; half += 8) {
                 deepdsl_v8f r[8];
-                #pragma GCC unroll 8
-                for (int u = 0; u < 8; ++u) memcpy(&r[u], from + (k + u) * DEEPDSL_DW_LANES + half, sizeof r[u]);
+                deepdsl_load8x8(r, from + k * DEEPDSL_DW_LANES + half, DEEPDSL_DW_LANES);
                 deepdsl_transpose8(r);
-                #pragma GCC unroll 8
-                for (int l = 0; l < 8; ++l) memcpy(to + (half + l) * plane + k, &r[l], sizeof r[l]);
+                deepdsl_store8x8(to + half * plane + k, plane, r);
             }
     for (; k < n; ++k)
         for (int l = 0; l < lanes; ++l) to[l * plane + k] = from[k * DEEPDSL_DW_LANES + l];
