@@ -158,9 +158,10 @@ def test_the_kernel_benchmark_runs():
 # pointwise filter gradients straight from their operands (`contract.pointwise_filter`)
 
 POINTWISE = [  # (N, O, C, H, W): tails of positions and of tiles, MobileNet's shapes, a plane of one position; chunks
-    # of several samples (the last one short) and a sample's positions in chunks (its rows past DEEPDSL_PW_CACHE)
+    # of several samples (the last one short), a sample's positions in chunks (its rows past DEEPDSL_PW_WHOLE) and
+    # whole samples a little past DEEPDSL_PW_CACHE (MobileNet-v2's 28 x 28 layers)
     (2, 96, 16, 11, 13), (3, 5, 7, 9, 9), (1, 24, 144, 16, 16), (2, 33, 30, 1, 1), (1, 17, 3, 40, 41),
-    (5, 100, 28, 19, 21), (2, 8, 24, 83, 77),
+    (5, 100, 28, 19, 21), (2, 8, 24, 83, 77), (2, 144, 24, 28, 28),
 ]
 
 
