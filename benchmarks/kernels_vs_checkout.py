@@ -1,5 +1,6 @@
 """This checkout's compiled CPU kernels against another checkout's, alternating in one process: the im2col, col2im
-and axis-swap kernels, products and depthwise convolutions alone, or whole training steps of a network.
+and axis-swap kernels, products, depthwise convolutions and pointwise filter gradients alone, or whole training steps
+of a network.
 
     python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5] [--calls 15]
     python benchmarks/kernels_vs_checkout.py --against OTHER --network lenet:64 [--threads 1] [--rounds 8] [--steps 12]
@@ -7,8 +8,8 @@ and axis-swap kernels, products and depthwise convolutions alone, or whole train
 OTHER is the root of another checkout (`git worktree add /tmp/other REV`). Kernels: `runtime/kernels/cpu_ops.c` of
 each is built into a library of its own (this checkout's build flags); per thread count and geometry (N, C, H=W,
 kernel, pad, stride; for the swap (A, B, inner); for a product (m, k, n), by `Native.gemm` on each library; for a
-depthwise convolution (N, C, H=W, stride), 3x3 with padding 1, its forward, input and filter gradients), the median
-microseconds of `--calls` calls, medians over `--rounds` rounds that alternate the two libraries, their ratio
+depthwise convolution (N, C, H=W, stride), 3x3 with padding 1, its forward, input and filter gradients; for a
+pointwise convolution's filter gradient (N, O, C, H=W), `Native.pointwise_filter`), the median microseconds of `--calls` calls, medians over `--rounds` rounds that alternate the two libraries, their ratio
 (this / other), and a check that both give the same bits.
 Networks: each checkout renders the network's `<program>.c` (its elementwise kernels and its generic ones,
 `deepdsl compile` run with that checkout on the path) and it is built against that checkout's kernels; the program
@@ -148,10 +149,26 @@ def kernels(libs: dict, threads: list[int], rounds: int, calls: int = 15) -> Non
                     op, a, b, None, out[name], stride, 1), calls)))
                 same = same and np.array_equal(out["this"], out["other"])
             print(f"{t:>7}  {str((n, c, h, stride)):<22} {'   '.join(cells)}{'' if same else '  RESULTS DIFFER'}")
+    print("threads  pointwise filter (N, O, C, H)  this / other (us)")
+    for t in threads:
+        for lib in libs.values():
+            lib.set_threads(t)
+        for n, o, c, h in POINTWISE_FILTERS:
+            g = rng.standard_normal((n, o, h, h), dtype=np.float32)
+            x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+            out = {name: np.full((o, c, 1, 1), np.nan, np.float32) for name in libs}
+            gradient = _alternating(libs, rounds, lambda name, lib: lib.pointwise_filter(g, x, out[name]), calls)
+            same = np.array_equal(out["this"], out["other"])
+            print(f"{t:>7}  {str((n, o, c, h)):<29} {_cell(gradient)}{'' if same else '  RESULTS DIFFER'}")
 
 DEPTHWISE = [  # (N, C, H=W, stride): MobileNet-v2's 3x3 depthwise layers at 112x112 (batch 16), stride-1 planes
     # widened (28x28, 56x56) and a vector's channels at a time (7x7, 4x4, strided)
     (16, 144, 28, 1), (16, 96, 56, 2), (16, 384, 7, 1), (16, 32, 56, 1), (16, 960, 4, 1), (16, 144, 28, 2),
+]
+
+POINTWISE_FILTERS = [  # (N, O, C, H=W): MobileNet-v2's filter gradients of thin pointwise layers at 112x112 (batch
+    # 16), `contract.pointwise_filter`'s: a sample's rows past the chunk's cap, a little (28x28) and by far (56x56)
+    (16, 144, 24, 28), (16, 24, 144, 28), (16, 96, 16, 56), (16, 192, 32, 14),
 ]
 
 

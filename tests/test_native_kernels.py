@@ -1450,8 +1450,8 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
 
 @needs_cc
 def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
-    """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry, product and depthwise
-    convolution timed with both libraries and their results the same; and whole steps of a network with each checkout's library in turn."""
+    """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry, product, depthwise
+    convolution and pointwise filter gradient timed with both libraries and their results the same; and whole steps of a network with each checkout's library in turn."""
     import re
     import sys
 
@@ -1476,6 +1476,9 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     depthwise = re.findall(r"^ +1 +\((\d+), (\d+), (\d+), ([12])\)((?: +\d+ / \d+ +\([\d.]+\)){3})(.*)$",
                            depthwise, re.M)
     assert len(depthwise) == 6 and all(not row[-1] for row in depthwise), kernels
+    filters = re.findall(r"^ +1 +\((\d+), (\d+), (\d+), (\d+)\) +(\d+) / (\d+) +\([\d.]+\)(.*)$",
+                         kernels.split("pointwise filter (N, O, C, H)")[1], re.M)
+    assert len(filters) == 4 and all(not row[-1] for row in filters), kernels
     whole = run("--network", "lenet:8", "--steps", "3")
     assert re.search(r"^lenet:8 1 thread\(s\), other: [\d.]+ ms; median [\d.]+$", whole, re.M), whole
     assert re.search(r"^lenet:8 1 thread\(s\): this / other, median over rounds [\d.]+$", whole, re.M), whole

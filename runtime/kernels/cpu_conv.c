@@ -276,7 +276,7 @@ void deepdsl_direct_conv_bwd_filter(const float* g, const float* x, int m, int c
 #define DEEPDSL_PW_O 4                  /* a tile's filters: 16 accumulators of 32 registers */
 #define DEEPDSL_PW_C 4
 #else
-#define DEEPDSL_PW_O 2                  /* 2 x 2 pairs of 8 lanes: 8 accumulators of 16 registers */
+#define DEEPDSL_PW_O 3                  /* 3 x 2 pairs of 8 lanes: 12 accumulators of 16 registers */
 #define DEEPDSL_PW_C 2
 #endif
 #define DEEPDSL_PW_CACHE (1L << 17)     /* floats of a chunk's rows (512 KB) */
@@ -345,26 +345,35 @@ static inline __attribute__((always_inline)) void deepdsl_pointwise_tile(
         for (long k = 0; k <= full; k += 16) {
             const int last = k == full;
             if (last && !rest) break;
-            deepdsl_v8f g0[DEEPDSL_PW_O], g1[DEEPDSL_PW_O], x0[DEEPDSL_PW_C], x1[DEEPDSL_PW_C];
+            // the lanes' first 8 positions, then their last 8: a half's rows of x and one row of g at a time in
+            // registers beside the sums (3 x 2 filters: 12 sums, 2 + 1 rows)
+            deepdsl_v8f xv[DEEPDSL_PW_C];
+            #pragma GCC unroll 4
+            for (int j = 0; j < TC; ++j) {
+                memcpy(&xv[j], last ? xt[j] : xs + j * plane + k, sizeof xv[j]);
+                DEEPDSL_IN_REGISTER(xv[j]);
+            }
             #pragma GCC unroll 4
             for (int i = 0; i < TO; ++i) {
-                const float* from = last ? gt[i] : gs + i * plane + k;
-                memcpy(&g0[i], from, sizeof g0[i]);
-                memcpy(&g1[i], from + 8, sizeof g1[i]);
+                deepdsl_v8f gv;
+                memcpy(&gv, last ? gt[i] : gs + i * plane + k, sizeof gv);
+                DEEPDSL_IN_REGISTER(gv);
+                #pragma GCC unroll 4
+                for (int j = 0; j < TC; ++j) lo[i][j] = DEEPDSL_FMA(lo[i][j], gv, xv[j]);
             }
             #pragma GCC unroll 4
             for (int j = 0; j < TC; ++j) {
-                const float* from = last ? xt[j] : xs + j * plane + k;
-                memcpy(&x0[j], from, sizeof x0[j]);
-                memcpy(&x1[j], from + 8, sizeof x1[j]);
+                memcpy(&xv[j], (last ? xt[j] : xs + j * plane + k) + 8, sizeof xv[j]);
+                DEEPDSL_IN_REGISTER(xv[j]);
             }
             #pragma GCC unroll 4
-            for (int i = 0; i < TO; ++i)
+            for (int i = 0; i < TO; ++i) {
+                deepdsl_v8f gv;
+                memcpy(&gv, (last ? gt[i] : gs + i * plane + k) + 8, sizeof gv);
+                DEEPDSL_IN_REGISTER(gv);
                 #pragma GCC unroll 4
-                for (int j = 0; j < TC; ++j) {
-                    lo[i][j] = DEEPDSL_FMA(lo[i][j], g0[i], x0[j]);
-                    hi[i][j] = DEEPDSL_FMA(hi[i][j], g1[i], x1[j]);
-                }
+                for (int j = 0; j < TC; ++j) hi[i][j] = DEEPDSL_FMA(hi[i][j], gv, xv[j]);
+            }
         }
     }
     for (int i = 0; i < TO; ++i)
