@@ -477,8 +477,9 @@ static inline __attribute__((always_inline)) void deepdsl_lanes_gathered(const f
 
 // D[y][x] = the sum over the taps (i, j) in order that read input position (y, x), at output position (p, q) =
 // ((y + pad - i) / s, (x + pad - j) / s), of F[i][j] G[p][q], from zero: the products the plane kernels add into
-// that position, in their order. Positions `stride` apart that the same taps read, DEEPDSL_DW_POSITIONS at a time.
-// `columns`: 3 wd ints of room.
+// that position, in their order. Positions `stride` apart that the same taps read, DEEPDSL_DW_POSITIONS at a time
+// (along a row, the first tap and the count of a class of positions `stride` apart only grow: the same at both ends
+// of a run, the same in between). `columns`: 3 wd ints of room.
 static void deepdsl_lanes_conv_bwd_data(const float* G, const float* F, int h, int wd, int kh, int kw, int ho, int wo,
                                         int stride, int pad, int* columns, float* D) {
     int *first = columns, *count = columns + wd, *q0 = columns + 2 * wd;
