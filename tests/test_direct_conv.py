@@ -250,11 +250,12 @@ def test_the_rule_takes_thin_pointwise_filter_gradients():
 
 # a vector's channels at a time (16 with AVX-512, 8 with AVX2; small or strided planes): groups cut short (19, 33,
 # 24, 11 channels), strides 2 and 3, a 5x5 kernel, padding wider than the kernel, a 1x1 plane, planes of whole
-# vectors of eight and not; and wide stride-1 planes of many channels, which stay plane by plane
+# vectors of eight and not, rows long enough for runs of four positions a stride apart (and their ends); and wide
+# stride-1 planes of many channels, which stay plane by plane
 LANES = [
     (2, 11, 9, 9, 3, 2, 1), (2, 19, 7, 7, 3, 1, 1), (2, 33, 4, 5, 3, 1, 1), (3, 16, 13, 10, 3, 2, 1),
     (1, 24, 11, 9, 5, 2, 2), (2, 16, 9, 8, 3, 3, 0), (1, 17, 6, 6, 3, 1, 3), (2, 16, 1, 1, 3, 1, 1),
-    (1, 32, 16, 16, 3, 2, 1), (2, 32, 14, 14, 3, 1, 1),
+    (1, 32, 16, 16, 3, 2, 1), (1, 16, 7, 20, 3, 3, 1), (1, 8, 6, 21, 5, 2, 2), (2, 32, 14, 14, 3, 1, 1),
 ]
 DEPTHWISE = [  # (N, C, H, W, k, stride, pad): widened (small and large planes, no padding, padding to the kernel's
     # reach, a 1x1 plane, planes past the filter gradient's row limit and below it); row by row (stride 2, padding
