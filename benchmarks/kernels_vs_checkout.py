@@ -9,8 +9,9 @@ OTHER is the root of another checkout (`git worktree add /tmp/other REV`). Kerne
 each is built into a library of its own (this checkout's build flags); per thread count and geometry (N, C, H=W,
 kernel, pad, stride; for the swap (A, B, inner); for a product (m, k, n), by `Native.gemm` on each library; for a
 depthwise convolution (N, C, H=W, stride), 3x3 with padding 1, its forward, input and filter gradients; for a
-pointwise convolution's filter gradient (N, O, C, H=W), `Native.pointwise_filter`), the median microseconds of `--calls` calls, medians over `--rounds` rounds that alternate the two libraries, their ratio
-(this / other), and a check that both give the same bits.
+pointwise convolution's filter gradient (N, O, C, H=W), `Native.pointwise_filter`), the median microseconds of
+`--calls` calls, medians over `--rounds` rounds that alternate the two libraries, their ratio (this / other), and a
+check that both give the same bits.
 Networks: each checkout renders the network's `<program>.c` (its elementwise kernels and its generic ones,
 `deepdsl compile` run with that checkout on the path) and it is built against that checkout's kernels; the program
 of this checkout then runs its training step with each library in turn, `--steps` steps a round (the first

@@ -1451,7 +1451,8 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
 @needs_cc
 def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry, product, depthwise
-    convolution and pointwise filter gradient timed with both libraries and their results the same; and whole steps of a network with each checkout's library in turn."""
+    convolution and pointwise filter gradient timed with both libraries and their results the same; and whole steps
+    of a network with each checkout's library in turn."""
     import re
     import sys
 
