@@ -58,6 +58,14 @@ PRODUCTS = [  # (m, k, n, the operand read transposed): ResNet-50's pointwise la
     (1024, 64, 128, ""), (256, 1024, 392, "aT"), (1024, 256, 392, "aT"), (64, 1024, 128, "aT"), (1024, 64, 64, "bT"),
     (2048, 64, 256, "bT"),
 ]
+DEPTHWISE = [  # (N, C, H=W, stride): MobileNet-v2's 3x3 depthwise layers at 112x112 (batch 16), stride-1 planes
+    # widened (28x28, 56x56) and a vector's channels at a time (7x7, 4x4, strided)
+    (16, 144, 28, 1), (16, 96, 56, 2), (16, 384, 7, 1), (16, 32, 56, 1), (16, 960, 4, 1), (16, 144, 28, 2),
+]
+POINTWISE_FILTERS = [  # (N, O, C, H=W): MobileNet-v2's filter gradients of thin pointwise layers at 112x112 (batch
+    # 16), `contract.pointwise_filter`'s: a sample's rows past the chunk's cap, a little (28x28) and by far (56x56)
+    (16, 144, 24, 28), (16, 24, 144, 28), (16, 96, 16, 56), (16, 192, 32, 14),
+]
 
 
 def _build(source: Path, include: Path, target: Path) -> native.Native:
@@ -90,87 +98,88 @@ def _cell(times: dict) -> str:
     return f"{times['this']:8.0f} / {times['other']:<8.0f} ({times['this'] / times['other']:.2f})"
 
 
+def _copies(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
+    for n, c, h, k, pad, stride in GEOMETRIES:
+        ho = (h + 2 * pad - k) // stride + 1
+        x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+        grads = rng.standard_normal((c, k, k, n, ho, ho), dtype=np.float32)
+        cols = {name: np.full(grads.shape, np.nan, np.float32) for name in libs}
+        dx = {name: np.full(x.shape, np.nan, np.float32) for name in libs}
+        gradient = grads.transpose(3, 0, 1, 2, 4, 5)
+        im2col = _alternating(libs, rounds, lambda name, lib: lib.im2col(
+            x, cols[name].transpose(3, 0, 1, 2, 4, 5), stride, pad), calls)
+        col2im = _alternating(libs, rounds, lambda name, lib: lib.col2im(gradient, dx[name], stride, pad), calls)
+        same = np.array_equal(cols["this"], cols["other"]) and np.array_equal(dx["this"], dx["other"])
+        _row(t, (n, c, h, k, pad, stride), 22, [im2col, col2im], same)
+
+
+def _swaps(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
+    for shape in SWAPS:
+        src = rng.standard_normal(shape, dtype=np.float32)
+        out = {name: np.full((shape[1], shape[0], shape[2]), np.nan, np.float32) for name in libs}
+        swap = _alternating(libs, rounds, lambda name, lib: lib.swap01(src, out[name]), calls)
+        _row(t, shape, 20, [swap], np.array_equal(out["this"], out["other"]))
+
+
+def _products(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
+    for m, k, n, transposed in PRODUCTS:
+        a = rng.standard_normal((k, m), dtype=np.float32).T if transposed == "aT" else \
+            rng.standard_normal((m, k), dtype=np.float32)
+        b = rng.standard_normal((n, k), dtype=np.float32).T if transposed == "bT" else \
+            rng.standard_normal((k, n), dtype=np.float32)
+        out = {name: np.full((m, n), np.nan, np.float32) for name in libs}
+        product = _alternating(libs, rounds, lambda name, lib: lib.gemm(a, b, out[name]), calls)
+        _row(t, f"{(m, k, n)} {transposed}".rstrip(), 20, [product], np.array_equal(out["this"], out["other"]))
+
+
+def _depthwise(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
+    for n, c, h, stride in DEPTHWISE:
+        ho = (h + 2 - 3) // stride + 1
+        x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+        w = rng.standard_normal((c, 1, 3, 3), dtype=np.float32)
+        g = rng.standard_normal((n, c, ho, ho), dtype=np.float32)
+        cells, same = [], True
+        for op, a, b, shape in (("conv2d", x, w, g.shape), ("conv2d_bwd_data", g, w, x.shape),
+                                ("conv2d_bwd_filter", g, x, w.shape)):
+            out = {name: np.full(shape, np.nan, np.float32) for name in libs}
+            cells.append(_alternating(libs, rounds, lambda name, lib: lib.depthwise(
+                op, a, b, None, out[name], stride, 1), calls))
+            same = same and np.array_equal(out["this"], out["other"])
+        _row(t, (n, c, h, stride), 22, cells, same)
+
+
+def _pointwise_filters(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
+    for n, o, c, h in POINTWISE_FILTERS:
+        g = rng.standard_normal((n, o, h, h), dtype=np.float32)
+        x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+        out = {name: np.full((o, c, 1, 1), np.nan, np.float32) for name in libs}
+        gradient = _alternating(libs, rounds, lambda name, lib: lib.pointwise_filter(g, x, out[name]), calls)
+        _row(t, (n, o, c, h), 29, [gradient], np.array_equal(out["this"], out["other"]))
+
+
+def _row(threads: int, what, width: int, cells: list[dict], same: bool) -> None:
+    print(f"{threads:>7}  {str(what):<{width}} {'    '.join(_cell(c) for c in cells)}"
+          f"{'' if same else '  RESULTS DIFFER'}")
+
+
+FAMILIES = [  # (header, timing of one thread count)
+    ("threads  geometry                 im2col this / other (us)    col2im this / other (us)", _copies),
+    ("threads  swap (A, B, inner)     this / other (us)", _swaps),
+    ("threads  product (m, k, n)      this / other (us)", _products),
+    ("threads  depthwise (N, C, H, s)  forward this / other (us)    input gradient           filter gradient",
+     _depthwise),
+    ("threads  pointwise filter (N, O, C, H)  this / other (us)", _pointwise_filters),
+]
+
+
 def kernels(libs: dict, threads: list[int], rounds: int, calls: int = 15) -> None:
     rng = np.random.default_rng(0)
-    print("threads  geometry                 im2col this / other (us)    col2im this / other (us)")
-    for t in threads:
-        for lib in libs.values():
-            lib.set_threads(t)
-        for n, c, h, k, pad, stride in GEOMETRIES:
-            ho = (h + 2 * pad - k) // stride + 1
-            x = rng.standard_normal((n, c, h, h), dtype=np.float32)
-            grads = rng.standard_normal((c, k, k, n, ho, ho), dtype=np.float32)
-            cols = {name: np.full(grads.shape, np.nan, np.float32) for name in libs}
-            dx = {name: np.full(x.shape, np.nan, np.float32) for name in libs}
-            gradient = grads.transpose(3, 0, 1, 2, 4, 5)
-            im2col = _alternating(libs, rounds, lambda name, lib: lib.im2col(
-                x, cols[name].transpose(3, 0, 1, 2, 4, 5), stride, pad), calls)
-            col2im = _alternating(libs, rounds, lambda name, lib: lib.col2im(gradient, dx[name], stride, pad), calls)
-            same = np.array_equal(cols["this"], cols["other"]) and np.array_equal(dx["this"], dx["other"])
-            print(f"{t:>7}  {str((n, c, h, k, pad, stride)):<22} {_cell(im2col)}    {_cell(col2im)}"
-                  f"{'' if same else '  RESULTS DIFFER'}")
-    print("threads  swap (A, B, inner)     this / other (us)")
-    for t in threads:
-        for lib in libs.values():
-            lib.set_threads(t)
-        for shape in SWAPS:
-            src = rng.standard_normal(shape, dtype=np.float32)
-            out = {name: np.full((shape[1], shape[0], shape[2]), np.nan, np.float32) for name in libs}
-            swap = _alternating(libs, rounds, lambda name, lib: lib.swap01(src, out[name]), calls)
-            same = np.array_equal(out["this"], out["other"])
-            print(f"{t:>7}  {str(shape):<20} {_cell(swap)}{'' if same else '  RESULTS DIFFER'}")
-    print("threads  product (m, k, n)      this / other (us)")
-    for t in threads:
-        for lib in libs.values():
-            lib.set_threads(t)
-        for m, k, n, transposed in PRODUCTS:
-            a = rng.standard_normal((k, m), dtype=np.float32).T if transposed == "aT" else \
-                rng.standard_normal((m, k), dtype=np.float32)
-            b = rng.standard_normal((n, k), dtype=np.float32).T if transposed == "bT" else \
-                rng.standard_normal((k, n), dtype=np.float32)
-            out = {name: np.full((m, n), np.nan, np.float32) for name in libs}
-            product = _alternating(libs, rounds, lambda name, lib: lib.gemm(a, b, out[name]), calls)
-            same = np.array_equal(out["this"], out["other"])
-            shape = f"{(m, k, n)} {transposed}".rstrip()
-            print(f"{t:>7}  {shape:<20} {_cell(product)}{'' if same else '  RESULTS DIFFER'}")
-    print("threads  depthwise (N, C, H, s)  forward this / other (us)   input gradient          filter gradient")
-    for t in threads:
-        for lib in libs.values():
-            lib.set_threads(t)
-        for n, c, h, stride in DEPTHWISE:
-            ho = (h + 2 - 3) // stride + 1
-            x = rng.standard_normal((n, c, h, h), dtype=np.float32)
-            w = rng.standard_normal((c, 1, 3, 3), dtype=np.float32)
-            g = rng.standard_normal((n, c, ho, ho), dtype=np.float32)
-            cells, same = [], True
-            for op, a, b, shape in (("conv2d", x, w, g.shape), ("conv2d_bwd_data", g, w, x.shape),
-                                    ("conv2d_bwd_filter", g, x, w.shape)):
-                out = {name: np.full(shape, np.nan, np.float32) for name in libs}
-                cells.append(_cell(_alternating(libs, rounds, lambda name, lib: lib.depthwise(
-                    op, a, b, None, out[name], stride, 1), calls)))
-                same = same and np.array_equal(out["this"], out["other"])
-            print(f"{t:>7}  {str((n, c, h, stride)):<22} {'   '.join(cells)}{'' if same else '  RESULTS DIFFER'}")
-    print("threads  pointwise filter (N, O, C, H)  this / other (us)")
-    for t in threads:
-        for lib in libs.values():
-            lib.set_threads(t)
-        for n, o, c, h in POINTWISE_FILTERS:
-            g = rng.standard_normal((n, o, h, h), dtype=np.float32)
-            x = rng.standard_normal((n, c, h, h), dtype=np.float32)
-            out = {name: np.full((o, c, 1, 1), np.nan, np.float32) for name in libs}
-            gradient = _alternating(libs, rounds, lambda name, lib: lib.pointwise_filter(g, x, out[name]), calls)
-            same = np.array_equal(out["this"], out["other"])
-            print(f"{t:>7}  {str((n, o, c, h)):<29} {_cell(gradient)}{'' if same else '  RESULTS DIFFER'}")
-
-DEPTHWISE = [  # (N, C, H=W, stride): MobileNet-v2's 3x3 depthwise layers at 112x112 (batch 16), stride-1 planes
-    # widened (28x28, 56x56) and a vector's channels at a time (7x7, 4x4, strided)
-    (16, 144, 28, 1), (16, 96, 56, 2), (16, 384, 7, 1), (16, 32, 56, 1), (16, 960, 4, 1), (16, 144, 28, 2),
-]
-
-POINTWISE_FILTERS = [  # (N, O, C, H=W): MobileNet-v2's filter gradients of thin pointwise layers at 112x112 (batch
-    # 16), `contract.pointwise_filter`'s: a sample's rows past the chunk's cap, a little (28x28) and by far (56x56)
-    (16, 144, 24, 28), (16, 24, 144, 28), (16, 96, 16, 56), (16, 192, 32, 14),
-]
+    for header, family in FAMILIES:
+        print(header)
+        for t in threads:
+            for lib in libs.values():
+                lib.set_threads(t)
+            family(libs, t, rng, rounds, calls)
 
 
 def _other_source(spec: str, other: Path, directory: Path) -> Path:
