@@ -246,7 +246,7 @@ def main() -> int:
         steps(args.network, args.against.resolve(), args.threads, args.rounds, args.steps)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            libs = {name: _build(directory / "cpu_ops.c", directory, Path(tmp) / f"{name}.so")
+            libs = {name: _build(directory / native.GENERIC_SOURCE, directory, Path(tmp) / f"{name}.so")
                     for name, directory in (("this", native.KERNELS_DIR),
                                             ("other", args.against.resolve() / "runtime" / "kernels"))}
             kernels(libs, args.threads, args.rounds, args.calls)

@@ -42,5 +42,5 @@ def shared_directory(tmp_path_factory) -> Path:
 
 def generic_kernels(tmp_path_factory, *flags: str) -> native.Native:
     """The runtime's generic kernels (kernels/cpu_ops.c) built with `flags`, loaded."""
-    return native.Native(ctypes.CDLL(str(built(shared_directory(tmp_path_factory), native.KERNELS_DIR / "cpu_ops.c",
-                                               *flags))))
+    source = native.KERNELS_DIR / native.GENERIC_SOURCE
+    return native.Native(ctypes.CDLL(str(built(shared_directory(tmp_path_factory), source, *flags))))
