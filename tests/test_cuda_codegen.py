@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import itertools
 import math
 import os
 import re
@@ -47,13 +48,26 @@ needs_cxx = pytest.mark.skipif(shutil.which("g++") is None or shutil.which("gcc"
 
 @needs_nvcc
 def test_every_generated_cu_compiles_for_sm80_and_sm90(tmp_path):
-    """Every program's kernels through nvcc's front end to PTX (compute_80), and the program with the most
-    elementwise kernels through ptxas as well, to a cubin for each of ARCHS (the generic kernels, ops.cu, are the
-    same in every program)."""
+    """Every program's elementwise kernels through nvcc's front end to PTX (compute_80): each distinct kernel once,
+    all in one file with the generic kernels (ops.cu, the same in every program; a kernel of a name another program
+    uses for another expression renamed there), and the program with the most elementwise kernels, as it is,
+    through ptxas as well, to a cubin for each of ARCHS."""
     files = sorted(GENERATED.glob("*.cu"))
     assert {f.stem for f in files} == {f.stem for f in GENERATED.glob("*.py")}, "a program without its kernels"
-    largest = max(files, key=lambda cu: len(set(_ew_names(cu.with_suffix(".py").read_text()))))
-    jobs = [(cu, "ptx", ARCHS[0]) for cu in files] + [(largest, "cubin", arch) for arch in ARCHS]
+    kernels: dict[str, str] = {}               # the name in the common file -> the kernel's text there
+    entries: dict[str, dict[str, str]] = {}    # program -> its kernel's name -> the name in the common file
+    for cu in files:
+        entries[cu.stem] = {}
+        for name, text in _ew_blocks(cu.read_text()).items():
+            for unique in itertools.chain([name], (f"{name}_v{k}" for k in itertools.count(2))):
+                renamed = re.sub(rf"\bdeepdsl_{name}_", f"deepdsl_{unique}_", text)
+                if kernels.setdefault(unique, renamed) == renamed:
+                    break
+            entries[cu.stem][name] = unique
+    common = tmp_path / "every_kernel.cu"
+    common.write_text('#include "ops.cu"\n' + "".join(kernels.values()))
+    largest = max(files, key=lambda cu: len(entries[cu.stem]))
+    jobs = [(common, "ptx", ARCHS[0])] + [(largest, "cubin", arch) for arch in ARCHS]
 
     def compile_one(job):
         cu, kind, arch = job
@@ -64,22 +78,31 @@ def test_every_generated_cu_compiles_for_sm80_and_sm90(tmp_path):
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         failures = [f"{what}:\n{err}" for what, rc, err in pool.map(compile_one, jobs) if rc]
     assert not failures, "\n".join(failures)
+    ptx = (tmp_path / f"{common.stem}.sm{ARCHS[0]}.ptx").read_text()
     for cu in files:              # every elementwise kernel of the program has its three entry points
-        ptx = (tmp_path / f"{cu.stem}.sm{ARCHS[0]}.ptx").read_text()
-        program = cu.with_suffix(".py").read_text()
-        kernels = sorted(set(_ew_names(program)))
-        assert kernels or cu.stem == "mlp", f"{cu.name}: no elementwise kernel"
-        for kernel in kernels:
-            text = cu.read_text()
+        names = sorted(set(_ew_names(cu.with_suffix(".py").read_text())))
+        assert names or cu.stem == "mlp", f"{cu.name}: no elementwise kernel"
+        assert sorted(entries[cu.stem]) == names, f"{cu.name}: other kernels than its program calls"
+        text = cu.read_text()
+        for kernel in names:
             for nd in (1, 2, 4):
-                entry = L.ew_entry(kernel, nd)
-                assert f" {entry}(" in text, f"{cu.name} lacks {entry}"
-                assert f".entry {entry}(" in ptx, f"{entry} missing from the PTX of {cu.name}"
+                assert f" {L.ew_entry(kernel, nd)}(" in text, f"{cu.name} lacks {L.ew_entry(kernel, nd)}"
+                entry = L.ew_entry(entries[cu.stem][kernel], nd)
+                assert f".entry {entry}(" in ptx, f"{entry} (of {cu.name}) missing from the PTX"
     if shutil.which("cuobjdump"):
         names = subprocess.run(["cuobjdump", "-symbols", str(tmp_path / f"{largest.stem}.sm{ARCHS[-1]}.cubin")],
                                capture_output=True, text=True).stdout
         for kernel in sorted(set(_ew_names(largest.with_suffix(".py").read_text()))):
             assert L.ew_entry(kernel, 4) in names, f"{kernel} missing from the cubin of {largest.name}"
+
+
+def _ew_blocks(cu_text: str) -> dict[str, str]:
+    """A generated .cu's elementwise kernels: name -> its text, from its `// ew_...` comment to the next one."""
+    _, include, body = cu_text.partition('#include "ops.cu"\n')
+    assert include, "the generic kernels are not included"
+    blocks = re.split(r"(?m)^(?=// ew_\w+: )", body)
+    assert not blocks[0].strip(), f"text before the first kernel: {blocks[0][:200]}"
+    return {re.match(r"// (ew_\w+): ", block).group(1): block for block in blocks[1:]}
 
 
 def _ew_names(program_text: str) -> list[str]:
@@ -90,8 +113,8 @@ def _ew_names(program_text: str) -> list[str]:
 def test_fat_binary_is_named_by_the_digest_the_runtime_looks_for(tmp_path):
     from deepdsl.codegen.cuda import build_fatbin
 
-    cu = tmp_path / "mlp.cu"
-    shutil.copy(GENERATED / "mlp.cu", cu)
+    cu = tmp_path / "mlp.cu"          # one small kernel: the names are the test (the programs' code is compiled above)
+    cu.write_text('extern "C" __global__ void deepdsl_zero(float* x) { x[threadIdx.x] = 0.0F; }\n')
     (tmp_path / "mlp.0123456789abcdef.fatbin").write_bytes(b"stale")
     fatbin = build_fatbin(cu)
     assert fatbin is not None and fatbin.name == f"mlp.{sources_digest(cu.read_text())}.fatbin"

@@ -1247,10 +1247,12 @@ def test_a_missing_library_runs_numpy_or_is_refused(tmp_path):
     with pytest.raises(RunError, match="compiled CPU kernels: .*is not built"):
         cls("cpu", 0, kernels="compiled")
     # the program's run builds a missing library; where the build fails, compiled kernels are refused in one line
+    # (an empty cache directory: no library built before to take instead)
     from deepdsl.codegen import program_env
     done = subprocess.run([sys.executable, str(path), "--iters", "1", "--test-iters", "1", "--data", "synthetic",
                            "--params", str(tmp_path / "p.npz"), "--kernels", "compiled"], capture_output=True,
-                          text=True, timeout=300, env={**program_env(), "CC": str(tmp_path / "no-such-cc")})
+                          text=True, timeout=300, env={**program_env(), "CC": str(tmp_path / "no-such-cc"),
+                                                       "DEEPDSL_CACHE": str(tmp_path / "cache")})
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "is not built" in done.stderr, done.stderr
     assert "not built (" in done.stdout and "no-such-cc did not run" in done.stdout, done.stdout
 
@@ -1284,7 +1286,9 @@ def test_a_program_builds_its_missing_library_on_its_first_run(tmp_path):
 @needs_cc
 def test_programs_share_one_library_of_the_generic_kernels(tmp_path, monkeypatch):
     """Every program's library holds its own kernels only; the generic ones are one library in the cache directory,
-    built once for all programs, rebuilt where it has gone, and beside the program where no cache can be written."""
+    built once for all programs, rebuilt where it has gone, and beside the program where no cache can be written.
+    A program's library is kept in the cache directory as well: the same program written elsewhere takes it from
+    there (no compiler runs), another one is built, and the least recently used go beyond the cache's size."""
     import os
 
     root = Path(__file__).resolve().parents[1]
@@ -1296,7 +1300,9 @@ def test_programs_share_one_library_of_the_generic_kernels(tmp_path, monkeypatch
         assert built == native.library_path(tmp_path / f"{name}.c"), why
     generic = native.generic_library(tmp_path / "mlp.c")
     assert generic.parent == tmp_path / "cache" and generic == native.generic_library(tmp_path / "lenet.c")
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [generic.name]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [generic.name, "programs"]
+    assert sorted(p.name for p in (tmp_path / "cache" / "programs").iterdir()) == sorted(
+        native.library_path(tmp_path / f"{name}.c").name for name in ("mlp", "lenet"))
     for name in ("mlp", "lenet"):
         own = ctypes.CDLL(str(native.library_path(tmp_path / f"{name}.c")))
         assert hasattr(own, "deepdsl_channel_sum") and not hasattr(own, "deepdsl_im2col")
@@ -1311,11 +1317,29 @@ def test_programs_share_one_library_of_the_generic_kernels(tmp_path, monkeypatch
     assert native.to_build(tmp_path / "lenet.py") == lenet
     assert native.build_library(tmp_path / "lenet.c")[0] == lenet and generic.exists()
     assert lenet.stat().st_mtime_ns == built_at and native.to_build(tmp_path / "lenet.py") is None
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(tmp_path / "lenet.c", elsewhere / "lenet.c")
+    no_compiler = str(tmp_path / "no-such-cc")
+    taken, why = native.build_library(elsewhere / "lenet.c", no_compiler)
+    assert taken == native.library_path(elsewhere / "lenet.c") and taken.name == lenet.name, why
+    assert taken.read_bytes() == lenet.read_bytes() and native.load(elsewhere / "lenet.py")[0] is not None
+    (elsewhere / "lenet.c").write_text((tmp_path / "lenet.c").read_text() + "/* another program */\n")
+    assert native.build_library(elsewhere / "lenet.c", no_compiler) == (None, f"{no_compiler} did not run: "
+                                                                        f"[Errno 2] No such file or directory: "
+                                                                        f"'{no_compiler}'")
+    kept = {name: native.cached_library(native.library_path(tmp_path / f"{name}.c")) for name in ("mlp", "lenet")}
+    monkeypatch.setattr(native, "CACHE_BYTES", sum(p.stat().st_size for p in kept.values()) + 4096)
+    os.utime(kept["lenet"], (1, 1))                                             # the least recently used
+    other, _ = native.build_library(elsewhere / "lenet.c")                     # one library more than fits
+    assert other is not None and other.name != lenet.name
+    assert sorted((tmp_path / "cache" / "programs").iterdir()) == sorted([kept["mlp"], native.cached_library(other)])
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("DEEPDSL_CACHE", str(tmp_path / "file" / "cache"))      # cannot be made
     assert native.generic_library(tmp_path / "mlp.c") == tmp_path / generic.name
     assert native.build_library(tmp_path / "mlp.c")[0] is not None and (tmp_path / generic.name).exists()
-    assert native.load(tmp_path / "mlp.py")[0] is not None and os.listdir(tmp_path / "cache") == [generic.name]
+    assert native.load(tmp_path / "mlp.py")[0] is not None
+    assert sorted(os.listdir(tmp_path / "cache")) == [generic.name, "programs"]
 
 
 @needs_cc

@@ -43,8 +43,8 @@ from deepdsl_runtime import contract
 from deepdsl_runtime.cpu.scratch import Scratch
 
 __all__ = ["Native", "load", "library_path", "generic_library", "sources_digest", "set_blas_threads",
-           "threads_available", "BUILD_FLAGS", "KERNELS_DIR", "build_library", "compile_command", "find_compiler",
-           "to_build"]
+           "threads_available", "BUILD_FLAGS", "KERNELS_DIR", "build_library", "cached_library", "compile_command",
+           "find_compiler", "to_build"]
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # the generic kernels' source, and the runtime's sources of both libraries (a program's .c includes cpu_common.h)
@@ -177,7 +177,8 @@ def compile_command(source: Path, output: Path, compiler: str | None = None) -> 
 def build_library(source, compiler: str | None = None) -> tuple[Path | None, str]:
     """Build the library of `source` (`<program>.c`) beside it, unless the current one is there (older libraries of
     the program are removed), and the generic kernels' library first where it is missing (`generic_library`): (the
-    program's library's path, "") or (None, why not)."""
+    program's library's path, "") or (None, why not). A library of the same digest built before, for this program
+    written elsewhere, is taken from the cache directory (`cached_library`) instead of being built again."""
     source = Path(source)
     compiler = compiler or find_compiler()
     if compiler is None:
@@ -185,12 +186,70 @@ def build_library(source, compiler: str | None = None) -> tuple[Path | None, str
     generic, why = _build(KERNELS_DIR / GENERIC_SOURCE, generic_library(source), compiler)
     if generic is None:
         return None, why
-    target, why = _build(source, library_path(source), compiler)
+    target = library_path(source)
+    cached = cached_library(target)
+    if not target.exists() and not (cached is not None and _link(cached, target)):
+        target, why = _build(source, target, compiler)
+        if target is not None and cached is not None and _link(target, cached):
+            _prune(cached.parent)
     if target is not None:
         for old in source.parent.glob(f"{source.stem}.*.so"):
             if old != target:
                 old.unlink(missing_ok=True)
     return target, why
+
+
+# the programs' libraries kept in the cache directory: at most this many bytes (the least recently used go first)
+CACHE_BYTES = 256 << 20
+
+
+def cached_library(target: Path) -> Path | None:
+    """Where the cache directory keeps a copy of the program library `target` (`programs/<program>.<digest>.so`;
+    the digest names the program's C text, the runtime's sources, the flags and the processor); None where there
+    is no cache directory to write."""
+    cache = _cache_directory()
+    if cache is None:
+        return None
+    try:
+        os.makedirs(cache / "programs", exist_ok=True)
+    except OSError:
+        return None
+    return cache / "programs" / target.name
+
+
+def _link(existing: Path, path: Path) -> bool:
+    """Put `existing` at `path` (a hard link, else a copy), atomically: whether it is there now. Marks `existing`
+    used (its modification time: the cache keeps what was used last)."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        os.utime(existing)
+        try:
+            os.link(existing, partial)
+        except OSError:
+            shutil.copyfile(existing, partial)
+        os.replace(partial, path)
+        return True
+    except OSError:
+        partial.unlink(missing_ok=True)
+        return False
+
+
+def _prune(directory: Path, keep: int | None = None) -> None:
+    """Remove the least recently used libraries of `directory` beyond `keep` bytes in all (`CACHE_BYTES`)."""
+    keep = CACHE_BYTES if keep is None else keep
+    entries = []
+    for path in directory.glob("*.so"):
+        try:
+            stat = path.stat()
+        except OSError:             # (removed meanwhile by another process's pruning)
+            continue
+        entries.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= keep:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
 
 
 def _build(source: Path, target: Path, compiler: str) -> tuple[Path | None, str]:
