@@ -8,8 +8,8 @@ Default networks: lenet:64 lenet:500 alexnet:16:227 resnet50:8:112 (BATCH: the n
 the input's height and width); also
 mobilenet_v2, vit and char_lm (the byte-level language model, on random tokens with a label per position). Each
 network is compiled once with `deepdsl compile` (its wall time is reported as ours' compile time; the command also
-builds the program's compiled kernels). Then, for each thread count, the sides run in rounds, interleaved (one
-process per side per round, so a busy moment of a shared machine falls on all sides alike), each on the same
+builds the program's compiled kernels). Then the sides run in rounds, interleaved (one process per side and thread
+count per round, so a busy moment of a shared machine falls on all sides and thread counts alike), each on the same
 synthetic batches with the same thread count (OMP/OPENBLAS/MKL_NUM_THREADS and torch.set_num_threads):
 
 - ours: the generated program's `train_step` with its compiled kernels (`--kernels compiled`); numpy: the same
@@ -24,7 +24,9 @@ synthetic batches with the same thread count (OMP/OPENBLAS/MKL_NUM_THREADS and t
 
 A side's figure for a round is the median of its `--steps` timed steps after `--warmup` untimed ones; the table
 gives the median over rounds, its ratio to ours (above 1: slower than ours), the peak RSS (ru_maxrss) and its
-ratio, and the first step's seconds (for torch.compile: compiling; for jax: tracing and compiling). The load
+ratio, and the first step's seconds (for torch.compile: compiling; for jax: tracing and compiling); below it, for
+each network and thread count after the first, each side's speed-up from the first count (the median of the rounds'
+ratios: the same round ran both). The load
 average is printed before and after; the first line names the processor and its widest vector extension (AVX-512,
 AVX2), which every figure depends on.
 
@@ -288,18 +290,22 @@ def main(argv=None) -> int:
     print_row(("network", "batch", "threads", "side", "ms/step", "vs ours", "peak RSS MiB", "vs ours",
                "first step s"), args.markdown, 12, header=True)
     torch_isas: set[str] = set()
+    scaling: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, batch, image in specs:
             program, compile_s, info = _compile(name, batch, image, Path(tmp))
             batch = str(info["shape"][0])
             sides = [s for s in args.sides if s not in ("eager", "compile", "max-autotune", "jax") or name in TWINS]
-            for threads in args.threads:
-                runs: dict[str, list[dict]] = {s: [] for s in sides}
-                for _ in range(args.rounds):
+            # a round runs every side at every thread count, so a slow phase of the machine falls on all of them
+            by_threads: dict[int, dict[str, list[dict]]] = {t: {s: [] for s in sides} for t in args.threads}
+            for _ in range(args.rounds):
+                for threads in args.threads:
                     for side in sides:
                         job = {"side": side, "threads": threads, "program": str(program), "network": name, **info}
-                        runs[side].append(_spawn(["--worker", json.dumps(job), "--warmup", str(args.warmup),
-                                                  "--steps", str(args.steps)], threads))
+                        by_threads[threads][side].append(_spawn(["--worker", json.dumps(job), "--warmup",
+                                                                 str(args.warmup), "--steps", str(args.steps)],
+                                                                threads))
+            for threads, runs in by_threads.items():
                 ours = _summary(runs["ours"]) if "ours" in runs else None
                 torch_isas.update(r["isa"] for side in sides for r in runs[side] if "isa" in r)
                 for side in sides:
@@ -314,10 +320,32 @@ def main(argv=None) -> int:
                                f"{s['ms'] / ours['ms']:.2f}x" if ours else "-", f"{s['peak_mib']:.0f}",
                                f"{s['peak_mib'] / ours['peak_mib']:.2f}x" if ours else "-",
                                f"{first:.1f}" + (" (compile)" if side == "ours" else "")), args.markdown, 12)
+            scaling.extend(_scaling(f"{name} {batch}", by_threads))
+    for line in scaling:
+        print(line)
     if torch_isas:
         print(f"PyTorch's kernels ran on: {'; '.join(sorted(torch_isas))}")
     print(f"load average after: {load_average()}")
     return 0
+
+
+def _scaling(network: str, by_threads: dict[int, dict[str, list[dict]]]) -> list[str]:
+    """For each thread count after the first: how many times faster each side's step is than at the first count,
+    the median of the rounds' ratios (a round ran both counts minutes apart at most, in the same phase of a shared
+    machine)."""
+    first, *others = by_threads
+    lines = []
+    for threads in others:
+        ratios = []
+        for side, runs in by_threads[threads].items():
+            pairs = [(a["ms"], b["ms"]) for a, b in zip(by_threads[first][side], runs)
+                     if "error" not in a and "error" not in b]
+            if pairs:
+                ratios.append(f"{side} {statistics.median(a / b for a, b in pairs):.2f}x")
+        if ratios:
+            lines.append(f"{network}: {first} thread(s) to {threads}, the step's speed-up (median over rounds): "
+                         + ", ".join(ratios))
+    return lines
 
 
 def _summary(runs: list[dict]) -> dict | None:

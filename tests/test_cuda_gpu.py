@@ -6,7 +6,7 @@
 - One training step and a test step of LeNet and of a branching network (inception_mini, concat) on the GPU equal
   the CPU's, in every memory mode, and the device allocator measures exactly the planned peak.
 - LeNet trained on the digits with --device cuda reaches 97 % test accuracy in 200 iterations (on the emulator 95 %
-  in 100); the report's measured peaks equal the planned ones.
+  in 50); the report's measured peaks equal the planned ones.
 - Two ranks of a data-parallel --device cuda program train as one process accumulating two batches (bit for bit).
 - The fat binary `deepdsl compile` builds is what the program loads.
 - benchmarks/cuda_vs_pytorch.py runs (two steps per side), and its worker for our program alone.
@@ -35,9 +35,13 @@ pytestmark = pytest.mark.gpu
 GPU_TOLERANCE = 1e-4
 # LeNet's training on the digits: as tests/test_generated.py, batch 64 and lr 0.02 reach 97.8-98.75 % on the CPU in
 # 200 iterations; on the host emulator of a GPU (--fake-gpu: every thread of every block run on the host, its steps
-# checked against the CPU's above) half as many, which reach 98 % on the CPU
+# checked against the CPU's above) a quarter as many, which reach 97 % on the CPU
 EMULATED = os.environ.get("DEEPDSL_FAKE_GPU") == "1"
-LENET_ITERS, LENET_ACCURACY = (100, 0.95) if EMULATED else (200, 0.97)
+LENET_ITERS, LENET_ACCURACY = (50, 0.95) if EMULATED else (200, 0.97)
+# the networks whose steps are compared with the CPU's; on the emulator AlexNet's convolutions are left to
+# tests/test_cuda_codegen.py's emulated programs (the same steps, without the pycuda layer: minutes of host threads)
+STEP_CASES = [("lenet", 16, None), ("inception_mini", 4, None), ("resnet_mini", 4, None)] + \
+    ([] if EMULATED else [("alexnet", 2, (67, 67))])
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +60,7 @@ def test_ops_on_the_gpu_match_the_cpu_backend(case, rt):
         cuda_cases.compare(rt, label, got, expected, 0 if tolerance == 0 else max(tolerance, GPU_TOLERANCE))
 
 
-@pytest.mark.parametrize("name,batch,image", [("lenet", 16, None), ("inception_mini", 4, None),
-                                              ("resnet_mini", 4, None), ("alexnet", 2, (67, 67))])
+@pytest.mark.parametrize("name,batch,image", STEP_CASES)
 def test_a_training_step_on_the_gpu_equals_the_cpu_step(name, batch, image, rt, tmp_path):
     from deepdsl_runtime.memory import MODES
 

@@ -465,7 +465,7 @@ def test_the_fake_is_strict(fake):
 def test_the_gpu_tests_pass_on_the_emulated_gpu():
     """tests/test_cuda_gpu.py run with `--fake-gpu` (its own pytest process: the fake pycuda is installed there for
     the whole process and the programs it starts): every op, training steps equal to the CPU's in every memory mode,
-    LeNet learning the digits with `--device cuda` (95 % in 100 iterations, three processes), the fat binary load
+    LeNet learning the digits with `--device cuda` (95 % in 50 iterations, three processes), the fat binary load
     and the benchmark's worker for our program all pass; only the PyTorch side of the benchmark is skipped (no CUDA
     for PyTorch). Keeps the GPU tests runnable for the machines that have a GPU."""
     import subprocess

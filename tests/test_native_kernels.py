@@ -1387,6 +1387,7 @@ def test_the_peer_benchmark_runs(tmp_path):
         assert float(rows[3][4]) > 0, done.stdout
     assert re.search(r"\(\w+, (AVX-512|AVX2|no AVX2|unknown)\), \d+ cores", done.stdout.splitlines()[0]), done.stdout
     assert re.search(r"^PyTorch's kernels ran on: ATen \w+, MKL [\w-]+, oneDNN [\w-]+$", done.stdout, re.M), done.stdout
+    assert "thread(s) to" not in done.stdout, done.stdout            # one thread count: no speed-up to state
     for spec, says in (("nonet:4", "no network 'nonet' in networks/"),
                        ("lenet:x", "the batch 'x' is no positive number")):
         bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_vs_peers.py"), spec], capture_output=True,
@@ -1431,6 +1432,25 @@ def test_an_avx2_run_holds_every_pytorch_library_to_avx2():
 
 
 @needs_cc
+def test_the_peer_benchmark_states_each_sides_speed_up_by_rounds():
+    """The speed-up from one thread count to the next is the median of each round's ratio (the rounds interleave
+    the counts), for every side that ran in both, at every count after the first."""
+    import sys
+
+    from tests.support.program_helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cpu_vs_peers
+
+    runs = {1: {"ours": [{"ms": 10.0}, {"ms": 30.0}, {"ms": 12.0}], "eager": [{"ms": 8.0}, {"error": "x"}]},
+            2: {"ours": [{"ms": 5.0}, {"ms": 10.0}, {"ms": 8.0}], "eager": [{"ms": 6.0}, {"ms": 4.0}]},
+            4: {"ours": [{"ms": 4.0}, {"ms": 6.0}, {"ms": 6.0}], "eager": [{"error": "y"}, {"error": "z"}]}}
+    assert cpu_vs_peers._scaling("lenet 8", runs) == [
+        "lenet 8: 1 thread(s) to 2, the step's speed-up (median over rounds): ours 2.00x, eager 1.33x",
+        "lenet 8: 1 thread(s) to 4, the step's speed-up (median over rounds): ours 2.50x"]
+    assert cpu_vs_peers._scaling("lenet 8", {1: runs[1]}) == []
+
+
 def test_the_peer_benchmark_trains_the_language_model_on_tokens(tmp_path):
     """benchmarks/cpu_vs_peers.py on the byte-level language model: both sides train on random tokens with a label
     per position (ours and PyTorch eager's twin), each reporting a step time."""
