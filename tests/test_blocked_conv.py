@@ -21,6 +21,7 @@ from deepdsl.ir import make
 from deepdsl.ops import EvalContext, get_op
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import conv
+from tests.support.kernel_builds import ISAS
 from tests.test_direct_conv import avx2_kernels, plain_kernels  # noqa: F401  (session fixtures)
 from tests.test_native_kernels import lib  # noqa: F401  (the fixture: resnet_mini's library)
 from tests.test_runtime_cpu import leaf
@@ -287,7 +288,7 @@ def test_without_avx2_the_convolutions_keep_im2col(plain_kernels):  # noqa: F811
         np.testing.assert_allclose(_run(plain, node, arrays), _run(None, node, arrays), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_the_layer_benchmark_runs(isa):
     """benchmarks/conv_layers.py on a small network: a row per distinct convolution at one thread, the tiles'
     column filled for some layers (forward and input gradients only), the blocked column for some and the Winograd

@@ -15,7 +15,7 @@ import pytest
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu import backend, native
 from deepdsl_runtime.cpu.linalg import Products
-from tests.support.kernel_builds import AVX2, generic_kernels
+from tests.support.kernel_builds import AVX2, ISAS, generic_kernels
 from tests.test_native_kernels import _program, needs_cc
 
 
@@ -409,7 +409,7 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
 
 
 @needs_cc
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
     """benchmarks/small_kernels.py at a tiny size (also with both sides restricted to AVX2): the mask, the fourteen
     products, the three transposes, the three attentions and the two bias sums timed on both sides, each pair

@@ -188,9 +188,13 @@ def build_library(source, compiler: str | None = None) -> tuple[Path | None, str
         return None, why
     target = library_path(source)
     cached = cached_library(target)
-    if not target.exists() and not (cached is not None and _link(cached, target)):
+    if not target.exists() and cached is not None and cached.exists() and _link(cached, target):
+        # (the claim of this build that `deepdsl compile` made for this process is done with)
+        target.with_name(f".{target.name}.{os.getpid()}.tmp").unlink(missing_ok=True)
+        why = ""
+    else:
         target, why = _build(source, target, compiler)
-        if target is not None and cached is not None and _link(target, cached):
+        if target is not None and cached is not None and not cached.exists() and _link(target, cached):
             _prune(cached.parent)
     if target is not None:
         for old in source.parent.glob(f"{source.stem}.*.so"):
@@ -220,7 +224,7 @@ def cached_library(target: Path) -> Path | None:
 def _link(existing: Path, path: Path) -> bool:
     """Put `existing` at `path` (a hard link, else a copy), atomically: whether it is there now. Marks `existing`
     used (its modification time: the cache keeps what was used last)."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.link")       # (no build in progress to `building`)
     try:
         os.utime(existing)
         try:

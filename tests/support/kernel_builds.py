@@ -10,10 +10,27 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from deepdsl.codegen.native import compile_command
 from deepdsl_runtime.cpu import native
 
 AVX2 = ("-mavx2", "-mfma", "-mno-avx512f")     # a processor with AVX2 and fused multiply-adds, no AVX-512
+
+
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            return any(line.startswith("flags") and " avx512f" in line for line in info)
+    except OSError:
+        return False
+
+
+HAS_AVX512 = _has_avx512()
+# `--isa` of the benchmarks' runs: "avx2" restricts every side to AVX2, which is what "native" runs on a processor
+# without AVX-512 (the same kernels, built again under other flags): run there only where the two differ
+ISAS = ["native", pytest.param("avx2", marks=pytest.mark.skipif(not HAS_AVX512, reason="no AVX-512 here: avx2 is "
+                                                                                         "the native run"))]
 
 
 def built(shared: Path, source: Path, *flags: str) -> Path:
@@ -41,6 +58,11 @@ def shared_directory(tmp_path_factory) -> Path:
 
 
 def generic_kernels(tmp_path_factory, *flags: str) -> native.Native:
-    """The runtime's generic kernels (kernels/cpu_ops.c) built with `flags`, loaded."""
+    """The runtime's generic kernels (kernels/cpu_ops.c) built with `flags`, loaded. AVX2's on a processor without
+    AVX-512 are what `-march=native` builds there: the programs' own library of them (built where missing)."""
     source = native.KERNELS_DIR / native.GENERIC_SOURCE
+    if flags == AVX2 and not HAS_AVX512:
+        library, why = native._build(source, native.generic_library(source), native.find_compiler() or "cc")
+        assert library is not None, why
+        return native.Native(ctypes.CDLL(str(library)))
     return native.Native(ctypes.CDLL(str(built(shared_directory(tmp_path_factory), source, *flags))))
