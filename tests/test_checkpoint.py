@@ -41,6 +41,21 @@ def inception(tmp_path_factory):
     return program
 
 
+@pytest.mark.parametrize("shape", [(300, 784), (64, 3, 7, 7), (10,), (), (0, 5)])
+def test_xavier_draws_numpys_uniform_bit_for_bit(shape):
+    """The xavier initializer gives what `rng.uniform(-b, b, shape)` gives (as float32), and leaves the generator
+    where it leaves it: the parameters every program starts from, whichever way they are drawn."""
+    from deepdsl_runtime.program import initial_value
+
+    ours, numpys = np.random.default_rng(5), np.random.default_rng(5)
+    bound = np.sqrt(3 / (int(np.prod(shape[1:])) if len(shape) > 1 else 1))
+    for _ in range(2):
+        got = initial_value(shape, "xavier", ours)
+        assert got.dtype == np.float32 and got.shape == shape
+        assert np.array_equal(got, numpys.uniform(-bound, bound, shape).astype(np.float32))
+    assert ours.random() == numpys.random()
+
+
 def test_initial_checkpoint_format(mlp, tmp_path):
     path = tmp_path / "init.npz"
     done = run_cli(mlp, "--iters", "0", "--params", str(path))
