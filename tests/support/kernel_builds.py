@@ -18,15 +18,7 @@ from deepdsl_runtime.cpu import native
 AVX2 = ("-mavx2", "-mfma", "-mno-avx512f")     # a processor with AVX2 and fused multiply-adds, no AVX-512
 
 
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            return any(line.startswith("flags") and " avx512f" in line for line in info)
-    except OSError:
-        return False
-
-
-HAS_AVX512 = _has_avx512()
+HAS_AVX512 = " avx512f" in native._processor()      # (its feature flags, as the libraries' digest names them)
 # `--isa` of the benchmarks' runs: "avx2" restricts every side to AVX2, which is what "native" runs on a processor
 # without AVX-512 (the same kernels, built again under other flags): run there only where the two differ
 ISAS = ["native", pytest.param("avx2", marks=pytest.mark.skipif(not HAS_AVX512, reason="no AVX-512 here: avx2 is "
