@@ -1,8 +1,8 @@
 """The CUDA backend without a GPU: generated kernels compile, and everything the host decides is checked.
 
-- Every generated/<net>.cu compiles with nvcc to PTX, and the one with the most elementwise kernels to cubins for
-  sm_80 and sm_90 (skipped without nvcc), and `deepdsl compile`'s fat binary builds and is named by the digest the
-  runtime looks for.
+- Every elementwise kernel of generated/<net>.cu compiles with nvcc to PTX (each distinct one once, with the
+  generic kernels), and the file with the most of them to cubins for sm_80 and sm_90 (skipped without nvcc), and
+  `deepdsl compile`'s fat binary builds and is named by the digest the runtime looks for.
 - sympy expressions print as float32 C that computes what numpy computes (compiled with the host C compiler).
 - Broadcasting layouts, launch geometry, reduction plans, takeover waves, the batched-GEMM argument mapping and
   workspace chunking, as pure functions, against numpy or by their stated invariants.
