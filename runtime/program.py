@@ -79,7 +79,8 @@ def initial_value(shape: tuple[int, ...], init: str, rng: np.random.Generator) -
     value = float(rest.rstrip(")")) if rest else 0.0
     if kind == "xavier":
         fan_in = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        low, high = -math.sqrt(3.0 / fan_in), math.sqrt(3.0 / fan_in)
+        high = math.sqrt(3.0 / fan_in)
+        low = -high
         # rng.uniform(low, high, shape) bit for bit, as numpy computes it (low + (high - low) * u, u from
         # rng.random), in place: 4x faster than rng.uniform here (7 against 27 ns an element)
         values = rng.random(shape)

@@ -160,9 +160,8 @@ def test_every_network_fits_its_budgets(name, image, tmp_path):
     if name == "alexnet":
         assert recomputing == 0
         for other in LIKE_ALEXNET:
-            image_of = dict(NETWORKS_AT_TEST_SIZE)[other]
-            fit = deepdsl.compile(load(other, 2, image_of), deepdsl.CompileOptions(
-                memory_budget=least_total(load(other, 2, image_of)))).steps["train"].fit
+            loop = load(other, 2, dict(NETWORKS_AT_TEST_SIZE)[other])
+            fit = deepdsl.compile(loop, deepdsl.CompileOptions(memory_budget=least_total(loop))).steps["train"].fit
             assert fit.recomputations == 0, other
 
 
