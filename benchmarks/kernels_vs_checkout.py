@@ -2,7 +2,7 @@
 and axis-swap kernels, products, depthwise convolutions and pointwise filter gradients alone, or whole training steps
 of a network.
 
-    python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5] [--calls 15]
+    python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5] [--calls 15] [--kernels ...]
     python benchmarks/kernels_vs_checkout.py --against OTHER --network lenet:64 [--threads 1] [--rounds 8] [--steps 12]
 
 OTHER is the root of another checkout (`git worktree add /tmp/other REV`). Kernels: `runtime/kernels/cpu_ops.c` of
@@ -61,6 +61,11 @@ PRODUCTS = [  # (m, k, n, the operand read transposed): ResNet-50's pointwise la
 DEPTHWISE = [  # (N, C, H=W, stride): MobileNet-v2's 3x3 depthwise layers at 112x112 (batch 16), stride-1 planes
     # widened (28x28, 56x56) and a vector's channels at a time (7x7, 4x4, strided)
     (16, 144, 28, 1), (16, 96, 56, 2), (16, 384, 7, 1), (16, 32, 56, 1), (16, 960, 4, 1), (16, 144, 28, 2),
+]
+ATTENTION = [  # (N, H, t, features, causal, keep): a ViT's heads (64 x 16 tokens at 64 features, 4 heads), a
+    # character model's (32 x 64 causal tokens), causal heads with a tenth of their weights dropped, weighed unit by
+    # unit (`Native.attention_units`), heads read in place from the projections' (N, t, H, features) layout
+    (64, 4, 16, 16, False, None), (32, 4, 64, 16, True, None), (32, 4, 16, 16, True, 0.9),
 ]
 POINTWISE_FILTERS = [  # (N, O, C, H=W): MobileNet-v2's filter gradients of thin pointwise layers at 112x112 (batch
     # 16), `contract.pointwise_filter`'s: a sample's rows past the chunk's cap, a little (28x28) and by far (56x56)
@@ -157,24 +162,43 @@ def _pointwise_filters(libs: dict, t: int, rng, rounds: int, calls: int) -> None
         _row(t, (n, o, c, h), 29, [gradient], np.array_equal(out["this"], out["other"]))
 
 
+def _attention(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
+    for n, heads, tokens, features, causal, keep in ATTENTION:
+        shape = (n, tokens, heads, features)
+        q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+        mask = None if keep is None else (rng.random((n * heads, tokens, tokens)) < keep).astype(np.uint8)
+        scale = 1.0 / features ** 0.5
+        out = {name: np.full(shape, np.nan, np.float32) for name in libs}
+        grads = {name: [np.full(shape, np.nan, np.float32) for _ in range(3)] for name in libs}
+        forward = _alternating(libs, rounds, lambda name, lib: lib.attention_units(
+            q, k, v, None, mask, keep or 1.0, out[name], scale, causal, heads=True), calls)
+        gradient = _alternating(libs, rounds, lambda name, lib: lib.attention_units_grad(
+            q, k, v, out["this"], g, None, mask, keep or 1.0, *grads[name], scale, causal, heads=True), calls)
+        same = all(np.array_equal(x, y) for x, y in zip([out["this"], *grads["this"]], [out["other"], *grads["other"]]))
+        _row(t, (n, heads, tokens, features, causal, keep), 30, [forward, gradient], same)
+
+
 def _row(threads: int, what, width: int, cells: list[dict], same: bool) -> None:
     print(f"{threads:>7}  {str(what):<{width}} {'    '.join(_cell(c) for c in cells)}"
           f"{'' if same else '  RESULTS DIFFER'}")
 
 
-FAMILIES = [  # (header, timing of one thread count)
-    ("threads  geometry                 im2col this / other (us)    col2im this / other (us)", _copies),
-    ("threads  swap (A, B, inner)     this / other (us)", _swaps),
-    ("threads  product (m, k, n)      this / other (us)", _products),
-    ("threads  depthwise (N, C, H, s)  forward this / other (us)    input gradient           filter gradient",
-     _depthwise),
-    ("threads  pointwise filter (N, O, C, H)  this / other (us)", _pointwise_filters),
-]
+FAMILIES = {  # name: (header, timing of one thread count)
+    "copies": ("threads  geometry                 im2col this / other (us)    col2im this / other (us)", _copies),
+    "swaps": ("threads  swap (A, B, inner)     this / other (us)", _swaps),
+    "products": ("threads  product (m, k, n)      this / other (us)", _products),
+    "depthwise": ("threads  depthwise (N, C, H, s)  forward this / other (us)    input gradient           filter "
+                  "gradient", _depthwise),
+    "pointwise": ("threads  pointwise filter (N, O, C, H)  this / other (us)", _pointwise_filters),
+    "attention": ("threads  attention (N, H, t, d, causal, keep)  forward this / other (us)    gradient",
+                  _attention),
+}
 
 
-def kernels(libs: dict, threads: list[int], rounds: int, calls: int = 15) -> None:
+def kernels(libs: dict, threads: list[int], rounds: int, calls: int = 15, families=tuple(FAMILIES)) -> None:
     rng = np.random.default_rng(0)
-    for header, family in FAMILIES:
+    for name in families:
+        header, family = FAMILIES[name]
         print(header)
         for t in threads:
             for lib in libs.values():
@@ -240,6 +264,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--calls", type=int, default=15, help="kernels: the calls a round times (their median)")
+    parser.add_argument("--kernels", nargs="+", choices=list(FAMILIES), default=list(FAMILIES),
+                        help="kernels: the families timed (all by default)")
     args = parser.parse_args()
     print(f"load average before: {load_average()}")
     if args.network:
@@ -249,7 +275,7 @@ def main() -> int:
             libs = {name: _build(directory / native.GENERIC_SOURCE, directory, Path(tmp) / f"{name}.so")
                     for name, directory in (("this", native.KERNELS_DIR),
                                             ("other", args.against.resolve() / "runtime" / "kernels"))}
-            kernels(libs, args.threads, args.rounds, args.calls)
+            kernels(libs, args.threads, args.rounds, args.calls, args.kernels)
     print(f"load average after: {load_average()}")
     return 0
 

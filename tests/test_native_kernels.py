@@ -1504,8 +1504,8 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
 @needs_cc
 def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry, product, depthwise
-    convolution and pointwise filter gradient timed with both libraries and their results the same; and whole steps
-    of a network with each checkout's library in turn."""
+    convolution, pointwise filter gradient and attention timed with both libraries and their results the same; one
+    family alone; and whole steps of a network with each checkout's library in turn."""
     import re
     import sys
 
@@ -1533,6 +1533,11 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     filters = re.findall(r"^ +1 +\((\d+), (\d+), (\d+), (\d+)\) +(\d+) / (\d+) +\([\d.]+\)(.*)$",
                          kernels.split("pointwise filter (N, O, C, H)")[1], re.M)
     assert len(filters) == 4 and all(not row[-1] for row in filters), kernels
+    attention = re.findall(r"^ +1 +\((\d+), (\d+), (\d+), (\d+), (True|False), (None|[\d.]+)\)"
+                           r"((?: +\d+ / \d+ +\([\d.]+\)){2})(.*)$", kernels.split("attention (N, H, t")[1], re.M)
+    assert len(attention) == 3 and all(not row[-1] for row in attention), kernels
+    only = run("--calls", "1", "--kernels", "swaps")
+    assert "swap (A, B, inner)" in only and "product (m, k, n)" not in only, only
     whole = run("--network", "lenet:8", "--steps", "3")
     assert re.search(r"^lenet:8 1 thread\(s\), other: [\d.]+ ms; median [\d.]+$", whole, re.M), whole
     assert re.search(r"^lenet:8 1 thread\(s\): this / other, median over rounds [\d.]+$", whole, re.M), whole

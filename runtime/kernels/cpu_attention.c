@@ -40,27 +40,24 @@ static void deepdsl_att_softmax_row(float* row, long keys, long s, float scale, 
     deepdsl_v8f top8 = none, sum8 = {0};
     for (long j = 0; j < keys; j += 8) {
         const deepdsl_v8i in = deepdsl_inside((int)j, (int)keys);
-        deepdsl_v8f v = deepdsl_load(row + j, in) * scale;
-        if (b) v += col ? deepdsl_load(b + j, in) : (deepdsl_v8f){0} + b[0];
+        deepdsl_v8f v = deepdsl_load_in(row + j, j, keys) * scale;
+        if (b) v += col ? deepdsl_load_in(b + j, j, keys) : (deepdsl_v8f){0} + b[0];
         v = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, in, v, none);
-        deepdsl_store(row + j, in, v);
+        deepdsl_store_in(row + j, j, keys, v);
         top8 = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, v > top8, v, top8);
     }
     float top = top8[0];
     for (int l = 1; l < 8; ++l) top = top8[l] > top ? top8[l] : top;
     for (long j = 0; j < keys; j += 8) {
         const deepdsl_v8i in = deepdsl_inside((int)j, (int)keys);
-        const deepdsl_v8f e = deepdsl_exp8(deepdsl_load(row + j, in) - top);
-        deepdsl_store(row + j, in, e);
+        const deepdsl_v8f e = deepdsl_exp8(deepdsl_load_in(row + j, j, keys) - top);
+        deepdsl_store_in(row + j, j, keys, e);
         sum8 += DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, in, e, (deepdsl_v8f){0});
     }
     float sum = sum8[0];
     for (int l = 1; l < 8; ++l) sum += sum8[l];
     const float inverse = 1.0f / sum;
-    for (long j = 0; j < keys; j += 8) {
-        const deepdsl_v8i in = deepdsl_inside((int)j, (int)keys);
-        deepdsl_store(row + j, in, deepdsl_load(row + j, in) * inverse);
-    }
+    for (long j = 0; j < keys; j += 8) deepdsl_store_in(row + j, j, keys, deepdsl_load_in(row + j, j, keys) * inverse);
 #else
     float top = -INFINITY, sum = 0.0f;
     for (long j = 0; j < keys; ++j) {
@@ -120,10 +117,8 @@ void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, lo
             continue;
         }
 #if DEEPDSL_MASKED
-        for (long j = 0; j < s; j += 8) {
-            const deepdsl_v8i in = deepdsl_inside((int)j, (int)s);
-            deepdsl_store(gr + j, in, deepdsl_load(wr + j, in) * (deepdsl_load(gr + j, in) - d) * scale);
-        }
+        for (long j = 0; j < s; j += 8)
+            deepdsl_store_in(gr + j, j, s, deepdsl_load_in(wr + j, j, s) * (deepdsl_load_in(gr + j, j, s) - d) * scale);
 #else
         for (long j = 0; j < s; ++j) gr[j] = wr[j] * (gr[j] - d) * scale;
 #endif
@@ -138,13 +133,20 @@ void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, lo
 // in one order, the lanes of a vector being other outputs: the bits depend on neither the thread count nor the
 // vector width (AVX2 and AVX-512 give the same), and they differ from the BLAS's products and the row passes above
 // by rounding only. A unit's arrays: q (t, d), k (s, d), v (s, e), out (t, e), its bias and mask as
-// deepdsl_attention_weights's and deepdsl_attention_kept's (rows s apart).
+// deepdsl_attention_weights's and deepdsl_attention_kept's (rows s apart). The arrays of a unit's own whose rows run
+// over its queries (its weights transposed, q^T, g^T) hold whole vectors of 8 floats a row, zeros past the last
+// query (deepdsl_att_width): their passes take no masked loads or stores (slow on AMD's processors), and the
+// products writing them no copy of a partial strip of b; the padding's lanes never reach an output.
 #define DEEPDSL_ATTENTION_UNIT 64      /* contract.ATTENTION_UNIT */
 #define DEEPDSL_ATTENTION_TILE (DEEPDSL_ATTENTION_UNIT * DEEPDSL_ATTENTION_UNIT)
 
-// a (rows, cols; rows lda apart) -> to (cols, rows): blocks of 8 x 8 transposed in registers, the edges one float
-// at a time in order (stores a row apart would fall in few cache sets)
-static inline void deepdsl_att_transpose(const float* a, long rows, long cols, long lda, float* to) {
+// the floats of a row of a unit's arrays over its t queries: t rounded up to whole vectors of 8
+static inline long deepdsl_att_width(long t) { return (t + 7) / 8 * 8; }
+
+// a (rows, cols; rows lda apart) -> to (cols, rows; rows ldt apart, zeros from column `rows` to ldt): blocks of
+// 8 x 8 transposed in registers, the edges one float at a time in order (stores a row apart would fall in few cache
+// sets)
+static inline void deepdsl_att_transpose(const float* a, long rows, long cols, long lda, float* to, long ldt) {
     long r8 = 0, c8 = 0;
 #if DEEPDSL_MASKED
     r8 = rows / 8 * 8, c8 = cols / 8 * 8;
@@ -153,11 +155,13 @@ static inline void deepdsl_att_transpose(const float* a, long rows, long cols, l
             deepdsl_v8f v[8];
             deepdsl_load8x8(v, a + r * lda + c, lda);
             deepdsl_transpose8(v);
-            deepdsl_store8x8(to + c * rows + r, rows, v);
+            deepdsl_store8x8(to + c * ldt + r, ldt, v);
         }
 #endif
-    for (long c = 0; c < cols; ++c)
-        for (long r = c < c8 ? r8 : 0; r < rows; ++r) to[c * rows + r] = a[r * lda + c];
+    for (long c = 0; c < cols; ++c) {
+        for (long r = c < c8 ? r8 : 0; r < rows; ++r) to[c * ldt + r] = a[r * lda + c];
+        for (long r = rows; r < ldt; ++r) to[c * ldt + r] = 0.0f;
+    }
 }
 
 // out (m, n; rows ldc apart) = a b, n at most DEEPDSL_ATTENTION_UNIT: out[i, j] = the sum over c < k of
@@ -200,62 +204,31 @@ static void deepdsl_att_product(const float* a, long a_row, long a_col, const fl
 #endif
 }
 
-// The softmax of each column of x (s, n), n at most DEEPDSL_ATTENTION_UNIT, in place: a column's maximum, then
-// exp(x - maximum) (deepdsl_exp8: deepdsl_expf_poly's bits) summed over the rows in order, then x times 1 / sum.
-// The columns' maxima and sums stay in NB eight-lane vectors while the rows run.
-#if DEEPDSL_MASKED
-#define DEEPDSL_ATT_SOFTMAX(NB)                                                                                     \
-    static void deepdsl_att_softmax_columns_##NB(float* x, long s, long n) {                                        \
-        const deepdsl_v8i last = deepdsl_inside((NB - 1) * 8, (int)n);                                              \
-        deepdsl_v8f top[NB], sum[NB];                                                                               \
-        _Pragma("GCC unroll 8")                                                                                     \
-        for (int l = 0; l < NB; ++l) top[l] = (deepdsl_v8f){0} - INFINITY, sum[l] = (deepdsl_v8f){0};               \
-        for (long j = 0; j < s; ++j)                                                                                \
-            _Pragma("GCC unroll 8")                                                                                 \
-            for (int l = 0; l < NB; ++l) {                                                                          \
-                const deepdsl_v8f v = deepdsl_load(x + j * n + 8 * l, l == NB - 1 ? last : last | ~last);           \
-                top[l] = DEEPDSL_SELECT(deepdsl_v8f, deepdsl_v8i, v > top[l], v, top[l]);                           \
-            }                                                                                                       \
-        for (long j = 0; j < s; ++j)                                                                                \
-            _Pragma("GCC unroll 8")                                                                                 \
-            for (int l = 0; l < NB; ++l) {                                                                          \
-                const deepdsl_v8i in = l == NB - 1 ? last : last | ~last;                                           \
-                const deepdsl_v8f e = deepdsl_exp8(deepdsl_load(x + j * n + 8 * l, in) - top[l]);                   \
-                deepdsl_store(x + j * n + 8 * l, in, e);                                                            \
-                sum[l] += e;                                                                                        \
-            }                                                                                                       \
-        _Pragma("GCC unroll 8")                                                                                     \
-        for (int l = 0; l < NB; ++l) sum[l] = 1.0f / sum[l];                                                        \
-        for (long j = 0; j < s; ++j)                                                                                \
-            _Pragma("GCC unroll 8")                                                                                 \
-            for (int l = 0; l < NB; ++l) {                                                                          \
-                const deepdsl_v8i in = l == NB - 1 ? last : last | ~last;                                           \
-                deepdsl_store(x + j * n + 8 * l, in, deepdsl_load(x + j * n + 8 * l, in) * sum[l]);                 \
-            }                                                                                                       \
-    }
-DEEPDSL_ATT_SOFTMAX(1)
-DEEPDSL_ATT_SOFTMAX(2)
-DEEPDSL_ATT_SOFTMAX(3)
-DEEPDSL_ATT_SOFTMAX(4)
-DEEPDSL_ATT_SOFTMAX(5)
-DEEPDSL_ATT_SOFTMAX(6)
-DEEPDSL_ATT_SOFTMAX(7)
-DEEPDSL_ATT_SOFTMAX(8)
-#endif
-
+// The softmax of each column of x (s, n), n a multiple of 8, in place: a column's maximum, then exp(x - maximum)
+// (deepdsl_exp8: deepdsl_expf_poly's bits) summed over the rows in order, then x times 1 / sum; eight columns at a
+// time, their maxima and sums in a vector each (max_ps(v, top) is v > top ? v : top, as the scalar loop's).
 static void deepdsl_att_softmax_columns(float* x, long s, long n) {
 #if DEEPDSL_MASKED
-    switch ((n + 7) / 8) {
-    case 1: deepdsl_att_softmax_columns_1(x, s, n); return;
-    case 2: deepdsl_att_softmax_columns_2(x, s, n); return;
-    case 3: deepdsl_att_softmax_columns_3(x, s, n); return;
-    case 4: deepdsl_att_softmax_columns_4(x, s, n); return;
-    case 5: deepdsl_att_softmax_columns_5(x, s, n); return;
-    case 6: deepdsl_att_softmax_columns_6(x, s, n); return;
-    case 7: deepdsl_att_softmax_columns_7(x, s, n); return;
-    case 8: deepdsl_att_softmax_columns_8(x, s, n); return;
+    for (long l = 0; l < n; l += 8) {
+        deepdsl_v8f top = (deepdsl_v8f){0} - INFINITY, sum = {0}, v;
+        for (long j = 0; j < s; ++j) {
+            memcpy(&v, x + j * n + l, sizeof v);
+            top = (deepdsl_v8f)_mm256_max_ps((__m256)v, (__m256)top);
+        }
+        for (long j = 0; j < s; ++j) {
+            memcpy(&v, x + j * n + l, sizeof v);
+            v = deepdsl_exp8(v - top);
+            sum += v;
+            memcpy(x + j * n + l, &v, sizeof v);
+        }
+        const deepdsl_v8f inverse = 1.0f / sum;
+        for (long j = 0; j < s; ++j) {
+            memcpy(&v, x + j * n + l, sizeof v);
+            v *= inverse;
+            memcpy(x + j * n + l, &v, sizeof v);
+        }
     }
-#endif
+#else
     for (long i = 0; i < n; ++i) {
         float top = -INFINITY, sum = 0.0f;
         for (long j = 0; j < s; ++j) top = x[j * n + i] > top ? x[j * n + i] : top;
@@ -263,23 +236,25 @@ static void deepdsl_att_softmax_columns(float* x, long s, long n) {
         const float inverse = 1.0f / sum;
         for (long j = 0; j < s; ++j) x[j * n + i] *= inverse;
     }
+#endif
 }
 
-// One unit's weights, transposed: wt (s, t), wt[j, i] the weight of key j for query i: the scores k q^T scaled,
-// the bias added, the keys after a causal query left out, and each query's softmax over its keys; with a mask m:
-// mt = m^T * factor (0 or factor: wt * mt rounds as (wt * m) * factor does) and kept = wt * mt. A query's lanes are
-// its own: its maximum and sum run over the keys in order, whatever the vectors' width. qt: scratch (d, t). q's and
-// k's rows ld apart.
+// One unit's weights, transposed: wt (s, tp: tp = deepdsl_att_width(t)), wt[j, i] the weight of key j for query i:
+// the scores k q^T scaled, the bias added, the keys after a causal query left out, and each query's softmax over
+// its keys; with a mask m: mt = m^T * factor (0 or factor: wt * mt rounds as (wt * m) * factor does) and kept = wt *
+// mt. A query's lanes are its own: its maximum and sum run over the keys in order, whatever the vectors' width.
+// The lanes past t hold the softmax of zeros (mt and kept: 0). qt: scratch (d, tp). q's and k's rows ld apart.
 static void deepdsl_att_unit_weights(const float* q, const float* k, long ld, long t, long s, long d, float scale,
                                      const float* b, long bias_row, long bias_col, int causal,
                                      const unsigned char* m, float factor, float* qt, float* wt, float* mt,
                                      float* kept, float* pad) {
-    deepdsl_att_transpose(q, t, d, ld, qt);
-    deepdsl_att_product(k, ld, 1, qt, t, s, d, t, wt, t, pad);
+    const long tp = deepdsl_att_width(t);
+    deepdsl_att_transpose(q, t, d, ld, qt, tp);
+    deepdsl_att_product(k, ld, 1, qt, tp, s, d, tp, wt, tp, pad);
     for (long j = 0; j < s; ++j) {
-        float* r = wt + j * t;
+        float* r = wt + j * tp;
 #pragma omp simd
-        for (long i = 0; i < t; ++i) r[i] *= scale;
+        for (long i = 0; i < tp; ++i) r[i] *= scale;
         if (b) {
             for (long i = 0; i < t; ++i) r[i] += b[i * bias_row + j * bias_col];
         }
@@ -287,12 +262,14 @@ static void deepdsl_att_unit_weights(const float* q, const float* k, long ld, lo
             for (long i = 0; i < j && i < t; ++i) r[i] = -INFINITY;          // key j after query i
         }
     }
-    deepdsl_att_softmax_columns(wt, s, t);
+    deepdsl_att_softmax_columns(wt, s, tp);
     if (m) {
-        for (long j = 0; j < s; ++j)                  // (written in order, as deepdsl_att_transpose's)
-            for (long i = 0; i < t; ++i) mt[j * t + i] = (float)m[i * s + j] * factor;
+        for (long j = 0; j < s; ++j) {                // (written in order, as deepdsl_att_transpose's)
+            for (long i = 0; i < t; ++i) mt[j * tp + i] = (float)m[i * s + j] * factor;
+            for (long i = t; i < tp; ++i) mt[j * tp + i] = 0.0f;
+        }
 #pragma omp simd
-        for (long x = 0; x < s * t; ++x) kept[x] = wt[x] * mt[x];
+        for (long x = 0; x < s * tp; ++x) kept[x] = wt[x] * mt[x];
     }
 }
 
@@ -322,8 +299,8 @@ int deepdsl_attention_units(const float* q, const float* k, const float* v, floa
         deepdsl_att_unit_weights(q + deepdsl_att_base(u, heads, t, d), k + deepdsl_att_base(u, heads, s, d), ld, t, s,
                                  d, scale, bias ? bias + bias_units[u] : 0, bias_row, bias_col, causal, m, factor,
                                  qt, wt, mt, kept, pad);
-        deepdsl_att_product(m ? kept : wt, 1, t, v + deepdsl_att_base(u, heads, s, e), le, t, s, e,
-                            out + deepdsl_att_base(u, heads, t, e), le, pad);                   // out = w v
+        deepdsl_att_product(m ? kept : wt, 1, deepdsl_att_width(t), v + deepdsl_att_base(u, heads, s, e), le, t, s,
+                            e, out + deepdsl_att_base(u, heads, t, e), le, pad);                // out = w v
     }
     return 1;
 }
@@ -351,29 +328,30 @@ int deepdsl_attention_units_grad(const float* q, const float* k, const float* v,
         const unsigned char* m = mask ? mask + u * mask_unit : 0;
         deepdsl_att_unit_weights(qu, ku, ld, t, s, d, scale, bias ? bias + bias_units[u] : 0, bias_row, bias_col,
                                  causal, m, factor, qt, wt, mt, kept, pad);
-        deepdsl_att_product(m ? kept : wt, t, 1, gu, le, s, t, e, dv + at_v, le, pad);           // dv = w^T g
-        deepdsl_att_transpose(gu, t, e, le, qt);                                             // (q^T is read no more)
-        deepdsl_att_product(vu, le, 1, qt, t, s, e, t, dst, t, pad);                         // (g v^T)^T = v g^T
-        for (long i = 0; i < t; ++i) delta[i] = 0.0f;
+        const long tp = deepdsl_att_width(t);
+        deepdsl_att_product(m ? kept : wt, tp, 1, gu, le, s, t, e, dv + at_v, le, pad);         // dv = w^T g
+        deepdsl_att_transpose(gu, t, e, le, qt, tp);                                         // (q^T is read no more)
+        deepdsl_att_product(vu, le, 1, qt, tp, s, e, tp, dst, tp, pad);                      // (g v^T)^T = v g^T
+        for (long i = 0; i < tp; ++i) delta[i] = 0.0f;
         for (long c = 0; c < e; ++c) {
-            const float* gc = qt + c * t;                                                    // g^T's row c
+            const float* gc = qt + c * tp;                                                   // g^T's row c
 #pragma omp simd
             for (long i = 0; i < t; ++i) delta[i] += gc[i] * ou[i * le + c];
         }
         for (long j = 0; j < s; ++j) {
-            const float* wr = wt + j * t;
-            float* r = dst + j * t;
+            const float* wr = wt + j * tp;
+            float* r = dst + j * tp;
             if (m) {
-                const float* mr = mt + j * t;
+                const float* mr = mt + j * tp;
 #pragma omp simd
-                for (long i = 0; i < t; ++i) r[i] = wr[i] * (r[i] * mr[i] - delta[i]) * scale;
+                for (long i = 0; i < tp; ++i) r[i] = wr[i] * (r[i] * mr[i] - delta[i]) * scale;
             } else {
 #pragma omp simd
-                for (long i = 0; i < t; ++i) r[i] = wr[i] * (r[i] - delta[i]) * scale;
+                for (long i = 0; i < tp; ++i) r[i] = wr[i] * (r[i] - delta[i]) * scale;
             }
         }
-        deepdsl_att_product(dst, 1, t, ku, ld, t, s, d, dq + at_q, ld, pad);                 // dq = ds k
-        deepdsl_att_product(dst, t, 1, qu, ld, s, t, d, dk + at_k, ld, pad);                 // dk = ds^T q
+        deepdsl_att_product(dst, 1, tp, ku, ld, t, s, d, dq + at_q, ld, pad);                // dq = ds k
+        deepdsl_att_product(dst, tp, 1, qu, ld, s, t, d, dk + at_k, ld, pad);                // dk = ds^T q
     }
     return 1;
 }

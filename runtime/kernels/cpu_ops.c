@@ -57,6 +57,22 @@ static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepd
     _mm256_maskstore_ps(to, (__m256i)mask, (__m256)v);
 }
 #endif
+// The 8 floats at `from`, element j of a row of `size` (j a multiple of 8): a plain load where all 8 lie inside the
+// row, else deepdsl_load's of those inside (AVX2's masked moves cost several times a plain one on AMD's processors:
+// only a row's last, partial vector takes one); and the store alike.
+static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load_in(const float* from, long j, long size) {
+    deepdsl_v8f v;
+    if (j + 8 > size)
+        return deepdsl_load(from, deepdsl_inside((int)j, (int)size));
+    memcpy(&v, from, sizeof v);
+    return v;
+}
+static inline __attribute__((always_inline)) void deepdsl_store_in(float* to, long j, long size, deepdsl_v8f v) {
+    if (j + 8 > size)
+        deepdsl_store(to, deepdsl_inside((int)j, (int)size), v);
+    else
+        memcpy(to, &v, sizeof v);
+}
 #else
 #define DEEPDSL_MASKED 0
 #endif
