@@ -67,6 +67,11 @@ ATTENTION = [  # (N, H, t, features, causal, keep): a ViT's heads (64 x 16 token
     # unit (`Native.attention_units`), heads read in place from the projections' (N, t, H, features) layout
     (64, 4, 16, 16, False, None), (32, 4, 64, 16, True, None), (32, 4, 16, 16, True, 0.9),
 ]
+LAYER_NORMS = [  # (rows, features): a ViT's (64 x 16 tokens of 64), a character model's (32 x 64 tokens of 64), rows
+    # of 100 (not whole vectors of 16); the forward with a weight and a bias, the input gradient, the weight's and
+    # bias's gradients
+    (1024, 64), (2048, 64), (500, 100),
+]
 POINTWISE_FILTERS = [  # (N, O, C, H=W): MobileNet-v2's filter gradients of thin pointwise layers at 112x112 (batch
     # 16), `contract.pointwise_filter`'s: a sample's rows past the chunk's cap, a little (28x28) and by far (56x56)
     (16, 144, 24, 28), (16, 24, 144, 28), (16, 96, 16, 56), (16, 192, 32, 14),
@@ -178,6 +183,23 @@ def _attention(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
         _row(t, (n, heads, tokens, features, causal, keep), 30, [forward, gradient], same)
 
 
+def _layer_norms(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
+    from deepdsl_runtime import contract
+
+    for rows, features in LAYER_NORMS:
+        x, g = (rng.standard_normal((rows, features), dtype=np.float32) for _ in range(2))
+        w, b = (rng.standard_normal(features, dtype=np.float32) for _ in range(2))
+        space = np.empty(contract.layer_norm_param_scratch(rows, features), np.float32)
+        cells, same = [], True
+        for shape, call in (((rows, features), lambda lib, o: lib.layer_norm(x, (w, b), o, 1e-5, 1)),
+                            ((rows, features), lambda lib, o: lib.layer_norm_grad(x, g, (w,), o, 1e-5, 1)),
+                            ((2, features), lambda lib, o: lib.layer_norm_param_grad(x, g, o, space, 1e-5, 1))):
+            out = {name: np.full(shape, np.nan, np.float32) for name in libs}
+            cells.append(_alternating(libs, rounds, lambda name, lib: call(lib, out[name]), calls))
+            same = same and np.array_equal(out["this"], out["other"])
+        _row(t, (rows, features), 14, cells, same)
+
+
 def _row(threads: int, what, width: int, cells: list[dict], same: bool) -> None:
     print(f"{threads:>7}  {str(what):<{width}} {'    '.join(_cell(c) for c in cells)}"
           f"{'' if same else '  RESULTS DIFFER'}")
@@ -190,6 +212,8 @@ FAMILIES = {  # name: (header, timing of one thread count)
     "depthwise": ("threads  depthwise (N, C, H, s)  forward this / other (us)    input gradient           filter "
                   "gradient", _depthwise),
     "pointwise": ("threads  pointwise filter (N, O, C, H)  this / other (us)", _pointwise_filters),
+    "layer_norm": ("threads  layer norm    forward this / other (us)    input gradient           weight and bias "
+                   "gradients", _layer_norms),
     "attention": ("threads  attention (N, H, t, d, causal, keep)  forward this / other (us)    gradient",
                   _attention),
 }

@@ -373,15 +373,64 @@ static inline __attribute__((always_inline)) float deepdsl_lane_total(const floa
     return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
+#if DEEPDSL_MASKED
+// DEEPDSL_LANE_SUM's sums held in two vectors (lanes 0-7 and 8-15) instead of an array, then halved as
+// deepdsl_lane_total halves them: the same additions in the same order, the same bits, but no chain of stores and
+// loads through the array (a row's sums waited on it: a layer norm of rows of 64 floats ran at 3 cycles a float).
+// VECTOR: the values of the 8 elements from j (loads by deepdsl_load8); SCALAR: element k's, for a last block of
+// fewer than 16, lane by lane as DEEPDSL_LANE_SUM adds them.
+static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load8(const float* p) {
+    deepdsl_v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+// deepdsl_lane_total of the lanes held in lo (0-7) and hi (8-15), in registers
+static inline __attribute__((always_inline)) float deepdsl_lane_total8(deepdsl_v8f lo, deepdsl_v8f hi) {
+    const __m256 eight = (__m256)(lo + hi);
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));          // (four[0] + four[2], four[1] + four[3])
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+#define DEEPDSL_LANE_TOTAL(n, total, j, k, VECTOR, SCALAR)                                                          \
+    do {                                                                                                            \
+        deepdsl_v8f lo_ = {0}, hi_ = {0};                                                                           \
+        long b_ = 0;                                                                                                \
+        for (; b_ + DEEPDSL_SUM_LANES <= (n); b_ += DEEPDSL_SUM_LANES) {                                            \
+            { const long j = b_; lo_ += (VECTOR); }                                                                 \
+            { const long j = b_ + 8; hi_ += (VECTOR); }                                                             \
+        }                                                                                                           \
+        if (b_ < (n)) {                                                                                             \
+            float lanes_[DEEPDSL_SUM_LANES];                                                                        \
+            memcpy(lanes_, &lo_, sizeof lo_);                                                                       \
+            memcpy(lanes_ + 8, &hi_, sizeof hi_);                                                                   \
+            for (int l_ = 0; b_ + l_ < (n); ++l_) {                                                                 \
+                const long k = b_ + l_;                                                                             \
+                lanes_[l_] += (SCALAR);                                                                             \
+            }                                                                                                       \
+            memcpy(&lo_, lanes_, sizeof lo_);                                                                       \
+            memcpy(&hi_, lanes_ + 8, sizeof hi_);                                                                   \
+        }                                                                                                           \
+        (total) = deepdsl_lane_total8(lo_, hi_);                                                                    \
+    } while (0)
+#else
+#define DEEPDSL_LANE_TOTAL(n, total, j, k, VECTOR, SCALAR)                                                          \
+    do {                                                                                                            \
+        float lanes_[DEEPDSL_SUM_LANES];                                                                            \
+        DEEPDSL_LANE_SUM(n, lanes_, k, SCALAR);                                                                     \
+        (total) = deepdsl_lane_total(lanes_);                                                                       \
+    } while (0)
+#endif
+
 // a row's mean and 1 / sqrt(var + eps), the biased variance of its deviations from the rounded mean
 static inline __attribute__((always_inline)) void deepdsl_layer_norm_stats(const float* x, long features, float eps,
                                                                            float* mean, float* rstd) {
-    float lanes[DEEPDSL_SUM_LANES];
-    DEEPDSL_LANE_SUM(features, lanes, j, x[j]);
-    const float m = deepdsl_lane_total(lanes) / (float)features;
-    DEEPDSL_LANE_SUM(features, lanes, j, (x[j] - m) * (x[j] - m));
+    float total;
+    DEEPDSL_LANE_TOTAL(features, total, j, k, deepdsl_load8(x + j), x[k]);
+    const float m = total / (float)features;
+    DEEPDSL_LANE_TOTAL(features, total, j, k, (deepdsl_load8(x + j) - m) * (deepdsl_load8(x + j) - m),
+                       (x[k] - m) * (x[k] - m));
     *mean = m;
-    *rstd = 1.0f / sqrtf(deepdsl_lane_total(lanes) / (float)features + eps);
+    *rstd = 1.0f / sqrtf(total / (float)features + eps);
 }
 
 // out = (x - mean) * rstd [* w + b] row by row (w and b NULL: not affine)
@@ -412,12 +461,15 @@ static inline __attribute__((always_inline)) float deepdsl_weighted(const float*
 static inline __attribute__((always_inline)) void deepdsl_layer_norm_grad_row(const float* xr, const float* gr,
                                                                               const float* w, long features,
                                                                               float eps, float* o) {
-    float mean, rstd, lanes[DEEPDSL_SUM_LANES];
+    float mean, rstd, total;
     deepdsl_layer_norm_stats(xr, features, eps, &mean, &rstd);
-    DEEPDSL_LANE_SUM(features, lanes, j, deepdsl_weighted(gr, w, j));
-    const float a = deepdsl_lane_total(lanes) / (float)features;
-    DEEPDSL_LANE_SUM(features, lanes, j, deepdsl_weighted(gr, w, j) * ((xr[j] - mean) * rstd));
-    const float c = deepdsl_lane_total(lanes) / (float)features;
+#define DEEPDSL_GW(j) (w ? deepdsl_load8(gr + (j)) * deepdsl_load8(w + (j)) : deepdsl_load8(gr + (j)))
+    DEEPDSL_LANE_TOTAL(features, total, j, k, DEEPDSL_GW(j), deepdsl_weighted(gr, w, k));
+    const float a = total / (float)features;
+    DEEPDSL_LANE_TOTAL(features, total, j, k, DEEPDSL_GW(j) * ((deepdsl_load8(xr + j) - mean) * rstd),
+                       deepdsl_weighted(gr, w, k) * ((xr[k] - mean) * rstd));
+#undef DEEPDSL_GW
+    const float c = total / (float)features;
 #pragma omp simd
     for (long j = 0; j < features; ++j) {
         const float gw = deepdsl_weighted(gr, w, j), xhat = (xr[j] - mean) * rstd;
