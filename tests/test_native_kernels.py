@@ -839,11 +839,13 @@ def test_log_softmax_equals_numpy_at_any_thread_count(lib, rows, columns):
     ((4,), 17, 200, 33, 5, False, (4, 17, 1), None), ((2, 2), 3, 2, 16, 16, True, None, None),
     ((3,), 70, 90, 5, 2, False, (3, 1, 90), 0.8), ((2,), 130, 130, 16, 8, True, None, 0.5),
     # units weighed whole (contract.attention_in_units): a ViT's heads, a causal language model's with dropout, a
-    # bias per query, the largest unit, and one query beyond it; with dropout, the largest unit and one key beyond it
+    # bias per query, the largest unit, and one query beyond it; with dropout, the largest unit (of every size but
+    # whole blocks of 8 queries and keys), one key beyond it, and a causal one of odd sizes
     ((2, 3), 16, 16, 16, 16, False, None, None), ((2,), 16, 16, 16, 16, True, None, 0.9),
     ((3,), 9, 13, 64, 7, False, (3, 9, 1), 0.7), ((2,), 64, 64, 64, 64, True, (1, 64, 64), None),
     ((2,), 65, 8, 4, 4, False, None, None), ((2,), 64, 64, 16, 16, True, None, 0.9),
-    ((3,), 9, 17, 8, 8, False, None, 0.7)])
+    ((3,), 9, 17, 8, 8, False, None, 0.7), ((2,), 64, 64, 64, 64, True, (2, 64, 1), 0.6),
+    ((2,), 20, 65, 8, 8, False, None, 0.8), ((3,), 27, 19, 5, 9, True, None, 0.75)])
 def test_attention_equals_numpy_at_any_thread_count(lib, case, monkeypatch):
     """Attention and its gradient with the library's passes over rows and its products, or with small units
     weighed whole, against numpy's kernels within float32 rounding, the same bits at 1, 2 and 3 threads; outputs
@@ -883,7 +885,7 @@ def test_attention_equals_numpy_at_any_thread_count(lib, case, monkeypatch):
             results.append((o, grads))
     finally:
         lib.set_threads(before)
-    assert whole == [contract.attention_in_units(t, s, d, e, keep is not None)] * 6
+    assert whole == [contract.attention_in_units(t, s, d, e)] * 6
     for o, grads in results[1:]:
         assert o.tobytes() == results[0][0].tobytes() and grads.tobytes() == results[0][1].tobytes()
     np.testing.assert_allclose(results[0][0], want_o, rtol=1e-5, atol=1e-5)

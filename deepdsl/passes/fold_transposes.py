@@ -54,7 +54,7 @@ def _rewrite(node: Node) -> Node:
     if any(x is None for x in inner):
         return node
     q, k, v = operands[:3]
-    if not contract.attention_in_units(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], keep is not None):
+    if not contract.attention_in_units(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]):
         return node
     folded = make(node.op, (*inner, *bias, *mask), **node.kwargs, heads=True)
     if node.op == "attention":

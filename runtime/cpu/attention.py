@@ -1,7 +1,7 @@
 """Scaled dot-product attention on the CPU and its gradient (`deepdsl.ops.attention`).
 
 Where the compiled kernels take a unit's sizes (`contract.attention_in_units`: at most 64 queries, keys and
-features, as a ViT's heads; with dropout at most 16 queries and keys), they weigh each unit whole on one thread,
+features, as a ViT's heads or a character model's, with or without dropout), they weigh each unit whole on one thread,
 with no workspace (`deepdsl_attention_units`: products, softmax and gradient in registers and on the stack).
 Otherwise the kernels weigh `contract.attention_rows` queries of as many units (batch index and head) as the
 workspace holds at a time: the block's scores in the workspace (a product, by the backend's `gemm`), their softmax

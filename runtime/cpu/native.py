@@ -949,7 +949,7 @@ class Native:
         """The pointers of the units' arrays (q, k, v, *others), or None where the kernels do not take them."""
         _, t, s, d, e, _ = _unit_sizes(q, k, v, heads)
         if self._attention_units is None or not _contiguous32(q, k, v, *others) or \
-                not contract.attention_in_units(t, s, d, e, mask is not None):
+                not contract.attention_in_units(t, s, d, e):
             return None
         if mask is not None and not (mask.dtype == np.uint8 and mask.flags.c_contiguous):
             return None

@@ -127,7 +127,7 @@ void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, lo
 
 // Attention of small units, each whole on one thread with nothing but its own arrays on the stack: queries and keys
 // of at most DEEPDSL_ATTENTION_UNIT of at most as many features (the units contract.attention_in_units gives these
-// kernels: with dropout, fewer). Where the products of such units go through the BLAS one unit at a time, its calls
+// kernels). Where the products of such units go through the BLAS one unit at a time, its calls
 // cost more than their arithmetic (a ViT's 16 tokens of 16 features a head). A unit's weights are held transposed, a
 // query's in a lane of its own, so that its softmax needs no sum across the lanes of a vector. Each sum below adds
 // in one order, the lanes of a vector being other outputs: the bits depend on neither the thread count nor the
@@ -239,6 +239,30 @@ static void deepdsl_att_softmax_columns(float* x, long s, long n) {
 #endif
 }
 
+// mt (s, ldt) = m^T * factor, zeros from column t to ldt: m (t, s) a unit's 0/1 bytes; blocks of 8 x 8 converted to
+// floats and transposed in registers, the edges one at a time
+static void deepdsl_att_mask_transpose(const unsigned char* m, long t, long s, float factor, float* mt, long ldt) {
+    long t8 = 0, s8 = 0;
+#if DEEPDSL_MASKED
+    t8 = t / 8 * 8, s8 = s / 8 * 8;
+    for (long i = 0; i < t8; i += 8)
+        for (long j = 0; j < s8; j += 8) {
+            deepdsl_v8f v[8];
+            for (int r = 0; r < 8; ++r) {
+                deepdsl_v8b bytes;
+                memcpy(&bytes, m + (i + r) * s + j, sizeof bytes);
+                v[r] = __builtin_convertvector(bytes, deepdsl_v8f) * factor;
+            }
+            deepdsl_transpose8(v);
+            deepdsl_store8x8(mt + j * ldt + i, ldt, v);
+        }
+#endif
+    for (long j = 0; j < s; ++j) {
+        for (long i = j < s8 ? t8 : 0; i < t; ++i) mt[j * ldt + i] = (float)m[i * s + j] * factor;
+        for (long i = t; i < ldt; ++i) mt[j * ldt + i] = 0.0f;
+    }
+}
+
 // One unit's weights, transposed: wt (s, tp: tp = deepdsl_att_width(t)), wt[j, i] the weight of key j for query i:
 // the scores k q^T scaled, the bias added, the keys after a causal query left out, and each query's softmax over
 // its keys; with a mask m: mt = m^T * factor (0 or factor: wt * mt rounds as (wt * m) * factor does) and kept = wt *
@@ -258,16 +282,17 @@ static void deepdsl_att_unit_weights(const float* q, const float* k, long ld, lo
         if (b) {
             for (long i = 0; i < t; ++i) r[i] += b[i * bias_row + j * bias_col];
         }
-        if (causal) {
-            for (long i = 0; i < j && i < t; ++i) r[i] = -INFINITY;          // key j after query i
+        if (causal) {                                 // key j after queries i < j
+            const long after = j < t ? j : t;
+            const deepdsl_v8f none = (deepdsl_v8f){0} - INFINITY;
+            long i = 0;
+            for (; i + 8 <= after; i += 8) memcpy(r + i, &none, sizeof none);
+            for (; i < after; ++i) r[i] = -INFINITY;
         }
     }
     deepdsl_att_softmax_columns(wt, s, tp);
     if (m) {
-        for (long j = 0; j < s; ++j) {                // (written in order, as deepdsl_att_transpose's)
-            for (long i = 0; i < t; ++i) mt[j * tp + i] = (float)m[i * s + j] * factor;
-            for (long i = t; i < tp; ++i) mt[j * tp + i] = 0.0f;
-        }
+        deepdsl_att_mask_transpose(m, t, s, factor, mt, tp);
 #pragma omp simd
         for (long x = 0; x < s * tp; ++x) kept[x] = wt[x] * mt[x];
     }
