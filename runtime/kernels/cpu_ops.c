@@ -905,13 +905,60 @@ void deepdsl_equal_tokens(const int* x, long n, int value, uint8_t* out) {
 
 // Dropout's mask: n bytes of the stream keyed by (seed, stream), 1 with probability keep (deepdsl_random.h: the
 // bytes numpy's generator gives, each a function of its index alone).
-// Sixteen groups at a time, lane by lane in each round (vectors of groups: eight 64-bit lanes with AVX-512), or four
-// in scalar registers where the products are scalar (deepdsl_mulhi64: AVX2), a last partial block of groups alone.
-#define DEEPDSL_BERNOULLI_LANES (DEEPDSL_PHILOX_VECTORS ? 16 : 4)
+// Sixteen groups at a time, lane by lane in each round (vectors of groups: eight 64-bit lanes with AVX-512), or, where
+// the products are scalar (AVX2), two groups side by side in scalar registers (`deepdsl_bernoulli_pair`: four
+// groups' arrays went through the stack every round, 4.5 ns a byte on a Zen 3); a last partial block of groups
+// alone.
+#define DEEPDSL_BERNOULLI_LANES (DEEPDSL_PHILOX_VECTORS ? 16 : 2)
+
+// the 8 bytes of a group's mask from its Philox block: each draw's low 32 bits, then its high ones. With AVX2's
+// scalar products (the vector products' loop converts its groups' draws lane by lane) the eight in the lanes of a
+// vector (the same conversion, product and comparison), the comparison's sign bits spread
+// to bytes of 0 or 1: bit i replicated into byte i, kept by byte i's mask bit (2^i), then 2^i + 127 has bit 7 set
+// and 0 + 127 has not, no byte carrying into the next.
+static inline __attribute__((always_inline)) void deepdsl_bernoulli_bytes(const deepdsl_u64 draws[4], float keep,
+                                                                          uint8_t* o) {
+#if defined(__AVX2__) && !DEEPDSL_PHILOX_VECTORS
+    __m256i bits;
+    memcpy(&bits, draws, sizeof bits);
+    const __m256 uniform = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bits, 8)),
+                                         _mm256_set1_ps(1.0f / 16777216.0f));
+    const deepdsl_u64 signs = (deepdsl_u64)_mm256_movemask_ps(_mm256_cmp_ps(uniform, _mm256_set1_ps(keep),
+                                                                             _CMP_LT_OQ));
+    const deepdsl_u64 kept = (signs * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+    const deepdsl_u64 bytes = ((kept + 0x7F7F7F7F7F7F7F7FULL) >> 7) & 0x0101010101010101ULL;
+    memcpy(o, &bytes, sizeof bytes);
+#else
+    for (int d = 0; d < 4; ++d) {
+        o[2 * d] = deepdsl_bernoulli_bit((unsigned)draws[d], keep);
+        o[2 * d + 1] = deepdsl_bernoulli_bit((unsigned)(draws[d] >> 32), keep);
+    }
+#endif
+}
+
+#if !DEEPDSL_PHILOX_VECTORS
+// groups `group` and `group` + 1 (their bytes at o): two chains of products in flight, their state in registers
+static inline __attribute__((always_inline)) void deepdsl_bernoulli_pair(deepdsl_u64 group, deepdsl_u64 seed,
+                                                                         deepdsl_u64 stream, float keep, uint8_t* o) {
+    deepdsl_u64 a0 = group + 1, a1 = 0, a2 = 0, a3 = 0, b0 = group + 2, b1 = 0, b2 = 0, b3 = 0;
+#pragma GCC unroll 10
+    for (int round = 0; round < 10; ++round) {
+        const deepdsl_u64 k0 = seed + round * DEEPDSL_PHILOX_W0, k1 = stream + round * DEEPDSL_PHILOX_W1;
+        deepdsl_philox_round(&a0, &a1, &a2, &a3, k0, k1);
+        deepdsl_philox_round(&b0, &b1, &b2, &b3, k0, k1);
+    }
+    const deepdsl_u64 a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
+    deepdsl_bernoulli_bytes(a, keep, o);
+    deepdsl_bernoulli_bytes(b, keep, o + 8);
+}
+#endif
+
 void deepdsl_bernoulli(uint8_t* out, long n, unsigned long long seed, unsigned long long stream, float keep) {
     const long blocks = n / (8 * DEEPDSL_BERNOULLI_LANES);
 #pragma omp parallel for schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
     for (long block = 0; block < blocks; ++block) {
+        uint8_t* o = out + block * 8 * DEEPDSL_BERNOULLI_LANES;
+#if DEEPDSL_PHILOX_VECTORS
         deepdsl_u64 c0[DEEPDSL_BERNOULLI_LANES], c1[DEEPDSL_BERNOULLI_LANES], c2[DEEPDSL_BERNOULLI_LANES],
             c3[DEEPDSL_BERNOULLI_LANES];
         for (int l = 0; l < DEEPDSL_BERNOULLI_LANES; ++l) {
@@ -924,18 +971,14 @@ void deepdsl_bernoulli(uint8_t* out, long n, unsigned long long seed, unsigned l
             for (int l = 0; l < DEEPDSL_BERNOULLI_LANES; ++l)
                 deepdsl_philox_round(&c0[l], &c1[l], &c2[l], &c3[l], k0, k1);
         }
-        uint8_t* o = out + block * 8 * DEEPDSL_BERNOULLI_LANES;
 #pragma omp simd
-        for (int l = 0; l < DEEPDSL_BERNOULLI_LANES; ++l) {      // each draw's low 32 bits, then its high ones
-            o[8 * l + 0] = deepdsl_bernoulli_bit((unsigned)c0[l], keep);
-            o[8 * l + 1] = deepdsl_bernoulli_bit((unsigned)(c0[l] >> 32), keep);
-            o[8 * l + 2] = deepdsl_bernoulli_bit((unsigned)c1[l], keep);
-            o[8 * l + 3] = deepdsl_bernoulli_bit((unsigned)(c1[l] >> 32), keep);
-            o[8 * l + 4] = deepdsl_bernoulli_bit((unsigned)c2[l], keep);
-            o[8 * l + 5] = deepdsl_bernoulli_bit((unsigned)(c2[l] >> 32), keep);
-            o[8 * l + 6] = deepdsl_bernoulli_bit((unsigned)c3[l], keep);
-            o[8 * l + 7] = deepdsl_bernoulli_bit((unsigned)(c3[l] >> 32), keep);
+        for (int l = 0; l < DEEPDSL_BERNOULLI_LANES; ++l) {
+            const deepdsl_u64 draws[4] = {c0[l], c1[l], c2[l], c3[l]};
+            deepdsl_bernoulli_bytes(draws, keep, o + 8 * l);
         }
+#else
+        deepdsl_bernoulli_pair((deepdsl_u64)block * 2, seed, stream, keep, o);
+#endif
     }
     for (long group = blocks * DEEPDSL_BERNOULLI_LANES; group * 8 < n; ++group)
         deepdsl_bernoulli_group(group, n, seed, stream, keep, out);

@@ -45,11 +45,25 @@ DEEPDSL_HD deepdsl_u64 deepdsl_mulhi64(deepdsl_u64 a, deepdsl_u64 b) {
 #define DEEPDSL_PHILOX_W0 0x9E3779B97F4A7C15ULL
 #define DEEPDSL_PHILOX_W1 0xBB67AE8584CAA73BULL
 
+// the high 64 bits of a * b, its low 64 bits in *lo: one 128-bit product where a scalar register makes it (GCC made
+// a second product for the low half)
+DEEPDSL_HD deepdsl_u64 deepdsl_mulhilo64(deepdsl_u64 a, deepdsl_u64 b, deepdsl_u64* lo) {
+#if !defined(__CUDA_ARCH__) && !DEEPDSL_PHILOX_VECTORS
+    const unsigned __int128 product = (unsigned __int128)a * b;
+    *lo = (deepdsl_u64)product;
+    return (deepdsl_u64)(product >> 64);
+#else
+    *lo = a * b;
+    return deepdsl_mulhi64(a, b);
+#endif
+}
+
 // one round of Philox4x64 on the counter (c0, c1, c2, c3) with the round's key (k0, k1)
 DEEPDSL_HD void deepdsl_philox_round(deepdsl_u64* c0, deepdsl_u64* c1, deepdsl_u64* c2, deepdsl_u64* c3,
                                      deepdsl_u64 k0, deepdsl_u64 k1) {
-    const deepdsl_u64 hi0 = deepdsl_mulhi64(DEEPDSL_PHILOX_M0, *c0), lo0 = DEEPDSL_PHILOX_M0 * *c0;
-    const deepdsl_u64 hi1 = deepdsl_mulhi64(DEEPDSL_PHILOX_M1, *c2), lo1 = DEEPDSL_PHILOX_M1 * *c2;
+    deepdsl_u64 lo0, lo1;
+    const deepdsl_u64 hi0 = deepdsl_mulhilo64(DEEPDSL_PHILOX_M0, *c0, &lo0);
+    const deepdsl_u64 hi1 = deepdsl_mulhilo64(DEEPDSL_PHILOX_M1, *c2, &lo1);
     *c0 = hi1 ^ *c1 ^ k0;
     *c1 = lo1;
     *c2 = hi0 ^ *c3 ^ k1;
