@@ -1,6 +1,6 @@
 """This checkout's compiled CPU kernels against another checkout's, alternating in one process: the im2col, col2im
-and axis-swap kernels, products, depthwise convolutions and pointwise filter gradients alone, or whole training steps
-of a network.
+and axis-swap kernels, products, depthwise convolutions, pointwise filter gradients, dropout's masks, layer norms and
+attention alone, or whole training steps of a network.
 
     python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5] [--calls 15] [--kernels ...]
     python benchmarks/kernels_vs_checkout.py --against OTHER --network lenet:64 [--threads 1] [--rounds 8] [--steps 12]
@@ -9,9 +9,12 @@ OTHER is the root of another checkout (`git worktree add /tmp/other REV`). Kerne
 each is built into a library of its own (this checkout's build flags); per thread count and geometry (N, C, H=W,
 kernel, pad, stride; for the swap (A, B, inner); for a product (m, k, n), by `Native.gemm` on each library; for a
 depthwise convolution (N, C, H=W, stride), 3x3 with padding 1, its forward, input and filter gradients; for a
-pointwise convolution's filter gradient (N, O, C, H=W), `Native.pointwise_filter`), the median microseconds of
-`--calls` calls, medians over `--rounds` rounds that alternate the two libraries, their ratio (this / other), and a
-check that both give the same bits.
+pointwise convolution's filter gradient (N, O, C, H=W), `Native.pointwise_filter`; for a mask (shape, keep),
+`masks.bernoulli`; for a layer norm (rows, features), its forward with a weight and a bias, its input gradient and
+its weight's and bias's gradients; for attention (N, H, T, features, causal, keep), its forward and gradient on heads
+read in place, `Native.attention_units`), the median microseconds of `--calls` calls, medians over `--rounds` rounds
+that alternate the two libraries, their ratio (this / other), and a check that both give the same bits.
+`--kernels` times the families named (copies, swaps, products, depthwise, pointwise, masks, layer_norm, attention).
 Networks: each checkout renders the network's `<program>.c` (its elementwise kernels and its generic ones,
 `deepdsl compile` run with that checkout on the path) and it is built against that checkout's kernels; the program
 of this checkout then runs its training step with each library in turn, `--steps` steps a round (the first
@@ -66,6 +69,10 @@ ATTENTION = [  # (N, H, t, features, causal, keep): a ViT's heads (64 x 16 token
     # character model's (32 x 64 causal tokens), causal heads with a tenth of their weights dropped, weighed unit by
     # unit (`Native.attention_units`), heads read in place from the projections' (N, t, H, features) layout
     (64, 4, 16, 16, False, None), (32, 4, 64, 16, True, None), (32, 4, 16, 16, True, 0.9),
+]
+MASKS = [  # (shape, keep): dropout's masks of a character model's attention (32 x 4 heads of 64 x 64 weights) and of
+    # a ViT's (64 x 4 heads of 16 x 16), one of an odd size (a last partial block of groups)
+    ((32, 4, 64, 64), 0.9), ((64, 4, 16, 16), 0.9), ((1000, 17), 0.5),
 ]
 LAYER_NORMS = [  # (rows, features): a ViT's (64 x 16 tokens of 64), a character model's (32 x 64 tokens of 64), rows
     # of 100 (not whole vectors of 16); the forward with a weight and a bias, the input gradient, the weight's and
@@ -183,6 +190,16 @@ def _attention(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
         _row(t, (n, heads, tokens, features, causal, keep), 30, [forward, gradient], same)
 
 
+def _masks(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
+    from deepdsl_runtime.cpu import masks
+
+    for shape, keep in MASKS:
+        out = {name: np.full(shape, 7, np.uint8) for name in libs}
+        drawn = _alternating(libs, rounds, lambda name, lib: masks.bernoulli(
+            out=out[name], shape=shape, keep=keep, key=1, seed=5, step=3, native=lib), calls)
+        _row(t, (shape, keep), 24, [drawn], np.array_equal(out["this"], out["other"]))
+
+
 def _layer_norms(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
     from deepdsl_runtime import contract
 
@@ -212,6 +229,7 @@ FAMILIES = {  # name: (header, timing of one thread count)
     "depthwise": ("threads  depthwise (N, C, H, s)  forward this / other (us)    input gradient           filter "
                   "gradient", _depthwise),
     "pointwise": ("threads  pointwise filter (N, O, C, H)  this / other (us)", _pointwise_filters),
+    "masks": ("threads  mask (shape, keep)       this / other (us)", _masks),
     "layer_norm": ("threads  layer norm    forward this / other (us)    input gradient           weight and bias "
                    "gradients", _layer_norms),
     "attention": ("threads  attention (N, H, t, d, causal, keep)  forward this / other (us)    gradient",

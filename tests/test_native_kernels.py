@@ -1506,8 +1506,8 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
 @needs_cc
 def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry, product, depthwise
-    convolution, pointwise filter gradient and attention timed with both libraries and their results the same; one
-    family alone; and whole steps of a network with each checkout's library in turn."""
+    convolution, pointwise filter gradient, dropout mask, layer norm and attention timed with both libraries and
+    their results the same; one family alone; and whole steps of a network with each checkout's library in turn."""
     import re
     import sys
 
@@ -1538,6 +1538,12 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     attention = re.findall(r"^ +1 +\((\d+), (\d+), (\d+), (\d+), (True|False), (None|[\d.]+)\)"
                            r"((?: +\d+ / \d+ +\([\d.]+\)){2})(.*)$", kernels.split("attention (N, H, t")[1], re.M)
     assert len(attention) == 3 and all(not row[-1] for row in attention), kernels
+    masks = re.findall(r"^ +1 +\(\((.*?)\), ([\d.]+)\) +(\d+) / (\d+) +\([\d.]+\)(.*)$",
+                       kernels.split("mask (shape, keep)")[1].split("layer norm")[0], re.M)
+    assert len(masks) == 3 and all(not row[-1] for row in masks), kernels
+    norms = re.findall(r"^ +1 +\((\d+), (\d+)\)((?: +\d+ / \d+ +\([\d.]+\)){3})(.*)$",
+                       kernels.split("layer norm ")[1].split("attention (N")[0], re.M)
+    assert len(norms) == 3 and all(not row[-1] for row in norms), kernels
     only = run("--calls", "1", "--kernels", "swaps")
     assert "swap (A, B, inner)" in only and "product (m, k, n)" not in only, only
     whole = run("--network", "lenet:8", "--steps", "3")
