@@ -146,24 +146,30 @@ static __attribute__((noinline)) void deepdsl_channel_sum_planes(long c0, long c
 
 // Columns (inner 1: a bias's or a layer-norm weight's gradient, (R, D) summed to (D,)), rows s0 <= s < s1 of
 // `columns` each, from column c0: sums[c] = the column's values added in a float32 lane from zero in the order of
-// s, as `channel_sums` adds a group of DEEPDSL_CSUM_SAMPLES rows. 16 columns at a time in a 16-float vector, then
-// one by one: each lane adds the same values in the same order whatever the vectors' width.
-typedef float deepdsl_v16 __attribute__((vector_size(64)));
-// (built without AVX-512, GCC warns that returning such a vector changes the ABI: deepdsl_load16 is inlined, so no
-// call returns one)
+// s, as `channel_sums` adds a group of DEEPDSL_CSUM_SAMPLES rows. DEEPDSL_COLUMN_LANES columns at a time in a vector
+// (16 with AVX-512, else 8: GCC splits a vector wider than the registers into halves that go through the stack),
+// then one by one: each lane adds the same values in the same order whatever the vectors' width.
+#if defined(__AVX512F__)
+#define DEEPDSL_COLUMN_LANES 16
+#else
+#define DEEPDSL_COLUMN_LANES 8
+#endif
+typedef float deepdsl_vcol __attribute__((vector_size(4 * DEEPDSL_COLUMN_LANES)));
+// (built without AVX, GCC warns that returning such a vector changes the ABI: deepdsl_load_columns is inlined, so
+// no call returns one)
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-static inline deepdsl_v16 deepdsl_load16(const float* p) {
-    deepdsl_v16 v;
+static inline deepdsl_vcol deepdsl_load_columns(const float* p) {
+    deepdsl_vcol v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
 static void deepdsl_column_group(const float* x, long columns, long c0, long s0, long s1, float* sums) {
     long c = c0;
-    for (; c + 16 <= columns; c += 16) {
-        deepdsl_v16 a = {0};
-        for (long s = s0; s < s1; ++s) a += deepdsl_load16(x + s * columns + c);
+    for (; c + DEEPDSL_COLUMN_LANES <= columns; c += DEEPDSL_COLUMN_LANES) {
+        deepdsl_vcol a = {0};
+        for (long s = s0; s < s1; ++s) a += deepdsl_load_columns(x + s * columns + c);
         memcpy(sums + c, &a, sizeof a);
     }
     for (; c < columns; ++c) {
@@ -173,27 +179,28 @@ static void deepdsl_column_group(const float* x, long columns, long c0, long s0,
     }
 }
 
-// Two whole groups of DEEPDSL_CSUM_SAMPLES rows from row s0 (`deepdsl_column_group` of each): 64 columns at a time
-// in eight vectors held in registers, four a group (eight chains of additions side by side: one chain waits on
-// each addition's latency), the rest by `deepdsl_column_group`.
+// Two whole groups of DEEPDSL_CSUM_SAMPLES rows from row s0 (`deepdsl_column_group` of each): four vectors of
+// columns at a time in eight vectors held in registers, four a group (eight chains of additions side by side: one
+// chain waits on each addition's latency), the rest by `deepdsl_column_group`.
+#define DEEPDSL_COLUMN_BLOCK (4 * DEEPDSL_COLUMN_LANES)
 static void deepdsl_column_pair(const float* x, long columns, long s0, float* sums) {
-    const long t0 = s0 + DEEPDSL_CSUM_SAMPLES;
+    const long t0 = s0 + DEEPDSL_CSUM_SAMPLES, L = DEEPDSL_COLUMN_LANES;
     long c = 0;
-    for (; c + 64 <= columns; c += 64) {
-        deepdsl_v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    for (; c + DEEPDSL_COLUMN_BLOCK <= columns; c += DEEPDSL_COLUMN_BLOCK) {
+        deepdsl_vcol a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
         for (long i = 0; i < DEEPDSL_CSUM_SAMPLES; ++i) {
             const float* p = x + (s0 + i) * columns + c;
             const float* q = x + (t0 + i) * columns + c;
-            a0 += deepdsl_load16(p);
-            a1 += deepdsl_load16(p + 16);
-            a2 += deepdsl_load16(p + 32);
-            a3 += deepdsl_load16(p + 48);
-            b0 += deepdsl_load16(q);
-            b1 += deepdsl_load16(q + 16);
-            b2 += deepdsl_load16(q + 32);
-            b3 += deepdsl_load16(q + 48);
+            a0 += deepdsl_load_columns(p);
+            a1 += deepdsl_load_columns(p + L);
+            a2 += deepdsl_load_columns(p + 2 * L);
+            a3 += deepdsl_load_columns(p + 3 * L);
+            b0 += deepdsl_load_columns(q);
+            b1 += deepdsl_load_columns(q + L);
+            b2 += deepdsl_load_columns(q + 2 * L);
+            b3 += deepdsl_load_columns(q + 3 * L);
         }
-        const deepdsl_v16 a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
+        const deepdsl_vcol a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
         memcpy(sums + c, a, sizeof a);
         memcpy(sums + columns + c, b, sizeof b);
     }

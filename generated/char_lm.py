@@ -4,8 +4,8 @@ Source network: networks/char_lm.py
 Compiler options: simplify, fuse, cse, code_motion, schedule, rematerialize, inplace, takeover, no-verify; workspace limit 33554432 bytes
 Input: 32x64 int32 tokens, 32x64 int32 labels (256 classes); default data: synthetic
 Solver: AdamW, 2000 iterations, lr 0.003, betas (0.9, 0.999), eps 1e-08, decay 0.01, lr schedule cosine:0 after 100 iterations of warm-up
-Memory: peak 24.13 MB of tensors planned for the training step (3.15 MB testing); static arena 24.13 MB, pool 24.14 MB, workspace 6.36 MB
-Structure hash: 1a94398b6ef8c0b7
+Memory: peak 23.09 MB of tensors planned for the training step (3.15 MB testing); static arena 23.09 MB, pool 23.09 MB, workspace 6.36 MB
+Structure hash: f0bdb994ceff5574
 
 Usage: python char_lm.py [--iters N] [--data SPEC] [--params PATH] [--memory-mode static|pooled|dynamic] ...
 (--help lists every option). It imports only numpy and deepdsl_runtime; the steps below are the compiled programs,
@@ -58,7 +58,7 @@ class CharLm(rp.Model):
 
     name = "char_lm"
     source = "networks/char_lm.py"
-    structure_hash = "1a94398b6ef8c0b7"
+    structure_hash = "f0bdb994ceff5574"
     optimizer = "adamw"
     betas = (0.9, 0.999)
     batch_shape = (32, 64)
@@ -238,57 +238,32 @@ class CharLm(rp.Model):
         block1_attn_v_add = mem.tensor(6, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_v_W'], T['block1_attn_v_B'], out=block1_attn_v_add, tb=True)
 
-        # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
-        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
-        # block1_attn_transpose = transpose[axes=(1,2)](block1_attn_reshape)
-        block1_attn_transpose = mem.tensor(7, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape, out=block1_attn_transpose, axes=(1, 2))
-        # free block1_attn_v_add, block1_attn_reshape
-        del block1_attn_v_add, block1_attn_reshape
-        mem.free(6)
-
         # ---- block1_attn_k (fully connected, 64 outputs), forward ----
         # block1_attn_k_matmul = matmul[tb](block1_attn_q_reshape, block1_attn_k_W)
-        block1_attn_k_matmul = mem.tensor(8, (2048, 64), 'float32')
+        block1_attn_k_matmul = mem.tensor(7, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_k_W'], out=block1_attn_k_matmul, tb=True)
-
-        # ---- block1_attn (causal scaled dot-product attention), forward ----
-        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
-        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block1_attn_transpose_2 = transpose[axes=(1,2)](block1_attn_reshape_2)
-        block1_attn_transpose_2 = mem.tensor(9, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape_2, out=block1_attn_transpose_2, axes=(1, 2))
-        # free block1_attn_k_matmul, block1_attn_reshape_2
-        del block1_attn_k_matmul, block1_attn_reshape_2
-        mem.free(8)
 
         # ---- block1_attn_q (fully connected, 64 outputs), forward ----
         # block1_attn_q_add = matmul[tb](block1_attn_q_reshape, block1_attn_q_W, block1_attn_q_B)
-        block1_attn_q_add = mem.tensor(10, (2048, 64), 'float32')
+        block1_attn_q_add = mem.tensor(8, (2048, 64), 'float32')
         rt.matmul(block1_attn_q_reshape, T['block1_attn_q_W'], T['block1_attn_q_B'], out=block1_attn_q_add, tb=True)
 
         # ---- block1_attn (causal scaled dot-product attention), forward ----
+        # block1_attn_reshape = reshape[32x64x4x16](block1_attn_v_add)
+        block1_attn_reshape = rt.reshape(block1_attn_v_add, shape=(32, 64, 4, 16))
+        # block1_attn_reshape_2 = reshape[32x64x4x16](block1_attn_k_matmul)
+        block1_attn_reshape_2 = rt.reshape(block1_attn_k_matmul, shape=(32, 64, 4, 16))
         # block1_attn_reshape_3 = reshape[32x64x4x16](block1_attn_q_add)
         block1_attn_reshape_3 = rt.reshape(block1_attn_q_add, shape=(32, 64, 4, 16))
-        # block1_attn_transpose_3 = transpose[axes=(1,2)](block1_attn_reshape_3)
-        block1_attn_transpose_3 = mem.tensor(11, (32, 4, 64, 16), 'float32')
-        rt.transpose(block1_attn_reshape_3, out=block1_attn_transpose_3, axes=(1, 2))
-        # free block1_attn_q_add, block1_attn_reshape_3
-        del block1_attn_q_add, block1_attn_reshape_3
-        mem.free(10)
-        # block1_attn = attention[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn_mask)
-        block1_attn = mem.tensor(12, (32, 4, 64, 16), 'float32')
-        rt.attention(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, mask=block1_attn_mask, out=block1_attn, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
+        # block1_attn = attention[causal=True,heads=True,keep=0.9,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, block1_attn_mask)
+        block1_attn = mem.tensor(9, (32, 64, 4, 16), 'float32')
+        rt.attention(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, mask=block1_attn_mask, out=block1_attn, causal=True, heads=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
 
         # ---- block1_attn_out (fully connected, 64 outputs), forward ----
-        # block1_attn_out_transpose = transpose[axes=(1,2)](block1_attn)
-        block1_attn_out_transpose = mem.tensor(13, (32, 64, 4, 16), 'float32')
-        rt.transpose(block1_attn, out=block1_attn_out_transpose, axes=(1, 2))
-        # block1_attn_out_reshape = reshape[2048x64](block1_attn_out_transpose)
-        block1_attn_out_reshape = rt.reshape(block1_attn_out_transpose, shape=(2048, 64))
+        # block1_attn_out_reshape = reshape[2048x64](block1_attn)
+        block1_attn_out_reshape = rt.reshape(block1_attn, shape=(2048, 64))
         # block1_attn_out_add = matmul[tb](block1_attn_out_reshape, block1_attn_out_W, block1_attn_out_B)
-        block1_attn_out_add = mem.tensor(14, (2048, 64), 'float32')
+        block1_attn_out_add = mem.tensor(10, (2048, 64), 'float32')
         rt.matmul(block1_attn_out_reshape, T['block1_attn_out_W'], T['block1_attn_out_B'], out=block1_attn_out_add, tb=True)
         # block1_attn_out = reshape[32x64x64](block1_attn_out_add)
         block1_attn_out = rt.reshape(block1_attn_out_add, shape=(32, 64, 64))
@@ -298,28 +273,28 @@ class CharLm(rp.Model):
         block1_ln2_add_2 = block1_attn_out  # in place: over block1_attn_out
         rt.ew(ew_add_2, block1_ln2_add_2, block1_ln2_add, block1_attn_out)
         # block1_ln2 = layer_norm[axes=1,eps=1e-05](block1_ln2_add_2, block1_ln2_W, block1_ln2_B)
-        block1_ln2 = mem.tensor(15, (32, 64, 64), 'float32')
+        block1_ln2 = mem.tensor(11, (32, 64, 64), 'float32')
         rt.layer_norm(block1_ln2_add_2, T['block1_ln2_W'], T['block1_ln2_B'], out=block1_ln2, axes=1, eps=1e-05)
 
         # ---- block1_fc1 (fully connected, 256 outputs), forward ----
         # block1_fc1_reshape = reshape[2048x64](block1_ln2)
         block1_fc1_reshape = rt.reshape(block1_ln2, shape=(2048, 64))
         # block1_fc1_add = matmul[tb](block1_fc1_reshape, block1_fc1_W, block1_fc1_B)
-        block1_fc1_add = mem.tensor(16, (2048, 256), 'float32')
+        block1_fc1_add = mem.tensor(12, (2048, 256), 'float32')
         rt.matmul(block1_fc1_reshape, T['block1_fc1_W'], T['block1_fc1_B'], out=block1_fc1_add, tb=True)
         # block1_fc1 = reshape[32x64x256](block1_fc1_add)
         block1_fc1 = rt.reshape(block1_fc1_add, shape=(32, 64, 256))
 
         # ---- block1_fc1_gelu (gelu), forward ----
         # block1_fc1_gelu = block1_fc1*(erf(sqrt(2)*block1_fc1/2) + 1)/2
-        block1_fc1_gelu = mem.tensor(17, (32, 64, 256), 'float32')
+        block1_fc1_gelu = mem.tensor(13, (32, 64, 256), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block1_fc1_gelu, block1_fc1)
 
         # ---- block1_fc2 (fully connected, 64 outputs), forward ----
         # block1_fc2_reshape = reshape[2048x256](block1_fc1_gelu)
         block1_fc2_reshape = rt.reshape(block1_fc1_gelu, shape=(2048, 256))
         # block1_fc2_add = matmul[tb](block1_fc2_reshape, block1_fc2_W, block1_fc2_B)
-        block1_fc2_add = mem.tensor(18, (2048, 64), 'float32')
+        block1_fc2_add = mem.tensor(14, (2048, 64), 'float32')
         rt.matmul(block1_fc2_reshape, T['block1_fc2_W'], T['block1_fc2_B'], out=block1_fc2_add, tb=True)
         # block1_fc2 = reshape[32x64x64](block1_fc2_add)
         block1_fc2 = rt.reshape(block1_fc2_add, shape=(32, 64, 64))
@@ -329,7 +304,7 @@ class CharLm(rp.Model):
         block2_ln1_add = block1_fc2  # in place: over block1_fc2
         rt.ew(ew_add_2, block2_ln1_add, block1_ln2_add_2, block1_fc2)
         # block2_ln1 = layer_norm[axes=1,eps=1e-05](block2_ln1_add, block2_ln1_W, block2_ln1_B)
-        block2_ln1 = mem.tensor(19, (32, 64, 64), 'float32')
+        block2_ln1 = mem.tensor(15, (32, 64, 64), 'float32')
         rt.layer_norm(block2_ln1_add, T['block2_ln1_W'], T['block2_ln1_B'], out=block2_ln1, axes=1, eps=1e-05)
 
         # ---- block2_attn_q (fully connected, 64 outputs), forward ----
@@ -338,60 +313,35 @@ class CharLm(rp.Model):
 
         # ---- block2_attn_v (fully connected, 64 outputs), forward ----
         # block2_attn_v_add = matmul[tb](block2_attn_q_reshape, block2_attn_v_W, block2_attn_v_B)
-        block2_attn_v_add = mem.tensor(20, (2048, 64), 'float32')
+        block2_attn_v_add = mem.tensor(16, (2048, 64), 'float32')
         rt.matmul(block2_attn_q_reshape, T['block2_attn_v_W'], T['block2_attn_v_B'], out=block2_attn_v_add, tb=True)
+
+        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
+        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
+        block2_attn_k_matmul = mem.tensor(17, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
+        # block2_attn_q_add = matmul[tb](block2_attn_q_reshape, block2_attn_q_W, block2_attn_q_B)
+        block2_attn_q_add = mem.tensor(18, (2048, 64), 'float32')
+        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], T['block2_attn_q_B'], out=block2_attn_q_add, tb=True)
 
         # ---- block2_attn (causal scaled dot-product attention), forward ----
         # block2_attn_reshape = reshape[32x64x4x16](block2_attn_v_add)
         block2_attn_reshape = rt.reshape(block2_attn_v_add, shape=(32, 64, 4, 16))
-        # block2_attn_transpose = transpose[axes=(1,2)](block2_attn_reshape)
-        block2_attn_transpose = mem.tensor(21, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape, out=block2_attn_transpose, axes=(1, 2))
-        # free block2_attn_v_add, block2_attn_reshape
-        del block2_attn_v_add, block2_attn_reshape
-        mem.free(20)
-
-        # ---- block2_attn_k (fully connected, 64 outputs), forward ----
-        # block2_attn_k_matmul = matmul[tb](block2_attn_q_reshape, block2_attn_k_W)
-        block2_attn_k_matmul = mem.tensor(22, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_k_W'], out=block2_attn_k_matmul, tb=True)
-
-        # ---- block2_attn (causal scaled dot-product attention), forward ----
         # block2_attn_reshape_2 = reshape[32x64x4x16](block2_attn_k_matmul)
         block2_attn_reshape_2 = rt.reshape(block2_attn_k_matmul, shape=(32, 64, 4, 16))
-        # block2_attn_transpose_2 = transpose[axes=(1,2)](block2_attn_reshape_2)
-        block2_attn_transpose_2 = mem.tensor(23, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape_2, out=block2_attn_transpose_2, axes=(1, 2))
-        # free block2_attn_k_matmul, block2_attn_reshape_2
-        del block2_attn_k_matmul, block2_attn_reshape_2
-        mem.free(22)
-
-        # ---- block2_attn_q (fully connected, 64 outputs), forward ----
-        # block2_attn_q_add = matmul[tb](block2_attn_q_reshape, block2_attn_q_W, block2_attn_q_B)
-        block2_attn_q_add = mem.tensor(24, (2048, 64), 'float32')
-        rt.matmul(block2_attn_q_reshape, T['block2_attn_q_W'], T['block2_attn_q_B'], out=block2_attn_q_add, tb=True)
-
-        # ---- block2_attn (causal scaled dot-product attention), forward ----
         # block2_attn_reshape_3 = reshape[32x64x4x16](block2_attn_q_add)
         block2_attn_reshape_3 = rt.reshape(block2_attn_q_add, shape=(32, 64, 4, 16))
-        # block2_attn_transpose_3 = transpose[axes=(1,2)](block2_attn_reshape_3)
-        block2_attn_transpose_3 = mem.tensor(25, (32, 4, 64, 16), 'float32')
-        rt.transpose(block2_attn_reshape_3, out=block2_attn_transpose_3, axes=(1, 2))
-        # free block2_attn_q_add, block2_attn_reshape_3
-        del block2_attn_q_add, block2_attn_reshape_3
-        mem.free(24)
-        # block2_attn = attention[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn_mask)
-        block2_attn = mem.tensor(26, (32, 4, 64, 16), 'float32')
-        rt.attention(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, mask=block2_attn_mask, out=block2_attn, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
+        # block2_attn = attention[causal=True,heads=True,keep=0.9,scale=0.25](block2_attn_reshape_3, block2_attn_reshape_2, block2_attn_reshape, block2_attn_mask)
+        block2_attn = mem.tensor(19, (32, 64, 4, 16), 'float32')
+        rt.attention(block2_attn_reshape_3, block2_attn_reshape_2, block2_attn_reshape, mask=block2_attn_mask, out=block2_attn, causal=True, heads=True, keep=0.9, scale=0.25, workspace=mem.workspace(2097152))
 
         # ---- block2_attn_out (fully connected, 64 outputs), forward ----
-        # block2_attn_out_transpose = transpose[axes=(1,2)](block2_attn)
-        block2_attn_out_transpose = mem.tensor(27, (32, 64, 4, 16), 'float32')
-        rt.transpose(block2_attn, out=block2_attn_out_transpose, axes=(1, 2))
-        # block2_attn_out_reshape = reshape[2048x64](block2_attn_out_transpose)
-        block2_attn_out_reshape = rt.reshape(block2_attn_out_transpose, shape=(2048, 64))
+        # block2_attn_out_reshape = reshape[2048x64](block2_attn)
+        block2_attn_out_reshape = rt.reshape(block2_attn, shape=(2048, 64))
         # block2_attn_out_add = matmul[tb](block2_attn_out_reshape, block2_attn_out_W, block2_attn_out_B)
-        block2_attn_out_add = mem.tensor(28, (2048, 64), 'float32')
+        block2_attn_out_add = mem.tensor(20, (2048, 64), 'float32')
         rt.matmul(block2_attn_out_reshape, T['block2_attn_out_W'], T['block2_attn_out_B'], out=block2_attn_out_add, tb=True)
         # block2_attn_out = reshape[32x64x64](block2_attn_out_add)
         block2_attn_out = rt.reshape(block2_attn_out_add, shape=(32, 64, 64))
@@ -401,28 +351,28 @@ class CharLm(rp.Model):
         block2_ln2_add = block2_attn_out  # in place: over block2_attn_out
         rt.ew(ew_add_2, block2_ln2_add, block2_ln1_add, block2_attn_out)
         # block2_ln2 = layer_norm[axes=1,eps=1e-05](block2_ln2_add, block2_ln2_W, block2_ln2_B)
-        block2_ln2 = mem.tensor(29, (32, 64, 64), 'float32')
+        block2_ln2 = mem.tensor(21, (32, 64, 64), 'float32')
         rt.layer_norm(block2_ln2_add, T['block2_ln2_W'], T['block2_ln2_B'], out=block2_ln2, axes=1, eps=1e-05)
 
         # ---- block2_fc1 (fully connected, 256 outputs), forward ----
         # block2_fc1_reshape = reshape[2048x64](block2_ln2)
         block2_fc1_reshape = rt.reshape(block2_ln2, shape=(2048, 64))
         # block2_fc1_add = matmul[tb](block2_fc1_reshape, block2_fc1_W, block2_fc1_B)
-        block2_fc1_add = mem.tensor(30, (2048, 256), 'float32')
+        block2_fc1_add = mem.tensor(22, (2048, 256), 'float32')
         rt.matmul(block2_fc1_reshape, T['block2_fc1_W'], T['block2_fc1_B'], out=block2_fc1_add, tb=True)
         # block2_fc1 = reshape[32x64x256](block2_fc1_add)
         block2_fc1 = rt.reshape(block2_fc1_add, shape=(32, 64, 256))
 
         # ---- block2_fc1_gelu (gelu), forward ----
         # block2_fc1_gelu = block2_fc1*(erf(sqrt(2)*block2_fc1/2) + 1)/2
-        block2_fc1_gelu = mem.tensor(31, (32, 64, 256), 'float32')
+        block2_fc1_gelu = mem.tensor(23, (32, 64, 256), 'float32')
         rt.ew(ew_sqrt_mul_erf_add, block2_fc1_gelu, block2_fc1)
 
         # ---- block2_fc2 (fully connected, 64 outputs), forward ----
         # block2_fc2_reshape = reshape[2048x256](block2_fc1_gelu)
         block2_fc2_reshape = rt.reshape(block2_fc1_gelu, shape=(2048, 256))
         # block2_fc2_add = matmul[tb](block2_fc2_reshape, block2_fc2_W, block2_fc2_B)
-        block2_fc2_add = mem.tensor(32, (2048, 64), 'float32')
+        block2_fc2_add = mem.tensor(24, (2048, 64), 'float32')
         rt.matmul(block2_fc2_reshape, T['block2_fc2_W'], T['block2_fc2_B'], out=block2_fc2_add, tb=True)
         # block2_fc2 = reshape[32x64x64](block2_fc2_add)
         block2_fc2 = rt.reshape(block2_fc2_add, shape=(32, 64, 64))
@@ -432,14 +382,14 @@ class CharLm(rp.Model):
         ln_add = block2_fc2  # in place: over block2_fc2
         rt.ew(ew_add_2, ln_add, block2_ln2_add, block2_fc2)
         # ln = layer_norm[axes=1,eps=1e-05](ln_add, ln_W, ln_B)
-        ln = mem.tensor(33, (32, 64, 64), 'float32')
+        ln = mem.tensor(25, (32, 64, 64), 'float32')
         rt.layer_norm(ln_add, T['ln_W'], T['ln_B'], out=ln, axes=1, eps=1e-05)
 
         # ---- next (fully connected, 256 outputs), forward ----
         # next_reshape = reshape[2048x64](ln)
         next_reshape = rt.reshape(ln, shape=(2048, 64))
         # next_add = matmul[tb](next_reshape, next_W, next_B)
-        next_add = mem.tensor(34, (2048, 256), 'float32')
+        next_add = mem.tensor(26, (2048, 256), 'float32')
         rt.matmul(next_reshape, T['next_W'], T['next_B'], out=next_add, tb=True)
 
         # ---- next_cross_entropy (cross_entropy), forward ----
@@ -449,21 +399,21 @@ class CharLm(rp.Model):
         # next_cross_entropy_reshape = reshape[2048](y)
         next_cross_entropy_reshape = rt.reshape(y, shape=(2048,))
         # next_cross_entropy_pick = pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape)
-        next_cross_entropy_pick = mem.tensor(35, (2048,), 'float32')
+        next_cross_entropy_pick = mem.tensor(27, (2048,), 'float32')
         rt.pick(next_cross_entropy_log_softmax, next_cross_entropy_reshape, out=next_cross_entropy_pick)
         # next_cross_entropy_sum_to = sum_to[scalar](next_cross_entropy_pick)
-        next_cross_entropy_sum_to = mem.tensor(36, (), 'float32')
+        next_cross_entropy_sum_to = mem.tensor(28, (), 'float32')
         rt.sum_to(next_cross_entropy_pick, out=next_cross_entropy_sum_to, shape=())
         # free next_cross_entropy_pick
         del next_cross_entropy_pick
-        mem.free(35)
+        mem.free(27)
         # next_cross_entropy = -next_cross_entropy_sum_to/2048
         next_cross_entropy = next_cross_entropy_sum_to  # in place: over next_cross_entropy_sum_to
         rt.ew(ew_scale, next_cross_entropy, next_cross_entropy_sum_to)
 
         # ---- next_cross_entropy (cross_entropy), backward ----
         # d_next_cross_entropy_log_softmax = unpick[classes=256](H1, next_cross_entropy_reshape)
-        d_next_cross_entropy_log_softmax = mem.tensor(37, (2048, 256), 'float32')
+        d_next_cross_entropy_log_softmax = mem.tensor(29, (2048, 256), 'float32')
         rt.unpick(T['H1'], next_cross_entropy_reshape, out=d_next_cross_entropy_log_softmax, classes=256)
         # free y, next_cross_entropy_reshape
         del y, next_cross_entropy_reshape
@@ -473,47 +423,47 @@ class CharLm(rp.Model):
         rt.ew(ew_exp_scale_add, d_next_add, d_next_cross_entropy_log_softmax, next_cross_entropy_log_softmax)
         # free next_add, next_cross_entropy_log_softmax
         del next_add, next_cross_entropy_log_softmax
-        mem.free(34)
+        mem.free(26)
 
         # ---- next (fully connected, 256 outputs), backward ----
         # d_next_W = matmul[ta](d_next_add, next_reshape)
-        d_next_W = mem.tensor(38, (256, 64), 'float32')
+        d_next_W = mem.tensor(30, (256, 64), 'float32')
         rt.matmul(d_next_add, next_reshape, out=d_next_W, ta=True)
         # free ln, next_reshape
         del ln, next_reshape
-        mem.free(33)
+        mem.free(25)
         # d_next_B = sum_to[256](d_next_add)
-        d_next_B = mem.tensor(39, (256,), 'float32')
+        d_next_B = mem.tensor(31, (256,), 'float32')
         rt.sum_to(d_next_add, out=d_next_B, shape=(256,))
         # d_next_reshape = matmul(d_next_add, next_W)
-        d_next_reshape = mem.tensor(40, (2048, 64), 'float32')
+        d_next_reshape = mem.tensor(32, (2048, 64), 'float32')
         rt.matmul(d_next_add, T['next_W'], out=d_next_reshape)
         # free d_next_cross_entropy_log_softmax, d_next_add
         del d_next_cross_entropy_log_softmax, d_next_add
-        mem.free(37)
+        mem.free(29)
         # d_ln = reshape[32x64x64](d_next_reshape)
         d_ln = rt.reshape(d_next_reshape, shape=(32, 64, 64))
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](ln_add, d_ln)
-        d_ln_layer_norm_param_grad = mem.tensor(41, (2, 64), 'float32')
+        d_ln_layer_norm_param_grad = mem.tensor(33, (2, 64), 'float32')
         rt.layer_norm_param_grad(ln_add, d_ln, out=d_ln_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
         # d_ln_add = layer_norm_grad[axes=1,eps=1e-05](ln_add, d_ln, ln_W)
         d_ln_add = d_ln  # in place: over d_ln
         rt.layer_norm_grad(ln_add, d_ln, T['ln_W'], out=d_ln_add, axes=1, eps=1e-05)
         # free block2_fc2_add, block2_fc2, ln_add
         del block2_fc2_add, block2_fc2, ln_add
-        mem.free(32)
+        mem.free(24)
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_add = reshape[2048x64](d_ln_add)
         d_block2_fc2_add = rt.reshape(d_ln_add, shape=(2048, 64))
         # d_block2_fc2_W = matmul[ta](d_block2_fc2_add, block2_fc2_reshape)
-        d_block2_fc2_W = mem.tensor(42, (64, 256), 'float32')
+        d_block2_fc2_W = mem.tensor(34, (64, 256), 'float32')
         rt.matmul(d_block2_fc2_add, block2_fc2_reshape, out=d_block2_fc2_W, ta=True)
         # free block2_fc1_gelu, block2_fc2_reshape
         del block2_fc1_gelu, block2_fc2_reshape
-        mem.free(31)
+        mem.free(23)
 
         # ---- ln (layer norm over the last 1 axes), backward ----
         # d_ln_slice = slice[axis=0,start=0,stop=1](d_ln_layer_norm_param_grad)
@@ -527,10 +477,10 @@ class CharLm(rp.Model):
 
         # ---- block2_fc2 (fully connected, 64 outputs), backward ----
         # d_block2_fc2_B = sum_to[64](d_block2_fc2_add)
-        d_block2_fc2_B = mem.tensor(43, (64,), 'float32')
+        d_block2_fc2_B = mem.tensor(35, (64,), 'float32')
         rt.sum_to(d_block2_fc2_add, out=d_block2_fc2_B, shape=(64,))
         # d_block2_fc2_reshape = matmul(d_block2_fc2_add, block2_fc2_W)
-        d_block2_fc2_reshape = mem.tensor(44, (2048, 256), 'float32')
+        d_block2_fc2_reshape = mem.tensor(36, (2048, 256), 'float32')
         rt.matmul(d_block2_fc2_add, T['block2_fc2_W'], out=d_block2_fc2_reshape)
         # d_block2_fc1_gelu = reshape[32x64x256](d_block2_fc2_reshape)
         d_block2_fc1_gelu = rt.reshape(d_block2_fc2_reshape, shape=(32, 64, 256))
@@ -541,57 +491,45 @@ class CharLm(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block2_fc1, d_block2_fc1_gelu, block2_fc1)
         # free block2_fc1_add, block2_fc1
         del block2_fc1_add, block2_fc1
-        mem.free(30)
+        mem.free(22)
 
         # ---- block2_fc1 (fully connected, 256 outputs), backward ----
         # d_block2_fc1_add = reshape[2048x256](d_block2_fc1)
         d_block2_fc1_add = rt.reshape(d_block2_fc1, shape=(2048, 256))
         # d_block2_fc1_W = matmul[ta](d_block2_fc1_add, block2_fc1_reshape)
-        d_block2_fc1_W = mem.tensor(45, (256, 64), 'float32')
+        d_block2_fc1_W = mem.tensor(37, (256, 64), 'float32')
         rt.matmul(d_block2_fc1_add, block2_fc1_reshape, out=d_block2_fc1_W, ta=True)
         # free block2_ln2, block2_fc1_reshape
         del block2_ln2, block2_fc1_reshape
-        mem.free(29)
+        mem.free(21)
         # d_block2_fc1_B = sum_to[256](d_block2_fc1_add)
-        d_block2_fc1_B = mem.tensor(46, (256,), 'float32')
+        d_block2_fc1_B = mem.tensor(38, (256,), 'float32')
         rt.sum_to(d_block2_fc1_add, out=d_block2_fc1_B, shape=(256,))
         # d_block2_fc1_reshape = matmul(d_block2_fc1_add, block2_fc1_W)
-        d_block2_fc1_reshape = mem.tensor(47, (2048, 64), 'float32')
+        d_block2_fc1_reshape = mem.tensor(39, (2048, 64), 'float32')
         rt.matmul(d_block2_fc1_add, T['block2_fc1_W'], out=d_block2_fc1_reshape)
         # free d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
         del d_block2_fc2_reshape, d_block2_fc1_gelu, d_block2_fc1, d_block2_fc1_add
-        mem.free(44)
+        mem.free(36)
         # d_block2_ln2 = reshape[32x64x64](d_block2_fc1_reshape)
         d_block2_ln2 = rt.reshape(d_block2_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
         # d_block2_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2)
-        d_block2_ln2_layer_norm_param_grad = mem.tensor(48, (2, 64), 'float32')
+        d_block2_ln2_layer_norm_param_grad = mem.tensor(40, (2, 64), 'float32')
         rt.layer_norm_param_grad(block2_ln2_add, d_block2_ln2, out=d_block2_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
         # d_block2_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln2_add, d_block2_ln2, block2_ln2_W)
         d_block2_ln2_add = d_block2_ln2  # in place: over d_block2_ln2
         rt.layer_norm_grad(block2_ln2_add, d_block2_ln2, T['block2_ln2_W'], out=d_block2_ln2_add, axes=1, eps=1e-05)
         # free block2_attn_out_add, block2_attn_out, block2_ln2_add
         del block2_attn_out_add, block2_attn_out, block2_ln2_add
-        mem.free(28)
+        mem.free(20)
         # d_block2_ln2_add_2 = d_ln_add + d_block2_ln2_add
         d_block2_ln2_add_2 = d_ln_add  # in place: over d_ln_add
         rt.ew(ew_add, d_block2_ln2_add_2, d_ln_add, d_block2_ln2_add)
         # free d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
         del d_block2_fc1_reshape, d_block2_ln2, d_block2_ln2_add
-        mem.free(47)
-
-        # ---- block2_attn_out (fully connected, 64 outputs), backward ----
-        # d_block2_attn_out_add = reshape[2048x64](d_block2_ln2_add_2)
-        d_block2_attn_out_add = rt.reshape(d_block2_ln2_add_2, shape=(2048, 64))
-        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
-        d_block2_attn_out_W = mem.tensor(49, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block2_attn_out_transpose, block2_attn_out_reshape
-        del block2_attn_out_transpose, block2_attn_out_reshape
-        mem.free(27)
-
-        # ---- block2_ln2 (layer norm over the last 1 axes), backward ----
+        mem.free(39)
         # d_block2_ln2_slice = slice[axis=0,start=0,stop=1](d_block2_ln2_layer_norm_param_grad)
         d_block2_ln2_slice = rt.slice(d_block2_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block2_ln2_W = reshape[64](d_block2_ln2_slice)
@@ -602,110 +540,89 @@ class CharLm(rp.Model):
         d_block2_ln2_B = rt.reshape(d_block2_ln2_slice_2, shape=(64,))
 
         # ---- block2_attn_out (fully connected, 64 outputs), backward ----
+        # d_block2_attn_out_add = reshape[2048x64](d_block2_ln2_add_2)
+        d_block2_attn_out_add = rt.reshape(d_block2_ln2_add_2, shape=(2048, 64))
         # d_block2_attn_out_B = sum_to[64](d_block2_attn_out_add)
-        d_block2_attn_out_B = mem.tensor(50, (64,), 'float32')
+        d_block2_attn_out_B = mem.tensor(41, (64,), 'float32')
         rt.sum_to(d_block2_attn_out_add, out=d_block2_attn_out_B, shape=(64,))
+        # d_block2_attn_out_W = matmul[ta](d_block2_attn_out_add, block2_attn_out_reshape)
+        d_block2_attn_out_W = mem.tensor(42, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_out_add, block2_attn_out_reshape, out=d_block2_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # d_block2_attn_out_reshape = matmul(d_block2_attn_out_add, block2_attn_out_W)
-        d_block2_attn_out_reshape = mem.tensor(51, (2048, 64), 'float32')
+        d_block2_attn_out_reshape = mem.tensor(43, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_out_add, T['block2_attn_out_W'], out=d_block2_attn_out_reshape)
         # d_block2_attn_out_transpose = reshape[32x64x4x16](d_block2_attn_out_reshape)
         d_block2_attn_out_transpose = rt.reshape(d_block2_attn_out_reshape, shape=(32, 64, 4, 16))
-        # d_block2_attn = transpose[axes=(1,2)](d_block2_attn_out_transpose)
-        d_block2_attn = mem.tensor(52, (32, 4, 64, 16), 'float32')
-        rt.transpose(d_block2_attn_out_transpose, out=d_block2_attn, axes=(1, 2))
-        # free d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        del d_block2_attn_out_reshape, d_block2_attn_out_transpose
-        mem.free(51)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
-        # d_block2_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, block2_attn_mask)
-        d_block2_attn_attention_grad = mem.tensor(53, (393216,), 'float32')
-        rt.attention_grad(block2_attn_transpose_3, block2_attn_transpose_2, block2_attn_transpose, block2_attn, d_block2_attn, mask=block2_attn_mask, out=d_block2_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
-        # free block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        del block2_attn_mask, block2_attn_transpose, block2_attn_transpose_2, block2_attn_transpose_3, block2_attn, d_block2_attn
-        mem.free(2, 21, 23, 25, 26, 52)
+        # d_block2_attn_attention_grad = attention_grad[causal=True,heads=True,keep=0.9,scale=0.25](block2_attn_reshape_3, block2_attn_reshape_2, block2_attn_reshape, block2_attn, d_block2_attn_out_transpose, block2_attn_mask)
+        d_block2_attn_attention_grad = mem.tensor(44, (393216,), 'float32')
+        rt.attention_grad(block2_attn_reshape_3, block2_attn_reshape_2, block2_attn_reshape, block2_attn, d_block2_attn_out_transpose, mask=block2_attn_mask, out=d_block2_attn_attention_grad, causal=True, heads=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
+        # free block2_attn_mask, block2_attn_v_add, block2_attn_reshape, block2_attn_k_matmul, block2_attn_reshape_2, block2_attn_q_add, block2_attn_reshape_3, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        del block2_attn_mask, block2_attn_v_add, block2_attn_reshape, block2_attn_k_matmul, block2_attn_reshape_2, block2_attn_q_add, block2_attn_reshape_3, block2_attn, block2_attn_out_reshape, d_block2_attn_out_reshape, d_block2_attn_out_transpose
+        mem.free(2, 16, 17, 18, 19, 43)
         # d_block2_attn_slice = slice[axis=0,start=0,stop=131072](d_block2_attn_attention_grad)
         d_block2_attn_slice = rt.slice(d_block2_attn_attention_grad, axis=0, start=0, stop=131072)
-        # d_block2_attn_transpose = reshape[32x4x64x16](d_block2_attn_slice)
-        d_block2_attn_transpose = rt.reshape(d_block2_attn_slice, shape=(32, 4, 64, 16))
-        # d_block2_attn_reshape = transpose[axes=(1,2)](d_block2_attn_transpose)
-        d_block2_attn_reshape = mem.tensor(54, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose, out=d_block2_attn_reshape, axes=(1, 2))
-        # d_block2_attn_q_add = reshape[2048x64](d_block2_attn_reshape)
-        d_block2_attn_q_add = rt.reshape(d_block2_attn_reshape, shape=(2048, 64))
+        # d_block2_attn_q_add = reshape[2048x64](d_block2_attn_slice)
+        d_block2_attn_q_add = rt.reshape(d_block2_attn_slice, shape=(2048, 64))
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_B = sum_to[64](d_block2_attn_q_add)
-        d_block2_attn_q_B = mem.tensor(55, (64,), 'float32')
+        d_block2_attn_q_B = mem.tensor(45, (64,), 'float32')
         rt.sum_to(d_block2_attn_q_add, out=d_block2_attn_q_B, shape=(64,))
-        # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
-        d_block2_attn_q_W = mem.tensor(56, (64, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
-        d_block2_attn_q_reshape = mem.tensor(57, (2048, 64), 'float32')
-        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
-        # free d_block2_attn_reshape, d_block2_attn_q_add
-        del d_block2_attn_reshape, d_block2_attn_q_add
-        mem.free(54)
 
         # ---- block2_attn (causal scaled dot-product attention), backward ----
-        # d_block2_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block2_attn_attention_grad)
-        d_block2_attn_slice_2 = rt.slice(d_block2_attn_attention_grad, axis=0, start=131072, stop=262144)
-        # d_block2_attn_transpose_2 = reshape[32x4x64x16](d_block2_attn_slice_2)
-        d_block2_attn_transpose_2 = rt.reshape(d_block2_attn_slice_2, shape=(32, 4, 64, 16))
-        # d_block2_attn_reshape_2 = transpose[axes=(1,2)](d_block2_attn_transpose_2)
-        d_block2_attn_reshape_2 = mem.tensor(58, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose_2, out=d_block2_attn_reshape_2, axes=(1, 2))
-        # d_block2_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block2_attn_attention_grad)
-        d_block2_attn_slice_3 = rt.slice(d_block2_attn_attention_grad, axis=0, start=262144, stop=393216)
-        # d_block2_attn_transpose_3 = reshape[32x4x64x16](d_block2_attn_slice_3)
-        d_block2_attn_transpose_3 = rt.reshape(d_block2_attn_slice_3, shape=(32, 4, 64, 16))
-        # d_block2_attn_reshape_3 = transpose[axes=(1,2)](d_block2_attn_transpose_3)
-        d_block2_attn_reshape_3 = mem.tensor(59, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block2_attn_transpose_3, out=d_block2_attn_reshape_3, axes=(1, 2))
-        # free d_block2_attn_attention_grad, d_block2_attn_slice, d_block2_attn_transpose, d_block2_attn_slice_2, d_block2_attn_transpose_2, d_block2_attn_slice_3, d_block2_attn_transpose_3
-        del d_block2_attn_attention_grad, d_block2_attn_slice, d_block2_attn_transpose, d_block2_attn_slice_2, d_block2_attn_transpose_2, d_block2_attn_slice_3, d_block2_attn_transpose_3
-        mem.free(53)
-        # d_block2_attn_v_add = reshape[2048x64](d_block2_attn_reshape_3)
-        d_block2_attn_v_add = rt.reshape(d_block2_attn_reshape_3, shape=(2048, 64))
+        # d_block2_attn_slice_2 = slice[axis=0,start=262144,stop=393216](d_block2_attn_attention_grad)
+        d_block2_attn_slice_2 = rt.slice(d_block2_attn_attention_grad, axis=0, start=262144, stop=393216)
+        # d_block2_attn_v_add = reshape[2048x64](d_block2_attn_slice_2)
+        d_block2_attn_v_add = rt.reshape(d_block2_attn_slice_2, shape=(2048, 64))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_B = sum_to[64](d_block2_attn_v_add)
-        d_block2_attn_v_B = mem.tensor(60, (64,), 'float32')
+        d_block2_attn_v_B = mem.tensor(46, (64,), 'float32')
         rt.sum_to(d_block2_attn_v_add, out=d_block2_attn_v_B, shape=(64,))
 
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_W = matmul[ta](d_block2_attn_q_add, block2_attn_q_reshape)
+        d_block2_attn_q_W = mem.tensor(47, (64, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, block2_attn_q_reshape, out=d_block2_attn_q_W, ta=True, workspace=mem.workspace(49152))
+
         # ---- block2_attn (causal scaled dot-product attention), backward ----
-        # d_block2_attn_k_matmul = reshape[2048x64](d_block2_attn_reshape_2)
-        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_reshape_2, shape=(2048, 64))
+        # d_block2_attn_slice_3 = slice[axis=0,start=131072,stop=262144](d_block2_attn_attention_grad)
+        d_block2_attn_slice_3 = rt.slice(d_block2_attn_attention_grad, axis=0, start=131072, stop=262144)
+        # d_block2_attn_k_matmul = reshape[2048x64](d_block2_attn_slice_3)
+        d_block2_attn_k_matmul = rt.reshape(d_block2_attn_slice_3, shape=(2048, 64))
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_k_W = matmul[ta](d_block2_attn_k_matmul, block2_attn_q_reshape)
-        d_block2_attn_k_W = mem.tensor(61, (64, 64), 'float32')
+        d_block2_attn_k_W = mem.tensor(48, (64, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, block2_attn_q_reshape, out=d_block2_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_v_W = matmul[ta](d_block2_attn_v_add, block2_attn_q_reshape)
-        d_block2_attn_v_W = mem.tensor(62, (64, 64), 'float32')
+        d_block2_attn_v_W = mem.tensor(49, (64, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, block2_attn_q_reshape, out=d_block2_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block2_ln1, block2_attn_q_reshape
         del block2_ln1, block2_attn_q_reshape
-        mem.free(19)
+        mem.free(15)
+
+        # ---- block2_attn_q (fully connected, 64 outputs), backward ----
+        # d_block2_attn_q_reshape = matmul(d_block2_attn_q_add, block2_attn_q_W)
+        d_block2_attn_q_reshape = mem.tensor(50, (2048, 64), 'float32')
+        rt.matmul(d_block2_attn_q_add, T['block2_attn_q_W'], out=d_block2_attn_q_reshape)
 
         # ---- block2_attn_k (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_2 = matmul(d_block2_attn_k_matmul, block2_attn_k_W)
-        d_block2_attn_q_reshape_2 = mem.tensor(63, (2048, 64), 'float32')
+        d_block2_attn_q_reshape_2 = mem.tensor(51, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_k_matmul, T['block2_attn_k_W'], out=d_block2_attn_q_reshape_2)
-        # free d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        del d_block2_attn_reshape_2, d_block2_attn_k_matmul
-        mem.free(58)
 
         # ---- block2_attn_v (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_3 = matmul(d_block2_attn_v_add, block2_attn_v_W)
-        d_block2_attn_q_reshape_3 = mem.tensor(64, (2048, 64), 'float32')
+        d_block2_attn_q_reshape_3 = mem.tensor(52, (2048, 64), 'float32')
         rt.matmul(d_block2_attn_v_add, T['block2_attn_v_W'], out=d_block2_attn_q_reshape_3)
-        # free d_block2_attn_reshape_3, d_block2_attn_v_add
-        del d_block2_attn_reshape_3, d_block2_attn_v_add
-        mem.free(59)
+        # free d_block2_attn_attention_grad, d_block2_attn_slice, d_block2_attn_q_add, d_block2_attn_slice_2, d_block2_attn_v_add, d_block2_attn_slice_3, d_block2_attn_k_matmul
+        del d_block2_attn_attention_grad, d_block2_attn_slice, d_block2_attn_q_add, d_block2_attn_slice_2, d_block2_attn_v_add, d_block2_attn_slice_3, d_block2_attn_k_matmul
+        mem.free(44)
 
         # ---- block2_attn_q (fully connected, 64 outputs), backward ----
         # d_block2_attn_q_reshape_4 = d_block2_attn_q_reshape_3 + d_block2_attn_q_reshape_2 + d_block2_attn_q_reshape
@@ -713,36 +630,36 @@ class CharLm(rp.Model):
         rt.ew(ew_add_3, d_block2_attn_q_reshape_4, d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_2, d_block2_attn_q_reshape)
         # free d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
         del d_block2_attn_q_reshape, d_block2_attn_q_reshape_2
-        mem.free(57, 63)
+        mem.free(50, 51)
         # d_block2_ln1 = reshape[32x64x64](d_block2_attn_q_reshape_4)
         d_block2_ln1 = rt.reshape(d_block2_attn_q_reshape_4, shape=(32, 64, 64))
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1)
-        d_block2_ln1_layer_norm_param_grad = mem.tensor(65, (2, 64), 'float32')
+        d_block2_ln1_layer_norm_param_grad = mem.tensor(53, (2, 64), 'float32')
         rt.layer_norm_param_grad(block2_ln1_add, d_block2_ln1, out=d_block2_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
         # d_block2_ln1_add = layer_norm_grad[axes=1,eps=1e-05](block2_ln1_add, d_block2_ln1, block2_ln1_W)
         d_block2_ln1_add = d_block2_ln1  # in place: over d_block2_ln1
         rt.layer_norm_grad(block2_ln1_add, d_block2_ln1, T['block2_ln1_W'], out=d_block2_ln1_add, axes=1, eps=1e-05)
         # free block1_fc2_add, block1_fc2, block2_ln1_add
         del block1_fc2_add, block1_fc2, block2_ln1_add
-        mem.free(18)
+        mem.free(14)
         # d_block2_ln1_add_2 = d_block2_ln2_add_2 + d_block2_ln1_add
         d_block2_ln1_add_2 = d_block2_ln2_add_2  # in place: over d_block2_ln2_add_2
         rt.ew(ew_add, d_block2_ln1_add_2, d_block2_ln2_add_2, d_block2_ln1_add)
         # free d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
         del d_block2_attn_q_reshape_3, d_block2_attn_q_reshape_4, d_block2_ln1, d_block2_ln1_add
-        mem.free(64)
+        mem.free(52)
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_add = reshape[2048x64](d_block2_ln1_add_2)
         d_block1_fc2_add = rt.reshape(d_block2_ln1_add_2, shape=(2048, 64))
         # d_block1_fc2_W = matmul[ta](d_block1_fc2_add, block1_fc2_reshape)
-        d_block1_fc2_W = mem.tensor(66, (64, 256), 'float32')
+        d_block1_fc2_W = mem.tensor(54, (64, 256), 'float32')
         rt.matmul(d_block1_fc2_add, block1_fc2_reshape, out=d_block1_fc2_W, ta=True)
         # free block1_fc1_gelu, block1_fc2_reshape
         del block1_fc1_gelu, block1_fc2_reshape
-        mem.free(17)
+        mem.free(13)
 
         # ---- block2_ln1 (layer norm over the last 1 axes), backward ----
         # d_block2_ln1_slice = slice[axis=0,start=0,stop=1](d_block2_ln1_layer_norm_param_grad)
@@ -756,10 +673,10 @@ class CharLm(rp.Model):
 
         # ---- block1_fc2 (fully connected, 64 outputs), backward ----
         # d_block1_fc2_B = sum_to[64](d_block1_fc2_add)
-        d_block1_fc2_B = mem.tensor(67, (64,), 'float32')
+        d_block1_fc2_B = mem.tensor(55, (64,), 'float32')
         rt.sum_to(d_block1_fc2_add, out=d_block1_fc2_B, shape=(64,))
         # d_block1_fc2_reshape = matmul(d_block1_fc2_add, block1_fc2_W)
-        d_block1_fc2_reshape = mem.tensor(68, (2048, 256), 'float32')
+        d_block1_fc2_reshape = mem.tensor(56, (2048, 256), 'float32')
         rt.matmul(d_block1_fc2_add, T['block1_fc2_W'], out=d_block1_fc2_reshape)
         # d_block1_fc1_gelu = reshape[32x64x256](d_block1_fc2_reshape)
         d_block1_fc1_gelu = rt.reshape(d_block1_fc2_reshape, shape=(32, 64, 256))
@@ -770,57 +687,45 @@ class CharLm(rp.Model):
         rt.ew(ew_sqrt_mul_erf_scale, d_block1_fc1, d_block1_fc1_gelu, block1_fc1)
         # free block1_fc1_add, block1_fc1
         del block1_fc1_add, block1_fc1
-        mem.free(16)
+        mem.free(12)
 
         # ---- block1_fc1 (fully connected, 256 outputs), backward ----
         # d_block1_fc1_add = reshape[2048x256](d_block1_fc1)
         d_block1_fc1_add = rt.reshape(d_block1_fc1, shape=(2048, 256))
         # d_block1_fc1_W = matmul[ta](d_block1_fc1_add, block1_fc1_reshape)
-        d_block1_fc1_W = mem.tensor(69, (256, 64), 'float32')
+        d_block1_fc1_W = mem.tensor(57, (256, 64), 'float32')
         rt.matmul(d_block1_fc1_add, block1_fc1_reshape, out=d_block1_fc1_W, ta=True)
         # free block1_ln2, block1_fc1_reshape
         del block1_ln2, block1_fc1_reshape
-        mem.free(15)
+        mem.free(11)
         # d_block1_fc1_B = sum_to[256](d_block1_fc1_add)
-        d_block1_fc1_B = mem.tensor(70, (256,), 'float32')
+        d_block1_fc1_B = mem.tensor(58, (256,), 'float32')
         rt.sum_to(d_block1_fc1_add, out=d_block1_fc1_B, shape=(256,))
         # d_block1_fc1_reshape = matmul(d_block1_fc1_add, block1_fc1_W)
-        d_block1_fc1_reshape = mem.tensor(71, (2048, 64), 'float32')
+        d_block1_fc1_reshape = mem.tensor(59, (2048, 64), 'float32')
         rt.matmul(d_block1_fc1_add, T['block1_fc1_W'], out=d_block1_fc1_reshape)
         # free d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
         del d_block1_fc2_reshape, d_block1_fc1_gelu, d_block1_fc1, d_block1_fc1_add
-        mem.free(68)
+        mem.free(56)
         # d_block1_ln2 = reshape[32x64x64](d_block1_fc1_reshape)
         d_block1_ln2 = rt.reshape(d_block1_fc1_reshape, shape=(32, 64, 64))
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_block1_ln2_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2)
-        d_block1_ln2_layer_norm_param_grad = mem.tensor(72, (2, 64), 'float32')
+        d_block1_ln2_layer_norm_param_grad = mem.tensor(60, (2, 64), 'float32')
         rt.layer_norm_param_grad(block1_ln2_add_2, d_block1_ln2, out=d_block1_ln2_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
         # d_block1_ln2_add = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add_2, d_block1_ln2, block1_ln2_W)
         d_block1_ln2_add = d_block1_ln2  # in place: over d_block1_ln2
         rt.layer_norm_grad(block1_ln2_add_2, d_block1_ln2, T['block1_ln2_W'], out=d_block1_ln2_add, axes=1, eps=1e-05)
         # free block1_attn_out_add, block1_attn_out, block1_ln2_add_2
         del block1_attn_out_add, block1_attn_out, block1_ln2_add_2
-        mem.free(14)
+        mem.free(10)
         # d_block1_ln2_add_2 = d_block2_ln1_add_2 + d_block1_ln2_add
         d_block1_ln2_add_2 = d_block2_ln1_add_2  # in place: over d_block2_ln1_add_2
         rt.ew(ew_add, d_block1_ln2_add_2, d_block2_ln1_add_2, d_block1_ln2_add)
         # free d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
         del d_block1_fc1_reshape, d_block1_ln2, d_block1_ln2_add
-        mem.free(71)
-
-        # ---- block1_attn_out (fully connected, 64 outputs), backward ----
-        # d_block1_attn_out_add = reshape[2048x64](d_block1_ln2_add_2)
-        d_block1_attn_out_add = rt.reshape(d_block1_ln2_add_2, shape=(2048, 64))
-        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
-        d_block1_attn_out_W = mem.tensor(73, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
-        # free block1_attn_out_transpose, block1_attn_out_reshape
-        del block1_attn_out_transpose, block1_attn_out_reshape
-        mem.free(13)
-
-        # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
+        mem.free(59)
         # d_block1_ln2_slice = slice[axis=0,start=0,stop=1](d_block1_ln2_layer_norm_param_grad)
         d_block1_ln2_slice = rt.slice(d_block1_ln2_layer_norm_param_grad, axis=0, start=0, stop=1)
         # d_block1_ln2_W = reshape[64](d_block1_ln2_slice)
@@ -831,110 +736,89 @@ class CharLm(rp.Model):
         d_block1_ln2_B = rt.reshape(d_block1_ln2_slice_2, shape=(64,))
 
         # ---- block1_attn_out (fully connected, 64 outputs), backward ----
+        # d_block1_attn_out_add = reshape[2048x64](d_block1_ln2_add_2)
+        d_block1_attn_out_add = rt.reshape(d_block1_ln2_add_2, shape=(2048, 64))
         # d_block1_attn_out_B = sum_to[64](d_block1_attn_out_add)
-        d_block1_attn_out_B = mem.tensor(74, (64,), 'float32')
+        d_block1_attn_out_B = mem.tensor(61, (64,), 'float32')
         rt.sum_to(d_block1_attn_out_add, out=d_block1_attn_out_B, shape=(64,))
+        # d_block1_attn_out_W = matmul[ta](d_block1_attn_out_add, block1_attn_out_reshape)
+        d_block1_attn_out_W = mem.tensor(62, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_out_add, block1_attn_out_reshape, out=d_block1_attn_out_W, ta=True, workspace=mem.workspace(49152))
         # d_block1_attn_out_reshape = matmul(d_block1_attn_out_add, block1_attn_out_W)
-        d_block1_attn_out_reshape = mem.tensor(75, (2048, 64), 'float32')
+        d_block1_attn_out_reshape = mem.tensor(63, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_out_add, T['block1_attn_out_W'], out=d_block1_attn_out_reshape)
         # d_block1_attn_out_transpose = reshape[32x64x4x16](d_block1_attn_out_reshape)
         d_block1_attn_out_transpose = rt.reshape(d_block1_attn_out_reshape, shape=(32, 64, 4, 16))
-        # d_block1_attn = transpose[axes=(1,2)](d_block1_attn_out_transpose)
-        d_block1_attn = mem.tensor(76, (32, 4, 64, 16), 'float32')
-        rt.transpose(d_block1_attn_out_transpose, out=d_block1_attn, axes=(1, 2))
-        # free d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        del d_block1_attn_out_reshape, d_block1_attn_out_transpose
-        mem.free(75)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
-        # d_block1_attn_attention_grad = attention_grad[causal=True,keep=0.9,scale=0.25](block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, block1_attn_mask)
-        d_block1_attn_attention_grad = mem.tensor(77, (393216,), 'float32')
-        rt.attention_grad(block1_attn_transpose_3, block1_attn_transpose_2, block1_attn_transpose, block1_attn, d_block1_attn, mask=block1_attn_mask, out=d_block1_attn_attention_grad, causal=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
-        # free block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        del block1_attn_mask, block1_attn_transpose, block1_attn_transpose_2, block1_attn_transpose_3, block1_attn, d_block1_attn
-        mem.free(3, 7, 9, 11, 12, 76)
+        # d_block1_attn_attention_grad = attention_grad[causal=True,heads=True,keep=0.9,scale=0.25](block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, block1_attn, d_block1_attn_out_transpose, block1_attn_mask)
+        d_block1_attn_attention_grad = mem.tensor(64, (393216,), 'float32')
+        rt.attention_grad(block1_attn_reshape_3, block1_attn_reshape_2, block1_attn_reshape, block1_attn, d_block1_attn_out_transpose, mask=block1_attn_mask, out=d_block1_attn_attention_grad, causal=True, heads=True, keep=0.9, scale=0.25, workspace=mem.workspace(6356992))
+        # free block1_attn_mask, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        del block1_attn_mask, block1_attn_v_add, block1_attn_reshape, block1_attn_k_matmul, block1_attn_reshape_2, block1_attn_q_add, block1_attn_reshape_3, block1_attn, block1_attn_out_reshape, d_block1_attn_out_reshape, d_block1_attn_out_transpose
+        mem.free(3, 6, 7, 8, 9, 63)
         # d_block1_attn_slice = slice[axis=0,start=0,stop=131072](d_block1_attn_attention_grad)
         d_block1_attn_slice = rt.slice(d_block1_attn_attention_grad, axis=0, start=0, stop=131072)
-        # d_block1_attn_transpose = reshape[32x4x64x16](d_block1_attn_slice)
-        d_block1_attn_transpose = rt.reshape(d_block1_attn_slice, shape=(32, 4, 64, 16))
-        # d_block1_attn_reshape = transpose[axes=(1,2)](d_block1_attn_transpose)
-        d_block1_attn_reshape = mem.tensor(78, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose, out=d_block1_attn_reshape, axes=(1, 2))
-        # d_block1_attn_q_add = reshape[2048x64](d_block1_attn_reshape)
-        d_block1_attn_q_add = rt.reshape(d_block1_attn_reshape, shape=(2048, 64))
+        # d_block1_attn_q_add = reshape[2048x64](d_block1_attn_slice)
+        d_block1_attn_q_add = rt.reshape(d_block1_attn_slice, shape=(2048, 64))
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_B = sum_to[64](d_block1_attn_q_add)
-        d_block1_attn_q_B = mem.tensor(79, (64,), 'float32')
+        d_block1_attn_q_B = mem.tensor(65, (64,), 'float32')
         rt.sum_to(d_block1_attn_q_add, out=d_block1_attn_q_B, shape=(64,))
-        # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
-        d_block1_attn_q_W = mem.tensor(80, (64, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
-        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
-        d_block1_attn_q_reshape = mem.tensor(81, (2048, 64), 'float32')
-        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
-        # free d_block1_attn_reshape, d_block1_attn_q_add
-        del d_block1_attn_reshape, d_block1_attn_q_add
-        mem.free(78)
 
         # ---- block1_attn (causal scaled dot-product attention), backward ----
-        # d_block1_attn_slice_2 = slice[axis=0,start=131072,stop=262144](d_block1_attn_attention_grad)
-        d_block1_attn_slice_2 = rt.slice(d_block1_attn_attention_grad, axis=0, start=131072, stop=262144)
-        # d_block1_attn_transpose_2 = reshape[32x4x64x16](d_block1_attn_slice_2)
-        d_block1_attn_transpose_2 = rt.reshape(d_block1_attn_slice_2, shape=(32, 4, 64, 16))
-        # d_block1_attn_reshape_2 = transpose[axes=(1,2)](d_block1_attn_transpose_2)
-        d_block1_attn_reshape_2 = mem.tensor(82, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose_2, out=d_block1_attn_reshape_2, axes=(1, 2))
-        # d_block1_attn_slice_3 = slice[axis=0,start=262144,stop=393216](d_block1_attn_attention_grad)
-        d_block1_attn_slice_3 = rt.slice(d_block1_attn_attention_grad, axis=0, start=262144, stop=393216)
-        # d_block1_attn_transpose_3 = reshape[32x4x64x16](d_block1_attn_slice_3)
-        d_block1_attn_transpose_3 = rt.reshape(d_block1_attn_slice_3, shape=(32, 4, 64, 16))
-        # d_block1_attn_reshape_3 = transpose[axes=(1,2)](d_block1_attn_transpose_3)
-        d_block1_attn_reshape_3 = mem.tensor(83, (32, 64, 4, 16), 'float32')
-        rt.transpose(d_block1_attn_transpose_3, out=d_block1_attn_reshape_3, axes=(1, 2))
-        # free d_block1_attn_attention_grad, d_block1_attn_slice, d_block1_attn_transpose, d_block1_attn_slice_2, d_block1_attn_transpose_2, d_block1_attn_slice_3, d_block1_attn_transpose_3
-        del d_block1_attn_attention_grad, d_block1_attn_slice, d_block1_attn_transpose, d_block1_attn_slice_2, d_block1_attn_transpose_2, d_block1_attn_slice_3, d_block1_attn_transpose_3
-        mem.free(77)
-        # d_block1_attn_v_add = reshape[2048x64](d_block1_attn_reshape_3)
-        d_block1_attn_v_add = rt.reshape(d_block1_attn_reshape_3, shape=(2048, 64))
+        # d_block1_attn_slice_2 = slice[axis=0,start=262144,stop=393216](d_block1_attn_attention_grad)
+        d_block1_attn_slice_2 = rt.slice(d_block1_attn_attention_grad, axis=0, start=262144, stop=393216)
+        # d_block1_attn_v_add = reshape[2048x64](d_block1_attn_slice_2)
+        d_block1_attn_v_add = rt.reshape(d_block1_attn_slice_2, shape=(2048, 64))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_B = sum_to[64](d_block1_attn_v_add)
-        d_block1_attn_v_B = mem.tensor(84, (64,), 'float32')
+        d_block1_attn_v_B = mem.tensor(66, (64,), 'float32')
         rt.sum_to(d_block1_attn_v_add, out=d_block1_attn_v_B, shape=(64,))
 
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_W = matmul[ta](d_block1_attn_q_add, block1_attn_q_reshape)
+        d_block1_attn_q_W = mem.tensor(67, (64, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, block1_attn_q_reshape, out=d_block1_attn_q_W, ta=True, workspace=mem.workspace(49152))
+
         # ---- block1_attn (causal scaled dot-product attention), backward ----
-        # d_block1_attn_k_matmul = reshape[2048x64](d_block1_attn_reshape_2)
-        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_reshape_2, shape=(2048, 64))
+        # d_block1_attn_slice_3 = slice[axis=0,start=131072,stop=262144](d_block1_attn_attention_grad)
+        d_block1_attn_slice_3 = rt.slice(d_block1_attn_attention_grad, axis=0, start=131072, stop=262144)
+        # d_block1_attn_k_matmul = reshape[2048x64](d_block1_attn_slice_3)
+        d_block1_attn_k_matmul = rt.reshape(d_block1_attn_slice_3, shape=(2048, 64))
 
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_k_W = matmul[ta](d_block1_attn_k_matmul, block1_attn_q_reshape)
-        d_block1_attn_k_W = mem.tensor(85, (64, 64), 'float32')
+        d_block1_attn_k_W = mem.tensor(68, (64, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, block1_attn_q_reshape, out=d_block1_attn_k_W, ta=True, workspace=mem.workspace(49152))
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_v_W = matmul[ta](d_block1_attn_v_add, block1_attn_q_reshape)
-        d_block1_attn_v_W = mem.tensor(86, (64, 64), 'float32')
+        d_block1_attn_v_W = mem.tensor(69, (64, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, block1_attn_q_reshape, out=d_block1_attn_v_W, ta=True, workspace=mem.workspace(49152))
         # free block1_ln1, block1_attn_q_reshape
         del block1_ln1, block1_attn_q_reshape
         mem.free(5)
 
+        # ---- block1_attn_q (fully connected, 64 outputs), backward ----
+        # d_block1_attn_q_reshape = matmul(d_block1_attn_q_add, block1_attn_q_W)
+        d_block1_attn_q_reshape = mem.tensor(70, (2048, 64), 'float32')
+        rt.matmul(d_block1_attn_q_add, T['block1_attn_q_W'], out=d_block1_attn_q_reshape)
+
         # ---- block1_attn_k (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_2 = matmul(d_block1_attn_k_matmul, block1_attn_k_W)
-        d_block1_attn_q_reshape_2 = mem.tensor(87, (2048, 64), 'float32')
+        d_block1_attn_q_reshape_2 = mem.tensor(71, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_k_matmul, T['block1_attn_k_W'], out=d_block1_attn_q_reshape_2)
-        # free d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        del d_block1_attn_reshape_2, d_block1_attn_k_matmul
-        mem.free(82)
 
         # ---- block1_attn_v (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_3 = matmul(d_block1_attn_v_add, block1_attn_v_W)
-        d_block1_attn_q_reshape_3 = mem.tensor(88, (2048, 64), 'float32')
+        d_block1_attn_q_reshape_3 = mem.tensor(72, (2048, 64), 'float32')
         rt.matmul(d_block1_attn_v_add, T['block1_attn_v_W'], out=d_block1_attn_q_reshape_3)
-        # free d_block1_attn_reshape_3, d_block1_attn_v_add
-        del d_block1_attn_reshape_3, d_block1_attn_v_add
-        mem.free(83)
+        # free d_block1_attn_attention_grad, d_block1_attn_slice, d_block1_attn_q_add, d_block1_attn_slice_2, d_block1_attn_v_add, d_block1_attn_slice_3, d_block1_attn_k_matmul
+        del d_block1_attn_attention_grad, d_block1_attn_slice, d_block1_attn_q_add, d_block1_attn_slice_2, d_block1_attn_v_add, d_block1_attn_slice_3, d_block1_attn_k_matmul
+        mem.free(64)
 
         # ---- block1_attn_q (fully connected, 64 outputs), backward ----
         # d_block1_attn_q_reshape_4 = d_block1_attn_q_reshape_3 + d_block1_attn_q_reshape_2 + d_block1_attn_q_reshape
@@ -942,13 +826,13 @@ class CharLm(rp.Model):
         rt.ew(ew_add_3, d_block1_attn_q_reshape_4, d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_2, d_block1_attn_q_reshape)
         # free d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
         del d_block1_attn_q_reshape, d_block1_attn_q_reshape_2
-        mem.free(81, 87)
+        mem.free(70, 71)
         # d_block1_ln1 = reshape[32x64x64](d_block1_attn_q_reshape_4)
         d_block1_ln1 = rt.reshape(d_block1_attn_q_reshape_4, shape=(32, 64, 64))
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_layer_norm_param_grad = layer_norm_param_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1)
-        d_block1_ln1_layer_norm_param_grad = mem.tensor(89, (2, 64), 'float32')
+        d_block1_ln1_layer_norm_param_grad = mem.tensor(73, (2, 64), 'float32')
         rt.layer_norm_param_grad(block1_ln2_add, d_block1_ln1, out=d_block1_ln1_layer_norm_param_grad, axes=1, eps=1e-05, workspace=mem.workspace(32768))
         # d_block1_ln2_add_3 = layer_norm_grad[axes=1,eps=1e-05](block1_ln2_add, d_block1_ln1, block1_ln1_W)
         d_block1_ln2_add_3 = d_block1_ln1  # in place: over d_block1_ln1
@@ -963,7 +847,7 @@ class CharLm(rp.Model):
         rt.ew(ew_add, d_block1_ln2_add_4, d_block1_ln2_add_2, d_block1_ln2_add_3)
         # free d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
         del d_block1_attn_q_reshape_3, d_block1_attn_q_reshape_4, d_block1_ln1, d_block1_ln2_add_3
-        mem.free(88)
+        mem.free(72)
 
         # ---- block1_ln1 (layer norm over the last 1 axes), backward ----
         # d_block1_ln1_slice = slice[axis=0,start=0,stop=1](d_block1_ln1_layer_norm_param_grad)
@@ -977,18 +861,18 @@ class CharLm(rp.Model):
 
         # ---- block1_ln2 (layer norm over the last 1 axes), backward ----
         # d_pos = sum_to[1x64x64](d_block1_ln2_add_4)
-        d_pos = mem.tensor(90, (1, 64, 64), 'float32')
+        d_pos = mem.tensor(74, (1, 64, 64), 'float32')
         rt.sum_to(d_block1_ln2_add_4, out=d_pos, shape=(1, 64, 64))
 
         # ---- embed (embedding of 256 tokens in 64 features), backward ----
         # d_embed_gather_rows = reshape[2048x64](d_block1_ln2_add_4)
         d_embed_gather_rows = rt.reshape(d_block1_ln2_add_4, shape=(2048, 64))
         # d_embed_W = scatter_rows[rows=256](d_embed_gather_rows, embed_reshape)
-        d_embed_W = mem.tensor(91, (256, 64), 'float32')
+        d_embed_W = mem.tensor(75, (256, 64), 'float32')
         rt.scatter_rows(d_embed_gather_rows, embed_reshape, out=d_embed_W, rows=256)
         # free x, embed_reshape, d_next_reshape, d_ln, d_ln_add, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4, d_embed_gather_rows
         del x, embed_reshape, d_next_reshape, d_ln, d_ln_add, d_block2_fc2_add, d_block2_ln2_add_2, d_block2_attn_out_add, d_block2_ln1_add_2, d_block1_fc2_add, d_block1_ln2_add_2, d_block1_attn_out_add, d_block1_ln2_add_4, d_embed_gather_rows
-        mem.free(0, 40)
+        mem.free(0, 32)
 
         # ---- the small tensors' updates, one call per kernel ----
         # S_next_W_new = 0.999*S_next_W + 0.001*d_next_W**2   (computed with the last statement of its batch)
@@ -1007,20 +891,20 @@ class CharLm(rp.Model):
         S_block2_fc1_W_new = T['S_block2_fc1_W']  # in place: the new S_block2_fc1_W
         # S_block2_fc1_B_new = 0.999*S_block2_fc1_B + 0.001*d_block2_fc1_B**2   (computed with the last statement of its batch)
         S_block2_fc1_B_new = T['S_block2_fc1_B']  # in place: the new S_block2_fc1_B
-        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2   (computed with the last statement of its batch)
-        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
         # S_block2_ln2_W_new = 0.999*S_block2_ln2_W + 0.001*d_block2_ln2_W**2   (computed with the last statement of its batch)
         S_block2_ln2_W_new = T['S_block2_ln2_W']  # in place: the new S_block2_ln2_W
         # S_block2_ln2_B_new = 0.999*S_block2_ln2_B + 0.001*d_block2_ln2_B**2   (computed with the last statement of its batch)
         S_block2_ln2_B_new = T['S_block2_ln2_B']  # in place: the new S_block2_ln2_B
         # S_block2_attn_out_B_new = 0.999*S_block2_attn_out_B + 0.001*d_block2_attn_out_B**2   (computed with the last statement of its batch)
         S_block2_attn_out_B_new = T['S_block2_attn_out_B']  # in place: the new S_block2_attn_out_B
+        # S_block2_attn_out_W_new = 0.999*S_block2_attn_out_W + 0.001*d_block2_attn_out_W**2   (computed with the last statement of its batch)
+        S_block2_attn_out_W_new = T['S_block2_attn_out_W']  # in place: the new S_block2_attn_out_W
         # S_block2_attn_q_B_new = 0.999*S_block2_attn_q_B + 0.001*d_block2_attn_q_B**2   (computed with the last statement of its batch)
         S_block2_attn_q_B_new = T['S_block2_attn_q_B']  # in place: the new S_block2_attn_q_B
-        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2   (computed with the last statement of its batch)
-        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
         # S_block2_attn_v_B_new = 0.999*S_block2_attn_v_B + 0.001*d_block2_attn_v_B**2   (computed with the last statement of its batch)
         S_block2_attn_v_B_new = T['S_block2_attn_v_B']  # in place: the new S_block2_attn_v_B
+        # S_block2_attn_q_W_new = 0.999*S_block2_attn_q_W + 0.001*d_block2_attn_q_W**2   (computed with the last statement of its batch)
+        S_block2_attn_q_W_new = T['S_block2_attn_q_W']  # in place: the new S_block2_attn_q_W
         # S_block2_attn_k_W_new = 0.999*S_block2_attn_k_W + 0.001*d_block2_attn_k_W**2   (computed with the last statement of its batch)
         S_block2_attn_k_W_new = T['S_block2_attn_k_W']  # in place: the new S_block2_attn_k_W
         # S_block2_attn_v_W_new = 0.999*S_block2_attn_v_W + 0.001*d_block2_attn_v_W**2   (computed with the last statement of its batch)
@@ -1037,20 +921,20 @@ class CharLm(rp.Model):
         S_block1_fc1_W_new = T['S_block1_fc1_W']  # in place: the new S_block1_fc1_W
         # S_block1_fc1_B_new = 0.999*S_block1_fc1_B + 0.001*d_block1_fc1_B**2   (computed with the last statement of its batch)
         S_block1_fc1_B_new = T['S_block1_fc1_B']  # in place: the new S_block1_fc1_B
-        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2   (computed with the last statement of its batch)
-        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
         # S_block1_ln2_W_new = 0.999*S_block1_ln2_W + 0.001*d_block1_ln2_W**2   (computed with the last statement of its batch)
         S_block1_ln2_W_new = T['S_block1_ln2_W']  # in place: the new S_block1_ln2_W
         # S_block1_ln2_B_new = 0.999*S_block1_ln2_B + 0.001*d_block1_ln2_B**2   (computed with the last statement of its batch)
         S_block1_ln2_B_new = T['S_block1_ln2_B']  # in place: the new S_block1_ln2_B
         # S_block1_attn_out_B_new = 0.999*S_block1_attn_out_B + 0.001*d_block1_attn_out_B**2   (computed with the last statement of its batch)
         S_block1_attn_out_B_new = T['S_block1_attn_out_B']  # in place: the new S_block1_attn_out_B
+        # S_block1_attn_out_W_new = 0.999*S_block1_attn_out_W + 0.001*d_block1_attn_out_W**2   (computed with the last statement of its batch)
+        S_block1_attn_out_W_new = T['S_block1_attn_out_W']  # in place: the new S_block1_attn_out_W
         # S_block1_attn_q_B_new = 0.999*S_block1_attn_q_B + 0.001*d_block1_attn_q_B**2   (computed with the last statement of its batch)
         S_block1_attn_q_B_new = T['S_block1_attn_q_B']  # in place: the new S_block1_attn_q_B
-        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2   (computed with the last statement of its batch)
-        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
         # S_block1_attn_v_B_new = 0.999*S_block1_attn_v_B + 0.001*d_block1_attn_v_B**2   (computed with the last statement of its batch)
         S_block1_attn_v_B_new = T['S_block1_attn_v_B']  # in place: the new S_block1_attn_v_B
+        # S_block1_attn_q_W_new = 0.999*S_block1_attn_q_W + 0.001*d_block1_attn_q_W**2   (computed with the last statement of its batch)
+        S_block1_attn_q_W_new = T['S_block1_attn_q_W']  # in place: the new S_block1_attn_q_W
         # S_block1_attn_k_W_new = 0.999*S_block1_attn_k_W + 0.001*d_block1_attn_k_W**2   (computed with the last statement of its batch)
         S_block1_attn_k_W_new = T['S_block1_attn_k_W']  # in place: the new S_block1_attn_k_W
         # S_block1_attn_v_W_new = 0.999*S_block1_attn_v_W + 0.001*d_block1_attn_v_W**2   (computed with the last statement of its batch)
@@ -1072,13 +956,13 @@ class CharLm(rp.Model):
                    (S_block2_fc2_B_new, T['S_block2_fc2_B'], d_block2_fc2_B),
                    (S_block2_fc1_W_new, T['S_block2_fc1_W'], d_block2_fc1_W),
                    (S_block2_fc1_B_new, T['S_block2_fc1_B'], d_block2_fc1_B),
-                   (S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W),
                    (S_block2_ln2_W_new, T['S_block2_ln2_W'], d_block2_ln2_W),
                    (S_block2_ln2_B_new, T['S_block2_ln2_B'], d_block2_ln2_B),
                    (S_block2_attn_out_B_new, T['S_block2_attn_out_B'], d_block2_attn_out_B),
+                   (S_block2_attn_out_W_new, T['S_block2_attn_out_W'], d_block2_attn_out_W),
                    (S_block2_attn_q_B_new, T['S_block2_attn_q_B'], d_block2_attn_q_B),
-                   (S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W),
                    (S_block2_attn_v_B_new, T['S_block2_attn_v_B'], d_block2_attn_v_B),
+                   (S_block2_attn_q_W_new, T['S_block2_attn_q_W'], d_block2_attn_q_W),
                    (S_block2_attn_k_W_new, T['S_block2_attn_k_W'], d_block2_attn_k_W),
                    (S_block2_attn_v_W_new, T['S_block2_attn_v_W'], d_block2_attn_v_W),
                    (S_block1_fc2_W_new, T['S_block1_fc2_W'], d_block1_fc2_W),
@@ -1087,13 +971,13 @@ class CharLm(rp.Model):
                    (S_block1_fc2_B_new, T['S_block1_fc2_B'], d_block1_fc2_B),
                    (S_block1_fc1_W_new, T['S_block1_fc1_W'], d_block1_fc1_W),
                    (S_block1_fc1_B_new, T['S_block1_fc1_B'], d_block1_fc1_B),
-                   (S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W),
                    (S_block1_ln2_W_new, T['S_block1_ln2_W'], d_block1_ln2_W),
                    (S_block1_ln2_B_new, T['S_block1_ln2_B'], d_block1_ln2_B),
                    (S_block1_attn_out_B_new, T['S_block1_attn_out_B'], d_block1_attn_out_B),
+                   (S_block1_attn_out_W_new, T['S_block1_attn_out_W'], d_block1_attn_out_W),
                    (S_block1_attn_q_B_new, T['S_block1_attn_q_B'], d_block1_attn_q_B),
-                   (S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W),
                    (S_block1_attn_v_B_new, T['S_block1_attn_v_B'], d_block1_attn_v_B),
+                   (S_block1_attn_q_W_new, T['S_block1_attn_q_W'], d_block1_attn_q_W),
                    (S_block1_attn_k_W_new, T['S_block1_attn_k_W'], d_block1_attn_k_W),
                    (S_block1_attn_v_W_new, T['S_block1_attn_v_W'], d_block1_attn_v_W),
                    (S_block1_ln1_W_new, T['S_block1_ln1_W'], d_block1_ln1_W),
@@ -1116,20 +1000,20 @@ class CharLm(rp.Model):
         M_block2_fc1_W_new = T['M_block2_fc1_W']  # in place: the new M_block2_fc1_W
         # M_block2_fc1_B_new = 0.9*M_block2_fc1_B + 0.1*d_block2_fc1_B   (computed with the last statement of its batch)
         M_block2_fc1_B_new = T['M_block2_fc1_B']  # in place: the new M_block2_fc1_B
-        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W   (computed with the last statement of its batch)
-        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
         # M_block2_ln2_W_new = 0.9*M_block2_ln2_W + 0.1*d_block2_ln2_W   (computed with the last statement of its batch)
         M_block2_ln2_W_new = T['M_block2_ln2_W']  # in place: the new M_block2_ln2_W
         # M_block2_ln2_B_new = 0.9*M_block2_ln2_B + 0.1*d_block2_ln2_B   (computed with the last statement of its batch)
         M_block2_ln2_B_new = T['M_block2_ln2_B']  # in place: the new M_block2_ln2_B
         # M_block2_attn_out_B_new = 0.9*M_block2_attn_out_B + 0.1*d_block2_attn_out_B   (computed with the last statement of its batch)
         M_block2_attn_out_B_new = T['M_block2_attn_out_B']  # in place: the new M_block2_attn_out_B
+        # M_block2_attn_out_W_new = 0.9*M_block2_attn_out_W + 0.1*d_block2_attn_out_W   (computed with the last statement of its batch)
+        M_block2_attn_out_W_new = T['M_block2_attn_out_W']  # in place: the new M_block2_attn_out_W
         # M_block2_attn_q_B_new = 0.9*M_block2_attn_q_B + 0.1*d_block2_attn_q_B   (computed with the last statement of its batch)
         M_block2_attn_q_B_new = T['M_block2_attn_q_B']  # in place: the new M_block2_attn_q_B
-        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the last statement of its batch)
-        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
         # M_block2_attn_v_B_new = 0.9*M_block2_attn_v_B + 0.1*d_block2_attn_v_B   (computed with the last statement of its batch)
         M_block2_attn_v_B_new = T['M_block2_attn_v_B']  # in place: the new M_block2_attn_v_B
+        # M_block2_attn_q_W_new = 0.9*M_block2_attn_q_W + 0.1*d_block2_attn_q_W   (computed with the last statement of its batch)
+        M_block2_attn_q_W_new = T['M_block2_attn_q_W']  # in place: the new M_block2_attn_q_W
         # M_block2_attn_k_W_new = 0.9*M_block2_attn_k_W + 0.1*d_block2_attn_k_W   (computed with the last statement of its batch)
         M_block2_attn_k_W_new = T['M_block2_attn_k_W']  # in place: the new M_block2_attn_k_W
         # M_block2_attn_v_W_new = 0.9*M_block2_attn_v_W + 0.1*d_block2_attn_v_W   (computed with the last statement of its batch)
@@ -1146,20 +1030,20 @@ class CharLm(rp.Model):
         M_block1_fc1_W_new = T['M_block1_fc1_W']  # in place: the new M_block1_fc1_W
         # M_block1_fc1_B_new = 0.9*M_block1_fc1_B + 0.1*d_block1_fc1_B   (computed with the last statement of its batch)
         M_block1_fc1_B_new = T['M_block1_fc1_B']  # in place: the new M_block1_fc1_B
-        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W   (computed with the last statement of its batch)
-        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
         # M_block1_ln2_W_new = 0.9*M_block1_ln2_W + 0.1*d_block1_ln2_W   (computed with the last statement of its batch)
         M_block1_ln2_W_new = T['M_block1_ln2_W']  # in place: the new M_block1_ln2_W
         # M_block1_ln2_B_new = 0.9*M_block1_ln2_B + 0.1*d_block1_ln2_B   (computed with the last statement of its batch)
         M_block1_ln2_B_new = T['M_block1_ln2_B']  # in place: the new M_block1_ln2_B
         # M_block1_attn_out_B_new = 0.9*M_block1_attn_out_B + 0.1*d_block1_attn_out_B   (computed with the last statement of its batch)
         M_block1_attn_out_B_new = T['M_block1_attn_out_B']  # in place: the new M_block1_attn_out_B
+        # M_block1_attn_out_W_new = 0.9*M_block1_attn_out_W + 0.1*d_block1_attn_out_W   (computed with the last statement of its batch)
+        M_block1_attn_out_W_new = T['M_block1_attn_out_W']  # in place: the new M_block1_attn_out_W
         # M_block1_attn_q_B_new = 0.9*M_block1_attn_q_B + 0.1*d_block1_attn_q_B   (computed with the last statement of its batch)
         M_block1_attn_q_B_new = T['M_block1_attn_q_B']  # in place: the new M_block1_attn_q_B
-        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the last statement of its batch)
-        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
         # M_block1_attn_v_B_new = 0.9*M_block1_attn_v_B + 0.1*d_block1_attn_v_B   (computed with the last statement of its batch)
         M_block1_attn_v_B_new = T['M_block1_attn_v_B']  # in place: the new M_block1_attn_v_B
+        # M_block1_attn_q_W_new = 0.9*M_block1_attn_q_W + 0.1*d_block1_attn_q_W   (computed with the last statement of its batch)
+        M_block1_attn_q_W_new = T['M_block1_attn_q_W']  # in place: the new M_block1_attn_q_W
         # M_block1_attn_k_W_new = 0.9*M_block1_attn_k_W + 0.1*d_block1_attn_k_W   (computed with the last statement of its batch)
         M_block1_attn_k_W_new = T['M_block1_attn_k_W']  # in place: the new M_block1_attn_k_W
         # M_block1_attn_v_W_new = 0.9*M_block1_attn_v_W + 0.1*d_block1_attn_v_W   (computed with the last statement of its batch)
@@ -1181,13 +1065,13 @@ class CharLm(rp.Model):
                    (M_block2_fc2_B_new, T['M_block2_fc2_B'], d_block2_fc2_B),
                    (M_block2_fc1_W_new, T['M_block2_fc1_W'], d_block2_fc1_W),
                    (M_block2_fc1_B_new, T['M_block2_fc1_B'], d_block2_fc1_B),
-                   (M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W),
                    (M_block2_ln2_W_new, T['M_block2_ln2_W'], d_block2_ln2_W),
                    (M_block2_ln2_B_new, T['M_block2_ln2_B'], d_block2_ln2_B),
                    (M_block2_attn_out_B_new, T['M_block2_attn_out_B'], d_block2_attn_out_B),
+                   (M_block2_attn_out_W_new, T['M_block2_attn_out_W'], d_block2_attn_out_W),
                    (M_block2_attn_q_B_new, T['M_block2_attn_q_B'], d_block2_attn_q_B),
-                   (M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
                    (M_block2_attn_v_B_new, T['M_block2_attn_v_B'], d_block2_attn_v_B),
+                   (M_block2_attn_q_W_new, T['M_block2_attn_q_W'], d_block2_attn_q_W),
                    (M_block2_attn_k_W_new, T['M_block2_attn_k_W'], d_block2_attn_k_W),
                    (M_block2_attn_v_W_new, T['M_block2_attn_v_W'], d_block2_attn_v_W),
                    (M_block1_fc2_W_new, T['M_block1_fc2_W'], d_block1_fc2_W),
@@ -1196,22 +1080,22 @@ class CharLm(rp.Model):
                    (M_block1_fc2_B_new, T['M_block1_fc2_B'], d_block1_fc2_B),
                    (M_block1_fc1_W_new, T['M_block1_fc1_W'], d_block1_fc1_W),
                    (M_block1_fc1_B_new, T['M_block1_fc1_B'], d_block1_fc1_B),
-                   (M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W),
                    (M_block1_ln2_W_new, T['M_block1_ln2_W'], d_block1_ln2_W),
                    (M_block1_ln2_B_new, T['M_block1_ln2_B'], d_block1_ln2_B),
                    (M_block1_attn_out_B_new, T['M_block1_attn_out_B'], d_block1_attn_out_B),
+                   (M_block1_attn_out_W_new, T['M_block1_attn_out_W'], d_block1_attn_out_W),
                    (M_block1_attn_q_B_new, T['M_block1_attn_q_B'], d_block1_attn_q_B),
-                   (M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
                    (M_block1_attn_v_B_new, T['M_block1_attn_v_B'], d_block1_attn_v_B),
+                   (M_block1_attn_q_W_new, T['M_block1_attn_q_W'], d_block1_attn_q_W),
                    (M_block1_attn_k_W_new, T['M_block1_attn_k_W'], d_block1_attn_k_W),
                    (M_block1_attn_v_W_new, T['M_block1_attn_v_W'], d_block1_attn_v_W),
                    (M_block1_ln1_W_new, T['M_block1_ln1_W'], d_block1_ln1_W),
                    (M_block1_ln1_B_new, T['M_block1_ln1_B'], d_block1_ln1_B),
                    (M_embed_W_new, T['M_embed_W'], d_embed_W),
                    (M_pos_new, T['M_pos'], d_pos))
-        # free d_next_W, d_next_B, d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B, d_block2_fc2_W, d_block2_fc2_B, d_block2_fc1_W, d_block2_fc1_B, d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B, d_block2_attn_out_W, d_block2_attn_out_B, d_block2_attn_q_B, d_block2_attn_q_W, d_block2_attn_v_B, d_block2_attn_k_W, d_block2_attn_v_W, d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B, d_block1_fc2_W, d_block1_fc2_B, d_block1_fc1_W, d_block1_fc1_B, d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B, d_block1_attn_out_W, d_block1_attn_out_B, d_block1_attn_q_B, d_block1_attn_q_W, d_block1_attn_v_B, d_block1_attn_k_W, d_block1_attn_v_W, d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B, d_pos, d_embed_W
-        del d_next_W, d_next_B, d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B, d_block2_fc2_W, d_block2_fc2_B, d_block2_fc1_W, d_block2_fc1_B, d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B, d_block2_attn_out_W, d_block2_attn_out_B, d_block2_attn_q_B, d_block2_attn_q_W, d_block2_attn_v_B, d_block2_attn_k_W, d_block2_attn_v_W, d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B, d_block1_fc2_W, d_block1_fc2_B, d_block1_fc1_W, d_block1_fc1_B, d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B, d_block1_attn_out_W, d_block1_attn_out_B, d_block1_attn_q_B, d_block1_attn_q_W, d_block1_attn_v_B, d_block1_attn_k_W, d_block1_attn_v_W, d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B, d_pos, d_embed_W
-        mem.free(38, 39, 41, 42, 43, 45, 46, 48, 49, 50, 55, 56, 60, 61, 62, 65, 66, 67, 69, 70, 72, 73, 74, 79, 80, 84, 85, 86, 89, 90, 91)
+        # free d_next_W, d_next_B, d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B, d_block2_fc2_W, d_block2_fc2_B, d_block2_fc1_W, d_block2_fc1_B, d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B, d_block2_attn_out_B, d_block2_attn_out_W, d_block2_attn_q_B, d_block2_attn_v_B, d_block2_attn_q_W, d_block2_attn_k_W, d_block2_attn_v_W, d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B, d_block1_fc2_W, d_block1_fc2_B, d_block1_fc1_W, d_block1_fc1_B, d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B, d_block1_attn_out_B, d_block1_attn_out_W, d_block1_attn_q_B, d_block1_attn_v_B, d_block1_attn_q_W, d_block1_attn_k_W, d_block1_attn_v_W, d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B, d_pos, d_embed_W
+        del d_next_W, d_next_B, d_ln_layer_norm_param_grad, d_ln_slice, d_ln_W, d_ln_slice_2, d_ln_B, d_block2_fc2_W, d_block2_fc2_B, d_block2_fc1_W, d_block2_fc1_B, d_block2_ln2_layer_norm_param_grad, d_block2_ln2_slice, d_block2_ln2_W, d_block2_ln2_slice_2, d_block2_ln2_B, d_block2_attn_out_B, d_block2_attn_out_W, d_block2_attn_q_B, d_block2_attn_v_B, d_block2_attn_q_W, d_block2_attn_k_W, d_block2_attn_v_W, d_block2_ln1_layer_norm_param_grad, d_block2_ln1_slice, d_block2_ln1_W, d_block2_ln1_slice_2, d_block2_ln1_B, d_block1_fc2_W, d_block1_fc2_B, d_block1_fc1_W, d_block1_fc1_B, d_block1_ln2_layer_norm_param_grad, d_block1_ln2_slice, d_block1_ln2_W, d_block1_ln2_slice_2, d_block1_ln2_B, d_block1_attn_out_B, d_block1_attn_out_W, d_block1_attn_q_B, d_block1_attn_v_B, d_block1_attn_q_W, d_block1_attn_k_W, d_block1_attn_v_W, d_block1_ln1_layer_norm_param_grad, d_block1_ln1_slice, d_block1_ln1_W, d_block1_ln1_slice_2, d_block1_ln1_B, d_pos, d_embed_W
+        mem.free(30, 31, 33, 34, 35, 37, 38, 40, 41, 42, 45, 46, 47, 48, 49, 53, 54, 55, 57, 58, 60, 61, 62, 65, 66, 67, 68, 69, 73, 74, 75)
         # next_W_new = next_W*(-lr*decay + 1) - lr*M_next_W_new/(bias1*(sqrt(S_next_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
         next_W_new = T['next_W']  # in place: the new next_W
         # next_B_new = next_B*(-lr*decay + 1) - lr*M_next_B_new/(bias1*(sqrt(S_next_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
@@ -1238,10 +1122,10 @@ class CharLm(rp.Model):
         block2_attn_out_W_new = T['block2_attn_out_W']  # in place: the new block2_attn_out_W
         # block2_attn_q_B_new = block2_attn_q_B*(-lr*decay + 1) - lr*M_block2_attn_q_B_new/(bias1*(sqrt(S_block2_attn_q_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
         block2_attn_q_B_new = T['block2_attn_q_B']  # in place: the new block2_attn_q_B
-        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
-        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
         # block2_attn_v_B_new = block2_attn_v_B*(-lr*decay + 1) - lr*M_block2_attn_v_B_new/(bias1*(sqrt(S_block2_attn_v_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
         block2_attn_v_B_new = T['block2_attn_v_B']  # in place: the new block2_attn_v_B
+        # block2_attn_q_W_new = block2_attn_q_W*(-lr*decay + 1) - lr*M_block2_attn_q_W_new/(bias1*(sqrt(S_block2_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block2_attn_q_W_new = T['block2_attn_q_W']  # in place: the new block2_attn_q_W
         # block2_attn_k_W_new = block2_attn_k_W*(-lr*decay + 1) - lr*M_block2_attn_k_W_new/(bias1*(sqrt(S_block2_attn_k_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
         block2_attn_k_W_new = T['block2_attn_k_W']  # in place: the new block2_attn_k_W
         # block2_attn_v_W_new = block2_attn_v_W*(-lr*decay + 1) - lr*M_block2_attn_v_W_new/(bias1*(sqrt(S_block2_attn_v_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
@@ -1268,10 +1152,10 @@ class CharLm(rp.Model):
         block1_attn_out_W_new = T['block1_attn_out_W']  # in place: the new block1_attn_out_W
         # block1_attn_q_B_new = block1_attn_q_B*(-lr*decay + 1) - lr*M_block1_attn_q_B_new/(bias1*(sqrt(S_block1_attn_q_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
         block1_attn_q_B_new = T['block1_attn_q_B']  # in place: the new block1_attn_q_B
-        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
-        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
         # block1_attn_v_B_new = block1_attn_v_B*(-lr*decay + 1) - lr*M_block1_attn_v_B_new/(bias1*(sqrt(S_block1_attn_v_B_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
         block1_attn_v_B_new = T['block1_attn_v_B']  # in place: the new block1_attn_v_B
+        # block1_attn_q_W_new = block1_attn_q_W*(-lr*decay + 1) - lr*M_block1_attn_q_W_new/(bias1*(sqrt(S_block1_attn_q_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
+        block1_attn_q_W_new = T['block1_attn_q_W']  # in place: the new block1_attn_q_W
         # block1_attn_k_W_new = block1_attn_k_W*(-lr*decay + 1) - lr*M_block1_attn_k_W_new/(bias1*(sqrt(S_block1_attn_k_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
         block1_attn_k_W_new = T['block1_attn_k_W']  # in place: the new block1_attn_k_W
         # block1_attn_v_W_new = block1_attn_v_W*(-lr*decay + 1) - lr*M_block1_attn_v_W_new/(bias1*(sqrt(S_block1_attn_v_W_new)/sqrt(bias2) + 1.0e-8))   (computed with the last statement of its batch)
@@ -1298,8 +1182,8 @@ class CharLm(rp.Model):
                    (block2_attn_out_B_new, T['block2_attn_out_B'], lr, bias1, M_block2_attn_out_B_new, S_block2_attn_out_B_new, bias2, decay),
                    (block2_attn_out_W_new, T['block2_attn_out_W'], lr, bias1, M_block2_attn_out_W_new, S_block2_attn_out_W_new, bias2, decay),
                    (block2_attn_q_B_new, T['block2_attn_q_B'], lr, bias1, M_block2_attn_q_B_new, S_block2_attn_q_B_new, bias2, decay),
-                   (block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay),
                    (block2_attn_v_B_new, T['block2_attn_v_B'], lr, bias1, M_block2_attn_v_B_new, S_block2_attn_v_B_new, bias2, decay),
+                   (block2_attn_q_W_new, T['block2_attn_q_W'], lr, bias1, M_block2_attn_q_W_new, S_block2_attn_q_W_new, bias2, decay),
                    (block2_attn_k_W_new, T['block2_attn_k_W'], lr, bias1, M_block2_attn_k_W_new, S_block2_attn_k_W_new, bias2, decay),
                    (block2_attn_v_W_new, T['block2_attn_v_W'], lr, bias1, M_block2_attn_v_W_new, S_block2_attn_v_W_new, bias2, decay),
                    (block2_ln1_W_new, T['block2_ln1_W'], lr, bias1, M_block2_ln1_W_new, S_block2_ln1_W_new, bias2, decay),
@@ -1313,8 +1197,8 @@ class CharLm(rp.Model):
                    (block1_attn_out_B_new, T['block1_attn_out_B'], lr, bias1, M_block1_attn_out_B_new, S_block1_attn_out_B_new, bias2, decay),
                    (block1_attn_out_W_new, T['block1_attn_out_W'], lr, bias1, M_block1_attn_out_W_new, S_block1_attn_out_W_new, bias2, decay),
                    (block1_attn_q_B_new, T['block1_attn_q_B'], lr, bias1, M_block1_attn_q_B_new, S_block1_attn_q_B_new, bias2, decay),
-                   (block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay),
                    (block1_attn_v_B_new, T['block1_attn_v_B'], lr, bias1, M_block1_attn_v_B_new, S_block1_attn_v_B_new, bias2, decay),
+                   (block1_attn_q_W_new, T['block1_attn_q_W'], lr, bias1, M_block1_attn_q_W_new, S_block1_attn_q_W_new, bias2, decay),
                    (block1_attn_k_W_new, T['block1_attn_k_W'], lr, bias1, M_block1_attn_k_W_new, S_block1_attn_k_W_new, bias2, decay),
                    (block1_attn_v_W_new, T['block1_attn_v_W'], lr, bias1, M_block1_attn_v_W_new, S_block1_attn_v_W_new, bias2, decay),
                    (block1_ln1_W_new, T['block1_ln1_W'], lr, bias1, M_block1_ln1_W_new, S_block1_ln1_W_new, bias2, decay),
@@ -1858,100 +1742,84 @@ class CharLm(rp.Model):
                 (0, 8192),  # 0: const 2048 float32
             )),
         "train_step": rp.StepPlan(
-            arena_bytes=24133888, peak_bytes=24133888, workspace_bytes=6356992, pool_bytes=24142080,
+            arena_bytes=23085312, peak_bytes=23085312, workspace_bytes=6356992, pool_bytes=23093504,
             buffers=(
-                (24117248, 8192),  # 0: x 32x64 int32
-                (24125440, 8192),  # 1: y 32x64 int32
+                (23068672, 8192),  # 0: x 32x64 int32
+                (23076864, 8192),  # 1: y 32x64 int32
                 (12582912, 524288),  # 2: block2_attn_mask 32x4x64x64 uint8
                 (13107200, 524288),  # 3: block1_attn_mask 32x4x64x64 uint8
                 (13631488, 524288),  # 4: embed_gather_rows 2048x64 float32
                 (14155776, 524288),  # 5: block1_ln1 32x64x64 float32
-                (0, 524288),  # 6: block1_attn_v_add 2048x64 float32
-                (14680064, 524288),  # 7: block1_attn_transpose 32x4x64x16 float32
-                (0, 524288),  # 8: block1_attn_k_matmul 2048x64 float32
-                (15204352, 524288),  # 9: block1_attn_transpose_2 32x4x64x16 float32
-                (0, 524288),  # 10: block1_attn_q_add 2048x64 float32
-                (15728640, 524288),  # 11: block1_attn_transpose_3 32x4x64x16 float32
-                (16252928, 524288),  # 12: block1_attn 32x4x64x16 float32
-                (16777216, 524288),  # 13: block1_attn_out_transpose 32x64x4x16 float32
-                (17301504, 524288),  # 14: block1_attn_out_add 2048x64 float32
-                (17825792, 524288),  # 15: block1_ln2 32x64x64 float32
-                (0, 2097152),  # 16: block1_fc1_add 2048x256 float32
-                (2097152, 2097152),  # 17: block1_fc1_gelu 32x64x256 float32
-                (18350080, 524288),  # 18: block1_fc2_add 2048x64 float32
-                (18874368, 524288),  # 19: block2_ln1 32x64x64 float32
-                (4194304, 524288),  # 20: block2_attn_v_add 2048x64 float32
-                (19398656, 524288),  # 21: block2_attn_transpose 32x4x64x16 float32
-                (4194304, 524288),  # 22: block2_attn_k_matmul 2048x64 float32
-                (19922944, 524288),  # 23: block2_attn_transpose_2 32x4x64x16 float32
-                (4194304, 524288),  # 24: block2_attn_q_add 2048x64 float32
-                (20447232, 524288),  # 25: block2_attn_transpose_3 32x4x64x16 float32
-                (20971520, 524288),  # 26: block2_attn 32x4x64x16 float32
-                (21495808, 524288),  # 27: block2_attn_out_transpose 32x64x4x16 float32
-                (22020096, 524288),  # 28: block2_attn_out_add 2048x64 float32
-                (22544384, 524288),  # 29: block2_ln2 32x64x64 float32
-                (4194304, 2097152),  # 30: block2_fc1_add 2048x256 float32
-                (6291456, 2097152),  # 31: block2_fc1_gelu 32x64x256 float32
-                (23068672, 524288),  # 32: block2_fc2_add 2048x64 float32
-                (23592960, 524288),  # 33: ln 32x64x64 float32
-                (8388608, 2097152),  # 34: next_add 2048x256 float32
-                (10485760, 8192),  # 35: next_cross_entropy_pick 2048 float32
-                (24133632, 4),  # 36: next_cross_entropy_sum_to scalar float32
-                (10485760, 2097152),  # 37: d_next_cross_entropy_log_softmax 2048x256 float32
-                (8912896, 65536),  # 38: d_next_W 256x64 float32
-                (9109504, 1024),  # 39: d_next_B 256 float32
-                (8388608, 524288),  # 40: d_next_reshape 2048x64 float32
-                (9111552, 512),  # 41: d_ln_layer_norm_param_grad 2x64 float32
-                (8978432, 65536),  # 42: d_block2_fc2_W 64x256 float32
-                (9112064, 256),  # 43: d_block2_fc2_B 64 float32
-                (6291456, 2097152),  # 44: d_block2_fc2_reshape 2048x256 float32
-                (9043968, 65536),  # 45: d_block2_fc1_W 256x64 float32
-                (9110528, 1024),  # 46: d_block2_fc1_B 256 float32
-                (4194304, 524288),  # 47: d_block2_fc1_reshape 2048x64 float32
-                (7372800, 512),  # 48: d_block2_ln2_layer_norm_param_grad 2x64 float32
-                (7340032, 16384),  # 49: d_block2_attn_out_W 64x64 float32
-                (7373312, 256),  # 50: d_block2_attn_out_B 64 float32
-                (4194304, 524288),  # 51: d_block2_attn_out_reshape 2048x64 float32
-                (5767168, 524288),  # 52: d_block2_attn 32x4x64x16 float32
-                (4194304, 1572864),  # 53: d_block2_attn_attention_grad 393216 float32
-                (5767168, 524288),  # 54: d_block2_attn_reshape 32x64x4x16 float32
-                (7373568, 256),  # 55: d_block2_attn_q_B 64 float32
-                (7356416, 16384),  # 56: d_block2_attn_q_W 64x64 float32
-                (6291456, 524288),  # 57: d_block2_attn_q_reshape 2048x64 float32
-                (5767168, 524288),  # 58: d_block2_attn_reshape_2 32x64x4x16 float32
-                (6815744, 524288),  # 59: d_block2_attn_reshape_3 32x64x4x16 float32
-                (5275648, 256),  # 60: d_block2_attn_v_B 64 float32
-                (5242880, 16384),  # 61: d_block2_attn_k_W 64x64 float32
-                (5259264, 16384),  # 62: d_block2_attn_v_W 64x64 float32
-                (4194304, 524288),  # 63: d_block2_attn_q_reshape_2 2048x64 float32
-                (4718592, 524288),  # 64: d_block2_attn_q_reshape_3 2048x64 float32
-                (4326400, 512),  # 65: d_block2_ln1_layer_norm_param_grad 2x64 float32
-                (4194304, 65536),  # 66: d_block1_fc2_W 64x256 float32
-                (4326912, 256),  # 67: d_block1_fc2_B 64 float32
-                (2097152, 2097152),  # 68: d_block1_fc2_reshape 2048x256 float32
-                (4259840, 65536),  # 69: d_block1_fc1_W 256x64 float32
-                (4325376, 1024),  # 70: d_block1_fc1_B 256 float32
-                (0, 524288),  # 71: d_block1_fc1_reshape 2048x64 float32
-                (3178496, 512),  # 72: d_block1_ln2_layer_norm_param_grad 2x64 float32
-                (3145728, 16384),  # 73: d_block1_attn_out_W 64x64 float32
-                (3179008, 256),  # 74: d_block1_attn_out_B 64 float32
-                (0, 524288),  # 75: d_block1_attn_out_reshape 2048x64 float32
-                (1572864, 524288),  # 76: d_block1_attn 32x4x64x16 float32
-                (0, 1572864),  # 77: d_block1_attn_attention_grad 393216 float32
-                (1572864, 524288),  # 78: d_block1_attn_reshape 32x64x4x16 float32
-                (3179264, 256),  # 79: d_block1_attn_q_B 64 float32
-                (3162112, 16384),  # 80: d_block1_attn_q_W 64x64 float32
-                (2097152, 524288),  # 81: d_block1_attn_q_reshape 2048x64 float32
-                (1572864, 524288),  # 82: d_block1_attn_reshape_2 32x64x4x16 float32
-                (2621440, 524288),  # 83: d_block1_attn_reshape_3 32x64x4x16 float32
-                (1081344, 256),  # 84: d_block1_attn_v_B 64 float32
-                (1048576, 16384),  # 85: d_block1_attn_k_W 64x64 float32
-                (1064960, 16384),  # 86: d_block1_attn_v_W 64x64 float32
-                (0, 524288),  # 87: d_block1_attn_q_reshape_2 2048x64 float32
-                (524288, 524288),  # 88: d_block1_attn_q_reshape_3 2048x64 float32
-                (81920, 512),  # 89: d_block1_ln1_layer_norm_param_grad 2x64 float32
-                (65536, 16384),  # 90: d_pos 1x64x64 float32
-                (0, 65536),  # 91: d_embed_W 256x64 float32
+                (14680064, 524288),  # 6: block1_attn_v_add 2048x64 float32
+                (15204352, 524288),  # 7: block1_attn_k_matmul 2048x64 float32
+                (15728640, 524288),  # 8: block1_attn_q_add 2048x64 float32
+                (16252928, 524288),  # 9: block1_attn 32x64x4x16 float32
+                (16777216, 524288),  # 10: block1_attn_out_add 2048x64 float32
+                (17301504, 524288),  # 11: block1_ln2 32x64x64 float32
+                (0, 2097152),  # 12: block1_fc1_add 2048x256 float32
+                (2097152, 2097152),  # 13: block1_fc1_gelu 32x64x256 float32
+                (17825792, 524288),  # 14: block1_fc2_add 2048x64 float32
+                (18350080, 524288),  # 15: block2_ln1 32x64x64 float32
+                (18874368, 524288),  # 16: block2_attn_v_add 2048x64 float32
+                (19398656, 524288),  # 17: block2_attn_k_matmul 2048x64 float32
+                (19922944, 524288),  # 18: block2_attn_q_add 2048x64 float32
+                (20447232, 524288),  # 19: block2_attn 32x64x4x16 float32
+                (20971520, 524288),  # 20: block2_attn_out_add 2048x64 float32
+                (21495808, 524288),  # 21: block2_ln2 32x64x64 float32
+                (4194304, 2097152),  # 22: block2_fc1_add 2048x256 float32
+                (6291456, 2097152),  # 23: block2_fc1_gelu 32x64x256 float32
+                (22020096, 524288),  # 24: block2_fc2_add 2048x64 float32
+                (22544384, 524288),  # 25: ln 32x64x64 float32
+                (8388608, 2097152),  # 26: next_add 2048x256 float32
+                (10485760, 8192),  # 27: next_cross_entropy_pick 2048 float32
+                (23085056, 4),  # 28: next_cross_entropy_sum_to scalar float32
+                (10485760, 2097152),  # 29: d_next_cross_entropy_log_softmax 2048x256 float32
+                (8912896, 65536),  # 30: d_next_W 256x64 float32
+                (9109504, 1024),  # 31: d_next_B 256 float32
+                (8388608, 524288),  # 32: d_next_reshape 2048x64 float32
+                (9111552, 512),  # 33: d_ln_layer_norm_param_grad 2x64 float32
+                (8978432, 65536),  # 34: d_block2_fc2_W 64x256 float32
+                (9112064, 256),  # 35: d_block2_fc2_B 64 float32
+                (6291456, 2097152),  # 36: d_block2_fc2_reshape 2048x256 float32
+                (9043968, 65536),  # 37: d_block2_fc1_W 256x64 float32
+                (9110528, 1024),  # 38: d_block2_fc1_B 256 float32
+                (4194304, 524288),  # 39: d_block2_fc1_reshape 2048x64 float32
+                (7405568, 512),  # 40: d_block2_ln2_layer_norm_param_grad 2x64 float32
+                (7406080, 256),  # 41: d_block2_attn_out_B 64 float32
+                (7340032, 16384),  # 42: d_block2_attn_out_W 64x64 float32
+                (5767168, 524288),  # 43: d_block2_attn_out_reshape 2048x64 float32
+                (4194304, 1572864),  # 44: d_block2_attn_attention_grad 393216 float32
+                (7406336, 256),  # 45: d_block2_attn_q_B 64 float32
+                (7406592, 256),  # 46: d_block2_attn_v_B 64 float32
+                (7356416, 16384),  # 47: d_block2_attn_q_W 64x64 float32
+                (7372800, 16384),  # 48: d_block2_attn_k_W 64x64 float32
+                (7389184, 16384),  # 49: d_block2_attn_v_W 64x64 float32
+                (5767168, 524288),  # 50: d_block2_attn_q_reshape 2048x64 float32
+                (6291456, 524288),  # 51: d_block2_attn_q_reshape_2 2048x64 float32
+                (6815744, 524288),  # 52: d_block2_attn_q_reshape_3 2048x64 float32
+                (4326400, 512),  # 53: d_block2_ln1_layer_norm_param_grad 2x64 float32
+                (4194304, 65536),  # 54: d_block1_fc2_W 64x256 float32
+                (4326912, 256),  # 55: d_block1_fc2_B 64 float32
+                (2097152, 2097152),  # 56: d_block1_fc2_reshape 2048x256 float32
+                (4259840, 65536),  # 57: d_block1_fc1_W 256x64 float32
+                (4325376, 1024),  # 58: d_block1_fc1_B 256 float32
+                (0, 524288),  # 59: d_block1_fc1_reshape 2048x64 float32
+                (3211264, 512),  # 60: d_block1_ln2_layer_norm_param_grad 2x64 float32
+                (3211776, 256),  # 61: d_block1_attn_out_B 64 float32
+                (3145728, 16384),  # 62: d_block1_attn_out_W 64x64 float32
+                (1572864, 524288),  # 63: d_block1_attn_out_reshape 2048x64 float32
+                (0, 1572864),  # 64: d_block1_attn_attention_grad 393216 float32
+                (3212032, 256),  # 65: d_block1_attn_q_B 64 float32
+                (3212288, 256),  # 66: d_block1_attn_v_B 64 float32
+                (3162112, 16384),  # 67: d_block1_attn_q_W 64x64 float32
+                (3178496, 16384),  # 68: d_block1_attn_k_W 64x64 float32
+                (3194880, 16384),  # 69: d_block1_attn_v_W 64x64 float32
+                (1572864, 524288),  # 70: d_block1_attn_q_reshape 2048x64 float32
+                (2097152, 524288),  # 71: d_block1_attn_q_reshape_2 2048x64 float32
+                (2621440, 524288),  # 72: d_block1_attn_q_reshape_3 2048x64 float32
+                (81920, 512),  # 73: d_block1_ln1_layer_norm_param_grad 2x64 float32
+                (65536, 16384),  # 74: d_pos 1x64x64 float32
+                (0, 65536),  # 75: d_embed_W 256x64 float32
             )),
         "test_step": rp.StepPlan(
             arena_bytes=3153920, peak_bytes=3153920, workspace_bytes=2097152, pool_bytes=3162112,
