@@ -12,17 +12,17 @@ planned workspace), and as `Native.gemm` computes them now: as dot products wher
 (`dot`), in the kernels' own tiles where `contract.small_product` does (`tiles`), else as before (`sgemm`). Transposes:
 the ViT's and char_lm's swaps of heads and tokens, by numpy's copy and by the compiled kernel (`deepdsl_swap_axes`).
 Attention: the forward and the gradient of the ViT's heads (64 x 4 units of 16 tokens of 16 features), causal heads of
-16 tokens with a tenth of their weights dropped, and char_lm's heads without dropout (32 x 4 units of 64 causal tokens
-of 16 features), by the compiled row passes between BLAS products on blocks of units, and weighed whole unit by unit
-(`deepdsl_attention_units`, where `contract.attention_in_units` takes them; within float32 rounding). Sums: a (1024, 64)
-and a (2048, 128) gradient summed to its bias, by numpy and by the compiled kernel (`Native.channel_sum`, each column a
-channel; within float32 rounding). The library is built from the program of networks/char_lm.py in a temporary
-directory. For each thread count, `--rounds` rounds alternate the two sides of each case, `--calls` calls each; printed:
-the median milliseconds of a call over all calls, the ratio (before / after: above 1, faster now), a check that both
-sides agree (the same bytes; the products within float32 rounding), the processor's vector extensions and the load
-average before and after. `--isa avx2` runs both sides as on a processor without AVX-512 (on one that has it): the
-generic kernels built with `-mno-avx512f`, OpenBLAS on its Haswell kernels (OPENBLAS_CORETYPE; the process starts again
-with it set before numpy loads).
+16 tokens with a tenth of their weights dropped, and char_lm's heads without dropout and with a tenth of their weights
+dropped (32 x 4 units of 64 causal tokens of 16 features), by the compiled row passes between BLAS products on blocks of
+units, and weighed whole unit by unit (`deepdsl_attention_units`, where `contract.attention_in_units` takes them; within
+float32 rounding). Sums: a (1024, 64) and a (2048, 128) gradient summed to its bias, by numpy and by the compiled kernel
+(`Native.channel_sum`, each column a channel; within float32 rounding). The library is built from the program of
+networks/char_lm.py in a temporary directory. For each thread count, `--rounds` rounds alternate the two sides of each
+case, `--calls` calls each; printed: the median milliseconds of a call over all calls, the ratio (before / after: above
+1, faster now), a check that both sides agree (the same bytes; the products within float32 rounding), the processor's
+vector extensions and the load average before and after. `--isa avx2` runs both sides as on a processor without AVX-512
+(on one that has it): the generic kernels built with `-mno-avx512f`, OpenBLAS on its Haswell kernels (OPENBLAS_CORETYPE;
+the process starts again with it set before numpy loads).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ PRODUCTS = [  # (m, n, k, a read transposed, b read transposed)
     (16, 4096, 9216, False, True)]                                       # ... and its forward: dot products
 TRANSPOSES = [(64, 16, 4, 16), (64, 4, 16, 16), (32, 64, 4, 16)]                  # axes 1 and 2 swapped
 ATTENTION = [((64, 4), 16, 16, False, None), ((32, 4), 16, 16, True, 0.9),       # (units, tokens, features, causal,
-             ((32, 4), 64, 16, True, None)]                                     # keep)
+             ((32, 4), 64, 16, True, None), ((32, 4), 64, 16, True, 0.9)]      # keep)
 BIAS_SUMS = [(1024, 64), (2048, 128)]                                            # (rows, columns) to (columns,)
 
 
@@ -151,7 +151,7 @@ def _cases(lib):
 
         def agree(outs=outs):
             return all(np.allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(a).max()) for a, b in zip(*outs))
-        cases.append((f"attention {'x'.join(map(str, (*lead, t, d)))}",
+        cases.append((f"attention {'x'.join(map(str, (*lead, t, d)))}{'' if keep is None else ' dropped'}",
                       lambda w=weigh, o=outs[0]: w(_InBlocks(lib), o), lambda w=weigh, o=outs[1]: w(lib, o), agree))
     for rows, columns in BIAS_SUMS:
         x = rng.standard_normal((rows, columns)).astype(np.float32)
