@@ -1537,7 +1537,7 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     assert len(filters) == 4 and all(not row[-1] for row in filters), kernels
     attention = re.findall(r"^ +1 +\((\d+), (\d+), (\d+), (\d+), (True|False), (None|[\d.]+)\)"
                            r"((?: +\d+ / \d+ +\([\d.]+\)){2})(.*)$", kernels.split("attention (N, H, t")[1], re.M)
-    assert len(attention) == 3 and all(not row[-1] for row in attention), kernels
+    assert len(attention) == 4 and all(not row[-1] for row in attention), kernels
     masks = re.findall(r"^ +1 +\(\((.*?)\), ([\d.]+)\) +(\d+) / (\d+) +\([\d.]+\)(.*)$",
                        kernels.split("mask (shape, keep)")[1].split("layer norm")[0], re.M)
     assert len(masks) == 3 and all(not row[-1] for row in masks), kernels

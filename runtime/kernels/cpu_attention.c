@@ -239,30 +239,6 @@ static void deepdsl_att_softmax_columns(float* x, long s, long n) {
 #endif
 }
 
-// mt (s, ldt) = m^T * factor, zeros from column t to ldt: m (t, s) a unit's 0/1 bytes; blocks of 8 x 8 converted to
-// floats and transposed in registers, the edges one at a time
-static void deepdsl_att_mask_transpose(const unsigned char* m, long t, long s, float factor, float* mt, long ldt) {
-    long t8 = 0, s8 = 0;
-#if DEEPDSL_MASKED
-    t8 = t / 8 * 8, s8 = s / 8 * 8;
-    for (long i = 0; i < t8; i += 8)
-        for (long j = 0; j < s8; j += 8) {
-            deepdsl_v8f v[8];
-            for (int r = 0; r < 8; ++r) {
-                deepdsl_v8b bytes;
-                memcpy(&bytes, m + (i + r) * s + j, sizeof bytes);
-                v[r] = __builtin_convertvector(bytes, deepdsl_v8f) * factor;
-            }
-            deepdsl_transpose8(v);
-            deepdsl_store8x8(mt + j * ldt + i, ldt, v);
-        }
-#endif
-    for (long j = 0; j < s; ++j) {
-        for (long i = j < s8 ? t8 : 0; i < t; ++i) mt[j * ldt + i] = (float)m[i * s + j] * factor;
-        for (long i = t; i < ldt; ++i) mt[j * ldt + i] = 0.0f;
-    }
-}
-
 // One unit's weights, transposed: wt (s, tp: tp = deepdsl_att_width(t)), wt[j, i] the weight of key j for query i:
 // the scores k q^T scaled, the bias added, the keys after a causal query left out, and each query's softmax over
 // its keys; with a mask m: mt = m^T * factor (0 or factor: wt * mt rounds as (wt * m) * factor does) and kept = wt *
@@ -291,8 +267,10 @@ static void deepdsl_att_unit_weights(const float* q, const float* k, long ld, lo
         }
     }
     deepdsl_att_softmax_columns(wt, s, tp);
-    if (m) {
-        deepdsl_att_mask_transpose(m, t, s, factor, mt, tp);
+    if (m) {                                          // m * factor in kept (t, s), then transposed into mt
+#pragma omp simd
+        for (long x = 0; x < t * s; ++x) kept[x] = (float)m[x] * factor;
+        deepdsl_att_transpose(kept, t, s, s, mt, tp);
 #pragma omp simd
         for (long x = 0; x < s * tp; ++x) kept[x] = wt[x] * mt[x];
     }
