@@ -68,7 +68,8 @@ DEPTHWISE = [  # (N, C, H=W, stride): MobileNet-v2's 3x3 depthwise layers at 112
 ATTENTION = [  # (N, H, t, features, causal, keep): a ViT's heads (64 x 16 tokens at 64 features, 4 heads), a
     # character model's (32 x 64 causal tokens), causal heads of 16 and of 64 tokens with a tenth of their weights
     # dropped, weighed unit by unit (`Native.attention_units`), heads read in place from the projections' (N, t, H, features) layout
-    (64, 4, 16, 16, False, None), (32, 4, 64, 16, True, None), (32, 4, 16, 16, True, 0.9), (32, 4, 64, 16, True, 0.9),
+    (64, 4, 16, 16, False, None), (32, 4, 64, 16, True, None), (32, 4, 16, 16, True, 0.9),
+    (32, 4, 64, 16, True, 0.9),
 ]
 MASKS = [  # (shape, keep): dropout's masks of a character model's attention (32 x 4 heads of 64 x 64 weights) and of
     # a ViT's (64 x 4 heads of 16 x 16), one of an odd size (a last partial block of groups)

@@ -762,8 +762,8 @@ def attention_in_units(t: int, s: int, d: int, e: int) -> bool:
     """Whether the compiled CPU kernels weigh each unit of (t, d) queries against (s, d) keys and (s, e) values
     whole, on one thread, with no workspace (`deepdsl_attention_units`), with or without dropout: where each is at
     most ATTENTION_UNIT. (A character model's causal heads of 64 tokens with dropout, 32 x 4 units of 16 features,
-    on one Zen 3 core: the forward as fast as the row passes between products of blocks of units, the gradient
-    1.4x as fast, and the heads read in place of their transposes: benchmarks/kernels_vs_checkout.py.)"""
+    on a Zen 3: forward and gradient 1.03x as fast as the row passes between products of blocks of units on one
+    thread, 1.36x on two (benchmarks/small_kernels.py), and the heads read in place of their transposes.)"""
     return max(t, s, d, e) <= ATTENTION_UNIT
 
 

@@ -839,8 +839,8 @@ def test_log_softmax_equals_numpy_at_any_thread_count(lib, rows, columns):
     ((4,), 17, 200, 33, 5, False, (4, 17, 1), None), ((2, 2), 3, 2, 16, 16, True, None, None),
     ((3,), 70, 90, 5, 2, False, (3, 1, 90), 0.8), ((2,), 130, 130, 16, 8, True, None, 0.5),
     # units weighed whole (contract.attention_in_units): a ViT's heads, a causal language model's with dropout, a
-    # bias per query, the largest unit, and one query beyond it; with dropout, the largest unit (of every size but
-    # whole blocks of 8 queries and keys), one key beyond it, and a causal one of odd sizes
+    # bias per query, the largest unit, and one query beyond it; with dropout, units of whole blocks of 8 queries
+    # and keys (the largest, with a bias per query) and not (odd sizes, causal or not), and one key beyond them
     ((2, 3), 16, 16, 16, 16, False, None, None), ((2,), 16, 16, 16, 16, True, None, 0.9),
     ((3,), 9, 13, 64, 7, False, (3, 9, 1), 0.7), ((2,), 64, 64, 64, 64, True, (1, 64, 64), None),
     ((2,), 65, 8, 4, 4, False, None, None), ((2,), 64, 64, 16, 16, True, None, 0.9),

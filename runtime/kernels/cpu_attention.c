@@ -125,18 +125,18 @@ void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, lo
     }
 }
 
-// Attention of small units, each whole on one thread with nothing but its own arrays on the stack: queries and keys
-// of at most DEEPDSL_ATTENTION_UNIT of at most as many features (the units contract.attention_in_units gives these
-// kernels). Where the products of such units go through the BLAS one unit at a time, its calls
-// cost more than their arithmetic (a ViT's 16 tokens of 16 features a head). A unit's weights are held transposed, a
-// query's in a lane of its own, so that its softmax needs no sum across the lanes of a vector. Each sum below adds
-// in one order, the lanes of a vector being other outputs: the bits depend on neither the thread count nor the
-// vector width (AVX2 and AVX-512 give the same), and they differ from the BLAS's products and the row passes above
-// by rounding only. A unit's arrays: q (t, d), k (s, d), v (s, e), out (t, e), its bias and mask as
-// deepdsl_attention_weights's and deepdsl_attention_kept's (rows s apart). The arrays of a unit's own whose rows run
-// over its queries (its weights transposed, q^T, g^T) hold whole vectors of 8 floats a row, zeros past the last
-// query (deepdsl_att_width): their passes take no masked loads or stores (slow on AMD's processors), and the
-// products writing them no copy of a partial strip of b; the padding's lanes never reach an output.
+// Attention of small units, each whole on one thread with nothing but its own arrays on the stack: queries and keys of
+// at most DEEPDSL_ATTENTION_UNIT of at most as many features (the units contract.attention_in_units gives these
+// kernels). Where the products of such units go through the BLAS one unit at a time, its calls cost more than their
+// arithmetic (a ViT's 16 tokens of 16 features a head). A unit's weights are held transposed, a query's in a lane of
+// its own, so that its softmax needs no sum across the lanes of a vector. Each sum below adds in one order, the lanes
+// of a vector being other outputs: the bits depend on neither the thread count nor the vector width (AVX2 and AVX-512
+// give the same), and they differ from the BLAS's products and the row passes above by rounding only. A unit's arrays:
+// q (t, d), k (s, d), v (s, e), out (t, e), its bias and mask as deepdsl_attention_weights's and
+// deepdsl_attention_kept's (rows s apart). The arrays of a unit's own whose rows run over its queries (its weights
+// transposed, q^T, g^T) hold whole vectors of 8 floats a row, zeros past the last query (deepdsl_att_width): their
+// passes take no masked loads or stores (slow on AMD's processors), and the products writing them no copy of a partial
+// strip of b; the padding's lanes never reach an output.
 #define DEEPDSL_ATTENTION_UNIT 64      /* contract.ATTENTION_UNIT */
 #define DEEPDSL_ATTENTION_TILE (DEEPDSL_ATTENTION_UNIT * DEEPDSL_ATTENTION_UNIT)
 

@@ -911,11 +911,11 @@ void deepdsl_equal_tokens(const int* x, long n, int value, uint8_t* out) {
 // alone.
 #define DEEPDSL_BERNOULLI_LANES (DEEPDSL_PHILOX_VECTORS ? 16 : 2)
 
-// the 8 bytes of a group's mask from its Philox block: each draw's low 32 bits, then its high ones. With AVX2's
-// scalar products (the vector products' loop converts its groups' draws lane by lane) the eight in the lanes of a
-// vector (the same conversion, product and comparison), the comparison's sign bits spread
-// to bytes of 0 or 1: bit i replicated into byte i, kept by byte i's mask bit (2^i), then 2^i + 127 has bit 7 set
-// and 0 + 127 has not, no byte carrying into the next.
+// the 8 bytes of a group's mask from its Philox block: each draw's low 32 bits, then its high ones. With AVX2's scalar
+// products (the vector products' loop converts its groups' draws lane by lane) the eight in the lanes of a vector (the
+// same conversion, product and comparison), the comparison's sign bits spread to bytes of 0 or 1: bit i replicated into
+// byte i, kept by byte i's mask bit (2^i), then 2^i + 127 has bit 7 set and 0 + 127 has not, no byte carrying into the
+// next.
 static inline __attribute__((always_inline)) void deepdsl_bernoulli_bytes(const deepdsl_u64 draws[4], float keep,
                                                                           uint8_t* o) {
 #if defined(__AVX2__) && !DEEPDSL_PHILOX_VECTORS
