@@ -295,7 +295,11 @@ static __attribute__((noinline)) void deepdsl_ew_relu_f_range(long begin, long e
 }
 
 void deepdsl_ew_relu_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_relu_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -345,7 +349,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_fu_range(long begin, long e
 }
 
 void deepdsl_ew_mul_fu(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_fu_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -367,7 +375,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_fu_range(long begin, long
 }
 
 void deepdsl_ew_mul_2_fu(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_2_fu_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -388,7 +400,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_sub_sss_range(long begin,
 }
 
 void deepdsl_ew_scale_sub_sss(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_sub_sss_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -410,7 +426,11 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long beg
 }
 
 void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_exp_scale_add_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -432,7 +452,11 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_range(long begin, l
 }
 
 void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_step_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -458,7 +482,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_range(long begin,
 }
 
 void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_fsfsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -473,7 +501,7 @@ void deepdsl_ew_mul_add_fsfsf_many(long count, const long* sizes, float* const* 
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_add_fsfsf_range(0, sizes[m], outs[m], in + m * 5, value + m * 5);
 }
@@ -493,7 +521,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_sub_fsf_range(long begin, l
 }
 
 void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_sub_fsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -508,7 +540,7 @@ void deepdsl_ew_mul_sub_fsf_many(long count, const long* sizes, float* const* ou
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_sub_fsf_range(0, sizes[m], outs[m], in + m * 3, value + m * 3);
 }
@@ -528,7 +560,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fsf_range(long begin,
 }
 
 void deepdsl_ew_mul_add_2_fsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_2_fsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -543,7 +579,7 @@ void deepdsl_ew_mul_add_2_fsf_many(long count, const long* sizes, float* const* 
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_add_2_fsf_range(0, sizes[m], outs[m], in + m * 3, value + m * 3);
 }
@@ -563,7 +599,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_sub_2_fsf_range(long begin,
 }
 
 void deepdsl_ew_mul_sub_2_fsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_sub_2_fsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -578,7 +618,7 @@ void deepdsl_ew_mul_sub_2_fsf_many(long count, const long* sizes, float* const* 
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_sub_2_fsf_range(0, sizes[m], outs[m], in + m * 3, value + m * 3);
 }
@@ -601,7 +641,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_ffff_range(long begin, long
 }
 
 void deepdsl_ew_add_ffff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_ffff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -623,7 +667,11 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_2_ff_range(long b
 }
 
 void deepdsl_ew_exp_scale_add_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_exp_scale_add_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -645,7 +693,11 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_3_ff_range(long b
 }
 
 void deepdsl_ew_exp_scale_add_3_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_exp_scale_add_3_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -669,7 +721,11 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_2_fuf_range(long begin
 }
 
 void deepdsl_ew_step_mul_2_fuf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_step_mul_2_fuf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -697,7 +753,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_2_fffff_range(long begin, l
 }
 
 void deepdsl_ew_add_2_fffff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_2_fffff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -738,7 +798,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_f
 
 void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_fsf(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_fsf_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -775,7 +839,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_2_fsf_then_ew_mul_sub_2
 
 void deepdsl_ew_mul_add_2_fsf_then_ew_mul_sub_2_fsf(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_2_fsf_then_ew_mul_sub_2_fsf_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);

@@ -322,7 +322,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_s_range(long begin, long 
 }
 
 void deepdsl_ew_scale_s(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_s_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -344,7 +348,11 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long beg
 }
 
 void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_exp_scale_add_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -366,7 +374,11 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_range(long begin, l
 }
 
 void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_step_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -392,7 +404,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_range(long begin,
 }
 
 void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_fsfsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -407,7 +423,7 @@ void deepdsl_ew_mul_add_fsfsf_many(long count, const long* sizes, float* const* 
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_add_fsfsf_range(0, sizes[m], outs[m], in + m * 5, value + m * 5);
 }
@@ -427,7 +443,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_sub_fsf_range(long begin, l
 }
 
 void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_sub_fsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -442,7 +462,7 @@ void deepdsl_ew_mul_sub_fsf_many(long count, const long* sizes, float* const* ou
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_sub_fsf_range(0, sizes[m], outs[m], in + m * 3, value + m * 3);
 }
@@ -480,7 +500,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_f
 
 void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_fsf(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_fsf_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);

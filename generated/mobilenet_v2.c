@@ -295,7 +295,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_f_range(long begin, long 
 }
 
 void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -343,7 +347,11 @@ static __attribute__((noinline)) void deepdsl_ew_square_f_range(long begin, long
 }
 
 void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_square_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -464,7 +472,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_ff_range(long begin, 
 }
 
 void deepdsl_ew_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -486,7 +498,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_2_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -506,7 +522,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_f_range(long begin, l
 }
 
 void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_rsqrt_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -590,7 +610,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_2_f_range(long begin, lon
 }
 
 void deepdsl_ew_scale_2_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_2_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -612,7 +636,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_3_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_3_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -667,7 +695,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_3_f_range(long begin, lon
 }
 
 void deepdsl_ew_scale_3_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_3_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -689,7 +721,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_4_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_4_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_4_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -744,7 +780,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_4_f_range(long begin, lon
 }
 
 void deepdsl_ew_scale_4_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_4_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -766,7 +806,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_5_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_5_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_5_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -786,7 +830,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_5_f_range(long begin, lon
 }
 
 void deepdsl_ew_scale_5_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_5_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -808,7 +856,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_6_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_6_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_6_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -830,7 +882,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_fu_range(long begin, long e
 }
 
 void deepdsl_ew_mul_fu(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_fu_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -852,7 +908,11 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long beg
 }
 
 void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_exp_scale_add_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -871,7 +931,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_6_s_range(long begin, lon
 }
 
 void deepdsl_ew_scale_6_s(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_6_s_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -897,7 +961,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_4_fsfsf_range(long begi
 }
 
 void deepdsl_ew_mul_add_4_fsfsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_4_fsfsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -912,7 +980,7 @@ void deepdsl_ew_mul_add_4_fsfsf_many(long count, const long* sizes, float* const
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_add_4_fsfsf_range(0, sizes[m], outs[m], in + m * 5, value + m * 5);
 }
@@ -932,7 +1000,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_sub_fsf_range(long begin, l
 }
 
 void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_sub_fsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -947,7 +1019,7 @@ void deepdsl_ew_mul_sub_fsf_many(long count, const long* sizes, float* const* ou
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_sub_fsf_range(0, sizes[m], outs[m], in + m * 3, value + m * 3);
 }
@@ -966,7 +1038,11 @@ static __attribute__((noinline)) void deepdsl_ew_step_sub_mul_ff_range(long begi
 }
 
 void deepdsl_ew_step_sub_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_step_sub_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -988,7 +1064,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_range(long begin, long
 }
 
 void deepdsl_ew_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1116,7 +1196,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_ff_range(long begin
 }
 
 void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1171,7 +1255,11 @@ static __attribute__((noinline)) void deepdsl_ew_neg_f_range(long begin, long en
 }
 
 void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_neg_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1292,7 +1380,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_3_ff_range(long begin, long
 }
 
 void deepdsl_ew_mul_3_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_3_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1340,7 +1432,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_ff_range(long begin, long e
 }
 
 void deepdsl_ew_add_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1362,7 +1458,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_2_ff_range(long beg
 }
 
 void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1384,7 +1484,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_3_ff_range(long beg
 }
 
 void deepdsl_ew_add_pow_mul_3_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_3_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1406,7 +1510,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_4_ff_range(long beg
 }
 
 void deepdsl_ew_add_pow_mul_4_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_4_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1428,7 +1536,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_5_ff_range(long beg
 }
 
 void deepdsl_ew_add_pow_mul_5_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_5_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1702,7 +1814,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_4_fsfsf_then_ew_mul_sub
 
 void deepdsl_ew_mul_add_4_fsfsf_then_ew_mul_sub_fsf(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_4_fsfsf_then_ew_mul_sub_fsf_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1736,7 +1852,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_ff
 
 void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -2189,7 +2309,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_2_
 
 void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_2_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_2_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -2223,7 +2347,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_3_
 
 void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_3_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_3_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -2257,7 +2385,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_4_
 
 void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_4_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_4_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -2291,7 +2423,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_5_
 
 void deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_5_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_2_ff_then_ew_add_pow_mul_5_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);

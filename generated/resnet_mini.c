@@ -295,7 +295,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_f_range(long begin, long 
 }
 
 void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -343,7 +347,11 @@ static __attribute__((noinline)) void deepdsl_ew_square_f_range(long begin, long
 }
 
 void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_square_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -464,7 +472,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_ff_range(long begin, 
 }
 
 void deepdsl_ew_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -486,7 +498,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_2_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -506,7 +522,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_f_range(long begin, l
 }
 
 void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_rsqrt_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -593,7 +613,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_2_f_range(long begin, lon
 }
 
 void deepdsl_ew_scale_2_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_2_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -615,7 +639,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_3_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_3_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -676,7 +704,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_3_f_range(long begin, lon
 }
 
 void deepdsl_ew_scale_3_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_3_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -698,7 +730,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_4_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_4_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_4_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -720,7 +756,11 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long beg
 }
 
 void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_exp_scale_add_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -746,7 +786,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_range(long begin,
 }
 
 void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_fsfsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -761,7 +805,7 @@ void deepdsl_ew_mul_add_fsfsf_many(long count, const long* sizes, float* const* 
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_add_fsfsf_range(0, sizes[m], outs[m], in + m * 5, value + m * 5);
 }
@@ -777,7 +821,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_4_s_range(long begin, lon
 }
 
 void deepdsl_ew_scale_4_s(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_4_s_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -800,7 +848,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_sub_fsf_range(long begin, l
 }
 
 void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_sub_fsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -815,7 +867,7 @@ void deepdsl_ew_mul_sub_fsf_many(long count, const long* sizes, float* const* ou
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_sub_fsf_range(0, sizes[m], outs[m], in + m * 3, value + m * 3);
 }
@@ -834,7 +886,11 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_range(long begin, l
 }
 
 void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_step_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -856,7 +912,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_range(long begin, long e
 }
 
 void deepdsl_ew_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -984,7 +1044,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_ff_range(long begin
 }
 
 void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1039,7 +1103,11 @@ static __attribute__((noinline)) void deepdsl_ew_neg_f_range(long begin, long en
 }
 
 void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_neg_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1160,7 +1228,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_range(long begin, long
 }
 
 void deepdsl_ew_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1212,7 +1284,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_range(long beg
 }
 
 void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_step_mul_fff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1234,7 +1310,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_2_ff_range(long beg
 }
 
 void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1256,7 +1336,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_3_ff_range(long beg
 }
 
 void deepdsl_ew_add_pow_mul_3_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_3_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1530,7 +1614,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_f
 
 void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_fsf(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_fsf_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1702,7 +1790,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_then_ew_add_pow_mul_ff_r
 
 void deepdsl_ew_mul_ff_then_ew_add_pow_mul_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_ff_then_ew_add_pow_mul_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -2024,7 +2116,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_then_ew_add_pow_mul_2_ff
 
 void deepdsl_ew_mul_ff_then_ew_add_pow_mul_2_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_ff_then_ew_add_pow_mul_2_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -2058,7 +2154,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_then_ew_add_pow_mul_3_ff
 
 void deepdsl_ew_mul_ff_then_ew_add_pow_mul_3_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_ff_then_ew_add_pow_mul_3_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);

@@ -295,7 +295,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_f_range(long begin, long 
 }
 
 void deepdsl_ew_scale_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -343,7 +347,11 @@ static __attribute__((noinline)) void deepdsl_ew_square_f_range(long begin, long
 }
 
 void deepdsl_ew_square_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_square_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -464,7 +472,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_ff_range(long begin, 
 }
 
 void deepdsl_ew_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -486,7 +498,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_2_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -506,7 +522,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_rsqrt_f_range(long begin, l
 }
 
 void deepdsl_ew_add_rsqrt_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_rsqrt_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -558,7 +578,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_2_f_range(long begin, lon
 }
 
 void deepdsl_ew_scale_2_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_2_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -580,7 +604,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_3_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_3_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_3_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -600,7 +628,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_3_f_range(long begin, lon
 }
 
 void deepdsl_ew_scale_3_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_3_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -622,7 +654,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_add_4_ff_range(long begin
 }
 
 void deepdsl_ew_scale_add_4_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_add_4_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -672,7 +708,11 @@ static __attribute__((noinline)) void deepdsl_ew_exp_scale_add_ff_range(long beg
 }
 
 void deepdsl_ew_exp_scale_add_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_exp_scale_add_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -691,7 +731,11 @@ static __attribute__((noinline)) void deepdsl_ew_scale_4_s_range(long begin, lon
 }
 
 void deepdsl_ew_scale_4_s(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_scale_4_s_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -717,7 +761,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_range(long begin,
 }
 
 void deepdsl_ew_mul_add_fsfsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_fsfsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -732,7 +780,7 @@ void deepdsl_ew_mul_add_fsfsf_many(long count, const long* sizes, float* const* 
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_add_fsfsf_range(0, sizes[m], outs[m], in + m * 5, value + m * 5);
 }
@@ -752,7 +800,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_sub_fsf_range(long begin, l
 }
 
 void deepdsl_ew_mul_sub_fsf(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_sub_fsf_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -767,7 +819,7 @@ void deepdsl_ew_mul_sub_fsf_many(long count, const long* sizes, float* const* ou
                                      const float* value) {
     long total = 0;
     for (long m = 0; m < count; ++m) total += sizes[m];
-#pragma omp parallel for schedule(static) if (total >= DEEPDSL_EW_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (!deepdsl_alone(total, DEEPDSL_EW_PARALLEL_MIN))
     for (long m = 0; m < count; ++m)
         deepdsl_ew_mul_sub_fsf_range(0, sizes[m], outs[m], in + m * 3, value + m * 3);
 }
@@ -786,7 +838,11 @@ static __attribute__((noinline)) void deepdsl_ew_step_mul_ff_range(long begin, l
 }
 
 void deepdsl_ew_step_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_step_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -808,7 +864,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_range(long begin, long e
 }
 
 void deepdsl_ew_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -936,7 +996,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_ff_range(long begin
 }
 
 void deepdsl_ew_add_pow_mul_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -991,7 +1055,11 @@ static __attribute__((noinline)) void deepdsl_ew_neg_f_range(long begin, long en
 }
 
 void deepdsl_ew_neg_f(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_neg_f_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1112,7 +1180,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_2_ff_range(long begin, long
 }
 
 void deepdsl_ew_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1134,7 +1206,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_2_ff_range(long beg
 }
 
 void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_2_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1156,7 +1232,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_3_ff_range(long beg
 }
 
 void deepdsl_ew_add_pow_mul_3_ff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_pow_mul_3_ff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1180,7 +1260,11 @@ static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_range(long beg
 }
 
 void deepdsl_ew_add_step_mul_fff(long n, float* out, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_add_step_mul_fff_range(0, n, out, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1383,7 +1467,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_f
 
 void deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_fsf(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_add_fsfsf_then_ew_mul_sub_fsf_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1417,7 +1505,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_then_ew_add_pow_mul_ff_r
 
 void deepdsl_ew_mul_ff_then_ew_add_pow_mul_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_ff_then_ew_add_pow_mul_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1732,7 +1824,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_then_ew_add_pow_mul_2_ff
 
 void deepdsl_ew_mul_ff_then_ew_add_pow_mul_2_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_ff_then_ew_add_pow_mul_2_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
@@ -1766,7 +1862,11 @@ static __attribute__((noinline)) void deepdsl_ew_mul_ff_then_ew_add_pow_mul_3_ff
 
 void deepdsl_ew_mul_ff_then_ew_add_pow_mul_3_ff(
         long n, float* out0, float* out1, const void* const* in, const float* value) {
-#pragma omp parallel if (n >= DEEPDSL_EW_PARALLEL_MIN)
+    if (deepdsl_alone(n, DEEPDSL_EW_PARALLEL_MIN)) {
+        deepdsl_ew_mul_ff_then_ew_add_pow_mul_3_ff_range(0, n, out0, out1, in, value);
+        return;
+    }
+#pragma omp parallel
     {
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);

@@ -24,6 +24,19 @@
 #define DEEPDSL_CSUM_LANES 4096         /* floats of such sums' lanes (16 KB, on the stack) */
 #define DEEPDSL_CSUM_SAMPLES 32         /* samples a lane sums in float32 before it is added in double */
 
+// Whether a kernel's pass over `work` elements runs on the calling thread alone: below `least`, or where the kernels
+// have one thread. Such a call enters no OpenMP region: one that runs on one thread (`#pragma omp parallel if` false)
+// still costs 1.0-1.5 us to enter and leave, as much as the call into the library (a step makes hundreds of calls).
+static inline int deepdsl_alone(long work, long least) {
+#ifdef _OPENMP
+    return work < least || omp_get_max_threads() < 2;
+#else
+    (void)work;
+    (void)least;
+    return 1;
+#endif
+}
+
 // [*begin, *end): this thread's share of n items in an OpenMP team (all of them outside one), in whole blocks of
 // `block` items (16 elements: a vector's worth; 1 row).
 static inline void deepdsl_share(long n, long block, long* begin, long* end) {
