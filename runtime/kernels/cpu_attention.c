@@ -210,22 +210,18 @@ static void deepdsl_att_product(const float* a, long a_row, long a_col, const fl
 static void deepdsl_att_softmax_columns(float* x, long s, long n) {
 #if DEEPDSL_MASKED
     for (long l = 0; l < n; l += 8) {
-        deepdsl_v8f top = (deepdsl_v8f){0} - INFINITY, sum = {0}, v;
+        deepdsl_v8f top = (deepdsl_v8f){0} - INFINITY, sum = {0};
+        for (long j = 0; j < s; ++j)
+            top = (deepdsl_v8f)_mm256_max_ps((__m256)deepdsl_load8(x + j * n + l), (__m256)top);
         for (long j = 0; j < s; ++j) {
-            memcpy(&v, x + j * n + l, sizeof v);
-            top = (deepdsl_v8f)_mm256_max_ps((__m256)v, (__m256)top);
-        }
-        for (long j = 0; j < s; ++j) {
-            memcpy(&v, x + j * n + l, sizeof v);
-            v = deepdsl_exp8(v - top);
-            sum += v;
-            memcpy(x + j * n + l, &v, sizeof v);
+            const deepdsl_v8f e = deepdsl_exp8(deepdsl_load8(x + j * n + l) - top);
+            sum += e;
+            memcpy(x + j * n + l, &e, sizeof e);
         }
         const deepdsl_v8f inverse = 1.0f / sum;
         for (long j = 0; j < s; ++j) {
-            memcpy(&v, x + j * n + l, sizeof v);
-            v *= inverse;
-            memcpy(x + j * n + l, &v, sizeof v);
+            const deepdsl_v8f w = deepdsl_load8(x + j * n + l) * inverse;
+            memcpy(x + j * n + l, &w, sizeof w);
         }
     }
 #else

@@ -28,6 +28,13 @@ typedef int deepdsl_v4i __attribute__((vector_size(16)));
 typedef uint8_t deepdsl_v4b __attribute__((vector_size(4)));
 #define DEEPDSL_SELECT(VF, VI, mask, a, b) ((VF)(((VI)(a) & (mask)) | ((VI)(b) & ~(mask))))
 
+// the 8 floats at p, a vector's load from any address
+static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load8(const float* p) {
+    deepdsl_v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 // Masked vectors of 8 floats (AVX: masked-off lanes are neither read nor written, so a vector may reach past the
 // ends of an array): rows whose ends fall inside a vector (padding, short output rows).
 #if defined(__AVX__)
@@ -61,11 +68,7 @@ static inline __attribute__((always_inline)) void deepdsl_store(float* to, deepd
 // row, else deepdsl_load's of those inside (AVX2's masked moves cost several times a plain one on AMD's processors:
 // only a row's last, partial vector takes one); and the store alike.
 static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load_in(const float* from, long j, long size) {
-    deepdsl_v8f v;
-    if (j + 8 > size)
-        return deepdsl_load(from, deepdsl_inside((int)j, (int)size));
-    memcpy(&v, from, sizeof v);
-    return v;
+    return j + 8 > size ? deepdsl_load(from, deepdsl_inside((int)j, (int)size)) : deepdsl_load8(from);
 }
 static inline __attribute__((always_inline)) void deepdsl_store_in(float* to, long j, long size, deepdsl_v8f v) {
     if (j + 8 > size)
@@ -377,13 +380,8 @@ static inline __attribute__((always_inline)) float deepdsl_lane_total(const floa
 // DEEPDSL_LANE_SUM's sums held in two vectors (lanes 0-7 and 8-15) instead of an array, then halved as
 // deepdsl_lane_total halves them: the same additions in the same order, the same bits, but no chain of stores and
 // loads through the array (a row's sums waited on it: a layer norm of rows of 64 floats ran at 3 cycles a float).
-// VECTOR: the values of the 8 elements from j (loads by deepdsl_load8); SCALAR: element k's, for a last block of
+// VECTOR: the values of the 8 elements from j (deepdsl_load8's); SCALAR: element k's, for a last block of
 // fewer than 16, lane by lane as DEEPDSL_LANE_SUM adds them.
-static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_load8(const float* p) {
-    deepdsl_v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 // deepdsl_lane_total of the lanes held in lo (0-7) and hi (8-15), in registers
 static inline __attribute__((always_inline)) float deepdsl_lane_total8(deepdsl_v8f lo, deepdsl_v8f hi) {
     const __m256 eight = (__m256)(lo + hi);
