@@ -88,7 +88,6 @@ def attention(q, k, v, bias=None, mask=None, *, out, scale, causal=False, keep=1
     """out = (softmax(q k^T * scale + bias) * mask / keep) v over the last two axes (`deepdsl.ops.attention`; no
     mask: no dropout). With `heads`, q, k, v and out are stored (..., T, H, d): the compiled kernels read and write
     them in place; numpy's kernels compute on copies in the units' layout (..., H, T, d)."""
-    attrs = dict(scale=scale, causal=causal, keep=keep, workspace=workspace, gemm=gemm, native=native)
     if heads:
         bu = None if bias is None else Bias(bias, contract.attention_unit_shape(q.shape, True))
         mu = None if mask is None else _units(mask)
@@ -96,7 +95,8 @@ def attention(q, k, v, bias=None, mask=None, *, out, scale, causal=False, keep=1
                                                          scale, causal, heads=True):
             return
         o = np.empty(contract.attention_unit_shape(out.shape, True), out.dtype)
-        attention(_swapped(q), _swapped(k), _swapped(v), bias, mask, out=o, **attrs)
+        attention(_swapped(q), _swapped(k), _swapped(v), bias, mask, out=o, scale=scale, causal=causal, keep=keep,
+                  workspace=workspace, gemm=gemm, native=native)
         out[...] = o.swapaxes(-3, -2)
         return
     t, s = q.shape[-2], k.shape[-2]
@@ -121,7 +121,6 @@ def attention_grad(q, k, v, o, g, bias=None, mask=None, *, out, scale, causal=Fa
                    gemm=np.matmul, native=None, heads=False):
     """out = (dq, dk, dv) of attention, flat one after the other, given its output o and o's gradient g (with
     `heads`, all stored (..., T, H, d), as `attention`'s)."""
-    attrs = dict(scale=scale, causal=causal, keep=keep, workspace=workspace, gemm=gemm, native=native)
     if heads:
         bu = None if bias is None else Bias(bias, contract.attention_unit_shape(q.shape, True))
         mu = None if mask is None else _units(mask)
@@ -131,7 +130,8 @@ def attention_grad(q, k, v, o, g, bias=None, mask=None, *, out, scale, causal=Fa
                                                               bu, mu, keep, dq, dk, dv, scale, causal, heads=True):
             return
         packed = np.empty_like(out)
-        attention_grad(*(_swapped(x) for x in (q, k, v, o, g)), bias, mask, out=packed, **attrs)
+        attention_grad(*(_swapped(x) for x in (q, k, v, o, g)), bias, mask, out=packed, scale=scale, causal=causal,
+                       keep=keep, workspace=workspace, gemm=gemm, native=native)
         for a, x, into in ((0, q, dq), (q.size, k, dk), (q.size + k.size, v, dv)):
             units = contract.attention_unit_shape(x.shape, True)
             into[...] = packed[a:a + x.size].reshape(units).swapaxes(-3, -2).reshape(into.shape)

@@ -62,6 +62,7 @@ BUILD_FLAGS = ("-O2", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-tr
                "-fno-strict-aliasing", "-shared", "-fPIC", *os.environ.get("DEEPDSL_CFLAGS", "").split())
 
 _F = ctypes.c_float
+_F32 = np.dtype(np.float32)
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_long
@@ -343,18 +344,17 @@ class Native:
         lib.deepdsl_threads.restype = _I
         lib.deepdsl_gemm.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _L, _L]
         lib.deepdsl_gemm.restype = _I
-        lib.deepdsl_gemm_args.argtypes = [_P]
+        # (the products' functions of one argument, the array of a `_ProductCall`, which ctypes passes as it is: no
+        # argument types, whose conversion took about 0.5 us a call)
         lib.deepdsl_gemm_args.restype = _I
         lib.deepdsl_set_sgemm.argtypes = [_P, _I]
         # (nor products in tiles of their own)
         self._small_gemm_args = getattr(lib, "deepdsl_small_gemm_args", None)
         if self._small_gemm_args is not None:
-            self._small_gemm_args.argtypes = [_P]
             self._small_gemm_args.restype = _I
         # (nor dot products streaming a long b read transposed)
         self._dot_gemm_args = getattr(lib, "deepdsl_dot_gemm_args", None)
         if self._dot_gemm_args is not None:
-            self._dot_gemm_args.argtypes = [_P]
             self._dot_gemm_args.restype = _I
         self._small_gemm_depth = getattr(lib, "deepdsl_small_gemm_depth", None)
         if self._small_gemm_depth is not None:
@@ -1110,20 +1110,16 @@ class Native:
         """Run the compiled `kernel` (a generated numpy kernel function; the library's `deepdsl_<name>_<pattern>`,
         `pattern` by `contract.operand_pattern`) when the library has it, whatever the size (a statement's bits
         depend on the library alone, not on its size nor on whether it runs in a batch, `ew_many`); False otherwise
-        (the caller runs the numpy one)."""
-        if not out.flags.c_contiguous or out.dtype != np.float32:
-            return False
-        if any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args):
-            return False
-        key = (kernel.__name__, out.shape,
-               tuple((a.shape, a.dtype.char) if isinstance(a, np.ndarray) else None for a in args))
+        (the caller runs the numpy one). Its function is found once for each kernel and layout of the operands
+        (`_signature`: shapes, dtypes, whether contiguous)."""
+        key = (kernel, out.shape, out.dtype.char, out.flags.c_contiguous, *_signature(args))
         found = self._ew.get(key)
         if found is None:
-            found = self._ew[key] = self._ew_function(key[0], out.shape, args)
+            found = self._ew[key] = out.flags.c_contiguous and out.dtype == np.float32 and \
+                all(a is None or a[2] for a in key[4:]) and self._ew_function(kernel.__name__, out.shape, args)
         if found is False:
             return False
-        function, operands, sizes = found
-        function(*sizes, _address(out), *operands(args))
+        found(args, out)
         return True
 
     def ew_pair(self, first, second) -> bool:
@@ -1180,8 +1176,7 @@ class Native:
             found = self._ew[key] = self._pair_function(k0.__name__, args0, k1.__name__, args1, out0.shape, sum_shape)
         if found is False:
             return False
-        function, operands, sizes = found
-        function(*sizes, _address(out0), _address(out1), *operands(args0 + args1))
+        found(args0 + args1, out0, out1)
         return True
 
     def _pair_function(self, first: str, args0, second: str, args1, out_shape, sum_shape):
@@ -1193,12 +1188,10 @@ class Native:
         if first_pattern is None or second_pattern is None:
             return False
         name = contract.pair_function(first, first_pattern, second, second_pattern, summed)
-        function = None if name is None else getattr(self.program, name, None)
-        if function is None:
+        if name is None:
             return False
         sizes = contract.channel_rows(out_shape, sum_shape) if summed else (math.prod(out_shape),)
-        function.argtypes = [_L] * len(sizes) + [_P, _P, _P, _P]
-        return function, _Operands(first_pattern + second_pattern), sizes
+        return _KernelCall.of(self.program, name, sizes, first_pattern + second_pattern, 2)
 
     def channel_sum(self, x: np.ndarray, out: np.ndarray) -> bool:
         """out (1, C, 1, ...) = x (N, C, ...) summed per channel, or out (D,) = x (..., D) summed over every axis but
@@ -1228,18 +1221,16 @@ class Native:
             found = self._ew[key] = self._sum_function(kernel.__name__, shape, args)
         if found is False or any(isinstance(a, np.ndarray) and not a.flags.c_contiguous for a in args):
             return False
-        function, operands, sizes = found
-        function(*sizes, _address(out), *operands(args))
+        found(args, out)
         return True
 
     def _sum_function(self, name: str, shape, args):
         values = np.broadcast_shapes(*(np.shape(a) for a in args))
         pattern = _sum_pattern(args, values, shape)
-        function = None if pattern is None else getattr(self.program, f"deepdsl_{name}_{pattern}_csum", None)
-        if function is None:
+        if pattern is None:
             return False
-        function.argtypes = [_L] * 3 + [_P, _P, _P]
-        return function, _Operands(pattern), contract.channel_rows(values, shape)
+        return _KernelCall.of(self.program, f"deepdsl_{name}_{pattern}_csum", contract.channel_rows(values, shape),
+                              pattern, 1)
 
     @staticmethod
     def _pattern(args, out_shape) -> str | None:
@@ -1259,14 +1250,18 @@ class Native:
         """(the library's function of kernel `name` for these operands, their pattern, its size arguments), or
         False where there is none (operands it does not take, or a pattern the program does not call it with)."""
         pattern = self._pattern(args, out_shape)
-        function = None if pattern is None else getattr(self.program, f"deepdsl_{name}_{pattern}", None)
-        if function is None:
+        if pattern is None:
             return False
         # over rows (rows, channels, inner) with channel or last-axis operands, else over the n flat elements
         rows = "c" in pattern or "r" in pattern or "w" in pattern
         sizes = contract.kernel_rows(pattern, out_shape) if rows else (math.prod(out_shape),)
-        function.argtypes = [_L] * len(sizes) + [_P, _P, _P]
-        return function, _Operands(pattern), sizes
+        return _KernelCall.of(self.program, f"deepdsl_{name}_{pattern}", sizes, pattern, 1)
+
+
+def _signature(args, _array=np.ndarray) -> list:
+    """The layout of a kernel's operands, the key of its function: each array's (shape, dtype, whether
+    contiguous), None for a scalar."""
+    return [(a.shape, a.dtype.char, a.flags.c_contiguous) if isinstance(a, _array) else None for a in args]
 
 
 def _sum_pattern(args, values_shape, shape) -> str | None:
@@ -1324,6 +1319,40 @@ def _extent(x: np.ndarray) -> tuple[int, int]:
     return low, high + x.itemsize
 
 
+class _KernelCall:
+    """A compiled elementwise function's call for one layout of its operands (`Native.ew`, its pairs and sums):
+    `call(args, *outs)` writes the outputs' pointers and the operands' (`_Operands`) into ctypes objects made once
+    and calls the function with them and its sizes, made once too. The function is the library's own object for
+    this call, without argument types: every argument is a ctypes object already, which ctypes passes as it is
+    (converting them by argument types took about 0.8 us a call). A `Native` serves one program's steps, which
+    call its kernels one at a time from one thread, as `_Operands`."""
+
+    __slots__ = ("function", "head", "outs", "operands")
+
+    def __init__(self, function, sizes, pattern: str, outs: int):
+        self.function = function
+        self.outs = tuple(_P() for _ in range(outs))
+        self.head = (*(_L(n) for n in sizes), *self.outs)
+        self.operands = _Operands(pattern)
+
+    @classmethod
+    def of(cls, library: ctypes.CDLL, name: str, sizes, pattern: str, outs: int):
+        """The call of the library's function `name`, or False where it has none."""
+        try:
+            function = library[name]        # (a new object: the library's attribute of that name keeps its types)
+        except AttributeError:
+            return False
+        function.restype = None
+        return cls(function, sizes, pattern, outs)
+
+    def __call__(self, args, out, second=None) -> None:
+        pointers = self.outs
+        pointers[0].value = _address(out)
+        if second is not None:
+            pointers[1].value = _address(second)
+        self.function(*self.head, *self.operands(args))
+
+
 class _Operands:
     """A compiled elementwise function's `in` and `value` arrays for the operands of one pattern: made once, filled
     on each call (`operands(args)`: each operand's pointer, or for a scalar (`s`) its value as float32). A
@@ -1339,6 +1368,9 @@ class _Operands:
 
     def __call__(self, args):
         pointers, values = self.pointers, self.values
+        if not self.scalars:
+            pointers[:] = [_address(a) for a in args]
+            return pointers, values
         for i in self.arrays:
             pointers[i] = _address(args[i])
         for i in self.scalars:  # (a float, or a size-1 array's element, rounded to float32 by ctypes as by numpy)
@@ -1356,7 +1388,7 @@ class _Batch:
     when they came; the batch holds those arrays until its next call."""
 
     __slots__ = ("sizes", "outs", "pointers", "values", "columns", "arrays", "scalars", "width", "pick", "same",
-                 "held")
+                 "held", "written")
 
     def __init__(self, pattern: str, count: int):
         self.width = len(pattern)
@@ -1370,6 +1402,7 @@ class _Batch:
         self.pick = operator.itemgetter(*positions) if len(positions) > 1 else lambda call: (call[0],)
         self.same = _same_objects(positions)
         self.held: list = [(None,) * len(positions)] * count
+        self.written: dict[int, object] = {}     # scalar column -> the object whose value fills it
 
     def __call__(self, calls) -> bool:
         held, same, arrays, width = self.held, self.same, self.arrays, self.width
@@ -1392,9 +1425,12 @@ class _Batch:
             held[m] = self.pick(call)
         for i in self.scalars:      # (a float, or a size-1 array's element, rounded to float32 as `_Operands` does)
             first = calls[0][i]
-            if first.__class__ is not np.ndarray and all(call[i] is first for call in calls):
-                self.columns[:, i - 1] = first                  # one value for all (the step's hyperparameters)
+            if first.__class__ is not np.ndarray and list(map(operator.itemgetter(i), calls)).count(first) == len(calls):
+                if self.written.get(i) is not first:            # one value for all (the step's hyperparameters)
+                    self.columns[:, i - 1] = first
+                    self.written[i] = first
                 continue
+            self.written.pop(i, None)
             for m, call in enumerate(calls):
                 a = call[i]
                 if a.__class__ is np.ndarray:
@@ -1446,16 +1482,14 @@ def _data_offset() -> int | None:
 _DATA_OFFSET = _data_offset()
 
 
-def _address(x: np.ndarray) -> int:
-    """The address of an ndarray's first element (`x.ctypes.data`, five times faster: a compiled kernel's call
-    passes several)."""
-    if _DATA_OFFSET is None or not isinstance(x, np.ndarray):
+def _address(x: np.ndarray, _read=ctypes.c_void_p.from_address, _offset=_DATA_OFFSET, _array=np.ndarray) -> int:
+    """The address of an ndarray's first element (`x.ctypes.data`, ten times faster: a compiled kernel's call
+    passes several; the module's names bound as defaults, half the time of looking them up)."""
+    if x.__class__ is not _array or _offset is None:
         return x.ctypes.data
-    return _from_address(id(x) + _DATA_OFFSET).value
+    return _read(id(x) + _offset).value
 
 
-_from_address = ctypes.c_void_p.from_address
-_F32 = np.dtype(np.float32)
 
 
 def _matrix(x: np.ndarray) -> tuple[int, int] | None:
@@ -1520,8 +1554,12 @@ def _bias_args(bias) -> tuple:
     return _address(bias.flat), _address(bias.offsets), bias.row, bias.col
 
 
-def _contiguous32(*arrays) -> bool:
-    return all(a.flags.c_contiguous and a.dtype == np.float32 for a in arrays)
+def _contiguous32(*arrays, _f32=_F32) -> bool:
+    """Whether every array is contiguous float32 (a loop: all() over a generator took twice as long)."""
+    for a in arrays:
+        if not a.flags.c_contiguous or a.dtype is not _f32 and a.dtype != _f32:
+            return False
+    return True
 
 
 _BLAS_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
