@@ -28,7 +28,7 @@ import numpy as np
 
 from deepdsl_runtime import checkpoint as ckpt
 from deepdsl_runtime import data as datasets
-from deepdsl_runtime import image_stream, metrics, parallel
+from deepdsl_runtime import image_stream, metrics, parallel, replay
 from deepdsl_runtime.frames import run_with_room
 from deepdsl_runtime.schedule import Schedule, ScheduleError
 
@@ -88,6 +88,9 @@ def add_kernel_options(parser) -> None:
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads of the compiled kernels and the matrix products (default: the cores this "
                              "process may use, fewer while other processes keep some of them busy)")
+    parser.add_argument("--no-replay", action="store_true",
+                        help="run every training step's Python (by default a step's kernel calls are recorded "
+                             "after two steps, checked bit for bit against its Python, and replayed without it)")
 
 
 def add_parallel_options(parser) -> None:
@@ -146,6 +149,17 @@ def add_gemm_options(parser) -> None:
     parser.add_argument("--gemm-device-memory", type=_byte_size, metavar="BYTES",
                         help="memory of each GEMM device (e.g. 64M; default 256M); given alone, one device")
     parser.add_argument("--gemm-tile", type=int, default=512, metavar="T", help="GEMM tile edge in elements")
+
+
+def _why_python_steps(args, products) -> str | None:
+    """Why the training steps run in Python whatever `replay.TrainSteps` finds (None: they may be replayed)."""
+    if getattr(args, "no_replay", False):
+        return "--no-replay"
+    if products is not None:
+        return "--gemm-devices (the tiled products)"
+    if getattr(args, "check_memory", False):
+        return "--check-memory (every step's buffers checked)"
+    return None
 
 
 def _tiled_products(args):
@@ -548,6 +562,7 @@ class _Run:
         self.products = _tiled_products(args)
         if self.products is not None:
             self.model.rt = self.model.rt.with_gemm(self.products)
+        self.steps = replay.TrainSteps(self.model, why=_why_python_steps(args, self.products))
         self.path = args.params
         self.batch = self.model.batch_shape[0]
         self.resumed: ckpt.Checkpoint | None = None
@@ -827,6 +842,8 @@ class _Run:
             g = self.products.totals()
             _say(args, f"matrix products: {g['calls']} tiled GEMMs on {g['devices']} devices, "
                        f"{g['bytes_moved'] / 1e6:.2f} MB moved, output tiles per device {g['tasks_per_device']}")
+        if done and not self.accumulation.split:
+            _say(args, f"step replay: {self.steps.summary()}")
         figures = model.memory_report(self.accumulation.training_step)
         if figures["peak_bytes_measured"] is not None:
             _say(args, f"tensor memory ({figures['memory_mode']}): peak {figures['peak_bytes_measured'] / 1e6:.2f} MB "
@@ -844,7 +861,7 @@ class _Run:
                           test_accuracy=tested.accuracy if tested else None,
                           test_loss=tested.loss if tested else None, seconds_per_iter=per_iter, **tops,
                           test_examples=tested.examples if tested else None, epochs=self.epoch_now(),
-                          **best, **parallel_figures, **figures)
+                          **best, **parallel_figures, **figures, step_replay=self.steps.figures())
         return 0
 
     def count_epochs(self, start: int) -> None:
@@ -1235,6 +1252,7 @@ class _Run:
         began = time.perf_counter()
         acc, stop = self.accumulation, 0
         epoch, log_every = self.stream.position[0], getattr(args, "log_every", 10)
+        self.steps.ahead = args.iters - start
         try:
             while iteration < args.iters:
                 try:
@@ -1245,7 +1263,7 @@ class _Run:
                 if acc.split:
                     value = acc.iterate(model, xb, yb, self.batches_done, hyper)
                 else:
-                    value = model.train_step(xb, yb, step=self.batches_done, **hyper)
+                    value = self.steps(xb, yb, step=self.batches_done, **hyper)
                 self.batches_done += acc.batches
                 self.follow_free_cores(bar)
                 self.watchdog.beat()

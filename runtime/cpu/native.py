@@ -1029,13 +1029,14 @@ class Native:
         ho, wo = (out if out is not None else argmax).shape[2:]
         hp, wp = (ho - 1) * stride + kernel, (wo - 1) * stride + kernel
         plane = hp * wp
-        if workspace is None:       # (as numpy's kernel, which then pads in a temporary)
-            leaves = pad > 0 or hp > h or wp > w
-            workspace = np.empty(plane * self.threads if leaves else 1, np.float32)
+        if workspace is None and (pad > 0 or hp > h or wp > w):    # (as numpy's kernel, which pads in a temporary)
+            workspace = np.empty(plane * self.threads, np.float32)
+        # (windows inside the planes read them where they are: no scratch)
+        scratch = (None, 0) if workspace is None else \
+            (_address(workspace), min(workspace.size // max(plane, 1), 1 << 30))
         self.lib.deepdsl_max_pool(_address(x), n * c, h, w, ho, wo, kernel, stride, pad,
                                   None if out is None else _address(out),
-                                  None if argmax is None else _address(argmax), _address(workspace),
-                                  min(workspace.size // max(plane, 1), 1 << 30))
+                                  None if argmax is None else _address(argmax), *scratch)
 
     def max_pool_bwd(self, g: np.ndarray, argmax: np.ndarray, out: np.ndarray, kernel: int, stride: int,
                      pad: int) -> None:
@@ -1258,6 +1259,13 @@ class Native:
         return _KernelCall.of(self.program, f"deepdsl_{name}_{pattern}", sizes, pattern, 1)
 
 
+def _element(a: np.ndarray, into, index: int) -> float:
+    """The value of a size-1 array given a kernel as a scalar operand, for element `index` of the ctypes array
+    `into` the kernel reads its values from (a step's record, `deepdsl_runtime.replay`, reads it there again at
+    every replay: the array's value changes from step to step)."""
+    return float(a.reshape(-1)[0])
+
+
 def _signature(args, _array=np.ndarray) -> list:
     """The layout of a kernel's operands, the key of its function: each array's (shape, dtype, whether
     contiguous), None for a scalar."""
@@ -1375,7 +1383,7 @@ class _Operands:
             pointers[i] = _address(args[i])
         for i in self.scalars:  # (a float, or a size-1 array's element, rounded to float32 by ctypes as by numpy)
             a = args[i]
-            values[i] = float(a.reshape(-1)[0]) if isinstance(a, np.ndarray) else float(a)
+            values[i] = _element(a, values, i) if isinstance(a, np.ndarray) else float(a)
         return pointers, values
 
 
@@ -1425,7 +1433,8 @@ class _Batch:
             held[m] = self.pick(call)
         for i in self.scalars:      # (a float, or a size-1 array's element, rounded to float32 as `_Operands` does)
             first = calls[0][i]
-            if first.__class__ is not np.ndarray and list(map(operator.itemgetter(i), calls)).count(first) == len(calls):
+            column = list(map(operator.itemgetter(i), calls))
+            if first.__class__ is not np.ndarray and column.count(first) == len(calls):
                 if self.written.get(i) is not first:            # one value for all (the step's hyperparameters)
                     self.columns[:, i - 1] = first
                     self.written[i] = first
@@ -1436,7 +1445,7 @@ class _Batch:
                 if a.__class__ is np.ndarray:
                     if a.size != 1:
                         return False
-                    a = a.reshape(-1)[0]
+                    a = _element(a, self.values, m * self.width + i - 1)
                 self.columns[m, i - 1] = a
         return True
 

@@ -1,0 +1,614 @@
+"""Step replay: a training step's calls of the compiled kernels recorded once, checked, and made again at every later
+step without the step's Python.
+
+A step's Python is the generated statements and the runtime's work for each op: the kernel for the operands'
+layouts, their addresses, the ctypes call (about 10 us an op, a ViT's 200 ops 2 ms a step whatever its batch). In
+static memory a step's buffers have the same addresses at every step, and so have the parameters and the
+optimizer's state; which kernel an op runs depends on the operands' layouts alone. So a step calls the library
+alike at every step, but for the values that come from the step's own arguments (the learning rate, Adam's bias
+corrections, dropout's counters from the step number). `TrainSteps` runs the first steps in Python, then:
+
+- records the step (`_Record`) three times from the same state: every call of the compiled kernels (the library
+  loaded again as a `_RecordingLibrary`, the backend's ops on it) with a copy of its arguments (the arrays of
+  pointers and values the kernels read included), every op of the backend that called none (numpy's work: the
+  loss read back, a fill) as that op with its operands, and the batch's copies into its buffers. The first run
+  takes the step's own arguments, the others each argument moved to other values. The three records must be alike
+  but in slots that hold one of the step's arguments (a float, rounded to float32 where the kernel takes one) or
+  the step number times a whole number plus another (dropout's counters): each such slot is bound to it (`_bind`).
+- checks it against the step's Python on another batch (the samples in reverse order, floats scaled), from the
+  same state, the static arena and the workspace filled with NaNs before the replay: the loss, the state and, op by
+  op, what each op's arrays hold after it must be the Python step's, bit for bit (`_check`). An op that does
+  numpy's work beside its calls (a copy, a fill) is found so, and is replayed by its Python from then on, with
+  every op that takes its path (its name and its operands' layouts). A step that reads a buffer before it writes
+  it, or decides anything by values, fails here and runs in Python from then on (`TrainSteps.why` says why).
+- replays it (`_Replay`) at every later step: the batch copied into its buffers, the bound slots written, the
+  calls made in order, the loss read: the same calls with the same arguments as the step's Python would make, so
+  the same bits. A batch of another shape or dtype runs in Python; a change of the kernels' threads records the
+  step again (its products are planned for them).
+
+Only in static memory, with the compiled CPU kernels, in one process (a data-parallel step's reductions are left
+to Python), and for `train_step` (gradient accumulation's steps run in Python). A recording costs five steps' work
+once. `--no-replay` runs every step in Python.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import numbers
+import sys
+import zlib
+
+import numpy as np
+
+from deepdsl_runtime import cpu
+
+RECORDS = 4         # records made at most (one more each time the kernels' threads change)
+MIN_STEPS = 100     # steps a run makes at least for its step to be recorded (a record costs five steps' work)
+WARMUP = 2          # steps run in Python before the step is recorded (the runtime's plans made, the caches filled)
+CHECKS = 32         # ops found doing numpy's work beside their calls, at most, before a step is left to Python
+_NUMBERS = (numbers.Integral, numbers.Real, np.number)
+
+_RECORD: "_Record | None" = None        # the record being made: one at a time
+
+
+class ReplayError(Exception):
+    """Why a step cannot be replayed."""
+
+
+class _RecordingLibrary(ctypes.CDLL):
+    """A library loaded again whose functions add each call to the record being made (`_RECORD`)."""
+
+    def __init__(self, original: ctypes.CDLL):
+        super().__init__(original._name)
+        plain, library = self._FuncPtr, original
+
+        class _FuncPtr(plain):
+            _flags_, _restype_ = plain._flags_, plain._restype_
+
+            def __call__(self, *args):
+                if _RECORD is not None:
+                    _RECORD.call(library, self, args)
+                return plain.__call__(self, *args)
+
+        self._FuncPtr = _FuncPtr
+
+
+def _copy(arg):
+    """A call's argument as the record keeps it: a ctypes array copied (the runtime fills the same arrays for its
+    next calls), a ctypes number's value in a new one, a number or None as it is."""
+    if arg is None or isinstance(arg, _NUMBERS):
+        return arg
+    if isinstance(arg, ctypes.Array):
+        return type(arg).from_buffer_copy(arg)
+    if isinstance(arg, ctypes._SimpleCData):
+        return type(arg)(arg.value)
+    raise ReplayError(f"a kernel's argument of type {type(arg).__name__}")
+
+
+def _slots(arg) -> list:
+    """The values of an argument's slots: one for a number, each element for a ctypes array."""
+    if isinstance(arg, ctypes.Array):
+        return list(arg)
+    if isinstance(arg, ctypes._SimpleCData):
+        return [arg.value]
+    return [arg]
+
+
+class _Record:
+    """One run of a step: its entries in order, ("call", library, function, arguments, values read into them),
+    ("op", ...: `_recording_backend`) after an op's calls, or ("load", input, buffer); and every array whose
+    address the runtime gave a kernel (`kept`), held as long as the record: a temporary's bytes are not given to
+    another array, and the three records' temporaries lie apart (their addresses differ: such a step is not
+    replayed). A size-1 array given a kernel as a scalar is read into its call's values again at every replay."""
+
+    def __init__(self):
+        self.entries: list[tuple] = []
+        self.kept: list = []
+        self.reads: dict[int, list] = {}        # a ctypes array of values -> (element, the array read into it)
+
+    def address(self, x) -> int:
+        self.kept.append(x)
+        return _plain_address(x)
+
+    def element(self, a, into, index: int) -> float:
+        """A size-1 array's value read into element `index` of `into` for the next call: read again there at
+        every replay."""
+        self.kept.append(a)
+        self.reads.setdefault(id(into), []).append((index, a))
+        return _plain_element(a, into, index)
+
+    def call(self, library, function, args) -> None:
+        reads = tuple((position, index, a) for position, arg in enumerate(args)
+                      for index, a in self.reads.get(id(arg), ()))
+        self.reads.clear()
+        self.entries.append(("call", library, function, tuple(_copy(a) for a in args), reads))
+
+
+_plain_address = _plain_element = None      # the runtime's `native._address` and `_element`, while recording
+
+
+def _view(name: str, kwargs: dict) -> bool:
+    """Whether an op makes a view and writes nothing (a reshape; a slice without `out`)."""
+    return name == "reshape" or name == "slice" and kwargs.get("out") is None
+
+
+def _recording_backend(model, native):
+    """The model's backend on a recording copy of its compiled kernels, each op but the views adding itself to the
+    record after its calls: ("op", name, its op of the model's backend, operands, keywords, result, the index of
+    its first call)."""
+    copy = type(native)(_RecordingLibrary(native.lib), _RecordingLibrary(native.program))
+    for name in ("tiles", "products", "winograd", "thin_filters", "tiled_convs"):
+        setattr(copy, name, getattr(native, name))
+    rt = cpu.backend(copy, model.products)         # (as `Model` makes its backend)
+
+    def wrapped(name, op):
+        plain = getattr(model.rt, name)             # (the op a replay calls)
+
+        def recorded(*args, **kwargs):
+            record, start = _RECORD, len(_RECORD.entries)
+            result = op(*args, **kwargs)
+            if not _view(name, kwargs):
+                record.entries.append(("op", name, plain, args, kwargs, result, start))
+            return result
+        return recorded
+
+    ops = {name: wrapped(name, value) for name, value in vars(rt).items()
+           if callable(value) and name not in ("backend", "with_gemm", "allocator")}
+    return type(rt)(**{**vars(rt), **ops})
+
+
+def _snapshot(tensors: dict) -> dict:
+    return {name: np.array(value, copy=True) if isinstance(value, np.ndarray) else value
+            for name, value in tensors.items()}
+
+
+def _restore(tensors: dict, saved: dict) -> None:
+    for name, value in saved.items():
+        if isinstance(value, np.ndarray):
+            np.copyto(tensors[name], value)
+
+
+def _same_bits(a, b) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and a.dtype == b.dtype and \
+            np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a is b or a == b
+
+
+def _moved(inputs: dict, run: int) -> dict:
+    """The step's arguments moved to other values for record `run` (1, 2): each float by its own factor (no two
+    arguments alike), the step number by a distinct offset."""
+    if run == 0:
+        return dict(inputs)
+    moved = {}
+    for i, (name, value) in enumerate(sorted(inputs.items())):
+        if name == "step":
+            moved[name] = value + (7 if run == 1 else 19)
+        else:
+            moved[name] = type(value)(value * (1.375 + 0.125 * i) ** run + 0.0625 * run)
+    return moved
+
+
+def _layout(a: np.ndarray) -> tuple:
+    return a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str
+
+
+def _alike(x, y) -> bool:
+    """Whether an op's operand is the same in two records: an array of the same bytes and layout, else equal."""
+    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+        return isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and _layout(x) == _layout(y)
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return len(x) == len(y) and all(_alike(a, b) for a, b in zip(x, y))
+    return type(x) is type(y) and x == y
+
+
+def _bind(values: list, inputs: list[dict], float_slot: bool, kernel: str):
+    """The step argument a slot holds in the three records (its `values` under `inputs`): (name, 1, 0) for the
+    argument itself (rounded to float32 in a float slot of a ctypes array or number), (step, a, b) for a * step + b;
+    a ReplayError where no single one does."""
+    found = []
+    for name in inputs[0]:
+        args = [run[name] for run in inputs]
+        if all(v == a or float_slot and v == float(np.float32(a)) for v, a in zip(values, args)):
+            found.append((name, 1, 0))
+    if not found and all(isinstance(v, numbers.Integral) for v in values):
+        steps = [run["step"] for run in inputs]
+        a, rest = divmod(values[1] - values[0], steps[1] - steps[0])
+        b = values[0] - a * steps[0]
+        if rest == 0 and values[2] == a * steps[2] + b:
+            found.append(("step", a, b))
+    if len(found) != 1:
+        raise ReplayError(f"an argument of {kernel} changes from run to run ({', '.join(map(str, values))}): not "
+                          "one of the step's arguments (a temporary's address, a value read from memory)")
+    return found[0]
+
+
+class _Op:
+    """An op of a record: its calls of the kernels (each ["call", function, arguments, values read], the bound
+    slots of the arguments in `bound`) or, where it calls none or does numpy's work beside them (`python`), itself
+    called again."""
+
+    __slots__ = ("name", "plain", "args", "kwargs", "calls", "bound", "python", "alike", "result")
+
+    def __init__(self, name, plain, args, kwargs, alike: bool):
+        self.name, self.plain, self.args, self.kwargs, self.alike = name, plain, args, kwargs, alike
+        self.calls: list[tuple] = []
+        self.bound: list[tuple] = []
+        self.python = False
+        self.result = False
+
+
+class _Replay:
+    """A record made again: `run(x, y, inputs)` is the step's loss. Made from the three records of a step (alike
+    but in slots bound to the step's arguments: `_bind`), as ops (`_Op`) and the batch's loads in order."""
+
+    def __init__(self, records: list[_Record], inputs: list[dict], loss: float):
+        first = records[0].entries
+        if any(len(r.entries) != len(first) for r in records[1:]):
+            raise ReplayError("the step makes other calls with other arguments")
+        self.kept = records[0].kept            # (the arrays whose addresses its calls pass)
+        self.parts: list = []                  # _Op | ("load", input, buffer), in order
+        originals: dict[tuple, object] = {}
+        calls: list[tuple] = []                # the calls since the last op
+        for entries in zip(*(r.entries for r in records)):
+            kind = entries[0][0]
+            if any(e[0] != kind for e in entries):
+                raise ReplayError("the step makes other calls with other arguments")
+            if kind == "load":
+                if any(e[1] != entries[0][1] or e[2] is not entries[0][2] for e in entries):
+                    raise ReplayError("the batch goes to other buffers")
+                self.parts.append(entries[0])
+            elif kind == "op":
+                _, name, plain, args, kwargs, result, _ = entries[0]
+                if any(e[1] != name for e in entries):
+                    raise ReplayError("the step makes other calls with other arguments")
+                alike = all(_alike(e[3], args) and e[4].keys() == kwargs.keys() and
+                            all(_alike(e[4][k], kwargs[k]) for k in kwargs) for e in entries[1:])
+                op = _Op(name, plain, args, kwargs, alike)
+                op.result = result is loss
+                op.calls = [call[:4] for call in calls]
+                op.bound = [b for call in calls for b in call[4]]
+                op.python, calls = not calls, []
+                if op.python and not alike:
+                    raise ReplayError(f"op {name} takes other operands with other arguments")
+                self.parts.append(op)
+            else:
+                calls.append(self._call(entries, inputs, originals))
+        if calls:
+            raise ReplayError("kernels called outside the backend's ops")
+        if sum(op.result for op in self.ops()) != 1 or not next(op for op in self.ops() if op.result).python:
+            raise ReplayError("the step's loss is not an op's value")
+        self.flatten()
+
+    @staticmethod
+    def _call(entries, inputs, originals) -> tuple:
+        """A call of the three records: ("call", the library's own function, arguments, reads, bound slots)."""
+        _, library, function, args, reads = entries[0]
+        if any(e[2].__name__ != function.__name__ or len(e[3]) != len(args) for e in entries) or \
+                any([(p, i, _layout(a)) for p, i, a in e[4]] != [(p, i, _layout(a)) for p, i, a in reads]
+                    for e in entries[1:]):
+            raise ReplayError("the step calls other kernels with other arguments")
+        key = (id(library), function.__name__, tuple(function.argtypes or ()), function.restype)
+        plain = originals.get(key)
+        if plain is None:
+            plain = originals[key] = library[function.__name__]
+            plain.argtypes, plain.restype = function.argtypes, function.restype
+        args = list(args)
+        read = {(p, i) for p, i, _ in reads}
+        bound = []
+        for position in range(len(args)):
+            slots = [_slots(e[3][position]) for e in entries]
+            for element, values in enumerate(zip(*slots)):
+                if (position, element) in read or all(v == values[0] for v in values[1:]):
+                    continue
+                arg = args[position]
+                float_slot = isinstance(arg, (ctypes.c_float, ctypes.c_double)) or \
+                    isinstance(arg, ctypes.Array) and arg._type_ in (ctypes.c_float, ctypes.c_double)
+                name, a, b = _bind(list(values), inputs, float_slot, function.__name__)
+                bound.append((args, position, element if isinstance(arg, ctypes.Array) else None, name, a, b))
+        return "call", plain, args, reads, bound
+
+    def ops(self) -> list[_Op]:
+        return [part for part in self.parts if isinstance(part, _Op)]
+
+    def flatten(self) -> None:
+        """The steps `run` makes, in order: ("call", function, arguments, reads), ("op", op) or ("load", input,
+        buffer); the slots it writes first."""
+        self.steps, self.bound = [], []
+        for part in self.parts:
+            if not isinstance(part, _Op):
+                self.steps.append(part)
+            elif part.python:
+                self.steps.append(("op", part))
+            else:
+                self.steps.extend(part.calls)
+                self.bound.extend(part.bound)
+        self.loads = [(part[1], part[2]) for part in self.parts if not isinstance(part, _Op)]
+
+    def fits(self, x, y) -> bool:
+        """Whether a batch has the shapes and dtypes of the recorded one (its buffers take it as they are)."""
+        batch = (x, y)
+        return all(batch[i].shape == buffer.shape and batch[i].dtype == buffer.dtype for i, buffer in self.loads)
+
+    def _write(self, inputs: dict) -> None:
+        """The bound slots given the step's arguments."""
+        for args, position, element, name, a, b in self.bound:
+            value = inputs[name] * a + b if a != 1 or b else inputs[name]
+            arg = args[position]
+            if element is not None:
+                arg[element] = value
+            elif isinstance(arg, ctypes._SimpleCData):
+                arg.value = value
+            else:
+                args[position] = value
+
+    def run(self, x, y, inputs: dict):
+        """The step on batch (x, y) with the step's arguments `inputs`: its loss."""
+        self._write(inputs)
+        batch, result = (x, y), None
+        for step in self.steps:
+            kind = step[0]
+            if kind == "call":
+                args = step[2]
+                for position, element, a in step[3]:    # (the values of size-1 arrays, as the step read them)
+                    args[position][element] = float(a.reshape(-1)[0])
+                step[1](*args)
+            elif kind == "op":
+                op = step[1]
+                value = op.plain(*op.args, **op.kwargs)
+                if op.result:
+                    result = value
+            else:
+                np.copyto(step[2], batch[step[1]])
+        return result
+
+    def run_ops(self, x, y, inputs: dict, after) -> float:
+        """`run`, op by op, calling `after(op)` after each (to check them)."""
+        self._write(inputs)
+        batch, result = (x, y), None
+        for part in self.parts:
+            if not isinstance(part, _Op):
+                np.copyto(part[2], batch[part[1]])
+                continue
+            if part.python:
+                value = part.plain(*part.args, **part.kwargs)
+                result = value if part.result else result
+            else:
+                for _, function, args, reads in part.calls:
+                    for position, element, a in reads:
+                        args[position][element] = float(a.reshape(-1)[0])
+                    function(*args)
+            after(part)
+        return result
+
+
+class TrainSteps:
+    """A model's training steps, replayed where they can be: `steps(x, y, step=..., **hyper)` is
+    `model.train_step`'s loss. `why` says why they run in Python (None while they are replayed, or before the
+    step is recorded); `why` given: they run in Python for that reason."""
+
+    def __init__(self, model, why: str | None = None):
+        self.model = model
+        self.replay: _Replay | None = None
+        self.why = why
+        self.done = 0
+        self.records = 0
+        self.generation = None
+        self.python_ops: list[str] = []      # ops replayed by their Python (numpy's work beside their calls)
+        self.ahead: int | None = None         # the steps the run makes, where known
+        native = getattr(model.rt, "native", None)
+        if self.why is None:
+            if native is None:
+                self.why = "no compiled CPU kernels"
+            elif getattr(model.mem, "mode", "") != "static":
+                self.why = f"{model.mem.mode} memory (static memory only)"
+            elif getattr(getattr(model, "ranks", None), "size", 1) != 1:
+                self.why = "a data-parallel run"
+
+    @property
+    def replayed(self) -> bool:
+        return self.replay is not None
+
+    def summary(self) -> str:
+        """How the steps ran, for the run's last lines."""
+        if self.replay is not None:
+            ops = len(self.replay.ops())
+            python = sum(op.python for op in self.replay.ops())
+            return (f"on: {len(self.replay.steps)} calls and ops a step without the step's Python ({python} of its "
+                    f"{ops} ops by their Python)")
+        return f"off: {self.why}" if self.why else f"off: fewer than {WARMUP + 1} steps"
+
+    def figures(self) -> dict:
+        """The report's figures: whether the steps were replayed, why not, the ops replayed by their Python."""
+        return {"replayed": self.replay is not None, "why_not": None if self.replay is not None else self.why,
+                "python_ops": sorted(set(self.python_ops)) if self.replay is not None else []}
+
+    def __call__(self, x, y, *, step: int, **hyper):
+        model = self.model
+        self.done += 1
+        if self.why is None and self.done == WARMUP + 1 and self.ahead is not None and self.ahead < MIN_STEPS:
+            self.why = f"a run of {self.ahead} steps (fewer than {MIN_STEPS})"
+        if self.why is not None or self.done <= WARMUP:
+            return model.train_step(x, y, step=step, **hyper)
+        threads = model.rt.native.threads
+        if self.replay is None or threads != self.generation:
+            self.replay = None
+            self.generation = threads
+            return self._record(x, y, step, hyper)
+        if not self.replay.fits(x, y):
+            return model.train_step(x, y, step=step, **hyper)
+        return self.replay.run(x, y, {"step": step, **hyper})
+
+    def _record(self, x, y, step, hyper):
+        """Record the step three times, check the record, keep it (or why not): the first run's loss, its state."""
+        model, tensors = self.model, self.model.tensors
+        before = _snapshot(tensors)
+        inputs = [_moved({"step": step, **hyper}, run) for run in range(3)]
+        records, losses = [], []
+        replay = after = None
+        try:
+            for run, values in enumerate(inputs):
+                if run:
+                    _restore(tensors, before)
+                record, loss = _recorded(model, x, y, values, first=run == 0)
+                records.append(record)
+                losses.append(loss)
+                if run == 0:
+                    after = _snapshot(tensors)
+            replay = _Replay(records, inputs, losses[0])
+            self.python_ops = _check(model, replay, before, x, y, inputs[0])
+        except ReplayError as err:
+            self.why, replay = str(err), None
+        if after is None:               # (the first run did not finish: the step in Python)
+            _restore(tensors, before)
+            return model.train_step(x, y, step=step, **hyper)
+        _restore(tensors, after)
+        self.replay = replay
+        self.records += 1
+        if replay is not None and self.records > RECORDS:
+            self.why, self.replay = f"the kernels' threads changed {self.records - 1} times", None
+        return losses[0]
+
+
+def _recorded(model, x, y, values: dict, first: bool) -> tuple[_Record, float]:
+    """One run of the step on the batch with the arguments `values`, recorded: (the record, the loss). A step that
+    fails in its first run raises its error (as in Python); in another, a ReplayError."""
+    global _RECORD, _plain_address, _plain_element
+    plain_rt, mem = model.rt, model.mem
+    module = sys.modules[type(plain_rt.native).__module__]
+    record = _Record()
+
+    def load(index, array, _load=type(mem).load):
+        buffer = _load(mem, index, array)
+        which = next((i for i, b in enumerate((x, y)) if array is b), None)
+        if which is None:
+            raise ReplayError("the step loads something else than its batch")
+        record.entries.append(("load", which, buffer))
+        return buffer
+
+    _plain_address, _plain_element = module._address, module._element
+    model.rt = _recording_backend(model, plain_rt.native)
+    module._address, module._element, mem.load = record.address, record.element, load
+    _RECORD = record
+    try:
+        args = dict(values)
+        return record, model.train_step(x, y, step=args.pop("step"), **args)
+    except ReplayError:
+        raise
+    except Exception as err:
+        if first:
+            raise                               # (the step's own error, as in Python)
+        raise ReplayError(f"the step fails with other arguments: {err}") from None
+    finally:
+        _RECORD = None
+        model.rt, module._address, module._element = plain_rt, _plain_address, _plain_element
+        del mem.load
+
+
+def _other(batch: np.ndarray) -> np.ndarray:
+    """Another batch of the same shape and dtype: the samples in reverse order, each reversed, floats scaled."""
+    other = np.ascontiguousarray(np.flip(batch))
+    return other * other.dtype.type(0.75) if other.dtype.kind == "f" else other
+
+
+def _arrays(values) -> list:
+    """The arrays among an op's operands, those in tuples (`ew_pair`'s, `ew_many`'s) included."""
+    found = []
+    for value in values:
+        if isinstance(value, np.ndarray):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            found.extend(_arrays(value))
+    return found
+
+
+class _Differs(Exception):
+    """An op whose arrays hold other values after it than in the step's Python."""
+
+    def __init__(self, op):
+        super().__init__(op.name)
+        self.op = op
+
+
+def _digest(op) -> tuple:
+    """What an op's arrays hold after it (their bytes' CRC-32s), its workspace's aside."""
+    arrays = _arrays((*op.args, *(v for k, v in op.kwargs.items() if k != "workspace")))
+    return tuple(zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays)
+
+
+def _signature(op) -> tuple:
+    """An op's name and its operands' layouts: the ops that take the same path through the runtime."""
+    def layout(value):
+        if isinstance(value, np.ndarray):
+            return value.shape, value.strides, value.dtype.str
+        if isinstance(value, (tuple, list)):
+            return tuple(layout(v) for v in value)
+        return value if isinstance(value, (numbers.Number, str, type(None))) else type(value).__name__
+    return op.name, layout(op.args), tuple((k, layout(v)) for k, v in sorted(op.kwargs.items()) if k != "workspace")
+
+
+def _check(model, replay: _Replay, before: dict, x, y, values: dict) -> list[str]:
+    """Check the replay against the step's Python on another batch, from the state `before`: the static arena and
+    the workspace filled with NaNs first, the loss and the state after it must be the Python step's, bit for bit.
+    Op by op, what their arrays hold after them must be too: the first op that differs, where it called kernels,
+    is replayed by its Python from then on (it does numpy's work beside its calls: a copy, a fill), and the check
+    made again, up to CHECKS times. The names of the ops so found; a ReplayError where the replay does not hold."""
+    tensors, mem = model.tensors, model.mem
+    xo, yo = _other(x), _other(y)
+    plain_rt, expected_ops = model.rt, []
+
+    def digested(op):
+        def run(*args, **kwargs):
+            result = op(*args, **kwargs)
+            name = digested_names[op]
+            if not _view(name, kwargs):
+                expected_ops.append(_digest(_Op(name, op, args, kwargs, True)))
+            return result
+        return run
+
+    digested_names = {value: name for name, value in vars(plain_rt).items() if callable(value)}
+    _restore(tensors, before)
+    model.rt = type(plain_rt)(**{**vars(plain_rt), **{name: digested(value) for name, value in vars(plain_rt).items()
+                                                      if callable(value) and name not in ("with_gemm", "allocator")}})
+    try:
+        args = dict(values)
+        loss = model.train_step(xo, yo, step=args.pop("step"), **args)
+    finally:
+        model.rt = plain_rt
+    expected = _snapshot(tensors)
+    found = []
+    for _ in range(CHECKS + 1):
+        _restore(tensors, before)
+        mem.arena.fill(0xFF)                # NaNs: a replay that reads what it did not write fails
+        mem.workspace_region.fill(0xFF)
+        ops = replay.ops()
+        if len(ops) != len(expected_ops):
+            raise ReplayError("the replayed step makes other ops")
+        count = iter(range(len(ops)))
+
+        def after(op):
+            if _digest(op) != expected_ops[next(count)]:
+                raise _Differs(op)
+
+        try:
+            replayed = replay.run_ops(xo, yo, values, after)
+            culprit = None
+        except _Differs as differs:
+            culprit = differs.op
+        if culprit is None and _same_bits(replayed, loss) and \
+                all(_same_bits(tensors[name], value) for name, value in expected.items()):
+            return found
+        if culprit is None or culprit.python or not culprit.alike or len(found) == CHECKS:
+            raise ReplayError("a replayed step's values differ from the step's" + (
+                "" if culprit is None else f" after op {culprit.name}" + (
+                    " (which calls no kernel)" if culprit.python else " (whose operands move from run to run)"
+                    if not culprit.alike else "")))
+        same = _signature(culprit)              # (its numpy work beside its calls: made by its Python, and so
+        for op in ops:                          # that of the ops that take its path)
+            if not op.python and op.alike and _signature(op) == same:
+                op.python = True
+        replay.flatten()
+        found.append(culprit.name)
+    raise ReplayError("a replayed step's values differ from the step's")
