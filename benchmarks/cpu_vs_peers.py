@@ -1,7 +1,7 @@
 """Generated training programs on the CPU against PyTorch eager, torch.compile and JAX, side by side.
 
     python benchmarks/cpu_vs_peers.py [NET[:BATCH[:IMAGE]] ...] [--threads 1 2] [--rounds 3] [--warmup 3]
-                                      [--steps 10] [--sides ours numpy eager compile max-autotune jax]
+                                      [--steps 10] [--sides ours python numpy eager compile max-autotune jax]
                                       [--isa native|avx2] [--markdown]
 
 Default networks: lenet:64 lenet:500 alexnet:16:227 resnet50:8:112 (BATCH: the network's own where left out; IMAGE:
@@ -12,8 +12,10 @@ builds the program's compiled kernels). Then the sides run in rounds, interleave
 count per round, so a busy moment of a shared machine falls on all sides and thread counts alike), each on the same
 synthetic batches with the same thread count (OMP/OPENBLAS/MKL_NUM_THREADS and torch.set_num_threads):
 
-- ours: the generated program's `train_step` with its compiled kernels (`--kernels compiled`); numpy: the same
-  program with numpy's kernels;
+- ours: the generated program's training steps with its compiled kernels (`--kernels compiled`) as its training
+  command runs them: the first two by their Python, the third recorded and checked (`deepdsl_runtime.replay`: make
+  `--warmup` at least 3), the others replayed; python: every step by its Python (`--no-replay`); numpy: the same
+  program with numpy's kernels (its steps' Python);
 - eager: the PyTorch twin the tests check our programs against (tests/support/torch_nets.py), `torch.optim.SGD`
   with the same momentum and weight decay; compile: its loss under `torch.compile` (default mode);
   max-autotune: `torch.compile(mode="max-autotune-no-cudagraphs")`;
@@ -55,7 +57,7 @@ from timing import add_isa_option, load_average, print_row, processor, timed_ste
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, DECAY = 0.01, 0.9, 0.0005
-SIDES = ("ours", "numpy", "eager", "compile", "max-autotune", "jax")
+SIDES = ("ours", "python", "numpy", "eager", "compile", "max-autotune", "jax")
 TWINS = {"lenet": "LeNet", "alexnet": "AlexNet", "resnet50": "ResNet50", "mobilenet_v2": "MobileNetV2", "vit": "ViT",
          "char_lm": "CharLM"}
 BATCHES = 2
@@ -88,7 +90,7 @@ def _measure(step, warmup: int, steps: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # workers (one process each)
 
-def worker_ours(program: str, kernels: str, threads: int, warmup: int, steps: int) -> dict:
+def worker_ours(program: str, kernels: str, threads: int, warmup: int, steps: int, replayed: bool = True) -> dict:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("benchmark_program", program)
@@ -96,18 +98,21 @@ def worker_ours(program: str, kernels: str, threads: int, warmup: int, steps: in
     spec.loader.exec_module(module)
     from deepdsl_runtime.program import model_class
     cls = model_class(module)
+    from deepdsl_runtime.replay import TrainSteps
     model = cls("cpu", 0, "static", kernels=kernels, threads=threads)
     model.initialize(0)
     data = _data(cls.batch_shape, cls.classes, cls.tokens, cls.label_shape)
+    train = TrainSteps(model, why=None if replayed else "--no-replay")
 
     def step(i):
         hyper = model.hyper(LR, MOMENTUM, DECAY, i)
         if i == 0:
             model.prepare(hyper)
         x, y = data[i % BATCHES]
-        model.train_step(x, y, step=i, **hyper)
+        train(x, y, step=i, **hyper)
 
-    return {**_measure(step, warmup, steps), "kernels": model.kernels}
+    return {**_measure(step, warmup, steps), "kernels": model.kernels,
+            "replay": train.summary() if kernels == "compiled" and replayed else None}
 
 
 def worker_torch(network: str, shape, classes: int, mode: str, threads: int, warmup: int, steps: int,
@@ -267,9 +272,9 @@ def main(argv=None) -> int:
     if args.worker:
         job = json.loads(args.worker)
         side, threads = job["side"], job["threads"]
-        if side in ("ours", "numpy"):
-            result = worker_ours(job["program"], "compiled" if side == "ours" else "numpy", threads, args.warmup,
-                                 args.steps)
+        if side in ("ours", "python", "numpy"):
+            result = worker_ours(job["program"], "numpy" if side == "numpy" else "compiled", threads, args.warmup,
+                                 args.steps, replayed=side == "ours")
         elif side == "jax-export":
             result = worker_jax_export(job["network"], job["shape"], job["classes"], job["tokens"],
                                        job["label_shape"], job["out"])
@@ -291,6 +296,7 @@ def main(argv=None) -> int:
                "first step s"), args.markdown, 12, header=True)
     torch_isas: set[str] = set()
     scaling: list[str] = []
+    notes: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, batch, image in specs:
             program, compile_s, info = _compile(name, batch, image, Path(tmp))
@@ -321,7 +327,10 @@ def main(argv=None) -> int:
                                f"{s['peak_mib'] / ours['peak_mib']:.2f}x" if ours else "-",
                                f"{first:.1f}" + (" (compile)" if side == "ours" else "")), args.markdown, 12)
             scaling.extend(_scaling(f"{name} {batch}", by_threads))
-    for line in scaling:
+            replays = sorted({r["replay"] for runs in by_threads.values() for r in runs.get("ours", ())
+                              if r.get("replay")})
+            notes.extend(f"{name} {batch}, ours: step replay {text}" for text in replays)
+    for line in scaling + notes:
         print(line)
     if torch_isas:
         print(f"PyTorch's kernels ran on: {'; '.join(sorted(torch_isas))}")

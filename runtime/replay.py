@@ -36,6 +36,7 @@ import ctypes
 import math
 import numbers
 import sys
+import tempfile
 import zlib
 
 import numpy as np
@@ -45,7 +46,6 @@ from deepdsl_runtime import cpu
 RECORDS = 4         # records made at most (one more each time the kernels' threads change)
 MIN_STEPS = 100     # steps a run makes at least for its step to be recorded (a record costs five steps' work)
 WARMUP = 2          # steps run in Python before the step is recorded (the runtime's plans made, the caches filled)
-CHECKS = 32         # ops found doing numpy's work beside their calls, at most, before a step is left to Python
 _NUMBERS = (numbers.Integral, numbers.Real, np.number)
 
 _RECORD: "_Record | None" = None        # the record being made: one at a time
@@ -157,15 +157,36 @@ def _recording_backend(model, native):
     return type(rt)(**{**vars(rt), **ops})
 
 
-def _snapshot(tensors: dict) -> dict:
-    return {name: np.array(value, copy=True) if isinstance(value, np.ndarray) else value
-            for name, value in tensors.items()}
+class _Saved:
+    """The model's tensors (parameters, state, hoisted values) written to an unnamed temporary file and read back
+    into the same arrays (`restore`): no second copy in memory while a step is recorded (a ResNet-50's 200 MB)."""
+
+    def __init__(self, tensors: dict):
+        self.arrays = [a for a in tensors.values() if isinstance(a, np.ndarray) and a.nbytes]
+        if not all(a.flags.c_contiguous for a in self.arrays):
+            raise ReplayError("a tensor of the model is not contiguous")
+        try:
+            self.file = tempfile.TemporaryFile()
+            for a in self.arrays:
+                self.file.write(memoryview(a).cast("B"))
+            self.file.flush()
+        except OSError as err:
+            raise ReplayError(f"no room for a copy of the model's tensors: {err.strerror or err}") from None
+
+    def restore(self) -> None:
+        self.file.seek(0)
+        for a in self.arrays:
+            if self.file.readinto(memoryview(a).cast("B")) != a.nbytes:
+                raise OSError("the copy of the model's tensors is short")
+
+    def close(self) -> None:
+        self.file.close()
 
 
-def _restore(tensors: dict, saved: dict) -> None:
-    for name, value in saved.items():
-        if isinstance(value, np.ndarray):
-            np.copyto(tensors[name], value)
+def _sums(tensors: dict) -> dict:
+    """The model's tensors' bytes' CRC-32s, by name: to compare states without a copy."""
+    return {name: zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B")) for name, a in tensors.items()
+            if isinstance(a, np.ndarray)}
 
 
 def _same_bits(a, b) -> bool:
@@ -364,24 +385,26 @@ class _Replay:
                 np.copyto(step[2], batch[step[1]])
         return result
 
-    def run_ops(self, x, y, inputs: dict, after) -> float:
-        """`run`, op by op, calling `after(op)` after each (to check them)."""
+    def run_ops(self, x, y, inputs: dict, each) -> None:
+        """`run`, op by op, for checking: `each(op, make)` for each op, `make()` making its calls, or calling it
+        where it is replayed by its Python."""
         self._write(inputs)
-        batch, result = (x, y), None
+        batch = (x, y)
         for part in self.parts:
-            if not isinstance(part, _Op):
-                np.copyto(part[2], batch[part[1]])
-                continue
-            if part.python:
-                value = part.plain(*part.args, **part.kwargs)
-                result = value if part.result else result
+            if isinstance(part, _Op):
+                each(part, lambda op=part: self._make(op))
             else:
-                for _, function, args, reads in part.calls:
-                    for position, element, a in reads:
-                        args[position][element] = float(a.reshape(-1)[0])
-                    function(*args)
-            after(part)
-        return result
+                np.copyto(part[2], batch[part[1]])
+
+    @staticmethod
+    def _make(op: _Op) -> None:
+        if op.python:
+            op.plain(*op.args, **op.kwargs)
+            return
+        for _, function, args, reads in op.calls:
+            for position, element, a in reads:
+                args[position][element] = float(a.reshape(-1)[0])
+            function(*args)
 
 
 class TrainSteps:
@@ -442,34 +465,42 @@ class TrainSteps:
         return self.replay.run(x, y, {"step": step, **hyper})
 
     def _record(self, x, y, step, hyper):
-        """Record the step three times, check the record, keep it (or why not): the first run's loss, its state."""
-        model, tensors = self.model, self.model.tensors
-        before = _snapshot(tensors)
+        """Record the step three times and check the record, from the same state, then make the step: replayed
+        where the record holds, else by its Python (and why not kept). Its loss."""
+        model = self.model
         inputs = [_moved({"step": step, **hyper}, run) for run in range(3)]
         records, losses = [], []
-        replay = after = None
+        try:
+            before = _Saved(model.tensors)
+        except ReplayError as err:
+            self.why = str(err)
+            return model.train_step(x, y, step=step, **hyper)
         try:
             for run, values in enumerate(inputs):
                 if run:
-                    _restore(tensors, before)
+                    before.restore()
                 record, loss = _recorded(model, x, y, values, first=run == 0)
                 records.append(record)
                 losses.append(loss)
                 if run == 0:
-                    after = _snapshot(tensors)
+                    after = _sums(model.tensors)
             replay = _Replay(records, inputs, losses[0])
             self.python_ops = _check(model, replay, before, x, y, inputs[0])
+            before.restore()
+            loss = replay.run(x, y, inputs[0])          # (the step itself: the first run's bits, or no replay)
+            if not _same_bits(loss, losses[0]) or _sums(model.tensors) != after:
+                raise ReplayError("the replayed step's values differ from its first run's")
         except ReplayError as err:
             self.why, replay = str(err), None
-        if after is None:               # (the first run did not finish: the step in Python)
-            _restore(tensors, before)
-            return model.train_step(x, y, step=step, **hyper)
-        _restore(tensors, after)
+            before.restore()
+            loss = model.train_step(x, y, step=step, **hyper)
+        finally:
+            before.close()
         self.replay = replay
         self.records += 1
         if replay is not None and self.records > RECORDS:
             self.why, self.replay = f"the kernels' threads changed {self.records - 1} times", None
-        return losses[0]
+        return loss
 
 
 def _recorded(model, x, y, values: dict, first: bool) -> tuple[_Record, float]:
@@ -524,18 +555,22 @@ def _arrays(values) -> list:
     return found
 
 
-class _Differs(Exception):
-    """An op whose arrays hold other values after it than in the step's Python."""
-
-    def __init__(self, op):
-        super().__init__(op.name)
-        self.op = op
+def _outputs(op) -> list:
+    """The arrays an op writes (the backend's contract: `out`, a pooling's `argmax`, an elementwise kernel's
+    output after the kernel, each output of a pair's or a batch's tuples); all its arrays where it names none."""
+    found = [op.kwargs[k] for k in ("out", "argmax") if isinstance(op.kwargs.get(k), np.ndarray)]
+    if op.name in ("ew", "ew_sum"):
+        found.append(op.args[1])
+    elif op.name in ("ew_pair", "ew_and_sum"):
+        found.extend(part[1] for part in op.args)
+    elif op.name == "ew_many":
+        found.extend(part[0] for part in op.args[1:])
+    return found or _arrays((*op.args, *(v for k, v in op.kwargs.items() if k != "workspace")))
 
 
 def _digest(op) -> tuple:
-    """What an op's arrays hold after it (their bytes' CRC-32s), its workspace's aside."""
-    arrays = _arrays((*op.args, *(v for k, v in op.kwargs.items() if k != "workspace")))
-    return tuple(zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays)
+    """What an op's outputs hold after it: their bytes' CRC-32s."""
+    return tuple(zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in _outputs(op))
 
 
 def _signature(op) -> tuple:
@@ -549,27 +584,28 @@ def _signature(op) -> tuple:
     return op.name, layout(op.args), tuple((k, layout(v)) for k, v in sorted(op.kwargs.items()) if k != "workspace")
 
 
-def _check(model, replay: _Replay, before: dict, x, y, values: dict) -> list[str]:
-    """Check the replay against the step's Python on another batch, from the state `before`: the static arena and
-    the workspace filled with NaNs first, the loss and the state after it must be the Python step's, bit for bit.
-    Op by op, what their arrays hold after them must be too: the first op that differs, where it called kernels,
-    is replayed by its Python from then on (it does numpy's work beside its calls: a copy, a fill), and the check
-    made again, up to CHECKS times. The names of the ops so found; a ReplayError where the replay does not hold."""
+def _check(model, replay: _Replay, before: _Saved, x, y, values: dict) -> list[str]:
+    """Check the replay against the step's Python on another batch, from the state `before`, the static arena and
+    the workspace filled with NaNs before the replay. Op by op, what each op's arrays hold after it must be what
+    they hold after it in the Python step (`_digest`): an op that calls kernels and differs (it does numpy's work
+    beside its calls: a copy, a fill) is made again by its Python from its arrays as they were, and is replayed so
+    from then on, with every op that takes its path (`_signature`); any other difference is a ReplayError. Then
+    the replay as it runs must leave the loss and the state of the Python step, bit for bit. The names of the ops
+    found so."""
     tensors, mem = model.tensors, model.mem
     xo, yo = _other(x), _other(y)
     plain_rt, expected_ops = model.rt, []
+    names = {value: name for name, value in vars(plain_rt).items() if callable(value)}
 
     def digested(op):
         def run(*args, **kwargs):
             result = op(*args, **kwargs)
-            name = digested_names[op]
-            if not _view(name, kwargs):
-                expected_ops.append(_digest(_Op(name, op, args, kwargs, True)))
+            if not _view(names[op], kwargs):
+                expected_ops.append(_digest(_Op(names[op], op, args, kwargs, True)))
             return result
         return run
 
-    digested_names = {value: name for name, value in vars(plain_rt).items() if callable(value)}
-    _restore(tensors, before)
+    before.restore()
     model.rt = type(plain_rt)(**{**vars(plain_rt), **{name: digested(value) for name, value in vars(plain_rt).items()
                                                       if callable(value) and name not in ("with_gemm", "allocator")}})
     try:
@@ -577,38 +613,42 @@ def _check(model, replay: _Replay, before: dict, x, y, values: dict) -> list[str
         loss = model.train_step(xo, yo, step=args.pop("step"), **args)
     finally:
         model.rt = plain_rt
-    expected = _snapshot(tensors)
-    found = []
-    for _ in range(CHECKS + 1):
-        _restore(tensors, before)
-        mem.arena.fill(0xFF)                # NaNs: a replay that reads what it did not write fails
-        mem.workspace_region.fill(0xFF)
-        ops = replay.ops()
-        if len(ops) != len(expected_ops):
-            raise ReplayError("the replayed step makes other ops")
-        count = iter(range(len(ops)))
+    expected = _sums(tensors)
+    if len(replay.ops()) != len(expected_ops):
+        raise ReplayError("the replayed step makes other ops")
+    before.restore()
+    mem.arena.fill(0xFF)                    # NaNs: a replay that reads what it did not write fails
+    mem.workspace_region.fill(0xFF)
+    found, count = [], iter(range(len(expected_ops)))
 
-        def after(op):
-            if _digest(op) != expected_ops[next(count)]:
-                raise _Differs(op)
+    def each(op, make):
+        digest = expected_ops[next(count)]
+        kept = None if op.python else [(a, a.copy()) for a in _outputs(op)]
+        make()
+        if _digest(op) == digest:
+            return
+        if op.python or not op.alike:
+            raise ReplayError(f"a replayed step's values differ from the step's after op {op.name}" +
+                              (" (which calls no kernel)" if op.python else
+                               " (whose operands move from run to run)" if not op.alike else ""))
+        for a, copy in kept:                   # (its arrays as they were, and the op by its Python)
+            np.copyto(a, copy)
+        op.python = True
+        make()
+        if _digest(op) != digest:
+            raise ReplayError(f"op {op.name} by its Python differs from the step's")
+        found.append(op)
 
-        try:
-            replayed = replay.run_ops(xo, yo, values, after)
-            culprit = None
-        except _Differs as differs:
-            culprit = differs.op
-        if culprit is None and _same_bits(replayed, loss) and \
-                all(_same_bits(tensors[name], value) for name, value in expected.items()):
-            return found
-        if culprit is None or culprit.python or not culprit.alike or len(found) == CHECKS:
-            raise ReplayError("a replayed step's values differ from the step's" + (
-                "" if culprit is None else f" after op {culprit.name}" + (
-                    " (which calls no kernel)" if culprit.python else " (whose operands move from run to run)"
-                    if not culprit.alike else "")))
-        same = _signature(culprit)              # (its numpy work beside its calls: made by its Python, and so
-        for op in ops:                          # that of the ops that take its path)
-            if not op.python and op.alike and _signature(op) == same:
-                op.python = True
-        replay.flatten()
-        found.append(culprit.name)
-    raise ReplayError("a replayed step's values differ from the step's")
+    replay.run_ops(xo, yo, values, each)
+    paths = {_signature(op) for op in found}    # (the ops that take the path of one found: by their Python too)
+    for op in replay.ops():
+        if found and not op.python and op.alike and _signature(op) in paths:
+            op.python = True
+    replay.flatten()
+    before.restore()
+    mem.arena.fill(0xFF)
+    mem.workspace_region.fill(0xFF)
+    replayed = replay.run(xo, yo, values)
+    if not _same_bits(replayed, loss) or _sums(tensors) != expected:
+        raise ReplayError("a replayed step's values differ from the step's")
+    return [op.name for op in found]
