@@ -329,7 +329,7 @@ def main(argv=None) -> int:
             scaling.extend(_scaling(f"{name} {batch}", by_threads))
             replays = sorted({r["replay"] for runs in by_threads.values() for r in runs.get("ours", ())
                               if r.get("replay")})
-            notes.extend(f"{name} {batch}, ours: step replay {text}" for text in replays)
+            notes.extend(f"step replay of ours, {name} {batch}: {text}" for text in replays)
     for line in scaling + notes:
         print(line)
     if torch_isas:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import math
 import numbers
+import operator
 import sys
 import tempfile
 import zlib
@@ -43,7 +44,7 @@ import numpy as np
 
 from deepdsl_runtime import cpu
 
-RECORDS = 4         # records made at most (one more each time the kernels' threads change)
+RECORDS = 4         # records made at most (one more each time the kernels' threads change or a tensor is replaced)
 MIN_STEPS = 100     # steps a run makes at least for its step to be recorded (a record costs five steps' work)
 WARMUP = 2          # steps run in Python before the step is recorded (the runtime's plans made, the caches filled)
 _NUMBERS = (numbers.Integral, numbers.Real, np.number)
@@ -419,6 +420,7 @@ class TrainSteps:
         self.done = 0
         self.records = 0
         self.generation = None
+        self.tensors: tuple = ()
         self.python_ops: list[str] = []      # ops replayed by their Python (numpy's work beside their calls)
         self.ahead: int | None = None         # the steps the run makes, where known
         native = getattr(model.rt, "native", None)
@@ -456,13 +458,19 @@ class TrainSteps:
         if self.why is not None or self.done <= WARMUP:
             return model.train_step(x, y, step=step, **hyper)
         threads = model.rt.native.threads
-        if self.replay is None or threads != self.generation:
-            self.replay = None
+        if self.replay is None or threads != self.generation or not self._same_tensors():
+            self.replay = None             # (recorded again: the kernels' threads changed, or a tensor was replaced)
             self.generation = threads
             return self._record(x, y, step, hyper)
         if not self.replay.fits(x, y):
             return model.train_step(x, y, step=step, **hyper)
         return self.replay.run(x, y, {"step": step, **hyper})
+
+    def _same_tensors(self) -> bool:
+        """Whether the model's tensors are the arrays the record's calls address (a checkpoint loaded in the
+        middle of a run replaces them)."""
+        tensors = self.model.tensors
+        return len(tensors) == len(self.tensors) and all(map(operator.is_, tensors.values(), self.tensors))
 
     def _record(self, x, y, step, hyper):
         """Record the step three times and check the record, from the same state, then make the step: replayed
@@ -496,10 +504,11 @@ class TrainSteps:
             loss = model.train_step(x, y, step=step, **hyper)
         finally:
             before.close()
-        self.replay = replay
+        self.replay, self.tensors = replay, tuple(model.tensors.values())
         self.records += 1
         if replay is not None and self.records > RECORDS:
-            self.why, self.replay = f"the kernels' threads changed {self.records - 1} times", None
+            self.why, self.replay = f"recorded {self.records} times (the kernels' threads or the model's tensors " \
+                                    "changed)", None
         return loss
 
 

@@ -101,6 +101,28 @@ def test_a_temporary_given_a_kernel_is_not_replayed(tmp_path_factory, monkeypatc
 
 
 @needs_cc
+def test_replaced_tensors_are_recorded_again(tmp_path_factory):
+    """Tensors replaced in the middle of a run (a checkpoint's loaded as new arrays): the next step is recorded
+    again, against the new arrays, and keeps the bits of the Python steps."""
+    cls = _cls("vit", 2, tmp_path_factory)
+    plain, replayed = (cls("cpu", 0, "static", kernels="compiled", threads=1) for _ in range(2))
+    for model in (plain, replayed):
+        model.initialize(0)
+        model.prepare(model.hyper(0.01, 0.9, 0.0005, 0))
+    trainer, rng = replay.TrainSteps(replayed), np.random.default_rng(5)
+    for i in range(8):
+        if i == 5:
+            for model in (plain, replayed):
+                model.load_tensors(model.host_tensors())
+        x, y = plain.random_batch(rng)
+        hyper = plain.hyper(0.01, 0.9, 0.0005, i)
+        assert trainer(x, y, step=i, **hyper) == plain.train_step(x, y, step=i, **hyper), i
+        assert trainer.replayed == (i >= 2), (i, trainer.why)
+    assert trainer.records == 2
+    assert all(np.array_equal(v, replayed.tensors[k]) for k, v in plain.tensors.items() if isinstance(v, np.ndarray))
+
+
+@needs_cc
 def test_a_run_replays_its_steps_and_says_so(tmp_path_factory):
     """A program's run of 110 iterations replays its steps and ends with the loss of the same run by its Python
     (--no-replay): the report says which; a short run is not recorded."""
