@@ -36,6 +36,7 @@ import ctypes
 import math
 import numbers
 import operator
+import os
 import sys
 import tempfile
 import zlib
@@ -97,24 +98,30 @@ def _slots(arg) -> list:
 
 class _Record:
     """One run of a step: its entries in order, ("call", library, function, arguments, values read into them),
-    ("op", ...: `_recording_backend`) after an op's calls, or ("load", input, buffer); and every array whose
-    address the runtime gave a kernel (`kept`), held as long as the record: a temporary's bytes are not given to
-    another array, and the three records' temporaries lie apart (their addresses differ: such a step is not
-    replayed). A size-1 array given a kernel as a scalar is read into its call's values again at every replay."""
+    ("op", ...: `_recording_backend`) after an op's calls, or ("load", input, buffer). An array the runtime gives
+    a kernel (its address, or a size-1 array's value) that is not the step's memory (`owners`: the static arena,
+    the workspace, the model's tensors) is a temporary, gone by the next step: the op that gave it is replayed by
+    its Python (`temporary`). A size-1 array given a kernel as a scalar is read into its call's values again at
+    every replay."""
 
-    def __init__(self):
+    def __init__(self, owners: set[int]):
         self.entries: list[tuple] = []
-        self.kept: list = []
+        self.owners = owners
+        self.temporary = False                  # the current op gave a kernel a temporary
         self.reads: dict[int, list] = {}        # a ctypes array of values -> (element, the array read into it)
 
+    def _note(self, x) -> None:
+        if id(_owner(x)) not in self.owners:
+            self.temporary = True
+
     def address(self, x) -> int:
-        self.kept.append(x)
+        self._note(x)
         return _plain_address(x)
 
     def element(self, a, into, index: int) -> float:
         """A size-1 array's value read into element `index` of `into` for the next call: read again there at
         every replay."""
-        self.kept.append(a)
+        self._note(a)
         self.reads.setdefault(id(into), []).append((index, a))
         return _plain_element(a, into, index)
 
@@ -128,6 +135,20 @@ class _Record:
 _plain_address = _plain_element = None      # the runtime's `native._address` and `_element`, while recording
 
 
+def _owner(x):
+    """The array that owns the memory of array `x` (numpy keeps a view's first base that owns its data)."""
+    while isinstance(getattr(x, "base", None), np.ndarray):
+        x = x.base
+    return x
+
+
+def _owners(model) -> set[int]:
+    """The ids of the arrays owning the step's memory: the static arena, the workspace, the model's tensors."""
+    arrays = [model.mem.arena, model.mem.workspace_region,
+              *(a for a in model.tensors.values() if isinstance(a, np.ndarray))]
+    return {id(_owner(a)) for a in arrays}
+
+
 def _view(name: str, kwargs: dict) -> bool:
     """Whether an op makes a view and writes nothing (a reshape; a slice without `out`)."""
     return name == "reshape" or name == "slice" and kwargs.get("out") is None
@@ -136,7 +157,7 @@ def _view(name: str, kwargs: dict) -> bool:
 def _recording_backend(model, native):
     """The model's backend on a recording copy of its compiled kernels, each op but the views adding itself to the
     record after its calls: ("op", name, its op of the model's backend, operands, keywords, result, the index of
-    its first call)."""
+    its first call, whether it gave a kernel a temporary)."""
     copy = type(native)(_RecordingLibrary(native.lib), _RecordingLibrary(native.program))
     for name in ("tiles", "products", "winograd", "thin_filters", "tiled_convs"):
         setattr(copy, name, getattr(native, name))
@@ -147,9 +168,10 @@ def _recording_backend(model, native):
 
         def recorded(*args, **kwargs):
             record, start = _RECORD, len(_RECORD.entries)
+            record.temporary = False
             result = op(*args, **kwargs)
             if not _view(name, kwargs):
-                record.entries.append(("op", name, plain, args, kwargs, result, start))
+                record.entries.append(("op", name, plain, args, kwargs, result, start, record.temporary))
             return result
         return recorded
 
@@ -174,11 +196,18 @@ class _Saved:
         except OSError as err:
             raise ReplayError(f"no room for a copy of the model's tensors: {err.strerror or err}") from None
 
-    def restore(self) -> None:
+    def restore(self, only=None) -> bool:
+        """All the tensors back, or `only` that one (False where it is none of them)."""
         self.file.seek(0)
         for a in self.arrays:
+            if only is not None and a is not only:
+                self.file.seek(a.nbytes, 1)
+                continue
             if self.file.readinto(memoryview(a).cast("B")) != a.nbytes:
                 raise OSError("the copy of the model's tensors is short")
+            if only is not None:
+                return True
+        return only is None
 
     def close(self) -> None:
         self.file.close()
@@ -270,7 +299,6 @@ class _Replay:
         first = records[0].entries
         if any(len(r.entries) != len(first) for r in records[1:]):
             raise ReplayError("the step makes other calls with other arguments")
-        self.kept = records[0].kept            # (the arrays whose addresses its calls pass)
         self.parts: list = []                  # _Op | ("load", input, buffer), in order
         originals: dict[tuple, object] = {}
         calls: list[tuple] = []                # the calls since the last op
@@ -283,21 +311,29 @@ class _Replay:
                     raise ReplayError("the batch goes to other buffers")
                 self.parts.append(entries[0])
             elif kind == "op":
-                _, name, plain, args, kwargs, result, _ = entries[0]
+                _, name, plain, args, kwargs, result, _, _ = entries[0]
                 if any(e[1] != name for e in entries):
                     raise ReplayError("the step makes other calls with other arguments")
                 alike = all(_alike(e[3], args) and e[4].keys() == kwargs.keys() and
                             all(_alike(e[4][k], kwargs[k]) for k in kwargs) for e in entries[1:])
                 op = _Op(name, plain, args, kwargs, alike)
                 op.result = result is loss
-                op.calls = [call[:4] for call in calls]
-                op.bound = [b for call in calls for b in call[4]]
-                op.python, calls = not calls, []
+                op.python = not calls or any(e[7] for e in entries)
+                if not op.python:
+                    try:
+                        made = [self._call(call, inputs, originals) for call in calls]
+                        op.calls = [call[:4] for call in made]
+                        op.bound = [b for call in made for b in call[4]]
+                    except ReplayError:
+                        if not alike:
+                            raise
+                        op.python = True        # (its calls' arguments move: made by its Python)
                 if op.python and not alike:
                     raise ReplayError(f"op {name} takes other operands with other arguments")
                 self.parts.append(op)
+                calls = []
             else:
-                calls.append(self._call(entries, inputs, originals))
+                calls.append(entries)
         if calls:
             raise ReplayError("kernels called outside the backend's ops")
         if sum(op.result for op in self.ops()) != 1 or not next(op for op in self.ops() if op.result).python:
@@ -518,7 +554,7 @@ def _recorded(model, x, y, values: dict, first: bool) -> tuple[_Record, float]:
     global _RECORD, _plain_address, _plain_element
     plain_rt, mem = model.rt, model.mem
     module = sys.modules[type(plain_rt.native).__module__]
-    record = _Record()
+    record = _Record(_owners(model))
 
     def load(index, array, _load=type(mem).load):
         buffer = _load(mem, index, array)
@@ -593,6 +629,51 @@ def _signature(op) -> tuple:
     return op.name, layout(op.args), tuple((k, layout(v)) for k, v in sorted(op.kwargs.items()) if k != "workspace")
 
 
+class _Again(Exception):
+    """The check starts over (an op that updates an array in place was found to be made by its Python)."""
+
+
+def _in_place(op, tensors: set[int]) -> tuple[list, bool]:
+    """What an op's Python needs to be made again after its calls: (its outputs that are tensors of the model, an
+    update of the step's end, unchanged since the state's copy on file, which they are read back from; whether
+    another output shares bytes with an input, an update in place: then the check starts over). Other outputs are
+    written whole again from the inputs."""
+    outputs = _outputs(op)
+    arrays = _arrays((*op.args, *(v for k, v in op.kwargs.items() if k != "workspace")))
+    shared = [o for o in outputs if sum(np.may_share_memory(o, a) for a in arrays) > sum(o is p for p in outputs)]
+    return [o for o in outputs if id(o) in tensors], any(id(o) not in tensors for o in shared)
+
+
+def _poison(model) -> None:
+    """NaNs in the bytes of the static arena and the workspace the step's Python touched: a replay that reads what
+    it did not write fails the check. Pages no step touched stay as they are (zeros the system has not given the
+    process yet: filling them would raise its resident memory, a MobileNet's by a tenth)."""
+    for region in (model.mem.arena, model.mem.workspace_region):
+        for first, last in _resident(region):
+            region[first:last].fill(0xFF)
+
+
+def _resident(region: np.ndarray) -> list[tuple[int, int]]:
+    """The byte ranges of a uint8 array on pages resident in memory (`mincore`), or all of it where that cannot be
+    asked."""
+    size = region.nbytes
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        libc = ctypes.CDLL(None, use_errno=True)
+        start = region.ctypes.data
+        base = start - start % page
+        pages = (start + size - base + page - 1) // page
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(pages * page), vec) != 0:
+            return [(0, size)]
+    except (AttributeError, OSError, ValueError):
+        return [(0, size)]
+    resident = np.frombuffer(vec, np.uint8) & 1
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], resident, [0]))))
+    return [(max(0, int(a) * page - (start - base)), min(size, int(b) * page - (start - base)))
+            for a, b in zip(edges[::2], edges[1::2])]
+
+
 def _check(model, replay: _Replay, before: _Saved, x, y, values: dict) -> list[str]:
     """Check the replay against the step's Python on another batch, from the state `before`, the static arena and
     the workspace filled with NaNs before the replay. Op by op, what each op's arrays hold after it must be what
@@ -626,13 +707,13 @@ def _check(model, replay: _Replay, before: _Saved, x, y, values: dict) -> list[s
     if len(replay.ops()) != len(expected_ops):
         raise ReplayError("the replayed step makes other ops")
     before.restore()
-    mem.arena.fill(0xFF)                    # NaNs: a replay that reads what it did not write fails
-    mem.workspace_region.fill(0xFF)
+    _poison(model)
     found, count = [], iter(range(len(expected_ops)))
+    tensors_out = {id(a) for a in before.arrays}
 
     def each(op, make):
         digest = expected_ops[next(count)]
-        kept = None if op.python else [(a, a.copy()) for a in _outputs(op)]
+        tensors_in_place, again = ([], False) if op.python else _in_place(op, tensors_out)
         make()
         if _digest(op) == digest:
             return
@@ -640,23 +721,31 @@ def _check(model, replay: _Replay, before: _Saved, x, y, values: dict) -> list[s
             raise ReplayError(f"a replayed step's values differ from the step's after op {op.name}" +
                               (" (which calls no kernel)" if op.python else
                                " (whose operands move from run to run)" if not op.alike else ""))
-        for a, copy in kept:                   # (its arrays as they were, and the op by its Python)
-            np.copyto(a, copy)
-        op.python = True
+        op.python = True                        # (by its Python: from its arrays as they were)
+        found.append(op)
+        if again:
+            raise _Again()
+        for a in tensors_in_place:
+            before.restore(a)
         make()
         if _digest(op) != digest:
             raise ReplayError(f"op {op.name} by its Python differs from the step's")
-        found.append(op)
 
-    replay.run_ops(xo, yo, values, each)
+    while True:
+        try:
+            replay.run_ops(xo, yo, values, each)
+            break
+        except _Again:                          # (an op in place found: the check over again, from the start)
+            before.restore()
+            _poison(model)
+            count = iter(range(len(expected_ops)))
     paths = {_signature(op) for op in found}    # (the ops that take the path of one found: by their Python too)
     for op in replay.ops():
         if found and not op.python and op.alike and _signature(op) in paths:
             op.python = True
     replay.flatten()
     before.restore()
-    mem.arena.fill(0xFF)
-    mem.workspace_region.fill(0xFF)
+    _poison(model)
     replayed = replay.run(xo, yo, values)
     if not _same_bits(replayed, loss) or _sums(tensors) != expected:
         raise ReplayError("a replayed step's values differ from the step's")
