@@ -145,3 +145,21 @@ def test_a_run_replays_its_steps_and_says_so(tmp_path_factory):
     assert reports[""]["loss"] == reports["--no-replay"]["loss"]
     short = run_cli(path, "--iters", "5", "--test-iters", "0", "--data", "synthetic", "--fresh", cwd=path.parent)
     assert short.returncode == 0 and "step replay: off: a run of 5 steps (fewer than 100)" in short.stdout
+
+
+@needs_cc
+def test_the_replay_benchmark_runs():
+    """benchmarks/replay_vs_python.py end to end at a tiny size: a row of positive times, the record's cost, the same
+    bits on both sides, and the replay's summary."""
+    import subprocess
+    import sys
+
+    from tests.support.program_helpers import ROOT
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "replay_vs_python.py"), "mlp:8", "--threads", "1",
+                           "--rounds", "2", "--steps", "2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == ["mlp:8"]]
+    assert len(rows) == 1 and rows[0][1] == "1" and rows[0][-1] == "yes", done.stdout
+    assert all(float(v) > 0 for v in rows[0][2:6]), done.stdout
+    assert "mlp:8, 1 thread(s): step replay on: " in done.stdout, done.stdout
