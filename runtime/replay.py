@@ -534,8 +534,11 @@ class TrainSteps:
             loss = replay.run(x, y, inputs[0])          # (the step itself: the first run's bits, or no replay)
             if not _same_bits(loss, losses[0]) or _sums(model.tensors) != after:
                 raise ReplayError("the replayed step's values differ from its first run's")
-        except ReplayError as err:
-            self.why, replay = str(err), None
+        except Exception as err:
+            if not records and not isinstance(err, ReplayError):
+                raise                                   # (the step's own error, as its Python raises it)
+            self.why, replay = str(err) if isinstance(err, ReplayError) else \
+                f"the record failed ({type(err).__name__}: {err})", None
             before.restore()
             loss = model.train_step(x, y, step=step, **hyper)
         finally:

@@ -105,6 +105,19 @@ def test_an_op_that_gives_a_kernel_a_temporary_is_replayed_by_its_python(tmp_pat
 
 
 @needs_cc
+def test_a_record_that_fails_leaves_the_steps_to_python(tmp_path_factory, monkeypatch):
+    """An error inside the record's check (not the step's): the run goes on, every step by its Python, the same
+    bits, and says why."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("a check that breaks")
+
+    monkeypatch.setattr(replay, "_check", failing)
+    trainer, same = _both(_cls("lenet", 4, tmp_path_factory), steps=5)
+    assert not trainer.replayed and trainer.why == "the record failed (RuntimeError: a check that breaks)"
+    assert same
+
+
+@needs_cc
 def test_replaced_tensors_are_recorded_again(tmp_path_factory):
     """Tensors replaced in the middle of a run (a checkpoint's loaded as new arrays): the next step is recorded
     again, against the new arrays, and keeps the bits of the Python steps."""
