@@ -196,8 +196,8 @@ class _Saved:
         except OSError as err:
             raise ReplayError(f"no room for a copy of the model's tensors: {err.strerror or err}") from None
 
-    def restore(self, only=None) -> bool:
-        """All the tensors back, or `only` that one (False where it is none of them)."""
+    def restore(self, only=None) -> None:
+        """All the tensors back, or `only` that one of them."""
         self.file.seek(0)
         for a in self.arrays:
             if only is not None and a is not only:
@@ -206,26 +206,25 @@ class _Saved:
             if self.file.readinto(memoryview(a).cast("B")) != a.nbytes:
                 raise OSError("the copy of the model's tensors is short")
             if only is not None:
-                return True
-        return only is None
+                return
 
     def close(self) -> None:
         self.file.close()
 
 
+def _crc(a: np.ndarray) -> int:
+    """The CRC-32 of an array's bytes: its values compared without a copy kept."""
+    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
 def _sums(tensors: dict) -> dict:
-    """The model's tensors' bytes' CRC-32s, by name: to compare states without a copy."""
-    return {name: zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B")) for name, a in tensors.items()
-            if isinstance(a, np.ndarray)}
+    """The model's tensors' CRC-32s, by name: to compare states."""
+    return {name: _crc(a) for name, a in tensors.items() if isinstance(a, np.ndarray)}
 
 
-def _same_bits(a, b) -> bool:
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return a.shape == b.shape and a.dtype == b.dtype and \
-            np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
-    if isinstance(a, float) and isinstance(b, float):
-        return a == b or (math.isnan(a) and math.isnan(b))
-    return a is b or a == b
+def _same_loss(a, b) -> bool:
+    """Whether two losses are the same float (NaN included)."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def _moved(inputs: dict, run: int) -> dict:
@@ -532,7 +531,7 @@ class TrainSteps:
             self.python_ops = _check(model, replay, before, x, y, inputs[0])
             before.restore()
             loss = replay.run(x, y, inputs[0])          # (the step itself: the first run's bits, or no replay)
-            if not _same_bits(loss, losses[0]) or _sums(model.tensors) != after:
+            if not _same_loss(loss, losses[0]) or _sums(model.tensors) != after:
                 raise ReplayError("the replayed step's values differ from its first run's")
         except Exception as err:
             if not records and not isinstance(err, ReplayError):
@@ -618,7 +617,7 @@ def _outputs(op) -> list:
 
 def _digest(op) -> tuple:
     """What an op's outputs hold after it: their bytes' CRC-32s."""
-    return tuple(zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in _outputs(op))
+    return tuple(_crc(a) for a in _outputs(op))
 
 
 def _signature(op) -> tuple:
@@ -750,6 +749,6 @@ def _check(model, replay: _Replay, before: _Saved, x, y, values: dict) -> list[s
     before.restore()
     _poison(model)
     replayed = replay.run(xo, yo, values)
-    if not _same_bits(replayed, loss) or _sums(tensors) != expected:
+    if not _same_loss(replayed, loss) or _sums(tensors) != expected:
         raise ReplayError("a replayed step's values differ from the step's")
     return [op.name for op in found]

@@ -1433,8 +1433,8 @@ class _Batch:
             held[m] = self.pick(call)
         for i in self.scalars:      # (a float, or a size-1 array's element, rounded to float32 as `_Operands` does)
             first = calls[0][i]
-            column = list(map(operator.itemgetter(i), calls))
-            if first.__class__ is not np.ndarray and column.count(first) == len(calls):
+            if first.__class__ is not np.ndarray and \
+                    list(map(operator.itemgetter(i), calls)).count(first) == len(calls):
                 if self.written.get(i) is not first:            # one value for all (the step's hyperparameters)
                     self.columns[:, i - 1] = first
                     self.written[i] = first
