@@ -2,6 +2,7 @@
 
     python benchmarks/op_profile.py NET[:BATCH[:IMAGE]] [--threads 2] [--kernels compiled] [--warmup 2]
                                     [--steps 5] [--top 25] [--markdown] [--steps-only]
+    python benchmarks/op_profile.py NET[:BATCH[:IMAGE]] --threads 1 2 [--steps 9] ...
 
 NET is a network of networks/ or the path of a network file (`/tmp/vit_before.py:64`: a version to compare).
 The network is compiled with `deepdsl compile` (which builds its compiled kernels), its program imported, and every
@@ -12,6 +13,11 @@ rate in GFLOP/s; then the milliseconds by op (every elementwise
 kernel as `ew`), and the sum over ops against the step's median (the rest is Python: the step's glue and the
 timers). The load average is printed before and after. Idle threads
 sleep at once, as in the generated program (`deepdsl_runtime.idle_threads_sleep`).
+
+With two thread counts, what a second thread gains op by op: the steps alternate between them in one process (a
+step at each count per round, `--steps` rounds, each timed step after an untimed one at its count), and each op's median milliseconds at either count is printed with
+its speed-up and the milliseconds it loses against a perfect one (`lost`: its time at the larger count less its time
+at the smaller scaled by their ratio), the ops that lose most first; then the whole step's.
 
 The timers cost time of their own, and not the same for every program (they once added 30 ms a step to one
 ResNet-50 program's elementwise kernels and nothing to another's): `--steps-only` times whole steps without them,
@@ -117,7 +123,8 @@ def _timed(rt, times: dict):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("network")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, nargs="+", default=[2],
+                        help="a thread count, or two: the second thread's gain op by op")
     parser.add_argument("--kernels", default="compiled", choices=("compiled", "numpy", "auto"))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -125,9 +132,13 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--steps-only", action="store_true", help="whole steps, without the per-op timers")
     args = parser.parse_args()
+    if len(args.threads) > 2:
+        parser.error("--threads takes one thread count or two")
     print(f"load average before: {load_average()}")
+    if len(args.threads) == 2:
+        return _scaling(args)
     with tempfile.TemporaryDirectory() as tmp:
-        model = _model(_compile(args.network, Path(tmp)), args.kernels, args.threads)
+        model = _model(_compile(args.network, Path(tmp)), args.kernels, args.threads[0])
         print(f"{args.network}: {model.kernels}")
         x, y = model.random_batch(np.random.default_rng(0))
         hyper = model.hyper(0.01, 0.9, 0.0005, 0)
@@ -170,6 +181,67 @@ def main() -> int:
           f"({product_flops / product_ms / 1e6:.0f} GFLOP/s)")
     ops_ms = sum(ms for ms, _ in rows)
     print(f"step {step_ms:.1f} ms (median of {args.steps}); ops {ops_ms:.1f} ms; rest {step_ms - ops_ms:.1f} ms")
+    print(f"load average after: {load_average()}")
+    return 0
+
+
+def _set_threads(model, threads: int) -> None:
+    if model.rt.native is not None:
+        model.rt.native.set_threads(threads)
+    if getattr(model, "products", None) is not None:
+        model.products.set_threads(threads)
+
+
+def _scaling(args) -> int:
+    """Steps at the two thread counts alternating, every op timed: per op, the milliseconds at each, the speed-up
+    and the milliseconds lost against a perfect one."""
+    few, many = args.threads
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _model(_compile(args.network, Path(tmp)), args.kernels, few)
+        print(f"{args.network}: {model.kernels}; threads {few} and {many}, alternating")
+        x, y = model.random_batch(np.random.default_rng(0))
+        hyper = model.hyper(0.01, 0.9, 0.0005, 0)
+        model.prepare(hyper)
+        totals = collections.defaultdict(float)
+        calls, _ = _timed(model.rt, totals)
+        per_step = {few: collections.defaultdict(list), many: collections.defaultdict(list)}
+        steps = {few: [], many: []}
+        for i in range(args.warmup + args.steps):
+            for threads in (few, many) if i % 2 == 0 else (many, few):
+                _set_threads(model, threads)
+                # (a step untimed first: the threads a step at the other count left asleep are awake again, as
+                # in a run's steps one after the other)
+                model.train_step(model.rt.asarray(x), model.rt.asarray(y), step=i, **hyper)
+                totals.clear()
+                began = time.perf_counter()
+                model.train_step(model.rt.asarray(x), model.rt.asarray(y), step=i, **hyper)
+                if i >= args.warmup:
+                    steps[threads].append(time.perf_counter() - began)
+                    for label, seconds in totals.items():
+                        per_step[threads][label].append(seconds)
+    ratio = many / few
+    rows = []
+    for label in per_step[few]:
+        a, b = (statistics.median(per_step[t][label]) * 1000 for t in (few, many))
+        rows.append((b - a / ratio, label, a, b))
+    rows.sort(reverse=True)
+    print_row(("op and shapes", "calls", f"ms at {few}", f"ms at {many}", "speed-up", "lost ms"), args.markdown, 12,
+              header=True)
+    runs = 4 * (args.warmup + args.steps)
+    for lost, label, a, b in rows[:args.top]:
+        print_row((label, str(calls[label] // runs), f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}x" if b else "",
+                   f"{lost:.2f}"), args.markdown, 12)
+    kinds = collections.defaultdict(lambda: [0.0, 0.0])
+    for _, label, a, b in rows:
+        kind = kinds["ew" if label.startswith("ew ") else label.split()[0]]
+        kind[0] += a
+        kind[1] += b
+    print("by op (ms at each count, speed-up):", ", ".join(
+        f"{k} {a:.1f}/{b:.1f} {a / b:.2f}x" for k, (a, b) in sorted(kinds.items(), key=lambda kv: -kv[1][1]) if b))
+    a, b = (statistics.median(steps[t]) * 1000 for t in (few, many))
+    ops_a, ops_b = (sum(r[i] for r in rows) for i in (2, 3))
+    print(f"step {a:.1f} ms at {few}, {b:.1f} ms at {many} (medians of {args.steps}): {a / b:.2f}x; ops {ops_a:.1f} "
+          f"and {ops_b:.1f} ms ({ops_a / ops_b:.2f}x), the rest (Python) {a - ops_a:.1f} and {b - ops_b:.1f} ms")
     print(f"load average after: {load_average()}")
     return 0
 

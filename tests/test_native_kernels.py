@@ -1480,7 +1480,8 @@ def test_the_peer_benchmark_trains_the_language_model_on_tokens(tmp_path):
 
 def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
     """benchmarks/op_profile.py at a tiny size: per op (the convolutions among the ops it lists, their times
-    adding up to no more than the step's), and `--steps-only` (each step's time and their median, no op)."""
+    adding up to no more than the step's), `--steps-only` (each step's time and their median, no op), and at two
+    thread counts (each op's time at either, its speed-up and the time it loses against a perfect one)."""
     import re
     import sys
 
@@ -1501,6 +1502,15 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
     times = re.search(r"^steps \(ms\): (.*)$", whole, re.M).group(1).split()
     assert len(times) == 3 and all(float(t) > 0 for t in times), whole
     assert "conv2d" not in whole and re.search(r"^step [\d.]+ ms \(median of 3\)$", whole, re.M), whole
+    scaling = profile("--threads", "1", "2")
+    row = re.search(r"^conv2d \S+ +1 +([\d.]+) +([\d.]+) +([\d.]+)x +(-?[\d.]+)$", scaling, re.M)
+    one, two, speed_up, lost = map(float, row.groups())
+    assert one > 0 and two > 0.005 and (one - 0.005) / (two + 0.005) - 0.005 <= speed_up <= \
+        (one + 0.005) / (two - 0.005) + 0.005, scaling          # (each printed to two decimals)
+    assert abs(lost - (two - one / 2)) < 0.015, scaling
+    steps = re.search(r"^step ([\d.]+) ms at 1, ([\d.]+) ms at 2 \(medians of 3\): ([\d.]+)x; ops ([\d.]+) and "
+                      r"([\d.]+) ms", scaling, re.M)
+    assert steps is not None and 0 < float(steps[4]) <= float(steps[1]) * 1.5, scaling
 
 
 @needs_cc
@@ -1711,6 +1721,44 @@ def test_transposes_equal_numpy_at_any_thread_count(lib, shape, axes):
     assert not lib.swap_axes(tokens, out, axes)
     shapes.transpose(tokens, out=out, axes=axes, native=lib)
     np.testing.assert_array_equal(out, tokens.swapaxes(*axes))
+
+
+@needs_cc
+@pytest.mark.parametrize("size", [1, 7, 16384, 16385, 100003])
+def test_copies_sums_and_padded_planes_equal_numpy_at_any_thread_count(lib, size):
+    """The library's copy, its in-place sum and its zero-padded planes (the work a kernel's Python does around its
+    calls, `Native.copy`, `accumulate`, `pad_planes`) equal numpy's bit for bit at 1, 2 and 3 threads over outputs
+    filled with NaN, sizes on either side of a part (16384 floats), -0.0 and NaN among the values; what they do not
+    take (another dtype, another size, a strided view) writes nothing and says so."""
+    rng = np.random.default_rng(size)
+    src = rng.standard_normal(size).astype(np.float32)
+    src[::5] = -0.0
+    src[size // 2] = np.nan
+    dst = np.round(rng.standard_normal(size), 1).astype(np.float32)
+    dst[::3] = -0.0
+    planes = rng.standard_normal((2, 3, max(1, size // 600), 5 + size % 7)).astype(np.float32)
+    before = lib.threads
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            out = np.full(size, np.nan, np.float32)
+            assert lib.copy(src, out)
+            np.testing.assert_array_equal(out.view(np.uint32), src.view(np.uint32))
+            total = dst.copy()
+            assert lib.accumulate(src, total)
+            np.testing.assert_array_equal(total.view(np.uint32), np.add(dst, src).view(np.uint32))
+            for pad in (1, 3):
+                padded = np.full(planes.shape[:2] + tuple(d + 2 * pad for d in planes.shape[2:]), np.nan, np.float32)
+                assert lib.pad_planes(planes, pad, padded)
+                want = np.pad(planes, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+                np.testing.assert_array_equal(padded, want)
+    finally:
+        lib.set_threads(before)
+    untouched = np.full(size, np.nan, np.float32)
+    assert not lib.copy(src.astype(np.float64), untouched) and not lib.copy(src[:-1], untouched)
+    if size > 1:
+        assert not lib.accumulate(src[::2], untouched[:(size + 1) // 2])
+    assert np.isnan(untouched).all()
 
 
 def test_more_build_flags_name_other_libraries(tmp_path):

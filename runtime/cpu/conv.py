@@ -8,7 +8,7 @@ import numpy as np
 
 from deepdsl_runtime import contract
 from deepdsl_runtime.cpu.native import _contiguous32
-from deepdsl_runtime.cpu.scratch import Scratch, over_samples, samples_per_chunk, takes_over
+from deepdsl_runtime.cpu.scratch import Scratch, copy, over_samples, samples_per_chunk, takes_over
 
 
 def _blocked(op: str, a, b, bias, out, stride: int, pad: int, workspace, native, over: bool = False) -> bool:
@@ -198,7 +198,7 @@ def _thin_filter(g, x, out, stride: int, pad: int, workspace, native) -> bool:
         chunk = Scratch(workspace, scratch.used)
         gb = chunk.take((e - s, ob, *g.shape[2:], block))
         native.block_input(g[s:e], 0, 0, gb)
-        native.thin_filter(_padded(x[s:e], pad, chunk), gb, stride, s == 0, sums)
+        native.thin_filter(_padded(x[s:e], pad, chunk, native), gb, stride, s == 0, sums)
     native.thin_filter_out(sums, out)
     return True
 
@@ -211,12 +211,15 @@ def _windows(xp: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) ->
         strides=(sn, sc, sh, sw, sh * stride, sw * stride), writeable=False)
 
 
-def _padded(x: np.ndarray, pad: int, scratch: Scratch) -> np.ndarray:
-    """x with `pad` zeros around its last two axes, in scratch space (x itself when pad is 0)."""
+def _padded(x: np.ndarray, pad: int, scratch: Scratch, native=None) -> np.ndarray:
+    """x with `pad` zeros around its last two axes, in scratch space (x itself when pad is 0); by `native`'s
+    `pad_planes` where given and it takes the arrays."""
     if pad == 0:
         return x
     n, c, h, w = x.shape
     xp = scratch.take((n, c, h + 2 * pad, w + 2 * pad))
+    if native is not None and native.pad_planes(x, pad, xp):
+        return xp
     xp[:, :, :pad] = 0
     xp[:, :, h + pad:] = 0
     xp[:, :, pad:h + pad, :pad] = 0
@@ -272,6 +275,11 @@ class _NumpyPasses:
             np.copyto(dst, src.swapaxes(0, 1))
         else:
             np.add(src.swapaxes(0, 1), bias.reshape((1, -1) + (1,) * (src.ndim - 2)), out=dst)
+
+    @staticmethod
+    def copy(src, dst):
+        np.copyto(dst, src)
+        return True
 
     @staticmethod
     def add_bias(x, b):
@@ -348,7 +356,7 @@ def _product_by_samples(a, rows, target, b, dead, gemm, passes) -> None:
     block = target.reshape(m, samples * p)
     gemm(a, rows, out=block)
     regrouped = dead[:m * samples * p].reshape(m, samples, p)
-    np.copyto(regrouped, block.reshape(m, samples, p))
+    copy(block.reshape(m, samples, p), regrouped, passes)
     passes.swap01(regrouped, target, b)
 
 
@@ -464,7 +472,7 @@ def conv2d_bwd_data(g, w, *, out, stride, pad, size, groups=1, workspace=None, g
     if over and ((stride != 1 and not one) or contract.pointwise_conv(kh, kw, stride, pad)):
         return over_samples(lambda s, e, gs, os, ws: conv2d_bwd_data(
             gs, w, out=os, stride=stride, pad=pad, size=size, workspace=ws, gemm=gemm, native=native), g, out,
-            workspace)
+            workspace, native)
     w2t = w.reshape(o, c * kh * kw).T
     if contract.pointwise_conv(kh, kw, stride, pad):
         if contract.one_product(ho * wo, pointwise=(o, c)):
@@ -562,7 +570,8 @@ def _grouped_conv2d_bwd_data(g, w, out, stride, pad, size, groups, workspace, pa
     over the bytes of `g` runs sample chunks in a safe order (`over_samples`)."""
     if takes_over(g, out):
         return over_samples(lambda s, e, gs, os, ws: _grouped_conv2d_bwd_data(gs, w, os, stride, pad, size, groups,
-                                                                              ws, passes), g, out, workspace)
+                                                                              ws, passes), g, out, workspace,
+                           passes)
     n, o, ho, wo = g.shape
     _, ci, kh, kw = w.shape
     c, co, hw = ci * groups, o // groups, ho * wo
@@ -636,12 +645,12 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
             gemm(cols.reshape(ckk, -1), gt.reshape(o, -1).T, out=by_rows)
             if acc is None:
                 dead = gt.reshape(-1)[:ckk * o].reshape(ckk, o)
-                np.copyto(dead, by_rows)
+                copy(by_rows, dead, native)
                 by_rows = dead
             if s:
                 np.add(out2, by_rows.T, out=out2)
             else:
-                np.copyto(out2, by_rows.T)
+                passes.swap01(by_rows.reshape(ckk, o, 1), out2.reshape(o, ckk, 1))
             continue
         target = out2 if s == 0 else acc
         if groups > 1:
@@ -649,7 +658,7 @@ def conv2d_bwd_filter(g, x, *, out, stride, pad, kernel, groups=1, workspace=Non
                  out=target)
         else:
             gemm(gt.reshape(o, -1), cols.reshape(ckk, -1).T, out=target)
-        if s:
+        if s and (native is None or not native.accumulate(acc, out2)):
             np.add(out2, acc, out=out2)
 
 

@@ -108,8 +108,8 @@ def ew_sum(kernel, out, *args, shape, workspace=None, native=None):
         cut = [a[s:e] if chunked and isinstance(a, np.ndarray) and a.ndim == len(full) and a.shape[0] == n else a
                for a in args]
         ew(kernel, chunk, *cut, native=native)
-        sum_to(chunk, out=out if s == 0 else part, shape=shape)
-        if s:
+        sum_to(chunk, out=out if s == 0 else part, shape=shape, native=native)
+        if s and (native is None or not native.accumulate(part, out)):
             np.add(out, part, out=out)
 
 

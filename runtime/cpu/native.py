@@ -402,6 +402,13 @@ class Native:
         self._swap_axes = getattr(lib, "deepdsl_swap_axes", None)
         if self._swap_axes is not None:
             self._swap_axes.argtypes = [_P, _L, _L, _L, _L, _L, _P]
+        # (nor the plain copies and padded planes of the kernels' Python)
+        self._copy = getattr(lib, "deepdsl_copy", None)
+        self._pad_planes = getattr(lib, "deepdsl_pad_planes", None)
+        self._accumulate = getattr(lib, "deepdsl_accumulate", None)
+        if self._copy is not None:
+            self._copy.argtypes = self._accumulate.argtypes = [_P, _L, _P]
+            self._pad_planes.argtypes = [_P, _L, _L, _L, _L, _P]
         # (nor dropout's masks)
         self._bernoulli = getattr(lib, "deepdsl_bernoulli", None)
         if self._bernoulli is not None:
@@ -695,6 +702,32 @@ class Native:
         shape = src.shape
         self._swap_axes(_address(src), math.prod(shape[:i]), shape[i], math.prod(shape[i + 1:j]), shape[j],
                         math.prod(shape[j + 1:]), _address(dst))
+        return True
+
+    def copy(self, src: np.ndarray, dst: np.ndarray) -> bool:
+        """dst = src, arrays of one size apart, contiguous float32 (`deepdsl_copy`: on the kernels' threads, and a
+        call a step's replay makes again where numpy's copy would be the op's Python); False (nothing written) for
+        other arrays."""
+        if self._copy is None or src.size != dst.size or not _contiguous32(src, dst):
+            return False
+        self._copy(_address(src), src.size, _address(dst))
+        return True
+
+    def accumulate(self, src: np.ndarray, dst: np.ndarray) -> bool:
+        """dst += src, arrays of one size apart, contiguous float32 (`deepdsl_accumulate`: numpy's float32 sums, on
+        the kernels' threads); False (nothing written) for other arrays."""
+        if self._accumulate is None or src.size != dst.size or not _contiguous32(src, dst):
+            return False
+        self._accumulate(_address(src), src.size, _address(dst))
+        return True
+
+    def pad_planes(self, x: np.ndarray, pad: int, out: np.ndarray) -> bool:
+        """out (..., H + 2 pad, W + 2 pad) = x (..., H, W) with `pad` zeros around each plane
+        (`deepdsl_pad_planes`); False (nothing written) for arrays not contiguous float32."""
+        if self._pad_planes is None or not _contiguous32(x, out):
+            return False
+        h, w = x.shape[-2:]
+        self._pad_planes(_address(x), x.size // max(h * w, 1), h, w, pad, _address(out))
         return True
 
     def depthwise(self, op: str, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, out: np.ndarray,

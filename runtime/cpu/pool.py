@@ -54,7 +54,7 @@ def max_pool(x, *, out, kernel, stride, pad=0, ceil=False, argmax=None, workspac
     if takes_over(x, out):
         return over_samples(lambda s, e, xs, os, ws: max_pool(
             xs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil,
-            argmax=None if argmax is None else argmax[s:e], workspace=ws, native=native), x, out, workspace)
+            argmax=None if argmax is None else argmax[s:e], workspace=ws, native=native), x, out, workspace, native)
     if native is not None and _contiguous(x, out, argmax):
         return native.max_pool(x, out, argmax, kernel, stride, pad, workspace)
     ho, wo = out.shape[2:]
@@ -121,7 +121,7 @@ def max_pool_bwd(g, argmax, *, out, kernel, stride, pad=0, ceil=False, size, wor
     if takes_over(g, out):
         return over_samples(lambda s, e, gs, os, ws: max_pool_bwd(
             gs, argmax[s:e], out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, size=size, workspace=ws,
-            native=native), g, out, workspace)
+            native=native), g, out, workspace, native)
     if native is not None and _contiguous(g, argmax, out):
         return native.max_pool_bwd(g, argmax, out, kernel, stride, pad)
     ho, wo = g.shape[2:]

@@ -129,10 +129,17 @@ def _stage_floats(x: np.ndarray, out: np.ndarray) -> int:
     return contract.stage_floats(x.nbytes, out.nbytes, x.shape[0])
 
 
-def over_samples(run, x: np.ndarray, out: np.ndarray, workspace: np.ndarray | None) -> None:
+def copy(src: np.ndarray, dst: np.ndarray, native=None) -> None:
+    """dst = src: by `native`'s copy (the compiled kernels', `Native.copy`) where it takes the arrays, else numpy's."""
+    if native is None or not native.copy(src, dst):
+        np.copyto(dst, src)
+
+
+def over_samples(run, x: np.ndarray, out: np.ndarray, workspace: np.ndarray | None, native=None) -> None:
     """Run a per-sample op, `run(start, stop, x_chunk, out_chunk, workspace)`, whose output takes over the bytes of
     its input `x`, chunk by chunk in a safe order (`safe_chunks`), each call on non-overlapping memory. A staged
-    sample runs into (shrinking) or from (growing) one sample of scratch at the end of the workspace."""
+    sample runs into (shrinking) or from (growing) one sample of scratch at the end of the workspace, copied by
+    `native` (`copy`) where given."""
     n = x.shape[0]
     bi, bo = x.nbytes // n, out.nbytes // n
     count = _stage_floats(x, out)
@@ -148,8 +155,8 @@ def over_samples(run, x: np.ndarray, out: np.ndarray, workspace: np.ndarray | No
         elif bo <= bi:
             result = stage.view(out.dtype)[:out[0].size].reshape((1,) + out.shape[1:])
             run(s, e, x[s:e], result, inner)
-            np.copyto(out[s:e], result)
+            copy(result, out[s:e], native)
         else:
             source = stage.view(x.dtype)[:x[0].size].reshape((1,) + x.shape[1:])
-            np.copyto(source, x[s:e])
+            copy(x[s:e], source, native)
             run(s, e, source, out[s:e], inner)

@@ -15,14 +15,19 @@ def _reduced_axes(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]
 
 def sum_to(x, *, out, shape, native=None):
     """Sum x down to `shape` (the inverse of broadcasting). Per channel ((N, C, H, W) to (1, C, 1, 1)), over every
-    axis but the last ((..., D) to (D,): a bias's gradient) and over the last ((..., D) to (..., 1): a layer norm's)
-    with `native`, the program's compiled kernels sum (`Native.channel_sum`, on their threads)."""
+    axis but the last ((..., D) to (D,): a bias's gradient), over the last ((..., D) to (..., 1): a layer norm's) and
+    over the planes ((N, C, H, W) to (N, C, 1, 1)) with `native`, the program's compiled kernels sum
+    (`Native.channel_sum`, on their threads)."""
     if x.shape == tuple(shape):
         np.copyto(out, x)
         return
     if native is not None and x.ndim >= 2 and (tuple(shape)[-1:] == x.shape[-1:] and math.prod(shape) == x.shape[-1]
                                                or tuple(shape) == x.shape[:-1] + (1,)) and native.channel_sum(x, out):
         return
+    if native is not None and x.ndim > 3 and tuple(shape) == x.shape[:2] + (1,) * (x.ndim - 2) and \
+            x.flags.c_contiguous and native.channel_sum(x.reshape(x.shape[:2] + (-1,)),
+                                                        out.reshape(x.shape[:2] + (1,))):
+        return          # (the planes of each sample and channel: squeeze-and-excitation's pooling and its gradient)
     if x.ndim == 4 and tuple(shape) == (1, x.shape[1], 1, 1) and x.shape[2] * x.shape[3] > 1:
         if native is not None and native.channel_sum(x, out):
             return

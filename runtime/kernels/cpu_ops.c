@@ -217,6 +217,46 @@ void deepdsl_swap_axes(const float* src, long p, long a, long m, long b, long r,
                                         src + (((pi * a + ai) * m + mi) * b + bi) * r, r);
 }
 
+// dst[k] = src[k] for k < n, the arrays apart: the copies a kernel's Python makes around the library's calls (a
+// sample staged through scratch, a product moved before its regrouping), on the kernels' threads in parts of
+// DEEPDSL_COPY_PART floats.
+#define DEEPDSL_COPY_PART 16384
+void deepdsl_copy(const float* src, long n, float* dst) {
+    const long parts = (n + DEEPDSL_COPY_PART - 1) / DEEPDSL_COPY_PART;
+#pragma omp parallel for schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
+    for (long p = 0; p < parts; ++p) {
+        const long start = p * DEEPDSL_COPY_PART, end = start + DEEPDSL_COPY_PART < n ? start + DEEPDSL_COPY_PART : n;
+        memcpy(dst + start, src + start, sizeof(float) * (end - start));
+    }
+}
+
+// dst[k] += src[k] for k < n, the arrays apart (a chunk's filter gradient added to the sum of the chunks before),
+// as deepdsl_copy's parts.
+void deepdsl_accumulate(const float* src, long n, float* dst) {
+    const long parts = (n + DEEPDSL_COPY_PART - 1) / DEEPDSL_COPY_PART;
+#pragma omp parallel for schedule(static) if (n >= DEEPDSL_PARALLEL_MIN)
+    for (long p = 0; p < parts; ++p) {
+        const long start = p * DEEPDSL_COPY_PART, end = start + DEEPDSL_COPY_PART < n ? start + DEEPDSL_COPY_PART : n;
+        deepdsl_add_floats(dst + start, src + start, end - start);
+    }
+}
+
+// out (planes, h + 2 pad, w + 2 pad) = the h x w planes of x with `pad` zeros around each (a thin layer's input
+// padded for its filter gradient), a plane per thread at a time.
+void deepdsl_pad_planes(const float* x, long planes, long h, long w, long pad, float* out) {
+    const long wp = w + 2 * pad, plane = (h + 2 * pad) * wp;
+#pragma omp parallel for schedule(static) if (planes * plane >= DEEPDSL_PARALLEL_MIN)
+    for (long k = 0; k < planes; ++k) {
+        float* to = out + k * plane;
+        memset(to, 0, sizeof(float) * (pad * wp + pad));
+        for (long y = 0; y < h; ++y) {
+            deepdsl_copy_floats(to + (y + pad) * wp + pad, x + (k * h + y) * w, w);
+            // (the right margin of this row and the left margin of the next: 2 pad floats, or the last rows')
+            memset(to + (y + pad) * wp + pad + w, 0, sizeof(float) * (y + 1 < h ? 2 * pad : pad + pad * wp));
+        }
+    }
+}
+
 // x[s][c][k] += bias[c] for s < n, c < channels, k < inner (a convolution's bias).
 void deepdsl_add_bias(float* x, long n, long channels, long inner, const float* bias) {
 #pragma omp parallel for collapse(2) schedule(static) if (n * channels * inner >= DEEPDSL_PARALLEL_MIN)
