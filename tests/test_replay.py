@@ -176,3 +176,28 @@ def test_the_replay_benchmark_runs():
     assert len(rows) == 1 and rows[0][1] == "1" and rows[0][-1] == "yes", done.stdout
     assert all(float(v) > 0 for v in rows[0][2:6]), done.stdout
     assert "mlp:8, 1 thread(s): step replay on: " in done.stdout, done.stdout
+
+
+@needs_cc
+def test_the_thread_scaling_benchmark_runs():
+    """benchmarks/thread_scaling.py end to end at a tiny size: both models' times, their speed-up, the ceiling's
+    three speed-ups (benchmarks/two_threads_ceiling.c built and run) and the step's share of the largest, and both
+    models replayed without recording again."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.program_helpers import ROOT
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "thread_scaling.py"), "mlp:8", "--rounds", "1",
+                           "--steps", "2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    row = re.search(r"^ +mlp:8 +([\d.]+) +([\d.]+) +([\d.]+)x +([\d.]+)x / ([\d.]+)x / ([\d.]+)x +(\d+)%$",
+                    done.stdout, re.M)
+    assert row is not None, done.stdout
+    one, two, speed_up, *limits, share = map(float, row.groups())
+    assert one > 0 and two > 0 and all(limit > 0 for limit in limits), done.stdout
+    # (one round: the speed-up is its own ratio, each time printed to two decimals)
+    assert (one - 0.005) / (two + 0.005) - 0.005 <= speed_up <= (one + 0.005) / (two - 0.005) + 0.005, done.stdout
+    assert abs(share - 100 * speed_up / max(limits)) <= 1 + speed_up / max(limits), done.stdout
+    assert re.search(r"step replay at 1 / 2 threads: on: .* / on: ", done.stdout), done.stdout
