@@ -302,6 +302,62 @@ def test_pooling_over_its_own_input(lib, kernel, stride, pad):
     np.testing.assert_allclose(grows.reshape(x.shape), want_dx, rtol=1e-6, atol=1e-6)
 
 
+@needs_cc
+@settings(max_examples=40, deadline=None)
+@given(geometry=pool_geometries(9), n=st.integers(1, 3), c=st.integers(1, 3), include_pad=st.booleans(),
+       seed=st.integers(0, 99))
+def test_average_pooling_and_its_gradient_equal_numpy_bit_for_bit(lib, geometry, n, c, include_pad, seed):
+    """Average pooling and its gradient compiled (`Native.avg_pool`, `avg_pool_bwd`) against numpy's on random
+    geometries (padding, ceil mode, overlapping and disjoint windows, the padding counted or not), with -0.0 and a
+    NaN among the values, into NaN-filled outputs under NaN-filled workspaces of exactly their planned size: the
+    same bits (the same additions in the same order, the same divisions)."""
+    h, w, k, stride, pad, ceil = (geometry[key] for key in ("h", "w", "kernel", "stride", "pad", "ceil"))
+    ho, wo = contract.out_size(h, k, stride, pad, ceil), contract.out_size(w, k, stride, pad, ceil)
+    rng = np.random.default_rng(seed)
+    x = _pool_input(n, c, h, w, rng)
+    g = _pool_input(n, c, ho, wo, rng)
+    attrs = dict(kernel=k, stride=stride, pad=pad, ceil=ceil, include_pad=include_pad)
+    results = []
+    for kernels in (None, lib):
+        out = np.full((n, c, ho, wo), np.nan, np.float32)
+        ws = np.full(max(contract.avg_pool_scratch(x.shape, out.shape, k, stride, pad) * n, 1), np.nan, np.float32)
+        pool.avg_pool(x, out=out, workspace=ws, native=kernels, **attrs)
+        dx = np.full(x.shape, np.nan, np.float32)
+        ws = np.full(max(contract.avg_pool_bwd_scratch(g.shape, x.shape, k, stride, pad) * n, 1), np.nan, np.float32)
+        pool.avg_pool_bwd(g, out=dx, size=(h, w), workspace=ws, native=kernels, **attrs)
+        results.append((out, dx))
+    (want, want_dx), (got, got_dx) = results
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(got_dx.view(np.uint32), want_dx.view(np.uint32))
+
+
+@needs_cc
+@pytest.mark.parametrize("kernel,stride,pad", [(4, 4, 0), (3, 2, 1), (2, 1, 0)])
+def test_average_pooling_over_its_own_input(lib, kernel, stride, pad):
+    """Global and strided average pooling and their gradients whose outputs take over their inputs' bytes, as the
+    memory plan lays them out: compiled, numpy's results bit for bit (an output larger than its input, the
+    gradient, runs its samples backward)."""
+    rng = np.random.default_rng(7)
+    n, c, h, w = 5, 3, 8, 8
+    ho, wo = contract.out_size(h, kernel, stride, pad), contract.out_size(w, kernel, stride, pad)
+    x, g = _pool_input(n, c, h, w, rng), _pool_input(n, c, ho, wo, rng)
+    want, want_dx = np.empty((n, c, ho, wo), np.float32), np.empty_like(x)
+    pool.avg_pool(x, out=want, kernel=kernel, stride=stride, pad=pad)
+    pool.avg_pool_bwd(g, out=want_dx, kernel=kernel, stride=stride, pad=pad, size=(h, w))
+    stage = contract.stage_floats(x.nbytes, want.nbytes, n)
+    arena = x.reshape(-1).copy()
+    planned = contract.avg_pool_scratch(x.shape, want.shape, kernel, stride, pad) * n + stage
+    pool.avg_pool(arena.reshape(x.shape), out=arena[:want.size].reshape(want.shape), kernel=kernel, stride=stride,
+                  pad=pad, workspace=np.full(planned, np.nan, np.float32), native=lib)
+    np.testing.assert_array_equal(arena[:want.size].reshape(want.shape), want)
+    grows = np.full(x.size, np.nan, np.float32)
+    grows[:g.size] = g.reshape(-1)
+    planned = contract.avg_pool_bwd_scratch(g.shape, x.shape, kernel, stride, pad) * n + stage
+    pool.avg_pool_bwd(grows[:g.size].reshape(g.shape), out=grows.reshape(x.shape), kernel=kernel, stride=stride,
+                      pad=pad, size=(h, w), workspace=np.full(planned, np.nan, np.float32), native=lib)
+    np.testing.assert_array_equal(grows.reshape(x.shape), want_dx)
+
+
 def _operands(pattern, shape, rng):
     """Operands of each letter (`contract.operand_letter`) for an output of `shape`."""
     channel = (1, shape[1]) + (1,) * (len(shape) - 2)

@@ -63,7 +63,7 @@ __all__ = [
 DEVICE = "cpu"
 _PRODUCTS = ("matmul", "conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "attention", "attention_grad")
 _COMPILED = ("conv2d", "conv2d_bwd_data", "conv2d_bwd_filter", "layer_norm", "layer_norm_grad",
-             "layer_norm_param_grad", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax",
+             "layer_norm_param_grad", "lrn", "lrn_bwd", "max_pool", "max_pool_argmax", "avg_pool", "avg_pool_bwd",
              "max_pool_bwd", "ew", "ew_and_sum", "ew_many", "ew_pair", "ew_sum", "sum_to", "gather_rows",
              "scatter_rows",
              "label_rank", "equal", "attention", "attention_grad", "bernoulli", "matmul",

@@ -320,6 +320,11 @@ class Native:
         lib.deepdsl_shifted_sums.argtypes = [_P, _L, _P, _L, _L, _L, _L, _L, _L, _L, _L, _L, _P]
         lib.deepdsl_max_pool.argtypes = [_P, _L, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I]
         lib.deepdsl_max_pool_bwd.argtypes = [_P, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P]
+        # (nor average pooling)
+        self._avg_pool = getattr(lib, "deepdsl_avg_pool", None)
+        self._avg_pool_bwd = getattr(lib, "deepdsl_avg_pool_bwd", None)
+        if self._avg_pool is not None:
+            self._avg_pool.argtypes = self._avg_pool_bwd.argtypes = [_P, _L] + [_I] * 8 + [_P]
         lib.deepdsl_lrn.argtypes = [_P, _L, _L, _L, _I, _F, _F, _F, _P, _P]
         lib.deepdsl_lrn_bwd.argtypes = [_P, _P, _L, _L, _L, _I, _F, _F, _F, _F, _F, _P, _P, _P]
         lib.deepdsl_layer_norm.argtypes = [_P, _P, _P, _L, _L, _F, _P]
@@ -1078,6 +1083,27 @@ class Native:
         h, w = out.shape[2:]
         self.lib.deepdsl_max_pool_bwd(_address(g), _address(argmax), n * c, h, w, ho, wo, kernel, stride, pad,
                                       _address(out))
+
+    def avg_pool(self, x: np.ndarray, out: np.ndarray, kernel: int, stride: int, pad: int,
+                 include_pad: bool) -> bool:
+        """Average pooling of contiguous float32 arrays into `out` (`deepdsl_avg_pool`: numpy's additions and
+        divisions, a plane per thread); False (nothing written) for other arrays."""
+        if self._avg_pool is None or not _contiguous32(x, out):
+            return False
+        n, c, h, w = x.shape
+        self._avg_pool(_address(x), n * c, h, w, *out.shape[2:], kernel, stride, pad, include_pad, _address(out))
+        return True
+
+    def avg_pool_bwd(self, g: np.ndarray, out: np.ndarray, kernel: int, stride: int, pad: int,
+                     include_pad: bool) -> bool:
+        """The gradient of average pooling, of contiguous float32 arrays (`deepdsl_avg_pool_bwd`); False (nothing
+        written) for other arrays."""
+        if self._avg_pool_bwd is None or not _contiguous32(g, out):
+            return False
+        n, c, ho, wo = g.shape
+        self._avg_pool_bwd(_address(g), n * c, *out.shape[2:], ho, wo, kernel, stride, pad, include_pad,
+                           _address(out))
+        return True
 
     # local response normalization -----------------------------------------------------------------------------
 

@@ -158,12 +158,15 @@ def avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad) -> np.ndarray
     return contract.avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad).astype(_F32)
 
 
-def avg_pool(x, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, workspace=None):
-    """Mean of each window. `out` may take over the bytes of `x` (same start): samples then run in a safe order."""
+def avg_pool(x, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, workspace=None, native=None):
+    """Mean of each window. `out` may take over the bytes of `x` (same start): samples then run in a safe order.
+    With `native`, one compiled pass (the same additions and divisions in the same order)."""
     if takes_over(x, out):
         return over_samples(lambda s, e, xs, os, ws: avg_pool(
-            xs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, include_pad=include_pad, workspace=ws),
-            x, out, workspace)
+            xs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, include_pad=include_pad, workspace=ws,
+            native=native), x, out, workspace, native)
+    if native is not None and native.avg_pool(x, out, kernel, stride, pad, include_pad):
+        return
     ho, wo = out.shape[2:]
     divisor = avg_pool_divisor(x.shape[2:], kernel, stride, pad, ceil, include_pad)
     padded = contract.avg_pool_scratch(x.shape, out.shape, kernel, stride, pad)
@@ -178,13 +181,16 @@ def avg_pool(x, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, wor
         np.divide(part, divisor, out=part)
 
 
-def avg_pool_bwd(g, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, size, workspace=None):
+def avg_pool_bwd(g, *, out, kernel, stride, pad=0, ceil=False, include_pad=True, size, workspace=None,
+                 native=None):
     """Each window's mean gradient spread over the window. `out` may take over the bytes of `g` (same start):
-    samples then run in a safe order."""
+    samples then run in a safe order. With `native`, one compiled pass (the same operations in the same order)."""
     if takes_over(g, out):
         return over_samples(lambda s, e, gs, os, ws: avg_pool_bwd(
             gs, out=os, kernel=kernel, stride=stride, pad=pad, ceil=ceil, include_pad=include_pad, size=size,
-            workspace=ws), g, out, workspace)
+            workspace=ws, native=native), g, out, workspace, native)
+    if native is not None and native.avg_pool_bwd(g, out, kernel, stride, pad, include_pad):
+        return
     ho, wo = g.shape[2:]
     h, w = size
     divisor = avg_pool_divisor(size, kernel, stride, pad, ceil, include_pad)

@@ -857,6 +857,79 @@ void deepdsl_max_pool_bwd(const float* g, const uint8_t* argmax, long planes, in
                                    out + pl * h * w);
 }
 
+// Average pooling (runtime/cpu/pool.py's avg_pool and avg_pool_bwd, the same float32 operations in the same
+// order): out (planes, ho, wo) = each kernel x kernel window of x (planes, h, w) at `stride`, with `pad` zeros around
+// (and past the far edges, in ceil mode), its values added from position (0, 0) row by row, the padding's zeros
+// among them, divided by the window's count (`contract.avg_pool_divisor`: deepdsl_pool_count). A thread owns whole
+// planes.
+
+// The positions of window `o` along an axis of n that an average divides by: the window clipped to the padded
+// axis, or with `include_pad` 0 to the axis itself.
+static inline int deepdsl_pool_count(int o, int n, int kernel, int stride, int pad, int include_pad) {
+    const int start = o * stride - pad, end = start + kernel < n + pad ? start + kernel : n + pad;
+    return include_pad ? end - start : (end < n ? end : n) - (start > 0 ? start : 0);
+}
+
+void deepdsl_avg_pool(const float* x, long planes, int h, int w, int ho, int wo, int kernel, int stride, int pad,
+                      int include_pad, float* out) {
+#pragma omp parallel for schedule(static) if (planes * ho * wo * kernel * kernel >= DEEPDSL_PARALLEL_MIN)
+    for (long p = 0; p < planes; ++p) {
+        const float* src = x + p * h * w;
+        float* dst = out + p * ho * wo;
+        for (int oy = 0; oy < ho; ++oy) {
+            const int rows = deepdsl_pool_count(oy, h, kernel, stride, pad, include_pad);
+            for (int ox = 0; ox < wo; ++ox) {
+                float sum = 0.0f;
+                for (int i = 0; i < kernel; ++i) {
+                    const int y = oy * stride + i - pad;
+                    for (int j = 0; j < kernel; ++j) {
+                        const int xx = ox * stride + j - pad;
+                        const float v = y >= 0 && y < h && xx >= 0 && xx < w ? src[(long)y * w + xx] : 0.0f;
+                        sum = i == 0 && j == 0 ? v : sum + v;
+                    }
+                }
+                dst[oy * wo + ox] = sum / (float)(rows * deepdsl_pool_count(ox, w, kernel, stride, pad, include_pad));
+            }
+        }
+    }
+}
+
+// The gradient of deepdsl_avg_pool: out (planes, h, w) gets each window's share, g / its count, at every position
+// of the window; where windows overlap (stride < kernel) the shares are added from zero in the order of the
+// windows' positions (i, j) row by row, else each position takes the share of the one window covering it (or
+// zero). A thread owns whole planes.
+void deepdsl_avg_pool_bwd(const float* g, long planes, int h, int w, int ho, int wo, int kernel, int stride, int pad,
+                          int include_pad, float* out) {
+#define DEEPDSL_POOL_SHARE(oy, ox) \
+    (gp[(oy) * wo + (ox)] / (float)(deepdsl_pool_count(oy, h, kernel, stride, pad, include_pad) * \
+                                    deepdsl_pool_count(ox, w, kernel, stride, pad, include_pad)))
+#pragma omp parallel for schedule(static) if (planes * h * w * kernel * kernel >= DEEPDSL_PARALLEL_MIN)
+    for (long p = 0; p < planes; ++p) {
+        const float* gp = g + p * ho * wo;
+        float* dst = out + p * h * w;
+        for (int y = 0; y < h; ++y)
+            for (int xx = 0; xx < w; ++xx) {
+                const int yp = y + pad, xp = xx + pad;
+                float v = 0.0f;
+                if (stride >= kernel) {
+                    const int oy = yp / stride, ox = xp / stride;
+                    if (yp % stride < kernel && oy < ho && xp % stride < kernel && ox < wo)
+                        v = DEEPDSL_POOL_SHARE(oy, ox);
+                } else {
+                    for (int i = 0; i < kernel; ++i) {
+                        if (yp < i || (yp - i) % stride != 0 || (yp - i) / stride >= ho) continue;
+                        for (int j = 0; j < kernel; ++j) {
+                            if (xp < j || (xp - j) % stride != 0 || (xp - j) / stride >= wo) continue;
+                            v += DEEPDSL_POOL_SHARE((yp - i) / stride, (xp - j) / stride);
+                        }
+                    }
+                }
+                dst[(long)y * w + xx] = v;
+            }
+    }
+#undef DEEPDSL_POOL_SHARE
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // rows of a table by index (token embeddings) and their gradient
 
