@@ -1,5 +1,5 @@
-"""Dropout's masks, the weight gradients' products, the attention heads' transposes, attention of small heads and
-the sums of a bias's gradient on the compiled kernels, against what ran before them.
+"""Dropout's masks, the weight gradients' products, the attention heads' transposes, attention of small heads, the
+sums of a bias's gradient and global average pooling on the compiled kernels, against what ran before them.
 
     python benchmarks/small_kernels.py [--threads 1 2] [--rounds 5] [--calls 40] [--isa native|avx2] [--markdown]
 
@@ -16,7 +16,10 @@ Attention: the forward and the gradient of the ViT's heads (64 x 4 units of 16 t
 dropped (32 x 4 units of 64 causal tokens of 16 features), by the compiled row passes between BLAS products on blocks of
 units, and weighed whole unit by unit (`deepdsl_attention_units`, where `contract.attention_in_units` takes them; within
 float32 rounding). Sums: a (1024, 64) and a (2048, 128) gradient summed to its bias, by numpy and by the compiled kernel
-(`Native.channel_sum`, each column a channel; within float32 rounding). The library is built from the program of
+(`Native.channel_sum`, each column a channel; within float32 rounding). Pooling: global average pooling and its
+gradient of MobileNet-v2's last features (16 x 1280 at 4x4, the network at 112x112) and ResNet-50's (8 and 32 x 2048
+at 7x7, at 224x224), by numpy and by the compiled kernels (`Native.avg_pool`, `avg_pool_bwd`: the same bits). The
+library is built from the program of
 networks/char_lm.py in a temporary directory. For each thread count, `--rounds` rounds alternate the two sides of each
 case, `--calls` calls each; printed: the median milliseconds of a call over all calls, the ratio (before / after: above
 1, faster now), a check that both sides agree (the same bytes; the products within float32 rounding), the processor's
@@ -53,6 +56,7 @@ TRANSPOSES = [(64, 16, 4, 16), (64, 4, 16, 16), (32, 64, 4, 16)]                
 ATTENTION = [((64, 4), 16, 16, False, None), ((32, 4), 16, 16, True, 0.9),       # (units, tokens, features, causal,
              ((32, 4), 64, 16, True, None), ((32, 4), 64, 16, True, 0.9)]      # keep)
 BIAS_SUMS = [(1024, 64), (2048, 128)]                                            # (rows, columns) to (columns,)
+GLOBAL_POOLS = [(16, 1280, 4), (8, 2048, 7), (32, 2048, 7)]                       # (samples, channels, plane side)
 
 
 class _InBlocks:
@@ -103,7 +107,7 @@ def _product(kernels, a, b, out, workspace) -> None:
 def _cases(lib):
     """(name, before, after, agree) for each case: two calls and a check of their results."""
     from deepdsl_runtime import contract, cpu
-    from deepdsl_runtime.cpu import masks, native, shape as shapes
+    from deepdsl_runtime.cpu import masks, native, pool, shape as shapes
 
     rng = np.random.default_rng(0)
     drawn = [np.empty(MASK, np.uint8) for _ in range(2)]
@@ -161,6 +165,18 @@ def _cases(lib):
             return np.allclose(outs[0], outs[1], rtol=0, atol=np.sqrt(rows) * 1e-6 * np.abs(outs[0]).max())
         cases.append((f"bias sum {rows}x{columns}", lambda x=x, o=outs[0]: shapes.sum_to(x, out=o, shape=o.shape),
                       lambda x=x, o=outs[1]: shapes.sum_to(x, out=o, shape=o.shape, native=lib), agree))
+    for n, c, side in GLOBAL_POOLS:
+        x = rng.standard_normal((n, c, side, side)).astype(np.float32)
+        g = rng.standard_normal((n, c, 1, 1)).astype(np.float32)
+        outs = [(np.empty_like(g), np.empty_like(x)) for _ in range(2)]
+
+        def average(kernels, out, x=x, g=g, side=side):
+            pool.avg_pool(x, out=out[0], kernel=side, stride=side, native=kernels)
+            pool.avg_pool_bwd(g, out=out[1], kernel=side, stride=side, size=(side, side), native=kernels)
+        cases.append((f"global average pool {n}x{c}x{side}x{side}", lambda o=outs[0], a=average: a(None, o),
+                      lambda o=outs[1], a=average: a(lib, o),
+                      lambda outs=outs: all(np.array_equal(a.view(np.uint32), b.view(np.uint32))
+                                            for a, b in zip(*outs))))
     return cases
 
 

@@ -332,15 +332,16 @@ def test_average_pooling_and_its_gradient_equal_numpy_bit_for_bit(lib, geometry,
 
 
 @needs_cc
-@pytest.mark.parametrize("kernel,stride,pad", [(4, 4, 0), (3, 2, 1), (2, 1, 0)])
+@pytest.mark.parametrize("kernel,stride,pad", [(8, 8, 0), (8, 1, 0), (4, 4, 0), (3, 2, 1), (2, 1, 0)])
 def test_average_pooling_over_its_own_input(lib, kernel, stride, pad):
-    """Global and strided average pooling and their gradients whose outputs take over their inputs' bytes, as the
-    memory plan lays them out: compiled, numpy's results bit for bit (an output larger than its input, the
-    gradient, runs its samples backward)."""
+    """Global (a window of the whole 8 x 8 plane) and strided average pooling and their gradients whose outputs take
+    over their inputs' bytes, as the memory plan lays them out: compiled, numpy's results bit for bit (an output
+    larger than its input, the gradient, runs its samples backward)."""
     rng = np.random.default_rng(7)
     n, c, h, w = 5, 3, 8, 8
     ho, wo = contract.out_size(h, kernel, stride, pad), contract.out_size(w, kernel, stride, pad)
     x, g = _pool_input(n, c, h, w, rng), _pool_input(n, c, ho, wo, rng)
+    x.reshape(-1)[1], g.reshape(-1)[1] = -0.0, -0.0      # (a window's sum of -0.0 and its share: signs kept or not)
     want, want_dx = np.empty((n, c, ho, wo), np.float32), np.empty_like(x)
     pool.avg_pool(x, out=want, kernel=kernel, stride=stride, pad=pad)
     pool.avg_pool_bwd(g, out=want_dx, kernel=kernel, stride=stride, pad=pad, size=(h, w))
@@ -349,13 +350,13 @@ def test_average_pooling_over_its_own_input(lib, kernel, stride, pad):
     planned = contract.avg_pool_scratch(x.shape, want.shape, kernel, stride, pad) * n + stage
     pool.avg_pool(arena.reshape(x.shape), out=arena[:want.size].reshape(want.shape), kernel=kernel, stride=stride,
                   pad=pad, workspace=np.full(planned, np.nan, np.float32), native=lib)
-    np.testing.assert_array_equal(arena[:want.size].reshape(want.shape), want)
+    np.testing.assert_array_equal(arena[:want.size].view(np.uint32), want.reshape(-1).view(np.uint32))
     grows = np.full(x.size, np.nan, np.float32)
     grows[:g.size] = g.reshape(-1)
     planned = contract.avg_pool_bwd_scratch(g.shape, x.shape, kernel, stride, pad) * n + stage
     pool.avg_pool_bwd(grows[:g.size].reshape(g.shape), out=grows.reshape(x.shape), kernel=kernel, stride=stride,
                       pad=pad, size=(h, w), workspace=np.full(planned, np.nan, np.float32), native=lib)
-    np.testing.assert_array_equal(grows.reshape(x.shape), want_dx)
+    np.testing.assert_array_equal(grows.view(np.uint32), want_dx.reshape(-1).view(np.uint32))
 
 
 def _operands(pattern, shape, rng):

@@ -860,8 +860,11 @@ void deepdsl_max_pool_bwd(const float* g, const uint8_t* argmax, long planes, in
 // Average pooling (runtime/cpu/pool.py's avg_pool and avg_pool_bwd, the same float32 operations in the same
 // order): out (planes, ho, wo) = each kernel x kernel window of x (planes, h, w) at `stride`, with `pad` zeros around
 // (and past the far edges, in ceil mode), its values added from position (0, 0) row by row, the padding's zeros
-// among them, divided by the window's count (`contract.avg_pool_divisor`: deepdsl_pool_count). A thread owns whole
-// planes.
+// among them, divided by the window's count (`contract.avg_pool_divisor`: deepdsl_pool_count). Planes go
+// DEEPDSL_POOL_LANES at a time, each its own chain of additions (a window's additions wait on one another); a
+// thread owns whole groups of them.
+#define DEEPDSL_POOL_LANES 8
+#define DEEPDSL_POOL_SHARES 512         /* outputs of a plane whose gradient's shares are computed once (16 KB) */
 
 // The positions of window `o` along an axis of n that an average divides by: the window clipped to the padded
 // axis, or with `include_pad` 0 to the axis itself.
@@ -870,64 +873,120 @@ static inline int deepdsl_pool_count(int o, int n, int kernel, int stride, int p
     return include_pad ? end - start : (end < n ? end : n) - (start > 0 ? start : 0);
 }
 
+// Whether the one window of a pooling covers each plane exactly (global pooling: kernel = h = w, no padding).
+static inline int deepdsl_pool_global(int h, int w, int ho, int wo, int kernel, int pad) {
+    return ho == 1 && wo == 1 && pad == 0 && kernel == h && kernel == w;
+}
+
 void deepdsl_avg_pool(const float* x, long planes, int h, int w, int ho, int wo, int kernel, int stride, int pad,
                       int include_pad, float* out) {
+    const long groups = (planes + DEEPDSL_POOL_LANES - 1) / DEEPDSL_POOL_LANES, hw = (long)h * w;
+    if (deepdsl_pool_global(h, w, ho, wo, kernel, pad)) {      // the plane's values in order, no bounds to test
+        const float count = (float)(deepdsl_pool_count(0, h, kernel, stride, pad, include_pad) *
+                                    deepdsl_pool_count(0, w, kernel, stride, pad, include_pad));
+#pragma omp parallel for schedule(static) if (planes * hw >= DEEPDSL_PARALLEL_MIN)
+        for (long group = 0; group < groups; ++group) {
+            const long p0 = group * DEEPDSL_POOL_LANES;
+            const int lanes = planes - p0 < DEEPDSL_POOL_LANES ? (int)(planes - p0) : DEEPDSL_POOL_LANES;
+            const float* src = x + p0 * hw;
+            float sums[DEEPDSL_POOL_LANES];
+            for (int l = 0; l < lanes; ++l) sums[l] = src[l * hw];
+            for (long k = 1; k < hw; ++k)
+                for (int l = 0; l < lanes; ++l) sums[l] += src[l * hw + k];
+            for (int l = 0; l < lanes; ++l) out[p0 + l] = sums[l] / count;
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) if (planes * ho * wo * kernel * kernel >= DEEPDSL_PARALLEL_MIN)
-    for (long p = 0; p < planes; ++p) {
-        const float* src = x + p * h * w;
-        float* dst = out + p * ho * wo;
+    for (long group = 0; group < groups; ++group) {
+        const long p0 = group * DEEPDSL_POOL_LANES;
+        const int lanes = planes - p0 < DEEPDSL_POOL_LANES ? (int)(planes - p0) : DEEPDSL_POOL_LANES;
+        const float* src = x + p0 * hw;
         for (int oy = 0; oy < ho; ++oy) {
             const int rows = deepdsl_pool_count(oy, h, kernel, stride, pad, include_pad);
             for (int ox = 0; ox < wo; ++ox) {
-                float sum = 0.0f;
+                float sums[DEEPDSL_POOL_LANES] = {0.0f};
                 for (int i = 0; i < kernel; ++i) {
                     const int y = oy * stride + i - pad;
                     for (int j = 0; j < kernel; ++j) {
                         const int xx = ox * stride + j - pad;
-                        const float v = y >= 0 && y < h && xx >= 0 && xx < w ? src[(long)y * w + xx] : 0.0f;
-                        sum = i == 0 && j == 0 ? v : sum + v;
+                        const int inside = y >= 0 && y < h && xx >= 0 && xx < w, first = i == 0 && j == 0;
+                        const long at = inside ? (long)y * w + xx : 0;
+                        for (int l = 0; l < lanes; ++l) {
+                            const float v = inside ? src[l * hw + at] : 0.0f;
+                            sums[l] = first ? v : sums[l] + v;
+                        }
                     }
                 }
-                dst[oy * wo + ox] = sum / (float)(rows * deepdsl_pool_count(ox, w, kernel, stride, pad, include_pad));
+                const float count = (float)(rows * deepdsl_pool_count(ox, w, kernel, stride, pad, include_pad));
+                for (int l = 0; l < lanes; ++l) out[(p0 + l) * ho * wo + oy * wo + ox] = sums[l] / count;
             }
         }
     }
 }
 
 // The gradient of deepdsl_avg_pool: out (planes, h, w) gets each window's share, g / its count, at every position
-// of the window; where windows overlap (stride < kernel) the shares are added from zero in the order of the
-// windows' positions (i, j) row by row, else each position takes the share of the one window covering it (or
-// zero). A thread owns whole planes.
+// of the window, as numpy's kernel spreads them: the plane zeroed, then for each window position (i, j) row by row
+// every window's share added at it (written, where windows do not overlap: stride >= kernel). Planes go
+// DEEPDSL_POOL_LANES at a time (a global pooling's plane has one window: a loop of its own would cost more than its
+// work), their shares computed once where a plane has at most DEEPDSL_POOL_SHARES outputs, else at each use; a
+// thread owns whole groups of planes.
 void deepdsl_avg_pool_bwd(const float* g, long planes, int h, int w, int ho, int wo, int kernel, int stride, int pad,
                           int include_pad, float* out) {
-#define DEEPDSL_POOL_SHARE(oy, ox) \
-    (gp[(oy) * wo + (ox)] / (float)(deepdsl_pool_count(oy, h, kernel, stride, pad, include_pad) * \
-                                    deepdsl_pool_count(ox, w, kernel, stride, pad, include_pad)))
-#pragma omp parallel for schedule(static) if (planes * h * w * kernel * kernel >= DEEPDSL_PARALLEL_MIN)
-    for (long p = 0; p < planes; ++p) {
-        const float* gp = g + p * ho * wo;
-        float* dst = out + p * h * w;
-        for (int y = 0; y < h; ++y)
-            for (int xx = 0; xx < w; ++xx) {
-                const int yp = y + pad, xp = xx + pad;
-                float v = 0.0f;
-                if (stride >= kernel) {
-                    const int oy = yp / stride, ox = xp / stride;
-                    if (yp % stride < kernel && oy < ho && xp % stride < kernel && ox < wo)
-                        v = DEEPDSL_POOL_SHARE(oy, ox);
-                } else {
-                    for (int i = 0; i < kernel; ++i) {
-                        if (yp < i || (yp - i) % stride != 0 || (yp - i) / stride >= ho) continue;
-                        for (int j = 0; j < kernel; ++j) {
-                            if (xp < j || (xp - j) % stride != 0 || (xp - j) / stride >= wo) continue;
-                            v += DEEPDSL_POOL_SHARE((yp - i) / stride, (xp - j) / stride);
-                        }
-                    }
-                }
-                dst[(long)y * w + xx] = v;
-            }
+    const int overlap = stride < kernel, kept = (long)ho * wo <= DEEPDSL_POOL_SHARES;
+    const long groups = (planes + DEEPDSL_POOL_LANES - 1) / DEEPDSL_POOL_LANES, hw = (long)h * w, howo = ho * wo;
+    if (deepdsl_pool_global(h, w, ho, wo, kernel, pad)) {      // one share over the whole plane
+        const float count = (float)(deepdsl_pool_count(0, h, kernel, stride, pad, include_pad) *
+                                    deepdsl_pool_count(0, w, kernel, stride, pad, include_pad));
+#pragma omp parallel for schedule(static) if (planes * hw >= DEEPDSL_PARALLEL_MIN)
+        for (long p = 0; p < planes; ++p) {
+            const float share = g[p] / count, value = overlap ? 0.0f + share : share;
+            for (long k = 0; k < hw; ++k) out[p * hw + k] = value;
+        }
+        return;
     }
-#undef DEEPDSL_POOL_SHARE
+#pragma omp parallel for schedule(static) if (planes * hw >= DEEPDSL_PARALLEL_MIN)
+    for (long group = 0; group < groups; ++group) {
+        const long p0 = group * DEEPDSL_POOL_LANES;
+        const int lanes = planes - p0 < DEEPDSL_POOL_LANES ? (int)(planes - p0) : DEEPDSL_POOL_LANES;
+        const float* gp = g + p0 * howo;
+        float* dst = out + p0 * hw;
+        float shares[DEEPDSL_POOL_LANES * DEEPDSL_POOL_SHARES];
+        for (int oy = 0; kept && oy < ho; ++oy) {
+            const int rows = deepdsl_pool_count(oy, h, kernel, stride, pad, include_pad);
+            for (int ox = 0; ox < wo; ++ox) {
+                const float count = (float)(rows * deepdsl_pool_count(ox, w, kernel, stride, pad, include_pad));
+                for (int l = 0; l < lanes; ++l) shares[l * howo + oy * wo + ox] = gp[l * howo + oy * wo + ox] / count;
+            }
+        }
+        memset(dst, 0, sizeof(float) * lanes * hw);
+        // (the share's expression chosen outside the loops: inside, gcc computed both and kept one)
+#define DEEPDSL_POOL_SPREAD(SHARE)                                                                      \
+        for (int i = 0; i < kernel; ++i)                                                                 \
+            for (int j = 0; j < kernel; ++j)                                                             \
+                for (int oy = 0; oy < ho; ++oy) {                                                        \
+                    const int y = oy * stride + i - pad;                                                 \
+                    if (y < 0 || y >= h) continue;                                                       \
+                    const float rows = (float)deepdsl_pool_count(oy, h, kernel, stride, pad, include_pad); \
+                    for (int ox = 0; ox < wo; ++ox) {                                                    \
+                        const int x = ox * stride + j - pad;                                             \
+                        if (x < 0 || x >= w) continue;                                                   \
+                        const long o = oy * wo + ox, at = (long)y * w + x;                               \
+                        for (int l = 0; l < lanes; ++l) {                                                \
+                            const float share = SHARE;                                                   \
+                            dst[l * hw + at] = overlap ? dst[l * hw + at] + share : share;               \
+                        }                                                                                \
+                    }                                                                                    \
+                    (void)rows;                                                                          \
+                }
+        if (kept) {
+            DEEPDSL_POOL_SPREAD(shares[l * howo + o])
+        } else {
+            DEEPDSL_POOL_SPREAD(gp[l * howo + o] /
+                                (rows * (float)deepdsl_pool_count(ox, w, kernel, stride, pad, include_pad)))
+        }
+#undef DEEPDSL_POOL_SPREAD
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
