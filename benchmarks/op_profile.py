@@ -15,9 +15,10 @@ timers). The load average is printed before and after. Idle threads
 sleep at once, as in the generated program (`deepdsl_runtime.idle_threads_sleep`).
 
 With two thread counts, what a second thread gains op by op: the steps alternate between them in one process (a
-step at each count per round, `--steps` rounds, each timed step after an untimed one at its count), and each op's median milliseconds at either count is printed with
-its speed-up and the milliseconds it loses against a perfect one (`lost`: its time at the larger count less its time
-at the smaller scaled by their ratio), the ops that lose most first; then the whole step's.
+step at each count per round, `--steps` rounds, each timed step after an untimed one at its count), and each op's
+median milliseconds at either count is printed with its speed-up and the milliseconds it loses against a perfect
+one (`lost`: its time at the larger count less its time at the smaller scaled by their ratio), the ops that lose
+most first; then the whole step's.
 
 The timers cost time of their own, and not the same for every program (they once added 30 ms a step to one
 ResNet-50 program's elementwise kernels and nothing to another's): `--steps-only` times whole steps without them,

@@ -55,7 +55,8 @@ def build_ceiling(directory: Path) -> Path:
 
 def ceiling(binary: Path) -> dict[str, float]:
     """The ceiling's speed-ups now, by kind (3 alternations of its work)."""
-    done = subprocess.run([str(binary), "3"], capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "passive"})
+    done = subprocess.run([str(binary), "3"], capture_output=True, text=True,
+                          env={**os.environ, "OMP_WAIT_POLICY": "passive"})
     ratios = [float(r) for r in re.findall(r": ([\d.]+)x$", done.stdout, re.M)]
     if done.returncode != 0 or len(ratios) != len(KINDS):
         raise SystemExit(f"thread_scaling: the ceiling printed {done.stdout!r}")

@@ -1087,7 +1087,7 @@ class Native:
     def avg_pool(self, x: np.ndarray, out: np.ndarray, kernel: int, stride: int, pad: int,
                  include_pad: bool) -> bool:
         """Average pooling of contiguous float32 arrays into `out` (`deepdsl_avg_pool`: numpy's additions and
-        divisions, a plane per thread); False (nothing written) for other arrays."""
+        divisions, groups of planes per thread); False (nothing written) for other arrays."""
         if self._avg_pool is None or not _contiguous32(x, out):
             return False
         n, c, h, w = x.shape
