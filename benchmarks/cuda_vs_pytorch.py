@@ -3,7 +3,7 @@ in PyTorch eager on the same GPU, side by side: milliseconds per step and peak d
 
     python benchmarks/cuda_vs_pytorch.py [--networks lenet alexnet] [--warmup 5] [--steps 20] [--memory-mode static]
                                          [--workspace-limit MIB] [--allow-tf32] [--cudnn-benchmark] [--kernels N]
-                                         [--json PATH]
+                                         [--batch N] [--json PATH]
 
 Needs pycuda, PyTorch with CUDA and a GPU. Each side of each network runs in a process of its own, so the device
 memory it reports is its own, on the same synthetic batches generated before timing (no data loading):
@@ -17,6 +17,8 @@ memory it reports is its own, on the same synthetic batches generated before tim
 - PyTorch: the same layers in eager mode (Conv2d, MaxPool2d(ceil_mode), LocalResponseNorm, Dropout, Linear,
   the network's loss), `torch.optim.SGD` with momentum, weight decay and the networks' per-layer multipliers
   (AlexNet's biases: twice the learning rate, no decay); a step is zero_grad, forward, backward, step, `loss.item()`.
+
+`--batch N` runs both sides of every network at batch N instead (a quick run, or the host emulator of a GPU).
 
 Float32 on both sides: TF32 tensor-core math is off in PyTorch unless --allow-tf32 (our GEMMs are cuBLAS SGEMM in
 full FP32). The first --warmup steps are not timed; the figure is the median of --steps timed steps, each ending with
@@ -62,9 +64,16 @@ def _synthetic(network: str, seed: int = 0):
 # ----------------------------------------------------------------------------------------------------------------
 # ours
 
-def prepare_ours(network: str, directory: Path, workspace_mib: int | None = None) -> Path:
+def with_batch(batch: int | None) -> None:
+    """Every network at batch `batch` from now on in this process (None: each at its benchmark batch)."""
+    for network, config in CONFIG.items():
+        if batch is not None:
+            CONFIG[network] = {**config, "batch": batch}
+
+
+def prepare_ours(network: str, directory: Path, workspace_mib: int | None = None, fatbin: bool = True) -> Path:
     """Compile the network at its benchmark size (under `workspace_mib` of scratch a statement where given) and write
-    the program, its kernels and (with nvcc) its fat binary."""
+    the program, its kernels and (with nvcc, unless `fatbin` is false) its fat binary."""
     sys.path.insert(0, str(ROOT))
     import deepdsl
     from deepdsl.codegen import write_program
@@ -77,7 +86,7 @@ def prepare_ours(network: str, directory: Path, workspace_mib: int | None = None
     compiled = deepdsl.compile(deepdsl.load(str(ROOT / "networks" / f"{network}.py"), Overrides(batch=cfg["batch"])),
                                options)
     program = write_program(compiled, directory / f"{network}.py")
-    if find_nvcc():
+    if fatbin and find_nvcc():
         build_fatbin(program.with_suffix(".cu"))
     return program
 
@@ -247,11 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="profile --steps more steps and print each side's N longest GPU kernels")
+    parser.add_argument("--batch", type=int, metavar="N", help="every network at batch N (default: its own)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--worker", choices=("ours", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--network", help=argparse.SUPPRESS)
     parser.add_argument("--program", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.batch is not None and args.batch < 1:
+        parser.error("--batch: a positive number of samples")
+    with_batch(args.batch)
     if args.worker == "ours":
         print(json.dumps(worker_ours(args.program, args.network, args.warmup, args.steps, args.memory_mode,
                                      args.kernels)))
@@ -260,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker_torch(args.network, args.warmup, args.steps, args.allow_tf32, args.cudnn_benchmark,
                                       args.kernels)))
         return 0
-    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--kernels", str(args.kernels)]
+    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--kernels", str(args.kernels)] + \
+        (["--batch", str(args.batch)] if args.batch else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for network in args.networks:

@@ -44,11 +44,15 @@ def least_total(loop) -> int:
     return caught.value.least.total_bytes
 
 
-def budgets(loop, fractions=FRACTIONS) -> tuple[int, list[int]]:
-    unbudgeted = deepdsl.compile(loop).steps["train"].plan.total_bytes
+def budgets(loop, fractions=FRACTIONS) -> list[int]:
+    """The budgets `fractions` of the way from the least reachable total to the total without a budget (which is
+    compiled only where a fraction is not 0)."""
     least = least_total(loop)
+    if not any(fractions):
+        return [least] * len(fractions)
+    unbudgeted = deepdsl.compile(loop).steps["train"].plan.total_bytes
     assert least <= unbudgeted
-    return unbudgeted, [int(least + f * (unbudgeted - least)) for f in fractions]
+    return [int(least + f * (unbudgeted - least)) for f in fractions]
 
 
 def build(network, directory, batch=None, image=None, options=None):
@@ -87,7 +91,7 @@ def check_budgets(name, image, batch, tmp_path, fractions=FRACTIONS) -> int:
     budget at the workspace limit chosen, with the compiled kernels (every mode) and numpy's. Returns the
     recomputations."""
     loop = load(name, batch, image)
-    unbudgeted, sizes = budgets(loop, fractions)
+    sizes = budgets(loop, fractions)
     recomputing = 0
     plain_runs: dict[int, dict] = {}      # workspace limit -> the plain program's runs by kernels
     for k, budget in enumerate(sizes):
@@ -371,7 +375,7 @@ def test_the_milp_oracle_fits_and_costs_no_more_than_its_model_allows():
 def test_the_exact_solver_fits_costs_no_more_than_the_greedy_and_trains_the_same(tmp_path):
     pytest.importorskip("scipy")
     loop = load("resnet_mini", 4)
-    _, sizes = budgets(loop)
+    sizes = budgets(loop)
     for budget in sizes[:1]:
         greedy = deepdsl.compile(loop, deepdsl.CompileOptions(memory_budget=budget))
         compiled, path = build("resnet_mini", tmp_path / str(budget), 4,

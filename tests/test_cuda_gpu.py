@@ -173,14 +173,21 @@ def test_the_benchmark_runs(rt, tmp_path):
 
 
 def test_the_benchmark_measures_our_program(rt, tmp_path):
-    """The benchmark's worker for our side alone (LeNet, batch 500, one warm-up and one timed step): it reports the
+    """The benchmark's worker for our side alone (LeNet, batch 500, one warm-up and one timed step; on the host
+    emulator batch 64, `--batch`, without the fat binary, whose loading the test above checks): it reports the
     measured tensor peak equal to the planned one and a finite loss."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import cuda_vs_pytorch as bench
 
-    program = bench.prepare_ours("lenet", tmp_path)
+    batch = ["--batch", "64"] if EMULATED else []
+    saved = dict(bench.CONFIG)
+    try:
+        bench.with_batch(64 if EMULATED else None)
+        program = bench.prepare_ours("lenet", tmp_path, fatbin=not EMULATED)
+    finally:
+        bench.CONFIG.update(saved)
     row = bench._run_worker(["--worker", "ours", "--network", "lenet", "--program", str(program), "--warmup", "1",
-                             "--steps", "1", "--memory-mode", "static"])
+                             "--steps", "1", "--memory-mode", "static", *batch])
     assert row["side"] == "ours" and row["finite"] and row["ms_per_step"] > 0
     assert row["tensor_peak_bytes"] == row["tensor_peak_planned"] > 0
     assert row["workspace_bytes"] > 0 and row["persistent_bytes"] > 0
