@@ -1781,6 +1781,33 @@ def test_transposes_equal_numpy_at_any_thread_count(lib, shape, axes):
 
 
 @needs_cc
+@pytest.mark.parametrize("shape", [(2, 64, 7, 7), (3, 5, 4, 4), (2, 3, 16, 16), (4, 2, 56, 56)])
+def test_planes_summed_per_sample_and_channel_by_the_compiled_sum(lib, shape, monkeypatch):
+    """(N, C, H, W) summed to (N, C, 1, 1) (squeeze-and-excitation's pooling and its gradient) by the compiled
+    per-channel sum, each sample's channel a row: numpy's sums within float32 rounding, the same bits at 1, 2 and 3
+    threads, into a NaN-filled output."""
+    from deepdsl_runtime.cpu import shape as shapes
+
+    rows = []
+    compiled = lib.channel_sum
+    monkeypatch.setattr(lib, "channel_sum", lambda x, out: rows.append(x.shape) or compiled(x, out))
+    x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+    want = np.sum(x.astype(np.float64), axis=(2, 3), keepdims=True)
+    before, outs = lib.threads, []
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            out = np.full(shape[:2] + (1, 1), np.nan, np.float32)
+            shapes.sum_to(x, out=out, shape=out.shape, native=lib)
+            outs.append(out)
+    finally:
+        lib.set_threads(before)
+    assert rows == [(shape[0], shape[1], shape[2] * shape[3])] * 3
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5 * math.sqrt(shape[2] * shape[3]))
+    assert all(np.array_equal(o.view(np.uint32), outs[0].view(np.uint32)) for o in outs[1:])
+
+
+@needs_cc
 @pytest.mark.parametrize("size", [1, 7, 16384, 16385, 100003])
 def test_copies_sums_and_padded_planes_equal_numpy_at_any_thread_count(lib, size):
     """The library's copy, its in-place sum and its zero-padded planes (the work a kernel's Python does around its
