@@ -66,8 +66,8 @@ def _synthetic(network: str, seed: int = 0):
 
 def with_batch(batch: int | None) -> None:
     """Every network at batch `batch` from now on in this process (None: each at its benchmark batch)."""
-    for network, config in CONFIG.items():
-        if batch is not None:
+    if batch is not None:
+        for network, config in CONFIG.items():
             CONFIG[network] = {**config, "batch": batch}
 
 

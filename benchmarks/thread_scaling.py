@@ -33,7 +33,7 @@ import deepdsl_runtime
 deepdsl_runtime.idle_threads_sleep()        # as the generated program does, before numpy loads its BLAS
 import numpy as np  # noqa: E402
 
-from op_profile import _compile, _model  # noqa: E402  (benchmarks/ is on the path of a script run from it)
+from op_profile import _compile, _model, _set_threads  # noqa: E402  (benchmarks/ is on a script's path)
 from timing import load_average, print_row, processor, vector_isa  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -73,7 +73,7 @@ def scaling(program: Path, binary: Path, rounds: int, steps: int, replay: bool) 
     trainers = {}
     for threads, model in models.items():
         model.prepare(hyper)
-        model.rt.native.set_threads(threads)
+        _set_threads(model, threads)
         trainers[threads] = TrainSteps(model, why=None if replay else "compared")
         for i in range(3):                        # (two steps by their Python, the third recorded)
             trainers[threads](x, y, step=i, **hyper)
@@ -83,7 +83,7 @@ def scaling(program: Path, binary: Path, rounds: int, steps: int, replay: bool) 
     for r in range(rounds):
         ceilings.append(ceiling(binary))
         for threads in (1, 2) if r % 2 == 0 else (2, 1):
-            models[threads].rt.native.set_threads(threads)
+            _set_threads(models[threads], threads)
             train = trainers[threads]
             train(x, y, step=done, **hyper)      # (a step untimed: the other model's threads left these asleep)
             began = time.perf_counter()

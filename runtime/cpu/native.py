@@ -713,17 +713,19 @@ class Native:
         """dst = src, arrays of one size apart, contiguous float32 (`deepdsl_copy`: on the kernels' threads, and a
         call a step's replay makes again where numpy's copy would be the op's Python); False (nothing written) for
         other arrays."""
-        if self._copy is None or src.size != dst.size or not _contiguous32(src, dst):
-            return False
-        self._copy(_address(src), src.size, _address(dst))
-        return True
+        return self._elements(self._copy, src, dst)
 
     def accumulate(self, src: np.ndarray, dst: np.ndarray) -> bool:
         """dst += src, arrays of one size apart, contiguous float32 (`deepdsl_accumulate`: numpy's float32 sums, on
         the kernels' threads); False (nothing written) for other arrays."""
-        if self._accumulate is None or src.size != dst.size or not _contiguous32(src, dst):
+        return self._elements(self._accumulate, src, dst)
+
+    @staticmethod
+    def _elements(function, src: np.ndarray, dst: np.ndarray) -> bool:
+        """`function(src, size, dst)` over two contiguous float32 arrays of one size; False where it cannot."""
+        if function is None or src.size != dst.size or not _contiguous32(src, dst):
             return False
-        self._accumulate(_address(src), src.size, _address(dst))
+        function(_address(src), src.size, _address(dst))
         return True
 
     def pad_planes(self, x: np.ndarray, pad: int, out: np.ndarray) -> bool:

@@ -967,7 +967,6 @@ void deepdsl_avg_pool_bwd(const float* g, long planes, int h, int w, int ho, int
                 for (int oy = 0; oy < ho; ++oy) {                                                        \
                     const int y = oy * stride + i - pad;                                                 \
                     if (y < 0 || y >= h) continue;                                                       \
-                    const float rows = (float)deepdsl_pool_count(oy, h, kernel, stride, pad, include_pad); \
                     for (int ox = 0; ox < wo; ++ox) {                                                    \
                         const int x = ox * stride + j - pad;                                             \
                         if (x < 0 || x >= w) continue;                                                   \
@@ -977,13 +976,13 @@ void deepdsl_avg_pool_bwd(const float* g, long planes, int h, int w, int ho, int
                             dst[l * hw + at] = overlap ? dst[l * hw + at] + share : share;               \
                         }                                                                                \
                     }                                                                                    \
-                    (void)rows;                                                                          \
                 }
         if (kept) {
             DEEPDSL_POOL_SPREAD(shares[l * howo + o])
         } else {
             DEEPDSL_POOL_SPREAD(gp[l * howo + o] /
-                                (rows * (float)deepdsl_pool_count(ox, w, kernel, stride, pad, include_pad)))
+                                (float)(deepdsl_pool_count(oy, h, kernel, stride, pad, include_pad) *
+                                        deepdsl_pool_count(ox, w, kernel, stride, pad, include_pad)))
         }
 #undef DEEPDSL_POOL_SPREAD
     }
