@@ -9,11 +9,11 @@
 // channel (`deepdsl_channel_sum`), and below, for each of the program's elementwise kernels, one function per
 // pattern of operands it is called with (deepdsl_runtime.contract.operand_letter: f a float32 tensor of the
 // output's size, u a uint8 one, s a scalar, c one value per channel, r one value per position of the last axis,
-// w one value per row of it), computing the same expression in float32 over the elements, each thread a contiguous
-// share (`_range`: a function of its own, so that its loop reads its operands from locals and vectorizes); with c,
-// r or w operands, over rows of the output. A kernel whose
-// values a statement sums per channel (`ew_sum`) also has a `_csum` function per pattern, summing without storing.
-// A kernel that statements of a batch call (deepdsl.passes.fuse_horizontal) has a `_many` function per pattern,
+// w one value per row of the output's trailing axes), computing the same expression in float32 over the elements,
+// each thread a contiguous share (`_range`: a function of its own, so that its loop reads its operands from locals
+// and vectorizes); with c, r or w operands, over rows of the output. A kernel whose values a statement sums per
+// channel (`ew_sum`) also has a `_csum` function per pattern, summing without storing. A kernel that statements
+// of a batch call (deepdsl.passes.fuse_horizontal) has a `_many` function per pattern,
 // computing several sets of operands in one call. Last, a function for each pair of kernels two statements compute
 // in one pass (`_then_`: the second reads the first's output; deepdsl.passes.fuse_multi_output).
 #include "cpu_common.h"

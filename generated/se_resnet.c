@@ -9,11 +9,11 @@
 // channel (`deepdsl_channel_sum`), and below, for each of the program's elementwise kernels, one function per
 // pattern of operands it is called with (deepdsl_runtime.contract.operand_letter: f a float32 tensor of the
 // output's size, u a uint8 one, s a scalar, c one value per channel, r one value per position of the last axis,
-// w one value per row of it), computing the same expression in float32 over the elements, each thread a contiguous
-// share (`_range`: a function of its own, so that its loop reads its operands from locals and vectorizes); with c,
-// r or w operands, over rows of the output. A kernel whose
-// values a statement sums per channel (`ew_sum`) also has a `_csum` function per pattern, summing without storing.
-// A kernel that statements of a batch call (deepdsl.passes.fuse_horizontal) has a `_many` function per pattern,
+// w one value per row of the output's trailing axes), computing the same expression in float32 over the elements,
+// each thread a contiguous share (`_range`: a function of its own, so that its loop reads its operands from locals
+// and vectorizes); with c, r or w operands, over rows of the output. A kernel whose values a statement sums per
+// channel (`ew_sum`) also has a `_csum` function per pattern, summing without storing. A kernel that statements
+// of a batch call (deepdsl.passes.fuse_horizontal) has a `_many` function per pattern,
 // computing several sets of operands in one call. Last, a function for each pair of kernels two statements compute
 // in one pass (`_then_`: the second reads the first's output; deepdsl.passes.fuse_multi_output).
 #include "cpu_common.h"
@@ -679,6 +679,35 @@ void deepdsl_ew_sub_exp_add_recip_fr(long rows, long channels, long inner, float
 }
 
 // ew_mul_add_relu_2: out = Max(0, v0*v1 + v2)
+static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_2_fwf_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+        const float* q2 = p2 + r * inner;
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v2 = (float)q2[i];
+            o[i] = deepdsl_maxf(v0*v1 + v2, 0);
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_relu_2_fwf(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_mul_add_relu_2_fwf_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_scale_3: out = v0/19600
 static __attribute__((noinline)) void deepdsl_ew_scale_3_f_range(long begin, long end, float* out,
@@ -755,6 +784,41 @@ void deepdsl_ew_scale_4_f(long n, float* out, const void* const* in, const float
 }
 
 // ew_mul_add_relu_3: out = Max(0, v0*v1 + v2*v3*v4 + v5)
+static __attribute__((noinline)) void deepdsl_ew_mul_add_relu_3_fwfccc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* p4 = (const float*)in[4];
+    const float* p5 = (const float*)in[5];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+        const float* q2 = p2 + r * inner;
+        const float v3 = p3[r % channels];
+        const float v4 = p4[r % channels];
+        const float v5 = p5[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v2 = (float)q2[i];
+            o[i] = deepdsl_maxf(v0*v1 + v2*v3*v4 + v5, 0);
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_relu_3_fwfccc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_mul_add_relu_3_fwfccc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_scale_5: out = v0/4900
 static __attribute__((noinline)) void deepdsl_ew_scale_5_f_range(long begin, long end, float* out,
@@ -1383,6 +1447,34 @@ void deepdsl_ew_add_fc(long rows, long channels, long inner, float* out, const v
 }
 
 // ew_mul_add_4: out = v0*v1 + v2
+static __attribute__((noinline)) void deepdsl_ew_mul_add_4_fww_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+        const float v2 = p2[r];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v0*v1 + v2;
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_4_fww(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_mul_add_4_fww_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_add_step_mul: out = (v0 + v1)*Heaviside(v2, 0)
 static __attribute__((noinline)) void deepdsl_ew_add_step_mul_fff_range(long begin, long end, float* out,
@@ -1439,6 +1531,34 @@ void deepdsl_ew_add_pow_mul_2_ff(long n, float* out, const void* const* in, cons
 }
 
 // ew_mul_add_5: out = v0*v1 + v2
+static __attribute__((noinline)) void deepdsl_ew_mul_add_5_fww_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+        const float v2 = p2[r];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            o[i] = v0*v1 + v2;
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_5_fww(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_mul_add_5_fww_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 // ew_add_pow_mul_3: out = -v0/(156800*(v1 + 1.0e-5)**(3/2))
 static __attribute__((noinline)) void deepdsl_ew_add_pow_mul_3_ff_range(long begin, long end, float* out,
@@ -1535,6 +1655,43 @@ void deepdsl_ew_add_rsqrt_sub_mul_2_fcccc(long rows, long channels, long inner, 
 }
 
 // ew_mul_add_rsqrt_sub: out = Max(0, v0*v1 + v5*(v2 - v3)/sqrt(v4 + 1.0e-5) + v6)
+static __attribute__((noinline)) void deepdsl_ew_mul_add_rsqrt_sub_fwfcccc_range(long row0, long row1, long channels,
+                                                                 long inner, float* out, const void* const* in,
+                                                                 const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* p3 = (const float*)in[3];
+    const float* p4 = (const float*)in[4];
+    const float* p5 = (const float*)in[5];
+    const float* p6 = (const float*)in[6];
+    for (long r = row0; r < row1; ++r) {
+        float* o = out + r * inner;
+        const float* q0 = p0 + r * inner;
+        const float v1 = p1[r];
+        const float* q2 = p2 + r * inner;
+        const float v3 = p3[r % channels];
+        const float v4 = p4[r % channels];
+        const float v5 = p5[r % channels];
+        const float v6 = p6[r % channels];
+#pragma omp simd
+        for (long i = 0; i < inner; ++i) {
+            const float v0 = (float)q0[i];
+            const float v2 = (float)q2[i];
+            o[i] = deepdsl_maxf(v0*v1 + v5*(v2 - v3)/sqrtf(v4 + 1.0e-5F) + v6, 0);
+        }
+    }
+}
+
+void deepdsl_ew_mul_add_rsqrt_sub_fwfcccc(long rows, long channels, long inner, float* out, const void* const* in,
+                                     const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(rows, 1, &begin, &end);
+        deepdsl_ew_mul_add_rsqrt_sub_fwfcccc_range(begin, end, channels, inner, out, in, value);
+    }
+}
 
 
 // ew_sub then ew_square summed per channel, in one pass (two statements computed together): out0 = v0 - v1,
@@ -1890,6 +2047,145 @@ void deepdsl_ew_mul_add_3_fcccf_then_ew_neg_f_csum(
     }
 }
 
+// ew_mul_add_4 then ew_mul summed per channel, in one pass (two statements computed together): out0 = v0*v1 + v2,
+// stored, and out1[c] = the sum over channel c of v0*v1 over it, as ew_mul's _csum adds it (the same
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
+static __attribute__((noinline)) void deepdsl_ew_mul_add_4_fww_then_ew_mul_ff_csum_range(
+        long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
+        const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* b0 = (const float*)in[3];
+    const float* b1 = (const float*)in[4];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        float* o = out0 + r * inner;
+                        const float* q0 = p0 + r * inner;
+                        const float v1 = p1[r];
+                        const float v2 = p2[r];
+                        const float* bq0 = b0 + r * inner;
+                        const float* bq1 = b1 + r * inner;
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0*v1 + v2;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            lane[i] += v0*v1;
+                        }
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[r];
+                    const float v2 = p2[r];
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0*v1 + v2;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            row += v0*v1;
+                        }
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[r];
+                    const float v2 = p2[r];
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0*v1 + v2;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            lane[i] += v0*v1;
+                        }
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+    }
+}
+
+void deepdsl_ew_mul_add_4_fww_then_ew_mul_ff_csum(
+        long rows, long channels, long inner, float* out0, float* out1, const void* const* in, const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_ew_mul_add_4_fww_then_ew_mul_ff_csum_range(begin, end, rows, channels, inner, out0, out1, in, value);
+    }
+}
+
 // ew_step_mul then ew_mul summed per channel, in one pass (two statements computed together): out0 = v0*Heaviside(v1, 0),
 // stored, and out1[c] = the sum over channel c of v0*v1 over it, as ew_mul's _csum adds it (the same
 // values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
@@ -2208,6 +2504,145 @@ void deepdsl_ew_mul_ff_then_ew_add_pow_mul_2_ff(
         long begin, end;
         deepdsl_share(n, 16, &begin, &end);
         deepdsl_ew_mul_ff_then_ew_add_pow_mul_2_ff_range(begin, end, out0, out1, in, value);
+    }
+}
+
+// ew_mul_add_5 then ew_mul summed per channel, in one pass (two statements computed together): out0 = v0*v1 + v2,
+// stored, and out1[c] = the sum over channel c of v0*v1 over it, as ew_mul's _csum adds it (the same
+// values in the same order: `channel_sums`); `in` and `value` hold the first's operands, then the second's. Each
+// thread a share of the channels.
+static __attribute__((noinline)) void deepdsl_ew_mul_add_5_fww_then_ew_mul_ff_csum_range(
+        long c0, long c1, long rows, long channels, long inner, float* out0, float* out1, const void* const* in,
+        const float* value) {
+    const float* p0 = (const float*)in[0];
+    const float* p1 = (const float*)in[1];
+    const float* p2 = (const float*)in[2];
+    const float* b0 = (const float*)in[3];
+    const float* b1 = (const float*)in[4];
+    if (inner == 1) {
+        const long group = DEEPDSL_CSUM_SAMPLES * channels;               // rows a lane sums at most
+        float lanes[DEEPDSL_CSUM_LANES];
+        double total[DEEPDSL_CSUM_LANES];
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_LANES) {
+            const long last = first + DEEPDSL_CSUM_LANES < c1 ? first + DEEPDSL_CSUM_LANES : c1;
+            for (long c = first; c < last; ++c) total[c - first] = 0.0;
+            for (long start = 0; start < rows; start += group) {
+                const long stop = start + group < rows ? start + group : rows;
+                memset(lanes, 0, sizeof(float) * (last - first));
+                for (long sample = start; sample < stop; sample += channels) {
+#pragma omp simd
+                    for (long c = first; c < last; ++c) {
+                        const long r = sample + c, i = 0;
+                        float* lane = lanes + (c - first);
+                        float* o = out0 + r * inner;
+                        const float* q0 = p0 + r * inner;
+                        const float v1 = p1[r];
+                        const float v2 = p2[r];
+                        const float* bq0 = b0 + r * inner;
+                        const float* bq1 = b1 + r * inner;
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0*v1 + v2;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            lane[i] += v0*v1;
+                        }
+                    }
+                }
+                for (long c = first; c < last; ++c) total[c - first] += lanes[c - first];
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    if (inner > DEEPDSL_CSUM_PLANE) {
+        for (long first = c0; first < c1; first += DEEPDSL_CSUM_BLOCK) {
+            const long last = first + DEEPDSL_CSUM_BLOCK < c1 ? first + DEEPDSL_CSUM_BLOCK : c1;
+            double total[DEEPDSL_CSUM_BLOCK] = {0.0};
+            for (long sample = 0; sample < rows; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[r];
+                    const float v2 = p2[r];
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+                    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0*v1 + v2;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            row += v0*v1;
+                        }
+                    }
+                    total[c - first] += row;
+                }
+            }
+            for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+        }
+        return;
+    }
+    const long block = DEEPDSL_CSUM_LANES / (inner > 0 ? inner : 1);     // channels whose lanes fit
+    const long group = DEEPDSL_CSUM_SAMPLES * channels;                   // rows a lane sums at most
+    float lanes[DEEPDSL_CSUM_LANES];
+    double total[DEEPDSL_CSUM_LANES];
+    for (long first = c0; first < c1; first += block) {
+        const long last = first + block < c1 ? first + block : c1;
+        for (long c = first; c < last; ++c) total[c - first] = 0.0;
+        for (long start = 0; start < rows; start += group) {
+            const long stop = start + group < rows ? start + group : rows;
+            memset(lanes, 0, sizeof(float) * (last - first) * inner);
+            for (long sample = start; sample < stop; sample += channels) {
+                for (long c = first; c < last; ++c) {
+                    const long r = sample + c;
+                    float* lane = lanes + (c - first) * inner;
+                    float* o = out0 + r * inner;
+                    const float* q0 = p0 + r * inner;
+                    const float v1 = p1[r];
+                    const float v2 = p2[r];
+                    const float* bq0 = b0 + r * inner;
+                    const float* bq1 = b1 + r * inner;
+#pragma omp simd
+                    for (long i = 0; i < inner; ++i) {
+                        {
+                            const float v0 = (float)q0[i];
+                            o[i] = v0*v1 + v2;
+                        }
+                        {
+                            const float v0 = (float)bq0[i];
+                            const float v1 = (float)bq1[i];
+                            lane[i] += v0*v1;
+                        }
+                    }
+                }
+            }
+            for (long c = first; c < last; ++c) {
+                const float* lane = lanes + (c - first) * inner;
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (long i = 0; i < inner; ++i) sum += lane[i];
+                total[c - first] += sum;
+            }
+        }
+        for (long c = first; c < last; ++c) out1[c] = (float)total[c - first];
+    }
+}
+
+void deepdsl_ew_mul_add_5_fww_then_ew_mul_ff_csum(
+        long rows, long channels, long inner, float* out0, float* out1, const void* const* in, const float* value) {
+#pragma omp parallel if (rows * inner >= DEEPDSL_EW_PARALLEL_MIN)
+    {
+        long begin, end;
+        deepdsl_share(channels, 1, &begin, &end);
+        deepdsl_ew_mul_add_5_fww_then_ew_mul_ff_csum_range(begin, end, rows, channels, inner, out0, out1, in, value);
     }
 }
 

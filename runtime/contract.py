@@ -809,8 +809,10 @@ def operand_letter(shape, uint8: bool, out_shape) -> str | None:
     picks the kernels to compile by it, the runtime the kernel to call): `f` a float32 tensor of the output's size
     (`u` a uint8 one), `s` one element, `c` one value per channel (axis 1 of an output of 3 or more axes: a (1, C,
     1, 1) batch-norm or bias operand), `r` one value per position of the last axis (a bias of a fully connected
-    layer), `w` one value per row of the last axis (..., 1): a layer norm's statistics of each token; None for any
-    other broadcast. A scalar (shape ()) is `s` whatever the output: a hyperparameter arrives as a number."""
+    layer), `w` one value per row of the output's trailing axes, its leading axes the output's and its trailing
+    ones 1 ((..., 1): a layer norm's statistics of each token; (N, C, 1, 1): squeeze-and-excitation's scale of each
+    sample's channel); None for any other broadcast. A scalar (shape ()) is `s` whatever the output: a
+    hyperparameter arrives as a number."""
     size, out_size_ = math.prod(shape), math.prod(out_shape)
     if tuple(shape) == ():
         return "s"
@@ -825,18 +827,26 @@ def operand_letter(shape, uint8: bool, out_shape) -> str | None:
         return "c"
     if len(out_shape) >= 2 and padded == (1,) * (len(out_shape) - 1) + (out_shape[-1],):
         return "r"
-    if len(out_shape) >= 2 and out_shape[-1] > 1 and padded == tuple(out_shape[:-1]) + (1,):
+    lead = len(padded)
+    while lead > 0 and padded[lead - 1] == 1:
+        lead -= 1
+    if 0 < lead < len(out_shape) and padded[:lead] == tuple(out_shape[:lead]):
         return "w"
     return None
 
 
 def operand_pattern(shapes_and_uint8, out_shape) -> str | None:
-    """The letters of a kernel call's operands (`operand_letter`), or None when one is broadcast otherwise or
-    channel operands meet last-axis or per-row ones in one call (they run over other rows)."""
+    """The letters of a kernel call's operands (`operand_letter`), or None when one is broadcast otherwise or the
+    operands run over different rows (`kernel_rows`): channel operands with last-axis ones, per-row operands of
+    different sizes, or per-row operands beside channel or last-axis ones whose rows are not theirs."""
     letters = [operand_letter(shape, uint8, out_shape) for shape, uint8 in shapes_and_uint8]
-    if None in letters or ("c" in letters and ("r" in letters or "w" in letters)):
+    if None in letters or ("c" in letters and "r" in letters):
         return None
-    return "".join(letters)
+    pattern = "".join(letters)
+    rows = {math.prod(shape) for (shape, _), letter in zip(shapes_and_uint8, letters) if letter == "w"}
+    if len(rows) > 1 or rows and ("c" in pattern or "r" in pattern) and rows != {kernel_rows(pattern, out_shape)[0]}:
+        return None
+    return pattern
 
 
 def pair_function(first: str, first_pattern: str, second: str, second_pattern: str,
@@ -845,9 +855,10 @@ def pair_function(first: str, first_pattern: str, second: str, second_pattern: s
     then `second` (which reads the first's output) over `second_pattern`, in one pass over the elements. There is
     one for each pair of patterns the program calls: whole tensors and scalars (letters f, u and s) for two
     stored results; with `summed`, the second summed per channel (`channel_sum_pattern`, over rows of channels as
-    `kernel_rows`), per-channel operands (c) allowed in both, and last-axis ones (r) where that pattern gives them.
+    `kernel_rows`), per-channel and per-row operands (c, w) allowed in both, and last-axis ones (r) where that
+    pattern gives them.
     None for other patterns (the pair is two calls)."""
-    letters = "fuscr" if summed else "fsu"       # (summed: r only under a row view, `channel_sum_pattern`)
+    letters = "fuscrw" if summed else "fsu"      # (summed: r only under a row view, `channel_sum_pattern`)
     if not set(first_pattern + second_pattern) <= set(letters):
         return None
     return f"deepdsl_{first}_{first_pattern}_then_{second}_{second_pattern}" + ("_csum" if summed else "")
@@ -901,8 +912,8 @@ def _viewed(shape, values_shape, view) -> tuple[int, ...] | None:
 def channel_sum_pattern(shapes_and_uint8, values_shape, out_shape) -> str | None:
     """The operand pattern (`operand_pattern`, under `sum_view`) of a kernel whose values a compiled kernel sums to
     `out_shape` per channel, never storing them (an ew_sum; the first kernel of a summed pair writes those values
-    and is called under the same view), of operands that are whole tensors, scalars or per-channel values; None
-    where numpy's chunks sum them."""
+    and is called under the same view), of operands that are whole tensors, scalars, per-channel values or one
+    value per row of the sum (`channel_rows`: a sample's channel); None where numpy's chunks sum them."""
     view = sum_view(values_shape, out_shape)
     if view is None:
         return None
@@ -913,8 +924,11 @@ def channel_sum_pattern(shapes_and_uint8, values_shape, out_shape) -> str | None
     # last-axis operands (r) only where each row of the last axis is one channel's values: element i of the row
     # reads their element i
     rows_are_channels = len(view) == 3 and view[0] == 1 and view[2] == tuple(values_shape)[-1]
-    letters = "fuscr" if rows_are_channels else "fusc"
-    return pattern if pattern is not None and set(pattern) <= set(letters) else None
+    letters = "fuscrw" if rows_are_channels else "fuscw"
+    if pattern is None or not set(pattern) <= set(letters) or \
+            any(letter == "w" and math.prod(shape) != view[0] * view[1] for (shape, _), letter in zip(viewed, pattern)):
+        return None
+    return pattern
 
 
 def channel_rows(values_shape, out_shape) -> tuple[int, int, int]:
@@ -924,14 +938,18 @@ def channel_rows(values_shape, out_shape) -> tuple[int, int, int]:
     return view[0] * view[1], view[1], math.prod(view[2:])
 
 
-def kernel_rows(pattern: str, out_shape) -> tuple[int, int, int]:
+def kernel_rows(pattern: str, out_shape, rows: int | None = None) -> tuple[int, int, int]:
     """(rows, channels, inner) a compiled kernel of `pattern` runs over: the output as rows of `inner` elements,
-    the channel of row k being k % channels (channel operands), or rows of the last axis, each row's position i
-    reading element i of a last-axis operand and row k element k of a per-row one."""
+    the channel of row k being k % channels (channel operands: a row for each sample's channel), or rows of the
+    last axis (last-axis operands: row k's position i reads their element i), or else `rows` rows, the size of its
+    per-row operands; row k reads element k of per-row ones (`operand_pattern`: all of them have as many
+    elements as the rows)."""
     size = math.prod(out_shape)
     if "c" in pattern:
         inner = math.prod(out_shape[2:])
         return size // max(inner, 1), out_shape[1], inner
-    if "r" in pattern or "w" in pattern:
+    if "r" in pattern:
         return size // max(out_shape[-1], 1), 1, out_shape[-1]
+    if "w" in pattern:
+        return rows, 1, size // rows
     return 1, 1, size

@@ -133,11 +133,11 @@ def test_programs_import_the_runtime_by_name(tmp_path):
 
 
 def test_operand_letters_of_compiled_elementwise_kernels():
-    from deepdsl_runtime.contract import kernel_rows, operand_letter, operand_pattern
+    from deepdsl_runtime.contract import channel_sum_pattern, kernel_rows, operand_letter, operand_pattern
 
     out = (8, 16, 5, 5)
     assert [operand_letter(s, False, out) for s in (out, (8 * 16 * 25,), (), (1, 1), (1, 16, 1, 1), (16, 1, 1),
-                                                    (5,), (1, 1, 1, 5), (16,), (8, 1, 1, 1))] == \
+                                                    (5,), (1, 1, 1, 5), (16,), (8, 1, 1, 5))] == \
         ["f", "f", "s", "s", "c", "c", "r", "r", None, None]
     assert operand_letter(out, True, out) == "u" and operand_letter((1, 16), False, (8, 16)) == "r"
     assert operand_letter((1, 16, 1), False, (8, 16, 5)) == "c" and operand_letter((2, 16, 1, 1), False, out) is None
@@ -151,3 +151,16 @@ def test_operand_letters_of_compiled_elementwise_kernels():
     assert operand_pattern([(out, False), ((8, 16, 5, 1), False), ((5,), False)], out) == "fwr"
     assert operand_pattern([(out, False), ((8, 16, 5, 1), False), ((16, 1, 1), False)], out) is None   # c and w
     assert kernel_rows("fwr", out) == (8 * 16 * 5, 1, 5)
+    # one value per sample's channel (squeeze-and-excitation's scale), or per sample: rows of the trailing axes, the
+    # rows of per-channel operands where those are there too; per-row operands of other rows never meet
+    assert operand_letter((8, 16, 1, 1), False, out) == "w" and operand_letter((8, 1, 1, 1), False, out) == "w"
+    assert operand_letter((16, 1, 1), False, out) == "c" and operand_letter((1, 16, 5, 1), False, out) is None
+    assert operand_pattern([(out, False), ((8, 16, 1, 1), False), ((16, 1, 1), False)], out) == "fwc"
+    assert kernel_rows("fwc", out) == (8 * 16, 16, 25)
+    assert operand_pattern([(out, False), ((8, 1, 1, 1), False)], out) == "fw"
+    assert kernel_rows("fw", out, 8) == (8, 1, 16 * 25) and kernel_rows("fw", out, 8 * 16) == (8 * 16, 1, 25)
+    for rows in (((8, 1, 1, 1), (16, 1, 1)), ((8, 16, 1, 1), (5,)), ((8, 16, 1, 1), (8, 1, 1, 1))):
+        assert operand_pattern([(out, False), *((shape, False) for shape in rows)], out) is None, rows
+    # summed per channel (an ew_sum, a summed pair): per-row operands of the sum's rows, each sample's channel
+    assert channel_sum_pattern([(out, False), ((8, 16, 1, 1), False)], out, (1, 16, 1, 1)) == "fw"
+    assert channel_sum_pattern([(out, False), ((8, 1, 1, 1), False)], out, (1, 16, 1, 1)) is None

@@ -360,16 +360,19 @@ def test_average_pooling_over_its_own_input(lib, kernel, stride, pad):
 
 
 def _operands(pattern, shape, rng):
-    """Operands of each letter (`contract.operand_letter`) for an output of `shape`."""
+    """Operands of each letter (`contract.operand_letter`) for an output of `shape`: per-row ones (w) one value for
+    each row of the last axis beside last-axis ones (r: a layer norm's statistics), else for each sample's channel
+    (squeeze-and-excitation's scale)."""
     channel = (1, shape[1]) + (1,) * (len(shape) - 2)
+    row = shape[:-1] + (1,) if "r" in pattern else shape[:2] + (1,) * (len(shape) - 2)
     made = {"f": lambda: rng.uniform(0.5, 1.5, shape), "u": lambda: (rng.random(shape) < 0.5),
             "c": lambda: rng.uniform(0.5, 1.5, channel), "r": lambda: rng.uniform(0.5, 1.5, shape[-1:]),
-            "w": lambda: rng.uniform(0.5, 1.5, shape[:-1] + (1,)), "s": lambda: rng.uniform(0.5, 1.5)}
+            "w": lambda: rng.uniform(0.5, 1.5, row), "s": lambda: rng.uniform(0.5, 1.5)}
     return [np.uint8(made[k]()) if k == "u" else np.float32(made[k]()) for k in pattern]
 
 
 @needs_cc
-@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "googlenet", "alexnet", "vit", NORMS_VIT])
+@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "googlenet", "alexnet", "vit", NORMS_VIT, "se_resnet"])
 def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory):
     compiled, module, path = _program(name, dict(NETWORKS).get(name), tmp_path_factory)
     found, why = native.load(path)
@@ -403,10 +406,12 @@ def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory
         assert "r" in letters, letters
     if name == NORMS_VIT:              # the norms' statistics of each token, and their weights
         assert "w" in letters and "r" in letters, letters
+    if name == "se_resnet":            # each sample's channel scaled, beside batch norm's per-channel operands
+        assert any("w" in p and "c" in p for _, patterns in describe(compiled).kernel_patterns for p in patterns)
 
 
 @needs_cc
-@pytest.mark.parametrize("name", ["resnet_mini", "lenet"])
+@pytest.mark.parametrize("name", ["resnet_mini", "lenet", "se_resnet"])
 def test_every_elementwise_pair_equals_its_two_kernels(name, tmp_path_factory):
     """Every pair of kernels a program computes in one pass (an optimizer's two updates; batch norm's centred input
     and its sum of squares, a gradient and its sum) gives the bits of its two compiled kernels run one after the
@@ -423,7 +428,9 @@ def test_every_elementwise_pair_equals_its_two_kernels(name, tmp_path_factory):
     description = describe(compiled)
     alias = {k.name: k.alias for k in description.kernels}      # the operand a kernel may write over
     pairs = description.kernel_pairs
-    assert {summed for *_, summed in pairs} == ({False, True} if name == "resnet_mini" else {False}), pairs
+    assert {summed for *_, summed in pairs} == ({False} if name == "lenet" else {False, True}), pairs
+    if name == "se_resnet":        # the scale's gradient summed per channel beside the per-sample channels' values
+        assert any("w" in first + second for _, first, _, second, summed in pairs if summed), pairs
     for first_name, first_pattern, second_name, second_pattern, summed in pairs:
         k0, k1 = getattr(module, first_name), getattr(module, second_name)
         full = [k for k, letter in enumerate(first_pattern) if letter == "f"]

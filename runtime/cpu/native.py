@@ -1314,9 +1314,10 @@ class Native:
         pattern = self._pattern(args, out_shape)
         if pattern is None:
             return False
-        # over rows (rows, channels, inner) with channel or last-axis operands, else over the n flat elements
-        rows = "c" in pattern or "r" in pattern or "w" in pattern
-        sizes = contract.kernel_rows(pattern, out_shape) if rows else (math.prod(out_shape),)
+        # over rows (rows, channels, inner) with channel, last-axis or per-row operands, else over the n flat elements
+        per_row = [a.size for a, letter in zip(args, pattern) if letter == "w"]
+        sizes = contract.kernel_rows(pattern, out_shape, *per_row[:1]) if set(pattern) & set("crw") else \
+            (math.prod(out_shape),)
         return _KernelCall.of(self.program, f"deepdsl_{name}_{pattern}", sizes, pattern, 1)
 
 
