@@ -130,41 +130,86 @@ static inline void deepdsl_wino_filter_grad6(const deepdsl_v16f s[6], deepdsl_v1
     w[2] = (outer - inner) * sixth + s[5];
 }
 
+#if !defined(__AVX512F__)
+// Point i of u = G g (`deepdsl_wino_filter3`) for 8 filters alone, by the same operations: the same bits.
+static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_wino_filter_point(deepdsl_v8f g0, deepdsl_v8f g1,
+                                                                                 deepdsl_v8f g2, int i) {
+    const float sixth = 1.0f / 6.0f;
+    switch (i) {
+    case 0: return g0 * 0.25f;
+    case 1: return ((g0 + g2) + g1) * -sixth;
+    case 2: return ((g0 + g2) - g1) * -sixth;
+    case 3: return ((g0 * 0.25f + g2) + g1 * 0.5f) * sixth;
+    case 4: return ((g0 * 0.25f + g2) - g1 * 0.5f) * sixth;
+    default: return g2;
+    }
+}
+#endif
+
+// The 36 points of G g G^T of each filter of the pair of blocks (output block a, input block b) of the convolution
+// whose filters are w (o, c, 3, 3) (`flip`: of its input gradient, `deepdsl_blocked_filter_pair`), point xi's
+// (16 inputs, 16 outputs) at to + xi * point: the pair blocked on the stack first (9 KB), then each input
+// channel's 36 points computed in registers and stored to the points' rows. AVX2's 16 registers do not hold a
+// filter's 18 vectors of G g (they spilled: the transform took more than half of a 4x4 layer's time): there each
+// row of G g is made alone for 8 output channels, from the filter's 9 vectors, and transformed at once.
+static inline void deepdsl_wino_transform_pair(const float* w, int o, int c, int flip, int a, int b, float* to,
+                                               long point) {
+    const long tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
+    float blocks[9 * DEEPDSL_BLOCK * DEEPDSL_BLOCK];
+    deepdsl_blocked_filter_pair(w, o, c, 3, 3, flip, a, b, blocks);
+#if !defined(__AVX512F__)
+    for (int k = 0; k < DEEPDSL_BLOCK; ++k)
+        for (int h = 0; h < DEEPDSL_BLOCK; h += 8) {
+            deepdsl_v8f g[9];                     // g[i * 3 + j]: the filter's row i, column j
+            #pragma GCC unroll 9
+            for (int t = 0; t < 9; ++t) memcpy(&g[t], blocks + t * tile + k * DEEPDSL_BLOCK + h, sizeof g[t]);
+            #pragma GCC unroll 6
+            for (int i = 0; i < 6; ++i) {
+                deepdsl_v8f row[3];               // row i of G g: point i of each column's transform
+                #pragma GCC unroll 3
+                for (int j = 0; j < 3; ++j) row[j] = deepdsl_wino_filter_point(g[j], g[3 + j], g[6 + j], i);
+                #pragma GCC unroll 6
+                for (int j = 0; j < 6; ++j) {
+                    const deepdsl_v8f u = deepdsl_wino_filter_point(row[0], row[1], row[2], j);
+                    memcpy(to + (i * 6 + j) * point + k * DEEPDSL_BLOCK + h, &u, sizeof u);
+                }
+            }
+        }
+    return;
+#endif
+    for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
+        const float* g = blocks + k * DEEPDSL_BLOCK;
+        deepdsl_v16f rows[6][3];              // G g: the filter's columns transformed, [row point][column]
+        #pragma GCC unroll 3
+        for (int j = 0; j < 3; ++j) {
+            const deepdsl_v16f column[3] = {deepdsl_load16(g + j * tile), deepdsl_load16(g + (3 + j) * tile),
+                                            deepdsl_load16(g + (6 + j) * tile)};
+            deepdsl_v16f t[6];
+            deepdsl_wino_filter3(column, t);
+            #pragma GCC unroll 6
+            for (int i = 0; i < 6; ++i) rows[i][j] = t[i];
+        }
+        #pragma GCC unroll 6
+        for (int i = 0; i < 6; ++i) {
+            deepdsl_v16f t[6];
+            deepdsl_wino_filter3(rows[i], t);
+            #pragma GCC unroll 6
+            for (int j = 0; j < 6; ++j) memcpy(to + (i * 6 + j) * point + k * DEEPDSL_BLOCK, &t[j], sizeof t[j]);
+        }
+    }
+}
+
 // U (36, b1 - b0, ib, 16, 16) = G g G^T of each filter of output blocks [b0, b1) of the convolution whose filters
-// are w (o, c, 3, 3) (`flip`: of its input gradient, `deepdsl_blocked_filter_pair`), ib its blocks of inputs, 16
-// output channels at a time: a thread takes whole pairs of blocks, each blocked on its stack first (9 KB), then each
-// input channel's 36 points computed in registers and stored to the points' rows, which DEEPDSL_WINO_SKEW spreads
+// are w (o, c, 3, 3) (`flip`: of its input gradient), ib its blocks of inputs, 16 output channels at a time: a
+// thread takes whole pairs of blocks (`deepdsl_wino_transform_pair`), whose points' rows DEEPDSL_WINO_SKEW spreads
 // over 36 sets of L1.
 void deepdsl_winograd_transform(const float* w, int o, int c, int flip, int b0, int b1, float* u) {
     const int ib = ((flip ? o : c) + DEEPDSL_BLOCK - 1) / DEEPDSL_BLOCK;
     const long pairs = (long)(b1 - b0) * ib, tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
     const long point = pairs * tile + DEEPDSL_WINO_SKEW;
 #pragma omp parallel for schedule(static) if (pairs * 9 * tile >= DEEPDSL_EW_PARALLEL_MIN)
-    for (long pair = 0; pair < pairs; ++pair) {
-        float blocks[9 * DEEPDSL_BLOCK * DEEPDSL_BLOCK];
-        deepdsl_blocked_filter_pair(w, o, c, 3, 3, flip, b0 + (int)(pair / ib), (int)(pair % ib), blocks);
-        float* to = u + pair * tile;
-        for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
-            const float* g = blocks + k * DEEPDSL_BLOCK;
-            deepdsl_v16f rows[6][3];              // G g: the filter's columns transformed, [row point][column]
-            #pragma GCC unroll 3
-            for (int j = 0; j < 3; ++j) {
-                const deepdsl_v16f column[3] = {deepdsl_load16(g + j * tile), deepdsl_load16(g + (3 + j) * tile),
-                                                deepdsl_load16(g + (6 + j) * tile)};
-                deepdsl_v16f t[6];
-                deepdsl_wino_filter3(column, t);
-                #pragma GCC unroll 6
-                for (int a = 0; a < 6; ++a) rows[a][j] = t[a];
-            }
-            #pragma GCC unroll 6
-            for (int a = 0; a < 6; ++a) {
-                deepdsl_v16f t[6];
-                deepdsl_wino_filter3(rows[a], t);
-                #pragma GCC unroll 6
-                for (int b = 0; b < 6; ++b) memcpy(to + (a * 6 + b) * point + k * DEEPDSL_BLOCK, &t[b], sizeof t[b]);
-            }
-        }
-    }
+    for (long pair = 0; pair < pairs; ++pair)
+        deepdsl_wino_transform_pair(w, o, c, flip, b0 + (int)(pair / ib), (int)(pair % ib), u + pair * tile, point);
 }
 
 // V[.][c][t] = B^T d B of the tile t's 6 x 6 patch d of channel block c of xb (m, cb, hp, wp, 16), rows p0 .. and
@@ -233,6 +278,29 @@ static inline void deepdsl_wino_output_tile(const float* m, long points, float* 
     }
 }
 
+// The outputs of row ty of tiles of sample s (th x tw tiles a sample) of one output block, its first channel
+// `channel`, into out (m, o, ho, wo) + bias (o) when given: the inverse transform of each tile's 36 products (tile t's
+// at products + t * 16, `points` floats apart), DEEPDSL_WINO_SPAN tiles at a time through the stack.
+static inline void deepdsl_wino_outputs(const float* products, long points, int s, int ty, int th, int tw, int ho,
+                                        int wo, int channel, int o, const float* bias, float* out) {
+    const long plane = (long)ho * wo;
+    float rows[DEEPDSL_WINO_OUT][DEEPDSL_WINO_SPAN * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK];
+    for (int tx0 = 0; tx0 < tw; tx0 += DEEPDSL_WINO_SPAN) {
+        const int span = tw - tx0 < DEEPDSL_WINO_SPAN ? tw - tx0 : DEEPDSL_WINO_SPAN;
+        for (int tx = tx0; tx < tx0 + span; ++tx) {
+            const long t = ((long)s * th + ty) * tw + tx;
+            deepdsl_wino_output_tile(products + t * DEEPDSL_BLOCK, points,
+                                     &rows[0][(tx - tx0) * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK],
+                                     DEEPDSL_WINO_SPAN * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK);
+        }
+        const int q0 = tx0 * DEEPDSL_WINO_OUT;
+        const int n = wo - q0 < span * DEEPDSL_WINO_OUT ? wo - q0 : span * DEEPDSL_WINO_OUT;
+        for (int y = 0; y < DEEPDSL_WINO_OUT && ty * DEEPDSL_WINO_OUT + y < ho; ++y)
+            deepdsl_blocked_out(rows[y], 1, n, 0, channel, o, plane, bias,
+                                out + ((long)s * o + channel) * plane + (long)(ty * DEEPDSL_WINO_OUT + y) * wo + q0);
+    }
+}
+
 // Output blocks [b0, b1) of out (m, o, ho, wo) = the stride-1 3x3 convolution of the blocked, padded input xb (m, cb,
 // hp, wp, 16) (ho = hp - 2, wo = wp - 2) with those blocks' filters transformed by `deepdsl_winograd_transform` (u, 36
 // points of (b1 - b0, cb, 16, 16), each followed by DEEPDSL_WINO_SKEW floats), + bias (o) when given, through v (36,
@@ -245,7 +313,7 @@ void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, i
                            int b0, int b1, int transformed, float* v, float* products, float* out) {
     const int ob = b1 - b0, ho = hp - 2, wo = wp - 2;
     const int th = (ho + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT, tw = (wo + DEEPDSL_WINO_OUT - 1) / DEEPDSL_WINO_OUT;
-    const long tiles = (long)m * th * tw, plane = (long)ho * wo;
+    const long tiles = (long)m * th * tw;
     const long v_point = (long)cb * tiles * DEEPDSL_BLOCK, m_point = (long)ob * tiles * DEEPDSL_BLOCK;
     const long u_block = (long)cb * DEEPDSL_BLOCK * DEEPDSL_BLOCK, u_point = ob * u_block + DEEPDSL_WINO_SKEW;
     const deepdsl_groups g = deepdsl_tile_groups(ob, (int)tiles);
@@ -281,23 +349,8 @@ void deepdsl_winograd_conv(const float* xb, const float* u, const float* bias, i
 #pragma omp for schedule(static)
         for (long item = 0; item < (long)m * ob * th; ++item) {
             const int s = (int)(item / ((long)ob * th)), b = (int)(item / th % ob), ty = (int)(item % th);
-            const int channel = (b0 + b) * DEEPDSL_BLOCK;
-            float rows[DEEPDSL_WINO_OUT][DEEPDSL_WINO_SPAN * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK];
-            for (int tx0 = 0; tx0 < tw; tx0 += DEEPDSL_WINO_SPAN) {
-                const int span = tw - tx0 < DEEPDSL_WINO_SPAN ? tw - tx0 : DEEPDSL_WINO_SPAN;
-                for (int tx = tx0; tx < tx0 + span; ++tx) {
-                    const long t = ((long)s * th + ty) * tw + tx;
-                    deepdsl_wino_output_tile(products + ((long)b * tiles + t) * DEEPDSL_BLOCK, m_point,
-                                             &rows[0][(tx - tx0) * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK],
-                                             DEEPDSL_WINO_SPAN * DEEPDSL_WINO_OUT * DEEPDSL_BLOCK);
-                }
-                const int q0 = tx0 * DEEPDSL_WINO_OUT;
-                const int n = wo - q0 < span * DEEPDSL_WINO_OUT ? wo - q0 : span * DEEPDSL_WINO_OUT;
-                for (int y = 0; y < DEEPDSL_WINO_OUT && ty * DEEPDSL_WINO_OUT + y < ho; ++y)
-                    deepdsl_blocked_out(rows[y], 1, n, 0, channel, o, plane, bias,
-                                        out + ((long)s * o + channel) * plane
-                                            + (long)(ty * DEEPDSL_WINO_OUT + y) * wo + q0);
-            }
+            deepdsl_wino_outputs(products + (long)b * tiles * DEEPDSL_BLOCK, m_point, s, ty, th, tw, ho, wo,
+                                 (b0 + b) * DEEPDSL_BLOCK, o, bias, out);
         }
     }
 }
