@@ -131,9 +131,9 @@ static inline void deepdsl_wino_gradient4(const deepdsl_wv y[4], deepdsl_wv t[6]
 }
 
 // w = G^T s for six vectors s (the transpose of G above): a pair's 36 sums back to the 3 x 3 filter gradient
-static inline void deepdsl_wino_filter_grad6(const deepdsl_v16f s[6], deepdsl_v16f w[3]) {
+static inline void deepdsl_wino_filter_grad6(const deepdsl_wv s[6], deepdsl_wv w[3]) {
     const float sixth = 1.0f / 6.0f, twelfth = 1.0f / 12.0f, twenty_fourth = 1.0f / 24.0f;
-    const deepdsl_v16f inner = s[1] + s[2], outer = s[3] + s[4];
+    const deepdsl_wv inner = s[1] + s[2], outer = s[3] + s[4];
     w[0] = (s[0] * 0.25f - inner * sixth) + outer * twenty_fourth;
     w[1] = (s[2] - s[1]) * sixth + (s[3] - s[4]) * twelfth;
     w[2] = (outer - inner) * sixth + s[5];
@@ -454,28 +454,31 @@ void deepdsl_winograd_filter_sums(const float* xb, const float* gb, int m, int c
 }
 
 // A pair's 3 x 3 filter gradient (3, 3, 16 inputs, 16 outputs) = G^T S G of its 36 sums S (16 x 16 each, `points`
-// floats apart), 16 output channels at a time.
+// floats apart), a transform's vector of output channels at a time (`deepdsl_wv`).
 static inline void deepdsl_wino_filter_pair(const float* sums, long points, float* dw) {
     const long tile = DEEPDSL_BLOCK * DEEPDSL_BLOCK;
-    for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
-        deepdsl_v16f rows[3][6];              // G^T S over the row points, [kernel row][column point]
-        #pragma GCC unroll 6
-        for (int b = 0; b < 6; ++b) {
-            deepdsl_v16f s[6], w[3];
+    for (int k = 0; k < DEEPDSL_BLOCK; ++k)
+        for (int h = 0; h < DEEPDSL_BLOCK; h += DEEPDSL_WV) {
+            deepdsl_wv rows[3][6];                // G^T S over the row points, [kernel row][column point]
             #pragma GCC unroll 6
-            for (int a = 0; a < 6; ++a) s[a] = deepdsl_load16(sums + (a * 6 + b) * points + k * DEEPDSL_BLOCK);
-            deepdsl_wino_filter_grad6(s, w);
+            for (int b = 0; b < 6; ++b) {
+                deepdsl_wv s[6], w[3];
+                #pragma GCC unroll 6
+                for (int a = 0; a < 6; ++a)
+                    s[a] = deepdsl_load_wv(sums + (a * 6 + b) * points + k * DEEPDSL_BLOCK + h);
+                deepdsl_wino_filter_grad6(s, w);
+                #pragma GCC unroll 3
+                for (int i = 0; i < 3; ++i) rows[i][b] = w[i];
+            }
             #pragma GCC unroll 3
-            for (int i = 0; i < 3; ++i) rows[i][b] = w[i];
+            for (int i = 0; i < 3; ++i) {
+                deepdsl_wv w[3];
+                deepdsl_wino_filter_grad6(rows[i], w);
+                #pragma GCC unroll 3
+                for (int j = 0; j < 3; ++j)
+                    memcpy(dw + (i * 3 + j) * tile + k * DEEPDSL_BLOCK + h, &w[j], sizeof w[j]);
+            }
         }
-        #pragma GCC unroll 3
-        for (int i = 0; i < 3; ++i) {
-            deepdsl_v16f w[3];
-            deepdsl_wino_filter_grad6(rows[i], w);
-            #pragma GCC unroll 3
-            for (int j = 0; j < 3; ++j) memcpy(dw + (i * 3 + j) * tile + k * DEEPDSL_BLOCK, &w[j], sizeof w[j]);
-        }
-    }
 }
 
 // dwb (ob, cb, 3, 3, 16 inputs, 16 outputs) = G^T S G of each block pair's 36 sums S (sums (36, ob, cb, 16, 16), from
