@@ -1,6 +1,6 @@
 """This checkout's compiled CPU kernels against another checkout's, alternating in one process: the im2col, col2im
-and axis-swap kernels, products, depthwise convolutions, pointwise filter gradients, dropout's masks, layer norms and
-attention alone, or whole training steps of a network.
+and axis-swap kernels, products, depthwise convolutions, pointwise filter gradients, dropout's masks, layer norms,
+attention and Winograd convolutions alone, or whole training steps of a network.
 
     python benchmarks/kernels_vs_checkout.py --against OTHER [--threads 1 2] [--rounds 5] [--calls 15] [--kernels ...]
     python benchmarks/kernels_vs_checkout.py --against OTHER --network lenet:64 [--threads 1] [--rounds 8] [--steps 12]
@@ -14,7 +14,9 @@ pointwise convolution's filter gradient (N, O, C, H=W), `Native.pointwise_filter
 its weight's and bias's gradients; for attention (N, H, T, features, causal, keep), its forward and gradient on heads
 read in place, `Native.attention_units`), the median microseconds of `--calls` calls, medians over `--rounds` rounds
 that alternate the two libraries, their ratio (this / other), and a check that both give the same bits.
-`--kernels` times the families named (copies, swaps, products, depthwise, pointwise, masks, layer_norm, attention).
+`--kernels` times the families named (copies, swaps, products, depthwise, pointwise, masks, layer_norm, attention,
+winograd: ResNet-50's 3x3 layers' forward, input and filter gradients by Winograd's transforms through
+runtime/cpu/conv.py, each in the workspace a program plans for it).
 Networks: each checkout renders the network's `<program>.c` (its elementwise kernels and its generic ones,
 `deepdsl compile` run with that checkout on the path) and it is built against that checkout's kernels; the program
 of this checkout then runs its training step with each library in turn, `--steps` steps a round (the first
@@ -218,6 +220,33 @@ def _layer_norms(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
         _row(t, (rows, features), 14, cells, same)
 
 
+def _winograd(libs: dict, t: int, rng, rounds: int, calls: int) -> None:
+    """ResNet-50's 3x3 layers (GEOMETRIES' first four: 112x112, a chunk of 8) by Winograd's F(4x4, 3x3) where the
+    kernels take them: forward, input and filter gradients through runtime/cpu/conv.py, each in the workspace a
+    program plans for it under the default limit (`contract.winograd_scratch`, `winograd_samples`)."""
+    from deepdsl.pipeline import DEFAULT_WORKSPACE_LIMIT
+    from deepdsl_runtime import contract
+    from deepdsl_runtime.cpu import conv
+
+    room = DEFAULT_WORKSPACE_LIMIT // contract.FLOAT_BYTES
+    for n, c, h, k, pad, stride in GEOMETRIES[:4]:
+        x, g = (rng.standard_normal((n, c, h, h), dtype=np.float32) for _ in range(2))
+        w = rng.standard_normal((c, c, k, k), dtype=np.float32)
+        cells, same = [], True
+        directions = (("conv2d", x, w, g.shape, {}), ("conv2d_bwd_data", g, w, x.shape, {"size": (h, h)}),
+                      ("conv2d_bwd_filter", g, x, w.shape, {"kernel": (k, k)}))
+        for op, a, b, shape, kwargs in directions:
+            per_sample, once = contract.winograd_scratch(op, x.shape, w.shape, pad, room)
+            workspace = np.empty(once + contract.winograd_samples(n, op, x.shape, w.shape, pad, room) * per_sample,
+                                 np.float32)
+            out = {name: np.full(shape, np.nan, np.float32) for name in libs}
+            cells.append(_alternating(libs, rounds, lambda name, lib: getattr(conv, op)(
+                a, b, out=out[name], workspace=workspace, gemm=lib.gemm, native=lib, stride=stride, pad=pad,
+                **kwargs), calls))
+            same = same and np.array_equal(out["this"], out["other"])
+        _row(t, (n, c, h, k, pad, stride), 22, cells, same)
+
+
 def _row(threads: int, what, width: int, cells: list[dict], same: bool) -> None:
     print(f"{threads:>7}  {str(what):<{width}} {'    '.join(_cell(c) for c in cells)}"
           f"{'' if same else '  RESULTS DIFFER'}")
@@ -235,6 +264,8 @@ FAMILIES = {  # name: (header, timing of one thread count)
                    "gradients", _layer_norms),
     "attention": ("threads  attention (N, H, t, d, causal, keep)  forward this / other (us)    gradient",
                   _attention),
+    "winograd": ("threads  Winograd (N, C, H, k, p, s)  forward this / other (us)    input gradient           "
+                 "filter gradient", _winograd),
 }
 
 

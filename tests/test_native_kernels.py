@@ -1581,7 +1581,8 @@ def test_the_op_profile_runs_with_and_without_its_timers(tmp_path):
 def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     """benchmarks/kernels_vs_checkout.py against a checkout (here this one): every geometry, product, depthwise
     convolution, pointwise filter gradient, dropout mask, layer norm and attention timed with both libraries and
-    their results the same; one family alone; and whole steps of a network with each checkout's library in turn."""
+    their results the same; the Winograd layers alone (their three directions, the same bits); and whole steps of a
+    network with each checkout's library in turn."""
     import re
     import sys
 
@@ -1595,7 +1596,8 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    kernels = run("--calls", "1")           # (built at -O0: the products take 0.1 s a call)
+    kernels = run("--calls", "1", "--kernels", "copies", "swaps", "products", "depthwise", "pointwise", "masks",
+                  "layer_norm", "attention")       # (built at -O0: the products take 0.1 s a call)
     before, depthwise = kernels.split("depthwise (N, C, H, s)")
     rows = re.findall(r"^ +1 +\((.*?)\) +(\d+) / (\d+) +\(.*?\) +(\d+) / (\d+) +\(.*?\)(.*)$", before, re.M)
     assert len(rows) >= 6 and all(not row[-1] for row in rows), kernels
@@ -1618,8 +1620,11 @@ def test_the_checkout_benchmark_compares_two_checkouts_kernels(tmp_path):
     norms = re.findall(r"^ +1 +\((\d+), (\d+)\)((?: +\d+ / \d+ +\([\d.]+\)){3})(.*)$",
                        kernels.split("layer norm ")[1].split("attention (N")[0], re.M)
     assert len(norms) == 3 and all(not row[-1] for row in norms), kernels
-    only = run("--calls", "1", "--kernels", "swaps")
-    assert "swap (A, B, inner)" in only and "product (m, k, n)" not in only, only
+    only = run("--calls", "1", "--kernels", "winograd")
+    assert "Winograd (N, C, H, k, p, s)" in only and "swap (A, B, inner)" not in only, only
+    winograd = re.findall(r"^ +1 +\((\d+), (\d+), (\d+), 3, 1, 1\)((?: +\d+ / \d+ +\([\d.]+\)){3})(.*)$", only,
+                          re.M)
+    assert len(winograd) == 4 and all(not row[-1] for row in winograd), only
     whole = run("--network", "lenet:8", "--steps", "3")
     assert re.search(r"^lenet:8 1 thread\(s\), other: [\d.]+ ms; median [\d.]+$", whole, re.M), whole
     assert re.search(r"^lenet:8 1 thread\(s\): this / other, median over rounds [\d.]+$", whole, re.M), whole
