@@ -811,8 +811,9 @@ def operand_letter(shape, uint8: bool, out_shape) -> str | None:
     1, 1) batch-norm or bias operand), `r` one value per position of the last axis (a bias of a fully connected
     layer), `w` one value per row of the output's trailing axes, its leading axes the output's and its trailing
     ones 1 ((..., 1): a layer norm's statistics of each token; (N, C, 1, 1): squeeze-and-excitation's scale of each
-    sample's channel); None for any other broadcast. A scalar (shape ()) is `s` whatever the output: a
-    hyperparameter arrives as a number."""
+    sample's channel); None for any other broadcast, and for a uint8 operand broadcast (the kernels read those as
+    floats: stochastic depth's per-sample masks run numpy's kernels). A scalar (shape ()) is `s` whatever the output:
+    a hyperparameter arrives as a number."""
     size, out_size_ = math.prod(shape), math.prod(out_shape)
     if tuple(shape) == ():
         return "s"
@@ -820,7 +821,7 @@ def operand_letter(shape, uint8: bool, out_shape) -> str | None:
         return "u" if uint8 else "f"
     if size == 1:
         return "s"
-    if len(shape) > len(out_shape):
+    if uint8 or len(shape) > len(out_shape):
         return None
     padded = (1,) * (len(out_shape) - len(shape)) + tuple(shape)
     if len(out_shape) >= 3 and padded == (1, out_shape[1]) + (1,) * (len(out_shape) - 2):

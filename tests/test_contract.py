@@ -155,6 +155,9 @@ def test_operand_letters_of_compiled_elementwise_kernels():
     # rows of per-channel operands where those are there too; per-row operands of other rows never meet
     assert operand_letter((8, 16, 1, 1), False, out) == "w" and operand_letter((8, 1, 1, 1), False, out) == "w"
     assert operand_letter((16, 1, 1), False, out) == "c" and operand_letter((1, 16, 5, 1), False, out) is None
+    # a uint8 operand broadcast (stochastic depth's per-sample mask) is read by numpy's kernels, not as floats
+    assert [operand_letter(s, True, out) for s in ((8, 1, 1, 1), (8, 16, 5, 1), (16, 1, 1), (5,), (1,))] == \
+        [None, None, None, None, "s"]
     assert operand_pattern([(out, False), ((8, 16, 1, 1), False), ((16, 1, 1), False)], out) == "fwc"
     assert kernel_rows("fwc", out) == (8 * 16, 16, 25)
     assert operand_pattern([(out, False), ((8, 1, 1, 1), False)], out) == "fw"

@@ -459,7 +459,8 @@ loop = D.Loop(loss, accuracy, D.Train("droppath", iters=10, lr=0.05))
 
 def test_a_network_with_drop_path_trains_in_its_plan_and_resumes_exactly(tmp_path):
     """Stochastic depth's per-example masks come from (seed, step, place): a run stopped and resumed equals an
-    uninterrupted one bit for bit, and the measured peak is the planned one."""
+    uninterrupted one bit for bit, and the measured peak is the planned one; the compiled kernels train it as numpy's
+    (its masks, uint8 of one value per example, reach numpy's kernels: the compiled ones read floats)."""
     network = tmp_path / "droppath.py"
     network.write_text(RESIDUAL_WITH_DROP_PATH)
     _, program = compile_program(network, tmp_path / "p")
@@ -475,3 +476,9 @@ def test_a_network_with_drop_path_trains_in_its_plan_and_resumes_exactly(tmp_pat
         assert done.returncode == 0, done.stderr
     with np.load(tmp_path / "a.npz") as a, np.load(tmp_path / "b.npz") as b:
         assert all(np.array_equal(a[k], b[k]) for k in a.files if not k.startswith("__"))
+    done = run_cli(program, "--iters", "6", "--params", str(tmp_path / "c.npz"), "--test-iters", "0",
+                   "--kernels", "compiled")
+    assert done.returncode == 0, done.stderr
+    with np.load(tmp_path / "a.npz") as a, np.load(tmp_path / "c.npz") as c:
+        for k in (k for k in a.files if not k.startswith("__")):
+            np.testing.assert_allclose(c[k], a[k], rtol=1e-4, atol=1e-5, err_msg=k)
