@@ -184,8 +184,7 @@ static inline void deepdsl_wino_transform_pair(const float* w, int o, int c, int
                 }
             }
         }
-    return;
-#endif
+#else
     for (int k = 0; k < DEEPDSL_BLOCK; ++k) {
         const float* g = blocks + k * DEEPDSL_BLOCK;
         deepdsl_v16f rows[6][3];              // G g: the filter's columns transformed, [row point][column]
@@ -206,6 +205,7 @@ static inline void deepdsl_wino_transform_pair(const float* w, int o, int c, int
             for (int j = 0; j < 6; ++j) memcpy(to + (i * 6 + j) * point + k * DEEPDSL_BLOCK, &t[j], sizeof t[j]);
         }
     }
+#endif
 }
 
 // U (36, b1 - b0, ib, 16, 16) = G g G^T of each filter of output blocks [b0, b1) of the convolution whose filters
