@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,14 +90,26 @@ POINTWISE_FILTERS = [  # (N, O, C, H=W): MobileNet-v2's filter gradients of thin
 ]
 
 
+_BUILT: dict[str, Path] = {}        # the libraries built in this run, by the digest of what they are built from
+
+
 def _build(source: Path, include: Path, target: Path) -> native.Native:
     """The library of `source` built as `deepdsl compile` builds one, its runtime kernels found first in `include`;
     a program's with the generic kernels' library built from `include` beside it, unless the program's C file
-    includes them itself (a checkout from before they were one library that programs share)."""
+    includes them itself (a checkout from before they were one library that programs share). A library of the same
+    sources as one built before in this run (a checkout against itself) is a copy of it, loaded on its own."""
     def built(c: Path, library: Path) -> ctypes.CDLL:
-        command = compile_command(c, library)
-        command[1:1] = ["-I", str(include)]         # searched before the runtime's own kernels directory
-        subprocess.run(command, check=True)
+        digest = hashlib.sha256(c.read_bytes())
+        for kernel in sorted(include.glob("*.[ch]")):
+            digest.update(kernel.name.encode() + kernel.read_bytes())
+        earlier = _BUILT.get(digest.hexdigest())
+        if earlier is not None and earlier.exists():
+            shutil.copyfile(earlier, library)
+        else:
+            command = compile_command(c, library)
+            command[1:1] = ["-I", str(include)]         # searched before the runtime's own kernels directory
+            subprocess.run(command, check=True)
+            _BUILT[digest.hexdigest()] = library
         return ctypes.CDLL(str(library))
 
     lib = built(source, target)
