@@ -384,7 +384,8 @@ def test_every_elementwise_kernel_equals_its_numpy_kernel(name, tmp_path_factory
     for kernel_name, patterns in describe(compiled).kernel_patterns:
         kernel = getattr(module, kernel_name)
         for pattern in patterns:
-            for shape in ((3, 5, 7), (3, 5, (1 << 12) + 3), (2, 7, 3, 1 << 15)):     # odd sizes; threaded
+            # odd sizes; threaded (past the kernels' 2^16 elements on one thread: DEEPDSL_EW_PARALLEL_MIN)
+            for shape in ((3, 5, 7), (3, 5, (1 << 12) + 3), (2, 7, 3, (1 << 13) + 5)):
                 args = _operands(pattern, shape, rng)
                 want = np.empty(shape, np.float32)
                 kernel(want, *args)
@@ -437,7 +438,7 @@ def test_every_elementwise_pair_equals_its_two_kernels(name, tmp_path_factory):
         link = second_pattern.rindex("f")          # where the second reads the first's output
         overs = [None, "second"] if alias[first_name] is None else [None, "first", "second", "both"]
         shapes = ((3, 5, 47, 47), (4, 9, 64, 130), (4, 600, 3, 5), (40, 65, 4, 4)) if summed else \
-            ((3, 5, 7), (3, 5, (1 << 12) + 3), (2, 7, 3, 1 << 15))
+            ((3, 5, 7), (3, 5, (1 << 12) + 3), (2, 7, 3, (1 << 13) + 5))
         for shape in shapes:
             target = (1, shape[1], 1, 1)
             for over in [o for o in overs if not (summed and o in ("second", "both"))]:
