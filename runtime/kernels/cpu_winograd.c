@@ -98,9 +98,9 @@ static inline void deepdsl_wino_input6(const deepdsl_wv d[6], deepdsl_wv t[6]) {
 
 // u = G g for three vectors g, G = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]
 // (the sixths as products by float(1/6): a division each would cost more than the products' loads)
-static inline void deepdsl_wino_filter3(const deepdsl_v16f g[3], deepdsl_v16f u[6]) {
+static inline __attribute__((always_inline)) void deepdsl_wino_filter3(const deepdsl_wv g[3], deepdsl_wv u[6]) {
     const float sixth = 1.0f / 6.0f;
-    const deepdsl_v16f ends = g[0] + g[2], quarter = g[0] * 0.25f + g[2], half = g[1] * 0.5f;
+    const deepdsl_wv ends = g[0] + g[2], quarter = g[0] * 0.25f + g[2], half = g[1] * 0.5f;
     u[0] = g[0] * 0.25f;
     u[1] = (ends + g[1]) * -sixth;
     u[2] = (ends - g[1]) * -sixth;
@@ -139,22 +139,6 @@ static inline void deepdsl_wino_filter_grad6(const deepdsl_wv s[6], deepdsl_wv w
     w[2] = (outer - inner) * sixth + s[5];
 }
 
-#if !defined(__AVX512F__)
-// Point i of u = G g (`deepdsl_wino_filter3`) for 8 filters alone, by the same operations: the same bits.
-static inline __attribute__((always_inline)) deepdsl_v8f deepdsl_wino_filter_point(deepdsl_v8f g0, deepdsl_v8f g1,
-                                                                                 deepdsl_v8f g2, int i) {
-    const float sixth = 1.0f / 6.0f;
-    switch (i) {
-    case 0: return g0 * 0.25f;
-    case 1: return ((g0 + g2) + g1) * -sixth;
-    case 2: return ((g0 + g2) - g1) * -sixth;
-    case 3: return ((g0 * 0.25f + g2) + g1 * 0.5f) * sixth;
-    case 4: return ((g0 * 0.25f + g2) - g1 * 0.5f) * sixth;
-    default: return g2;
-    }
-}
-#endif
-
 // The 36 points of G g G^T of each filter of the pair of blocks (output block a, input block b) of the convolution
 // whose filters are w (o, c, 3, 3) (`flip`: of its input gradient, `deepdsl_blocked_filter_pair`), point xi's
 // (16 inputs, 16 outputs) at to + xi * point: the pair blocked on the stack first (9 KB), then each input
@@ -174,14 +158,19 @@ static inline void deepdsl_wino_transform_pair(const float* w, int o, int c, int
             for (int t = 0; t < 9; ++t) memcpy(&g[t], blocks + t * tile + k * DEEPDSL_BLOCK + h, sizeof g[t]);
             #pragma GCC unroll 6
             for (int i = 0; i < 6; ++i) {
-                deepdsl_v8f row[3];               // row i of G g: point i of each column's transform
-                #pragma GCC unroll 3
-                for (int j = 0; j < 3; ++j) row[j] = deepdsl_wino_filter_point(g[j], g[3 + j], g[6 + j], i);
-                #pragma GCC unroll 6
-                for (int j = 0; j < 6; ++j) {
-                    const deepdsl_v8f u = deepdsl_wino_filter_point(row[0], row[1], row[2], j);
-                    memcpy(to + (i * 6 + j) * point + k * DEEPDSL_BLOCK + h, &u, sizeof u);
+                deepdsl_v8f row[3];               // row i of G g: point i of each column's transform (the other
+                #pragma GCC unroll 3              // points' operations, never read, are left out by the compiler)
+                for (int j = 0; j < 3; ++j) {
+                    const deepdsl_v8f column[3] = {g[j], g[3 + j], g[6 + j]};
+                    deepdsl_v8f t[6];
+                    deepdsl_wino_filter3(column, t);
+                    row[j] = t[i];
                 }
+                deepdsl_v8f u[6];
+                deepdsl_wino_filter3(row, u);
+                #pragma GCC unroll 6
+                for (int j = 0; j < 6; ++j)
+                    memcpy(to + (i * 6 + j) * point + k * DEEPDSL_BLOCK + h, &u[j], sizeof u[j]);
             }
         }
 #else
