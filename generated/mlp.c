@@ -13,9 +13,9 @@
 // each thread a contiguous share (`_range`: a function of its own, so that its loop reads its operands from locals
 // and vectorizes); with c, r or w operands, over rows of the output. A kernel whose values a statement sums per
 // channel (`ew_sum`) also has a `_csum` function per pattern, summing without storing. A kernel that statements
-// of a batch call (deepdsl.passes.fuse_horizontal) has a `_many` function per pattern,
-// computing several sets of operands in one call. Last, a function for each pair of kernels two statements compute
-// in one pass (`_then_`: the second reads the first's output; deepdsl.passes.fuse_multi_output).
+// of a batch call (deepdsl.passes.fuse_horizontal) has a `_many` function per pattern, computing several sets of
+// operands in one call. Last, a function for each pair of kernels two statements compute in one pass (`_then_`: the
+// second reads the first's output; deepdsl.passes.fuse_multi_output).
 #include "cpu_common.h"
 // A tensor summed per channel (sum_to (1, C, 1, ...) of (N, C, ...): batch norm's mean, bias and batch-norm
 // gradients; deepdsl_runtime.cpu.shape.sum_to): out[c] = the sum over the rows r of channel c and their elements of
