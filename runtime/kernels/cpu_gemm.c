@@ -524,8 +524,8 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
             for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH) {
                 const long depth = k - p0 < DEEPDSL_SG_DEPTH ? k - p0 : DEEPDSL_SG_DEPTH;
                 const float* a_run = NULL;
-                if (s_end - s >= DEEPDSL_SG_PACK_A_STRIPS && depth >= DEEPDSL_SG_PACK_A_DEPTH &&
-                        lda >= DEEPDSL_SG_PACK_A_LD) {
+                if (DEEPDSL_SG_PACK_A && ta && !tb && s_end - s >= DEEPDSL_SG_PACK_A_STRIPS &&
+                        depth >= DEEPDSL_SG_PACK_A_DEPTH && lda >= DEEPDSL_SG_PACK_A_LD) {
                     deepdsl_sg_pack_a(m, a + i * sa, lda, t_begin, t_end, p0, depth, a_packed);
                     a_run = a_packed;
                 }
