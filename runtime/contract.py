@@ -108,9 +108,11 @@ SMALL_PRODUCT_DEPTH = 256      # terms of a partial sum of the tiles at most (ke
 SMALL_PRODUCT_SIDE = 1 << 20    # floats of a transposed a (m x k) below this; of b (k x n) below four times this
 SMALL_PRODUCT_WIDE = 1 << 24    # floats of an output computed in tiles only up to SMALL_PRODUCT_WIDE_DEPTH deep
 SMALL_PRODUCT_WIDE_DEPTH = 64
+SMALL_PRODUCT_PACKED_LANES = 16  # vector lanes from which a transposed b of any depth runs in tiles (below: AVX2)
+SMALL_PRODUCT_PACKED_ROWS = 16   # ... from this many rows of a
 
 
-def small_product(m: int, n: int, k: int, ta: bool, tb: bool) -> bool:
+def small_product(m: int, n: int, k: int, ta: bool, tb: bool, lanes: int = 8) -> bool:
     """Whether the compiled kernels compute a product c (m x n) = a (m x k) b (k x n) (each of a stack) in their
     own tiles (`deepdsl_small_gemm`: the same bits on any number of threads, with AVX2 as with AVX-512) rather than
     in the BLAS's sgemm, cut as `product_cuts` says; `ta` / `tb`: a, b read transposed (a's columns, b's rows
@@ -124,7 +126,12 @@ def small_product(m: int, n: int, k: int, ta: bool, tb: bool) -> bool:
       reading a again, 256 x 2048 read transposed 0.7x);
     - a transposed b but with at least 128 rows of a, a depth of at most 512 and at most SMALL_PRODUCT_SIDE floats
       (b is packed by rows for every strip of 64 columns on each thread: fully connected layers of a few rows
-      and long inputs, 16 x 4096 by 4096 x 4096, 0.6x);
+      and long inputs, 16 x 4096 by 4096 x 4096, 0.6x), or with `lanes` of SMALL_PRODUCT_PACKED_LANES (AVX-512)
+      at least SMALL_PRODUCT_PACKED_ROWS rows of a: packed 8 x 8 floats at a time in registers, such products ran
+      1.1-1.8x the sgemm's speed on a Zen 5 at one and two threads (LeNet's second filter gradient, 500 x 4096 by
+      4096 x 50 read transposed, 2.1 against 1.3 ms; a fully connected layer's 64 x 800 by 800 x 500, 0.51 against
+      0.29; 24 x 768 by 768 x 768, 1.3x), of fewer rows 0.4-0.9x (8 x 4096 by 4096 x 512, 0.5x), and restricted to
+      AVX2 on the same machine 0.84-1.0x (there the sgemm keeps them);
     - a b of 4 SMALL_PRODUCT_SIDE floats or more (read from memory for every three tiles of rows: 0.8x);
     - an output of SMALL_PRODUCT_WIDE floats or more deeper than SMALL_PRODUCT_WIDE_DEPTH: the tiles' stores, not
       their multiply-adds, bound such a product where it is shallow (a fully connected layer's weight gradient from
@@ -137,7 +144,8 @@ def small_product(m: int, n: int, k: int, ta: bool, tb: bool) -> bool:
     if 4 * k > m * n or (ta and (m * k >= SMALL_PRODUCT_SIDE or k > 1024)) or n * k >= 4 * SMALL_PRODUCT_SIDE or \
             (m * n >= SMALL_PRODUCT_WIDE and k > SMALL_PRODUCT_WIDE_DEPTH):
         return False
-    return not tb or (m >= 128 and k <= 512 and n * k <= SMALL_PRODUCT_SIDE)
+    return not tb or (m >= 128 and k <= 512 and n * k <= SMALL_PRODUCT_SIDE) or \
+        (lanes >= SMALL_PRODUCT_PACKED_LANES and m >= SMALL_PRODUCT_PACKED_ROWS)
 
 
 DOT_PRODUCT_ROWS = 16           # rows of a at most for the dot products (kernels/cpu_gemm.c, DEEPDSL_DOT_MOST)
@@ -174,13 +182,14 @@ def product_depth_cut(batch: int, m: int, n: int, k: int) -> int:
 SMALL_PRODUCT_CHUNKS = 8        # a product of the tiles is cut in depth in at most this many chunks
 
 
-def small_product_chunks(batch: int, m: int, n: int, k: int, ta: bool = False, tb: bool = False) -> int:
+def small_product_chunks(batch: int, m: int, n: int, k: int, ta: bool = False, tb: bool = False,
+                         lanes: int = 8) -> int:
     """The chunks of SMALL_PRODUCT_DEPTH of its inner dimension a single product the kernels' own tiles compute
-    (`small_product`) and the depth cut takes (`product_depth_cut`) is computed in on several threads, each
-    chunk's partial sums in a plane of its own (`product_depth_scratch`), with the same bits as on one (1: it is
-    not; at most SMALL_PRODUCT_CHUNKS)."""
+    (`small_product`, vectors of `lanes`) and the depth cut takes (`product_depth_cut`) is computed in on several
+    threads, each chunk's partial sums in a plane of its own (`product_depth_scratch`), with the same bits as on
+    one (1: it is not; at most SMALL_PRODUCT_CHUNKS)."""
     chunks = -(-k // SMALL_PRODUCT_DEPTH)
-    if product_depth_cut(batch, m, n, k) < 2 or not small_product(m, n, k, ta, tb) or \
+    if product_depth_cut(batch, m, n, k) < 2 or not small_product(m, n, k, ta, tb, lanes) or \
             chunks > SMALL_PRODUCT_CHUNKS:
         return 1
     return chunks
@@ -188,10 +197,11 @@ def small_product_chunks(batch: int, m: int, n: int, k: int, ta: bool = False, t
 
 def product_depth_scratch(batch: int, m: int, n: int, k: int, ta: bool = False, tb: bool = False) -> int:
     """matmul: the partial products of a depth cut beside the output (the first part is computed into it): of the
-    BLAS's parts, or of the tiles' chunks (`small_product_chunks`; `ta` / `tb`: an operand read transposed)."""
+    BLAS's parts, or of the tiles' chunks (`small_product_chunks`; `ta` / `tb`: an operand read transposed), on
+    any processor: the most its vectors' widths ask (the plan is made before the program meets its processor)."""
     parts = product_depth_cut(batch, m, n, k)
     if parts > 1:
-        parts = max(parts, small_product_chunks(batch, m, n, k, ta, tb))
+        parts = max(parts, *(small_product_chunks(batch, m, n, k, ta, tb, lanes) for lanes in (8, 16)))
     return (parts - 1) * m * n
 
 

@@ -256,8 +256,8 @@ def test_products_through_an_lp64_sgemm(lib, tmp_path):
 
 
 DEPTH_CASES = [  # (m, n, k, a transposed, b transposed): weight gradients, odd depths, a part shorter than the others
-    (64, 64, 2048, True, False), (96, 64, 2048, True, False), (128, 64, 1024, False, True),
-    (30, 50, 2000, False, False), (64, 64, 1023, True, True), (17, 9, 40001, False, True)]
+    (64, 64, 2048, True, False), (96, 64, 2048, True, False), (100, 64, 2048, False, True),
+    (30, 50, 2000, False, False), (64, 64, 2047, True, True), (17, 9, 40001, False, True)]
 
 
 @needs_cc
@@ -274,7 +274,7 @@ def test_a_product_cut_in_depth_gives_the_same_bits_on_any_threads(lib, m, n, k,
     b = _transposed(rng, k, n) if tb else _rand(rng, k, n)
     parts = contract.product_depth_cut(1, m, n, k)
     size = contract.product_depth_scratch(1, m, n, k, ta, tb)
-    assert not contract.small_product(m, n, k, ta, tb), "the BLAS computes it, not the kernels' own tiles"
+    assert not contract.small_product(m, n, k, ta, tb, lib.lanes), "the BLAS computes it, not the kernels' tiles"
     assert parts in (2, 4) and size == (parts - 1) * m * n and contract.product_cuts(1, m, n, k).parts == 1
     rt = cpu.backend(lib)
     results = []
@@ -298,7 +298,8 @@ def test_a_product_cut_in_depth_gives_the_same_bits_on_any_threads(lib, m, n, k,
 
 TILED_DEPTH_CASES = [  # (m, n, k, a transposed, b transposed): weight gradients the tiles compute, a strip ending
     (64, 64, 1024, True, False), (96, 64, 768, True, False), (64, 128, 1024, True, False),  # inside a vector,
-    (60, 70, 1000, True, False), (128, 64, 512, False, True)]                               # b read transposed
+    (60, 70, 1000, True, False), (128, 64, 512, False, True),                               # b read transposed,
+    (128, 64, 1024, False, True), (64, 64, 1023, True, True)]           # deeper than 512: vectors of 16 (AVX-512)
 
 
 @needs_cc
@@ -313,13 +314,15 @@ def test_a_product_of_the_tiles_cut_in_depth_gives_their_bits(lib, m, n, k, ta, 
 
     if not lib.tiles:
         pytest.skip("this processor has no tiles (AVX2 and fused multiply-adds)")
+    if not contract.small_product(m, n, k, ta, tb, lib.lanes):
+        pytest.skip("the sgemm computes it on this processor's vectors")
     rng = np.random.default_rng(m * n + k)
     a = _transposed(rng, m, k) if ta else _rand(rng, m, k)
     b = _transposed(rng, k, n) if tb else _rand(rng, k, n)
-    chunks = contract.small_product_chunks(1, m, n, k, ta, tb)
+    chunks = contract.small_product_chunks(1, m, n, k, ta, tb, lib.lanes)
     size = contract.product_depth_scratch(1, m, n, k, ta, tb)
-    assert contract.small_product(m, n, k, ta, tb) and chunks == -(-k // contract.SMALL_PRODUCT_DEPTH) > 1
-    assert size == (chunks - 1) * m * n
+    assert chunks == -(-k // contract.SMALL_PRODUCT_DEPTH) > 1
+    assert size == (chunks - 1) * m * n, "the plan holds the chunks on any processor"
     lib.set_threads(1)
     whole = lib.gemm(a, b, np.full((m, n), np.nan, np.float32))
     rt = cpu.backend(lib)
@@ -393,12 +396,14 @@ def test_a_depth_cut_follows_its_shape_alone(batch, m, n, k):
         assert k // parts >= contract.PRODUCT_DEPTH_PART and m * n * k // parts >= contract.PRODUCT_PART_WORK
     elif batch == 1 and contract.product_cuts(1, m, n, k).parts == 1:
         assert k // 2 < contract.PRODUCT_DEPTH_PART or m * n * k // 2 < contract.PRODUCT_PART_WORK
-    assert contract.product_depth_scratch(batch, m, n, k, False, True) == (parts - 1) * m * n
-    chunks = contract.small_product_chunks(batch, m, n, k, True, False)
-    assert chunks == 1 or (parts > 1 and contract.small_product(m, n, k, True, False) and
-                           chunks == -(-k // contract.SMALL_PRODUCT_DEPTH) <= contract.SMALL_PRODUCT_CHUNKS)
-    planes = max(parts, chunks) - 1
-    assert contract.product_depth_scratch(batch, m, n, k, True, False) == planes * m * n
+    for ta, tb in ((True, False), (False, True)):
+        chunks = [contract.small_product_chunks(batch, m, n, k, ta, tb, lanes) for lanes in (8, 16)]
+        for lanes, count in zip((8, 16), chunks):
+            assert count == 1 or (parts > 1 and contract.small_product(m, n, k, ta, tb, lanes) and
+                                  count == -(-k // contract.SMALL_PRODUCT_DEPTH) <= contract.SMALL_PRODUCT_CHUNKS)
+        planes = max(parts, *chunks) - 1        # (the plan serves either processor)
+        assert contract.product_depth_scratch(batch, m, n, k, ta, tb) == planes * m * n
+    planes = max(parts, *(contract.small_product_chunks(batch, m, n, k, True, False, lanes) for lanes in (8, 16))) - 1
     a = make("input", (), name="a", shape=(batch, k, m) if batch > 1 else (k, m), dtype="float32", role="data")
     b = make("input", (), name="b", shape=(batch, k, n) if batch > 1 else (k, n), dtype="float32", role="data")
     node = make("matmul", (a, b), ta=True)
@@ -447,6 +452,8 @@ SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract
                                                                                _rand(r, 1024, 64)),
     "odd sizes: columns past a strip, a depth of three partial sums": lambda r: (_rand(r, 61, 513), _rand(r, 513, 77)),
     "b transposed under many rows": lambda r: (_rand(r, 300, 200), _transposed(r, 200, 70)),
+    # b's strips packed 8 x 8 floats at a time, the rest one at a time: a last chunk of 244 terms, a strip of 11
+    "b transposed, a depth and columns past blocks of 8": lambda r: (_rand(r, 130, 500), _transposed(r, 500, 75)),
     "both transposed": lambda r: (_transposed(r, 13, 9), _transposed(r, 9, 130)),
     "a stack of five": lambda r: (_rand(r, 5, 33, 60), _rand(r, 5, 60, 41)),
     "one matrix by a stack": lambda r: (_rand(r, 96, 72), _rand(r, 5, 72, 49)),
@@ -510,8 +517,10 @@ def test_a_product_plus_a_bias_has_the_bits_of_the_product_and_then_the_add(lib,
     bias = np.random.default_rng(18).standard_normal(n).astype(np.float32)
     want = lib.gemm(a, b, np.full((m, n), np.nan, np.float32))
     want += bias
-    try:
-        for built, threads in [(lib, 1), (lib, 2), (lib, 3), (avx2, 2)]:
+    k, ta, tb = a.shape[1], native._matrix(a)[0] == 1, native._matrix(b)[0] == 1
+    same = contract.small_product(m, n, k, ta, tb, lib.lanes) == contract.small_product(m, n, k, ta, tb, avx2.lanes)
+    try:        # (built for AVX2 where the tiles or the sgemm compute it as here: which does depends on the vectors)
+        for built, threads in [(lib, 1), (lib, 2), (lib, 3)] + [(avx2, 2)] * same:
             built.set_threads(threads)
             got = np.full((m, n), np.nan, np.float32)
             assert built.gemm_bias(a, b, got, bias), (case, threads)
@@ -553,7 +562,7 @@ def test_products_in_tiles_equal_numpy_with_the_same_bits_on_any_threads_and_wit
             lib.gemm(x, y, np.empty((*np.broadcast_shapes(x.shape[:-2], y.shape[:-2]), x.shape[-2], y.shape[-1]),
                                     np.float32))
             taken = contract.small_product(x.shape[-2], y.shape[-1], x.shape[-1], native._matrix(x)[0] == 1,
-                                           native._matrix(y)[0] == 1)
+                                           native._matrix(y)[0] == 1, lib.lanes)
             assert (lib.tile_calls > before) == taken, other
     finally:
         lib._small_gemm_args = tiles

@@ -621,7 +621,7 @@ class Native:
         m, n, k, ta, tb, to = layout
         head, lds, extents = (ta[0], tb[0], m, n, k), (ta[1], tb[1], to[1]), tuple(map(_extent, (a, b, out)))
         if self._small(m, n, k, ta, tb):
-            chunks = contract.small_product_chunks(1, m, n, k, bool(ta[0]), bool(tb[0]))
+            chunks = contract.small_product_chunks(1, m, n, k, bool(ta[0]), bool(tb[0]), self.lanes)
             if chunks < 2 or self._small_gemm_depth is None or workspace.size < (chunks - 1) * m * n:
                 return None
             return self._small_gemm_depth, head, lds, (), extents
@@ -632,7 +632,7 @@ class Native:
 
     def _small(self, m: int, n: int, k: int, ta, tb) -> bool:
         """Whether this library computes the product in its own tiles (`contract.small_product`)."""
-        return self.tiles and contract.small_product(m, n, k, bool(ta[0]), bool(tb[0]))
+        return self.tiles and contract.small_product(m, n, k, bool(ta[0]), bool(tb[0]), self.lanes)
 
     def _layout(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, apart: bool = True):
         """(m, n, k, a's, b's and out's `_matrix`) of out = a @ b where the library's sgemm reads the operands and
