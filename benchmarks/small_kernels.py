@@ -49,6 +49,7 @@ PRODUCTS = [  # (m, n, k, a read transposed, b read transposed)
     (1024, 128, 64, False, True), (1024, 64, 128, False, False), (128, 64, 1024, True, False),   # its MLP
     (2048, 256, 64, False, True), (2048, 64, 256, False, False), (256, 64, 2048, True, False),   # char_lm
     (64, 800, 500, False, False), (500, 800, 64, True, False),                                   # LeNet's fc1
+    (64, 500, 800, False, True), (500, 50, 4096, False, True),      # ... its forward, its second filter gradient
     (64, 64, 2048, True, False),                                                                 # a deep one
     (4096, 9216, 16, True, False),                                       # AlexNet's fc6 weight gradient, batch 16
     (16, 4096, 9216, False, True)]                                       # ... and its forward: dot products
@@ -122,9 +123,9 @@ def _cases(lib):
         a = rng.standard_normal((k, m)).astype(np.float32).T if ta else rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((n, k)).astype(np.float32).T if tb else rng.standard_normal((k, n)).astype(np.float32)
         outs = [np.empty((m, n), np.float32) for _ in range(2)]
-        workspace = np.empty(contract.product_depth_scratch(1, m, n, k), np.float32)
+        workspace = np.empty(contract.product_depth_scratch(1, m, n, k, ta, tb), np.float32)
         how = "dot" if contract.dot_product(m, n, k, ta, tb, lib.lanes) else \
-            "tiles" if contract.small_product(m, n, k, ta, tb) else "sgemm"
+            "tiles" if contract.small_product(m, n, k, ta, tb, lib.lanes) else "sgemm"
 
         def agree(outs=outs, k=k):
             return np.allclose(outs[0], outs[1], rtol=0, atol=np.sqrt(k) * 1e-6 * np.abs(outs[0]).max())
