@@ -352,7 +352,8 @@ def test_a_product_of_the_tiles_cut_in_depth_gives_their_bits(lib, m, n, k, ta, 
 
 
 SUM_CASES = [  # (batch, m, n, k, b read transposed): pointwise filter gradients by samples, a stack of one, odd sizes
-    (8, 256, 64, 196, True), (5, 64, 130, 200, True), (3, 40, 33, 250, False), (1, 128, 96, 300, True)]
+    (8, 256, 64, 196, True), (5, 64, 130, 200, True), (3, 40, 33, 250, False), (1, 128, 96, 300, True),
+    (2, 128, 75, 520, True)]                                   # (three chunks, the last of 8 terms; a short strip)
 
 
 @needs_cc
@@ -375,6 +376,40 @@ def test_a_sum_of_products_gives_the_same_bits_on_any_threads(lib, batch, m, n, 
     np.testing.assert_allclose(results[0], want, rtol=0, atol=np.sqrt(batch * k) * 1e-6 * np.abs(want).max())
     assert not lib.gemm_sum(a, b[:, :, :n - 1], np.zeros((m, n), np.float32)), "a shape that does not match"
     assert not lib.gemm_sum(a[:, :, ::2], b[:, ::2], np.zeros((m, n), np.float32)), "a view the sgemm cannot read"
+
+
+@needs_cc
+@pytest.mark.parametrize("batch, m, n, k, tb", SUM_CASES)
+def test_a_sum_of_products_in_the_tiles_adds_each_products_chunks_in_order(lib, avx2, batch, m, n, k, tb):
+    """Where `contract.tiled_sum` takes the sum (AVX-512), the tiles compute it (`deepdsl_small_gemm_sum`): each
+    product's chunks of partial sums added to the output in their order, product after product (the first chunk
+    written into it): the bits of each chunk's product in the tiles added in float32 in that order; the same on 1, 2
+    and 3 threads. Built for AVX2, the sgemm computes it."""
+    if not lib.tiles or not contract.tiled_sum(m, n, k, False, tb, lib.lanes):
+        pytest.skip("the sgemm computes these products on this processor's vectors")
+    rng = np.random.default_rng(batch * m + n * k + 1)
+    a = _rand(rng, batch, m, k)
+    b = _transposed(rng, batch, k, n) if tb else _rand(rng, batch, k, n)
+    want = np.zeros((m, n), np.float32)
+    for i in range(batch):
+        for first in range(0, k, contract.SMALL_PRODUCT_DEPTH):
+            x, y = (np.ascontiguousarray(z) for z in (a[i][:, first:first + contract.SMALL_PRODUCT_DEPTH],
+                                                      b[i][first:first + contract.SMALL_PRODUCT_DEPTH]))
+            assert contract.small_product(m, n, x.shape[1], False, False)
+            want += lib.gemm(x, y, np.empty((m, n), np.float32))
+    try:
+        for threads in (1, 2, 3):
+            lib.set_threads(threads)
+            out = np.full((m, n), np.nan, np.float32)
+            assert lib.gemm_sum(a, b, out)
+            np.testing.assert_array_equal(out, want)
+    finally:
+        lib.set_threads(native.threads_available())
+    assert not contract.tiled_sum(m, n, k, False, tb, 8)
+    avx2.set_threads(2)
+    out = np.full((m, n), np.nan, np.float32)
+    assert avx2.gemm_sum(a, b, out) and not np.array_equal(out, want), "built for AVX2: the sgemm's sums"
+    np.testing.assert_allclose(out, want, rtol=0, atol=np.sqrt(batch * k) * 1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -433,17 +468,21 @@ def test_the_small_kernels_benchmark_runs(tmp_path, lib, isa):
     rows = re.findall(r"^ *((?:mask|transpose|attention|bias sum) [\dx]+(?: dropped)?|"
                       r"\d+x\d+T? by \d+x\d+T?, (?:tiles|sgemm|dot))"
                       r" +1 +([\d.]+) +([\d.]+) +([\d.]+)x +(\w+)$", done.stdout, re.M)
-    assert len(rows) == 24 and all(agree == "yes" for *_, agree in rows), done.stdout
-    assert [r[0] for r in rows[18:]] == ["attention 64x4x16x16", "attention 32x4x16x16 dropped",
+    assert len(rows) == 26 and all(agree == "yes" for *_, agree in rows), done.stdout
+    assert [r[0] for r in rows[20:]] == ["attention 64x4x16x16", "attention 32x4x16x16 dropped",
                                          "attention 32x4x64x16", "attention 32x4x64x16 dropped",
                                          "bias sum 1024x64", "bias sum 2048x128"]
     assert [r[0] for r in rows[1:4]] == ["1024x64 by 64x64T, tiles", "1024x64 by 64x64, tiles",
                                          "64x1024T by 1024x64, tiles"]
-    assert [r[0] for r in rows[9:15]] == ["256x2048T by 2048x64, sgemm", "64x500 by 500x800, tiles",
-                                          "500x64T by 64x800, tiles", "64x2048T by 2048x64, sgemm",
+    lanes = lib.lanes if isa == "native" else 8           # (transposed b's of any depth: tiles with AVX-512)
+    fc1, conv2 = (("tiles" if contract.small_product(m, n, k, False, True, lanes) else "sgemm")
+                  for m, n, k in ((64, 500, 800), (500, 50, 4096)))
+    assert [r[0] for r in rows[9:17]] == ["256x2048T by 2048x64, sgemm", "64x500 by 500x800, tiles",
+                                          "500x64T by 64x800, tiles", f"64x800 by 800x500T, {fc1}",
+                                          f"500x4096 by 4096x50T, {conv2}", "64x2048T by 2048x64, sgemm",
                                           "4096x16T by 16x9216, tiles",
                                           f"16x9216 by 9216x4096T, {'dot' if wide else 'sgemm'}"]
-    assert [r[0] for r in rows[15:18]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
+    assert [r[0] for r in rows[17:20]] == ["transpose 64x16x4x16", "transpose 64x4x16x16", "transpose 32x64x4x16"]
 
 
 SMALL_CASES = {  # name: (a, b) from a generator, each product taken by contract.small_product

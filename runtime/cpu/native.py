@@ -376,6 +376,10 @@ class Native:
         if self._gemm_sum is not None:
             self._gemm_sum.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _I, _L, _L]
             self._gemm_sum.restype = _I
+        self._small_gemm_sum = getattr(lib, "deepdsl_small_gemm_sum", None) if self.tiles else None
+        if self._small_gemm_sum is not None:
+            self._small_gemm_sum.argtypes = [_L, _I, _I, _L, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L]
+            self._small_gemm_sum.restype = _I
         # (nor products cut along their inner dimension)
         self._gemm_depth = getattr(lib, "deepdsl_gemm_depth", None)
         if self._gemm_depth is not None:
@@ -573,10 +577,11 @@ class Native:
         return isinstance(plan, _ProductCall) and plan(_address(a), _address(b), _address(out), _address(bias))
 
     def gemm_sum(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
-        """out = the sum over i of a[i] @ b[i] (stacks of matrices one stride apart), in order, without workspace
-        (`deepdsl_gemm_sum`): the output cut into the parts `contract.product_cuts` gives one product of the whole
-        depth, each part summed by the BLAS's sgemm product after product. False where the library cannot address
-        the operands."""
+        """out = the sum over i of a[i] @ b[i] (stacks of matrices one stride apart), in order, without workspace:
+        in the kernels' tiles where `contract.tiled_sum` takes them (`deepdsl_small_gemm_sum`: product after
+        product added to the output), else by the BLAS (`deepdsl_gemm_sum`: the output cut into the parts
+        `contract.product_cuts` gives one product of the whole depth, each part summed by the sgemm product after
+        product). False where the library cannot address the operands."""
         if self._gemm_sum is None or a.ndim != 3 or b.ndim != 3 or out.ndim != 2 or a.shape[0] != b.shape[0]:
             return False
         layout = self._layout(a[0], b[0], out)
@@ -585,6 +590,9 @@ class Native:
             return False
         m, n, k, ta, tb, to = layout
         batch = a.shape[0]
+        if self._small_gemm_sum is not None and contract.tiled_sum(m, n, k, bool(ta[0]), bool(tb[0]), self.lanes):
+            return bool(self._small_gemm_sum(batch, ta[0], tb[0], m, n, k, _address(a), ta[1], sa, _address(b),
+                                             tb[1], sb, _address(out), to[1]))
         by_columns, parts, width = contract.product_cuts(1, m, n, k * batch)
         return bool(self._gemm_sum(batch, ta[0], tb[0], m, n, k, _address(a), ta[1], sa, _address(b), tb[1], sb,
                                    _address(out), to[1], int(by_columns), parts, width))

@@ -464,14 +464,14 @@ int deepdsl_small_gemm_kernels(void) {
 
 // c[i] = a[i] b[i] (+ bias, n floats added to every row as each output is finished, where not NULL) for i < batch
 // (a[i] at a + i * sa, ...: a stride of 0 broadcasts an operand; ta / tb: an operand read transposed, its rows
-// columns ld apart), on the kernels' threads, which take whole groups of tiles. 0 where this processor has no such
-// kernel.
+// columns ld apart), on the kernels' threads, which take whole groups of tiles; `add`: c[i] += a[i] b[i] (each
+// chunk's partial sums added to c, the first one's too). 0 where this processor has no such kernel.
 static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda,
                                    long sa, const float* b, long ldb, long sb, float* c, long ldc, long sc,
-                                   const float* bias) {
+                                   const float* bias, int add) {
 #ifndef DEEPDSL_SG_LANES
     (void)batch; (void)ta; (void)tb; (void)m; (void)n; (void)k; (void)a; (void)lda; (void)sa; (void)b; (void)ldb;
-    (void)sb; (void)c; (void)ldc; (void)sc; (void)bias;
+    (void)sb; (void)c; (void)ldc; (void)sc; (void)bias; (void)add;
     return 0;
 #else
     const long ra = ta ? 1 : lda, ca = ta ? lda : 1;
@@ -546,7 +546,7 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
                 }
                 for (long strip = s; strip < s_end; ++strip)
                     deepdsl_sg_chunk(tb, m, n, k, a + i * sa, ra, ca, b + i * sb, ldb, strip, t_begin, t_end, p0,
-                                     c + i * sc, ldc, p0 > 0, packed, bias, a_run);
+                                     c + i * sc, ldc, add || p0 > 0, packed, bias, a_run);
             }
         }
     }
@@ -556,7 +556,20 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
 
 int deepdsl_small_gemm(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda, long sa,
                        const float* b, long ldb, long sb, float* c, long ldc, long sc) {
-    return deepdsl_small_gemm_bias(batch, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, NULL);
+    return deepdsl_small_gemm_bias(batch, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, NULL, 0);
+}
+
+// c (m x n) = the sum over i < batch of a[i] b[i] (a[i] at a + i * sa, b[i] at b + i * sb), in the kernels' tiles:
+// each product in turn added to c (the first written into it), its chunks' partial sums in their order; the sum of
+// a pointwise convolution's filter gradient over the samples (`deepdsl_gemm_sum` by the sgemm, product after
+// product). The same bits on any number of threads. 0 where this processor has no tiles.
+int deepdsl_small_gemm_sum(long batch, int ta, int tb, long m, long n, long k, const float* a, long lda, long sa,
+                           const float* b, long ldb, long sb, float* c, long ldc) {
+    for (long i = 0; i < batch; ++i)
+        if (!deepdsl_small_gemm_bias(1, ta, tb, m, n, k, a + i * sa, lda, 0, b + i * sb, ldb, 0, c, ldc, 0, NULL,
+                                     i > 0))
+            return 0;
+    return 1;
 }
 
 // c (m x n) = a b as deepdsl_small_gemm computes it, the same bits, with the partial sums of each DEEPDSL_SG_DEPTH
@@ -687,7 +700,7 @@ int deepdsl_conv_data_tiles(const float* g, const float* w, int n, int c, int h,
 int deepdsl_small_gemm_args(const int64_t* v) {
     return deepdsl_small_gemm_bias(v[0], (int)v[1], (int)v[2], v[3], v[4], v[5], (const float*)(intptr_t)v[6], v[7],
                                    v[8], (const float*)(intptr_t)v[9], v[10], v[11], (float*)(intptr_t)v[12], v[13],
-                                   v[14], (const float*)(intptr_t)v[15]);
+                                   v[14], (const float*)(intptr_t)v[15], 0);
 }
 
 // Products of few rows by a long matrix read transposed, c (m x n) = a (m x k) b^T with b's n rows of k floats read
