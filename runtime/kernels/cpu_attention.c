@@ -143,27 +143,6 @@ void deepdsl_attention_dscores(const float* w, float* dw, const float* delta, lo
 // the floats of a row of a unit's arrays over its t queries: t rounded up to whole vectors of 8
 static inline long deepdsl_att_width(long t) { return (t + 7) / 8 * 8; }
 
-// a (rows, cols; rows lda apart) -> to (cols, rows; rows ldt apart, zeros from column `rows` to ldt): blocks of
-// 8 x 8 transposed in registers, the edges one float at a time in order (stores a row apart would fall in few cache
-// sets)
-static inline void deepdsl_att_transpose(const float* a, long rows, long cols, long lda, float* to, long ldt) {
-    long r8 = 0, c8 = 0;
-#if DEEPDSL_MASKED
-    r8 = rows / 8 * 8, c8 = cols / 8 * 8;
-    for (long r = 0; r < r8; r += 8)
-        for (long c = 0; c < c8; c += 8) {
-            deepdsl_v8f v[8];
-            deepdsl_load8x8(v, a + r * lda + c, lda);
-            deepdsl_transpose8(v);
-            deepdsl_store8x8(to + c * ldt + r, ldt, v);
-        }
-#endif
-    for (long c = 0; c < cols; ++c) {
-        for (long r = c < c8 ? r8 : 0; r < rows; ++r) to[c * ldt + r] = a[r * lda + c];
-        for (long r = rows; r < ldt; ++r) to[c * ldt + r] = 0.0f;
-    }
-}
-
 // out (m, n; rows ldc apart) = a b, n at most DEEPDSL_ATTENTION_UNIT: out[i, j] = the sum over c < k of
 // a[i * a_row + c * a_col] * b[c * ldb + j], c in order, by multiply-adds from zero. With the matrix
 // products' tiles (deepdsl_sg_tile: AVX2 and fused multiply-adds, or AVX-512), six rows of a at a time against a
@@ -245,7 +224,7 @@ static void deepdsl_att_unit_weights(const float* q, const float* k, long ld, lo
                                      const unsigned char* m, float factor, float* qt, float* wt, float* mt,
                                      float* kept, float* pad) {
     const long tp = deepdsl_att_width(t);
-    deepdsl_att_transpose(q, t, d, ld, qt, tp);
+    deepdsl_transpose_into(q, t, d, ld, qt, tp);
     deepdsl_att_product(k, ld, 1, qt, tp, s, d, tp, wt, tp, pad);
     for (long j = 0; j < s; ++j) {
         float* r = wt + j * tp;
@@ -266,7 +245,7 @@ static void deepdsl_att_unit_weights(const float* q, const float* k, long ld, lo
     if (m) {                                          // m * factor in kept (t, s), then transposed into mt
 #pragma omp simd
         for (long x = 0; x < t * s; ++x) kept[x] = (float)m[x] * factor;
-        deepdsl_att_transpose(kept, t, s, s, mt, tp);
+        deepdsl_transpose_into(kept, t, s, s, mt, tp);
 #pragma omp simd
         for (long x = 0; x < s * tp; ++x) kept[x] = wt[x] * mt[x];
     }
@@ -329,7 +308,7 @@ int deepdsl_attention_units_grad(const float* q, const float* k, const float* v,
                                  causal, m, factor, qt, wt, mt, kept, pad);
         const long tp = deepdsl_att_width(t);
         deepdsl_att_product(m ? kept : wt, tp, 1, gu, le, s, t, e, dv + at_v, le, pad);         // dv = w^T g
-        deepdsl_att_transpose(gu, t, e, le, qt, tp);                                         // (q^T is read no more)
+        deepdsl_transpose_into(gu, t, e, le, qt, tp);                                         // (q^T is read no more)
         deepdsl_att_product(vu, le, 1, qt, tp, s, e, tp, dst, tp, pad);                      // (g v^T)^T = v g^T
         for (long i = 0; i < tp; ++i) delta[i] = 0.0f;
         for (long c = 0; c < e; ++c) {

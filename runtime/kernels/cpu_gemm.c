@@ -307,24 +307,6 @@ static inline void deepdsl_sg_rows(const float* from, long ld, long rows, long c
     }
 }
 
-// to[p * DEEPDSL_SG_WIDTH + j] = from[j * ld + p] for j < columns, p < depth: a strip of a b read transposed (its
-// columns rows of the stored matrix, ld apart) packed by rows. Blocks of 8 x 8 transposed in registers, a row of
-// blocks of the packed strip at a time (its lines written whole), the edges one float at a time: one float at a time,
-// each store 256 bytes past the one before, the packing cost more than the tiles' products on it (LeNet's second
-// filter gradient, 50 x 4096 by 4096 x 500 read transposed: 2.2 ms at one thread with AVX-512, 1.0 with b by rows).
-static inline void deepdsl_sg_columns(const float* from, long ld, long columns, long depth, float* to) {
-    const long c8 = columns / 8 * 8, p8 = depth / 8 * 8;
-    for (long p = 0; p < p8; p += 8)
-        for (long j = 0; j < c8; j += 8) {
-            deepdsl_v8f v[8];
-            deepdsl_load8x8(v, from + j * ld + p, ld);
-            deepdsl_transpose8(v);
-            deepdsl_store8x8(to + p * DEEPDSL_SG_WIDTH + j, DEEPDSL_SG_WIDTH, v);
-        }
-    for (long j = 0; j < columns; ++j)
-        for (long p = j < c8 ? p8 : 0; p < depth; ++p) to[p * DEEPDSL_SG_WIDTH + j] = from[j * ld + p];
-}
-
 #define DEEPDSL_SG_CASE(R, V) \
     case R * 8 + V: deepdsl_sg_tile(R, V, depth, a, ra, ca, b, ldb, partial, last, c, ldc, add, bias); break;
 static void deepdsl_sg_tile_any(int R, int V, long depth, const float* a, long ra, long ca, const float* b, long ldb,
@@ -412,13 +394,10 @@ static void deepdsl_sg_chunk(int tb, long m, long n, long k, const float* a, lon
     long ldp = ldb;
     if (pack) {                 // the strip's columns by rows, whole vectors (zeros past the last column)
         const long padded = V * DEEPDSL_SG_LANES;
-        if (tb) {               // (b's columns are rows of the stored matrix)
-            deepdsl_sg_columns(b + j0 * ldb + p0, ldb, columns, depth, packed);
-            for (long p = 0; p < depth; ++p)
-                memset(packed + p * DEEPDSL_SG_WIDTH + columns, 0, (padded - columns) * sizeof(float));
-        } else {
+        if (tb)                 // (b's columns are rows of the stored matrix; zeros to the strip's width)
+            deepdsl_transpose_into(b + j0 * ldb + p0, columns, depth, ldb, packed, DEEPDSL_SG_WIDTH);
+        else
             deepdsl_sg_rows(b + p0 * ldb + j0, ldb, depth, columns, DEEPDSL_SG_WIDTH, padded, packed);
-        }
         bp = packed;
         ldp = DEEPDSL_SG_WIDTH;
     }
