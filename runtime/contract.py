@@ -44,7 +44,8 @@ __all__ = [
     "pointwise_conv", "pool_padded_scratch", "one_product", "WIDE_PLANE", "ADD_COST_FLOPS", "PRODUCT_LANES",
     "PRODUCT_STRIP", "stage_floats", "operand_letter", "operand_pattern", "kernel_rows", "ProductCuts", "product_cuts",
     "PRODUCT_ITEMS", "PRODUCT_PART_WIDTH",
-    "PRODUCT_PART_WORK", "PRODUCT_PART_DEPTH", "PRODUCT_HALVES_WORK", "small_product", "SMALL_PRODUCT_WORK", "tiled_sum",
+    "PRODUCT_PART_WORK", "PRODUCT_PART_DEPTH", "PRODUCT_HALVES_WORK", "small_product", "SMALL_PRODUCT_WORK",
+    "tiled_sum",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,8 +117,9 @@ def small_product(m: int, n: int, k: int, ta: bool, tb: bool, lanes: int = 8) ->
     """Whether the compiled kernels compute a product c (m x n) = a (m x k) b (k x n) (each of a stack) in their
     own tiles (`deepdsl_small_gemm`: the same bits on any number of threads, with AVX2 as with AVX-512) rather than
     in the BLAS's sgemm, cut as `product_cuts` says; `ta` / `tb`: a, b read transposed (a's columns, b's rows
-    stored one after the other). Measured per shape against the sgemm on one and two threads, with AVX-512 and
-    restricted to AVX2 (benchmarks/small_kernels.py): the tiles win on products of at most SMALL_PRODUCT_WORK
+    stored one after the other); `lanes`: the kernels' vector lanes (which path a product takes, and so its bits,
+    may depend on them, never on the thread count). Measured per shape against the sgemm on one and two threads,
+    with AVX-512 and restricted to AVX2 (benchmarks/small_kernels.py): the tiles win on products of at most SMALL_PRODUCT_WORK
     multiply-adds, where the sgemm's packing and calls cost most, and on larger ones but
     - an output too small for its depth (4 k > m n): no tiles to share among threads, where the sgemm's depth cut
       shares it (a filter gradient of few channels, 27 x 21952 by 21952 x 32);

@@ -679,6 +679,16 @@ def test_which_products_run_in_tiles():
     assert contract.small_product(4096, 4096, 64, True, False)
     assert not contract.small_product(4096, 4096, 128, True, False)   # 2^24 floats of output, deeper than 64
     assert contract.small_product(2048, 4096, 128, True, False)       # 2^23 floats
+    # with vectors of 16 lanes (AVX-512) a b read transposed from 16 rows, of any depth; with 8 as above
+    assert contract.small_product(64, 500, 800, False, True, 16) and contract.small_product(512, 128, 1568, False,
+                                                                                             True, 16)
+    assert contract.small_product(16, 500, 800, False, True, 16) and not contract.small_product(15, 500, 800, False,
+                                                                                                 True, 16)
+    assert not contract.small_product(16, 4096, 4096, False, True, 16)   # ... but not the other rules' exclusions
+    assert not contract.small_product(27, 32, 21952, False, True, 16)
+    # sums of products by samples in tiles: with 16 lanes, where the tiles take each product
+    assert contract.tiled_sum(512, 128, 196, False, True, 16) and not contract.tiled_sum(512, 128, 196, False, True)
+    assert not contract.tiled_sum(8, 128, 196, False, True, 16)
 
 
 DOT_CASES = {  # name: (a, b) from a generator, b read transposed: taken by contract.dot_product (b of any size here)
