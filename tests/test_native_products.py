@@ -688,7 +688,7 @@ def test_which_products_run_in_tiles():
     assert not contract.small_product(27, 32, 21952, False, True, 16)
     # sums of products by samples in tiles: with 16 lanes, where the tiles take each product
     assert contract.tiled_sum(512, 128, 196, False, True, 16) and not contract.tiled_sum(512, 128, 196, False, True)
-    assert not contract.tiled_sum(8, 128, 196, False, True, 16)
+    assert not contract.tiled_sum(8, 1024, 196, False, True, 16)
 
 
 DOT_CASES = {  # name: (a, b) from a generator, b read transposed: taken by contract.dot_product (b of any size here)
