@@ -119,8 +119,8 @@ def small_product(m: int, n: int, k: int, ta: bool, tb: bool, lanes: int = 8) ->
     in the BLAS's sgemm, cut as `product_cuts` says; `ta` / `tb`: a, b read transposed (a's columns, b's rows
     stored one after the other); `lanes`: the kernels' vector lanes (which path a product takes, and so its bits,
     may depend on them, never on the thread count). Measured per shape against the sgemm on one and two threads,
-    with AVX-512 and restricted to AVX2 (benchmarks/small_kernels.py): the tiles win on products of at most SMALL_PRODUCT_WORK
-    multiply-adds, where the sgemm's packing and calls cost most, and on larger ones but
+    with AVX-512 and restricted to AVX2 (benchmarks/small_kernels.py): the tiles win on products of at most
+    SMALL_PRODUCT_WORK multiply-adds, where the sgemm's packing and calls cost most, and on larger ones but
     - an output too small for its depth (4 k > m n): no tiles to share among threads, where the sgemm's depth cut
       shares it (a filter gradient of few channels, 27 x 21952 by 21952 x 32);
     - a transposed a of SMALL_PRODUCT_SIDE floats or more, or deeper than 1024 (its columns, read across rows
@@ -211,11 +211,12 @@ def small_product_chunks(batch: int, m: int, n: int, k: int, ta: bool = False, t
 
 def product_depth_scratch(batch: int, m: int, n: int, k: int, ta: bool = False, tb: bool = False) -> int:
     """matmul: the partial products of a depth cut beside the output (the first part is computed into it): of the
-    BLAS's parts, or of the tiles' chunks (`small_product_chunks`; `ta` / `tb`: an operand read transposed), on
-    any processor: the most its vectors' widths ask (the plan is made before the program meets its processor)."""
+    BLAS's parts, or of the tiles' chunks (`small_product_chunks`; `ta` / `tb`: an operand read transposed) as
+    the kernels of the widest vectors take them (`WIDEST_LANES`: the plan is made before the program meets its
+    processor, and narrower vectors' tiles take no product the widest's do not)."""
     parts = product_depth_cut(batch, m, n, k)
     if parts > 1:
-        parts = max(parts, *(small_product_chunks(batch, m, n, k, ta, tb, lanes) for lanes in (8, 16)))
+        parts = max(parts, small_product_chunks(batch, m, n, k, ta, tb, WIDEST_LANES))
     return (parts - 1) * m * n
 
 

@@ -454,6 +454,7 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
     return 0;
 #else
     const long ra = ta ? 1 : lda, ca = ta ? lda : 1;
+    const int pack_a = DEEPDSL_SG_PACK_A && ta && !tb;      // a's rows packed for runs of strips (AVX2 builds)
     const long tiles = (m + DEEPDSL_SG_ROWS - 1) / DEEPDSL_SG_ROWS;
     const long strips = (n + DEEPDSL_SG_WIDTH - 1) / DEEPDSL_SG_WIDTH;
 #pragma omp parallel if ((double)batch * m * n * k >= DEEPDSL_GEMM_PARALLEL_MIN)
@@ -506,7 +507,7 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
             }
             t_end = t_end < tiles ? t_end : tiles;
             long s_end = s + 1;     // where a is read transposed: this group's run of strips, a packed for them
-            while (DEEPDSL_SG_PACK_A && ta && !tb && begin < end) {
+            while (pack_a && begin < end) {
                 long next, g2;
                 deepdsl_sg_item(begin, 0, strips, groups, panels, panel, &next, &g2);
                 if (begin / (panels * groups * panel) != i || g2 != t_begin / group || next != s_end ||
@@ -518,8 +519,8 @@ static int deepdsl_small_gemm_bias(long batch, int ta, int tb, long m, long n, l
             for (long p0 = 0; p0 < k; p0 += DEEPDSL_SG_DEPTH) {
                 const long depth = k - p0 < DEEPDSL_SG_DEPTH ? k - p0 : DEEPDSL_SG_DEPTH;
                 const float* a_run = NULL;
-                if (DEEPDSL_SG_PACK_A && ta && !tb && s_end - s >= DEEPDSL_SG_PACK_A_STRIPS &&
-                        depth >= DEEPDSL_SG_PACK_A_DEPTH && lda >= DEEPDSL_SG_PACK_A_LD) {
+                if (pack_a && s_end - s >= DEEPDSL_SG_PACK_A_STRIPS && depth >= DEEPDSL_SG_PACK_A_DEPTH &&
+                        lda >= DEEPDSL_SG_PACK_A_LD) {
                     deepdsl_sg_pack_a(m, a + i * sa, lda, t_begin, t_end, p0, depth, a_packed);
                     a_run = a_packed;
                 }
